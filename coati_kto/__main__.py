@@ -1,0 +1,7 @@
+"""``python -m coati_kto`` is the ``coati-kto`` command."""
+
+import sys
+
+from coati_kto.cli import main
+
+sys.exit(main())

@@ -1,0 +1,89 @@
+"""ColossalAI 0.5.0 on a machine without CUDA: the whole compatibility layer, in one place.
+
+ColossalAI picks its accelerator cuda -> npu -> cpu. Its CPU accelerator raises on stream, synchronize and
+RNG calls that ZeRO and shardformer make, and the ZeRO optimizer asserts a cuda/npu device. On CPU we
+install an accelerator whose stream calls are no-ops (CPU work is synchronous, so there is nothing to order)
+and relax the device assertion while keeping the dtype check. ``apply()`` does nothing when CUDA is present:
+the GPU path runs ColossalAI untouched.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+_applied = False
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def apply() -> None:
+    """Install the CPU accelerator and the ZeRO patch when there is no CUDA device. Idempotent; every rank."""
+    global _applied
+    if _applied or cuda_available():
+        return
+    from colossalai.accelerator import CpuAccelerator, set_accelerator
+    from colossalai.zero.low_level import low_level_optim
+
+    class _SyncCpuAccelerator(CpuAccelerator):
+        """CPU ops run synchronously: streams collapse to the calling thread, RNG is torch's CPU RNG."""
+
+        def synchronize(self, device: Any = None) -> None:
+            return None
+
+        def Stream(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:  # noqa: N802
+            return None
+
+        def current_stream(self, device: Any = None) -> None:
+            return None
+
+        def default_stream(self, device: Any = None) -> None:
+            return None
+
+        def stream(self, stream_: Any) -> contextlib.AbstractContextManager:
+            return contextlib.nullcontext()
+
+        def get_rng_state(self, device: Any = None) -> torch.Tensor:
+            return torch.get_rng_state()
+
+        def set_rng_state(self, new_state: torch.Tensor, device: Any = None) -> None:
+            torch.set_rng_state(new_state)
+
+        def manual_seed(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def manual_seed_all(self, seed: int) -> None:
+            torch.manual_seed(seed)
+
+        def empty_cache(self) -> None:
+            return None
+
+    set_accelerator(_SyncCpuAccelerator())
+
+    def _sanity_checks_without_device(self: Any) -> None:
+        # Upstream first asserts a cuda/npu accelerator; the dtype check below is the part that matters.
+        for group in self.optim.param_groups:
+            for param in group["params"]:
+                if not getattr(param, "skip_zero_check", False) and param.dtype != self._dtype:
+                    raise TypeError(f"ZeRO expects parameters of dtype {self._dtype}, got {param.dtype}")
+
+    low_level_optim.LowLevelZeroOptimizer._sanity_checks = _sanity_checks_without_device
+    _applied = True
+
+
+def plugin_overrides() -> dict[str, Any]:
+    """Extra plugin kwargs for this device: CPU ZeRO cannot overlap communication (no streams)."""
+    return {} if cuda_available() else {"overlap_communication": False}
+
+
+def make_optimizer(params: Any, lr: float, weight_decay: float, fused_ok: bool = True) -> torch.optim.Optimizer:
+    """HybridAdam on CUDA (fused CPU/GPU Adam kernels); torch AdamW on CPU, where HybridAdam has no kernel."""
+    if cuda_available() and fused_ok:
+        from colossalai.nn.optimizer import HybridAdam
+
+        return HybridAdam(params, lr=lr, weight_decay=weight_decay, adamw_mode=True)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)

@@ -1,0 +1,142 @@
+"""Process groups, launch and reductions. The only module that knows the parallel layout.
+
+Launch: under torchrun / ``colossalai run`` (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK set) or
+as a single process with no launcher. Model and loss code never touch torch.distributed directly: they get
+the groups from a ``ParallelLayout``.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from coati_kto import compat
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def init_distributed(timeout_s: float = 600.0) -> None:
+    """Join (or create) the default process group; every process calls it once, before any plugin.
+
+    gloo on CPU, nccl on CUDA. ``timeout_s`` bounds how long a rank waits for a peer that died, instead of
+    torch's 30-minute default. Without launcher variables this starts a world of one.
+    """
+    compat.apply()
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    backend = "nccl" if compat.cuda_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Which ranks hold which data and which weights.
+
+    Ranks of one data-parallel group see different batches; metric sums and KTO's reference point are
+    reduced over it. Ranks of one tensor-parallel group hold slices of the same weights and see the same
+    batches. ``dp_group is None`` means the default (world) group.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    dp_rank: int
+    dp_size: int
+    dp_group: ProcessGroup | None
+    tp_size: int = 1
+    tp_group: ProcessGroup | None = None
+
+    @property
+    def is_main(self) -> bool:
+        """Global rank 0: the only writer of shared files (logs, checkpoints' metadata, exports)."""
+        return self.rank == 0
+
+    @classmethod
+    def from_plugin(cls, plugin: Any) -> ParallelLayout:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        dp_group = getattr(plugin, "dp_group", None)
+        if dp_group is None:  # DDP, low-level ZeRO, Gemini: every rank is a data-parallel rank
+            return cls(rank, world, local_rank, rank, world, None)
+        tp_group = getattr(plugin, "tp_group", None)
+        return cls(
+            rank=rank,
+            world_size=world,
+            local_rank=local_rank,
+            dp_rank=dist.get_rank(dp_group),
+            dp_size=dist.get_world_size(dp_group),
+            dp_group=dp_group,
+            tp_size=dist.get_world_size(tp_group) if tp_group is not None else 1,
+            tp_group=tp_group,
+        )
+
+
+def reduce_sums(values: dict[str, float | torch.Tensor], group: ProcessGroup | None) -> dict[str, float]:
+    """Sum each value over ``group`` in one fp64 all-reduce; every rank of the group calls it with the same keys.
+
+    Use it for exact metrics: reduce sums and counts, divide afterwards (never average per-rank means).
+    """
+    keys = sorted(values)
+    flat = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=_comm_device())
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    return dict(zip(keys, flat.tolist()))
+
+
+def all_reduce_mean(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
+    """Mean over ``group`` of equally weighted per-rank values (e.g. a grad norm, a timing). Every rank calls."""
+    out = tensor.detach().clone()
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        out /= dist.get_world_size(group)
+    return out
+
+
+def all_reduce_max(value: float, group: ProcessGroup | None = None) -> float:
+    out = torch.tensor([value], dtype=torch.float64, device=_comm_device())
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
+    return out.item()
+
+
+def barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s object on every rank (e.g. a path that only rank 0 chose)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def _comm_device() -> torch.device:
+    # NCCL reduces only CUDA tensors; gloo only CPU ones.
+    return torch.device("cuda", torch.cuda.current_device()) if compat.cuda_available() else torch.device("cpu")

@@ -1,0 +1,19 @@
+"""User-facing errors: one line, no traceback, non-zero exit (see coati_kto.cli.main)."""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """A mistake in the user's input (config, data, command line).
+
+    The CLI prints ``error: <message>`` on one line and exits with status 2; the message must name
+    the file, line and field where it can.
+    """
+
+
+class ConfigError(UserError):
+    """One or more problems in the YAML config or its command-line overrides."""
+
+
+class DataError(UserError):
+    """A record that cannot be read or used; the message names ``file:line`` and the field."""

@@ -1,0 +1,70 @@
+"""Run a function on N real gloo processes (tests, benchmarks). Not a mock: each process joins a process group."""
+
+from __future__ import annotations
+
+import os
+import queue
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from coati_kto.distributed import free_port
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    torch.set_num_threads(1)
+    try:
+        from coati_kto.distributed import init_distributed
+
+        init_distributed(timeout_s=120)
+        results.put((rank, True, fn(*args)))
+    except BaseException:  # report every failure to the parent, then exit non-zero
+        results.put((rank, False, traceback.format_exc()))
+        raise
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` processes joined in one gloo group; return each rank's result.
+
+    ``fn`` must be importable (a module-level function); its return value must be picklable. A failure on
+    any rank raises RuntimeError with that rank's traceback.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, results), daemon=False)
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outputs: dict[int, Any] = {}
+    try:
+        for _ in range(world_size):
+            try:
+                rank, ok, value = results.get(timeout=timeout_s)
+            except queue.Empty:
+                raise RuntimeError(f"distributed run timed out after {timeout_s} s") from None
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            outputs[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    return [outputs[r] for r in range(world_size)]
