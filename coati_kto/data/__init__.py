@@ -1,0 +1,1 @@
+"""Data pipeline: formats, tokenization, KL pairs, prepare, sampler, collator."""

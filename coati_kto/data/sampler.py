@@ -1,0 +1,347 @@
+"""MixedLabelBatchSampler: every micro-batch on every rank holds both KTO labels, with all data used.
+
+Contract (micro_batch_size m >= 2, R = num_replicas, both labels present):
+
+* Each micro-batch holds at least one desirable and one undesirable example, and its minority count is within
+  one of ``m * n_minority / N``: the imbalance is spread evenly over the epoch, never front-loaded.
+* Rank r yields micro-batches r, r+R, r+2R, ... of one global sequence shared by all ranks, so global step t
+  is micro-batches [t*R, (t+1)*R) and every rank yields the same number of micro-batches.
+* The plan depends only on (seed, epoch): deterministic per epoch, different between epochs.
+* drop_last=True: when the minority has at least one example per micro-batch, no index repeats within an
+  epoch and fewer than R*m examples are left out (a different random set each epoch). Otherwise the minority
+  is repeated as evenly as possible (each example floor or ceil of the mean number of times), every
+  micro-batch holds exactly one minority and m-1 majority examples, and fewer than R*(m-1) majority examples
+  are left out: the epoch grows instead of throwing majority data away.
+* drop_last=False: nothing is left out. The epoch is the smallest multiple of R micro-batches that fits all
+  examples with the same mixing rule; the spare slots (fewer than R*m when no label needs repeating) are
+  filled by re-using randomly chosen examples of that epoch, each example used floor or ceil of its label's
+  mean, so the mix guarantees above still hold.
+* Resume: ``state_dict()`` records (epoch, position = micro-batches yielded on this rank in that epoch). A
+  fresh sampler given ``load_state_dict(state)`` yields exactly the rest of that epoch, and later epochs as if
+  never interrupted. A trainer that counts consumed batches itself (a DataLoader prefetches from the sampler)
+  calls ``load_state_dict({"epoch": e, "position": k})``; the other keys are optional and validated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["MixedLabelBatchSampler", "SamplerStats", "padding_saved", "padding_tokens"]
+
+# Length grouping sorts each label's examples within chunks of this many micro-batches: large enough to cut
+# most padding, small enough that the epoch still mixes lengths from the whole dataset.
+GROUP_CHUNK = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerStats:
+    """Per-epoch slot counts (identical for every epoch); the effective counts are what the model sees."""
+
+    n_desirable: int
+    n_undesirable: int
+    micro_batch_size: int
+    num_replicas: int
+    drop_last: bool
+    minority_label: bool  # True when desirable is the minority; ties count undesirable (False) as minority
+    num_micro_batches: int  # global, all ranks together
+    micro_batches_per_rank: int
+    effective_desirable: int  # desirable slots filled per epoch, repeats included
+    effective_undesirable: int
+    minority_repeats: int  # minority slots beyond one use of each minority example
+    minority_uses: tuple[int, int]  # (min, max) uses of one minority example per epoch
+    minority_per_micro_batch: tuple[int, int]  # (min, max) minority examples in one micro-batch
+    repeated_slots: int  # slots beyond the first use of an example, both labels
+    left_out: int  # examples not used at all in an epoch
+
+    @property
+    def repeats_minority(self) -> bool:
+        """Whether the minority label had to be repeated to mix every micro-batch."""
+        return self.minority_repeats > 0
+
+
+def _check_counts(n_desirable: int, n_undesirable: int, micro_batch_size: int, num_replicas: int) -> None:
+    if micro_batch_size < 2:
+        raise ValueError(
+            f"micro_batch_size must be >= 2 so each micro-batch can hold both labels (got {micro_batch_size})"
+        )
+    if num_replicas < 1:
+        raise ValueError(f"num_replicas must be >= 1 (got {num_replicas})")
+    if n_desirable == 0 or n_undesirable == 0:
+        raise ValueError(
+            f"KTO needs both desirable and undesirable examples; got {n_desirable} desirable and "
+            f"{n_undesirable} undesirable: add examples of the missing label"
+        )
+    n = n_desirable + n_undesirable
+    if n < micro_batch_size * num_replicas:
+        raise ValueError(
+            f"dataset has {n} examples, fewer than one global batch (num_replicas {num_replicas} x "
+            f"micro_batch_size {micro_batch_size} = {micro_batch_size * num_replicas}): lower "
+            f"micro_batch_size or num_replicas, or add data"
+        )
+
+
+def _layout(n_minor: int, n_major: int, m: int, r: int, drop_last: bool) -> tuple[int, int]:
+    """Global micro-batch count K (a multiple of r) and minority slots s; the majority fills K*m - s."""
+    n = n_minor + n_major
+
+    def rounded(k: int) -> int:  # round(k*m*n_minor/n), half up, in exact integers
+        return (2 * k * m * n_minor + n) // (2 * n)
+
+    if drop_last:
+        k = r * (n // (r * m))
+        if n_minor >= k:
+            s = min(max(rounded(k), k), n_minor)
+        else:  # one minority per micro-batch, repeated; the majority bounds the epoch
+            k = r * (n_major // ((m - 1) * r))
+            s = k
+        assert k <= k * m - s <= n_major and s >= k
+        return k, s
+    # Smallest epoch that uses every example with at least one of each label per micro-batch.
+    k = r * -(-n // (r * m))
+    while True:
+        s = max(k, rounded(k))
+        if n_minor <= s <= k * m - max(k, n_major):
+            return k, s
+        k += r
+
+
+def _stream(rng: np.random.Generator, idx: np.ndarray, slots: int) -> np.ndarray:
+    """``slots`` draws from ``idx``: whole shuffled copies, then a random subset, so uses differ by <= 1."""
+    copies, extra = divmod(slots, len(idx))
+    full = rng.permuted(np.tile(idx, (copies, 1)), axis=1).ravel()
+    return np.concatenate([full, idx[rng.permutation(len(idx))[:extra]]])
+
+
+def _spread_duplicates(plan: np.ndarray, counts: np.ndarray) -> None:
+    """Swap a repeated example out of any micro-batch that holds it twice, with a same-label example nearby.
+
+    Only possible when examples repeat; rows after ``j`` are tried first so length grouping is barely disturbed.
+    """
+    k, m = plan.shape
+    srt = np.sort(plan, axis=1)
+    for j in np.flatnonzero((srt[:, 1:] == srt[:, :-1]).any(axis=1)):
+        for col in range(m):
+            v = plan[j, col]
+            if (plan[j] == v).sum() < 2:
+                continue
+            minor = col < counts[j]
+            for step in range(1, k):
+                o = (j + step) % k
+                if v in plan[o]:
+                    continue
+                cols = range(counts[o]) if minor else range(counts[o], m)
+                c = next((c for c in cols if plan[o, c] not in plan[j]), None)
+                if c is not None:
+                    plan[j, col], plan[o, c] = plan[o, c], v
+                    break
+
+
+class MixedLabelBatchSampler:
+    """Batch sampler yielding ``list[int]`` micro-batches of dataset indices, both labels in each (see module)."""
+
+    def __init__(
+        self,
+        labels: Sequence[bool] | Sequence[int] | np.ndarray,
+        micro_batch_size: int,
+        num_replicas: int = 1,
+        rank: int = 0,
+        seed: int = 0,
+        drop_last: bool = True,
+        lengths: Sequence[int] | np.ndarray | None = None,
+        group_by_length: bool = False,
+    ) -> None:
+        arr = np.asarray(labels)
+        if arr.ndim != 1 or (arr.dtype != bool and not np.isin(arr, (0, 1)).all()):
+            raise ValueError("labels must be a flat sequence of bool or 0/1 (True/1 = desirable)")
+        arr = arr.astype(bool)
+        self.stats = self.compute_stats(
+            int(arr.sum()), int((~arr).sum()), micro_batch_size, num_replicas, drop_last
+        )
+        if not 0 <= rank < num_replicas:
+            raise ValueError(
+                f"rank {rank} out of range for num_replicas {num_replicas}: need 0 <= rank < {num_replicas}"
+            )
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0 (got {seed})")
+        if group_by_length and lengths is None:
+            raise ValueError("group_by_length=True needs lengths (one token count per example)")
+        self._lengths = None if lengths is None else np.asarray(lengths, dtype=np.int64)
+        if self._lengths is not None and self._lengths.shape != arr.shape:
+            raise ValueError(
+                f"lengths has {len(self._lengths)} entries but labels has {len(arr)}: pass one per example"
+            )
+        self.labels = arr
+        self.micro_batch_size = micro_batch_size
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.seed = seed
+        self.drop_last = drop_last
+        self.group_by_length = group_by_length
+        minority = self.stats.minority_label
+        self._minor_idx = np.flatnonzero(arr == minority)
+        self._major_idx = np.flatnonzero(arr != minority)
+        self.epoch = 0
+        self._start = 0  # micro-batches of self.epoch skipped on resume; cleared when that epoch ends
+        self._position = 0  # micro-batches of self.epoch yielded on this rank, skipped ones included
+        self._cache: tuple[int, int, np.ndarray] | None = None
+
+    @staticmethod
+    def compute_stats(
+        n_desirable: int,
+        n_undesirable: int,
+        micro_batch_size: int,
+        num_replicas: int = 1,
+        drop_last: bool = True,
+    ) -> SamplerStats:
+        """The epoch's slot counts from label counts alone (no plan is built); raises the sampler's ValueErrors."""
+        _check_counts(n_desirable, n_undesirable, micro_batch_size, num_replicas)
+        minority = n_desirable < n_undesirable
+        n_minor, n_major = sorted((n_desirable, n_undesirable))
+        m = micro_batch_size
+        k, s = _layout(n_minor, n_major, m, num_replicas, drop_last)
+        major_slots = k * m - s
+        return SamplerStats(
+            n_desirable=n_desirable,
+            n_undesirable=n_undesirable,
+            micro_batch_size=m,
+            num_replicas=num_replicas,
+            drop_last=drop_last,
+            minority_label=minority,
+            num_micro_batches=k,
+            micro_batches_per_rank=k // num_replicas,
+            effective_desirable=s if minority else major_slots,
+            effective_undesirable=major_slots if minority else s,
+            minority_repeats=max(0, s - n_minor),
+            minority_uses=(s // n_minor, -(-s // n_minor)),
+            minority_per_micro_batch=(s // k, -(-s // k)),
+            repeated_slots=max(0, s - n_minor) + max(0, major_slots - n_major),
+            left_out=max(0, n_minor - s) + max(0, n_major - major_slots),
+        )
+
+    @property
+    def epoch_stats(self) -> SamplerStats:
+        """Slot counts of every epoch of this sampler."""
+        return self.stats
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch to iterate; a pending resume offset survives only if ``epoch`` is the saved one."""
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0 (got {epoch})")
+        if epoch != self.epoch:
+            self.epoch, self._start, self._position = epoch, 0, 0
+
+    def plan(self, epoch: int | None = None) -> np.ndarray:
+        """The global ``[num_micro_batches, micro_batch_size]`` index plan of an epoch, shared by all ranks."""
+        epoch = self.epoch if epoch is None else epoch
+        if self._cache is not None and self._cache[:2] == (self.seed, epoch):
+            return self._cache[2]
+        rng = np.random.default_rng([self.seed, epoch])
+        k, m = self.stats.num_micro_batches, self.micro_batch_size
+        s = (self.stats.effective_desirable, self.stats.effective_undesirable)[not self.stats.minority_label]
+        counts = np.full(k, s // k)
+        counts[rng.permutation(k)[: s % k]] += 1  # which micro-batches get the extra minority: seeded
+        minor = _stream(rng, self._minor_idx, s)
+        major = _stream(rng, self._major_idx, k * m - s)
+        if self.group_by_length:
+            assert self._lengths is not None
+            # Sort each label's draws by length inside chunks of micro-batches, so neighbours have similar lengths.
+            for stream, per_row in ((minor, counts), (major, m - counts)):
+                chunk = np.repeat(np.arange(k) // GROUP_CHUNK, per_row)
+                stream[:] = stream[np.lexsort((self._lengths[stream], chunk))]
+        # Row j takes its counts[j] minority draws, then m - counts[j] majority draws, in stream order.
+        cols = np.arange(m)[None, :]
+        at_minor = (np.cumsum(counts) - counts)[:, None] + cols
+        at_major = (np.cumsum(m - counts) - (m - counts))[:, None] + cols - counts[:, None]
+        is_minor = cols < counts[:, None]
+        plan = np.where(
+            is_minor, minor[np.minimum(at_minor, len(minor) - 1)], major[np.clip(at_major, 0, len(major) - 1)]
+        )
+        if self.stats.repeated_slots:
+            _spread_duplicates(plan, counts)
+        plan = rng.permuted(plan[rng.permutation(k)], axis=1)  # shuffle micro-batch order and positions
+        self._cache = (self.seed, epoch, plan)
+        return plan
+
+    def __iter__(self) -> Iterator[list[int]]:
+        rows = self.plan()[self.rank :: self.num_replicas]
+        self._position = self._start
+        for i in range(self._start, len(rows)):
+            self._position = i + 1  # counted before the yield: the consumer holds this batch
+            yield rows[i].tolist()
+        self._start = 0  # the resume offset applies to the saved epoch only, never to later ones
+
+    def __len__(self) -> int:
+        return self.stats.micro_batches_per_rank - self._start
+
+    def state_dict(self) -> dict[str, int]:
+        """Plain ints; valid at any point during iteration."""
+        return {
+            "epoch": self.epoch,
+            "position": self._position,
+            "seed": self.seed,
+            "num_replicas": self.num_replicas,
+            "micro_batch_size": self.micro_batch_size,
+            "dataset_size": len(self.labels),
+            "n_desirable": self.stats.n_desirable,
+            "drop_last": int(self.drop_last),
+            "group_by_length": int(self.group_by_length),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at ``state["position"]`` of ``state["epoch"]``; only those two keys are required.
+
+        The saved seed is adopted; the other keys, when present, must match this sampler (ValueError otherwise).
+        """
+        mine = self.state_dict()
+        for key in (
+            "num_replicas",
+            "micro_batch_size",
+            "dataset_size",
+            "n_desirable",
+            "drop_last",
+            "group_by_length",
+        ):
+            if key in state and int(state[key]) != mine[key]:
+                raise ValueError(
+                    f"sampler state has {key}={int(state[key])} but this sampler has {key}={mine[key]}: "
+                    f"resume with the same {key} or start a new run"
+                )
+        missing = [key for key in ("epoch", "position") if key not in state]
+        if missing:
+            raise ValueError(f"sampler state lacks {missing}: pass at least epoch and position")
+        epoch, position = int(state["epoch"]), int(state["position"])
+        if epoch < 0 or not 0 <= position <= self.stats.micro_batches_per_rank:
+            raise ValueError(
+                f"sampler state epoch={epoch}, position={position}: need epoch >= 0 and "
+                f"0 <= position <= {self.stats.micro_batches_per_rank} micro-batches per rank"
+            )
+        self.seed = int(state.get("seed", self.seed))
+        self.epoch, self._start, self._position = epoch, position, position
+
+
+def padding_tokens(batches: Iterable[Sequence[int]], lengths: Sequence[int] | np.ndarray) -> int:
+    """Pad tokens of dynamically padded micro-batches: sum of ``max_len * len(batch) - sum(len)``."""
+    lens = np.asarray(lengths)
+    return int(sum(lens[b].max() * len(b) - lens[b].sum() for b in map(list, batches)))
+
+
+def padding_saved(
+    labels: Sequence[bool] | np.ndarray,
+    lengths: Sequence[int] | np.ndarray,
+    micro_batch_size: int,
+    num_replicas: int = 1,
+    seed: int = 0,
+    epoch: int = 0,
+) -> tuple[int, int]:
+    """Pad tokens over one epoch (all ranks) without and with ``group_by_length``."""
+    out = []
+    for group in (False, True):
+        s = MixedLabelBatchSampler(
+            labels, micro_batch_size, num_replicas, 0, seed, lengths=lengths, group_by_length=group
+        )
+        out.append(padding_tokens(s.plan(epoch), lengths))
+    return out[0], out[1]

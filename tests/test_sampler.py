@@ -1,0 +1,320 @@
+"""MixedLabelBatchSampler: every guarantee checked on the indices it yields, not on exit codes."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from coati_kto.data.sampler import MixedLabelBatchSampler, SamplerStats, padding_saved, padding_tokens
+
+SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def make_labels(n_desirable: int, n_undesirable: int, seed: int = 0) -> np.ndarray:
+    """Labels in a random arrangement: the sampler must not depend on where each label sits."""
+    labels = np.array([True] * n_desirable + [False] * n_undesirable)
+    return labels[np.random.default_rng(seed).permutation(len(labels))]
+
+
+def epoch_batches(labels, m: int, r: int, seed: int = 0, epoch: int = 0, **kw) -> list[list[list[int]]]:
+    """Per rank, the micro-batches of one epoch, each rank from its own sampler as in a real launch."""
+    out = []
+    for rank in range(r):
+        s = MixedLabelBatchSampler(labels, m, num_replicas=r, rank=rank, seed=seed, **kw)
+        s.set_epoch(epoch)
+        batches = list(s)
+        assert len(batches) == len(s) == s.epoch_stats.micro_batches_per_rank
+        out.append(batches)
+    return out
+
+
+@st.composite
+def setups(draw):
+    """Ratios 1:1 to 1:20 (either label the minority), 1-8 replicas, micro-batches 2-16, up to 5000 examples."""
+    m = draw(st.integers(2, 16))
+    r = draw(st.integers(1, 8))
+    n = draw(st.integers(m * r, 5000))
+    n_minor = draw(st.integers(max(1, math.ceil(n / 21)), n // 2))
+    desirable_minor = draw(st.booleans())
+    n_d, n_u = (n_minor, n - n_minor) if desirable_minor else (n - n_minor, n_minor)
+    return n_d, n_u, m, r, draw(st.integers(0, 2**16)), draw(st.booleans())
+
+
+def check_epoch(
+    n_d: int, n_u: int, m: int, r: int, seed: int, drop_last: bool, **kw
+) -> list[list[list[int]]]:
+    """Assert guarantees 1-5 for one epoch; returns the per-rank batches."""
+    labels = make_labels(n_d, n_u, seed)
+    n = n_d + n_u
+    n_minor, n_major = sorted((n_d, n_u))
+    minor_label = n_d < n_u
+    ranks = epoch_batches(labels, m, r, seed, drop_last=drop_last, **kw)
+    stats = MixedLabelBatchSampler.compute_stats(n_d, n_u, m, r, drop_last)
+    assert len({len(b) for b in ranks}) == 1  # 3. equal lengths: no collective hangs
+    flat = [i for batches in ranks for b in batches for i in b]
+    k = len(flat) // m
+    assert k == stats.num_micro_batches == r * stats.micro_batches_per_rank
+    minor_counts = []
+    for batches in ranks:
+        for b in batches:
+            assert len(b) == m and len(set(b)) == m  # never the same example twice in one micro-batch
+            c = int((labels[b] == minor_label).sum())
+            assert 1 <= c <= m - 1  # 1. both labels
+            assert abs(c - m * n_minor / n) <= 1  # 2. ratio within one
+            minor_counts.append(c)
+    assert max(minor_counts) - min(minor_counts) <= 1
+    uses = Counter(flat)
+    used_minor = [uses[i] for i in np.flatnonzero(labels == minor_label)]
+    used_major = [uses[i] for i in np.flatnonzero(labels != minor_label)]
+    assert sum(used_minor) == (stats.effective_desirable if minor_label else stats.effective_undesirable)
+    assert sum(used_major) == (stats.effective_undesirable if minor_label else stats.effective_desirable)
+    assert used_minor.count(0) + used_major.count(0) == stats.left_out
+    for used in (used_minor, used_major):  # each example floor or ceil of its label's mean
+        assert max(used) - min(used) <= 1
+    k0 = r * (n // (r * m))
+    if drop_last and n_minor >= k0:  # 4. no repetition: unique indices, < R*m left out
+        assert k == k0 and len(set(flat)) == len(flat)
+        assert n - len(flat) == stats.left_out < r * m
+        assert sum(used_minor) == min(max((2 * k * m * n_minor + n) // (2 * n), k), n_minor)
+        assert stats.minority_repeats == 0
+    elif drop_last:  # 5. minority repeated evenly, one per micro-batch, the majority all used
+        assert k == r * (n_major // ((m - 1) * r)) >= k0
+        assert set(minor_counts) == {1}
+        assert min(used_minor) >= 1 and max(used_major) == 1
+        assert used_major.count(0) == stats.left_out < r * (m - 1)
+        assert stats.minority_repeats == k - n_minor > 0
+        assert stats.minority_uses == (k // n_minor, -(-k // n_minor)) == (min(used_minor), max(used_minor))
+    else:  # drop_last=False: nothing left out, spare slots filled by re-use
+        assert stats.left_out == 0 and min(used_minor) >= 1 and min(used_major) >= 1
+        if n_minor >= r * -(-n // (r * m)):
+            assert len(flat) - n == stats.repeated_slots < r * m
+    return ranks
+
+
+@SETTINGS
+@given(setups())
+def test_guarantees_hold_for_any_mix(setup) -> None:
+    check_epoch(*setup)
+
+
+@SETTINGS
+@given(setups(), st.integers(0, 3))
+def test_deterministic_and_epochs_differ(setup, epoch: int) -> None:
+    n_d, n_u, m, r, seed, drop_last = setup
+    labels = make_labels(n_d, n_u, seed)
+    a = epoch_batches(labels, m, r, seed, epoch, drop_last=drop_last)
+    assert a == epoch_batches(labels, m, r, seed, epoch, drop_last=drop_last)
+    if n_d + n_u >= 64:  # a coincidence is astronomically unlikely at this size
+        assert a != epoch_batches(labels, m, r, seed, epoch + 1, drop_last=drop_last)
+
+
+@SETTINGS
+@given(setups(), st.integers(0, 3), st.data())
+def test_resume_anywhere_equals_uninterrupted(setup, epoch: int, data) -> None:
+    n_d, n_u, m, r, seed, drop_last = setup
+    labels = make_labels(n_d, n_u, seed)
+    rank = data.draw(st.integers(0, r - 1))
+    full = MixedLabelBatchSampler(labels, m, r, rank, seed, drop_last)
+    full.set_epoch(epoch)
+    this_epoch = list(full)
+    full.set_epoch(epoch + 1)
+    next_epoch = list(full)
+    pos = data.draw(st.integers(0, len(this_epoch)))
+
+    # Rank 0 saves mid-epoch (trainers save one state for all ranks): positions agree across ranks.
+    saver = MixedLabelBatchSampler(labels, m, r, 0, seed, drop_last)
+    saver.set_epoch(epoch)
+    it = iter(saver)
+    for _ in range(pos):
+        next(it)
+    state = saver.state_dict()
+    assert state["epoch"] == epoch and state["position"] == pos
+    assert all(isinstance(v, int) for v in state.values())
+
+    # The full state carries the seed (a wrong constructor seed is overridden); the trainer may pass only
+    # epoch and position.
+    for given_state, ctor_seed in ((state, seed + 1), ({"epoch": epoch, "position": pos}, seed)):
+        fresh = MixedLabelBatchSampler(labels, m, r, rank, seed=ctor_seed, drop_last=drop_last)
+        fresh.load_state_dict(given_state)
+        fresh.set_epoch(epoch)  # the trainer re-selects the saved epoch: the skip must survive
+        assert len(fresh) == len(this_epoch) - pos
+        assert list(fresh) == this_epoch[pos:]
+        assert fresh.state_dict()["position"] == len(this_epoch)
+        fresh.set_epoch(epoch + 1)  # the skip applies to the saved epoch only
+        assert len(fresh) == len(next_epoch)
+        assert list(fresh) == next_epoch
+
+
+@settings(max_examples=50, deadline=None)
+@given(setups(), st.integers(0, 2**16))
+def test_length_grouping_keeps_guarantees(setup, len_seed: int) -> None:
+    n_d, n_u, m, r, seed, drop_last = setup
+    lengths = np.random.default_rng(len_seed).integers(1, 512, n_d + n_u)
+    check_epoch(n_d, n_u, m, r, seed, drop_last, lengths=lengths, group_by_length=True)
+
+
+# The seeds' dataset, by hand. micro-batch 2: K0 = R*floor(1000/2R) = 500 > 254 undesirable, so each
+# micro-batch holds 1 undesirable + 1 desirable and K = R*floor(746/R). Values: per rank, minority slots,
+# left out (all desirable).  R=3: 3*248=744; R=5: 5*149=745; R=7: 7*106=742.
+SEEDS_MBS2 = {
+    1: (746, 746, 0),
+    2: (373, 746, 0),
+    3: (248, 744, 2),
+    4: (186, 744, 2),
+    5: (149, 745, 1),
+    6: (124, 744, 2),
+    7: (106, 742, 4),
+    8: (93, 744, 2),
+}
+# micro-batch 4: K = R*floor(1000/4R) >= 254? R=1: 250 <= 254, no repetition; minority slots =
+# clamp(round(4K*254/1000), K, 254): R=1,2,5: K=250 -> 254; R=3: 249 -> round(252.98)=253; R=4,8: 248 ->
+# round(251.97)=252; R=6: 246 -> round(249.94)=250; R=7: 245 -> round(248.92)=249. Left out = 1000 - 4K.
+SEEDS_MBS4 = {
+    1: (250, 254, 0),
+    2: (125, 254, 0),
+    3: (83, 253, 4),
+    4: (62, 252, 8),
+    5: (50, 254, 0),
+    6: (41, 250, 16),
+    7: (35, 249, 20),
+    8: (31, 252, 8),
+}
+
+
+@pytest.mark.parametrize("m,table", [(2, SEEDS_MBS2), (4, SEEDS_MBS4)])
+@pytest.mark.parametrize("r", range(1, 9))
+def test_seeds_746_254(m: int, table: dict, r: int) -> None:
+    per_rank, minority_slots, left_out = table[r]
+    ranks = check_epoch(746, 254, m, r, seed=0, drop_last=True)
+    labels = make_labels(746, 254, 0)
+    assert all(labels[b].any() and not labels[b].all() for batches in ranks for b in batches)  # 100% mixed
+    stats = MixedLabelBatchSampler.compute_stats(746, 254, m, r)
+    assert stats.micro_batches_per_rank == per_rank and stats.left_out == left_out
+    assert stats.effective_undesirable == minority_slots
+    assert stats.effective_desirable == per_rank * r * m - minority_slots
+    assert stats.minority_label is False
+    uses = Counter(i for batches in ranks for b in batches for i in b if not labels[i])
+    if m == 2:  # 254 undesirable fill K slots: K-508 of them 3 times, the rest twice
+        assert stats.minority_repeats == minority_slots - 254
+        assert stats.minority_uses == (2, 3)
+        assert sorted(Counter(uses.values()).items()) == [
+            (2, 762 - minority_slots),
+            (3, minority_slots - 508),
+        ]
+    else:
+        assert stats.minority_repeats == 0 and set(uses.values()) == {1} and len(uses) == minority_slots
+
+
+def test_positions_and_order_are_shuffled() -> None:
+    labels = make_labels(500, 500)
+    (batches,) = epoch_batches(labels, 2, 1)
+    first = np.array([labels[b[0]] for b in batches])
+    assert 0.4 < first.mean() < 0.6  # not a fixed T,F,T,F pattern
+    assert (first[1:] != first[:-1]).mean() < 0.7
+    labels = make_labels(746, 254)
+    (batches,) = epoch_batches(labels, 4, 1)
+    where = Counter(b.index(next(i for i in b if not labels[i])) for b in batches)
+    assert len(where) == 4 and min(where.values()) > 30  # the undesirable sits at any position
+
+
+def test_left_out_examples_change_between_epochs() -> None:
+    labels = make_labels(700, 303)  # 1003 examples, micro-batch 4 x 2 ranks: 3 left out per epoch
+    seen = set()
+    for epoch in range(5):
+        used = {i for batches in epoch_batches(labels, 4, 2, epoch=epoch) for b in batches for i in b}
+        left = frozenset(set(range(1003)) - used)
+        assert len(left) == 3
+        seen.add(left)
+    assert len(seen) == 5
+
+
+def test_iterating_the_resumed_epoch_again_is_whole() -> None:
+    labels = make_labels(60, 40)
+    s = MixedLabelBatchSampler(labels, 4, 2, 1)
+    s.load_state_dict({"epoch": 2, "position": 5})
+    s.set_epoch(2)
+    assert len(list(s)) == 12 - 5
+    assert len(list(s)) == len(s) == 12  # the offset was used up by the resumed pass
+
+
+def test_epoch_stats_match_compute_stats() -> None:
+    s = MixedLabelBatchSampler(make_labels(746, 254), 2, 4, 3)
+    assert isinstance(s.epoch_stats, SamplerStats)
+    assert s.epoch_stats == MixedLabelBatchSampler.compute_stats(746, 254, 2, 4)
+    assert s.epoch_stats.repeats_minority and s.epoch_stats.minority_per_micro_batch == (1, 1)
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"labels": [True, False] * 4, "micro_batch_size": 1}, "micro_batch_size must be >= 2"),
+        ({"labels": [True] * 8, "micro_batch_size": 2}, "8 desirable and 0 undesirable"),
+        ({"labels": [0] * 8, "micro_batch_size": 2}, "0 desirable and 8 undesirable"),
+        (
+            {"labels": [True, False] * 3, "micro_batch_size": 4, "num_replicas": 2},
+            "fewer than one global batch",
+        ),
+        (
+            {"labels": [True, False] * 8, "micro_batch_size": 2, "num_replicas": 2, "rank": 2},
+            "rank 2 out of range",
+        ),
+        ({"labels": [True, False] * 8, "micro_batch_size": 2, "rank": -1}, "out of range"),
+        (
+            {"labels": [True, False] * 8, "micro_batch_size": 2, "num_replicas": 0},
+            "num_replicas must be >= 1",
+        ),
+        ({"labels": [2, 0] * 8, "micro_batch_size": 2}, "bool or 0/1"),
+        ({"labels": [True, False] * 8, "micro_batch_size": 2, "group_by_length": True}, "needs lengths"),
+    ],
+)
+def test_errors_say_what_to_change(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        MixedLabelBatchSampler(**kwargs)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 40), st.integers(0, 40), st.integers(-1, 17), st.integers(0, 9))
+def test_invalid_setups_raise(n_d: int, n_u: int, m: int, r: int) -> None:
+    invalid = m < 2 or r < 1 or n_d == 0 or n_u == 0 or n_d + n_u < m * r
+    if invalid:
+        with pytest.raises(ValueError):
+            MixedLabelBatchSampler.compute_stats(n_d, n_u, m, r)
+        with pytest.raises(ValueError):
+            MixedLabelBatchSampler(make_labels(n_d, n_u), m, r)
+    else:
+        assert check_epoch(n_d, n_u, m, r, seed=0, drop_last=True)
+
+
+def test_bad_state_raises() -> None:
+    labels = make_labels(60, 40)
+    state = MixedLabelBatchSampler(labels, 4, 2).state_dict()
+    for key, value in [("num_replicas", 4), ("micro_batch_size", 2), ("dataset_size", 99), ("drop_last", 0)]:
+        with pytest.raises(ValueError, match=f"{key}="):
+            MixedLabelBatchSampler(labels, 4, 2).load_state_dict({**state, key: value})
+    with pytest.raises(ValueError, match="position"):
+        MixedLabelBatchSampler(labels, 4, 2).load_state_dict({**state, "position": 13})
+    with pytest.raises(ValueError, match="lacks"):
+        MixedLabelBatchSampler(labels, 4, 2).load_state_dict({"epoch": 1})
+
+
+def test_length_grouping_saves_padding() -> None:
+    rng = np.random.default_rng(0)
+    labels = make_labels(746, 254)
+    lengths = np.clip(rng.lognormal(5.0, 0.7, 1000).astype(int), 8, 2048)
+    without, with_grouping = padding_saved(labels, lengths, 4)
+    assert with_grouping < 0.25 * without
+    assert padding_tokens([[0, 1], [2]], [3, 5, 7]) == 2
+
+
+def test_works_as_dataloader_batch_sampler() -> None:
+    torch = pytest.importorskip("torch")
+    labels = make_labels(30, 10)
+    data = torch.arange(40)
+    loader = torch.utils.data.DataLoader(data, batch_sampler=MixedLabelBatchSampler(labels, 4))
+    got = [batch.tolist() for batch in loader]
+    assert len(got) == len(loader) == 10 and all(len(b) == 4 for b in got)
