@@ -183,7 +183,8 @@ def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
     except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
+        # The context mark (e.g. where an unclosed bracket opened) is nearer the mistake than the problem mark.
+        mark = getattr(err, "context_mark", None) or getattr(err, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
         raise ConfigError(f"{where}: not valid YAML ({getattr(err, 'problem', err)})") from None
     if not isinstance(raw, dict):

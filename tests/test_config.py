@@ -1,0 +1,126 @@
+"""Config schema: every shipped config validates; user mistakes are one-line errors naming the key."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from coati_kto.config import Config, load_config
+from coati_kto.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+MINIMAL = """\
+model:
+  path: some/model
+data:
+  train_files: data.jsonl
+  prepared_dir: prepared
+output:
+  dir: out
+"""
+
+
+def _write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_validates(path: Path) -> None:
+    config = load_config(path)
+    assert isinstance(config, Config)
+    assert config.train.micro_batch_size >= 2
+
+
+def test_shipped_configs_exist() -> None:
+    names = {p.name for p in (REPO / "configs").glob("*.yaml")}
+    assert {"single_gpu.yaml", "node_8gpu_zero2.yaml", "multinode_zero2.yaml", "tp2_zero1.yaml"} <= names
+
+
+def test_defaults_and_overrides(tmp_path: Path) -> None:
+    path = _write(tmp_path, MINIMAL)
+    config = load_config(path, ["train.lr=1e-5", "data.train_files=[a.jsonl, b.jsonl]", "kto.beta=0.2"])
+    assert config.train.lr == 1e-5
+    assert config.data.train_files == ["a.jsonl", "b.jsonl"]
+    assert config.kto.beta == 0.2
+    # Defaults of the product: ZeRO-2, bf16, hybrid parallel, beta 0.1 otherwise.
+    assert (config.plugin.name, config.plugin.zero_stage, config.plugin.precision) == ("hybrid_parallel", 2, "bf16")
+    assert load_config(path).kto.beta == 0.1
+
+
+def test_unknown_key_is_named(tmp_path: Path) -> None:
+    path = _write(tmp_path, MINIMAL + "train:\n  micro_batchsize: 4\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}: train.micro_batchsize: unknown key"
+
+
+def test_wrong_type_is_named(tmp_path: Path) -> None:
+    path = _write(tmp_path, MINIMAL + "train:\n  lr: fast\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value).startswith(f"{path}: train.lr: Input should be a valid number")
+    assert "'fast'" in str(err.value)
+
+
+def test_every_error_is_listed_at_once(tmp_path: Path) -> None:
+    path = _write(tmp_path, MINIMAL + "train:\n  lr: -1\n  micro_batch_size: 1\nkto:\n  betta: 0.1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    lines = str(err.value).splitlines()
+    assert len(lines) == 3
+    assert {line.split(": ")[1] for line in lines} == {"kto.betta", "train.lr", "train.micro_batch_size"}
+
+
+def test_fp32_with_zero_on_hybrid_parallel_says_how_to_fix(tmp_path: Path) -> None:
+    path = _write(tmp_path, MINIMAL + "plugin:\n  name: hybrid_parallel\n  zero_stage: 2\n  precision: fp32\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert "plugin.precision bf16 or fp16" in message and "plugin.zero_stage=0" in message
+    # The fixes it names are accepted.
+    assert load_config(path, ["plugin.precision=bf16"]).plugin.precision == "bf16"
+    assert load_config(path, ["plugin.zero_stage=0"]).plugin.zero_stage == 0
+
+
+def test_other_impossible_combinations(tmp_path: Path) -> None:
+    path = _write(tmp_path, MINIMAL)
+    for overrides, needle in [
+        (["plugin.name=ddp", "plugin.zero_stage=2"], "plugin.name ddp has no ZeRO"),
+        (["plugin.name=low_level_zero", "plugin.tp_size=2"], "plugin.tp_size 2 needs plugin.name hybrid_parallel"),
+        (["data.max_prompt_length=600", "data.max_length=512"], "data.max_prompt_length (600)"),
+    ]:
+        with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):
+            load_config(path, overrides)
+
+
+def test_bad_override_and_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        load_config(_write(tmp_path, MINIMAL), ["train.lr"])
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+    with pytest.raises(ConfigError, match=r"cfg.yaml:2: not valid YAML"):
+        load_config(_write(tmp_path, "model:\n  path: [unclosed\n"))
+
+
+def test_cli_prints_one_line_and_exits_2(tmp_path: Path) -> None:
+    path = _write(tmp_path, MINIMAL + "train:\n  micro_batchsize: 4\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "coati_kto", "train", str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == f"error: {path}: train.micro_batchsize: unknown key"
+    assert "Traceback" not in proc.stderr
+
+
+def test_launch_scripts_pass_shellcheck() -> None:
+    shellcheck = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
+    scripts = sorted(str(p) for p in (REPO / "launch").iterdir() if p.suffix in {".sh", ".sbatch"})
+    assert len(scripts) >= 3
+    proc = subprocess.run([shellcheck, *scripts], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout
