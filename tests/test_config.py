@@ -49,7 +49,11 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
     assert config.data.train_files == ["a.jsonl", "b.jsonl"]
     assert config.kto.beta == 0.2
     # Defaults of the product: ZeRO-2, bf16, hybrid parallel, beta 0.1 otherwise.
-    assert (config.plugin.name, config.plugin.zero_stage, config.plugin.precision) == ("hybrid_parallel", 2, "bf16")
+    assert (config.plugin.name, config.plugin.zero_stage, config.plugin.precision) == (
+        "hybrid_parallel",
+        2,
+        "bf16",
+    )
     assert load_config(path).kto.beta == 0.1
 
 
@@ -78,7 +82,9 @@ def test_every_error_is_listed_at_once(tmp_path: Path) -> None:
 
 
 def test_fp32_with_zero_on_hybrid_parallel_says_how_to_fix(tmp_path: Path) -> None:
-    path = _write(tmp_path, MINIMAL + "plugin:\n  name: hybrid_parallel\n  zero_stage: 2\n  precision: fp32\n")
+    path = _write(
+        tmp_path, MINIMAL + "plugin:\n  name: hybrid_parallel\n  zero_stage: 2\n  precision: fp32\n"
+    )
     with pytest.raises(ConfigError) as err:
         load_config(path)
     message = str(err.value)
@@ -92,7 +98,10 @@ def test_other_impossible_combinations(tmp_path: Path) -> None:
     path = _write(tmp_path, MINIMAL)
     for overrides, needle in [
         (["plugin.name=ddp", "plugin.zero_stage=2"], "plugin.name ddp has no ZeRO"),
-        (["plugin.name=low_level_zero", "plugin.tp_size=2"], "plugin.tp_size 2 needs plugin.name hybrid_parallel"),
+        (
+            ["plugin.name=low_level_zero", "plugin.tp_size=2"],
+            "plugin.tp_size 2 needs plugin.name hybrid_parallel",
+        ),
         (["data.max_prompt_length=600", "data.max_length=512"], "data.max_prompt_length (600)"),
     ]:
         with pytest.raises(ConfigError, match=needle.replace("(", r"\(").replace(")", r"\)")):

@@ -1,0 +1,95 @@
+"""The KTO loss as a pure function of per-example log-probs (Ethayarajh et al. 2024, arXiv 2402.01306).
+
+For an example (x, y) with sequence log-probs summed over completion tokens only, let
+``r = log pi_theta(y|x) - log pi_ref(y|x)`` and ``z0`` the reference point (see :func:`estimate_kl`).
+Eq. 7 gives the per-example loss
+
+    desirable:    lambda_D * (1 - sigmoid(beta * (r - z0)))
+    undesirable:  lambda_U * (1 - sigmoid(beta * (z0 - r)))
+
+and, z0 being a constant (detached), Prop. 4.1 gives its gradient with respect to ``log pi_theta(y|x)``
+
+    desirable:    -lambda_D * beta * sigmoid(z) * sigmoid(-z),   z = beta * (r - z0)
+    undesirable:  +lambda_U * beta * sigmoid(z) * sigmoid(-z),   z = beta * (z0 - r)
+
+so examples already far on the right side of z0 (|z| large) stop pulling on the policy.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def kto_loss(
+    policy_logps: torch.Tensor,
+    reference_logps: torch.Tensor,
+    labels: torch.Tensor,
+    kl: float | torch.Tensor,
+    beta: float = 0.1,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-example KTO losses and rewards.
+
+    Args:
+        policy_logps: [B] summed completion log-probs under the policy (any float dtype; grad flows here).
+        reference_logps: [B] the same under the reference model (treated as a constant).
+        labels: [B] bool (or 0/1 ints): True = desirable.
+        kl: the reference point z0, a python float or 0-dim tensor; detached here, so no gradient reaches it.
+        beta, desirable_weight, undesirable_weight: beta, lambda_D, lambda_U of Eq. 7.
+
+    Returns:
+        (losses [B] fp32, rewards [B] fp32 = beta * r, detached). Reduce (sum / count) in the caller.
+
+    The label picks the branch through ``torch.where`` instead of splitting the batch into chosen and
+    rejected lists, so micro-batches holding one label (or none: B == 0 gives empty tensors) need no special
+    case and every rank runs the same ops with the same dtypes.
+    """
+    if policy_logps.shape != reference_logps.shape or policy_logps.shape != labels.shape:
+        raise ValueError(
+            f"kto_loss: shapes differ: policy {tuple(policy_logps.shape)}, "
+            f"reference {tuple(reference_logps.shape)}, labels {tuple(labels.shape)}"
+        )
+    device = policy_logps.device
+    # fp32 whatever the model dtype: bf16 log-ratios of long sequences lose whole units.
+    r = policy_logps.float() - reference_logps.detach().to(device, torch.float32)
+    z0 = torch.as_tensor(kl, dtype=torch.float32, device=device).detach()
+    desirable = labels.to(device).bool()
+    z = beta * torch.where(desirable, r - z0, z0 - r)
+    weight = torch.where(
+        desirable,
+        torch.tensor(float(desirable_weight), device=device),
+        torch.tensor(float(undesirable_weight), device=device),
+    )
+    # sigmoid(-z) == 1 - sigmoid(z), without the cancellation when sigmoid(z) is close to 1.
+    losses = weight * torch.sigmoid(-z)
+    rewards = beta * r.detach()
+    return losses, rewards
+
+
+def estimate_kl(
+    policy_kl_logps: torch.Tensor,
+    reference_kl_logps: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """The reference point z0 = max(0, global mean of (policy_kl_logps - reference_kl_logps)).
+
+    Args:
+        policy_kl_logps, reference_kl_logps: [N] log-probs of the mismatched (x', y'') KL pairs; N may be 0.
+        group: the data-parallel process group; every rank of it must call this (it is a collective).
+            None: no reduction (one process, or the caller reduces).
+
+    Returns:
+        0-dim fp32 tensor, detached; 0 when no rank holds any pair.
+
+    The mean is sum / count over all ranks, not the mean of per-rank means (wrong with uneven batches),
+    and the clamp comes after averaging, as in the paper. One all_reduce of a [sum, count] fp32 tensor:
+    the same shape and dtype on every rank whatever its batch, so no rank can desynchronise the collective.
+    """
+    diff = policy_kl_logps.detach().float() - reference_kl_logps.detach().to(policy_kl_logps.device).float()
+    stats = torch.stack([diff.sum(), torch.tensor(float(diff.numel()), device=diff.device)])
+    if group is not None:
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+    # With count 0 the sum is 0 too, so clamping the divisor at 1 returns 0 without a branch (no sync).
+    return (stats[0] / stats[1].clamp(min=1.0)).clamp(min=0.0)
