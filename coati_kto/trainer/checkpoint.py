@@ -1,0 +1,240 @@
+"""Atomic, exactly resumable checkpoints and the final Hugging Face export.
+
+Layout of ``root/step-N/``: ``model/`` (booster, sharded safetensors), ``optimizer/`` (booster, sharded),
+``lr_scheduler.pt``, ``trainer_state/rank-R.pt`` (the trainer's state and this rank's RNG states),
+``master_weights/rank-R.pt`` (this rank's fp32 master shard, mixed precision only), ``meta.json`` and
+``COMPLETE``. ColossalAI's optimizer checkpoint holds Adam's moments but not the fp32 master weights: on load
+it rebuilds them from the bf16 model, and a resumed bf16 run drifts. Saving the masters makes it exact.
+
+``root`` must be one directory that every rank sees (a shared filesystem on multi-node runs).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from colossalai.booster import Booster
+
+from coati_kto.distributed import ParallelLayout, barrier
+from coati_kto.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+COMPLETE = "COMPLETE"
+LATEST = "latest"
+_STEP_DIR = re.compile(r"step-(\d+)")
+
+
+class CheckpointManager:
+    """Saves and restores training state under ``root``; keeps the last ``keep_last`` complete checkpoints."""
+
+    def __init__(
+        self, root: str | Path, booster: Booster, layout: ParallelLayout, keep_last: int = 2
+    ) -> None:
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        self.root = Path(root)
+        self.booster = booster
+        self.layout = layout
+        self.keep_last = keep_last
+
+    # ---- save ---------------------------------------------------------------------------------------------
+    def save(self, step: int, model: Any, optimizer: Any, lr_scheduler: Any, trainer_state: dict) -> Path:
+        """Every rank calls. Writes ``root/step-{step}/`` atomically; returns its path.
+
+        All ranks write into ``step-N.tmp``; only once every rank is done does the main rank mark it
+        ``COMPLETE``, rename it into place and move ``latest``. A failure before that leaves the previous
+        checkpoint and ``latest`` untouched; the stale ``.tmp`` is removed by the next save.
+        """
+        rng = _rng_state()  # first: nothing below may consume randomness before it is recorded
+        final, tmp = self.root / f"step-{step}", self.root / f"step-{step}.tmp"
+        rank = self.layout.rank
+        if self.layout.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for stale in self.root.glob("step-*.tmp"):
+                shutil.rmtree(stale)
+            (tmp / "trainer_state").mkdir(parents=True)
+            (tmp / "master_weights").mkdir()
+        barrier()
+        self.booster.save_model(model, str(tmp / "model"), shard=True, use_safetensors=True)
+        self.booster.save_optimizer(optimizer, str(tmp / "optimizer"), shard=True)
+        self.booster.save_lr_scheduler(lr_scheduler, str(tmp / "lr_scheduler.pt"))
+        torch.save({"trainer_state": trainer_state, "rng": rng}, tmp / "trainer_state" / f"rank-{rank}.pt")
+        masters = _master_shards(model, optimizer)
+        if masters:
+            torch.save(masters, tmp / "master_weights" / f"rank-{rank}.pt")
+        barrier()  # every rank's files are on disk
+        if self.layout.is_main:
+            meta = {"step": step, **self._layout_meta(), "plugin": type(self.booster.plugin).__name__}
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
+            # COMPLETE goes in before the rename, so a directory named step-N is never seen half-done.
+            (tmp / COMPLETE).write_text(f"step {step}\n")
+            if final.exists():  # re-saving a step (e.g. right after a resume): replace it
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _write_atomic(self.root / LATEST, final.name)
+            self._prune(keep=final)
+        barrier()
+        return final
+
+    def _layout_meta(self) -> dict[str, int]:
+        return {
+            "world_size": self.layout.world_size,
+            "dp_size": self.layout.dp_size,
+            "tp_size": self.layout.tp_size,
+        }
+
+    def _prune(self, keep: Path) -> None:
+        # The checkpoint just saved always stays, even when others have higher steps (resumed from an older one).
+        others = [p for p in self._complete() if p != keep]
+        for old in others[: len(others) - (self.keep_last - 1)]:
+            shutil.rmtree(old)
+
+    def _complete(self) -> list[Path]:
+        """Complete checkpoints under root, oldest step first."""
+        if not self.root.is_dir():
+            return []
+        found = [p for p in self.root.iterdir() if _STEP_DIR.fullmatch(p.name) and (p / COMPLETE).is_file()]
+        return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+    # ---- resolve / load -----------------------------------------------------------------------------------
+    def resolve(self, resume: str | None) -> Path | None:
+        """None -> None; 'auto' -> the latest complete checkpoint under root, or None; a path -> that checkpoint.
+
+        Reads the filesystem only (no collectives), so any rank may call it. Raises UserError for a path that
+        is missing or not a complete checkpoint.
+        """
+        if resume is None:
+            return None
+        if resume == "auto":
+            pointer = self.root / LATEST
+            if pointer.is_file():
+                named = self.root / pointer.read_text().strip()
+                if (named / COMPLETE).is_file():
+                    return named
+            complete = self._complete()  # pointer missing or stale: fall back to the highest complete step
+            return complete[-1] if complete else None
+        path = Path(resume)
+        if not path.is_dir():
+            raise UserError(f"train.resume: checkpoint {path} does not exist")
+        if not (path / COMPLETE).is_file():
+            raise UserError(
+                f"train.resume: {path} is not a complete checkpoint (no {COMPLETE} marker: its save was "
+                f"interrupted, or it is not a step-N directory); use train.resume=auto or another step-N"
+            )
+        return path
+
+    def load(self, path: Path, model: Any, optimizer: Any, lr_scheduler: Any) -> dict:
+        """Every rank calls. Restores model, optimizer (with fp32 masters), scheduler and this rank's RNG.
+
+        Returns this rank's trainer_state. With another layout (world, dp or tp size) than at save time the booster
+        re-shards model and optimizer, but per-rank RNG and master shards cannot be matched: the masters are
+        rebuilt from the model weights and RNG is left as is (a warning says so).
+        """
+        path = Path(path)
+        rank = self.layout.rank
+        self.booster.load_model(model, str(path / "model"))
+        self.booster.load_optimizer(optimizer, str(path / "optimizer"))
+        self.booster.load_lr_scheduler(lr_scheduler, str(path / "lr_scheduler.pt"))
+        meta = json.loads((path / "meta.json").read_text())
+        same_layout = all(meta.get(k) == v for k, v in self._layout_meta().items())
+        master_file = path / "master_weights" / f"rank-{rank}.pt"
+        if same_layout and master_file.is_file():
+            _restore_masters(model, optimizer, torch.load(master_file, map_location="cpu"))
+        elif _master_shards(model, optimizer):
+            logger.warning(
+                "rank %d: fp32 master weights rebuilt from the model checkpoint (layout changed)", rank
+            )
+        state_file = path / "trainer_state" / f"rank-{rank if same_layout else 0}.pt"
+        # Our own file; numpy's RNG state needs full unpickling.
+        saved = torch.load(state_file, map_location="cpu", weights_only=False)
+        if same_layout:
+            _set_rng_state(saved["rng"])  # last: loading above must not advance the restored generators
+        else:
+            logger.warning("rank %d: parallel layout changed since the save, RNG states not restored", rank)
+        return saved["trainer_state"]
+
+    # ---- export -------------------------------------------------------------------------------------------
+    def export_hf(self, model: Any, tokenizer: Any, out_dir: str | Path) -> Path:
+        """Every rank calls (tensor-parallel shards are gathered by ``state_dict()``, a collective there).
+
+        The main rank writes a Hugging Face model directory (config.json, model.safetensors, tokenizer
+        files) in the training dtype; the others wait for it. Returns ``out_dir``.
+        """
+        out = Path(out_dir)
+        module = model.unwrap()
+        state = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
+        if self.layout.is_main:
+            out.mkdir(parents=True, exist_ok=True)
+            # save_pretrained drops tied duplicates that safetensors refuses, and writes config's torch_dtype.
+            module.save_pretrained(out, state_dict=state, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(out)
+        barrier()
+        return out
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _working_to_master(optimizer: Any) -> dict[int, torch.Tensor]:
+    get = getattr(optimizer, "get_working_to_master_map", None)
+    return (get() if get is not None else None) or {}
+
+
+def _master_shards(model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
+    """This rank's fp32 masters whose working parameter has a lower precision, by parameter name.
+
+    fp32 runs have none (the masters equal the working weights, which the model checkpoint holds exactly).
+    """
+    mapping = _working_to_master(optimizer)
+    shards = {}
+    for name, param in model.unwrap().named_parameters():
+        master = mapping.get(id(param))
+        if master is not None and master.dtype != param.dtype:
+            shards[name] = master.detach().cpu().clone()
+    return shards
+
+
+def _restore_masters(model: Any, optimizer: Any, shards: dict[str, torch.Tensor]) -> None:
+    mapping = _working_to_master(optimizer)
+    params = dict(model.unwrap().named_parameters())
+    with torch.no_grad():
+        for name, saved in shards.items():
+            master = mapping[id(params[name])]
+            if master.shape != saved.shape:
+                raise UserError(
+                    f"checkpoint master shard of {name} has shape {tuple(saved.shape)}, "
+                    f"this layout expects {tuple(master.shape)}"
+                )
+            master.copy_(saved)
+
+
+def _rng_state() -> dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

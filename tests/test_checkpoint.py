@@ -1,0 +1,242 @@
+"""Checkpoints on 2 gloo processes: exact fp32 and bf16 resume, atomic saves, pruning, resolve, HF export.
+
+Each scenario trains the tiny Llama on a fixed per-rank token pool; every step picks its rows with the
+global torch RNG, so a resume is only exact when the RNG states come back too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from coati_kto.testing import run_distributed
+
+FP32 = {"name": "hybrid_parallel", "zero_stage": 0, "precision": "fp32"}
+BF16 = {"name": "hybrid_parallel", "zero_stage": 2, "precision": "bf16"}
+PLUGINS = {"fp32": FP32, "bf16": BF16}
+
+
+def _setup(model_dir: str, plugin_kw: dict, root: str) -> dict[str, Any]:
+    from colossalai.booster import Booster
+    from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
+
+    from coati_kto import compat
+    from coati_kto.config import PluginSection
+    from coati_kto.distributed import ParallelLayout, seed_everything
+    from coati_kto.plugins import build_plugin
+    from coati_kto.trainer.checkpoint import CheckpointManager
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    plugin = build_plugin(PluginSection(**plugin_kw), max_grad_norm=1.0)
+    layout = ParallelLayout.from_plugin(plugin)
+    optimizer = compat.make_optimizer(model.parameters(), lr=3e-3, weight_decay=0.01)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=1, num_training_steps=10)
+    booster = Booster(plugin=plugin)
+    model, optimizer, _, _, scheduler = booster.boost(model, optimizer, lr_scheduler=scheduler)
+    gen = torch.Generator().manual_seed(100 + layout.dp_rank)
+    pool = torch.randint(3, model.unwrap().config.vocab_size, (8, 32), generator=gen)
+    seed_everything(1234 + layout.rank)  # different RNG streams per rank
+    manager = CheckpointManager(root, booster, layout, keep_last=2)
+    return dict(
+        model=model, opt=optimizer, sched=scheduler, booster=booster, layout=layout, pool=pool, mgr=manager
+    )
+
+
+def _train(s: dict[str, Any], steps: int) -> None:
+    for _ in range(steps):
+        ids = s["pool"][torch.randperm(8)[:4]]
+        out = s["model"](input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
+        s["booster"].backward(out.loss, s["opt"])
+        s["opt"].step()
+        s["opt"].zero_grad()
+        s["sched"].step()
+
+
+def _draws() -> list[float]:
+    return [*torch.rand(3).tolist(), random.random(), float(np.random.rand())]
+
+
+def _snapshot(s: dict[str, Any]) -> dict[str, Any]:
+    from coati_kto.trainer.checkpoint import _master_shards
+
+    # numpy, not tensors: torch's queue would share tensor storage with a process that is about to exit
+    weights = {n: p.detach().float().numpy().copy() for n, p in s["model"].unwrap().named_parameters()}
+    masters = {n: m.numpy() for n, m in _master_shards(s["model"], s["opt"]).items()}
+    return {"weights": weights, "lr": s["sched"].get_last_lr(), "masters": masters}
+
+
+def _reference(s: dict[str, Any]) -> dict[str, Any]:
+    """Uninterrupted: 2 steps, save, 2 steps; then a save that fails part-way."""
+    _train(s, 2)
+    s["mgr"].save(2, s["model"], s["opt"], s["sched"], {"global_step": 2, "rank": s["layout"].rank})
+    draws = _draws()
+    _train(s, 2)
+    result = {"draws": draws, **_snapshot(s)}
+
+    def broken_save(*args: Any, **kwargs: Any) -> None:
+        raise OSError("disk full (simulated)")
+
+    s["booster"].save_lr_scheduler = broken_save  # after model and optimizer are written
+    try:
+        s["mgr"].save(4, s["model"], s["opt"], s["sched"], {"global_step": 4})
+    except OSError:
+        result["save_failed"] = True
+    return result
+
+
+def _resume(s: dict[str, Any], model_dir: str, export_dir: str | None) -> dict[str, Any]:
+    """Load the latest complete checkpoint (step 2) into a freshly built setup, train 2 steps."""
+    import coati_kto.trainer.checkpoint as ckpt
+
+    path = s["mgr"].resolve("auto")
+    result: dict[str, Any] = {"resolved": path.name}
+    if (
+        export_dir is not None
+    ):  # bf16: first the booster alone, which rebuilds the masters from the bf16 model
+        restore, ckpt._restore_masters = ckpt._restore_masters, lambda *a: None
+        s["mgr"].load(path, s["model"], s["opt"], s["sched"])
+        _train(s, 2)
+        result["without_masters"] = _snapshot(s)["weights"]
+        ckpt._restore_masters = restore
+    result["trainer_state"] = s["mgr"].load(path, s["model"], s["opt"], s["sched"])
+    result["draws"] = _draws()
+    _train(s, 2)
+    result.update(_snapshot(s))
+    if export_dir is not None:
+        from transformers import AutoTokenizer
+
+        s["mgr"].export_hf(s["model"], AutoTokenizer.from_pretrained(model_dir), export_dir)
+    return result
+
+
+def _housekeeping(s: dict[str, Any]) -> dict[str, Any]:
+    """Saves that replace a stale .tmp and prune to keep_last; resolve on odd directories."""
+    from coati_kto.errors import UserError
+
+    mgr, root, out = s["mgr"], s["mgr"].root, {}
+    out["stale_before"] = sorted(p.name for p in root.glob("*.tmp"))
+    for step in (4, 5):
+        mgr.save(step, s["model"], s["opt"], s["sched"], {"global_step": step})
+    out["listing"] = sorted(p.name for p in root.iterdir())
+    out["latest"] = (root / "latest").read_text()
+    mgr.save(3, s["model"], s["opt"], s["sched"], {"global_step": 3})  # as after resuming from an older step
+    out["older_listing"] = sorted(p.name for p in root.iterdir())
+    out["older_latest"] = (root / "latest").read_text()
+    if s["layout"].is_main:
+        (root / "step-9").mkdir()  # a crashed save without its COMPLETE marker
+        (root / "latest").write_text("step-9")  # even a pointer to it must be ignored
+        out["auto"] = mgr.resolve("auto").name
+        out["none"] = mgr.resolve(None)
+        for bad in (root / "step-9", root / "missing"):
+            try:
+                mgr.resolve(str(bad))
+            except UserError as err:
+                out[f"error {bad.name}"] = str(err)
+    return out
+
+
+def _first_run(model_dir: str, roots: dict[str, str]) -> dict[str, Any]:
+    return {prec: _reference(_setup(model_dir, PLUGINS[prec], root)) for prec, root in roots.items()}
+
+
+def _second_run(model_dir: str, roots: dict[str, str], export_dir: str) -> dict[str, Any]:
+    """A fresh process group: resume both precisions; fp32 then exercises saving, pruning and resolve."""
+    fp32 = _setup(model_dir, FP32, roots["fp32"])
+    out = {"fp32": _resume(fp32, model_dir, None)}
+    out["housekeeping"] = _housekeeping(fp32)
+    out["bf16"] = _resume(_setup(model_dir, BF16, roots["bf16"]), model_dir, export_dir)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    base = tmp_path_factory.mktemp("checkpoints")
+    roots = {prec: str(base / prec) for prec in PLUGINS}
+    first = run_distributed(_first_run, 2, str(tiny_model_dir), roots)
+    fp32_root = base / "fp32"
+    after_failed_save = {"latest": (fp32_root / "latest").read_text(), "dirs": sorted(os.listdir(fp32_root))}
+    second = run_distributed(_second_run, 2, str(tiny_model_dir), roots, str(base / "export"))
+    return {
+        "first": first,
+        "second": second,
+        "after_failed_save": after_failed_save,
+        "export": base / "export",
+    }
+
+
+def _max_diff(ref: dict[str, Any], res: dict[str, Any], key: str = "weights") -> float:
+    return max(float(np.abs(ref["weights"][n] - res[key][n]).max()) for n in ref["weights"])
+
+
+def _check_exact_resume(runs: dict[str, Any], prec: str) -> None:
+    refs = [r[prec] for r in runs["first"]]
+    assert refs[0]["draws"] != refs[1]["draws"]  # per-rank RNG streams, each restored to its own rank
+    for rank, (ref, res) in enumerate(zip(refs, (r[prec] for r in runs["second"]), strict=True)):
+        assert res["resolved"] == "step-2"
+        assert res["trainer_state"] == {"global_step": 2, "rank": rank}
+        assert res["draws"] == ref["draws"]
+        assert res["lr"] == ref["lr"]
+        for name, w in ref["weights"].items():
+            assert np.array_equal(w, res["weights"][name]), name
+
+
+def test_fp32_resume_is_bit_identical(runs: dict[str, Any]) -> None:
+    _check_exact_resume(runs, "fp32")
+    assert all(r["fp32"]["masters"] == {} for r in runs["first"])  # fp32: the model checkpoint is the master
+
+
+def test_bf16_zero2_resume_is_bit_identical_with_master_weights(runs: dict[str, Any]) -> None:
+    _check_exact_resume(runs, "bf16")
+    for ref, res in zip((r["bf16"] for r in runs["first"]), (r["bf16"] for r in runs["second"]), strict=True):
+        drift = _max_diff(ref, res, "without_masters")
+        print(
+            f"bf16 max abs weight diff 2 steps after resume: booster only {drift:.3e}, "
+            f"with master shards {_max_diff(ref, res):.3e}"
+        )
+        assert drift > 0.0  # the booster alone rebuilds fp32 masters from the bf16 model ...
+        assert ref["masters"].keys() == res["masters"].keys() and len(ref["masters"]) > 0
+        for name, m in ref["masters"].items():  # ... our per-rank master shards come back exactly
+            assert m.dtype == np.float32 and np.array_equal(m, res["masters"][name]), name
+
+
+def test_failed_save_keeps_last_good_checkpoint(runs: dict[str, Any]) -> None:
+    assert all(r["fp32"]["save_failed"] for r in runs["first"])
+    assert runs["after_failed_save"] == {"latest": "step-2", "dirs": ["latest", "step-2", "step-4.tmp"]}
+    assert runs["second"][0]["fp32"]["resolved"] == "step-2"  # and it loaded exactly (test above)
+
+
+def test_pruning_latest_pointer_and_resolve(runs: dict[str, Any]) -> None:
+    out = runs["second"][0]["housekeeping"]
+    assert out["stale_before"] == ["step-4.tmp"]
+    assert out["listing"] == ["latest", "step-4", "step-5"]  # step-2 pruned, the stale step-4.tmp replaced
+    assert out["latest"] == "step-5"
+    assert out["older_listing"] == ["latest", "step-3", "step-5"]  # the just-saved step is never pruned
+    assert out["older_latest"] == "step-3"
+    assert out["auto"] == "step-5" and out["none"] is None
+    assert "not a complete checkpoint" in out["error step-9"]
+    assert "does not exist" in out["error missing"]
+
+
+def test_export_hf_loads_with_trained_weights_and_tokenizer(
+    runs: dict[str, Any], tiny_model_dir: Path
+) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    export = runs["export"]
+    assert {"config.json", "model.safetensors"} <= set(os.listdir(export))
+    assert json.loads((export / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    hf = AutoModelForCausalLM.from_pretrained(export, torch_dtype=torch.float32)
+    trained = runs["second"][0]["bf16"]["weights"]
+    assert {n for n, _ in hf.named_parameters()} == set(trained)
+    for name, p in hf.named_parameters():
+        assert np.array_equal(p.detach().numpy(), trained[name]), name
+    tok, orig = AutoTokenizer.from_pretrained(export), AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert tok("Paris is the capital")["input_ids"] == orig("Paris is the capital")["input_ids"]
+    assert tok.chat_template == orig.chat_template
