@@ -1,0 +1,332 @@
+"""Read feedback files in any supported shape and normalise each record to (prompt, completion, label).
+
+Record shapes (one JSON object / table row each):
+
+* ``{"prompt": str, "completion": str, "label": bool}``: plain text, tokenized as given.
+* ``{"prompt": [messages], "completion": [messages], "label": bool}``: conversational.
+* ``{"prompt": [messages], "completion": {message}, "label": bool}``: ColossalChat's KTO format.
+* ``{"messages": [...], "label": bool}`` (or ``conversations``): the final assistant turn is the completion,
+  every turn before it (system, user, assistant, tool) the prompt.
+* ``{"prompt"?, "chosen", "rejected"}``: a preference pair becomes two records, chosen desirable and rejected
+  undesirable. Without ``prompt``, chosen and rejected are whole conversations sharing their prompt turns.
+
+Messages use ``role``/``content`` or ``from``/``value`` keys (``human`` -> user, ``gpt`` -> assistant); other
+keys (``tool_calls``, ``name``, ...) are kept for the chat template. Labels are JSON booleans or the integers
+0/1. Files: ``.jsonl``, ``.json``, ``.parquet``, a directory of them, or a ``datasets`` save_to_disk directory.
+
+Every problem is a one-line :class:`RecordError` naming ``file:line`` (``file:row N``, 0-based, for tables) and
+the field; :func:`load_records` raises it or, with ``on_bad_record="skip"``, collects it by reason.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from coati_kto.errors import DataError
+
+SUFFIXES = (".jsonl", ".json", ".parquet")
+ROLE_ALIASES = {"human": "user", "gpt": "assistant"}
+MESSAGE_LIST_KEYS = ("messages", "conversations")
+
+
+class RecordError(DataError):
+    """One unusable record; ``reason`` is a short key for counting skipped records."""
+
+    def __init__(self, source: str, field_name: str | None, problem: str, reason: str) -> None:
+        where = f"{source}: field {field_name!r}" if field_name else source
+        super().__init__(f"{where}: {problem}")
+        self.reason = reason
+        self.source = source
+
+    @classmethod
+    def restore(cls, message: str, reason: str, source: str) -> RecordError:
+        """Rebuild one from its message (records checked in ``datasets.map`` workers come back as text)."""
+        bad = cls(source, None, "", reason)
+        bad.args = (message,)
+        return bad
+
+
+@dataclass
+class Record:
+    """A validated example. ``chat``: prompt and completion are message lists, else plain strings."""
+
+    prompt: str | list[dict[str, Any]]
+    completion: str | list[dict[str, Any]]
+    label: bool
+    source: str
+    chat: bool
+
+
+@dataclass
+class LoadResult:
+    records: list[Record]
+    files: list[str]
+    skipped: list[RecordError] = field(default_factory=list)
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    """A short one-line rendering of a bad value for error messages."""
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _label(raw: dict[str, Any], source: str) -> bool:
+    if "label" not in raw:
+        raise RecordError(source, "label", "missing (expected true/false or 0/1)", "missing_label")
+    value = raw["label"]
+    if hasattr(value, "item") and not isinstance(value, (list, dict)):  # numpy scalars from tables
+        value = value.item()
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    raise RecordError(source, "label", f"expected true/false or 0/1, got {_show(value)}", "bad_label")
+
+
+def _message(raw: Any, source: str, where: str) -> dict[str, Any]:
+    """Normalise one message to ``role``/``content`` (plus any extra keys the template may use)."""
+    if not isinstance(raw, dict):
+        raise RecordError(source, where, f"expected a message object, got {_show(raw)}", "bad_message")
+    # Tables (parquet, arrow) give every message all keys seen in the column, the absent ones as None.
+    role = raw.get("role") if raw.get("role") is not None else raw.get("from")
+    if not isinstance(role, str) or not role:
+        raise RecordError(source, where, "message has no 'role' (or 'from') string", "bad_message")
+    key = "content" if raw.get("content") is not None or "value" not in raw else "value"
+    content = raw.get(key)
+    # OpenAI-style tool calls carry no text; the template renders tool_calls instead.
+    if content is None and raw.get("tool_calls"):
+        content = ""
+    if not isinstance(content, str):
+        problem = "missing" if content is None else f"expected a string, got {_show(content)}"
+        raise RecordError(source, f"{where}.{key}", problem, "non_string_content")
+    extra = {k: v for k, v in raw.items() if k not in ("role", "from", "content", "value") and v is not None}
+    return {"role": ROLE_ALIASES.get(role.lower(), role.lower()), "content": content, **extra}
+
+
+def _messages(raw: Any, source: str, key: str) -> list[dict[str, Any]]:
+    if not isinstance(raw, list):
+        raise RecordError(source, key, f"expected a list of messages, got {_show(raw)}", "bad_message")
+    return [_message(m, source, f"{key}[{i}]") for i, m in enumerate(raw)]
+
+
+def _split_conversation(messages: list[dict[str, Any]], source: str, key: str) -> tuple[list, list]:
+    """Everything before the final assistant turn is the prompt; that turn is the completion."""
+    if not messages or messages[-1]["role"] != "assistant":
+        last = messages[-1]["role"] if messages else "no messages"
+        raise RecordError(
+            source,
+            key,
+            f"needs a final assistant turn as the completion (last turn: {last})",
+            "no_final_assistant",
+        )
+    return messages[:-1], messages[-1:]
+
+
+def _check_completion(completion: str | list[dict[str, Any]], source: str, key: str) -> None:
+    if isinstance(completion, str):
+        empty = not completion.strip()
+    else:
+        empty = not any(m["content"].strip() or m.get("tool_calls") for m in completion)
+    if empty:
+        raise RecordError(source, key, "empty completion", "empty_completion")
+
+
+def _prompt_and_completion(raw: dict[str, Any], key: str, source: str) -> tuple[Any, Any, bool]:
+    """``raw["prompt"]`` with ``raw[key]`` (completion, chosen or rejected): plain text or messages."""
+    prompt, completion = raw["prompt"], raw[key]
+    if isinstance(prompt, str) and isinstance(completion, str):
+        _check_completion(completion, source, key)
+        return prompt, completion, False
+    if isinstance(prompt, str) or isinstance(completion, str):
+        kinds = f"prompt is {type(prompt).__name__}, {key} is {type(completion).__name__}"
+        raise RecordError(
+            source, key, f"prompt and {key} must both be strings or messages ({kinds})", "mixed"
+        )
+    messages = _messages(prompt, source, "prompt")
+    if isinstance(completion, dict):  # ColossalChat: a single assistant message
+        completion = [completion]
+    reply = _messages(completion, source, key)
+    if not reply or reply[-1]["role"] != "assistant":
+        raise RecordError(
+            source, key, "the completion must end with an assistant message", "no_final_assistant"
+        )
+    _check_completion(reply, source, key)
+    return messages, reply, True
+
+
+def normalize(raw: Any, source: str) -> list[Record]:
+    """One raw record -> one Record (two for a preference pair); raises RecordError."""
+    if not isinstance(raw, dict):
+        raise RecordError(source, None, f"expected a JSON object, got {_show(raw)}", "unknown_format")
+    if "chosen" in raw and "rejected" in raw:
+        out = []
+        for key, label in (("chosen", True), ("rejected", False)):
+            where = f"{source} ({key})"
+            if "prompt" in raw:
+                prompt, completion, chat = _prompt_and_completion(raw, key, source)
+            else:
+                prompt, completion = _split_conversation(_messages(raw[key], source, key), source, key)
+                _check_completion(completion, source, key)
+                chat = True
+            out.append(Record(prompt, completion, label, where, chat))
+        return out
+    for key in MESSAGE_LIST_KEYS:
+        if key in raw:
+            label = _label(raw, source)
+            prompt, completion = _split_conversation(_messages(raw[key], source, key), source, key)
+            _check_completion(completion, source, key)
+            return [Record(prompt, completion, label, source, True)]
+    if "prompt" in raw and "completion" in raw:
+        label = _label(raw, source)
+        prompt, completion, chat = _prompt_and_completion(raw, "completion", source)
+        return [Record(prompt, completion, label, source, chat)]
+    keys = ", ".join(sorted(map(str, raw))) or "none"
+    raise RecordError(
+        source,
+        None,
+        f"unknown record format (keys: {keys}); expected prompt/completion/label, messages/label, "
+        "conversations/label or prompt/chosen/rejected",
+        "unknown_format",
+    )
+
+
+# ---------------------------------------------------------------------------------------------- files
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    return any((path / name).exists() for name in ("state.json", "dataset_dict.json", "dataset_info.json"))
+
+
+def _walk(root: Path) -> list[Path]:
+    """Data files and saved datasets under ``root``, sorted; skips hidden entries and coati-kto prepared dirs
+    (a prepared_dir placed inside the data directory must not be read back as data)."""
+    found: list[Path] = []
+    for entry in sorted(root.iterdir()):
+        if entry.name.startswith("."):
+            continue
+        if entry.is_dir():
+            if (entry / "fingerprint.json").exists():
+                continue
+            found.extend([entry] if _is_saved_dataset(entry) else _walk(entry))
+        elif entry.suffix in SUFFIXES:
+            found.append(entry)
+    return found
+
+
+def resolve_files(paths: list[str], key: str) -> list[Path]:
+    """Expand directories (sorted, recursive) into data files; a saved dataset stays one path."""
+    out: list[Path] = []
+    for name in paths:
+        path = Path(name)
+        if not path.exists():
+            raise DataError(f"{key}: {name}: no such file or directory")
+        if path.is_dir() and not _is_saved_dataset(path):
+            found = _walk(path)
+            if not found:
+                raise DataError(f"{key}: {name}: directory holds no {'/'.join(SUFFIXES)} files or datasets")
+            out.extend(found)
+        elif path.is_file() and path.suffix not in SUFFIXES:
+            raise DataError(
+                f"{key}: {name}: unsupported file type (use {', '.join(SUFFIXES)} or a dataset dir)"
+            )
+        else:
+            out.append(path)
+    return out
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    """(``file:line``, parsed object) per non-blank line; a malformed line yields a RecordError in its place."""
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            source = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # tolerate a byte-order mark
+            except UnicodeDecodeError as err:
+                yield (
+                    source,
+                    RecordError(source, None, f"not UTF-8 text (byte {err.start + 1})", "malformed_json"),
+                )
+                continue
+            if not line.strip():
+                continue
+            try:
+                yield source, json.loads(line)
+            except json.JSONDecodeError as err:
+                problem = f"malformed JSON ({err.msg} at column {err.colno})"
+                yield source, RecordError(source, None, problem, "malformed_json")
+
+
+def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    """A .json file: an array of records, ``{"data": [...]}``, or JSON lines under a .json name."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8-sig"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        yield from _jsonl_rows(path)  # the line numbers then point at the broken line
+        return
+    if isinstance(data, dict) and isinstance(data.get("data"), list):
+        data = data["data"]
+    if isinstance(data, dict):
+        data = [data]
+    if not isinstance(data, list):
+        raise DataError(f"{path}: expected a JSON array of records, got {_show(data)}")
+    for i, item in enumerate(data):
+        yield f"{path}:row {i}", item
+
+
+def _table_rows(path: Path, cache_dir: str | None) -> Iterator[tuple[str, Any]]:
+    import datasets
+
+    try:
+        if path.is_dir():
+            ds = datasets.load_from_disk(str(path))
+        else:
+            ds = datasets.Dataset.from_parquet(str(path), cache_dir=cache_dir)
+    except Exception as err:  # corrupt or foreign files: say which, in one line
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise DataError(
+            f"{path}: cannot read it with datasets ({type(err).__name__}: {first[:200]})"
+        ) from None
+    if isinstance(ds, datasets.DatasetDict):
+        if len(ds) != 1:
+            raise DataError(
+                f"{path}: a DatasetDict with splits {sorted(ds)}: point at one split's directory, "
+                f"e.g. {path / sorted(ds)[0]}"
+            )
+        ds = next(iter(ds.values()))
+    for i, row in enumerate(ds):
+        # A table has every column in every row; keys a record did not have come back as None.
+        yield f"{path}:row {i}", {k: v for k, v in row.items() if v is not None}
+
+
+def iter_raw(path: Path, cache_dir: str | None = None) -> Iterator[tuple[str, Any]]:
+    if path.suffix == ".jsonl":
+        return _jsonl_rows(path)
+    if path.suffix == ".json":
+        return _json_rows(path)
+    return _table_rows(path, cache_dir)
+
+
+def load_records(
+    paths: list[str],
+    key: str = "data.train_files",
+    on_bad_record: str = "error",
+    cache_dir: str | None = None,
+) -> LoadResult:
+    """Read and validate every record of ``paths``; ``on_bad_record`` is ``"error"`` or ``"skip"``."""
+    files = resolve_files(paths, key)
+    result = LoadResult(records=[], files=[str(p) for p in files])
+    for path in files:
+        for source, raw in iter_raw(path, cache_dir):
+            try:
+                if isinstance(raw, RecordError):
+                    raise raw
+                result.records.extend(normalize(raw, source))
+            except RecordError as bad:
+                if on_bad_record == "error":
+                    raise
+                result.skipped.append(bad)
+    return result

@@ -1,0 +1,252 @@
+"""Prompt/completion text -> token ids with a completion-only loss mask, and counted truncation.
+
+Rendering: message records go through the tokenizer's own chat template: the prompt is
+``template(prompt, add_generation_prompt=True)``, the completion text is what ``template(prompt +
+completion)`` adds after it. Plain strings are used as given (a tokenizer that prepends BOS gets its BOS).
+
+Splitting (why not ``full[len(prompt):]``): BPE may merge tokens across the prompt/completion boundary
+(``"Answer: " + "5"`` tokenizes as ``"Answer:" + " 5"``), so the prompt's tokens are not always a prefix of the
+full text's tokens and a mask taken by position would be shifted. We tokenize the prompt text and the
+completion text separately and concatenate the ids: the split is exact by construction, the loss mask decodes
+to exactly the completion text, and the prompt tokens are what the model sees at generation time (it is
+given the prompt's tokens and continues from there). Examples where the joined text would tokenize
+differently at the boundary are counted (``boundary_merges`` in stats.json) so the user knows.
+
+EOS: the completion ends with the tokenizer's EOS unless its last non-whitespace token already is EOS (the
+ChatML template ends a turn with ``<|im_end|>\\n``; a plain completion may end with the EOS text itself).
+
+Truncation (:func:`truncation`): only an example longer than ``max_length`` is cut. Its prompt keeps its END
+(at most ``max_prompt_length`` tokens), its completion its START (what fits in the rest). Every cut is counted
+by the caller; an example with no room left for a completion token is dropped (or an error), never cropped
+to nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+from transformers import PreTrainedTokenizerBase
+
+from coati_kto.data.formats import RecordError
+
+
+def render(
+    tokenizer: PreTrainedTokenizerBase, prompt: Any, completion: Any, chat: bool, source: str
+) -> tuple[str, str]:
+    """(prompt text, completion text); for chat records ``prompt text + completion text`` is the whole
+    conversation as the template renders it. Raises RecordError when the template fails on this record."""
+    if not chat:
+        return prompt, completion
+    out = render_chats(tokenizer, [prompt], [completion], [source])[0]
+    if isinstance(out, RecordError):
+        raise out
+    return out
+
+
+def render_chats(
+    tokenizer: PreTrainedTokenizerBase, prompts: list[list], completions: list[list], sources: list[str]
+) -> list[tuple[str, str] | RecordError]:
+    """:func:`render` for many chat records at once, errors returned in place.
+
+    One batched ``apply_chat_template`` call per batch: its per-call overhead costs as much as the rendering.
+    A batch that fails is rendered record by record to name the records at fault.
+    """
+    try:
+        prompt_texts = tokenizer.apply_chat_template(prompts, tokenize=False, add_generation_prompt=True)
+        full_texts = tokenizer.apply_chat_template(
+            [p + c for p, c in zip(prompts, completions, strict=True)], tokenize=False
+        )
+    except Exception as err:  # jinja raises on e.g. non-alternating roles; name the record, not the template
+        if len(prompts) > 1:
+            return [
+                render_chats(tokenizer, [p], [c], [s])[0]
+                for p, c, s in zip(prompts, completions, sources, strict=True)
+            ]
+        msg = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return [RecordError(sources[0], "messages", f"the chat template failed: {msg}", "chat_template")]
+    out: list[tuple[str, str] | RecordError] = []
+    for prompt_text, full_text, source in zip(prompt_texts, full_texts, sources, strict=True):
+        if full_text.startswith(prompt_text):
+            out.append((prompt_text, full_text[len(prompt_text) :]))
+        else:
+            problem = (
+                "the chat template renders the prompt (add_generation_prompt=True) as something that is not a "
+                "prefix of the whole conversation, so the completion cannot be located"
+            )
+            out.append(RecordError(source, "messages", problem, "chat_template"))
+    return out
+
+
+def bos_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Ids the tokenizer puts before plain text by itself (e.g. Llama's BOS); [] for most chat tokenizers."""
+    plain = tokenizer("x", add_special_tokens=False)["input_ids"]
+    special = tokenizer("x", add_special_tokens=True)["input_ids"]
+    for k in range(len(special) - len(plain) + 1):
+        if special[k : k + len(plain)] == plain:
+            return special[:k]
+    return []
+
+
+def prompt_hash(text: str) -> int:
+    """A stable 63-bit id of a rendered prompt (KL pairs avoid pairing examples with equal prompts)."""
+    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little") >> 1
+
+
+BOUNDARY_WINDOW = 64  # characters either side of the prompt/completion boundary checked for BPE merges
+
+
+class Encoder:
+    """Batched encoder for ``datasets.map``; picklable, so it runs in ``num_proc`` worker processes."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.tokenizer = tokenizer
+        self.bos = bos_prefix(tokenizer)
+        self.eos = tokenizer.eos_token_id
+        self._blank: dict[int, bool] = {}
+
+    def _is_blank(self, token: int) -> bool:
+        if token not in self._blank:
+            self._blank[token] = not self.tokenizer.decode([token]).strip()
+        return self._blank[token]
+
+    def ends_with_eos(self, ids: list[int]) -> bool:
+        for token in reversed(ids):
+            if token == self.eos:
+                return True
+            if not self._is_blank(token):
+                return False
+        return False
+
+    def boundary_merges(self, prompts: list[str], completions: list[str]) -> list[bool]:
+        """Whether tokenizing prompt + completion together would merge tokens across the boundary.
+
+        Checked on a window of BOUNDARY_WINDOW characters either side (merges are local to the pre-token
+        that spans the boundary), so the check costs little next to tokenizing the whole text again.
+        """
+        tails = [p[-BOUNDARY_WINDOW:] for p in prompts]
+        heads = [c[:BOUNDARY_WINDOW] for c in completions]
+        tok = self.tokenizer
+        joint = tok([t + h for t, h in zip(tails, heads, strict=True)], add_special_tokens=False)["input_ids"]
+        t_ids = tok(tails, add_special_tokens=False)["input_ids"]
+        h_ids = tok(heads, add_special_tokens=False)["input_ids"]
+        return [j != t + h for j, t, h in zip(joint, t_ids, h_ids, strict=True)]
+
+    def __call__(self, batch: dict[str, list]) -> dict[str, list]:
+        """Columns prompt/completion (JSON message lists when ``chat``)/chat/source -> prompt_ids,
+        completion_ids, prompt_hash, boundary_merge, error_reason, error ("" when the record is fine)."""
+        n = len(batch["prompt"])
+        texts: list[tuple[str, str] | RecordError] = list(
+            zip(batch["prompt"], batch["completion"], strict=True)
+        )
+        chat_rows = [i for i in range(n) if batch["chat"][i]]
+        if chat_rows:
+            rendered = render_chats(
+                self.tokenizer,
+                [json.loads(batch["prompt"][i]) for i in chat_rows],
+                [json.loads(batch["completion"][i]) for i in chat_rows],
+                [batch["source"][i] for i in chat_rows],
+            )
+            for i, r in zip(chat_rows, rendered, strict=True):
+                texts[i] = r
+        bad = {i: t for i, t in enumerate(texts) if isinstance(t, RecordError)}
+        prompts = ["" if i in bad else t[0] for i, t in enumerate(texts)]
+        completions = ["" if i in bad else t[1] for i, t in enumerate(texts)]
+        tok = self.tokenizer
+        p_ids = tok(prompts, add_special_tokens=False)["input_ids"]
+        c_ids = tok(completions, add_special_tokens=False)["input_ids"]
+        out: dict[str, list] = {
+            "prompt_ids": [],
+            "completion_ids": [],
+            "prompt_hash": [prompt_hash(p) for p in prompts],
+            "boundary_merge": self.boundary_merges(prompts, completions),
+            "error_reason": [bad[i].reason if i in bad else "" for i in range(n)],
+            "error": [str(bad[i]) if i in bad else "" for i in range(n)],
+        }
+        for p, c, chat in zip(p_ids, c_ids, batch["chat"], strict=True):
+            if not chat:
+                p = self.bos + p
+            if self.eos is not None and not self.ends_with_eos(c):
+                c = c + [self.eos]
+            out["prompt_ids"].append(p)
+            out["completion_ids"].append(c)
+        return out
+
+
+def encode(
+    tokenizer: PreTrainedTokenizerBase, prompt: Any, completion: Any, chat: bool, source: str = "<record>"
+) -> tuple[list[int], list[int]]:
+    """(prompt ids, completion ids) of one record, exactly as prepare encodes it; raises RecordError."""
+    row = {
+        "prompt": [json.dumps(prompt) if chat else prompt],
+        "completion": [json.dumps(completion) if chat else completion],
+        "chat": [chat],
+        "source": [source],
+    }
+    out = Encoder(tokenizer)(row)
+    if out["error"][0]:
+        raise RecordError.restore(out["error"][0], out["error_reason"][0], source)
+    return out["prompt_ids"][0], out["completion_ids"][0]
+
+
+def truncation(
+    prompt_len: np.ndarray | int, completion_len: np.ndarray | int, max_length: int, max_prompt_length: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens to keep: (prompt tokens kept from the END, completion tokens kept from the START), elementwise.
+
+    Examples within ``max_length`` are kept whole. A longer one keeps at most ``max_prompt_length`` prompt
+    tokens and fills the rest of ``max_length`` with completion. A kept completion length of 0 means the
+    example cannot fit (only possible when ``max_prompt_length >= max_length``, which the config forbids).
+    """
+    p = np.asarray(prompt_len, dtype=np.int64)
+    c = np.asarray(completion_len, dtype=np.int64)
+    over = p + c > max_length
+    keep_p = np.where(over, np.minimum(p, max_prompt_length), p)
+    keep_c = np.where(over, np.clip(max_length - keep_p, 0, None), c)
+    return keep_p, np.minimum(keep_c, c)
+
+
+def _ragged_take(
+    values: np.ndarray, offsets: np.ndarray, rows: np.ndarray, start: np.ndarray, count: np.ndarray
+):
+    """Flat concatenation over i of ``list[rows[i]][start[i] : start[i] + count[i]]`` (no Python loop)."""
+    ends = np.cumsum(count)
+    total = int(ends[-1]) if len(ends) else 0
+    return values[np.arange(total) - np.repeat(ends - count - offsets[rows] - start, count)]
+
+
+def join_truncated(
+    prompts: pa.ListArray,
+    completions: pa.ListArray,
+    completion_rows: np.ndarray,
+    keep_prompt: np.ndarray,
+    keep_completion: np.ndarray,
+) -> pa.ListArray:
+    """Row i = ``prompts[i][-keep_prompt[i]:] + completions[completion_rows[i]][:keep_completion[i]]``.
+
+    The prompt keeps its END, the completion its START (``keep_*`` from :func:`truncation`). Vectorised over
+    the flat token arrays: 100k rows in milliseconds, without Python lists of ints.
+    """
+    n = len(keep_prompt)
+    p_off, c_off = prompts.offsets.to_numpy(), completions.offsets.to_numpy()
+    p_len = np.diff(p_off)
+    prompt_part = _ragged_take(
+        prompts.values.to_numpy(zero_copy_only=False), p_off, np.arange(n), p_len - keep_prompt, keep_prompt
+    )
+    comp_part = _ragged_take(
+        completions.values.to_numpy(zero_copy_only=False),
+        c_off,
+        completion_rows,
+        np.zeros(n, np.int64),
+        keep_completion,
+    )
+    lengths = keep_prompt + keep_completion
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    position = np.arange(offsets[-1]) - np.repeat(offsets[:-1], lengths)  # index within its row
+    in_prompt = position < np.repeat(keep_prompt, lengths)
+    out = np.empty(offsets[-1], dtype=np.int32)
+    out[in_prompt], out[~in_prompt] = prompt_part, comp_part
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(out))

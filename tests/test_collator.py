@@ -1,0 +1,85 @@
+"""KTOCollator: shapes, right padding, masks from lengths (correct when pad == eos)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from coati_kto.data.collator import KTOCollator
+from coati_kto.data.tokenize import encode
+from coati_kto.tiny import build_tokenizer
+from tests.conftest import CORPUS
+
+
+def row(prompt: list[int], completion: list[int], kl_completion: list[int], label: bool, index: int) -> dict:
+    return {
+        "input_ids": prompt + completion,
+        "completion_start": len(prompt),
+        "label": label,
+        "kl_input_ids": prompt + kl_completion,
+        "kl_completion_start": len(prompt),
+        "index": index,
+    }
+
+
+def test_shapes_padding_and_masks() -> None:
+    features = [
+        row([1, 2, 3], [4, 5], [6], True, 7),
+        row([8], [9, 10, 11, 12], [13, 14, 15, 16, 17], False, 3),
+    ]
+    batch = KTOCollator(pad_token_id=0)(features)
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5], [8, 9, 10, 11, 12]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
+    assert batch["loss_mask"].tolist() == [[False] * 3 + [True] * 2, [False] + [True] * 4]
+    assert batch["kl_input_ids"].tolist() == [[1, 2, 3, 6, 0, 0], [8, 13, 14, 15, 16, 17]]  # its own width
+    assert batch["kl_attention_mask"].tolist() == [[1, 1, 1, 1, 0, 0], [1] * 6]
+    assert batch["kl_loss_mask"].tolist() == [[False, False, False, True, False, False], [False] + [True] * 5]
+    assert batch["label"].tolist() == [True, False] and batch["index"].tolist() == [7, 3]
+    dtypes = {k: v.dtype for k, v in batch.items()}
+    assert dtypes == {
+        "input_ids": torch.long,
+        "attention_mask": torch.long,
+        "loss_mask": torch.bool,
+        "kl_input_ids": torch.long,
+        "kl_attention_mask": torch.long,
+        "kl_loss_mask": torch.bool,
+        "label": torch.bool,
+        "index": torch.long,
+    }
+
+
+def test_pad_to_multiple_of_and_numpy_rows() -> None:
+    features = [row([1, 2], [3], [4, 5, 6], True, 0), row([7], [8], [9], False, 1)]
+    features[0] = {k: np.asarray(v) if isinstance(v, list) else v for k, v in features[0].items()}
+    batch = KTOCollator(pad_token_id=-1, pad_to_multiple_of=8)(features)
+    assert batch["input_ids"].shape == (2, 8) and batch["kl_input_ids"].shape == (2, 8)
+    assert batch["attention_mask"].sum(1).tolist() == [3, 2]
+    assert batch["input_ids"][1].tolist() == [7, 8] + [-1] * 6
+
+
+def test_attention_and_loss_masks_when_pad_is_eos() -> None:
+    """EOS ends every completion; with pad == eos, `input_ids != pad` would hide it from attention and loss."""
+    tok = build_tokenizer(CORPUS, pad_is_eos=True)
+    assert tok.pad_token_id == tok.eos_token_id
+    features = []
+    for i, (prompt, completion) in enumerate([("2+3=", " 5"), ("The capital of France is", " Paris.")]):
+        p, c = encode(tok, prompt, completion, chat=False)
+        assert c[-1] == tok.eos_token_id
+        features.append(row(p, c, c, bool(i % 2), i))
+    batch = KTOCollator(tok.pad_token_id)(features)
+    lengths = [len(f["input_ids"]) for f in features]
+    assert batch["attention_mask"].sum(1).tolist() == lengths
+    for b, f in enumerate(features):
+        n = lengths[b]
+        assert batch["input_ids"][b, n - 1] == tok.eos_token_id and batch["attention_mask"][b, n - 1] == 1
+        assert batch["loss_mask"][b, n - 1]  # the EOS is trained on
+        assert not batch["loss_mask"][b, n:].any() and not batch["attention_mask"][b, n:].any()
+        completion = tok.decode(batch["input_ids"][b][batch["loss_mask"][b]])
+        assert completion == tok.decode(f["input_ids"][f["completion_start"] :])
+    assert (batch["input_ids"][0, lengths[0] :] == tok.eos_token_id).all()  # padded with eos, yet masked out
+
+
+def test_rejects_rows_without_completion() -> None:
+    with pytest.raises(ValueError, match="completion_start"):
+        KTOCollator(0)([row([1, 2], [], [3], True, 0)])
