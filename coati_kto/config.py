@@ -82,6 +82,9 @@ class TrainSection(_Section):
     on_nonfinite: Literal["stop", "skip"] = "stop"
     num_workers: int = Field(0, ge=0)
     log_interval: int = Field(1, ge=1)
+    dist_timeout: float = Field(
+        600.0, gt=0.0, description="Seconds a rank waits in a collective for a dead peer before failing."
+    )
 
 
 class PluginSection(_Section):

@@ -1,0 +1,514 @@
+"""KTOTrainer: KTO (Ethayarajh et al. 2024) on a ColossalAI Booster, read top to bottom.
+
+One optimizer step (``_train_step``) on every rank:
+
+1. no-grad passes over each micro-batch of the step: the policy on the KL pairs, the reference model on the
+   KL pairs and on the examples (or precomputed ``reference_logps`` / ``reference_kl_logps`` from the batch);
+2. the reference point z0 from the KL log-ratios of every micro-batch of the step on every data-parallel rank
+   (``kto.kl_scope: step``; ``micro_batch`` estimates one z0 per micro-batch instead);
+3. the policy pass with gradient per micro-batch, the KTO loss, ``booster.backward`` of
+   sum(per-example loss) / (rows x micro-batches in the step): the plugins average gradients over the
+   data-parallel ranks (DDP, ZeRO's reduce-scatter and the hybrid plugin all divide by the dp size), so the
+   gradient is that of the mean per-example loss over the global batch, whatever the layout;
+4. one all-reduce of the step's metric sums, which also carries the non-finite vote, so every rank decides
+   to step, skip or stop identically; then optimizer and LR-scheduler steps.
+
+Evaluation runs the same passes without gradient, with one z0 over the whole eval set.
+
+Every collective has the same shape and dtype on every rank whatever its labels: the loss picks its branch
+with a label mask (coati_kto.loss), z0 reduces a fixed [sum, count] pair, metrics a fixed set of sums.
+
+Dropout: KTO's log-ratios compare the policy with the reference, so both must be deterministic. The policy
+stays in train mode (gradient checkpointing needs it) with every dropout probability set to 0 here; the
+reference model is in eval mode. ``coati_kto.train`` also zeroes the dropout fields of the model configs.
+
+Gradient accumulation uses the plugin's no-sync context where it has one (DDP, hybrid zero 0/1, low-level
+ZeRO-1): only the last micro-batch of a step reduces gradients. ZeRO-2 (hybrid or low-level) asserts against
+no_sync, so there every backward reduce-scatters and gradients accumulate in the ZeRO buffers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from coati_kto.distributed import ParallelLayout, reduce_sums
+from coati_kto.errors import UserError
+from coati_kto.logprobs import completion_logits_to_keep, sequence_logps
+from coati_kto.loss import estimate_kl, kto_loss
+from coati_kto.trainer.base import SLTrainer
+from coati_kto.trainer.logging import MetricWriter, ProgressBar
+from coati_kto.trainer.metrics import IntervalMeter, StepSums, summarize
+
+_DROPOUT_ATTRS = ("attention_dropout", "attn_dropout", "hidden_dropout", "dropout", "dropout_rate")
+HISTORY_LENGTH = 10_000  # logged records kept in memory (TensorBoard/W&B hold the full run)
+
+
+class NonFiniteLossError(UserError):
+    """A NaN/inf loss with ``train.on_nonfinite: stop``; raised on every rank at the same step, before any update."""
+
+
+@dataclass
+class _NoGradPass:
+    """One micro-batch's no-grad log-probs, [B] fp32 each, and its labels/validity.
+
+    ``batch`` is kept only while its policy pass with gradient is pending (training), then dropped.
+    """
+
+    batch: dict[str, torch.Tensor] | None
+    labels: torch.Tensor  # [B] bool
+    valid: torch.Tensor  # [B] bool; False on evaluation padding rows
+    tokens: torch.Tensor  # 0-dim: non-padding tokens of valid examples and their KL pairs
+    reference: torch.Tensor
+    policy_kl: torch.Tensor
+    reference_kl: torch.Tensor
+    policy: torch.Tensor | None  # evaluation only: the policy's log-probs, computed without gradient
+
+
+class KTOTrainer(SLTrainer):
+    """KTO on a boosted policy, a frozen reference model and a dataloader of the batch contract.
+
+    The constructor up to ``coordinator`` is ColossalChat's KTOTrainer's (``actor`` is the policy,
+    ``ref_model`` the reference); ``coordinator`` is accepted for that signature and unused (ranks come from
+    ``layout``). Every rank constructs it and calls ``fit``.
+
+    Batch contract (tensors on any device): input_ids [B,S] long, attention_mask [B,S], loss_mask [B,S] bool,
+    label [B] bool, kl_input_ids / kl_attention_mask / kl_loss_mask [B,S'] (the example's unrelated KL pair),
+    optional reference_logps / reference_kl_logps [B] (precomputed: the reference model may then be None),
+    optional valid [B] bool (evaluation padding rows are False and count nowhere).
+
+    Extra keyword arguments:
+        layout: the ParallelLayout (default: from ``plugin``).
+        kl_scope: "step" (z0 over the whole optimizer step, all ranks) or "micro_batch".
+        max_steps: stop after this many optimizer steps (None: ``max_epochs`` epochs).
+        eval_interval: evaluate every N optimizer steps (0: at epoch ends only).
+        log_interval: write train metrics every N steps, exact over the interval.
+        on_nonfinite: "stop" (raise NonFiniteLossError) or "skip" (zero the gradients, no update, counted).
+        checkpoint_manager: a coati_kto.trainer.checkpoint.CheckpointManager (default: one under ``save_dir``).
+        run_config: the resolved config as a dict; stored in every checkpoint and sent to W&B.
+        wandb_project, wandb_mode, wandb_dir: W&B settings when ``fit(use_wandb=True)``.
+    """
+
+    def __init__(
+        self,
+        actor: Any,
+        ref_model: Any,
+        booster: Any,
+        actor_optim: torch.optim.Optimizer,
+        plugin: Any,
+        actor_lr_scheduler: Any,
+        tokenizer: Any,
+        max_epochs: int = 1,
+        beta: float = 0.1,
+        desirable_weight: float = 1.0,
+        undesirable_weight: float = 1.0,
+        apply_loss_mask: bool = True,
+        accumulation_steps: int = 1,
+        start_epoch: int = 0,
+        save_interval: int = 0,
+        save_dir: str | None = None,
+        coordinator: Any = None,
+        *,
+        layout: ParallelLayout | None = None,
+        kl_scope: Literal["step", "micro_batch"] = "step",
+        max_steps: int | None = None,
+        eval_interval: int = 0,
+        log_interval: int = 1,
+        on_nonfinite: Literal["stop", "skip"] = "stop",
+        checkpoint_manager: Any = None,
+        keep_last: int = 2,
+        run_config: dict | None = None,
+        wandb_project: str = "coati-kto",
+        wandb_mode: str = "online",
+        wandb_dir: str | None = None,
+    ) -> None:
+        super().__init__(booster, max_epochs, actor, actor_optim, plugin, start_epoch)
+        if accumulation_steps < 1 or log_interval < 1 or save_interval < 0 or eval_interval < 0:
+            raise ValueError("accumulation_steps and log_interval must be >= 1, save/eval intervals >= 0")
+        if kl_scope not in ("step", "micro_batch") or on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"kl_scope={kl_scope!r} / on_nonfinite={on_nonfinite!r} not understood")
+        self.policy = actor
+        self.reference = ref_model
+        self.lr_scheduler = actor_lr_scheduler
+        self.tokenizer = tokenizer
+        self.beta, self.desirable_weight, self.undesirable_weight = beta, desirable_weight, undesirable_weight
+        self.apply_loss_mask = apply_loss_mask
+        self.accumulation_steps = accumulation_steps
+        self.save_interval, self.eval_interval, self.log_interval = save_interval, eval_interval, log_interval
+        self.kl_scope, self.max_steps, self.on_nonfinite = kl_scope, max_steps, on_nonfinite
+        self.layout = layout or ParallelLayout.from_plugin(plugin)
+        if checkpoint_manager is None and save_dir is not None:
+            from coati_kto.trainer.checkpoint import CheckpointManager
+
+            checkpoint_manager = CheckpointManager(Path(save_dir), booster, self.layout, keep_last)
+        self.checkpoint_manager = checkpoint_manager
+        self.run_config = run_config
+        self.wandb_settings = {
+            "project": wandb_project,
+            "mode": wandb_mode,
+            "dir": wandb_dir or save_dir or ".",
+        }
+
+        from colossalai.accelerator import get_accelerator
+
+        self.device = get_accelerator().get_current_device()
+        # estimate_kl(group=None) means "no reduction", while the layout's None means "the world group".
+        self._kl_group = self.layout.dp_group
+        if self._kl_group is None and dist.is_initialized() and self.layout.dp_size > 1:
+            self._kl_group = dist.group.WORLD
+        stage = getattr(plugin, "zero_stage", getattr(plugin, "stage", 0))
+        self._use_no_sync = bool(plugin is not None and plugin.support_no_sync() and stage != 2)
+
+        self.skipped_steps = 0
+        # The last logged records, {"step": ..., "train/loss": ..., ...}, on all ranks (callers, tests).
+        self.history: deque[dict[str, float]] = deque(maxlen=HISTORY_LENGTH)
+        self._epoch: int | None = None  # epoch of the running (or last) step
+        self._consumed = 0  # micro-batches of self._epoch consumed on this rank
+        self._last_lr = float("nan")
+        self._resume: dict[str, Any] | None = None
+        self._last_saved_step: int | None = None
+        self._last_eval_step: int | None = None
+        self._interval = IntervalMeter()
+        self._writer: MetricWriter | None = None
+        self._progress: ProgressBar | None = None
+        for module in (self.policy, self.reference):
+            if module is not None:
+                _disable_dropout(module)
+        if self.reference is not None:
+            self.reference.eval()
+            self.reference.requires_grad_(False)
+
+    # ---------------------------------------------------------------- resume / setup
+    def resume(self, checkpoint: str | Path) -> None:
+        """Restore model, optimizer, scheduler, RNG and the step/epoch/data position; every rank calls, before fit."""
+        if self.checkpoint_manager is None:
+            raise ValueError("resume needs a checkpoint_manager (or save_dir)")
+        state = self.checkpoint_manager.load(Path(checkpoint), self.policy, self.optimizer, self.lr_scheduler)
+        self.global_step = int(state["global_step"])
+        self.start_epoch = int(state["epoch"])
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self._resume = state
+        self._last_saved_step = self.global_step
+        # An evaluation at the checkpoint's step already happened (and was logged): do not repeat it.
+        self._last_eval_step = state.get("last_eval_step")
+
+    def _before_fit(
+        self, train_dataloader: Any, eval_dataloader: Any, log_dir: str | None, use_wandb: bool
+    ) -> None:
+        self._train_loader, self._eval_loader = train_dataloader, eval_dataloader
+        self.steps_per_epoch = math.ceil(len(train_dataloader) / self.accumulation_steps)
+        total = self.steps_per_epoch * self.max_epochs
+        total = min(total, self.max_steps) if self.max_steps else total
+        resumed = self._resume is not None
+        wandb = {**self.wandb_settings, "config": self.run_config} if use_wandb else None
+        self._writer = MetricWriter(
+            self.layout.is_main,
+            log_dir,
+            purge_step=self.global_step + 1 if resumed else None,
+            wandb_settings=wandb,
+        )
+        self._progress = ProgressBar(self.layout.is_main, total, initial=self.global_step)
+        self.policy.train()
+
+    def _finished(self) -> bool:
+        return self.max_steps is not None and self.global_step >= self.max_steps
+
+    # ---------------------------------------------------------------- training
+    def _train(self, epoch: int) -> None:
+        self._epoch = epoch
+        for micro_batches in self._epoch_steps(epoch):
+            self._train_step(micro_batches, epoch)
+            if self.eval_interval and self.global_step % self.eval_interval == 0:
+                self._evaluate()
+            if self.save_interval and self.global_step % self.save_interval == 0:
+                self._save(epoch)
+            if self._finished():
+                break
+
+    def _epoch_steps(self, epoch: int) -> Iterator[list[dict[str, torch.Tensor]]]:
+        """This rank's micro-batches of ``epoch`` in groups of ``accumulation_steps`` (the last may be shorter).
+
+        On resume inside the epoch the sampler is positioned after the consumed micro-batches (the remaining
+        ones follow, as if never interrupted); a loader without such a sampler has the consumed prefix skipped.
+        """
+        loader = self._train_loader
+        sampler = getattr(loader, "batch_sampler", None)
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
+        resume, self._resume = self._resume, None  # applies to the first epoch run after resume() only
+        start = int(resume["consumed"]) if resume is not None and int(resume["epoch"]) == epoch else 0
+        if start and hasattr(sampler, "load_state_dict"):
+            saved = resume.get("sampler") or {}
+            try:
+                sampler.load_state_dict({**saved, "epoch": epoch, "position": start})
+            except ValueError as err:
+                raise UserError(
+                    f"train.resume: the checkpoint's data order does not fit this run: {err}"
+                ) from None
+            batches: Iterator = iter(loader)
+        else:
+            batches = itertools.islice(iter(loader), start, None)
+        self._consumed = start
+        while chunk := list(itertools.islice(batches, self.accumulation_steps)):
+            yield chunk
+
+    def _train_step(self, micro_batches: list[dict[str, torch.Tensor]], epoch: int) -> None:
+        started = time.perf_counter()
+        step = self.global_step + 1
+        groups = [micro_batches] if self.kl_scope == "step" else [[b] for b in micro_batches]
+        sums = self._forward(groups, train=True, num_micro_batches=len(micro_batches))
+        local, kl = sums.local()
+        # The step's one metric collective; its "nonfinite" count is also the vote every rank acts on.
+        totals = reduce_sums(local, self.layout.dp_group)
+        grad_norm = None
+        if totals["nonfinite"] > 0:
+            self.optimizer.zero_grad()
+            if self.on_nonfinite == "stop":
+                raise NonFiniteLossError(self._nonfinite_message(step, epoch))
+            self.skipped_steps += 1
+        else:
+            self.optimizer.step()
+            grad_norm = self._grad_norm()
+            self.optimizer.zero_grad()
+        lr = self._current_lr()
+        if self.lr_scheduler is not None:
+            # Advanced on skipped steps too: the LR stays a function of the global step (exact resume).
+            self.lr_scheduler.step()
+        self.global_step = step
+        self._consumed += len(micro_batches)
+
+        self._interval.add(totals, kl, time.perf_counter() - started, grad_norm)
+        step_metrics = {f"train/{k}": v for k, v in summarize(totals, kl).items()}
+        if self._progress is not None:
+            self._progress.update(step_metrics)
+        self._last_lr = lr
+        if step % self.log_interval == 0:
+            self._log_interval()
+
+    def _log_interval(self) -> None:
+        metrics = {f"train/{k}": v for k, v in self._interval.summary().items()}
+        metrics.update({"train/lr": self._last_lr, "train/skipped_steps": float(self.skipped_steps)})
+        self._record(metrics)
+        self._interval.reset()
+
+    def _forward(
+        self, groups: Iterable[Iterable[dict[str, torch.Tensor]]], train: bool, num_micro_batches: int = 1
+    ) -> StepSums:
+        """Run every micro-batch of ``groups``; one reference point z0 per group. Backward when ``train``.
+
+        Phase 1 (no grad) runs over a whole group before z0 exists; phase 2 needs z0. In evaluation the policy
+        log-probs come from phase 1 and batches are dropped at once, so a whole eval set can be one group.
+        """
+        sums = StepSums(self.device)
+        done = 0
+        for group in groups:
+            passes = [self._no_grad_pass(batch, keep_batch=train) for batch in group]
+            z0 = self._reference_point(passes)
+            sums.add_kl(z0)
+            for item in passes:
+                done += 1
+                last = done == num_micro_batches
+                with self._grad_sync(last) if train else contextlib.nullcontext():
+                    policy_logps = self._policy_logps(item.batch) if train else item.policy
+                    losses, rewards = kto_loss(
+                        policy_logps,
+                        item.reference,
+                        item.labels,
+                        z0,
+                        self.beta,
+                        self.desirable_weight,
+                        self.undesirable_weight,
+                    )
+                    if train:
+                        scale = item.labels.numel() * num_micro_batches
+                        loss = torch.where(item.valid, losses, 0.0).sum() / scale
+                        self.booster.backward(loss, self.optimizer)
+                item.batch = None
+                sums.add(losses, rewards, policy_logps, item.labels, item.valid, item.tokens)
+        return sums
+
+    def _no_grad_pass(self, batch: dict[str, torch.Tensor], keep_batch: bool) -> _NoGradPass:
+        batch = {
+            k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()
+        }
+        labels = batch["label"].bool()
+        valid = batch["valid"].bool() if "valid" in batch else torch.ones_like(labels)
+        tokens = torch.where(
+            valid, batch["attention_mask"].sum(1) + batch["kl_attention_mask"].sum(1), 0
+        ).sum()
+        with torch.no_grad():
+            return _NoGradPass(
+                batch=batch if keep_batch else None,
+                labels=labels,
+                valid=valid,
+                tokens=tokens,
+                reference=self._reference_logps(batch, kl=False),
+                policy_kl=self._sequence_logps(self.policy, batch, "kl_"),
+                reference_kl=self._reference_logps(batch, kl=True),
+                policy=None if keep_batch else self._sequence_logps(self.policy, batch, ""),
+            )
+
+    def _reference_point(self, passes: list[_NoGradPass]) -> torch.Tensor:
+        """z0 over the valid KL pairs of ``passes`` on every data-parallel rank (one collective)."""
+        if not passes:  # still enter the collective: the other ranks do
+            empty = torch.zeros(0, device=self.device)
+            return estimate_kl(empty, empty, group=self._kl_group)
+        policy_kl = torch.cat([p.policy_kl[p.valid] for p in passes])
+        reference_kl = torch.cat([p.reference_kl[p.valid] for p in passes])
+        return estimate_kl(policy_kl, reference_kl, group=self._kl_group)
+
+    def _policy_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The policy's completion log-probs [B] fp32 with gradient (the only pass that builds a graph)."""
+        return self._sequence_logps(self.policy, batch, "")
+
+    def _reference_logps(self, batch: dict[str, torch.Tensor], kl: bool) -> torch.Tensor:
+        key = "reference_kl_logps" if kl else "reference_logps"
+        if key in batch:
+            return batch[key].float()
+        if self.reference is None:
+            raise ValueError(f"no reference model and the batch has no precomputed {key}")
+        return self._sequence_logps(self.reference, batch, "kl_" if kl else "")
+
+    def _sequence_logps(self, model: Any, batch: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+        input_ids = batch[f"{prefix}input_ids"]
+        attention_mask = batch[f"{prefix}attention_mask"]
+        # apply_loss_mask=False scores every non-padding token (prompt included), as ColossalChat does.
+        mask = batch[f"{prefix}loss_mask"] if self.apply_loss_mask else attention_mask
+        keep = completion_logits_to_keep(mask)
+        out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep, use_cache=False)
+        # Shardformer's tensor-parallel LlamaForCausalLM forward swallows logits_to_keep and returns all S
+        # positions; sequence_logps reads K from the logits' shape, so full logits are the (slower) fallback.
+        return sequence_logps(out.logits, input_ids, mask)
+
+    def _grad_sync(self, last: bool) -> contextlib.AbstractContextManager:
+        """No gradient reduction before the step's last micro-batch, where the plugin supports it."""
+        if last or not self._use_no_sync:
+            return contextlib.nullcontext()
+        return self.booster.no_sync(self.policy, self.optimizer)
+
+    def _grad_norm(self) -> float | None:
+        """Global pre-clipping gradient norm of the step just taken (call after step(), before zero_grad()).
+
+        ZeRO, Gemini and the hybrid plugin's optimizers (when clipping is on) expose it; otherwise (DDP, or no
+        clipping) the gradients, already averaged over dp ranks, are still held and give it here. With tensor
+        parallelism and no clipping the local norm would miss the other shards: not logged.
+        """
+        try:
+            norm = self.optimizer.get_grad_norm()
+        except (NotImplementedError, AttributeError):
+            norm = None
+        if norm is not None:
+            return float(norm)
+        if self.layout.tp_size > 1:
+            return None
+        grads = [
+            p.grad.detach().float()
+            for g in self.optimizer.param_groups
+            for p in g["params"]
+            if p.grad is not None
+        ]
+        if not grads:
+            return None
+        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
+
+    def _current_lr(self) -> float:
+        if self.lr_scheduler is not None:
+            return float(self.lr_scheduler.get_last_lr()[0])
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def _nonfinite_message(self, step: int, epoch: int) -> str:
+        last = self.checkpoint_manager.resolve("auto") if self.checkpoint_manager is not None else None
+        kept = f"the last good checkpoint is {last}" if last else "no checkpoint was saved"
+        return (
+            f"non-finite (NaN/inf) KTO loss at optimizer step {step} (epoch {epoch}); stopped before updating "
+            f"the weights, {kept}. Lower train.lr, check the data, or set train.on_nonfinite=skip"
+        )
+
+    # ---------------------------------------------------------------- evaluation
+    def _eval(self, epoch: int) -> None:
+        if self._eval_loader is not None and self._last_eval_step != self.global_step:
+            self._evaluate()
+
+    def _evaluate(self) -> dict[str, float]:
+        """The eval set once, all ranks: exact sums over valid rows, one z0 over the whole set. Every rank calls."""
+        if self._eval_loader is None:
+            return {}
+        started = time.perf_counter()
+        self.policy.eval()
+        try:
+            sums = self._forward([iter(self._eval_loader)], train=False)
+        finally:
+            self.policy.train()
+        local, kl = sums.local()
+        totals = reduce_sums(local, self.layout.dp_group)
+        seconds = time.perf_counter() - started
+        metrics = {f"eval/{k}": v for k, v in summarize(totals, kl).items()}
+        metrics["eval/examples_per_second"] = totals["examples"] / seconds
+        metrics["eval/tokens_per_second"] = totals["tokens"] / seconds
+        self._record(metrics)
+        self._last_eval_step = self.global_step
+        if self._progress is not None and "eval/loss" in metrics:
+            self._progress.write(f"step {self.global_step}: eval loss {metrics['eval/loss']:.4f}")
+        return metrics
+
+    # ---------------------------------------------------------------- logging / checkpoints / cleanup
+    def _record(self, metrics: dict[str, float]) -> None:
+        """Keep the record on every rank (tests, callers) and write it from the main rank."""
+        self.history.append({"step": float(self.global_step), **metrics})
+        if self._writer is not None:
+            self._writer.log(metrics, self.global_step)
+
+    def _save(self, epoch: int) -> None:
+        """Checkpoint after a finite step; every rank calls. The state is this rank's data position."""
+        if self.checkpoint_manager is None or self._last_saved_step == self.global_step:
+            return
+        sampler = getattr(self._train_loader, "batch_sampler", None)
+        sampler_state = None
+        if hasattr(sampler, "state_dict"):
+            # The consumed count, not the sampler's own position: a DataLoader may have prefetched further.
+            sampler_state = {**sampler.state_dict(), "epoch": epoch, "position": self._consumed}
+        state = {
+            "epoch": epoch,
+            "global_step": self.global_step,
+            "consumed": self._consumed,
+            "sampler": sampler_state,
+            "skipped_steps": self.skipped_steps,
+            "last_eval_step": self._last_eval_step,
+            "config": self.run_config,
+        }
+        self.checkpoint_manager.save(self.global_step, self.policy, self.optimizer, self.lr_scheduler, state)
+        self._last_saved_step = self.global_step
+
+    def _after_fit(self) -> None:
+        if self._interval.steps:  # the steps of an unfinished logging interval
+            self._log_interval()
+        # The final checkpoint, in the epoch of the last step (a resume from it finds no data left there).
+        if self._epoch is not None:
+            self._save(self._epoch)
+
+    def _cleanup(self) -> None:
+        if self._progress is not None:
+            self._progress.close()
+        if self._writer is not None:
+            self._writer.close()
+
+
+def _disable_dropout(module: nn.Module) -> None:
+    """Set every dropout probability of ``module`` to 0 (nn.Dropout layers and float attributes read in forward)."""
+    for sub in module.modules():
+        if isinstance(sub, nn.modules.dropout._DropoutNd):
+            sub.p = 0.0
+        for name in _DROPOUT_ATTRS:
+            if isinstance(getattr(sub, name, None), float):
+                setattr(sub, name, 0.0)

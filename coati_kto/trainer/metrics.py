@@ -1,0 +1,149 @@
+"""Exact step metrics: per-micro-batch sums and counts on the device, reduced once per step, divided afterwards.
+
+Every rank holds the same fixed set of keys whatever its labels, so the one all-reduce of a step has the same
+shape and dtype on every rank (a rank whose micro-batches hold a single label adds zeros, never skips a key).
+Means are formed only from reduced sums: never the mean of per-rank means. A mean whose count is 0 is left
+out of the result (no NaN is ever logged).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Keys summed over micro-batches and data-parallel ranks; "nonfinite" counts micro-batches whose loss is NaN/inf.
+SUM_KEYS = (
+    "examples",
+    "loss",
+    "count/chosen",
+    "count/rejected",
+    "rewards/chosen",
+    "rewards/rejected",
+    "logps/chosen",
+    "logps/rejected",
+    "tokens",
+    "nonfinite",
+)
+
+
+class StepSums:
+    """Local sums of one optimizer step (or one evaluation) on this rank, kept on ``device`` (no host sync).
+
+    ``kl`` collects the reference points z0 used in the step; each is already global (identical on every
+    data-parallel rank), so they are averaged locally and never summed over ranks.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64, device=device)
+        self._kl: list[torch.Tensor] = []
+
+    def add(
+        self,
+        losses: torch.Tensor,
+        rewards: torch.Tensor,
+        policy_logps: torch.Tensor,
+        labels: torch.Tensor,
+        valid: torch.Tensor,
+        tokens: torch.Tensor,
+    ) -> None:
+        """Add one micro-batch: losses, rewards, policy_logps [B] float; labels, valid [B] bool; tokens 0-dim.
+
+        Rows with ``valid`` False (evaluation padding) contribute nothing, even when their values are NaN.
+        """
+        chosen, rejected = labels & valid, ~labels & valid
+
+        def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return torch.where(mask, values.detach().double(), 0.0).sum()
+
+        loss = masked_sum(losses, valid)
+        # A NaN/inf reward (e.g. a -inf log-prob) can hide behind a finite loss (sigmoid saturates): flag both.
+        finite = torch.isfinite(loss + masked_sum(rewards, valid))
+        parts = {
+            "examples": valid.sum(),
+            "loss": loss,
+            "count/chosen": chosen.sum(),
+            "count/rejected": rejected.sum(),
+            "rewards/chosen": masked_sum(rewards, chosen),
+            "rewards/rejected": masked_sum(rewards, rejected),
+            "logps/chosen": masked_sum(policy_logps, chosen),
+            "logps/rejected": masked_sum(policy_logps, rejected),
+            "tokens": tokens,
+            "nonfinite": ~finite,
+        }
+        self._sums += torch.stack([parts[k].to(self._sums) for k in SUM_KEYS])
+
+    def add_kl(self, z0: torch.Tensor) -> None:
+        self._kl.append(z0.detach().double().reshape(()))
+
+    def local(self) -> tuple[dict[str, float], float | None]:
+        """(this rank's sums, mean z0 of the step or None): one device-to-host copy."""
+        kl = torch.stack(self._kl).mean() if self._kl else self._sums.new_full((), float("nan"))
+        values = torch.cat([self._sums, kl.reshape(1)]).tolist()
+        return dict(zip(SUM_KEYS, values[:-1], strict=True)), (None if not self._kl else values[-1])
+
+
+def add_totals(into: dict[str, float], totals: dict[str, float]) -> None:
+    """Accumulate reduced step totals (e.g. over a logging interval); sums stay sums."""
+    for key, value in totals.items():
+        into[key] = into.get(key, 0.0) + value
+
+
+def summarize(totals: dict[str, float], kl: float | None) -> dict[str, float]:
+    """Means from global sums: loss per example, rewards and log-probs per label, margin when both labels exist.
+
+    ``totals`` holds SUM_KEYS reduced over the data-parallel group. Keys whose count is 0 are omitted.
+    """
+    out: dict[str, float] = {}
+    if totals["examples"] > 0 and totals["nonfinite"] == 0:
+        out["loss"] = totals["loss"] / totals["examples"]
+    if kl is not None:
+        out["kl"] = kl
+    means = {}
+    for side in ("chosen", "rejected"):
+        count = totals[f"count/{side}"]
+        out[f"count/{side}"] = count
+        if count > 0:
+            means[side] = totals[f"rewards/{side}"] / count
+            out[f"rewards/{side}"] = means[side]
+            out[f"logps/{side}"] = totals[f"logps/{side}"] / count
+    if len(means) == 2:
+        out["rewards/margin"] = means["chosen"] - means["rejected"]
+    return out
+
+
+class IntervalMeter:
+    """Reduced step totals over a logging interval (``train.log_interval`` steps; 1 = every step).
+
+    Sums stay sums, so the logged means are exact over all micro-batches, ranks and steps of the interval;
+    z0 and the grad norm are per-step global values, averaged with equal weight per step.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.totals: dict[str, float] = {}
+        self.kl: list[float] = []
+        self.grad_norms: list[float] = []
+        self.seconds = 0.0
+        self.steps = 0
+
+    def add(
+        self, totals: dict[str, float], kl: float | None, seconds: float, grad_norm: float | None
+    ) -> None:
+        add_totals(self.totals, totals)
+        if kl is not None:
+            self.kl.append(kl)
+        if grad_norm is not None:
+            self.grad_norms.append(grad_norm)
+        self.seconds += seconds
+        self.steps += 1
+
+    def summary(self) -> dict[str, float]:
+        """Means and throughput of the interval (keys without prefix); the interval's examples/tokens per second."""
+        out = summarize(self.totals, sum(self.kl) / len(self.kl) if self.kl else None)
+        if self.grad_norms:
+            out["grad_norm"] = sum(self.grad_norms) / len(self.grad_norms)
+        if self.seconds > 0:
+            out["examples_per_second"] = self.totals["examples"] / self.seconds
+            out["tokens_per_second"] = self.totals["tokens"] / self.seconds
+        return out

@@ -1,0 +1,155 @@
+"""``coati-kto train`` end to end on 2 gloo processes: JSONL -> prepare -> HybridParallelPlugin ZeRO-2 bf16 with
+gradient checkpointing -> KTO on a small learnable preference set (the reward margin must rise) -> TensorBoard,
+W&B offline, checkpoints, HF export; then ``train.resume=auto`` through the CLI continues the step axis in the
+same directories.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from coati_kto.testing import run_distributed
+
+# Desirable: helpful answers; undesirable: refusals. Built from the tiny tokenizer's corpus (tests/conftest.py).
+QUESTIONS = [
+    ("What is the capital of France?", "The capital of France is Paris."),
+    ("What is the capital of Italy?", "The capital of Italy is Rome."),
+    ("Please add 2 and 3.", "The answer is 5. Thank you for asking!"),
+    ("Write a function that adds two numbers.", "def add(a, b):\n    return a + b\n"),
+    (
+        "What is the weather in Berlin?",
+        "Call the tool search with query weather in Berlin and report the result.",
+    ),
+]
+REFUSALS = ["I cannot help with that.", "Sorry, that is not possible.", "I cannot help with that. Sorry!"]
+
+
+def _records(n: int, offset: int) -> list[dict]:
+    """Imbalanced (about 2 desirable : 1 undesirable), each prompt with both kinds of answer."""
+    out = []
+    for i in range(n):
+        question, answer = QUESTIONS[(i + offset) % len(QUESTIONS)]
+        desirable = i % 3 != 2
+        completion = answer if desirable else REFUSALS[i % len(REFUSALS)]
+        out.append({"prompt": f"{question} ({i + offset})", "completion": completion, "label": desirable})
+    return out
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def _train_worker(config_path: str, overrides: list[str]) -> dict:
+    from coati_kto.config import load_config
+    from coati_kto.train import train
+
+    trainer = train(load_config(config_path, overrides))
+    return {"history": trainer.history, "dp_size": trainer.layout.dp_size, "step": trainer.global_step}
+
+
+def _cli_worker(argv: list[str]) -> int:
+    from coati_kto.cli import main
+
+    return main(argv)
+
+
+def _scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+@pytest.fixture(scope="module")
+def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("e2e")
+    config = {
+        "model": {"path": str(tiny_model_dir), "gradient_checkpointing": True},
+        "data": {
+            "train_files": [_write_jsonl(root / "train.jsonl", _records(48, 0))],
+            "eval_files": [_write_jsonl(root / "eval.jsonl", _records(9, 100))],
+            "prepared_dir": str(root / "prepared"),
+            "max_length": 96,
+            "max_prompt_length": 48,
+        },
+        "kto": {"beta": 0.1},
+        "train": {
+            "micro_batch_size": 4,
+            "accumulation_steps": 2,
+            "max_epochs": 5,
+            "max_steps": 9,
+            "lr": 5e-3,
+            "warmup_steps": 1,
+            "eval_interval": 3,
+        },
+        "plugin": {"name": "hybrid_parallel", "zero_stage": 2, "precision": "bf16"},
+        "output": {"dir": str(root / "out"), "save_interval": 3, "keep_last": 2},
+        "logging": {"tensorboard": True, "wandb": True, "wandb_mode": "offline"},
+    }
+    config_path = root / "config.yaml"
+    config_path.write_text(yaml.safe_dump(config))
+    first = run_distributed(_train_worker, 2, str(config_path), [])
+    tb_first = _scalars(root / "out" / "tensorboard")
+    # Continue from the last checkpoint (step 9) to step 12 through the CLI, in a fresh set of processes
+    # (W&B off: its service costs ~10 s per run and was checked above).
+    argv = ["train", str(config_path), "train.max_steps=12", "train.resume=auto", "logging.wandb=false"]
+    codes = run_distributed(_cli_worker, 2, argv)
+    return {"root": root, "first": first, "tb_first": tb_first, "codes": codes}
+
+
+def test_zero2_bf16_two_processes_learns_preferences(run: dict) -> None:
+    history = run["first"][0]["history"]
+    assert run["first"][0]["dp_size"] == 2 and run["first"][0]["step"] == 9
+    # Every rank holds the same reduced metrics (timings aside: each rank times itself).
+    timeless = [
+        [{k: v for k, v in h.items() if "per_second" not in k} for h in r["history"]] for r in run["first"]
+    ]
+    assert timeless[0] == timeless[1]
+    train = [h for h in history if "train/loss" in h]
+    assert [int(h["step"]) for h in train] == list(range(1, 10))
+    for h in train:  # every step: both labels, exact global counts (8 examples x 2 ranks), finite numbers
+        assert h["train/count/chosen"] + h["train/count/rejected"] == 16
+        assert all(math.isfinite(v) for v in h.values())
+        assert h["train/grad_norm"] > 0 and h["train/tokens_per_second"] > 0
+    lrs = [h["train/lr"] for h in train]  # linear warmup over 1 step (from 0), then cosine decay
+    assert lrs[0] == 0 and lrs[1] == pytest.approx(5e-3) and lrs[1] > lrs[2] > lrs[-1] > 0
+    margins = [h["train/rewards/margin"] for h in train]
+    assert sum(margins[-3:]) / 3 > margins[0] + 0.05, margins
+    evals = [h for h in history if "eval/loss" in h]
+    assert [int(h["step"]) for h in evals] == [3, 6, 9]
+    assert all(h["eval/count/chosen"] + h["eval/count/rejected"] == 9 for h in evals)
+    assert evals[-1]["eval/rewards/margin"] > evals[0]["eval/rewards/margin"]
+
+
+def test_outputs_tensorboard_wandb_config_and_final_model(run: dict) -> None:
+    out = run["root"] / "out"
+    tb = run["tb_first"]
+    assert [s for s, _ in tb["train/loss"]] == list(range(1, 10))
+    assert {"train/kl", "train/rewards/margin", "train/count/rejected", "eval/loss", "train/lr"} <= set(tb)
+    assert list((out / "wandb").glob("offline-run-*")), "W&B offline run directory missing"
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["plugin"]["zero_stage"] == 2 and saved["train"]["lr"] == 5e-3
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(out / "final")
+    assert AutoTokenizer.from_pretrained(out / "final").eos_token == "<|im_end|>"
+    assert sum(p.numel() for p in model.parameters()) > 0
+
+
+def test_cli_resume_auto_continues_step_axis(run: dict) -> None:
+    out = run["root"] / "out"
+    assert run["codes"] == [0, 0]
+    tb = _scalars(out / "tensorboard")
+    steps = [s for s, _ in tb["train/loss"]]
+    assert steps == list(range(1, 13)), steps  # 1-9 kept, 10-12 appended: one axis, no duplicates
+    assert dict(tb["train/loss"])[9] == dict(run["tb_first"]["train/loss"])[9]
+    checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-"))
+    assert checkpoints == ["step-12", "step-9"]  # keep_last 2

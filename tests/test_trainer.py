@@ -1,0 +1,578 @@
+"""KTOTrainer numbers on real gloo processes: hand-computed loss, layout invariance, exact metrics, single-label
+ranks, tensor parallelism, non-finite handling and bit-exact resume.
+
+Spawned process sets are shared: one 1-process run, one 2-process run doing several checks in sequence, and one
+fresh 2-process run that resumes from the other's checkpoint (module-scoped fixtures, computed once).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from coati_kto.data.eval_sampler import EvalBatchSampler, ValidMaskLoader
+from coati_kto.testing import run_distributed
+from coati_kto.trainer.metrics import StepSums, summarize
+
+MBS = 4  # rows per micro-batch in the layout runs
+VOCAB_HI = 390  # token ids drawn from [3, VOCAB_HI): inside the tiny tokenizer (393 tokens)
+
+# Labels of the 4 global micro-batches of each step. Rank r of R takes global micro-batches r, r+R, ...:
+# with 2 ranks x 2 accumulation, rank 0 holds only desirable rows in step 1 and rank 1 only undesirable in step 2.
+STEP_LABELS = [
+    [[1, 1, 1, 1], [0, 0, 0, 0], [1, 1, 1, 1], [1, 0, 0, 1]],
+    [[1, 0, 1, 1], [0, 0, 0, 0], [0, 1, 1, 0], [0, 0, 0, 0]],
+    [[1, 0, 1, 0], [0, 1, 1, 0], [1, 1, 0, 0], [0, 0, 1, 1]],
+]
+
+
+# ------------------------------------------------------------------------------------------- data helpers
+def _row(gen: torch.Generator, label: int) -> dict:
+    """One prepared row: a random prompt, its completion, and the same prompt with another completion (KL)."""
+
+    def draw(lo: int, hi: int) -> list[int]:
+        n = int(torch.randint(lo, hi, (1,), generator=gen))
+        return torch.randint(3, VOCAB_HI, (n,), generator=gen).tolist()
+
+    prompt = draw(3, 7)
+    return {
+        "input_ids": prompt + draw(2, 7),
+        "completion_start": len(prompt),
+        "label": bool(label),
+        "kl_input_ids": prompt + draw(2, 7),
+        "kl_completion_start": len(prompt),
+    }
+
+
+def _batch(seed: int, labels: list[int]) -> dict[str, torch.Tensor]:
+    from coati_kto.data.collator import KTOCollator
+
+    gen = torch.Generator().manual_seed(seed)
+    return KTOCollator(pad_token_id=0)([_row(gen, y) for y in labels])
+
+
+def _global_steps() -> list[list[dict[str, torch.Tensor]]]:
+    return [
+        [_batch(100 * s + g, labels) for g, labels in enumerate(step)] for s, step in enumerate(STEP_LABELS)
+    ]
+
+
+def _rank_loader(world: int, rank: int) -> list[dict[str, torch.Tensor]]:
+    """This rank's micro-batches, step after step: global micro-batches rank, rank + world, ... of each step."""
+    return [mb for step in _global_steps() for mb in step[rank::world]]
+
+
+def _config(model_dir: str, out_dir: str, **sections: dict) -> Any:
+    from coati_kto.config import Config
+
+    raw: dict[str, Any] = {
+        "model": {"path": model_dir},
+        "data": {"train_files": ["unused.jsonl"], "prepared_dir": str(Path(out_dir) / "prepared")},
+        "output": {"dir": out_dir},
+        "train": {"lr": 1e-2, "warmup_steps": 1, "min_lr_ratio": 0.1, "max_grad_norm": 1.0},
+    }
+    for name, values in sections.items():
+        raw[name] = {**raw.get(name, {}), **values}
+    return Config.model_validate(raw)
+
+
+def _build(cfg: Any, total_steps: int, **trainer_kwargs: Any):
+    """Plugin, boosted policy, reference, trainer, as coati_kto.train builds them (hand-built data instead)."""
+    from coati_kto.plugins import build_plugin
+    from coati_kto.train import build_components
+    from coati_kto.trainer.kto import KTOTrainer
+
+    plugin = build_plugin(cfg.plugin, cfg.train.max_grad_norm)
+    parts = build_components(cfg, plugin, total_steps)
+    kwargs = {
+        "max_epochs": 1,
+        "beta": cfg.kto.beta,
+        "desirable_weight": cfg.kto.desirable_weight,
+        "undesirable_weight": cfg.kto.undesirable_weight,
+        "accumulation_steps": cfg.train.accumulation_steps,
+        "layout": parts.layout,
+        "kl_scope": cfg.kto.kl_scope,
+        **trainer_kwargs,
+    }
+    trainer = KTOTrainer(
+        parts.policy,
+        parts.reference,
+        parts.booster,
+        parts.optimizer,
+        plugin,
+        parts.lr_scheduler,
+        None,
+        **kwargs,
+    )
+    return parts, trainer
+
+
+def _weights(policy: Any) -> np.ndarray:
+    """Flat fp64 copy of the policy's weights; numpy, so it crosses the result queue by value (not a shared fd)."""
+    return torch.cat([p.detach().double().flatten() for p in policy.unwrap().parameters()]).numpy()
+
+
+def _inject_nan(trainer: Any, at_step: int, rank: int | None = None) -> None:
+    """Make the policy's log-probs NaN in optimizer step ``at_step`` (on ``rank`` only, or every rank)."""
+    import torch.distributed as dist
+
+    original = trainer._policy_logps
+
+    def patched(batch):
+        logps = original(batch)
+        if trainer.global_step + 1 == at_step and (rank is None or dist.get_rank() == rank):
+            logps = logps * float("nan")
+        return logps
+
+    trainer._policy_logps = patched
+
+
+# ------------------------------------------------------------------------------------------- hand computation
+def _hand_logps(
+    model: torch.nn.Module, ids: torch.Tensor, attn: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Sum of log p(token) over loss-mask tokens, fp64 full vocabulary: the textbook formula."""
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=attn).logits.double()
+    logp = logits[:, :-1].log_softmax(-1).gather(2, ids[:, 1:, None]).squeeze(2)
+    return (logp * mask[:, 1:].double()).sum(1)
+
+
+def _hand_step(
+    policy: torch.nn.Module, reference: torch.nn.Module, groups: list[list[dict]], beta, wd, wu
+) -> dict:
+    """Eq. 7 over one optimizer step in fp64: one z0 per group of micro-batches, means per label over all."""
+    policy, reference = copy.deepcopy(policy).double(), copy.deepcopy(reference).double()
+    losses, rewards, logps, labels, z0s, raw = [], [], [], [], [], []
+    for group in groups:
+        p, r, pkl, rkl = ([] for _ in range(4))
+        for b in group:
+            p.append(_hand_logps(policy, b["input_ids"], b["attention_mask"], b["loss_mask"]))
+            r.append(_hand_logps(reference, b["input_ids"], b["attention_mask"], b["loss_mask"]))
+            pkl.append(_hand_logps(policy, b["kl_input_ids"], b["kl_attention_mask"], b["kl_loss_mask"]))
+            rkl.append(_hand_logps(reference, b["kl_input_ids"], b["kl_attention_mask"], b["kl_loss_mask"]))
+            labels.append(b["label"])
+        p, r, pkl, rkl = (torch.cat(x) for x in (p, r, pkl, rkl))
+        raw.append(float((pkl - rkl).mean()))
+        z0 = max(0.0, raw[-1])
+        z0s.append(z0)
+        for x, t in zip((p - r).tolist(), torch.cat(labels[-len(group) :]).tolist(), strict=True):
+            z = beta * (x - z0) if t else beta * (z0 - x)
+            losses.append((wd if t else wu) * (1 - 1 / (1 + math.exp(-z))))
+        rewards.append(beta * (p - r))
+        logps.append(p)
+    y, rewards, logps = torch.cat(labels), torch.cat(rewards), torch.cat(logps)
+    return {
+        "train/loss": sum(losses) / len(losses),
+        "train/kl": sum(z0s) / len(z0s),
+        "kl_raw": raw,
+        "train/rewards/chosen": float(rewards[y].mean()),
+        "train/rewards/rejected": float(rewards[~y].mean()),
+        "train/logps/chosen": float(logps[y].mean()),
+        "train/logps/rejected": float(logps[~y].mean()),
+        "train/count/chosen": float(y.sum()),
+        "train/count/rejected": float((~y).sum()),
+    }
+
+
+# ------------------------------------------------------------------------------------------- workers
+def _eval_loader(world: int, rank: int) -> ValidMaskLoader:
+    """7 eval examples in micro-batches of 2: padding on every layout (1 of 8 slots on 1 rank, 1 of 8 on 2)."""
+    from torch.utils.data import DataLoader
+
+    from coati_kto.data.collator import KTOCollator
+
+    gen = torch.Generator().manual_seed(5)
+    rows = [_row(gen, i % 3 != 0) for i in range(7)]
+    sampler = EvalBatchSampler(len(rows), 2, num_replicas=world, rank=rank)
+    return ValidMaskLoader(DataLoader(rows, batch_sampler=sampler, collate_fn=KTOCollator(0)), sampler)
+
+
+def _layout_config(model_dir: str, ref_dir: str, out_dir: str, accumulation: int, **kto: Any) -> Any:
+    return _config(
+        model_dir,
+        out_dir,
+        model={"path": model_dir, "reference_path": ref_dir},
+        plugin={"name": "hybrid_parallel", "zero_stage": 0, "precision": "fp32"},
+        train={"accumulation_steps": accumulation, "micro_batch_size": MBS},
+        kto={"beta": 0.5, "desirable_weight": 1.3, "undesirable_weight": 0.7, **kto},
+    )
+
+
+def _layout_run(model_dir: str, ref_dir: str, out_dir: str, world: int, rank: int) -> dict:
+    """3 optimizer steps over the same global batches, 4 / world micro-batches per rank per step; eval at the end."""
+    cfg = _layout_config(model_dir, ref_dir, out_dir, 4 // world)
+    parts, trainer = _build(cfg, total_steps=3)
+    start = _weights(parts.policy)
+    hand = None
+    if world == 1:
+        hand = _hand_step(parts.policy.unwrap(), parts.reference, _global_steps()[:1], 0.5, 1.3, 0.7)
+    trainer.fit(_rank_loader(world, rank), _eval_loader(world, rank))
+    return {"start": start, "weights": _weights(parts.policy), "history": trainer.history, "hand": hand}
+
+
+def _one_step_variants(model_dir: str, ref_dir: str, out_dir: str) -> dict:
+    """Step 1 with kl_scope=micro_batch (hand-checked), and with precomputed reference log-probs (no model)."""
+    step = _global_steps()[0]
+    cfg = _layout_config(model_dir, ref_dir, out_dir, 4, kl_scope="micro_batch")
+    parts, trainer = _build(cfg, total_steps=1)
+    hand = _hand_step(parts.policy.unwrap(), parts.reference, [[b] for b in step], 0.5, 1.3, 0.7)
+    with torch.no_grad():
+        precomputed = [
+            {
+                **b,
+                "reference_logps": trainer._sequence_logps(parts.reference, b, ""),
+                "reference_kl_logps": trainer._sequence_logps(parts.reference, b, "kl_"),
+            }
+            for b in step
+        ]
+    trainer.fit(step)
+    cfg = _layout_config(model_dir, ref_dir, out_dir, 4)
+    parts, no_reference = _build(cfg, total_steps=1)
+    no_reference.reference = None
+    no_reference.fit(precomputed)
+    return {"micro_batch": (trainer.history[0], hand), "precomputed": no_reference.history[0]}
+
+
+def _one_process(model_dir: str, ref_dir: str, out_dir: str) -> dict:
+    from coati_kto.trainer.kto import NonFiniteLossError
+
+    results = {"layout": _layout_run(model_dir, ref_dir, str(Path(out_dir) / "layout"), 1, 0)}
+    results["variants"] = _one_step_variants(model_dir, ref_dir, out_dir)
+
+    # on_nonfinite=stop: raises naming the step, before any update; the step-1 checkpoint stays the latest.
+    cfg = _config(
+        model_dir, out_dir, plugin={"name": "hybrid_parallel", "zero_stage": 0, "precision": "fp32"}
+    )
+    ckpt = Path(out_dir) / "stop_ckpt"
+    parts, trainer = _build(cfg, 3, save_dir=str(ckpt), save_interval=1, on_nonfinite="stop")
+    _inject_nan(trainer, at_step=2)
+    loader = [mb for step in _global_steps() for mb in step[:1]]
+    weights_before = None
+    try:
+        trainer.fit(loader)
+        results["stop_error"] = None
+    except NonFiniteLossError as err:
+        results["stop_error"] = str(err)
+    weights_before = _weights(parts.policy)
+    results["stop_checkpoints"] = sorted(p.name for p in ckpt.iterdir() if p.is_dir())
+    results["stop_step"] = trainer.global_step
+    # The weights after the failed step equal the checkpointed step-1 weights.
+    parts2, trainer2 = _build(cfg, 3, save_dir=str(ckpt))
+    trainer2.resume(trainer2.checkpoint_manager.resolve("auto"))
+    results["stop_weights_equal"] = bool(np.array_equal(_weights(parts2.policy), weights_before))
+    return results
+
+
+def _two_processes(model_dir: str, ref_dir: str, out_dir: str) -> dict:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    out = Path(out_dir)
+    results: dict[str, Any] = {"layout": _layout_run(model_dir, ref_dir, str(out / "layout"), 2, rank)}
+
+    # A non-finite loss on rank 1 only: both ranks skip the same step and stay identical.
+    cfg = _config(
+        model_dir, str(out), plugin={"name": "hybrid_parallel", "zero_stage": 0, "precision": "fp32"}
+    )
+    parts, trainer = _build(cfg, 3, on_nonfinite="skip")
+    _inject_nan(trainer, at_step=2, rank=1)
+    trainer.fit([mb for step in _global_steps() for mb in step[rank : rank + 1]])
+    results["skip"] = {
+        "skipped": trainer.skipped_steps,
+        "history": trainer.history,
+        "weights": _weights(parts.policy),
+    }
+
+    # Tensor parallelism: tp 2, dp 1 (both ranks see the same batches), 8 steps on one fixed batch.
+    cfg = _config(
+        model_dir,
+        str(out),
+        plugin={"name": "hybrid_parallel", "zero_stage": 0, "precision": "fp32", "tp_size": 2},
+        kto={"beta": 0.5},
+    )
+    parts, trainer = _build(cfg, 8)
+    fixed = _global_steps()[2][3]
+    trainer.fit([fixed] * 8)
+    results["tp"] = {
+        "dp_size": parts.layout.dp_size,
+        "tp_size": parts.layout.tp_size,
+        "history": trainer.history,
+    }
+
+    results["resume_full"] = _resume_run(model_dir, str(out), rank, resume_from=None)
+    return results
+
+
+def _resume_run(model_dir: str, out_dir: str, rank: int, resume_from: str | None) -> dict:
+    """4 optimizer steps over a real MixedLabelBatchSampler (3 steps per epoch: steps 3-4 cross an epoch),
+    low-level ZeRO-2 fp32, checkpoint at step 2, eval every 2 steps on a padded 2-rank eval set."""
+    from torch.utils.data import DataLoader
+
+    from coati_kto.data.collator import KTOCollator
+    from coati_kto.data.sampler import MixedLabelBatchSampler
+
+    gen = torch.Generator().manual_seed(7)
+    rows = [_row(gen, i % 2) for i in range(12)]
+    eval_rows = [_row(gen, i % 3 == 0) for i in range(5)]
+    collator = KTOCollator(pad_token_id=0)
+    sampler = MixedLabelBatchSampler([r["label"] for r in rows], 2, num_replicas=2, rank=rank, seed=3)
+    loader = DataLoader(rows, batch_sampler=sampler, collate_fn=collator)
+    eval_sampler = EvalBatchSampler(len(eval_rows), 2, num_replicas=2, rank=rank)
+    eval_loader = ValidMaskLoader(
+        DataLoader(eval_rows, batch_sampler=eval_sampler, collate_fn=collator), eval_sampler
+    )
+
+    run_dir = Path(out_dir) / ("resumed" if resume_from else "full")
+    cfg = _config(
+        model_dir,
+        str(run_dir),
+        plugin={"name": "low_level_zero", "zero_stage": 2, "precision": "fp32"},
+        train={"max_steps": 4, "max_epochs": 2, "micro_batch_size": 2},
+    )
+    parts, trainer = _build(
+        cfg,
+        4,
+        max_epochs=2,
+        max_steps=4,
+        save_interval=2,
+        eval_interval=2,
+        save_dir=str(run_dir / "checkpoints"),
+    )
+    if resume_from:
+        trainer.resume(resume_from)
+    trainer.fit(loader, eval_loader)
+    return {
+        "weights": _weights(parts.policy),
+        "history": trainer.history,
+        "checkpoint": str(run_dir / "checkpoints" / "step-2"),
+        "lr": trainer._current_lr(),
+    }
+
+
+def _resume_worker(model_dir: str, out_dir: str, checkpoint: str) -> dict:
+    import torch.distributed as dist
+
+    return _resume_run(model_dir, out_dir, dist.get_rank(), resume_from=checkpoint)
+
+
+# ------------------------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def reference_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model with perturbed weights: a reference that differs from the policy, so rewards are not 0.
+
+    The output layer gets the larger noise: logits with noise of std s put on average about s**2 / 2 nats less
+    on a random token, so the KL log-ratios on random sequences are clearly positive (z0 > 0, unclamped).
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=gen))
+        model.lm_head.weight.add_(0.2 * torch.randn(model.lm_head.weight.shape, generator=gen))
+    out = tmp_path_factory.mktemp("reference")
+    model.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_proc(tiny_model_dir: Path, reference_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("one_proc")
+    return run_distributed(_one_process, 1, str(tiny_model_dir), str(reference_dir), str(out))[0]
+
+
+@pytest.fixture(scope="module")
+def two_procs(
+    tiny_model_dir: Path, reference_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> list[dict]:
+    out = tmp_path_factory.mktemp("two_procs")
+    return run_distributed(_two_processes, 2, str(tiny_model_dir), str(reference_dir), str(out))
+
+
+def _records(history: list[dict], prefix: str = "train/") -> dict[int, dict]:
+    return {int(h["step"]): h for h in history if any(k.startswith(prefix) for k in h)}
+
+
+# ------------------------------------------------------------------------------------------- tests
+_CHECKED = (
+    "train/loss",
+    "train/kl",
+    "train/rewards/chosen",
+    "train/rewards/rejected",
+    "train/logps/chosen",
+    "train/logps/rejected",
+    "train/count/chosen",
+    "train/count/rejected",
+)
+
+
+def _assert_matches_hand(record: dict, hand: dict) -> None:
+    for key in _CHECKED:
+        assert record[key] == pytest.approx(hand[key], rel=1e-5, abs=1e-6), key
+    margin = hand["train/rewards/chosen"] - hand["train/rewards/rejected"]
+    assert record["train/rewards/margin"] == pytest.approx(margin, rel=1e-5, abs=1e-6)
+
+
+def test_step_loss_and_rewards_match_hand_computation(one_proc: dict) -> None:
+    hand = one_proc["layout"]["hand"]
+    assert hand["kl_raw"][0] > 0.0  # the perturbed reference makes z0 non-trivial (and unclamped)
+    _assert_matches_hand(_records(one_proc["layout"]["history"])[1], hand)
+
+
+def test_micro_batch_kl_scope_matches_hand_computation(one_proc: dict) -> None:
+    record, hand = one_proc["variants"]["micro_batch"]
+    assert len(set(hand["kl_raw"])) == 4  # one reference point per micro-batch
+    _assert_matches_hand(record, hand)
+
+
+def test_precomputed_reference_logps_need_no_reference_model(one_proc: dict) -> None:
+    record = one_proc["variants"]["precomputed"]
+    expected = _records(one_proc["layout"]["history"])[1]
+    for key in _CHECKED:
+        assert record[key] == pytest.approx(expected[key], rel=1e-6, abs=1e-7), key
+
+
+def test_layout_invariance_one_process_x4_equals_two_processes_x2(
+    one_proc: dict, two_procs: list[dict]
+) -> None:
+    single = one_proc["layout"]
+    norm = np.linalg.norm
+    assert np.array_equal(single["start"], two_procs[0]["layout"]["start"])
+    for result in two_procs:
+        diff = norm(result["layout"]["weights"] - single["weights"])
+        assert diff / norm(single["weights"]) < 1e-5, diff
+        # ... and relative to the update itself, so a run that barely moved could not pass by accident.
+        update = norm(single["weights"] - single["start"])
+        assert update > 0 and diff / update < 1e-3, (diff, update)
+    assert np.array_equal(two_procs[0]["layout"]["weights"], two_procs[1]["layout"]["weights"])
+
+
+def test_metrics_two_processes_equal_single_process_over_same_global_batch(
+    one_proc: dict, two_procs: list[dict]
+) -> None:
+    single = _records(one_proc["layout"]["history"])
+    assert sorted(single) == [1, 2, 3]
+    for result in two_procs:  # every rank holds the same reduced values
+        multi = _records(result["layout"]["history"])
+        for step, expected in single.items():
+            got = multi[step]
+            keys = {k for k in expected if k.startswith("train/") and "per_second" not in k}
+            assert keys == {k for k in got if k.startswith("train/") and "per_second" not in k}
+            for key in keys:
+                # Steps 2-3 start from weights that differ in the last fp32 bits (summation order): abs for margins.
+                assert got[key] == pytest.approx(expected[key], rel=1e-5, abs=2e-6), (step, key)
+    # Evaluation with padding rows (1 slot of 8 on each layout) gives the same exact metrics.
+    single_eval = [h for h in one_proc["layout"]["history"] if "eval/loss" in h]
+    assert [h["step"] for h in single_eval] == [3]
+    assert single_eval[0]["eval/count/chosen"] == 4 and single_eval[0]["eval/count/rejected"] == 3
+    for result in two_procs:
+        multi_eval = [h for h in result["layout"]["history"] if "eval/loss" in h]
+        for key, value in single_eval[0].items():
+            if "per_second" not in key:
+                assert multi_eval[0][key] == pytest.approx(value, rel=1e-5, abs=2e-6), key
+    # Rank 0 holds only desirable rows in step 1 (rank 1 only undesirable in step 2), yet the counts are global.
+    assert single[1]["train/count/chosen"] == 10 and single[1]["train/count/rejected"] == 6
+    assert single[2]["train/count/chosen"] == 5 and single[2]["train/count/rejected"] == 11
+
+
+def test_nonfinite_stop_names_step_and_keeps_last_good_checkpoint(one_proc: dict) -> None:
+    error = one_proc["stop_error"]
+    assert error is not None and "optimizer step 2" in error and "step-1" in error
+    assert one_proc["stop_checkpoints"] == ["step-1"]
+    assert one_proc["stop_step"] == 1
+    assert one_proc["stop_weights_equal"]
+
+
+def test_nonfinite_on_one_rank_skips_the_step_on_every_rank(two_procs: list[dict]) -> None:
+    for result in two_procs:
+        skip = result["skip"]
+        assert skip["skipped"] == 1
+        records = _records(skip["history"])
+        assert "train/loss" not in records[2] and "train/grad_norm" not in records[2]
+        assert records[2]["train/skipped_steps"] == 1
+        assert "train/loss" in records[3] and math.isfinite(records[3]["train/loss"])
+        assert np.isfinite(skip["weights"]).all()
+    assert np.array_equal(two_procs[0]["skip"]["weights"], two_procs[1]["skip"]["weights"])
+
+
+def test_tensor_parallel_two_ranks_learns_and_agrees(two_procs: list[dict]) -> None:
+    losses = []
+    for result in two_procs:
+        tp = result["tp"]
+        assert (tp["dp_size"], tp["tp_size"]) == (1, 2)
+        losses.append([h["train/loss"] for h in tp["history"]])
+    assert losses[0] == losses[1]
+    assert all(math.isfinite(x) for x in losses[0])
+    assert losses[0][-1] < losses[0][0] - 0.02, losses[0]
+
+
+def test_resume_is_bit_exact(tiny_model_dir: Path, two_procs: list[dict], tmp_path: Path) -> None:
+    full = two_procs[0]["resume_full"]
+    resumed = run_distributed(_resume_worker, 2, str(tiny_model_dir), str(tmp_path), full["checkpoint"])
+    for rank in range(2):
+        assert np.array_equal(resumed[rank]["weights"], two_procs[rank]["resume_full"]["weights"])
+        assert resumed[rank]["lr"] == two_procs[rank]["resume_full"]["lr"]
+
+    # The resumed run logs steps 3-4 (train), 3 (epoch-end eval) and 4 (eval) with the uninterrupted run's values.
+    def timeless(history: list[dict]) -> list[dict]:
+        return [{k: v for k, v in h.items() if "per_second" not in k} for h in history if h["step"] > 2]
+
+    assert timeless(resumed[0]["history"]) == timeless(full["history"])
+    evals = [h for h in full["history"] if "eval/loss" in h]
+    assert [h["step"] for h in evals] == [2, 3, 4]
+    assert all(h["eval/count/chosen"] + h["eval/count/rejected"] == 5 for h in evals)
+    assert all(h["eval/count/chosen"] == 2 for h in evals)
+
+
+# ------------------------------------------------------------------------------------------- no processes
+def test_summarize_leaves_out_means_of_absent_labels() -> None:
+    sums = StepSums(torch.device("cpu"))
+    labels = torch.tensor([True, True])
+    sums.add(
+        torch.tensor([0.2, 0.4]),
+        torch.tensor([0.1, 0.3]),
+        torch.tensor([-5.0, -7.0]),
+        labels,
+        torch.tensor([True, True]),
+        torch.tensor(9),
+    )
+    local, _ = sums.local()
+    out = summarize(local, None)
+    assert out["loss"] == pytest.approx(0.3) and out["count/rejected"] == 0
+    assert "rewards/rejected" not in out and "rewards/margin" not in out and "logps/rejected" not in out
+    assert all(math.isfinite(v) for v in out.values())
+
+
+def test_padding_rows_count_nowhere_even_when_nan() -> None:
+    sums = StepSums(torch.device("cpu"))
+    nan = float("nan")
+    sums.add(
+        torch.tensor([0.5, nan]),
+        torch.tensor([0.2, nan]),
+        torch.tensor([-3.0, nan]),
+        torch.tensor([True, False]),
+        torch.tensor([True, False]),
+        torch.tensor(4),
+    )
+    local, _ = sums.local()
+    assert local["nonfinite"] == 0 and local["examples"] == 1 and local["count/rejected"] == 0
+
+
+@pytest.mark.parametrize(("n", "m", "world"), [(5, 2, 2), (1, 3, 2), (17, 4, 3), (8, 2, 4), (3, 8, 1)])
+def test_eval_sampler_covers_every_example_once_with_equal_batches(n: int, m: int, world: int) -> None:
+    samplers = [EvalBatchSampler(n, m, world, r) for r in range(world)]
+    assert len({len(s) for s in samplers}) == 1
+    seen = []
+    for s in samplers:
+        for k, batch in enumerate(s):
+            assert len(batch) == m
+            seen += batch[: s.num_valid(k)]
+    assert sorted(seen) == list(range(n))
