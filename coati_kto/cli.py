@@ -72,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "inspect":
             from coati_kto.data.inspect import inspect_batches
 
-            inspect_batches(config, num_ranks=args.ranks, num_batches=args.batches, num_examples=args.examples)
+            inspect_batches(
+                config, num_ranks=args.ranks, num_batches=args.batches, num_examples=args.examples
+            )
         else:
             from coati_kto.train import train
 

@@ -80,7 +80,9 @@ def plugin_overrides() -> dict[str, Any]:
     return {} if cuda_available() else {"overlap_communication": False}
 
 
-def make_optimizer(params: Any, lr: float, weight_decay: float, fused_ok: bool = True) -> torch.optim.Optimizer:
+def make_optimizer(
+    params: Any, lr: float, weight_decay: float, fused_ok: bool = True
+) -> torch.optim.Optimizer:
     """HybridAdam on CUDA (fused CPU/GPU Adam kernels); torch AdamW on CPU, where HybridAdam has no kernel."""
     if cuda_available() and fused_ok:
         from colossalai.nn.optimizer import HybridAdam

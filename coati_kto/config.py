@@ -32,7 +32,9 @@ class ModelSection(_Section):
 class DataSection(_Section):
     train_files: list[str] = Field(min_length=1)
     eval_files: list[str] = Field(default_factory=list)
-    eval_fraction: float = Field(0.0, ge=0.0, lt=1.0, description="Held out of train when eval_files is empty.")
+    eval_fraction: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Held out of train when eval_files is empty."
+    )
     prepared_dir: str
     max_length: int = Field(1024, ge=8)
     max_prompt_length: int = Field(512, ge=1)
@@ -67,7 +69,9 @@ class KTOSection(_Section):
 
 class TrainSection(_Section):
     seed: int = 42
-    micro_batch_size: int = Field(4, ge=2, description="Per rank; >= 2 so each micro-batch holds both labels.")
+    micro_batch_size: int = Field(
+        4, ge=2, description="Per rank; >= 2 so each micro-batch holds both labels."
+    )
     eval_micro_batch_size: int | None = Field(None, ge=2)
     accumulation_steps: int = Field(1, ge=1)
     max_epochs: int = Field(1, ge=1)
@@ -77,8 +81,12 @@ class TrainSection(_Section):
     warmup_steps: int = Field(0, ge=0)
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
     max_grad_norm: float = Field(1.0, ge=0.0, description="0 disables clipping.")
-    eval_interval: int = Field(0, ge=0, description="Evaluate every N optimizer steps (0: at epoch ends only).")
-    resume: str | None = Field(None, description="'auto' (latest checkpoint in output.dir) or a checkpoint path.")
+    eval_interval: int = Field(
+        0, ge=0, description="Evaluate every N optimizer steps (0: at epoch ends only)."
+    )
+    resume: str | None = Field(
+        None, description="'auto' (latest checkpoint in output.dir) or a checkpoint path."
+    )
     on_nonfinite: Literal["stop", "skip"] = "stop"
     num_workers: int = Field(0, ge=0)
     log_interval: int = Field(1, ge=1)
@@ -102,7 +110,9 @@ class PluginSection(_Section):
                 "plugin.precision bf16 or fp16: set plugin.precision=bf16, or plugin.zero_stage=0 for fp32"
             )
         if self.tp_size > 1 and self.name != "hybrid_parallel":
-            raise ValueError(f"plugin.tp_size {self.tp_size} needs plugin.name hybrid_parallel (got {self.name})")
+            raise ValueError(
+                f"plugin.tp_size {self.tp_size} needs plugin.name hybrid_parallel (got {self.name})"
+            )
         if self.name == "ddp" and self.zero_stage != 0:
             raise ValueError("plugin.name ddp has no ZeRO: set plugin.zero_stage=0 (or use low_level_zero)")
         if self.name == "low_level_zero" and self.zero_stage == 0:
@@ -158,7 +168,9 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
         try:
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError as err:
-            raise ConfigError(f"override {item!r}: value is not valid YAML ({err.__class__.__name__})") from None
+            raise ConfigError(
+                f"override {item!r}: value is not valid YAML ({err.__class__.__name__})"
+            ) from None
         parsed.append((key.strip(), value))
     return parsed
 

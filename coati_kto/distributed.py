@@ -104,7 +104,7 @@ def reduce_sums(values: dict[str, float | torch.Tensor], group: ProcessGroup | N
     flat = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=_comm_device())
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    return dict(zip(keys, flat.tolist()))
+    return dict(zip(keys, flat.tolist(), strict=True))
 
 
 def all_reduce_mean(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
@@ -139,4 +139,6 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 
 def _comm_device() -> torch.device:
     # NCCL reduces only CUDA tensors; gloo only CPU ones.
-    return torch.device("cuda", torch.cuda.current_device()) if compat.cuda_available() else torch.device("cpu")
+    return (
+        torch.device("cuda", torch.cuda.current_device()) if compat.cuda_available() else torch.device("cpu")
+    )

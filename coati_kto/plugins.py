@@ -14,7 +14,12 @@ def build_plugin(cfg: PluginSection, max_grad_norm: float, flash_attention: bool
 
     Gradient clipping lives in the plugin (``max_norm``) so it sees the whole, sharded gradient.
     """
-    from colossalai.booster.plugin import GeminiPlugin, HybridParallelPlugin, LowLevelZeroPlugin, TorchDDPPlugin
+    from colossalai.booster.plugin import (
+        GeminiPlugin,
+        HybridParallelPlugin,
+        LowLevelZeroPlugin,
+        TorchDDPPlugin,
+    )
 
     device_kwargs = compat.plugin_overrides()
     if cfg.name == "hybrid_parallel":
@@ -43,5 +48,7 @@ def build_plugin(cfg: PluginSection, max_grad_norm: float, flash_attention: bool
             raise ConfigError("plugin.name gemini needs CUDA; on CPU use hybrid_parallel or low_level_zero")
         return GeminiPlugin(precision=cfg.precision, max_norm=max_grad_norm, placement_policy="auto")
     if cfg.precision != "fp32":
-        raise ConfigError("plugin.name ddp trains in fp32 here: set plugin.precision=fp32 (or use a ZeRO plugin)")
+        raise ConfigError(
+            "plugin.name ddp trains in fp32 here: set plugin.precision=fp32 (or use a ZeRO plugin)"
+        )
     return TorchDDPPlugin()

@@ -74,7 +74,9 @@ def build_llama(
     return LlamaForCausalLM(config)
 
 
-def save_tiny_model(out_dir: str | Path, corpus: Iterable[str], vocab_size: int = 512, **model_kwargs) -> Path:
+def save_tiny_model(
+    out_dir: str | Path, corpus: Iterable[str], vocab_size: int = 512, **model_kwargs
+) -> Path:
     """Build a tokenizer and a Llama and save both, HF-format, into ``out_dir`` (what ``model.path`` points to)."""
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer(corpus, vocab_size=vocab_size)
