@@ -20,20 +20,6 @@ import torch
 from coati_kto.config import Config, ModelSection, save_config
 from coati_kto.distributed import ParallelLayout, barrier, init_distributed, seed_everything
 
-# Config fields of common architectures holding dropout probabilities: zeroed for both models (see kto.py).
-_DROPOUT_FIELDS = (
-    "attention_dropout",
-    "hidden_dropout",
-    "hidden_dropout_prob",
-    "attention_probs_dropout_prob",
-    "resid_pdrop",
-    "embd_pdrop",
-    "attn_pdrop",
-    "dropout",
-    "activation_dropout",
-    "classifier_dropout",
-)
-
 
 @dataclass
 class Components:
@@ -53,16 +39,13 @@ def training_dtype(precision: str) -> torch.dtype:
 
 
 def load_causal_lm(path: str, model_cfg: ModelSection, dtype: torch.dtype) -> torch.nn.Module:
-    """A Hugging Face causal LM with every dropout probability of its config set to 0."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """A Hugging Face causal LM. Dropout is switched off on the modules by KTOTrainer, not in the config, so
+    the exported model keeps the user's config."""
+    from transformers import AutoModelForCausalLM
 
-    hf_config = AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
-    for name in _DROPOUT_FIELDS:
-        if isinstance(getattr(hf_config, name, None), float):
-            setattr(hf_config, name, 0.0)
     extra = {"attn_implementation": model_cfg.attn_implementation} if model_cfg.attn_implementation else {}
     return AutoModelForCausalLM.from_pretrained(
-        path, config=hf_config, torch_dtype=dtype, trust_remote_code=model_cfg.trust_remote_code, **extra
+        path, torch_dtype=dtype, trust_remote_code=model_cfg.trust_remote_code, **extra
     )
 
 

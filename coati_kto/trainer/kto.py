@@ -20,7 +20,7 @@ with a label mask (coati_kto.loss), z0 reduces a fixed [sum, count] pair, metric
 
 Dropout: KTO's log-ratios compare the policy with the reference, so both must be deterministic. The policy
 stays in train mode (gradient checkpointing needs it) with every dropout probability set to 0 here; the
-reference model is in eval mode. ``coati_kto.train`` also zeroes the dropout fields of the model configs.
+reference model is in eval mode. The model configs are left untouched, so the exported model keeps them.
 
 Gradient accumulation uses the plugin's no-sync context where it has one (DDP, hybrid zero 0/1, low-level
 ZeRO-1): only the last micro-batch of a step reduces gradients. ZeRO-2 (hybrid or low-level) asserts against
