@@ -56,8 +56,19 @@ def _launch_local(args: argparse.Namespace) -> int:
     return subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
 
 
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """argparse cannot take positional overrides after options (``--ranks 2 train.seed=1``): collect them."""
+    parser = _parser()
+    args, extra = parser.parse_known_args(argv)
+    unknown = [item for item in extra if item.startswith("-") or "=" not in item]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     try:
         from coati_kto.config import load_config
 

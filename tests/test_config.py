@@ -133,3 +133,13 @@ def test_launch_scripts_pass_shellcheck() -> None:
     assert len(scripts) >= 3
     proc = subprocess.run([shellcheck, *scripts], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout
+
+
+def test_cli_takes_overrides_before_and_after_options() -> None:
+    from coati_kto.cli import _parse
+
+    args = _parse(["inspect", "cfg.yaml", "train.seed=1", "--ranks", "2", "kto.beta=0.2", "--batches", "3"])
+    assert (args.config, args.ranks, args.batches) == ("cfg.yaml", 2, 3)
+    assert args.overrides == ["train.seed=1", "kto.beta=0.2"]
+    with pytest.raises(SystemExit):
+        _parse(["inspect", "cfg.yaml", "--bogus", "2"])
