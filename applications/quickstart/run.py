@@ -1,0 +1,111 @@
+"""The quickstart, end to end on CPU with no downloads (``make quickstart`` runs it from the repo root).
+
+1. data      make_data.py: "what comes after X?" feedback, 3:1 desirable:undesirable, plus SFT data
+2. sft       sft.py: a tiny Llama + byte-level BPE built offline, fine-tuned to be unsure (50/50)
+3. prepare   coati-kto prepare configs/quickstart_cpu.yaml
+4. kto       colossalai run --nproc_per_node 2 -m coati_kto train configs/quickstart_cpu.yaml
+5. evaluate  evaluate.py: greedy accuracy and log-prob margin on held-out phrasings, before vs after
+
+Everything lands in outputs/quickstart/ (removed first, so a re-run starts clean). Extra arguments of the
+form section.key=value are passed to the KTO config (e.g. ``train.max_steps=50 kto.beta=0.5``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+OUT = Path("outputs/quickstart")
+CONFIG = "configs/quickstart_cpu.yaml"
+# The launchers of the interpreter running this file (.venv/bin under `make quickstart`), not whatever is on
+# PATH: colossalai run itself calls `torchrun` through the shell, so that directory goes first on PATH too.
+BIN = Path(sys.executable).parent
+
+
+def stage(name: str, start: float) -> None:
+    print(f"[{name}] done in {time.perf_counter() - start:.1f}s", flush=True)
+
+
+def sh(cmd: list[str], env: dict[str, str] | None = None) -> None:
+    """Run a command from the repo root, echoing it; stop the pipeline if it fails."""
+    print("$ " + " ".join(cmd), flush=True)
+    code = subprocess.call(cmd, cwd=ROOT, env=env)
+    if code != 0:
+        sys.exit(f"command failed with exit status {code}: {' '.join(cmd)}")
+
+
+def kto_env() -> dict[str, str]:
+    # One thread per process: the two ranks get a core each; more threads only fight over them.
+    return {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seed", type=int, default=0, help="data, base model, SFT and KTO seed")
+    parser.add_argument("--sft-steps", type=int, default=600)
+    parser.add_argument("overrides", nargs="*", help="section.key=value for the KTO config")
+    args = parser.parse_args()
+    os.chdir(ROOT)
+    sys.path.insert(0, str(HERE))
+    import torch
+    from evaluate import evaluate, table
+    from make_data import make_data, write_jsonl
+    from sft import build_and_train
+
+    from coati_kto.distributed import free_port
+
+    # Tiny matrices: one thread is as fast as two, and it does not fight other processes for the cores.
+    torch.set_num_threads(1)
+    begin = time.perf_counter()
+    shutil.rmtree(OUT, ignore_errors=True)
+
+    t = time.perf_counter()
+    datasets = make_data(args.seed)
+    for name, rows in datasets.items():
+        write_jsonl(rows, OUT / "data" / f"{name}.jsonl")
+    n_good = sum(r["label"] for r in datasets["kto_train"])
+    print(f"KTO data: {n_good} desirable : {len(datasets['kto_train']) - n_good} undesirable -> {OUT}/data")
+    stage("data", t)
+
+    t = time.perf_counter()
+    print("SFT: " + build_and_train(datasets, OUT, seed=args.seed, steps=args.sft_steps))
+    stage("sft", t)
+
+    overrides = [f"train.seed={args.seed}", *args.overrides]
+    t = time.perf_counter()
+    sh([sys.executable, "-m", "coati_kto", "prepare", CONFIG, *overrides])
+    stage("prepare", t)
+
+    t = time.perf_counter()
+    launch = [str(BIN / "colossalai"), "run", "--nproc_per_node", "2", "--master_port", str(free_port())]
+    sh([*launch, "-m", "coati_kto", "train", CONFIG, *overrides], env=kto_env())
+    stage("kto", t)
+
+    t = time.perf_counter()
+    rows = datasets["eval_prompts"]
+    results = {
+        "before KTO (SFT)": evaluate(OUT / "sft", rows),
+        "after KTO": evaluate(OUT / "kto" / "final", rows),
+    }
+    report = f"{len(rows)} held-out prompts (phrasings unseen in SFT and KTO), greedy decoding:\n{table(results)}\n"
+    (OUT / "results.md").write_text(report)
+    print(f"\n{report}\n(also in {OUT}/results.md)")
+    stage("evaluate", t)
+
+    print(f"total wall time {time.perf_counter() - begin:.0f}s")
+    print(f"TensorBoard logs: {OUT}/kto/tensorboard (train/ and eval/ scalars)")
+    tensorboard = BIN / "tensorboard"
+    if tensorboard.is_relative_to(ROOT):  # .venv/bin/tensorboard under `make quickstart`
+        tensorboard = tensorboard.relative_to(ROOT)
+    print(f"  open them with:  {tensorboard} --logdir {OUT}/kto/tensorboard")
+
+
+if __name__ == "__main__":
+    main()
