@@ -10,6 +10,7 @@ the GPU path runs ColossalAI untouched.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any
 
 import torch
@@ -21,9 +22,25 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+# Third-party notices that say nothing about the user's run, printed on every rank (and every step for the
+# torch deprecations ColossalAI 0.5.0 triggers): optional kernels absent on CPU, renamed torch collectives.
+_KNOWN_NOISE = (
+    (UserWarning, r"Please install (the latest tensornvme|apex from source)"),
+    (FutureWarning, r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"),
+    (FutureWarning, r"`broadcast_buffers` is deprecated"),
+)
+
+
+def quiet_known_warnings() -> None:
+    """Silence only the notices listed above; every other warning still shows."""
+    for category, message in _KNOWN_NOISE:
+        warnings.filterwarnings("ignore", message=message, category=category)
+
+
 def apply() -> None:
     """Install the CPU accelerator and the ZeRO patch when there is no CUDA device. Idempotent; every rank."""
     global _applied
+    quiet_known_warnings()
     if _applied or cuda_available():
         return
     from colossalai.accelerator import CpuAccelerator, set_accelerator

@@ -87,9 +87,14 @@ def build_components(config: Config, plugin: Any, total_steps: int) -> Component
 
 
 def total_optimizer_steps(config: Config, micro_batches_per_rank: int) -> int:
-    """Optimizer steps of the run: train.max_steps, else epochs x ceil(micro-batches / accumulation)."""
+    """Optimizer steps of the run: epochs x ceil(micro-batches / accumulation), capped by train.max_steps.
+
+    The LR schedule spans exactly this many steps: a max_steps beyond the epochs' steps must not stretch the
+    cosine over steps that never run.
+    """
     per_epoch = math.ceil(micro_batches_per_rank / config.train.accumulation_steps)
-    return config.train.max_steps or per_epoch * config.train.max_epochs
+    by_epochs = per_epoch * config.train.max_epochs
+    return min(config.train.max_steps, by_epochs) if config.train.max_steps else by_epochs
 
 
 def train(config: Config) -> Any:
@@ -97,6 +102,9 @@ def train(config: Config) -> Any:
 
     Every rank calls. User mistakes raise UserError subclasses (the CLI prints them on one line).
     """
+    from coati_kto.compat import quiet_known_warnings
+
+    quiet_known_warnings()  # before the imports below bring in colossalai
     from torch.utils.data import DataLoader
     from transformers import AutoTokenizer
 
@@ -156,7 +164,14 @@ def train(config: Config) -> Any:
     if layout.is_main:
         print(report, flush=True)
 
-    parts = build_components(config, plugin, total_optimizer_steps(config, len(sampler)))
+    total_steps = total_optimizer_steps(config, len(sampler))
+    if layout.is_main and config.train.max_steps and total_steps < config.train.max_steps:
+        print(
+            f"note: train.max_epochs {config.train.max_epochs} holds {total_steps} optimizer steps, fewer than "
+            f"train.max_steps {config.train.max_steps}: the run ends after {total_steps}",
+            flush=True,
+        )
+    parts = build_components(config, plugin, total_steps)
     manager = CheckpointManager(out_dir / "checkpoints", parts.booster, layout, config.output.keep_last)
     trainer = KTOTrainer(
         actor=parts.policy,

@@ -590,3 +590,28 @@ def test_dropout_is_off_in_train_mode_and_model_config_is_kept(tiny_model_dir: P
     _disable_dropout(model)
     assert torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)
     assert model.config.attention_dropout == 0.5  # the exported config stays the user's
+
+
+def test_schedule_length_is_capped_by_the_epochs(tmp_path: Path) -> None:
+    from coati_kto.config import load_config
+    from coati_kto.train import total_optimizer_steps
+
+    path = tmp_path / "cfg.yaml"
+    path.write_text("model: {path: m}\ndata: {train_files: [d.jsonl], prepared_dir: p}\noutput: {dir: o}\n")
+    # 62 micro-batches per rank, accumulation 2 -> 31 steps an epoch.
+    config = load_config(path, ["train.accumulation_steps=2", "train.max_epochs=2"])
+    assert total_optimizer_steps(config, 62) == 62
+    assert (
+        total_optimizer_steps(
+            config.model_copy(update={"train": config.train.model_copy(update={"max_steps": 40})}), 62
+        )
+        == 40
+    )
+    # A max_steps beyond what the epochs hold must not stretch the cosine schedule over steps that never run.
+    assert (
+        total_optimizer_steps(
+            config.model_copy(update={"train": config.train.model_copy(update={"max_steps": 100})}), 62
+        )
+        == 62
+    )
+    assert total_optimizer_steps(load_config(path, ["train.accumulation_steps=4"]), 62) == 16
