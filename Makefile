@@ -23,7 +23,7 @@ $(STAMP):
 	touch $@
 
 quickstart: $(STAMP)
-	$(PY) applications/quickstart/run.py
+	$(PY) applications/quickstart/run.py $(QUICKSTART_ARGS)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests

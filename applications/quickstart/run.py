@@ -50,6 +50,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seed", type=int, default=0, help="data, base model, SFT and KTO seed")
     parser.add_argument("--sft-steps", type=int, default=600)
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 1 unless KTO raised held-out accuracy by 20 points and the margin above 1 nat (CI)",
+    )
     parser.add_argument("overrides", nargs="*", help="section.key=value for the KTO config")
     args = parser.parse_args()
     os.chdir(ROOT)
@@ -105,6 +110,9 @@ def main() -> None:
     if tensorboard.is_relative_to(ROOT):  # .venv/bin/tensorboard under `make quickstart`
         tensorboard = tensorboard.relative_to(ROOT)
     print(f"  open them with:  {tensorboard} --logdir {OUT}/kto/tensorboard")
+    before, after = results["before KTO (SFT)"], results["after KTO"]
+    if args.check and not (after.accuracy >= before.accuracy + 0.2 and after.margin > 1.0):
+        sys.exit(f"check failed: KTO did not clearly improve the task ({before} -> {after})")
 
 
 if __name__ == "__main__":
