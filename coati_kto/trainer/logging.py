@@ -7,6 +7,7 @@ every call is a no-op. Values arrive already reduced over the data-parallel grou
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +76,16 @@ class ProgressBar:
     """tqdm over optimizer steps on the main rank, showing the step's loss, kl and margin; silent elsewhere."""
 
     def __init__(self, is_main: bool, total: int | None, initial: int = 0) -> None:
-        self._bar = tqdm(total=total, initial=initial, desc="train", disable=not is_main, dynamic_ncols=True)
+        # In a log file (SLURM, CI, colossalai run's pipes) every refresh is appended: refresh rarely there.
+        interactive = sys.stderr.isatty()
+        self._bar = tqdm(
+            total=total,
+            initial=initial,
+            desc="train",
+            disable=not is_main,
+            dynamic_ncols=True,
+            mininterval=0.1 if interactive else 30.0,
+        )
 
     def update(self, metrics: dict[str, float]) -> None:
         shown = {"loss": "train/loss", "kl": "train/kl", "margin": "train/rewards/margin"}
