@@ -28,6 +28,23 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def launcher_env(bin_dir: str | os.PathLike[str], threads: int = 1) -> dict[str, str]:
+    """The environment to start ``colossalai run`` with: ``bin_dir`` first on PATH, ``threads`` per process.
+
+    ``colossalai run`` re-creates the environment as ``export K="V" ...`` inside one bash command line, so a
+    value holding ``$``, a double quote, a backquote or a backslash breaks the launch (make exports
+    ``MAKEOVERRIDES=${-*-command-variables-*-}``: "bad substitution"). Those variables are left out; the list
+    of names is returned under ``COATI_KTO_DROPPED_ENV`` for the caller to report.
+    """
+    unsafe = set('$"`\\')
+    kept = {k: v for k, v in os.environ.items() if not unsafe & set(v)}
+    dropped = sorted(set(os.environ) - set(kept))
+    kept["PATH"] = f"{os.fspath(bin_dir)}{os.pathsep}{os.environ.get('PATH', '')}"
+    kept["OMP_NUM_THREADS"] = str(threads)
+    kept["COATI_KTO_DROPPED_ENV"] = ",".join(dropped)
+    return kept
+
+
 def init_distributed(timeout_s: float = 600.0) -> None:
     """Join (or create) the default process group; every process calls it once, before any plugin.
 

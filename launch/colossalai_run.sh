@@ -22,6 +22,9 @@ venv_bin=${VENV_BIN:-$repo/.venv/bin}
 # The remote shells find torchrun by PATH: the venv's bin must come first.
 export PATH="$venv_bin:$PATH"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+# colossalai run re-exports the environment as export K="V" in one bash line: values holding $ or quotes break
+# it. make's variables are the usual culprits (MAKEOVERRIDES="${-*-command-variables-*-}").
+unset MAKEOVERRIDES MAKEFLAGS MFLAGS
 
 if python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     default_nproc=$(python -c 'import torch; print(torch.cuda.device_count())')

@@ -167,3 +167,25 @@ TAGS = {
         "count/rejected",
     )
 } | {f"train/{name}" for name in ("grad_norm", "lr", "examples_per_second", "tokens_per_second")}
+
+
+def test_launcher_env_leaves_out_what_colossalai_run_cannot_quote(monkeypatch: pytest.MonkeyPatch) -> None:
+    from coati_kto.distributed import launcher_env
+
+    # Under `make quickstart ARGS=...`, make exports this; colossalai run's `export K="V"` line then fails
+    # with "bad substitution" (the CI failure this test pins).
+    monkeypatch.setenv("MAKEOVERRIDES", "${-*-command-variables-*-}")
+    monkeypatch.setenv("QUOTED", 'say "hi"')
+    monkeypatch.setenv("PLAIN", "a b/c:d")
+    env = launcher_env("/opt/venv/bin", threads=1)
+    assert "MAKEOVERRIDES" not in env and "QUOTED" not in env
+    assert env["PLAIN"] == "a b/c:d"
+    assert env["PATH"].startswith("/opt/venv/bin" + os.pathsep)
+    assert env["OMP_NUM_THREADS"] == "1"
+    assert {"MAKEOVERRIDES", "QUOTED"} <= set(env["COATI_KTO_DROPPED_ENV"].split(","))
+    # What survives round-trips through the shell exactly as colossalai run builds the command.
+    line = " ".join(f'{k}="{v}"' for k, v in env.items() if k in {"PLAIN", "PATH"})
+    out = subprocess.run(
+        ["bash", "-c", f'export {line} && printf %s "$PLAIN"'], capture_output=True, text=True
+    )
+    assert out.returncode == 0 and out.stdout == "a b/c:d"

@@ -42,7 +42,7 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from make_data import make_records, write_jsonl
 
-    from coati_kto.distributed import free_port
+    from coati_kto.distributed import free_port, launcher_env
     from coati_kto.tiny import build_llama, build_tokenizer
 
     begin = time.perf_counter()
@@ -67,7 +67,7 @@ def main() -> None:
     inspect = [sys.executable, "-m", "coati_kto", "inspect", CONFIG, *args.overrides]
     sh([*inspect, "--ranks", "2", "--batches", "3"])  # what each rank's micro-batches hold
     # One thread per rank: two ranks on two cores. colossalai run calls `torchrun` through the shell.
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1"}
+    env = launcher_env(BIN, threads=1)  # also leaves out variables colossalai run cannot quote
     launch = [str(BIN / "colossalai"), "run", "--nproc_per_node", "2", "--master_port", str(free_port())]
     sh([*launch, "-m", "coati_kto", "train", CONFIG, *args.overrides], env=env)
 

@@ -43,7 +43,12 @@ def sh(cmd: list[str], env: dict[str, str] | None = None) -> None:
 
 def kto_env() -> dict[str, str]:
     # One thread per process: the two ranks get a core each; more threads only fight over them.
-    return {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}", "OMP_NUM_THREADS": "1"}
+    from coati_kto.distributed import launcher_env
+
+    env = launcher_env(BIN, threads=1)
+    if env["COATI_KTO_DROPPED_ENV"]:
+        print(f"(not passed to colossalai run, which cannot quote them: {env['COATI_KTO_DROPPED_ENV']})")
+    return env
 
 
 def main() -> None:
