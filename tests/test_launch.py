@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from coati_kto.distributed import free_port
+from coati_kto.testing import read_scalars
 
 GOOD = ["Paris is the capital.", "The answer is 5.", "Here is the result, thank you!"]
 BAD = ["I cannot help with that.", "Sorry, that is not possible."]
@@ -127,7 +128,7 @@ def test_two_nodes_match_one_node_with_two_processes(run_config: Path, tmp_path:
     initial = load_file(Path(load_config_path(run_config)) / "model.safetensors")
     assert any(not torch.equal(initial[n].to(a[n].dtype), a[n]) for n in a)
 
-    scalars = _scalars(two_nodes / "tensorboard")
+    scalars = read_scalars(two_nodes / "tensorboard")
     assert set(scalars) >= TAGS, sorted(TAGS - set(scalars))
     assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3]
     assert [s for s, _ in scalars["eval/loss"]] == [2, 3]  # every eval_interval and at the end
@@ -142,14 +143,6 @@ def load_config_path(config: Path) -> str:
     import yaml
 
     return yaml.safe_load(config.read_text())["model"]["path"]
-
-
-def _scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(log_dir))
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 TAGS = {

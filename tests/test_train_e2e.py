@@ -6,14 +6,14 @@ same directories.
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
 import yaml
 
-from coati_kto.testing import run_distributed
+from coati_kto.data.formats import write_jsonl
+from coati_kto.testing import read_scalars, run_distributed
 
 # Desirable: helpful answers; undesirable: refusals. Built from the tiny tokenizer's corpus (tests/conftest.py).
 QUESTIONS = [
@@ -40,11 +40,6 @@ def _records(n: int, offset: int) -> list[dict]:
     return out
 
 
-def _write_jsonl(path: Path, rows: list[dict]) -> str:
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return str(path)
-
-
 def _train_worker(config_path: str, overrides: list[str]) -> dict:
     from coati_kto.config import load_config
     from coati_kto.train import train
@@ -59,22 +54,14 @@ def _cli_worker(argv: list[str]) -> int:
     return main(argv)
 
 
-def _scalars(tb_dir: Path) -> dict[str, list[tuple[int, float]]]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(tb_dir))
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
 @pytest.fixture(scope="module")
 def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("e2e")
     config = {
         "model": {"path": str(tiny_model_dir), "gradient_checkpointing": True},
         "data": {
-            "train_files": [_write_jsonl(root / "train.jsonl", _records(48, 0))],
-            "eval_files": [_write_jsonl(root / "eval.jsonl", _records(9, 100))],
+            "train_files": [str(write_jsonl(_records(48, 0), root / "train.jsonl"))],
+            "eval_files": [str(write_jsonl(_records(9, 100), root / "eval.jsonl"))],
             "prepared_dir": str(root / "prepared"),
             "max_length": 96,
             "max_prompt_length": 48,
@@ -96,7 +83,7 @@ def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     config_path = root / "config.yaml"
     config_path.write_text(yaml.safe_dump(config))
     first = run_distributed(_train_worker, 2, str(config_path), [])
-    tb_first = _scalars(root / "out" / "tensorboard")
+    tb_first = read_scalars(root / "out" / "tensorboard")
     # Continue from the last checkpoint (step 9) to step 12 through the CLI, in a fresh set of processes
     # (W&B off: its service costs ~10 s per run and was checked above).
     argv = ["train", str(config_path), "train.max_steps=12", "train.resume=auto", "logging.wandb=false"]
@@ -147,7 +134,7 @@ def test_outputs_tensorboard_wandb_config_and_final_model(run: dict) -> None:
 def test_cli_resume_auto_continues_step_axis(run: dict) -> None:
     out = run["root"] / "out"
     assert run["codes"] == [0, 0]
-    tb = _scalars(out / "tensorboard")
+    tb = read_scalars(out / "tensorboard")
     steps = [s for s, _ in tb["train/loss"]]
     assert steps == list(range(1, 13)), steps  # 1-9 kept, 10-12 appended: one axis, no duplicates
     assert dict(tb["train/loss"])[9] == dict(run["tb_first"]["train/loss"])[9]

@@ -19,6 +19,8 @@ import json
 import random
 from pathlib import Path
 
+from coati_kto.data.formats import write_jsonl
+
 N_DESIRABLE, N_UNDESIRABLE = 746, 254  # the seeds' full file: nothing thrown away, nothing interleaved
 FOLDERS = ["Projects", "Daily", "Research", "Archive", "Ideas", "Meetings", "Reading", "Journal"]
 TOPICS = ["roadmap", "budget", "standup", "paper review", "garden plan", "book notes", "retro", "travel"]
@@ -157,11 +159,6 @@ def make_records(seed: int, n_desirable: int = N_DESIRABLE, n_undesirable: int =
     labels = [True] * n_desirable + [False] * n_undesirable
     rng.shuffle(labels)
     return [{"messages": conversation(rng, label), "label": label} for label in labels]
-
-
-def write_jsonl(rows: list[dict], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def main() -> None:

@@ -18,10 +18,11 @@ Everything is a pure function of ``seed``.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import string
 from pathlib import Path
+
+from coati_kto.data.formats import write_jsonl
 
 # Letters stop short of z and a (no successor / predecessor); weekdays and months wrap around.
 SEQUENCES = {
@@ -121,11 +122,6 @@ def corpus(datasets: dict[str, list[dict]]) -> list[str]:
         + [r["prompt"] for r in datasets["eval_prompts"]]
         + [x for seq, _ in SEQUENCES.values() for x in seq]
     )
-
-
-def write_jsonl(rows: list[dict], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
 
 
 def main() -> None:

@@ -330,3 +330,11 @@ def load_records(
                     raise
                 result.skipped.append(bad)
     return result
+
+
+def write_jsonl(rows: list[dict[str, Any]], path: str | Path) -> Path:
+    """Write ``rows`` as JSON Lines (the input format ``prepare`` reads), creating parent folders."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
