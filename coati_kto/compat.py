@@ -10,6 +10,8 @@ the GPU path runs ColossalAI untouched.
 from __future__ import annotations
 
 import contextlib
+import logging
+import re
 import warnings
 from typing import Any
 
@@ -31,10 +33,34 @@ _KNOWN_NOISE = (
 )
 
 
+# The same, sent through a logging.Logger rather than warnings.warn: {logger name: message patterns}.
+# ColossalAI's DistributedLogger("colossalai") wraps logging.getLogger("colossalai"). The hybrid plugin warns
+# "Use Zero Optimizer when data parallel size is 1 ..." on every 1-process run with ZeRO (the CPU quickstart).
+_KNOWN_LOG_NOISE = {
+    "colossalai": (r"Use Zero Optimizer when data parallel size is 1",),
+}
+
+
+class _DropMessages(logging.Filter):
+    """Drops records whose message matches one of ``patterns`` (re.match, from the start)."""
+
+    def __init__(self, patterns: tuple[str, ...]) -> None:
+        super().__init__()
+        self.patterns = tuple(re.compile(p) for p in patterns)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not any(p.match(message) for p in self.patterns)
+
+
 def quiet_known_warnings() -> None:
-    """Silence only the notices listed above; every other warning still shows."""
+    """Silence only the notices listed above; every other warning and log record still shows. Idempotent."""
     for category, message in _KNOWN_NOISE:
         warnings.filterwarnings("ignore", message=message, category=category)
+    for name, patterns in _KNOWN_LOG_NOISE.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessages) for f in logger.filters):
+            logger.addFilter(_DropMessages(patterns))
 
 
 def apply() -> None:
