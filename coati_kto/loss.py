@@ -135,8 +135,8 @@ def estimate_kl_raw(
     Returns:
         0-dim fp32 tensor, detached; 0 when no rank holds any pair.
 
-    The mean is sum / count over all ranks, not the mean of per-rank means (wrong with uneven batches),
-    and the clamp comes after averaging, as in the paper. One all_reduce of a [sum, count] fp32 tensor:
+    The mean is sum / count over all ranks, not the mean of per-rank means (wrong with uneven batches);
+    :func:`estimate_kl` clamps it after averaging, as in the paper. One all_reduce of a [sum, count] fp32 tensor:
     the same shape and dtype on every rank whatever its batch, so no rank can desynchronise the collective.
     """
     diff = policy_kl_logps.detach().float() - reference_kl_logps.detach().to(policy_kl_logps.device).float()

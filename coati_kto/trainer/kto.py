@@ -74,7 +74,7 @@ class _NoGradPass:
     batch: dict[str, torch.Tensor] | None
     labels: torch.Tensor  # [B] bool
     valid: torch.Tensor  # [B] bool; False on evaluation padding rows
-    tokens: torch.Tensor  # 0-dim: non-padding tokens of valid examples and their KL pairs
+    tokens: torch.Tensor  # 0-dim: non-padding tokens of valid examples (and of their KL pairs, when run)
     reference: torch.Tensor
     policy_kl: torch.Tensor | None  # None when the loss has no reference point (no KL passes run)
     reference_kl: torch.Tensor | None
