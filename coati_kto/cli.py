@@ -1,4 +1,4 @@
-"""``coati-kto`` (also ``python -m coati_kto``): prepare | inspect | train.
+"""``coati-kto`` (also ``python -m coati_kto``): prepare | inspect | train | config; ``--version``.
 
 User mistakes (UserError) print one ``error:`` line and exit 2, with no traceback.
 """
@@ -19,6 +19,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="coati-kto", description="KTO training from binary feedback on ColossalAI.", epilog=_EPILOG
     )
+    parser.add_argument("--version", action="version", version=version_line())
     sub = parser.add_subparsers(dest="command", required=True)
 
     def command(name: str, help_text: str) -> argparse.ArgumentParser:
@@ -36,7 +37,48 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--nproc-per-node", type=int, default=None, help="launch this many local processes with torchrun"
     )
+    p = sub.add_parser(
+        "config",
+        help="Print the resolved config (every default filled in), or with --schema every key.",
+        description="Print CONFIG with OVERRIDES applied and every default filled in, as YAML; or, with "
+        "--schema, every key with its type, default and help.",
+        epilog=_EPILOG,
+    )
+    p.add_argument("config", nargs="?", help="YAML config file")
+    p.add_argument("overrides", nargs="*", help="section.key=value")
+    p.add_argument("--schema", action="store_true", help="list every key: type, default, help")
     return parser
+
+
+def version_line() -> str:
+    """``coati-kto X (colossalai Y, torch Z, transformers W)``, from package metadata (nothing imported)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from coati_kto import __version__
+
+    parts = []
+    for name in ("colossalai", "torch", "transformers"):
+        try:
+            parts.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            parts.append(f"{name} not installed")
+    return f"coati-kto {__version__} ({', '.join(parts)})"
+
+
+def _config_command(args: argparse.Namespace) -> None:
+    """``coati-kto config``: the schema, or the resolved config as YAML, on stdout."""
+    if args.schema:
+        if args.config or args.overrides:
+            raise UserError("coati-kto config --schema takes no config file or overrides")
+        from coati_kto.config_schema import schema_lines
+
+        print("\n".join(schema_lines()))
+        return
+    if not args.config:
+        raise UserError("coati-kto config needs a config file (or --schema)")
+    from coati_kto.config import load_config
+
+    print(load_config(args.config, args.overrides).to_yaml(), end="")
 
 
 def _launch_local(args: argparse.Namespace) -> int:
@@ -70,6 +112,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     try:
+        if args.command == "config":
+            _config_command(args)
+            return 0
         from coati_kto.config import load_config
 
         if args.command == "train" and args.nproc_per_node and "RANK" not in os.environ:

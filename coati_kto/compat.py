@@ -10,6 +10,8 @@ the GPU path runs ColossalAI untouched.
 from __future__ import annotations
 
 import contextlib
+import re
+import sys
 import warnings
 from typing import Any
 
@@ -31,16 +33,44 @@ _KNOWN_NOISE = (
 )
 
 
+# The same, sent through ColossalAI's DistributedLogger rather than warnings.warn. Its ``warning`` logs two
+# records, "<file>:<line> <function>" and then the message, so a logging.Filter on the message alone would
+# leave the location line behind: the message is dropped before either is logged. The hybrid plugin warns
+# "Use Zero Optimizer when data parallel size is 1 ..." on every 1-process run with ZeRO (the CPU quickstart).
+_KNOWN_LOG_NOISE = (re.compile(r"Use Zero Optimizer when data parallel size is 1"),)
+
+
 def quiet_known_warnings() -> None:
-    """Silence only the notices listed above; every other warning still shows."""
+    """Silence only the notices listed above; every other warning still shows. Idempotent."""
     for category, message in _KNOWN_NOISE:
         warnings.filterwarnings("ignore", message=message, category=category)
+
+
+def quiet_known_logs() -> None:
+    """Drop ColossalAI's DistributedLogger warnings listed in _KNOWN_LOG_NOISE; every other one still shows,
+    with its caller's location as upstream prints it. Idempotent; imports colossalai.logging."""
+    from colossalai.logging import DistributedLogger
+
+    if getattr(DistributedLogger.warning, "_coati_quiet", False):
+        return
+
+    def warning(self: DistributedLogger, message: str, ranks: list[int] | None = None) -> None:
+        if any(p.match(str(message)) for p in _KNOWN_LOG_NOISE):
+            return
+        caller = sys._getframe(1)  # upstream's prefix: the caller's file, line and function
+        code = caller.f_code
+        self._log("warning", f"{code.co_filename}:{caller.f_lineno} {code.co_name}", ranks)
+        self._log("warning", message, ranks)
+
+    warning._coati_quiet = True  # type: ignore[attr-defined]
+    DistributedLogger.warning = warning
 
 
 def apply() -> None:
     """Install the CPU accelerator and the ZeRO patch when there is no CUDA device. Idempotent; every rank."""
     global _applied
     quiet_known_warnings()
+    quiet_known_logs()
     if _applied or cuda_available():
         return
     from colossalai.accelerator import CpuAccelerator, set_accelerator

@@ -24,25 +24,43 @@ class ModelSection(_Section):
     path: str = Field(description="Hugging Face model directory (or hub id on machines that reach the hub).")
     tokenizer: str | None = Field(None, description="Tokenizer directory; defaults to model.path.")
     reference_path: str | None = Field(None, description="Reference model; defaults to model.path.")
-    gradient_checkpointing: bool = False
-    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] | None = None
-    trust_remote_code: bool = False
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute activations in backward to save memory."
+    )
+    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] | None = Field(
+        None, description="Attention kernel passed to from_pretrained; None: the model's default."
+    )
+    trust_remote_code: bool = Field(
+        False, description="Allow model/tokenizer code shipped with the checkpoint."
+    )
 
 
 class DataSection(_Section):
-    train_files: list[str] = Field(min_length=1)
-    eval_files: list[str] = Field(default_factory=list)
-    eval_fraction: float = Field(
-        0.0, ge=0.0, lt=1.0, description="Held out of train when eval_files is empty."
+    train_files: list[str] = Field(
+        min_length=1, description="Feedback files or directories (JSONL, parquet, HF dataset dirs)."
     )
-    prepared_dir: str
-    max_length: int = Field(1024, ge=8)
-    max_prompt_length: int = Field(512, ge=1)
-    on_bad_record: Literal["error", "skip"] = "error"
-    on_too_long: Literal["drop", "error"] = "drop"
+    eval_files: list[str] = Field(default_factory=list, description="Held-out feedback files for evaluation.")
+    eval_fraction: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Fraction of train held out for evaluation when eval_files is empty."
+    )
+    prepared_dir: str = Field(
+        description="Where `prepare` writes the tokenized, KL-paired data and stats.json."
+    )
+    max_length: int = Field(
+        1024, ge=8, description="Tokens per example (prompt + completion) after truncation."
+    )
+    max_prompt_length: int = Field(512, ge=1, description="Prompt tokens kept when an example is too long.")
+    on_bad_record: Literal["error", "skip"] = Field(
+        "error", description="A malformed record: stop with its file:line, or skip it and count it."
+    )
+    on_too_long: Literal["drop", "error"] = Field(
+        "drop", description="A prompt leaving no room for the completion: drop it (counted) or stop."
+    )
     num_proc: int = Field(1, ge=1, description="Tokenization processes for `prepare`.")
-    pad_to_multiple_of: int | None = Field(None, ge=1)
-    group_by_length: bool = False
+    pad_to_multiple_of: int | None = Field(
+        None, ge=1, description="Pad batches to a multiple of this length."
+    )
+    group_by_length: bool = Field(False, description="Batch examples of similar length (less padding).")
 
     @field_validator("train_files", "eval_files", mode="before")
     @classmethod
@@ -60,47 +78,76 @@ class DataSection(_Section):
 
 
 class KTOSection(_Section):
-    beta: float = Field(0.1, gt=0.0)
-    desirable_weight: float = Field(1.0, gt=0.0)
-    undesirable_weight: float = Field(1.0, gt=0.0)
+    loss_type: Literal["kto", "apo_zero_unpaired"] = Field(
+        "kto", description="kto (Eq. 7, reference point z0) or apo_zero_unpaired (no z0, no KL passes)."
+    )
+    beta: float = Field(
+        0.1, gt=0.0, description="Scale of the log-ratio in the sigmoid (higher: stay closer)."
+    )
+    desirable_weight: float = Field(1.0, gt=0.0, description="lambda_D: weight of desirable examples' loss.")
+    undesirable_weight: float = Field(
+        1.0, gt=0.0, description="lambda_U: weight of undesirable examples' loss."
+    )
     auto_weights: bool = Field(False, description="Set the weights into the paper's [1, 4/3] guideline.")
-    kl_scope: Literal["step", "micro_batch"] = "step"
+    kl_scope: Literal["step", "micro_batch"] = Field(
+        "step", description="Estimate z0 over the whole optimizer step (all ranks) or per micro-batch."
+    )
 
 
 class TrainSection(_Section):
-    seed: int = 42
+    seed: int = Field(42, description="Seed of weights' RNG, data order and KL pairing.")
     micro_batch_size: int = Field(
         4, ge=2, description="Per rank; >= 2 so each micro-batch holds both labels."
     )
-    eval_micro_batch_size: int | None = Field(None, ge=2)
-    accumulation_steps: int = Field(1, ge=1)
-    max_epochs: int = Field(1, ge=1)
+    eval_micro_batch_size: int | None = Field(
+        None, ge=2, description="Per rank, for evaluation; defaults to micro_batch_size."
+    )
+    accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step on each rank.")
+    max_epochs: int = Field(1, ge=1, description="Passes over the training data.")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
-    lr: float = Field(5e-7, gt=0.0)
-    weight_decay: float = Field(0.0, ge=0.0)
-    warmup_steps: int = Field(0, ge=0)
-    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
-    max_grad_norm: float = Field(1.0, ge=0.0, description="0 disables clipping.")
+    lr: float = Field(5e-7, gt=0.0, description="Peak learning rate (AdamW).")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    warmup_steps: int = Field(
+        0, ge=0, description="Linear warmup steps; step k of them uses lr * k / (warmup_steps + 1)."
+    )
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="The cosine decays to lr * min_lr_ratio.")
+    max_grad_norm: float = Field(
+        1.0, ge=0.0, description="Clip the global gradient norm to this (0: no clipping)."
+    )
     eval_interval: int = Field(
-        0, ge=0, description="Evaluate every N optimizer steps (0: at epoch ends only)."
+        0, ge=0, description="Evaluate every N optimizer steps (0: never between epochs)."
+    )
+    eval_at_start: bool = Field(
+        True, description="Evaluate before the first update (step 0): the baseline of every eval/ curve."
+    )
+    eval_at_epoch_end: bool = Field(
+        True, description="Evaluate after each epoch's last step (and the run's last step)."
     )
     resume: str | None = Field(
         None, description="'auto' (latest checkpoint in output.dir) or a checkpoint path."
     )
-    on_nonfinite: Literal["stop", "skip"] = "stop"
-    num_workers: int = Field(0, ge=0)
-    log_interval: int = Field(1, ge=1)
+    on_nonfinite: Literal["stop", "skip"] = Field(
+        "stop", description="A NaN/inf loss: stop before updating, or skip the step (counted)."
+    )
+    num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank.")
+    log_interval: int = Field(
+        1, ge=1, description="Write train/ metrics every N steps (exact over the interval)."
+    )
     dist_timeout: float = Field(
         600.0, gt=0.0, description="Seconds a rank waits in a collective for a dead peer before failing."
     )
 
 
 class PluginSection(_Section):
-    name: Literal["hybrid_parallel", "low_level_zero", "gemini", "ddp"] = "hybrid_parallel"
-    zero_stage: Literal[0, 1, 2] = 2
-    precision: Literal["fp32", "bf16", "fp16"] = "bf16"
-    tp_size: int = Field(1, ge=1)
-    cpu_offload: bool = False
+    name: Literal["hybrid_parallel", "low_level_zero", "gemini", "ddp"] = Field(
+        "hybrid_parallel", description="ColossalAI booster plugin."
+    )
+    zero_stage: Literal[0, 1, 2] = Field(
+        2, description="ZeRO stage: 1 shards optimizer states, 2 also gradients."
+    )
+    precision: Literal["fp32", "bf16", "fp16"] = Field("bf16", description="Training precision.")
+    tp_size: int = Field(1, ge=1, description="Tensor-parallel degree (hybrid_parallel only).")
+    cpu_offload: bool = Field(False, description="Keep optimizer states in CPU memory (ZeRO).")
 
     @model_validator(mode="after")
     def _combinations(self) -> PluginSection:
@@ -121,17 +168,19 @@ class PluginSection(_Section):
 
 
 class OutputSection(_Section):
-    dir: str
+    dir: str = Field(description="Run directory: config.yaml, tensorboard/, checkpoints/, final/.")
     save_interval: int = Field(0, ge=0, description="Checkpoint every N optimizer steps; 0: only at the end.")
-    keep_last: int = Field(2, ge=1)
-    save_final: bool = True
+    keep_last: int = Field(2, ge=1, description="Checkpoints kept; older ones are deleted.")
+    save_final: bool = Field(
+        True, description="Export final/ (HF model, tokenizer, README.md model card) at the end."
+    )
 
 
 class LoggingSection(_Section):
-    tensorboard: bool = True
-    wandb: bool = False
-    wandb_project: str = "coati-kto"
-    wandb_mode: Literal["online", "offline"] = "online"
+    tensorboard: bool = Field(True, description="Write TensorBoard events under output.dir/tensorboard.")
+    wandb: bool = Field(False, description="Log to Weights & Biases.")
+    wandb_project: str = Field("coati-kto", description="W&B project name.")
+    wandb_mode: Literal["online", "offline"] = Field("online", description="offline: write under output.dir.")
 
 
 class Config(_Section):
@@ -181,7 +230,10 @@ def _format_errors(err: ValidationError, source: str) -> str:
         key = ".".join(str(p) for p in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = "unknown key"
+            from coati_kto.config_schema import did_you_mean  # imports this module: not at the top
+
+            close = did_you_mean(key)
+            msg = f"unknown key (did you mean {close}?)" if close else "unknown key"
         elif e["type"] == "missing":
             msg = "required key is missing"
         elif "input" in e and not isinstance(e["input"], dict):

@@ -13,12 +13,52 @@ and, z0 being a constant (detached), Prop. 4.1 gives its gradient with respect t
     undesirable:  +lambda_U * beta * sigmoid(z) * sigmoid(-z),   z = beta * (z0 - r)
 
 so examples already far on the right side of z0 (|z| large) stop pulling on the policy.
+
+``loss_type="apo_zero_unpaired"``: the unpaired variant of APO-zero (D'Oosterlinck et al. 2024, arXiv
+2408.06266, Eq. 7; TRL's KTOTrainer ``loss_type="apo_zero_unpaired"``) has no reference point:
+
+    desirable:    lambda_D * (1 - sigmoid(beta * r))     (push every desirable log-ratio up)
+    undesirable:  lambda_U * sigmoid(beta * r)           (push every undesirable log-ratio down)
+
+which is Eq. 7 above with z0 fixed at 0 (1 - sigmoid(-x) = sigmoid(x)), so it shares the code path and
+gradient, and needs no KL pairs at all.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.distributed as dist
+
+LossType = Literal["kto", "apo_zero_unpaired"]
+LOSS_TYPES: tuple[str, ...] = ("kto", "apo_zero_unpaired")
+
+
+def needs_kl(loss_type: str) -> bool:
+    """Whether ``loss_type`` uses the reference point z0 (and so the KL-pair passes and their collective)."""
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type {loss_type!r} not in {LOSS_TYPES}")
+    return loss_type == "kto"
+
+
+def preference_loss(
+    loss_type: str,
+    policy_logps: torch.Tensor,
+    reference_logps: torch.Tensor,
+    labels: torch.Tensor,
+    kl: float | torch.Tensor | None,
+    beta: float = 0.1,
+    desirable_weight: float = 1.0,
+    undesirable_weight: float = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-example (losses, rewards) of ``loss_type``: "kto" (needs ``kl`` = z0) or "apo_zero_unpaired"
+    (``kl`` must be None: the loss has no reference point). Same shapes and dtypes as :func:`kto_loss`."""
+    if needs_kl(loss_type) == (kl is None):
+        raise ValueError(f"loss_type {loss_type!r}: kl must be {'given' if kl is None else 'None'}")
+    # APO-zero unpaired is Eq. 7 with the reference point pinned at 0 (see the module docstring).
+    z0 = 0.0 if kl is None else kl
+    return kto_loss(policy_logps, reference_logps, labels, z0, beta, desirable_weight, undesirable_weight)
 
 
 def kto_loss(
@@ -75,6 +115,18 @@ def estimate_kl(
 ) -> torch.Tensor:
     """The reference point z0 = max(0, global mean of (policy_kl_logps - reference_kl_logps)).
 
+    Same contract as :func:`estimate_kl_raw`, clamped at 0 after averaging.
+    """
+    return estimate_kl_raw(policy_kl_logps, reference_kl_logps, group).clamp(min=0.0)
+
+
+def estimate_kl_raw(
+    policy_kl_logps: torch.Tensor,
+    reference_kl_logps: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """The unclamped KL estimate: global mean of (policy_kl_logps - reference_kl_logps); z0 is its max with 0.
+
     Args:
         policy_kl_logps, reference_kl_logps: [N] log-probs of the mismatched (x', y'') KL pairs; N may be 0.
         group: the data-parallel process group; every rank of it must call this (it is a collective).
@@ -83,8 +135,8 @@ def estimate_kl(
     Returns:
         0-dim fp32 tensor, detached; 0 when no rank holds any pair.
 
-    The mean is sum / count over all ranks, not the mean of per-rank means (wrong with uneven batches),
-    and the clamp comes after averaging, as in the paper. One all_reduce of a [sum, count] fp32 tensor:
+    The mean is sum / count over all ranks, not the mean of per-rank means (wrong with uneven batches);
+    :func:`estimate_kl` clamps it after averaging, as in the paper. One all_reduce of a [sum, count] fp32 tensor:
     the same shape and dtype on every rank whatever its batch, so no rank can desynchronise the collective.
     """
     diff = policy_kl_logps.detach().float() - reference_kl_logps.detach().to(policy_kl_logps.device).float()
@@ -92,4 +144,4 @@ def estimate_kl(
     if group is not None:
         dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
     # With count 0 the sum is 0 too, so clamping the divisor at 1 returns 0 without a branch (no sync).
-    return (stats[0] / stats[1].clamp(min=1.0)).clamp(min=0.0)
+    return stats[0] / stats[1].clamp(min=1.0)

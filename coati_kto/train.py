@@ -59,9 +59,9 @@ def build_components(config: Config, plugin: Any, total_steps: int) -> Component
     """
     from colossalai.accelerator import get_accelerator
     from colossalai.booster import Booster
-    from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
     from coati_kto import compat
+    from coati_kto.trainer.schedule import warmup_cosine_schedule
 
     layout = ParallelLayout.from_plugin(plugin)
     policy = load_causal_lm(config.model.path, config.model, torch.float32)
@@ -75,11 +75,8 @@ def build_components(config: Config, plugin: Any, total_steps: int) -> Component
     )
     reference = reference.to(get_accelerator().get_current_device()).eval().requires_grad_(False)
     optimizer = compat.make_optimizer(policy.parameters(), config.train.lr, config.train.weight_decay)
-    lr_scheduler = get_cosine_with_min_lr_schedule_with_warmup(
-        optimizer,
-        num_warmup_steps=config.train.warmup_steps,
-        num_training_steps=max(1, total_steps),
-        min_lr_rate=config.train.min_lr_ratio,
+    lr_scheduler = warmup_cosine_schedule(
+        optimizer, config.train.warmup_steps, max(1, total_steps), config.train.min_lr_ratio
     )
     booster = Booster(plugin=plugin)
     policy, optimizer, _, _, lr_scheduler = booster.boost(policy, optimizer, lr_scheduler=lr_scheduler)
@@ -112,6 +109,7 @@ def train(config: Config) -> Any:
     from coati_kto.data.eval_sampler import EvalBatchSampler, ValidMaskLoader
     from coati_kto.data.prepare import load_prepared, resolve_kto_weights
     from coati_kto.data.sampler import MixedLabelBatchSampler
+    from coati_kto.model_card import write_model_card
     from coati_kto.plugins import build_plugin
     from coati_kto.trainer.checkpoint import CheckpointManager
     from coati_kto.trainer.kto import KTOTrainer
@@ -188,13 +186,17 @@ def train(config: Config) -> Any:
         accumulation_steps=config.train.accumulation_steps,
         save_interval=config.output.save_interval,
         layout=layout,
+        loss_type=config.kto.loss_type,
         kl_scope=config.kto.kl_scope,
         max_steps=config.train.max_steps,
         eval_interval=config.train.eval_interval,
+        eval_at_start=config.train.eval_at_start,
+        eval_at_epoch_end=config.train.eval_at_epoch_end,
         log_interval=config.train.log_interval,
         on_nonfinite=config.train.on_nonfinite,
         checkpoint_manager=manager,
         run_config=config.model_dump(mode="json"),
+        data_stats=data.stats,
         wandb_project=config.logging.wandb_project,
         wandb_mode=config.logging.wandb_mode,
         wandb_dir=str(out_dir),
@@ -217,6 +219,10 @@ def train(config: Config) -> Any:
     if config.output.save_final:
         final = manager.export_hf(parts.policy, tokenizer, out_dir / "final")
         if layout.is_main:
+            weights = (desirable_weight, undesirable_weight)
+            write_model_card(
+                final, config, data.stats, trainer.history, trainer.global_step, weights, layout.world_size
+            )
             print(f"final model: {final}", flush=True)
     barrier()
     return trainer

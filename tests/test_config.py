@@ -61,7 +61,9 @@ def test_unknown_key_is_named(tmp_path: Path) -> None:
     path = _write(tmp_path, MINIMAL + "train:\n  micro_batchsize: 4\n")
     with pytest.raises(ConfigError) as err:
         load_config(path)
-    assert str(err.value) == f"{path}: train.micro_batchsize: unknown key"
+    assert (
+        str(err.value) == f"{path}: train.micro_batchsize: unknown key (did you mean train.micro_batch_size?)"
+    )
 
 
 def test_wrong_type_is_named(tmp_path: Path) -> None:
@@ -123,7 +125,10 @@ def test_cli_prints_one_line_and_exits_2(tmp_path: Path) -> None:
         [sys.executable, "-m", "coati_kto", "train", str(path)], capture_output=True, text=True, timeout=120
     )
     assert proc.returncode == 2
-    assert proc.stderr.strip() == f"error: {path}: train.micro_batchsize: unknown key"
+    assert (
+        proc.stderr.strip()
+        == f"error: {path}: train.micro_batchsize: unknown key (did you mean train.micro_batch_size?)"
+    )
     assert "Traceback" not in proc.stderr
 
 

@@ -131,7 +131,7 @@ def test_two_nodes_match_one_node_with_two_processes(run_config: Path, tmp_path:
     scalars = read_scalars(two_nodes / "tensorboard")
     assert set(scalars) >= TAGS, sorted(TAGS - set(scalars))
     assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3]
-    assert [s for s, _ in scalars["eval/loss"]] == [2, 3]  # every eval_interval and at the end
+    assert [s for s, _ in scalars["eval/loss"]] == [0, 2, 3]  # step-0 baseline, every eval_interval, the end
     # 2 data-parallel ranks x micro-batch 2 x accumulation 2 = 8 examples per step.
     for (_, chosen), (_, rejected) in zip(
         scalars["train/count/chosen"], scalars["train/count/rejected"], strict=True
@@ -151,6 +151,7 @@ TAGS = {
     for name in (
         "loss",
         "kl",
+        "kl_raw",
         "rewards/chosen",
         "rewards/rejected",
         "rewards/margin",

@@ -1,4 +1,5 @@
-"""kto_loss and estimate_kl against hand computations, closed-form gradients and a real 2-process gloo group."""
+"""kto_loss, apo_zero_unpaired (preference_loss) and estimate_kl against hand computations, closed-form
+gradients and a real 2-process gloo group."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from coati_kto.loss import estimate_kl, kto_loss
+from coati_kto.loss import estimate_kl, estimate_kl_raw, kto_loss, needs_kl, preference_loss
 
 
 def _sig(x: float) -> float:
@@ -62,6 +63,61 @@ def test_kto_loss_matches_hand_computation(policy, ref, labels, kl, beta, wd, wu
         assert kl_t.grad is None or float(kl_t.grad.abs().sum()) == 0.0
 
 
+def _hand_apo(policy, ref, labels, beta, wd, wu):
+    """APO-zero unpaired (arXiv 2408.06266 Eq. 7 unpaired; TRL loss_type="apo_zero_unpaired") in fp64 floats:
+    desirable wd * (1 - sigmoid(beta r)), undesirable wu * sigmoid(beta r); d/d policy_logp by hand."""
+    losses, rewards, grads = [], [], []
+    for p, q, y in zip(policy, ref, labels, strict=True):
+        x = beta * (p - q)
+        if y:
+            losses.append(wd * (1.0 - _sig(x)))
+            grads.append(-wd * beta * _sig(x) * (1.0 - _sig(x)))
+        else:
+            losses.append(wu * _sig(x))
+            grads.append(wu * beta * _sig(x) * (1.0 - _sig(x)))
+        rewards.append(x)
+    return losses, rewards, grads
+
+
+@pytest.mark.parametrize("policy,ref,labels,kl,beta,wd,wu", CASES)
+def test_apo_zero_unpaired_matches_hand_computation(policy, ref, labels, kl, beta, wd, wu):
+    p = torch.tensor(policy, dtype=torch.float64, requires_grad=True)
+    lab = torch.tensor(labels).bool()
+    losses, rewards = preference_loss("apo_zero_unpaired", p, torch.tensor(ref), lab, None, beta, wd, wu)
+    exp_losses, exp_rewards, exp_grads = _hand_apo(policy, ref, labels, beta, wd, wu)
+    assert losses.dtype == rewards.dtype == torch.float32
+    assert losses.tolist() == pytest.approx(exp_losses, abs=1e-6)
+    assert rewards.tolist() == pytest.approx(exp_rewards, abs=1e-5)
+    losses.sum().backward()
+    assert p.grad.tolist() == pytest.approx(exp_grads, abs=1e-6)
+    # It is not KTO with this case's z0 (where z0 != 0): the reference point is gone, not just moved.
+    if kl != 0.0:
+        kto = kto_loss(p.detach(), torch.tensor(ref), lab, kl, beta, wd, wu)[0]
+        assert not torch.allclose(kto, losses)
+
+
+def test_apo_undesirable_loss_rises_with_its_log_ratio():
+    # An undesirable completion made more likely than under the reference costs more; a desirable one less.
+    ref = torch.zeros(3)
+    up = torch.tensor([-1.0, 0.0, 1.0])
+    und = preference_loss("apo_zero_unpaired", up, ref, torch.zeros(3, dtype=torch.bool), None)[0]
+    des = preference_loss("apo_zero_unpaired", up, ref, torch.ones(3, dtype=torch.bool), None)[0]
+    assert und[0] < und[1] < und[2] and des[0] > des[1] > des[2]
+    assert float(und[1]) == float(des[1]) == 0.5
+
+
+def test_preference_loss_checks_its_reference_point():
+    p, lab = torch.zeros(2), torch.tensor([True, False])
+    with pytest.raises(ValueError, match="kl must be None"):
+        preference_loss("apo_zero_unpaired", p, p, lab, 0.0)
+    with pytest.raises(ValueError, match="kl must be given"):
+        preference_loss("kto", p, p, lab, None)
+    with pytest.raises(ValueError, match="not in"):
+        needs_kl("dpo")
+    assert needs_kl("kto") and not needs_kl("apo_zero_unpaired")
+    assert torch.equal(preference_loss("kto", p, p, lab, 0.3)[0], kto_loss(p, p, lab, 0.3)[0])
+
+
 def test_labels_as_ints_and_bools_agree():
     p, q = torch.tensor([-3.0, -4.0, -5.0]), torch.tensor([-3.5, -3.0, -6.0])
     a = kto_loss(p, q, torch.tensor([1, 0, 1]), 0.2)[0]
@@ -108,6 +164,12 @@ def test_estimate_kl_single_process(policy, ref, expected):
     kl = estimate_kl(p, torch.tensor(ref))
     assert kl.shape == () and kl.dtype == torch.float32 and not kl.requires_grad
     assert float(kl) == pytest.approx(expected, abs=1e-6)
+
+
+def test_estimate_kl_raw_is_the_unclamped_mean():
+    raw = estimate_kl_raw(torch.tensor([-3.0, 1.0]), torch.zeros(2))
+    assert float(raw) == -1.0 and float(estimate_kl(torch.tensor([-3.0, 1.0]), torch.zeros(2))) == 0.0
+    assert float(estimate_kl_raw(torch.zeros(0), torch.zeros(0))) == 0.0
 
 
 def test_estimate_kl_bf16_inputs_return_fp32():

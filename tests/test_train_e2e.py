@@ -105,12 +105,14 @@ def test_zero2_bf16_two_processes_learns_preferences(run: dict) -> None:
         assert h["train/count/chosen"] + h["train/count/rejected"] == 16
         assert all(math.isfinite(v) for v in h.values())
         assert h["train/grad_norm"] > 0 and h["train/tokens_per_second"] > 0
-    lrs = [h["train/lr"] for h in train]  # linear warmup over 1 step (from 0), then cosine decay
-    assert lrs[0] == 0 and lrs[1] == pytest.approx(5e-3) and lrs[1] > lrs[2] > lrs[-1] > 0
+    lrs = [h["train/lr"] for h in train]  # warmup over 1 step (from lr/2, not 0), then cosine decay
+    assert (
+        lrs[0] == pytest.approx(5e-3 / 2) and lrs[1] == pytest.approx(5e-3) and lrs[1] > lrs[2] > lrs[-1] > 0
+    )
     margins = [h["train/rewards/margin"] for h in train]
     assert sum(margins[-3:]) / 3 > margins[0] + 0.05, margins
     evals = [h for h in history if "eval/loss" in h]
-    assert [int(h["step"]) for h in evals] == [3, 6, 9]
+    assert [int(h["step"]) for h in evals] == [0, 3, 6, 9]  # the step-0 baseline, then every 3 steps
     assert all(h["eval/count/chosen"] + h["eval/count/rejected"] == 9 for h in evals)
     assert evals[-1]["eval/rewards/margin"] > evals[0]["eval/rewards/margin"]
 
@@ -138,5 +140,7 @@ def test_cli_resume_auto_continues_step_axis(run: dict) -> None:
     steps = [s for s, _ in tb["train/loss"]]
     assert steps == list(range(1, 13)), steps  # 1-9 kept, 10-12 appended: one axis, no duplicates
     assert dict(tb["train/loss"])[9] == dict(run["tb_first"]["train/loss"])[9]
+    # The resumed run does not repeat the evaluation of step 9 (its checkpoint's step was evaluated).
+    assert [s for s, _ in tb["eval/loss"]] == [0, 3, 6, 9, 12]
     checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-"))
     assert checkpoints == ["step-12", "step-9"]  # keep_last 2

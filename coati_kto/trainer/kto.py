@@ -5,7 +5,9 @@ One optimizer step (``_train_step``) on every rank:
 1. no-grad passes over each micro-batch of the step: the policy on the KL pairs, the reference model on the
    KL pairs and on the examples (or precomputed ``reference_logps`` / ``reference_kl_logps`` from the batch);
 2. the reference point z0 from the KL log-ratios of every micro-batch of the step on every data-parallel rank
-   (``kto.kl_scope: step``; ``micro_batch`` estimates one z0 per micro-batch instead);
+   (``kto.kl_scope: step``; ``micro_batch`` estimates one z0 per micro-batch instead). With
+   ``loss_type="apo_zero_unpaired"`` there is no z0: the KL-pair passes of step 1 and this collective are
+   skipped on every rank alike;
 3. the policy pass with gradient per micro-batch, the KTO loss, ``booster.backward`` of
    sum(per-example loss) / (rows x micro-batches in the step): the plugins average gradients over the
    data-parallel ranks (DDP, ZeRO's reduce-scatter and the hybrid plugin all divide by the dp size), so the
@@ -13,7 +15,9 @@ One optimizer step (``_train_step``) on every rank:
 4. one all-reduce of the step's metric sums, which also carries the non-finite vote, so every rank decides
    to step, skip or stop identically; then optimizer and LR-scheduler steps.
 
-Evaluation runs the same passes without gradient, with one z0 over the whole eval set.
+Evaluation runs the same passes without gradient, with one z0 over the whole eval set: at fit start
+(``eval_at_start``, the baseline, unless that step was already evaluated), every ``eval_interval`` steps and
+at each epoch end (``eval_at_epoch_end``).
 
 Every collective has the same shape and dtype on every rank whatever its labels: the loss picks its branch
 with a label mask (coati_kto.loss), z0 reduces a fixed [sum, count] pair, metrics a fixed set of sums.
@@ -46,10 +50,11 @@ from torch import nn
 from coati_kto.distributed import ParallelLayout, reduce_sums
 from coati_kto.errors import UserError
 from coati_kto.logprobs import completion_logits_to_keep, sequence_logps
-from coati_kto.loss import estimate_kl, kto_loss
+from coati_kto.loss import estimate_kl_raw, needs_kl, preference_loss
 from coati_kto.trainer.base import SLTrainer
 from coati_kto.trainer.logging import MetricWriter, ProgressBar
 from coati_kto.trainer.metrics import IntervalMeter, StepSums, summarize
+from coati_kto.trainer.run_summary import config_markdown, data_stats_markdown, flat_hparams
 
 _DROPOUT_ATTRS = ("attention_dropout", "attn_dropout", "hidden_dropout", "dropout", "dropout_rate")
 HISTORY_LENGTH = 10_000  # logged records kept in memory (TensorBoard/W&B hold the full run)
@@ -69,10 +74,10 @@ class _NoGradPass:
     batch: dict[str, torch.Tensor] | None
     labels: torch.Tensor  # [B] bool
     valid: torch.Tensor  # [B] bool; False on evaluation padding rows
-    tokens: torch.Tensor  # 0-dim: non-padding tokens of valid examples and their KL pairs
+    tokens: torch.Tensor  # 0-dim: non-padding tokens of valid examples (and of their KL pairs, when run)
     reference: torch.Tensor
-    policy_kl: torch.Tensor
-    reference_kl: torch.Tensor
+    policy_kl: torch.Tensor | None  # None when the loss has no reference point (no KL passes run)
+    reference_kl: torch.Tensor | None
     policy: torch.Tensor | None  # evaluation only: the policy's log-probs, computed without gradient
 
 
@@ -90,13 +95,20 @@ class KTOTrainer(SLTrainer):
 
     Extra keyword arguments:
         layout: the ParallelLayout (default: from ``plugin``).
+        loss_type: "kto" or "apo_zero_unpaired" (no reference point: no KL-pair passes, no z0 collective).
         kl_scope: "step" (z0 over the whole optimizer step, all ranks) or "micro_batch".
         max_steps: stop after this many optimizer steps (None: ``max_epochs`` epochs).
-        eval_interval: evaluate every N optimizer steps (0: at epoch ends only).
+        eval_interval: evaluate every N optimizer steps (0: none between epoch ends).
+        eval_at_start: evaluate before the first update of ``fit`` (the step-0 baseline; on resume, only when
+            the checkpoint's step was not evaluated yet).
+        eval_at_epoch_end: evaluate after each epoch's last step (the run's last step included), unless that
+            step was just evaluated.
         log_interval: write train metrics every N steps, exact over the interval.
         on_nonfinite: "stop" (raise NonFiniteLossError) or "skip" (zero the gradients, no update, counted).
         checkpoint_manager: a coati_kto.trainer.checkpoint.CheckpointManager (default: one under ``save_dir``).
-        run_config: the resolved config as a dict; stored in every checkpoint and sent to W&B.
+        run_config: the resolved config as a dict; stored in every checkpoint, sent to W&B and written to
+            TensorBoard (text and hparams).
+        data_stats: the prepared data's stats.json (coati_kto.data.prepare); written to TensorBoard as text.
         wandb_project, wandb_mode, wandb_dir: W&B settings when ``fit(use_wandb=True)``.
     """
 
@@ -121,14 +133,18 @@ class KTOTrainer(SLTrainer):
         coordinator: Any = None,
         *,
         layout: ParallelLayout | None = None,
+        loss_type: str = "kto",
         kl_scope: Literal["step", "micro_batch"] = "step",
         max_steps: int | None = None,
         eval_interval: int = 0,
+        eval_at_start: bool = False,
+        eval_at_epoch_end: bool = True,
         log_interval: int = 1,
         on_nonfinite: Literal["stop", "skip"] = "stop",
         checkpoint_manager: Any = None,
         keep_last: int = 2,
         run_config: dict | None = None,
+        data_stats: dict | None = None,
         wandb_project: str = "coati-kto",
         wandb_mode: str = "online",
         wandb_dir: str | None = None,
@@ -147,6 +163,9 @@ class KTOTrainer(SLTrainer):
         self.accumulation_steps = accumulation_steps
         self.save_interval, self.eval_interval, self.log_interval = save_interval, eval_interval, log_interval
         self.kl_scope, self.max_steps, self.on_nonfinite = kl_scope, max_steps, on_nonfinite
+        self.loss_type = loss_type
+        self._needs_kl = needs_kl(loss_type)  # ValueError on an unknown loss type
+        self.eval_at_start, self.eval_at_epoch_end = eval_at_start, eval_at_epoch_end
         self.layout = layout or ParallelLayout.from_plugin(plugin)
         if checkpoint_manager is None and save_dir is not None:
             from coati_kto.trainer.checkpoint import CheckpointManager
@@ -154,6 +173,7 @@ class KTOTrainer(SLTrainer):
             checkpoint_manager = CheckpointManager(Path(save_dir), booster, self.layout, keep_last)
         self.checkpoint_manager = checkpoint_manager
         self.run_config = run_config
+        self.data_stats = data_stats
         self.wandb_settings = {
             "project": wandb_project,
             "mode": wandb_mode,
@@ -219,7 +239,21 @@ class KTOTrainer(SLTrainer):
             wandb_settings=wandb,
         )
         self._progress = ProgressBar(self.layout.is_main, total, initial=self.global_step)
+        self._write_run_summary()
         self.policy.train()
+        if self.eval_at_start and self._eval_loader is not None and self._last_eval_step != self.global_step:
+            self._evaluate()  # the baseline: every eval/ curve starts from the model the run began with
+
+    def _write_run_summary(self) -> None:
+        """The resolved config and the data statistics as TensorBoard text (and hparams), at the start step."""
+        if self._writer is None:
+            return
+        if self.run_config is not None:
+            self._writer.text("run/config", config_markdown(self.run_config), self.global_step)
+            self._writer.hparams(flat_hparams(self.run_config), ("eval/loss", "eval/rewards/margin"))
+        if self.data_stats is not None:
+            self._writer.text("run/data", data_stats_markdown(self.data_stats), self.global_step)
+        self._writer.flush()
 
     def _finished(self) -> bool:
         return self.max_steps is not None and self.global_step >= self.max_steps
@@ -314,14 +348,18 @@ class KTOTrainer(SLTrainer):
         done = 0
         for group in groups:
             passes = [self._no_grad_pass(batch, keep_batch=train) for batch in group]
-            z0 = self._reference_point(passes)
-            sums.add_kl(z0)
+            z0 = None
+            if self._needs_kl:
+                raw = self._reference_point(passes)
+                z0 = raw.clamp(min=0.0)  # the paper's clamp, after averaging; raw is logged beside it
+                sums.add_kl(z0, raw)
             for item in passes:
                 done += 1
                 last = done == num_micro_batches
                 with self._grad_sync(last) if train else contextlib.nullcontext():
                     policy_logps = self._policy_logps(item.batch) if train else item.policy
-                    losses, rewards = kto_loss(
+                    losses, rewards = preference_loss(
+                        self.loss_type,
                         policy_logps,
                         item.reference,
                         item.labels,
@@ -344,9 +382,11 @@ class KTOTrainer(SLTrainer):
         }
         labels = batch["label"].bool()
         valid = batch["valid"].bool() if "valid" in batch else torch.ones_like(labels)
-        tokens = torch.where(
-            valid, batch["attention_mask"].sum(1) + batch["kl_attention_mask"].sum(1), 0
-        ).sum()
+        # Tokens the passes process: the KL pairs' only when their passes run.
+        row_tokens = batch["attention_mask"].sum(1)
+        if self._needs_kl:
+            row_tokens = row_tokens + batch["kl_attention_mask"].sum(1)
+        tokens = torch.where(valid, row_tokens, 0).sum()
         with torch.no_grad():
             return _NoGradPass(
                 batch=batch if keep_batch else None,
@@ -354,19 +394,20 @@ class KTOTrainer(SLTrainer):
                 valid=valid,
                 tokens=tokens,
                 reference=self._reference_logps(batch, kl=False),
-                policy_kl=self._sequence_logps(self.policy, batch, "kl_"),
-                reference_kl=self._reference_logps(batch, kl=True),
+                policy_kl=self._sequence_logps(self.policy, batch, "kl_") if self._needs_kl else None,
+                reference_kl=self._reference_logps(batch, kl=True) if self._needs_kl else None,
                 policy=None if keep_batch else self._sequence_logps(self.policy, batch, ""),
             )
 
     def _reference_point(self, passes: list[_NoGradPass]) -> torch.Tensor:
-        """z0 over the valid KL pairs of ``passes`` on every data-parallel rank (one collective)."""
+        """The unclamped KL estimate over the valid KL pairs of ``passes`` on every data-parallel rank (one
+        collective); z0 is its max with 0."""
         if not passes:  # still enter the collective: the other ranks do
             empty = torch.zeros(0, device=self.device)
-            return estimate_kl(empty, empty, group=self._kl_group)
+            return estimate_kl_raw(empty, empty, group=self._kl_group)
         policy_kl = torch.cat([p.policy_kl[p.valid] for p in passes])
         reference_kl = torch.cat([p.reference_kl[p.valid] for p in passes])
-        return estimate_kl(policy_kl, reference_kl, group=self._kl_group)
+        return estimate_kl_raw(policy_kl, reference_kl, group=self._kl_group)
 
     def _policy_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """The policy's completion log-probs [B] fp32 with gradient (the only pass that builds a graph)."""
@@ -437,6 +478,9 @@ class KTOTrainer(SLTrainer):
 
     # ---------------------------------------------------------------- evaluation
     def _eval(self, epoch: int) -> None:
+        """The epoch-end evaluation, when ``eval_at_epoch_end`` asks for it."""
+        if not self.eval_at_epoch_end:
+            return
         if self._eval_loader is not None and self._last_eval_step != self.global_step:
             self._evaluate()
 

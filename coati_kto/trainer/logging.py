@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import math
 import sys
+import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,25 @@ class MetricWriter:
         if self._wandb is not None and finite:
             self._wandb.log(finite, step=step)
 
+    def text(self, tag: str, markdown: str, step: int) -> None:
+        """A TensorBoard TEXT entry (rendered as markdown) under ``tag``."""
+        if self._tb is not None:
+            self._tb.add_text(tag, markdown, global_step=step)
+
+    def hparams(self, params: dict[str, float | int | str | bool], metric_tags: Iterable[str]) -> None:
+        """The run's hyperparameters for TensorBoard's HPARAMS tab, in this run's own directory.
+
+        ``SummaryWriter.add_hparams`` would open a second run in a sub-directory; writing the plugin's three
+        summaries into this writer keeps one run, whose ``metric_tags`` scalars fill the tab's metric columns.
+        """
+        if self._tb is None:
+            return
+        from torch.utils.tensorboard.summary import hparams
+
+        experiment, start, end = hparams(params, {tag: float("nan") for tag in metric_tags})
+        for summary in (experiment, start, end):
+            self._tb.file_writer.add_summary(summary)
+
     def flush(self) -> None:
         if self._tb is not None:
             self._tb.flush()
@@ -72,30 +93,56 @@ def _init_wandb(
     return wandb.init(project=project, mode=mode, dir=str(dir), config=config, name=name)
 
 
-class ProgressBar:
-    """tqdm over optimizer steps on the main rank, showing the step's loss, kl and margin; silent elsewhere."""
+_SHOWN = {"loss": "train/loss", "kl": "train/kl", "margin": "train/rewards/margin"}
 
-    def __init__(self, is_main: bool, total: int | None, initial: int = 0) -> None:
-        # In a log file (SLURM, CI, colossalai run's pipes) every refresh is appended: refresh rarely there.
-        interactive = sys.stderr.isatty()
-        self._bar = tqdm(
-            total=total,
-            initial=initial,
-            desc="train",
-            disable=not is_main,
-            dynamic_ncols=True,
-            mininterval=0.1 if interactive else 30.0,
-        )
+
+class ProgressBar:
+    """Progress over optimizer steps on the main rank, showing the step's loss, kl and margin; silent elsewhere.
+
+    On a terminal: a tqdm bar. In a log file (SLURM, CI, colossalai run's pipes) a bar's carriage returns do not
+    erase anything, so other lines would fuse with it: there, whole lines instead (``train step 3/9: ...``),
+    the first and last step and at most one every ``log_every_s`` seconds in between.
+    """
+
+    def __init__(
+        self,
+        is_main: bool,
+        total: int | None,
+        initial: int = 0,
+        interactive: bool | None = None,
+        log_every_s: float = 30.0,
+    ) -> None:
+        self._enabled = is_main
+        self._interactive = sys.stderr.isatty() if interactive is None else interactive
+        self._bar = None
+        self._total, self._step = total, initial
+        self._log_every_s, self._last_line = log_every_s, -math.inf
+        if is_main and self._interactive:
+            self._bar = tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True, mininterval=0.1)
 
     def update(self, metrics: dict[str, float]) -> None:
-        shown = {"loss": "train/loss", "kl": "train/kl", "margin": "train/rewards/margin"}
-        self._bar.set_postfix(
-            {short: f"{metrics[key]:.4f}" for short, key in shown.items() if key in metrics}, refresh=False
-        )
-        self._bar.update(1)
+        shown = {short: f"{metrics[key]:.4f}" for short, key in _SHOWN.items() if key in metrics}
+        self._step += 1
+        if self._bar is not None:
+            self._bar.set_postfix(shown, refresh=False)
+            self._bar.update(1)
+            return
+        now = time.monotonic()
+        due = now - self._last_line >= self._log_every_s or self._step == self._total
+        if self._enabled and due:
+            self._last_line = now
+            of = f"/{self._total}" if self._total else ""
+            values = " ".join(f"{k} {v}" for k, v in shown.items())
+            print(f"train step {self._step}{of}: {values}", file=sys.stderr, flush=True)
 
     def write(self, line: str) -> None:
-        self._bar.write(line)
+        """A whole line (e.g. an evaluation's result) that never shares a line with the bar."""
+        if self._bar is not None:
+            self._bar.write(line)
+        elif self._enabled:
+            sys.stderr.flush()
+            print(line, flush=True)
 
     def close(self) -> None:
-        self._bar.close()
+        if self._bar is not None:
+            self._bar.close()

@@ -28,13 +28,15 @@ SUM_KEYS = (
 class StepSums:
     """Local sums of one optimizer step (or one evaluation) on this rank, kept on ``device`` (no host sync).
 
-    ``kl`` collects the reference points z0 used in the step; each is already global (identical on every
-    data-parallel rank), so they are averaged locally and never summed over ranks.
+    ``kl`` collects the reference points z0 used in the step and the raw (unclamped) KL estimates they come
+    from; each is already global (identical on every data-parallel rank), so they are averaged locally and
+    never summed over ranks. A loss without a reference point (apo_zero_unpaired) adds none.
     """
 
     def __init__(self, device: torch.device) -> None:
         self._sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64, device=device)
         self._kl: list[torch.Tensor] = []
+        self._kl_raw: list[torch.Tensor] = []
 
     def add(
         self,
@@ -71,14 +73,21 @@ class StepSums:
         }
         self._sums += torch.stack([parts[k].to(self._sums) for k in SUM_KEYS])
 
-    def add_kl(self, z0: torch.Tensor) -> None:
+    def add_kl(self, z0: torch.Tensor, raw: torch.Tensor) -> None:
+        """One reference point z0 = max(0, raw) and its unclamped estimate ``raw`` (0-dim each)."""
         self._kl.append(z0.detach().double().reshape(()))
+        self._kl_raw.append(raw.detach().double().reshape(()))
 
-    def local(self) -> tuple[dict[str, float], float | None]:
-        """(this rank's sums, mean z0 of the step or None): one device-to-host copy."""
-        kl = torch.stack(self._kl).mean() if self._kl else self._sums.new_full((), float("nan"))
-        values = torch.cat([self._sums, kl.reshape(1)]).tolist()
-        return dict(zip(SUM_KEYS, values[:-1], strict=True)), (None if not self._kl else values[-1])
+    def local(self) -> tuple[dict[str, float], dict[str, float] | None]:
+        """(this rank's sums, {"kl": mean z0, "kl_raw": mean raw estimate} of the step or None): one
+        device-to-host copy."""
+        if self._kl:
+            kl = torch.stack([torch.stack(self._kl).mean(), torch.stack(self._kl_raw).mean()])
+        else:
+            kl = self._sums.new_full((2,), float("nan"))
+        values = torch.cat([self._sums, kl]).tolist()
+        sums = dict(zip(SUM_KEYS, values[:-2], strict=True))
+        return sums, ({"kl": values[-2], "kl_raw": values[-1]} if self._kl else None)
 
 
 def add_totals(into: dict[str, float], totals: dict[str, float]) -> None:
@@ -87,16 +96,17 @@ def add_totals(into: dict[str, float], totals: dict[str, float]) -> None:
         into[key] = into.get(key, 0.0) + value
 
 
-def summarize(totals: dict[str, float], kl: float | None) -> dict[str, float]:
+def summarize(totals: dict[str, float], kl: dict[str, float] | None) -> dict[str, float]:
     """Means from global sums: loss per example, rewards and log-probs per label, margin when both labels exist.
 
-    ``totals`` holds SUM_KEYS reduced over the data-parallel group. Keys whose count is 0 are omitted.
+    ``totals`` holds SUM_KEYS reduced over the data-parallel group; ``kl`` the global {"kl", "kl_raw"} (z0
+    and the unclamped estimate) or None (no reference point). Keys whose count is 0 are omitted.
     """
     out: dict[str, float] = {}
     if totals["examples"] > 0 and totals["nonfinite"] == 0:
         out["loss"] = totals["loss"] / totals["examples"]
     if kl is not None:
-        out["kl"] = kl
+        out.update(kl)
     means = {}
     for side in ("chosen", "rejected"):
         count = totals[f"count/{side}"]
@@ -122,13 +132,17 @@ class IntervalMeter:
 
     def reset(self) -> None:
         self.totals: dict[str, float] = {}
-        self.kl: list[float] = []
+        self.kl: list[dict[str, float]] = []
         self.grad_norms: list[float] = []
         self.seconds = 0.0
         self.steps = 0
 
     def add(
-        self, totals: dict[str, float], kl: float | None, seconds: float, grad_norm: float | None
+        self,
+        totals: dict[str, float],
+        kl: dict[str, float] | None,
+        seconds: float,
+        grad_norm: float | None,
     ) -> None:
         add_totals(self.totals, totals)
         if kl is not None:
@@ -140,7 +154,8 @@ class IntervalMeter:
 
     def summary(self) -> dict[str, float]:
         """Means and throughput of the interval (keys without prefix); the interval's examples/tokens per second."""
-        out = summarize(self.totals, sum(self.kl) / len(self.kl) if self.kl else None)
+        kl = {k: sum(d[k] for d in self.kl) / len(self.kl) for k in self.kl[0]} if self.kl else None
+        out = summarize(self.totals, kl)
         if self.grad_norms:
             out["grad_norm"] = sum(self.grad_norms) / len(self.grad_norms)
         if self.seconds > 0:

@@ -1,0 +1,76 @@
+"""Config discovery: every key of coati_kto.config with its type, default and help; "did you mean" for typos.
+
+Read from the pydantic schema itself (the ``Field`` descriptions in config.py), so it cannot drift from it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from coati_kto.config import Config
+
+
+def _type_name(annotation: Any) -> str:
+    """``Literal["a", "b"]`` -> ``a | b``; ``int | None`` -> ``int | null``; ``list[str]`` -> ``list[str]``."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return " | ".join(str(v) for v in typing.get_args(annotation))
+    if origin in (typing.Union, types.UnionType):
+        return " | ".join(_type_name(a) for a in typing.get_args(annotation))
+    if annotation is type(None):
+        return "null"
+    if origin is not None:
+        args = ", ".join(_type_name(a) for a in typing.get_args(annotation))
+        return f"{origin.__name__}[{args}]"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _default_text(field: Any) -> str:
+    if field.is_required():
+        return "(required)"
+    value = field.default_factory() if field.default is PydanticUndefined else field.default
+    return "= " + yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...").strip()
+
+
+def _sections() -> list[tuple[str, type[BaseModel]]]:
+    return [(name, field.annotation) for name, field in Config.model_fields.items()]
+
+
+def schema_lines() -> list[str]:
+    """One line per key, ``section.key: type = default  # help``; a blank line between sections."""
+    lines: list[str] = []
+    for name, section in _sections():
+        if lines:
+            lines.append("")
+        for key, field in section.model_fields.items():
+            lines.append(
+                f"{name}.{key}: {_type_name(field.annotation)} {_default_text(field)}  # {field.description}"
+            )
+    return lines
+
+
+def all_keys() -> list[str]:
+    """Every dotted key (``kto.beta``) and section name (``kto``)."""
+    keys = []
+    for name, section in _sections():
+        keys.append(name)
+        keys += [f"{name}.{key}" for key in section.model_fields]
+    return keys
+
+
+def did_you_mean(dotted: str) -> str | None:
+    """The closest known key (or section) to the unknown ``dotted`` key, when one is close; else None."""
+    depth = dotted.count(".")
+    candidates = [k for k in all_keys() if k.count(".") == depth]
+    close = difflib.get_close_matches(dotted, candidates, n=1, cutoff=0.75)
+    if not close and depth == 1:  # a right key in the wrong section: train.beta -> kto.beta
+        leaf = dotted.split(".")[1]
+        close = [k for k in candidates if k.split(".")[1] == leaf]
+    return close[0] if close else None

@@ -1,0 +1,172 @@
+"""``final/README.md``: a Hugging Face model card for the exported model, so the directory can be shared as is.
+
+YAML front matter (library_name, base_model when it is a Hub id, tags, datasets when they are Hub ids), then
+the base model, the data (files, counts per label, truncation), the KTO and training settings and the final
+evaluation metrics. Written by the main rank only (``write_model_card`` is no collective).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from coati_kto.config import Config
+from coati_kto.trainer.run_summary import data_stats_table, split_rows
+
+# A Hub id: "name" or "org/name", no path separators beyond the one slash, not an existing local path.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
+EVAL_KEYS = (
+    "eval/loss",
+    "eval/rewards/chosen",
+    "eval/rewards/rejected",
+    "eval/rewards/margin",
+    "eval/logps/chosen",
+    "eval/logps/rejected",
+    "eval/kl",
+    "eval/kl_raw",
+    "eval/count/chosen",
+    "eval/count/rejected",
+)
+
+
+def last_eval(history: Any) -> dict[str, float] | None:
+    """The last evaluation record of a KTOTrainer history ({"step": ..., "eval/loss": ..., ...}) or None."""
+    records = [h for h in history if "eval/loss" in h]
+    return dict(records[-1]) if records else None
+
+
+def hub_id(name: str | None) -> str | None:
+    """``name`` when it reads as a Hugging Face Hub id and is no local path; else None."""
+    if not name or Path(name).exists() or not _HUB_ID.fullmatch(name):
+        return None
+    return name
+
+
+def base_model_id(config: Config) -> str | None:
+    """The base model's Hub id: model.path itself, or for a local directory its config's ``_name_or_path``."""
+    found = hub_id(config.model.path)
+    if found is None:
+        cfg = Path(config.model.path) / "config.json"
+        if cfg.is_file():
+            found = hub_id(json.loads(cfg.read_text()).get("_name_or_path"))
+    return found
+
+
+def _fmt(key: str, value: float) -> str:
+    """Counts as integers; other metrics exactly as logged (shortest round-trip repr)."""
+    return str(int(value)) if key.startswith("eval/count/") else repr(float(value))
+
+
+def render(
+    config: Config,
+    data_stats: dict[str, Any] | None,
+    eval_record: dict[str, float] | None,
+    steps: int,
+    weights: tuple[float, float],
+    world_size: int,
+) -> str:
+    """The card's text (front matter + markdown). ``weights``: the (lambda_D, lambda_U) the run used."""
+    from huggingface_hub import ModelCardData
+
+    base = base_model_id(config)
+    datasets = sorted({d for f in config.data.train_files + config.data.eval_files if (d := hub_id(f))})
+    tags = ["kto", "coati-kto", "colossalai", config.kto.loss_type.replace("_", "-")]
+    meta = ModelCardData(
+        library_name="transformers",
+        base_model=base,
+        tags=sorted(set(tags)),
+        datasets=datasets or None,
+        pipeline_tag="text-generation",
+    )
+    kto, train = config.kto, config.train
+    lines = [
+        "---",
+        meta.to_yaml(),
+        "---",
+        "",
+        f"# {Path(config.output.dir).name}",
+        "",
+        f"Aligned from binary feedback with coati-kto (loss `{kto.loss_type}`) on ColossalAI.",
+        "",
+        "## Base model",
+        "",
+        f"`{config.model.path}`" + (f" (Hub id `{base}`)" if base and base != config.model.path else ""),
+        "",
+        "## Data",
+        "",
+    ]
+    if data_stats is not None:
+        for row in split_rows(data_stats):
+            lines.append(f"- {row['split']} files: " + ", ".join(f"`{f}`" for f in row["files"]))
+        lines += ["", data_stats_table(data_stats)]
+        lines += [
+            "",
+            f"Truncation: data.max_length {config.data.max_length}, "
+            f"data.max_prompt_length {config.data.max_prompt_length}.",
+        ]
+    else:
+        lines.append("- train files: " + ", ".join(f"`{f}`" for f in config.data.train_files))
+    lines += [
+        "",
+        "## KTO settings",
+        "",
+        "| setting | value |",
+        "| --- | --- |",
+        f"| loss_type | {kto.loss_type} |",
+        f"| beta | {kto.beta} |",
+        f"| desirable_weight (lambda_D) | {weights[0]:.6g} |",
+        f"| undesirable_weight (lambda_U) | {weights[1]:.6g} |",
+        f"| kl_scope | {kto.kl_scope if kto.loss_type == 'kto' else 'n/a (no reference point)'} |",
+        "",
+        "## Training",
+        "",
+        f"{steps} optimizer steps; lr {train.lr} (warmup {train.warmup_steps}, cosine to "
+        f"{train.min_lr_ratio} x lr); micro-batch {train.micro_batch_size} x accumulation "
+        f"{train.accumulation_steps} x {world_size} process(es); plugin {config.plugin.name} "
+        f"(ZeRO {config.plugin.zero_stage}, {config.plugin.precision}, tp {config.plugin.tp_size}); "
+        f"seed {train.seed}. The whole resolved config is `../config.yaml`.",
+        "",
+        "## Evaluation",
+        "",
+    ]
+    if eval_record is None:
+        lines.append("No evaluation set was configured (data.eval_files / data.eval_fraction).")
+    else:
+        lines += [
+            f"On the evaluation split, at optimizer step {int(eval_record['step'])}:",
+            "",
+            "| metric | value |",
+            "| --- | ---: |",
+        ]
+        lines += [f"| {k} | {_fmt(k, eval_record[k])} |" for k in EVAL_KEYS if k in eval_record]
+    lines += [
+        "",
+        "## Use",
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "",
+        'model = AutoModelForCausalLM.from_pretrained("path/to/final")',
+        'tokenizer = AutoTokenizer.from_pretrained("path/to/final")',
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_model_card(
+    out_dir: str | Path,
+    config: Config,
+    data_stats: dict[str, Any] | None,
+    history: Any,
+    steps: int,
+    weights: tuple[float, float],
+    world_size: int,
+) -> Path:
+    """Write ``out_dir/README.md`` from the run's config, data stats and last eval record. Main rank only."""
+    path = Path(out_dir) / "README.md"
+    text = render(config, data_stats, last_eval(history), steps, weights, world_size)
+    path.write_text(text)
+    return path

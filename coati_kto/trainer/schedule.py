@@ -1,0 +1,29 @@
+"""The learning-rate schedule: linear warmup that starts above 0, then cosine decay to ``min_lr_ratio``.
+
+transformers' cosine-with-warmup schedules give lr 0 to the first optimizer step (factor step / warmup at
+step 0), so the first update is wasted. Here optimizer step k (1-based) of the warmup uses
+``lr * k / (warmup_steps + 1)``; step ``warmup_steps + 1`` uses the full lr, and the cosine runs from there
+to ``min_lr_ratio * lr`` at the last step of ``total_steps``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+
+def lr_factor(scheduler_step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """The lr multiplier for the optimizer step taken after ``scheduler_step`` scheduler steps (0-based)."""
+    if scheduler_step < warmup_steps:
+        return (scheduler_step + 1) / (warmup_steps + 1)
+    progress = min(1.0, (scheduler_step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def warmup_cosine_schedule(
+    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0
+) -> LambdaLR:
+    """A LambdaLR of :func:`lr_factor`; step it once per optimizer step (skipped steps included)."""
+    return LambdaLR(optimizer, lambda s: lr_factor(s, warmup_steps, total_steps, min_lr_ratio))

@@ -1,0 +1,133 @@
+"""Config discovery: ``coati-kto --version``, ``coati-kto config CONFIG [overrides]`` (the resolved config with
+every default), ``coati-kto config --schema`` (every key: type, default, help) and "did you mean" for typos."""
+
+from __future__ import annotations
+
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+import yaml
+
+from coati_kto import __version__
+from coati_kto.cli import main
+from coati_kto.config import Config, load_config
+from coati_kto.config_schema import did_you_mean, schema_lines
+from coati_kto.errors import ConfigError
+
+MINIMAL = """\
+model:
+  path: some/model
+data:
+  train_files: data.jsonl
+  prepared_dir: prepared
+output:
+  dir: out
+"""
+
+
+def _write(tmp_path: Path, text: str = MINIMAL) -> Path:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    expected = (
+        f"coati-kto {__version__} (colossalai {version('colossalai')}, torch {version('torch')}, "
+        f"transformers {version('transformers')})"
+    )
+    assert capsys.readouterr().out.splitlines() == [expected]
+
+
+def test_config_prints_the_resolved_config_with_every_default(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _write(tmp_path)
+    assert main(["config", str(path), "kto.beta=0.25", "train.lr=1e-6"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    start = lines.index("kto:")
+    assert lines[start : start + 7] == [
+        "kto:",
+        "  loss_type: kto",
+        "  beta: 0.25",
+        "  desirable_weight: 1.0",
+        "  undesirable_weight: 1.0",
+        "  auto_weights: false",
+        "  kl_scope: step",
+    ]
+    assert "  lr: 1.0e-06" in lines and "  eval_at_start: true" in lines
+    assert [line for line in lines if not line.startswith(" ")] == [
+        "model:",
+        "data:",
+        "kto:",
+        "train:",
+        "plugin:",
+        "output:",
+        "logging:",
+    ]
+    # Every key of the schema is printed, and the text loads back to the same config.
+    printed = yaml.safe_load(out)
+    assert {f"{s}.{k}" for s, keys in printed.items() for k in keys} == {
+        line.split(":")[0] for line in schema_lines() if line
+    }
+    assert Config.model_validate(printed) == load_config(path, ["kto.beta=0.25", "train.lr=1e-6"])
+
+
+def test_schema_lists_every_key_with_type_default_and_help(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config", "--schema"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("kto.")))
+    assert lines[start : start + 6] == [
+        "kto.loss_type: kto | apo_zero_unpaired = kto  "
+        "# kto (Eq. 7, reference point z0) or apo_zero_unpaired (no z0, no KL passes).",
+        "kto.beta: float = 0.1  # Scale of the log-ratio in the sigmoid (higher: stay closer).",
+        "kto.desirable_weight: float = 1.0  # lambda_D: weight of desirable examples' loss.",
+        "kto.undesirable_weight: float = 1.0  # lambda_U: weight of undesirable examples' loss.",
+        "kto.auto_weights: bool = false  # Set the weights into the paper's [1, 4/3] guideline.",
+        "kto.kl_scope: step | micro_batch = step  "
+        "# Estimate z0 over the whole optimizer step (all ranks) or per micro-batch.",
+    ]
+    required = "model.path: str (required)  # Hugging Face model directory (or hub id on machines that reach the hub)."
+    assert required in lines
+    assert "train.max_steps: int | null = null  # Stop after this many optimizer steps." in lines
+    # One line per key of every section, each with a help text.
+    keys = [line for line in lines if line]
+    assert len(keys) == sum(len(f.annotation.model_fields) for f in Config.model_fields.values())
+    assert all("  # " in line and not line.endswith("# None") for line in keys)
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("train:\n  lrr: 1.0\n", "train.lrr: unknown key (did you mean train.lr?)"),
+        ("trian:\n  lr: 1.0\n", "trian: unknown key (did you mean train?)"),
+        ("train:\n  beta: 0.2\n", "train.beta: unknown key (did you mean kto.beta?)"),
+        ("kto:\n  loss: kto\n", "kto.loss: unknown key (did you mean kto.loss_type?)"),
+        ("kto:\n  zzz: 1\n", "kto.zzz: unknown key"),
+    ],
+)
+def test_unknown_key_suggests_a_close_one(tmp_path: Path, text: str, message: str) -> None:
+    path = _write(tmp_path, MINIMAL + text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}: {message}"
+
+
+def test_did_you_mean_on_overrides_and_far_keys() -> None:
+    assert did_you_mean("train.warmup") == "train.warmup_steps"
+    assert did_you_mean("output.save_intervals") == "output.save_interval"
+    assert did_you_mean("train.zzzz") is None
+
+
+def test_config_command_mistakes_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["config"]) == 2
+    assert capsys.readouterr().err == "error: coati-kto config needs a config file (or --schema)\n"
+    assert main(["config", "--schema", str(_write(tmp_path))]) == 2
+    assert "takes no config file" in capsys.readouterr().err
+    assert main(["config", str(tmp_path / "missing.yaml")]) == 2
+    assert capsys.readouterr().err == f"error: {tmp_path / 'missing.yaml'}: config file not found\n"

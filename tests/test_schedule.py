@@ -1,0 +1,62 @@
+"""The LR schedule (the first warmup step uses lr / (warmup + 1), not 0; after warmup, transformers' cosine)
+and the progress lines written to a log (whole lines, never fused with other output)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coati_kto.trainer.schedule import lr_factor, warmup_cosine_schedule
+
+
+def _lrs(warmup: int, total: int, min_ratio: float, lr: float = 1.0) -> list[float]:
+    """The lr each optimizer step 1..total uses (read before the step, as the trainer logs it)."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    scheduler = warmup_cosine_schedule(optimizer, warmup, total, min_ratio)
+    out = []
+    for _ in range(total):
+        out.append(scheduler.get_last_lr()[0])
+        optimizer.step()
+        scheduler.step()
+    return out
+
+
+def test_first_warmup_step_is_above_zero() -> None:
+    lrs = _lrs(warmup=3, total=10, min_ratio=0.1, lr=2.0)
+    assert lrs[:4] == pytest.approx([0.5, 1.0, 1.5, 2.0])  # 2 x k / 4, then the full lr at step 4
+    assert lrs[4] < lrs[3] and lrs[-1] > 0.2  # cosine towards 0.1 x lr, reached after the last step
+    assert _lrs(warmup=0, total=5, min_ratio=0.0)[0] == 1.0
+
+
+def test_after_warmup_it_is_transformers_cosine_with_min_lr() -> None:
+    from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    theirs = get_cosine_with_min_lr_schedule_with_warmup(optimizer, 2, 9, min_lr_rate=0.2)
+    factors = [theirs.lr_lambdas[0](s) for s in range(9)]
+    assert factors[0] == 0.0  # what this schedule fixes
+    ours = [lr_factor(s, 2, 9, 0.2) for s in range(9)]
+    assert ours[:2] == pytest.approx([1 / 3, 2 / 3])
+    assert ours[2:] == pytest.approx(factors[2:], abs=1e-12)
+
+
+def test_progress_lines_in_a_log_are_whole_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    from coati_kto.trainer.logging import ProgressBar
+
+    bar = ProgressBar(True, total=3, interactive=False, log_every_s=3600)
+    for loss in (0.7, 0.6, 0.5):
+        bar.update({"train/loss": loss, "train/kl": 0.0, "train/rewards/margin": 0.1})
+        if loss == 0.6:
+            bar.write("step 2: eval loss 0.6500")
+    bar.close()
+    out = capsys.readouterr()
+    # The first and the last step (at most one line per log_every_s in between); no carriage returns.
+    assert out.err.splitlines() == [
+        "train step 1/3: loss 0.7000 kl 0.0000 margin 0.1000",
+        "train step 3/3: loss 0.5000 kl 0.0000 margin 0.1000",
+    ]
+    assert out.out == "step 2: eval loss 0.6500\n"
+    silent = ProgressBar(False, total=3, interactive=False)
+    silent.update({"train/loss": 0.1})
+    silent.write("not shown")
+    assert capsys.readouterr() == ("", "")
