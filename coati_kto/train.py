@@ -193,6 +193,7 @@ def train(config: Config) -> Any:
         eval_interval=config.train.eval_interval,
         log_interval=config.train.log_interval,
         on_nonfinite=config.train.on_nonfinite,
+        max_grad_norm=config.train.max_grad_norm,
         checkpoint_manager=manager,
         run_config=config.model_dump(mode="json"),
         wandb_project=config.logging.wandb_project,

@@ -98,6 +98,7 @@ def _build(cfg: Any, total_steps: int, **trainer_kwargs: Any):
         "accumulation_steps": cfg.train.accumulation_steps,
         "layout": parts.layout,
         "kl_scope": cfg.kto.kl_scope,
+        "max_grad_norm": cfg.train.max_grad_norm,
         **trainer_kwargs,
     }
     trainer = KTOTrainer(
