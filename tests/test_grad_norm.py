@@ -63,7 +63,12 @@ def _one_step(model_dir: str, out_dir: str, plugin: dict, max_grad_norm: float) 
         model_dir,
         out_dir,
         plugin=plugin,
-        train={"lr": LR, "warmup_steps": 0, "max_grad_norm": max_grad_norm, "accumulation_steps": 2 if tp else 1},
+        train={
+            "lr": LR,
+            "warmup_steps": 0,
+            "max_grad_norm": max_grad_norm,
+            "accumulation_steps": 2 if tp else 1,
+        },
     )
     with sgd():
         parts, trainer = _build(cfg, total_steps=1)
@@ -132,7 +137,9 @@ def test_max_grad_norm_clips_like_torch_on_every_plugin(clip_runs: list[dict], p
         assert np.abs(clipped - expected).max() <= 1e-6 < 0.1 * np.abs(free).max(), plugin
     # Every plugin sees the same global gradient (same global batch): same norm, same update.
     reference = clip_runs[0]["ddp"]
-    assert clip_runs[0][plugin]["free"]["grad_norm"] == pytest.approx(reference["free"]["grad_norm"], rel=1e-5)
+    assert clip_runs[0][plugin]["free"]["grad_norm"] == pytest.approx(
+        reference["free"]["grad_norm"], rel=1e-5
+    )
     assert np.allclose(clip_runs[0][plugin]["clipped"]["update"], reference["clipped"]["update"], atol=1e-7)
 
 
@@ -151,7 +158,9 @@ def _checkpoint_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
 def test_nan_gradient_under_finite_loss_is_skipped_everywhere(
     tiny_model_dir: Path, tmp_path: Path, plugin: str
 ) -> None:
-    results = run_distributed(_nonfinite_worker, 2, str(tiny_model_dir), str(tmp_path), BF16_PLUGINS[plugin], "skip")
+    results = run_distributed(
+        _nonfinite_worker, 2, str(tiny_model_dir), str(tmp_path), BF16_PLUGINS[plugin], "skip"
+    )
     for result in results:
         assert result["error"] is None and result["skipped"] == 1
         records = {int(h["step"]): h for h in result["history"] if "train/lr" in h}
@@ -180,11 +189,16 @@ def test_nan_gradient_under_finite_loss_is_skipped_everywhere(
 def test_nan_gradient_with_stop_names_the_step_and_saves_nothing_bad(
     tiny_model_dir: Path, tmp_path: Path, plugin: str
 ) -> None:
-    results = run_distributed(_nonfinite_worker, 2, str(tiny_model_dir), str(tmp_path), BF16_PLUGINS[plugin], "stop")
+    results = run_distributed(
+        _nonfinite_worker, 2, str(tiny_model_dir), str(tmp_path), BF16_PLUGINS[plugin], "stop"
+    )
     for result in results:
         error = result["error"]
         assert error is not None and "\n" not in error
         assert "gradient norm at optimizer step 2" in error and "step-1" in error
         assert np.isfinite(result["weights"]).all()
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir()) == ["step-1"]
-    assert all(torch.isfinite(v.float()).all() for v in _checkpoint_tensors(tmp_path / "checkpoints" / "step-1").values())
+    assert all(
+        torch.isfinite(v.float()).all()
+        for v in _checkpoint_tensors(tmp_path / "checkpoints" / "step-1").values()
+    )
