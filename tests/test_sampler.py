@@ -380,14 +380,14 @@ def test_resume_on_another_layout_uses_each_unconsumed_example_once(setup) -> No
     assert Counter(consumed) + remaining == Counter(plan.ravel().tolist())
     sizes = [len(b) for b in batches]
     assert not sizes or (min(sizes) >= 1 and max(sizes) <= m_new and max(sizes) - min(sizes) <= 1)
-    # Mixed where the minority allows: min(minority, micro-batches) hold it, every other slot has the majority.
-    rem_labels = [bool(labels[i]) for i in remaining.elements()]
-    n_minor = min(sum(rem_labels), len(rem_labels) - sum(rem_labels))
-    with_minor = sum(1 for b in batches if len({bool(labels[i]) for i in b}) == 2 or n_minor == 0)
-    mixed = sum(1 for b in batches if len({bool(labels[i]) for i in b}) == 2)
-    if n_minor:
-        assert mixed >= min(n_minor, sum(1 for s in sizes if s >= 2)) - sum(1 for s in sizes if s == 1)
-    assert with_minor <= len(batches)
+    # Mixed where the minority allows: min(minority slots, micro-batches) hold the minority label, and every
+    # micro-batch of 2 or more rows holds the majority label.
+    rem = [bool(labels[i]) for i in remaining.elements()]
+    minority = sum(rem) * 2 < len(rem)
+    n_minor = sum(1 for y in rem if y == minority)
+    holding = [{bool(labels[i]) for i in b} for b in batches]
+    assert sum(minority in h for h in holding) == min(n_minor, len(batches))
+    assert all((not minority) in h for h, b in zip(holding, batches, strict=True) if len(b) >= 2)
     # No example twice in one micro-batch unless it repeats more often than there are micro-batches.
     for b in batches:
         assert all(c <= max(1, -(-remaining[i] // len(batches))) for i, c in Counter(b).items())

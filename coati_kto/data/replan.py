@@ -66,7 +66,32 @@ def replan_remaining(
     order = np.argsort(owner, kind="stable")
     members = np.concatenate([minority, majority])[order]
     plan = np.split(members, np.cumsum(sizes)[:-1])
+    _spread_duplicates(plan, labels)
     return [rng.permutation(plan[j]) for j in rng.permutation(rows)]
+
+
+def _spread_duplicates(plan: list[np.ndarray], labels: np.ndarray) -> None:
+    """Swap a repeated example out of a micro-batch holding it twice, with a same-label example of another one.
+
+    Only repeated (minority) examples can collide; the label counts of every micro-batch stay as dealt.
+    """
+    rows = len(plan)
+    for j in range(rows):
+        row = plan[j]
+        values, counts = np.unique(row, return_counts=True)
+        for value in values[counts > 1]:
+            for step in range(1, rows):
+                if (row == value).sum() < 2:
+                    break
+                other = plan[(j + step) % rows]
+                if value in other:
+                    continue
+                swap = [
+                    c for c in range(len(other)) if labels[other[c]] == labels[value] and other[c] not in row
+                ]
+                if swap:
+                    col = np.flatnonzero(row == value)[-1]
+                    row[col], other[swap[0]] = other[swap[0]], value
 
 
 def _grouped(rng: np.random.Generator, indices: np.ndarray) -> np.ndarray:
