@@ -200,7 +200,7 @@ def train(config: Config) -> Any:
         wandb_mode=config.logging.wandb_mode,
         wandb_dir=str(out_dir),
     )
-    checkpoint = manager.resolve(config.train.resume)
+    checkpoint = manager.resolve_everywhere(config.train.resume)  # rank 0 decides, every rank follows
     if checkpoint is not None:
         trainer.resume(checkpoint)
         if layout.is_main:

@@ -343,7 +343,9 @@ class MixedLabelBatchSampler:
         if state.get("replanned_from") is not None:  # the saved epoch was itself re-planned: rebuild its rows
             self._replanned_from = list(state["replanned_from"])
             self._replanned = self._replan(self._replanned_from, self.num_replicas, self.micro_batch_size)
-        per_rank = len(self._rank_rows()) if self._replanned is not None else self.stats.micro_batches_per_rank
+        per_rank = (
+            len(self._rank_rows()) if self._replanned is not None else self.stats.micro_batches_per_rank
+        )
         if epoch < 0 or not 0 <= position <= per_rank:
             self._replanned = self._replanned_from = None
             raise ValueError(

@@ -258,7 +258,13 @@ class KTOTrainer(SLTrainer):
             sampler.set_epoch(epoch)
         resume, self._resume = self._resume, None  # applies to the first epoch run after resume() only
         start = int(resume["consumed"]) if resume is not None and int(resume["epoch"]) == epoch else 0
-        if start and hasattr(sampler, "load_state_dict"):
+        old_ranks = (
+            resume.get("rank_states") if resume is not None and int(resume["epoch"]) == epoch else None
+        )
+        if old_ranks is not None:  # another layout: the rest of the epoch is re-planned over this one's ranks
+            batches = self._replanned_batches(sampler, old_ranks, epoch)
+            start = sampler.start
+        elif start and hasattr(sampler, "load_state_dict"):
             saved = resume.get("sampler") or {}
             try:
                 sampler.load_state_dict({**saved, "epoch": epoch, "position": start})
@@ -272,6 +278,22 @@ class KTOTrainer(SLTrainer):
         self._consumed = start
         while chunk := list(itertools.islice(batches, self.accumulation_steps)):
             yield chunk
+
+    def _replanned_batches(self, sampler: Any, old_ranks: list[dict[str, Any]], epoch: int) -> Iterator:
+        """Position ``sampler`` from every old data-parallel rank's saved state (a resume on another layout)."""
+        if not hasattr(sampler, "load_state_dicts") or any(s.get("sampler") is None for s in old_ranks):
+            raise UserError(
+                "train.resume: the checkpoint was saved on another parallel layout and this data loader cannot "
+                "re-plan the interrupted epoch (it needs coati_kto's MixedLabelBatchSampler in both runs)"
+            )
+        states = [{**s["sampler"], "epoch": epoch, "position": int(s["consumed"])} for s in old_ranks]
+        try:
+            sampler.load_state_dicts(states)
+        except ValueError as err:
+            raise UserError(
+                f"train.resume: the checkpoint's data order does not fit this run: {err}"
+            ) from None
+        return iter(self._train_loader)
 
     def _train_step(self, micro_batches: list[dict[str, torch.Tensor]], epoch: int) -> None:
         started = time.perf_counter()
@@ -476,6 +498,7 @@ class KTOTrainer(SLTrainer):
             sampler_state = {**sampler.state_dict(), "epoch": epoch, "position": self._consumed}
         state = {
             "epoch": epoch,
+            "dp_rank": self.layout.dp_rank,  # a resume on another layout reads every dp rank's position
             "global_step": self.global_step,
             "consumed": self._consumed,
             "sampler": sampler_state,
