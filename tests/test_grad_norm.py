@@ -8,16 +8,13 @@ Non-finite: a NaN gradient under a finite loss on one rank (a hook on one parame
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from test_trainer import _build, _config, _global_steps, _weights
+from test_trainer import _build, _config, _global_steps, _weights, full_weights, sgd
 
 from coati_kto.testing import read_scalars, run_distributed
 
@@ -32,25 +29,6 @@ BF16_PLUGINS = {
     "low_level_zero_bf16": {"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"},
     "hybrid_zero2_bf16": {"name": "hybrid_parallel", "zero_stage": 2, "precision": "bf16"},
 }
-
-
-@contextlib.contextmanager
-def sgd() -> Iterator[None]:
-    """Build the policy's optimizer as plain SGD (inside a worker process) instead of AdamW."""
-    from coati_kto import compat
-
-    original = compat.make_optimizer
-    compat.make_optimizer = lambda params, lr, weight_decay, fused_ok=True: torch.optim.SGD(params, lr=lr)
-    try:
-        yield
-    finally:
-        compat.make_optimizer = original
-
-
-def full_weights(policy: Any) -> np.ndarray:
-    """Every weight of the whole model, fp64, by parameter name: tensor-parallel slices gathered (state_dict())."""
-    state = policy.unwrap().state_dict()
-    return torch.cat([state[k].detach().double().flatten() for k in sorted(state)]).numpy()
 
 
 def _one_step(model_dir: str, out_dir: str, plugin: dict, max_grad_norm: float) -> dict:
