@@ -25,6 +25,12 @@ CLIP_PLUGINS = {
     "hybrid_zero0": {"name": "hybrid_parallel", "zero_stage": 0, "precision": "fp32"},
     "tp2": {"name": "hybrid_parallel", "zero_stage": 0, "precision": "fp32", "tp_size": 2},
 }
+# bf16 gradients: the norm only (the clipped update is below bf16 weight resolution); zero 1 and 2 keep their
+# gradient partitions in different places of the ZeRO store.
+BF16_NORM_PLUGINS = {
+    "hybrid_zero1_bf16": {"name": "hybrid_parallel", "zero_stage": 1, "precision": "bf16"},
+    "hybrid_zero2_bf16": {"name": "hybrid_parallel", "zero_stage": 2, "precision": "bf16"},
+}
 BF16_PLUGINS = {
     "low_level_zero_bf16": {"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"},
     "hybrid_zero2_bf16": {"name": "hybrid_parallel", "zero_stage": 2, "precision": "bf16"},
@@ -61,6 +67,8 @@ def _clip_worker(model_dir: str, out_dir: str) -> dict:
         free = _one_step(model_dir, out_dir, plugin, 0.0)
         clip = free["grad_norm"] / 20  # tiny: the clipped step is 1/20 of the free one
         results[name] = {"free": free, "clip": clip, "clipped": _one_step(model_dir, out_dir, plugin, clip)}
+    for name, plugin in BF16_NORM_PLUGINS.items():
+        results[name] = _one_step(model_dir, out_dir, plugin, 0.0)["grad_norm"]
     return results
 
 
@@ -119,6 +127,14 @@ def test_max_grad_norm_clips_like_torch_on_every_plugin(clip_runs: list[dict], p
         reference["free"]["grad_norm"], rel=1e-5
     )
     assert np.allclose(clip_runs[0][plugin]["clipped"]["update"], reference["clipped"]["update"], atol=1e-7)
+
+
+@pytest.mark.parametrize("plugin", list(BF16_NORM_PLUGINS))
+def test_bf16_zero_norm_is_the_global_norm(clip_runs: list[dict], plugin: str) -> None:
+    expected = clip_runs[0]["ddp"]["free"]["grad_norm"]
+    for result in clip_runs:  # every rank logs the same global norm, ddp's within bf16 gradient rounding
+        assert result[plugin] == clip_runs[0][plugin]
+        assert result[plugin] == pytest.approx(expected, rel=2e-2)
 
 
 def _checkpoint_tensors(step_dir: Path) -> dict[str, torch.Tensor]:

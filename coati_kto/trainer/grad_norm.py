@@ -45,6 +45,9 @@ class GradNorm:
         self.max_norm = max_norm
         self.layout = layout
         self._zero = _is_zero(optimizer)
+        if type(optimizer).__name__ == "GeminiOptimizer":
+            # Gemini keeps gradients in chunks; p.grad is empty, so a norm from p.grad would be 0 and vote nothing.
+            raise NotImplementedError("the gradient-norm vote does not read Gemini's chunked gradients")
         if self._zero and len(optimizer.pg_to_grad_store) != 1:
             raise NotImplementedError(
                 "ZeRO with several data-parallel groups (MoE) is not supported by the gradient-norm vote"
