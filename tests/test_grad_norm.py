@@ -25,9 +25,10 @@ CLIP_PLUGINS = {
     "hybrid_zero0": {"name": "hybrid_parallel", "zero_stage": 0, "precision": "fp32"},
     "tp2": {"name": "hybrid_parallel", "zero_stage": 0, "precision": "fp32", "tp_size": 2},
 }
-# bf16 gradients: the norm only (the clipped update is below bf16 weight resolution); zero 1 and 2 keep their
-# gradient partitions in different places of the ZeRO store.
+# bf16 gradients: the norm only (the clipped update is below bf16 weight resolution); zero 0 (AMP optimizer:
+# fp32 masters in param_groups), zero 1 and 2 (partitions in different places of the ZeRO store).
 BF16_NORM_PLUGINS = {
+    "hybrid_zero0_bf16": {"name": "hybrid_parallel", "zero_stage": 0, "precision": "bf16"},
     "hybrid_zero1_bf16": {"name": "hybrid_parallel", "zero_stage": 1, "precision": "bf16"},
     "hybrid_zero2_bf16": {"name": "hybrid_parallel", "zero_stage": 2, "precision": "bf16"},
 }

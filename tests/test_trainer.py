@@ -243,6 +243,7 @@ def _layout_run(model_dir: str, ref_dir: str, out_dir: str, world: int, rank: in
 
 
 SGD_PLUGINS = {  # plugin sections of the SGD layout runs; ZeRO-2 accumulates without no_sync
+    "ddp_fp32": {"name": "ddp", "zero_stage": 0, "precision": "fp32"},
     "hybrid_zero0_fp32": {"name": "hybrid_parallel", "zero_stage": 0, "precision": "fp32"},
     "low_level_zero2_fp32": {"name": "low_level_zero", "zero_stage": 2, "precision": "fp32"},
     "hybrid_zero2_bf16": {"name": "hybrid_parallel", "zero_stage": 2, "precision": "bf16"},
@@ -525,8 +526,9 @@ def test_layout_invariance_with_sgd(one_proc: dict, two_procs: list[dict], plugi
     """1 process x accumulation 4 = 2 processes x accumulation 2 with SGD, where a gradient factor would show."""
     single = one_proc["sgd"][plugin]
     update = single["weights"] - single["start"]
-    # fp32: summation order only; bf16 (weights rounded to 8 bits): well below a gradient factor's error (~1).
-    max_error = 1e-6 if "fp32" in plugin else 1e-2
+    # fp32: summation order only (measured 2e-7); bf16: working weights 1 ulp apart after step 1 (measured
+    # 7.6e-3), far below what a constant gradient factor gives (a factor 2: 1).
+    max_error = 1e-6 if "fp32" in plugin else 5e-2
     for result in two_procs:
         multi = result["sgd"][plugin]
         assert np.array_equal(multi["start"], single["start"])
