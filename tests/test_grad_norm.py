@@ -138,6 +138,21 @@ def test_bf16_zero_norm_is_the_global_norm(clip_runs: list[dict], plugin: str) -
         assert result[plugin] == pytest.approx(expected, rel=2e-2)
 
 
+def _nonfinite_both(model_dir: str, out_dir: str, plugin: dict) -> dict:
+    """The skip and the stop runs in one process set (each under its own directory)."""
+    return {
+        mode: _nonfinite_worker(model_dir, str(Path(out_dir) / mode), plugin, mode)
+        for mode in ("skip", "stop")
+    }
+
+
+@pytest.fixture(scope="module", params=list(BF16_PLUGINS))
+def nonfinite(request: pytest.FixtureRequest, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    out = tmp_path_factory.mktemp(request.param)
+    runs = run_distributed(_nonfinite_both, 2, str(tiny_model_dir), str(out), BF16_PLUGINS[request.param])
+    return {mode: ([r[mode] for r in runs], out / mode) for mode in ("skip", "stop")}
+
+
 def _checkpoint_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -149,13 +164,8 @@ def _checkpoint_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-@pytest.mark.parametrize("plugin", list(BF16_PLUGINS))
-def test_nan_gradient_under_finite_loss_is_skipped_everywhere(
-    tiny_model_dir: Path, tmp_path: Path, plugin: str
-) -> None:
-    results = run_distributed(
-        _nonfinite_worker, 2, str(tiny_model_dir), str(tmp_path), BF16_PLUGINS[plugin], "skip"
-    )
+def test_nan_gradient_under_finite_loss_is_skipped_everywhere(nonfinite: dict) -> None:
+    results, tmp_path = nonfinite["skip"]
     for result in results:
         assert result["error"] is None and result["skipped"] == 1
         records = {int(h["step"]): h for h in result["history"] if "train/lr" in h}
@@ -180,13 +190,8 @@ def test_nan_gradient_under_finite_loss_is_skipped_everywhere(
         assert torch.equal(value, before[key]), key
 
 
-@pytest.mark.parametrize("plugin", list(BF16_PLUGINS))
-def test_nan_gradient_with_stop_names_the_step_and_saves_nothing_bad(
-    tiny_model_dir: Path, tmp_path: Path, plugin: str
-) -> None:
-    results = run_distributed(
-        _nonfinite_worker, 2, str(tiny_model_dir), str(tmp_path), BF16_PLUGINS[plugin], "stop"
-    )
+def test_nan_gradient_with_stop_names_the_step_and_saves_nothing_bad(nonfinite: dict) -> None:
+    results, tmp_path = nonfinite["stop"]
     for result in results:
         error = result["error"]
         assert error is not None and "\n" not in error
