@@ -711,3 +711,27 @@ def test_schedule_length_is_capped_by_the_epochs(tmp_path: Path) -> None:
         == 62
     )
     assert total_optimizer_steps(load_config(path, ["train.accumulation_steps=4"]), 62) == 16
+
+
+def test_a_skipped_step_leaves_its_logging_interval_finite() -> None:
+    """A NaN step inside a logging interval: the interval's means come from its finite steps only."""
+    from coati_kto.trainer.metrics import SUM_KEYS, IntervalMeter
+
+    def totals(loss: float, reward: float) -> dict[str, float]:
+        out = dict.fromkeys(SUM_KEYS, 0.0)
+        out.update({"examples": 2, "loss": loss, "count/chosen": 1, "count/rejected": 1, "tokens": 10})
+        out.update({"rewards/chosen": reward, "rewards/rejected": -reward})
+        return out
+
+    meter = IntervalMeter()
+    meter.add(totals(0.8, 0.2), 0.1, 1.0, 0.5)
+    meter.skip(1.0)  # its totals (NaN rewards) never reach the meter
+    meter.add(totals(0.4, 0.4), 0.3, 1.0, 1.5)
+    summary = meter.summary()
+    assert summary["loss"] == pytest.approx(0.3) and summary["rewards/margin"] == pytest.approx(0.6)
+    assert summary["kl"] == pytest.approx(0.2) and summary["grad_norm"] == pytest.approx(1.0)
+    assert summary["skipped_in_interval"] == 1 and summary["examples_per_second"] == pytest.approx(4 / 3)
+    assert all(math.isfinite(v) for v in summary.values())
+    meter.reset()
+    meter.skip(1.0)
+    assert meter.summary() == {"skipped_in_interval": 1.0}
