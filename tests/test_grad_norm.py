@@ -57,6 +57,7 @@ def _one_step(model_dir: str, out_dir: str, plugin: dict, max_grad_norm: float) 
     )
     with sgd():
         parts, trainer = _build(cfg, total_steps=1)
+    assert isinstance(parts.optimizer.optim, torch.optim.SGD)  # the patch reached the optimizer factory
     start = full_weights(parts.policy)
     trainer.fit(step if tp else step[dist.get_rank() : dist.get_rank() + 1])
     return {"update": full_weights(parts.policy) - start, "grad_norm": trainer.history[0]["train/grad_norm"]}

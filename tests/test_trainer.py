@@ -267,6 +267,7 @@ def _sgd_run(model_dir: str, ref_dir: str, out_dir: str, plugin: dict) -> dict:
     )
     with sgd():
         parts, trainer = _build(cfg, total_steps=2)
+    assert isinstance(parts.optimizer.optim, torch.optim.SGD)  # the patch reached the optimizer factory
     dp, dp_rank = parts.layout.dp_size, parts.layout.dp_rank
     start = full_weights(parts.policy)
     trainer.fit([mb for step in _global_steps()[:2] for mb in step[dp_rank::dp]])
