@@ -194,6 +194,7 @@ def train(config: Config) -> Any:
         eval_at_epoch_end=config.train.eval_at_epoch_end,
         log_interval=config.train.log_interval,
         on_nonfinite=config.train.on_nonfinite,
+        max_grad_norm=config.train.max_grad_norm,
         checkpoint_manager=manager,
         run_config=config.model_dump(mode="json"),
         data_stats=data.stats,
@@ -201,7 +202,7 @@ def train(config: Config) -> Any:
         wandb_mode=config.logging.wandb_mode,
         wandb_dir=str(out_dir),
     )
-    checkpoint = manager.resolve(config.train.resume)
+    checkpoint = manager.resolve_everywhere(config.train.resume)  # rank 0 decides, every rank follows
     if checkpoint is not None:
         trainer.resume(checkpoint)
         if layout.is_main:

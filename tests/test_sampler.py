@@ -318,3 +318,110 @@ def test_works_as_dataloader_batch_sampler() -> None:
     loader = torch.utils.data.DataLoader(data, batch_sampler=MixedLabelBatchSampler(labels, 4))
     got = [batch.tolist() for batch in loader]
     assert len(got) == len(loader) == 10 and all(len(b) == 4 for b in got)
+
+
+# ---------------------------------------------------------------------------------- resume on another layout
+def _old_run_states(labels, m: int, r: int, seed: int, epoch: int, positions: list[int]) -> list[dict]:
+    """Every rank's state after consuming positions[rank] micro-batches of ``epoch`` (as the trainer saves it)."""
+    states = []
+    for rank, position in enumerate(positions):
+        s = MixedLabelBatchSampler(labels, m, num_replicas=r, rank=rank, seed=seed)
+        s.set_epoch(epoch)
+        states.append({**s.state_dict(), "position": position})
+    return states
+
+
+def _resumed(labels, m: int, r: int, seed: int, states: list[dict]) -> list[list[list[int]]]:
+    """Per new rank, the micro-batches it yields for the rest of the saved epoch."""
+    out = []
+    for rank in range(r):
+        s = MixedLabelBatchSampler(labels, m, num_replicas=r, rank=rank, seed=seed)
+        s.load_state_dicts(states)
+        s.set_epoch(int(states[0]["epoch"]))  # what the trainer does: keeps the resumed epoch
+        expected = len(s)
+        out.append(list(s))
+        assert len(out[-1]) == expected
+    return out
+
+
+@st.composite
+def relayouts(draw):
+    """An interrupted epoch on r_old ranks (micro-batch m_old), resumed on r_new ranks with micro-batch m_new."""
+    m_old, m_new = draw(st.integers(2, 8)), draw(st.integers(2, 8))
+    r_old, r_new = draw(st.integers(1, 6)), draw(st.integers(1, 6))
+    n = draw(st.integers(max(m_old * r_old, m_new * r_new), 600))
+    n_d = draw(st.integers(1, n - 1))
+    labels = make_labels(n_d, n - n_d, draw(st.integers(0, 99)))
+    stats = MixedLabelBatchSampler.compute_stats(n_d, n - n_d, m_old, r_old)
+    per_rank = stats.micro_batches_per_rank
+    # The trainer's ranks stay in step, but the re-plan must not rely on it: positions may differ.
+    position = draw(st.integers(0, per_rank))
+    positions = [draw(st.integers(max(0, position - 1), min(per_rank, position + 1))) for _ in range(r_old)]
+    return labels, m_old, r_old, m_new, r_new, draw(st.integers(0, 2**16)), draw(st.integers(0, 3)), positions
+
+
+@SETTINGS
+@given(relayouts())
+def test_resume_on_another_layout_uses_each_unconsumed_example_once(setup) -> None:
+    labels, m_old, r_old, m_new, r_new, seed, epoch, positions = setup
+    plan = MixedLabelBatchSampler(labels, m_old, r_old, seed=seed).plan(epoch)
+    consumed = [i for rank, p in enumerate(positions) for row in plan[rank::r_old][:p] for i in row]
+    remaining = Counter(plan.ravel().tolist()) - Counter(consumed)
+    states = _old_run_states(labels, m_old, r_old, seed, epoch, positions)
+    if 0 < sum(remaining.values()) < r_new:
+        with pytest.raises(ValueError, match="fewer than"):
+            _resumed(labels, m_new, r_new, seed, states)
+        return
+    ranks = _resumed(labels, m_new, r_new, seed, states)
+    assert len({len(batches) for batches in ranks}) == 1  # every rank steps the same number of times
+    batches = [b for rank_batches in ranks for b in rank_batches]
+    # Each unconsumed example exactly once; with the consumed ones, exactly the epoch's plan (a multiset).
+    assert Counter(i for b in batches for i in b) == remaining
+    assert Counter(consumed) + remaining == Counter(plan.ravel().tolist())
+    sizes = [len(b) for b in batches]
+    assert not sizes or (min(sizes) >= 1 and max(sizes) <= m_new and max(sizes) - min(sizes) <= 1)
+    # Mixed where the minority allows: min(minority slots, micro-batches) hold the minority label, and every
+    # micro-batch of 2 or more rows holds the majority label.
+    rem = [bool(labels[i]) for i in remaining.elements()]
+    minority = sum(rem) * 2 < len(rem)
+    n_minor = sum(1 for y in rem if y == minority)
+    holding = [{bool(labels[i]) for i in b} for b in batches]
+    assert sum(minority in h for h in holding) == min(n_minor, len(batches))
+    assert all((not minority) in h for h, b in zip(holding, batches, strict=True) if len(b) >= 2)
+    # No example twice in one micro-batch unless it repeats more often than there are micro-batches.
+    for b in batches:
+        assert all(c <= max(1, -(-remaining[i] // len(batches))) for i, c in Counter(b).items())
+
+
+def test_resume_on_one_rank_after_two_and_again_on_three() -> None:
+    labels = make_labels(40, 24, seed=3)
+    states = _old_run_states(labels, 4, 2, seed=5, epoch=1, positions=[3, 3])
+    plan = MixedLabelBatchSampler(labels, 4, 2, seed=5).plan(1)
+    one = MixedLabelBatchSampler(labels, 4, 1, seed=5)
+    one.load_state_dicts(states)
+    one.set_epoch(1)
+    assert one.start == 0 and len(one) == len(plan) - 6
+    first_two = [next(iter_one) for iter_one in [iter(one)] for _ in range(2)]
+    # Interrupted again after 2 micro-batches of the re-planned epoch: its state knows where its plan came from.
+    state = {**one.state_dict(), "position": 2}
+    assert state["replanned_from"][0]["num_replicas"] == 2
+    again = _resumed(labels, 4, 3, 5, [state])
+    used = Counter(i for row in plan[:6] for i in row) + Counter(i for b in first_two for i in b)
+    used += Counter(i for batches in again for b in batches for i in b)
+    assert used == Counter(plan.ravel().tolist())
+    # The same layout resumes the re-planned epoch at its position; the next epoch is this layout's own plan.
+    same = MixedLabelBatchSampler(labels, 4, 1, seed=5)
+    same.load_state_dicts([state])
+    same.set_epoch(1)
+    assert same.start == 2 and list(same) == list(iter(one))[2:]
+    same.set_epoch(2)
+    assert np.array_equal(np.array(list(same)), MixedLabelBatchSampler(labels, 4, 1, seed=5).plan(2))
+
+
+def test_states_of_another_dataset_are_refused() -> None:
+    labels = make_labels(40, 24)
+    states = _old_run_states(labels, 4, 2, seed=5, epoch=0, positions=[1, 1])
+    with pytest.raises(ValueError, match="dataset_size="):
+        MixedLabelBatchSampler(make_labels(40, 25), 4, 1).load_state_dicts(states)
+    with pytest.raises(ValueError, match="not one run"):
+        MixedLabelBatchSampler(labels, 4, 1).load_state_dicts(states[:1])

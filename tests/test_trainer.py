@@ -7,8 +7,10 @@ fresh 2-process run that resumes from the other's checkpoint (module-scoped fixt
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +100,7 @@ def _build(cfg: Any, total_steps: int, **trainer_kwargs: Any):
         "accumulation_steps": cfg.train.accumulation_steps,
         "layout": parts.layout,
         "kl_scope": cfg.kto.kl_scope,
+        "max_grad_norm": cfg.train.max_grad_norm,
         **trainer_kwargs,
     }
     trainer = KTOTrainer(
@@ -111,6 +114,28 @@ def _build(cfg: Any, total_steps: int, **trainer_kwargs: Any):
         **kwargs,
     )
     return parts, trainer
+
+
+@contextlib.contextmanager
+def sgd() -> Iterator[None]:
+    """Build the policy's optimizer as plain SGD (inside a worker process) instead of AdamW.
+
+    Adam divides out any constant factor of the gradient; SGD shows it (layout invariance, clipping).
+    """
+    from coati_kto import compat
+
+    original = compat.make_optimizer
+    compat.make_optimizer = lambda params, lr, weight_decay, fused_ok=True: torch.optim.SGD(params, lr=lr)
+    try:
+        yield
+    finally:
+        compat.make_optimizer = original
+
+
+def full_weights(policy: Any) -> np.ndarray:
+    """Every weight of the whole model, fp64, by parameter name: tensor-parallel slices gathered (state_dict())."""
+    state = policy.unwrap().state_dict()
+    return torch.cat([state[k].detach().double().flatten() for k in sorted(state)]).numpy()
 
 
 def _weights(policy: Any) -> np.ndarray:
@@ -217,6 +242,38 @@ def _layout_run(model_dir: str, ref_dir: str, out_dir: str, world: int, rank: in
     return {"start": start, "weights": _weights(parts.policy), "history": trainer.history, "hand": hand}
 
 
+SGD_PLUGINS = {  # plugin sections of the SGD layout runs; ZeRO-2 accumulates without no_sync
+    "ddp_fp32": {"name": "ddp", "zero_stage": 0, "precision": "fp32"},
+    "hybrid_zero0_fp32": {"name": "hybrid_parallel", "zero_stage": 0, "precision": "fp32"},
+    "low_level_zero2_fp32": {"name": "low_level_zero", "zero_stage": 2, "precision": "fp32"},
+    "hybrid_zero2_bf16": {"name": "hybrid_parallel", "zero_stage": 2, "precision": "bf16"},
+}
+TP2 = {"name": "hybrid_parallel", "zero_stage": 0, "precision": "fp32", "tp_size": 2}
+
+
+def _sgd_run(model_dir: str, ref_dir: str, out_dir: str, plugin: dict) -> dict:
+    """2 SGD steps (lr 1, no clipping) over global steps 1-2, 4 / dp micro-batches per rank per step."""
+    import torch.distributed as dist
+
+    world, tp = dist.get_world_size(), plugin.get("tp_size", 1)
+    cfg = _layout_config(model_dir, ref_dir, out_dir, 4 // (world // tp))
+    cfg = _config(
+        model_dir,
+        out_dir,
+        model=cfg.model.model_dump(),
+        plugin=plugin,
+        train={**cfg.train.model_dump(), "lr": 1.0, "warmup_steps": 0, "max_grad_norm": 0.0},
+        kto=cfg.kto.model_dump(),
+    )
+    with sgd():
+        parts, trainer = _build(cfg, total_steps=2)
+    assert isinstance(parts.optimizer.optim, torch.optim.SGD)  # the patch reached the optimizer factory
+    dp, dp_rank = parts.layout.dp_size, parts.layout.dp_rank
+    start = full_weights(parts.policy)
+    trainer.fit([mb for step in _global_steps()[:2] for mb in step[dp_rank::dp]])
+    return {"start": start, "weights": full_weights(parts.policy)}
+
+
 def _one_step_variants(model_dir: str, ref_dir: str, out_dir: str) -> dict:
     """Step 1 with kl_scope=micro_batch (hand-checked), and with precomputed reference log-probs (no model)."""
     step = _global_steps()[0]
@@ -244,6 +301,9 @@ def _one_process(model_dir: str, ref_dir: str, out_dir: str) -> dict:
     from coati_kto.trainer.kto import NonFiniteLossError
 
     results = {"layout": _layout_run(model_dir, ref_dir, str(Path(out_dir) / "layout"), 1, 0)}
+    results["sgd"] = {
+        name: _sgd_run(model_dir, ref_dir, out_dir, plugin) for name, plugin in SGD_PLUGINS.items()
+    }
     results["variants"] = _one_step_variants(model_dir, ref_dir, out_dir)
 
     # on_nonfinite=stop: raises naming the step, before any update; the step-1 checkpoint stays the latest.
@@ -276,6 +336,10 @@ def _two_processes(model_dir: str, ref_dir: str, out_dir: str) -> dict:
     rank = dist.get_rank()
     out = Path(out_dir)
     results: dict[str, Any] = {"layout": _layout_run(model_dir, ref_dir, str(out / "layout"), 2, rank)}
+    sgd_plugins = {**SGD_PLUGINS, "tp2": TP2}
+    results["sgd"] = {
+        name: _sgd_run(model_dir, ref_dir, out_dir, plugin) for name, plugin in sgd_plugins.items()
+    }
 
     # A non-finite loss on rank 1 only: both ranks skip the same step and stay identical.
     cfg = _config(
@@ -312,7 +376,8 @@ def _two_processes(model_dir: str, ref_dir: str, out_dir: str) -> dict:
 
 def _resume_run(model_dir: str, out_dir: str, rank: int, resume_from: str | None) -> dict:
     """4 optimizer steps over a real MixedLabelBatchSampler (3 steps per epoch: steps 3-4 cross an epoch),
-    low-level ZeRO-2 fp32, checkpoint at step 2, eval every 2 steps on a padded 2-rank eval set."""
+    low-level ZeRO-2 bf16 (fp32 master shards must come back exactly), checkpoint at step 2, eval every 2 steps
+    on a padded 2-rank eval set."""
     from torch.utils.data import DataLoader
 
     from coati_kto.data.collator import KTOCollator
@@ -333,7 +398,7 @@ def _resume_run(model_dir: str, out_dir: str, rank: int, resume_from: str | None
     cfg = _config(
         model_dir,
         str(run_dir),
-        plugin={"name": "low_level_zero", "zero_stage": 2, "precision": "fp32"},
+        plugin={"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"},
         train={"max_steps": 4, "max_epochs": 2, "micro_batch_size": 2},
     )
     parts, trainer = _build(
@@ -348,8 +413,10 @@ def _resume_run(model_dir: str, out_dir: str, rank: int, resume_from: str | None
     if resume_from:
         trainer.resume(resume_from)
     trainer.fit(loader, eval_loader)
+    masters = parts.optimizer.get_working_to_master_map().values()
     return {
         "weights": _weights(parts.policy),
+        "masters": torch.cat([m.detach().double().flatten() for m in masters]).numpy(),
         "history": trainer.history,
         "checkpoint": str(run_dir / "checkpoints" / "step-2"),
         "lr": trainer._current_lr(),
@@ -455,6 +522,34 @@ def test_layout_invariance_one_process_x4_equals_two_processes_x2(
     assert np.array_equal(two_procs[0]["layout"]["weights"], two_procs[1]["layout"]["weights"])
 
 
+@pytest.mark.parametrize("plugin", list(SGD_PLUGINS))
+def test_layout_invariance_with_sgd(one_proc: dict, two_procs: list[dict], plugin: str) -> None:
+    """1 process x accumulation 4 = 2 processes x accumulation 2 with SGD, where a gradient factor would show."""
+    single = one_proc["sgd"][plugin]
+    update = single["weights"] - single["start"]
+    # fp32: summation order only (measured 2e-7); bf16: working weights 1 ulp apart after step 1 (measured
+    # 7.6e-3), far below what a constant gradient factor gives (a factor 2: 1).
+    max_error = 1e-6 if "fp32" in plugin else 5e-2
+    for result in two_procs:
+        multi = result["sgd"][plugin]
+        assert np.array_equal(multi["start"], single["start"])
+        diff = np.linalg.norm(multi["weights"] - single["weights"])
+        assert diff / np.linalg.norm(update) < max_error, (plugin, diff, np.linalg.norm(update))
+        if "fp32" in plugin:
+            assert np.abs(multi["weights"] - single["weights"]).max() < 1e-6
+
+
+def test_tensor_parallel_2_equals_tensor_parallel_1(one_proc: dict, two_procs: list[dict]) -> None:
+    """hybrid_parallel zero 0 fp32, SGD, the same 2 steps: tp_size 2 (dp 1) gives tp_size 1's weights."""
+    single = one_proc["sgd"]["hybrid_zero0_fp32"]
+    update = np.linalg.norm(single["weights"] - single["start"])
+    for result in two_procs:
+        tp = result["sgd"]["tp2"]
+        assert np.array_equal(tp["start"], single["start"])
+        diff = tp["weights"] - single["weights"]
+        assert np.abs(diff).max() < 1e-6 and np.linalg.norm(diff) / update < 1e-6, np.abs(diff).max()
+
+
 def test_metrics_two_processes_equal_single_process_over_same_global_batch(
     one_proc: dict, two_procs: list[dict]
 ) -> None:
@@ -519,6 +614,8 @@ def test_resume_is_bit_exact(tiny_model_dir: Path, two_procs: list[dict], tmp_pa
     resumed = run_distributed(_resume_worker, 2, str(tiny_model_dir), str(tmp_path), full["checkpoint"])
     for rank in range(2):
         assert np.array_equal(resumed[rank]["weights"], two_procs[rank]["resume_full"]["weights"])
+        # bf16: this rank's fp32 master shard too, bit for bit (the booster alone would rebuild it from bf16).
+        assert np.array_equal(resumed[rank]["masters"], two_procs[rank]["resume_full"]["masters"])
         assert resumed[rank]["lr"] == two_procs[rank]["resume_full"]["lr"]
 
     # The resumed run logs steps 3-4 (train), 3 (epoch-end eval) and 4 (eval) with the uninterrupted run's values.
@@ -615,3 +712,27 @@ def test_schedule_length_is_capped_by_the_epochs(tmp_path: Path) -> None:
         == 62
     )
     assert total_optimizer_steps(load_config(path, ["train.accumulation_steps=4"]), 62) == 16
+
+
+def test_a_skipped_step_leaves_its_logging_interval_finite() -> None:
+    """A NaN step inside a logging interval: the interval's means come from its finite steps only."""
+    from coati_kto.trainer.metrics import SUM_KEYS, IntervalMeter
+
+    def totals(loss: float, reward: float) -> dict[str, float]:
+        out = dict.fromkeys(SUM_KEYS, 0.0)
+        out.update({"examples": 2, "loss": loss, "count/chosen": 1, "count/rejected": 1, "tokens": 10})
+        out.update({"rewards/chosen": reward, "rewards/rejected": -reward})
+        return out
+
+    meter = IntervalMeter()
+    meter.add(totals(0.8, 0.2), 0.1, 1.0, 0.5)
+    meter.skip(1.0)  # its totals (NaN rewards) never reach the meter
+    meter.add(totals(0.4, 0.4), 0.3, 1.0, 1.5)
+    summary = meter.summary()
+    assert summary["loss"] == pytest.approx(0.3) and summary["rewards/margin"] == pytest.approx(0.6)
+    assert summary["kl"] == pytest.approx(0.2) and summary["grad_norm"] == pytest.approx(1.0)
+    assert summary["skipped_in_interval"] == 1 and summary["examples_per_second"] == pytest.approx(4 / 3)
+    assert all(math.isfinite(v) for v in summary.values())
+    meter.reset()
+    meter.skip(1.0)
+    assert meter.summary() == {"skipped_in_interval": 1.0}

@@ -20,6 +20,11 @@ Contract (micro_batch_size m >= 2, R = num_replicas, both labels present):
   fresh sampler given ``load_state_dict(state)`` yields exactly the rest of that epoch, and later epochs as if
   never interrupted. A trainer that counts consumed batches itself (a DataLoader prefetches from the sampler)
   calls ``load_state_dict({"epoch": e, "position": k})``; the other keys are optional and validated.
+* Resume on another layout (number of ranks or micro-batch size): ``load_state_dicts(states)`` takes every
+  rank's state of the saved run; the examples of that epoch's plan not yet consumed by any rank are re-planned
+  over this sampler's ranks (coati_kto.data.replan: each used once, mixed while the minority lasts, sizes within
+  one), then later epochs follow this sampler's own plan. A state saved inside a re-planned epoch records where
+  its plan came from (``replanned_from``), so it can be resumed again, on any layout.
 """
 
 from __future__ import annotations
@@ -29,6 +34,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
+
+from coati_kto.data.replan import consumed_rows, replan_remaining
 
 __all__ = ["MixedLabelBatchSampler", "SamplerStats", "padding_saved", "padding_tokens"]
 
@@ -188,6 +195,9 @@ class MixedLabelBatchSampler:
         self._start = 0  # micro-batches of self.epoch skipped on resume; cleared when that epoch ends
         self._position = 0  # micro-batches of self.epoch yielded on this rank, skipped ones included
         self._cache: tuple[int, int, np.ndarray] | None = None
+        # A re-planned self.epoch (resume on another layout): its global rows and the saved states they came from.
+        self._replanned: list[np.ndarray] | None = None
+        self._replanned_from: list[dict[str, Any]] | None = None
 
     @staticmethod
     def compute_stats(
@@ -233,6 +243,7 @@ class MixedLabelBatchSampler:
             raise ValueError(f"epoch must be >= 0 (got {epoch})")
         if epoch != self.epoch:
             self.epoch, self._start, self._position = epoch, 0, 0
+            self._replanned = self._replanned_from = None
 
     def plan(self, epoch: int | None = None) -> np.ndarray:
         """The global ``[num_micro_batches, micro_batch_size]`` index plan of an epoch, shared by all ranks."""
@@ -266,8 +277,12 @@ class MixedLabelBatchSampler:
         self._cache = (self.seed, epoch, plan)
         return plan
 
+    def _rank_rows(self) -> Sequence[np.ndarray]:
+        rows = self.plan() if self._replanned is None else self._replanned
+        return rows[self.rank :: self.num_replicas]
+
     def __iter__(self) -> Iterator[list[int]]:
-        rows = self.plan()[self.rank :: self.num_replicas]
+        rows = self._rank_rows()
         self._position = self._start
         for i in range(self._start, len(rows)):
             self._position = i + 1  # counted before the yield: the consumer holds this batch
@@ -275,11 +290,18 @@ class MixedLabelBatchSampler:
         self._start = 0  # the resume offset applies to the saved epoch only, never to later ones
 
     def __len__(self) -> int:
+        if self._replanned is not None:
+            return len(self._replanned) // self.num_replicas - self._start
         return self.stats.micro_batches_per_rank - self._start
 
-    def state_dict(self) -> dict[str, int]:
-        """Plain ints; valid at any point during iteration."""
-        return {
+    @property
+    def start(self) -> int:
+        """Micro-batches of ``epoch`` already consumed on this rank before a resume (0 after a re-plan)."""
+        return self._start
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain ints (and, inside a re-planned epoch, the saved states it came from); valid during iteration."""
+        state: dict[str, Any] = {
             "epoch": self.epoch,
             "position": self._position,
             "seed": self.seed,
@@ -290,6 +312,9 @@ class MixedLabelBatchSampler:
             "drop_last": int(self.drop_last),
             "group_by_length": int(self.group_by_length),
         }
+        if self._replanned_from is not None:
+            state["replanned_from"] = self._replanned_from
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume at ``state["position"]`` of ``state["epoch"]``; only those two keys are required.
@@ -314,13 +339,89 @@ class MixedLabelBatchSampler:
         if missing:
             raise ValueError(f"sampler state lacks {missing}: pass at least epoch and position")
         epoch, position = int(state["epoch"]), int(state["position"])
-        if epoch < 0 or not 0 <= position <= self.stats.micro_batches_per_rank:
+        self._replanned = self._replanned_from = None
+        if state.get("replanned_from") is not None:  # the saved epoch was itself re-planned: rebuild its rows
+            self._replanned_from = list(state["replanned_from"])
+            self._replanned = self._replan(self._replanned_from, self.num_replicas, self.micro_batch_size)
+        per_rank = (
+            len(self._rank_rows()) if self._replanned is not None else self.stats.micro_batches_per_rank
+        )
+        if epoch < 0 or not 0 <= position <= per_rank:
+            self._replanned = self._replanned_from = None
             raise ValueError(
                 f"sampler state epoch={epoch}, position={position}: need epoch >= 0 and "
-                f"0 <= position <= {self.stats.micro_batches_per_rank} micro-batches per rank"
+                f"0 <= position <= {per_rank} micro-batches per rank"
             )
         self.seed = int(state.get("seed", self.seed))
         self.epoch, self._start, self._position = epoch, position, position
+
+    def load_state_dicts(self, states: Sequence[dict[str, Any]]) -> None:
+        """Resume from every rank's state of the saved run (``states[r]`` from its data-parallel rank r).
+
+        The same layout resumes at this rank's position; another number of ranks or micro-batch size re-plans
+        the saved epoch's unconsumed examples over this sampler's ranks. ValueError when the states do not
+        describe one run over this dataset.
+        """
+        if not states:
+            raise ValueError("no sampler states given")
+        first = states[0]
+        for key in ("dataset_size", "n_desirable", "drop_last", "group_by_length"):
+            if key in first and int(first[key]) != self.state_dict()[key]:
+                raise ValueError(
+                    f"sampler state has {key}={int(first[key])} but this sampler has "
+                    f"{key}={self.state_dict()[key]}: resume with the same data and {key}"
+                )
+        common = ("epoch", "seed", "num_replicas", "micro_batch_size")
+        if any(key not in s for s in states for key in (*common, "position")):
+            raise ValueError(f"every sampler state needs {', '.join(common)} and position")
+        if any(any(int(s[k]) != int(first[k]) for k in common) for s in states) or len(states) != int(
+            first["num_replicas"]
+        ):
+            raise ValueError(
+                f"the {len(states)} sampler states are not one run's ranks (they differ in {common})"
+            )
+        positions = [int(s["position"]) for s in states]
+        same = (int(first["num_replicas"]), int(first["micro_batch_size"])) == (
+            self.num_replicas,
+            self.micro_batch_size,
+        )
+        if same and len(set(positions)) == 1:
+            self.load_state_dict({**first, "position": positions[0]})
+            return
+        self.seed = int(first["seed"])
+        self.epoch, self._start, self._position = int(first["epoch"]), 0, 0
+        self._replanned_from = [dict(s) for s in states]
+        self._replanned = self._replan(self._replanned_from, self.num_replicas, self.micro_batch_size)
+
+    def saved_rows(self, state: dict[str, Any]) -> list[np.ndarray]:
+        """The global rows of the epoch a saved state was recorded in (its own plan, or its re-plan)."""
+        if state.get("replanned_from") is not None:
+            return self._replan(
+                state["replanned_from"], int(state["num_replicas"]), int(state["micro_batch_size"])
+            )
+        old = MixedLabelBatchSampler(
+            self.labels,
+            int(state["micro_batch_size"]),
+            int(state["num_replicas"]),
+            0,
+            int(state["seed"]),
+            self.drop_last,
+            self._lengths,
+            self.group_by_length,
+        )
+        return list(old.plan(int(state["epoch"])))
+
+    def _replan(
+        self, states: Sequence[dict[str, Any]], num_replicas: int, micro_batch_size: int
+    ) -> list[np.ndarray]:
+        """Rows of ``states``' epoch not consumed by its ranks, dealt over ``num_replicas`` ranks (deterministic)."""
+        rows = self.saved_rows(states[0])
+        used = consumed_rows(len(rows), [int(s["position"]) for s in states])
+        left = [row for row, done in zip(rows, used, strict=True) if not done]
+        remaining = np.concatenate(left) if left else np.zeros(0, dtype=np.int64)
+        first = states[0]
+        rng = np.random.default_rng([int(first["seed"]), int(first["epoch"]), len(states), num_replicas, 1])
+        return replan_remaining(remaining, self.labels, micro_batch_size, num_replicas, rng)
 
 
 def padding_tokens(batches: Iterable[Sequence[int]], lengths: Sequence[int] | np.ndarray) -> int:

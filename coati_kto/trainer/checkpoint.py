@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from colossalai.booster import Booster
 
-from coati_kto.distributed import ParallelLayout, barrier
+from coati_kto.distributed import ParallelLayout, barrier, broadcast_object
 from coati_kto.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -133,12 +133,21 @@ class CheckpointManager:
             )
         return path
 
+    def resolve_everywhere(self, resume: str | None) -> Path | None:
+        """``resolve`` on global rank 0, its answer (or its UserError) on every rank; every rank calls.
+
+        One rank decides, so all ranks load the same checkpoint even when a save lands between their looks.
+        """
+        return _on_main(self.layout.is_main, lambda: self.resolve(resume))
+
     def load(self, path: Path, model: Any, optimizer: Any, lr_scheduler: Any) -> dict:
         """Every rank calls. Restores model, optimizer (with fp32 masters), scheduler and this rank's RNG.
 
         Returns this rank's trainer_state. With another layout (world, dp or tp size) than at save time the booster
         re-shards model and optimizer, but per-rank RNG and master shards cannot be matched: the masters are
-        rebuilt from the model weights and RNG is left as is (a warning says so).
+        rebuilt from the model weights and RNG is left as is (a warning says so). The data position then needs
+        every old rank's state: global rank 0 reads them all and broadcasts them, returned under
+        ``rank_states`` (one per old data-parallel rank, in dp-rank order).
         """
         path = Path(path)
         rank = self.layout.rank
@@ -154,14 +163,13 @@ class CheckpointManager:
             logger.warning(
                 "rank %d: fp32 master weights rebuilt from the model checkpoint (layout changed)", rank
             )
-        state_file = path / "trainer_state" / f"rank-{rank if same_layout else 0}.pt"
-        # Our own file; numpy's RNG state needs full unpickling.
-        saved = torch.load(state_file, map_location="cpu", weights_only=False)
         if same_layout:
+            saved = _read_state(path, rank)
             _set_rng_state(saved["rng"])  # last: loading above must not advance the restored generators
-        else:
-            logger.warning("rank %d: parallel layout changed since the save, RNG states not restored", rank)
-        return saved["trainer_state"]
+            return saved["trainer_state"]
+        logger.warning("rank %d: parallel layout changed since the save, RNG states not restored", rank)
+        states = _on_main(self.layout.is_main, lambda: _old_dp_states(path, meta))
+        return {**states[0], "rank_states": states}
 
     # ---- export -------------------------------------------------------------------------------------------
     def export_hf(self, model: Any, tokenizer: Any, out_dir: str | Path) -> Path:
@@ -181,6 +189,44 @@ class CheckpointManager:
                 tokenizer.save_pretrained(out)
         barrier()
         return out
+
+
+def _on_main(is_main: bool, compute: Any) -> Any:
+    """``compute()`` on global rank 0, its result (or its UserError, raised) on every rank; every rank calls."""
+    answer: tuple[str, Any] | None = None
+    if is_main:
+        try:
+            answer = ("ok", compute())
+        except UserError as err:
+            answer = ("error", str(err))
+    kind, value = broadcast_object(answer)
+    if kind == "error":
+        raise UserError(value)
+    return value
+
+
+def _read_state(path: Path, rank: int) -> dict:
+    # Our own file; numpy's RNG state needs full unpickling.
+    return torch.load(path / "trainer_state" / f"rank-{rank}.pt", map_location="cpu", weights_only=False)
+
+
+def _old_dp_states(path: Path, meta: dict) -> list[dict]:
+    """The saved run's trainer states, one per data-parallel rank in dp-rank order (tensor-parallel peers of a
+    dp rank share its data position). Raises UserError when they do not describe one step of one run."""
+    world, dp_size = int(meta["world_size"]), int(meta["dp_size"])
+    by_dp: dict[int, dict] = {}
+    for rank in range(world):
+        state = _read_state(path, rank)["trainer_state"]
+        # States saved before dp_rank was recorded come from dp-only layouts, where dp rank = global rank.
+        dp_rank = int(state.get("dp_rank", rank))
+        by_dp.setdefault(dp_rank, state)
+    steps = {(int(s["global_step"]), int(s["epoch"])) for s in by_dp.values()}
+    if sorted(by_dp) != list(range(dp_size)) or len(steps) != 1:
+        raise UserError(
+            f"train.resume: {path} holds trainer states of dp ranks {sorted(by_dp)} at (step, epoch) "
+            f"{sorted(steps)}; expected dp ranks 0..{dp_size - 1} at one step: the checkpoint is inconsistent"
+        )
+    return [by_dp[r] for r in range(dp_size)]
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -12,8 +12,10 @@ One optimizer step (``_train_step``) on every rank:
    sum(per-example loss) / (rows x micro-batches in the step): the plugins average gradients over the
    data-parallel ranks (DDP, ZeRO's reduce-scatter and the hybrid plugin all divide by the dp size), so the
    gradient is that of the mean per-example loss over the global batch, whatever the layout;
-4. one all-reduce of the step's metric sums, which also carries the non-finite vote, so every rank decides
-   to step, skip or stop identically; then optimizer and LR-scheduler steps.
+4. one all-reduce of the step's metric sums, which also carries this rank's share of the squared global
+   gradient norm (coati_kto.trainer.grad_norm) and so the non-finite vote on loss AND gradient: every rank
+   decides to step, skip or stop identically, before any weight changes; then the optimizer steps, clipping
+   with that norm (no second norm computation), and the LR scheduler steps.
 
 Evaluation runs the same passes without gradient, with one z0 over the whole eval set: at fit start
 (``eval_at_start``, the baseline, unless that step was already evaluated), every ``eval_interval`` steps and
@@ -52,16 +54,19 @@ from coati_kto.errors import UserError
 from coati_kto.logprobs import completion_logits_to_keep, sequence_logps
 from coati_kto.loss import estimate_kl_raw, needs_kl, preference_loss
 from coati_kto.trainer.base import SLTrainer
+from coati_kto.trainer.grad_norm import GradNorm, global_norm
 from coati_kto.trainer.logging import MetricWriter, ProgressBar
 from coati_kto.trainer.metrics import IntervalMeter, StepSums, summarize
 from coati_kto.trainer.run_summary import config_markdown, data_stats_markdown, flat_hparams
 
 _DROPOUT_ATTRS = ("attention_dropout", "attn_dropout", "hidden_dropout", "dropout", "dropout_rate")
 HISTORY_LENGTH = 10_000  # logged records kept in memory (TensorBoard/W&B hold the full run)
+_GRAD_SQ = "grad_sq"  # this rank's share of the squared gradient norm, in the step's metric all-reduce
 
 
 class NonFiniteLossError(UserError):
-    """A NaN/inf loss with ``train.on_nonfinite: stop``; raised on every rank at the same step, before any update."""
+    """A NaN/inf loss or gradient norm with ``train.on_nonfinite: stop``; raised on every rank at the same step,
+    before any update."""
 
 
 @dataclass
@@ -104,7 +109,10 @@ class KTOTrainer(SLTrainer):
         eval_at_epoch_end: evaluate after each epoch's last step (the run's last step included), unless that
             step was just evaluated.
         log_interval: write train metrics every N steps, exact over the interval.
-        on_nonfinite: "stop" (raise NonFiniteLossError) or "skip" (zero the gradients, no update, counted).
+        on_nonfinite: "stop" (raise NonFiniteLossError) or "skip" (zero the gradients, no update, counted), when
+            the loss or the global gradient norm is NaN/inf on any rank.
+        max_grad_norm: clip the global gradient norm to this (0: off) where the plugin does not clip (ddp);
+            ZeRO and hybrid optimizers clip with the plugin's own max_norm (build_plugin gives them the same).
         checkpoint_manager: a coati_kto.trainer.checkpoint.CheckpointManager (default: one under ``save_dir``).
         run_config: the resolved config as a dict; stored in every checkpoint, sent to W&B and written to
             TensorBoard (text and hparams).
@@ -141,6 +149,7 @@ class KTOTrainer(SLTrainer):
         eval_at_epoch_end: bool = True,
         log_interval: int = 1,
         on_nonfinite: Literal["stop", "skip"] = "stop",
+        max_grad_norm: float = 0.0,
         checkpoint_manager: Any = None,
         keep_last: int = 2,
         run_config: dict | None = None,
@@ -189,6 +198,7 @@ class KTOTrainer(SLTrainer):
             self._kl_group = dist.group.WORLD
         stage = getattr(plugin, "zero_stage", getattr(plugin, "stage", 0))
         self._use_no_sync = bool(plugin is not None and plugin.support_no_sync() and stage != 2)
+        self._grad_norm = GradNorm(actor_optim, max_grad_norm, self.layout)
 
         self.skipped_steps = 0
         # The last logged records, {"step": ..., "train/loss": ..., ...}, on all ranks (callers, tests).
@@ -282,7 +292,13 @@ class KTOTrainer(SLTrainer):
             sampler.set_epoch(epoch)
         resume, self._resume = self._resume, None  # applies to the first epoch run after resume() only
         start = int(resume["consumed"]) if resume is not None and int(resume["epoch"]) == epoch else 0
-        if start and hasattr(sampler, "load_state_dict"):
+        old_ranks = (
+            resume.get("rank_states") if resume is not None and int(resume["epoch"]) == epoch else None
+        )
+        if old_ranks is not None:  # another layout: the rest of the epoch is re-planned over this one's ranks
+            batches = self._replanned_batches(sampler, old_ranks, epoch)
+            start = sampler.start
+        elif start and hasattr(sampler, "load_state_dict"):
             saved = resume.get("sampler") or {}
             try:
                 sampler.load_state_dict({**saved, "epoch": epoch, "position": start})
@@ -297,24 +313,44 @@ class KTOTrainer(SLTrainer):
         while chunk := list(itertools.islice(batches, self.accumulation_steps)):
             yield chunk
 
+    def _replanned_batches(self, sampler: Any, old_ranks: list[dict[str, Any]], epoch: int) -> Iterator:
+        """Position ``sampler`` from every old data-parallel rank's saved state (a resume on another layout)."""
+        if not hasattr(sampler, "load_state_dicts") or any(s.get("sampler") is None for s in old_ranks):
+            raise UserError(
+                "train.resume: the checkpoint was saved on another parallel layout and this data loader cannot "
+                "re-plan the interrupted epoch (it needs coati_kto's MixedLabelBatchSampler in both runs)"
+            )
+        states = [{**s["sampler"], "epoch": epoch, "position": int(s["consumed"])} for s in old_ranks]
+        try:
+            sampler.load_state_dicts(states)
+        except ValueError as err:
+            raise UserError(
+                f"train.resume: the checkpoint's data order does not fit this run: {err}"
+            ) from None
+        return iter(self._train_loader)
+
     def _train_step(self, micro_batches: list[dict[str, torch.Tensor]], epoch: int) -> None:
         started = time.perf_counter()
         step = self.global_step + 1
         groups = [micro_batches] if self.kl_scope == "step" else [[b] for b in micro_batches]
         sums = self._forward(groups, train=True, num_micro_batches=len(micro_batches))
         local, kl = sums.local()
-        # The step's one metric collective; its "nonfinite" count is also the vote every rank acts on.
+        local[_GRAD_SQ] = float(self._grad_norm.local_share())
+        # The step's one metric collective; its "nonfinite" count and the gradient norm are the vote.
         totals = reduce_sums(local, self.layout.dp_group)
+        norm = global_norm(totals.pop(_GRAD_SQ))
+        bad_grad = not math.isfinite(norm) and not self._grad_norm.loss_scaled
         grad_norm = None
-        if totals["nonfinite"] > 0:
+        skipped = totals["nonfinite"] > 0 or bad_grad
+        if skipped:
             self.optimizer.zero_grad()
             if self.on_nonfinite == "stop":
-                raise NonFiniteLossError(self._nonfinite_message(step, epoch))
+                raise NonFiniteLossError(self._nonfinite_message(step, epoch, bad_grad))
             self.skipped_steps += 1
         else:
-            self.optimizer.step()
-            grad_norm = self._grad_norm()
+            self._grad_norm.step(norm)  # fp16: the loss scaler may still skip an overflowing step here
             self.optimizer.zero_grad()
+            grad_norm = self._grad_norm.unscaled(norm) if math.isfinite(norm) else None
         lr = self._current_lr()
         if self.lr_scheduler is not None:
             # Advanced on skipped steps too: the LR stays a function of the global step (exact resume).
@@ -322,8 +358,14 @@ class KTOTrainer(SLTrainer):
         self.global_step = step
         self._consumed += len(micro_batches)
 
-        self._interval.add(totals, kl, time.perf_counter() - started, grad_norm)
-        step_metrics = {f"train/{k}": v for k, v in summarize(totals, kl).items()}
+        seconds = time.perf_counter() - started
+        if skipped:
+            # A skipped step's sums may be NaN: they stay out of the interval, which counts the step only.
+            self._interval.skip(seconds)
+            step_metrics: dict[str, float] = {}
+        else:
+            self._interval.add(totals, kl, seconds, grad_norm)
+            step_metrics = {f"train/{k}": v for k, v in summarize(totals, kl).items()}
         if self._progress is not None:
             self._progress.update(step_metrics)
         self._last_lr = lr
@@ -438,41 +480,17 @@ class KTOTrainer(SLTrainer):
             return contextlib.nullcontext()
         return self.booster.no_sync(self.policy, self.optimizer)
 
-    def _grad_norm(self) -> float | None:
-        """Global pre-clipping gradient norm of the step just taken (call after step(), before zero_grad()).
-
-        ZeRO, Gemini and the hybrid plugin's optimizers (when clipping is on) expose it; otherwise (DDP, or no
-        clipping) the gradients, already averaged over dp ranks, are still held and give it here. With tensor
-        parallelism and no clipping the local norm would miss the other shards: not logged.
-        """
-        try:
-            norm = self.optimizer.get_grad_norm()
-        except (NotImplementedError, AttributeError):
-            norm = None
-        if norm is not None:
-            return float(norm)
-        if self.layout.tp_size > 1:
-            return None
-        grads = [
-            p.grad.detach().float()
-            for g in self.optimizer.param_groups
-            for p in g["params"]
-            if p.grad is not None
-        ]
-        if not grads:
-            return None
-        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])).item()
-
     def _current_lr(self) -> float:
         if self.lr_scheduler is not None:
             return float(self.lr_scheduler.get_last_lr()[0])
         return float(self.optimizer.param_groups[0]["lr"])
 
-    def _nonfinite_message(self, step: int, epoch: int) -> str:
+    def _nonfinite_message(self, step: int, epoch: int, bad_grad: bool) -> str:
         last = self.checkpoint_manager.resolve("auto") if self.checkpoint_manager is not None else None
         kept = f"the last good checkpoint is {last}" if last else "no checkpoint was saved"
+        what = "gradient norm" if bad_grad else "KTO loss"
         return (
-            f"non-finite (NaN/inf) KTO loss at optimizer step {step} (epoch {epoch}); stopped before updating "
+            f"non-finite (NaN/inf) {what} at optimizer step {step} (epoch {epoch}); stopped before updating "
             f"the weights, {kept}. Lower train.lr, check the data, or set train.on_nonfinite=skip"
         )
 
@@ -524,6 +542,7 @@ class KTOTrainer(SLTrainer):
             sampler_state = {**sampler.state_dict(), "epoch": epoch, "position": self._consumed}
         state = {
             "epoch": epoch,
+            "dp_rank": self.layout.dp_rank,  # a resume on another layout reads every dp rank's position
             "global_step": self.global_step,
             "consumed": self._consumed,
             "sampler": sampler_state,

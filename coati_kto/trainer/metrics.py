@@ -124,7 +124,8 @@ class IntervalMeter:
     """Reduced step totals over a logging interval (``train.log_interval`` steps; 1 = every step).
 
     Sums stay sums, so the logged means are exact over all micro-batches, ranks and steps of the interval;
-    z0 and the grad norm are per-step global values, averaged with equal weight per step.
+    z0 and the grad norm are per-step global values, averaged with equal weight per step. Skipped (non-finite)
+    steps add nothing but their count (``skipped_steps``) and time: their sums may be NaN.
     """
 
     def __init__(self) -> None:
@@ -135,7 +136,8 @@ class IntervalMeter:
         self.kl: list[dict[str, float]] = []
         self.grad_norms: list[float] = []
         self.seconds = 0.0
-        self.steps = 0
+        self.steps = 0  # every step of the interval, skipped ones included
+        self.skipped = 0
 
     def add(
         self,
@@ -152,10 +154,22 @@ class IntervalMeter:
         self.seconds += seconds
         self.steps += 1
 
+    def skip(self, seconds: float) -> None:
+        """Count a skipped step: nothing of it enters the means."""
+        self.seconds += seconds
+        self.steps += 1
+        self.skipped += 1
+
     def summary(self) -> dict[str, float]:
-        """Means and throughput of the interval (keys without prefix); the interval's examples/tokens per second."""
+        """Means and throughput of the interval (keys without prefix); the interval's examples/tokens per second.
+
+        An interval of skipped steps only has no means, just ``skipped_in_interval``.
+        """
+        out: dict[str, float] = {"skipped_in_interval": float(self.skipped)}
+        if not self.totals:
+            return out
         kl = {k: sum(d[k] for d in self.kl) / len(self.kl) for k in self.kl[0]} if self.kl else None
-        out = summarize(self.totals, kl)
+        out.update(summarize(self.totals, kl))
         if self.grad_norms:
             out["grad_norm"] = sum(self.grad_norms) / len(self.grad_norms)
         if self.seconds > 0:

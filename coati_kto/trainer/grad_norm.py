@@ -1,0 +1,164 @@
+"""Where the step's gradient norm comes from: the global pre-clipping norm, taken BEFORE the optimizer steps.
+
+The trainer needs the norm before stepping: a NaN/inf gradient under a finite loss must stop or skip the step
+on every rank (ColossalAI's clip test ``clip > 1`` is False for a NaN norm, so the plugins would apply it).
+Where the averaged gradients live depends on the boosted optimizer:
+
+* ``TorchDDPPlugin`` (a plain ``OptimizerWrapper``) and ``HybridParallelPlugin`` zero 0 (Naive fp32 / AMP
+  bf16 optimizers): every data-parallel rank holds the whole averaged gradient in ``p.grad`` of the working
+  parameters; under tensor parallelism a distributed parameter holds its slice, the others a replica.
+* ZeRO (``LowLevelZeroOptimizer`` and its subclass ``HybridParallelZeroOptimizer``): each data-parallel rank
+  holds its partition of the averaged gradient in the optimizer's gradient store (``p.grad`` is empty).
+
+``GradNorm.local_share()`` is this rank's share of the squared global norm: summed over the data-parallel
+group (the step's one metric all-reduce does that) it is the squared norm. Replicas count on one rank only and
+are multiplied by 0 on the others, so a NaN/inf on any rank still poisons the sum: the non-finite vote.
+``GradNorm.step(norm)`` clips with ``torch.nn.utils.clip_grad_norm_`` semantics (coefficient
+``max_norm / (norm + 1e-6)``, at most 1) and steps, handing the plugin's optimizer the norm instead of letting
+it compute the norm (and its all-reduce) a second time. Plugin-side clipping (ZeRO, hybrid) keeps clipping
+the fp32 gradients itself; only DDP, which has no clipping, is clipped here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from coati_kto.distributed import ParallelLayout
+
+CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s and ColossalAI's
+
+
+class GradNorm:
+    """The global gradient norm of the step and the clipped step, for one boosted optimizer. Every rank builds one.
+
+    ``max_norm`` 0 disables clipping (the norm is still taken: it is logged and votes).
+    """
+
+    def __init__(self, optimizer: Any, max_norm: float, layout: ParallelLayout) -> None:
+        self.optimizer = optimizer
+        self.max_norm = max_norm
+        self.layout = layout
+        self._zero = _is_zero(optimizer)
+        if type(optimizer).__name__ == "GeminiOptimizer":
+            # Gemini keeps gradients in chunks; p.grad is empty, so a norm from p.grad would be 0 and vote nothing.
+            raise NotImplementedError("the gradient-norm vote does not read Gemini's chunked gradients")
+        if self._zero and len(optimizer.pg_to_grad_store) != 1:
+            raise NotImplementedError(
+                "ZeRO with several data-parallel groups (MoE) is not supported by the gradient-norm vote"
+            )
+        self._tp_rank = dist.get_rank(layout.tp_group) if layout.tp_size > 1 else 0
+
+    # ---- the norm ---------------------------------------------------------------------------------------
+    def local_share(self) -> torch.Tensor:
+        """0-dim fp64: this rank's share of the squared global norm (already summed over tensor-parallel ranks).
+
+        Call after the step's last backward, before the step's data-parallel all-reduce; every rank calls (a
+        tensor-parallel all-reduce happens here when tp_size > 1). Loss-scaled (fp16) gradients give the scaled
+        norm, as the plugin's clipping expects; ``unscaled`` divides it out for logging.
+        """
+        device = _device(self.optimizer)
+        share = torch.zeros((), dtype=torch.float64, device=device)
+        replica = 1.0 if self._zero else float(self.layout.dp_rank == 0)
+        for param, grad in self._param_grads():
+            sq = torch.linalg.vector_norm(grad, 2, dtype=torch.float64).square()
+            sliced = self.layout.tp_size > 1 and _is_distributed(param)
+            keep = replica * (1.0 if sliced or self._tp_rank == 0 else 0.0)
+            share += sq.to(device) * keep  # 0 * NaN is NaN: a bad gradient votes from any rank
+        if self.layout.tp_size > 1:
+            dist.all_reduce(share, op=dist.ReduceOp.SUM, group=self.layout.tp_group)
+        return share
+
+    @property
+    def loss_scaled(self) -> bool:
+        """fp16 with a dynamic loss scale: an inf gradient is an overflow the plugin's scaler skips and backs
+        off from by itself (inside ``step``), not a fault to vote on."""
+        return self._loss_scale() is not None
+
+    def unscaled(self, norm: float) -> float:
+        """The norm of the true gradient (fp16 loss scaling divided out)."""
+        scale = self._loss_scale()
+        return norm / scale if scale else norm
+
+    def _loss_scale(self) -> float | None:
+        opt = self.optimizer
+        mixin = getattr(opt, "mixed_precision_mixin", None) or getattr(opt, "mixed_precision", None)
+        scale = getattr(mixin, "loss_scale", None)  # fp16 mixins only; bf16 has no scale
+        return float(scale) if scale is not None else None
+
+    def _param_grads(self) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """(working parameter, this rank's averaged gradient or its ZeRO partition) for every parameter with one."""
+        opt = self.optimizer
+        if self._zero:
+            for group_id in range(opt.num_param_groups):
+                for param in opt._working_param_groups[group_id]:
+                    store = opt.pid_to_grad_store[id(param)]
+                    grads = store.get_partitioned_gradients_by_param_id(group_id, id(param))
+                    if grads:
+                        yield param, grads[0 if opt._partition_grads else store.local_rank]
+            return
+        working = getattr(opt, "master_to_working_map", None)  # AMP: param_groups hold fp32 masters
+        for group in opt.param_groups:
+            for param in group["params"]:
+                param = working[param] if working is not None else param
+                if param.grad is not None:
+                    yield param, param.grad
+
+    # ---- the step ---------------------------------------------------------------------------------------
+    def step(self, norm: float) -> None:
+        """Clip to ``max_norm`` with the global pre-clipping ``norm`` (finite, from ``local_share``), then step."""
+        opt = self.optimizer
+        if hasattr(opt, "_compute_grad_norm"):  # ZeRO and the hybrid optimizers clip (in fp32) inside step()
+            with _norm_given(opt, norm):
+                opt.step()
+            return
+        if self.max_norm > 0:  # TorchDDPPlugin: no clipping of its own
+            coef = min(1.0, self.max_norm / (norm + CLIP_EPS))
+            grads = [g for _, g in self._param_grads()]
+            if coef < 1.0 and grads:
+                torch._foreach_mul_(grads, coef)
+        opt.step()
+
+
+@contextlib.contextmanager
+def _norm_given(optimizer: Any, norm: float) -> Iterator[None]:
+    """Make ``optimizer.step()`` use ``norm`` instead of computing it.
+
+    ZeRO's step asks once per parameter group and combines the answers as sqrt(sum of squares); the hybrid
+    zero-0 optimizers ask once. Answering ``norm`` first and 0 afterwards gives ``norm`` in both.
+    """
+    answers = iter([norm])
+    optimizer._compute_grad_norm = lambda *args, **kwargs: next(answers, 0.0)
+    try:
+        yield
+    finally:
+        del optimizer._compute_grad_norm  # the class's method again
+
+
+def global_norm(total_share: float) -> float:
+    """The norm from the data-parallel sum of ``local_share`` (NaN stays NaN, inf stays inf)."""
+    return math.sqrt(total_share) if total_share >= 0 else float("nan")
+
+
+def _is_zero(optimizer: Any) -> bool:
+    from colossalai.zero.low_level.low_level_optim import LowLevelZeroOptimizer
+
+    return isinstance(optimizer, LowLevelZeroOptimizer)
+
+
+def _is_distributed(param: torch.Tensor) -> bool:
+    from colossalai.tensor.d_tensor import is_distributed_tensor
+
+    return is_distributed_tensor(param)
+
+
+def _device(optimizer: Any) -> torch.device:
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            return param.device
+    return torch.device("cpu")
