@@ -725,12 +725,13 @@ def test_a_skipped_step_leaves_its_logging_interval_finite() -> None:
         return out
 
     meter = IntervalMeter()
-    meter.add(totals(0.8, 0.2), 0.1, 1.0, 0.5)
+    meter.add(totals(0.8, 0.2), {"kl": 0.1, "kl_raw": -0.1}, 1.0, 0.5)
     meter.skip(1.0)  # its totals (NaN rewards) never reach the meter
-    meter.add(totals(0.4, 0.4), 0.3, 1.0, 1.5)
+    meter.add(totals(0.4, 0.4), {"kl": 0.3, "kl_raw": 0.3}, 1.0, 1.5)
     summary = meter.summary()
     assert summary["loss"] == pytest.approx(0.3) and summary["rewards/margin"] == pytest.approx(0.6)
-    assert summary["kl"] == pytest.approx(0.2) and summary["grad_norm"] == pytest.approx(1.0)
+    assert summary["kl"] == pytest.approx(0.2) and summary["kl_raw"] == pytest.approx(0.1)
+    assert summary["grad_norm"] == pytest.approx(1.0)
     assert summary["skipped_in_interval"] == 1 and summary["examples_per_second"] == pytest.approx(4 / 3)
     assert all(math.isfinite(v) for v in summary.values())
     meter.reset()
