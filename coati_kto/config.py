@@ -125,6 +125,10 @@ class OutputSection(_Section):
     save_interval: int = Field(0, ge=0, description="Checkpoint every N optimizer steps; 0: only at the end.")
     keep_last: int = Field(2, ge=1)
     save_final: bool = True
+    overwrite: bool = Field(
+        False,
+        description="Start over in a dir holding a run: delete its checkpoints, events and final model.",
+    )
 
 
 class LoggingSection(_Section):

@@ -19,6 +19,8 @@ import torch
 
 from coati_kto.config import Config, ModelSection, save_config
 from coati_kto.distributed import ParallelLayout, barrier, init_distributed, seed_everything
+from coati_kto.preflight import check_training, clear_previous_run
+from coati_kto.signals import StopSignals
 
 
 @dataclass
@@ -100,8 +102,16 @@ def total_optimizer_steps(config: Config, micro_batches_per_rank: int) -> int:
 def train(config: Config) -> Any:
     """Run KTO training as configured; returns the KTOTrainer (``history``: its last logged records).
 
-    Every rank calls. User mistakes raise UserError subclasses (the CLI prints them on one line).
+    Every rank calls. User mistakes raise UserError subclasses (the CLI prints them on one line). SIGTERM,
+    SIGINT or SIGUSR1 end the run after a checkpoint, raising TrainingStoppedError (coati_kto.signals).
     """
+    check_training(config)  # before anything heavy: every problem at once
+    # Installed for the rest of the process: a launcher may repeat the signal while this rank exits (torchrun
+    # SIGTERMs the workers still running once one has exited), and that must not kill it mid-teardown.
+    return _train(config, StopSignals().install())
+
+
+def _train(config: Config, stop_signals: StopSignals) -> Any:
     from coati_kto.compat import quiet_known_warnings
 
     quiet_known_warnings()  # before the imports below bring in colossalai
@@ -120,6 +130,8 @@ def train(config: Config) -> Any:
     init_distributed(timeout_s=config.train.dist_timeout)
     seed_everything(config.train.seed)
     out_dir = Path(config.output.dir)
+    if config.output.overwrite:
+        clear_previous_run(out_dir)  # rank 0 deletes, the others wait
     data = load_prepared(config)
     tokenizer = AutoTokenizer.from_pretrained(
         config.model.tokenizer or config.model.path, trust_remote_code=config.model.trust_remote_code
@@ -198,6 +210,7 @@ def train(config: Config) -> Any:
         wandb_project=config.logging.wandb_project,
         wandb_mode=config.logging.wandb_mode,
         wandb_dir=str(out_dir),
+        stop_signals=stop_signals,
     )
     checkpoint = manager.resolve(config.train.resume)
     if checkpoint is not None:

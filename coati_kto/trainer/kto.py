@@ -47,6 +47,7 @@ from coati_kto.distributed import ParallelLayout, reduce_sums
 from coati_kto.errors import UserError
 from coati_kto.logprobs import completion_logits_to_keep, sequence_logps
 from coati_kto.loss import estimate_kl, kto_loss
+from coati_kto.signals import StopSignals, TrainingStoppedError, decide
 from coati_kto.trainer.base import SLTrainer
 from coati_kto.trainer.logging import MetricWriter, ProgressBar
 from coati_kto.trainer.metrics import IntervalMeter, StepSums, summarize
@@ -98,6 +99,8 @@ class KTOTrainer(SLTrainer):
         checkpoint_manager: a coati_kto.trainer.checkpoint.CheckpointManager (default: one under ``save_dir``).
         run_config: the resolved config as a dict; stored in every checkpoint and sent to W&B.
         wandb_project, wandb_mode, wandb_dir: W&B settings when ``fit(use_wandb=True)``.
+        stop_signals: the installed StopSignals (train.py); a stop request checkpoints and raises
+            TrainingStoppedError on every rank after the step it was voted in.
     """
 
     def __init__(
@@ -132,6 +135,7 @@ class KTOTrainer(SLTrainer):
         wandb_project: str = "coati-kto",
         wandb_mode: str = "online",
         wandb_dir: str | None = None,
+        stop_signals: StopSignals | None = None,
     ) -> None:
         super().__init__(booster, max_epochs, actor, actor_optim, plugin, start_epoch)
         if accumulation_steps < 1 or log_interval < 1 or save_interval < 0 or eval_interval < 0:
@@ -154,6 +158,8 @@ class KTOTrainer(SLTrainer):
             checkpoint_manager = CheckpointManager(Path(save_dir), booster, self.layout, keep_last)
         self.checkpoint_manager = checkpoint_manager
         self.run_config = run_config
+        self.stop_signals = stop_signals or StopSignals()  # not installed: never votes to stop
+        self._stop_signal: str | None = None
         self.wandb_settings = {
             "project": wandb_project,
             "mode": wandb_mode,
@@ -233,6 +239,8 @@ class KTOTrainer(SLTrainer):
                 self._evaluate()
             if self.save_interval and self.global_step % self.save_interval == 0:
                 self._save(epoch)
+            if self._stop_signal is not None:
+                self._stop(epoch)
             if self._finished():
                 break
 
@@ -269,8 +277,12 @@ class KTOTrainer(SLTrainer):
         groups = [micro_batches] if self.kl_scope == "step" else [[b] for b in micro_batches]
         sums = self._forward(groups, train=True, num_micro_batches=len(micro_batches))
         local, kl = sums.local()
-        # The step's one metric collective; its "nonfinite" count is also the vote every rank acts on.
-        totals = reduce_sums(local, self.layout.dp_group)
+        # The step's one metric collective; its "nonfinite" count and the stop keys are votes every rank acts on.
+        vote = self.stop_signals.vote()
+        totals = reduce_sums({**local, **vote}, self.layout.dp_group)
+        if self.layout.dp_size < self.layout.world_size:  # tensor-parallel peers vote in other dp groups
+            totals.update(reduce_sums(vote, None))
+        self._stop_signal = decide(totals)
         grad_norm = None
         if totals["nonfinite"] > 0:
             self.optimizer.zero_grad()
@@ -489,6 +501,16 @@ class KTOTrainer(SLTrainer):
         }
         self.checkpoint_manager.save(self.global_step, self.policy, self.optimizer, self.lr_scheduler, state)
         self._last_saved_step = self.global_step
+
+    def _stop(self, epoch: int) -> None:
+        """A voted stop request: log the open interval, checkpoint this step, raise TrainingStoppedError (every rank)."""
+        if self._interval.steps:
+            self._log_interval()
+        self._save(epoch)
+        last = self.checkpoint_manager.resolve("auto") if self.checkpoint_manager is not None else None
+        raise TrainingStoppedError(
+            self._stop_signal or "a stop signal", self.global_step, str(last) if last else None
+        )
 
     def _after_fit(self) -> None:
         if self._interval.steps:  # the steps of an unfinished logging interval
