@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 
-from coati_kto.errors import ConfigError, UserError
+from coati_kto.errors import UserError
 from coati_kto.signals import ABORT_EXIT_CODE, STOP_EXIT_CODE, TrainingStoppedError
 
 _EPILOG = "Overrides: section.key=value (YAML values), e.g. train.lr=1e-6 data.max_length=512"
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             train(config)
     except UserError as err:
         rank = os.environ.get("RANK")
-        if isinstance(err, ConfigError) and rank not in (None, "0"):
+        if err.same_on_every_rank and rank not in (None, "0"):
             return 2  # the same on every rank: rank 0 prints it
         prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
         print(f"{prefix}error: {err}", file=sys.stderr)

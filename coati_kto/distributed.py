@@ -145,6 +145,15 @@ def barrier() -> None:
         dist.barrier()
 
 
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (picklable, small), in rank order, on every rank. Every rank calls."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank ``src``'s object on every rank (e.g. a path that only rank 0 chose)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:

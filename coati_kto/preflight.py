@@ -133,7 +133,8 @@ def _hub_problems(key: str, repo_id: str) -> list[str]:
 
     if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
         return []
-    if constants.HF_HUB_OFFLINE:
+    # constants.HF_HUB_OFFLINE is read once, at import; the environment may have changed since.
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}:
         return [
             f"{key}: {repo_id} is not a local directory and not in the hub cache, and HF_HUB_OFFLINE is set"
         ]
