@@ -28,16 +28,28 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+_SECRET_PARTS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
+_NOT_SECRETS = {"TOKENIZERS_PARALLELISM"}
+
+
+def is_secret_name(name: str) -> bool:
+    """Environment variables kept out of launch command lines and logs: names containing TOKEN, KEY, SECRET or
+    PASSWORD, any case (launch/colossalai_run.sh applies the same rule)."""
+    upper = name.upper()
+    return upper not in _NOT_SECRETS and any(part in upper for part in _SECRET_PARTS)
+
+
 def launcher_env(bin_dir: str | os.PathLike[str], threads: int = 1) -> dict[str, str]:
     """The environment to start ``colossalai run`` with: ``bin_dir`` first on PATH, ``threads`` per process.
 
     ``colossalai run`` re-creates the environment as ``export K="V" ...`` inside one bash command line, so a
     value holding ``$``, a double quote, a backquote or a backslash breaks the launch (make exports
-    ``MAKEOVERRIDES=${-*-command-variables-*-}``: "bad substitution"). Those variables are left out; the list
+    ``MAKEOVERRIDES=${-*-command-variables-*-}``: "bad substitution"). Those variables are left out, and so are
+    secrets (``is_secret_name``): that line travels over SSH and is printed whole when a node fails. The list
     of names is returned under ``COATI_KTO_DROPPED_ENV`` for the caller to report.
     """
     unsafe = set('$"`\\')
-    kept = {k: v for k, v in os.environ.items() if not unsafe & set(v)}
+    kept = {k: v for k, v in os.environ.items() if not unsafe & set(v) and not is_secret_name(k)}
     dropped = sorted(set(os.environ) - set(kept))
     kept["PATH"] = f"{os.fspath(bin_dir)}{os.pathsep}{os.environ.get('PATH', '')}"
     kept["OMP_NUM_THREADS"] = str(threads)

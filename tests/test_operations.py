@@ -295,3 +295,41 @@ def test_a_save_failing_on_one_rank_stops_every_rank_at_once(run_config: Path, t
     assert not partial.exists()
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-4"
     assert (out / "checkpoints" / "step-4" / "COMPLETE").is_file()
+
+
+def test_launch_keeps_secrets_out_of_its_output(run_config: Path, tmp_path: Path) -> None:
+    from coati_kto.distributed import free_port, launcher_env
+
+    secret = f"planted-{os.getpid()}-{time.time_ns()}"
+    names = ("WANDB_API_KEY", "HF_TOKEN", "aws_secret_access_key", "DB_PASSWORD", "MY_KEYRING")
+    planted = {
+        **env(),
+        **dict.fromkeys(names, secret),
+        "NPROC_PER_NODE": "1",
+        "MASTER_PORT": str(free_port()),
+    }
+    repo = Path(__file__).resolve().parent.parent
+    # A deliberately failing launch (no such config): colossalai run prints the environment it exported.
+    proc = subprocess.run(
+        ["bash", str(repo / "launch" / "colossalai_run.sh"), str(tmp_path / "missing.yaml")],
+        env=planted,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "export " in output and 'TOKENIZERS_PARALLELISM="false"' in output  # the dump this test is about
+    assert f"error: {tmp_path / 'missing.yaml'}: config file not found" in output
+    assert secret not in output
+    assert not any(secret in p.read_text(errors="replace") for p in tmp_path.rglob("*") if p.is_file())
+
+    os.environ.update(dict.fromkeys(names, secret))
+    try:
+        kept = launcher_env("/opt/venv/bin")
+    finally:
+        for name in names:
+            del os.environ[name]
+    assert secret not in "".join(kept.values())
+    assert set(names) <= set(kept["COATI_KTO_DROPPED_ENV"].split(","))
+    assert kept["TOKENIZERS_PARALLELISM"] == os.environ["TOKENIZERS_PARALLELISM"]
