@@ -107,6 +107,14 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0":
             print(stop, file=sys.stderr, flush=True)
         return STOP_EXIT_CODE
+    except Exception as err:  # a peer rank or node died: one line here, not a traceback per rank
+        from coati_kto.distributed import peer_failure
+
+        line = peer_failure(err)
+        if line is None:
+            raise
+        print(f"[rank {os.environ.get('RANK', '0')}] error: {line}", file=sys.stderr, flush=True)
+        return 1
     except KeyboardInterrupt:  # Ctrl-C before the stop handlers are installed (imports, config)
         if os.environ.get("RANK", "0") == "0":
             print("interrupted before training started: nothing to save", file=sys.stderr)

@@ -93,6 +93,11 @@ class TrainSection(_Section):
     dist_timeout: float = Field(
         600.0, gt=0.0, description="Seconds a rank waits in a collective for a dead peer before failing."
     )
+    heartbeat_timeout: float = Field(
+        60.0,
+        ge=0.0,
+        description="Seconds without a heartbeat from a rank (gone process or node) before the job stops; 0: off.",
+    )
 
 
 class PluginSection(_Section):

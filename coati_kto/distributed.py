@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -173,6 +174,30 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+_PEER_ADDRESS = re.compile(r"\[([0-9a-fA-F.:]+)\]:\d+")
+_PEER_CAUSES = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused")
+
+
+def peer_failure(err: BaseException) -> str | None:
+    """One line for a collective that failed because another rank or node went away; None for other errors.
+
+    gloo reports it as a RuntimeError naming the peer's address (``Connection closed by peer [10.0.0.2]:4810``);
+    NCCL and the store as torch.distributed.DistError.
+    """
+    text = str(err)
+    address, cause = _PEER_ADDRESS.search(text), next((c for c in _PEER_CAUSES if c in text), None)
+    if cause is not None and address is not None:
+        cause = f"{cause}: {address.group(1)}"
+    elif isinstance(err, dist.DistError) or "Timed out" in text and "gloo" in text:
+        cause = text.strip().splitlines()[0][:200] if text.strip() else type(err).__name__
+    else:
+        return None
+    return (
+        f"a collective failed because another rank or node is gone ({cause}); its own error, if any, is "
+        "reported above; resume with train.resume=auto"
+    )
 
 
 def _comm_device() -> torch.device:

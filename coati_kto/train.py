@@ -11,6 +11,7 @@ export's files); tensor-parallel ranks of one data-parallel group get the same b
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from coati_kto.config import Config, ModelSection, save_config
 from coati_kto.distributed import ParallelLayout, barrier, init_distributed, seed_everything
 from coati_kto.preflight import check_training, clear_previous_run
 from coati_kto.signals import StopSignals
+from coati_kto.watchdog import Heartbeat, new_heartbeat
 
 
 @dataclass
@@ -108,10 +110,20 @@ def train(config: Config) -> Any:
     check_training(config)  # before anything heavy: every problem at once
     # Installed for the rest of the process: a launcher may repeat the signal while this rank exits (torchrun
     # SIGTERMs the workers still running once one has exited), and that must not kill it mid-teardown.
-    return _train(config, StopSignals().install())
+    stop_signals = StopSignals().install()
+    heartbeat = new_heartbeat(config.train.heartbeat_timeout)
+    try:
+        # torchrun's store exists before its workers start: watch from here, so a rank that dies before the
+        # process group forms is caught too. Elsewhere rank 0 creates the store in init_distributed.
+        if heartbeat is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            heartbeat.start()
+        return _train(config, stop_signals, heartbeat)
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
 
 
-def _train(config: Config, stop_signals: StopSignals) -> Any:
+def _train(config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | None) -> Any:
     from coati_kto.compat import quiet_known_warnings
 
     quiet_known_warnings()  # before the imports below bring in colossalai
@@ -128,6 +140,8 @@ def _train(config: Config, stop_signals: StopSignals) -> Any:
 
     # ---- setup
     init_distributed(timeout_s=config.train.dist_timeout)
+    if heartbeat is not None and not heartbeat.is_alive():
+        heartbeat.start()
     seed_everything(config.train.seed)
     out_dir = Path(config.output.dir)
     if config.output.overwrite:
