@@ -9,7 +9,7 @@ What it changes, and why:
   finish the step, checkpoint and exit with STOP_EXIT_CODE; so does this launcher. A second SIGINT reaches the
   workers as a second SIGINT: they abort at once (ABORT_EXIT_CODE).
 - The static rendezvous (multi-node, ``--master_addr``) gives up after COATI_KTO_RDZV_TIMEOUT seconds (default
-  120) instead of torchrun's 600, so a node that never arrives fails the launch in about two minutes.
+  90) instead of torchrun's 600, so a node that never arrives fails the launch in about two minutes.
 - A worker failure is one line per failed rank, naming the rank, this host and the exit code or signal, instead
   of torchrun's report block; the workers' own one-line errors are above it.
 """
@@ -26,7 +26,7 @@ from types import FrameType
 
 from coati_kto.signals import ABORT_EXIT_CODE, STOP_EXIT_CODE, STOP_SIGNALS
 
-DEFAULT_RDZV_TIMEOUT_S = 120
+DEFAULT_RDZV_TIMEOUT_S = 90
 
 
 class _StoppedBeforeWorkersError(Exception):

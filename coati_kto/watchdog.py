@@ -37,6 +37,19 @@ class Heartbeat(threading.Thread):
         self._stopped.set()
 
     def run(self) -> None:
+        """Store traffic in a second thread; this one only watches the clock, so a store call that blocks on a
+        dead link (a reply that never comes) cannot stall the watchdog itself."""
+        self._last_round = time.monotonic()
+        threading.Thread(target=self._talk, name="coati-kto-heartbeat-io", daemon=True).start()
+        while not self._stopped.wait(self.interval):
+            silent = time.monotonic() - self._last_round
+            if silent > self.timeout + 2 * self.interval:
+                host, port = self.address
+                self._fail(
+                    f"lost contact with the job's rendezvous store at {host}:{port} for {silent:.0f} s"
+                )
+
+    def _talk(self) -> None:
         try:
             self._watch()
         except Exception as err:  # the store is gone: its host (rank 0's node) or the network failed
@@ -76,6 +89,7 @@ class Heartbeat(threading.Thread):
                     self._fail(
                         f"rank {peer}{f' on {where}' if where else ''} {what} (its process or node is gone)"
                     )
+            self._last_round = time.monotonic()
 
     def _fail(self, what: str) -> None:
         print(

@@ -58,7 +58,8 @@ fi
 cd "$repo"
 # In its own session, so that Ctrl-C reaches only this script, which forwards it (and SIGTERM, SIGUSR1) to this
 # node's coati_kto.launch once: its ranks vote, and every rank of every node stops after the same step.
-setsid colossalai run "${args[@]}" -m coati_kto train "$config" "$@" &
+# coati_kto.colossalai_launch is `colossalai run` that stops waiting on the other nodes 30 s after one failed.
+setsid python -m coati_kto.colossalai_launch "${args[@]}" -m coati_kto train "$config" "$@" &
 launcher=$!
 # shellcheck disable=SC2329  # called from the traps
 forward() { pkill "-$1" -s "$launcher" -f "coati_kto[.]launch" || true; }
