@@ -31,8 +31,8 @@ def _recv_from_all(self) -> dict[str, str]:
         if not ready:  # the grace period is over
             for host in pending:
                 print(
-                    f"launcher: node {host} did not report within {grace:.0f} s after another node failed "
-                    "(unreachable?): giving up on it",
+                    f"launcher: node {host} had not finished {grace:.0f} s after another node failed: stopped "
+                    "waiting for it (unreachable, or waiting for the failed node; its ranks stop on their own)",
                     file=sys.stderr,
                     flush=True,
                 )
