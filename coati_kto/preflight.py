@@ -18,7 +18,8 @@ import tempfile
 from pathlib import Path
 
 from coati_kto.config import Config
-from coati_kto.errors import ConfigError
+from coati_kto.data.formats import resolve_files
+from coati_kto.errors import ConfigError, DataError
 
 # What a run writes under output.dir that a second run would mix with (output.overwrite clears these).
 RUN_OUTPUTS = ("checkpoints", "tensorboard", "final", "wandb")
@@ -47,6 +48,11 @@ def check_training(config: Config) -> None:
         problems += _source_problems(
             "model.tokenizer", model.tokenizer, model.trust_remote_code, need_weights=False
         )
+    for key in ("train_files", "eval_files"):
+        try:
+            resolve_files(getattr(config.data, key), f"data.{key}")
+        except DataError as err:
+            problems.append(str(err))
     problems += _resume_problems(config)
     problems += _output_problems(config)
     if config.logging.wandb and importlib.util.find_spec("wandb") is None:

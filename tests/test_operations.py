@@ -202,6 +202,7 @@ def test_bad_inputs_are_reported_together_before_anything_heavy(run_config: Path
         f"model.path={tmp_path / 'missing_model'}",
         f"model.reference_path={unknown}",
         f"model.tokenizer={not_a_model}",
+        f"data.eval_files=[{tmp_path / 'missing.jsonl'}]",
         f"train.resume={tmp_path / 'no_checkpoint'}",
         f"output.dir={locked / 'out'}",
         "logging.wandb=true",
@@ -217,6 +218,7 @@ def test_bad_inputs_are_reported_together_before_anything_heavy(run_config: Path
         "ships its code)",
         f"model.tokenizer: {not_a_model} holds no tokenizer files (tokenizer.json, tokenizer_config.json, "
         "tokenizer.model, vocab.json)",
+        f"data.eval_files: {tmp_path / 'missing.jsonl'}: no such file or directory",
         f"train.resume: checkpoint {tmp_path / 'no_checkpoint'} does not exist (train.resume=auto picks the "
         "latest one)",
         f"output.dir: {locked} is a file, not a directory",
