@@ -10,7 +10,7 @@ import os
 import sys
 
 from coati_kto.errors import UserError
-from coati_kto.signals import ABORT_EXIT_CODE, STOP_EXIT_CODE, TrainingStoppedError
+from coati_kto.signals import ABORT_EXIT_CODE, STOP, STOP_EXIT_CODE, TrainingStoppedError
 
 _EPILOG = "Overrides: section.key=value (YAML values), e.g. train.lr=1e-6 data.max_length=512"
 
@@ -72,6 +72,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    if args.command == "train" and "RANK" in os.environ:  # a rank: stop cleanly even while still importing
+        STOP.install()
     try:
         from coati_kto.config import load_config
 

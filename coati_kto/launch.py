@@ -24,7 +24,7 @@ import socket
 import sys
 from types import FrameType
 
-from coati_kto.signals import ABORT_EXIT_CODE, STOP_EXIT_CODE, STOP_SIGNALS
+from coati_kto.signals import ABORT_EXIT_CODE, PENDING_STOP_ENV, STOP_EXIT_CODE, STOP_SIGNALS
 
 DEFAULT_RDZV_TIMEOUT_S = 90
 
@@ -41,6 +41,10 @@ def _forward(signum: int, frame: FrameType | None) -> None:
     import psutil
 
     workers = psutil.Process().children(recursive=False)
+    if not workers and signum == signal.SIGUSR1:
+        # A warning (SLURM's --signal) before the workers exist: they inherit it and stop after their first step.
+        os.environ[PENDING_STOP_ENV] = str(signum)
+        return
     if not workers:
         raise _StoppedBeforeWorkersError(signum)
     for worker in workers:
@@ -78,6 +82,9 @@ def _failure_lines(err: BaseException) -> tuple[list[str], int]:
 
 def main(argv: list[str] | None = None) -> int:
     """Run torchrun with ``argv`` (its own options and the worker command); returns the exit status."""
+    previous = {
+        sig: signal.signal(sig, _forward) for sig in STOP_SIGNALS
+    }  # first: torch takes seconds to import
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
@@ -91,7 +98,6 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     # torchrun keeps SIGHUP/SIGQUIT (it tears the workers down); the stop signals are ours (see above).
     os.environ["PET_SIGNALS_TO_HANDLE"] = "SIGHUP,SIGQUIT"
-    previous = {sig: signal.signal(sig, _forward) for sig in STOP_SIGNALS}
     try:
         torchrun.run(torchrun.parse_args(_with_defaults(argv)))
         return 0

@@ -19,6 +19,7 @@ from types import FrameType
 STOP_EXIT_CODE = 75
 ABORT_EXIT_CODE = 130  # 128 + SIGINT, as a shell reports an interrupted command
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+PENDING_STOP_ENV = "COATI_KTO_PENDING_STOP"  # set by coati_kto.launch for ranks it has yet to start
 _VOTE_COUNT, _VOTE_SIGNAL = "stop/requested", "stop/signal"
 
 
@@ -41,8 +42,12 @@ class StopSignals:
         self.received: int | None = None  # the first stop signal's number
 
     def install(self) -> StopSignals:
+        """Idempotent; returns self. A stop the launcher received before starting this rank counts as received."""
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
+        pending = os.environ.get(PENDING_STOP_ENV)
+        if pending and self.received is None:
+            self.received = int(pending)
         return self
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
@@ -67,6 +72,11 @@ class StopSignals:
     def vote(self) -> dict[str, float]:
         """This rank's part of the stop vote: two keys to add to the step's all-reduced sums."""
         return {_VOTE_COUNT: float(self.received is not None), _VOTE_SIGNAL: float(self.received or 0)}
+
+
+# The process's one instance: the CLI installs it before its heavy imports (SIGUSR1's default action kills a
+# process that has not installed a handler yet, and a warning can arrive while a rank is still starting).
+STOP = StopSignals()
 
 
 def decide(totals: dict[str, float]) -> str | None:

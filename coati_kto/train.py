@@ -21,7 +21,7 @@ import torch
 from coati_kto.config import Config, ModelSection, save_config
 from coati_kto.distributed import ParallelLayout, barrier, init_distributed, seed_everything
 from coati_kto.preflight import check_training, clear_previous_run
-from coati_kto.signals import StopSignals
+from coati_kto.signals import STOP, StopSignals
 from coati_kto.watchdog import Heartbeat, new_heartbeat
 
 
@@ -110,7 +110,7 @@ def train(config: Config) -> Any:
     check_training(config)  # before anything heavy: every problem at once
     # Installed for the rest of the process: a launcher may repeat the signal while this rank exits (torchrun
     # SIGTERMs the workers still running once one has exited), and that must not kill it mid-teardown.
-    stop_signals = StopSignals().install()
+    stop_signals = STOP.install()
     heartbeat = new_heartbeat(config.train.heartbeat_timeout)
     try:
         # torchrun's store exists before its workers start: watch from here, so a rank that dies before the
