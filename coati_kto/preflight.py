@@ -48,6 +48,13 @@ def check_training(config: Config) -> None:
         problems += _source_problems(
             "model.tokenizer", model.tokenizer, model.trust_remote_code, need_weights=False
         )
+    elif Path(model.path).expanduser().is_dir():  # the tokenizer defaults to model.path
+        problems += _directory_problems(
+            "model.path (the tokenizer)",
+            Path(model.path).expanduser(),
+            model.trust_remote_code,
+            need_weights=False,
+        )
     for key in ("train_files", "eval_files"):
         try:
             resolve_files(getattr(config.data, key), f"data.{key}")

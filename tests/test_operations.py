@@ -243,7 +243,9 @@ def test_hub_ids_offline_and_model_directories(run_config: Path, tmp_path: Path)
     code, _, err = _bad(tmp_path, run_config, f"model.path={tmp_path}")
     assert (code, err.strip()) == (
         2,
-        f"error: model.path: {tmp_path} holds no config.json: not a Hugging Face model directory",
+        f"error: model.path: {tmp_path} holds no config.json: not a Hugging Face model directory\n"
+        f"model.path (the tokenizer): {tmp_path} holds no tokenizer files (tokenizer.json, tokenizer_config.json, "
+        "tokenizer.model, vocab.json)",
     )
 
 
