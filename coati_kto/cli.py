@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 
 from coati_kto.errors import UserError
+from coati_kto.signals import ABORT_EXIT_CODE, STOP, STOP_EXIT_CODE, TrainingStoppedError
 
 _EPILOG = "Overrides: section.key=value (YAML values), e.g. train.lr=1e-6 data.max_length=512"
 
@@ -82,20 +82,13 @@ def _config_command(args: argparse.Namespace) -> None:
 
 
 def _launch_local(args: argparse.Namespace) -> int:
-    """Re-run ``train`` under torchrun with N local processes; returns torchrun's exit status."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={args.nproc_per_node}",
-        "-m",
-        "coati_kto",
-        "train",
-        args.config,
-        *args.overrides,
-    ]
-    return subprocess.call(cmd, env={**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")})
+    """Re-run ``train`` under torchrun (coati_kto.launch, in this process) with N local processes; returns its
+    exit status (STOP_EXIT_CODE after a clean stop on a signal)."""
+    from coati_kto.launch import main as launch
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torchrun_args = ["--standalone", f"--nproc_per_node={args.nproc_per_node}"]
+    return launch([*torchrun_args, "-m", "coati_kto", "train", args.config, *args.overrides])
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -109,16 +102,31 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Command-line counts must be >= 1 (argparse checks only that they are integers)."""
+    for option in ("ranks", "batches", "nproc_per_node"):
+        value = getattr(args, option, None)
+        if value is not None and value < 1:
+            raise UserError(f"--{option.replace('_', '-')} must be >= 1, got {value}")
+    if getattr(args, "examples", None) is not None and args.examples < 0:
+        raise UserError(f"--examples must be >= 0, got {args.examples}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
+    if args.command == "train" and "RANK" in os.environ:  # a rank: stop cleanly even while still importing
+        STOP.install()
     try:
         if args.command == "config":
             _config_command(args)
             return 0
         from coati_kto.config import load_config
 
+        _check_numbers(args)
         if args.command == "train" and args.nproc_per_node and "RANK" not in os.environ:
-            load_config(args.config, args.overrides)  # fail here, once, rather than in N processes
+            from coati_kto.preflight import check_training
+
+            check_training(load_config(args.config, args.overrides))  # here, once, not in N processes
             return _launch_local(args)
         config = load_config(args.config, args.overrides)
         if args.command == "prepare":
@@ -137,9 +145,27 @@ def main(argv: list[str] | None = None) -> int:
             train(config)
     except UserError as err:
         rank = os.environ.get("RANK")
+        if err.same_on_every_rank and rank not in (None, "0"):
+            return 2  # the same on every rank: rank 0 prints it
         prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
         print(f"{prefix}error: {err}", file=sys.stderr)
         return 2
+    except TrainingStoppedError as stop:
+        if os.environ.get("RANK", "0") == "0":
+            print(stop, file=sys.stderr, flush=True)
+        return STOP_EXIT_CODE
+    except Exception as err:  # a peer rank or node died: one line here, not a traceback per rank
+        from coati_kto.distributed import peer_failure
+
+        line = peer_failure(err)
+        if line is None:
+            raise
+        print(f"[rank {os.environ.get('RANK', '0')}] error: {line}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C before the stop handlers are installed (imports, config)
+        if os.environ.get("RANK", "0") == "0":
+            print("interrupted before training started: nothing to save", file=sys.stderr)
+        return ABORT_EXIT_CODE
     return 0
 
 

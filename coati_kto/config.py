@@ -136,6 +136,11 @@ class TrainSection(_Section):
     dist_timeout: float = Field(
         600.0, gt=0.0, description="Seconds a rank waits in a collective for a dead peer before failing."
     )
+    heartbeat_timeout: float = Field(
+        60.0,
+        ge=0.0,
+        description="Seconds without a heartbeat from a rank (gone process or node) before the job stops; 0: off.",
+    )
 
 
 class PluginSection(_Section):
@@ -173,6 +178,10 @@ class OutputSection(_Section):
     keep_last: int = Field(2, ge=1, description="Checkpoints kept; older ones are deleted.")
     save_final: bool = Field(
         True, description="Export final/ (HF model, tokenizer, README.md model card) at the end."
+    )
+    overwrite: bool = Field(
+        False,
+        description="Start over in a dir holding a run: delete its checkpoints, events and final model.",
     )
 
 

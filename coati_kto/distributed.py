@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
@@ -28,16 +29,28 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+_SECRET_PARTS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
+_NOT_SECRETS = {"TOKENIZERS_PARALLELISM"}
+
+
+def is_secret_name(name: str) -> bool:
+    """Environment variables kept out of launch command lines and logs: names containing TOKEN, KEY, SECRET or
+    PASSWORD, any case (launch/colossalai_run.sh applies the same rule)."""
+    upper = name.upper()
+    return upper not in _NOT_SECRETS and any(part in upper for part in _SECRET_PARTS)
+
+
 def launcher_env(bin_dir: str | os.PathLike[str], threads: int = 1) -> dict[str, str]:
     """The environment to start ``colossalai run`` with: ``bin_dir`` first on PATH, ``threads`` per process.
 
     ``colossalai run`` re-creates the environment as ``export K="V" ...`` inside one bash command line, so a
     value holding ``$``, a double quote, a backquote or a backslash breaks the launch (make exports
-    ``MAKEOVERRIDES=${-*-command-variables-*-}``: "bad substitution"). Those variables are left out; the list
+    ``MAKEOVERRIDES=${-*-command-variables-*-}``: "bad substitution"). Those variables are left out, and so are
+    secrets (``is_secret_name``): that line travels over SSH and is printed whole when a node fails. The list
     of names is returned under ``COATI_KTO_DROPPED_ENV`` for the caller to report.
     """
     unsafe = set('$"`\\')
-    kept = {k: v for k, v in os.environ.items() if not unsafe & set(v)}
+    kept = {k: v for k, v in os.environ.items() if not unsafe & set(v) and not is_secret_name(k)}
     dropped = sorted(set(os.environ) - set(kept))
     kept["PATH"] = f"{os.fspath(bin_dir)}{os.pathsep}{os.environ.get('PATH', '')}"
     kept["OMP_NUM_THREADS"] = str(threads)
@@ -145,6 +158,15 @@ def barrier() -> None:
         dist.barrier()
 
 
+def gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj`` (picklable, small), in rank order, on every rank. Every rank calls."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank ``src``'s object on every rank (e.g. a path that only rank 0 chose)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -152,6 +174,30 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+_PEER_ADDRESS = re.compile(r"\[([0-9a-fA-F.:]+)\]:\d+")
+_PEER_CAUSES = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "Connection refused")
+
+
+def peer_failure(err: BaseException) -> str | None:
+    """One line for a collective that failed because another rank or node went away; None for other errors.
+
+    gloo reports it as a RuntimeError naming the peer's address (``Connection closed by peer [10.0.0.2]:4810``);
+    NCCL and the store as torch.distributed.DistError.
+    """
+    text = str(err)
+    address, cause = _PEER_ADDRESS.search(text), next((c for c in _PEER_CAUSES if c in text), None)
+    if cause is not None and address is not None:
+        cause = f"{cause}: {address.group(1)}"
+    elif isinstance(err, dist.DistError) or "Timed out" in text and "gloo" in text:
+        cause = text.strip().splitlines()[0][:200] if text.strip() else type(err).__name__
+    else:
+        return None
+    return (
+        f"a collective failed because another rank or node is gone ({cause}); its own error, if any, is "
+        "reported above; resume with train.resume=auto"
+    )
 
 
 def _comm_device() -> torch.device:

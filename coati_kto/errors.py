@@ -10,9 +10,14 @@ class UserError(Exception):
     the file, line and field where it can.
     """
 
+    # True when every rank raises the same error (config, checkpoint agreement): only rank 0 prints it.
+    same_on_every_rank = False
+
 
 class ConfigError(UserError):
     """One or more problems in the YAML config or its command-line overrides."""
+
+    same_on_every_rank = True
 
 
 class DataError(UserError):

@@ -11,6 +11,7 @@ export's files); tensor-parallel ranks of one data-parallel group get the same b
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,9 @@ import torch
 
 from coati_kto.config import Config, ModelSection, save_config
 from coati_kto.distributed import ParallelLayout, barrier, init_distributed, seed_everything
+from coati_kto.preflight import check_training, clear_previous_run
+from coati_kto.signals import STOP, StopSignals
+from coati_kto.watchdog import Heartbeat, new_heartbeat
 
 
 @dataclass
@@ -97,8 +101,26 @@ def total_optimizer_steps(config: Config, micro_batches_per_rank: int) -> int:
 def train(config: Config) -> Any:
     """Run KTO training as configured; returns the KTOTrainer (``history``: its last logged records).
 
-    Every rank calls. User mistakes raise UserError subclasses (the CLI prints them on one line).
+    Every rank calls. User mistakes raise UserError subclasses (the CLI prints them on one line). SIGTERM,
+    SIGINT or SIGUSR1 end the run after a checkpoint, raising TrainingStoppedError (coati_kto.signals).
     """
+    check_training(config)  # before anything heavy: every problem at once
+    # Installed for the rest of the process: a launcher may repeat the signal while this rank exits (torchrun
+    # SIGTERMs the workers still running once one has exited), and that must not kill it mid-teardown.
+    stop_signals = STOP.install()
+    heartbeat = new_heartbeat(config.train.heartbeat_timeout)
+    try:
+        # torchrun's store exists before its workers start: watch from here, so a rank that dies before the
+        # process group forms is caught too. Elsewhere rank 0 creates the store in init_distributed.
+        if heartbeat is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            heartbeat.start()
+        return _train(config, stop_signals, heartbeat)
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+
+
+def _train(config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | None) -> Any:
     from coati_kto.compat import quiet_known_warnings
 
     quiet_known_warnings()  # before the imports below bring in colossalai
@@ -116,8 +138,12 @@ def train(config: Config) -> Any:
 
     # ---- setup
     init_distributed(timeout_s=config.train.dist_timeout)
+    if heartbeat is not None and not heartbeat.is_alive():
+        heartbeat.start()
     seed_everything(config.train.seed)
     out_dir = Path(config.output.dir)
+    if config.output.overwrite:
+        clear_previous_run(out_dir)  # rank 0 deletes, the others wait
     data = load_prepared(config)
     tokenizer = AutoTokenizer.from_pretrained(
         config.model.tokenizer or config.model.path, trust_remote_code=config.model.trust_remote_code
@@ -201,6 +227,7 @@ def train(config: Config) -> Any:
         wandb_project=config.logging.wandb_project,
         wandb_mode=config.logging.wandb_mode,
         wandb_dir=str(out_dir),
+        stop_signals=stop_signals,
     )
     checkpoint = manager.resolve_everywhere(config.train.resume)  # rank 0 decides, every rank follows
     if checkpoint is not None:

@@ -19,12 +19,28 @@ shift
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv_bin=${VENV_BIN:-$repo/.venv/bin}
-# The remote shells find torchrun by PATH: the venv's bin must come first.
-export PATH="$venv_bin:$PATH"
+# The remote shells find torchrun by PATH: launch/bin/torchrun (coati_kto.launch) first, then the venv's bin.
+export PATH="$repo/launch/bin:$venv_bin:$PATH"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # colossalai run re-exports the environment as export K="V" in one bash line: values holding $ or quotes break
 # it. make's variables are the usual culprits (MAKEOVERRIDES="${-*-command-variables-*-}").
 unset MAKEOVERRIDES MAKEFLAGS MFLAGS
+# That line is also sent over SSH and printed whole when a node fails: secrets must not be in it. Variables
+# whose names contain TOKEN, KEY, SECRET or PASSWORD (any case) are not passed on (the same rule as
+# coati_kto.distributed.launcher_env); credentials reach the nodes as files instead (README, "Credentials").
+dropped=()
+for name in $(compgen -e); do
+    case ${name^^} in
+        TOKENIZERS_PARALLELISM) ;;
+        *TOKEN* | *KEY* | *SECRET* | *PASSWORD*)
+            dropped+=("$name")
+            unset "$name"
+            ;;
+    esac
+done
+if [[ ${#dropped[@]} -gt 0 ]]; then
+    echo "colossalai_run.sh: not passed to the nodes (secret-looking names): ${dropped[*]}" >&2
+fi
 
 if python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
     default_nproc=$(python -c 'import torch; print(torch.cuda.device_count())')
@@ -40,4 +56,19 @@ if [[ -n ${HOSTFILE:-} ]]; then
 fi
 
 cd "$repo"
-exec colossalai run "${args[@]}" -m coati_kto train "$config" "$@"
+# In its own session, so that Ctrl-C reaches only this script, which forwards it (and SIGTERM, SIGUSR1) to this
+# node's coati_kto.launch once: its ranks vote, and every rank of every node stops after the same step.
+# coati_kto.colossalai_launch is `colossalai run` that stops waiting on the other nodes 30 s after one failed.
+setsid python -m coati_kto.colossalai_launch "${args[@]}" -m coati_kto train "$config" "$@" &
+launcher=$!
+# shellcheck disable=SC2329  # called from the traps
+forward() { pkill "-$1" -s "$launcher" -f "coati_kto[.]launch" || true; }
+trap 'forward INT' INT
+trap 'forward TERM' TERM
+trap 'forward USR1' USR1
+while :; do
+    status=0
+    wait "$launcher" || status=$?
+    kill -0 "$launcher" 2>/dev/null || break # a trapped signal interrupted wait: keep waiting
+done
+exit "$status"

@@ -37,4 +37,5 @@ else
 fi
 
 cd "$repo"
-exec "$python" -m torch.distributed.run "${args[@]}" -m coati_kto train "$config" "$@"
+# coati_kto.launch is torchrun with the project's stop-signal forwarding and one-line failures.
+exec "$python" -m coati_kto.launch "${args[@]}" -m coati_kto train "$config" "$@"

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from colossalai.booster import Booster
 
-from coati_kto.distributed import ParallelLayout, barrier, broadcast_object
+from coati_kto.distributed import ParallelLayout, barrier, broadcast_object, gather_objects
 from coati_kto.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -32,6 +32,12 @@ logger = logging.getLogger(__name__)
 COMPLETE = "COMPLETE"
 LATEST = "latest"
 _STEP_DIR = re.compile(r"step-(\d+)")
+
+
+class CheckpointSaveError(UserError):
+    """A checkpoint write failed on some rank (disk full, permission denied); raised on every rank alike."""
+
+    same_on_every_rank = True
 
 
 class CheckpointManager:
@@ -53,8 +59,21 @@ class CheckpointManager:
 
         All ranks write into ``step-N.tmp``; only once every rank is done does the main rank mark it
         ``COMPLETE``, rename it into place and move ``latest``. A failure before that leaves the previous
-        checkpoint and ``latest`` untouched; the stale ``.tmp`` is removed by the next save.
+        checkpoint and ``latest`` untouched. A write that fails on any rank (disk full, permission denied) is
+        agreed on at the next synchronisation point instead of a barrier: the partial ``.tmp`` is removed and
+        every rank raises CheckpointSaveError naming the rank, the path and the cause (no rank waits for
+        train.dist_timeout).
         """
+        tmp = self.root / f"step-{step}.tmp"
+        try:
+            return self._write(step, model, optimizer, lr_scheduler, trainer_state)
+        except CheckpointSaveError:
+            raise
+        except Exception as err:  # this rank failed: join the agreement the other ranks are waiting in
+            self._agree(step, tmp, err)
+            raise  # not reached: _agree raises
+
+    def _write(self, step: int, model: Any, optimizer: Any, lr_scheduler: Any, trainer_state: dict) -> Path:
         rng = _rng_state()  # first: nothing below may consume randomness before it is recorded
         final, tmp = self.root / f"step-{step}", self.root / f"step-{step}.tmp"
         rank = self.layout.rank
@@ -64,7 +83,7 @@ class CheckpointManager:
                 shutil.rmtree(stale)
             (tmp / "trainer_state").mkdir(parents=True)
             (tmp / "master_weights").mkdir()
-        barrier()
+        self._agree(step, tmp)
         self.booster.save_model(model, str(tmp / "model"), shard=True, use_safetensors=True)
         self.booster.save_optimizer(optimizer, str(tmp / "optimizer"), shard=True)
         self.booster.save_lr_scheduler(lr_scheduler, str(tmp / "lr_scheduler.pt"))
@@ -72,7 +91,7 @@ class CheckpointManager:
         masters = _master_shards(model, optimizer)
         if masters:
             torch.save(masters, tmp / "master_weights" / f"rank-{rank}.pt")
-        barrier()  # every rank's files are on disk
+        self._agree(step, tmp)  # every rank's files are on disk
         if self.layout.is_main:
             meta = {"step": step, **self._layout_meta(), "plugin": type(self.booster.plugin).__name__}
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
@@ -83,8 +102,28 @@ class CheckpointManager:
             os.replace(tmp, final)
             _write_atomic(self.root / LATEST, final.name)
             self._prune(keep=final)
-        barrier()
+        self._agree(step, tmp)
         return final
+
+    def _agree(self, step: int, tmp: Path, failure: BaseException | None = None) -> None:
+        """Every rank calls at the same point (it replaces a barrier): gathers each rank's failure, if any.
+
+        On any failure: the main rank removes ``tmp``, then every rank raises the same CheckpointSaveError.
+        """
+        failures = gather_objects(None if failure is None else _describe(failure))
+        failed = [(rank, text) for rank, text in enumerate(failures) if text is not None]
+        if not failed:
+            return
+        if self.layout.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        barrier()  # removed before anyone reports it
+        rank, text = failed[0]
+        last = self.resolve("auto")
+        kept = f"the last complete checkpoint is {last}" if last else "no complete checkpoint was written yet"
+        raise CheckpointSaveError(
+            f"checkpoint step-{step} could not be written (rank {rank}: {text}); removed the partial "
+            f"{tmp.name}, {kept}"
+        )
 
     def _layout_meta(self) -> dict[str, int]:
         return {
@@ -227,6 +266,15 @@ def _old_dp_states(path: Path, meta: dict) -> list[dict]:
             f"{sorted(steps)}; expected dp ranks 0..{dp_size - 1} at one step: the checkpoint is inconsistent"
         )
     return [by_dp[r] for r in range(dp_size)]
+
+
+def _describe(err: BaseException) -> str:
+    """``No space left on device: /ckpt/step-4.tmp/model`` for an OSError; the first line of others."""
+    if isinstance(err, OSError) and err.strerror:
+        where = f": {err.filename}" if err.filename else ""
+        return f"{err.strerror}{where}"
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -53,6 +53,7 @@ from coati_kto.distributed import ParallelLayout, reduce_sums
 from coati_kto.errors import UserError
 from coati_kto.logprobs import completion_logits_to_keep, sequence_logps
 from coati_kto.loss import estimate_kl_raw, needs_kl, preference_loss
+from coati_kto.signals import StopSignals, TrainingStoppedError, decide
 from coati_kto.trainer.base import SLTrainer
 from coati_kto.trainer.grad_norm import GradNorm, global_norm
 from coati_kto.trainer.logging import MetricWriter, ProgressBar
@@ -118,6 +119,8 @@ class KTOTrainer(SLTrainer):
             TensorBoard (text and hparams).
         data_stats: the prepared data's stats.json (coati_kto.data.prepare); written to TensorBoard as text.
         wandb_project, wandb_mode, wandb_dir: W&B settings when ``fit(use_wandb=True)``.
+        stop_signals: the installed StopSignals (train.py); a stop request checkpoints and raises
+            TrainingStoppedError on every rank after the step it was voted in.
     """
 
     def __init__(
@@ -157,6 +160,7 @@ class KTOTrainer(SLTrainer):
         wandb_project: str = "coati-kto",
         wandb_mode: str = "online",
         wandb_dir: str | None = None,
+        stop_signals: StopSignals | None = None,
     ) -> None:
         super().__init__(booster, max_epochs, actor, actor_optim, plugin, start_epoch)
         if accumulation_steps < 1 or log_interval < 1 or save_interval < 0 or eval_interval < 0:
@@ -183,6 +187,8 @@ class KTOTrainer(SLTrainer):
         self.checkpoint_manager = checkpoint_manager
         self.run_config = run_config
         self.data_stats = data_stats
+        self.stop_signals = stop_signals or StopSignals()  # not installed: never votes to stop
+        self._stop_signal: str | None = None
         self.wandb_settings = {
             "project": wandb_project,
             "mode": wandb_mode,
@@ -277,6 +283,8 @@ class KTOTrainer(SLTrainer):
                 self._evaluate()
             if self.save_interval and self.global_step % self.save_interval == 0:
                 self._save(epoch)
+            if self._stop_signal is not None:
+                self._stop(epoch)
             if self._finished():
                 break
 
@@ -336,8 +344,13 @@ class KTOTrainer(SLTrainer):
         sums = self._forward(groups, train=True, num_micro_batches=len(micro_batches))
         local, kl = sums.local()
         local[_GRAD_SQ] = float(self._grad_norm.local_share())
-        # The step's one metric collective; its "nonfinite" count and the gradient norm are the vote.
-        totals = reduce_sums(local, self.layout.dp_group)
+        # The step's one metric collective: its "nonfinite" count, the gradient norm and the stop keys are the
+        # votes every rank acts on.
+        vote = self.stop_signals.vote()
+        totals = reduce_sums({**local, **vote}, self.layout.dp_group)
+        if self.layout.dp_size < self.layout.world_size:  # tensor-parallel peers vote in other dp groups
+            totals.update(reduce_sums(vote, None))
+        self._stop_signal = decide(totals)
         norm = global_norm(totals.pop(_GRAD_SQ))
         bad_grad = not math.isfinite(norm) and not self._grad_norm.loss_scaled
         grad_norm = None
@@ -552,6 +565,16 @@ class KTOTrainer(SLTrainer):
         }
         self.checkpoint_manager.save(self.global_step, self.policy, self.optimizer, self.lr_scheduler, state)
         self._last_saved_step = self.global_step
+
+    def _stop(self, epoch: int) -> None:
+        """A voted stop request: log the open interval, checkpoint this step, raise TrainingStoppedError (every rank)."""
+        if self._interval.steps:
+            self._log_interval()
+        self._save(epoch)
+        last = self.checkpoint_manager.resolve("auto") if self.checkpoint_manager is not None else None
+        raise TrainingStoppedError(
+            self._stop_signal or "a stop signal", self.global_step, str(last) if last else None
+        )
 
     def _after_fit(self) -> None:
         if self._interval.steps:  # the steps of an unfinished logging interval

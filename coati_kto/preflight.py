@@ -1,0 +1,231 @@
+"""Checks run before anything heavy (no model load, no process group): every problem at once, one line each.
+
+``check_training(config)`` raises ConfigError listing: model / tokenizer / reference sources (a value that
+looks like a path must be a directory holding a loadable model; a hub id is looked up only when the value
+cannot be a path, once, with no retries, and not at all under HF_HUB_OFFLINE beyond the local cache), the
+resume checkpoint, an output.dir that is writable and holds no other run, wandb when logging.wandb is on.
+Filesystem reads only (plus that one hub request): every rank may call it, and the ``--nproc-per-node``
+launcher calls it once before starting the workers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import tempfile
+from pathlib import Path
+
+from coati_kto.config import Config
+from coati_kto.data.formats import resolve_files
+from coati_kto.errors import ConfigError, DataError
+
+# What a run writes under output.dir that a second run would mix with (output.overwrite clears these).
+RUN_OUTPUTS = ("checkpoints", "tensorboard", "final", "wandb")
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+_WEIGHTS = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_COMPLETE = "COMPLETE"  # coati_kto.trainer.checkpoint.COMPLETE (not imported: it pulls in colossalai)
+HUB_TIMEOUT_S = 10.0
+
+
+def check_training(config: Config) -> None:
+    """Raise ConfigError naming every problem found (one line each); return quietly when there is none."""
+    problems: list[str] = []
+    model = config.model
+    problems += _source_problems("model.path", model.path, model.trust_remote_code, need_weights=True)
+    if model.reference_path:
+        problems += _source_problems(
+            "model.reference_path", model.reference_path, model.trust_remote_code, need_weights=True
+        )
+    if model.tokenizer:
+        problems += _source_problems(
+            "model.tokenizer", model.tokenizer, model.trust_remote_code, need_weights=False
+        )
+    elif Path(model.path).expanduser().is_dir():  # the tokenizer defaults to model.path
+        problems += _directory_problems(
+            "model.path (the tokenizer)",
+            Path(model.path).expanduser(),
+            model.trust_remote_code,
+            need_weights=False,
+        )
+    for key in ("train_files", "eval_files"):
+        try:
+            resolve_files(getattr(config.data, key), f"data.{key}")
+        except DataError as err:
+            problems.append(str(err))
+    problems += _resume_problems(config)
+    problems += _output_problems(config)
+    if config.logging.wandb and importlib.util.find_spec("wandb") is None:
+        problems.append(
+            "logging.wandb: true, but the wandb package is not installed: pip install wandb, "
+            "or set logging.wandb=false"
+        )
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
+def previous_run(out_dir: Path) -> list[str]:
+    """What an earlier run left in ``out_dir`` (``checkpoints/step-3``, ``tensorboard/``...); empty when none."""
+    found = []
+    checkpoints = out_dir / "checkpoints"
+    if checkpoints.is_dir():
+        found += sorted(f"checkpoints/{p.name}" for p in checkpoints.iterdir() if p.name.startswith("step-"))
+    if any((out_dir / "tensorboard").glob("events.out.tfevents.*")):
+        found.append("tensorboard/ events")
+    if (out_dir / "final").is_dir():
+        found.append("final/")
+    return found
+
+
+# ---------------------------------------------------------------------------------------------- model sources
+def _looks_like_path(value: str) -> bool:
+    return (
+        value.startswith(("/", "./", "../", "~", "."))
+        or value.count("/") > 1
+        or value.endswith("/")
+        or os.sep != "/"
+        and os.sep in value
+        or _HUB_ID.fullmatch(value) is None
+    )
+
+
+def _source_problems(key: str, value: str, trust_remote_code: bool, need_weights: bool) -> list[str]:
+    path = Path(value).expanduser()
+    if path.exists():
+        return _directory_problems(key, path, trust_remote_code, need_weights)
+    if _looks_like_path(value):
+        return [f"{key}: {value} does not exist (a local path; a hub id looks like org/name)"]
+    return _hub_problems(key, value)
+
+
+def _directory_problems(key: str, path: Path, trust_remote_code: bool, need_weights: bool) -> list[str]:
+    if not path.is_dir():
+        return [f"{key}: {path} is a file; expected a Hugging Face model directory"]
+    if not need_weights:
+        if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+            return [f"{key}: {path} holds no tokenizer files ({', '.join(_TOKENIZER_FILES)})"]
+        return []
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        return [f"{key}: {path} holds no config.json: not a Hugging Face model directory"]
+    try:
+        model_config = json.loads(config_file.read_text())
+    except (OSError, ValueError) as err:
+        return [f"{key}: {config_file} is not readable JSON ({err})"]
+    problems = []
+    model_type = model_config.get("model_type")
+    remote = trust_remote_code and "auto_map" in model_config
+    if not remote and not _known_model_type(model_type):
+        from transformers import __version__
+
+        problems.append(
+            f"{key}: {config_file} has model_type {model_type!r}, which transformers {__version__} does not know "
+            "(a newer transformers, or model.trust_remote_code=true for a model that ships its code)"
+        )
+    if not any((path / name).is_file() for name in _WEIGHTS):
+        problems.append(f"{key}: {path} holds no weights ({' or '.join(_WEIGHTS[::2])})")
+    return problems
+
+
+def _known_model_type(model_type: object) -> bool:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return isinstance(model_type, str) and model_type in CONFIG_MAPPING_NAMES
+
+
+def _hub_problems(key: str, repo_id: str) -> list[str]:
+    """One look-up: the local hub cache first; then, unless HF_HUB_OFFLINE, one HEAD request, no retries."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return []
+    # constants.HF_HUB_OFFLINE is read once, at import; the environment may have changed since.
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}:
+        return [
+            f"{key}: {repo_id} is not a local directory and not in the hub cache, and HF_HUB_OFFLINE is set"
+        ]
+    from huggingface_hub.utils import build_hf_headers, get_session
+
+    url = f"{constants.ENDPOINT}/{repo_id}/resolve/main/config.json"
+    try:
+        response = get_session().head(
+            url, headers=build_hf_headers(), timeout=HUB_TIMEOUT_S, allow_redirects=True
+        )
+    except Exception as err:  # DNS, connection refused, timeout: the hub cannot be reached from here
+        return [
+            f"{key}: {repo_id} is not a local directory, and the hub ({constants.ENDPOINT}) cannot be reached "
+            f"({type(err).__name__}): download the model and set {key} to its directory"
+        ]
+    if response.status_code in (401, 403):
+        return [f"{key}: {repo_id} on the hub needs a token (gated or private): see README, Credentials"]
+    if response.status_code == 404:
+        return [f"{key}: {repo_id} is neither a local directory nor a model on the hub"]
+    return []
+
+
+# ---------------------------------------------------------------------------------------------- run state
+def _starts_from_zero(config: Config) -> bool:
+    """No resume, or train.resume=auto with no complete checkpoint to resume from."""
+    if config.train.resume is None:
+        return True
+    checkpoints = Path(config.output.dir) / "checkpoints"
+    return config.train.resume == "auto" and not any(checkpoints.glob(f"step-*/{_COMPLETE}"))
+
+
+def _resume_problems(config: Config) -> list[str]:
+    resume = config.train.resume
+    if resume is None or resume == "auto":
+        return []
+    path = Path(resume)
+    if not path.is_dir():
+        return [f"train.resume: checkpoint {path} does not exist (train.resume=auto picks the latest one)"]
+    if not (path / _COMPLETE).is_file():
+        return [
+            f"train.resume: {path} is not a complete checkpoint (no {_COMPLETE} marker: its save was interrupted, "
+            "or it is not a step-N directory); use train.resume=auto or another step-N"
+        ]
+    return []
+
+
+def _output_problems(config: Config) -> list[str]:
+    out_dir = Path(config.output.dir)
+    existing = out_dir
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return [f"output.dir: {existing} is a file, not a directory"]
+    try:
+        with tempfile.NamedTemporaryFile(dir=existing, prefix=".coati-kto-write-test-"):
+            pass
+    except OSError as err:
+        return [f"output.dir: cannot write in {existing} ({err.strerror or err})"]
+    if _starts_from_zero(config) and not config.output.overwrite and previous_run(out_dir):
+        found = ", ".join(previous_run(out_dir)[-3:])
+        return [
+            f"output.dir: {out_dir} already holds a run ({found}): continue it with train.resume=auto, "
+            "or start over with output.overwrite=true (deletes its checkpoints, events and final model)"
+        ]
+    return []
+
+
+def clear_previous_run(out_dir: Path) -> None:
+    """output.overwrite: global rank 0 deletes the earlier run's outputs (RUN_OUTPUTS); every rank calls, after
+    the process group exists, and returns once they are gone."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from coati_kto.distributed import barrier
+
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        for name in RUN_OUTPUTS:
+            if (out_dir / name).exists():
+                shutil.rmtree(out_dir / name)
+    barrier()

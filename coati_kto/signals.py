@@ -1,0 +1,94 @@
+"""Stop requests: SIGTERM, SIGINT and SIGUSR1 end a run cleanly, after the current optimizer step.
+
+Every rank installs the handlers (``StopSignals.install``, at train start). A signal only sets a flag; the
+ranks agree on it through the step's metric all-reduce (``vote`` adds two keys, ``decide`` reads them back),
+so they all finish the same step, write one checkpoint and raise ``TrainingStoppedError``. Repeated SIGTERM /
+SIGUSR1 are harmless (launchers and SLURM may deliver one signal twice); a second SIGINT (Ctrl-C twice)
+aborts at once with one line and exit status ``ABORT_EXIT_CODE``, no traceback, nothing saved.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from types import FrameType
+
+# EX_TEMPFAIL (sysexits.h): "temporary failure, try again". Every rank and our launchers exit with it after
+# a clean stop; schedulers and wrapper scripts can tell "stopped, resume me" from a crash.
+STOP_EXIT_CODE = 75
+ABORT_EXIT_CODE = 130  # 128 + SIGINT, as a shell reports an interrupted command
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+PENDING_STOP_ENV = "COATI_KTO_PENDING_STOP"  # set by coati_kto.launch for ranks it has yet to start
+_VOTE_COUNT, _VOTE_SIGNAL = "stop/requested", "stop/signal"
+
+
+class TrainingStoppedError(Exception):
+    """Raised on every rank after the checkpoint of a stop request; the CLI prints ``message`` (rank 0) and
+    exits with STOP_EXIT_CODE."""
+
+    def __init__(self, signal_name: str, step: int, checkpoint: str | None) -> None:
+        saved = f"checkpoint {checkpoint}" if checkpoint else "no checkpoint (no checkpoint manager)"
+        super().__init__(
+            f"stopped by {signal_name} after step {step}; {saved}; resume with train.resume=auto"
+        )
+        self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
+
+
+class StopSignals:
+    """The process-wide stop flag. ``install`` on every rank, in the main thread, for the rest of the process."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None  # the first stop signal's number
+
+    def install(self) -> StopSignals:
+        """Idempotent; returns self. A stop the launcher received before starting this rank counts as received."""
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._handle)
+        pending = os.environ.get(PENDING_STOP_ENV)
+        if pending and self.received is None:
+            self.received = int(pending)
+        return self
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and self.received == signal.SIGINT:
+            # Ctrl-C twice: the user wants out now. os._exit skips every finally block and atexit hook that
+            # could block (a collective, a half-written checkpoint); the next save removes the partial one.
+            if os.environ.get("RANK", "0") == "0":
+                os.write(2, b"aborted by a second SIGINT: nothing saved since the last checkpoint\n")
+            sys.stderr.flush()
+            os._exit(ABORT_EXIT_CODE)
+        if self.received is None:
+            self.received = signum
+            if os.environ.get("RANK", "0") == "0":
+                name = signal.Signals(signum).name
+                # os.write, not print: a handler may run while print holds stdout's lock (reentrancy).
+                os.write(
+                    2,
+                    f"{name} received: stopping after the current optimizer step "
+                    f"(checkpoint, then exit {STOP_EXIT_CODE}); Ctrl-C again to abort at once\n".encode(),
+                )
+
+    def vote(self) -> dict[str, float]:
+        """This rank's part of the stop vote: two keys to add to the step's all-reduced sums."""
+        return {_VOTE_COUNT: float(self.received is not None), _VOTE_SIGNAL: float(self.received or 0)}
+
+
+# The process's one instance: the CLI installs it before its heavy imports (SIGUSR1's default action kills a
+# process that has not installed a handler yet, and a warning can arrive while a rank is still starting).
+STOP = StopSignals()
+
+
+def decide(totals: dict[str, float]) -> str | None:
+    """Pop the vote's keys from the reduced ``totals``; the signal's name when any rank asked to stop.
+
+    Every rank gets the same answer (same reduced sums). Different signals on different ranks are named
+    "a stop signal" (their numbers were summed).
+    """
+    count, summed = totals.pop(_VOTE_COUNT, 0.0), totals.pop(_VOTE_SIGNAL, 0.0)
+    if count < 1:
+        return None
+    mean = summed / count
+    if mean.is_integer() and int(mean) in {int(s) for s in STOP_SIGNALS}:
+        return signal.Signals(int(mean)).name
+    return "a stop signal"

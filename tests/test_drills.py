@@ -1,0 +1,297 @@
+"""Failure drills on real clusters built on this machine by ../shared/tools: netns_cluster.sh (SSH nodes in
+network namespaces, for launch/colossalai_run.sh with a hostfile) and slurm_local.sh (a single-node SLURM, for
+launch/slurm.sbatch). Each cluster is brought up once per session and always taken down. Skipped, with the
+reason, where they cannot run (not root, no `ip netns`, no apt-get, tools not found).
+
+Each drill measures its time to stop (printed; run with -s to see it) and checks it against the 2-minute goal,
+and checks numbers: weights equal to an uninterrupted 1 node x 2 processes run, bit for bit.
+The link-down and time-limit drills take 2-4 minutes each: they run only with COATI_KTO_SLOW_DRILLS=1.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from test_operations import env, weights, write_run
+
+from coati_kto.distributed import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+TOOLS = next(
+    (
+        p
+        for p in (REPO.parent / "shared" / "tools", Path("/work/shared/tools"))
+        if (p / "netns_cluster.sh").is_file()
+    ),
+    None,
+)
+RUN = ["train.max_epochs=4", "train.max_steps=96"]  # 96 steps: long enough to be interrupted mid-run
+GOAL_S = 120.0
+slow = pytest.mark.skipif(
+    os.environ.get("COATI_KTO_SLOW_DRILLS") != "1", reason="slow drill: COATI_KTO_SLOW_DRILLS=1"
+)
+
+
+def _cluster_tool(name: str, needs: str) -> Path:
+    if TOOLS is None:
+        pytest.skip("../shared/tools not found")
+    if os.geteuid() != 0:
+        pytest.skip(f"{name} needs root")
+    if shutil.which(needs) is None:
+        pytest.skip(f"{name} needs {needs}")
+    return TOOLS / name
+
+
+@pytest.fixture(scope="session")
+def netns_cluster() -> Iterator[dict[str, str]]:
+    tool = _cluster_tool("netns_cluster.sh", "ip")
+    try:
+        subprocess.run([str(tool), "up"], check=True, capture_output=True, text=True, timeout=600)
+        hostfile = subprocess.run([str(tool), "hostfile"], check=True, capture_output=True, text=True).stdout
+        yield {
+            "tool": str(tool),
+            "HOSTFILE": hostfile.strip(),
+            "MASTER_ADDR": "10.77.0.11",
+            "NPROC_PER_NODE": "1",
+            "GLOO_SOCKET_IFNAME": "cl0",
+        }
+    finally:
+        subprocess.run([str(tool), "down"], capture_output=True, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster() -> Iterator[dict[str, str]]:
+    tool = _cluster_tool("slurm_local.sh", "apt-get")
+    try:
+        subprocess.run([str(tool), "up"], check=True, capture_output=True, text=True, timeout=900)
+        exports = subprocess.run([str(tool), "env"], check=True, capture_output=True, text=True).stdout
+        found = dict(
+            line.removeprefix("export ").split("=", 1)
+            for line in exports.splitlines()
+            if line.startswith("export ")
+        )
+        yield {k: v.strip("'\"") for k, v in found.items()}
+    finally:
+        subprocess.run([str(tool), "down"], capture_output=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def drill_config(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    return write_run(tmp_path_factory.mktemp("drills"), tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(drill_config: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, torch.Tensor]:
+    """1 node x 2 processes, uninterrupted, launched as users do."""
+    out = tmp_path_factory.mktemp("reference") / "out"
+    cmd = [sys.executable, "-m", "coati_kto", "train", "--nproc-per-node", "2", str(drill_config), *RUN]
+    done = subprocess.run([*cmd, f"output.dir={out}"], env=env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return weights(out)
+
+
+def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def colossalai_run(cluster: dict[str, str], config: Path, *overrides: str) -> subprocess.Popen:
+    launch_env = {
+        **env(),
+        **{k: v for k, v in cluster.items() if k != "tool"},
+        "MASTER_PORT": str(free_port()),
+    }
+    cmd = ["bash", str(REPO / "launch" / "colossalai_run.sh"), str(config), *RUN, *overrides]
+    return subprocess.Popen(cmd, env=launch_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_checkpoint(out: Path, proc: subprocess.Popen | None = None, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not (out / "checkpoints" / "latest").is_file():
+        assert proc is None or proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "no checkpoint appeared"
+        time.sleep(0.1)
+
+
+def node_pids(node: str, needle: str) -> list[int]:
+    listed = subprocess.run(["ip", "netns", "pids", node], capture_output=True, text=True).stdout.split()
+    found = []
+    for pid in listed:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if needle in cmdline:
+            found.append(int(pid))
+    return found
+
+
+def report(drill: str, seconds: float, what: str = "stopped") -> None:
+    print(f"\n[drill] {drill}: {what} {seconds:.1f} s after the fault", flush=True)
+
+
+def test_two_nodes_through_colossalai_run_match_one_node(
+    netns_cluster, drill_config, reference, tmp_path
+) -> None:
+    out = tmp_path / "out"
+    proc = colossalai_run(netns_cluster, drill_config, f"output.dir={out}")
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, output[-3000:]
+    assert_same(reference, weights(out))
+
+
+def test_killing_the_rank_on_node2_ends_the_job_and_resume_completes(
+    netns_cluster, drill_config, reference, tmp_path
+) -> None:
+    out = tmp_path / "out"
+    proc = colossalai_run(netns_cluster, drill_config, f"output.dir={out}")
+    wait_for_checkpoint(out, proc)
+    (worker,) = node_pids("node2", "-u -m coati_kto train")
+    killed = time.monotonic()
+    os.kill(worker, signal.SIGKILL)
+    output, _ = proc.communicate(timeout=GOAL_S + 60)
+    stopped = time.monotonic() - killed
+    report("SIGKILL to the rank on node2", stopped)
+    assert proc.returncode != 0 and stopped < GOAL_S
+    assert "launcher: rank 1 (local rank 0) on node2 failed with signal SIGKILL" in output
+    assert "[rank 0] error: a collective failed because another rank or node is gone (Connection" in output
+    assert "Traceback" not in output
+    latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+    assert (latest / "COMPLETE").is_file()
+
+    proc = colossalai_run(netns_cluster, drill_config, f"output.dir={out}", "train.resume=auto")
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, output[-3000:]
+    assert f"resumed from {latest}" in output
+    assert_same(reference, weights(out))
+
+
+def test_a_node_without_sshd_fails_the_launch_in_bounded_time(netns_cluster, drill_config, tmp_path) -> None:
+    sshd = Path("/tmp/netns_cluster/nodes/node2/sshd.pid")
+    os.kill(int(sshd.read_text()), signal.SIGTERM)
+    try:
+        started = time.monotonic()
+        proc = colossalai_run(netns_cluster, drill_config, f"output.dir={tmp_path}")
+        output, _ = proc.communicate(timeout=GOAL_S + 60)
+        stopped = time.monotonic() - started
+    finally:
+        subprocess.run([netns_cluster["tool"], "up"], check=True, capture_output=True, timeout=300)
+    report("node2 without sshd at launch", stopped)
+    assert proc.returncode != 0 and stopped < GOAL_S
+    assert "Unable to connect to port 22 on 10.77.0.12" in output
+    assert (
+        "launcher: node 10.77.0.11 had not finished 30 s after another node failed: stopped waiting" in output
+    )
+
+
+@slow
+def test_a_node_whose_link_goes_down_mid_run_ends_the_job(netns_cluster, drill_config, tmp_path) -> None:
+    out = tmp_path / "out"
+    proc = colossalai_run(
+        netns_cluster, drill_config, f"output.dir={out}", "train.max_epochs=40", "train.max_steps=960"
+    )
+    wait_for_checkpoint(out, proc)
+    down = time.monotonic()
+    subprocess.run(["ip", "netns", "exec", "node2", "ip", "link", "set", "cl0", "down"], check=True)
+    try:
+        output, _ = proc.communicate(timeout=GOAL_S + 120)
+        stopped = time.monotonic() - down
+    finally:
+        subprocess.run(["ip", "netns", "exec", "node2", "ip", "link", "set", "cl0", "up"], check=True)
+    report("node2's link down mid-run", stopped)
+    assert proc.returncode != 0 and stopped < GOAL_S
+    assert "[rank 0 on node1] error: rank 1 on node2 stopped responding" in output
+    assert "launcher: node 10.77.0.12 had not finished 30 s after another node failed" in output
+    assert (out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip() / "COMPLETE").is_file()
+
+
+def sbatch(
+    cluster: dict[str, str], config: Path, log: Path, *options: str, overrides: tuple[str, ...] = ()
+) -> str:
+    cmd = ["sbatch", "--parsable", "--gpus-per-node=0", "--cpus-per-task=2", f"--output={log}", *options]
+    cmd += [str(REPO / "launch" / "slurm.sbatch"), str(config), *RUN, *overrides]
+    submit_env = {**env(), **cluster, "PYTHONPATH": os.environ.get("PYTHONPATH", str(REPO))}
+    done = subprocess.run(cmd, env=submit_env, capture_output=True, text=True, cwd=REPO, check=True)
+    return done.stdout.strip().split(";")[0]
+
+
+def job_field(cluster: dict[str, str], job: str, field: str) -> str:
+    shown = subprocess.run(
+        ["scontrol", "show", "job", job], env={**os.environ, **cluster}, capture_output=True, text=True
+    )
+    return next(w.split("=", 1)[1] for w in shown.stdout.split() if w.startswith(f"{field}="))
+
+
+def wait_for_job(cluster: dict[str, str], job: str, timeout: float = 600) -> str:
+    deadline = time.monotonic() + timeout
+    while (state := job_field(cluster, job, "JobState")) not in {
+        "COMPLETED",
+        "FAILED",
+        "CANCELLED",
+        "TIMEOUT",
+    }:
+        assert time.monotonic() < deadline, f"job {job} still {state}"
+        time.sleep(1)
+    return state
+
+
+def test_slurm_requeue_resumes_and_finishes_like_an_uninterrupted_run(
+    slurm_cluster, drill_config, reference, tmp_path
+) -> None:
+    out, log = tmp_path / "out", tmp_path / "slurm.out"
+    job = sbatch(slurm_cluster, drill_config, log, "--time=10:00", overrides=(f"output.dir={out}",))
+    wait_for_checkpoint(out)
+    requeued = time.monotonic()
+    subprocess.run(["scontrol", "requeue", job], env={**os.environ, **slurm_cluster}, check=True)
+    assert wait_for_job(slurm_cluster, job) == "COMPLETED", log.read_text()[-3000:]
+    text = log.read_text()
+    report(f"scontrol requeue of job {job}", time.monotonic() - requeued, "resumed and finished")
+    assert job_field(slurm_cluster, job, "Restarts") == "1"
+    assert "1 node(s) x 2 process(es) (SLURM_GPUS_ON_NODE=unset, OMP_NUM_THREADS=1)" in text
+    assert "stopped by SIGTERM after step" in text and "(restart 1)" in text and "resumed from" in text
+    assert_same(reference, weights(out))
+
+
+@slow
+def test_slurm_time_limit_warning_checkpoints_requeues_and_finishes(
+    slurm_cluster, drill_config, tmp_path
+) -> None:
+    out, log = tmp_path / "out", tmp_path / "slurm.out"
+    long_run = ("train.max_epochs=60", "train.max_steps=1440", "output.save_interval=0")
+    job = sbatch(
+        slurm_cluster,
+        drill_config,
+        log,
+        "--time=2:00",
+        "--signal=B:USR1@60",
+        overrides=(f"output.dir={out}", *long_run),
+    )
+    local = [
+        sys.executable,
+        "-m",
+        "coati_kto",
+        "train",
+        "--nproc-per-node",
+        "2",
+        str(drill_config),
+        *RUN,
+        *long_run,
+    ]
+    done = subprocess.run(
+        [*local, f"output.dir={tmp_path / 'reference'}"], env=env(), capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert wait_for_job(slurm_cluster, job, timeout=900) == "COMPLETED", log.read_text()[-3000:]
+    text = log.read_text()
+    assert "stopped by SIGUSR1 after step" in text and "requeueing job" in text and "resumed from" in text
+    assert_same(weights(tmp_path / "reference"), weights(out))

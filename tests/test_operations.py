@@ -1,0 +1,339 @@
+"""Operations, through the real CLI and real processes: a stop signal ends a 2-process run with a checkpoint and
+one line, and the resumed run ends with the uninterrupted run's weights; Ctrl-C twice aborts at once; one run
+per output dir; bad inputs fail before anything heavy, all at once, on one line each; a checkpoint write that
+fails on one rank stops every rank at once with the last complete checkpoint intact.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from coati_kto.signals import ABORT_EXIT_CODE, STOP_EXIT_CODE
+from coati_kto.testing import run_distributed
+
+GOOD = ["Paris is the capital.", "The answer is 5.", "Here is the result, thank you!"]
+BAD = ["I cannot help with that.", "Sorry, that is not possible."]
+
+
+def write_run(root: Path, model_dir: Path, steps: int = 48, save_interval: int = 4) -> Path:
+    """96 examples (3:1), 2 ranks x micro-batch 2: 24 steps per epoch; ``steps`` steps in all. Prepared."""
+    rng = random.Random(0)
+    data = root / "train.jsonl"
+    with data.open("w") as f:
+        for i in range(96):
+            label = i % 4 != 0
+            completion = rng.choice(GOOD if label else BAD)
+            f.write(
+                json.dumps(
+                    {"prompt": f"Question {i}: please answer.", "completion": completion, "label": label}
+                )
+            )
+            f.write("\n")
+    config = root / "config.yaml"
+    config.write_text(
+        f"""
+model:
+  path: {model_dir}
+data:
+  train_files: [{data}]
+  prepared_dir: {root / "prepared"}
+  max_length: 64
+  max_prompt_length: 32
+train:
+  seed: 7
+  micro_batch_size: 2
+  max_epochs: 2
+  max_steps: {steps}
+  lr: 1.0e-3
+plugin:
+  name: hybrid_parallel
+  zero_stage: 2
+  precision: bf16
+output:
+  dir: {root / "out"}
+  save_interval: {save_interval}
+logging:
+  tensorboard: true
+"""
+    )
+    subprocess.run(
+        [sys.executable, "-m", "coati_kto", "prepare", str(config)], check=True, capture_output=True
+    )
+    return config
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "coati_kto", *args]
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def start(cmd: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, f"{path} did not appear"
+        time.sleep(0.2)
+
+
+def weights(out_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(out_dir / "final" / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def run_config(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Path:
+    return write_run(tmp_path_factory.mktemp("ops"), tiny_model_dir)
+
+
+def test_signals_stop_with_a_checkpoint_and_resume_exactly(run_config: Path, tmp_path: Path) -> None:
+    train = cli("train", "--nproc-per-node", "2", str(run_config))
+    reference = tmp_path / "reference"
+    done = subprocess.run([*train, f"output.dir={reference}"], env=env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+    out = tmp_path / "interrupted"
+    # SIGTERM to the launcher mid-epoch (as SLURM or Kubernetes send it): every rank finishes the step it is
+    # in, one checkpoint, one line, exit 75.
+    proc = start([*train, f"output.dir={out}"])
+    wait_for(out / "checkpoints" / "step-4", proc)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == STOP_EXIT_CODE, output[-3000:]
+    stopped = [line for line in output.splitlines() if line.startswith("stopped by")]
+    assert len(stopped) == 1, output[-3000:]
+    step = int(stopped[0].split("after step ")[1].split(";")[0])
+    assert 4 <= step < 24  # mid-epoch
+    assert stopped[0] == (
+        f"stopped by SIGTERM after step {step}; checkpoint {out}/checkpoints/step-{step}; "
+        "resume with train.resume=auto"
+    )
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step-{step}"
+    assert "Traceback" not in output
+    assert not (out / "final").exists()
+
+    # Ctrl-C twice on the resumed run: abort at once, one line, nothing saved, the checkpoint still there.
+    proc = start([*train, f"output.dir={out}", "train.resume=auto"])
+    wait_for(out / "checkpoints" / f"step-{(step // 4 + 1) * 4}", proc)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == ABORT_EXIT_CODE, output[-3000:]
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output
+    assert output.count("aborted by a second SIGINT") == 1
+
+    # The rest of the run from the latest complete checkpoint: the uninterrupted run's weights, bit for bit.
+    done = subprocess.run(
+        [*train, f"output.dir={out}", "train.resume=auto"], env=env(), capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    a, b = weights(reference), weights(out)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def test_one_run_per_output_dir(run_config: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    (out / "checkpoints" / "step-3").mkdir(parents=True)
+    (out / "tensorboard").mkdir()
+    (out / "tensorboard" / "events.out.tfevents.1.host").write_bytes(b"")
+    proc = subprocess.run(
+        cli("train", str(run_config), f"output.dir={out}"), env=env(), capture_output=True, text=True
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        f"error: output.dir: {out} already holds a run (checkpoints/step-3, tensorboard/ events): continue it "
+        "with train.resume=auto, or start over with output.overwrite=true (deletes its checkpoints, events and "
+        "final model)"
+    )
+
+
+def test_overwrite_clears_the_old_run_first(run_config: Path, tmp_path: Path) -> None:
+    from coati_kto.preflight import clear_previous_run
+
+    out = tmp_path / "out"
+    for name in ("checkpoints/step-3", "tensorboard", "final", "keep"):
+        (out / name).mkdir(parents=True)
+    clear_previous_run(out)  # one process: it is rank 0
+    assert sorted(p.name for p in out.iterdir()) == ["keep"]
+
+
+def _bad(tmp_path: Path, run_config: Path, *overrides: str) -> tuple[int, str, str]:
+    proc = subprocess.run(
+        cli("train", str(run_config), f"output.dir={tmp_path / 'out'}", *overrides),
+        env={**env(), "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+    )
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_bad_inputs_are_reported_together_before_anything_heavy(run_config: Path, tmp_path: Path) -> None:
+    not_a_model = tmp_path / "not_a_model"
+    not_a_model.mkdir()
+    unknown = tmp_path / "unknown_type"
+    unknown.mkdir()
+    (unknown / "config.json").write_text(json.dumps({"model_type": "no_such_arch"}))
+    (unknown / "model.safetensors").write_bytes(b"")
+    locked = tmp_path / "locked"
+    locked.write_text("a file where a directory should be")
+    code, out, err = _bad(
+        tmp_path,
+        run_config,
+        f"model.path={tmp_path / 'missing_model'}",
+        f"model.reference_path={unknown}",
+        f"model.tokenizer={not_a_model}",
+        f"data.eval_files=[{tmp_path / 'missing.jsonl'}]",
+        f"train.resume={tmp_path / 'no_checkpoint'}",
+        f"output.dir={locked / 'out'}",
+        "logging.wandb=true",
+    )
+    assert code == 2 and out == ""
+    from transformers import __version__
+
+    expected = [
+        f"error: model.path: {tmp_path / 'missing_model'} does not exist (a local path; a hub id looks like "
+        "org/name)",
+        f"model.reference_path: {unknown}/config.json has model_type 'no_such_arch', which transformers "
+        f"{__version__} does not know (a newer transformers, or model.trust_remote_code=true for a model that "
+        "ships its code)",
+        f"model.tokenizer: {not_a_model} holds no tokenizer files (tokenizer.json, tokenizer_config.json, "
+        "tokenizer.model, vocab.json)",
+        f"data.eval_files: {tmp_path / 'missing.jsonl'}: no such file or directory",
+        f"train.resume: checkpoint {tmp_path / 'no_checkpoint'} does not exist (train.resume=auto picks the "
+        "latest one)",
+        f"output.dir: {locked} is a file, not a directory",
+    ]
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        expected.append(
+            "logging.wandb: true, but the wandb package is not installed: pip install wandb, or set "
+            "logging.wandb=false"
+        )
+    assert err.strip().splitlines() == expected
+
+
+def test_hub_ids_offline_and_model_directories(run_config: Path, tmp_path: Path) -> None:
+    code, _, err = _bad(tmp_path, run_config, "model.path=TinyLlama/TinyLlama-1.1B-Chat-v1.0")
+    assert (code, err.strip()) == (
+        2,
+        "error: model.path: TinyLlama/TinyLlama-1.1B-Chat-v1.0 is not a local directory and not in the hub "
+        "cache, and HF_HUB_OFFLINE is set",
+    )
+    code, _, err = _bad(tmp_path, run_config, f"model.path={tmp_path}")
+    assert (code, err.strip()) == (
+        2,
+        f"error: model.path: {tmp_path} holds no config.json: not a Hugging Face model directory\n"
+        f"model.path (the tokenizer): {tmp_path} holds no tokenizer files (tokenizer.json, tokenizer_config.json, "
+        "tokenizer.model, vocab.json)",
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["inspect", "--ranks", "-3"], "error: --ranks must be >= 1, got -3"),
+        (["inspect", "--ranks", "0"], "error: --ranks must be >= 1, got 0"),
+        (["train", "--nproc-per-node", "0"], "error: --nproc-per-node must be >= 1, got 0"),
+    ],
+)
+def test_cli_numbers_in_range(run_config: Path, argv: list[str], message: str) -> None:
+    proc = subprocess.run(cli(*argv, str(run_config)), env=env(), capture_output=True, text=True)
+    assert (proc.returncode, proc.stderr.strip()) == (2, message)
+
+
+def _faulty_save_worker(config_path: str, overrides: list[str], fail_rank: int, fail_step: int) -> tuple:
+    """Train; on ``fail_rank`` the write of step ``fail_step``'s trainer state hits a full disk."""
+    from coati_kto.config import load_config
+    from coati_kto.train import train
+    from coati_kto.trainer.checkpoint import CheckpointSaveError
+
+    real_save, rank = torch.save, int(os.environ["RANK"])
+
+    def save(obj, f, *args, **kwargs):
+        if rank == fail_rank and f"step-{fail_step}.tmp" in str(f) and "trainer_state" in str(f):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(f))
+        return real_save(obj, f, *args, **kwargs)
+
+    torch.save = save
+    try:
+        train(load_config(config_path, overrides))
+    except CheckpointSaveError as err:
+        return str(err), time.time()
+    return "no error", time.time()
+
+
+def test_a_save_failing_on_one_rank_stops_every_rank_at_once(run_config: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    overrides = [f"output.dir={out}", "train.max_steps=8", "train.dist_timeout=300"]
+    started = time.time()
+    results = run_distributed(_faulty_save_worker, 2, str(run_config), overrides, 1, 8, timeout_s=600)
+    partial = out / "checkpoints" / "step-8.tmp"
+    expected = (
+        f"checkpoint step-8 could not be written (rank 1: No space left on device: {partial}/trainer_state/"
+        f"rank-1.pt); removed the partial step-8.tmp, the last complete checkpoint is {out}/checkpoints/step-4"
+    )
+    assert [message for message, _ in results] == [expected, expected]
+    # Both ranks stopped together, long before train.dist_timeout (300 s) would have ended a waiting rank.
+    assert abs(results[0][1] - results[1][1]) < 60 and max(t for _, t in results) - started < 280
+    assert not partial.exists()
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-4"
+    assert (out / "checkpoints" / "step-4" / "COMPLETE").is_file()
+
+
+def test_launch_keeps_secrets_out_of_its_output(run_config: Path, tmp_path: Path) -> None:
+    from coati_kto.distributed import free_port, launcher_env
+
+    secret = f"planted-{os.getpid()}-{time.time_ns()}"
+    names = ("WANDB_API_KEY", "HF_TOKEN", "aws_secret_access_key", "DB_PASSWORD", "MY_KEYRING")
+    planted = {
+        **env(),
+        **dict.fromkeys(names, secret),
+        "NPROC_PER_NODE": "1",
+        "MASTER_PORT": str(free_port()),
+    }
+    repo = Path(__file__).resolve().parent.parent
+    # A deliberately failing launch (no such config): colossalai run prints the environment it exported.
+    proc = subprocess.run(
+        ["bash", str(repo / "launch" / "colossalai_run.sh"), str(tmp_path / "missing.yaml")],
+        env=planted,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "export " in output and 'TOKENIZERS_PARALLELISM="false"' in output  # the dump this test is about
+    assert f"error: {tmp_path / 'missing.yaml'}: config file not found" in output
+    assert secret not in output
+    assert not any(secret in p.read_text(errors="replace") for p in tmp_path.rglob("*") if p.is_file())
+
+    os.environ.update(dict.fromkeys(names, secret))
+    try:
+        kept = launcher_env("/opt/venv/bin")
+    finally:
+        for name in names:
+            del os.environ[name]
+    assert secret not in "".join(kept.values())
+    assert set(names) <= set(kept["COATI_KTO_DROPPED_ENV"].split(","))
+    assert kept["TOKENIZERS_PARALLELISM"] == os.environ["TOKENIZERS_PARALLELISM"]
