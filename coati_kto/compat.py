@@ -1,10 +1,11 @@
-"""ColossalAI 0.5.0 on a machine without CUDA: the whole compatibility layer, in one place.
+"""ColossalAI 0.5.0 compatibility: its bugs we fix and the CPU (no CUDA) support, in one place.
 
 ColossalAI picks its accelerator cuda -> npu -> cpu. Its CPU accelerator raises on stream, synchronize and
 RNG calls that ZeRO and shardformer make, and the ZeRO optimizer asserts a cuda/npu device. On CPU we
 install an accelerator whose stream calls are no-ops (CPU work is synchronous, so there is nothing to order)
-and relax the device assertion while keeping the dtype check. ``apply()`` does nothing when CUDA is present:
-the GPU path runs ColossalAI untouched.
+and relax the device assertion while keeping the dtype check. On every device ``apply()`` also fixes the
+unpadding of padded vocabularies at save time (``_fix_unpadding_of_detached_copies``); with CUDA present that
+is all it changes.
 """
 
 from __future__ import annotations
@@ -38,10 +39,15 @@ def quiet_known_warnings() -> None:
 
 
 def apply() -> None:
-    """Install the CPU accelerator and the ZeRO patch when there is no CUDA device. Idempotent; every rank."""
+    """Fix ColossalAI's padded-vocabulary unpadding; without CUDA, also install the CPU accelerator and the ZeRO
+    patch (the GPU path runs ColossalAI otherwise untouched). Idempotent; every rank."""
     global _applied
     quiet_known_warnings()
-    if _applied or cuda_available():
+    if _applied:
+        return
+    _fix_unpadding_of_detached_copies()
+    _applied = True
+    if cuda_available():
         return
     from colossalai.accelerator import CpuAccelerator, set_accelerator
     from colossalai.zero.low_level import low_level_optim
@@ -89,7 +95,28 @@ def apply() -> None:
                     raise TypeError(f"ZeRO expects parameters of dtype {self._dtype}, got {param.dtype}")
 
     low_level_optim.LowLevelZeroOptimizer._sanity_checks = _sanity_checks_without_device
-    _applied = True
+
+
+def _fix_unpadding_of_detached_copies() -> None:
+    """ColossalAI 0.5.0 bug, on every device: saving a padded vocabulary crashes (``'Tensor' object has no
+    attribute '_unpad_detach'``).
+
+    HybridParallelPlugin pads the embedding and LM head to a multiple of ``make_vocab_size_divisible_by``
+    (64: faster kernels) and marks the parameter as padded, replacing its ``detach``/``clone`` with versions
+    whose results carry the padding marks. ``state_dict`` and the checkpoint sharder detach the parameter,
+    then ``to_unpadded_tensor`` slices the copy and "un-hijacks" it, restoring a ``_unpad_detach`` that only
+    the parameter has. The copy's own detach/clone were never replaced, so there is nothing to restore: the
+    slice is right, only the restoration must be skipped. Patched in the api module, whose global every
+    caller of ``to_unpadded_tensor`` goes through.
+    """
+    from colossalai.tensor.padded_tensor import api
+
+    restore = api._hijack_back_detach_and_clone
+
+    def restore_if_hijacked(ptensor: torch.Tensor) -> torch.Tensor:
+        return restore(ptensor) if hasattr(ptensor, "_unpad_detach") else ptensor
+
+    api._hijack_back_detach_and_clone = restore_if_hijacked
 
 
 def plugin_overrides() -> dict[str, Any]:
