@@ -46,6 +46,7 @@ def apply() -> None:
     if _applied:
         return
     _fix_unpadding_of_detached_copies()
+    _fix_tp_partition_of_padded_vocabularies()
     _applied = True
     if cuda_available():
         return
@@ -117,6 +118,34 @@ def _fix_unpadding_of_detached_copies() -> None:
         return restore(ptensor) if hasattr(ptensor, "_unpad_detach") else ptensor
 
     api._hijack_back_detach_and_clone = restore_if_hijacked
+
+
+def _fix_tp_partition_of_padded_vocabularies() -> None:
+    """ColossalAI 0.5.0 bug, on every device: under tensor parallelism the optimizer checkpoint of a padded
+    vocabulary cannot be saved (``The parameter isn't evenly distributed among tensor parallel group``).
+
+    ``search_tp_partition_dim`` finds the sharded dimension of an optimizer state by comparing the parameter's
+    shape before sharding (the real vocabulary, e.g. 300 rows) with its shard (384 padded rows / 2 = 192) and
+    asserts ``300 == 2 x 192``. The callers already handle padding right after (gather, then unpad on save; pad,
+    then split on load): the check only has to accept a last shard that holds padding, i.e.
+    ``(tp - 1) x shard < original <= tp x shard``.
+    """
+    from colossalai.checkpoint_io import hybrid_parallel_checkpoint_io, utils
+
+    def search_tp_partition_dim(current_shape: Any, original_shape: Any, tp_size: int) -> int | None:
+        for dim, length in enumerate(original_shape):
+            if length > current_shape[dim]:
+                shard = current_shape[dim]
+                if not (tp_size - 1) * shard < length <= tp_size * shard:
+                    raise AssertionError(
+                        f"parameter of shape {tuple(original_shape)} is not split over {tp_size} tensor-parallel "
+                        f"ranks as a shard of shape {tuple(current_shape)} (even with vocabulary padding)"
+                    )
+                return dim
+        return None
+
+    utils.search_tp_partition_dim = search_tp_partition_dim
+    hybrid_parallel_checkpoint_io.search_tp_partition_dim = search_tp_partition_dim
 
 
 def plugin_overrides() -> dict[str, Any]:

@@ -55,7 +55,11 @@ class DataSection(_Section):
     @classmethod
     def _prompt_budget_from_max_length(cls, data: Any) -> Any:
         # An unset prompt budget follows max_length, so `max_length: 64` alone is a valid config.
-        if isinstance(data, dict) and "max_prompt_length" not in data and isinstance(data.get("max_length"), int):
+        if (
+            isinstance(data, dict)
+            and "max_prompt_length" not in data
+            and isinstance(data.get("max_length"), int)
+        ):
             return {**data, "max_prompt_length": max(1, data["max_length"] // 2)}
         return data
 
@@ -114,7 +118,9 @@ class PluginSection(_Section):
 
     name: Literal["hybrid_parallel", "low_level_zero", "gemini", "ddp"] = "hybrid_parallel"
     zero_stage: Literal[0, 1, 2] = Field(2, description="Default: from plugin.name and plugin.precision.")
-    precision: Literal["fp32", "bf16", "fp16"] = Field("bf16", description="Default: fp32 for ddp, else bf16.")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "bf16", description="Default: fp32 for ddp, else bf16."
+    )
     tp_size: int = Field(1, ge=1)
     cpu_offload: bool = False
 

@@ -54,7 +54,9 @@ def shardformer_model_classes() -> frozenset[str]:
     source = Path(spec.submodule_search_locations[0]) / "shardformer" / "policies" / "auto_policy.py"
     for node in ast.walk(ast.parse(source.read_text())):
         targets = getattr(node, "targets", None) or [getattr(node, "target", None)]
-        if any(getattr(t, "id", None) == "_POLICY_LIST" for t in targets) and isinstance(node.value, ast.Dict):
+        if any(getattr(t, "id", None) == "_POLICY_LIST" for t in targets) and isinstance(
+            node.value, ast.Dict
+        ):
             return frozenset(k.value for k in node.value.keys if isinstance(k, ast.Constant))
     return frozenset()
 
@@ -86,11 +88,18 @@ class ParallelPlan:
     cpu_offload: bool = False
     max_grad_norm: float = 0.0
     flash_attention: bool = False
+    # Full class name of the policy model (model_class_name), when config.json tells it: picks corrected
+    # shardformer policies (``_custom_policy``).
+    model_class: str | None = None
 
     # ---- construction / validation ----------------------------------------------------------------------
     @classmethod
     def from_section(
-        cls, section: PluginSection, max_grad_norm: float = 0.0, flash_attention: bool = False
+        cls,
+        section: PluginSection,
+        max_grad_norm: float = 0.0,
+        flash_attention: bool = False,
+        model_class: str | None = None,
     ) -> ParallelPlan:
         """From a validated ``plugin`` section (its combinations are checked there, at config load)."""
         return cls(
@@ -101,13 +110,17 @@ class ParallelPlan:
             cpu_offload=section.cpu_offload,
             max_grad_norm=max_grad_norm,
             flash_attention=flash_attention,
+            model_class=model_class,
         )
 
     @classmethod
     def from_config(cls, config: Config) -> ParallelPlan:
         """The plan of a validated ``config`` (Config checks the family against the plugin at load)."""
         return cls.from_section(
-            config.plugin, config.train.max_grad_norm, config.model.attn_implementation == "flash_attention_2"
+            config.plugin,
+            config.train.max_grad_norm,
+            config.model.attn_implementation == "flash_attention_2",
+            model_class_name(config.model.path),
         )
 
     @classmethod
@@ -188,6 +201,7 @@ class ParallelPlan:
                 enable_flash_attention=self.flash_attention,
                 # Full logits on every tensor-parallel rank: the log-prob gather needs the whole vocabulary row.
                 parallel_output=False,
+                custom_policy=_custom_policy(self.model_class),
                 **device_kwargs,
             )
         if self.plugin == "low_level_zero":
@@ -202,7 +216,9 @@ class ParallelPlan:
             return TorchDDPPlugin()
         raise ConfigError(f"plugin.name {self.plugin} cannot be built (the config check refuses it)")
 
-    def boost(self, booster: Any, policy: nn.Module, optimizer: Any, lr_scheduler: Any) -> tuple[Any, Any, Any]:
+    def boost(
+        self, booster: Any, policy: nn.Module, optimizer: Any, lr_scheduler: Any
+    ) -> tuple[Any, Any, Any]:
         """``booster.boost`` the policy (loaded in fp32), then give its fp32-only buffers their values back."""
         kept = _fp32_buffers(policy)
         policy, optimizer, _, _, lr_scheduler = booster.boost(policy, optimizer, lr_scheduler=lr_scheduler)
@@ -260,6 +276,59 @@ def check_model_family(plugin: str, model_dir: str, key: str) -> None:
         f"hybrid_parallel cannot shard it: use plugin.name low_level_zero or ddp (causal LMs with a policy: "
         f"{', '.join(families)})"
     )
+
+
+QWEN2_CAUSAL_LM = "transformers.models.qwen2.modeling_qwen2.Qwen2ForCausalLM"
+
+
+def _custom_policy(model_class: str | None) -> Any:
+    """A corrected shardformer policy for ``model_class``, or None (ColossalAI picks its own).
+
+    ColossalAI 0.5.0's Qwen2ForCausalLM policy leaves the LM head of Llama's and Mistral's policies out: under
+    tensor parallelism its head is a plain column-parallel linear that returns vocabulary-sharded, padded
+    logits whatever ``parallel_output`` says; with tp_size 1 and tied embeddings the embedding is padded to a
+    multiple of 64 and the untouched head returns the padding columns as logits (log-probs off by about 2
+    nats on a tiny model, padding rows trained, resume not exact). The corrected policy uses the heads the
+    Llama policy uses: VocabParallelLMHead1D (gathers and unpads) or PaddingLMHead (unpads).
+    """
+    if model_class != QWEN2_CAUSAL_LM:
+        return None
+    from colossalai.shardformer.layer import PaddingLMHead, VocabParallelLMHead1D
+    from colossalai.shardformer.policies.base_policy import (
+        ModulePolicyDescription,
+        SubModuleReplacementDescription,
+    )
+    from colossalai.shardformer.policies.qwen2 import Qwen2ForCausalLMPolicy
+    from transformers import Qwen2ForCausalLM
+
+    class Qwen2ForCausalLMUnpaddedPolicy(Qwen2ForCausalLMPolicy):
+        def module_policy(self) -> dict:
+            policy = super().module_policy()
+            config = self.shard_config
+            if config.enable_tensor_parallelism:
+                head = SubModuleReplacementDescription(
+                    suffix="lm_head",
+                    target_module=VocabParallelLMHead1D,
+                    kwargs={
+                        "gather_output": not config.parallel_output,
+                        "make_vocab_size_divisible_by": config.make_vocab_size_divisible_by,
+                        "fp8_communication": config.fp8_communication,
+                    },
+                )
+            else:
+                head = SubModuleReplacementDescription(
+                    suffix="lm_head",
+                    target_module=PaddingLMHead,
+                    kwargs={"make_vocab_size_divisible_by": config.make_vocab_size_divisible_by},
+                )
+            described = policy.setdefault(
+                Qwen2ForCausalLM, ModulePolicyDescription(sub_module_replacement=[])
+            )
+            others = [d for d in described.sub_module_replacement or [] if d.suffix != "lm_head"]
+            described.sub_module_replacement = [*others, head]
+            return policy
+
+    return Qwen2ForCausalLMUnpaddedPolicy()
 
 
 def _fp32_buffers(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:

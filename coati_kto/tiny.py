@@ -123,8 +123,14 @@ def save_tiny_model(
 # family -> (chat-template style, what its tiny model covers). Sizes: hidden 32, 1 layer, 4 heads (tp_size 2 works).
 FAMILIES: dict[str, tuple[str, str]] = {
     "llama": ("llama3", "vocabulary not a multiple of 64, grouped-query attention (4 heads, 2 kv heads)"),
-    "mistral": ("mistral", "sliding-window attention (window 8), grouped-query attention, vocabulary of 64 x k"),
-    "qwen2": ("chatml", "tied input/output embeddings, attention bias, odd vocabulary, grouped-query attention"),
+    "mistral": (
+        "mistral",
+        "sliding-window attention (window 8), grouped-query attention, vocabulary of 64 x k",
+    ),
+    "qwen2": (
+        "chatml",
+        "tied input/output embeddings, attention bias, odd vocabulary, grouped-query attention",
+    ),
     # No ColossalAI 0.5.0 shardformer policy: ddp / low_level_zero only.
     "qwen3": ("chatml", "tied embeddings, q/k norms (no shardformer policy)"),
     "gemma": ("chatml", "tied embeddings, scaled embeddings (no shardformer policy)"),

@@ -19,6 +19,7 @@ import torch
 
 from coati_kto.config import Config, ModelSection, save_config
 from coati_kto.distributed import ParallelLayout, barrier, init_distributed, seed_everything
+from coati_kto.parallel import ParallelPlan
 
 
 @dataclass
@@ -29,13 +30,12 @@ class Components:
     booster: Any
     layout: ParallelLayout
     policy: Any  # boosted
-    reference: torch.nn.Module | None  # frozen, eval mode, not boosted
+    reference: (
+        torch.nn.Module | None
+    )  # frozen, eval mode, built by plan.build_reference (same path as the policy)
     optimizer: Any  # boosted
     lr_scheduler: Any
-
-
-def training_dtype(precision: str) -> torch.dtype:
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    plan: ParallelPlan
 
 
 def load_causal_lm(path: str, model_cfg: ModelSection, dtype: torch.dtype) -> torch.nn.Module:
@@ -49,31 +49,29 @@ def load_causal_lm(path: str, model_cfg: ModelSection, dtype: torch.dtype) -> to
     )
 
 
-def build_components(config: Config, plugin: Any, total_steps: int) -> Components:
-    """Models, optimizer, cosine schedule with warmup, boosted. Every rank calls, after ``build_plugin``.
+def build_components(
+    config: Config, plugin: Any, total_steps: int, plan: ParallelPlan | None = None
+) -> Components:
+    """Models, optimizer, cosine schedule with warmup, boosted. Every rank calls, after ``plan.build_plugin``.
 
-    The policy loads in fp32 (ZeRO and the AMP optimizers keep fp32 masters; the plugin casts the working
-    copy). The reference model is not boosted (DDP refuses a module without trainable parameters): it is
-    frozen, in eval mode, on the training device and in the training dtype, so at initialisation it matches
-    the policy's working copy and the log-ratios start at 0.
+    Both models load in fp32: the policy is boosted (ZeRO and the AMP optimizers keep fp32 masters; the plugin
+    casts the working copy), the reference goes through the same plugin path without an optimizer
+    (``ParallelPlan.build_reference``: same sharding, same cast, same fp32 rotary buffers), so at step 0 both
+    give identical log-probs and the log-ratios start at exactly 0.
     """
-    from colossalai.accelerator import get_accelerator
     from colossalai.booster import Booster
     from transformers.optimization import get_cosine_with_min_lr_schedule_with_warmup
 
     from coati_kto import compat
 
+    plan = plan or ParallelPlan.from_config(config)
     layout = ParallelLayout.from_plugin(plugin)
     policy = load_causal_lm(config.model.path, config.model, torch.float32)
     if config.model.gradient_checkpointing:
         # Non-reentrant: shardformer's forward requires it, and it works with no_grad passes.
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    reference = load_causal_lm(
-        config.model.reference_path or config.model.path,
-        config.model,
-        training_dtype(config.plugin.precision),
-    )
-    reference = reference.to(get_accelerator().get_current_device()).eval().requires_grad_(False)
+    reference = load_causal_lm(config.model.reference_path or config.model.path, config.model, torch.float32)
+    reference = plan.build_reference(plugin, reference)
     optimizer = compat.make_optimizer(policy.parameters(), config.train.lr, config.train.weight_decay)
     lr_scheduler = get_cosine_with_min_lr_schedule_with_warmup(
         optimizer,
@@ -82,8 +80,8 @@ def build_components(config: Config, plugin: Any, total_steps: int) -> Component
         min_lr_rate=config.train.min_lr_ratio,
     )
     booster = Booster(plugin=plugin)
-    policy, optimizer, _, _, lr_scheduler = booster.boost(policy, optimizer, lr_scheduler=lr_scheduler)
-    return Components(plugin, booster, layout, policy, reference, optimizer, lr_scheduler)
+    policy, optimizer, lr_scheduler = plan.boost(booster, policy, optimizer, lr_scheduler)
+    return Components(plugin, booster, layout, policy, reference, optimizer, lr_scheduler, plan)
 
 
 def total_optimizer_steps(config: Config, micro_batches_per_rank: int) -> int:
@@ -112,23 +110,20 @@ def train(config: Config) -> Any:
     from coati_kto.data.eval_sampler import EvalBatchSampler, ValidMaskLoader
     from coati_kto.data.prepare import load_prepared, resolve_kto_weights
     from coati_kto.data.sampler import MixedLabelBatchSampler
-    from coati_kto.plugins import build_plugin
     from coati_kto.trainer.checkpoint import CheckpointManager
     from coati_kto.trainer.kto import KTOTrainer
 
     # ---- setup
     init_distributed(timeout_s=config.train.dist_timeout)
     seed_everything(config.train.seed)
-    out_dir = Path(config.output.dir)
+    output = config.training_output()
+    out_dir = Path(output.dir)
     data = load_prepared(config)
     tokenizer = AutoTokenizer.from_pretrained(
         config.model.tokenizer or config.model.path, trust_remote_code=config.model.trust_remote_code
     )
-    plugin = build_plugin(
-        config.plugin,
-        config.train.max_grad_norm,
-        flash_attention=config.model.attn_implementation == "flash_attention_2",
-    )
+    plan = ParallelPlan.from_config(config)
+    plugin = plan.build_plugin()
     layout = ParallelLayout.from_plugin(plugin)
     if layout.is_main:
         save_config(config, out_dir / "config.yaml")
@@ -171,8 +166,8 @@ def train(config: Config) -> Any:
             f"train.max_steps {config.train.max_steps}: the run ends after {total_steps}",
             flush=True,
         )
-    parts = build_components(config, plugin, total_steps)
-    manager = CheckpointManager(out_dir / "checkpoints", parts.booster, layout, config.output.keep_last)
+    parts = build_components(config, plugin, total_steps, plan)
+    manager = CheckpointManager(out_dir / "checkpoints", parts.booster, layout, output.keep_last)
     trainer = KTOTrainer(
         actor=parts.policy,
         ref_model=parts.reference,
@@ -186,7 +181,7 @@ def train(config: Config) -> Any:
         desirable_weight=desirable_weight,
         undesirable_weight=undesirable_weight,
         accumulation_steps=config.train.accumulation_steps,
-        save_interval=config.output.save_interval,
+        save_interval=output.save_interval,
         layout=layout,
         kl_scope=config.kto.kl_scope,
         max_steps=config.train.max_steps,
@@ -198,6 +193,7 @@ def train(config: Config) -> Any:
         wandb_project=config.logging.wandb_project,
         wandb_mode=config.logging.wandb_mode,
         wandb_dir=str(out_dir),
+        plan=plan,
     )
     checkpoint = manager.resolve(config.train.resume)
     if checkpoint is not None:
@@ -214,7 +210,7 @@ def train(config: Config) -> Any:
     )
 
     # ---- save
-    if config.output.save_final:
+    if output.save_final:
         final = manager.export_hf(parts.policy, tokenizer, out_dir / "final")
         if layout.is_main:
             print(f"final model: {final}", flush=True)

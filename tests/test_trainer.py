@@ -84,12 +84,13 @@ def _config(model_dir: str, out_dir: str, **sections: dict) -> Any:
 
 def _build(cfg: Any, total_steps: int, **trainer_kwargs: Any):
     """Plugin, boosted policy, reference, trainer, as coati_kto.train builds them (hand-built data instead)."""
-    from coati_kto.plugins import build_plugin
+    from coati_kto.parallel import ParallelPlan
     from coati_kto.train import build_components
     from coati_kto.trainer.kto import KTOTrainer
 
-    plugin = build_plugin(cfg.plugin, cfg.train.max_grad_norm)
-    parts = build_components(cfg, plugin, total_steps)
+    plan = ParallelPlan.from_config(cfg)
+    plugin = plan.build_plugin()
+    parts = build_components(cfg, plugin, total_steps, plan)
     kwargs = {
         "max_epochs": 1,
         "beta": cfg.kto.beta,
@@ -98,6 +99,7 @@ def _build(cfg: Any, total_steps: int, **trainer_kwargs: Any):
         "accumulation_steps": cfg.train.accumulation_steps,
         "layout": parts.layout,
         "kl_scope": cfg.kto.kl_scope,
+        "plan": parts.plan,
         **trainer_kwargs,
     }
     trainer = KTOTrainer(

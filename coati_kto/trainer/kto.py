@@ -30,6 +30,7 @@ no_sync, so there every backward reduce-scatters and gradients accumulate in the
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import math
 import time
@@ -40,13 +41,13 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from coati_kto.distributed import ParallelLayout, reduce_sums
 from coati_kto.errors import UserError
 from coati_kto.logprobs import completion_logits_to_keep, sequence_logps
 from coati_kto.loss import estimate_kl, kto_loss
+from coati_kto.parallel import ParallelPlan
 from coati_kto.trainer.base import SLTrainer
 from coati_kto.trainer.logging import MetricWriter, ProgressBar
 from coati_kto.trainer.metrics import IntervalMeter, StepSums, summarize
@@ -98,6 +99,8 @@ class KTOTrainer(SLTrainer):
         checkpoint_manager: a coati_kto.trainer.checkpoint.CheckpointManager (default: one under ``save_dir``).
         run_config: the resolved config as a dict; stored in every checkpoint and sent to W&B.
         wandb_project, wandb_mode, wandb_dir: W&B settings when ``fit(use_wandb=True)``.
+        plan: the run's coati_kto.parallel.ParallelPlan (default: recovered from ``plugin``); it says whether
+            accumulation may skip gradient sync and which group z0 reduces over.
     """
 
     def __init__(
@@ -132,6 +135,7 @@ class KTOTrainer(SLTrainer):
         wandb_project: str = "coati-kto",
         wandb_mode: str = "online",
         wandb_dir: str | None = None,
+        plan: ParallelPlan | None = None,
     ) -> None:
         super().__init__(booster, max_epochs, actor, actor_optim, plugin, start_epoch)
         if accumulation_steps < 1 or log_interval < 1 or save_interval < 0 or eval_interval < 0:
@@ -148,6 +152,8 @@ class KTOTrainer(SLTrainer):
         self.save_interval, self.eval_interval, self.log_interval = save_interval, eval_interval, log_interval
         self.kl_scope, self.max_steps, self.on_nonfinite = kl_scope, max_steps, on_nonfinite
         self.layout = layout or ParallelLayout.from_plugin(plugin)
+        # Everything plugin-specific is asked of the plan (built from the plugin when not given).
+        self.plan = plan or ParallelPlan.from_plugin(plugin)
         if checkpoint_manager is None and save_dir is not None:
             from coati_kto.trainer.checkpoint import CheckpointManager
 
@@ -163,12 +169,8 @@ class KTOTrainer(SLTrainer):
         from colossalai.accelerator import get_accelerator
 
         self.device = get_accelerator().get_current_device()
-        # estimate_kl(group=None) means "no reduction", while the layout's None means "the world group".
-        self._kl_group = self.layout.dp_group
-        if self._kl_group is None and dist.is_initialized() and self.layout.dp_size > 1:
-            self._kl_group = dist.group.WORLD
-        stage = getattr(plugin, "zero_stage", getattr(plugin, "stage", 0))
-        self._use_no_sync = bool(plugin is not None and plugin.support_no_sync() and stage != 2)
+        self._kl_group = self.plan.kl_group(self.layout)
+        self._use_no_sync = plugin is not None and self.plan.no_sync_accumulation
 
         self.skipped_steps = 0
         # The last logged records, {"step": ..., "train/loss": ..., ...}, on all ranks (callers, tests).
@@ -386,10 +388,15 @@ class KTOTrainer(SLTrainer):
         # apply_loss_mask=False scores every non-padding token (prompt included), as ColossalChat does.
         mask = batch[f"{prefix}loss_mask"] if self.apply_loss_mask else attention_mask
         keep = completion_logits_to_keep(mask)
-        out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep, use_cache=False)
-        # Shardformer's tensor-parallel LlamaForCausalLM forward swallows logits_to_keep and returns all S
-        # positions; sequence_logps reads K from the logits' shape, so full logits are the (slower) fallback.
-        return sequence_logps(out.logits, input_ids, mask)
+        module = model.unwrap() if hasattr(model, "unwrap") else model
+        # Shardformer's tensor-parallel forwards swallow logits_to_keep (Llama) or refuse it (Qwen2, Mistral)
+        # and return all S positions; sequence_logps reads K from the logits' shape (full logits: slower).
+        extra = {"logits_to_keep": keep} if _forward_accepts(module, "logits_to_keep") else {}
+        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
+        # Log-probs normalise over the real vocabulary only: a shardformer policy that returns the padding
+        # columns of a padded vocabulary as logits (ColossalAI's Qwen2 policy did: coati_kto.parallel) would
+        # shift every log-prob and train the padding rows. A no-op view when the logits are unpadded.
+        return sequence_logps(out.logits[..., : module.config.vocab_size], input_ids, mask)
 
     def _grad_sync(self, last: bool) -> contextlib.AbstractContextManager:
         """No gradient reduction before the step's last micro-batch, where the plugin supports it."""
@@ -502,6 +509,12 @@ class KTOTrainer(SLTrainer):
             self._progress.close()
         if self._writer is not None:
             self._writer.close()
+
+
+def _forward_accepts(module: nn.Module, name: str) -> bool:
+    """Whether ``module.forward`` takes keyword ``name`` (or any keyword)."""
+    params = inspect.signature(module.forward).parameters.values()
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def _disable_dropout(module: nn.Module) -> None:
