@@ -108,12 +108,13 @@ def _step_zero(config: Any, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
         reference = trainer._sequence_logps(parts.reference, batch, "")
         policy_kl = trainer._sequence_logps(parts.policy, batch, "kl_")
         reference_kl = trainer._sequence_logps(parts.reference, batch, "kl_")
-    ref_bytes = sum(p.numel() * p.element_size() for p in parts.reference.parameters())
+    ref_bytes = {n: p.numel() * p.element_size() for n, p in parts.reference.unwrap().named_parameters()}
     return {
         "logps_equal": torch.equal(policy.detach(), reference),
         "kl_equal": torch.equal(policy_kl, reference_kl),
         "logps_diff": _max_diff(policy.detach(), reference),
-        "reference_bytes": ref_bytes,
+        "reference_bytes": sum(ref_bytes.values()),
+        "reference_bytes_by_name": ref_bytes,
         "reference_dtype": str(next(parts.reference.parameters()).dtype),
     }
 
@@ -249,8 +250,23 @@ def test_tp2_reference_is_sharded(family_runs: dict[str, Any]) -> None:
         assert "error" not in r, r.get("error")
     tp_bytes = tp[0]["step0"]["reference_bytes"]
     full_bytes = full[0]["step0"]["reference_bytes"]
-    print(f"{family_runs['family']}: reference bytes per rank, tp_size 1 {full_bytes}, tp_size 2 {tp_bytes}")
-    assert tp[0]["step0"]["reference_dtype"] == "torch.bfloat16"
+    assert tp[0]["step0"]["reference_dtype"] == full[0]["step0"]["reference_dtype"] == "torch.bfloat16"
     assert tp_bytes == tp[1]["step0"]["reference_bytes"]
-    # Linear and embedding weights halve; RMSNorm weights stay whole and the vocabulary pads to 64 x tp_size.
-    assert 0.45 * full_bytes <= tp_bytes <= 0.6 * full_bytes
+    # Attention and MLP weights: exactly half per rank. Norms stay whole. The vocabulary rows: the padded
+    # vocabulary (a multiple of 64 x tp_size) split in 2, against 64-padded rows (or none) on one rank.
+    tp_names, full_names = (
+        tp[0]["step0"]["reference_bytes_by_name"],
+        full[0]["step0"]["reference_bytes_by_name"],
+    )
+    assert tp_names.keys() == full_names.keys()
+    linear = [n for n in full_names if n.endswith("proj.weight")]
+    tp_linear, full_linear = sum(tp_names[n] for n in linear), sum(full_names[n] for n in linear)
+    assert len(linear) == 7 and 2 * tp_linear == full_linear
+    vocab = -(-family_runs["config"].vocab_size // 128) * 128
+    hidden = family_runs["config"].hidden_size
+    for name in [n for n in full_names if "embed_tokens" in n or "lm_head" in n]:
+        assert tp_names[name] == vocab // 2 * hidden * 2, name  # bf16: 2 bytes
+    print(
+        f"{family_runs['family']}: reference bytes per rank, tp_size 1 {full_bytes}, tp_size 2 {tp_bytes} "
+        f"(attention+MLP weights {full_linear} -> {tp_linear})"
+    )

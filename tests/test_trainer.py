@@ -214,7 +214,7 @@ def _layout_run(model_dir: str, ref_dir: str, out_dir: str, world: int, rank: in
     start = _weights(parts.policy)
     hand = None
     if world == 1:
-        hand = _hand_step(parts.policy.unwrap(), parts.reference, _global_steps()[:1], 0.5, 1.3, 0.7)
+        hand = _hand_step(parts.policy.unwrap(), parts.reference.unwrap(), _global_steps()[:1], 0.5, 1.3, 0.7)
     trainer.fit(_rank_loader(world, rank), _eval_loader(world, rank))
     return {"start": start, "weights": _weights(parts.policy), "history": trainer.history, "hand": hand}
 
@@ -224,7 +224,7 @@ def _one_step_variants(model_dir: str, ref_dir: str, out_dir: str) -> dict:
     step = _global_steps()[0]
     cfg = _layout_config(model_dir, ref_dir, out_dir, 4, kl_scope="micro_batch")
     parts, trainer = _build(cfg, total_steps=1)
-    hand = _hand_step(parts.policy.unwrap(), parts.reference, [[b] for b in step], 0.5, 1.3, 0.7)
+    hand = _hand_step(parts.policy.unwrap(), parts.reference.unwrap(), [[b] for b in step], 0.5, 1.3, 0.7)
     with torch.no_grad():
         precomputed = [
             {
