@@ -249,7 +249,8 @@ class ParallelPlan:
                 sp_group=plugin.sp_group,
                 use_ddp=False,
                 ddp_config={},
-                custom_policy=plugin.custom_policy,
+                # By the reference's own class: model.reference_path may hold another family than the policy.
+                custom_policy=_custom_policy(f"{type(model).__module__}.{type(model).__qualname__}"),
             )
         elif self.plugin == "low_level_zero":
             from colossalai.booster.plugin.low_level_zero_plugin import LowLevelZeroModel
