@@ -63,7 +63,7 @@ def _worker(model_dir: str, plugin: dict, args: dict) -> dict:
     import torch.distributed as dist
 
     from coati_kto.config import Config
-    from coati_kto.plugins import build_plugin
+    from coati_kto.parallel import ParallelPlan
     from coati_kto.train import build_components
     from coati_kto.trainer.kto import KTOTrainer
 
@@ -83,14 +83,15 @@ def _worker(model_dir: str, plugin: dict, args: dict) -> dict:
         }
     )
     total = args["steps"] + args["warmup"]
-    built = build_plugin(cfg.plugin, cfg.train.max_grad_norm)
-    parts = build_components(cfg, built, total)
+    plan = ParallelPlan.from_config(cfg)
+    built = plan.build_plugin()
+    parts = build_components(cfg, built, total, plan)
     trainer = TimedTrainer(
         parts.policy, parts.reference, parts.booster, parts.optimizer, built, parts.lr_scheduler, None,
-        layout=parts.layout,
+        layout=parts.layout, plan=plan,
     )  # fmt: skip
     trainer.step_times = []
-    vocab = parts.reference.config.vocab_size - 1
+    vocab = parts.policy.unwrap().config.vocab_size - 1
     # Tensor-parallel ranks of one data-parallel group get the same batches: seed by dp rank.
     loader = _batches(
         total, args["micro_batch_size"], args["prompt"], args["completion"], vocab, seed=parts.layout.dp_rank

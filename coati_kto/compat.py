@@ -1,10 +1,11 @@
-"""ColossalAI 0.5.0 on a machine without CUDA: the whole compatibility layer, in one place.
+"""ColossalAI 0.5.0 compatibility: its bugs we fix and the CPU (no CUDA) support, in one place.
 
 ColossalAI picks its accelerator cuda -> npu -> cpu. Its CPU accelerator raises on stream, synchronize and
 RNG calls that ZeRO and shardformer make, and the ZeRO optimizer asserts a cuda/npu device. On CPU we
 install an accelerator whose stream calls are no-ops (CPU work is synchronous, so there is nothing to order)
-and relax the device assertion while keeping the dtype check. ``apply()`` does nothing when CUDA is present:
-the GPU path runs ColossalAI untouched.
+and relax the device assertion while keeping the dtype check. On every device ``apply()`` also fixes the
+unpadding of padded vocabularies at save time (``_fix_unpadding_of_detached_copies``); with CUDA present that
+is all it changes.
 """
 
 from __future__ import annotations
@@ -67,11 +68,17 @@ def quiet_known_logs() -> None:
 
 
 def apply() -> None:
-    """Install the CPU accelerator and the ZeRO patch when there is no CUDA device. Idempotent; every rank."""
+    """Fix ColossalAI's padded-vocabulary unpadding; without CUDA, also install the CPU accelerator and the ZeRO
+    patch (the GPU path runs ColossalAI otherwise untouched). Idempotent; every rank."""
     global _applied
     quiet_known_warnings()
     quiet_known_logs()
-    if _applied or cuda_available():
+    if _applied:
+        return
+    _fix_unpadding_of_detached_copies()
+    _fix_tp_partition_of_padded_vocabularies()
+    _applied = True
+    if cuda_available():
         return
     from colossalai.accelerator import CpuAccelerator, set_accelerator
     from colossalai.zero.low_level import low_level_optim
@@ -119,7 +126,56 @@ def apply() -> None:
                     raise TypeError(f"ZeRO expects parameters of dtype {self._dtype}, got {param.dtype}")
 
     low_level_optim.LowLevelZeroOptimizer._sanity_checks = _sanity_checks_without_device
-    _applied = True
+
+
+def _fix_unpadding_of_detached_copies() -> None:
+    """ColossalAI 0.5.0 bug, on every device: saving a padded vocabulary crashes (``'Tensor' object has no
+    attribute '_unpad_detach'``).
+
+    HybridParallelPlugin pads the embedding and LM head to a multiple of ``make_vocab_size_divisible_by``
+    (64: faster kernels) and marks the parameter as padded, replacing its ``detach``/``clone`` with versions
+    whose results carry the padding marks. ``state_dict`` and the checkpoint sharder detach the parameter,
+    then ``to_unpadded_tensor`` slices the copy and "un-hijacks" it, restoring a ``_unpad_detach`` that only
+    the parameter has. The copy's own detach/clone were never replaced, so there is nothing to restore: the
+    slice is right, only the restoration must be skipped. Patched in the api module, whose global every
+    caller of ``to_unpadded_tensor`` goes through.
+    """
+    from colossalai.tensor.padded_tensor import api
+
+    restore = api._hijack_back_detach_and_clone
+
+    def restore_if_hijacked(ptensor: torch.Tensor) -> torch.Tensor:
+        return restore(ptensor) if hasattr(ptensor, "_unpad_detach") else ptensor
+
+    api._hijack_back_detach_and_clone = restore_if_hijacked
+
+
+def _fix_tp_partition_of_padded_vocabularies() -> None:
+    """ColossalAI 0.5.0 bug, on every device: under tensor parallelism the optimizer checkpoint of a padded
+    vocabulary cannot be saved (``The parameter isn't evenly distributed among tensor parallel group``).
+
+    ``search_tp_partition_dim`` finds the sharded dimension of an optimizer state by comparing the parameter's
+    shape before sharding (the real vocabulary, e.g. 300 rows) with its shard (384 padded rows / 2 = 192) and
+    asserts ``300 == 2 x 192``. The callers already handle padding right after (gather, then unpad on save; pad,
+    then split on load): the check only has to accept a last shard that holds padding, i.e.
+    ``(tp - 1) x shard < original <= tp x shard``.
+    """
+    from colossalai.checkpoint_io import hybrid_parallel_checkpoint_io, utils
+
+    def search_tp_partition_dim(current_shape: Any, original_shape: Any, tp_size: int) -> int | None:
+        for dim, length in enumerate(original_shape):
+            if length > current_shape[dim]:
+                shard = current_shape[dim]
+                if not (tp_size - 1) * shard < length <= tp_size * shard:
+                    raise AssertionError(
+                        f"parameter of shape {tuple(original_shape)} is not split over {tp_size} tensor-parallel "
+                        f"ranks as a shard of shape {tuple(current_shape)} (even with vocabulary padding)"
+                    )
+                return dim
+        return None
+
+    utils.search_tp_partition_dim = search_tp_partition_dim
+    hybrid_parallel_checkpoint_io.search_tp_partition_dim = search_tp_partition_dim
 
 
 def plugin_overrides() -> dict[str, Any]:

@@ -49,7 +49,11 @@ class DataSection(_Section):
     max_length: int = Field(
         1024, ge=8, description="Tokens per example (prompt + completion) after truncation."
     )
-    max_prompt_length: int = Field(512, ge=1, description="Prompt tokens kept when an example is too long.")
+    max_prompt_length: int = Field(
+        512,
+        ge=1,
+        description="Prompt tokens kept when an example is too long. Default: half of data.max_length.",
+    )
     on_bad_record: Literal["error", "skip"] = Field(
         "error", description="A malformed record: stop with its file:line, or skip it and count it."
     )
@@ -66,6 +70,18 @@ class DataSection(_Section):
     @classmethod
     def _one_or_many(cls, value: Any) -> Any:
         return [value] if isinstance(value, str) else value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _prompt_budget_from_max_length(cls, data: Any) -> Any:
+        # An unset prompt budget follows max_length, so `max_length: 64` alone is a valid config.
+        if (
+            isinstance(data, dict)
+            and "max_prompt_length" not in data
+            and isinstance(data.get("max_length"), int)
+        ):
+            return {**data, "max_prompt_length": max(1, data["max_length"] // 2)}
+        return data
 
     @model_validator(mode="after")
     def _prompt_fits(self) -> DataSection:
@@ -144,18 +160,49 @@ class TrainSection(_Section):
 
 
 class PluginSection(_Section):
+    """Checked here, at config load, so a run never starts on a combination that cannot train.
+
+    Unset keys follow the ones that are set: ``precision`` is fp32 for ddp and bf16 otherwise; ``zero_stage``
+    is 0 for ddp, 0 for hybrid_parallel in fp32 (its ZeRO needs bf16/fp16) and 2 otherwise.
+    """
+
     name: Literal["hybrid_parallel", "low_level_zero", "gemini", "ddp"] = Field(
-        "hybrid_parallel", description="ColossalAI booster plugin."
+        "hybrid_parallel",
+        description="ColossalAI booster plugin (gemini is refused until verified on a GPU).",
     )
     zero_stage: Literal[0, 1, 2] = Field(
-        2, description="ZeRO stage: 1 shards optimizer states, 2 also gradients."
+        2,
+        description="ZeRO stage: 1 shards optimizer states, 2 also gradients. Default: 0 for ddp and fp32 "
+        "hybrid_parallel, else 2.",
     )
-    precision: Literal["fp32", "bf16", "fp16"] = Field("bf16", description="Training precision.")
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "bf16", description="Training precision. Default: fp32 for ddp, else bf16."
+    )
     tp_size: int = Field(1, ge=1, description="Tensor-parallel degree (hybrid_parallel only).")
     cpu_offload: bool = Field(False, description="Keep optimizer states in CPU memory (ZeRO).")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _defaults_from_name(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        name = data.get("name", "hybrid_parallel")
+        data = dict(data)
+        data.setdefault("precision", "fp32" if name == "ddp" else "bf16")
+        if "zero_stage" not in data:
+            no_zero = name == "ddp" or (name == "hybrid_parallel" and data["precision"] == "fp32")
+            data["zero_stage"] = 0 if no_zero else 2
+        return data
+
     @model_validator(mode="after")
     def _combinations(self) -> PluginSection:
+        if self.name == "gemini":
+            raise ValueError(
+                "plugin.name gemini is not supported: it needs CUDA and is unverified here (the no-grad policy "
+                "forward before the first backward trips GeminiDDP's placement assertion, and gradient "
+                "accumulation needs enable_gradient_accumulation); use hybrid_parallel with zero_stage 2, or "
+                "low_level_zero"
+            )
         if self.name == "hybrid_parallel" and self.zero_stage >= 1 and self.precision == "fp32":
             raise ValueError(
                 f"plugin.name hybrid_parallel with plugin.zero_stage {self.zero_stage} needs "
@@ -167,6 +214,11 @@ class PluginSection(_Section):
             )
         if self.name == "ddp" and self.zero_stage != 0:
             raise ValueError("plugin.name ddp has no ZeRO: set plugin.zero_stage=0 (or use low_level_zero)")
+        if self.name == "ddp" and self.precision != "fp32":
+            raise ValueError(
+                f"plugin.name ddp trains in fp32 here (got plugin.precision {self.precision}): set "
+                "plugin.precision=fp32, or use low_level_zero / hybrid_parallel for bf16"
+            )
         if self.name == "low_level_zero" and self.zero_stage == 0:
             raise ValueError("plugin.name low_level_zero needs plugin.zero_stage 1 or 2")
         return self
@@ -198,8 +250,26 @@ class Config(_Section):
     kto: KTOSection = Field(default_factory=KTOSection)
     train: TrainSection = Field(default_factory=TrainSection)
     plugin: PluginSection = Field(default_factory=PluginSection)
-    output: OutputSection
+    output: OutputSection | None = Field(None, description="Required by `train`; `prepare` needs none.")
     logging: LoggingSection = Field(default_factory=LoggingSection)
+
+    @model_validator(mode="after")
+    def _family_fits_plugin(self) -> Config:
+        from coati_kto.parallel import check_model_family
+
+        try:  # a model class without a shardformer policy cannot run under hybrid_parallel
+            check_model_family(self.plugin.name, self.model.path, "model.path")
+            if self.model.reference_path:
+                check_model_family(self.plugin.name, self.model.reference_path, "model.reference_path")
+        except ConfigError as err:
+            raise ValueError(str(err)) from None
+        return self
+
+    def training_output(self) -> OutputSection:
+        """The ``output`` section, which training needs (``prepare`` and ``inspect`` do not)."""
+        if self.output is None:
+            raise ConfigError("output.dir: required key is missing (train writes checkpoints and logs there)")
+        return self.output
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

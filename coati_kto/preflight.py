@@ -37,6 +37,7 @@ HUB_TIMEOUT_S = 10.0
 
 def check_training(config: Config) -> None:
     """Raise ConfigError naming every problem found (one line each); return quietly when there is none."""
+    config.training_output()  # training needs an output section (prepare does not)
     problems: list[str] = []
     model = config.model
     problems += _source_problems("model.path", model.path, model.trust_remote_code, need_weights=True)

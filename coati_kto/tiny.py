@@ -1,4 +1,11 @@
-"""Tiny Llama models and byte-level BPE tokenizers built offline (no hub): for tests and the CPU quickstart."""
+"""Tiny models and byte-level BPE tokenizers built offline (no hub): for tests and the CPU quickstart.
+
+``build_llama`` / ``save_tiny_model``: the suite's default tiny Llama with a ChatML tokenizer.
+``save_tiny_family``: one tiny random model per supported family (Llama, Mistral, Qwen2; Qwen3 and Gemma for the
+families shardformer lacks), each with its family's chat-template style and the shape features that broke real
+runs (a vocabulary that is not a multiple of 64, tied embeddings, attention bias, grouped-query and
+sliding-window attention).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +14,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 # ChatML, the template of the seeds' data; add_generation_prompt opens the assistant turn.
 CHATML_TEMPLATE = (
@@ -16,31 +23,58 @@ CHATML_TEMPLATE = (
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
+# Llama-3 style: header tokens around the role, <|eot_id|> ends a turn.
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n"
+    "{{ message['content'] }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+# Mistral [INST] style: user turns inside [INST] ... [/INST], assistant turns end with </s>.
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+    "[INST] {{ message['content'] }} [/INST]{% elif message['role'] == 'assistant' %}"
+    "{{ message['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
+)
+# style -> (special tokens, bos, eos, pad, chat template)
+TOKENIZER_STYLES: dict[str, tuple[list[str], str, str, str, str]] = {
+    "chatml": (SPECIAL_TOKENS, "<|im_start|>", "<|im_end|>", "<|endoftext|>", CHATML_TEMPLATE),
+    "llama3": (
+        ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|finetune_pad|>"],
+        "<|begin_of_text|>",
+        "<|eot_id|>",
+        "<|finetune_pad|>",
+        LLAMA3_TEMPLATE,
+    ),
+    "mistral": (["<unk>", "<s>", "</s>", "<pad>"], "<s>", "</s>", "<pad>", MISTRAL_TEMPLATE),
+}
+
 
 def build_tokenizer(
-    corpus: Iterable[str], vocab_size: int = 512, pad_is_eos: bool = False
+    corpus: Iterable[str], vocab_size: int = 512, pad_is_eos: bool = False, style: str = "chatml"
 ) -> PreTrainedTokenizerFast:
-    """A byte-level BPE trained on ``corpus`` with a ChatML chat template; eos is ``<|im_end|>``.
+    """A byte-level BPE trained on ``corpus`` with a chat template of ``style`` (TOKENIZER_STYLES); ChatML's
+    eos is ``<|im_end|>``.
 
     ``pad_is_eos`` reproduces the common (and dangerous) setup where padding and end-of-sequence share an id.
     """
+    special, bos, eos, pad, template = TOKENIZER_STYLES[style]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=SPECIAL_TOKENS,
+        special_tokens=special,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer=trainer)
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        bos_token="<|im_start|>",
-        eos_token="<|im_end|>",
-        pad_token="<|im_end|>" if pad_is_eos else "<|endoftext|>",
+        bos_token=bos,
+        eos_token=eos,
+        pad_token=eos if pad_is_eos else pad,
         unk_token=None,
-        chat_template=CHATML_TEMPLATE,
+        chat_template=template,
         padding_side="right",
     )
 
@@ -55,8 +89,8 @@ def build_llama(
 ) -> LlamaForCausalLM:
     """A randomly initialised Llama sized for CPU tests; heads divide by 2 so tp_size=2 works."""
     config = LlamaConfig(
-        # A multiple of 128: shardformer pads the vocabulary to 64 x tp_size, and ColossalAI's optimizer
-        # checkpoint asserts an even split, so tp_size 2 needs the padding to be a no-op.
+        # A multiple of 128, so shardformer's padding (to 64 x tp_size) is a no-op here; padded vocabularies
+        # are covered by save_tiny_family's models (tests/test_families.py).
         vocab_size=-(-len(tokenizer) // 128) * 128,
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
@@ -82,5 +116,73 @@ def save_tiny_model(
     tokenizer = build_tokenizer(corpus, vocab_size=vocab_size)
     model = build_llama(tokenizer, **model_kwargs)
     model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
+
+
+# family -> (chat-template style, what its tiny model covers). Sizes: hidden 32, 1 layer, 4 heads (tp_size 2 works).
+FAMILIES: dict[str, tuple[str, str]] = {
+    "llama": ("llama3", "vocabulary not a multiple of 64, grouped-query attention (4 heads, 2 kv heads)"),
+    "mistral": (
+        "mistral",
+        "sliding-window attention (window 8), grouped-query attention, vocabulary of 64 x k",
+    ),
+    "qwen2": (
+        "chatml",
+        "tied input/output embeddings, attention bias, odd vocabulary, grouped-query attention",
+    ),
+    # No ColossalAI 0.5.0 shardformer policy: ddp / low_level_zero only.
+    "qwen3": ("chatml", "tied embeddings, q/k norms (no shardformer policy)"),
+    "gemma": ("chatml", "tied embeddings, scaled embeddings (no shardformer policy)"),
+}
+
+
+def build_family_model(family: str, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> PreTrainedModel:
+    """A random ``family`` causal LM (FAMILIES) sized for CPU tests, its vocabulary fitted to ``tokenizer``."""
+    from transformers import (
+        GemmaConfig,
+        MistralConfig,
+        Qwen2Config,
+        Qwen3Config,
+    )
+
+    exact = len(tokenizer)  # odd for the corpus used in tests: padded under HybridParallelPlugin
+    shape = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        attention_dropout=0.0,
+    )
+    if family == "llama":
+        config = LlamaConfig(vocab_size=exact, tie_word_embeddings=False, **shape)
+    elif family == "mistral":
+        config = MistralConfig(
+            vocab_size=-(-exact // 64) * 64, sliding_window=8, head_dim=8, tie_word_embeddings=False, **shape
+        )
+    elif family == "qwen2":
+        config = Qwen2Config(vocab_size=exact, tie_word_embeddings=True, use_sliding_window=False, **shape)
+    elif family == "qwen3":
+        config = Qwen3Config(vocab_size=exact, tie_word_embeddings=True, head_dim=8, **shape)
+    elif family == "gemma":
+        config = GemmaConfig(vocab_size=exact, head_dim=8, **shape)
+    else:
+        raise ValueError(f"unknown tiny family {family!r}; known: {sorted(FAMILIES)}")
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+
+
+def save_tiny_family(out_dir: str | Path, family: str, corpus: Iterable[str], vocab_size: int = 300) -> Path:
+    """Build ``family``'s tokenizer (its chat-template style) and tiny model; save both HF-format in ``out_dir``."""
+    out_dir = Path(out_dir)
+    tokenizer = build_tokenizer(corpus, vocab_size=vocab_size, style=FAMILIES[family][0])
+    build_family_model(family, tokenizer).save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir

@@ -20,6 +20,7 @@ import torch
 
 from coati_kto.config import Config, ModelSection, save_config
 from coati_kto.distributed import ParallelLayout, barrier, init_distributed, seed_everything
+from coati_kto.parallel import ParallelPlan
 from coati_kto.preflight import check_training, clear_previous_run
 from coati_kto.signals import STOP, StopSignals
 from coati_kto.watchdog import Heartbeat, new_heartbeat
@@ -33,13 +34,12 @@ class Components:
     booster: Any
     layout: ParallelLayout
     policy: Any  # boosted
-    reference: torch.nn.Module | None  # frozen, eval mode, not boosted
+    reference: (
+        torch.nn.Module | None
+    )  # frozen, eval mode, built by plan.build_reference (same path as the policy)
     optimizer: Any  # boosted
     lr_scheduler: Any
-
-
-def training_dtype(precision: str) -> torch.dtype:
-    return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision, torch.float32)
+    plan: ParallelPlan
 
 
 def load_causal_lm(path: str, model_cfg: ModelSection, dtype: torch.dtype) -> torch.nn.Module:
@@ -53,38 +53,36 @@ def load_causal_lm(path: str, model_cfg: ModelSection, dtype: torch.dtype) -> to
     )
 
 
-def build_components(config: Config, plugin: Any, total_steps: int) -> Components:
-    """Models, optimizer, cosine schedule with warmup, boosted. Every rank calls, after ``build_plugin``.
+def build_components(
+    config: Config, plugin: Any, total_steps: int, plan: ParallelPlan | None = None
+) -> Components:
+    """Models, optimizer, cosine schedule with warmup, boosted. Every rank calls, after ``plan.build_plugin``.
 
-    The policy loads in fp32 (ZeRO and the AMP optimizers keep fp32 masters; the plugin casts the working
-    copy). The reference model is not boosted (DDP refuses a module without trainable parameters): it is
-    frozen, in eval mode, on the training device and in the training dtype, so at initialisation it matches
-    the policy's working copy and the log-ratios start at 0.
+    Both models load in fp32: the policy is boosted (ZeRO and the AMP optimizers keep fp32 masters; the plugin
+    casts the working copy), the reference goes through the same plugin path without an optimizer
+    (``ParallelPlan.build_reference``: same sharding, same cast, same fp32 rotary buffers), so at step 0 both
+    give identical log-probs and the log-ratios start at exactly 0.
     """
-    from colossalai.accelerator import get_accelerator
     from colossalai.booster import Booster
 
     from coati_kto import compat
     from coati_kto.trainer.schedule import warmup_cosine_schedule
 
+    plan = plan or ParallelPlan.from_config(config)
     layout = ParallelLayout.from_plugin(plugin)
     policy = load_causal_lm(config.model.path, config.model, torch.float32)
     if config.model.gradient_checkpointing:
         # Non-reentrant: shardformer's forward requires it, and it works with no_grad passes.
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    reference = load_causal_lm(
-        config.model.reference_path or config.model.path,
-        config.model,
-        training_dtype(config.plugin.precision),
-    )
-    reference = reference.to(get_accelerator().get_current_device()).eval().requires_grad_(False)
+    reference = load_causal_lm(config.model.reference_path or config.model.path, config.model, torch.float32)
+    reference = plan.build_reference(plugin, reference)
     optimizer = compat.make_optimizer(policy.parameters(), config.train.lr, config.train.weight_decay)
     lr_scheduler = warmup_cosine_schedule(
         optimizer, config.train.warmup_steps, max(1, total_steps), config.train.min_lr_ratio
     )
     booster = Booster(plugin=plugin)
-    policy, optimizer, _, _, lr_scheduler = booster.boost(policy, optimizer, lr_scheduler=lr_scheduler)
-    return Components(plugin, booster, layout, policy, reference, optimizer, lr_scheduler)
+    policy, optimizer, lr_scheduler = plan.boost(booster, policy, optimizer, lr_scheduler)
+    return Components(plugin, booster, layout, policy, reference, optimizer, lr_scheduler, plan)
 
 
 def total_optimizer_steps(config: Config, micro_batches_per_rank: int) -> int:
@@ -132,7 +130,6 @@ def _train(config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | Non
     from coati_kto.data.prepare import load_prepared, resolve_kto_weights
     from coati_kto.data.sampler import MixedLabelBatchSampler
     from coati_kto.model_card import write_model_card
-    from coati_kto.plugins import build_plugin
     from coati_kto.trainer.checkpoint import CheckpointManager
     from coati_kto.trainer.kto import KTOTrainer
 
@@ -141,18 +138,16 @@ def _train(config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | Non
     if heartbeat is not None and not heartbeat.is_alive():
         heartbeat.start()
     seed_everything(config.train.seed)
-    out_dir = Path(config.output.dir)
-    if config.output.overwrite:
+    output = config.training_output()
+    out_dir = Path(output.dir)
+    if output.overwrite:
         clear_previous_run(out_dir)  # rank 0 deletes, the others wait
     data = load_prepared(config)
     tokenizer = AutoTokenizer.from_pretrained(
         config.model.tokenizer or config.model.path, trust_remote_code=config.model.trust_remote_code
     )
-    plugin = build_plugin(
-        config.plugin,
-        config.train.max_grad_norm,
-        flash_attention=config.model.attn_implementation == "flash_attention_2",
-    )
+    plan = ParallelPlan.from_config(config)
+    plugin = plan.build_plugin()
     layout = ParallelLayout.from_plugin(plugin)
     if layout.is_main:
         save_config(config, out_dir / "config.yaml")
@@ -195,8 +190,8 @@ def _train(config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | Non
             f"train.max_steps {config.train.max_steps}: the run ends after {total_steps}",
             flush=True,
         )
-    parts = build_components(config, plugin, total_steps)
-    manager = CheckpointManager(out_dir / "checkpoints", parts.booster, layout, config.output.keep_last)
+    parts = build_components(config, plugin, total_steps, plan)
+    manager = CheckpointManager(out_dir / "checkpoints", parts.booster, layout, output.keep_last)
     trainer = KTOTrainer(
         actor=parts.policy,
         ref_model=parts.reference,
@@ -210,7 +205,7 @@ def _train(config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | Non
         desirable_weight=desirable_weight,
         undesirable_weight=undesirable_weight,
         accumulation_steps=config.train.accumulation_steps,
-        save_interval=config.output.save_interval,
+        save_interval=output.save_interval,
         layout=layout,
         loss_type=config.kto.loss_type,
         kl_scope=config.kto.kl_scope,
@@ -228,6 +223,7 @@ def _train(config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | Non
         wandb_mode=config.logging.wandb_mode,
         wandb_dir=str(out_dir),
         stop_signals=stop_signals,
+        plan=plan,
     )
     checkpoint = manager.resolve_everywhere(config.train.resume)  # rank 0 decides, every rank follows
     if checkpoint is not None:
@@ -244,7 +240,7 @@ def _train(config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | Non
     )
 
     # ---- save
-    if config.output.save_final:
+    if output.save_final:
         final = manager.export_hf(parts.policy, tokenizer, out_dir / "final")
         if layout.is_main:
             weights = (desirable_weight, undesirable_weight)

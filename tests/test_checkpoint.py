@@ -30,11 +30,11 @@ def _setup(model_dir: str, plugin_kw: dict, root: str) -> dict[str, Any]:
     from coati_kto import compat
     from coati_kto.config import PluginSection
     from coati_kto.distributed import ParallelLayout, seed_everything
-    from coati_kto.plugins import build_plugin
+    from coati_kto.parallel import ParallelPlan
     from coati_kto.trainer.checkpoint import CheckpointManager
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    plugin = build_plugin(PluginSection(**plugin_kw), max_grad_norm=1.0)
+    plugin = ParallelPlan.from_section(PluginSection(**plugin_kw), max_grad_norm=1.0).build_plugin()
     layout = ParallelLayout.from_plugin(plugin)
     optimizer = compat.make_optimizer(model.parameters(), lr=3e-3, weight_decay=0.01)
     scheduler = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=1, num_training_steps=10)

@@ -17,13 +17,12 @@ def _train_zero2_bf16(model_dir: str, steps: int) -> dict:
     from coati_kto import compat
     from coati_kto.config import PluginSection
     from coati_kto.distributed import ParallelLayout
-    from coati_kto.plugins import build_plugin
+    from coati_kto.parallel import ParallelPlan
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
-    plugin = build_plugin(
-        PluginSection(name="hybrid_parallel", zero_stage=2, precision="bf16"), max_grad_norm=1.0
-    )
+    section = PluginSection(name="hybrid_parallel", zero_stage=2, precision="bf16")
+    plugin = ParallelPlan.from_section(section, max_grad_norm=1.0).build_plugin()
     layout = ParallelLayout.from_plugin(plugin)
     optimizer = compat.make_optimizer(model.parameters(), lr=3e-3, weight_decay=0.0)
     model, optimizer, *_ = Booster(plugin=plugin).boost(model, optimizer)

@@ -86,12 +86,13 @@ def _config(model_dir: str, out_dir: str, **sections: dict) -> Any:
 
 def _build(cfg: Any, total_steps: int, **trainer_kwargs: Any):
     """Plugin, boosted policy, reference, trainer, as coati_kto.train builds them (hand-built data instead)."""
-    from coati_kto.plugins import build_plugin
+    from coati_kto.parallel import ParallelPlan
     from coati_kto.train import build_components
     from coati_kto.trainer.kto import KTOTrainer
 
-    plugin = build_plugin(cfg.plugin, cfg.train.max_grad_norm)
-    parts = build_components(cfg, plugin, total_steps)
+    plan = ParallelPlan.from_config(cfg)
+    plugin = plan.build_plugin()
+    parts = build_components(cfg, plugin, total_steps, plan)
     kwargs = {
         "max_epochs": 1,
         "beta": cfg.kto.beta,
@@ -101,6 +102,7 @@ def _build(cfg: Any, total_steps: int, **trainer_kwargs: Any):
         "layout": parts.layout,
         "kl_scope": cfg.kto.kl_scope,
         "max_grad_norm": cfg.train.max_grad_norm,
+        "plan": parts.plan,
         **trainer_kwargs,
     }
     trainer = KTOTrainer(
@@ -237,7 +239,7 @@ def _layout_run(model_dir: str, ref_dir: str, out_dir: str, world: int, rank: in
     start = _weights(parts.policy)
     hand = None
     if world == 1:
-        hand = _hand_step(parts.policy.unwrap(), parts.reference, _global_steps()[:1], 0.5, 1.3, 0.7)
+        hand = _hand_step(parts.policy.unwrap(), parts.reference.unwrap(), _global_steps()[:1], 0.5, 1.3, 0.7)
     trainer.fit(_rank_loader(world, rank), _eval_loader(world, rank))
     return {"start": start, "weights": _weights(parts.policy), "history": trainer.history, "hand": hand}
 
@@ -279,7 +281,7 @@ def _one_step_variants(model_dir: str, ref_dir: str, out_dir: str) -> dict:
     step = _global_steps()[0]
     cfg = _layout_config(model_dir, ref_dir, out_dir, 4, kl_scope="micro_batch")
     parts, trainer = _build(cfg, total_steps=1)
-    hand = _hand_step(parts.policy.unwrap(), parts.reference, [[b] for b in step], 0.5, 1.3, 0.7)
+    hand = _hand_step(parts.policy.unwrap(), parts.reference.unwrap(), [[b] for b in step], 0.5, 1.3, 0.7)
     with torch.no_grad():
         precomputed = [
             {

@@ -84,6 +84,7 @@ class CheckpointManager:
             (tmp / "trainer_state").mkdir(parents=True)
             (tmp / "master_weights").mkdir()
         self._agree(step, tmp)
+        save_tied_weights_once(model.unwrap())
         self.booster.save_model(model, str(tmp / "model"), shard=True, use_safetensors=True)
         self.booster.save_optimizer(optimizer, str(tmp / "optimizer"), shard=True)
         self.booster.save_lr_scheduler(lr_scheduler, str(tmp / "lr_scheduler.pt"))
@@ -190,6 +191,7 @@ class CheckpointManager:
         """
         path = Path(path)
         rank = self.layout.rank
+        save_tied_weights_once(model.unwrap())
         self.booster.load_model(model, str(path / "model"))
         self.booster.load_optimizer(optimizer, str(path / "optimizer"))
         self.booster.load_lr_scheduler(lr_scheduler, str(path / "lr_scheduler.pt"))
@@ -219,6 +221,7 @@ class CheckpointManager:
         """
         out = Path(out_dir)
         module = model.unwrap()
+        save_tied_weights_once(module)
         state = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
         if self.layout.is_main:
             out.mkdir(parents=True, exist_ok=True)
@@ -275,6 +278,42 @@ def _describe(err: BaseException) -> str:
         return f"{err.strerror}{where}"
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
+
+
+def save_tied_weights_once(module: torch.nn.Module) -> None:
+    """Make ``module``'s state dict hold a weight shared by several names (tied input/output embeddings) once,
+    the way ``save_pretrained`` does; loading fills the other names from it. Idempotent.
+
+    safetensors refuses tensors that share memory, and the ddp / low_level_zero checkpoint IO saves
+    ``state_dict()`` as it is. The first name in ``named_parameters`` order is kept (``model.embed_tokens.weight``
+    before ``lm_head.weight``, as in transformers' exports); the tie itself lives in the module (one Parameter
+    under both names), so a resumed model stays tied.
+    """
+    if getattr(module, "_coati_tied_hooks", False):
+        return
+    module._coati_tied_hooks = True
+    first_name: dict[int, str] = {}
+    aliases: dict[str, str] = {}  # alias -> kept name
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in first_name:
+            aliases[name] = first_name[id(param)]
+        else:
+            first_name[id(param)] = name
+    if not aliases:
+        return
+
+    def drop_aliases(_module: torch.nn.Module, state: dict, prefix: str, _meta: Any) -> None:
+        for alias in aliases:
+            state.pop(prefix + alias, None)
+
+    def fill_aliases(state: dict, prefix: str, *_args: Any) -> None:
+        # Called per checkpoint shard: an alias is filled from its source where the shard holds it.
+        for alias, kept in aliases.items():
+            if prefix + kept in state and prefix + alias not in state:
+                state[prefix + alias] = state[prefix + kept]
+
+    module._register_state_dict_hook(drop_aliases)
+    module._register_load_state_dict_pre_hook(fill_aliases)
 
 
 def _write_atomic(path: Path, text: str) -> None:

@@ -36,6 +36,7 @@ no_sync, so there every backward reduce-scatters and gradients accumulate in the
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import math
 import time
@@ -46,16 +47,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from coati_kto.distributed import ParallelLayout, reduce_sums
 from coati_kto.errors import UserError
 from coati_kto.logprobs import completion_logits_to_keep, sequence_logps
 from coati_kto.loss import estimate_kl_raw, needs_kl, preference_loss
+from coati_kto.parallel import ParallelPlan
 from coati_kto.signals import StopSignals, TrainingStoppedError, decide
 from coati_kto.trainer.base import SLTrainer
-from coati_kto.trainer.grad_norm import GradNorm, global_norm
+from coati_kto.trainer.grad_norm import global_norm
 from coati_kto.trainer.logging import MetricWriter, ProgressBar
 from coati_kto.trainer.metrics import IntervalMeter, StepSums, summarize
 from coati_kto.trainer.run_summary import config_markdown, data_stats_markdown, flat_hparams
@@ -121,6 +122,8 @@ class KTOTrainer(SLTrainer):
         wandb_project, wandb_mode, wandb_dir: W&B settings when ``fit(use_wandb=True)``.
         stop_signals: the installed StopSignals (train.py); a stop request checkpoints and raises
             TrainingStoppedError on every rank after the step it was voted in.
+        plan: the run's coati_kto.parallel.ParallelPlan (default: recovered from ``plugin``); it says whether
+            accumulation may skip gradient sync and which group z0 reduces over.
     """
 
     def __init__(
@@ -161,6 +164,7 @@ class KTOTrainer(SLTrainer):
         wandb_mode: str = "online",
         wandb_dir: str | None = None,
         stop_signals: StopSignals | None = None,
+        plan: ParallelPlan | None = None,
     ) -> None:
         super().__init__(booster, max_epochs, actor, actor_optim, plugin, start_epoch)
         if accumulation_steps < 1 or log_interval < 1 or save_interval < 0 or eval_interval < 0:
@@ -180,6 +184,8 @@ class KTOTrainer(SLTrainer):
         self._needs_kl = needs_kl(loss_type)  # ValueError on an unknown loss type
         self.eval_at_start, self.eval_at_epoch_end = eval_at_start, eval_at_epoch_end
         self.layout = layout or ParallelLayout.from_plugin(plugin)
+        # Everything plugin-specific is asked of the plan (built from the plugin when not given).
+        self.plan = plan or ParallelPlan.from_plugin(plugin)
         if checkpoint_manager is None and save_dir is not None:
             from coati_kto.trainer.checkpoint import CheckpointManager
 
@@ -198,13 +204,9 @@ class KTOTrainer(SLTrainer):
         from colossalai.accelerator import get_accelerator
 
         self.device = get_accelerator().get_current_device()
-        # estimate_kl(group=None) means "no reduction", while the layout's None means "the world group".
-        self._kl_group = self.layout.dp_group
-        if self._kl_group is None and dist.is_initialized() and self.layout.dp_size > 1:
-            self._kl_group = dist.group.WORLD
-        stage = getattr(plugin, "zero_stage", getattr(plugin, "stage", 0))
-        self._use_no_sync = bool(plugin is not None and plugin.support_no_sync() and stage != 2)
-        self._grad_norm = GradNorm(actor_optim, max_grad_norm, self.layout)
+        self._kl_group = self.plan.kl_group(self.layout)
+        self._use_no_sync = plugin is not None and self.plan.no_sync_accumulation
+        self._grad_norm = self.plan.gradient_norm(actor_optim, self.layout, max_grad_norm)
 
         self.skipped_steps = 0
         # The last logged records, {"step": ..., "train/loss": ..., ...}, on all ranks (callers, tests).
@@ -482,10 +484,15 @@ class KTOTrainer(SLTrainer):
         # apply_loss_mask=False scores every non-padding token (prompt included), as ColossalChat does.
         mask = batch[f"{prefix}loss_mask"] if self.apply_loss_mask else attention_mask
         keep = completion_logits_to_keep(mask)
-        out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep, use_cache=False)
-        # Shardformer's tensor-parallel LlamaForCausalLM forward swallows logits_to_keep and returns all S
-        # positions; sequence_logps reads K from the logits' shape, so full logits are the (slower) fallback.
-        return sequence_logps(out.logits, input_ids, mask)
+        module = model.unwrap() if hasattr(model, "unwrap") else model
+        # Shardformer's tensor-parallel forwards swallow logits_to_keep (Llama) or refuse it (Qwen2, Mistral)
+        # and return all S positions; sequence_logps reads K from the logits' shape (full logits: slower).
+        extra = {"logits_to_keep": keep} if _forward_accepts(module, "logits_to_keep") else {}
+        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
+        # Log-probs normalise over the real vocabulary only: a shardformer policy that returns the padding
+        # columns of a padded vocabulary as logits (ColossalAI's Qwen2 policy did: coati_kto.parallel) would
+        # shift every log-prob and train the padding rows. A no-op view when the logits are unpadded.
+        return sequence_logps(out.logits[..., : module.config.vocab_size], input_ids, mask)
 
     def _grad_sync(self, last: bool) -> contextlib.AbstractContextManager:
         """No gradient reduction before the step's last micro-batch, where the plugin supports it."""
@@ -588,6 +595,12 @@ class KTOTrainer(SLTrainer):
             self._progress.close()
         if self._writer is not None:
             self._writer.close()
+
+
+def _forward_accepts(module: nn.Module, name: str) -> bool:
+    """Whether ``module.forward`` takes keyword ``name`` (or any keyword)."""
+    params = inspect.signature(module.forward).parameters.values()
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def _disable_dropout(module: nn.Module) -> None:

@@ -1,0 +1,350 @@
+"""The parallel plan: the one place that knows the ColossalAI plugin and what follows from it.
+
+``ParallelPlan.from_config(config)`` is built from the ``plugin`` and ``train`` sections (whose combinations, and
+the model family under ``hybrid_parallel`` via ``check_model_family``, are checked at config load), and answers the
+questions the rest of the code would otherwise ask the plugin object:
+
+- ``build_plugin()``: the ColossalAI plugin, with the device-specific settings (coati_kto.compat);
+- ``boost(...)``: the policy, optimizer and schedule boosted, the policy's fp32-only buffers kept in fp32;
+- ``build_reference(plugin, model)``: the frozen reference through the same plugin path as the policy (same
+  shardformer sharding, same dtype cast, same fp32 buffers), so that at step 0 both give identical log-probs;
+- ``no_sync_accumulation``: whether accumulation micro-batches may skip the gradient reduction;
+- ``kl_group(layout)``: the group the reference point z0 reduces over;
+- ``gradient_norm(optimizer, layout)``: where the step's gradient norm comes from and who clips.
+
+Why the rotary buffers stay fp32: the plugins cast the policy with ``module.to(bf16)``, which also casts the
+non-persistent ``inv_freq`` buffer of rotary embeddings. ``from_pretrained(torch_dtype=bf16)`` keeps that buffer
+in fp32 (transformers builds it with an explicit ``.float()``), so the exported model reloaded in bf16 computes
+RoPE in fp32. The policy and the reference must compute it the same way, or rewards are not 0 at step 0 and
+the trained policy is not the model that gets exported: every floating non-persistent buffer gets its fp32
+value back after the cast (they are derived constants, never trained nor saved).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from torch import nn
+
+from coati_kto.errors import ConfigError
+
+if TYPE_CHECKING:
+    from coati_kto.config import Config, PluginSection
+    from coati_kto.distributed import ParallelLayout
+    from coati_kto.trainer.grad_norm import GradNorm
+
+PluginName = Literal["hybrid_parallel", "low_level_zero", "gemini", "ddp"]
+
+
+@functools.cache
+def shardformer_model_classes() -> frozenset[str]:
+    """Full class names (``transformers.models.llama.modeling_llama.LlamaForCausalLM``) with a shardformer policy.
+
+    Read from ColossalAI's own ``auto_policy.py`` without importing ColossalAI (3-4 s): config checks stay fast.
+    """
+    spec = importlib.util.find_spec("colossalai")
+    if spec is None or not spec.submodule_search_locations:
+        return frozenset()
+    source = Path(spec.submodule_search_locations[0]) / "shardformer" / "policies" / "auto_policy.py"
+    for node in ast.walk(ast.parse(source.read_text())):
+        targets = getattr(node, "targets", None) or [getattr(node, "target", None)]
+        if any(getattr(t, "id", None) == "_POLICY_LIST" for t in targets) and isinstance(
+            node.value, ast.Dict
+        ):
+            return frozenset(k.value for k in node.value.keys if isinstance(k, ast.Constant))
+    return frozenset()
+
+
+def model_class_name(model_dir: str) -> str | None:
+    """The full class name AutoModelForCausalLM builds for ``model_dir``, from its config.json alone.
+
+    None when it cannot be known without loading (a hub id, or remote code): the plugin then checks at build.
+    """
+    config_file = Path(model_dir) / "config.json"
+    if not config_file.is_file():
+        return None
+    raw = json.loads(config_file.read_text())
+    architectures, model_type = raw.get("architectures") or [], raw.get("model_type")
+    if "auto_map" in raw or not architectures or not model_type:
+        return None
+    module = model_type.replace("-", "_")
+    return f"transformers.models.{module}.modeling_{module}.{architectures[0]}"
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """How the run is parallelised; built on every rank from the same config, so identical everywhere."""
+
+    plugin: PluginName
+    precision: Literal["fp32", "bf16", "fp16"]
+    zero_stage: int
+    tp_size: int = 1
+    cpu_offload: bool = False
+    max_grad_norm: float = 0.0
+    flash_attention: bool = False
+    # Full class name of the policy model (model_class_name), when config.json tells it: picks corrected
+    # shardformer policies (``_custom_policy``).
+    model_class: str | None = None
+
+    # ---- construction / validation ----------------------------------------------------------------------
+    @classmethod
+    def from_section(
+        cls,
+        section: PluginSection,
+        max_grad_norm: float = 0.0,
+        flash_attention: bool = False,
+        model_class: str | None = None,
+    ) -> ParallelPlan:
+        """From a validated ``plugin`` section (its combinations are checked there, at config load)."""
+        return cls(
+            plugin=section.name,
+            precision=section.precision,
+            zero_stage=section.zero_stage,
+            tp_size=section.tp_size,
+            cpu_offload=section.cpu_offload,
+            max_grad_norm=max_grad_norm,
+            flash_attention=flash_attention,
+            model_class=model_class,
+        )
+
+    @classmethod
+    def from_config(cls, config: Config) -> ParallelPlan:
+        """The plan of a validated ``config`` (Config checks the family against the plugin at load)."""
+        return cls.from_section(
+            config.plugin,
+            config.train.max_grad_norm,
+            config.model.attn_implementation == "flash_attention_2",
+            model_class_name(config.model.path),
+        )
+
+    @classmethod
+    def from_plugin(cls, plugin: Any) -> ParallelPlan:
+        """Recover the plan from a plugin object (callers that built the plugin themselves, e.g. old tests)."""
+        kind = type(plugin).__name__
+        name = {
+            "HybridParallelPlugin": "hybrid_parallel",
+            "LowLevelZeroPlugin": "low_level_zero",
+            "GeminiPlugin": "gemini",
+        }.get(kind, "ddp")
+        stage = getattr(plugin, "zero_stage", getattr(plugin, "stage", 0))
+        return cls(
+            plugin=name,
+            precision=getattr(plugin, "precision", "fp32"),
+            zero_stage=int(stage),
+            tp_size=int(getattr(plugin, "tp_size", 1) or 1),
+            max_grad_norm=float(getattr(plugin, "max_norm", 0.0) or 0.0),
+        )
+
+    # ---- answers ------------------------------------------------------------------------------------------
+    @property
+    def dtype(self) -> torch.dtype:
+        """The working (forward) dtype of the policy and the reference."""
+        return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision, torch.float32)
+
+    @property
+    def no_sync_accumulation(self) -> bool:
+        """Whether micro-batches before a step's last may skip the gradient reduction (``booster.no_sync``).
+
+        DDP, hybrid ZeRO-0/1 and low-level ZeRO-1 support it. ZeRO-2 (hybrid or low-level) asserts against it:
+        there every backward reduce-scatters and gradients accumulate in the ZeRO buffers.
+        """
+        return self.zero_stage != 2 and self.plugin != "gemini"
+
+    def gradient_norm(
+        self, optimizer: Any, layout: ParallelLayout, max_norm: float | None = None
+    ) -> GradNorm:
+        """Where the step's global gradient norm comes from, and who clips (the clipping / non-finite vote hook).
+
+        The norm is always taken before the optimizer steps (coati_kto.trainer.grad_norm): from ``p.grad``
+        (ddp, hybrid zero 0: the whole averaged gradient on every data-parallel rank) or from ZeRO's gradient
+        store (each rank's partition). ddp has no clipping, so GradNorm clips it; ZeRO and the hybrid plugin
+        clip inside their own step with ``max_grad_norm`` (``build_plugin``), handed the norm already taken.
+        """
+        from coati_kto.trainer.grad_norm import GradNorm
+
+        return GradNorm(optimizer, self.max_grad_norm if max_norm is None else max_norm, layout)
+
+    def kl_group(self, layout: ParallelLayout) -> Any:
+        """The process group z0 reduces over: the data-parallel ranks (tensor-parallel peers hold the same
+        batch). None means "no reduction" (one data-parallel rank), unlike the layout's None (= world)."""
+        import torch.distributed as dist
+
+        if layout.dp_size <= 1 or not dist.is_initialized():
+            return None
+        return layout.dp_group if layout.dp_group is not None else dist.group.WORLD
+
+    # ---- building -----------------------------------------------------------------------------------------
+    def build_plugin(self) -> Any:
+        """The ColossalAI plugin; every rank calls, after ``init_distributed``.
+
+        Gradient clipping lives in the ZeRO / hybrid plugins (``max_norm``) so it sees the whole, sharded
+        gradient; TorchDDPPlugin has none, ``gradient_norm`` clips there.
+        """
+        from colossalai.booster.plugin import HybridParallelPlugin, LowLevelZeroPlugin, TorchDDPPlugin
+
+        from coati_kto import compat
+
+        device_kwargs = compat.plugin_overrides()
+        if self.plugin == "hybrid_parallel":
+            return HybridParallelPlugin(
+                tp_size=self.tp_size,
+                pp_size=1,
+                precision=self.precision,
+                zero_stage=self.zero_stage,
+                max_norm=self.max_grad_norm,
+                cpu_offload=self.cpu_offload,
+                enable_flash_attention=self.flash_attention,
+                # Full logits on every tensor-parallel rank: the log-prob gather needs the whole vocabulary row.
+                parallel_output=False,
+                custom_policy=_custom_policy(self.model_class),
+                **device_kwargs,
+            )
+        if self.plugin == "low_level_zero":
+            return LowLevelZeroPlugin(
+                stage=self.zero_stage,
+                precision=self.precision,
+                max_norm=self.max_grad_norm,
+                cpu_offload=self.cpu_offload,
+                **device_kwargs,
+            )
+        if self.plugin == "ddp":
+            return TorchDDPPlugin()
+        raise ConfigError(f"plugin.name {self.plugin} cannot be built (the config check refuses it)")
+
+    def boost(
+        self, booster: Any, policy: nn.Module, optimizer: Any, lr_scheduler: Any
+    ) -> tuple[Any, Any, Any]:
+        """``booster.boost`` the policy (loaded in fp32), then give its fp32-only buffers their values back."""
+        kept = _fp32_buffers(policy)
+        policy, optimizer, _, _, lr_scheduler = booster.boost(policy, optimizer, lr_scheduler=lr_scheduler)
+        _restore_buffers(kept)
+        return policy, optimizer, lr_scheduler
+
+    def build_reference(self, plugin: Any, model: nn.Module) -> nn.Module:
+        """The frozen reference, built the way ``boost`` builds the policy but without an optimizer.
+
+        ``model`` is loaded in fp32 like the policy. hybrid_parallel: the plugin's own HybridParallelModule
+        (shardformer with the plugin's shard config: under tp_size N each rank holds 1/N of the sharded
+        weights; the same dtype cast), without DDP, which refuses a module with no trainable parameter.
+        low_level_zero: its LowLevelZeroModel (the dtype cast and input casting, no optimizer needed). ddp:
+        the module on the device (fp32). Every rank calls (shardformer's sharding is per rank).
+        """
+        from colossalai.accelerator import get_accelerator
+
+        kept = _fp32_buffers(model)
+        if self.plugin == "hybrid_parallel":
+            from colossalai.booster.plugin.hybrid_parallel_plugin import HybridParallelModule
+
+            wrapped: nn.Module = HybridParallelModule(
+                model,
+                precision=plugin.precision,
+                shard_config=plugin.shard_config,
+                dp_group=plugin.mixed_dp_group,
+                tp_group=plugin.tp_group,
+                sp_group=plugin.sp_group,
+                use_ddp=False,
+                ddp_config={},
+                # By the reference's own class: model.reference_path may hold another family than the policy.
+                custom_policy=_custom_policy(f"{type(model).__module__}.{type(model).__qualname__}"),
+            )
+        elif self.plugin == "low_level_zero":
+            from colossalai.booster.plugin.low_level_zero_plugin import LowLevelZeroModel
+
+            wrapped = LowLevelZeroModel(model, precision=self.precision)
+        else:
+            wrapped = model.to(get_accelerator().get_current_device(), self.dtype)
+        _restore_buffers(kept)
+        return wrapped.eval().requires_grad_(False)
+
+
+def check_model_family(plugin: str, model_dir: str, key: str) -> None:
+    """ConfigError when ``plugin`` is hybrid_parallel and the model class at ``model_dir`` has no shardformer
+    policy. Checked from config.json alone; unknown classes (hub ids, remote code) are left to the plugin."""
+    if plugin != "hybrid_parallel":
+        return
+    name = model_class_name(model_dir)
+    supported = shardformer_model_classes()
+    if name is None or not supported or name in supported:
+        return
+    families = sorted({c.rsplit(".", 1)[1] for c in supported if c.endswith("ForCausalLM")})
+    raise ConfigError(
+        f"{key} {model_dir}: {name.rsplit('.', 1)[1]} has no ColossalAI shardformer policy, so plugin.name "
+        f"hybrid_parallel cannot shard it: use plugin.name low_level_zero or ddp (causal LMs with a policy: "
+        f"{', '.join(families)})"
+    )
+
+
+QWEN2_CAUSAL_LM = "transformers.models.qwen2.modeling_qwen2.Qwen2ForCausalLM"
+
+
+def _custom_policy(model_class: str | None) -> Any:
+    """A corrected shardformer policy for ``model_class``, or None (ColossalAI picks its own).
+
+    ColossalAI 0.5.0's Qwen2ForCausalLM policy leaves the LM head of Llama's and Mistral's policies out: under
+    tensor parallelism its head is a plain column-parallel linear that returns vocabulary-sharded, padded
+    logits whatever ``parallel_output`` says; with tp_size 1 and tied embeddings the embedding is padded to a
+    multiple of 64 and the untouched head returns the padding columns as logits (log-probs off by about 2
+    nats on a tiny model, padding rows trained, resume not exact). The corrected policy uses the heads the
+    Llama policy uses: VocabParallelLMHead1D (gathers and unpads) or PaddingLMHead (unpads).
+    """
+    if model_class != QWEN2_CAUSAL_LM:
+        return None
+    from colossalai.shardformer.layer import PaddingLMHead, VocabParallelLMHead1D
+    from colossalai.shardformer.policies.base_policy import (
+        ModulePolicyDescription,
+        SubModuleReplacementDescription,
+    )
+    from colossalai.shardformer.policies.qwen2 import Qwen2ForCausalLMPolicy
+    from transformers import Qwen2ForCausalLM
+
+    class Qwen2ForCausalLMUnpaddedPolicy(Qwen2ForCausalLMPolicy):
+        def module_policy(self) -> dict:
+            policy = super().module_policy()
+            config = self.shard_config
+            if config.enable_tensor_parallelism:
+                head = SubModuleReplacementDescription(
+                    suffix="lm_head",
+                    target_module=VocabParallelLMHead1D,
+                    kwargs={
+                        "gather_output": not config.parallel_output,
+                        "make_vocab_size_divisible_by": config.make_vocab_size_divisible_by,
+                        "fp8_communication": config.fp8_communication,
+                    },
+                )
+            else:
+                head = SubModuleReplacementDescription(
+                    suffix="lm_head",
+                    target_module=PaddingLMHead,
+                    kwargs={"make_vocab_size_divisible_by": config.make_vocab_size_divisible_by},
+                )
+            described = policy.setdefault(
+                Qwen2ForCausalLM, ModulePolicyDescription(sub_module_replacement=[])
+            )
+            others = [d for d in described.sub_module_replacement or [] if d.suffix != "lm_head"]
+            described.sub_module_replacement = [*others, head]
+            return policy
+
+    return Qwen2ForCausalLMUnpaddedPolicy()
+
+
+def _fp32_buffers(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """(owner, name, fp32 copy) of every floating non-persistent buffer (rotary ``inv_freq``): derived constants
+    that transformers computes in fp32 whatever the load dtype."""
+    found = []
+    for owner in module.modules():
+        for name, buf in owner._buffers.items():
+            if buf is not None and buf.is_floating_point() and name in owner._non_persistent_buffers_set:
+                found.append((owner, name, buf.detach().float().clone()))
+    return found
+
+
+def _restore_buffers(kept: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
+    for owner, name, value in kept:
+        owner._buffers[name] = value.to(owner._buffers[name].device)

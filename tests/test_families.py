@@ -1,0 +1,275 @@
+"""The lifecycle matrix: every model family x every plugin, the whole run proven on 2 gloo processes.
+
+Families (coati_kto.tiny.FAMILIES, the ones transformers 4.51.3 and ColossalAI 0.5.0's shardformer both support):
+Llama (Llama-3 chat template, vocabulary 300: not a multiple of 64, grouped-query attention), Mistral ([INST]
+template, sliding-window attention, GQA), Qwen2 (ChatML, tied embeddings, attention bias, GQA, vocabulary 300).
+Plugins: ddp fp32, low_level_zero ZeRO-2 bf16, hybrid_parallel ZeRO-0 fp32, hybrid_parallel ZeRO-2 bf16 and
+hybrid_parallel tp_size 2 (bf16, ZeRO-0: with 2 processes the data-parallel size is 1).
+
+One set of 2 processes per family runs, for each plugin in turn, the whole lifecycle through ``train()``:
+step 0 (policy and reference built by the plan, compared on a batch), 3 optimizer steps saving at step 2 and at
+the end, the HF export; a second ``train()`` resuming from step 2; then the comparisons. Checked numbers:
+- step 0: policy (with gradient) and reference log-probs identical, KL log-ratios identical (z0 exactly 0), the
+  first step's logged rewards exactly 0;
+- resume: every weight of the resumed run equals the uninterrupted run's, bit for bit;
+- export: reloaded with AutoModelForCausalLM in the training dtype, its weights equal the trained policy's and
+  its log-probs equal the trained policy's (fp32 within 1e-5; bf16 within the gap between shardformer's and
+  transformers' kernels), the vocabulary size and the tied embeddings are the original ones;
+- tied embeddings stay tied after resume; under tp_size 2 each rank holds half of the reference's sharded weights.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from coati_kto.data.formats import write_jsonl
+from coati_kto.testing import run_distributed
+from tests.conftest import CORPUS
+
+FAMILIES = ["llama", "mistral", "qwen2"]
+PLUGINS: dict[str, dict[str, Any]] = {
+    "ddp fp32": {"name": "ddp"},
+    "low_level_zero zero2 bf16": {"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"},
+    "hybrid zero0 fp32": {"name": "hybrid_parallel", "zero_stage": 0, "precision": "fp32"},
+    "hybrid zero2 bf16": {"name": "hybrid_parallel", "zero_stage": 2, "precision": "bf16"},
+    "hybrid tp2 bf16": {"name": "hybrid_parallel", "zero_stage": 0, "precision": "bf16", "tp_size": 2},
+}
+QUESTIONS = ["What is the capital of France?", "Please add 2 and 3.", "Write a function that adds numbers."]
+ANSWERS = [
+    "The capital of France is Paris.",
+    "The answer is 5. Thank you for asking!",
+    "def add(a, b): return a + b",
+]
+
+
+def _records(n: int) -> list[dict]:
+    out = []
+    for i in range(n):
+        desirable = i % 3 != 2
+        answer = ANSWERS[i % 3] if desirable else "I cannot help with that. Sorry, that is not possible."
+        messages = [
+            {"role": "user", "content": f"{QUESTIONS[i % 3]} ({i})"},
+            {"role": "assistant", "content": answer},
+        ]
+        out.append({"messages": messages, "label": desirable})
+    return out
+
+
+def _raw_config(model_dir: str, root: Path, plugin: dict[str, Any], out: str) -> dict[str, Any]:
+    return {
+        "model": {"path": model_dir},
+        "data": {
+            "train_files": [str(root / "train.jsonl")],
+            "prepared_dir": str(root / "prepared"),
+            "max_length": 64,
+        },
+        "train": {
+            "micro_batch_size": 2,
+            "accumulation_steps": 2,
+            "max_steps": 3,
+            "lr": 2e-2,
+            "seed": 3,
+        },
+        "plugin": plugin,
+        "output": {"dir": str(root / out), "save_interval": 2},
+        "logging": {"tensorboard": False},
+    }
+
+
+def _full_state(model: Any) -> dict[str, torch.Tensor]:
+    """Every weight, gathered (state_dict is a collective under tensor parallelism); every rank calls."""
+    return {k: v.detach().clone() for k, v in model.unwrap().state_dict().items()}
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def _step_zero(config: Any, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Policy and reference as train() builds them, before any update."""
+    from coati_kto.parallel import ParallelPlan
+    from coati_kto.train import build_components
+    from coati_kto.trainer.kto import KTOTrainer
+
+    plan = ParallelPlan.from_config(config)
+    plugin = plan.build_plugin()
+    parts = build_components(config, plugin, 3, plan)
+    trainer = KTOTrainer(
+        parts.policy, parts.reference, parts.booster, parts.optimizer, plugin, None, None, plan=plan
+    )
+    policy = trainer._sequence_logps(parts.policy, batch, "")  # with gradient, as in training
+    with torch.no_grad():
+        reference = trainer._sequence_logps(parts.reference, batch, "")
+        policy_kl = trainer._sequence_logps(parts.policy, batch, "kl_")
+        reference_kl = trainer._sequence_logps(parts.reference, batch, "kl_")
+    # ddp's reference is the plain module; the plugins' are wrappers
+    ref_module = getattr(parts.reference, "unwrap", lambda: parts.reference)()
+    ref_bytes = {n: p.numel() * p.element_size() for n, p in ref_module.named_parameters()}
+    return {
+        "logps_equal": torch.equal(policy.detach(), reference),
+        "kl_equal": torch.equal(policy_kl, reference_kl),
+        "logps_diff": _max_diff(policy.detach(), reference),
+        "reference_bytes": sum(ref_bytes.values()),
+        "reference_bytes_by_name": ref_bytes,
+        "reference_dtype": str(next(parts.reference.parameters()).dtype),
+    }
+
+
+def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from coati_kto.config import Config
+    from coati_kto.data.collator import KTOCollator
+    from coati_kto.data.prepare import load_prepared
+    from coati_kto.distributed import barrier
+    from coati_kto.train import train
+
+    started = time.perf_counter()
+    config = Config.model_validate(_raw_config(model_dir, root, plugin, "run"))
+    data = load_prepared(config)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    batch = KTOCollator(tokenizer.pad_token_id)([data.train[i] for i in range(4)])
+    result: dict[str, Any] = {"step0": _step_zero(config, batch)}
+
+    first = train(config)
+    result["first_rewards"] = {
+        k: first.history[0][k] for k in ("train/rewards/chosen", "train/rewards/rejected")
+    }
+    trained = _full_state(first.policy)
+    with torch.no_grad():
+        trained_logps = first._sequence_logps(first.policy, batch, "")
+    resumed_raw = _raw_config(model_dir, root, plugin, "resumed")
+    resumed_raw["train"]["resume"] = str(root / "run" / "checkpoints" / "step-2")
+    resumed_raw["output"]["save_final"] = False
+    second = train(Config.model_validate(resumed_raw))
+    result["resumed_step"] = second.global_step
+    resumed = _full_state(second.policy)
+    result["resume_diffs"] = {k: _max_diff(v, resumed[k]) for k, v in trained.items()}
+    module = second.policy.unwrap()
+    if module.config.tie_word_embeddings:
+        out_w, in_w = module.get_output_embeddings().weight, module.get_input_embeddings().weight
+        result["tied_after_resume"] = out_w is in_w or out_w.data_ptr() == in_w.data_ptr()
+
+    if dist.get_rank() == 0:
+        dtype = second.plan.dtype
+        hf = AutoModelForCausalLM.from_pretrained(root / "run" / "final", torch_dtype=dtype)
+        with torch.no_grad():
+            export_logps = first._sequence_logps(hf, batch, "")
+        result["export"] = {
+            "vocab_size": hf.config.vocab_size,
+            "embedding_rows": hf.get_input_embeddings().weight.shape[0],
+            "tied": hf.get_output_embeddings().weight is hf.get_input_embeddings().weight,
+            "weight_diffs": {k: _max_diff(v, trained[k]) for k, v in hf.state_dict().items() if k in trained},
+            "missing": sorted(set(trained) - set(hf.state_dict())),
+            "logps_diff": _max_diff(export_logps, trained_logps),
+            "logps_scale": float(trained_logps.abs().max()),
+            "inv_freq_dtypes": sorted({str(b.dtype) for n, b in hf.named_buffers() if "inv_freq" in n}),
+        }
+    result["policy_inv_freq_dtypes"] = sorted(
+        {str(b.dtype) for n, b in first.policy.unwrap().named_buffers() if "inv_freq" in n}
+    )
+    barrier()
+    result["seconds"] = time.perf_counter() - started
+    return result
+
+
+def _family_matrix(model_dir: str, root: str, plugins: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Every plugin's lifecycle in turn, in one set of processes. A failure is recorded and ends the run (the
+    ranks may no longer agree on their collectives): later plugins report that they did not run."""
+    out: dict[str, Any] = {}
+    for name, plugin in plugins.items():
+        if any("error" in r for r in out.values()):
+            out[name] = {"error": "not run: an earlier plugin of this family failed"}
+            continue
+        try:
+            out[name] = _lifecycle(model_dir, Path(root) / name.replace(" ", "_"), plugin)
+        except Exception:
+            out[name] = {"error": traceback.format_exc()}
+    return out
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    from transformers import AutoConfig
+
+    from coati_kto.tiny import save_tiny_family
+
+    family = request.param
+    root = tmp_path_factory.mktemp(f"family_{family}")
+    model_dir = save_tiny_family(root / "model", family, CORPUS)
+    for name in PLUGINS:
+        write_jsonl(_records(24), root / name.replace(" ", "_") / "train.jsonl")
+    started = time.perf_counter()
+    ranks = run_distributed(_family_matrix, 2, str(model_dir), str(root), PLUGINS, timeout_s=1200)
+    print(f"\n{family}: matrix of {len(PLUGINS)} plugins in {time.perf_counter() - started:.1f} s")
+    return {"family": family, "ranks": ranks, "config": AutoConfig.from_pretrained(model_dir)}
+
+
+@pytest.mark.parametrize("plugin", list(PLUGINS))
+def test_lifecycle(family_runs: dict[str, Any], plugin: str) -> None:
+    ranks = [r[plugin] for r in family_runs["ranks"]]
+    for r in ranks:
+        assert "error" not in r, r.get("error")
+    config = family_runs["config"]
+    main = ranks[0]
+    step0 = {k: v for k, v in main["step0"].items() if k != "reference_bytes_by_name"}
+    print(f"{family_runs['family']} / {plugin}: {main['seconds']:.1f} s, step 0 {step0}")
+    for r in ranks:
+        # Step 0: the policy (with gradient) and the reference give identical log-probs, z0's ratios are 0.
+        assert r["step0"]["logps_equal"] and r["step0"]["kl_equal"], r["step0"]
+        assert r["first_rewards"] == {"train/rewards/chosen": 0.0, "train/rewards/rejected": 0.0}
+        # Resume from step 2 gives the uninterrupted run's weights exactly.
+        assert r["resumed_step"] == 3
+        assert max(r["resume_diffs"].values()) == 0.0, r["resume_diffs"]
+        assert r["policy_inv_freq_dtypes"] in ([], ["torch.float32"])
+        if config.tie_word_embeddings:
+            assert r["tied_after_resume"]
+    export = main["export"]
+    assert export["vocab_size"] == config.vocab_size == export["embedding_rows"]
+    assert export["tied"] == config.tie_word_embeddings
+    assert export["missing"] == [] and max(export["weight_diffs"].values()) == 0.0
+    assert export["inv_freq_dtypes"] == main["policy_inv_freq_dtypes"]
+    bf16 = PLUGINS[plugin].get("precision", "fp32") == "bf16"
+    # The exported model's log-probs are the trained policy's: same weights, same RoPE; under shardformer the
+    # kernels differ (fused attention, vocabulary-parallel head), which bf16 rounding makes visible.
+    tolerance = 5e-4 * export["logps_scale"] if bf16 else 1e-4
+    assert export["logps_diff"] <= tolerance, export
+
+
+def test_tp2_reference_is_sharded(family_runs: dict[str, Any]) -> None:
+    """Under tp_size 2 each rank holds about half of the reference's weights (its sharded ones halve)."""
+    tp = [r["hybrid tp2 bf16"] for r in family_runs["ranks"]]
+    full = [r["hybrid zero2 bf16"] for r in family_runs["ranks"]]
+    for r in tp + full:
+        assert "error" not in r, r.get("error")
+    tp_bytes = tp[0]["step0"]["reference_bytes"]
+    full_bytes = full[0]["step0"]["reference_bytes"]
+    assert tp[0]["step0"]["reference_dtype"] == full[0]["step0"]["reference_dtype"] == "torch.bfloat16"
+    assert tp_bytes == tp[1]["step0"]["reference_bytes"]
+    # Attention and MLP weights: exactly half per rank. Norms stay whole. The vocabulary rows: the padded
+    # vocabulary (a multiple of 64 x tp_size) split in 2, against 64-padded rows (or none) on one rank.
+    tp_names, full_names = (
+        tp[0]["step0"]["reference_bytes_by_name"],
+        full[0]["step0"]["reference_bytes_by_name"],
+    )
+    assert tp_names.keys() == full_names.keys()
+    linear = [n for n in full_names if n.endswith("proj.weight")]
+    tp_linear, full_linear = sum(tp_names[n] for n in linear), sum(full_names[n] for n in linear)
+    assert len(linear) == 7 and 2 * tp_linear == full_linear
+    vocab = -(-family_runs["config"].vocab_size // 128) * 128
+    hidden = family_runs["config"].hidden_size
+    for name in [n for n in full_names if "embed_tokens" in n or "lm_head" in n]:
+        assert tp_names[name] == vocab // 2 * hidden * 2, name  # bf16: 2 bytes
+    print(
+        f"{family_runs['family']}: reference bytes per rank, tp_size 1 {full_bytes}, tp_size 2 {tp_bytes} "
+        f"(attention+MLP weights {full_linear} -> {tp_linear})"
+    )

@@ -1,0 +1,111 @@
+"""Config defaults that follow what the user wrote, and the parallel plan's checks at config load."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from coati_kto.config import Config, load_config
+from coati_kto.errors import ConfigError
+from coati_kto.parallel import ParallelPlan, model_class_name, shardformer_model_classes
+from tests.conftest import CORPUS
+from tests.test_config import MINIMAL, _write
+
+
+def test_max_length_alone_sets_the_prompt_budget(tmp_path: Path) -> None:
+    assert load_config(_write(tmp_path, MINIMAL)).data.max_prompt_length == 512  # the default 1024 // 2
+    path = _write(
+        tmp_path,
+        MINIMAL.replace("  prepared_dir: prepared\n", "  prepared_dir: prepared\n  max_length: 64\n"),
+    )
+    data = load_config(path).data
+    assert (data.max_length, data.max_prompt_length) == (64, 32)
+    # A budget the user wrote is kept, and a combination the user wrote is still checked.
+    assert load_config(path, ["data.max_prompt_length=50"]).data.max_prompt_length == 50
+    with pytest.raises(ConfigError, match=r"data.max_prompt_length \(64\) must be smaller"):
+        load_config(path, ["data.max_prompt_length=64"])
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        ([], ("hybrid_parallel", 2, "bf16")),
+        (["plugin.name=ddp"], ("ddp", 0, "fp32")),
+        (["plugin.name=low_level_zero"], ("low_level_zero", 2, "bf16")),
+        (["plugin.name=low_level_zero", "plugin.precision=fp32"], ("low_level_zero", 2, "fp32")),
+        (["plugin.precision=fp32"], ("hybrid_parallel", 0, "fp32")),
+        (["plugin.zero_stage=1"], ("hybrid_parallel", 1, "bf16")),
+    ],
+)
+def test_plugin_defaults_follow_the_plugin(tmp_path: Path, overrides: list[str], expected: tuple) -> None:
+    plugin = load_config(_write(tmp_path, MINIMAL), overrides).plugin
+    assert (plugin.name, plugin.zero_stage, plugin.precision) == expected
+
+
+def test_combinations_the_user_wrote_are_still_errors(tmp_path: Path) -> None:
+    path = _write(tmp_path, MINIMAL)
+    for overrides, needle in [
+        (["plugin.name=ddp", "plugin.precision=bf16"], "plugin.name ddp trains in fp32"),
+        (["plugin.name=ddp", "plugin.zero_stage=1"], "plugin.name ddp has no ZeRO"),
+        (["plugin.precision=fp32", "plugin.zero_stage=2"], "needs plugin.precision bf16 or fp16"),
+    ]:
+        with pytest.raises(ConfigError, match=needle):
+            load_config(path, overrides)
+
+
+def test_gemini_is_refused_at_load_with_the_reason(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(_write(tmp_path, MINIMAL), ["plugin.name=gemini"])
+    message = str(err.value)
+    assert message.startswith(f"{tmp_path / 'cfg.yaml'}: plugin: plugin.name gemini is not supported")
+    assert (
+        "needs CUDA" in message
+        and "placement assertion" in message
+        and "enable_gradient_accumulation" in message
+    )
+    assert len(message.splitlines()) == 1
+
+
+def test_output_is_needed_by_train_only(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from coati_kto.data.formats import write_jsonl
+    from coati_kto.data.prepare import prepare
+
+    rows = [{"prompt": f"Question {i}?", "completion": f"Answer {i}.", "label": i % 2 == 0} for i in range(8)]
+    config = Config.model_validate(
+        {
+            "model": {"path": str(tiny_model_dir)},
+            "data": {
+                "train_files": [str(write_jsonl(rows, tmp_path / "t.jsonl"))],
+                "prepared_dir": str(tmp_path / "p"),
+            },
+        }
+    )
+    assert config.output is None
+    assert len(prepare(config).train) == 8  # prepare needs no output section
+    with pytest.raises(ConfigError, match="output.dir: required key is missing"):
+        config.training_output()
+
+
+def test_family_without_shardformer_policy_is_a_config_error(tmp_path: Path) -> None:
+    from coati_kto.tiny import save_tiny_family
+
+    supported = shardformer_model_classes()
+    assert "transformers.models.qwen2.modeling_qwen2.Qwen2ForCausalLM" in supported
+    for family, arch in [("gemma", "GemmaForCausalLM"), ("qwen3", "Qwen3ForCausalLM")]:
+        model_dir = save_tiny_family(tmp_path / family, family, CORPUS[:20], vocab_size=280)
+        assert model_class_name(str(model_dir)) not in supported
+        text = MINIMAL.replace("some/model", str(model_dir))
+        with pytest.raises(ConfigError) as err:
+            load_config(_write(tmp_path, text))
+        assert f"model.path {model_dir}: {arch} has no ColossalAI shardformer policy" in str(err.value)
+        assert "use plugin.name low_level_zero or ddp" in str(err.value)
+        # The other plugins do not need a policy.
+        assert load_config(_write(tmp_path, text), ["plugin.name=low_level_zero"]).plugin.zero_stage == 2
+
+
+def test_plan_answers() -> None:
+    plan = ParallelPlan("hybrid_parallel", "bf16", 2, tp_size=2, max_grad_norm=1.0)
+    assert not plan.no_sync_accumulation and plan.max_grad_norm == 1.0
+    assert ParallelPlan("low_level_zero", "bf16", 1).no_sync_accumulation
+    assert str(ParallelPlan("low_level_zero", "bf16", 1).dtype) == "torch.bfloat16"
