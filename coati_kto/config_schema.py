@@ -40,7 +40,14 @@ def _default_text(field: Any) -> str:
 
 
 def _sections() -> list[tuple[str, type[BaseModel]]]:
-    return [(name, field.annotation) for name, field in Config.model_fields.items()]
+    """Each section's name and model; an optional section (``output: OutputSection | None``) by its model."""
+    out = []
+    for name, field in Config.model_fields.items():
+        models = [
+            a for a in (typing.get_args(field.annotation) or (field.annotation,)) if a is not type(None)
+        ]
+        out.append((name, models[0]))
+    return out
 
 
 def schema_lines() -> list[str]:
