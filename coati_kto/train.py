@@ -82,8 +82,35 @@ def build_components(config: Config, plugin: Any, total_steps: int) -> Component
         min_lr_rate=config.train.min_lr_ratio,
     )
     booster = Booster(plugin=plugin)
+    derived = derived_float_buffers(policy)
     policy, optimizer, _, _, lr_scheduler = booster.boost(policy, optimizer, lr_scheduler=lr_scheduler)
+    restore_buffers(policy.unwrap(), derived)
     return Components(plugin, booster, layout, policy, reference, optimizer, lr_scheduler)
+
+
+def derived_float_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Floating-point buffers that are not in the checkpoint (RoPE's ``inv_freq``), as loaded: fp32.
+
+    The plugins cast the whole policy to bf16/fp16, buffers included: a bf16 ``inv_freq`` shifts the rotary
+    angle by up to ~0.4% x position (radians at positions in the hundreds), while ``from_pretrained`` in bf16
+    (the reference) keeps it fp32. Restoring it keeps the policy's positions those of the pretrained model.
+    """
+    persistent = set(model.state_dict())
+    return {
+        name: buf.detach().clone()
+        for name, buf in model.named_buffers()
+        if buf.is_floating_point() and name not in persistent
+    }
+
+
+def restore_buffers(model: torch.nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    """Put ``saved`` buffers back (same names, original dtype) on the device the plugin moved them to."""
+    for name, value in saved.items():
+        owner_name, _, attr = name.rpartition(".")
+        owner = model.get_submodule(owner_name)
+        current = owner._buffers.get(attr)
+        if current is not None:
+            owner._buffers[attr] = value.to(current.device)
 
 
 def total_optimizer_steps(config: Config, micro_batches_per_rank: int) -> int:
