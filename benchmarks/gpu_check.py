@@ -43,33 +43,19 @@ SIZES = {  # hidden, layers, heads, intermediate
     "550m": (1536, 16, 12, 4096),
     "1b": (2048, 16, 16, 5632),
 }
-# name -> (plugin section, model.attn_implementation, ColossalAI flash attention on, needs CUDA)
-CASES: dict[str, tuple[dict[str, Any], str | None, bool, bool]] = {
-    "hybrid_zero2_eager": (
-        {"name": "hybrid_parallel", "zero_stage": 2, "precision": "bf16"},
-        "eager",
-        False,
-        False,
-    ),
-    "hybrid_zero2_sdpa": (
-        {"name": "hybrid_parallel", "zero_stage": 2, "precision": "bf16"},
-        "sdpa",
-        False,
-        False,
-    ),
-    "hybrid_zero2_coloattn": (
-        {"name": "hybrid_parallel", "zero_stage": 2, "precision": "bf16"},
-        "sdpa",
-        True,
-        True,
-    ),
-    "lowlevel_zero2_sdpa": (
-        {"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"},
-        "sdpa",
-        False,
-        False,
-    ),
+HYBRID = {"name": "hybrid_parallel", "zero_stage": 2, "precision": "bf16"}
+LOW_LEVEL = {"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"}
+# name -> plugin section, model.attn_implementation, ColossalAI flash attention (ColoAttention) on, needs CUDA,
+# overlap_communication (None: the plugin's default, which coati_kto keeps on CUDA)
+CASES: dict[str, dict[str, Any]] = {
+    "hybrid_zero2_eager": {"plugin": HYBRID, "attn": "eager"},
+    "hybrid_zero2_sdpa": {"plugin": HYBRID, "attn": "sdpa"},
+    "hybrid_zero2_coloattn": {"plugin": HYBRID, "attn": "sdpa", "coloattn": True, "cuda_only": True},
+    "lowlevel_zero2_sdpa": {"plugin": LOW_LEVEL, "attn": "sdpa"},
+    "hybrid_zero2_sdpa_nooverlap": {"plugin": HYBRID, "attn": "sdpa", "overlap": False},
+    "lowlevel_zero2_sdpa_nooverlap": {"plugin": LOW_LEVEL, "attn": "sdpa", "overlap": False},
 }
+DEFAULT_CASES = "hybrid_zero2_eager,hybrid_zero2_sdpa,hybrid_zero2_coloattn,lowlevel_zero2_sdpa"
 ATTENTION_KERNEL_WORDS = ("flash", "fmha", "attention", "sdpa", "cudnn", "softmax")
 
 
@@ -183,6 +169,18 @@ def _cuda_attention_kernels(prof: Any) -> list[str]:
     return [k for k, _ in sorted(names.items(), key=lambda kv: -kv[1])[:6]]
 
 
+def _gpu_busy(prof: Any, seconds: float) -> dict[str, Any]:
+    """Kernel time of the profiled step over its wall time, and the kernels that took most of it."""
+    events = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+    total_us = sum(e.self_device_time_total for e in events)
+    top = sorted(events, key=lambda e: -e.self_device_time_total)[:8]
+    return {
+        "profiled_step_seconds": seconds,
+        "gpu_busy_fraction": total_us / 1e6 / seconds,
+        "top_kernels_ms": [[e.key[:70], round(e.self_device_time_total / 1e3, 2), e.count] for e in top],
+    }
+
+
 def run_case(name: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     """One training run in this process; returns its figures and checks (rank 0 of a world of one)."""
     import torch
@@ -193,11 +191,12 @@ def run_case(name: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     from coati_kto.trainer import checkpoint as checkpoint_mod
     from coati_kto.trainer.kto import KTOTrainer
 
-    plugin, attn, coloattn, _ = CASES[name]
+    case = CASES[name]
+    coloattn = case.get("coloattn", False)
     cuda = torch.cuda.is_available()
     raw = base_config(work, args)
-    raw["model"]["attn_implementation"] = attn
-    raw["plugin"] = plugin
+    raw["model"]["attn_implementation"] = case["attn"]
+    raw["plugin"] = case["plugin"]
     raw["output"]["dir"] = str(work / "runs" / name)
     config = Config.model_validate(raw)
     result: dict[str, Any] = {"case": name}
@@ -205,6 +204,9 @@ def run_case(name: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     if coloattn:  # train() turns it on only for flash_attention_2, which needs the flash-attn package
         build = plugins.build_plugin
         plugins.build_plugin = lambda cfg, norm, flash_attention=False: build(cfg, norm, flash_attention=True)
+    if case.get("overlap") is not None:
+        overrides = compat.plugin_overrides
+        compat.plugin_overrides = lambda: {**overrides(), "overlap_communication": case["overlap"]}
     if args.adamw_fallback and cuda:  # only when the HybridAdam kernels failed to build (reported)
         compat.make_optimizer = lambda params, lr, wd, fused_ok=True: torch.optim.AdamW(
             params, lr=lr, weight_decay=wd, fused=True
@@ -229,6 +231,7 @@ def run_case(name: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
                 train_step(self, micro_batches, epoch)
                 sync()
             result["cuda_attention_kernels"] = _cuda_attention_kernels(prof)
+            result.update(_gpu_busy(prof, time.perf_counter() - start))
         else:
             train_step(self, micro_batches, epoch)
         sync()
@@ -280,9 +283,13 @@ def run_case(name: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     if cuda:
         result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         result["device"] = torch.cuda.get_device_name()
+    keys = ("train/loss", "train/grad_norm", "train/rewards/chosen", "train/rewards/rejected", "train/kl")
+    result["history"] = [[r.get(k) for k in keys] for r in trainer.history if "train/loss" in r]
     losses = [r["train/loss"] for r in trainer.history if "train/loss" in r]
     result["loss_first3"] = statistics.fmean(losses[:3])
     result["loss_last3"] = statistics.fmean(losses[-3:])
+    margins = [r["train/rewards/margin"] for r in trainer.history if "train/rewards/margin" in r]
+    result["margin_last3"] = statistics.fmean(margins[-3:]) if margins else None
     result["steps"] = len(steps)
 
     timed = steps[WARMUP_STEPS:] or steps
@@ -360,16 +367,16 @@ def environment() -> dict[str, Any]:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    head = "case                   status  step_s  tok/s     peakGiB  TFLOP/s  MFU    loss first->last  step0 dlogp  optimizer"
+    head = "case                          status  step_s  tok/s     peakGiB  TFLOP/s  MFU    loss first->last  margin  step0 dlogp  optimizer"
     lines = [head]
     for r in results:
         if "error" in r:
-            lines.append(f"{r['case']:<22} FAIL    {r['error'][-150:]}")
+            lines.append(f"{r['case']:<29} FAIL    {r['error'][-150:]}")
             continue
         mem = r.get("peak_memory_gib")
         mfu = r.get("mfu")
         lines.append(
-            f"{r['case']:<22} {'ok' if r['passed'] else 'FAIL':<7} {r['step_seconds_median']:<7.3f} "
+            f"{r['case']:<29} {'ok' if r['passed'] else 'FAIL':<7} {r['step_seconds_median']:<7.3f} "
             f"{r['tokens_per_second']:<9.0f} {mem if mem is None else round(mem, 1)!s:<8} {r['tflops']:<8.1f} "
             f"{'-' if mfu is None else f'{mfu:.1%}':<6} {r['loss_first3']:.4f}->{r['loss_last3']:.4f}   "
             f"{r['step0_logp_max_abs_diff']:<11.3g}  {r['optimizer']}"
@@ -395,7 +402,7 @@ def main() -> int:
         "--size", choices=sorted(SIZES), default=None, help="default: 550m on CUDA, tiny on CPU"
     )
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--cases", default=DEFAULT_CASES, help=f"any of {','.join(CASES)}")
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--accumulation-steps", type=int, default=2)
     parser.add_argument("--max-length", type=int, default=768)
@@ -450,7 +457,7 @@ def main() -> int:
 
     results = []
     for name in args.cases.split(","):
-        if CASES[name][3] and not cuda:
+        if CASES[name].get("cuda_only") and not cuda:
             continue
         cmd = [sys.executable, __file__, "--out", str(args.out), "--case", name]
         cmd += ["--n-params", str(n_params), "--n-embedding", str(n_embedding), "--steps", str(args.steps)]
