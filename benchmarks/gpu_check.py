@@ -379,7 +379,7 @@ def table(results: list[dict[str, Any]]) -> str:
             f"{r['case']:<29} {'ok' if r['passed'] else 'FAIL':<7} {r['step_seconds_median']:<7.3f} "
             f"{r['tokens_per_second']:<9.0f} {mem if mem is None else round(mem, 1)!s:<8} {r['tflops']:<8.1f} "
             f"{'-' if mfu is None else f'{mfu:.1%}':<6} {r['loss_first3']:.4f}->{r['loss_last3']:.4f}   "
-            f"{r['step0_logp_max_abs_diff']:<11.3g}  {r['optimizer']}"
+            f"{r.get('margin_last3') or 0:<7.3f} {r['step0_logp_max_abs_diff']:<11.3g}  {r['optimizer']}"
         )
     return "\n".join(lines)
 
