@@ -54,6 +54,11 @@ CASES: dict[str, dict[str, Any]] = {
     "lowlevel_zero2_sdpa": {"plugin": LOW_LEVEL, "attn": "sdpa"},
     "hybrid_zero2_sdpa_nooverlap": {"plugin": HYBRID, "attn": "sdpa", "overlap": False},
     "lowlevel_zero2_sdpa_nooverlap": {"plugin": LOW_LEVEL, "attn": "sdpa", "overlap": False},
+    # Padded lengths rounded up to 64: few distinct shapes, so cuDNN attention reuses its plans.
+    "hybrid_zero2_sdpa_pad64": {"plugin": HYBRID, "attn": "sdpa", "data": {"pad_to_multiple_of": 64}},
+    # torch AdamW (fused) instead of HybridAdam: tells the plugins' behaviour from the optimizer's.
+    "hybrid_zero2_sdpa_adamw": {"plugin": HYBRID, "attn": "sdpa", "adamw": True},
+    "lowlevel_zero2_sdpa_adamw": {"plugin": LOW_LEVEL, "attn": "sdpa", "adamw": True},
 }
 DEFAULT_CASES = "hybrid_zero2_eager,hybrid_zero2_sdpa,hybrid_zero2_coloattn,lowlevel_zero2_sdpa"
 ATTENTION_KERNEL_WORDS = ("flash", "fmha", "attention", "sdpa", "cudnn", "softmax")
@@ -171,13 +176,16 @@ def _cuda_attention_kernels(prof: Any) -> list[str]:
 
 def _gpu_busy(prof: Any, seconds: float) -> dict[str, Any]:
     """Kernel time of the profiled step over its wall time, and the kernels that took most of it."""
-    events = [e for e in prof.key_averages() if getattr(e, "self_device_time_total", 0) > 0]
+    averages = prof.key_averages()
+    cpu_top = sorted(averages, key=lambda e: -e.self_cpu_time_total)[:8]
+    events = [e for e in averages if getattr(e, "self_device_time_total", 0) > 0]
     total_us = sum(e.self_device_time_total for e in events)
     top = sorted(events, key=lambda e: -e.self_device_time_total)[:8]
     return {
         "profiled_step_seconds": seconds,
         "gpu_busy_fraction": total_us / 1e6 / seconds,
         "top_kernels_ms": [[e.key[:70], round(e.self_device_time_total / 1e3, 2), e.count] for e in top],
+        "top_cpu_ops_ms": [[e.key[:70], round(e.self_cpu_time_total / 1e3, 2), e.count] for e in cpu_top],
     }
 
 
@@ -197,6 +205,7 @@ def run_case(name: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     raw = base_config(work, args)
     raw["model"]["attn_implementation"] = case["attn"]
     raw["plugin"] = case["plugin"]
+    raw["data"].update(case.get("data", {}))
     raw["output"]["dir"] = str(work / "runs" / name)
     config = Config.model_validate(raw)
     result: dict[str, Any] = {"case": name}
@@ -207,7 +216,8 @@ def run_case(name: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     if case.get("overlap") is not None:
         overrides = compat.plugin_overrides
         compat.plugin_overrides = lambda: {**overrides(), "overlap_communication": case["overlap"]}
-    if args.adamw_fallback and cuda:  # only when the HybridAdam kernels failed to build (reported)
+    # AdamW when the HybridAdam kernels failed to build (reported), or where the case asks for it.
+    if (args.adamw_fallback or case.get("adamw")) and cuda:
         compat.make_optimizer = lambda params, lr, wd, fused_ok=True: torch.optim.AdamW(
             params, lr=lr, weight_decay=wd, fused=True
         )
@@ -227,7 +237,8 @@ def run_case(name: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
         sync()
         start = time.perf_counter()
         if profile:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+            with torch.profiler.profile(activities=activities) as prof:
                 train_step(self, micro_batches, epoch)
                 sync()
             result["cuda_attention_kernels"] = _cuda_attention_kernels(prof)
@@ -391,7 +402,8 @@ def passed(r: dict[str, Any], cuda: bool) -> bool:
         r["step0_logp_max_abs_diff_per_token"] < 0.05,
     ]
     if cuda:
-        checks += [r["backend"] == "nccl", "HybridAdam" in r["optimizer"] or r.get("adamw_fallback")]
+        adamw = r.get("adamw_fallback") or CASES[r["case"]].get("adamw")
+        checks += [r["backend"] == "nccl", "HybridAdam" in r["optimizer"] or adamw]
     return all(checks)
 
 
