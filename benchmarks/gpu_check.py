@@ -253,7 +253,8 @@ def run_case(name: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
         else:
             train_step(self, micro_batches, epoch)
         sync()
-        steps.append({"seconds": time.perf_counter() - start, "main": main, "kl": kl, "padded": padded})
+        seconds = time.perf_counter() - start
+        steps.append({"seconds": seconds, "main": main, "kl": kl, "padded": padded, "profiled": profile})
 
     def checked_fit(self: KTOTrainer, train_loader: Any, *rest: Any, **kw: Any) -> None:
         # Before any step the policy's working copy equals the reference: their log-probs must agree.
@@ -310,7 +311,8 @@ def run_case(name: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     result["margin_last3"] = statistics.fmean(margins[-3:]) if margins else None
     result["steps"] = len(steps)
 
-    timed = steps[WARMUP_STEPS:] or steps
+    # After warm-up, without the profiled step (the profiler slows it several-fold).
+    timed = [s for s in steps[WARMUP_STEPS:] if not s["profiled"]] or steps
     n = args.n_params - args.n_embedding
     seconds = sum(s["seconds"] for s in timed)
     flops = sum(8 * n * s["main"] + 4 * n * s["kl"] for s in timed)
