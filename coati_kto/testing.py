@@ -41,7 +41,9 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     """Run ``fn(*args)`` on ``world_size`` processes joined in one gloo group; return each rank's result.
 
     ``fn`` must be importable (a module-level function); its return value must be picklable. A failure on
-    any rank raises RuntimeError with that rank's traceback.
+    any rank raises RuntimeError with that rank's traceback. The workers see no GPU, even on a GPU machine:
+    the CPU path (gloo) everywhere, the same numbers as on CI, and no two ranks on one GPU, which NCCL
+    refuses (the CUDA path is checked by benchmarks/gpu_check.py).
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -50,8 +52,16 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, results), daemon=False)
         for rank in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # spawned children copy the environment at start()
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        if visible is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = visible
     outputs: dict[int, Any] = {}
     try:
         for _ in range(world_size):

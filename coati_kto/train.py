@@ -10,6 +10,7 @@ export's files); tensor-parallel ranks of one data-parallel group get the same b
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from dataclasses import dataclass
@@ -20,6 +21,7 @@ import torch
 
 from coati_kto.config import Config, ModelSection, save_config
 from coati_kto.distributed import ParallelLayout, barrier, init_distributed, seed_everything
+from coati_kto.errors import ConfigError
 from coati_kto.parallel import ParallelPlan
 from coati_kto.preflight import check_training, clear_previous_run
 from coati_kto.signals import STOP, StopSignals
@@ -47,6 +49,15 @@ def load_causal_lm(path: str, model_cfg: ModelSection, dtype: torch.dtype) -> to
     the exported model keeps the user's config."""
     from transformers import AutoModelForCausalLM
 
+    if (
+        model_cfg.attn_implementation == "flash_attention_2"
+        and importlib.util.find_spec("flash_attn") is None
+    ):
+        # transformers raises a multi-line ImportError only after reading the config; say it in one line.
+        raise ConfigError(
+            "model.attn_implementation flash_attention_2 needs the flash-attn package, which is not installed: "
+            "pip install flash-attn --no-build-isolation, or set model.attn_implementation=sdpa"
+        )
     extra = {"attn_implementation": model_cfg.attn_implementation} if model_cfg.attn_implementation else {}
     return AutoModelForCausalLM.from_pretrained(
         path, torch_dtype=dtype, trust_remote_code=model_cfg.trust_remote_code, **extra
