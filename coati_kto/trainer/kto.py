@@ -45,7 +45,7 @@ from torch import nn
 
 from coati_kto.distributed import ParallelLayout, reduce_sums
 from coati_kto.errors import UserError
-from coati_kto.logprobs import completion_logits_to_keep, sequence_logps
+from coati_kto.logprobs import LMHead, model_sequence_logps
 from coati_kto.loss import estimate_kl, kto_loss
 from coati_kto.trainer.base import SLTrainer
 from coati_kto.trainer.logging import MetricWriter, ProgressBar
@@ -178,6 +178,7 @@ class KTOTrainer(SLTrainer):
         self._last_lr = float("nan")
         self._resume: dict[str, Any] | None = None
         self._last_saved_step: int | None = None
+        self._heads: dict[int, LMHead | None] = {}  # per model: its chunked LM head, or None
         self._last_eval_step: int | None = None
         self._interval = IntervalMeter()
         self._writer: MetricWriter | None = None
@@ -385,11 +386,17 @@ class KTOTrainer(SLTrainer):
         attention_mask = batch[f"{prefix}attention_mask"]
         # apply_loss_mask=False scores every non-padding token (prompt included), as ColossalChat does.
         mask = batch[f"{prefix}loss_mask"] if self.apply_loss_mask else attention_mask
-        keep = completion_logits_to_keep(mask)
-        out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=keep, use_cache=False)
-        # Shardformer's tensor-parallel LlamaForCausalLM forward swallows logits_to_keep and returns all S
-        # positions; sequence_logps reads K from the logits' shape, so full logits are the (slower) fallback.
-        return sequence_logps(out.logits, input_ids, mask)
+        return model_sequence_logps(model, input_ids, attention_mask, mask, self._lm_head(model))
+
+    def _lm_head(self, model: Any) -> LMHead | None:
+        """The model's LM head for the chunked path (no [B, S, V] logits), or None: the logits path.
+
+        Gemini keeps parameters in chunks released outside the forward, so its head is used through logits.
+        """
+        if id(model) not in self._heads:
+            gemini = type(self.plugin).__name__ == "GeminiPlugin"
+            self._heads[id(model)] = None if gemini else LMHead.find(model)
+        return self._heads[id(model)]
 
     def _grad_sync(self, last: bool) -> contextlib.AbstractContextManager:
         """No gradient reduction before the step's last micro-batch, where the plugin supports it."""
