@@ -234,7 +234,7 @@ def _one_step_variants(model_dir: str, ref_dir: str, out_dir: str) -> dict:
         ]
     trainer.fit(step)
     cfg = _layout_config(model_dir, ref_dir, out_dir, 4)
-    parts, no_reference = _build(cfg, total_steps=1)
+    parts, no_reference = _build(cfg, total_steps=1, peak_flops=1e9)
     no_reference.reference = None
     no_reference.fit(precomputed)
     return {"micro_batch": (trainer.history[0], hand), "precomputed": no_reference.history[0]}
@@ -615,3 +615,27 @@ def test_schedule_length_is_capped_by_the_epochs(tmp_path: Path) -> None:
         == 62
     )
     assert total_optimizer_steps(load_config(path, ["train.accumulation_steps=4"]), 62) == 16
+
+
+def _expected_flops_per_token(model_dir: Path, step: list[dict], reference: bool) -> float:
+    """Model FLOPs / tokens of one training step by hand: N x (2 kl [policy] + 2 (ex + kl) [reference] + 6 ex)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    n = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
+    ex = sum(int(b["attention_mask"].sum()) for b in step)
+    kl = sum(int(b["kl_attention_mask"].sum()) for b in step)
+    flops = n * (2 * kl + 6 * ex + (2 * (ex + kl) if reference else 0))
+    return flops / (ex + kl)
+
+
+def test_model_flops_count_the_passes_run(one_proc: dict, tiny_model_dir: Path) -> None:
+    """Online reference: 4 passes' FLOPs; precomputed: the reference's two passes are not counted; MFU logged."""
+    step = _global_steps()[0]
+    online = _records(one_proc["layout"]["history"])[1]
+    cached = one_proc["variants"]["precomputed"]
+    for record, reference in ((online, True), (cached, False)):
+        ratio = record["train/model_flops_per_second"] / record["train/tokens_per_second"]
+        assert ratio == pytest.approx(_expected_flops_per_token(tiny_model_dir, step, reference), rel=1e-9)
+    assert "train/mfu" not in online  # no peak known on CPU unless set
+    assert cached["train/mfu"] == pytest.approx(cached["train/model_flops_per_second"] / 1e9, rel=1e-12)

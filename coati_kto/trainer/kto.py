@@ -50,6 +50,7 @@ from coati_kto.loss import estimate_kl, kto_loss
 from coati_kto.trainer.base import SLTrainer
 from coati_kto.trainer.logging import MetricWriter, ProgressBar
 from coati_kto.trainer.metrics import IntervalMeter, StepSums, summarize
+from coati_kto.trainer.throughput import flop_params, forward_flops, mfu, train_flops
 
 _DROPOUT_ATTRS = ("attention_dropout", "attn_dropout", "hidden_dropout", "dropout", "dropout_rate")
 HISTORY_LENGTH = 10_000  # logged records kept in memory (TensorBoard/W&B hold the full run)
@@ -70,6 +71,8 @@ class _NoGradPass:
     labels: torch.Tensor  # [B] bool
     valid: torch.Tensor  # [B] bool; False on evaluation padding rows
     tokens: torch.Tensor  # 0-dim: non-padding tokens of valid examples and their KL pairs
+    example_tokens: torch.Tensor  # 0-dim: non-padding tokens of valid examples (the gradient pass's)
+    flops: torch.Tensor  # 0-dim float64: model FLOPs of the no-grad passes run here
     reference: torch.Tensor
     policy_kl: torch.Tensor
     reference_kl: torch.Tensor
@@ -98,6 +101,7 @@ class KTOTrainer(SLTrainer):
         checkpoint_manager: a coati_kto.trainer.checkpoint.CheckpointManager (default: one under ``save_dir``).
         run_config: the resolved config as a dict; stored in every checkpoint and sent to W&B.
         wandb_project, wandb_mode, wandb_dir: W&B settings when ``fit(use_wandb=True)``.
+        peak_flops: peak FLOP/s per device; when set, ``train/mfu`` is logged (coati_kto.trainer.throughput).
     """
 
     def __init__(
@@ -132,6 +136,7 @@ class KTOTrainer(SLTrainer):
         wandb_project: str = "coati-kto",
         wandb_mode: str = "online",
         wandb_dir: str | None = None,
+        peak_flops: float | None = None,
     ) -> None:
         super().__init__(booster, max_epochs, actor, actor_optim, plugin, start_epoch)
         if accumulation_steps < 1 or log_interval < 1 or save_interval < 0 or eval_interval < 0:
@@ -179,6 +184,8 @@ class KTOTrainer(SLTrainer):
         self._resume: dict[str, Any] | None = None
         self._last_saved_step: int | None = None
         self._heads: dict[int, LMHead | None] = {}  # per model: its chunked LM head, or None
+        self._params: dict[int, int] = {}  # per model: N for the model FLOPs count
+        self.peak_flops = peak_flops
         self._last_eval_step: int | None = None
         self._interval = IntervalMeter()
         self._writer: MetricWriter | None = None
@@ -300,6 +307,10 @@ class KTOTrainer(SLTrainer):
     def _log_interval(self) -> None:
         metrics = {f"train/{k}": v for k, v in self._interval.summary().items()}
         metrics.update({"train/lr": self._last_lr, "train/skipped_steps": float(self.skipped_steps)})
+        devices = dist.get_world_size() if dist.is_initialized() else 1
+        utilisation = mfu(metrics.get("train/model_flops_per_second", 0.0), self.peak_flops, devices)
+        if utilisation is not None:
+            metrics["train/mfu"] = utilisation
         self._record(metrics)
         self._interval.reset()
 
@@ -336,6 +347,10 @@ class KTOTrainer(SLTrainer):
                         loss = torch.where(item.valid, losses, 0.0).sum() / scale
                         self.booster.backward(loss, self.optimizer)
                 item.batch = None
+                grad_flops = (
+                    train_flops(self._flop_params(self.policy), item.example_tokens) if train else 0.0
+                )
+                sums.add_flops(item.flops + grad_flops)
                 sums.add(losses, rewards, policy_logps, item.labels, item.valid, item.tokens)
         return sums
 
@@ -345,15 +360,25 @@ class KTOTrainer(SLTrainer):
         }
         labels = batch["label"].bool()
         valid = batch["valid"].bool() if "valid" in batch else torch.ones_like(labels)
-        tokens = torch.where(
-            valid, batch["attention_mask"].sum(1) + batch["kl_attention_mask"].sum(1), 0
-        ).sum()
+        example_tokens = torch.where(valid, batch["attention_mask"].sum(1), 0).sum()
+        kl_tokens = torch.where(valid, batch["kl_attention_mask"].sum(1), 0).sum()
+        # Model FLOPs of the passes that run: the policy on the KL pairs (and on the examples in evaluation),
+        # the reference on both unless the batch carries its log-probs.
+        flops = forward_flops(
+            self._flop_params(self.policy), kl_tokens + (0 if keep_batch else example_tokens)
+        )
+        reference_tokens = ("reference_logps" not in batch) * example_tokens
+        reference_tokens = reference_tokens + ("reference_kl_logps" not in batch) * kl_tokens
+        if self.reference is not None:
+            flops = flops + forward_flops(self._flop_params(self.reference), reference_tokens)
         with torch.no_grad():
             return _NoGradPass(
                 batch=batch if keep_batch else None,
                 labels=labels,
                 valid=valid,
-                tokens=tokens,
+                tokens=example_tokens + kl_tokens,
+                example_tokens=example_tokens,
+                flops=flops,
                 reference=self._reference_logps(batch, kl=False),
                 policy_kl=self._sequence_logps(self.policy, batch, "kl_"),
                 reference_kl=self._reference_logps(batch, kl=True),
@@ -387,6 +412,12 @@ class KTOTrainer(SLTrainer):
         # apply_loss_mask=False scores every non-padding token (prompt included), as ColossalChat does.
         mask = batch[f"{prefix}loss_mask"] if self.apply_loss_mask else attention_mask
         return model_sequence_logps(model, input_ids, attention_mask, mask, self._lm_head(model))
+
+    def _flop_params(self, model: Any) -> int:
+        """N of ``model`` for the FLOPs count (coati_kto.trainer.throughput), computed once per model."""
+        if id(model) not in self._params:
+            self._params[id(model)] = flop_params(model)
+        return self._params[id(model)]
 
     def _lm_head(self, model: Any) -> LMHead | None:
         """The model's LM head for the chunked path (no [B, S, V] logits), or None: the logits path.
@@ -463,6 +494,7 @@ class KTOTrainer(SLTrainer):
         metrics = {f"eval/{k}": v for k, v in summarize(totals, kl).items()}
         metrics["eval/examples_per_second"] = totals["examples"] / seconds
         metrics["eval/tokens_per_second"] = totals["tokens"] / seconds
+        metrics["eval/model_flops_per_second"] = totals["model_flops"] / seconds
         self._record(metrics)
         self._last_eval_step = self.global_step
         if self._progress is not None and "eval/loss" in metrics:
