@@ -1,4 +1,4 @@
-"""``coati-kto`` (also ``python -m coati_kto``): prepare | inspect | train.
+"""``coati-kto`` (also ``python -m coati_kto``): prepare | inspect | train | precompute.
 
 User mistakes (UserError) print one ``error:`` line and exit 2, with no traceback.
 """
@@ -36,11 +36,21 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--nproc-per-node", type=int, default=None, help="launch this many local processes with torchrun"
     )
+    # ---- precompute (reference log-probs cache; coati_kto.reference_cache)
+    p = command(
+        "precompute",
+        "Score every example and KL pair with the reference model once; store with the prepared data "
+        "(used by kto.reference=cached).",
+    )
+    p.add_argument(
+        "--nproc-per-node", type=int, default=None, help="launch this many local processes with torchrun"
+    )
+    # ---- end precompute
     return parser
 
 
 def _launch_local(args: argparse.Namespace) -> int:
-    """Re-run ``train`` under torchrun with N local processes; returns torchrun's exit status."""
+    """Re-run the command (train, precompute) under torchrun with N local processes; returns its exit status."""
     cmd = [
         sys.executable,
         "-m",
@@ -49,7 +59,7 @@ def _launch_local(args: argparse.Namespace) -> int:
         f"--nproc_per_node={args.nproc_per_node}",
         "-m",
         "coati_kto",
-        "train",
+        args.command,
         args.config,
         *args.overrides,
     ]
@@ -72,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from coati_kto.config import load_config
 
-        if args.command == "train" and args.nproc_per_node and "RANK" not in os.environ:
+        if args.command in ("train", "precompute") and args.nproc_per_node and "RANK" not in os.environ:
             load_config(args.config, args.overrides)  # fail here, once, rather than in N processes
             return _launch_local(args)
         config = load_config(args.config, args.overrides)
@@ -86,6 +96,10 @@ def main(argv: list[str] | None = None) -> int:
             inspect_batches(
                 config, num_ranks=args.ranks, num_batches=args.batches, num_examples=args.examples
             )
+        elif args.command == "precompute":
+            from coati_kto.reference_cache import precompute
+
+            precompute(config)
         else:
             from coati_kto.train import train
 

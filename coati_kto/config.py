@@ -65,6 +65,12 @@ class KTOSection(_Section):
     undesirable_weight: float = Field(1.0, gt=0.0)
     auto_weights: bool = Field(False, description="Set the weights into the paper's [1, 4/3] guideline.")
     kl_scope: Literal["step", "micro_batch"] = "step"
+    reference: Literal["online", "cached"] = Field(
+        "online",
+        description="online: the reference model scores each batch; cached: its log-probs are computed once "
+        "(coati-kto precompute) and stored with the prepared data, and training never loads it.",
+    )
+    precompute_batch_size: int = Field(16, ge=1, description="Rows per reference forward when precomputing.")
 
 
 class TrainSection(_Section):
@@ -92,6 +98,11 @@ class TrainSection(_Section):
     log_interval: int = Field(1, ge=1)
     dist_timeout: float = Field(
         600.0, gt=0.0, description="Seconds a rank waits in a collective for a dead peer before failing."
+    )
+    peak_flops: float | None = Field(
+        None,
+        gt=0.0,
+        description="Peak FLOP/s per device for train/mfu; default: a table of GPUs (bf16/fp16 only).",
     )
 
 

@@ -68,12 +68,14 @@ def build_components(config: Config, plugin: Any, total_steps: int) -> Component
     if config.model.gradient_checkpointing:
         # Non-reentrant: shardformer's forward requires it, and it works with no_grad passes.
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    reference = load_causal_lm(
-        config.model.reference_path or config.model.path,
-        config.model,
-        training_dtype(config.plugin.precision),
-    )
-    reference = reference.to(get_accelerator().get_current_device()).eval().requires_grad_(False)
+    reference = None  # kto.reference cached: the batches carry its log-probs (coati_kto.reference_cache)
+    if config.kto.reference == "online":
+        reference = load_causal_lm(
+            config.model.reference_path or config.model.path,
+            config.model,
+            training_dtype(config.plugin.precision),
+        )
+        reference = reference.to(get_accelerator().get_current_device()).eval().requires_grad_(False)
     optimizer = compat.make_optimizer(policy.parameters(), config.train.lr, config.train.weight_decay)
     lr_scheduler = get_cosine_with_min_lr_schedule_with_warmup(
         optimizer,
@@ -115,6 +117,7 @@ def train(config: Config) -> Any:
     from coati_kto.plugins import build_plugin
     from coati_kto.trainer.checkpoint import CheckpointManager
     from coati_kto.trainer.kto import KTOTrainer
+    from coati_kto.trainer.throughput import resolve_peak_flops
 
     # ---- setup
     init_distributed(timeout_s=config.train.dist_timeout)
@@ -124,6 +127,10 @@ def train(config: Config) -> Any:
     tokenizer = AutoTokenizer.from_pretrained(
         config.model.tokenizer or config.model.path, trust_remote_code=config.model.trust_remote_code
     )
+    if config.kto.reference == "cached":  # computed once (all ranks) unless a matching cache exists
+        from coati_kto.reference_cache import with_reference_logps
+
+        data = with_reference_logps(config, data, tokenizer.pad_token_id)
     plugin = build_plugin(
         config.plugin,
         config.train.max_grad_norm,
@@ -172,6 +179,12 @@ def train(config: Config) -> Any:
             flush=True,
         )
     parts = build_components(config, plugin, total_steps)
+    peak_flops, peak_source = resolve_peak_flops(config.train.peak_flops, config.plugin.precision)
+    if layout.is_main:
+        if peak_flops:
+            print(f"train/mfu against {peak_flops:.4g} FLOP/s per device ({peak_source})", flush=True)
+        else:
+            print(f"train/mfu not logged: peak FLOP/s {peak_source}", flush=True)
     manager = CheckpointManager(out_dir / "checkpoints", parts.booster, layout, config.output.keep_last)
     trainer = KTOTrainer(
         actor=parts.policy,
@@ -198,6 +211,7 @@ def train(config: Config) -> Any:
         wandb_project=config.logging.wandb_project,
         wandb_mode=config.logging.wandb_mode,
         wandb_dir=str(out_dir),
+        peak_flops=peak_flops,
     )
     checkpoint = manager.resolve(config.train.resume)
     if checkpoint is not None:
