@@ -204,7 +204,7 @@ def score_rows(model: torch.nn.Module, rows: Any, order: np.ndarray, batch_size:
         for s in range(0, len(order), batch_size):
             batch = collator([rows[int(i)] for i in order[s : s + batch_size]])
             batch = {k: v.to(device) for k, v in batch.items()}
-            example, kl = reference_pair_logps(model, batch)
+            example, kl, _ = reference_pair_logps(model, batch)
             out[s : s + len(example), 0] = example.float().cpu().numpy()
             out[s : s + len(example), 1] = kl.float().cpu().numpy()
     return out

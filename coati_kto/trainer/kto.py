@@ -47,6 +47,7 @@ from coati_kto.distributed import ParallelLayout, reduce_sums
 from coati_kto.errors import UserError
 from coati_kto.logprobs import LMHead, model_sequence_logps
 from coati_kto.loss import estimate_kl, kto_loss
+from coati_kto.packing import reference_pair_logps
 from coati_kto.trainer.base import SLTrainer
 from coati_kto.trainer.logging import MetricWriter, ProgressBar
 from coati_kto.trainer.metrics import IntervalMeter, StepSums, summarize
@@ -363,15 +364,17 @@ class KTOTrainer(SLTrainer):
         example_tokens = torch.where(valid, batch["attention_mask"].sum(1), 0).sum()
         kl_tokens = torch.where(valid, batch["kl_attention_mask"].sum(1), 0).sum()
         # Model FLOPs of the passes that run: the policy on the KL pairs (and on the examples in evaluation),
-        # the reference on both unless the batch carries its log-probs.
+        # the reference unless the batch carries its log-probs (the shared prompt once when packed).
         flops = forward_flops(
             self._flop_params(self.policy), kl_tokens + (0 if keep_batch else example_tokens)
         )
-        reference_tokens = ("reference_logps" not in batch) * example_tokens
-        reference_tokens = reference_tokens + ("reference_kl_logps" not in batch) * kl_tokens
-        if self.reference is not None:
-            flops = flops + forward_flops(self._flop_params(self.reference), reference_tokens)
         with torch.no_grad():
+            reference, reference_kl, shared = self._reference_pair(batch)
+            if shared is not None:
+                run = batch["attention_mask"].sum(1) + batch["kl_attention_mask"].sum(1) - shared
+                flops = flops + forward_flops(
+                    self._flop_params(self.reference), torch.where(valid, run, 0).sum()
+                )
             return _NoGradPass(
                 batch=batch if keep_batch else None,
                 labels=labels,
@@ -379,9 +382,9 @@ class KTOTrainer(SLTrainer):
                 tokens=example_tokens + kl_tokens,
                 example_tokens=example_tokens,
                 flops=flops,
-                reference=self._reference_logps(batch, kl=False),
+                reference=reference,
                 policy_kl=self._sequence_logps(self.policy, batch, "kl_"),
-                reference_kl=self._reference_logps(batch, kl=True),
+                reference_kl=reference_kl,
                 policy=None if keep_batch else self._sequence_logps(self.policy, batch, ""),
             )
 
@@ -398,13 +401,23 @@ class KTOTrainer(SLTrainer):
         """The policy's completion log-probs [B] fp32 with gradient (the only pass that builds a graph)."""
         return self._sequence_logps(self.policy, batch, "")
 
-    def _reference_logps(self, batch: dict[str, torch.Tensor], kl: bool) -> torch.Tensor:
-        key = "reference_kl_logps" if kl else "reference_logps"
-        if key in batch:
-            return batch[key].float()
+    def _reference_pair(
+        self, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(reference log-probs [B], on the KL pairs [B], prompt tokens [B] shared by one packed pass or None
+        when nothing ran): precomputed from the batch, else one shared-prompt pass (coati_kto.packing)."""
+        if "reference_logps" in batch and "reference_kl_logps" in batch:
+            return batch["reference_logps"].float(), batch["reference_kl_logps"].float(), None
         if self.reference is None:
-            raise ValueError(f"no reference model and the batch has no precomputed {key}")
-        return self._sequence_logps(self.reference, batch, "kl_" if kl else "")
+            raise ValueError("no reference model and the batch has no precomputed reference_logps")
+        if not self.apply_loss_mask:  # every token scored: nothing is shared
+            zeros = torch.zeros_like(batch["label"], dtype=torch.long)
+            return (
+                self._sequence_logps(self.reference, batch, ""),
+                self._sequence_logps(self.reference, batch, "kl_"),
+                zeros,
+            )
+        return reference_pair_logps(self.reference, batch)
 
     def _sequence_logps(self, model: Any, batch: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
         input_ids = batch[f"{prefix}input_ids"]
