@@ -37,7 +37,7 @@ from coati_kto.errors import ConfigError
 CACHE_VERSION = 1  # bump when the stored values change for the same key
 CACHE_DIR = "reference_cache"
 SPLITS = ("train", "eval")
-_HASHED_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".json", ".model")
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")  # plus config.json: what the forward depends on
 
 
 # ----------------------------------------------------------------------------------------------- the key
@@ -65,7 +65,7 @@ def _file_sha256(path: Path) -> str:
 
 
 def weights_hash(path: str, memo_file: Path | None = None) -> str:
-    """sha256 over the reference's weight and config files (names and contents), tokenizer files excluded.
+    """sha256 over the reference's weight files and config.json (names and contents).
 
     ``memo_file`` remembers each file's hash under (path, size, mtime), so a multi-GB model is read once, not
     at every launch; a file that changes gets a new size or mtime and is hashed again.
@@ -81,10 +81,7 @@ def weights_hash(path: str, memo_file: Path | None = None) -> str:
     files = sorted(
         f
         for f in root.rglob("*")
-        if f.is_file()
-        and f.suffix in _HASHED_SUFFIXES
-        and "tokenizer" not in f.name
-        and f.name != "vocab.json"
+        if f.is_file() and (f.suffix in _WEIGHT_SUFFIXES or f.name == "config.json")
     )
     for f in files:
         st = f.stat()
