@@ -4,6 +4,10 @@ A naive ``log_softmax(logits.float())`` holds a full fp32 copy of the logits (an
 backward pass): 8 x 512 x 32000 x 4 bytes = 0.5 GiB on top of the bf16 logits. Here only the positions the
 loss mask selects are processed, a chunk of rows at a time, and a custom backward recomputes each chunk's
 softmax from the saved logits and one fp32 log-sum-exp per position.
+
+The trainer goes further where it can (:class:`LMHead`, :func:`model_sequence_logps`): no logits tensor at
+all, the completion positions' hidden states through the LM head a vocabulary chunk at a time, forward and
+backward. :func:`sequence_logps` remains the path for vocabulary-parallel heads (tensor parallelism) and Gemini.
 """
 
 from __future__ import annotations

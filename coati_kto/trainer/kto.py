@@ -3,7 +3,8 @@
 One optimizer step (``_train_step``) on every rank:
 
 1. no-grad passes over each micro-batch of the step: the policy on the KL pairs, the reference model on the
-   KL pairs and on the examples (or precomputed ``reference_logps`` / ``reference_kl_logps`` from the batch);
+   examples and their KL pairs in one shared-prompt pass (coati_kto.packing), or precomputed
+   ``reference_logps`` / ``reference_kl_logps`` from the batch (kto.reference cached: no reference model);
 2. the reference point z0 from the KL log-ratios of every micro-batch of the step on every data-parallel rank
    (``kto.kl_scope: step``; ``micro_batch`` estimates one z0 per micro-batch instead);
 3. the policy pass with gradient per micro-batch, the KTO loss, ``booster.backward`` of
