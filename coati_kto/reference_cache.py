@@ -197,7 +197,7 @@ def score_rows(model: torch.nn.Module, rows: Any, order: np.ndarray, batch_size:
     collator = KTOCollator(pad_token_id)
     device = next(model.parameters()).device
     out = np.zeros((len(order), 2), dtype=np.float32)
-    with torch.no_grad():
+    with torch.inference_mode():  # no autograd bookkeeping at all (the trainer's passes need no_grad only)
         for s in range(0, len(order), batch_size):
             batch = collator([rows[int(i)] for i in order[s : s + batch_size]])
             batch = {k: v.to(device) for k, v in batch.items()}
