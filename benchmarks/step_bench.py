@@ -7,9 +7,10 @@ prompt + completion about 100 + 100 tokens, 3:1 labels, micro-batch 8, fp32, Hyb
 1 process. Each run is a whole ``coati-kto train`` process (imports, data loading, checkpoint at the end
 included); the parent imports nothing heavy, so each child's peak RSS is its own.
 
-- step time: median over the logged steps after the first 3 (8 / train/examples_per_second);
-- one epoch end to end: the process's wall time; for ``cached`` the reference cache is deleted first, so the
-  precompute (in the same process) is included;
+- step time: median over the logged steps after the first 3, in CPU seconds of the step (one thread per
+  process, so other processes on a shared machine stretch the wall time, not this) and in wall seconds;
+- one epoch end to end: the whole process, CPU seconds and wall; the ``cached`` run starts with the reference
+  cache deleted, so it precomputes (same process) and then trains: precompute included;
 - ``--baseline DIR``: the same online run with another checkout's coati_kto (e.g. the code before this
   change: four passes per step, logits-based log-probs) for comparison;
 - tool-use shape (applications/chatml_tool_use: a ~620-token system prompt, short completions): step times
@@ -259,6 +260,7 @@ def main() -> None:
     p.add_argument("--tool-steps", type=int, default=8)
     p.add_argument("--baseline", default=None, help="another checkout whose online run to compare with")
     p.add_argument("--skip-100m", action="store_true")
+    p.add_argument("--only-100m", action="store_true", help="just the ~100M peak-memory comparison")
     args, rest = p.parse_known_args()
     if args.child:
         kind, *params = args.child + rest
@@ -272,6 +274,13 @@ def main() -> None:
     shutil.rmtree(base, ignore_errors=True)
     print(f"work dir {base}; {os.cpu_count()} CPUs (shared: other processes may load them)")
 
+    if not args.only_100m:
+        _fixture_and_tool_use(args, base)
+    if not args.skip_100m:
+        _memory_100m(base)
+
+
+def _fixture_and_tool_use(args: argparse.Namespace, base: Path) -> None:
     # ---- fixture: 7.4M Llama, ~100 + ~100 tokens, micro-batch 8, fp32, one epoch
     work = base / "fixture"
     work.mkdir(parents=True)
@@ -321,13 +330,25 @@ def main() -> None:
         f"({1 - savings['one_pass'] / savings['two_passes']:.1%} fewer)"
     )
 
-    # ---- ~100M parameters: peak memory, the reference really not resident with the cache
-    if args.skip_100m:
-        return
+
+def _memory_100m(base: Path) -> None:
+    """~100M parameters: peak RSS online vs cached, the reference really not resident with the cache.
+
+    The reference is a copy of the policy's directory: safetensors weights are memory-mapped, and a reference
+    loaded from the policy's own file shares its page-cache pages with the policy's initial weights (and
+    clean file pages may be evicted), which would hide part of the reference from RSS on CPU. On a GPU the
+    reference is copied to device memory either way.
+    """
     work = base / "fixture_100m"
     work.mkdir(parents=True)
     info, _ = _run(["--child", "setup", str(work), "32", "fixture", "768", "12"])
+    shutil.copytree(work / "model", work / "reference")
     config = _config(work, "m100", 256, 128, 4, max_steps=2)
+    import yaml
+
+    raw = yaml.safe_load(config.read_text())
+    raw["model"]["reference_path"] = str(work / "reference")
+    config.write_text(yaml.safe_dump(raw))
     _run(["--child", "run", str(config), "precompute", "kto.reference=cached"])
     runs = {"online": _train(config, "online"), "cached": _train(config, "cached")}
     reference_mib = info["params"] * 4 / 2**20
