@@ -1,6 +1,11 @@
 """Naive fp32 log_softmax vs chunked sequence_logps: time and peak extra memory, on CPU.
 
     PYTHONPATH=. python benchmarks/logprobs_bench.py [--batch 8 --seq 512 --vocab 32000 --reps 3]
+    PYTHONPATH=. python benchmarks/logprobs_bench.py --head [--batch 4 --seq 2048 --vocab 128000 --hidden 1024]
+
+``--head`` compares, from the last hidden states on, the LM head + logits path (what the trainer did before:
+[B, K, V] logits from ``logits_to_keep``, then sequence_logps) with the chunked head (hidden_sequence_logps: no
+logits tensor), forward + backward (gradients for the hidden states and the head weight), bf16.
 
 (PYTHONPATH not needed once coati_kto is installed.)
 
@@ -21,7 +26,7 @@ import time
 
 import torch
 
-from coati_kto.logprobs import sequence_logps
+from coati_kto.logprobs import completion_logits_to_keep, hidden_sequence_logps, sequence_logps
 
 MIB = 1 << 20
 
@@ -73,8 +78,69 @@ MASKS = ("full", "realistic")
 VARIANTS = (("naive", None), ("chunked", 32), ("chunked", None), ("chunked", 1024))
 
 
+def head_inputs(args: argparse.Namespace):
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(args.batch, args.seq, args.hidden, generator=g).bfloat16()
+    weight = (torch.randn(args.vocab, args.hidden, generator=g) / args.hidden**0.5).bfloat16()
+    _, ids, mask = make_inputs(args.batch, args.seq, 2, full_mask=args.mask == "full")
+    ids = torch.randint(0, args.vocab, ids.shape, generator=g)
+    return hidden, weight, ids, mask
+
+
+def run_head(variant: str, hidden, weight, ids, mask) -> tuple[float, torch.Tensor]:
+    keep = completion_logits_to_keep(mask)
+    h = hidden[:, -keep:].detach().requires_grad_()
+    w = weight.detach().requires_grad_()
+    t0 = time.perf_counter()
+    if variant == "logits":
+        out = sequence_logps(torch.nn.functional.linear(h, w), ids, mask)
+    else:
+        out = hidden_sequence_logps(h, w, None, ids, mask)
+    out.sum().backward()
+    return time.perf_counter() - t0, out.detach()
+
+
+def head_child(args: argparse.Namespace) -> None:
+    inputs = head_inputs(args)
+    base = rss_mib()
+    seconds, out = run_head(args.variant, *inputs)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(json.dumps({"extra_mib": peak - base, "seconds": seconds, "logps": out.tolist()}))
+
+
+def head_main(args: argparse.Namespace) -> None:
+    print(
+        f"B={args.batch} S={args.seq} V={args.vocab} H={args.hidden} bf16, {args.mask} mask, forward + backward "
+        f"(grads of hidden states and head weight); each variant in its own process ({torch.get_num_threads()} "
+        "threads)"
+    )
+    n = args.batch * args.seq * args.vocab
+    print(
+        f"full logits would be {2 * n / MIB:.0f} MiB bf16; the head weight {2 * args.vocab * args.hidden / MIB:.0f} MiB"
+    )
+    results = {}
+    for variant in ("logits", "chunked"):
+        cmd = [sys.executable, __file__, "--head", "--variant", variant, "--mask", args.mask]
+        cmd += ["--batch", str(args.batch), "--seq", str(args.seq), "--vocab", str(args.vocab)]
+        cmd += ["--hidden", str(args.hidden)]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
+        results[variant] = json.loads(out)
+    for variant, r in results.items():
+        print(f"{variant:<10} peak extra {r['extra_mib']:8.0f} MiB   {r['seconds']:7.2f} s")
+    ratio = results["chunked"]["extra_mib"] / results["logits"]["extra_mib"]
+    diff = max(
+        abs(a - b) for a, b in zip(results["chunked"]["logps"], results["logits"]["logps"], strict=True)
+    )
+    print(
+        f"chunked / logits peak extra memory: {ratio:.3f} (target <= 0.25); max |logps diff| {diff:.2e} nats"
+    )
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--head", action="store_true", help="LM head from hidden states: logits vs chunked")
+    p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--vocab", type=int, default=32000)
@@ -83,6 +149,10 @@ def main() -> None:
     p.add_argument("--mask", default="full")
     p.add_argument("--chunk", type=int, default=None)
     args = p.parse_args()
+    if args.head:
+        if args.variant:
+            return head_child(args)
+        return head_main(args)
     if args.variant:
         return child(args)
     n = args.batch * args.seq * args.vocab

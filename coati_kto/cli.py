@@ -1,4 +1,4 @@
-"""``coati-kto`` (also ``python -m coati_kto``): prepare | inspect | train | config; ``--version``.
+"""``coati-kto`` (also ``python -m coati_kto``): prepare | inspect | train | precompute | config; ``--version``.
 
 User mistakes (UserError) print one ``error:`` line and exit 2, with no traceback.
 """
@@ -37,6 +37,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--nproc-per-node", type=int, default=None, help="launch this many local processes with torchrun"
     )
+    # ---- precompute (reference log-probs cache; coati_kto.reference_cache)
+    p = command(
+        "precompute",
+        "Score every example and KL pair with the reference model once; store with the prepared data "
+        "(used by kto.reference=cached).",
+    )
+    p.add_argument(
+        "--nproc-per-node", type=int, default=None, help="launch this many local processes with torchrun"
+    )
+    # ---- end precompute
     p = sub.add_parser(
         "config",
         help="Print the resolved config (every default filled in), or with --schema every key.",
@@ -82,13 +92,13 @@ def _config_command(args: argparse.Namespace) -> None:
 
 
 def _launch_local(args: argparse.Namespace) -> int:
-    """Re-run ``train`` under torchrun (coati_kto.launch, in this process) with N local processes; returns its
+    """Re-run the command (train, precompute) under torchrun (coati_kto.launch, in this process) with N local processes; returns its
     exit status (STOP_EXIT_CODE after a clean stop on a signal)."""
     from coati_kto.launch import main as launch
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torchrun_args = ["--standalone", f"--nproc_per_node={args.nproc_per_node}"]
-    return launch([*torchrun_args, "-m", "coati_kto", "train", args.config, *args.overrides])
+    return launch([*torchrun_args, "-m", "coati_kto", args.command, args.config, *args.overrides])
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -123,10 +133,13 @@ def main(argv: list[str] | None = None) -> int:
         from coati_kto.config import load_config
 
         _check_numbers(args)
-        if args.command == "train" and args.nproc_per_node and "RANK" not in os.environ:
-            from coati_kto.preflight import check_training
+        if args.command in ("train", "precompute") and args.nproc_per_node and "RANK" not in os.environ:
+            # Here, once, rather than in N processes.
+            config = load_config(args.config, args.overrides)
+            if args.command == "train":
+                from coati_kto.preflight import check_training
 
-            check_training(load_config(args.config, args.overrides))  # here, once, not in N processes
+                check_training(config)
             return _launch_local(args)
         config = load_config(args.config, args.overrides)
         if args.command == "prepare":
@@ -139,6 +152,10 @@ def main(argv: list[str] | None = None) -> int:
             inspect_batches(
                 config, num_ranks=args.ranks, num_batches=args.batches, num_examples=args.examples
             )
+        elif args.command == "precompute":
+            from coati_kto.reference_cache import precompute
+
+            precompute(config)
         else:
             from coati_kto.train import train
 

@@ -108,6 +108,12 @@ class KTOSection(_Section):
     kl_scope: Literal["step", "micro_batch"] = Field(
         "step", description="Estimate z0 over the whole optimizer step (all ranks) or per micro-batch."
     )
+    reference: Literal["online", "cached"] = Field(
+        "online",
+        description="online: the reference model scores each batch; cached: its log-probs are computed once "
+        "(coati-kto precompute) and stored with the prepared data, and training never loads it.",
+    )
+    precompute_batch_size: int = Field(16, ge=1, description="Rows per reference forward when precomputing.")
 
 
 class TrainSection(_Section):
@@ -156,6 +162,11 @@ class TrainSection(_Section):
         60.0,
         ge=0.0,
         description="Seconds without a heartbeat from a rank (gone process or node) before the job stops; 0: off.",
+    )
+    peak_flops: float | None = Field(
+        None,
+        gt=0.0,
+        description="Peak FLOP/s per device for train/mfu; default: a table of GPUs (bf16/fp16 only).",
     )
 
 

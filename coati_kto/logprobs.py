@@ -4,9 +4,16 @@ A naive ``log_softmax(logits.float())`` holds a full fp32 copy of the logits (an
 backward pass): 8 x 512 x 32000 x 4 bytes = 0.5 GiB on top of the bf16 logits. Here only the positions the
 loss mask selects are processed, a chunk of rows at a time, and a custom backward recomputes each chunk's
 softmax from the saved logits and one fp32 log-sum-exp per position.
+
+The trainer goes further where it can (:class:`LMHead`, :func:`model_sequence_logps`): no logits tensor at
+all, the completion positions' hidden states through the LM head a vocabulary chunk at a time, forward and
+backward. :func:`sequence_logps` remains the path for vocabulary-parallel heads (tensor parallelism) and Gemini.
 """
 
 from __future__ import annotations
+
+import inspect
+from typing import Any
 
 import torch
 
@@ -109,3 +116,237 @@ def completion_logits_to_keep(loss_mask: torch.Tensor) -> int:
 def token_count(loss_mask: torch.Tensor) -> torch.Tensor:
     """Completion tokens per row that :func:`sequence_logps` sums over (token 0 is never predicted): [B]."""
     return loss_mask[:, 1:].bool().sum(dim=1)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# No [B, S, V] logits at all: log-probs from the last hidden states through the LM head, a vocabulary chunk at
+# a time. Forward keeps a running log-sum-exp per position; backward recomputes each chunk's logits from the
+# saved hidden states and weight, so nothing of size positions x vocabulary outlives one chunk.
+
+# Elements of one [positions, vocabulary-chunk] fp32 logits block: 2**22 = 16 MiB (a few live at once).
+_HEAD_CHUNK_ELEMENTS = 1 << 22
+_MIN_VOCAB_CHUNK = 128
+# Families whose causal-LM forward is exactly ``logits = lm_head(final_hidden)`` (no soft-capping or scaling
+# after the head): the chunked head is exact for them. Others keep the logits path.
+HEAD_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe"})
+
+
+def _vocab_chunk(positions: int, vocab: int, chunk: int | None) -> int:
+    if chunk is not None:
+        if chunk < 1:
+            raise ValueError(f"vocab_chunk must be >= 1, got {chunk}")
+        return min(chunk, vocab)
+    return min(vocab, max(_MIN_VOCAB_CHUNK, _HEAD_CHUNK_ELEMENTS // max(1, positions)))
+
+
+class _HeadTokenLogps(torch.autograd.Function):
+    """log softmax(hidden @ weight.T + bias)[n, targets[n]] per position n, fp32 [N]; grads for hidden, weight, bias.
+
+    Logits are computed in the weight's dtype (as the model's own head does) and upcast per chunk.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, vocab_chunk: int):
+        n, vocab = hidden.shape[0], weight.shape[0]
+        running_max = torch.full((n,), float("-inf"), dtype=torch.float32, device=hidden.device)
+        running_sum = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        target_logit = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        for v0 in range(0, vocab, vocab_chunk):
+            v1 = min(vocab, v0 + vocab_chunk)
+            logits = torch.nn.functional.linear(
+                hidden, weight[v0:v1], None if bias is None else bias[v0:v1]
+            ).float()
+            new_max = torch.maximum(running_max, logits.amax(dim=1))
+            running_sum = running_sum * (running_max - new_max).exp() + (logits - new_max[:, None]).exp().sum(
+                1
+            )
+            running_max = new_max
+            inside = (targets >= v0) & (targets < v1)
+            local = (targets - v0).clamp(0, v1 - v0 - 1)
+            target_logit = torch.where(inside, logits.gather(1, local[:, None]).squeeze(1), target_logit)
+        lse = running_max + running_sum.log()
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.vocab_chunk = vocab_chunk
+        return target_logit - lse
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        g = grad_out.float()
+        vocab = weight.shape[0]
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = (
+            torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_hidden else None
+        )
+        grad_weight = torch.zeros_like(weight) if need_weight else None
+        grad_bias = torch.zeros_like(bias) if need_bias and bias is not None else None
+        for v0 in range(0, vocab, ctx.vocab_chunk):
+            v1 = min(vocab, v0 + ctx.vocab_chunk)
+            w = weight[v0:v1]
+            logits = torch.nn.functional.linear(hidden, w, None if bias is None else bias[v0:v1]).float()
+            # d/dlogits (logit[target] - lse) = onehot(target) - softmax(logits), times the upstream gradient
+            grad = logits.sub_(lse[:, None]).exp_().mul_(-g[:, None])
+            inside = (targets >= v0) & (targets < v1)
+            local = (targets - v0).clamp(0, v1 - v0 - 1)
+            grad.scatter_add_(1, local[:, None], torch.where(inside, g, 0.0)[:, None])
+            grad = grad.to(weight.dtype)  # what autograd feeds the head's matmuls on the logits path
+            if grad_hidden is not None:
+                grad_hidden.add_(grad.float() @ w.float() if w.dtype != torch.float32 else grad @ w)
+            if grad_weight is not None:
+                grad_weight[v0:v1] = grad.t() @ hidden.to(weight.dtype)  # one matmul per row block: exact
+            if grad_bias is not None:
+                grad_bias[v0:v1] = grad.float().sum(0).to(bias.dtype)
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.to(hidden.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None
+
+
+def head_token_logps(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    vocab_chunk: int | None = None,
+) -> torch.Tensor:
+    """Per-position log p(target) fp32 [N] from hidden [N, H] and an LM head weight [V, H] (bias [V] or None).
+
+    Differentiable in hidden, weight and bias; peak extra memory is one [N, vocab_chunk] fp32 block
+    (default about 16 MiB) plus an fp32 [N, H] gradient buffer in backward.
+    """
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} do not fit")
+    chunk = _vocab_chunk(hidden.shape[0], weight.shape[0], vocab_chunk)
+    return _HeadTokenLogps.apply(hidden, weight, bias, targets.long(), chunk)
+
+
+def sum_per_row(token_logps: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, shape: tuple[int, int]):
+    """Sum per row b of the values at (rows, cols) of a [B, T] grid: Tensor[B] (scatter then sum, deterministic)."""
+    grid = torch.zeros(shape, dtype=token_logps.dtype, device=token_logps.device)
+    return grid.index_put((rows, cols), token_logps).sum(dim=1)
+
+
+def hidden_sequence_logps(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    vocab_chunk: int | None = None,
+) -> torch.Tensor:
+    """:func:`sequence_logps` from the last hidden states [B, K, H] (the last K positions) and the LM head.
+
+    Same contract as :func:`sequence_logps` with ``hidden`` in place of the logits: the logits of the kept
+    completion positions are computed a vocabulary chunk at a time and never held whole.
+    """
+    batch, seq = input_ids.shape
+    if hidden.dim() != 3 or hidden.shape[0] != batch or not 1 <= hidden.shape[1] <= seq:
+        raise ValueError(f"hidden {tuple(hidden.shape)} does not fit input_ids {tuple(input_ids.shape)}")
+    keep = hidden.shape[1]
+    start = seq - keep + 1
+    mask = loss_mask.bool()
+    if keep < seq and bool(mask[:, 1:start].any()):
+        raise ValueError(f"hidden states cover the last {keep} positions but loss_mask marks earlier tokens")
+    rows, cols = mask[:, start:].nonzero(as_tuple=True)
+    targets = input_ids[:, start:][rows, cols]
+    token_logps = head_token_logps(hidden[rows, cols], weight, bias, targets, vocab_chunk)
+    return sum_per_row(token_logps, rows, cols, (batch, keep))
+
+
+def _is_distributed(weight: torch.Tensor) -> bool:
+    try:
+        from colossalai.tensor.d_tensor import is_distributed_tensor
+    except ImportError:  # colossalai absent: plain torch models only
+        return False
+    return is_distributed_tensor(weight)
+
+
+class LMHead:
+    """The output projection of a causal LM, found through any ColossalAI wrapper, for the chunked path.
+
+    ``weight`` is [V, H] restricted to the real vocabulary (shardformer's PaddingLMHead pads rows to a multiple
+    of 64; those rows are not tokens). :meth:`capture` runs the model with the head fed zero positions and
+    returns the hidden states it would have projected.
+    """
+
+    def __init__(self, module: torch.nn.Module, vocab: int) -> None:
+        self.module, self.vocab = module, vocab
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.module.weight[: self.vocab]
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        bias = getattr(self.module, "bias", None)
+        return None if bias is None else bias[: self.vocab]
+
+    @classmethod
+    def find(cls, model: torch.nn.Module) -> LMHead | None:
+        """The head when the chunked path is exact for ``model``; None (use logits) otherwise.
+
+        None for: families outside :data:`HEAD_FAMILIES`, a vocabulary-parallel head (tensor parallelism: each
+        rank holds a slice), and parameters not resident (Gemini keeps them in chunks outside the forward).
+        """
+        inner = model.unwrap(unwrap_peft=False) if hasattr(model, "unwrap") else model
+        config = getattr(inner, "config", None)
+        if getattr(config, "model_type", None) not in HEAD_FAMILIES:
+            return None
+        head = inner.get_output_embeddings()
+        weight = getattr(head, "weight", None)
+        vocab = int(getattr(head, "old_num_embeddings", None) or config.vocab_size)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] < vocab:
+            return None  # Gemini's released parameters (empty), or a vocabulary slice
+        if _is_distributed(weight):
+            return None  # tensor parallelism: each rank holds a vocabulary slice
+        return cls(head, vocab)
+
+    def capture(self, model: Any, **inputs: Any) -> torch.Tensor:
+        """Run ``model(**inputs)`` and return the head's input [B, K, H]; the head itself projects 0 positions."""
+        captured: list[torch.Tensor] = []
+
+        def hook(module, args):
+            captured.append(args[0])
+            return (args[0][..., :0, :], *args[1:])
+
+        handle = self.module.register_forward_pre_hook(hook)
+        try:
+            model(**inputs)
+        finally:
+            handle.remove()
+        if len(captured) != 1:
+            raise RuntimeError(f"the LM head ran {len(captured)} times in one forward (expected once)")
+        return captured[0]
+
+
+def model_sequence_logps(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    head: LMHead | None,
+) -> torch.Tensor:
+    """Completion log-probs [B] fp32 of ``model`` on one batch: through ``head`` when given, else the logits.
+
+    Either way only the positions from the first completion token on are projected (``logits_to_keep``).
+    Shardformer's tensor-parallel forwards ignore or refuse ``logits_to_keep`` and return all S positions; both
+    paths read K from the shape they get.
+    """
+    module = model.unwrap() if hasattr(model, "unwrap") else model
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    # Shardformer's tensor-parallel forwards swallow logits_to_keep (Llama) or refuse it (Qwen2, Mistral).
+    if _forward_accepts(module, "logits_to_keep"):
+        inputs["logits_to_keep"] = completion_logits_to_keep(loss_mask)
+    if head is None:
+        # Log-probs normalise over the real vocabulary only: a shardformer policy that returns the padding
+        # columns of a padded vocabulary as logits (ColossalAI's Qwen2 policy did: coati_kto.parallel) would
+        # shift every log-prob and train the padding rows. A no-op view when the logits are unpadded.
+        logits = model(**inputs).logits[..., : module.config.vocab_size]
+        return sequence_logps(logits, input_ids, loss_mask)
+    hidden = head.capture(model, **inputs)
+    return hidden_sequence_logps(hidden, head.weight, head.bias, input_ids, loss_mask)
+
+
+def _forward_accepts(module: torch.nn.Module, name: str) -> bool:
+    """Whether ``module.forward`` takes keyword ``name`` (or any keyword)."""
+    params = inspect.signature(module.forward).parameters.values()
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)

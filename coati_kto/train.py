@@ -85,8 +85,12 @@ def build_components(
     if config.model.gradient_checkpointing:
         # Non-reentrant: shardformer's forward requires it, and it works with no_grad passes.
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    reference = load_causal_lm(config.model.reference_path or config.model.path, config.model, torch.float32)
-    reference = plan.build_reference(plugin, reference)
+    reference = None  # kto.reference cached: the batches carry its log-probs (coati_kto.reference_cache)
+    if config.kto.reference == "online":
+        reference = load_causal_lm(
+            config.model.reference_path or config.model.path, config.model, torch.float32
+        )
+        reference = plan.build_reference(plugin, reference)
     optimizer = compat.make_optimizer(policy.parameters(), config.train.lr, config.train.weight_decay)
     lr_scheduler = warmup_cosine_schedule(
         optimizer, config.train.warmup_steps, max(1, total_steps), config.train.min_lr_ratio
@@ -143,6 +147,7 @@ def _train(config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | Non
     from coati_kto.model_card import write_model_card
     from coati_kto.trainer.checkpoint import CheckpointManager
     from coati_kto.trainer.kto import KTOTrainer
+    from coati_kto.trainer.throughput import resolve_peak_flops
 
     # ---- setup
     init_distributed(timeout_s=config.train.dist_timeout)
@@ -157,6 +162,10 @@ def _train(config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | Non
     tokenizer = AutoTokenizer.from_pretrained(
         config.model.tokenizer or config.model.path, trust_remote_code=config.model.trust_remote_code
     )
+    if config.kto.reference == "cached":  # computed once (all ranks) unless a matching cache exists
+        from coati_kto.reference_cache import with_reference_logps
+
+        data = with_reference_logps(config, data, tokenizer.pad_token_id)
     plan = ParallelPlan.from_config(config)
     plugin = plan.build_plugin()
     layout = ParallelLayout.from_plugin(plugin)
@@ -202,6 +211,12 @@ def _train(config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | Non
             flush=True,
         )
     parts = build_components(config, plugin, total_steps, plan)
+    peak_flops, peak_source = resolve_peak_flops(config.train.peak_flops, config.plugin.precision)
+    if layout.is_main:
+        if peak_flops:
+            print(f"train/mfu against {peak_flops:.4g} FLOP/s per device ({peak_source})", flush=True)
+        else:
+            print(f"train/mfu not logged: peak FLOP/s {peak_source}", flush=True)
     manager = CheckpointManager(out_dir / "checkpoints", parts.booster, layout, output.keep_last)
     trainer = KTOTrainer(
         actor=parts.policy,
@@ -235,6 +250,7 @@ def _train(config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | Non
         wandb_dir=str(out_dir),
         stop_signals=stop_signals,
         plan=plan,
+        peak_flops=peak_flops,
     )
     checkpoint = manager.resolve_everywhere(config.train.resume)  # rank 0 decides, every rank follows
     if checkpoint is not None:

@@ -293,7 +293,7 @@ def _one_step_variants(model_dir: str, ref_dir: str, out_dir: str) -> dict:
         ]
     trainer.fit(step)
     cfg = _layout_config(model_dir, ref_dir, out_dir, 4)
-    parts, no_reference = _build(cfg, total_steps=1)
+    parts, no_reference = _build(cfg, total_steps=1, peak_flops=1e9)
     no_reference.reference = None
     no_reference.fit(precomputed)
     return {"micro_batch": (trainer.history[0], hand), "precomputed": no_reference.history[0]}
@@ -739,3 +739,29 @@ def test_a_skipped_step_leaves_its_logging_interval_finite() -> None:
     meter.reset()
     meter.skip(1.0)
     assert meter.summary() == {"skipped_in_interval": 1.0}
+
+
+def _expected_flops_per_token(model_dir: Path, step: list[dict], reference: bool) -> float:
+    """Model FLOPs / tokens of one training step by hand: N x (2 kl [policy] + 6 ex [gradient pass] + 2 (ex + kl
+    - prompt) [reference: one packed pass, the shared prompt once])."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    n = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
+    ex = sum(int(b["attention_mask"].sum()) for b in step)
+    kl = sum(int(b["kl_attention_mask"].sum()) for b in step)
+    prompts = sum(int(b["loss_mask"].int().argmax(1).sum()) for b in step)  # KL pairs share them (_row)
+    flops = n * (2 * kl + 6 * ex + (2 * (ex + kl - prompts) if reference else 0))
+    return flops / (ex + kl)
+
+
+def test_model_flops_count_the_passes_run(one_proc: dict, tiny_model_dir: Path) -> None:
+    """Online reference: 4 passes' FLOPs; precomputed: the reference's two passes are not counted; MFU logged."""
+    step = _global_steps()[0]
+    online = _records(one_proc["layout"]["history"])[1]
+    cached = one_proc["variants"]["precomputed"]
+    for record, reference in ((online, True), (cached, False)):
+        ratio = record["train/model_flops_per_second"] / record["train/tokens_per_second"]
+        assert ratio == pytest.approx(_expected_flops_per_token(tiny_model_dir, step, reference), rel=1e-9)
+    assert "train/mfu" not in online  # no peak known on CPU unless set
+    assert cached["train/mfu"] == pytest.approx(cached["train/model_flops_per_second"] / 1e9, rel=1e-12)

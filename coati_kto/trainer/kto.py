@@ -3,7 +3,8 @@
 One optimizer step (``_train_step``) on every rank:
 
 1. no-grad passes over each micro-batch of the step: the policy on the KL pairs, the reference model on the
-   KL pairs and on the examples (or precomputed ``reference_logps`` / ``reference_kl_logps`` from the batch);
+   examples and their KL pairs in one shared-prompt pass (coati_kto.packing), or precomputed
+   ``reference_logps`` / ``reference_kl_logps`` from the batch (kto.reference cached: no reference model);
 2. the reference point z0 from the KL log-ratios of every micro-batch of the step on every data-parallel rank
    (``kto.kl_scope: step``; ``micro_batch`` estimates one z0 per micro-batch instead). With
    ``loss_type="apo_zero_unpaired"`` there is no z0: the KL-pair passes of step 1 and this collective are
@@ -36,7 +37,6 @@ no_sync, so there every backward reduce-scatters and gradients accumulate in the
 from __future__ import annotations
 
 import contextlib
-import inspect
 import itertools
 import math
 import time
@@ -51,8 +51,9 @@ from torch import nn
 
 from coati_kto.distributed import ParallelLayout, reduce_sums
 from coati_kto.errors import UserError
-from coati_kto.logprobs import completion_logits_to_keep, sequence_logps
+from coati_kto.logprobs import LMHead, model_sequence_logps
 from coati_kto.loss import estimate_kl_raw, needs_kl, preference_loss
+from coati_kto.packing import reference_pair_logps
 from coati_kto.parallel import ParallelPlan
 from coati_kto.signals import StopSignals, TrainingStoppedError, decide
 from coati_kto.trainer.base import SLTrainer
@@ -60,6 +61,7 @@ from coati_kto.trainer.grad_norm import global_norm
 from coati_kto.trainer.logging import MetricWriter, ProgressBar
 from coati_kto.trainer.metrics import IntervalMeter, StepSums, summarize
 from coati_kto.trainer.run_summary import config_markdown, data_stats_markdown, flat_hparams
+from coati_kto.trainer.throughput import flop_params, forward_flops, mfu, train_flops
 
 _DROPOUT_ATTRS = ("attention_dropout", "attn_dropout", "hidden_dropout", "dropout", "dropout_rate")
 HISTORY_LENGTH = 10_000  # logged records kept in memory (TensorBoard/W&B hold the full run)
@@ -82,6 +84,8 @@ class _NoGradPass:
     labels: torch.Tensor  # [B] bool
     valid: torch.Tensor  # [B] bool; False on evaluation padding rows
     tokens: torch.Tensor  # 0-dim: non-padding tokens of valid examples (and of their KL pairs, when run)
+    example_tokens: torch.Tensor  # 0-dim: non-padding tokens of valid examples (the gradient pass's)
+    flops: torch.Tensor  # 0-dim float64: model FLOPs of the no-grad passes run here
     reference: torch.Tensor
     policy_kl: torch.Tensor | None  # None when the loss has no reference point (no KL passes run)
     reference_kl: torch.Tensor | None
@@ -124,6 +128,7 @@ class KTOTrainer(SLTrainer):
             TrainingStoppedError on every rank after the step it was voted in.
         plan: the run's coati_kto.parallel.ParallelPlan (default: recovered from ``plugin``); it says whether
             accumulation may skip gradient sync and which group z0 reduces over.
+        peak_flops: peak FLOP/s per device; when set, ``train/mfu`` is logged (coati_kto.trainer.throughput).
     """
 
     def __init__(
@@ -165,6 +170,7 @@ class KTOTrainer(SLTrainer):
         wandb_dir: str | None = None,
         stop_signals: StopSignals | None = None,
         plan: ParallelPlan | None = None,
+        peak_flops: float | None = None,
     ) -> None:
         super().__init__(booster, max_epochs, actor, actor_optim, plugin, start_epoch)
         if accumulation_steps < 1 or log_interval < 1 or save_interval < 0 or eval_interval < 0:
@@ -216,6 +222,9 @@ class KTOTrainer(SLTrainer):
         self._last_lr = float("nan")
         self._resume: dict[str, Any] | None = None
         self._last_saved_step: int | None = None
+        self._heads: dict[int, LMHead | None] = {}  # per model: its chunked LM head, or None
+        self._params: dict[int, int] = {}  # per model: N for the model FLOPs count
+        self.peak_flops = peak_flops
         self._last_eval_step: int | None = None
         self._interval = IntervalMeter()
         self._writer: MetricWriter | None = None
@@ -390,6 +399,10 @@ class KTOTrainer(SLTrainer):
     def _log_interval(self) -> None:
         metrics = {f"train/{k}": v for k, v in self._interval.summary().items()}
         metrics.update({"train/lr": self._last_lr, "train/skipped_steps": float(self.skipped_steps)})
+        devices = self.layout.world_size
+        utilisation = mfu(metrics.get("train/model_flops_per_second", 0.0), self.peak_flops, devices)
+        if utilisation is not None:
+            metrics["train/mfu"] = utilisation
         self._record(metrics)
         self._interval.reset()
 
@@ -430,6 +443,10 @@ class KTOTrainer(SLTrainer):
                         loss = torch.where(item.valid, losses, 0.0).sum() / scale
                         self.booster.backward(loss, self.optimizer)
                 item.batch = None
+                grad_flops = (
+                    train_flops(self._flop_params(self.policy), item.example_tokens) if train else 0.0
+                )
+                sums.add_flops(item.flops + grad_flops)
                 sums.add(losses, rewards, policy_logps, item.labels, item.valid, item.tokens)
         return sums
 
@@ -439,20 +456,34 @@ class KTOTrainer(SLTrainer):
         }
         labels = batch["label"].bool()
         valid = batch["valid"].bool() if "valid" in batch else torch.ones_like(labels)
-        # Tokens the passes process: the KL pairs' only when their passes run.
-        row_tokens = batch["attention_mask"].sum(1)
-        if self._needs_kl:
-            row_tokens = row_tokens + batch["kl_attention_mask"].sum(1)
-        tokens = torch.where(valid, row_tokens, 0).sum()
+        example_tokens = torch.where(valid, batch["attention_mask"].sum(1), 0).sum()
+        kl_tokens = torch.where(valid, batch["kl_attention_mask"].sum(1), 0).sum()
+        if not self._needs_kl:  # apo_zero_unpaired: no pass runs on the KL pairs
+            kl_tokens = torch.zeros_like(kl_tokens)
+        # Model FLOPs of the passes that run: the policy on the KL pairs (and on the examples in evaluation),
+        # the reference unless the batch carries its log-probs (the shared prompt once when packed).
+        flops = forward_flops(
+            self._flop_params(self.policy), kl_tokens + (0 if keep_batch else example_tokens)
+        )
         with torch.no_grad():
+            reference, reference_kl, shared = self._reference_pair(batch, kl=self._needs_kl)
+            if shared is not None:
+                run = batch["attention_mask"].sum(1) - shared
+                if self._needs_kl:
+                    run = run + batch["kl_attention_mask"].sum(1)
+                flops = flops + forward_flops(
+                    self._flop_params(self.reference), torch.where(valid, run, 0).sum()
+                )
             return _NoGradPass(
                 batch=batch if keep_batch else None,
                 labels=labels,
                 valid=valid,
-                tokens=tokens,
-                reference=self._reference_logps(batch, kl=False),
+                tokens=example_tokens + kl_tokens,
+                example_tokens=example_tokens,
+                flops=flops,
+                reference=reference,
                 policy_kl=self._sequence_logps(self.policy, batch, "kl_") if self._needs_kl else None,
-                reference_kl=self._reference_logps(batch, kl=True) if self._needs_kl else None,
+                reference_kl=reference_kl,
                 policy=None if keep_batch else self._sequence_logps(self.policy, batch, ""),
             )
 
@@ -470,29 +501,51 @@ class KTOTrainer(SLTrainer):
         """The policy's completion log-probs [B] fp32 with gradient (the only pass that builds a graph)."""
         return self._sequence_logps(self.policy, batch, "")
 
-    def _reference_logps(self, batch: dict[str, torch.Tensor], kl: bool) -> torch.Tensor:
-        key = "reference_kl_logps" if kl else "reference_logps"
-        if key in batch:
-            return batch[key].float()
+    def _reference_pair(
+        self, batch: dict[str, torch.Tensor], kl: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(reference log-probs [B], on the KL pairs [B] or None when ``kl`` is False, prompt tokens [B] shared
+        by one packed pass or None when nothing ran): precomputed from the batch, else one shared-prompt pass
+        (coati_kto.packing), or the examples alone without ``kl``."""
+        if "reference_logps" in batch and (not kl or "reference_kl_logps" in batch):
+            reference_kl = batch["reference_kl_logps"].float() if kl else None
+            return batch["reference_logps"].float(), reference_kl, None
         if self.reference is None:
-            raise ValueError(f"no reference model and the batch has no precomputed {key}")
-        return self._sequence_logps(self.reference, batch, "kl_" if kl else "")
+            raise ValueError("no reference model and the batch has no precomputed reference_logps")
+        if not kl:
+            zeros = torch.zeros_like(batch["label"], dtype=torch.long)
+            return self._sequence_logps(self.reference, batch, ""), None, zeros
+        if not self.apply_loss_mask:  # every token scored: nothing is shared
+            zeros = torch.zeros_like(batch["label"], dtype=torch.long)
+            return (
+                self._sequence_logps(self.reference, batch, ""),
+                self._sequence_logps(self.reference, batch, "kl_"),
+                zeros,
+            )
+        return reference_pair_logps(self.reference, batch)
 
     def _sequence_logps(self, model: Any, batch: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
         input_ids = batch[f"{prefix}input_ids"]
         attention_mask = batch[f"{prefix}attention_mask"]
         # apply_loss_mask=False scores every non-padding token (prompt included), as ColossalChat does.
         mask = batch[f"{prefix}loss_mask"] if self.apply_loss_mask else attention_mask
-        keep = completion_logits_to_keep(mask)
-        module = model.unwrap() if hasattr(model, "unwrap") else model
-        # Shardformer's tensor-parallel forwards swallow logits_to_keep (Llama) or refuse it (Qwen2, Mistral)
-        # and return all S positions; sequence_logps reads K from the logits' shape (full logits: slower).
-        extra = {"logits_to_keep": keep} if _forward_accepts(module, "logits_to_keep") else {}
-        out = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
-        # Log-probs normalise over the real vocabulary only: a shardformer policy that returns the padding
-        # columns of a padded vocabulary as logits (ColossalAI's Qwen2 policy did: coati_kto.parallel) would
-        # shift every log-prob and train the padding rows. A no-op view when the logits are unpadded.
-        return sequence_logps(out.logits[..., : module.config.vocab_size], input_ids, mask)
+        return model_sequence_logps(model, input_ids, attention_mask, mask, self._lm_head(model))
+
+    def _flop_params(self, model: Any) -> int:
+        """N of ``model`` for the FLOPs count (coati_kto.trainer.throughput), computed once per model."""
+        if id(model) not in self._params:
+            self._params[id(model)] = flop_params(model)
+        return self._params[id(model)]
+
+    def _lm_head(self, model: Any) -> LMHead | None:
+        """The model's LM head for the chunked path (no [B, S, V] logits), or None: the logits path.
+
+        Gemini keeps parameters in chunks released outside the forward, so its head is used through logits.
+        """
+        if id(model) not in self._heads:
+            gemini = type(self.plugin).__name__ == "GeminiPlugin"
+            self._heads[id(model)] = None if gemini else LMHead.find(model)
+        return self._heads[id(model)]
 
     def _grad_sync(self, last: bool) -> contextlib.AbstractContextManager:
         """No gradient reduction before the step's last micro-batch, where the plugin supports it."""
@@ -538,6 +591,7 @@ class KTOTrainer(SLTrainer):
         metrics = {f"eval/{k}": v for k, v in summarize(totals, kl).items()}
         metrics["eval/examples_per_second"] = totals["examples"] / seconds
         metrics["eval/tokens_per_second"] = totals["tokens"] / seconds
+        metrics["eval/model_flops_per_second"] = totals["model_flops"] / seconds
         self._record(metrics)
         self._last_eval_step = self.global_step
         if self._progress is not None and "eval/loss" in metrics:
@@ -595,12 +649,6 @@ class KTOTrainer(SLTrainer):
             self._progress.close()
         if self._writer is not None:
             self._writer.close()
-
-
-def _forward_accepts(module: nn.Module, name: str) -> bool:
-    """Whether ``module.forward`` takes keyword ``name`` (or any keyword)."""
-    params = inspect.signature(module.forward).parameters.values()
-    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
 
 
 def _disable_dropout(module: nn.Module) -> None:

@@ -22,6 +22,7 @@ SUM_KEYS = (
     "logps/rejected",
     "tokens",
     "nonfinite",
+    "model_flops",
 )
 
 
@@ -70,8 +71,13 @@ class StepSums:
             "logps/rejected": masked_sum(policy_logps, rejected),
             "tokens": tokens,
             "nonfinite": ~finite,
+            "model_flops": torch.zeros((), device=self._sums.device),
         }
         self._sums += torch.stack([parts[k].to(self._sums) for k in SUM_KEYS])
+
+    def add_flops(self, flops: torch.Tensor) -> None:
+        """Add model FLOPs of passes run (0-dim; coati_kto.trainer.throughput counts them)."""
+        self._sums[SUM_KEYS.index("model_flops")] += flops.to(self._sums)
 
     def add_kl(self, z0: torch.Tensor, raw: torch.Tensor) -> None:
         """One reference point z0 = max(0, raw) and its unclamped estimate ``raw`` (0-dim each)."""
@@ -175,4 +181,5 @@ class IntervalMeter:
         if self.seconds > 0:
             out["examples_per_second"] = self.totals["examples"] / self.seconds
             out["tokens_per_second"] = self.totals["tokens"] / self.seconds
+            out["model_flops_per_second"] = self.totals.get("model_flops", 0.0) / self.seconds
         return out

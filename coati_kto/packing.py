@@ -1,0 +1,163 @@
+"""Reference log-probs of an example and its KL pair in one forward: the shared prompt is processed once.
+
+The example (x_i, y_i) and its KL pair (x_i, y_j) share the prompt x_i. One packed row holds
+
+    A = [x_i, y_i]  positions 0 .. |A|-1, causal                                     (the example)
+    B = [y_j]       positions |x_i| .. , each token sees x_i (in A) and B causally, never y_i
+
+so the reference processes P + C_i + C_j tokens instead of 2P + C_i + C_j, and the log-probs are those of two
+separate passes (same positions, same visible tokens; fp32 differences are summation-order only). A row whose
+KL prompt is not the example's prompt (truncation cut them differently) packs as two independent documents
+(B = the whole KL sequence, positions from 0, seeing only itself): still one forward, nothing shared.
+
+It needs a 4D additive mask, which Hugging Face's Llama-family models take with ``eager`` and ``sdpa``
+attention (transformers 4.51); with flash_attention_2, a model wrapped by a plugin (shardformer replaces the
+forward), or a model whose head the chunked path does not cover, :func:`reference_pair_logps` runs two passes.
+The mask costs B x L^2 elements of the model dtype (L = the packed length).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from coati_kto.logprobs import LMHead, head_token_logps, model_sequence_logps, sum_per_row
+
+PACKABLE_ATTENTION = ("eager", "sdpa")
+
+
+def _views(batch: dict[str, torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """(example, KL pair) as (input_ids, attention_mask, loss_mask): the one place batch fields are read."""
+    return (
+        (batch["input_ids"], batch["attention_mask"], batch["loss_mask"]),
+        (batch["kl_input_ids"], batch["kl_attention_mask"], batch["kl_loss_mask"]),
+    )
+
+
+@dataclass
+class PackedPairs:
+    """One packed row per example; targets as (row, predictor column, token id) for example and KL pair."""
+
+    input_ids: torch.Tensor  # [B, L] long
+    position_ids: torch.Tensor  # [B, L] long
+    allowed: torch.Tensor  # [B, L, L] bool: query t may attend key s
+    example: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # rows, predictor cols, targets
+    kl: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    shared: torch.Tensor  # [B] long: prompt tokens of each row not processed twice
+    shared_tokens: int  # their sum
+    tokens: int  # non-padding tokens of the packed rows
+
+
+def shared_prompt_lengths(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """[B] long: tokens the KL pair shares with the example (its prompt), 0 where the prompts differ.
+
+    Both loss masks start at the completion; the shared prompt is everything before, when equal token for token.
+    """
+    (ids, attn, loss), (kl_ids, kl_attn, kl_loss) = _views(batch)
+    start = loss.int().argmax(dim=1)
+    kl_start = kl_loss.int().argmax(dim=1)
+    width = min(ids.shape[1], kl_ids.shape[1])
+    cols = torch.arange(width, device=ids.device)
+    before = cols[None, :] < start[:, None]
+    same = ((ids[:, :width] == kl_ids[:, :width]) | ~before).all(dim=1)
+    ok = (start == kl_start) & same & loss.any(dim=1) & kl_loss.any(dim=1) & (start > 0)
+    return torch.where(ok, start, 0)
+
+
+def pack_pairs(batch: dict[str, torch.Tensor]) -> PackedPairs:
+    """The packed rows of a batch of the batch contract (right-padded; loss masks mark completions)."""
+    (ids, attn, loss), (kl_ids, kl_attn, kl_loss) = _views(batch)
+    shared_rows = shared_prompt_lengths(batch)
+    shared = shared_rows.tolist()
+    lengths, kl_lengths = attn.sum(1).tolist(), kl_attn.sum(1).tolist()
+    n = ids.shape[0]
+    width = max(a + k - s for a, k, s in zip(lengths, kl_lengths, shared, strict=True))
+    device = ids.device
+    packed = torch.zeros(n, width, dtype=torch.long, device=device)
+    positions = torch.zeros(n, width, dtype=torch.long, device=device)
+    allowed = torch.zeros(n, width, width, dtype=torch.bool, device=device)
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+    ex_rows, ex_cols, ex_tgt, kl_rows, kl_cols, kl_tgt = ([] for _ in range(6))
+    for b in range(n):
+        a, k, s = lengths[b], kl_lengths[b], shared[b]
+        bl = k - s  # KL tokens placed after A
+        packed[b, :a] = ids[b, :a]
+        packed[b, a : a + bl] = kl_ids[b, s:k]
+        positions[b, :a] = torch.arange(a, device=device)
+        positions[b, a : a + bl] = torch.arange(s, k, device=device)
+        allowed[b, :a, :a] = causal[:a, :a]
+        allowed[b, a : a + bl, a : a + bl] = causal[:bl, :bl]
+        allowed[b, a : a + bl, :s] = True
+        pad = torch.arange(a + bl, width, device=device)
+        allowed[b, pad, pad] = True  # padding sees itself only: no empty softmax row, output unused
+        # Token t of the example is predicted at column t - 1; KL token u at its predictor's packed column.
+        t = loss[b, 1:a].nonzero().squeeze(1) + 1
+        ex_rows.append(torch.full_like(t, b))
+        ex_cols.append(t - 1)
+        ex_tgt.append(ids[b, t])
+        u = kl_loss[b, 1:k].nonzero().squeeze(1) + 1
+        pred = u - 1
+        kl_rows.append(torch.full_like(u, b))
+        kl_cols.append(torch.where(pred < s, pred, a + pred - s))
+        kl_tgt.append(kl_ids[b, u])
+    return PackedPairs(
+        input_ids=packed,
+        position_ids=positions,
+        allowed=allowed,
+        example=(torch.cat(ex_rows), torch.cat(ex_cols), torch.cat(ex_tgt)),
+        kl=(torch.cat(kl_rows), torch.cat(kl_cols), torch.cat(kl_tgt)),
+        shared=shared_rows,
+        shared_tokens=int(sum(shared)),
+        tokens=int(sum(lengths) + sum(kl_lengths) - sum(shared)),
+    )
+
+
+def can_pack(model: Any) -> bool:
+    """Plain Hugging Face model (no plugin wrapper), eager/sdpa attention, head covered by the chunked path."""
+    config = getattr(model, "config", None)
+    return (
+        not hasattr(model, "unwrap")
+        and getattr(config, "_attn_implementation", None) in PACKABLE_ATTENTION
+        and LMHead.find(model) is not None
+    )
+
+
+def packed_pair_logps(model: Any, head: LMHead, packed: PackedPairs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(example, KL) log-probs [B] fp32 from one forward over the packed rows."""
+    dtype = next(model.parameters()).dtype
+    mask = torch.zeros(packed.allowed.shape, dtype=dtype, device=packed.allowed.device)
+    mask.masked_fill_(~packed.allowed, torch.finfo(dtype).min)
+    hidden = head.capture(
+        model,
+        input_ids=packed.input_ids,
+        attention_mask=mask[:, None],
+        position_ids=packed.position_ids,
+        use_cache=False,
+    )
+    shape = tuple(packed.input_ids.shape)
+    out = []
+    for rows, cols, targets in (packed.example, packed.kl):
+        logps = head_token_logps(hidden[rows, cols], head.weight, head.bias, targets)
+        out.append(sum_per_row(logps, rows, cols, shape))
+    return out[0], out[1]
+
+
+def reference_pair_logps(
+    model: Any, batch: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(example log-probs [B], KL-pair log-probs [B]) fp32 of a frozen ``model``, and the prompt tokens [B] its
+    one packed pass did not process twice (zeros with two passes). Packed when :func:`can_pack`.
+    Call under torch.no_grad()."""
+    head = LMHead.find(model)
+    if head is not None and can_pack(model):
+        packed = pack_pairs(batch)
+        example, kl = packed_pair_logps(model, head, packed)
+        return example, kl, packed.shared
+    example, kl = _views(batch)
+    return (
+        model_sequence_logps(model, example[0], example[1], example[2], head),
+        model_sequence_logps(model, kl[0], kl[1], kl[2], head),
+        torch.zeros(example[0].shape[0], dtype=torch.long, device=example[0].device),
+    )

@@ -1,0 +1,165 @@
+"""Chunked LM-head log-probs (no [B, S, V] logits) against the logits path: values and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+from coati_kto.logprobs import (
+    LMHead,
+    head_token_logps,
+    hidden_sequence_logps,
+    model_sequence_logps,
+    sequence_logps,
+)
+
+
+def _mask(batch: int, seq: int, g: torch.Generator) -> torch.Tensor:
+    mask = torch.zeros(batch, seq, dtype=torch.bool)
+    for b in range(batch):
+        prompt = int(torch.randint(1, seq // 2, (1,), generator=g))
+        end = int(torch.randint(prompt + 1, seq + 1, (1,), generator=g))
+        mask[b, prompt:end] = True
+    return mask
+
+
+@pytest.mark.parametrize("vocab_chunk", [None, 1, 7, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_hidden_path_equals_logits_path_fp32(vocab_chunk, with_bias):
+    g = torch.Generator().manual_seed(3)
+    batch, seq, hid, vocab = 3, 14, 16, 61
+    hidden = torch.randn(batch, seq, hid, generator=g)
+    weight = torch.randn(vocab, hid, generator=g) / 2
+    bias = torch.randn(vocab, generator=g) if with_bias else None
+    ids = torch.randint(0, vocab, (batch, seq), generator=g)
+    mask = _mask(batch, seq, g)
+    leaves_a = [t.clone().requires_grad_() for t in (hidden, weight) + ((bias,) if with_bias else ())]
+    leaves_b = [t.clone().requires_grad_() for t in (hidden, weight) + ((bias,) if with_bias else ())]
+    ba = leaves_a[2] if with_bias else None
+    bb = leaves_b[2] if with_bias else None
+    got = hidden_sequence_logps(leaves_a[0], leaves_a[1], ba, ids, mask, vocab_chunk)
+    ref = sequence_logps(torch.nn.functional.linear(leaves_b[0], leaves_b[1], bb), ids, mask)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-6)
+    w = torch.tensor([1.0, -2.0, 0.5])
+    (got * w).sum().backward()
+    (ref * w).sum().backward()
+    for a, b in zip(leaves_a, leaves_b, strict=True):
+        torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_within_stated_tolerance():
+    """bf16 logits are identical per chunk; only summation order differs: values within 1e-3 nats per token."""
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(40, 32, generator=g).bfloat16()
+    weight = (torch.randn(300, 32, generator=g) / 4).bfloat16()
+    targets = torch.randint(0, 300, (40,), generator=g)
+    got = head_token_logps(hidden, weight, None, targets, vocab_chunk=50)
+    logits = torch.nn.functional.linear(hidden, weight).float()
+    ref = logits.log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
+    torch.testing.assert_close(got, ref, atol=1e-3, rtol=0)
+
+
+def _tiny(cls, config_cls, vocab=200, seed=0, **extra):
+    torch.manual_seed(seed)
+    cfg = config_cls(
+        vocab_size=vocab,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attention_dropout=0.0,
+        **extra,
+    )
+    return cls(cfg)
+
+
+@pytest.mark.parametrize(
+    "cls,config_cls,tied",
+    [(LlamaForCausalLM, LlamaConfig, False), (Qwen2ForCausalLM, Qwen2Config, True)],
+)
+def test_model_path_equals_logits_path_with_parameter_grads(cls, config_cls, tied):
+    model = _tiny(cls, config_cls, tie_word_embeddings=tied)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 200, (3, 12), generator=g)
+    mask = _mask(3, 12, g)
+    attention = torch.ones_like(ids)
+    attention[0, 10:] = 0
+    mask[0, 10:] = False
+    head = LMHead.find(model)
+    assert head is not None and head.weight.shape == (200, 32)
+    got = model_sequence_logps(model, ids, attention, mask, head)
+    got.sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    ref = model_sequence_logps(model, ids, attention, mask, None)
+    ref.sum().backward()
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-6)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_unknown_family_keeps_the_logits_path():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
+    assert LMHead.find(model) is None
+
+
+def _plugin_step(plugin_name: str, use_head: bool) -> dict:
+    """One boosted optimizer step on a Llama with vocabulary 200 (shardformer pads its head to 256)."""
+    from colossalai.booster import Booster
+    from colossalai.booster.plugin import HybridParallelPlugin, LowLevelZeroPlugin, TorchDDPPlugin
+
+    from coati_kto import compat
+
+    extra = compat.plugin_overrides()
+    plugin = {
+        "hybrid_parallel": lambda: HybridParallelPlugin(
+            tp_size=1, pp_size=1, precision="fp32", zero_stage=0, **extra
+        ),
+        "low_level_zero": lambda: LowLevelZeroPlugin(stage=2, precision="fp32", **extra),
+        "ddp": TorchDDPPlugin,
+    }[plugin_name]()
+    model = _tiny(LlamaForCausalLM, LlamaConfig)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    booster = Booster(plugin=plugin)
+    model, optimizer, *_ = booster.boost(model, optimizer)
+    head = LMHead.find(model) if use_head else None
+    assert (head is not None) == use_head
+    if head is not None and plugin_name == "hybrid_parallel":  # the padded rows are not tokens
+        assert type(head.module).__name__ == "PaddingLMHead" and head.module.weight.shape[0] == 256
+    g = torch.Generator().manual_seed(10 + torch.distributed.get_rank())
+    ids = torch.randint(0, 200, (2, 10), generator=g)
+    mask = _mask(2, 10, g)
+    logps = model_sequence_logps(model, ids, torch.ones_like(ids), mask, head)
+    booster.backward(-logps.sum(), optimizer)
+    optimizer.step()
+    inner = model.unwrap()
+    return {
+        "logps": logps.detach(),
+        "head": inner.get_output_embeddings().weight.detach()[:200].clone(),
+        "embed": inner.get_input_embeddings().weight.detach().clone(),
+    }
+
+
+def _compare_paths_under_plugins() -> list[str]:
+    checked = []
+    for name in ("hybrid_parallel", "low_level_zero", "ddp"):
+        torch.manual_seed(0)
+        a, b = _plugin_step(name, True), _plugin_step(name, False)
+        for key in a:
+            torch.testing.assert_close(a[key], b[key], atol=1e-5, rtol=1e-5, msg=f"{name} {key}")
+        checked.append(name)
+    return checked
+
+
+def test_head_path_equals_logits_path_under_plugins_two_processes():
+    """Log-probs and the weights after one step equal the logits path's under ColossalAI's wrappers."""
+    from coati_kto.testing import run_distributed
+
+    assert (
+        run_distributed(_compare_paths_under_plugins, 2) == [["hybrid_parallel", "low_level_zero", "ddp"]] * 2
+    )
