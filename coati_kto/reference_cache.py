@@ -99,13 +99,13 @@ def weights_hash(path: str, memo_file: Path | None = None) -> str:
 
 def cache_key(config: Config, data_digest: str, reference_weights: str) -> dict[str, Any]:
     """What decides the cached values; ``digest`` names the cache directory."""
-    from coati_kto.train import training_dtype
+    from coati_kto.parallel import ParallelPlan
 
     key: dict[str, Any] = {
         "version": CACHE_VERSION,
         "data": data_digest,
         "reference_weights": reference_weights,
-        "dtype": str(training_dtype(config.plugin.precision)).removeprefix("torch."),
+        "dtype": str(ParallelPlan.from_config(config).dtype).removeprefix("torch."),
         "attn_implementation": config.model.attn_implementation or "default",
         "max_length": config.data.max_length,
         "max_prompt_length": config.data.max_prompt_length,
