@@ -114,6 +114,11 @@ class KTOSection(_Section):
         "(coati-kto precompute) and stored with the prepared data, and training never loads it.",
     )
     precompute_batch_size: int = Field(16, ge=1, description="Rows per reference forward when precomputing.")
+    pack_reference: bool = Field(
+        False,
+        description="Online reference: one shared-prompt pass per example and KL pair (equal within rounding, "
+        "so step-0 rewards are ~0, not exactly 0).",
+    )
 
 
 class TrainSection(_Section):

@@ -251,6 +251,7 @@ def _train(config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | Non
         stop_signals=stop_signals,
         plan=plan,
         peak_flops=peak_flops,
+        pack_reference=config.kto.pack_reference,
     )
     checkpoint = manager.resolve_everywhere(config.train.resume)  # rank 0 decides, every rank follows
     if checkpoint is not None:

@@ -127,6 +127,7 @@ def _worker(root: str, model_dir: str, reference_dir: str) -> dict:
     dist.barrier()
     changed, changed_line = _ensure(config, data)
     cache_dirs = sorted(p.name for p in (root_p / "prepared" / "reference_cache").iterdir() if p.is_dir())
+    dist.barrier()  # every rank has read the cache before rank 0 damages it
     if rank == 0:  # damage the new weights' cache, named at the end of the line
         victim = Path(changed_line.split(" -> ")[-1]) / "train.npy"
         victim.write_bytes(victim.read_bytes()[:-8])

@@ -742,16 +742,15 @@ def test_a_skipped_step_leaves_its_logging_interval_finite() -> None:
 
 
 def _expected_flops_per_token(model_dir: Path, step: list[dict], reference: bool) -> float:
-    """Model FLOPs / tokens of one training step by hand: N x (2 kl [policy] + 6 ex [gradient pass] + 2 (ex + kl
-    - prompt) [reference: one packed pass, the shared prompt once])."""
+    """Model FLOPs / tokens of one training step by hand: N x (2 kl [policy] + 6 ex [gradient pass] + 2 (ex + kl)
+    [reference: two passes, kto.pack_reference being off])."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     n = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
     ex = sum(int(b["attention_mask"].sum()) for b in step)
     kl = sum(int(b["kl_attention_mask"].sum()) for b in step)
-    prompts = sum(int(b["loss_mask"].int().argmax(1).sum()) for b in step)  # KL pairs share them (_row)
-    flops = n * (2 * kl + 6 * ex + (2 * (ex + kl - prompts) if reference else 0))
+    flops = n * (2 * kl + 6 * ex + (2 * (ex + kl) if reference else 0))
     return flops / (ex + kl)
 
 

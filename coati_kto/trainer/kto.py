@@ -129,6 +129,9 @@ class KTOTrainer(SLTrainer):
         plan: the run's coati_kto.parallel.ParallelPlan (default: recovered from ``plugin``); it says whether
             accumulation may skip gradient sync and which group z0 reduces over.
         peak_flops: peak FLOP/s per device; when set, ``train/mfu`` is logged (coati_kto.trainer.throughput).
+        pack_reference: score an example and its KL pair in one shared-prompt reference pass (coati_kto.packing)
+            where the model allows it. Off by default: equal to two passes only within rounding (fp32 ~1e-7,
+            bf16 ~1e-3 nats), so step-0 rewards would no longer be exactly 0 (the policy's passes are separate).
     """
 
     def __init__(
@@ -171,6 +174,7 @@ class KTOTrainer(SLTrainer):
         stop_signals: StopSignals | None = None,
         plan: ParallelPlan | None = None,
         peak_flops: float | None = None,
+        pack_reference: bool = False,
     ) -> None:
         super().__init__(booster, max_epochs, actor, actor_optim, plugin, start_epoch)
         if accumulation_steps < 1 or log_interval < 1 or save_interval < 0 or eval_interval < 0:
@@ -183,6 +187,7 @@ class KTOTrainer(SLTrainer):
         self.tokenizer = tokenizer
         self.beta, self.desirable_weight, self.undesirable_weight = beta, desirable_weight, undesirable_weight
         self.apply_loss_mask = apply_loss_mask
+        self.pack_reference = pack_reference
         self.accumulation_steps = accumulation_steps
         self.save_interval, self.eval_interval, self.log_interval = save_interval, eval_interval, log_interval
         self.kl_scope, self.max_steps, self.on_nonfinite = kl_scope, max_steps, on_nonfinite
@@ -515,7 +520,7 @@ class KTOTrainer(SLTrainer):
         if not kl:
             zeros = torch.zeros_like(batch["label"], dtype=torch.long)
             return self._sequence_logps(self.reference, batch, ""), None, zeros
-        if not self.apply_loss_mask:  # every token scored: nothing is shared
+        if not self.apply_loss_mask or not self.pack_reference:  # two passes (or every token scored)
             zeros = torch.zeros_like(batch["label"], dtype=torch.long)
             return (
                 self._sequence_logps(self.reference, batch, ""),
