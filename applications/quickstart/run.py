@@ -6,8 +6,10 @@
 4. kto       colossalai run --nproc_per_node 2 -m coati_kto train configs/quickstart_cpu.yaml
 5. evaluate  evaluate.py: greedy accuracy and log-prob margin on held-out phrasings, before vs after
 
-Everything lands in outputs/quickstart/ (removed first, so a re-run starts clean). Extra arguments of the
-form section.key=value are passed to the KTO config (e.g. ``train.max_steps=50 kto.beta=0.5``).
+Everything lands in outputs/quickstart/ (removed first, so a re-run starts clean): results.md (the table) and
+results.json (the same numbers, read by sweep.py). Extra arguments of the form section.key=value are passed to
+the KTO config (e.g. ``train.max_steps=50 kto.beta=0.5``). ``--threads N`` sets torch's threads in every stage
+(SFT, each KTO rank, evaluation): another count changes float reductions, hence the models, like another CPU.
 """
 
 from __future__ import annotations
