@@ -137,11 +137,15 @@ def test_quickstart_check_fails_unless_kto_clearly_worked() -> None:
     sft = scores(0.45, 0.02, 0.01)  # what the SFT model scores: a coin flip between the two answers
     # Below the band's floor (README, seeds 0-4 x 1-2 threads) still passes; KTO doing nothing fails.
     assert run.check(sft, scores(0.90, 0.05, 2.0)) == []
-    assert run.check(sft, sft) == ["accuracy 45.0% < 80%", "accuracy gain +0.0% < 20%", "margin +0.01 < +1.5"]
+    assert run.check(sft, sft) == ["accuracy 45.0% < 85%", "accuracy gain +0.0% < 15%", "margin +0.01 < +1.5"]
     # Each threshold on its own: accuracy, gain over before, answers off-task, margin.
-    assert run.check(sft, scores(0.79, 0.0, 3.0)) == ["accuracy 79.0% < 80%"]
-    assert run.check(scores(0.70, 0.0, 1.0), scores(0.85, 0.0, 3.0)) == ["accuracy gain +15.0% < 20%"]
-    assert run.check(sft, scores(0.85, 0.11, 3.0)) == ["other answers 11.0% > 10%"]
+    assert run.check(sft, scores(0.84, 0.0, 3.0)) == ["accuracy 84.0% < 85%"]
+    assert run.check(scores(0.76, 0.0, 1.0), scores(0.90, 0.0, 3.0)) == ["accuracy gain +14.0% < 15%"]
+    # The run that prompted this (another machine, old recipe): 82.0% with 18% other answers.
+    assert run.check(scores(0.465, 0.0, 0.0), scores(0.82, 0.18, 2.24)) == [
+        "accuracy 82.0% < 85%",
+        "other answers 18.0% > 5%",
+    ]
     assert run.check(sft, scores(0.95, 0.0, 1.4)) == ["margin +1.40 < +1.5"]
 
 
