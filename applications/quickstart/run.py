@@ -9,7 +9,8 @@
 Everything lands in outputs/quickstart/ (removed first, so a re-run starts clean): results.md (the table) and
 results.json (the same numbers, read by sweep.py). Extra arguments of the form section.key=value are passed to
 the KTO config (e.g. ``train.max_steps=50 kto.beta=0.5``). ``--threads N`` sets torch's threads in every stage
-(SFT, each KTO rank, evaluation): another count changes float reductions, hence the models, like another CPU.
+(SFT, each KTO rank, evaluation); sweep.py runs 1 and 2, since another count may sum floats in another order
+(on the 2-core VM measured in the README it did not: the models were bit-identical).
 """
 
 from __future__ import annotations
@@ -102,6 +103,8 @@ def main() -> None:
     )
     parser.add_argument("overrides", nargs="*", help="section.key=value for the KTO config")
     args = parser.parse_args()
+    if args.threads < 1:
+        parser.error(f"--threads must be at least 1, got {args.threads}")
     os.chdir(ROOT)
     sys.path.insert(0, str(HERE))
     # Before torch starts OpenMP (here and, through the environment, in the KTO ranks): threads that spin while
@@ -115,7 +118,7 @@ def main() -> None:
 
     from coati_kto.distributed import free_port
 
-    # Tiny matrices: one thread is as fast as two, and it does not fight other processes for the cores.
+    # Default 1: on tiny matrices one thread is as fast as two, and it does not fight other processes for cores.
     torch.set_num_threads(args.threads)
     begin = time.perf_counter()
     shutil.rmtree(OUT, ignore_errors=True)
