@@ -1,8 +1,8 @@
 """Run the quickstart over seeds x threads per process, one run after the other, and print the band.
 
-Every run is the full pipeline (``run.py --seed S --threads T``): a different thread count changes the order of
-float reductions, so SFT and KTO end in slightly different models, the way another machine's CPU does. The
-README's band is this script's last line. From the repo root:
+Every run is the full pipeline (``run.py --seed S --threads T``). Seeds change the data, the base model and
+the SFT model; threads may change the order of float sums (on the 2-core VM of the README's band they did
+not: 1 and 2 threads printed the same numbers). The README's band comes from this script. From the repo root:
 
     nice .venv/bin/python applications/quickstart/sweep.py --seeds 0 1 2 3 4 --threads 1 2
 
