@@ -125,6 +125,42 @@ def test_quickstart_uses_this_interpreters_launchers() -> None:
     run = load(APPS / "quickstart" / "run.py", "qs_run")
     assert Path(sys.executable).parent == run.BIN
     assert run.kto_env()["PATH"].split(":")[0] == str(run.BIN)
+    assert run.kto_env()["OMP_NUM_THREADS"] == "1" and run.kto_env(2)["OMP_NUM_THREADS"] == "2"
+
+
+def scores(accuracy: float, other: float, margin: float) -> object:
+    return qs_eval.Scores(accuracy, 1 - accuracy - other, margin, other, 172)
+
+
+def test_quickstart_check_fails_unless_kto_clearly_worked() -> None:
+    run = load(APPS / "quickstart" / "run.py", "qs_run")
+    sft = scores(0.45, 0.02, 0.01)  # what the SFT model scores: a coin flip between the two answers
+    # Below the band's floor (README, seeds 0-4 x 1-2 threads) still passes; KTO doing nothing fails.
+    assert run.check(sft, scores(0.90, 0.05, 2.0)) == []
+    assert run.check(sft, sft) == ["accuracy 45.0% < 85%", "accuracy gain +0.0% < 15%", "margin +0.01 < +1.5"]
+    # Each threshold on its own: accuracy, gain over before, answers off-task, margin.
+    assert run.check(sft, scores(0.84, 0.0, 3.0)) == ["accuracy 84.0% < 85%"]
+    assert run.check(scores(0.76, 0.0, 1.0), scores(0.90, 0.0, 3.0)) == ["accuracy gain +14.0% < 15%"]
+    # The run that prompted this (another machine, old recipe): 82.0% with 18% other answers.
+    assert run.check(scores(0.465, 0.0, 0.0), scores(0.82, 0.18, 2.24)) == [
+        "accuracy 82.0% < 85%",
+        "other answers 18.0% > 5%",
+    ]
+    assert run.check(sft, scores(0.95, 0.0, 1.4)) == ["margin +1.40 < +1.5"]
+
+
+def test_sweep_table_prints_the_band_over_runs() -> None:
+    sweep = load(APPS / "quickstart" / "sweep.py", "qs_sweep")
+    runs = [
+        {"seed": 0, "threads": 1, "wall_s": 100.0, sweep.BEFORE: vars(scores(0.4, 0.0, 0.0))}
+        | {sweep.AFTER: vars(scores(0.97, 0.01, 2.5))},
+        {"seed": 0, "threads": 2, "wall_s": 120.0, sweep.BEFORE: vars(scores(0.6, 0.02, 0.1))}
+        | {sweep.AFTER: vars(scores(1.0, 0.0, 3.0))},
+    ]
+    text = sweep.table(runs)
+    assert "| 0 | 2 | 60.0% | 100.0% | 0.0% | 0.0% | +0.10 | +3.00 | 120s |" in text
+    assert "accuracy 40.0% to 60.0% before KTO -> 97.0% to 100.0% after" in text
+    assert "other answers after 0.0% to 1.0%; margin +0.00 to +0.10 -> +2.50 to +3.00" in text
 
 
 # ---------------------------------------------------------------------------------------------- tool use
