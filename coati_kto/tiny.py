@@ -137,6 +137,25 @@ FAMILIES: dict[str, tuple[str, str]] = {
 }
 
 
+def random_causal_lm(
+    model_class: type[PreTrainedModel], config_class: type, seed: int = 0, **config: object
+) -> PreTrainedModel:
+    """``model_class(config_class(...))``, randomly initialised from ``seed``, test-sized by default (vocabulary
+    200, hidden 32, 2 layers, 4 heads over 2 key-value heads, no dropout); ``config`` overrides any key."""
+    shape: dict[str, object] = dict(
+        vocab_size=200,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        attention_dropout=0.0,
+    )
+    torch.manual_seed(seed)
+    return model_class(config_class(**{**shape, **config}))
+
+
 def build_family_model(family: str, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> PreTrainedModel:
     """A random ``family`` causal LM (FAMILIES) sized for CPU tests, its vocabulary fitted to ``tokenizer``."""
     from transformers import (

@@ -13,6 +13,7 @@ from coati_kto.logprobs import (
     model_sequence_logps,
     sequence_logps,
 )
+from coati_kto.tiny import random_causal_lm
 
 
 def _mask(batch: int, seq: int, g: torch.Generator) -> torch.Tensor:
@@ -61,19 +62,7 @@ def test_bf16_within_stated_tolerance():
 
 
 def _tiny(cls, config_cls, vocab=200, seed=0, **extra):
-    torch.manual_seed(seed)
-    cfg = config_cls(
-        vocab_size=vocab,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attention_dropout=0.0,
-        **extra,
-    )
-    return cls(cfg)
+    return random_causal_lm(cls, config_cls, seed, vocab_size=vocab, max_position_embeddings=64, **extra)
 
 
 @pytest.mark.parametrize(

@@ -9,21 +9,11 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCau
 from coati_kto.data.collator import KTOCollator
 from coati_kto.logprobs import LMHead, model_sequence_logps
 from coati_kto.packing import can_pack, pack_pairs, reference_pair_logps, shared_prompt_lengths
+from coati_kto.tiny import random_causal_lm
 
 
 def _model(cls, config_cls, attn: str):
-    torch.manual_seed(0)
-    cfg = config_cls(
-        vocab_size=120,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        attn_implementation=attn,
-    )
-    return cls(cfg).eval()
+    return random_causal_lm(cls, config_cls, vocab_size=120, attn_implementation=attn).eval()
 
 
 def _rows(seed: int, n: int, mismatched: tuple[int, ...] = ()) -> list[dict]:

@@ -6,19 +6,22 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from coati_kto.tiny import random_causal_lm
 from coati_kto.trainer.throughput import flop_params, mfu, resolve_peak_flops, table_peak_flops
 
 
 def _llama(tied: bool) -> LlamaForCausalLM:
-    cfg = LlamaConfig(
+    return random_causal_lm(
+        LlamaForCausalLM,
+        LlamaConfig,
         vocab_size=100,
         hidden_size=16,
         intermediate_size=32,
         num_hidden_layers=1,
         num_attention_heads=2,
+        num_key_value_heads=2,
         tie_word_embeddings=tied,
     )
-    return LlamaForCausalLM(cfg)
 
 
 @pytest.mark.parametrize("tied", [False, True])
