@@ -24,8 +24,8 @@ from tests.test_train_e2e import _records
 
 PLUGINS: dict[str, dict[str, Any]] = {
     "ddp": {"name": "ddp"},
-    "low_level_zero": {"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"},
-    "hybrid_parallel": {"name": "hybrid_parallel", "zero_stage": 1, "precision": "bf16"},
+    "low_level_zero": {"name": "low_level_zero", "zero_stage": 1, "precision": "bf16"},
+    "hybrid_parallel": {"name": "hybrid_parallel", "zero_stage": 2, "precision": "bf16"},
 }
 STEPS = 6
 
@@ -35,11 +35,12 @@ def _raw_config(model_dir: str, root: Path, plugin: dict[str, Any], out: str) ->
         "model": {"path": model_dir, "lora": {"rank": 4, "alpha": 8, "dropout": 0.1}},
         "data": {
             "train_files": [str(root / "train.jsonl")],
+            "eval_files": [str(root / "eval.jsonl")],
             "prepared_dir": str(root / "prepared"),
             "max_length": 96,
             "max_prompt_length": 48,
         },
-        "train": {"micro_batch_size": 4, "max_steps": STEPS, "lr": 3e-2, "seed": 5, "eval_at_start": False},
+        "train": {"micro_batch_size": 4, "max_steps": STEPS, "lr": 3e-2, "seed": 5},
         "plugin": plugin,
         "output": {"dir": str(root / out), "save_interval": 3, "merge_lora": True},
         "logging": {"tensorboard": False},
@@ -72,6 +73,9 @@ def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, 
         (h["train/rewards/chosen"], h["train/rewards/rejected"], h["train/rewards/margin"])
         for h in train_records
     ]
+    result["eval_margins"] = {
+        int(h["step"]): h["eval/rewards/margin"] for h in first.history if "eval/loss" in h
+    }
     peft = peft_model(first.policy)
     result["trainable"] = sorted(n for n, p in peft.named_parameters() if p.requires_grad)
     result["frozen_lora"] = sorted(
@@ -135,6 +139,7 @@ def lora_runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     root = tmp_path_factory.mktemp("lora")
     for name in PLUGINS:
         write_jsonl(_records(48, 0), root / name / "train.jsonl")
+        write_jsonl(_records(9, 100), root / name / "eval.jsonl")
     return run_distributed(_matrix, 2, str(tiny_model_dir), str(root))
 
 
@@ -148,6 +153,10 @@ def test_lora_lifecycle(lora_runs: list[dict[str, Any]], plugin: str) -> None:
     assert rewards[0][0] == 0.0 and rewards[0][1] == 0.0, rewards[0]
     margins = [m for _, _, m in rewards]
     assert sum(margins[-2:]) / 2 > margins[0] + 0.05, margins
+    # Held-out prompts: the step-0 baseline is exactly 0 (reference == policy), the trained adapters prefer
+    # the desirable answers.
+    evals = main["eval_margins"]
+    assert sorted(evals) == [0, STEPS] and evals[0] == 0.0 and evals[STEPS] > 0.1, evals
     # Only the adapters train; every adapter trains.
     assert main["trainable"] and all("lora_A" in n or "lora_B" in n for n in main["trainable"])
     assert main["frozen_lora"] == [] and main["reference_is_policy"]
