@@ -117,6 +117,7 @@ def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, 
         result["trained_vs_base"] = float((trained_logps - base_logps).abs().max())
         result["logps_scale"] = float(trained_logps.abs().max())
         result["merged_has_lora"] = any("lora_" in k for k in merged.state_dict())
+        result["card_uses_adapter"] = "PeftModel.from_pretrained" in (final / "README.md").read_text()
     barrier()
     return result
 
@@ -167,7 +168,7 @@ def test_lora_lifecycle(lora_runs: list[dict[str, Any]], plugin: str) -> None:
     tolerance = 1e-4 if plugin == "ddp" else 2e-2 * max(1.0, main["logps_scale"])
     assert main["adapter_diff"] <= tolerance, main
     assert main["merged_diff"] <= max(tolerance, 1e-3), main
-    assert not main["merged_has_lora"]
+    assert not main["merged_has_lora"] and main["card_uses_adapter"]
 
 
 def test_lora_config_checks(tmp_path: Path) -> None:
