@@ -82,6 +82,8 @@ def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, 
         n for n, p in peft.named_parameters() if "lora_" in n and not p.requires_grad
     )
     result["reference_is_policy"] = first.reference.policy is first.policy
+    # The chunked LM head path (no [B, S, V] logits) finds the head through the PeftModel.
+    result["chunked_head"] = first._lm_head(first.policy) is not None
     trained = _adapters(first.policy)
     data = load_prepared(config)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -160,7 +162,7 @@ def test_lora_lifecycle(lora_runs: list[dict[str, Any]], plugin: str) -> None:
     assert sorted(evals) == [0, STEPS] and evals[0] == 0.0 and evals[STEPS] > 0.1, evals
     # Only the adapters train; every adapter trains.
     assert main["trainable"] and all("lora_A" in n or "lora_B" in n for n in main["trainable"])
-    assert main["frozen_lora"] == [] and main["reference_is_policy"]
+    assert main["frozen_lora"] == [] and main["reference_is_policy"] and main["chunked_head"]
     assert main["resumed_step"] == STEPS and main["resume_equal"], main
     assert lora_runs[1][plugin]["resume_equal"]
     # The adapters moved the policy away from the base, and both exports reproduce the trained policy.
