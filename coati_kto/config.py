@@ -20,6 +20,35 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
+class LoraSection(_Section):
+    """LoRA adapters (peft) on the policy; the reference is the same model with the adapters disabled."""
+
+    rank: int = Field(8, ge=1, description="LoRA rank r of each adapter's A [r, in] and B [out, r] matrices.")
+    alpha: float = Field(
+        16.0, gt=0.0, description="LoRA scaling numerator: the update is (alpha / rank) B A."
+    )
+    dropout: float = Field(
+        0.0,
+        ge=0.0,
+        lt=1.0,
+        description="Recorded in adapter_config.json; training runs it at 0 like all dropout (deterministic KTO).",
+    )
+    target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        min_length=1,
+        description="Module names (suffixes) that get adapters; not the LM head (lm_head) or embeddings.",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _not_the_head(cls, value: list[str]) -> list[str]:
+        # The chunked LM head path reads the head's weight directly: an adapter there would be skipped.
+        bad = [m for m in value if m in ("lm_head", "embed_tokens", "embed_out", "wte")]
+        if bad:
+            raise ValueError(f"{', '.join(bad)}: adapters on the embeddings or LM head are not supported")
+        return value
+
+
 class ModelSection(_Section):
     path: str = Field(description="Hugging Face model directory (or hub id on machines that reach the hub).")
     tokenizer: str | None = Field(None, description="Tokenizer directory; defaults to model.path.")
@@ -32,6 +61,9 @@ class ModelSection(_Section):
     )
     trust_remote_code: bool = Field(
         False, description="Allow model/tokenizer code shipped with the checkpoint."
+    )
+    lora: LoraSection | None = Field(
+        None, description="Train LoRA adapters instead of every weight (null: full fine-tuning)."
     )
 
 
@@ -247,6 +279,10 @@ class OutputSection(_Section):
     save_final: bool = Field(
         True, description="Export final/ (HF model, tokenizer, README.md model card) at the end."
     )
+    merge_lora: bool = Field(
+        False,
+        description="With model.lora: also write final/merged/, the adapters merged into the base model.",
+    )
     overwrite: bool = Field(
         False,
         description="Start over in a dir holding a run: delete its checkpoints, events and final model.",
@@ -279,6 +315,24 @@ class Config(_Section):
                 check_model_family(self.plugin.name, self.model.reference_path, "model.reference_path")
         except ConfigError as err:
             raise ValueError(str(err)) from None
+        return self
+
+    @model_validator(mode="after")
+    def _lora_fits(self) -> Config:
+        if self.model.lora is None:
+            if self.output is not None and self.output.merge_lora:
+                raise ValueError("output.merge_lora needs model.lora (there are no adapters to merge)")
+            return self
+        if self.plugin.name == "hybrid_parallel" and self.plugin.tp_size > 1:
+            raise ValueError(
+                f"model.lora with plugin.tp_size {self.plugin.tp_size}: ColossalAI 0.5.0 enables LoRA under "
+                "hybrid_parallel only with tp_size 1 (set plugin.tp_size=1, or use low_level_zero or ddp)"
+            )
+        if self.model.reference_path and self.kto.reference == "online":
+            raise ValueError(
+                "model.reference_path with model.lora: the online reference is model.path with the adapters "
+                "disabled (remove model.reference_path, or use kto.reference cached)"
+            )
         return self
 
     def training_output(self) -> OutputSection:

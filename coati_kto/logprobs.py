@@ -292,6 +292,8 @@ class LMHead:
         if getattr(config, "model_type", None) not in HEAD_FAMILIES:
             return None
         head = inner.get_output_embeddings()
+        if hasattr(head, "base_layer"):
+            return None  # a LoRA-adapted head: its weight alone is not the projection
         weight = getattr(head, "weight", None)
         vocab = int(getattr(head, "old_num_embeddings", None) or config.vocab_size)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] < vocab:
@@ -331,7 +333,9 @@ def model_sequence_logps(
     Shardformer's tensor-parallel forwards ignore or refuse ``logits_to_keep`` and return all S positions; both
     paths read K from the shape they get.
     """
-    module = model.unwrap() if hasattr(model, "unwrap") else model
+    from coati_kto.lora import base_module
+
+    module = base_module(model)  # under a LoRA PeftModel too (ColossalAI's unwrap() has no forward there)
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     # Shardformer's tensor-parallel forwards swallow logits_to_keep (Llama) or refuse it (Qwen2, Mistral).
     if _forward_accepts(module, "logits_to_keep"):

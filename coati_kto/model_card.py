@@ -148,11 +148,25 @@ def render(
         "```python",
         "from transformers import AutoModelForCausalLM, AutoTokenizer",
         "",
-        'model = AutoModelForCausalLM.from_pretrained("path/to/final")',
-        'tokenizer = AutoTokenizer.from_pretrained("path/to/final")',
-        "```",
-        "",
     ]
+    if config.model.lora is None:
+        lines += [
+            'model = AutoModelForCausalLM.from_pretrained("path/to/final")',
+            'tokenizer = AutoTokenizer.from_pretrained("path/to/final")',
+        ]
+    else:  # coati_kto.lora.export_lora: final/adapter (peft) and, with output.merge_lora, final/merged
+        lora = config.model.lora
+        lines += [
+            "from peft import PeftModel",
+            "",
+            f"# LoRA adapters (rank {lora.rank}, alpha {lora.alpha:g}) on {', '.join(lora.target_modules)}",
+            f'model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{config.model.path}"), '
+            '"path/to/final/adapter")',
+            'tokenizer = AutoTokenizer.from_pretrained("path/to/final/adapter")',
+        ]
+        if config.output is not None and config.output.merge_lora:
+            lines += ['# or, merged: AutoModelForCausalLM.from_pretrained("path/to/final/merged")']
+    lines += ["```", ""]
     return "\n".join(lines)
 
 

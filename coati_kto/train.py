@@ -36,9 +36,9 @@ class Components:
     booster: Any
     layout: ParallelLayout
     policy: Any  # boosted
-    reference: (
-        torch.nn.Module | None
-    )  # frozen, eval mode, built by plan.build_reference (same path as the policy)
+    # frozen, eval mode, built by plan.build_reference (same path as the policy); with model.lora the policy
+    # with its adapters disabled (coati_kto.lora.AdapterFreeReference); None with kto.reference cached
+    reference: Any
     optimizer: Any  # boosted
     lr_scheduler: Any
     plan: ParallelPlan
@@ -85,8 +85,13 @@ def build_components(
     if config.model.gradient_checkpointing:
         # Non-reentrant: shardformer's forward requires it, and it works with no_grad passes.
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    booster = Booster(plugin=plugin)
+    if config.model.lora is not None:  # before boosting: the plugins wrap the PeftModel
+        from coati_kto.lora import enable_lora
+
+        policy = enable_lora(booster, policy, config.model.lora)
     reference = None  # kto.reference cached: the batches carry its log-probs (coati_kto.reference_cache)
-    if config.kto.reference == "online":
+    if config.kto.reference == "online" and config.model.lora is None:
         reference = load_causal_lm(
             config.model.reference_path or config.model.path, config.model, torch.float32
         )
@@ -95,8 +100,13 @@ def build_components(
     lr_scheduler = warmup_cosine_schedule(
         optimizer, config.train.warmup_steps, max(1, total_steps), config.train.min_lr_ratio
     )
-    booster = Booster(plugin=plugin)
+    # Every parameter, frozen ones included: ZeRO skips them, and LowLevelZeroPlugin finds the adapters' group
+    # by their base layer's parameter.
     policy, optimizer, lr_scheduler = plan.boost(booster, policy, optimizer, lr_scheduler)
+    if config.model.lora is not None and config.kto.reference == "online":
+        from coati_kto.lora import AdapterFreeReference
+
+        reference = AdapterFreeReference(policy)  # the base model: no second copy in memory
     return Components(plugin, booster, layout, policy, reference, optimizer, lr_scheduler, plan)
 
 
@@ -269,7 +279,12 @@ def _train(config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | Non
 
     # ---- save
     if output.save_final:
-        final = manager.export_hf(parts.policy, tokenizer, out_dir / "final")
+        if config.model.lora is not None:  # final/adapter (peft) and, with output.merge_lora, final/merged
+            from coati_kto.lora import export_lora
+
+            final = export_lora(parts.policy, tokenizer, out_dir / "final", layout.is_main, output.merge_lora)
+        else:
+            final = manager.export_hf(parts.policy, tokenizer, out_dir / "final")
         if layout.is_main:
             weights = (desirable_weight, undesirable_weight)
             write_model_card(

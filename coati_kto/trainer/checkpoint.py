@@ -26,6 +26,7 @@ from colossalai.booster import Booster
 
 from coati_kto.distributed import ParallelLayout, barrier, broadcast_object, gather_objects
 from coati_kto.errors import UserError
+from coati_kto.lora import base_module
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ class CheckpointManager:
             (tmp / "trainer_state").mkdir(parents=True)
             (tmp / "master_weights").mkdir()
         self._agree(step, tmp)
-        save_tied_weights_once(model.unwrap())
+        save_tied_weights_once(base_module(model))
         self.booster.save_model(model, str(tmp / "model"), shard=True, use_safetensors=True)
         self.booster.save_optimizer(optimizer, str(tmp / "optimizer"), shard=True)
         self.booster.save_lr_scheduler(lr_scheduler, str(tmp / "lr_scheduler.pt"))
@@ -191,7 +192,7 @@ class CheckpointManager:
         """
         path = Path(path)
         rank = self.layout.rank
-        save_tied_weights_once(model.unwrap())
+        save_tied_weights_once(base_module(model))
         self.booster.load_model(model, str(path / "model"))
         self.booster.load_optimizer(optimizer, str(path / "optimizer"))
         self.booster.load_lr_scheduler(lr_scheduler, str(path / "lr_scheduler.pt"))

@@ -234,10 +234,10 @@ class KTOTrainer(SLTrainer):
         self._interval = IntervalMeter()
         self._writer: MetricWriter | None = None
         self._progress: ProgressBar | None = None
-        for module in (self.policy, self.reference):
-            if module is not None:
-                _disable_dropout(module)
-        if self.reference is not None:
+        _disable_dropout(self.policy)  # LoRA's dropout layers too
+        # A LoRA run's reference is the policy with its adapters off (coati_kto.lora): not frozen here.
+        if isinstance(self.reference, nn.Module):
+            _disable_dropout(self.reference)
             self.reference.eval()
             self.reference.requires_grad_(False)
 

@@ -67,7 +67,9 @@ def flop_params(model: Any) -> int:
 
     Tensor-parallel shards count at their global shape, so every rank gets the whole model's N.
     """
-    inner = model.unwrap() if hasattr(model, "unwrap") else model
+    from coati_kto.lora import base_module
+
+    inner = base_module(model)
     try:
         from colossalai.tensor.d_tensor import get_global_shape, is_distributed_tensor
     except ImportError:

@@ -1,0 +1,119 @@
+"""LoRA (``model.lora``): peft adapters on the policy, enabled through ColossalAI's ``booster.enable_lora``.
+
+The reference is the policy itself with its adapters disabled (:class:`AdapterFreeReference`): no second copy of
+the model in memory. B starts at zero, so at step 0 the policy and the reference are the same function and
+every reward is exactly 0.
+
+Supported here: ``ddp``, ``low_level_zero`` and ``hybrid_parallel`` with ``tp_size`` 1 (ColossalAI asserts
+``tp_size == 1`` in ``HybridParallelPlugin.enable_lora``); the config check refuses the rest at load.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from coati_kto.distributed import barrier
+
+if TYPE_CHECKING:
+    from coati_kto.config import LoraSection
+
+
+def peft_config(section: LoraSection) -> Any:
+    """The ``peft.LoraConfig`` of a ``model.lora`` section (causal LM, no bias trained)."""
+    import peft
+
+    return peft.LoraConfig(
+        task_type="CAUSAL_LM",
+        r=section.rank,
+        lora_alpha=section.alpha,
+        lora_dropout=section.dropout,
+        target_modules=list(section.target_modules),
+        bias="none",
+    )
+
+
+def enable_lora(booster: Any, model: torch.nn.Module, section: LoraSection) -> torch.nn.Module:
+    """The PeftModel of ``model`` (before boosting); only adapter parameters keep ``requires_grad``.
+
+    Every rank calls with the same seed: A is drawn from the torch RNG, so every rank gets the same adapters.
+    """
+    return booster.enable_lora(model, lora_config=peft_config(section))
+
+
+def peft_model(model: Any) -> Any:
+    """The PeftModel inside a (boosted) model, or None when it has no adapters."""
+    from peft import PeftModel
+
+    inner = model.unwrap(unwrap_peft=False) if hasattr(model, "unwrap") else model
+    return inner if isinstance(inner, PeftModel) else None
+
+
+def base_module(model: Any) -> torch.nn.Module:
+    """The Hugging Face model under any ColossalAI wrapper and PeftModel (adapter layers included).
+
+    ColossalAI's ``unwrap()`` returns a ``PeftUnwrapMixin`` for a PeftModel (state-dict renaming only: no
+    forward, no config), so callers that need the model itself come here.
+    """
+    peft = peft_model(model)
+    if peft is not None:
+        return peft.get_base_model()
+    return model.unwrap() if hasattr(model, "unwrap") else model
+
+
+class AdapterFreeReference:
+    """The reference model of a LoRA run: the boosted policy called with its adapters disabled.
+
+    Not an ``nn.Module`` on purpose: the trainer freezes and evals its reference, which must not touch the
+    policy. Calls must run under ``torch.no_grad()`` (the trainer's reference passes do). The policy's dropout
+    is already 0 (KTOTrainer), LoRA's included, so these forwards are deterministic.
+    """
+
+    def __init__(self, policy: Any) -> None:
+        self.policy = policy
+        self.peft = peft_model(policy)
+        if self.peft is None:
+            raise ValueError("AdapterFreeReference needs a policy with LoRA adapters")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self.peft.disable_adapter():
+            return self.policy(*args, **kwargs)
+
+    def unwrap(self, unwrap_peft: bool = True) -> Any:
+        return self.policy.unwrap(unwrap_peft=unwrap_peft)
+
+
+def export_lora(model: Any, tokenizer: Any, out_dir: str | Path, is_main: bool, merge: bool) -> Path:
+    """Write the adapter directory ``out_dir/adapter`` (peft's ``save_pretrained``: adapter_config.json and
+    adapter_model.safetensors, loads with ``PeftModel.from_pretrained(base, dir)``) and, with ``merge``,
+    ``out_dir/merged``: the adapters folded into a copy of the base weights (loads with transformers alone).
+
+    Every rank calls; the main rank writes, the others wait. Adapters are replicated on every rank (ddp, ZeRO
+    gathers its working parameters, hybrid_parallel runs tp_size 1), so the main rank's copy is the model.
+    """
+    out = Path(out_dir)
+    peft = peft_model(model)
+    if hasattr(model, "_force_wait_all_gather"):
+        model._force_wait_all_gather()  # ZeRO's overlapped all-gather: the working weights must be current
+    if is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        peft.save_pretrained(out / "adapter", safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(out / "adapter")
+        if merge:
+            _save_merged(peft, out / "merged")
+            if tokenizer is not None:
+                tokenizer.save_pretrained(out / "merged")
+    barrier()
+    return out
+
+
+def _save_merged(peft: Any, out: Path) -> None:
+    """base + (alpha / r) B A per adapted layer, on a CPU copy in the working dtype (the training model is left
+    as it is: export may come before more training in tests, and the copy costs memory only at the end)."""
+    import copy
+
+    merged = copy.deepcopy(peft).cpu().merge_and_unload()
+    merged.save_pretrained(out, safe_serialization=True)

@@ -1,0 +1,192 @@
+"""``model.lora``: KTO on peft adapters through ``booster.enable_lora``, on 2 gloo processes, per plugin.
+
+Each plugin's run, from the train() entry point: only adapter parameters train; the reference (the policy with
+its adapters disabled) equals the policy exactly at step 0, so the first step's rewards are exactly 0; the
+reward margin rises on the e2e preference task; a resume from the middle checkpoint ends with bit-equal
+adapters; the PEFT adapter directory and the merged model reload and reproduce the trained policy's log-probs.
+"""
+
+from __future__ import annotations
+
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from coati_kto.config import load_config
+from coati_kto.data.formats import write_jsonl
+from coati_kto.errors import ConfigError
+from coati_kto.testing import run_distributed
+from tests.test_config import MINIMAL, _write
+from tests.test_train_e2e import _records
+
+PLUGINS: dict[str, dict[str, Any]] = {
+    "ddp": {"name": "ddp"},
+    "low_level_zero": {"name": "low_level_zero", "zero_stage": 1, "precision": "bf16"},
+    "hybrid_parallel": {"name": "hybrid_parallel", "zero_stage": 2, "precision": "bf16"},
+}
+STEPS = 6
+
+
+def _raw_config(model_dir: str, root: Path, plugin: dict[str, Any], out: str) -> dict[str, Any]:
+    return {
+        "model": {"path": model_dir, "lora": {"rank": 4, "alpha": 8, "dropout": 0.1}},
+        "data": {
+            "train_files": [str(root / "train.jsonl")],
+            "eval_files": [str(root / "eval.jsonl")],
+            "prepared_dir": str(root / "prepared"),
+            "max_length": 96,
+            "max_prompt_length": 48,
+        },
+        "train": {"micro_batch_size": 4, "max_steps": STEPS, "lr": 3e-2, "seed": 5},
+        "plugin": plugin,
+        "output": {"dir": str(root / out), "save_interval": 3, "merge_lora": True},
+        "logging": {"tensorboard": False},
+    }
+
+
+def _adapters(policy: Any) -> dict[str, torch.Tensor]:
+    from coati_kto.lora import peft_model
+
+    return {n: p.detach().float().clone() for n, p in peft_model(policy).named_parameters() if "lora_" in n}
+
+
+def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from coati_kto.config import Config
+    from coati_kto.data.collator import KTOCollator
+    from coati_kto.data.prepare import load_prepared
+    from coati_kto.distributed import barrier
+    from coati_kto.lora import peft_model
+    from coati_kto.train import train
+
+    config = Config.model_validate(_raw_config(model_dir, root, plugin, "run"))
+    first = train(config)
+    result: dict[str, Any] = {}
+    train_records = [h for h in first.history if "train/loss" in h]
+    result["rewards"] = [
+        (h["train/rewards/chosen"], h["train/rewards/rejected"], h["train/rewards/margin"])
+        for h in train_records
+    ]
+    result["eval_margins"] = {
+        int(h["step"]): h["eval/rewards/margin"] for h in first.history if "eval/loss" in h
+    }
+    peft = peft_model(first.policy)
+    result["trainable"] = sorted(n for n, p in peft.named_parameters() if p.requires_grad)
+    result["frozen_lora"] = sorted(
+        n for n, p in peft.named_parameters() if "lora_" in n and not p.requires_grad
+    )
+    result["reference_is_policy"] = first.reference.policy is first.policy
+    # The chunked LM head path (no [B, S, V] logits) finds the head through the PeftModel.
+    result["chunked_head"] = first._lm_head(first.policy) is not None
+    trained = _adapters(first.policy)
+    data = load_prepared(config)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    batch = KTOCollator(tokenizer.pad_token_id)([data.train[i] for i in range(4)])
+    with torch.no_grad():
+        trained_logps = first._sequence_logps(first.policy, batch, "")
+        base_logps = first._sequence_logps(first.reference, batch, "")
+
+    resumed_raw = _raw_config(model_dir, root, plugin, "resumed")
+    resumed_raw["train"]["resume"] = str(root / "run" / "checkpoints" / "step-3")
+    resumed_raw["output"]["save_final"] = False
+    second = train(Config.model_validate(resumed_raw))
+    resumed = _adapters(second.policy)
+    result["resumed_step"] = second.global_step
+    result["resume_equal"] = sorted(trained) == sorted(resumed) and all(
+        torch.equal(v, resumed[k]) for k, v in trained.items()
+    )
+    result["adapter_count"] = len(trained)
+
+    if dist.get_rank() == 0:
+        dtype = first.plan.dtype
+        final = root / "run" / "final"
+        base = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=dtype)
+        adapted = PeftModel.from_pretrained(base, final / "adapter").eval()
+        merged = AutoModelForCausalLM.from_pretrained(final / "merged", torch_dtype=dtype).eval()
+        with torch.no_grad():
+            result["adapter_diff"] = float(
+                (first._sequence_logps(adapted, batch, "") - trained_logps).abs().max()
+            )
+            result["merged_diff"] = float(
+                (first._sequence_logps(merged, batch, "") - trained_logps).abs().max()
+            )
+        result["trained_vs_base"] = float((trained_logps - base_logps).abs().max())
+        result["logps_scale"] = float(trained_logps.abs().max())
+        result["merged_has_lora"] = any("lora_" in k for k in merged.state_dict())
+        result["card_uses_adapter"] = "PeftModel.from_pretrained" in (final / "README.md").read_text()
+    barrier()
+    return result
+
+
+def _matrix(model_dir: str, root: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, plugin in PLUGINS.items():
+        if any("error" in r for r in out.values()):
+            out[name] = {"error": "not run: an earlier plugin failed"}
+            continue
+        try:
+            out[name] = _lifecycle(model_dir, Path(root) / name, plugin)
+        except Exception:
+            out[name] = {"error": traceback.format_exc()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def lora_runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    root = tmp_path_factory.mktemp("lora")
+    for name in PLUGINS:
+        write_jsonl(_records(48, 0), root / name / "train.jsonl")
+        write_jsonl(_records(9, 100), root / name / "eval.jsonl")
+    return run_distributed(_matrix, 2, str(tiny_model_dir), str(root))
+
+
+@pytest.mark.parametrize("plugin", list(PLUGINS))
+def test_lora_lifecycle(lora_runs: list[dict[str, Any]], plugin: str) -> None:
+    main = lora_runs[0][plugin]
+    assert "error" not in main, main["error"]
+    rewards = main["rewards"]
+    assert len(rewards) == STEPS
+    # B starts at zero: the adapter-free reference is the policy, so step 1 (before any update) rewards are 0.
+    assert rewards[0][0] == 0.0 and rewards[0][1] == 0.0, rewards[0]
+    margins = [m for _, _, m in rewards]
+    assert sum(margins[-2:]) / 2 > margins[0] + 0.05, margins
+    # Held-out prompts: the step-0 baseline is exactly 0 (reference == policy), the trained adapters prefer
+    # the desirable answers.
+    evals = main["eval_margins"]
+    assert sorted(evals) == [0, STEPS] and evals[0] == 0.0 and evals[STEPS] > 0.1, evals
+    # Only the adapters train; every adapter trains.
+    assert main["trainable"] and all("lora_A" in n or "lora_B" in n for n in main["trainable"])
+    assert main["frozen_lora"] == [] and main["reference_is_policy"] and main["chunked_head"]
+    assert main["resumed_step"] == STEPS and main["resume_equal"], main
+    assert lora_runs[1][plugin]["resume_equal"]
+    # The adapters moved the policy away from the base, and both exports reproduce the trained policy.
+    assert main["trained_vs_base"] > 1e-3
+    tolerance = 1e-4 if plugin == "ddp" else 2e-2 * max(1.0, main["logps_scale"])
+    assert main["adapter_diff"] <= tolerance, main
+    assert main["merged_diff"] <= max(tolerance, 1e-3), main
+    assert not main["merged_has_lora"] and main["card_uses_adapter"]
+
+
+def test_lora_config_checks(tmp_path: Path) -> None:
+    path = _write(tmp_path, MINIMAL)
+    config = load_config(path, ["model.lora={rank: 4}"])
+    assert config.model.lora.rank == 4 and config.model.lora.target_modules == [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+    ]
+    with pytest.raises(ConfigError, match="model.lora with plugin.tp_size 2"):
+        load_config(path, ["model.lora={rank: 4}", "plugin.tp_size=2"])
+    with pytest.raises(ConfigError, match="output.merge_lora needs model.lora"):
+        load_config(path, ["output.merge_lora=true"])
+    with pytest.raises(ConfigError, match="lm_head: adapters on the embeddings or LM head"):
+        load_config(path, ["model.lora={target_modules: [q_proj, lm_head]}"])
+    with pytest.raises(ConfigError, match="model.reference_path with model.lora"):
+        load_config(path, ["model.lora={rank: 4}", f"model.reference_path={tmp_path}"])
