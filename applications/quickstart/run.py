@@ -86,6 +86,15 @@ def kto_env(threads: int = 1) -> dict[str, str]:
     return env
 
 
+def _trained_model(final: Path) -> Path:
+    """The directory transformers loads: ``final/`` or, after LoRA with output.merge_lora, ``final/merged``."""
+    if (final / "merged").is_dir():
+        return final / "merged"
+    if (final / "adapter").is_dir():
+        sys.exit(f"{final} holds LoRA adapters only: add output.merge_lora=true to evaluate the quickstart")
+    return final
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--seed", type=int, default=0, help="data, base model, SFT and KTO seed")
@@ -149,7 +158,8 @@ def main() -> None:
     rows = datasets["eval_prompts"]
     results = {
         "before KTO (SFT)": evaluate(OUT / "sft", rows),
-        "after KTO": evaluate(OUT / "kto" / "final", rows),
+        # A LoRA run (model.lora=... output.merge_lora=true) is evaluated through its merged model.
+        "after KTO": evaluate(_trained_model(OUT / "kto" / "final"), rows),
     }
     report = f"{len(rows)} held-out prompts (phrasings unseen in SFT and KTO), greedy decoding:\n{table(results)}\n"
     (OUT / "results.md").write_text(report)
