@@ -160,42 +160,39 @@ def build_family_model(family: str, tokenizer: PreTrainedTokenizerFast, seed: in
     """A random ``family`` causal LM (FAMILIES) sized for CPU tests, its vocabulary fitted to ``tokenizer``."""
     from transformers import (
         GemmaConfig,
+        GemmaForCausalLM,
         MistralConfig,
+        MistralForCausalLM,
         Qwen2Config,
+        Qwen2ForCausalLM,
         Qwen3Config,
+        Qwen3ForCausalLM,
     )
 
     exact = len(tokenizer)  # odd for the corpus used in tests: padded under HybridParallelPlugin
-    shape = dict(
-        hidden_size=32,
-        intermediate_size=64,
+    common = dict(
+        vocab_size=exact,
         num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         max_position_embeddings=256,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        attention_dropout=0.0,
     )
-    if family == "llama":
-        config = LlamaConfig(vocab_size=exact, tie_word_embeddings=False, **shape)
-    elif family == "mistral":
-        config = MistralConfig(
-            vocab_size=-(-exact // 64) * 64, sliding_window=8, head_dim=8, tie_word_embeddings=False, **shape
-        )
-    elif family == "qwen2":
-        config = Qwen2Config(vocab_size=exact, tie_word_embeddings=True, use_sliding_window=False, **shape)
-    elif family == "qwen3":
-        config = Qwen3Config(vocab_size=exact, tie_word_embeddings=True, head_dim=8, **shape)
-    elif family == "gemma":
-        config = GemmaConfig(vocab_size=exact, head_dim=8, **shape)
-    else:
+    by_family = {
+        "llama": (LlamaForCausalLM, LlamaConfig, dict(tie_word_embeddings=False)),
+        "mistral": (
+            MistralForCausalLM,
+            MistralConfig,
+            dict(vocab_size=-(-exact // 64) * 64, sliding_window=8, head_dim=8, tie_word_embeddings=False),
+        ),
+        "qwen2": (Qwen2ForCausalLM, Qwen2Config, dict(tie_word_embeddings=True, use_sliding_window=False)),
+        "qwen3": (Qwen3ForCausalLM, Qwen3Config, dict(tie_word_embeddings=True, head_dim=8)),
+        "gemma": (GemmaForCausalLM, GemmaConfig, dict(head_dim=8)),
+    }
+    if family not in by_family:
         raise ValueError(f"unknown tiny family {family!r}; known: {sorted(FAMILIES)}")
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model_class, config_class, specific = by_family[family]
+    return random_causal_lm(model_class, config_class, seed, **{**common, **specific})
 
 
 def save_tiny_family(out_dir: str | Path, family: str, corpus: Iterable[str], vocab_size: int = 300) -> Path:
