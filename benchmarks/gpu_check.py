@@ -237,9 +237,9 @@ def run_case(name: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     train_step, fit, save = KTOTrainer._train_step, KTOTrainer.fit, checkpoint_mod.CheckpointManager.save
 
     def timed_step(self: KTOTrainer, micro_batches: list, epoch: int) -> None:
-        main = sum(int(b["attention_mask"].sum()) for b in micro_batches)
-        kl = sum(int(b["kl_attention_mask"].sum()) for b in micro_batches)
-        padded = sum(b["input_ids"].numel() + b["kl_input_ids"].numel() for b in micro_batches)
+        main = sum(int(b.example.attention_mask.sum()) for b in micro_batches)
+        kl = sum(int(b.kl.attention_mask.sum()) for b in micro_batches)
+        padded = sum(b.example.input_ids.numel() + b.kl.input_ids.numel() for b in micro_batches)
         profile = cuda and len(steps) == WARMUP_STEPS
         sync()
         start = time.perf_counter()
@@ -259,14 +259,11 @@ def run_case(name: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     def checked_fit(self: KTOTrainer, train_loader: Any, *rest: Any, **kw: Any) -> None:
         # Before any step the policy's working copy equals the reference: their log-probs must agree.
         rows = [train_loader.dataset[i] for i in range(config.train.micro_batch_size)]
-        batch = {
-            k: v.to(self.device) if torch.is_tensor(v) else v
-            for k, v in train_loader.collate_fn(rows).items()
-        }
+        batch = train_loader.collate_fn(rows).to(self.device)
         with torch.no_grad():
-            policy = self._sequence_logps(self.policy, batch, "")
-            reference = self._sequence_logps(self.reference, batch, "")
-        tokens = batch["loss_mask"].sum(1).clamp(min=1).float()
+            policy = self._sequence_logps(self.policy, batch.example)
+            reference = self._sequence_logps(self.reference, batch.example)
+        tokens = batch.example.loss_mask.sum(1).clamp(min=1).float()
         result["step0_logp_max_abs_diff"] = float((policy - reference).abs().max())
         result["step0_logp_max_abs_diff_per_token"] = float(((policy - reference).abs() / tokens).max())
         result["step0_policy_logp_mean"] = float(policy.mean())

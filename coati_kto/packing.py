@@ -23,17 +23,10 @@ from typing import Any
 
 import torch
 
+from coati_kto.data.batch import KTOBatch
 from coati_kto.logprobs import LMHead, head_token_logps, model_sequence_logps, sum_per_row
 
 PACKABLE_ATTENTION = ("eager", "sdpa")
-
-
-def _views(batch: dict[str, torch.Tensor]) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    """(example, KL pair) as (input_ids, attention_mask, loss_mask): the one place batch fields are read."""
-    return (
-        (batch["input_ids"], batch["attention_mask"], batch["loss_mask"]),
-        (batch["kl_input_ids"], batch["kl_attention_mask"], batch["kl_loss_mask"]),
-    )
 
 
 @dataclass
@@ -50,14 +43,14 @@ class PackedPairs:
     tokens: int  # non-padding tokens of the packed rows
 
 
-def shared_prompt_lengths(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def shared_prompt_lengths(batch: KTOBatch) -> torch.Tensor:
     """[B] long: tokens the KL pair shares with the example (its prompt), 0 where the prompts differ.
 
     Both loss masks start at the completion; the shared prompt is everything before, when equal token for token.
     """
-    (ids, attn, loss), (kl_ids, kl_attn, kl_loss) = _views(batch)
-    start = loss.int().argmax(dim=1)
-    kl_start = kl_loss.int().argmax(dim=1)
+    ids, loss = batch.example.input_ids, batch.example.loss_mask
+    kl_ids, kl_loss = batch.kl.input_ids, batch.kl.loss_mask
+    start, kl_start = batch.example.completion_starts(), batch.kl.completion_starts()
     width = min(ids.shape[1], kl_ids.shape[1])
     cols = torch.arange(width, device=ids.device)
     before = cols[None, :] < start[:, None]
@@ -66,12 +59,17 @@ def shared_prompt_lengths(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.where(ok, start, 0)
 
 
-def pack_pairs(batch: dict[str, torch.Tensor]) -> PackedPairs:
-    """The packed rows of a batch of the batch contract (right-padded; loss masks mark completions)."""
-    (ids, attn, loss), (kl_ids, kl_attn, kl_loss) = _views(batch)
+def pack_pairs(batch: KTOBatch) -> PackedPairs:
+    """The packed rows of a batch (right-padded; loss masks mark completions)."""
+    ids, loss, kl_ids, kl_loss = (
+        batch.example.input_ids,
+        batch.example.loss_mask,
+        batch.kl.input_ids,
+        batch.kl.loss_mask,
+    )
     shared_rows = shared_prompt_lengths(batch)
     shared = shared_rows.tolist()
-    lengths, kl_lengths = attn.sum(1).tolist(), kl_attn.sum(1).tolist()
+    lengths, kl_lengths = batch.example.lengths().tolist(), batch.kl.lengths().tolist()
     n = ids.shape[0]
     width = max(a + k - s for a, k, s in zip(lengths, kl_lengths, shared, strict=True))
     device = ids.device
@@ -144,9 +142,7 @@ def packed_pair_logps(model: Any, head: LMHead, packed: PackedPairs) -> tuple[to
     return out[0], out[1]
 
 
-def reference_pair_logps(
-    model: Any, batch: dict[str, torch.Tensor]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def reference_pair_logps(model: Any, batch: KTOBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(example log-probs [B], KL-pair log-probs [B]) fp32 of a frozen ``model``, and the prompt tokens [B] its
     one packed pass did not process twice (zeros with two passes). Packed when :func:`can_pack`.
     Call under torch.no_grad()."""
@@ -155,9 +151,9 @@ def reference_pair_logps(
         packed = pack_pairs(batch)
         example, kl = packed_pair_logps(model, head, packed)
         return example, kl, packed.shared
-    example, kl = _views(batch)
+    example, kl = batch.example, batch.kl
     return (
-        model_sequence_logps(model, example[0], example[1], example[2], head),
-        model_sequence_logps(model, kl[0], kl[1], kl[2], head),
-        torch.zeros(example[0].shape[0], dtype=torch.long, device=example[0].device),
+        model_sequence_logps(model, example.input_ids, example.attention_mask, example.loss_mask, head),
+        model_sequence_logps(model, kl.input_ids, kl.attention_mask, kl.loss_mask, head),
+        torch.zeros(len(batch), dtype=torch.long, device=example.input_ids.device),
     )

@@ -201,7 +201,7 @@ def score_rows(model: torch.nn.Module, rows: Any, order: np.ndarray, batch_size:
     with torch.inference_mode():  # no autograd bookkeeping at all (the trainer's passes need no_grad only)
         for s in range(0, len(order), batch_size):
             batch = collator([rows[int(i)] for i in order[s : s + batch_size]])
-            batch = {k: v.to(device) for k, v in batch.items()}
+            batch = batch.to(device)
             example, kl, _ = reference_pair_logps(model, batch)
             out[s : s + len(example), 0] = example.float().cpu().numpy()
             out[s : s + len(example), 1] = kl.float().cpu().numpy()

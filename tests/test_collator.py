@@ -29,33 +29,30 @@ def test_shapes_padding_and_masks() -> None:
         row([8], [9, 10, 11, 12], [13, 14, 15, 16, 17], False, 3),
     ]
     batch = KTOCollator(pad_token_id=0)(features)
-    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5], [8, 9, 10, 11, 12]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
-    assert batch["loss_mask"].tolist() == [[False] * 3 + [True] * 2, [False] + [True] * 4]
-    assert batch["kl_input_ids"].tolist() == [[1, 2, 3, 6, 0, 0], [8, 13, 14, 15, 16, 17]]  # its own width
-    assert batch["kl_attention_mask"].tolist() == [[1, 1, 1, 1, 0, 0], [1] * 6]
-    assert batch["kl_loss_mask"].tolist() == [[False, False, False, True, False, False], [False] + [True] * 5]
-    assert batch["label"].tolist() == [True, False] and batch["index"].tolist() == [7, 3]
-    dtypes = {k: v.dtype for k, v in batch.items()}
-    assert dtypes == {
-        "input_ids": torch.long,
-        "attention_mask": torch.long,
-        "loss_mask": torch.bool,
-        "kl_input_ids": torch.long,
-        "kl_attention_mask": torch.long,
-        "kl_loss_mask": torch.bool,
-        "label": torch.bool,
-        "index": torch.long,
-    }
+    assert batch.example.input_ids.tolist() == [[1, 2, 3, 4, 5], [8, 9, 10, 11, 12]]
+    assert batch.example.attention_mask.tolist() == [[1, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
+    assert batch.example.loss_mask.tolist() == [[False] * 3 + [True] * 2, [False] + [True] * 4]
+    assert batch.kl.input_ids.tolist() == [[1, 2, 3, 6, 0, 0], [8, 13, 14, 15, 16, 17]]  # its own width
+    assert batch.kl.attention_mask.tolist() == [[1, 1, 1, 1, 0, 0], [1] * 6]
+    assert batch.kl.loss_mask.tolist() == [[False, False, False, True, False, False], [False] + [True] * 5]
+    assert batch.label.tolist() == [True, False] and batch.index.tolist() == [7, 3]
+    for view in (batch.example, batch.kl):
+        assert (view.input_ids.dtype, view.attention_mask.dtype, view.loss_mask.dtype) == (
+            torch.long,
+            torch.long,
+            torch.bool,
+        )
+    assert batch.label.dtype == torch.bool and batch.index.dtype == torch.long
+    assert batch.reference_logps is None and batch.valid is None and len(batch) == 2
 
 
 def test_pad_to_multiple_of_and_numpy_rows() -> None:
     features = [row([1, 2], [3], [4, 5, 6], True, 0), row([7], [8], [9], False, 1)]
     features[0] = {k: np.asarray(v) if isinstance(v, list) else v for k, v in features[0].items()}
     batch = KTOCollator(pad_token_id=-1, pad_to_multiple_of=8)(features)
-    assert batch["input_ids"].shape == (2, 8) and batch["kl_input_ids"].shape == (2, 8)
-    assert batch["attention_mask"].sum(1).tolist() == [3, 2]
-    assert batch["input_ids"][1].tolist() == [7, 8] + [-1] * 6
+    assert batch.example.input_ids.shape == (2, 8) and batch.kl.input_ids.shape == (2, 8)
+    assert batch.example.attention_mask.sum(1).tolist() == [3, 2]
+    assert batch.example.input_ids[1].tolist() == [7, 8] + [-1] * 6
 
 
 def test_attention_and_loss_masks_when_pad_is_eos() -> None:
@@ -69,15 +66,20 @@ def test_attention_and_loss_masks_when_pad_is_eos() -> None:
         features.append(row(p, c, c, bool(i % 2), i))
     batch = KTOCollator(tok.pad_token_id)(features)
     lengths = [len(f["input_ids"]) for f in features]
-    assert batch["attention_mask"].sum(1).tolist() == lengths
+    assert batch.example.attention_mask.sum(1).tolist() == lengths
     for b, f in enumerate(features):
         n = lengths[b]
-        assert batch["input_ids"][b, n - 1] == tok.eos_token_id and batch["attention_mask"][b, n - 1] == 1
-        assert batch["loss_mask"][b, n - 1]  # the EOS is trained on
-        assert not batch["loss_mask"][b, n:].any() and not batch["attention_mask"][b, n:].any()
-        completion = tok.decode(batch["input_ids"][b][batch["loss_mask"][b]])
+        assert (
+            batch.example.input_ids[b, n - 1] == tok.eos_token_id
+            and batch.example.attention_mask[b, n - 1] == 1
+        )
+        assert batch.example.loss_mask[b, n - 1]  # the EOS is trained on
+        assert not batch.example.loss_mask[b, n:].any() and not batch.example.attention_mask[b, n:].any()
+        completion = tok.decode(batch.example.input_ids[b][batch.example.loss_mask[b]])
         assert completion == tok.decode(f["input_ids"][f["completion_start"] :])
-    assert (batch["input_ids"][0, lengths[0] :] == tok.eos_token_id).all()  # padded with eos, yet masked out
+    assert (
+        batch.example.input_ids[0, lengths[0] :] == tok.eos_token_id
+    ).all()  # padded with eos, yet masked out
 
 
 def test_rejects_rows_without_completion() -> None:

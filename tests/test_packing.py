@@ -41,10 +41,10 @@ def _rows(seed: int, n: int, mismatched: tuple[int, ...] = ()) -> list[dict]:
 def _separate(model, batch):
     head = LMHead.find(model)
     with torch.no_grad():
-        a = model_sequence_logps(model, batch["input_ids"], batch["attention_mask"], batch["loss_mask"], head)
-        b = model_sequence_logps(
-            model, batch["kl_input_ids"], batch["kl_attention_mask"], batch["kl_loss_mask"], head
+        a = model_sequence_logps(
+            model, batch.example.input_ids, batch.example.attention_mask, batch.example.loss_mask, head
         )
+        b = model_sequence_logps(model, batch.kl.input_ids, batch.kl.attention_mask, batch.kl.loss_mask, head)
     return a, b
 
 
@@ -64,7 +64,7 @@ def test_packed_equals_two_passes_fp32(attn, cls, config_cls, seed):
     torch.testing.assert_close(example, ref_example, atol=1e-5, rtol=0)
     torch.testing.assert_close(kl, ref_kl, atol=1e-5, rtol=0)
     packed = pack_pairs(batch)
-    full = int(batch["attention_mask"].sum() + batch["kl_attention_mask"].sum())
+    full = int(batch.example.attention_mask.sum() + batch.kl.attention_mask.sum())
     assert packed.tokens == full - int(shared.sum()) and packed.shared_tokens == int(shared.sum())
 
 
@@ -89,6 +89,6 @@ def test_packed_bf16_within_the_bf16_error_of_one_pass():
     with torch.no_grad():
         example, kl, _ = reference_pair_logps(model, batch)
     ref_example, ref_kl = _separate(model, batch)
-    for got, ref, mask in ((example, ref_example, batch["loss_mask"]), (kl, ref_kl, batch["kl_loss_mask"])):
+    for got, ref, mask in ((example, ref_example, batch.example.loss_mask), (kl, ref_kl, batch.kl.loss_mask)):
         assert got.dtype == torch.float32
         assert bool(((got - ref).abs() <= 2e-3 * mask.sum(1)).all())

@@ -82,7 +82,7 @@ def test_rows_masks_pairs_and_stats(tmp_path: Path, tiny_model_dir: Path, tiny_t
     eos = tiny_tokenizer.eos_token
     for b, r in enumerate(train):
         assert r["index"] == b and r["kl_index"] != b and r["length"] == len(r["input_ids"])
-        completion = tiny_tokenizer.decode(batch["input_ids"][b][batch["loss_mask"][b]])
+        completion = tiny_tokenizer.decode(batch.example.input_ids[b][batch.example.loss_mask[b]])
         line = int(r["source"].rsplit(":", 1)[1])
         raw = json.loads(data.read_text().splitlines()[line - 1])
         expected = (

@@ -108,12 +108,16 @@ def _worker(root: str, model_dir: str, reference_dir: str) -> dict:
                         [
                             float(
                                 model_sequence_logps(
-                                    model, b["input_ids"], b["attention_mask"], b["loss_mask"], head
+                                    model,
+                                    b.example.input_ids,
+                                    b.example.attention_mask,
+                                    b.example.loss_mask,
+                                    head,
                                 )
                             ),
                             float(
                                 model_sequence_logps(
-                                    model, b["kl_input_ids"], b["kl_attention_mask"], b["kl_loss_mask"], head
+                                    model, b.kl.input_ids, b.kl.attention_mask, b.kl.loss_mask, head
                                 )
                             ),
                         ]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 
+from coati_kto.data.batch import KTOBatch
 from coati_kto.data.eval_sampler import EvalBatchSampler, ValidMaskLoader
 from coati_kto.testing import run_distributed
 from coati_kto.trainer.metrics import StepSums, summarize
@@ -59,13 +61,13 @@ def _batch(seed: int, labels: list[int]) -> dict[str, torch.Tensor]:
     return KTOCollator(pad_token_id=0)([_row(gen, y) for y in labels])
 
 
-def _global_steps() -> list[list[dict[str, torch.Tensor]]]:
+def _global_steps() -> list[list[KTOBatch]]:
     return [
         [_batch(100 * s + g, labels) for g, labels in enumerate(step)] for s, step in enumerate(STEP_LABELS)
     ]
 
 
-def _rank_loader(world: int, rank: int) -> list[dict[str, torch.Tensor]]:
+def _rank_loader(world: int, rank: int) -> list[KTOBatch]:
     """This rank's micro-batches, step after step: global micro-batches rank, rank + world, ... of each step."""
     return [mb for step in _global_steps() for mb in step[rank::world]]
 
@@ -172,7 +174,7 @@ def _hand_logps(
 
 
 def _hand_step(
-    policy: torch.nn.Module, reference: torch.nn.Module, groups: list[list[dict]], beta, wd, wu
+    policy: torch.nn.Module, reference: torch.nn.Module, groups: list[list[KTOBatch]], beta, wd, wu
 ) -> dict:
     """Eq. 7 over one optimizer step in fp64: one z0 per group of micro-batches, means per label over all."""
     policy, reference = copy.deepcopy(policy).double(), copy.deepcopy(reference).double()
@@ -180,11 +182,13 @@ def _hand_step(
     for group in groups:
         p, r, pkl, rkl = ([] for _ in range(4))
         for b in group:
-            p.append(_hand_logps(policy, b["input_ids"], b["attention_mask"], b["loss_mask"]))
-            r.append(_hand_logps(reference, b["input_ids"], b["attention_mask"], b["loss_mask"]))
-            pkl.append(_hand_logps(policy, b["kl_input_ids"], b["kl_attention_mask"], b["kl_loss_mask"]))
-            rkl.append(_hand_logps(reference, b["kl_input_ids"], b["kl_attention_mask"], b["kl_loss_mask"]))
-            labels.append(b["label"])
+            p.append(_hand_logps(policy, b.example.input_ids, b.example.attention_mask, b.example.loss_mask))
+            r.append(
+                _hand_logps(reference, b.example.input_ids, b.example.attention_mask, b.example.loss_mask)
+            )
+            pkl.append(_hand_logps(policy, b.kl.input_ids, b.kl.attention_mask, b.kl.loss_mask))
+            rkl.append(_hand_logps(reference, b.kl.input_ids, b.kl.attention_mask, b.kl.loss_mask))
+            labels.append(b.label)
         p, r, pkl, rkl = (torch.cat(x) for x in (p, r, pkl, rkl))
         raw.append(float((pkl - rkl).mean()))
         z0 = max(0.0, raw[-1])
@@ -284,11 +288,11 @@ def _one_step_variants(model_dir: str, ref_dir: str, out_dir: str) -> dict:
     hand = _hand_step(parts.policy.unwrap(), parts.reference.unwrap(), [[b] for b in step], 0.5, 1.3, 0.7)
     with torch.no_grad():
         precomputed = [
-            {
-                **b,
-                "reference_logps": trainer._sequence_logps(parts.reference, b, ""),
-                "reference_kl_logps": trainer._sequence_logps(parts.reference, b, "kl_"),
-            }
+            dataclasses.replace(
+                b,
+                reference_logps=trainer._sequence_logps(parts.reference, b.example),
+                reference_kl_logps=trainer._sequence_logps(parts.reference, b.kl),
+            )
             for b in step
         ]
     trainer.fit(step)
@@ -748,8 +752,8 @@ def _expected_flops_per_token(model_dir: Path, step: list[dict], reference: bool
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     n = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
-    ex = sum(int(b["attention_mask"].sum()) for b in step)
-    kl = sum(int(b["kl_attention_mask"].sum()) for b in step)
+    ex = sum(int(b.example.attention_mask.sum()) for b in step)
+    kl = sum(int(b.kl.attention_mask.sum()) for b in step)
     flops = n * (2 * kl + 6 * ex + (2 * (ex + kl) if reference else 0))
     return flops / (ex + kl)
 

@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from coati_kto.data.batch import KTOBatch, TokenView
+
 
 def _pad(
     rows: Sequence[Any], starts: Sequence[int], pad_id: int, multiple: int | None
@@ -35,11 +37,8 @@ def _pad(
 
 class KTOCollator:
     """``features`` (rows with input_ids, completion_start, label, kl_input_ids, kl_completion_start and
-    optionally index, reference_logps, reference_kl_logps) -> dict of tensors:
-
-    input_ids / attention_mask [B, S] long, loss_mask [B, S] bool (True exactly on completion tokens),
-    label [B] bool, kl_input_ids / kl_attention_mask / kl_loss_mask [B, S_kl] (padded to their own longest),
-    index [B] long, reference_logps / reference_kl_logps [B] float32 when present.
+    optionally index, reference_logps, reference_kl_logps) -> :class:`~coati_kto.data.batch.KTOBatch`: the
+    examples and the KL pairs each padded to their own longest row, label [B] bool, the extras [B] when present.
     """
 
     def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None) -> None:
@@ -48,24 +47,30 @@ class KTOCollator:
         self.pad_token_id = int(pad_token_id)
         self.pad_to_multiple_of = pad_to_multiple_of
 
-    def __call__(self, features: list[dict]) -> dict[str, torch.Tensor]:
+    def _view(self, rows: list[Any], starts: list[int]) -> TokenView:
+        return TokenView(*_pad(rows, starts, self.pad_token_id, self.pad_to_multiple_of))
+
+    def __call__(self, features: list[dict]) -> KTOBatch:
         if not features:
             raise ValueError("empty batch")
-        batch: dict[str, torch.Tensor] = {}
-        for prefix in ("", "kl_"):
-            ids, attention, loss = _pad(
-                [f[f"{prefix}input_ids"] for f in features],
-                [int(f[f"{prefix}completion_start"]) for f in features],
-                self.pad_token_id,
-                self.pad_to_multiple_of,
+        first = features[0]
+
+        def floats(key: str) -> torch.Tensor | None:
+            return (
+                torch.tensor([float(f[key]) for f in features], dtype=torch.float32) if key in first else None
             )
-            batch[f"{prefix}input_ids"] = ids
-            batch[f"{prefix}attention_mask"] = attention
-            batch[f"{prefix}loss_mask"] = loss
-        batch["label"] = torch.tensor([bool(f["label"]) for f in features], dtype=torch.bool)
-        if "index" in features[0]:
-            batch["index"] = torch.tensor([int(f["index"]) for f in features], dtype=torch.long)
-        for key in ("reference_logps", "reference_kl_logps"):
-            if key in features[0]:
-                batch[key] = torch.tensor([float(f[key]) for f in features], dtype=torch.float32)
-        return batch
+
+        return KTOBatch(
+            example=self._view(
+                [f["input_ids"] for f in features], [int(f["completion_start"]) for f in features]
+            ),
+            kl=self._view(
+                [f["kl_input_ids"] for f in features], [int(f["kl_completion_start"]) for f in features]
+            ),
+            label=torch.tensor([bool(f["label"]) for f in features], dtype=torch.bool),
+            index=torch.tensor([int(f["index"]) for f in features], dtype=torch.long)
+            if "index" in first
+            else None,
+            reference_logps=floats("reference_logps"),
+            reference_kl_logps=floats("reference_kl_logps"),
+        )

@@ -14,9 +14,10 @@ micro-batch, so ``valid`` is a prefix mask: it survives any collator that keeps 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 import torch
+
+from coati_kto.data.batch import KTOBatch
 
 
 class EvalBatchSampler:
@@ -60,20 +61,18 @@ class EvalBatchSampler:
 
 
 class ValidMaskLoader:
-    """Iterate ``loader`` (built on an EvalBatchSampler) adding ``batch["valid"]``: [B] bool, False on padding.
+    """Iterate ``loader`` (built on an EvalBatchSampler) marking each batch's ``valid`` rows ([B] bool, False on padding).
 
     Assumes the collator keeps the sampler's row order (dynamic padding does).
     """
 
-    def __init__(self, loader: Iterable[dict[str, Any]], sampler: EvalBatchSampler) -> None:
+    def __init__(self, loader: Iterable[KTOBatch], sampler: EvalBatchSampler) -> None:
         self.loader = loader
         self.sampler = sampler
 
     def __len__(self) -> int:
         return len(self.sampler)
 
-    def __iter__(self) -> Iterator[dict[str, Any]]:
+    def __iter__(self) -> Iterator[KTOBatch]:
         for k, batch in enumerate(self.loader):
-            rows = batch["label"].shape[0]
-            batch["valid"] = torch.arange(rows) < self.sampler.num_valid(k)
-            yield batch
+            yield batch.with_valid(torch.arange(len(batch)) < self.sampler.num_valid(k))

@@ -49,6 +49,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from coati_kto.data.batch import KTOBatch, TokenView
 from coati_kto.distributed import ParallelLayout, reduce_sums
 from coati_kto.errors import UserError
 from coati_kto.logprobs import LMHead, model_sequence_logps
@@ -80,7 +81,7 @@ class _NoGradPass:
     ``batch`` is kept only while its policy pass with gradient is pending (training), then dropped.
     """
 
-    batch: dict[str, torch.Tensor] | None
+    batch: KTOBatch | None
     labels: torch.Tensor  # [B] bool
     valid: torch.Tensor  # [B] bool; False on evaluation padding rows
     tokens: torch.Tensor  # 0-dim: non-padding tokens of valid examples (and of their KL pairs, when run)
@@ -99,10 +100,9 @@ class KTOTrainer(SLTrainer):
     ``ref_model`` the reference); ``coordinator`` is accepted for that signature and unused (ranks come from
     ``layout``). Every rank constructs it and calls ``fit``.
 
-    Batch contract (tensors on any device): input_ids [B,S] long, attention_mask [B,S], loss_mask [B,S] bool,
-    label [B] bool, kl_input_ids / kl_attention_mask / kl_loss_mask [B,S'] (the example's unrelated KL pair),
-    optional reference_logps / reference_kl_logps [B] (precomputed: the reference model may then be None),
-    optional valid [B] bool (evaluation padding rows are False and count nowhere).
+    Batches are :class:`~coati_kto.data.batch.KTOBatch` (tensors on any device): the examples and their KL
+    pairs as two token views, labels, and optionally precomputed reference log-probs (the reference model may
+    then be None) and ``valid`` (evaluation padding rows are False and count nowhere).
 
     Extra keyword arguments:
         layout: the ParallelLayout (default: from ``plugin``).
@@ -304,7 +304,7 @@ class KTOTrainer(SLTrainer):
             if self._finished():
                 break
 
-    def _epoch_steps(self, epoch: int) -> Iterator[list[dict[str, torch.Tensor]]]:
+    def _epoch_steps(self, epoch: int) -> Iterator[list[KTOBatch]]:
         """This rank's micro-batches of ``epoch`` in groups of ``accumulation_steps`` (the last may be shorter).
 
         On resume inside the epoch the sampler is positioned after the consumed micro-batches (the remaining
@@ -353,7 +353,7 @@ class KTOTrainer(SLTrainer):
             ) from None
         return iter(self._train_loader)
 
-    def _train_step(self, micro_batches: list[dict[str, torch.Tensor]], epoch: int) -> None:
+    def _train_step(self, micro_batches: list[KTOBatch], epoch: int) -> None:
         started = time.perf_counter()
         step = self.global_step + 1
         groups = [micro_batches] if self.kl_scope == "step" else [[b] for b in micro_batches]
@@ -412,7 +412,7 @@ class KTOTrainer(SLTrainer):
         self._interval.reset()
 
     def _forward(
-        self, groups: Iterable[Iterable[dict[str, torch.Tensor]]], train: bool, num_micro_batches: int = 1
+        self, groups: Iterable[Iterable[KTOBatch]], train: bool, num_micro_batches: int = 1
     ) -> StepSums:
         """Run every micro-batch of ``groups``; one reference point z0 per group. Backward when ``train``.
 
@@ -455,14 +455,12 @@ class KTOTrainer(SLTrainer):
                 sums.add(losses, rewards, policy_logps, item.labels, item.valid, item.tokens)
         return sums
 
-    def _no_grad_pass(self, batch: dict[str, torch.Tensor], keep_batch: bool) -> _NoGradPass:
-        batch = {
-            k: v.to(self.device, non_blocking=True) if torch.is_tensor(v) else v for k, v in batch.items()
-        }
-        labels = batch["label"].bool()
-        valid = batch["valid"].bool() if "valid" in batch else torch.ones_like(labels)
-        example_tokens = torch.where(valid, batch["attention_mask"].sum(1), 0).sum()
-        kl_tokens = torch.where(valid, batch["kl_attention_mask"].sum(1), 0).sum()
+    def _no_grad_pass(self, batch: KTOBatch, keep_batch: bool) -> _NoGradPass:
+        batch = batch.to(self.device, non_blocking=True)
+        labels = batch.label.bool()
+        valid = batch.valid_rows()
+        example_tokens = torch.where(valid, batch.example.lengths(), 0).sum()
+        kl_tokens = torch.where(valid, batch.kl.lengths(), 0).sum()
         if not self._needs_kl:  # apo_zero_unpaired: no pass runs on the KL pairs
             kl_tokens = torch.zeros_like(kl_tokens)
         # Model FLOPs of the passes that run: the policy on the KL pairs (and on the examples in evaluation),
@@ -473,9 +471,9 @@ class KTOTrainer(SLTrainer):
         with torch.no_grad():
             reference, reference_kl, shared = self._reference_pair(batch, kl=self._needs_kl)
             if shared is not None:
-                run = batch["attention_mask"].sum(1) - shared
+                run = batch.example.lengths() - shared
                 if self._needs_kl:
-                    run = run + batch["kl_attention_mask"].sum(1)
+                    run = run + batch.kl.lengths()
                 flops = flops + forward_flops(
                     self._flop_params(self.reference), torch.where(valid, run, 0).sum()
                 )
@@ -487,9 +485,9 @@ class KTOTrainer(SLTrainer):
                 example_tokens=example_tokens,
                 flops=flops,
                 reference=reference,
-                policy_kl=self._sequence_logps(self.policy, batch, "kl_") if self._needs_kl else None,
+                policy_kl=self._sequence_logps(self.policy, batch.kl) if self._needs_kl else None,
                 reference_kl=reference_kl,
-                policy=None if keep_batch else self._sequence_logps(self.policy, batch, ""),
+                policy=None if keep_batch else self._sequence_logps(self.policy, batch.example),
             )
 
     def _reference_point(self, passes: list[_NoGradPass]) -> torch.Tensor:
@@ -502,39 +500,37 @@ class KTOTrainer(SLTrainer):
         reference_kl = torch.cat([p.reference_kl[p.valid] for p in passes])
         return estimate_kl_raw(policy_kl, reference_kl, group=self._kl_group)
 
-    def _policy_logps(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _policy_logps(self, batch: KTOBatch) -> torch.Tensor:
         """The policy's completion log-probs [B] fp32 with gradient (the only pass that builds a graph)."""
-        return self._sequence_logps(self.policy, batch, "")
+        return self._sequence_logps(self.policy, batch.example)
 
     def _reference_pair(
-        self, batch: dict[str, torch.Tensor], kl: bool = True
+        self, batch: KTOBatch, kl: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(reference log-probs [B], on the KL pairs [B] or None when ``kl`` is False, prompt tokens [B] shared
         by one packed pass or None when nothing ran): precomputed from the batch, else one shared-prompt pass
         (coati_kto.packing), or the examples alone without ``kl``."""
-        if "reference_logps" in batch and (not kl or "reference_kl_logps" in batch):
-            reference_kl = batch["reference_kl_logps"].float() if kl else None
-            return batch["reference_logps"].float(), reference_kl, None
+        if batch.reference_logps is not None and (not kl or batch.reference_kl_logps is not None):
+            reference_kl = batch.reference_kl_logps.float() if kl else None
+            return batch.reference_logps.float(), reference_kl, None
         if self.reference is None:
             raise ValueError("no reference model and the batch has no precomputed reference_logps")
+        zeros = torch.zeros_like(batch.label, dtype=torch.long)
         if not kl:
-            zeros = torch.zeros_like(batch["label"], dtype=torch.long)
-            return self._sequence_logps(self.reference, batch, ""), None, zeros
+            return self._sequence_logps(self.reference, batch.example), None, zeros
         if not self.apply_loss_mask or not self.pack_reference:  # two passes (or every token scored)
-            zeros = torch.zeros_like(batch["label"], dtype=torch.long)
             return (
-                self._sequence_logps(self.reference, batch, ""),
-                self._sequence_logps(self.reference, batch, "kl_"),
+                self._sequence_logps(self.reference, batch.example),
+                self._sequence_logps(self.reference, batch.kl),
                 zeros,
             )
         return reference_pair_logps(self.reference, batch)
 
-    def _sequence_logps(self, model: Any, batch: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
-        input_ids = batch[f"{prefix}input_ids"]
-        attention_mask = batch[f"{prefix}attention_mask"]
+    def _sequence_logps(self, model: Any, view: TokenView) -> torch.Tensor:
+        """Completion log-probs [B] fp32 of ``model`` on one view of the batch (graph only under grad)."""
         # apply_loss_mask=False scores every non-padding token (prompt included), as ColossalChat does.
-        mask = batch[f"{prefix}loss_mask"] if self.apply_loss_mask else attention_mask
-        return model_sequence_logps(model, input_ids, attention_mask, mask, self._lm_head(model))
+        mask = view.loss_mask if self.apply_loss_mask else view.attention_mask
+        return model_sequence_logps(model, view.input_ids, view.attention_mask, mask, self._lm_head(model))
 
     def _flop_params(self, model: Any) -> int:
         """N of ``model`` for the FLOPs count (coati_kto.trainer.throughput), computed once per model."""

@@ -1,0 +1,84 @@
+"""The batch contract between :class:`~coati_kto.data.collator.KTOCollator` and the trainer.
+
+A KTO micro-batch holds two views of B rows: the examples (x_i, y_i) and their KL pairs (x_i, y_j), each a
+:class:`TokenView` padded to its own longest row. Everything that reads token tensors reads ``batch.example``
+or ``batch.kl``; grep ``.kl.`` to find every consumer of the KL pairs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class TokenView:
+    """Right-padded sequences of one view.
+
+    input_ids [B, S] long; attention_mask [B, S] long, 1 on the row's tokens; loss_mask [B, S] bool, True
+    exactly on completion tokens (the prompt and padding are False).
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+
+    def lengths(self) -> torch.Tensor:
+        """[B] long: tokens per row (padding excluded)."""
+        return self.attention_mask.sum(1)
+
+    def completion_starts(self) -> torch.Tensor:
+        """[B] long: the first completion column of each row (its prompt length)."""
+        return self.loss_mask.int().argmax(dim=1)
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> TokenView:
+        return TokenView(fn(self.input_ids), fn(self.attention_mask), fn(self.loss_mask))
+
+
+@dataclass(frozen=True)
+class KTOBatch:
+    """One micro-batch: examples, their KL pairs, labels and optional per-row extras ([B] each).
+
+    ``reference_logps`` / ``reference_kl_logps`` (fp32) are present when the reference cache supplies them,
+    so no reference model runs. ``valid`` is False on evaluation padding rows, which count nowhere; None means
+    every row is real.
+    """
+
+    example: TokenView
+    kl: TokenView
+    label: torch.Tensor  # [B] bool: desirable
+    index: torch.Tensor | None = None  # [B] long: row in the prepared split
+    reference_logps: torch.Tensor | None = None  # [B] fp32
+    reference_kl_logps: torch.Tensor | None = None  # [B] fp32
+    valid: torch.Tensor | None = None  # [B] bool
+
+    def __len__(self) -> int:
+        return int(self.label.shape[0])
+
+    def valid_rows(self) -> torch.Tensor:
+        """[B] bool: ``valid``, or all True."""
+        return self.valid.bool() if self.valid is not None else torch.ones_like(self.label, dtype=torch.bool)
+
+    def with_valid(self, valid: torch.Tensor) -> KTOBatch:
+        return replace(self, valid=valid)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> KTOBatch:
+        return self.map(lambda t: t.to(device, non_blocking=non_blocking))
+
+    def pin_memory(self) -> KTOBatch:
+        """Called by DataLoader(pin_memory=True)."""
+        return self.map(lambda t: t.pin_memory())
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> KTOBatch:
+        """The batch with ``fn`` applied to every tensor of both views and every present extra."""
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, TokenView):
+                value = value.map(fn)
+            elif value is not None:
+                value = fn(value)
+            out[f.name] = value
+        return KTOBatch(**out)
