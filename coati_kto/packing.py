@@ -59,8 +59,20 @@ def shared_prompt_lengths(batch: KTOBatch) -> torch.Tensor:
     return torch.where(ok, start, 0)
 
 
-def pack_pairs(batch: KTOBatch) -> PackedPairs:
-    """The packed rows of a batch (right-padded; loss masks mark completions)."""
+def attention_window(config: Any) -> int | None:
+    """The sliding window that Hugging Face's eager/sdpa causal mask applies for ``config`` (None: full causal).
+
+    A 4D mask replaces that mask, so the packed mask must apply the window itself: transformers 4.51 masks key
+    k for query q when q - k >= config.sliding_window (Mistral, Mixtral, Qwen2/3 build it from the config
+    value alone, whatever ``use_sliding_window`` says; Qwen2-MoE sets it to None when unused).
+    """
+    window = getattr(config, "sliding_window", None)
+    return int(window) if window else None
+
+
+def pack_pairs(batch: KTOBatch, window: int | None = None) -> PackedPairs:
+    """The packed rows of a batch (right-padded; loss masks mark completions); ``window``: the model's sliding
+    window (:func:`attention_window`), applied on the logical positions as a separate pass applies it."""
     ids, loss, kl_ids, kl_loss = (
         batch.example.input_ids,
         batch.example.loss_mask,
@@ -100,6 +112,8 @@ def pack_pairs(batch: KTOBatch) -> PackedPairs:
         kl_rows.append(torch.full_like(u, b))
         kl_cols.append(torch.where(pred < s, pred, a + pred - s))
         kl_tgt.append(kl_ids[b, u])
+    if window is not None:
+        allowed &= (positions[:, :, None] - positions[:, None, :]) < window
     return PackedPairs(
         input_ids=packed,
         position_ids=positions,
@@ -148,7 +162,7 @@ def reference_pair_logps(model: Any, batch: KTOBatch) -> tuple[torch.Tensor, tor
     Call under torch.no_grad()."""
     head = LMHead.find(model)
     if head is not None and can_pack(model):
-        packed = pack_pairs(batch)
+        packed = pack_pairs(batch, attention_window(model.config))
         example, kl = packed_pair_logps(model, head, packed)
         return example, kl, packed.shared
     example, kl = batch.example, batch.kl
