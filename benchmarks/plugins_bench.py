@@ -32,10 +32,8 @@ PLUGINS = {
 }
 
 
-def _batches(
-    n: int, micro_batch_size: int, prompt: int, completion: int, vocab: int, seed: int
-) -> list[dict]:
-    """Random token batches of the batch contract; half desirable, right-padded completions of varying length."""
+def _batches(n: int, micro_batch_size: int, prompt: int, completion: int, vocab: int, seed: int) -> list:
+    """Random KTOBatch micro-batches; half desirable, right-padded completions of varying length."""
     from coati_kto.data.collator import KTOCollator
 
     gen = torch.Generator().manual_seed(seed)

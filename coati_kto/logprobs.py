@@ -125,6 +125,10 @@ def token_count(loss_mask: torch.Tensor) -> torch.Tensor:
 
 # Elements of one [positions, vocabulary-chunk] fp32 logits block: 2**22 = 16 MiB (a few live at once).
 _HEAD_CHUNK_ELEMENTS = 1 << 22
+# Up to this many [positions x vocabulary] elements, the forward keeps its logits for the backward instead of
+# recomputing them (the recompute is a quarter of the head's FLOPs in a gradient pass); a constant bound
+# (64 MiB in fp32), so peak memory still does not grow with vocabulary x sequence.
+_KEEP_LOGITS_ELEMENTS = 1 << 24
 _MIN_VOCAB_CHUNK = 128
 # Families whose causal-LM forward is exactly ``logits = lm_head(final_hidden)`` (no soft-capping or scaling
 # after the head): the chunked head is exact for them. Others keep the logits path.
@@ -142,7 +146,9 @@ def _vocab_chunk(positions: int, vocab: int, chunk: int | None) -> int:
 class _HeadTokenLogps(torch.autograd.Function):
     """log softmax(hidden @ weight.T + bias)[n, targets[n]] per position n, fp32 [N]; grads for hidden, weight, bias.
 
-    Logits are computed in the weight's dtype (as the model's own head does) and upcast per chunk.
+    Logits are computed in the weight's dtype (as the model's own head does) and upcast per chunk. Backward
+    recomputes each chunk's logits, or reuses the forward's when they fit :data:`_KEEP_LOGITS_ELEMENTS`
+    (the same values either way: the same matmul on the same operands).
     """
 
     @staticmethod
@@ -151,11 +157,14 @@ class _HeadTokenLogps(torch.autograd.Function):
         running_max = torch.full((n,), float("-inf"), dtype=torch.float32, device=hidden.device)
         running_sum = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         target_logit = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        keep = any(ctx.needs_input_grad[:3]) and n * vocab <= _KEEP_LOGITS_ELEMENTS
+        ctx.kept = []
         for v0 in range(0, vocab, vocab_chunk):
             v1 = min(vocab, v0 + vocab_chunk)
-            logits = torch.nn.functional.linear(
-                hidden, weight[v0:v1], None if bias is None else bias[v0:v1]
-            ).float()
+            logits = torch.nn.functional.linear(hidden, weight[v0:v1], None if bias is None else bias[v0:v1])
+            if keep:
+                ctx.kept.append(logits)
+            logits = logits.float()
             new_max = torch.maximum(running_max, logits.amax(dim=1))
             running_sum = running_sum * (running_max - new_max).exp() + (logits - new_max[:, None]).exp().sum(
                 1
@@ -180,12 +189,16 @@ class _HeadTokenLogps(torch.autograd.Function):
         )
         grad_weight = torch.zeros_like(weight) if need_weight else None
         grad_bias = torch.zeros_like(bias) if need_bias and bias is not None else None
-        for v0 in range(0, vocab, ctx.vocab_chunk):
+        for i, v0 in enumerate(range(0, vocab, ctx.vocab_chunk)):
             v1 = min(vocab, v0 + ctx.vocab_chunk)
             w = weight[v0:v1]
-            logits = torch.nn.functional.linear(hidden, w, None if bias is None else bias[v0:v1]).float()
+            if ctx.kept:
+                logits = ctx.kept[i]
+            else:
+                logits = torch.nn.functional.linear(hidden, w, None if bias is None else bias[v0:v1])
             # d/dlogits (logit[target] - lse) = onehot(target) - softmax(logits), times the upstream gradient
-            grad = logits.sub_(lse[:, None]).exp_().mul_(-g[:, None])
+            # (out of place: a kept fp32 block must survive a second backward with retain_graph)
+            grad = logits.float().sub(lse[:, None]).exp_().mul_(-g[:, None])
             inside = (targets >= v0) & (targets < v1)
             local = (targets - v0).clamp(0, v1 - v0 - 1)
             grad.scatter_add_(1, local[:, None], torch.where(inside, g, 0.0)[:, None])

@@ -103,11 +103,11 @@ def _step_zero(config: Any, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
     trainer = KTOTrainer(
         parts.policy, parts.reference, parts.booster, parts.optimizer, plugin, None, None, plan=plan
     )
-    policy = trainer._sequence_logps(parts.policy, batch, "")  # with gradient, as in training
+    policy = trainer._sequence_logps(parts.policy, batch.example)  # with gradient, as in training
     with torch.no_grad():
-        reference = trainer._sequence_logps(parts.reference, batch, "")
-        policy_kl = trainer._sequence_logps(parts.policy, batch, "kl_")
-        reference_kl = trainer._sequence_logps(parts.reference, batch, "kl_")
+        reference = trainer._sequence_logps(parts.reference, batch.example)
+        policy_kl = trainer._sequence_logps(parts.policy, batch.kl)
+        reference_kl = trainer._sequence_logps(parts.reference, batch.kl)
     # ddp's reference is the plain module; the plugins' are wrappers
     ref_module = getattr(parts.reference, "unwrap", lambda: parts.reference)()
     ref_bytes = {n: p.numel() * p.element_size() for n, p in ref_module.named_parameters()}
@@ -146,7 +146,7 @@ def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, 
     }
     trained = _full_state(first.policy)
     with torch.no_grad():
-        trained_logps = first._sequence_logps(first.policy, batch, "")
+        trained_logps = first._sequence_logps(first.policy, batch.example)
     resumed_raw = _raw_config(model_dir, root, plugin, "resumed")
     resumed_raw["train"]["resume"] = str(root / "run" / "checkpoints" / "step-2")
     resumed_raw["output"]["save_final"] = False
@@ -163,7 +163,7 @@ def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, 
         dtype = second.plan.dtype
         hf = AutoModelForCausalLM.from_pretrained(root / "run" / "final", torch_dtype=dtype)
         with torch.no_grad():
-            export_logps = first._sequence_logps(hf, batch, "")
+            export_logps = first._sequence_logps(hf, batch.example)
         result["export"] = {
             "vocab_size": hf.config.vocab_size,
             "embedding_rows": hf.get_input_embeddings().weight.shape[0],

@@ -49,6 +49,32 @@ def test_hidden_path_equals_logits_path_fp32(vocab_chunk, with_bias):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kept_logits_give_the_recomputed_gradients_bit_for_bit(monkeypatch, dtype):
+    """Small heads keep their logits for backward instead of recomputing them: same values, same grads."""
+    import coati_kto.logprobs as logprobs
+
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(40, 16, generator=g).to(dtype)
+    weight = (torch.randn(61, 16, generator=g) / 2).to(dtype)
+    bias = torch.randn(61, generator=g).to(dtype)
+    targets = torch.randint(0, 61, (40,), generator=g)
+    upstream = torch.randn(40, generator=g)
+    results = []
+    for budget in (0, 1 << 24):  # recompute, keep
+        monkeypatch.setattr(logprobs, "_KEEP_LOGITS_ELEMENTS", budget)
+        leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+        out = head_token_logps(*leaves, targets, vocab_chunk=7)
+        (out * upstream).sum().backward(retain_graph=True)
+        first = [t.grad.clone() for t in leaves]
+        (out * upstream).sum().backward()  # a second backward (retain_graph) sees the same kept logits
+        assert all(torch.equal(2 * f, t.grad) for f, t in zip(first, leaves, strict=True))
+        results.append((out.detach(), first))
+    (out_a, grads_a), (out_b, grads_b) = results
+    assert torch.equal(out_a, out_b)
+    assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b, strict=True))
+
+
 def test_bf16_within_stated_tolerance():
     """bf16 logits are identical per chunk; only summation order differs: values within 1e-3 nats per token."""
     g = torch.Generator().manual_seed(5)
