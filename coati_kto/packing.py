@@ -11,9 +11,11 @@ KL prompt is not the example's prompt (truncation cut them differently) packs as
 (B = the whole KL sequence, positions from 0, seeing only itself): still one forward, nothing shared.
 
 It needs a 4D additive mask, which Hugging Face's Llama-family models take with ``eager`` and ``sdpa``
-attention (transformers 4.51); with flash_attention_2, a model wrapped by a plugin (shardformer replaces the
-forward), or a model whose head the chunked path does not cover, :func:`reference_pair_logps` runs two passes.
-The mask costs B x L^2 elements of the model dtype (L = the packed length).
+attention (transformers 4.51), and so do the plugins' wrappers of them: shardformer's Llama, Mistral and Qwen2
+forwards without flash attention hand the mask and position ids to the same attention (tested through
+HybridParallelModule and LowLevelZeroModel). With flash_attention_2, or a model whose head the chunked path
+does not cover (tensor parallelism's vocabulary slices), :func:`reference_pair_logps` runs two passes. The
+mask costs B x L^2 elements of the model dtype (L = the packed length).
 """
 
 from __future__ import annotations
@@ -126,19 +128,20 @@ def pack_pairs(batch: KTOBatch, window: int | None = None) -> PackedPairs:
     )
 
 
+def _config(model: Any) -> Any:
+    inner = model.unwrap() if hasattr(model, "unwrap") else model
+    return getattr(inner, "config", None)
+
+
 def can_pack(model: Any) -> bool:
-    """Plain Hugging Face model (no plugin wrapper), eager/sdpa attention, head covered by the chunked path."""
-    config = getattr(model, "config", None)
-    return (
-        not hasattr(model, "unwrap")
-        and getattr(config, "_attn_implementation", None) in PACKABLE_ATTENTION
-        and LMHead.find(model) is not None
-    )
+    """eager/sdpa attention and a head covered by the chunked path (a plain model or a plugin's wrapper)."""
+    attention = getattr(_config(model), "_attn_implementation", None)
+    return attention in PACKABLE_ATTENTION and LMHead.find(model) is not None
 
 
 def packed_pair_logps(model: Any, head: LMHead, packed: PackedPairs) -> tuple[torch.Tensor, torch.Tensor]:
     """(example, KL) log-probs [B] fp32 from one forward over the packed rows."""
-    dtype = next(model.parameters()).dtype
+    dtype = head.weight.dtype  # the working dtype (a LoRA reference is no module with parameters of its own)
     mask = torch.zeros(packed.allowed.shape, dtype=dtype, device=packed.allowed.device)
     mask.masked_fill_(~packed.allowed, torch.finfo(dtype).min)
     hidden = head.capture(
@@ -162,7 +165,7 @@ def reference_pair_logps(model: Any, batch: KTOBatch) -> tuple[torch.Tensor, tor
     Call under torch.no_grad()."""
     head = LMHead.find(model)
     if head is not None and can_pack(model):
-        packed = pack_pairs(batch, attention_window(model.config))
+        packed = pack_pairs(batch, attention_window(_config(model)))
         example, kl = packed_pair_logps(model, head, packed)
         return example, kl, packed.shared
     example, kl = batch.example, batch.kl
