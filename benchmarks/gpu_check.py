@@ -465,7 +465,7 @@ def main() -> int:
     hidden = SIZES[size][0]
     n_embedding = VOCAB_SIZE * hidden
     from coati_kto.config import Config
-    from coati_kto.data.prepare import prepare
+    from coati_kto.prepared import prepare
 
     prepare(Config.model_validate(base_config(args.out, args)))
     report["setup_seconds"] = time.perf_counter() - start

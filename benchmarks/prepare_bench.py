@@ -23,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from coati_kto.config import Config  # noqa: E402
-from coati_kto.data.prepare import prepare  # noqa: E402
+from coati_kto.prepared import prepare  # noqa: E402
 from coati_kto.tiny import build_tokenizer  # noqa: E402
 
 TOOLS = [

@@ -145,8 +145,8 @@ def _child_savings(config_path: str) -> None:
     import numpy as np
 
     from coati_kto.config import load_config
-    from coati_kto.data.prepare import load_prepared
     from coati_kto.distributed import init_distributed
+    from coati_kto.prepared import load_prepared
 
     config = load_config(config_path, [])
     init_distributed()

@@ -143,11 +143,11 @@ def main(argv: list[str] | None = None) -> int:
             return _launch_local(args)
         config = load_config(args.config, args.overrides)
         if args.command == "prepare":
-            from coati_kto.data.prepare import prepare
+            from coati_kto.prepared import prepare
 
             prepare(config)
         elif args.command == "inspect":
-            from coati_kto.data.inspect import inspect_batches
+            from coati_kto.inspect_batches import inspect_batches
 
             inspect_batches(
                 config, num_ranks=args.ranks, num_batches=args.batches, num_examples=args.examples

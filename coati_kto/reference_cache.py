@@ -256,7 +256,7 @@ def ensure_reference_cache(config: Config, data: Any, pad_token_id: int) -> dict
 
     Every rank calls it after ``load_prepared`` (collectives inside). Prints one line on global rank 0.
     """
-    from coati_kto.data.prepare import _read_fingerprint
+    from coati_kto.data.store import read_fingerprint
     from coati_kto.distributed import barrier, broadcast_object
 
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -268,7 +268,7 @@ def ensure_reference_cache(config: Config, data: Any, pad_token_id: int) -> dict
     status: tuple[str, Any, str] = ("", None, "")
     if rank == 0:
         try:
-            digest = (_read_fingerprint(prepared) or {})["digest"]
+            digest = (read_fingerprint(prepared) or {})["digest"]
             memo = root / "weights_sha256.json"
             key = cache_key(
                 config, digest, weights_hash(config.model.reference_path or config.model.path, memo)
@@ -321,8 +321,9 @@ def with_reference_logps(config: Config, data: Any, pad_token_id: int) -> Any:
 
 def precompute(config: Config) -> None:
     """``coati-kto precompute``: prepare the data if needed, then make sure the reference cache matches."""
-    from coati_kto.data.prepare import load_prepared, load_tokenizer
+    from coati_kto.data.tokenize import load_tokenizer
     from coati_kto.distributed import init_distributed
+    from coati_kto.prepared import load_prepared
 
     init_distributed(timeout_s=config.train.dist_timeout)
     data = load_prepared(config)

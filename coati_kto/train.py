@@ -152,9 +152,10 @@ def _train(config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | Non
 
     from coati_kto.data.collator import KTOCollator
     from coati_kto.data.eval_sampler import EvalBatchSampler, ValidMaskLoader
-    from coati_kto.data.prepare import load_prepared, resolve_kto_weights
     from coati_kto.data.sampler import MixedLabelBatchSampler
+    from coati_kto.kto_weights import resolve_kto_weights
     from coati_kto.model_card import write_model_card
+    from coati_kto.prepared import load_prepared
     from coati_kto.trainer.checkpoint import CheckpointManager
     from coati_kto.trainer.kto import KTOTrainer
     from coati_kto.trainer.throughput import resolve_peak_flops

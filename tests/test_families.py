@@ -127,8 +127,8 @@ def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, 
 
     from coati_kto.config import Config
     from coati_kto.data.collator import KTOCollator
-    from coati_kto.data.prepare import load_prepared
     from coati_kto.distributed import barrier
+    from coati_kto.prepared import load_prepared
     from coati_kto.train import train
 
     started = time.perf_counter()

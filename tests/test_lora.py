@@ -60,9 +60,9 @@ def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, 
 
     from coati_kto.config import Config
     from coati_kto.data.collator import KTOCollator
-    from coati_kto.data.prepare import load_prepared
     from coati_kto.distributed import barrier
     from coati_kto.lora import peft_model
+    from coati_kto.prepared import load_prepared
     from coati_kto.train import train
 
     config = Config.model_validate(_raw_config(model_dir, root, plugin, "run"))

@@ -9,16 +9,13 @@ import numpy as np
 import pytest
 
 from coati_kto.config import Config
-from coati_kto.data import prepare as prep
+from coati_kto.data import store, tables
 from coati_kto.data.collator import KTOCollator
-from coati_kto.data.prepare import (
-    GUIDELINE,
-    load_prepared,
-    prepare,
-    resolve_kto_weights,
-)
+from coati_kto.data.sampler import MixedLabelBatchSampler
 from coati_kto.data.tokenize import encode, truncation
 from coati_kto.errors import DataError
+from coati_kto.kto_weights import GUIDELINE, resolve_kto_weights
+from coati_kto.prepared import load_prepared, prepare
 from tests.test_data_formats import write_jsonl
 
 SYSTEM = "You can call the tool search(query). Answer briefly."
@@ -189,7 +186,7 @@ def test_crash_never_leaves_a_valid_looking_cache(tmp_path: Path, tiny_model_dir
     def boom(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(prep, "_build_split", boom)
+    monkeypatch.setattr(store, "build_split", boom)
     with pytest.raises(KeyboardInterrupt):
         prepare(cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_length": 300})}))
     # The old cache is intact and still matches its own inputs; no half-built directory anywhere.
@@ -253,7 +250,7 @@ def test_skip_mode_counts_bad_records(tmp_path: Path, tiny_model_dir: Path) -> N
 def test_num_proc_gives_identical_rows(tmp_path: Path, tiny_model_dir: Path, monkeypatch) -> None:
     path = write_jsonl(tmp_path / "t.jsonl", rows(30, 20))
     one = prepare(make_config(tmp_path / "one", tiny_model_dir, [str(path)]))
-    monkeypatch.setattr(prep, "MIN_ROWS_PER_PROC", 10)
+    monkeypatch.setattr(tables, "MIN_ROWS_PER_PROC", 10)
     two = prepare(make_config(tmp_path / "two", tiny_model_dir, [str(path)], num_proc=2))
     assert one.train.to_dict() == two.train.to_dict()
 
@@ -276,7 +273,7 @@ def test_auto_weights_land_in_guideline(tmp_path: Path, n_d: int, n_u: int, mbs:
     cfg.kto.auto_weights = True
     stats = {"train": {"labels": {"desirable": n_d, "undesirable": n_u}}}
     w_d, w_u, report = resolve_kto_weights(cfg, stats, replicas)
-    s = prep.MixedLabelBatchSampler.compute_stats(n_d, n_u, mbs, replicas)
+    s = MixedLabelBatchSampler.compute_stats(n_d, n_u, mbs, replicas)
     ratio = w_d * s.effective_desirable / (w_u * s.effective_undesirable)
     assert GUIDELINE[0] <= ratio <= GUIDELINE[1] and max(w_d, w_u) == 1.0
     assert "inside" in report and not report.startswith("warning")
@@ -289,7 +286,7 @@ def test_auto_weights_land_in_guideline(tmp_path: Path, n_d: int, n_u: int, mbs:
 
 
 def test_inspect_shows_mixed_batches(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
-    from coati_kto.data.inspect import inspect_batches
+    from coati_kto.inspect_batches import inspect_batches
 
     path = write_jsonl(tmp_path / "t.jsonl", rows(15, 5))
     inspect_batches(
@@ -363,7 +360,7 @@ def test_examples_that_cannot_fit_are_dropped_and_counted(tmp_path: Path, tiny_m
     object.__setattr__(cfg, "data", cfg.data.model_construct(**data))
     out = prepare(cfg)
     assert out.stats["train"]["dropped"] == {"no_room_for_completion": 3} and len(out.train) == 4
-    assert "dropped: {'no_room_for_completion': 3}" in prep.summary(out.stats, cfg, True, "", 1.0)
+    assert "dropped: {'no_room_for_completion': 3}" in store.summary(out.stats, cfg, True, "", 1.0)
     object.__setattr__(cfg, "data", cfg.data.model_construct(**{**data, "on_too_long": "error"}))
     with pytest.raises(DataError, match=rf"^{path}:1: prompt \(\d+ tokens\) leaves no room"):
         prepare(cfg)

@@ -81,8 +81,8 @@ def _worker(root: str, model_dir: str, reference_dir: str) -> dict:
     import torch.distributed as dist
 
     from coati_kto.data.collator import KTOCollator
-    from coati_kto.data.prepare import load_prepared
     from coati_kto.logprobs import LMHead, model_sequence_logps
+    from coati_kto.prepared import load_prepared
     from coati_kto.reference_cache import load_reference
     from coati_kto.train import train
 

@@ -25,13 +25,27 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
-from transformers import PreTrainedTokenizerBase
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from coati_kto.data.formats import RecordError
+from coati_kto.errors import ConfigError
+
+if TYPE_CHECKING:
+    from coati_kto.config import Config
+
+
+def load_tokenizer(config: Config) -> PreTrainedTokenizerBase:
+    """``model.tokenizer`` (default ``model.path``); ConfigError naming both keys when it cannot be loaded."""
+    name = config.model.tokenizer or config.model.path
+    try:
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=config.model.trust_remote_code)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"model.tokenizer / model.path {name}: cannot load a tokenizer ({first})") from None
 
 
 def render(

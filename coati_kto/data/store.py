@@ -1,0 +1,256 @@
+"""``data.prepared_dir``: the fingerprinted, atomically built directory of prepared rows. One process.
+
+Layout: ``train/`` and ``eval/`` (``datasets`` save_to_disk), ``stats.json``, ``skipped.txt`` (every bad
+record skipped, one line each) and ``fingerprint.json``, written last.
+
+Cache: the fingerprint covers the input files (path, size, mtime), the tokenizer's content (vocab, merges,
+template, special tokens), the settings that change the output (lengths, bad-record and too-long policies,
+eval fraction, seed) and :data:`PIPELINE_VERSION`. Equal fingerprint -> reuse; otherwise rebuild into a
+temporary sibling directory that replaces ``prepared_dir`` by rename, so a crash never leaves a half-written
+cache that looks valid.
+
+The rows themselves come from :mod:`coati_kto.data.tables`. Who builds on a multi-rank run, and the KTO weight
+report shown with the summary, live outside the data package (:mod:`coati_kto.prepared`,
+:mod:`coati_kto.kto_weights`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+
+from coati_kto.config import Config
+from coati_kto.data.formats import Record, RecordError, load_records, resolve_files
+from coati_kto.data.tables import (
+    build_split,
+    label_counts,
+    progress_bars,
+    require_both_labels,
+    stratified_split,
+)
+from coati_kto.errors import DataError
+
+PIPELINE_VERSION = 1  # bump when the prepared rows change for the same inputs
+
+
+@dataclass
+class PreparedData:
+    """The opened splits (``eval`` None without an eval split) and stats.json's contents."""
+
+    train: datasets.Dataset
+    eval: datasets.Dataset | None
+    stats: dict
+
+
+# ------------------------------------------------------------------------------------------- fingerprint
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """Hash of what decides the token ids: vocab/merges/normalisers (tokenizer.json), template, specials."""
+    h = hashlib.sha256(type(tokenizer).__name__.encode())
+    if getattr(tokenizer, "is_fast", False):
+        h.update(tokenizer.backend_tokenizer.to_str().encode())
+    else:
+        h.update(json.dumps(sorted(tokenizer.get_vocab().items())).encode())
+    h.update(json.dumps(tokenizer.chat_template, sort_keys=True).encode())
+    h.update(json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+def _file_entries(paths: list[str], key: str) -> list[list]:
+    out = []
+    for path in resolve_files(paths, key):
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+        for f in files:
+            st = f.stat()
+            out.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
+    return out
+
+
+def fingerprint(config: Config, tokenizer) -> dict[str, Any]:
+    """What the prepared rows depend on, with ``digest`` (16 hex digits) over all of it."""
+    d = config.data
+    parts = {
+        "version": PIPELINE_VERSION,
+        "train_files": _file_entries(d.train_files, "data.train_files"),
+        "eval_files": _file_entries(d.eval_files, "data.eval_files"),
+        "tokenizer": tokenizer_hash(tokenizer),
+        "settings": _settings(config),
+    }
+    parts["digest"] = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+    return parts
+
+
+def _settings(config: Config) -> dict[str, Any]:
+    d = config.data
+    return {
+        "max_length": d.max_length,
+        "max_prompt_length": d.max_prompt_length,
+        "on_bad_record": d.on_bad_record,
+        "on_too_long": d.on_too_long,
+        "eval_fraction": d.eval_fraction if not d.eval_files else 0.0,
+        "seed": config.train.seed,
+    }
+
+
+def _changed(old: dict, new: dict) -> str:
+    keys = [k for k in ("version", "train_files", "eval_files", "tokenizer") if old.get(k) != new.get(k)]
+    keys += [f"{k}" for k, v in new["settings"].items() if old.get("settings", {}).get(k) != v]
+    return ", ".join(keys) or "fingerprint"
+
+
+def read_fingerprint(target: Path) -> dict | None:
+    """``target/fingerprint.json`` (present only in a complete build), or None when missing or unreadable."""
+    try:
+        return json.loads((target / "fingerprint.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+# ------------------------------------------------------------------------------------------------ build
+
+
+def _read_inputs(config: Config, cache: str) -> tuple[list[Record], list[Record], dict, list[RecordError]]:
+    """(train records, eval records, files per split, bad records skipped); eval from files or a fraction."""
+    d = config.data
+    with progress_bars(False):
+        train_in = load_records(d.train_files, "data.train_files", d.on_bad_record, cache)
+        eval_in = (
+            load_records(d.eval_files, "data.eval_files", d.on_bad_record, cache) if d.eval_files else None
+        )
+    files = {"train": train_in.files, "eval": eval_in.files if eval_in else []}
+    labels = np.array([r.label for r in train_in.records], dtype=bool)
+    require_both_labels(label_counts(labels), files["train"], "data.train_files", len(train_in.skipped))
+    if eval_in:
+        eval_labels = np.array([r.label for r in eval_in.records], dtype=bool)
+        require_both_labels(label_counts(eval_labels), files["eval"], "data.eval_files", len(eval_in.skipped))
+        return train_in.records, eval_in.records, files, train_in.skipped + eval_in.skipped
+    if d.eval_fraction == 0:
+        return train_in.records, [], files, train_in.skipped
+    tr, ev = stratified_split(labels, d.eval_fraction, config.train.seed)
+    return [train_in.records[i] for i in tr], [train_in.records[i] for i in ev], files, train_in.skipped
+
+
+def _build(config: Config, tokenizer, fp: dict, target: Path) -> None:
+    """Build everything in a temporary sibling of ``target``, then rename it into place."""
+    work = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    work.mkdir(parents=True)
+    try:
+        train_records, eval_records, files, skipped = _read_inputs(config, str(work / "hf-cache"))
+        stats: dict[str, Any] = {
+            "version": PIPELINE_VERSION,
+            "fingerprint": fp["digest"],
+            "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "settings": _settings(config),
+            "files": files,
+            "tokenizer": config.model.tokenizer or config.model.path,
+        }
+        for name, records in (("train", train_records), ("eval", eval_records)):
+            stats[name] = None
+            if records:
+                split_files = files[name] or files["train"]  # eval_fraction: held out of the train files
+                ds, stats[name], bad = build_split(records, tokenizer, config, work, name, split_files)
+                skipped += bad
+                with progress_bars(False):
+                    ds.save_to_disk(str(work / name))
+        by_reason: dict[str, int] = {}
+        for bad in skipped:
+            by_reason[bad.reason] = by_reason.get(bad.reason, 0) + 1
+        stats["bad_records"] = {
+            "skipped": len(skipped),
+            "by_reason": by_reason,
+            "examples": [str(b) for b in skipped[:10]],
+        }
+        (work / "skipped.txt").write_text("".join(f"{b.reason}\t{b}\n" for b in skipped))
+        (work / "stats.json").write_text(json.dumps(stats, indent=2))
+        shutil.rmtree(work / "hf-cache", ignore_errors=True)
+        for f in work.glob("*-encoded*.arrow"):
+            f.unlink()
+        (work / "fingerprint.json").write_text(json.dumps(fp, indent=2))  # last: marks the build complete
+        old = target.with_name(f".{target.name}.old-{uuid.uuid4().hex[:8]}")
+        if target.exists():
+            target.rename(old)
+        work.rename(target)  # the only moment the cache appears: complete or not at all
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------------------- public API
+
+
+def ensure(config: Config, tokenizer) -> tuple[dict, bool, str]:
+    """Build ``data.prepared_dir`` unless its fingerprint matches: (fingerprint, built, why, for the summary).
+
+    One process at a time per directory. Raises DataError for bad data, or when the directory exists, is not
+    empty and is no coati-kto build (never overwritten).
+    """
+    target = Path(config.data.prepared_dir)
+    fp = fingerprint(config, tokenizer)
+    old = read_fingerprint(target)
+    if old and old.get("digest") == fp["digest"] and (target / "train").is_dir():
+        return fp, False, "inputs, tokenizer and settings unchanged"
+    if target.exists() and old is None and any(target.iterdir()):
+        raise DataError(
+            f"data.prepared_dir {target}: exists, is not empty and holds no coati-kto fingerprint.json; "
+            "refusing to overwrite it: choose another directory or empty it"
+        )
+    why = f"changed: {_changed(old, fp)}" if old else "no prepared data yet"
+    _build(config, tokenizer, fp, target)
+    return fp, True, why
+
+
+def read_prepared(config: Config) -> PreparedData:
+    """Open the splits and stats.json of a complete build of ``data.prepared_dir`` (memory-mapped arrow)."""
+    target = Path(config.data.prepared_dir)
+    stats = json.loads((target / "stats.json").read_text())
+    train = datasets.load_from_disk(str(target / "train"))
+    evaluation = datasets.load_from_disk(str(target / "eval")) if (target / "eval").is_dir() else None
+    return PreparedData(train=train, eval=evaluation, stats=stats)
+
+
+def summary(stats: dict, config: Config, built: bool, why: str, seconds: float) -> str:
+    """A short human summary of stats.json: built or reused, then counts, lengths and drops per split."""
+    target = config.data.prepared_dir
+    lines = []
+    if built:
+        n = sum((stats[s] or {}).get("examples", 0) for s in ("train", "eval"))
+        lines.append(f"prepared {target} ({why}) in {seconds:.1f} s, {n / max(seconds, 1e-9):.0f} examples/s")
+    else:
+        lines.append(f"reusing {target} ({why}; fingerprint {stats['fingerprint']})")
+    for name in ("train", "eval"):
+        s = stats.get(name)
+        if not s:
+            continue
+        lab, tot, tr = s["labels"], s["lengths"]["total"], s.get("truncated", {})
+        lines.append(
+            f"  {name}: {s['examples']} examples ({lab['desirable']} desirable, {lab['undesirable']} "
+            f"undesirable); tokens per example p50 {tot['p50']:.0f}, p99 {tot['p99']:.0f}, max {tot['max']}"
+        )
+        lines.append(
+            f"    truncated to data.max_length {config.data.max_length}: {tr.get('prompt', 0)} prompts, "
+            f"{tr.get('completion', 0)} completions; dropped: {s['dropped'] or 'none'}; "
+            f"KL pairs: {s['kl_pairs']['self_pairs']} self, {s['kl_pairs']['same_prompt_pairs']} same-prompt "
+            f"(minimum possible {s['kl_pairs']['min_same_prompt_pairs']})"
+        )
+        if s["boundary_merges"]:
+            lines.append(
+                f"    {s['boundary_merges']} prompt/completion boundaries would merge into one token if "
+                f"tokenized together (e.g. a prompt ending in a space); split at the text boundary"
+            )
+    bad = stats["bad_records"]
+    if bad["skipped"]:
+        lines.append(
+            f"  bad records skipped: {bad['skipped']} {bad['by_reason']} (all in {target}/skipped.txt)"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,219 @@
+"""Records -> tokenized, truncated, KL-paired arrow rows and their per-split stats. No files of its own.
+
+One row per usable example: input_ids, completion_start (first completion token), label (True = desirable),
+kl_input_ids / kl_completion_start (this prompt + the completion of row kl_index), index (row id), kl_index,
+source ("file:line"), length / kl_length (token counts after truncation, for length grouping).
+
+The only disk use is ``datasets``' own: the tokenizing map writes its arrow cache into the build directory the
+caller passes (:mod:`coati_kto.data.store` owns that directory, the fingerprint and stats.json).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from datasets.table import InMemoryTable
+
+from coati_kto.config import Config
+from coati_kto.data.formats import Record, RecordError
+from coati_kto.data.kl_pairs import derangement, pair_stats
+from coati_kto.data.tokenize import Encoder, join_truncated, truncation
+from coati_kto.errors import DataError
+
+MIN_ROWS_PER_PROC = 1000  # below this a worker process costs more than it saves
+PROGRESS_MIN_ROWS = 10_000  # show datasets' tokenizing progress bar from this many records
+
+
+def stratified_split(labels: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(train indices, eval indices): ``fraction`` of each label, at least one of each in both splits."""
+    rng = np.random.default_rng(seed)
+    train, held = [], []
+    for value in (True, False):
+        idx = np.flatnonzero(labels == value)
+        if len(idx) < 2:
+            raise DataError(
+                f"data.eval_fraction {fraction}: needs at least 2 {'desirable' if value else 'undesirable'} "
+                f"records so both splits hold both labels (got {len(idx)}); add data or set data.eval_files"
+            )
+        k = min(max(1, round(fraction * len(idx))), len(idx) - 1)
+        idx = rng.permutation(idx)
+        held.append(idx[:k])
+        train.append(idx[k:])
+    return np.sort(np.concatenate(train)), np.sort(np.concatenate(held))
+
+
+def label_counts(labels: np.ndarray) -> dict[str, int]:
+    """{"desirable": n, "undesirable": n} of a bool array (True = desirable)."""
+    return {"desirable": int(labels.sum()), "undesirable": int((~labels).sum())}
+
+
+def require_both_labels(counts: dict[str, int], files: list[str], key: str, skipped: int) -> None:
+    """Raise DataError naming ``key`` and ``files`` unless ``counts`` holds both labels."""
+    if counts["desirable"] and counts["undesirable"]:
+        return
+    missing = "undesirable" if counts["desirable"] else "desirable"
+    raise DataError(
+        f"{key} ({', '.join(files)}): {counts['desirable']} desirable and {counts['undesirable']} undesirable "
+        f"usable examples{f' ({skipped} bad records skipped)' if skipped else ''}: KTO needs both labels, "
+        f"since it pushes desirable completions above the reference point and undesirable ones below it; "
+        f"add {missing} examples (label {str(missing == 'desirable').lower()})"
+    )
+
+
+@contextlib.contextmanager
+def progress_bars(enabled: bool) -> Iterator[None]:
+    """datasets' progress bars only for builds long enough to want them (they clutter small runs' output)."""
+    was_disabled = datasets.are_progress_bars_disabled()
+    if not enabled:
+        datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        if not was_disabled:
+            datasets.enable_progress_bars()
+
+
+def _percentiles(x: np.ndarray) -> dict[str, float]:
+    if len(x) == 0:
+        return {}
+    q = np.percentile(x, [50, 90, 99])
+    return {
+        "p50": float(q[0]),
+        "p90": float(q[1]),
+        "p99": float(q[2]),
+        "max": int(x.max()),
+        "mean": float(x.mean()),
+    }
+
+
+def _encode(records: list[Record], tokenizer, config: Config, work: Path, name: str) -> pa.Table:
+    """Render and tokenize in ``data.num_proc`` worker processes (datasets.map); one arrow row per record."""
+    procs = min(config.data.num_proc, max(1, len(records) // MIN_ROWS_PER_PROC))
+    features = datasets.Features(
+        {
+            "label": datasets.Value("bool"),
+            "source": datasets.Value("string"),
+            "prompt_ids": datasets.List(datasets.Value("int32")),
+            "completion_ids": datasets.List(datasets.Value("int32")),
+            "prompt_hash": datasets.Value("int64"),
+            "boundary_merge": datasets.Value("bool"),
+            "error_reason": datasets.Value("string"),
+            "error": datasets.Value("string"),
+        }
+    )
+    records_ds = datasets.Dataset.from_dict(
+        {
+            "prompt": [json.dumps(r.prompt) if r.chat else r.prompt for r in records],
+            "completion": [json.dumps(r.completion) if r.chat else r.completion for r in records],
+            "chat": [r.chat for r in records],
+            "label": [r.label for r in records],
+            "source": [r.source for r in records],
+        }
+    )
+    with progress_bars(len(records) >= PROGRESS_MIN_ROWS):
+        encoded = records_ds.map(
+            Encoder(tokenizer),
+            batched=True,
+            num_proc=procs if procs > 1 else None,
+            remove_columns=["prompt", "completion", "chat"],
+            features=features,
+            cache_file_name=str(work / f"{name}-encoded.arrow"),  # in the build dir, not ~/.cache
+            new_fingerprint=f"{name}-encoded",
+            load_from_cache_file=False,
+            desc=f"tokenizing {name}",
+        )
+    return encoded.with_format("arrow")[:]
+
+
+def build_split(
+    records: list[Record], tokenizer, config: Config, work: Path, name: str, files: list[str]
+) -> tuple[datasets.Dataset, dict, list[RecordError]]:
+    """One split (``name``: "train" or "eval", which also seeds its KL pairing): tokenize, drop what cannot fit,
+    pair, truncate. Returns (in-memory rows, the split's stats, records skipped here). ``work``: a scratch
+    directory for the tokenizer's arrow cache (the caller deletes it); ``files``: named in errors.
+
+    Raises the first bad record (``data.on_bad_record: error``), a too-long example (``data.on_too_long:
+    error``) or a split left without both labels, as DataError.
+    """
+    d = config.data
+    table = _encode(records, tokenizer, config, work, name)
+
+    # Records the chat template could not render: an error, or skipped and counted like bad records.
+    errors = np.asarray(table.column("error").to_pylist(), dtype=object)
+    reasons, sources = table.column("error_reason"), table.column("source")
+    skipped = [
+        RecordError.restore(errors[i], reasons[i].as_py(), sources[i].as_py())
+        for i in np.flatnonzero(errors != "")
+    ]
+    if skipped and d.on_bad_record == "error":
+        raise skipped[0]
+
+    p_len = pc.list_value_length(table.column("prompt_ids")).to_numpy()
+    c_len = pc.list_value_length(table.column("completion_ids")).to_numpy()
+    keep_p, keep_c = truncation(p_len, c_len, d.max_length, d.max_prompt_length)
+    too_long = np.flatnonzero((errors == "") & (keep_c == 0))
+    if len(too_long) and d.on_too_long == "error":
+        i = too_long[0]
+        raise DataError(
+            f"{sources[i].as_py()}: prompt ({p_len[i]} tokens) leaves no room for the completion within "
+            f"data.max_length {d.max_length} (data.max_prompt_length {d.max_prompt_length})"
+        )
+    rows = np.flatnonzero((errors == "") & (keep_c > 0))
+    table, p_len, c_len, keep_p, keep_c = (
+        table.take(rows),
+        p_len[rows],
+        c_len[rows],
+        keep_p[rows],
+        keep_c[rows],
+    )
+    labels = table.column("label").to_numpy(zero_copy_only=False).astype(bool)
+    require_both_labels(label_counts(labels), files, f"the {name} split", len(skipped))
+
+    hashes = table.column("prompt_hash").to_numpy()
+    pi = derangement(hashes, [config.train.seed, int(name == "eval")])
+    kl_keep_p, kl_keep_c = truncation(p_len, c_len[pi], d.max_length, d.max_prompt_length)
+    stats = {
+        "examples": len(rows),
+        "labels": label_counts(labels),
+        "lengths": {  # as tokenized, before truncation: what data.max_length is chosen against
+            "prompt": _percentiles(p_len),
+            "completion": _percentiles(c_len),
+            "total": _percentiles(p_len + c_len),
+        },
+        "truncated": {
+            "prompt": int((keep_p < p_len).sum()),
+            "completion": int((keep_c < c_len).sum()),
+            "prompt_tokens_cut": int((p_len - keep_p).sum()),
+            "completion_tokens_cut": int((c_len - keep_c).sum()),
+            "kl_prompt": int((kl_keep_p < p_len).sum()),
+            "kl_completion": int((kl_keep_c < c_len[pi]).sum()),
+        },
+        "dropped": {"no_room_for_completion": len(too_long)} if len(too_long) else {},
+        "boundary_merges": int(table.column("boundary_merge").to_numpy(zero_copy_only=False).sum()),
+        "kl_pairs": pair_stats(hashes, pi),
+    }
+    prompts = table.column("prompt_ids").combine_chunks()
+    comps = table.column("completion_ids").combine_chunks()
+    n = np.arange(len(rows))
+    out = pa.table(
+        {
+            "input_ids": join_truncated(prompts, comps, n, keep_p, keep_c),
+            "completion_start": pa.array(keep_p, pa.int32()),
+            "label": pa.array(labels),
+            "kl_input_ids": join_truncated(prompts, comps, pi, kl_keep_p, kl_keep_c),
+            "kl_completion_start": pa.array(kl_keep_p, pa.int32()),
+            "index": pa.array(n, pa.int64()),
+            "kl_index": pa.array(pi, pa.int64()),
+            "source": table.column("source"),
+            "length": pa.array(keep_p + keep_c, pa.int32()),
+            "kl_length": pa.array(kl_keep_p + kl_keep_c, pa.int32()),
+        }
+    )
+    return datasets.Dataset(InMemoryTable(out)), stats, skipped

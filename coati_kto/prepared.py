@@ -1,0 +1,87 @@
+"""The prepared data as the commands get it: built or reused, opened, with the KTO weight report attached.
+
+- :func:`prepare`: one process (``coati-kto prepare``); always prints the summary.
+- :func:`load_prepared`: every rank of a run (``train``, ``precompute``; ``inspect`` on its one process):
+  global rank 0 builds while the others wait, then every rank opens the same build.
+
+Both return :class:`~coati_kto.data.store.PreparedData` whose ``stats`` is stats.json plus ``"imbalance"``:
+:func:`coati_kto.kto_weights.imbalance` for one rank and the current config, computed on opening because it
+depends on settings the data fingerprint does not cover (``train.micro_batch_size``, ``kto.*``).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from coati_kto.config import Config
+from coati_kto.data.store import PreparedData, ensure, read_fingerprint, read_prepared, summary
+from coati_kto.data.tokenize import load_tokenizer
+from coati_kto.errors import ConfigError, DataError, UserError
+from coati_kto.kto_weights import imbalance
+
+
+def _open(config: Config) -> PreparedData:
+    data = read_prepared(config)
+    data.stats["imbalance"] = imbalance(config, data.stats, num_replicas=1)
+    return data
+
+
+def _summary(data: PreparedData, config: Config, built: bool, why: str, seconds: float) -> str:
+    """The store's summary, then the KTO weight report."""
+    return f"{summary(data.stats, config, built, why, seconds)}\n  {data.stats['imbalance']['report']}"
+
+
+def prepare(config: Config) -> PreparedData:
+    """Build (or reuse) ``data.prepared_dir`` and print a short summary. Single process (CLI ``prepare``)."""
+    start = time.perf_counter()
+    tokenizer = load_tokenizer(config)
+    _, built, why = ensure(config, tokenizer)
+    data = _open(config)
+    print(_summary(data, config, built, why, time.perf_counter() - start))
+    return data
+
+
+def load_prepared(config: Config) -> PreparedData:
+    """For training: every rank calls it. Global rank 0 builds if needed while the others wait at a barrier;
+    then every rank loads from disk. A rank-0 failure is raised on every rank (nobody hangs in a collective).
+    Every rank enters exactly one barrier then one broadcast, whatever happens on rank 0.
+
+    Long builds can outlast the process-group timeout: run ``coati-kto prepare`` before launching.
+    """
+    # Imported here: ``coati-kto prepare`` (above) never needs torch.distributed.
+    import torch.distributed as dist
+
+    from coati_kto.distributed import barrier, broadcast_object
+
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    outcome: tuple[str, str, str] = ("ok", "", "")
+    if rank == 0:
+        try:
+            start = time.perf_counter()
+            tokenizer = load_tokenizer(config)
+            fp, built, why = ensure(config, tokenizer)
+            outcome = ("ok", fp["digest"], "")
+            if built:
+                print(_summary(_open(config), config, built, why, time.perf_counter() - start))
+        except UserError as err:
+            outcome = (type(err).__name__, "", str(err))
+        except Exception as err:
+            outcome = ("internal", "", f"{type(err).__name__}: {err}")
+            barrier()
+            broadcast_object(outcome)
+            raise
+    barrier()
+    kind, digest, message = broadcast_object(outcome)
+    if kind == "internal":
+        raise RuntimeError(f"global rank 0 failed to prepare the data: {message}")
+    if kind != "ok":
+        raise (ConfigError if kind == "ConfigError" else DataError)(message)
+    target = Path(config.data.prepared_dir)
+    found = (read_fingerprint(target) or {}).get("digest")
+    if found != digest:
+        raise DataError(
+            f"data.prepared_dir {target}: rank {rank} sees prepared data {found or 'missing'}, rank 0 built "
+            f"{digest}: on multi-node runs put data.prepared_dir on a shared filesystem"
+        )
+    return _open(config)
