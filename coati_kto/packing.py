@@ -129,7 +129,8 @@ def pack_pairs(batch: KTOBatch, window: int | None = None) -> PackedPairs:
 
 
 def _config(model: Any) -> Any:
-    inner = model.unwrap() if hasattr(model, "unwrap") else model
+    # unwrap_peft=False: a LoRA model's config is read through its PeftModel (as LMHead.find does)
+    inner = model.unwrap(unwrap_peft=False) if hasattr(model, "unwrap") else model
     return getattr(inner, "config", None)
 
 

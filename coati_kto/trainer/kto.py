@@ -122,7 +122,7 @@ class KTOTrainer(SLTrainer):
         checkpoint_manager: a coati_kto.trainer.checkpoint.CheckpointManager (default: one under ``save_dir``).
         run_config: the resolved config as a dict; stored in every checkpoint, sent to W&B and written to
             TensorBoard (text and hparams).
-        data_stats: the prepared data's stats.json (coati_kto.data.prepare); written to TensorBoard as text.
+        data_stats: the prepared data's stats.json (coati_kto.prepared); written to TensorBoard as text.
         wandb_project, wandb_mode, wandb_dir: W&B settings when ``fit(use_wandb=True)``.
         stop_signals: the installed StopSignals (train.py); a stop request checkpoints and raises
             TrainingStoppedError on every rank after the step it was voted in.
