@@ -151,6 +151,19 @@ class KTOSection(_Section):
         description="Online reference: one shared-prompt pass per example and KL pair (equal within rounding, "
         "so step-0 rewards are ~0, not exactly 0).",
     )
+    pack_policy: bool | Literal["auto"] = Field(
+        "auto",
+        description="The policy's passes share the prompt too: evaluation in one packed pass; training folds the "
+        "KL pass into the gradient pass when a z0 group is one micro-batch and prompts are long (3 x packed "
+        "width <= KL width + 3 x example width). auto: on when the reference is cached or packed (step-0 "
+        "rewards are then within rounding of 0 already).",
+    )
+
+    def policy_packing(self) -> bool:
+        """``pack_policy`` resolved: auto is on with a cached or packed reference."""
+        if self.pack_policy == "auto":
+            return self.reference == "cached" or self.pack_reference
+        return bool(self.pack_policy)
 
 
 class TrainSection(_Section):

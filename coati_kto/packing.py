@@ -1,12 +1,14 @@
-"""Reference log-probs of an example and its KL pair in one forward: the shared prompt is processed once.
+"""Log-probs of an example and its KL pair in one forward: the shared prompt is processed once.
 
 The example (x_i, y_i) and its KL pair (x_i, y_j) share the prompt x_i. One packed row holds
 
     A = [x_i, y_i]  positions 0 .. |A|-1, causal                                     (the example)
     B = [y_j]       positions |x_i| .. , each token sees x_i (in A) and B causally, never y_i
 
-so the reference processes P + C_i + C_j tokens instead of 2P + C_i + C_j, and the log-probs are those of two
-separate passes (same positions, same visible tokens; fp32 differences are summation-order only). A row whose
+so a model processes P + C_i + C_j tokens instead of 2P + C_i + C_j, and the log-probs are those of two
+separate passes (same positions, same visible tokens; fp32 differences are summation-order only). The
+reference (online and precomputed) uses it without gradient; the policy's gradient pass uses it where
+:func:`fold_pays` (long prompts, short completions), its KL-pair pass then folded into the gradient pass. A row whose
 KL prompt is not the example's prompt (truncation cut them differently) packs as two independent documents
 (B = the whole KL sequence, positions from 0, seeing only itself): still one forward, nothing shared.
 
@@ -14,7 +16,7 @@ It needs a 4D additive mask, which Hugging Face's Llama-family models take with 
 attention (transformers 4.51), and so do the plugins' wrappers of them: shardformer's Llama, Mistral and Qwen2
 forwards without flash attention hand the mask and position ids to the same attention (tested through
 HybridParallelModule and LowLevelZeroModel). With flash_attention_2, or a model whose head the chunked path
-does not cover (tensor parallelism's vocabulary slices), :func:`reference_pair_logps` runs two passes. The
+does not cover (tensor parallelism's vocabulary slices), :func:`pair_logps` runs two passes. The
 mask costs B x L^2 elements of the model dtype (L = the packed length).
 """
 
@@ -141,7 +143,8 @@ def can_pack(model: Any) -> bool:
 
 
 def packed_pair_logps(model: Any, head: LMHead, packed: PackedPairs) -> tuple[torch.Tensor, torch.Tensor]:
-    """(example, KL) log-probs [B] fp32 from one forward over the packed rows."""
+    """(example, KL) log-probs [B] fp32 from one forward over the packed rows; the example's carry gradient
+    when grad is enabled, the KL pair's never."""
     dtype = head.weight.dtype  # the working dtype (a LoRA reference is no module with parameters of its own)
     mask = torch.zeros(packed.allowed.shape, dtype=dtype, device=packed.allowed.device)
     mask.masked_fill_(~packed.allowed, torch.finfo(dtype).min)
@@ -153,17 +156,41 @@ def packed_pair_logps(model: Any, head: LMHead, packed: PackedPairs) -> tuple[to
         use_cache=False,
     )
     shape = tuple(packed.input_ids.shape)
-    out = []
-    for rows, cols, targets in (packed.example, packed.kl):
-        logps = head_token_logps(hidden[rows, cols], head.weight, head.bias, targets)
-        out.append(sum_per_row(logps, rows, cols, shape))
-    return out[0], out[1]
+    rows, cols, targets = packed.example
+    example = sum_per_row(
+        head_token_logps(hidden[rows, cols], head.weight, head.bias, targets), rows, cols, shape
+    )
+    with torch.no_grad():  # KTO's reference point is a constant: the KL pair's log-probs never carry gradient
+        rows, cols, targets = packed.kl
+        logps = head_token_logps(
+            hidden.detach()[rows, cols], head.weight.detach(), _detach(head.bias), targets
+        )
+        kl = sum_per_row(logps, rows, cols, shape)
+    return example, kl
 
 
-def reference_pair_logps(model: Any, batch: KTOBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(example log-probs [B], KL-pair log-probs [B]) fp32 of a frozen ``model``, and the prompt tokens [B] its
-    one packed pass did not process twice (zeros with two passes). Packed when :func:`can_pack`.
-    Call under torch.no_grad()."""
+def _detach(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.detach()
+
+
+def fold_pays(batch: KTOBatch) -> bool:
+    """Whether one packed pass with gradient over [x_i, y_i, y_j] costs less than the policy's two passes
+    (the KL pair without gradient, the example with): every row shares its prompt and 3 L <= S_kl + 3 S
+    in padded widths (a forward plus a backward of ~2 forwards; the packed KL tokens ride through the backward
+    with zero gradient). True for long prompts and short completions (P > 2C), false for P ~ C."""
+    starts = shared_prompt_lengths(batch)
+    if not bool((starts > 0).all()):
+        return False
+    lengths, kl_lengths = batch.example.lengths(), batch.kl.lengths()
+    width = int((lengths + kl_lengths - starts).max())
+    return 3 * width <= batch.kl.input_ids.shape[1] + 3 * batch.example.input_ids.shape[1]
+
+
+def pair_logps(model: Any, batch: KTOBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(example log-probs [B], KL-pair log-probs [B]) fp32 of ``model``, and the prompt tokens [B] its one
+    packed pass did not process twice (zeros with two passes). Packed when :func:`can_pack`. The reference
+    model's and the cache's passes run it under no_grad; the trainer's folded policy pass with gradient (the
+    example's log-probs differentiable, the KL pair's detached)."""
     head = LMHead.find(model)
     if head is not None and can_pack(model):
         packed = pack_pairs(batch, attention_window(_config(model)))

@@ -193,7 +193,7 @@ def load_reference(config: Config) -> torch.nn.Module:
 def score_rows(model: torch.nn.Module, rows: Any, order: np.ndarray, batch_size: int, pad_token_id: int):
     """Reference (example, KL pair) log-probs of ``rows[order]``: float32 [len(order), 2]. No grad."""
     from coati_kto.data.collator import KTOCollator
-    from coati_kto.packing import reference_pair_logps
+    from coati_kto.packing import pair_logps
 
     collator = KTOCollator(pad_token_id)
     device = next(model.parameters()).device
@@ -202,7 +202,7 @@ def score_rows(model: torch.nn.Module, rows: Any, order: np.ndarray, batch_size:
         for s in range(0, len(order), batch_size):
             batch = collator([rows[int(i)] for i in order[s : s + batch_size]])
             batch = batch.to(device)
-            example, kl, _ = reference_pair_logps(model, batch)
+            example, kl, _ = pair_logps(model, batch)
             out[s : s + len(example), 0] = example.float().cpu().numpy()
             out[s : s + len(example), 1] = kl.float().cpu().numpy()
     return out

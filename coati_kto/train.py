@@ -263,6 +263,7 @@ def _train(config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | Non
         plan=plan,
         peak_flops=peak_flops,
         pack_reference=config.kto.pack_reference,
+        pack_policy=config.kto.policy_packing(),
     )
     checkpoint = manager.resolve_everywhere(config.train.resume)  # rank 0 decides, every rank follows
     if checkpoint is not None:

@@ -15,7 +15,7 @@ from transformers import (
 
 from coati_kto.data.collator import KTOCollator
 from coati_kto.logprobs import LMHead, model_sequence_logps
-from coati_kto.packing import can_pack, pack_pairs, reference_pair_logps, shared_prompt_lengths
+from coati_kto.packing import can_pack, pack_pairs, pair_logps, shared_prompt_lengths
 from coati_kto.tiny import random_causal_lm
 
 
@@ -75,7 +75,7 @@ def test_packed_equals_two_passes_fp32(attn, family, seed):
     shared = shared_prompt_lengths(batch)
     assert shared[2] == 0 and bool((shared[[0, 1, 3, 4]] > 0).all())
     with torch.no_grad():
-        example, kl, shared_run = reference_pair_logps(model, batch)
+        example, kl, shared_run = pair_logps(model, batch)
     assert torch.equal(shared_run, shared)
     ref_example, ref_kl = _separate(model, batch)
     torch.testing.assert_close(example, ref_example, atol=1e-5, rtol=0)
@@ -106,7 +106,7 @@ def _through_plugins() -> dict[str, list[float]]:
             assert hasattr(wrapped, "unwrap") and can_pack(wrapped)
             batch = KTOCollator(0)(_rows(4, 6, mismatched=(1,)))
             with torch.no_grad():
-                example, kl, _ = reference_pair_logps(wrapped, batch)
+                example, kl, _ = pair_logps(wrapped, batch)
             ref_example, ref_kl = _separate(wrapped, batch)
             tokens = torch.cat([batch.example.loss_mask.sum(1), batch.kl.loss_mask.sum(1)]).float()
             diff = (torch.cat([example - ref_example, kl - ref_kl]).abs() / tokens).max()
@@ -133,7 +133,7 @@ def test_packed_bf16_within_the_bf16_error_of_one_pass():
     model = _model(LlamaForCausalLM, LlamaConfig, "sdpa").bfloat16()
     batch = KTOCollator(0)(_rows(3, 16, mismatched=(5,)))
     with torch.no_grad():
-        example, kl, _ = reference_pair_logps(model, batch)
+        example, kl, _ = pair_logps(model, batch)
     ref_example, ref_kl = _separate(model, batch)
     for got, ref, mask in ((example, ref_example, batch.example.loss_mask), (kl, ref_kl, batch.kl.loss_mask)):
         assert got.dtype == torch.float32

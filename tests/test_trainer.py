@@ -437,26 +437,6 @@ def _resume_worker(model_dir: str, out_dir: str, checkpoint: str) -> dict:
 
 # ------------------------------------------------------------------------------------------- fixtures
 @pytest.fixture(scope="module")
-def reference_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with perturbed weights: a reference that differs from the policy, so rewards are not 0.
-
-    The output layer gets the larger noise: logits with noise of std s put on average about s**2 / 2 nats less
-    on a random token, so the KL log-ratios on random sequences are clearly positive (z0 > 0, unclamped).
-    """
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    gen = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.02 * torch.randn(p.shape, generator=gen))
-        model.lm_head.weight.add_(0.2 * torch.randn(model.lm_head.weight.shape, generator=gen))
-    out = tmp_path_factory.mktemp("reference")
-    model.save_pretrained(out)
-    return out
-
-
-@pytest.fixture(scope="module")
 def one_proc(tiny_model_dir: Path, reference_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("one_proc")
     return run_distributed(_one_process, 1, str(tiny_model_dir), str(reference_dir), str(out))[0]

@@ -54,7 +54,7 @@ from coati_kto.distributed import ParallelLayout, reduce_sums
 from coati_kto.errors import UserError
 from coati_kto.logprobs import LMHead, model_sequence_logps
 from coati_kto.loss import estimate_kl_raw, needs_kl, preference_loss
-from coati_kto.packing import reference_pair_logps
+from coati_kto.packing import can_pack, fold_pays, pair_logps
 from coati_kto.parallel import ParallelPlan
 from coati_kto.signals import StopSignals, TrainingStoppedError, decide
 from coati_kto.trainer.base import SLTrainer
@@ -85,12 +85,13 @@ class _NoGradPass:
     labels: torch.Tensor  # [B] bool
     valid: torch.Tensor  # [B] bool; False on evaluation padding rows
     tokens: torch.Tensor  # 0-dim: non-padding tokens of valid examples (and of their KL pairs, when run)
-    example_tokens: torch.Tensor  # 0-dim: non-padding tokens of valid examples (the gradient pass's)
+    gradient_tokens: torch.Tensor  # 0-dim: tokens the gradient pass processes (valid rows; packed if folded)
     flops: torch.Tensor  # 0-dim float64: model FLOPs of the no-grad passes run here
     reference: torch.Tensor
     policy_kl: torch.Tensor | None  # None when the loss has no reference point (no KL passes run)
     reference_kl: torch.Tensor | None
     policy: torch.Tensor | None  # evaluation only: the policy's log-probs, computed without gradient
+    folded: bool = False  # the policy's KL pass runs inside its gradient pass (one packed pass)
 
 
 class KTOTrainer(SLTrainer):
@@ -132,6 +133,9 @@ class KTOTrainer(SLTrainer):
         pack_reference: score an example and its KL pair in one shared-prompt reference pass (coati_kto.packing)
             where the model allows it. Off by default: equal to two passes only within rounding (fp32 ~1e-7,
             bf16 ~1e-3 nats), so step-0 rewards would no longer be exactly 0 (the policy's passes are separate).
+        pack_policy: the policy's passes in one packed row too: in evaluation always; in training where a
+            z0 group is one micro-batch and :func:`~coati_kto.packing.fold_pays` (long prompts, short
+            completions), folding its KL pass into the gradient pass. Same rounding caveat.
     """
 
     def __init__(
@@ -175,6 +179,7 @@ class KTOTrainer(SLTrainer):
         plan: ParallelPlan | None = None,
         peak_flops: float | None = None,
         pack_reference: bool = False,
+        pack_policy: bool = False,
     ) -> None:
         super().__init__(booster, max_epochs, actor, actor_optim, plugin, start_epoch)
         if accumulation_steps < 1 or log_interval < 1 or save_interval < 0 or eval_interval < 0:
@@ -188,6 +193,8 @@ class KTOTrainer(SLTrainer):
         self.beta, self.desirable_weight, self.undesirable_weight = beta, desirable_weight, undesirable_weight
         self.apply_loss_mask = apply_loss_mask
         self.pack_reference = pack_reference
+        self.pack_policy = pack_policy
+        self._policy_packing: bool | None = None
         self.accumulation_steps = accumulation_steps
         self.save_interval, self.eval_interval, self.log_interval = save_interval, eval_interval, log_interval
         self.kl_scope, self.max_steps, self.on_nonfinite = kl_scope, max_steps, on_nonfinite
@@ -418,21 +425,27 @@ class KTOTrainer(SLTrainer):
 
         Phase 1 (no grad) runs over a whole group before z0 exists; phase 2 needs z0. In evaluation the policy
         log-probs come from phase 1 and batches are dropped at once, so a whole eval set can be one group.
+        A group of one training micro-batch may fold the policy's KL pass into its gradient pass (one packed
+        pass, ``pack_policy``): z0 is then reduced between that forward and its backward, still once per group
+        on every rank, folded or not.
         """
         sums = StepSums(self.device)
         done = 0
         for group in groups:
-            passes = [self._no_grad_pass(batch, keep_batch=train) for batch in group]
-            z0 = None
-            if self._needs_kl:
-                raw = self._reference_point(passes)
-                z0 = raw.clamp(min=0.0)  # the paper's clamp, after averaging; raw is logged beside it
-                sums.add_kl(z0, raw)
+            group = list(group)
+            passes = [self._no_grad_pass(batch, train, may_fold=len(group) == 1) for batch in group]
+            folded = bool(passes) and passes[0].folded  # only a group of one micro-batch folds
+            z0 = self._z0(passes, sums) if self._needs_kl and not folded else None
             for item in passes:
                 done += 1
                 last = done == num_micro_batches
                 with self._grad_sync(last) if train else contextlib.nullcontext():
-                    policy_logps = self._policy_logps(item.batch) if train else item.policy
+                    if item.folded:
+                        policy_logps, item.policy_kl, shared = pair_logps(self.policy, item.batch)
+                        item.gradient_tokens = item.gradient_tokens - torch.where(item.valid, shared, 0).sum()
+                        z0 = self._z0([item], sums)
+                    else:
+                        policy_logps = self._policy_logps(item.batch) if train else item.policy
                     losses, rewards = preference_loss(
                         self.loss_type,
                         policy_logps,
@@ -449,13 +462,23 @@ class KTOTrainer(SLTrainer):
                         self.booster.backward(loss, self.optimizer)
                 item.batch = None
                 grad_flops = (
-                    train_flops(self._flop_params(self.policy), item.example_tokens) if train else 0.0
+                    train_flops(self._flop_params(self.policy), item.gradient_tokens) if train else 0.0
                 )
                 sums.add_flops(item.flops + grad_flops)
                 sums.add(losses, rewards, policy_logps, item.labels, item.valid, item.tokens)
         return sums
 
-    def _no_grad_pass(self, batch: KTOBatch, keep_batch: bool) -> _NoGradPass:
+    def _z0(self, passes: list[_NoGradPass], sums: StepSums) -> torch.Tensor:
+        """z0 of a group (one collective); recorded with its unclamped value."""
+        raw = self._reference_point(passes)
+        z0 = raw.clamp(min=0.0)  # the paper's clamp, after averaging; raw is logged beside it
+        sums.add_kl(z0, raw)
+        return z0
+
+    def _no_grad_pass(self, batch: KTOBatch, train: bool, may_fold: bool = False) -> _NoGradPass:
+        """The reference's log-probs and the policy's without gradient: on the KL pairs (unless the KL pass
+        folds into the gradient pass) and, in evaluation, on the examples (one packed pass with
+        ``pack_policy``)."""
         batch = batch.to(self.device, non_blocking=True)
         labels = batch.label.bool()
         valid = batch.valid_rows()
@@ -463,32 +486,54 @@ class KTOTrainer(SLTrainer):
         kl_tokens = torch.where(valid, batch.kl.lengths(), 0).sum()
         if not self._needs_kl:  # apo_zero_unpaired: no pass runs on the KL pairs
             kl_tokens = torch.zeros_like(kl_tokens)
-        # Model FLOPs of the passes that run: the policy on the KL pairs (and on the examples in evaluation),
-        # the reference unless the batch carries its log-probs (the shared prompt once when packed).
-        flops = forward_flops(
-            self._flop_params(self.policy), kl_tokens + (0 if keep_batch else example_tokens)
-        )
+        packs = self._needs_kl and self._policy_packs()
+        folded = train and may_fold and packs and fold_pays(batch)
+        policy = policy_kl = None
         with torch.no_grad():
             reference, reference_kl, shared = self._reference_pair(batch, kl=self._needs_kl)
+            # Model FLOPs of the passes that run: the reference unless the batch carries its log-probs, and
+            # the policy's no-grad passes (a packed pass counts the shared prompt once).
+            flops = torch.zeros((), dtype=torch.float64, device=self.device)
             if shared is not None:
-                run = batch.example.lengths() - shared
-                if self._needs_kl:
-                    run = run + batch.kl.lengths()
-                flops = flops + forward_flops(
-                    self._flop_params(self.reference), torch.where(valid, run, 0).sum()
-                )
-            return _NoGradPass(
-                batch=batch if keep_batch else None,
-                labels=labels,
-                valid=valid,
-                tokens=example_tokens + kl_tokens,
-                example_tokens=example_tokens,
-                flops=flops,
-                reference=reference,
-                policy_kl=self._sequence_logps(self.policy, batch.kl) if self._needs_kl else None,
-                reference_kl=reference_kl,
-                policy=None if keep_batch else self._sequence_logps(self.policy, batch.example),
-            )
+                flops = flops + self._packed_flops(self.reference, batch, shared, valid)
+            if not train and packs:
+                policy, policy_kl, policy_shared = pair_logps(self.policy, batch)
+                flops = flops + self._packed_flops(self.policy, batch, policy_shared, valid)
+            else:
+                if not train:
+                    policy = self._sequence_logps(self.policy, batch.example)
+                if self._needs_kl and not folded:
+                    policy_kl = self._sequence_logps(self.policy, batch.kl)
+                none = torch.zeros_like(example_tokens)
+                run = (none if train else example_tokens) + (none if folded else kl_tokens)
+                flops = flops + forward_flops(self._flop_params(self.policy), run)
+        return _NoGradPass(
+            batch=batch if train else None,
+            labels=labels,
+            valid=valid,
+            tokens=example_tokens + kl_tokens,
+            gradient_tokens=example_tokens + kl_tokens if folded else example_tokens,
+            flops=flops,
+            reference=reference,
+            policy_kl=policy_kl,
+            reference_kl=reference_kl,
+            policy=policy,
+            folded=folded,
+        )
+
+    def _policy_packs(self) -> bool:
+        """Whether the policy's passes pack example and KL pair (``pack_policy``, the loss mask on, and a model
+        :func:`~coati_kto.packing.can_pack` takes); decided once."""
+        if self._policy_packing is None:
+            self._policy_packing = self.pack_policy and self.apply_loss_mask and can_pack(self.policy)
+        return self._policy_packing
+
+    def _packed_flops(
+        self, model: Any, batch: KTOBatch, shared: torch.Tensor, valid: torch.Tensor
+    ) -> torch.Tensor:
+        """Forward FLOPs of one pass over examples and KL pairs that processed ``shared`` prompt tokens once."""
+        run = batch.example.lengths() - shared + (batch.kl.lengths() if self._needs_kl else 0)
+        return forward_flops(self._flop_params(model), torch.where(valid, run, 0).sum())
 
     def _reference_point(self, passes: list[_NoGradPass]) -> torch.Tensor:
         """The unclamped KL estimate over the valid KL pairs of ``passes`` on every data-parallel rank (one
@@ -524,7 +569,7 @@ class KTOTrainer(SLTrainer):
                 self._sequence_logps(self.reference, batch.kl),
                 zeros,
             )
-        return reference_pair_logps(self.reference, batch)
+        return pair_logps(self.reference, batch)
 
     def _sequence_logps(self, model: Any, view: TokenView) -> torch.Tensor:
         """Completion log-probs [B] fp32 of ``model`` on one view of the batch (graph only under grad)."""

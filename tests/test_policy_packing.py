@@ -1,0 +1,155 @@
+"""The policy's shared-prompt passes (``kto.pack_policy``): one packed pass with gradient gives the example's
+log-probs and gradients of a separate pass and the KL pair's log-probs without gradient; a 2-process run that
+folds its KL passes into its gradient passes trains exactly as the run with separate passes (SGD, fp32)."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+
+from coati_kto.data.collator import KTOCollator
+from coati_kto.logprobs import LMHead, model_sequence_logps
+from coati_kto.packing import fold_pays, pair_logps
+from coati_kto.testing import run_distributed
+from coati_kto.tiny import random_causal_lm
+from tests.test_trainer import VOCAB_HI, _build, _config, _weights, sgd
+
+
+def _rows(seed: int, labels: list[int], prompt: tuple[int, int], completion: tuple[int, int]) -> list[dict]:
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(lo: int, hi: int) -> list[int]:
+        n = int(torch.randint(lo, hi, (1,), generator=gen))
+        return torch.randint(3, VOCAB_HI, (n,), generator=gen).tolist()
+
+    rows = []
+    for label in labels:
+        p = draw(*prompt)
+        rows.append(
+            {
+                "input_ids": p + draw(*completion),
+                "completion_start": len(p),
+                "label": bool(label),
+                "kl_input_ids": p + draw(*completion),
+                "kl_completion_start": len(p),
+            }
+        )
+    return rows
+
+
+def _long_prompts(seed: int, labels: list[int]):
+    """Prompts of 14-19 tokens, completions of 1-3: the tool-use shape, where folding pays."""
+    return KTOCollator(0)(_rows(seed, labels, (14, 20), (1, 4)))
+
+
+def test_fold_pays_for_long_prompts_only() -> None:
+    assert fold_pays(_long_prompts(0, [1, 0, 1, 0]))
+    assert not fold_pays(KTOCollator(0)(_rows(0, [1, 0, 1, 0], (5, 8), (5, 8))))  # P ~ C: two passes cheaper
+    rows = _rows(1, [1, 0, 1, 0], (14, 20), (1, 4))
+    rows[2]["kl_input_ids"] = rows[2]["kl_input_ids"][1:]  # truncation cut this KL prompt differently
+    rows[2]["kl_completion_start"] -= 1
+    assert not fold_pays(KTOCollator(0)(rows))
+
+
+@pytest.mark.parametrize(
+    "cls,config_cls,extra",
+    [(LlamaForCausalLM, LlamaConfig, {}), (MistralForCausalLM, MistralConfig, {"sliding_window": 6})],
+)
+def test_packed_gradient_pass_equals_separate_passes(cls, config_cls, extra) -> None:
+    model = random_causal_lm(cls, config_cls, vocab_size=400, attn_implementation="sdpa", **extra)
+    separate = copy.deepcopy(model)
+    batch = _long_prompts(2, [1, 0, 0, 1, 1])
+    weights = torch.tensor([0.7, -1.3, 0.4, 2.0, -0.5])
+    example, kl, shared = pair_logps(model, batch)
+    assert example.requires_grad and not kl.requires_grad and bool((shared > 0).all())
+    (example * weights).sum().backward()
+    head = LMHead.find(separate)
+    ex, kv = batch.example, batch.kl
+    ref_example = model_sequence_logps(separate, ex.input_ids, ex.attention_mask, ex.loss_mask, head)
+    (ref_example * weights).sum().backward()
+    with torch.no_grad():
+        ref_kl = model_sequence_logps(separate, kv.input_ids, kv.attention_mask, kv.loss_mask, head)
+    torch.testing.assert_close(example, ref_example, atol=1e-5, rtol=0)
+    torch.testing.assert_close(kl, ref_kl, atol=1e-5, rtol=0)
+    grads = dict(separate.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+# ------------------------------------------------------------------------------------------- 2 processes
+STEPS = [[[1, 0, 1, 0], [0, 1, 1, 1]], [[1, 1, 0, 0], [0, 0, 1, 1]], [[1, 0, 0, 1], [1, 0, 1, 0]]]
+
+
+def _run(model_dir: str, ref_dir: str, out_dir: str, pack: bool) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    from coati_kto.data.eval_sampler import EvalBatchSampler, ValidMaskLoader
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = _config(
+        model_dir,
+        str(Path(out_dir) / f"pack-{pack}"),
+        model={"path": model_dir, "reference_path": ref_dir},
+        plugin={"name": "hybrid_parallel", "zero_stage": 0, "precision": "fp32"},
+        train={"micro_batch_size": 4},
+        kto={"beta": 0.5, "desirable_weight": 1.3, "undesirable_weight": 0.7},
+    )
+    eval_rows = _rows(9, [1, 0, 1, 1, 0, 1, 0], (14, 20), (1, 4))
+    sampler = EvalBatchSampler(len(eval_rows), 2, num_replicas=world, rank=rank)
+    eval_loader = ValidMaskLoader(
+        DataLoader(eval_rows, batch_sampler=sampler, collate_fn=KTOCollator(0)), sampler
+    )
+    with sgd():
+        parts, trainer = _build(cfg, total_steps=len(STEPS), pack_policy=pack, eval_at_start=True)
+        folded = []
+        no_grad_pass = trainer._no_grad_pass
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            item = no_grad_pass(*args, **kwargs)
+            folded.append(item.folded)
+            return item
+
+        trainer._no_grad_pass = counted
+        batches = [
+            _long_prompts(10 * s + r, labels) for s, step in enumerate(STEPS) for r, labels in enumerate(step)
+        ]
+        trainer.fit(batches[rank::world], eval_loader)
+    return {"history": trainer.history, "weights": _weights(parts.policy), "folded": folded}
+
+
+@pytest.fixture(scope="module")
+def runs(
+    tiny_model_dir: Path, reference_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> dict[bool, list]:
+    out = tmp_path_factory.mktemp("policy_packing")
+    return {
+        pack: run_distributed(_run, 2, str(tiny_model_dir), str(reference_dir), str(out), pack)
+        for pack in (False, True)
+    }
+
+
+def test_folded_run_equals_the_run_with_separate_passes(runs: dict[bool, list]) -> None:
+    for rank in range(2):
+        plain, packed = runs[False][rank], runs[True][rank]
+        # Evaluation at start and end (2 micro-batches each: packed, no gradient pass to fold into) around 3
+        # training micro-batches per rank, every one folded.
+        assert plain["folded"] == [False] * 7, plain["folded"]
+        assert packed["folded"] == [False] * 2 + [True] * 3 + [False] * 2, packed["folded"]
+        np.testing.assert_allclose(packed["weights"], plain["weights"], rtol=0, atol=1e-6)
+        assert len(packed["history"]) == len(plain["history"])
+        for got, want in zip(packed["history"], plain["history"], strict=True):
+            assert got.keys() == want.keys()
+            for key in want:
+                if "per_second" in key or "flops" in key or key.endswith("mfu"):
+                    continue
+                assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
+    # The reference differs from the policy, so z0 and the rewards are not trivially 0.
+    first = next(h for h in runs[True][0]["history"] if "train/kl_raw" in h)
+    assert abs(first["train/kl_raw"]) > 1e-3
