@@ -14,7 +14,9 @@ included); the parent imports nothing heavy, so each child's peak RSS is its own
 - ``--baseline DIR``: the same online run with another checkout's coati_kto (e.g. the code before this
   change: four passes per step, logits-based log-probs) for comparison;
 - tool-use shape (applications/chatml_tool_use: a ~620-token system prompt, short completions): step times
-  over a few steps and the reference tokens the shared-prompt pass saves;
+  over a few steps (online; cached with and without the policy's folded KL pass, ``kto.pack_policy``; online
+  with both models packed) and the reference tokens the shared-prompt pass saves (``--skip-fixture``: only
+  this);
 - ~100M parameters (hidden 768, 12 layers): peak RSS of online vs cached training (the cache built by a separate
   ``coati-kto precompute`` process first), against the size of the reference weights.
 """
@@ -218,10 +220,12 @@ def _median_after_warmup(values: list[float]) -> float:
     return statistics.median(values[3:] if len(values) > 4 else values)
 
 
-def _train(config: Path, mode: str, pythonpath: Path = ROOT, fresh_cache: bool = False) -> tuple[dict, float]:
+def _train(
+    config: Path, mode: str, pythonpath: Path = ROOT, fresh_cache: bool = False, extra: tuple[str, ...] = ()
+) -> tuple[dict, float]:
     if fresh_cache:
         shutil.rmtree(config.parent / "prepared" / "reference_cache", ignore_errors=True)
-    overrides = [f"kto.reference={mode}"] if pythonpath == ROOT else []
+    overrides = [f"kto.reference={mode}", *extra] if pythonpath == ROOT else []
     shutil.rmtree(config.parent / f"out-{config.stem}", ignore_errors=True)
     return _run(["--child", "run", str(config), "train", *overrides], pythonpath)
 
@@ -260,6 +264,7 @@ def main() -> None:
     p.add_argument("--tool-steps", type=int, default=8)
     p.add_argument("--baseline", default=None, help="another checkout whose online run to compare with")
     p.add_argument("--skip-100m", action="store_true")
+    p.add_argument("--skip-fixture", action="store_true", help="only the tool-use shape (and the ~100M run)")
     p.add_argument("--only-100m", action="store_true", help="just the ~100M peak-memory comparison")
     args, rest = p.parse_known_args()
     if args.child:
@@ -275,12 +280,14 @@ def main() -> None:
     print(f"work dir {base}; {os.cpu_count()} CPUs (shared: other processes may load them)")
 
     if not args.only_100m:
-        _fixture_and_tool_use(args, base)
+        if not args.skip_fixture:
+            _fixture(args, base)
+        _tool_use(args, base)
     if not args.skip_100m:
         _memory_100m(base)
 
 
-def _fixture_and_tool_use(args: argparse.Namespace, base: Path) -> None:
+def _fixture(args: argparse.Namespace, base: Path) -> None:
     # ---- fixture: 7.4M Llama, ~100 + ~100 tokens, micro-batch 8, fp32, one epoch
     work = base / "fixture"
     work.mkdir(parents=True)
@@ -314,15 +321,25 @@ def _fixture_and_tool_use(args: argparse.Namespace, base: Path) -> None:
         f"{savings['one_pass']} ({1 - savings['one_pass'] / savings['two_passes']:.1%} fewer)"
     )
 
-    # ---- tool-use shape: long system prompt, short completions
+
+def _tool_use(args: argparse.Namespace, base: Path) -> None:
+    """Long system prompt, short completions: the shape where the policy's folded pass pays (kto.pack_policy)."""
     work = base / "tool_use"
     work.mkdir(parents=True)
     _run(["--child", "setup", str(work), str(args.tool_examples), "tool_use", "256", "4"])
     config = _config(work, "tool_use", 768, 704, 8, max_steps=args.tool_steps)
     savings, _ = _run(["--child", "savings", str(config)])
-    runs = {"online": _train(config, "online"), "cached": _train(config, "cached", fresh_cache=True)}
-    _step_table(f"tool-use shape, {args.tool_steps} steps per run; cached includes its precompute", runs)
-    _ratios(runs, "cached", "online", "online")
+    # micro-batch 8, no accumulation: z0 covers one micro-batch, so the policy may fold its KL pass
+    runs = {
+        "online": _train(config, "online"),
+        "cached (pack_policy auto: on)": _train(config, "cached", fresh_cache=True),
+        "cached, pack_policy=false": _train(config, "cached", extra=("kto.pack_policy=false",)),
+        "online, pack_reference+policy": _train(config, "online", extra=("kto.pack_reference=true",)),
+    }
+    _step_table(f"tool-use shape, {args.tool_steps} steps per run; the first cached run precomputes", runs)
+    _ratios(runs, "cached (pack_policy auto: on)", "online", "online")
+    _ratios(runs, "cached (pack_policy auto: on)", "cached, pack_policy=false", "cached without folding")
+    _ratios(runs, "online, pack_reference+policy", "online", "online")
     print(
         f"tool-use shape: prompt p50 {savings['prompt_p50']:.0f} tokens, completion p50 "
         f"{savings['completion_p50']:.0f}; {savings['packable']:.0%} of pairs share the prompt; reference tokens "
