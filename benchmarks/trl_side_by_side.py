@@ -18,6 +18,12 @@ scores exactly the trained data. Every run is its own process with ``OMP_NUM_THR
   cache deleted first, so that process precomputes then trains); its step CPU time is that of
   ``KTOTrainer._train_step``.
 
+Same work per step: 8 examples and their 8 KL pairs (completions shifted by one inside the batch in both). Online,
+both score examples and KL pairs with the reference (coati-kto's default ``kto.pack_reference: false``: no
+shared-prompt pass), the KL pairs with the policy without gradient, the examples with the policy with gradient;
+a cached / precomputed reference drops the reference passes. Tokens differ slightly: TRL tokenizes prompt +
+completion as one string and the fixture's completions start without a space, so the prompt's last word and the
+completion's first word merge (0.55 tokens more per example on average); coati-kto tokenizes the two separately.
 Step times are medians over the steps after the first 3. The machine is shared: CPU seconds of a step (one
 thread per process) are the comparable figure, wall seconds are stretched by whatever else runs.
 
@@ -28,9 +34,10 @@ packages as installed, so it installs only what they do not satisfy: for ``trl==
 accepts transformers 4.51.3: 0.20 needs >= 4.53.2) that is trl itself (and setuptools), a few seconds from PyPI
 and no second torch (PyPI's torch wheel for Linux pulls ~2.5 GB of CUDA libraries). Both tools then run the
 same torch and the same transformers model code: the difference is the trainer. A newer TRL
-(``--trl-spec trl==1.16.0 --venv .trl-venv-1.16``) installs its own newer transformers into its venv, which
-shadows the main venv's; pip never writes to the main venv ("outside environment"). The venv is reused while
-its recorded spec matches.
+(``--trl-spec trl==1.16.0 --venv .trl-venv-1.16``, the current release) installs its own transformers 5.23.0,
+huggingface_hub 1.33.0 and tokenizers 0.23.3 into its venv (about 30 s), which shadow the main venv's; pip never
+writes to the main venv. TRL 1.x has no ``max_prompt_length`` (nothing is cut at 256 anyway). The venv is
+reused while its recorded spec matches.
 """
 
 from __future__ import annotations
