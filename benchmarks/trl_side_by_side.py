@@ -6,8 +6,8 @@
 Fixture: ``benchmarks/step_bench.py``'s own (its ``setup`` child builds it: a random Llama of 7.4M parameters,
 hidden 256, 4 layers, vocabulary 8192; prompt + completion about 100 + 100 tokens; 3:1 labels), micro-batch 8,
 fp32, 1 process, max_length 256 / max_prompt_length 128 (nothing is cut), lr 1e-5, beta 0.1, no eval, no
-checkpoint. ``--examples`` defaults to ``--steps`` x 8: both tools train one epoch, and a precomputed reference
-scores exactly the trained data. Every run is its own process with ``OMP_NUM_THREADS=1``.
+checkpoint. ``--examples`` defaults to ``--steps`` x 8: both tools train one epoch, and a precomputed
+reference scores exactly the trained data. Every run is its own process with ``OMP_NUM_THREADS=1``.
 
 - TRL: ``KTOTrainer`` in a child process of a SEPARATE virtual environment (``--venv``), with
   ``precompute_ref_log_probs`` False (a reference copy of the model scores every batch) and True (the policy
@@ -18,26 +18,27 @@ scores exactly the trained data. Every run is its own process with ``OMP_NUM_THR
   cache deleted first, so that process precomputes then trains); its step CPU time is that of
   ``KTOTrainer._train_step``.
 
-Same work per step: 8 examples and their 8 KL pairs (completions shifted by one inside the batch in both). Online,
-both score examples and KL pairs with the reference (coati-kto's default ``kto.pack_reference: false``: no
-shared-prompt pass), the KL pairs with the policy without gradient, the examples with the policy with gradient;
-a cached / precomputed reference drops the reference passes. Tokens differ slightly: TRL tokenizes prompt +
-completion as one string and the fixture's completions start without a space, so the prompt's last word and the
-completion's first word merge (0.55 tokens more per example on average); coati-kto tokenizes the two separately.
-Step times are medians over the steps after the first 3. The machine is shared: CPU seconds of a step (one
-thread per process) are the comparable figure, wall seconds are stretched by whatever else runs.
+Same work per step: 8 examples and their 8 KL pairs (completions shifted by one inside the batch in both).
+Online, both score examples and KL pairs with the reference (coati-kto's default ``kto.pack_reference:
+false``: no shared-prompt pass), the KL pairs with the policy without gradient, the examples with the policy
+with gradient; a cached / precomputed reference drops the reference passes. Tokens differ slightly: TRL
+tokenizes prompt + completion as one string and the fixture's completions start without a space, so the
+prompt's last word and the completion's first word merge (0.55 tokens more per example on average); coati-kto
+tokenizes the two separately. Step times are medians over the steps after the first 3. The machine is shared:
+CPU seconds of a step (one thread per process) are the comparable figure, wall seconds are stretched by
+whatever else runs.
 
 TRL environment (TRL is never a dependency of coati_kto): ``python -m venv`` with this interpreter, then a
 ``.pth`` file that appends the main venv's site-packages (torch 2.13 CPU, transformers 4.51.3, accelerate,
-datasets ...) to the new venv's path, then ``pip install --trl-spec`` into the new venv. pip sees the main venv's
-packages as installed, so it installs only what they do not satisfy: for ``trl==0.19.1`` (the newest TRL that
-accepts transformers 4.51.3: 0.20 needs >= 4.53.2) that is trl itself (and setuptools), a few seconds from PyPI
-and no second torch (PyPI's torch wheel for Linux pulls ~2.5 GB of CUDA libraries). Both tools then run the
-same torch and the same transformers model code: the difference is the trainer. A newer TRL
+datasets ...) to the new venv's path, then ``pip install --trl-spec`` into the new venv. pip sees the main
+venv's packages as installed, so it installs only what they do not satisfy: for ``trl==0.19.1`` (the newest
+TRL that accepts transformers 4.51.3: 0.20 needs >= 4.53.2) that is trl itself (and setuptools), a few seconds
+from PyPI and no second torch (PyPI's torch wheel for Linux would pull gigabytes of CUDA libraries). Both tools then
+run the same torch and the same transformers model code: the difference is the trainer. A newer TRL
 (``--trl-spec trl==1.16.0 --venv .trl-venv-1.16``, the current release) installs its own transformers 5.23.0,
-huggingface_hub 1.33.0 and tokenizers 0.23.3 into its venv (about 30 s), which shadow the main venv's; pip never
-writes to the main venv. TRL 1.x has no ``max_prompt_length`` (nothing is cut at 256 anyway). The venv is
-reused while its recorded spec matches.
+huggingface_hub 1.33.0 and tokenizers 0.23.3 into its venv (about 30 s), which shadow the main venv's; pip
+never writes to the main venv. TRL 1.x has no ``max_prompt_length`` (nothing is cut at 256 anyway). The venv
+is reused while its recorded spec matches.
 """
 
 from __future__ import annotations
@@ -279,8 +280,8 @@ def main() -> None:
         else "(not in its dataset columns)"
     )
     print(
-        f"tokens per example, p50 prompt + completion: TRL {trl_shape}, coati-kto {shape['prompt_p50']:.0f} + "
-        f"{shape['completion_p50']:.0f}"
+        f"tokens per example, p50 prompt + completion: TRL {trl_shape}, "
+        f"coati-kto {shape['prompt_p50']:.0f} + {shape['completion_p50']:.0f}"
     )
 
     runs = [
@@ -304,12 +305,12 @@ def main() -> None:
             )
         )
     print(
-        "step-1 loss: the policy equals the reference, so every log-ratio and z0 are 0 and each example's loss is "
-        "1 - sigmoid(0) = 0.5 (lambda_D = lambda_U = 1) in both tools"
+        "step-1 loss: the policy equals the reference, so every log-ratio and z0 are 0 and each example's "
+        "loss is 1 - sigmoid(0) = 0.5 (lambda_D = lambda_U = 1) in both tools"
     )
     print(
-        "x TRL: against TRL in the same reference mode. Step times: medians after the first 3 steps; peak RSS and "
-        "process CPU: the whole process (imports, data, precompute, steps)."
+        "x TRL: against TRL in the same reference mode. Step times: medians after the first 3 steps; "
+        "peak RSS and process CPU: the whole process (imports, data, precompute, steps)."
     )
 
 
