@@ -33,8 +33,8 @@ TRL environment (TRL is never a dependency of coati_kto): ``python -m venv`` wit
 datasets ...) to the new venv's path, then ``pip install --trl-spec`` into the new venv. pip sees the main
 venv's packages as installed, so it installs only what they do not satisfy: for ``trl==0.19.1`` (the newest
 TRL that accepts transformers 4.51.3: 0.20 needs >= 4.53.2) that is trl itself (and setuptools), a few seconds
-from PyPI and no second torch (PyPI's torch wheel for Linux would pull gigabytes of CUDA libraries). Both tools then
-run the same torch and the same transformers model code: the difference is the trainer. A newer TRL
+from PyPI and no second torch (PyPI's torch wheel for Linux would pull gigabytes of CUDA libraries). Both
+tools then run the same torch and the same transformers model code: the difference is the trainer. A newer TRL
 (``--trl-spec trl==1.16.0 --venv .trl-venv-1.16``, the current release) installs its own transformers 5.23.0,
 huggingface_hub 1.33.0 and tokenizers 0.23.3 into its venv (about 30 s), which shadow the main venv's; pip
 never writes to the main venv. TRL 1.x has no ``max_prompt_length`` (nothing is cut at 256 anyway). The venv
