@@ -133,6 +133,7 @@ def _child_run(config_path: str, overrides: list[str], command: str) -> None:
         out["step_seconds"] = [8.0 / h["train/examples_per_second"] for h in records]
         out["tokens_per_second"] = [h["train/tokens_per_second"] for h in records]
         out["flops_per_second"] = [h.get("train/model_flops_per_second", float("nan")) for h in records]
+        out["loss"] = [h.get("train/loss", float("nan")) for h in records]
     out["seconds"] = time.perf_counter() - start
     usage = resource.getrusage(resource.RUSAGE_SELF)
     out["cpu_seconds"] = (

@@ -1,0 +1,318 @@
+"""TRL's KTOTrainer next to coati-kto on step_bench's fixture: step time, CPU time, peak RSS, step-1 loss.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/trl_side_by_side.py [--steps 20] [--examples 160]
+        [--venv .trl-venv] [--trl-spec trl==0.19.1] [--work /tmp/coati_trl_side_by_side]
+
+Fixture: ``benchmarks/step_bench.py``'s own (its ``setup`` child builds it: a random Llama of 7.4M parameters,
+hidden 256, 4 layers, vocabulary 8192; prompt + completion about 100 + 100 tokens; 3:1 labels), micro-batch 8,
+fp32, 1 process, max_length 256 / max_prompt_length 128 (nothing is cut), lr 1e-5, beta 0.1, no eval, no
+checkpoint. ``--examples`` defaults to ``--steps`` x 8: both tools train one epoch, and a precomputed
+reference scores exactly the trained data. Every run is its own process with ``OMP_NUM_THREADS=1``.
+
+- TRL: ``KTOTrainer`` in a child process of a SEPARATE virtual environment (``--venv``), with
+  ``precompute_ref_log_probs`` False (a reference copy of the model scores every batch) and True (the policy
+  at step 0 scores the whole train set before the first step). A ``TrainerCallback`` times each step
+  (``on_step_begin`` -> ``on_step_end``: forwards, backward, optimizer step) with ``time.perf_counter`` and
+  ``time.process_time``; peak RSS is the child's ``getrusage`` at exit (precompute included).
+- coati-kto: ``coati-kto train`` through step_bench's child (``kto.reference`` online, then cached with the
+  cache deleted first, so that process precomputes then trains); its step CPU time is that of
+  ``KTOTrainer._train_step``.
+
+Same work per step: 8 examples and their 8 KL pairs (completions shifted by one inside the batch in both).
+Online, both score examples and KL pairs with the reference (coati-kto's default ``kto.pack_reference:
+false``: no shared-prompt pass), the KL pairs with the policy without gradient, the examples with the policy
+with gradient; a cached / precomputed reference drops the reference passes. Tokens differ slightly: TRL
+tokenizes prompt + completion as one string and the fixture's completions start without a space, so the
+prompt's last word and the completion's first word merge (0.55 tokens more per example on average); coati-kto
+tokenizes the two separately. Step times are medians over the steps after the first 3. The machine is shared:
+CPU seconds of a step (one thread per process) are the comparable figure, wall seconds are stretched by
+whatever else runs.
+
+TRL environment (TRL is never a dependency of coati_kto): ``python -m venv`` with this interpreter, then a
+``.pth`` file that appends the main venv's site-packages (torch 2.13 CPU, transformers 4.51.3, accelerate,
+datasets ...) to the new venv's path, then ``pip install --trl-spec`` into the new venv. pip sees the main
+venv's packages as installed, so it installs only what they do not satisfy: for ``trl==0.19.1`` (the newest
+TRL that accepts transformers 4.51.3: 0.20 needs >= 4.53.2) that is trl itself (and setuptools), a few seconds
+from PyPI and no second torch (PyPI's torch wheel for Linux would pull gigabytes of CUDA libraries). Both
+tools then run the same torch and the same transformers model code: the difference is the trainer. A newer TRL
+(``--trl-spec trl==1.16.0 --venv .trl-venv-1.16``, the current release) installs its own transformers 5.23.0,
+huggingface_hub 1.33.0 and tokenizers 0.23.3 into its venv (about 30 s), which shadow the main venv's; pip
+never writes to the main venv. TRL 1.x has no ``max_prompt_length`` (nothing is cut at 256 anyway). The venv
+is reused while its recorded spec matches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+# This file runs as a script, so its directory is on sys.path; step_bench imports only the standard library at
+# module level, so the TRL child (another venv) can import it too.
+import step_bench
+
+ROOT = Path(__file__).resolve().parents[1]
+MICRO_BATCH = 8
+MAX_LENGTH, MAX_PROMPT_LENGTH = 256, 128
+SPEC_FILE = "coati-bench-spec.txt"
+
+
+# ------------------------------------------------------------------ TRL child (runs in the TRL venv)
+def _trl_child(work: Path, precompute: bool, steps: int) -> None:
+    """Train TRL's KTOTrainer ``steps`` steps on ``work``'s fixture; prints timings and versions as JSON."""
+    import dataclasses
+    import resource
+
+    start = time.perf_counter()
+    import accelerate
+    import datasets
+    import torch
+    import transformers
+    import trl
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from trl import KTOConfig, KTOTrainer
+
+    class StepTimer(TrainerCallback):
+        """Wall and CPU seconds of each optimizer step; the logged loss of each step."""
+
+        def __init__(self) -> None:
+            self.wall: list[float] = []
+            self.cpu: list[float] = []
+            self.loss: list[float] = []
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._start = (time.perf_counter(), time.process_time())
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.wall.append(time.perf_counter() - self._start[0])
+            self.cpu.append(time.process_time() - self._start[1])
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                self.loss.append(float(logs["loss"]))
+
+    records = [json.loads(line) for line in (work / "train.jsonl").read_text().splitlines()]
+    tokenizer = AutoTokenizer.from_pretrained(work / "model")
+    model = AutoModelForCausalLM.from_pretrained(
+        work / "model"
+    )  # saved in fp32; no dtype kwarg: renamed in 5.x
+    assert model.dtype == torch.float32, model.dtype
+    wanted = {
+        "output_dir": str(work / f"trl-out-{int(precompute)}"),
+        "per_device_train_batch_size": MICRO_BATCH,
+        "max_steps": steps,
+        "learning_rate": 1e-5,
+        "beta": 0.1,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "eval_strategy": "no",
+        "report_to": [],
+        "use_cpu": True,
+        "bf16": False,
+        "max_length": MAX_LENGTH,
+        "max_prompt_length": MAX_PROMPT_LENGTH,
+        "precompute_ref_log_probs": precompute,
+        "remove_unused_columns": False,
+        "dataloader_num_workers": 0,
+        "disable_tqdm": True,
+        "seed": 0,
+    }
+    known = {f.name for f in dataclasses.fields(KTOConfig)}
+    config = KTOConfig(**{k: v for k, v in wanted.items() if k in known})
+    timer = StepTimer()
+    trainer = KTOTrainer(
+        model=model,
+        args=config,
+        train_dataset=datasets.Dataset.from_list(records),
+        processing_class=tokenizer,
+        callbacks=[timer],
+    )
+    prompts, completions = _token_counts(trainer.train_dataset)
+    trainer.train()
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    out = {
+        "step_seconds": timer.wall,
+        "step_cpu_seconds": timer.cpu,
+        "loss": timer.loss,
+        "seconds": time.perf_counter() - start,
+        "cpu_seconds": usage.ru_utime + usage.ru_stime,
+        "peak_rss_mib": usage.ru_maxrss / 1024,
+        "ignored_config_keys": sorted(set(wanted) - known),
+        "prompt_p50": statistics.median(prompts) if prompts else None,
+        "completion_p50": statistics.median(completions) if completions else None,
+        "versions": {m.__name__: m.__version__ for m in (trl, transformers, torch, accelerate, datasets)},
+    }
+    print("RESULT " + json.dumps(out))
+
+
+def _token_counts(ds) -> tuple[list[int], list[int]]:
+    """Prompt and completion tokens per tokenized example (TRL 0.x: prompt + full sequence; 1.x: the two)."""
+    cols = ds.column_names
+    if "prompt_ids" in cols and "completion_ids" in cols:
+        return [len(x) for x in ds["prompt_ids"]], [len(x) for x in ds["completion_ids"]]
+    if "prompt_input_ids" in cols and "completion_input_ids" in cols:
+        prompts = [len(x) for x in ds["prompt_input_ids"]]
+        return prompts, [len(x) - p for x, p in zip(ds["completion_input_ids"], prompts, strict=True)]
+    return [], []
+
+
+# ------------------------------------------------------------------------------ parent (main venv)
+def ensure_trl_venv(venv: Path, spec: str) -> float | None:
+    """Create ``venv`` (see the module docstring) and pip install ``spec`` into it, unless it already holds
+    ``spec``. Returns the install's wall seconds, or None when the venv was reused."""
+    marker = venv / SPEC_FILE
+    if marker.exists() and marker.read_text().strip() == spec:
+        return None
+    import sysconfig
+
+    t0 = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    # Appended after the venv's own site-packages: whatever pip installs into the venv shadows the main venv.
+    (Path(site) / "coati_main_venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    pip = subprocess.run(
+        [str(python), "-m", "pip", "install", "--disable-pip-version-check", spec],
+        capture_output=True,
+        text=True,
+    )
+    if pip.returncode != 0:
+        sys.exit(f"pip install {spec} into {venv} failed:\n{pip.stdout[-3000:]}\n{pip.stderr[-3000:]}")
+    installed = [line for line in pip.stdout.splitlines() if line.startswith("Successfully installed")]
+    print(f"{venv}: {installed[-1] if installed else 'nothing new installed'}")
+    marker.write_text(spec + "\n")
+    return time.perf_counter() - t0
+
+
+def _run_trl(venv: Path, work: Path, precompute: bool, steps: int) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # TRL's process never sees coati_kto
+    env.update(
+        OMP_NUM_THREADS="1",
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_OFFLINE="1",
+        HF_DATASETS_OFFLINE="1",
+        HF_DATASETS_CACHE=str(work / "hf-datasets-cache"),
+        TRANSFORMERS_NO_ADVISORY_WARNINGS="1",
+    )
+    args = [
+        str(venv / "bin" / "python"),
+        __file__,
+        "--trl-child",
+        str(work),
+        str(int(precompute)),
+        str(steps),
+    ]
+    proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=str(work))
+    if proc.returncode != 0:
+        sys.exit(f"TRL child failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def _row(tool: str, mode: str, r: dict, trl_cpu: float, trl_wall: float) -> str:
+    cpu = step_bench._median_after_warmup(r["step_cpu_seconds"])
+    wall = step_bench._median_after_warmup(r["step_seconds"])
+    return (
+        f"{tool:<11}{mode:<26}{wall:>12.3f}{cpu:>11.3f}{r['peak_rss_mib']:>14.0f}{r['cpu_seconds']:>15.1f}"
+        f"{r['loss'][0]:>13.4f}{cpu / trl_cpu:>12.2f}{wall / trl_wall:>13.2f}"
+    )
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--trl-child", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--examples", type=int, default=None, help="fixture examples (default: steps x 8)")
+    p.add_argument("--venv", default=str(ROOT / ".trl-venv"), help="TRL's own virtual environment")
+    p.add_argument("--trl-spec", default="trl==0.19.1", help="what pip installs into --venv")
+    p.add_argument("--work", default="/tmp/coati_trl_side_by_side")
+    args = p.parse_args()
+    if args.trl_child:
+        work, precompute, steps = args.trl_child
+        return _trl_child(Path(work), precompute == "1", int(steps))
+
+    import shutil
+
+    examples = args.examples or args.steps * MICRO_BATCH
+    venv = Path(args.venv).resolve()
+    installed = ensure_trl_venv(venv, args.trl_spec)
+    print(
+        f"TRL venv {venv} ({args.trl_spec}): "
+        + (f"installed in {installed:.1f} s" if installed is not None else "reused")
+    )
+    work = Path(args.work)
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    info, _ = step_bench._run(["--child", "setup", str(work), str(examples), "fixture", "256", "4"])
+    config = step_bench._config(
+        work, "fixture", MAX_LENGTH, MAX_PROMPT_LENGTH, MICRO_BATCH, max_steps=args.steps
+    )
+    shape, _ = step_bench._run(["--child", "savings", str(config)])
+    print(
+        f"fixture: {info['params'] / 1e6:.2f}M parameters, {examples} examples (3:1), {args.steps} steps of "
+        f"{MICRO_BATCH}, fp32, 1 process, OMP_NUM_THREADS=1 in every run; {os.cpu_count()} CPUs, shared"
+    )
+
+    trl_online = _run_trl(venv, work, False, args.steps)
+    trl_cached = _run_trl(venv, work, True, args.steps)
+    coati_online, _ = step_bench._train(config, "online")
+    coati_cached, _ = step_bench._train(config, "cached", fresh_cache=True)
+    print(
+        "versions (TRL venv): "
+        + ", ".join(f"{k} {v}" for k, v in trl_online["versions"].items())
+        + f"; coati-kto from {ROOT}"
+    )
+    if trl_online["ignored_config_keys"]:
+        print(f"KTOConfig of this TRL has no {trl_online['ignored_config_keys']} (left at its defaults)")
+    trl_shape = (
+        f"{trl_online['prompt_p50']:.0f} + {trl_online['completion_p50']:.0f}"
+        if trl_online["prompt_p50"] is not None
+        else "(not in its dataset columns)"
+    )
+    print(
+        f"tokens per example, p50 prompt + completion: TRL {trl_shape}, "
+        f"coati-kto {shape['prompt_p50']:.0f} + {shape['completion_p50']:.0f}"
+    )
+
+    runs = [
+        ("TRL", "online (ref model)", trl_online, trl_online),
+        ("TRL", "precompute_ref_log_probs", trl_cached, trl_cached),
+        ("coati-kto", "online", coati_online, trl_online),
+        ("coati-kto", "cached", coati_cached, trl_cached),
+    ]
+    print(
+        f"\n{'tool':<11}{'reference':<26}{'step wall s':>12}{'step CPU s':>11}{'peak RSS MiB':>14}"
+        f"{'process CPU s':>15}{'step-1 loss':>13}{'CPU x TRL':>12}{'wall x TRL':>13}"
+    )
+    for tool, mode, r, base in runs:
+        print(
+            _row(
+                tool,
+                mode,
+                r,
+                step_bench._median_after_warmup(base["step_cpu_seconds"]),
+                step_bench._median_after_warmup(base["step_seconds"]),
+            )
+        )
+    print(
+        "step-1 loss: the policy equals the reference, so every log-ratio and z0 are 0 and each example's "
+        "loss is 1 - sigmoid(0) = 0.5 (lambda_D = lambda_U = 1) in both tools"
+    )
+    print(
+        "x TRL: against TRL in the same reference mode. Step times: medians after the first 3 steps; "
+        "peak RSS and process CPU: the whole process (imports, data, precompute, steps)."
+    )
+
+
+if __name__ == "__main__":
+    main()
