@@ -3,8 +3,10 @@
 One optimizer step (``_train_step``) on every rank:
 
 1. no-grad passes over each micro-batch of the step: the policy on the KL pairs, the reference model on the
-   examples and their KL pairs in one shared-prompt pass (coati_kto.packing), or precomputed
-   ``reference_logps`` / ``reference_kl_logps`` from the batch (kto.reference cached: no reference model);
+   examples and their KL pairs (two passes, or one shared-prompt pass: coati_kto.packing), or precomputed
+   ``reference_logps`` / ``reference_kl_logps`` from the batch (kto.reference cached: no reference model).
+   With ``pack_policy``, a micro-batch that is its own z0 group and has long prompts folds the policy's KL
+   pass into step 3's gradient pass instead (one packed row; z0 is reduced between its forward and backward);
 2. the reference point z0 from the KL log-ratios of every micro-batch of the step on every data-parallel rank
    (``kto.kl_scope: step``; ``micro_batch`` estimates one z0 per micro-batch instead). With
    ``loss_type="apo_zero_unpaired"`` there is no z0: the KL-pair passes of step 1 and this collective are
