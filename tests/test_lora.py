@@ -173,42 +173,50 @@ def test_lora_lifecycle(lora_runs: list[dict[str, Any]], plugin: str) -> None:
     assert not main["merged_has_lora"] and main["card_uses_adapter"]
 
 
-def _packed_reference_run(model_dir: str, root: str) -> dict[str, Any]:
+def _packed_run(model_dir: str, root: str, pack_policy: bool) -> dict[str, Any]:
     """Two steps of LoRA on hybrid_parallel ZeRO-2 bf16 with kto.pack_reference: the adapter-free reference
-    runs its shared-prompt pass through the plugin's wrapper."""
+    runs its shared-prompt pass through the plugin's wrapper; with pack_policy the policy folds too."""
     import coati_kto.packing as packing
     from coati_kto.config import Config
     from coati_kto.train import train
 
-    calls = []
+    calls: list[str] = []
     packed = packing.packed_pair_logps
 
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        return packed(*args, **kwargs)
+    def counted(model: Any, *args: Any, **kwargs: Any) -> Any:
+        calls.append(type(model).__name__)
+        return packed(model, *args, **kwargs)
 
-    raw = _raw_config(model_dir, Path(root), PLUGINS["hybrid_parallel"], "packed")
+    raw = _raw_config(model_dir, Path(root), PLUGINS["hybrid_parallel"], f"packed-{pack_policy}")
     raw["data"].pop("eval_files")
     raw["train"]["max_steps"] = 2
-    raw["kto"] = {"pack_reference": True}
-    raw["output"] = {"dir": str(Path(root) / "packed"), "save_final": False}
+    raw["kto"] = {"pack_reference": True, "pack_policy": pack_policy}
+    raw["output"] = {"dir": str(Path(root) / f"packed-{pack_policy}"), "save_final": False}
     packing.packed_pair_logps = counted
     try:
         trainer = train(Config.model_validate(raw))
     finally:
         packing.packed_pair_logps = packed
     first = next(h for h in trainer.history if "train/loss" in h)
-    return {"calls": len(calls), "rewards": (first["train/rewards/chosen"], first["train/rewards/rejected"])}
+    return {"calls": calls, "rewards": (first["train/rewards/chosen"], first["train/rewards/rejected"])}
 
 
-def test_packed_reference_through_a_lora_hybrid_policy(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("pack_policy", [False, True])
+def test_packed_passes_through_a_lora_hybrid_policy(
+    tiny_model_dir: Path, tmp_path: Path, pack_policy: bool
+) -> None:
     write_jsonl(_records(48, 0), tmp_path / "train.jsonl")
-    runs = run_distributed(_packed_reference_run, 2, str(tiny_model_dir), str(tmp_path))
+    runs = run_distributed(_packed_run, 2, str(tiny_model_dir), str(tmp_path), pack_policy)
     for run in runs:
-        assert run["calls"] == 2, run  # one packed reference pass per step, no fallback to two passes
-        # Before any update the policy equals its adapter-free reference: the packed pass differs from the
+        # one packed reference pass per step, no fallback to two passes
+        assert run["calls"].count("AdapterFreeReference") == 2, run
+        # Before any update the policy equals its adapter-free reference: a packed pass differs from the
         # policy's own pass by bf16 rounding only (per-sequence sums of ~10 tokens).
         assert all(abs(r) < 5e-3 for r in run["rewards"]), run
+    policy_folds = sum(run["calls"].count("HybridParallelModule") for run in runs)
+    # These prompts are long enough for some micro-batches to fold the policy's KL pass (the LoRA policy's
+    # packed gradient pass through the plugin), and none without pack_policy.
+    assert policy_folds >= 1 if pack_policy else policy_folds == 0, runs
 
 
 def test_lora_config_checks(tmp_path: Path) -> None:
