@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import queue
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -37,6 +38,29 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
             torch.distributed.destroy_process_group()
 
 
+def _next_result(
+    results: Any, procs: list[Any], reported: dict[int, Any], deadline: float, timeout_s: float
+) -> tuple[int, bool, Any]:
+    """The next (rank, ok, value) from the workers; RuntimeError when a worker died without reporting (a
+    signal, os._exit, the OOM killer) or the run passed its deadline, instead of waiting out the timeout."""
+    while True:
+        try:
+            return results.get(timeout=1.0)
+        except queue.Empty:
+            pass
+        dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode is not None]
+        if dead:
+            try:  # a worker's result is flushed before it exits: give the queue a moment
+                return results.get(timeout=5.0)
+            except queue.Empty:
+                rank = dead[0]
+                raise RuntimeError(
+                    f"rank {rank} exited with code {procs[rank].exitcode} without reporting a result"
+                ) from None
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"distributed run timed out after {timeout_s} s")
+
+
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` processes joined in one gloo group; return each rank's result.
 
@@ -63,18 +87,19 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible
     outputs: dict[int, Any] = {}
+    finished = False
     try:
-        for _ in range(world_size):
-            try:
-                rank, ok, value = results.get(timeout=timeout_s)
-            except queue.Empty:
-                raise RuntimeError(f"distributed run timed out after {timeout_s} s") from None
+        deadline = time.monotonic() + timeout_s
+        while len(outputs) < world_size:
+            rank, ok, value = _next_result(results, procs, outputs, deadline, timeout_s)
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             outputs[rank] = value
+        finished = True
     finally:
         for p in procs:
-            p.join(timeout=30)
+            # On failure the other ranks may wait in a collective for the one that died: no grace then.
+            p.join(timeout=30 if finished else 1)
             if p.is_alive():
                 p.kill()
     return [outputs[r] for r in range(world_size)]

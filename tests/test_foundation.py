@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from coati_kto.testing import run_distributed
@@ -62,3 +65,19 @@ def test_hybrid_parallel_zero2_bf16_two_processes_learns_and_stays_in_sync(tiny_
         # run_distributed hides GPUs: on a GPU machine the ranks used to pick NCCL and rank 1 failed on the
         # missing cuda:1 ("invalid device ordinal"); the suite must compute CI's numbers on any machine.
         assert (res["backend"], res["sees_cuda"]) == ("gloo", False)
+
+
+def _die_on_rank_1() -> int:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        os._exit(3)  # no traceback, no result: a segfault or the OOM killer looks like this
+    time.sleep(60)  # rank 0 is busy (gloo would notice a dead peer inside a collective by itself)
+    return 0
+
+
+def test_a_worker_dying_without_a_result_fails_the_run_at_once() -> None:
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="rank 1 exited with code 3 without reporting a result"):
+        run_distributed(_die_on_rank_1, 2, timeout_s=600)
+    assert time.monotonic() - started < 30  # neither the 600 s timeout nor rank 0's 60 s
