@@ -159,6 +159,15 @@ class KTOSection(_Section):
         "rewards are then within rounding of 0 already).",
     )
 
+    @field_validator("pack_policy", mode="before")
+    @classmethod
+    def _true_false_or_auto(cls, value: Any) -> bool | str:
+        # One message for the union (pydantic would report each member's failure on its own line).
+        text = str(value).strip().lower()
+        if isinstance(value, bool) or text in ("true", "false", "auto"):
+            return value if isinstance(value, bool) else {"true": True, "false": False}.get(text, "auto")
+        raise ValueError("must be true, false or auto")
+
     def policy_packing(self) -> bool:
         """``pack_policy`` resolved: auto is on with a cached or packed reference."""
         if self.pack_policy == "auto":

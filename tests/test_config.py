@@ -148,3 +148,17 @@ def test_cli_takes_overrides_before_and_after_options() -> None:
     assert args.overrides == ["train.seed=1", "kto.beta=0.2"]
     with pytest.raises(SystemExit):
         _parse(["inspect", "cfg.yaml", "--bogus", "2"])
+
+
+def test_pack_policy_true_false_or_auto_and_what_auto_means(tmp_path: Path) -> None:
+    path = _write(tmp_path, MINIMAL)
+    assert load_config(path).kto.policy_packing() is False  # online, separate reference passes
+    assert load_config(path, ["kto.reference=cached"]).kto.policy_packing() is True
+    assert load_config(path, ["kto.pack_reference=true"]).kto.policy_packing() is True
+    assert load_config(path, ["kto.reference=cached", "kto.pack_policy=false"]).kto.policy_packing() is False
+    assert load_config(path, ["kto.pack_policy=true"]).kto.policy_packing() is True
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["kto.pack_policy=maybe"])
+    assert str(err.value).count(
+        "\n"
+    ) == 0 and "kto.pack_policy: must be true, false or auto (got 'maybe')" in str(err.value)
