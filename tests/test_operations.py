@@ -337,3 +337,28 @@ def test_launch_keeps_secrets_out_of_its_output(run_config: Path, tmp_path: Path
     assert secret not in "".join(kept.values())
     assert set(names) <= set(kept["COATI_KTO_DROPPED_ENV"].split(","))
     assert kept["TOKENIZERS_PARALLELISM"] == os.environ["TOKENIZERS_PARALLELISM"]
+
+
+def test_a_clean_stop_through_colossalai_run_exits_75(run_config: Path, tmp_path: Path) -> None:
+    """colossalai run says only success/failure per node and exits 1 on failure: a SIGTERM stop (every rank
+    checkpointed and exited 75) used to come out as 1, a crash to whatever restarts the job."""
+    from coati_kto.distributed import free_port
+
+    repo = Path(__file__).resolve().parent.parent
+    out = tmp_path / "out"
+    proc = subprocess.Popen(
+        ["bash", str(repo / "launch" / "colossalai_run.sh"), str(run_config), f"output.dir={out}"],
+        env={**env(), "NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port())},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    wait_for(out / "checkpoints" / "step-4", proc)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == STOP_EXIT_CODE, output[-3000:]
+    stopped = [line for line in output.splitlines() if line.startswith("stopped by SIGTERM after step ")]
+    assert len(stopped) == 1, output[-3000:]
+    step = stopped[0].split("after step ")[1].split(";")[0]
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step-{step}"
+    assert "launcher: stopped cleanly on 127.0.0.1; exit 75" in output
