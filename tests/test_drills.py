@@ -188,6 +188,34 @@ def test_killing_the_rank_on_node2_ends_the_job_and_resume_completes(
     assert_same(reference, weights(out))
 
 
+def test_a_sigterm_stops_both_nodes_cleanly_with_exit_75_and_resume_completes(
+    netns_cluster, drill_config, reference, tmp_path
+) -> None:
+    out = tmp_path / "out"
+    proc = colossalai_run(netns_cluster, drill_config, f"output.dir={out}")
+    wait_for_checkpoint(out, proc)
+    # With a hostfile every node's ranks run under its sshd: signal one node's launcher (README: `ssh node1
+    # pkill -TERM -f coati_kto.launch`); the ranks' vote stops every node after the same step.
+    (launcher,) = node_pids("node1", "-m coati_kto.launch")
+    os.kill(launcher, signal.SIGTERM)
+    output, _ = proc.communicate(timeout=GOAL_S + 60)
+    assert proc.returncode == 75, output[-3000:]
+    stopped = [line for line in output.splitlines() if line.startswith("stopped by SIGTERM after step ")]
+    assert len(stopped) == 1, output[-3000:]
+    # both nodes' ranks stopped after the same voted step and exited 75: neither reported a failure
+    assert "launcher: stopped cleanly on " in output and ": failure" not in output, output[-3000:]
+    latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
+    assert (latest / "COMPLETE").is_file() and stopped[0].endswith(
+        f"checkpoint {latest}; resume with train.resume=auto"
+    )
+
+    proc = colossalai_run(netns_cluster, drill_config, f"output.dir={out}", "train.resume=auto")
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, output[-3000:]
+    assert f"resumed from {latest}" in output
+    assert_same(reference, weights(out))
+
+
 def test_a_node_without_sshd_fails_the_launch_in_bounded_time(netns_cluster, drill_config, tmp_path) -> None:
     sshd = Path("/tmp/netns_cluster/nodes/node2/sshd.pid")
     os.kill(int(sshd.read_text()), signal.SIGTERM)
