@@ -148,6 +148,17 @@ def node_pids(node: str, needle: str) -> list[int]:
     return found
 
 
+def resume_matches_uninterrupted(
+    cluster: dict[str, str], config: Path, out: Path, latest: Path, reference
+) -> None:
+    """``train.resume=auto`` from ``latest`` runs to the end with the uninterrupted run's weights."""
+    proc = colossalai_run(cluster, config, f"output.dir={out}", "train.resume=auto")
+    output, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, output[-3000:]
+    assert f"resumed from {latest}" in output
+    assert_same(reference, weights(out))
+
+
 def report(drill: str, seconds: float, what: str = "stopped") -> None:
     print(f"\n[drill] {drill}: {what} {seconds:.1f} s after the fault", flush=True)
 
@@ -180,12 +191,7 @@ def test_killing_the_rank_on_node2_ends_the_job_and_resume_completes(
     assert "Traceback" not in output
     latest = out / "checkpoints" / (out / "checkpoints" / "latest").read_text().strip()
     assert (latest / "COMPLETE").is_file()
-
-    proc = colossalai_run(netns_cluster, drill_config, f"output.dir={out}", "train.resume=auto")
-    output, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, output[-3000:]
-    assert f"resumed from {latest}" in output
-    assert_same(reference, weights(out))
+    resume_matches_uninterrupted(netns_cluster, drill_config, out, latest, reference)
 
 
 def test_a_sigterm_stops_both_nodes_cleanly_with_exit_75_and_resume_completes(
@@ -208,12 +214,7 @@ def test_a_sigterm_stops_both_nodes_cleanly_with_exit_75_and_resume_completes(
     assert (latest / "COMPLETE").is_file() and stopped[0].endswith(
         f"checkpoint {latest}; resume with train.resume=auto"
     )
-
-    proc = colossalai_run(netns_cluster, drill_config, f"output.dir={out}", "train.resume=auto")
-    output, _ = proc.communicate(timeout=600)
-    assert proc.returncode == 0, output[-3000:]
-    assert f"resumed from {latest}" in output
-    assert_same(reference, weights(out))
+    resume_matches_uninterrupted(netns_cluster, drill_config, out, latest, reference)
 
 
 def test_a_node_without_sshd_fails_the_launch_in_bounded_time(netns_cluster, drill_config, tmp_path) -> None:

@@ -94,6 +94,18 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
         time.sleep(0.2)
 
 
+def stop_with_sigterm(proc: subprocess.Popen, out: Path) -> tuple[str, str, int]:
+    """SIGTERM to ``proc`` once ``out`` holds checkpoint step-4; (output, the one stop line, its step) after the
+    clean stop (exit 75)."""
+    wait_for(out / "checkpoints" / "step-4", proc)
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=300)
+    assert proc.returncode == STOP_EXIT_CODE, output[-3000:]
+    stopped = [line for line in output.splitlines() if line.startswith("stopped by")]
+    assert len(stopped) == 1, output[-3000:]
+    return output, stopped[0], int(stopped[0].split("after step ")[1].split(";")[0])
+
+
 def weights(out_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(out_dir / "final" / "model.safetensors")
 
@@ -112,16 +124,9 @@ def test_signals_stop_with_a_checkpoint_and_resume_exactly(run_config: Path, tmp
     out = tmp_path / "interrupted"
     # SIGTERM to the launcher mid-epoch (as SLURM or Kubernetes send it): every rank finishes the step it is
     # in, one checkpoint, one line, exit 75.
-    proc = start([*train, f"output.dir={out}"])
-    wait_for(out / "checkpoints" / "step-4", proc)
-    proc.send_signal(signal.SIGTERM)
-    output, _ = proc.communicate(timeout=300)
-    assert proc.returncode == STOP_EXIT_CODE, output[-3000:]
-    stopped = [line for line in output.splitlines() if line.startswith("stopped by")]
-    assert len(stopped) == 1, output[-3000:]
-    step = int(stopped[0].split("after step ")[1].split(";")[0])
+    output, stopped, step = stop_with_sigterm(start([*train, f"output.dir={out}"]), out)
     assert 4 <= step < 24  # mid-epoch
-    assert stopped[0] == (
+    assert stopped == (
         f"stopped by SIGTERM after step {step}; checkpoint {out}/checkpoints/step-{step}; "
         "resume with train.resume=auto"
     )
@@ -353,12 +358,7 @@ def test_a_clean_stop_through_colossalai_run_exits_75(run_config: Path, tmp_path
         stderr=subprocess.STDOUT,
         text=True,
     )
-    wait_for(out / "checkpoints" / "step-4", proc)
-    proc.send_signal(signal.SIGTERM)
-    output, _ = proc.communicate(timeout=300)
-    assert proc.returncode == STOP_EXIT_CODE, output[-3000:]
-    stopped = [line for line in output.splitlines() if line.startswith("stopped by SIGTERM after step ")]
-    assert len(stopped) == 1, output[-3000:]
-    step = stopped[0].split("after step ")[1].split(";")[0]
+    output, stopped, step = stop_with_sigterm(proc, out)
+    assert stopped.startswith("stopped by SIGTERM after step ")
     assert (out / "checkpoints" / "latest").read_text().strip() == f"step-{step}"
     assert "launcher: stopped cleanly on 127.0.0.1; exit 75" in output
