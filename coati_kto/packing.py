@@ -131,9 +131,10 @@ def pack_pairs(batch: KTOBatch, window: int | None = None) -> PackedPairs:
 
 
 def _config(model: Any) -> Any:
-    # unwrap_peft=False: a LoRA model's config is read through its PeftModel (as LMHead.find does)
-    inner = model.unwrap(unwrap_peft=False) if hasattr(model, "unwrap") else model
-    return getattr(inner, "config", None)
+    """The Hugging Face config under any plugin wrapper or LoRA PeftModel (a LoRA reference included)."""
+    from coati_kto.lora import base_module
+
+    return getattr(base_module(model), "config", None)
 
 
 def can_pack(model: Any) -> bool:
