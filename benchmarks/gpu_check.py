@@ -2,7 +2,7 @@
 
     python benchmarks/gpu_check.py --out /tmp/gpu_check [--size 550m --steps 30 --cases hybrid_sdpa,...]
 
-What it does, offline: builds a byte-level BPE tokenizer (coati_kto.tiny) and a random Llama of ``--size``
+What it does, offline: builds a byte-level BPE tokenizer (coati_kto.testing.tiny) and a random Llama of ``--size``
 (vocabulary 32000), writes a synthetic KTO dataset whose desirable and undesirable completions use different
 words (learnable: the loss must fall) and prepares it once. Then, each case in a fresh process (peak memory is a
 process high-water mark), it runs ``coati_kto.train.train(config)`` for ``--steps`` optimizer steps and checks:
@@ -108,11 +108,11 @@ def make_dataset(
 
 
 def make_model(out: Path, corpus: list[str], size: str, device: str) -> int:
-    """Tokenizer (coati_kto.tiny) + random Llama with a 32000-row vocabulary, saved in bf16; returns N params."""
+    """Tokenizer (coati_kto.testing.tiny) + random Llama with a 32000-row vocabulary, saved in bf16; returns N params."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from coati_kto.tiny import build_tokenizer
+    from coati_kto.testing.tiny import build_tokenizer
 
     tokenizer = build_tokenizer(corpus, vocab_size=8192)
     hidden, layers, heads, inter = SIZES[size]
@@ -201,8 +201,9 @@ def run_case(name: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from coati_kto import compat, plugins
-    from coati_kto.config import Config
+    from coati_kto import plugins
+    from coati_kto.config.schema import Config
+    from coati_kto.parallel import compat
     from coati_kto.trainer import checkpoint as checkpoint_mod
     from coati_kto.trainer.kto import KTOTrainer
 
@@ -447,7 +448,7 @@ def main() -> int:
         (args.out / "runs" / f"{args.case}.json").write_text(json.dumps(result))
         return 0
 
-    from coati_kto.compat import quiet_known_warnings
+    from coati_kto.parallel.compat import quiet_known_warnings
 
     quiet_known_warnings()
     size = args.size or ("550m" if cuda else "tiny")
@@ -464,8 +465,8 @@ def main() -> int:
     n_params = make_model(args.out / "model", corpus, size, "cuda" if cuda else "cpu")
     hidden = SIZES[size][0]
     n_embedding = VOCAB_SIZE * hidden
-    from coati_kto.config import Config
-    from coati_kto.prepared import prepare
+    from coati_kto.config.schema import Config
+    from coati_kto.data.prepared import prepare
 
     prepare(Config.model_validate(base_config(args.out, args)))
     report["setup_seconds"] = time.perf_counter() - start

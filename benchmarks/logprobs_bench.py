@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from coati_kto.logprobs import completion_logits_to_keep, hidden_sequence_logps, sequence_logps
+from coati_kto.models.logprobs import completion_logits_to_keep, hidden_sequence_logps, sequence_logps
 
 MIB = 1 << 20
 

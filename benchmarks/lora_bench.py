@@ -35,7 +35,7 @@ def _setup(work: Path, hidden: int, layers: int) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from coati_kto.data.formats import write_jsonl
-    from coati_kto.tiny import build_tokenizer
+    from coati_kto.testing.tiny import build_tokenizer
 
     rng = random.Random(0)
     words = [f"w{i}" for i in range(2000)]
@@ -66,7 +66,7 @@ def _setup(work: Path, hidden: int, layers: int) -> None:
 def _child(work: Path, mode: str, steps: int) -> None:
     import yaml
 
-    from coati_kto.config import Config
+    from coati_kto.config.schema import Config
     from coati_kto.train import train
 
     raw = {

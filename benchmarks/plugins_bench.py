@@ -3,7 +3,7 @@
     python benchmarks/plugins_bench.py [--steps 20 --warmup 5 --micro-batch-size 8 --prompt 96 --completion 96]
 
 Each plugin runs in its own fresh pair of processes (ru_maxrss is a process-lifetime high-water mark), on the
-tiny Llama of coati_kto.tiny (hidden 64, 2 layers), with KTOTrainer doing the real step: KL passes, reference
+tiny Llama of coati_kto.testing.tiny (hidden 64, 2 layers), with KTOTrainer doing the real step: KL passes, reference
 passes, loss pass with backward, one metric all-reduce, optimizer step. Step time: median over the steps after
 ``--warmup``, measured on every rank (the table shows rank 0's and the slower rank's medians). The machine may
 be shared: compare rows of one run, not runs across machines.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from coati_kto.testing import run_distributed
+from coati_kto.testing.distributed import run_distributed
 
 PLUGINS = {
     "hybrid zero2 bf16": {"name": "hybrid_parallel", "zero_stage": 2, "precision": "bf16"},
@@ -60,8 +60,8 @@ def _batches(n: int, micro_batch_size: int, prompt: int, completion: int, vocab:
 def _worker(model_dir: str, plugin: dict, args: dict) -> dict:
     import torch.distributed as dist
 
-    from coati_kto.config import Config
-    from coati_kto.parallel import ParallelPlan
+    from coati_kto.config.schema import Config
+    from coati_kto.parallel.plan import ParallelPlan
     from coati_kto.train import build_components
     from coati_kto.trainer.kto import KTOTrainer
 
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", default=None, help="plugin rows to run (default: all)")
     args = parser.parse_args(argv)
 
-    from coati_kto.tiny import save_tiny_model
+    from coati_kto.testing.tiny import save_tiny_model
 
     corpus = ["The capital of France is Paris. Please add 2 and 3. The answer is 5."] * 50
     model_dir = save_tiny_model(Path(tempfile.mkdtemp()) / "tiny", corpus)

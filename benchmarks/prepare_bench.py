@@ -22,9 +22,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-from coati_kto.config import Config  # noqa: E402
-from coati_kto.prepared import prepare  # noqa: E402
-from coati_kto.tiny import build_tokenizer  # noqa: E402
+from coati_kto.config.schema import Config  # noqa: E402
+from coati_kto.data.prepared import prepare  # noqa: E402
+from coati_kto.testing.tiny import build_tokenizer  # noqa: E402
 
 TOOLS = [
     "search(query: str) -> list of results with title and url",

@@ -45,7 +45,7 @@ def _child_setup(work: Path, examples: int, shape: str, hidden: int, layers: int
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from coati_kto.data.formats import write_jsonl
-    from coati_kto.tiny import build_tokenizer
+    from coati_kto.testing.tiny import build_tokenizer
 
     rng = random.Random(0)
     if shape == "tool_use":
@@ -104,12 +104,12 @@ def _child_run(config_path: str, overrides: list[str], command: str) -> None:
     import resource
 
     start = time.perf_counter()
-    from coati_kto.config import load_config
+    from coati_kto.config.load import load_config
 
     config = load_config(config_path, overrides)
     out: dict = {}
     if command == "precompute":
-        from coati_kto.reference_cache import precompute
+        from coati_kto.trainer.reference_cache import precompute
 
         precompute(config)
     else:
@@ -152,9 +152,9 @@ def _child_savings(config_path: str) -> None:
     """Reference tokens with two passes vs one shared-prompt pass, over the prepared train split."""
     import numpy as np
 
-    from coati_kto.config import load_config
-    from coati_kto.distributed import init_distributed
-    from coati_kto.prepared import load_prepared
+    from coati_kto.config.load import load_config
+    from coati_kto.data.prepared import load_prepared
+    from coati_kto.parallel.distributed import init_distributed
 
     config = load_config(config_path, [])
     init_distributed()

@@ -10,7 +10,7 @@ import os
 import sys
 
 from coati_kto.errors import UserError
-from coati_kto.signals import ABORT_EXIT_CODE, STOP, STOP_EXIT_CODE, TrainingStoppedError
+from coati_kto.runtime.signals import ABORT_EXIT_CODE, STOP, STOP_EXIT_CODE, TrainingStoppedError
 
 _EPILOG = "Overrides: section.key=value (YAML values), e.g. train.lr=1e-6 data.max_length=512"
 
@@ -37,7 +37,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--nproc-per-node", type=int, default=None, help="launch this many local processes with torchrun"
     )
-    # ---- precompute (reference log-probs cache; coati_kto.reference_cache)
+    # ---- precompute (reference log-probs cache; coati_kto.trainer.reference_cache)
     p = command(
         "precompute",
         "Score every example and KL pair with the reference model once; store with the prepared data "
@@ -80,13 +80,13 @@ def _config_command(args: argparse.Namespace) -> None:
     if args.schema:
         if args.config or args.overrides:
             raise UserError("coati-kto config --schema takes no config file or overrides")
-        from coati_kto.config_schema import schema_lines
+        from coati_kto.config.discovery import schema_lines
 
         print("\n".join(schema_lines()))
         return
     if not args.config:
         raise UserError("coati-kto config needs a config file (or --schema)")
-    from coati_kto.config import load_config
+    from coati_kto.config.load import load_config
 
     print(load_config(args.config, args.overrides).to_yaml(), end="")
 
@@ -94,7 +94,7 @@ def _config_command(args: argparse.Namespace) -> None:
 def _launch_local(args: argparse.Namespace) -> int:
     """Re-run the command (train, precompute) under torchrun (coati_kto.launch, in this process) with N local processes; returns its
     exit status (STOP_EXIT_CODE after a clean stop on a signal)."""
-    from coati_kto.launch import main as launch
+    from coati_kto.launch.torchrun import main as launch
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torchrun_args = ["--standalone", f"--nproc_per_node={args.nproc_per_node}"]
@@ -130,30 +130,30 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "config":
             _config_command(args)
             return 0
-        from coati_kto.config import load_config
+        from coati_kto.config.load import load_config
 
         _check_numbers(args)
         if args.command in ("train", "precompute") and args.nproc_per_node and "RANK" not in os.environ:
             # Here, once, rather than in N processes.
             config = load_config(args.config, args.overrides)
             if args.command == "train":
-                from coati_kto.preflight import check_training
+                from coati_kto.runtime.preflight import check_training
 
                 check_training(config)
             return _launch_local(args)
         config = load_config(args.config, args.overrides)
         if args.command == "prepare":
-            from coati_kto.prepared import prepare
+            from coati_kto.data.prepared import prepare
 
             prepare(config)
         elif args.command == "inspect":
-            from coati_kto.inspect_batches import inspect_batches
+            from coati_kto.data.inspect import inspect_batches
 
             inspect_batches(
                 config, num_ranks=args.ranks, num_batches=args.batches, num_examples=args.examples
             )
         elif args.command == "precompute":
-            from coati_kto.reference_cache import precompute
+            from coati_kto.trainer.reference_cache import precompute
 
             precompute(config)
         else:
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             print(stop, file=sys.stderr, flush=True)
         return STOP_EXIT_CODE
     except Exception as err:  # a peer rank or node died: one line here, not a traceback per rank
-        from coati_kto.distributed import peer_failure
+        from coati_kto.parallel.distributed import peer_failure
 
         line = peer_failure(err)
         if line is None:

@@ -10,7 +10,6 @@ export's files); tensor-parallel ranks of one data-parallel group get the same b
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 from dataclasses import dataclass
@@ -19,13 +18,14 @@ from typing import Any
 
 import torch
 
-from coati_kto.config import Config, ModelSection, save_config
-from coati_kto.distributed import ParallelLayout, barrier, init_distributed, seed_everything
-from coati_kto.errors import ConfigError
-from coati_kto.parallel import ParallelPlan
-from coati_kto.preflight import check_training, clear_previous_run
-from coati_kto.signals import STOP, StopSignals
-from coati_kto.watchdog import Heartbeat, new_heartbeat
+from coati_kto.config.load import save_config
+from coati_kto.config.schema import Config
+from coati_kto.models.hf import load_causal_lm
+from coati_kto.parallel.distributed import ParallelLayout, barrier, init_distributed, seed_everything
+from coati_kto.parallel.plan import ParallelPlan
+from coati_kto.runtime.preflight import check_training, clear_previous_run
+from coati_kto.runtime.signals import STOP, StopSignals
+from coati_kto.runtime.watchdog import Heartbeat, new_heartbeat
 
 
 @dataclass
@@ -37,31 +37,11 @@ class Components:
     layout: ParallelLayout
     policy: Any  # boosted
     # frozen, eval mode, built by plan.build_reference (same path as the policy); with model.lora the policy
-    # with its adapters disabled (coati_kto.lora.AdapterFreeReference); None with kto.reference cached
+    # with its adapters disabled (coati_kto.models.lora.AdapterFreeReference); None with kto.reference cached
     reference: Any
     optimizer: Any  # boosted
     lr_scheduler: Any
     plan: ParallelPlan
-
-
-def load_causal_lm(path: str, model_cfg: ModelSection, dtype: torch.dtype) -> torch.nn.Module:
-    """A Hugging Face causal LM. Dropout is switched off on the modules by KTOTrainer, not in the config, so
-    the exported model keeps the user's config."""
-    from transformers import AutoModelForCausalLM
-
-    if (
-        model_cfg.attn_implementation == "flash_attention_2"
-        and importlib.util.find_spec("flash_attn") is None
-    ):
-        # transformers raises a multi-line ImportError only after reading the config; say it in one line.
-        raise ConfigError(
-            "model.attn_implementation flash_attention_2 needs the flash-attn package, which is not installed: "
-            "pip install flash-attn --no-build-isolation, or set model.attn_implementation=sdpa"
-        )
-    extra = {"attn_implementation": model_cfg.attn_implementation} if model_cfg.attn_implementation else {}
-    return AutoModelForCausalLM.from_pretrained(
-        path, torch_dtype=dtype, trust_remote_code=model_cfg.trust_remote_code, **extra
-    )
 
 
 def build_components(
@@ -76,7 +56,7 @@ def build_components(
     """
     from colossalai.booster import Booster
 
-    from coati_kto import compat
+    from coati_kto.parallel import compat
     from coati_kto.trainer.schedule import warmup_cosine_schedule
 
     plan = plan or ParallelPlan.from_config(config)
@@ -87,10 +67,12 @@ def build_components(
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     booster = Booster(plugin=plugin)
     if config.model.lora is not None:  # before boosting: the plugins wrap the PeftModel
-        from coati_kto.lora import enable_lora
+        from coati_kto.models.lora import enable_lora
 
         policy = enable_lora(booster, policy, config.model.lora)
-    reference = None  # kto.reference cached: the batches carry its log-probs (coati_kto.reference_cache)
+    reference = (
+        None  # kto.reference cached: the batches carry its log-probs (coati_kto.trainer.reference_cache)
+    )
     if config.kto.reference == "online" and config.model.lora is None:
         reference = load_causal_lm(
             config.model.reference_path or config.model.path, config.model, torch.float32
@@ -104,7 +86,7 @@ def build_components(
     # by their base layer's parameter.
     policy, optimizer, lr_scheduler = plan.boost(booster, policy, optimizer, lr_scheduler)
     if config.model.lora is not None and config.kto.reference == "online":
-        from coati_kto.lora import AdapterFreeReference
+        from coati_kto.models.lora import AdapterFreeReference
 
         reference = AdapterFreeReference(policy)  # the base model: no second copy in memory
     return Components(plugin, booster, layout, policy, reference, optimizer, lr_scheduler, plan)
@@ -125,7 +107,7 @@ def train(config: Config) -> Any:
     """Run KTO training as configured; returns the KTOTrainer (``history``: its last logged records).
 
     Every rank calls. User mistakes raise UserError subclasses (the CLI prints them on one line). SIGTERM,
-    SIGINT or SIGUSR1 end the run after a checkpoint, raising TrainingStoppedError (coati_kto.signals).
+    SIGINT or SIGUSR1 end the run after a checkpoint, raising TrainingStoppedError (coati_kto.runtime.signals).
     """
     check_training(config)  # before anything heavy: every problem at once
     # Installed for the rest of the process: a launcher may repeat the signal while this rank exits (torchrun
@@ -144,7 +126,7 @@ def train(config: Config) -> Any:
 
 
 def _train(config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | None) -> Any:
-    from coati_kto.compat import quiet_known_warnings
+    from coati_kto.parallel.compat import quiet_known_warnings
 
     quiet_known_warnings()  # before the imports below bring in colossalai
     from torch.utils.data import DataLoader
@@ -152,12 +134,12 @@ def _train(config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | Non
 
     from coati_kto.data.collator import KTOCollator
     from coati_kto.data.eval_sampler import EvalBatchSampler, ValidMaskLoader
+    from coati_kto.data.prepared import load_prepared
     from coati_kto.data.sampler import MixedLabelBatchSampler
-    from coati_kto.kto_weights import resolve_kto_weights
-    from coati_kto.model_card import write_model_card
-    from coati_kto.prepared import load_prepared
+    from coati_kto.data.weights import resolve_kto_weights
     from coati_kto.trainer.checkpoint import CheckpointManager
     from coati_kto.trainer.kto import KTOTrainer
+    from coati_kto.trainer.model_card import write_model_card
     from coati_kto.trainer.throughput import resolve_peak_flops
 
     # ---- setup
@@ -174,7 +156,7 @@ def _train(config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | Non
         config.model.tokenizer or config.model.path, trust_remote_code=config.model.trust_remote_code
     )
     if config.kto.reference == "cached":  # computed once (all ranks) unless a matching cache exists
-        from coati_kto.reference_cache import with_reference_logps
+        from coati_kto.trainer.reference_cache import with_reference_logps
 
         data = with_reference_logps(config, data, tokenizer.pad_token_id)
     plan = ParallelPlan.from_config(config)
@@ -282,7 +264,7 @@ def _train(config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | Non
     # ---- save
     if output.save_final:
         if config.model.lora is not None:  # final/adapter (peft) and, with output.merge_lora, final/merged
-            from coati_kto.lora import export_lora
+            from coati_kto.models.lora import export_lora
 
             final = export_lora(parts.policy, tokenizer, out_dir / "final", layout.is_main, output.merge_lora)
         else:

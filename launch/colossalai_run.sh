@@ -27,7 +27,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 unset MAKEOVERRIDES MAKEFLAGS MFLAGS
 # That line is also sent over SSH and printed whole when a node fails: secrets must not be in it. Variables
 # whose names contain TOKEN, KEY, SECRET or PASSWORD (any case) are not passed on (the same rule as
-# coati_kto.distributed.launcher_env); credentials reach the nodes as files instead (README, "Credentials").
+# coati_kto.parallel.distributed.launcher_env); credentials reach the nodes as files instead (README, "Credentials").
 dropped=()
 for name in $(compgen -e); do
     case ${name^^} in

@@ -33,7 +33,7 @@ CORPUS = [
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A saved tiny Llama + ChatML BPE tokenizer (vocab 512, hidden 64, 2 layers)."""
-    from coati_kto.tiny import save_tiny_model
+    from coati_kto.testing.tiny import save_tiny_model
 
     return save_tiny_model(tmp_path_factory.mktemp("tiny_llama"), CORPUS)
 

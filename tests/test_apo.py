@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from test_trainer import MBS, _build, _config, _eval_loader, _rank_loader, _records, _weights
 
-from coati_kto.testing import run_distributed
+from coati_kto.testing.distributed import run_distributed
 
 STEPS_PER_EPOCH = 3  # _rank_loader: 3 steps x 2 micro-batches per rank on 2 ranks
 EVAL_BATCHES = 2  # _eval_loader(2, rank): 7 rows (+1 padding) in micro-batches of 2 over 2 ranks

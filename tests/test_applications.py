@@ -102,7 +102,7 @@ def test_grade_and_scores_on_hand_made_outputs() -> None:
 
 
 def test_sft_scores_the_same_completion_tokens_as_coati_kto(qs: dict[str, list[dict]]) -> None:
-    from coati_kto.tiny import build_tokenizer
+    from coati_kto.testing.tiny import build_tokenizer
 
     tokenizer = build_tokenizer(qs_data.corpus(qs) + qs_sft.ROLES, vocab_size=512)
     ids, n_prompt = qs_sft.encode(tokenizer, qs["kto_train"][0]["messages"])
@@ -113,7 +113,7 @@ def test_sft_scores_the_same_completion_tokens_as_coati_kto(qs: dict[str, list[d
 
 
 def test_sft_loop_lowers_the_loss(qs: dict[str, list[dict]]) -> None:
-    from coati_kto.tiny import build_llama, build_tokenizer
+    from coati_kto.testing.tiny import build_llama, build_tokenizer
 
     tokenizer = build_tokenizer(qs_data.corpus(qs) + qs_sft.ROLES, vocab_size=512)
     model = build_llama(tokenizer, hidden_size=32, num_layers=1, num_heads=2, max_positions=64)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from coati_kto.testing import run_distributed
+from coati_kto.testing.distributed import run_distributed
 
 FP32 = {"name": "hybrid_parallel", "zero_stage": 0, "precision": "fp32"}
 BF16 = {"name": "hybrid_parallel", "zero_stage": 2, "precision": "bf16"}
@@ -27,10 +27,10 @@ def _setup(model_dir: str, plugin_kw: dict, root: str) -> dict[str, Any]:
     from colossalai.booster import Booster
     from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
 
-    from coati_kto import compat
-    from coati_kto.config import PluginSection
-    from coati_kto.distributed import ParallelLayout, seed_everything
-    from coati_kto.parallel import ParallelPlan
+    from coati_kto.config.schema import PluginSection
+    from coati_kto.parallel import compat
+    from coati_kto.parallel.distributed import ParallelLayout, seed_everything
+    from coati_kto.parallel.plan import ParallelPlan
     from coati_kto.trainer.checkpoint import CheckpointManager
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
@@ -120,8 +120,8 @@ def _resume(s: dict[str, Any], model_dir: str, export_dir: str | None) -> dict[s
 
 def _housekeeping(s: dict[str, Any]) -> dict[str, Any]:
     """Saves that replace a stale .tmp and prune to keep_last; resolve on odd directories."""
-    from coati_kto.distributed import barrier
     from coati_kto.errors import UserError
+    from coati_kto.parallel.distributed import barrier
 
     mgr, root, out = s["mgr"], s["mgr"].root, {}
     if s["layout"].is_main:  # what a save killed mid-way (SIGKILL, power loss) leaves behind

@@ -8,7 +8,7 @@ import torch
 
 from coati_kto.data.collator import KTOCollator
 from coati_kto.data.tokenize import encode
-from coati_kto.tiny import build_tokenizer
+from coati_kto.testing.tiny import build_tokenizer
 from tests.conftest import CORPUS
 
 

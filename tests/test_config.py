@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from coati_kto.config import Config, load_config
+from coati_kto.config.load import load_config
+from coati_kto.config.schema import Config
 from coati_kto.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]

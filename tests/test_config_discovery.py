@@ -11,8 +11,9 @@ import yaml
 
 from coati_kto import __version__
 from coati_kto.cli import main
-from coati_kto.config import Config, OutputSection, load_config
-from coati_kto.config_schema import did_you_mean, schema_lines
+from coati_kto.config.discovery import did_you_mean, schema_lines
+from coati_kto.config.load import load_config
+from coati_kto.config.schema import Config, OutputSection
 from coati_kto.errors import ConfigError
 
 MINIMAL = """\

@@ -23,7 +23,7 @@ import pytest
 import torch
 from test_operations import env, weights, write_run
 
-from coati_kto.distributed import free_port
+from coati_kto.parallel.distributed import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 TOOLS = next(

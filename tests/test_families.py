@@ -1,6 +1,6 @@
 """The lifecycle matrix: every model family x every plugin, the whole run proven on 2 gloo processes.
 
-Families (coati_kto.tiny.FAMILIES, the ones transformers 4.51.3 and ColossalAI 0.5.0's shardformer both support):
+Families (coati_kto.testing.tiny.FAMILIES, the ones transformers 4.51.3 and ColossalAI 0.5.0's shardformer both support):
 Llama (Llama-3 chat template, vocabulary 300: not a multiple of 64, grouped-query attention), Mistral ([INST]
 template, sliding-window attention, GQA), Qwen2 (ChatML, tied embeddings, attention bias, GQA, vocabulary 300).
 Plugins: ddp fp32, low_level_zero ZeRO-2 bf16, hybrid_parallel ZeRO-0 fp32, hybrid_parallel ZeRO-2 bf16 and
@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from coati_kto.data.formats import write_jsonl
-from coati_kto.testing import run_distributed
+from coati_kto.testing.distributed import run_distributed
 from tests.conftest import CORPUS
 
 FAMILIES = ["llama", "mistral", "qwen2"]
@@ -93,7 +93,7 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _step_zero(config: Any, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Policy and reference as train() builds them, before any update."""
-    from coati_kto.parallel import ParallelPlan
+    from coati_kto.parallel.plan import ParallelPlan
     from coati_kto.train import build_components
     from coati_kto.trainer.kto import KTOTrainer
 
@@ -125,10 +125,10 @@ def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, 
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from coati_kto.config import Config
+    from coati_kto.config.schema import Config
     from coati_kto.data.collator import KTOCollator
-    from coati_kto.distributed import barrier
-    from coati_kto.prepared import load_prepared
+    from coati_kto.data.prepared import load_prepared
+    from coati_kto.parallel.distributed import barrier
     from coati_kto.train import train
 
     started = time.perf_counter()
@@ -201,7 +201,7 @@ def _family_matrix(model_dir: str, root: str, plugins: dict[str, dict[str, Any]]
 def family_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     from transformers import AutoConfig
 
-    from coati_kto.tiny import save_tiny_family
+    from coati_kto.testing.tiny import save_tiny_family
 
     family = request.param
     root = tmp_path_factory.mktemp(f"family_{family}")

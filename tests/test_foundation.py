@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from coati_kto.testing import run_distributed
+from coati_kto.testing.distributed import run_distributed
 
 
 def _train_zero2_bf16(model_dir: str, steps: int) -> dict:
@@ -17,10 +17,10 @@ def _train_zero2_bf16(model_dir: str, steps: int) -> dict:
     from colossalai.booster import Booster
     from transformers import AutoModelForCausalLM
 
-    from coati_kto import compat
-    from coati_kto.config import PluginSection
-    from coati_kto.distributed import ParallelLayout
-    from coati_kto.parallel import ParallelPlan
+    from coati_kto.config.schema import PluginSection
+    from coati_kto.parallel import compat
+    from coati_kto.parallel.distributed import ParallelLayout
+    from coati_kto.parallel.plan import ParallelPlan
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)

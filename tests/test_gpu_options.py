@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from coati_kto.config import ModelSection
+from coati_kto.config.schema import ModelSection
 from coati_kto.errors import ConfigError
-from coati_kto.train import load_causal_lm
+from coati_kto.models.hf import load_causal_lm
 
 
 @pytest.mark.skipif(importlib.util.find_spec("flash_attn") is not None, reason="flash-attn is installed here")

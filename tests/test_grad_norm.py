@@ -16,7 +16,8 @@ import pytest
 import torch
 from test_trainer import _build, _config, _global_steps, _weights, full_weights, sgd
 
-from coati_kto.testing import read_scalars, run_distributed
+from coati_kto.testing.distributed import run_distributed
+from coati_kto.testing.tensorboard import read_scalars
 
 LR = 0.5  # SGD step; the schedule has no warmup, so step 1 uses exactly this
 CLIP_PLUGINS = {

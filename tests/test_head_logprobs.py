@@ -6,14 +6,14 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from coati_kto.logprobs import (
+from coati_kto.models.logprobs import (
     LMHead,
     head_token_logps,
     hidden_sequence_logps,
     model_sequence_logps,
     sequence_logps,
 )
-from coati_kto.tiny import random_causal_lm
+from coati_kto.testing.tiny import random_causal_lm
 
 
 def _mask(batch: int, seq: int, g: torch.Generator) -> torch.Tensor:
@@ -52,7 +52,7 @@ def test_hidden_path_equals_logits_path_fp32(vocab_chunk, with_bias):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kept_logits_give_the_recomputed_gradients_bit_for_bit(monkeypatch, dtype):
     """Small heads keep their logits for backward instead of recomputing them: same values, same grads."""
-    import coati_kto.logprobs as logprobs
+    import coati_kto.models.logprobs as logprobs
 
     g = torch.Generator().manual_seed(5)
     hidden = torch.randn(40, 16, generator=g).to(dtype)
@@ -128,7 +128,7 @@ def _plugin_step(plugin_name: str, use_head: bool) -> dict:
     from colossalai.booster import Booster
     from colossalai.booster.plugin import HybridParallelPlugin, LowLevelZeroPlugin, TorchDDPPlugin
 
-    from coati_kto import compat
+    from coati_kto.parallel import compat
 
     extra = compat.plugin_overrides()
     plugin = {
@@ -173,7 +173,7 @@ def _compare_paths_under_plugins() -> list[str]:
 
 def test_head_path_equals_logits_path_under_plugins_two_processes():
     """Log-probs and the weights after one step equal the logits path's under ColossalAI's wrappers."""
-    from coati_kto.testing import run_distributed
+    from coati_kto.testing.distributed import run_distributed
 
     assert (
         run_distributed(_compare_paths_under_plugins, 2) == [["hybrid_parallel", "low_level_zero", "ddp"]] * 2

@@ -16,8 +16,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from coati_kto.distributed import free_port
-from coati_kto.testing import read_scalars
+from coati_kto.parallel.distributed import free_port
+from coati_kto.testing.tensorboard import read_scalars
 
 GOOD = ["Paris is the capital.", "The answer is 5.", "Here is the result, thank you!"]
 BAD = ["I cannot help with that.", "Sorry, that is not possible."]
@@ -164,7 +164,7 @@ TAGS = {
 
 
 def test_launcher_env_leaves_out_what_colossalai_run_cannot_quote(monkeypatch: pytest.MonkeyPatch) -> None:
-    from coati_kto.distributed import launcher_env
+    from coati_kto.parallel.distributed import launcher_env
 
     # Under `make quickstart ARGS=...`, make exports this; colossalai run's `export K="V"` line then fails
     # with "bad substitution" (the CI failure this test pins).

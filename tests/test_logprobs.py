@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coati_kto.logprobs import completion_logits_to_keep, sequence_logps, token_count
+from coati_kto.models.logprobs import completion_logits_to_keep, sequence_logps, token_count
 
 
 def naive_logps(logits: torch.Tensor, input_ids: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:

@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-from coati_kto.config import load_config
+from coati_kto.config.load import load_config
 from coati_kto.data.formats import write_jsonl
 from coati_kto.errors import ConfigError
-from coati_kto.testing import run_distributed
+from coati_kto.testing.distributed import run_distributed
 from tests.test_config import MINIMAL, _write
 from tests.test_train_e2e import _records
 
@@ -48,7 +48,7 @@ def _raw_config(model_dir: str, root: Path, plugin: dict[str, Any], out: str) ->
 
 
 def _adapters(policy: Any) -> dict[str, torch.Tensor]:
-    from coati_kto.lora import peft_model
+    from coati_kto.models.lora import peft_model
 
     return {n: p.detach().float().clone() for n, p in peft_model(policy).named_parameters() if "lora_" in n}
 
@@ -58,11 +58,11 @@ def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from coati_kto.config import Config
+    from coati_kto.config.schema import Config
     from coati_kto.data.collator import KTOCollator
-    from coati_kto.distributed import barrier
-    from coati_kto.lora import peft_model
-    from coati_kto.prepared import load_prepared
+    from coati_kto.data.prepared import load_prepared
+    from coati_kto.models.lora import peft_model
+    from coati_kto.parallel.distributed import barrier
     from coati_kto.train import train
 
     config = Config.model_validate(_raw_config(model_dir, root, plugin, "run"))
@@ -176,8 +176,8 @@ def test_lora_lifecycle(lora_runs: list[dict[str, Any]], plugin: str) -> None:
 def _packed_run(model_dir: str, root: str, pack_policy: bool) -> dict[str, Any]:
     """Two steps of LoRA on hybrid_parallel ZeRO-2 bf16 with kto.pack_reference: the adapter-free reference
     runs its shared-prompt pass through the plugin's wrapper; with pack_policy the policy folds too."""
-    import coati_kto.packing as packing
-    from coati_kto.config import Config
+    import coati_kto.models.packing as packing
+    from coati_kto.config.schema import Config
     from coati_kto.train import train
 
     calls: list[str] = []

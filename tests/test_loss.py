@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from coati_kto.loss import estimate_kl, estimate_kl_raw, kto_loss, needs_kl, preference_loss
+from coati_kto.trainer.loss import estimate_kl, estimate_kl_raw, kto_loss, needs_kl, preference_loss
 
 
 def _sig(x: float) -> float:

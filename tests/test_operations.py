@@ -20,8 +20,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from coati_kto.signals import ABORT_EXIT_CODE, STOP_EXIT_CODE
-from coati_kto.testing import run_distributed
+from coati_kto.runtime.signals import ABORT_EXIT_CODE, STOP_EXIT_CODE
+from coati_kto.testing.distributed import run_distributed
 
 GOOD = ["Paris is the capital.", "The answer is 5.", "Here is the result, thank you!"]
 BAD = ["I cannot help with that.", "Sorry, that is not possible."]
@@ -173,7 +173,7 @@ def test_one_run_per_output_dir(run_config: Path, tmp_path: Path) -> None:
 
 
 def test_overwrite_clears_the_old_run_first(run_config: Path, tmp_path: Path) -> None:
-    from coati_kto.preflight import clear_previous_run
+    from coati_kto.runtime.preflight import clear_previous_run
 
     out = tmp_path / "out"
     for name in ("checkpoints/step-3", "tensorboard", "final", "keep"):
@@ -269,7 +269,7 @@ def test_cli_numbers_in_range(run_config: Path, argv: list[str], message: str) -
 
 def _faulty_save_worker(config_path: str, overrides: list[str], fail_rank: int, fail_step: int) -> tuple:
     """Train; on ``fail_rank`` the write of step ``fail_step``'s trainer state hits a full disk."""
-    from coati_kto.config import load_config
+    from coati_kto.config.load import load_config
     from coati_kto.train import train
     from coati_kto.trainer.checkpoint import CheckpointSaveError
 
@@ -307,7 +307,7 @@ def test_a_save_failing_on_one_rank_stops_every_rank_at_once(run_config: Path, t
 
 
 def test_launch_keeps_secrets_out_of_its_output(run_config: Path, tmp_path: Path) -> None:
-    from coati_kto.distributed import free_port, launcher_env
+    from coati_kto.parallel.distributed import free_port, launcher_env
 
     secret = f"planted-{os.getpid()}-{time.time_ns()}"
     names = ("WANDB_API_KEY", "HF_TOKEN", "aws_secret_access_key", "DB_PASSWORD", "MY_KEYRING")
@@ -347,7 +347,7 @@ def test_launch_keeps_secrets_out_of_its_output(run_config: Path, tmp_path: Path
 def test_a_clean_stop_through_colossalai_run_exits_75(run_config: Path, tmp_path: Path) -> None:
     """colossalai run says only success/failure per node and exits 1 on failure: a SIGTERM stop (every rank
     checkpointed and exited 75) used to come out as 1, a crash to whatever restarts the job."""
-    from coati_kto.distributed import free_port
+    from coati_kto.parallel.distributed import free_port
 
     repo = Path(__file__).resolve().parent.parent
     out = tmp_path / "out"

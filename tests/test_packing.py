@@ -14,9 +14,9 @@ from transformers import (
 )
 
 from coati_kto.data.collator import KTOCollator
-from coati_kto.logprobs import LMHead, model_sequence_logps
-from coati_kto.packing import can_pack, pack_pairs, pair_logps, shared_prompt_lengths
-from coati_kto.tiny import random_causal_lm
+from coati_kto.models.logprobs import LMHead, model_sequence_logps
+from coati_kto.models.packing import can_pack, pack_pairs, pair_logps, shared_prompt_lengths
+from coati_kto.testing.tiny import random_causal_lm
 
 
 def _model(cls, config_cls, attn: str, **config):
@@ -95,7 +95,7 @@ def test_flash_attention_falls_back_to_two_passes():
 
 def _through_plugins() -> dict[str, list[float]]:
     """Packed vs two passes through each plugin's reference wrapper (one gloo process), every family."""
-    from coati_kto.parallel import ParallelPlan
+    from coati_kto.parallel.plan import ParallelPlan
 
     out = {}
     for family, (cls, config_cls, config) in FAMILIES.items():
@@ -116,7 +116,7 @@ def _through_plugins() -> dict[str, list[float]]:
 
 def test_packed_through_plugin_wrappers_equals_two_passes():
     """Shardformer's forwards (hybrid_parallel) and LowLevelZeroModel take the packed 4D mask and positions."""
-    from coati_kto.testing import run_distributed
+    from coati_kto.testing.distributed import run_distributed
 
     (diffs,) = run_distributed(_through_plugins, 1)
     for cell, per_token in diffs.items():

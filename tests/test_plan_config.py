@@ -6,9 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from coati_kto.config import Config, load_config
+from coati_kto.config.load import load_config
+from coati_kto.config.schema import Config
 from coati_kto.errors import ConfigError
-from coati_kto.parallel import ParallelPlan, model_class_name, shardformer_model_classes
+from coati_kto.families import model_class_name, shardformer_model_classes
+from coati_kto.parallel.plan import ParallelPlan
 from tests.conftest import CORPUS
 from tests.test_config import MINIMAL, _write
 
@@ -69,7 +71,7 @@ def test_gemini_is_refused_at_load_with_the_reason(tmp_path: Path) -> None:
 
 def test_output_is_needed_by_train_only(tmp_path: Path, tiny_model_dir: Path) -> None:
     from coati_kto.data.formats import write_jsonl
-    from coati_kto.prepared import prepare
+    from coati_kto.data.prepared import prepare
 
     rows = [{"prompt": f"Question {i}?", "completion": f"Answer {i}.", "label": i % 2 == 0} for i in range(8)]
     config = Config.model_validate(
@@ -88,7 +90,7 @@ def test_output_is_needed_by_train_only(tmp_path: Path, tiny_model_dir: Path) ->
 
 
 def test_family_without_shardformer_policy_is_a_config_error(tmp_path: Path) -> None:
-    from coati_kto.tiny import save_tiny_family
+    from coati_kto.testing.tiny import save_tiny_family
 
     supported = shardformer_model_classes()
     assert "transformers.models.qwen2.modeling_qwen2.Qwen2ForCausalLM" in supported

@@ -14,10 +14,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from coati_kto.data.collator import KTOCollator
-from coati_kto.logprobs import LMHead, model_sequence_logps
-from coati_kto.packing import fold_pays, pair_logps
-from coati_kto.testing import run_distributed
-from coati_kto.tiny import random_causal_lm
+from coati_kto.models.logprobs import LMHead, model_sequence_logps
+from coati_kto.models.packing import fold_pays, pair_logps
+from coati_kto.testing.distributed import run_distributed
+from coati_kto.testing.tiny import random_causal_lm
 from tests.test_trainer import VOCAB_HI, _build, _config, _weights, sgd
 
 

@@ -7,16 +7,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from coati_kto.testing import run_distributed
+from coati_kto.testing.distributed import run_distributed
 
 SEQ_LEN = 640  # positions in the hundreds: where a bf16 RoPE inv_freq visibly moves the rotary angles
 
 
 def _policy_vs_reference(model_dir: str, out_dir: str, plugin_name: str) -> dict:
     """Sequence log-probs of the boosted policy and of the reference on the same rows, before any step."""
-    from coati_kto.config import Config
-    from coati_kto.logprobs import sequence_logps
-    from coati_kto.parallel import ParallelPlan
+    from coati_kto.config.schema import Config
+    from coati_kto.models.logprobs import sequence_logps
+    from coati_kto.parallel.plan import ParallelPlan
     from coati_kto.train import build_components
 
     cfg = Config.model_validate(

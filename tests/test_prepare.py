@@ -8,14 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coati_kto.config import Config
+from coati_kto.config.schema import Config
 from coati_kto.data import store, tables
 from coati_kto.data.collator import KTOCollator
+from coati_kto.data.prepared import load_prepared, prepare
 from coati_kto.data.sampler import MixedLabelBatchSampler
 from coati_kto.data.tokenize import encode, truncation
+from coati_kto.data.weights import GUIDELINE, resolve_kto_weights
 from coati_kto.errors import DataError
-from coati_kto.kto_weights import GUIDELINE, resolve_kto_weights
-from coati_kto.prepared import load_prepared, prepare
 from tests.test_data_formats import write_jsonl
 
 SYSTEM = "You can call the tool search(query). Answer briefly."
@@ -286,7 +286,7 @@ def test_auto_weights_land_in_guideline(tmp_path: Path, n_d: int, n_u: int, mbs:
 
 
 def test_inspect_shows_mixed_batches(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
-    from coati_kto.inspect_batches import inspect_batches
+    from coati_kto.data.inspect import inspect_batches
 
     path = write_jsonl(tmp_path / "t.jsonl", rows(15, 5))
     inspect_batches(
@@ -307,7 +307,7 @@ class FakeCollectives:
     def __init__(self, monkeypatch, rank: int, rank0_outcome=None) -> None:
         import torch.distributed as dist
 
-        import coati_kto.distributed as cd
+        import coati_kto.parallel.distributed as cd
 
         self.calls: list[str] = []
         self.rank0_outcome = rank0_outcome

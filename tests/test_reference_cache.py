@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from coati_kto.data.formats import write_jsonl
-from coati_kto.testing import run_distributed
+from coati_kto.testing.distributed import run_distributed
 
 PROMPTS = ["What is the capital of France?", "Please add 2 and 3.", "What is the weather in Berlin?"]
 ANSWERS = ["The capital of France is Paris.", "The answer is 5. Thank you!", "I cannot help with that."]
@@ -43,7 +43,7 @@ def _perturb(model_dir: Path, out: Path, seed: int) -> Path:
 
 
 def _config(root: Path, model_dir: Path, reference_dir: Path, reference: str):
-    from coati_kto.config import Config
+    from coati_kto.config.schema import Config
 
     return Config.model_validate(
         {
@@ -69,7 +69,7 @@ def _config(root: Path, model_dir: Path, reference_dir: Path, reference: str):
 
 
 def _ensure(config, data) -> tuple[dict, str]:
-    from coati_kto.reference_cache import ensure_reference_cache
+    from coati_kto.trainer.reference_cache import ensure_reference_cache
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -81,9 +81,9 @@ def _worker(root: str, model_dir: str, reference_dir: str) -> dict:
     import torch.distributed as dist
 
     from coati_kto.data.collator import KTOCollator
-    from coati_kto.logprobs import LMHead, model_sequence_logps
-    from coati_kto.prepared import load_prepared
-    from coati_kto.reference_cache import load_reference
+    from coati_kto.data.prepared import load_prepared
+    from coati_kto.models.hf import load_reference
+    from coati_kto.models.logprobs import LMHead, model_sequence_logps
     from coati_kto.train import train
 
     root_p, rank = Path(root), dist.get_rank()

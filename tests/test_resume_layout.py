@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_trainer import _build, _config, _row
 
-from coati_kto.testing import run_distributed
+from coati_kto.testing.distributed import run_distributed
 
 ROWS, MBS, SEED, STEPS_BEFORE = 24, 2, 3, 2
 PLUGIN = {"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"}

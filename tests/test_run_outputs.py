@@ -18,7 +18,7 @@ import yaml
 from test_train_e2e import _records
 
 from coati_kto.data.formats import write_jsonl
-from coati_kto.testing import read_hparams, read_scalars, read_texts
+from coati_kto.testing.tensorboard import read_hparams, read_scalars, read_texts
 
 LR, WARMUP = 5e-3, 2
 
@@ -139,7 +139,7 @@ def test_only_the_dp1_zero_warning_is_dropped() -> None:
 
     from colossalai.logging import get_dist_logger
 
-    from coati_kto.compat import quiet_known_logs
+    from coati_kto.parallel.compat import quiet_known_logs
 
     class Records(logging.Handler):
         def __init__(self) -> None:

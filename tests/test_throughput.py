@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from coati_kto.tiny import random_causal_lm
+from coati_kto.testing.tiny import random_causal_lm
 from coati_kto.trainer.throughput import flop_params, mfu, resolve_peak_flops, table_peak_flops
 
 

@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from coati_kto.data.formats import write_jsonl
-from coati_kto.testing import read_scalars, run_distributed
+from coati_kto.testing.distributed import run_distributed
+from coati_kto.testing.tensorboard import read_scalars
 
 # Desirable: helpful answers; undesirable: refusals. Built from the tiny tokenizer's corpus (tests/conftest.py).
 QUESTIONS = [
@@ -41,7 +42,7 @@ def _records(n: int, offset: int) -> list[dict]:
 
 
 def _train_worker(config_path: str, overrides: list[str]) -> dict:
-    from coati_kto.config import load_config
+    from coati_kto.config.load import load_config
     from coati_kto.train import train
 
     trainer = train(load_config(config_path, overrides))

@@ -21,7 +21,7 @@ import torch
 
 from coati_kto.data.batch import KTOBatch
 from coati_kto.data.eval_sampler import EvalBatchSampler, ValidMaskLoader
-from coati_kto.testing import run_distributed
+from coati_kto.testing.distributed import run_distributed
 from coati_kto.trainer.metrics import StepSums, summarize
 
 MBS = 4  # rows per micro-batch in the layout runs
@@ -73,7 +73,7 @@ def _rank_loader(world: int, rank: int) -> list[KTOBatch]:
 
 
 def _config(model_dir: str, out_dir: str, **sections: dict) -> Any:
-    from coati_kto.config import Config
+    from coati_kto.config.schema import Config
 
     raw: dict[str, Any] = {
         "model": {"path": model_dir},
@@ -88,7 +88,7 @@ def _config(model_dir: str, out_dir: str, **sections: dict) -> Any:
 
 def _build(cfg: Any, total_steps: int, **trainer_kwargs: Any):
     """Plugin, boosted policy, reference, trainer, as coati_kto.train builds them (hand-built data instead)."""
-    from coati_kto.parallel import ParallelPlan
+    from coati_kto.parallel.plan import ParallelPlan
     from coati_kto.train import build_components
     from coati_kto.trainer.kto import KTOTrainer
 
@@ -126,7 +126,7 @@ def sgd() -> Iterator[None]:
 
     Adam divides out any constant factor of the gradient; SGD shows it (layout invariance, clipping).
     """
-    from coati_kto import compat
+    from coati_kto.parallel import compat
 
     original = compat.make_optimizer
     compat.make_optimizer = lambda params, lr, weight_decay, fused_ok=True: torch.optim.SGD(params, lr=lr)
@@ -676,7 +676,7 @@ def test_dropout_is_off_in_train_mode_and_model_config_is_kept(tiny_model_dir: P
 
 
 def test_schedule_length_is_capped_by_the_epochs(tmp_path: Path) -> None:
-    from coati_kto.config import load_config
+    from coati_kto.config.load import load_config
     from coati_kto.train import total_optimizer_steps
 
     path = tmp_path / "cfg.yaml"

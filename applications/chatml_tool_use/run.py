@@ -42,8 +42,8 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from make_data import make_records, write_jsonl
 
-    from coati_kto.distributed import free_port, launcher_env
-    from coati_kto.tiny import build_llama, build_tokenizer
+    from coati_kto.parallel.distributed import free_port, launcher_env
+    from coati_kto.testing.tiny import build_llama, build_tokenizer
 
     begin = time.perf_counter()
     shutil.rmtree(OUT, ignore_errors=True)

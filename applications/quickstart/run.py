@@ -78,7 +78,7 @@ def sh(cmd: list[str], env: dict[str, str] | None = None) -> None:
 
 def kto_env(threads: int = 1) -> dict[str, str]:
     """``colossalai run``'s environment: this interpreter's launchers first on PATH, ``threads`` per rank."""
-    from coati_kto.distributed import launcher_env
+    from coati_kto.parallel.distributed import launcher_env
 
     env = launcher_env(BIN, threads=threads)
     if env["COATI_KTO_DROPPED_ENV"]:
@@ -125,7 +125,7 @@ def main() -> None:
     from make_data import make_data, write_jsonl
     from sft import build_and_train
 
-    from coati_kto.distributed import free_port
+    from coati_kto.parallel.distributed import free_port
 
     # Default 1: on tiny matrices one thread is as fast as two, and it does not fight other processes for cores.
     torch.set_num_threads(args.threads)

@@ -19,7 +19,7 @@ from make_data import corpus
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from coati_kto.data.tokenize import encode as encode_record
-from coati_kto.tiny import build_llama, build_tokenizer
+from coati_kto.testing.tiny import build_llama, build_tokenizer
 
 ROLES = ["system", "user", "assistant", "tool"]  # in the tokenizer corpus so role names are single tokens
 

@@ -14,7 +14,7 @@ import yaml
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from coati_kto.config import Config
+from coati_kto.config.schema import Config
 
 
 def _type_name(annotation: Any) -> str:

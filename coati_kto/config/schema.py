@@ -1,19 +1,18 @@
-"""The one config schema: a YAML file, checked by pydantic, with ``section.key=value`` overrides.
+"""The one config schema: every section and key of the YAML file, its type, default and check (pydantic).
 
-Every mistake is reported at once, one line each, naming the file and the key; unknown keys are
-errors (a typo must not silently fall back to a default).
+Unknown keys are errors (a typo must not silently fall back to a default); cross-key checks are model
+validators, so every mistake is reported at once. Loading, overrides and error text: ``coati_kto.config.schema.load``.
 """
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from coati_kto.errors import ConfigError
+from coati_kto.families import check_model_family
 
 
 class _Section(BaseModel):
@@ -329,8 +328,6 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _family_fits_plugin(self) -> Config:
-        from coati_kto.parallel import check_model_family
-
         try:  # a model class without a shardformer policy cannot run under hybrid_parallel
             check_model_family(self.plugin.name, self.model.path, "model.path")
             if self.model.reference_path:
@@ -365,77 +362,3 @@ class Config(_Section):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
-
-
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, source: str) -> None:
-    keys = dotted.split(".")
-    node = tree
-    for key in keys[:-1]:
-        child = node.setdefault(key, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"{source}: cannot set {dotted}: {key} is not a section")
-        node = child
-    node[keys[-1]] = value
-
-
-def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
-    """``["train.lr=1e-5", "data.train_files=[a.jsonl,b.jsonl]"]`` -> [(key, YAML-parsed value)]."""
-    parsed = []
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key or any(not part for part in key.split(".")):
-            raise ConfigError(f"override {item!r}: expected section.key=value")
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError as err:
-            raise ConfigError(
-                f"override {item!r}: value is not valid YAML ({err.__class__.__name__})"
-            ) from None
-        parsed.append((key.strip(), value))
-    return parsed
-
-
-def _format_errors(err: ValidationError, source: str) -> str:
-    lines = []
-    for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"])
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            from coati_kto.config_schema import did_you_mean  # imports this module: not at the top
-
-            close = did_you_mean(key)
-            msg = f"unknown key (did you mean {close}?)" if close else "unknown key"
-        elif e["type"] == "missing":
-            msg = "required key is missing"
-        elif "input" in e and not isinstance(e["input"], dict):
-            msg = f"{msg} (got {e['input']!r})"
-        lines.append(f"{source}: {key}: {msg}" if key else f"{source}: {msg}")
-    return "\n".join(lines)
-
-
-def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None) -> Config:
-    """Read ``path``, apply ``overrides``, validate; raises ConfigError listing every problem."""
-    path = Path(path)
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except FileNotFoundError:
-        raise ConfigError(f"{path}: config file not found") from None
-    except yaml.YAMLError as err:
-        # The context mark (e.g. where an unclosed bracket opened) is nearer the mistake than the problem mark.
-        mark = getattr(err, "context_mark", None) or getattr(err, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else str(path)
-        raise ConfigError(f"{where}: not valid YAML ({getattr(err, 'problem', err)})") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections (model, data, ...)")
-    for key, value in parse_overrides(overrides or []):
-        _set_dotted(raw, key, value, f"{path} (override {key})")
-    try:
-        return Config.model_validate(raw)
-    except ValidationError as err:
-        raise ConfigError(_format_errors(err, str(path))) from None
-
-
-def save_config(config: Config, path: str | os.PathLike[str]) -> None:
-    """Write the resolved config (defaults filled in) next to the run's outputs. Call on one rank."""
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(config.to_yaml())

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from coati_kto.config import Config
+from coati_kto.config.schema import Config
+from coati_kto.data.prepared import load_prepared
 from coati_kto.data.sampler import MixedLabelBatchSampler
 from coati_kto.data.tokenize import load_tokenizer
+from coati_kto.data.weights import resolve_kto_weights
 from coati_kto.errors import DataError
-from coati_kto.kto_weights import resolve_kto_weights
-from coati_kto.prepared import load_prepared
 
 
 def _clip(text: str, limit: int = 160, keep_end: bool = False) -> str:

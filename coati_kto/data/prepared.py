@@ -5,7 +5,7 @@
   global rank 0 builds while the others wait, then every rank opens the same build.
 
 Both return :class:`~coati_kto.data.store.PreparedData` whose ``stats`` is stats.json plus ``"imbalance"``:
-:func:`coati_kto.kto_weights.imbalance` for one rank and the current config, computed on opening because it
+:func:`coati_kto.data.weights.imbalance` for one rank and the current config, computed on opening because it
 depends on settings the data fingerprint does not cover (``train.micro_batch_size``, ``kto.*``).
 """
 
@@ -14,11 +14,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from coati_kto.config import Config
+from coati_kto.config.schema import Config
 from coati_kto.data.store import PreparedData, ensure, read_fingerprint, read_prepared, summary
 from coati_kto.data.tokenize import load_tokenizer
+from coati_kto.data.weights import imbalance
 from coati_kto.errors import ConfigError, DataError, UserError
-from coati_kto.kto_weights import imbalance
 
 
 def _open(config: Config) -> PreparedData:
@@ -52,7 +52,7 @@ def load_prepared(config: Config) -> PreparedData:
     # Imported here: ``coati-kto prepare`` (above) never needs torch.distributed.
     import torch.distributed as dist
 
-    from coati_kto.distributed import barrier, broadcast_object
+    from coati_kto.parallel.distributed import barrier, broadcast_object
 
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     outcome: tuple[str, str, str] = ("ok", "", "")

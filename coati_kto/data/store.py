@@ -10,8 +10,8 @@ temporary sibling directory that replaces ``prepared_dir`` by rename, so a crash
 cache that looks valid.
 
 The rows themselves come from :mod:`coati_kto.data.tables`. Who builds on a multi-rank run, and the KTO weight
-report shown with the summary, live outside the data package (:mod:`coati_kto.prepared`,
-:mod:`coati_kto.kto_weights`).
+report shown with the summary, live outside the data package (:mod:`coati_kto.data.prepared`,
+:mod:`coati_kto.data.weights`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 import datasets
 import numpy as np
 
-from coati_kto.config import Config
+from coati_kto.config.schema import Config
 from coati_kto.data.formats import Record, RecordError, load_records, resolve_files
 from coati_kto.data.tables import (
     build_split,

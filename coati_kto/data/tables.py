@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from datasets.table import InMemoryTable
 
-from coati_kto.config import Config
+from coati_kto.config.schema import Config
 from coati_kto.data.formats import Record, RecordError
 from coati_kto.data.kl_pairs import derangement, pair_stats
 from coati_kto.data.tokenize import Encoder, join_truncated, truncation

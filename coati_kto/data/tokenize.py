@@ -35,7 +35,7 @@ from coati_kto.data.formats import RecordError
 from coati_kto.errors import ConfigError
 
 if TYPE_CHECKING:
-    from coati_kto.config import Config
+    from coati_kto.config.schema import Config
 
 
 def load_tokenizer(config: Config) -> PreTrainedTokenizerBase:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from coati_kto.config import Config
+from coati_kto.config.schema import Config
 from coati_kto.data.sampler import MixedLabelBatchSampler
 from coati_kto.errors import DataError
 

@@ -5,10 +5,10 @@ except that one failed node does not leave the launch waiting on the others fore
 down never answers (the session hangs until TCP gives up, 11-16 minutes), so the launch hangs even after every
 reachable rank has stopped. Here the nodes are waited on together; once one has failed the others get
 COATI_KTO_NODE_GRACE seconds (default 30) to report, then each silent one is named on one line and its SSH
-session is closed (its ranks stop by themselves: coati_kto.watchdog). launch/colossalai_run.sh uses this.
+session is closed (its ranks stop by themselves: coati_kto.runtime.watchdog). launch/colossalai_run.sh uses this.
 
 ``colossalai run`` reports each node as success or failure, and exits 1 on any failure: a clean stop (every
-rank checkpointed after a signal and exited 75, coati_kto.signals) looked like a crash to whatever restarts
+rank checkpointed after a signal and exited 75, coati_kto.runtime.signals) looked like a crash to whatever restarts
 the job. Here a node whose command exited 75 reports "stopped", and the launch exits 75 when no node failed.
 """
 
@@ -22,7 +22,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 DEFAULT_GRACE_S = 30.0
-STOPPED_EXIT = 75  # coati_kto.signals: every rank stopped cleanly after a checkpoint
+STOPPED_EXIT = 75  # coati_kto.runtime.signals: every rank stopped cleanly after a checkpoint
 _stopped_nodes: list[str] = []  # hosts that reported "stopped" (the launcher process's own record)
 
 
@@ -122,7 +122,3 @@ def main(argv: list[str] | None = None) -> None:
             )
             raise SystemExit(STOPPED_EXIT) from None
         raise
-
-
-if __name__ == "__main__":
-    main()

@@ -24,7 +24,7 @@ import socket
 import sys
 from types import FrameType
 
-from coati_kto.signals import ABORT_EXIT_CODE, PENDING_STOP_ENV, STOP_EXIT_CODE, STOP_SIGNALS
+from coati_kto.runtime.signals import ABORT_EXIT_CODE, PENDING_STOP_ENV, STOP_EXIT_CODE, STOP_SIGNALS
 
 DEFAULT_RDZV_TIMEOUT_S = 90
 
@@ -118,7 +118,3 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

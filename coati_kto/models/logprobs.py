@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from coati_kto.families import HEAD_FAMILIES
+
 # Default chunk: 2**22 fp32 elements (16 MiB; 131 positions at V=32000) of upcast logits at a time. On CPU
 # 64-128 positions ran ~2x faster than 2048 (cache-resident chunks): benchmarks/logprobs_bench.py.
 _CHUNK_ELEMENTS = 1 << 22
@@ -130,9 +132,6 @@ _HEAD_CHUNK_ELEMENTS = 1 << 22
 # (64 MiB in fp32), so peak memory still does not grow with vocabulary x sequence.
 _KEEP_LOGITS_ELEMENTS = 1 << 24
 _MIN_VOCAB_CHUNK = 128
-# Families whose causal-LM forward is exactly ``logits = lm_head(final_hidden)`` (no soft-capping or scaling
-# after the head): the chunked head is exact for them. Others keep the logits path.
-HEAD_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe"})
 
 
 def _vocab_chunk(positions: int, vocab: int, chunk: int | None) -> int:
@@ -346,7 +345,7 @@ def model_sequence_logps(
     Shardformer's tensor-parallel forwards ignore or refuse ``logits_to_keep`` and return all S positions; both
     paths read K from the shape they get.
     """
-    from coati_kto.lora import base_module
+    from coati_kto.models.lora import base_module
 
     module = base_module(model)  # under a LoRA PeftModel too (ColossalAI's unwrap() has no forward there)
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
@@ -355,7 +354,7 @@ def model_sequence_logps(
         inputs["logits_to_keep"] = completion_logits_to_keep(loss_mask)
     if head is None:
         # Log-probs normalise over the real vocabulary only: a shardformer policy that returns the padding
-        # columns of a padded vocabulary as logits (ColossalAI's Qwen2 policy did: coati_kto.parallel) would
+        # columns of a padded vocabulary as logits (ColossalAI's Qwen2 policy did: coati_kto.parallel.plan) would
         # shift every log-prob and train the padding rows. A no-op view when the logits are unpadded.
         logits = model(**inputs).logits[..., : module.config.vocab_size]
         return sequence_logps(logits, input_ids, loss_mask)

@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from coati_kto.distributed import barrier
+from coati_kto.parallel.distributed import barrier
 
 if TYPE_CHECKING:
-    from coati_kto.config import LoraSection
+    from coati_kto.config.schema import LoraSection
 
 
 def peft_config(section: LoraSection) -> Any:

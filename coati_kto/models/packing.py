@@ -28,7 +28,8 @@ from typing import Any
 import torch
 
 from coati_kto.data.batch import KTOBatch
-from coati_kto.logprobs import LMHead, head_token_logps, model_sequence_logps, sum_per_row
+from coati_kto.families import attention_window
+from coati_kto.models.logprobs import LMHead, head_token_logps, model_sequence_logps, sum_per_row
 
 PACKABLE_ATTENTION = ("eager", "sdpa")
 
@@ -61,17 +62,6 @@ def shared_prompt_lengths(batch: KTOBatch) -> torch.Tensor:
     same = ((ids[:, :width] == kl_ids[:, :width]) | ~before).all(dim=1)
     ok = (start == kl_start) & same & loss.any(dim=1) & kl_loss.any(dim=1) & (start > 0)
     return torch.where(ok, start, 0)
-
-
-def attention_window(config: Any) -> int | None:
-    """The sliding window that Hugging Face's eager/sdpa causal mask applies for ``config`` (None: full causal).
-
-    A 4D mask replaces that mask, so the packed mask must apply the window itself: transformers 4.51 masks key
-    k for query q when q - k >= config.sliding_window (Mistral, Mixtral, Qwen2/3 build it from the config
-    value alone, whatever ``use_sliding_window`` says; Qwen2-MoE sets it to None when unused).
-    """
-    window = getattr(config, "sliding_window", None)
-    return int(window) if window else None
 
 
 def pack_pairs(batch: KTOBatch, window: int | None = None) -> PackedPairs:
@@ -132,7 +122,7 @@ def pack_pairs(batch: KTOBatch, window: int | None = None) -> PackedPairs:
 
 def _config(model: Any) -> Any:
     """The Hugging Face config under any plugin wrapper or LoRA PeftModel (a LoRA reference included)."""
-    from coati_kto.lora import base_module
+    from coati_kto.models.lora import base_module
 
     return getattr(base_module(model), "config", None)
 

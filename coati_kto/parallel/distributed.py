@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from coati_kto import compat
+from coati_kto.parallel import compat
 
 
 def free_port() -> int:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from coati_kto.distributed import ParallelLayout
+from coati_kto.parallel.distributed import ParallelLayout
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s and ColossalAI's
 

@@ -4,7 +4,7 @@
 the model family under ``hybrid_parallel`` via ``check_model_family``, are checked at config load), and answers the
 questions the rest of the code would otherwise ask the plugin object:
 
-- ``build_plugin()``: the ColossalAI plugin, with the device-specific settings (coati_kto.compat);
+- ``build_plugin()``: the ColossalAI plugin, with the device-specific settings (coati_kto.parallel.compat);
 - ``boost(...)``: the policy, optimizer and schedule boosted, the policy's fp32-only buffers kept in fp32;
 - ``build_reference(plugin, model)``: the frozen reference through the same plugin path as the policy (same
   shardformer sharding, same dtype cast, same fp32 buffers), so that at step 0 both give identical log-probs;
@@ -22,60 +22,22 @@ value back after the cast (they are derived constants, never trained nor saved).
 
 from __future__ import annotations
 
-import ast
-import functools
-import importlib.util
-import json
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
 
 from coati_kto.errors import ConfigError
+from coati_kto.families import model_class_name
+from coati_kto.families.policies import corrected_policy
 
 if TYPE_CHECKING:
-    from coati_kto.config import Config, PluginSection
-    from coati_kto.distributed import ParallelLayout
-    from coati_kto.trainer.grad_norm import GradNorm
+    from coati_kto.config.schema import Config, PluginSection
+    from coati_kto.parallel.distributed import ParallelLayout
+    from coati_kto.parallel.grad_norm import GradNorm
 
 PluginName = Literal["hybrid_parallel", "low_level_zero", "gemini", "ddp"]
-
-
-@functools.cache
-def shardformer_model_classes() -> frozenset[str]:
-    """Full class names (``transformers.models.llama.modeling_llama.LlamaForCausalLM``) with a shardformer policy.
-
-    Read from ColossalAI's own ``auto_policy.py`` without importing ColossalAI (3-4 s): config checks stay fast.
-    """
-    spec = importlib.util.find_spec("colossalai")
-    if spec is None or not spec.submodule_search_locations:
-        return frozenset()
-    source = Path(spec.submodule_search_locations[0]) / "shardformer" / "policies" / "auto_policy.py"
-    for node in ast.walk(ast.parse(source.read_text())):
-        targets = getattr(node, "targets", None) or [getattr(node, "target", None)]
-        if any(getattr(t, "id", None) == "_POLICY_LIST" for t in targets) and isinstance(
-            node.value, ast.Dict
-        ):
-            return frozenset(k.value for k in node.value.keys if isinstance(k, ast.Constant))
-    return frozenset()
-
-
-def model_class_name(model_dir: str) -> str | None:
-    """The full class name AutoModelForCausalLM builds for ``model_dir``, from its config.json alone.
-
-    None when it cannot be known without loading (a hub id, or remote code): the plugin then checks at build.
-    """
-    config_file = Path(model_dir) / "config.json"
-    if not config_file.is_file():
-        return None
-    raw = json.loads(config_file.read_text())
-    architectures, model_type = raw.get("architectures") or [], raw.get("model_type")
-    if "auto_map" in raw or not architectures or not model_type:
-        return None
-    module = model_type.replace("-", "_")
-    return f"transformers.models.{module}.modeling_{module}.{architectures[0]}"
 
 
 @dataclass(frozen=True)
@@ -162,12 +124,12 @@ class ParallelPlan:
     ) -> GradNorm:
         """Where the step's global gradient norm comes from, and who clips (the clipping / non-finite vote hook).
 
-        The norm is always taken before the optimizer steps (coati_kto.trainer.grad_norm): from ``p.grad``
+        The norm is always taken before the optimizer steps (coati_kto.parallel.grad_norm): from ``p.grad``
         (ddp, hybrid zero 0: the whole averaged gradient on every data-parallel rank) or from ZeRO's gradient
         store (each rank's partition). ddp has no clipping, so GradNorm clips it; ZeRO and the hybrid plugin
         clip inside their own step with ``max_grad_norm`` (``build_plugin``), handed the norm already taken.
         """
-        from coati_kto.trainer.grad_norm import GradNorm
+        from coati_kto.parallel.grad_norm import GradNorm
 
         return GradNorm(optimizer, self.max_grad_norm if max_norm is None else max_norm, layout)
 
@@ -189,7 +151,7 @@ class ParallelPlan:
         """
         from colossalai.booster.plugin import HybridParallelPlugin, LowLevelZeroPlugin, TorchDDPPlugin
 
-        from coati_kto import compat
+        from coati_kto.parallel import compat
 
         device_kwargs = compat.plugin_overrides()
         if self.plugin == "hybrid_parallel":
@@ -203,7 +165,7 @@ class ParallelPlan:
                 enable_flash_attention=self.flash_attention,
                 # Full logits on every tensor-parallel rank: the log-prob gather needs the whole vocabulary row.
                 parallel_output=False,
-                custom_policy=_custom_policy(self.model_class),
+                custom_policy=corrected_policy(self.model_class),
                 **device_kwargs,
             )
         if self.plugin == "low_level_zero":
@@ -252,7 +214,7 @@ class ParallelPlan:
                 use_ddp=False,
                 ddp_config={},
                 # By the reference's own class: model.reference_path may hold another family than the policy.
-                custom_policy=_custom_policy(f"{type(model).__module__}.{type(model).__qualname__}"),
+                custom_policy=corrected_policy(f"{type(model).__module__}.{type(model).__qualname__}"),
             )
         elif self.plugin == "low_level_zero":
             from colossalai.booster.plugin.low_level_zero_plugin import LowLevelZeroModel
@@ -262,76 +224,6 @@ class ParallelPlan:
             wrapped = model.to(get_accelerator().get_current_device(), self.dtype)
         _restore_buffers(kept)
         return wrapped.eval().requires_grad_(False)
-
-
-def check_model_family(plugin: str, model_dir: str, key: str) -> None:
-    """ConfigError when ``plugin`` is hybrid_parallel and the model class at ``model_dir`` has no shardformer
-    policy. Checked from config.json alone; unknown classes (hub ids, remote code) are left to the plugin."""
-    if plugin != "hybrid_parallel":
-        return
-    name = model_class_name(model_dir)
-    supported = shardformer_model_classes()
-    if name is None or not supported or name in supported:
-        return
-    families = sorted({c.rsplit(".", 1)[1] for c in supported if c.endswith("ForCausalLM")})
-    raise ConfigError(
-        f"{key} {model_dir}: {name.rsplit('.', 1)[1]} has no ColossalAI shardformer policy, so plugin.name "
-        f"hybrid_parallel cannot shard it: use plugin.name low_level_zero or ddp (causal LMs with a policy: "
-        f"{', '.join(families)})"
-    )
-
-
-QWEN2_CAUSAL_LM = "transformers.models.qwen2.modeling_qwen2.Qwen2ForCausalLM"
-
-
-def _custom_policy(model_class: str | None) -> Any:
-    """A corrected shardformer policy for ``model_class``, or None (ColossalAI picks its own).
-
-    ColossalAI 0.5.0's Qwen2ForCausalLM policy leaves the LM head of Llama's and Mistral's policies out: under
-    tensor parallelism its head is a plain column-parallel linear that returns vocabulary-sharded, padded
-    logits whatever ``parallel_output`` says; with tp_size 1 and tied embeddings the embedding is padded to a
-    multiple of 64 and the untouched head returns the padding columns as logits (log-probs off by about 2
-    nats on a tiny model, padding rows trained, resume not exact). The corrected policy uses the heads the
-    Llama policy uses: VocabParallelLMHead1D (gathers and unpads) or PaddingLMHead (unpads).
-    """
-    if model_class != QWEN2_CAUSAL_LM:
-        return None
-    from colossalai.shardformer.layer import PaddingLMHead, VocabParallelLMHead1D
-    from colossalai.shardformer.policies.base_policy import (
-        ModulePolicyDescription,
-        SubModuleReplacementDescription,
-    )
-    from colossalai.shardformer.policies.qwen2 import Qwen2ForCausalLMPolicy
-    from transformers import Qwen2ForCausalLM
-
-    class Qwen2ForCausalLMUnpaddedPolicy(Qwen2ForCausalLMPolicy):
-        def module_policy(self) -> dict:
-            policy = super().module_policy()
-            config = self.shard_config
-            if config.enable_tensor_parallelism:
-                head = SubModuleReplacementDescription(
-                    suffix="lm_head",
-                    target_module=VocabParallelLMHead1D,
-                    kwargs={
-                        "gather_output": not config.parallel_output,
-                        "make_vocab_size_divisible_by": config.make_vocab_size_divisible_by,
-                        "fp8_communication": config.fp8_communication,
-                    },
-                )
-            else:
-                head = SubModuleReplacementDescription(
-                    suffix="lm_head",
-                    target_module=PaddingLMHead,
-                    kwargs={"make_vocab_size_divisible_by": config.make_vocab_size_divisible_by},
-                )
-            described = policy.setdefault(
-                Qwen2ForCausalLM, ModulePolicyDescription(sub_module_replacement=[])
-            )
-            others = [d for d in described.sub_module_replacement or [] if d.suffix != "lm_head"]
-            described.sub_module_replacement = [*others, head]
-            return policy
-
-    return Qwen2ForCausalLMUnpaddedPolicy()
 
 
 def _fp32_buffers(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:

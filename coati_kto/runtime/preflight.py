@@ -17,7 +17,7 @@ import re
 import tempfile
 from pathlib import Path
 
-from coati_kto.config import Config
+from coati_kto.config.schema import Config
 from coati_kto.data.formats import resolve_files
 from coati_kto.errors import ConfigError, DataError
 
@@ -223,7 +223,7 @@ def clear_previous_run(out_dir: Path) -> None:
 
     import torch.distributed as dist
 
-    from coati_kto.distributed import barrier
+    from coati_kto.parallel.distributed import barrier
 
     if not dist.is_initialized() or dist.get_rank() == 0:
         for name in RUN_OUTPUTS:

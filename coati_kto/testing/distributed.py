@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from coati_kto.distributed import free_port
+from coati_kto.parallel.distributed import free_port
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
@@ -26,7 +26,7 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
     )
     torch.set_num_threads(1)
     try:
-        from coati_kto.distributed import init_distributed
+        from coati_kto.parallel.distributed import init_distributed
 
         init_distributed(timeout_s=120)
         results.put((rank, True, fn(*args)))
@@ -103,49 +103,3 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             if p.is_alive():
                 p.kill()
     return [outputs[r] for r in range(world_size)]
-
-
-def read_scalars(log_dir: str | os.PathLike[str]) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar tag of the TensorBoard event files in ``log_dir``: {tag: [(step, value), ...]}."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(log_dir))
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
-def read_texts(log_dir: str | os.PathLike[str]) -> dict[str, list[tuple[int, str]]]:
-    """Every TEXT entry of the TensorBoard event files in ``log_dir``: {tag: [(step, markdown), ...]}.
-
-    Tags are the writer's (``run/config``), without the ``/text_summary`` suffix the text plugin adds.
-    """
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from tensorboard.util import tensor_util
-
-    acc = EventAccumulator(str(log_dir), size_guidance={"tensors": 0})
-    acc.Reload()
-    texts = {}
-    for tag in acc.Tags()["tensors"]:
-        if acc.SummaryMetadata(tag).plugin_data.plugin_name != "text":
-            continue
-        values = [
-            (e.step, tensor_util.make_ndarray(e.tensor_proto).item().decode()) for e in acc.Tensors(tag)
-        ]
-        texts[tag.removesuffix("/text_summary")] = values
-    return texts
-
-
-def read_hparams(log_dir: str | os.PathLike[str]) -> dict[str, float | str | bool]:
-    """The hyperparameters a run wrote for TensorBoard's HPARAMS tab (its session-start summary)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-    from tensorboard.plugins.hparams import plugin_data_pb2
-
-    acc = EventAccumulator(str(log_dir), size_guidance={"tensors": 0})
-    acc.Reload()
-    found: dict[str, float | str | bool] = {}
-    for content in acc.PluginTagToContent("hparams").values():
-        data = plugin_data_pb2.HParamsPluginData.FromString(content)
-        if data.HasField("session_start_info"):
-            for name, value in data.session_start_info.hparams.items():
-                found[name] = getattr(value, value.WhichOneof("kind"))
-    return found

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 from colossalai.booster import Booster
 
-from coati_kto.distributed import ParallelLayout, barrier, broadcast_object, gather_objects
 from coati_kto.errors import UserError
-from coati_kto.lora import base_module
+from coati_kto.models.lora import base_module
+from coati_kto.parallel.distributed import ParallelLayout, barrier, broadcast_object, gather_objects
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 One optimizer step (``_train_step``) on every rank:
 
 1. no-grad passes over each micro-batch of the step: the policy on the KL pairs, the reference model on the
-   examples and their KL pairs (two passes, or one shared-prompt pass: coati_kto.packing), or precomputed
+   examples and their KL pairs (two passes, or one shared-prompt pass: coati_kto.models.packing), or precomputed
    ``reference_logps`` / ``reference_kl_logps`` from the batch (kto.reference cached: no reference model).
    With ``pack_policy``, a micro-batch that is its own z0 group and has long prompts folds the policy's KL
    pass into step 3's gradient pass instead (one packed row; z0 is reduced between its forward and backward);
@@ -16,7 +16,7 @@ One optimizer step (``_train_step``) on every rank:
    data-parallel ranks (DDP, ZeRO's reduce-scatter and the hybrid plugin all divide by the dp size), so the
    gradient is that of the mean per-example loss over the global batch, whatever the layout;
 4. one all-reduce of the step's metric sums, which also carries this rank's share of the squared global
-   gradient norm (coati_kto.trainer.grad_norm) and so the non-finite vote on loss AND gradient: every rank
+   gradient norm (coati_kto.parallel.grad_norm) and so the non-finite vote on loss AND gradient: every rank
    decides to step, skip or stop identically, before any weight changes; then the optimizer steps, clipping
    with that norm (no second norm computation), and the LR scheduler steps.
 
@@ -25,7 +25,7 @@ Evaluation runs the same passes without gradient, with one z0 over the whole eva
 at each epoch end (``eval_at_epoch_end``).
 
 Every collective has the same shape and dtype on every rank whatever its labels: the loss picks its branch
-with a label mask (coati_kto.loss), z0 reduces a fixed [sum, count] pair, metrics a fixed set of sums.
+with a label mask (coati_kto.trainer.loss), z0 reduces a fixed [sum, count] pair, metrics a fixed set of sums.
 
 Dropout: KTO's log-ratios compare the policy with the reference, so both must be deterministic. The policy
 stays in train mode (gradient checkpointing needs it) with every dropout probability set to 0 here; the
@@ -52,16 +52,16 @@ import torch
 from torch import nn
 
 from coati_kto.data.batch import KTOBatch, TokenView
-from coati_kto.distributed import ParallelLayout, reduce_sums
 from coati_kto.errors import UserError
-from coati_kto.logprobs import LMHead, model_sequence_logps
-from coati_kto.loss import estimate_kl_raw, needs_kl, preference_loss
-from coati_kto.packing import can_pack, fold_pays, pair_logps
-from coati_kto.parallel import ParallelPlan
-from coati_kto.signals import StopSignals, TrainingStoppedError, decide
+from coati_kto.models.logprobs import LMHead, model_sequence_logps
+from coati_kto.models.packing import can_pack, fold_pays, pair_logps
+from coati_kto.parallel.distributed import ParallelLayout, reduce_sums
+from coati_kto.parallel.grad_norm import global_norm
+from coati_kto.parallel.plan import ParallelPlan
+from coati_kto.runtime.signals import StopSignals, TrainingStoppedError, decide
 from coati_kto.trainer.base import SLTrainer
-from coati_kto.trainer.grad_norm import global_norm
 from coati_kto.trainer.logging import MetricWriter, ProgressBar
+from coati_kto.trainer.loss import estimate_kl_raw, needs_kl, preference_loss
 from coati_kto.trainer.metrics import IntervalMeter, StepSums, summarize
 from coati_kto.trainer.run_summary import config_markdown, data_stats_markdown, flat_hparams
 from coati_kto.trainer.throughput import flop_params, forward_flops, mfu, train_flops
@@ -125,18 +125,18 @@ class KTOTrainer(SLTrainer):
         checkpoint_manager: a coati_kto.trainer.checkpoint.CheckpointManager (default: one under ``save_dir``).
         run_config: the resolved config as a dict; stored in every checkpoint, sent to W&B and written to
             TensorBoard (text and hparams).
-        data_stats: the prepared data's stats.json (coati_kto.prepared); written to TensorBoard as text.
+        data_stats: the prepared data's stats.json (coati_kto.data.prepared); written to TensorBoard as text.
         wandb_project, wandb_mode, wandb_dir: W&B settings when ``fit(use_wandb=True)``.
         stop_signals: the installed StopSignals (train.py); a stop request checkpoints and raises
             TrainingStoppedError on every rank after the step it was voted in.
-        plan: the run's coati_kto.parallel.ParallelPlan (default: recovered from ``plugin``); it says whether
+        plan: the run's coati_kto.parallel.plan.ParallelPlan (default: recovered from ``plugin``); it says whether
             accumulation may skip gradient sync and which group z0 reduces over.
         peak_flops: peak FLOP/s per device; when set, ``train/mfu`` is logged (coati_kto.trainer.throughput).
-        pack_reference: score an example and its KL pair in one shared-prompt reference pass (coati_kto.packing)
+        pack_reference: score an example and its KL pair in one shared-prompt reference pass (coati_kto.models.packing)
             where the model allows it. Off by default: equal to two passes only within rounding (fp32 ~1e-7,
             bf16 ~1e-3 nats), so step-0 rewards would no longer be exactly 0 (the policy's passes are separate).
         pack_policy: the policy's passes in one packed row too: in evaluation always; in training where a
-            z0 group is one micro-batch and :func:`~coati_kto.packing.fold_pays` (long prompts, short
+            z0 group is one micro-batch and :func:`~coati_kto.models.packing.fold_pays` (long prompts, short
             completions), folding its KL pass into the gradient pass. Same rounding caveat.
     """
 
@@ -244,7 +244,7 @@ class KTOTrainer(SLTrainer):
         self._writer: MetricWriter | None = None
         self._progress: ProgressBar | None = None
         _disable_dropout(self.policy)  # LoRA's dropout layers too
-        # A LoRA run's reference is the policy with its adapters off (coati_kto.lora): not frozen here.
+        # A LoRA run's reference is the policy with its adapters off (coati_kto.models.lora): not frozen here.
         if isinstance(self.reference, nn.Module):
             _disable_dropout(self.reference)
             self.reference.eval()
@@ -525,7 +525,7 @@ class KTOTrainer(SLTrainer):
 
     def _policy_packs(self) -> bool:
         """Whether the policy's passes pack example and KL pair (``pack_policy``, the loss mask on, and a model
-        :func:`~coati_kto.packing.can_pack` takes); decided once."""
+        :func:`~coati_kto.models.packing.can_pack` takes); decided once."""
         if self._policy_packing is None:
             self._policy_packing = self.pack_policy and self.apply_loss_mask and can_pack(self.policy)
         return self._policy_packing
@@ -556,7 +556,7 @@ class KTOTrainer(SLTrainer):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """(reference log-probs [B], on the KL pairs [B] or None when ``kl`` is False, prompt tokens [B] shared
         by one packed pass or None when nothing ran): precomputed from the batch, else one shared-prompt pass
-        (coati_kto.packing), or the examples alone without ``kl``."""
+        (coati_kto.models.packing), or the examples alone without ``kl``."""
         if batch.reference_logps is not None and (not kl or batch.reference_kl_logps is not None):
             reference_kl = batch.reference_kl_logps.float() if kl else None
             return batch.reference_logps.float(), reference_kl, None

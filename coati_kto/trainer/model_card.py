@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from coati_kto.config import Config
+from coati_kto.config.schema import Config
 from coati_kto.trainer.run_summary import data_stats_table, split_rows
 
 # A Hub id: "name" or "org/name", no path separators beyond the one slash, not an existing local path.
@@ -154,7 +154,7 @@ def render(
             'model = AutoModelForCausalLM.from_pretrained("path/to/final")',
             'tokenizer = AutoTokenizer.from_pretrained("path/to/final")',
         ]
-    else:  # coati_kto.lora.export_lora: final/adapter (peft) and, with output.merge_lora, final/merged
+    else:  # coati_kto.models.lora.export_lora: final/adapter (peft) and, with output.merge_lora, final/merged
         lora = config.model.lora
         lines += [
             "from peft import PeftModel",

@@ -31,8 +31,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from coati_kto.config import Config
+from coati_kto.config.schema import Config
 from coati_kto.errors import ConfigError
+from coati_kto.models.hf import load_reference
+from coati_kto.parallel.plan import ParallelPlan
 
 CACHE_VERSION = 1  # bump when the stored values change for the same key
 CACHE_DIR = "reference_cache"
@@ -99,7 +101,6 @@ def weights_hash(path: str, memo_file: Path | None = None) -> str:
 
 def cache_key(config: Config, data_digest: str, reference_weights: str) -> dict[str, Any]:
     """What decides the cached values; ``digest`` names the cache directory."""
-    from coati_kto.parallel import ParallelPlan
 
     key: dict[str, Any] = {
         "version": CACHE_VERSION,
@@ -175,25 +176,10 @@ def _why_missing(root: Path, key: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ compute
-def load_reference(config: Config) -> torch.nn.Module:
-    """The reference model in the training dtype, on the device, eval, frozen: its log-probs equal those of the
-    reference ``train`` builds through the plugin (ParallelPlan.build_reference keeps the fp32 rotary buffers
-    that ``from_pretrained`` in the training dtype keeps)."""
-    from colossalai.accelerator import get_accelerator
-
-    from coati_kto.parallel import ParallelPlan
-    from coati_kto.train import load_causal_lm
-
-    model = load_causal_lm(
-        config.model.reference_path or config.model.path, config.model, ParallelPlan.from_config(config).dtype
-    )
-    return model.to(get_accelerator().get_current_device()).eval().requires_grad_(False)
-
-
 def score_rows(model: torch.nn.Module, rows: Any, order: np.ndarray, batch_size: int, pad_token_id: int):
     """Reference (example, KL pair) log-probs of ``rows[order]``: float32 [len(order), 2]. No grad."""
     from coati_kto.data.collator import KTOCollator
-    from coati_kto.packing import pair_logps
+    from coati_kto.models.packing import pair_logps
 
     collator = KTOCollator(pad_token_id)
     device = next(model.parameters()).device
@@ -230,7 +216,7 @@ def _compute(config: Config, splits: dict[str, Any], pad_token_id: int) -> dict[
     """Every rank scores its share of every split; rank 0 gets the full arrays (others None)."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    model = load_reference(config)
+    model = load_reference(config.model, ParallelPlan.from_config(config).dtype)
     gathered = {}
     try:
         for split, rows in splits.items():
@@ -257,7 +243,7 @@ def ensure_reference_cache(config: Config, data: Any, pad_token_id: int) -> dict
     Every rank calls it after ``load_prepared`` (collectives inside). Prints one line on global rank 0.
     """
     from coati_kto.data.store import read_fingerprint
-    from coati_kto.distributed import barrier, broadcast_object
+    from coati_kto.parallel.distributed import barrier, broadcast_object
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -321,9 +307,9 @@ def with_reference_logps(config: Config, data: Any, pad_token_id: int) -> Any:
 
 def precompute(config: Config) -> None:
     """``coati-kto precompute``: prepare the data if needed, then make sure the reference cache matches."""
+    from coati_kto.data.prepared import load_prepared
     from coati_kto.data.tokenize import load_tokenizer
-    from coati_kto.distributed import init_distributed
-    from coati_kto.prepared import load_prepared
+    from coati_kto.parallel.distributed import init_distributed
 
     init_distributed(timeout_s=config.train.dist_timeout)
     data = load_prepared(config)

@@ -1,7 +1,7 @@
 """What a run was, as text: the resolved config and the prepared data's statistics (TensorBoard, model card).
 
 Pure functions of the resolved config (``Config.model_dump(mode="json")``) and ``stats.json`` (written by
-``coati_kto.data.store``, with ``imbalance`` from ``coati_kto.kto_weights``); no I/O, callable on any rank.
+``coati_kto.data.store``, with ``imbalance`` from ``coati_kto.data.weights``); no I/O, callable on any rank.
 """
 
 from __future__ import annotations

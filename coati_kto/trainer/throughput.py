@@ -67,7 +67,7 @@ def flop_params(model: Any) -> int:
 
     Tensor-parallel shards count at their global shape, so every rank gets the whole model's N.
     """
-    from coati_kto.lora import base_module
+    from coati_kto.models.lora import base_module
 
     inner = base_module(model)
     try:

@@ -120,7 +120,7 @@ def write_config(name: str, root: Path, model_dir: Path) -> Path:
 
 
 def _train_worker(config_path: str) -> dict:
-    from coati_kto.config import load_config
+    from coati_kto.config.load import load_config
     from coati_kto.train import train
 
     trainer = train(load_config(config_path, []))
@@ -163,7 +163,7 @@ def machine() -> dict[str, str]:
 
 def run_reference(name: str, root: Path, model_dir: Path) -> dict[str, Any]:
     """Run ``name`` on 2 processes; its history (rank 0, equal on both ranks) and exported-weights digest."""
-    from coati_kto.testing import run_distributed
+    from coati_kto.testing.distributed import run_distributed
 
     root.mkdir(parents=True, exist_ok=True)
     config = write_config(name, root, model_dir)
@@ -175,7 +175,7 @@ def run_reference(name: str, root: Path, model_dir: Path) -> dict[str, Any]:
 def build_model(root: Path) -> Path:
     from conftest import CORPUS
 
-    from coati_kto.tiny import save_tiny_model
+    from coati_kto.testing.tiny import save_tiny_model
 
     return save_tiny_model(root / "tiny_llama", CORPUS)
 

@@ -1,0 +1,47 @@
+"""Loading Hugging Face causal LMs: the policy, and the reference where no plugin runs it.
+
+Every model the project trains or scores is built here, so a load option (attention implementation, remote
+code, dtype) is decided once. May import: config, errors (and transformers / colossalai).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+from coati_kto.config.schema import ModelSection
+from coati_kto.errors import ConfigError
+
+
+def load_causal_lm(path: str, model_cfg: ModelSection, dtype: torch.dtype) -> torch.nn.Module:
+    """A Hugging Face causal LM. Dropout is switched off on the modules by KTOTrainer, not in the config, so
+    the exported model keeps the user's config."""
+    from transformers import AutoModelForCausalLM
+
+    if (
+        model_cfg.attn_implementation == "flash_attention_2"
+        and importlib.util.find_spec("flash_attn") is None
+    ):
+        # transformers raises a multi-line ImportError only after reading the config; say it in one line.
+        raise ConfigError(
+            "model.attn_implementation flash_attention_2 needs the flash-attn package, which is not installed: "
+            "pip install flash-attn --no-build-isolation, or set model.attn_implementation=sdpa"
+        )
+    extra = {"attn_implementation": model_cfg.attn_implementation} if model_cfg.attn_implementation else {}
+    return AutoModelForCausalLM.from_pretrained(
+        path, torch_dtype=dtype, trust_remote_code=model_cfg.trust_remote_code, **extra
+    )
+
+
+def load_reference(model_cfg: ModelSection, dtype: torch.dtype) -> torch.nn.Module:
+    """The reference model (``model.reference_path``, default ``model.path``) in ``dtype`` on the device, eval,
+    frozen: its log-probs equal those of the reference ``train`` builds through the plugin
+    (``ParallelPlan.build_reference`` keeps the fp32 rotary buffers that ``from_pretrained`` in the training
+    dtype keeps). Used where no plugin runs the reference (precomputing the reference cache)."""
+    from colossalai.accelerator import (
+        get_accelerator,  # colossalai costs 3-4 s to import: callers that need it
+    )
+
+    model = load_causal_lm(model_cfg.reference_path or model_cfg.path, model_cfg, dtype)
+    return model.to(get_accelerator().get_current_device()).eval().requires_grad_(False)
