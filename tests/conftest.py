@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
+from helpers import CORPUS
 from hypothesis import HealthCheck, settings
 
 # Property tests on a loaded 2-core machine: no wall-clock deadlines or "too slow" health checks; on CI
@@ -20,14 +21,6 @@ settings.load_profile("coati")
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-CORPUS = [
-    "The capital of France is Paris. The capital of Italy is Rome.",
-    "Please add 2 and 3. The answer is 5. Thank you for asking!",
-    "def add(a, b):\n    return a + b\n",
-    "I cannot help with that. Sorry, that is not possible.",
-    "Call the tool search with query weather in Berlin and report the result.",
-] * 20
 
 
 @pytest.fixture(scope="session")
@@ -64,3 +57,18 @@ def reference_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     out = tmp_path_factory.mktemp("reference")
     model.save_pretrained(out)
     return out
+
+
+# The folder says what a test costs (README "Tests"): unit/ is single-process and fast; distributed/ and
+# regression/ run real gloo process groups; e2e/ the real CLI and launchers in subprocesses; drills/ the
+# multi-node (netns + SSH) and SLURM drills. `pytest -m "not e2e and not drill"` is the inner loop.
+_FOLDER_MARKERS = {"distributed": "distributed", "regression": "distributed", "e2e": "e2e", "drills": "drill"}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests_dir = Path(__file__).resolve().parent
+    for item in items:
+        folder = Path(str(item.fspath)).resolve().relative_to(tests_dir).parts[0]
+        marker = _FOLDER_MARKERS.get(folder)
+        if marker is not None:
+            item.add_marker(marker)

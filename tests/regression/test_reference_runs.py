@@ -14,8 +14,6 @@ from pathlib import Path
 import pytest
 from reference_runs import REFERENCE_FILE, RUNS, machine, run_reference
 
-pytestmark = pytest.mark.distributed
-
 RECORDED = json.loads(REFERENCE_FILE.read_text())
 SAME_MACHINE = RECORDED["machine"] == machine()
 

@@ -7,11 +7,11 @@ import pyarrow as pa
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_data_formats import CONVERSATION, conversation_shapes
 from tokenizers.processors import TemplateProcessing
 
 from coati_kto.data.formats import RecordError, normalize
 from coati_kto.data.tokenize import bos_prefix, encode, join_truncated, render, truncation
-from tests.test_data_formats import CONVERSATION, conversation_shapes
 
 INT_LISTS = pa.list_(pa.int32())
 

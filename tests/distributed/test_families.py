@@ -27,10 +27,10 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import CORPUS
 
 from coati_kto.data.formats import write_jsonl
 from coati_kto.testing.distributed import run_distributed
-from tests.conftest import CORPUS
 
 FAMILIES = ["llama", "mistral", "qwen2"]
 PLUGINS: dict[str, dict[str, Any]] = {

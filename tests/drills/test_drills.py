@@ -25,7 +25,7 @@ from test_operations import env, weights, write_run
 
 from coati_kto.parallel.distributed import free_port
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TOOLS = next(
     (
         p

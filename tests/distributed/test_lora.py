@@ -14,13 +14,12 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import MINIMAL, preference_records, write_config
 
 from coati_kto.config.load import load_config
 from coati_kto.data.formats import write_jsonl
 from coati_kto.errors import ConfigError
 from coati_kto.testing.distributed import run_distributed
-from tests.test_config import MINIMAL, _write
-from tests.test_train_e2e import _records
 
 PLUGINS: dict[str, dict[str, Any]] = {
     "ddp": {"name": "ddp"},
@@ -141,8 +140,8 @@ def _matrix(model_dir: str, root: str) -> dict[str, Any]:
 def lora_runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     root = tmp_path_factory.mktemp("lora")
     for name in PLUGINS:
-        write_jsonl(_records(48, 0), root / name / "train.jsonl")
-        write_jsonl(_records(9, 100), root / name / "eval.jsonl")
+        write_jsonl(preference_records(48, 0), root / name / "train.jsonl")
+        write_jsonl(preference_records(9, 100), root / name / "eval.jsonl")
     return run_distributed(_matrix, 2, str(tiny_model_dir), str(root))
 
 
@@ -205,7 +204,7 @@ def _packed_run(model_dir: str, root: str, pack_policy: bool) -> dict[str, Any]:
 def test_packed_passes_through_a_lora_hybrid_policy(
     tiny_model_dir: Path, tmp_path: Path, pack_policy: bool
 ) -> None:
-    write_jsonl(_records(48, 0), tmp_path / "train.jsonl")
+    write_jsonl(preference_records(48, 0), tmp_path / "train.jsonl")
     runs = run_distributed(_packed_run, 2, str(tiny_model_dir), str(tmp_path), pack_policy)
     for run in runs:
         # one packed reference pass per step, no fallback to two passes
@@ -220,7 +219,7 @@ def test_packed_passes_through_a_lora_hybrid_policy(
 
 
 def test_lora_config_checks(tmp_path: Path) -> None:
-    path = _write(tmp_path, MINIMAL)
+    path = write_config(tmp_path, MINIMAL)
     config = load_config(path, ["model.lora={rank: 4}"])
     assert config.model.lora.rank == 4 and config.model.lora.target_modules == [
         "q_proj",

@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from test_trainer import VOCAB_HI, _build, _config, _weights, sgd
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from coati_kto.data.collator import KTOCollator
@@ -18,7 +19,6 @@ from coati_kto.models.logprobs import LMHead, model_sequence_logps
 from coati_kto.models.packing import fold_pays, pair_logps
 from coati_kto.testing.distributed import run_distributed
 from coati_kto.testing.tiny import random_causal_lm
-from tests.test_trainer import VOCAB_HI, _build, _config, _weights, sgd
 
 
 def _rows(seed: int, labels: list[int], prompt: tuple[int, int], completion: tuple[int, int]) -> list[dict]:

@@ -11,34 +11,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import preference_records
 
 from coati_kto.data.formats import write_jsonl
 from coati_kto.testing.distributed import run_distributed
 from coati_kto.testing.tensorboard import read_scalars
-
-# Desirable: helpful answers; undesirable: refusals. Built from the tiny tokenizer's corpus (tests/conftest.py).
-QUESTIONS = [
-    ("What is the capital of France?", "The capital of France is Paris."),
-    ("What is the capital of Italy?", "The capital of Italy is Rome."),
-    ("Please add 2 and 3.", "The answer is 5. Thank you for asking!"),
-    ("Write a function that adds two numbers.", "def add(a, b):\n    return a + b\n"),
-    (
-        "What is the weather in Berlin?",
-        "Call the tool search with query weather in Berlin and report the result.",
-    ),
-]
-REFUSALS = ["I cannot help with that.", "Sorry, that is not possible.", "I cannot help with that. Sorry!"]
-
-
-def _records(n: int, offset: int) -> list[dict]:
-    """Imbalanced (about 2 desirable : 1 undesirable), each prompt with both kinds of answer."""
-    out = []
-    for i in range(n):
-        question, answer = QUESTIONS[(i + offset) % len(QUESTIONS)]
-        desirable = i % 3 != 2
-        completion = answer if desirable else REFUSALS[i % len(REFUSALS)]
-        out.append({"prompt": f"{question} ({i + offset})", "completion": completion, "label": desirable})
-    return out
 
 
 def _train_worker(config_path: str, overrides: list[str]) -> dict:
@@ -61,8 +38,8 @@ def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     config = {
         "model": {"path": str(tiny_model_dir), "gradient_checkpointing": True},
         "data": {
-            "train_files": [str(write_jsonl(_records(48, 0), root / "train.jsonl"))],
-            "eval_files": [str(write_jsonl(_records(9, 100), root / "eval.jsonl"))],
+            "train_files": [str(write_jsonl(preference_records(48, 0), root / "train.jsonl"))],
+            "eval_files": [str(write_jsonl(preference_records(9, 100), root / "eval.jsonl"))],
             "prepared_dir": str(root / "prepared"),
             "max_length": 96,
             "max_prompt_length": 48,

@@ -317,7 +317,7 @@ def test_launch_keeps_secrets_out_of_its_output(run_config: Path, tmp_path: Path
         "NPROC_PER_NODE": "1",
         "MASTER_PORT": str(free_port()),
     }
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     # A deliberately failing launch (no such config): colossalai run prints the environment it exported.
     proc = subprocess.run(
         ["bash", str(repo / "launch" / "colossalai_run.sh"), str(tmp_path / "missing.yaml")],
@@ -349,7 +349,7 @@ def test_a_clean_stop_through_colossalai_run_exits_75(run_config: Path, tmp_path
     checkpointed and exited 75) used to come out as 1, a crash to whatever restarts the job."""
     from coati_kto.parallel.distributed import free_port
 
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     out = tmp_path / "out"
     proc = subprocess.Popen(
         ["bash", str(repo / "launch" / "colossalai_run.sh"), str(run_config), f"output.dir={out}"],

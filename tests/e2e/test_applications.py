@@ -11,7 +11,7 @@ from types import ModuleType
 
 import pytest
 
-APPS = Path(__file__).resolve().parents[1] / "applications"
+APPS = Path(__file__).resolve().parents[2] / "applications"
 # Appended, not prepended: quickstart/evaluate.py must not shadow an installed `evaluate` package elsewhere.
 sys.path.append(str(APPS / "quickstart"))
 

@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import CORPUS
 
 from coati_kto.data.collator import KTOCollator
 from coati_kto.data.tokenize import encode
 from coati_kto.testing.tiny import build_tokenizer
-from tests.conftest import CORPUS
 
 
 def row(prompt: list[int], completion: list[int], kl_completion: list[int], label: bool, index: int) -> dict:

@@ -49,7 +49,7 @@ def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     }
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
     # Output captured through a pipe: not a terminal, as in SLURM / CI / colossalai run logs.
     proc = subprocess.run(
         [sys.executable, "-m", "coati_kto", "train", str(path)],

@@ -5,19 +5,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from helpers import CORPUS, MINIMAL, write_config
 
 from coati_kto.config.load import load_config
 from coati_kto.config.schema import Config
 from coati_kto.errors import ConfigError
 from coati_kto.families import model_class_name, shardformer_model_classes
 from coati_kto.parallel.plan import ParallelPlan
-from tests.conftest import CORPUS
-from tests.test_config import MINIMAL, _write
 
 
 def test_max_length_alone_sets_the_prompt_budget(tmp_path: Path) -> None:
-    assert load_config(_write(tmp_path, MINIMAL)).data.max_prompt_length == 512  # the default 1024 // 2
-    path = _write(
+    assert load_config(write_config(tmp_path, MINIMAL)).data.max_prompt_length == 512  # the default 1024 // 2
+    path = write_config(
         tmp_path,
         MINIMAL.replace("  prepared_dir: prepared\n", "  prepared_dir: prepared\n  max_length: 64\n"),
     )
@@ -41,12 +40,12 @@ def test_max_length_alone_sets_the_prompt_budget(tmp_path: Path) -> None:
     ],
 )
 def test_plugin_defaults_follow_the_plugin(tmp_path: Path, overrides: list[str], expected: tuple) -> None:
-    plugin = load_config(_write(tmp_path, MINIMAL), overrides).plugin
+    plugin = load_config(write_config(tmp_path, MINIMAL), overrides).plugin
     assert (plugin.name, plugin.zero_stage, plugin.precision) == expected
 
 
 def test_combinations_the_user_wrote_are_still_errors(tmp_path: Path) -> None:
-    path = _write(tmp_path, MINIMAL)
+    path = write_config(tmp_path, MINIMAL)
     for overrides, needle in [
         (["plugin.name=ddp", "plugin.precision=bf16"], "plugin.name ddp trains in fp32"),
         (["plugin.name=ddp", "plugin.zero_stage=1"], "plugin.name ddp has no ZeRO"),
@@ -58,7 +57,7 @@ def test_combinations_the_user_wrote_are_still_errors(tmp_path: Path) -> None:
 
 def test_gemini_is_refused_at_load_with_the_reason(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
-        load_config(_write(tmp_path, MINIMAL), ["plugin.name=gemini"])
+        load_config(write_config(tmp_path, MINIMAL), ["plugin.name=gemini"])
     message = str(err.value)
     assert message.startswith(f"{tmp_path / 'cfg.yaml'}: plugin: plugin.name gemini is not supported")
     assert (
@@ -99,11 +98,13 @@ def test_family_without_shardformer_policy_is_a_config_error(tmp_path: Path) -> 
         assert model_class_name(str(model_dir)) not in supported
         text = MINIMAL.replace("some/model", str(model_dir))
         with pytest.raises(ConfigError) as err:
-            load_config(_write(tmp_path, text))
+            load_config(write_config(tmp_path, text))
         assert f"model.path {model_dir}: {arch} has no ColossalAI shardformer policy" in str(err.value)
         assert "use plugin.name low_level_zero or ddp" in str(err.value)
         # The other plugins do not need a policy.
-        assert load_config(_write(tmp_path, text), ["plugin.name=low_level_zero"]).plugin.zero_stage == 2
+        assert (
+            load_config(write_config(tmp_path, text), ["plugin.name=low_level_zero"]).plugin.zero_stage == 2
+        )
 
 
 def test_plan_answers() -> None:

@@ -8,27 +8,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import MINIMAL, write_config
 
 from coati_kto.config.load import load_config
 from coati_kto.config.schema import Config
 from coati_kto.errors import ConfigError
 
-REPO = Path(__file__).resolve().parents[1]
-MINIMAL = """\
-model:
-  path: some/model
-data:
-  train_files: data.jsonl
-  prepared_dir: prepared
-output:
-  dir: out
-"""
-
-
-def _write(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "cfg.yaml"
-    path.write_text(text)
-    return path
+REPO = Path(__file__).resolve().parents[3]
 
 
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
@@ -44,7 +30,7 @@ def test_shipped_configs_exist() -> None:
 
 
 def test_defaults_and_overrides(tmp_path: Path) -> None:
-    path = _write(tmp_path, MINIMAL)
+    path = write_config(tmp_path, MINIMAL)
     config = load_config(path, ["train.lr=1e-5", "data.train_files=[a.jsonl, b.jsonl]", "kto.beta=0.2"])
     assert config.train.lr == 1e-5
     assert config.data.train_files == ["a.jsonl", "b.jsonl"]
@@ -59,7 +45,7 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
 
 
 def test_unknown_key_is_named(tmp_path: Path) -> None:
-    path = _write(tmp_path, MINIMAL + "train:\n  micro_batchsize: 4\n")
+    path = write_config(tmp_path, MINIMAL + "train:\n  micro_batchsize: 4\n")
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert (
@@ -68,7 +54,7 @@ def test_unknown_key_is_named(tmp_path: Path) -> None:
 
 
 def test_wrong_type_is_named(tmp_path: Path) -> None:
-    path = _write(tmp_path, MINIMAL + "train:\n  lr: fast\n")
+    path = write_config(tmp_path, MINIMAL + "train:\n  lr: fast\n")
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert str(err.value).startswith(f"{path}: train.lr: Input should be a valid number")
@@ -76,7 +62,7 @@ def test_wrong_type_is_named(tmp_path: Path) -> None:
 
 
 def test_every_error_is_listed_at_once(tmp_path: Path) -> None:
-    path = _write(tmp_path, MINIMAL + "train:\n  lr: -1\n  micro_batch_size: 1\nkto:\n  betta: 0.1\n")
+    path = write_config(tmp_path, MINIMAL + "train:\n  lr: -1\n  micro_batch_size: 1\nkto:\n  betta: 0.1\n")
     with pytest.raises(ConfigError) as err:
         load_config(path)
     lines = str(err.value).splitlines()
@@ -85,7 +71,7 @@ def test_every_error_is_listed_at_once(tmp_path: Path) -> None:
 
 
 def test_fp32_with_zero_on_hybrid_parallel_says_how_to_fix(tmp_path: Path) -> None:
-    path = _write(
+    path = write_config(
         tmp_path, MINIMAL + "plugin:\n  name: hybrid_parallel\n  zero_stage: 2\n  precision: fp32\n"
     )
     with pytest.raises(ConfigError) as err:
@@ -98,7 +84,7 @@ def test_fp32_with_zero_on_hybrid_parallel_says_how_to_fix(tmp_path: Path) -> No
 
 
 def test_other_impossible_combinations(tmp_path: Path) -> None:
-    path = _write(tmp_path, MINIMAL)
+    path = write_config(tmp_path, MINIMAL)
     for overrides, needle in [
         (["plugin.name=ddp", "plugin.zero_stage=2"], "plugin.name ddp has no ZeRO"),
         (
@@ -113,15 +99,15 @@ def test_other_impossible_combinations(tmp_path: Path) -> None:
 
 def test_bad_override_and_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="expected section.key=value"):
-        load_config(_write(tmp_path, MINIMAL), ["train.lr"])
+        load_config(write_config(tmp_path, MINIMAL), ["train.lr"])
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(tmp_path / "nope.yaml")
     with pytest.raises(ConfigError, match=r"cfg.yaml:2: not valid YAML"):
-        load_config(_write(tmp_path, "model:\n  path: [unclosed\n"))
+        load_config(write_config(tmp_path, "model:\n  path: [unclosed\n"))
 
 
 def test_cli_prints_one_line_and_exits_2(tmp_path: Path) -> None:
-    path = _write(tmp_path, MINIMAL + "train:\n  micro_batchsize: 4\n")
+    path = write_config(tmp_path, MINIMAL + "train:\n  micro_batchsize: 4\n")
     proc = subprocess.run(
         [sys.executable, "-m", "coati_kto", "train", str(path)], capture_output=True, text=True, timeout=120
     )
@@ -152,7 +138,7 @@ def test_cli_takes_overrides_before_and_after_options() -> None:
 
 
 def test_pack_policy_true_false_or_auto_and_what_auto_means(tmp_path: Path) -> None:
-    path = _write(tmp_path, MINIMAL)
+    path = write_config(tmp_path, MINIMAL)
     assert load_config(path).kto.policy_packing() is False  # online, separate reference passes
     assert load_config(path, ["kto.reference=cached"]).kto.policy_packing() is True
     assert load_config(path, ["kto.pack_reference=true"]).kto.policy_packing() is True

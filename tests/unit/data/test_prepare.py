@@ -7,6 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from test_data_formats import write_jsonl
 
 from coati_kto.config.schema import Config
 from coati_kto.data import store, tables
@@ -16,7 +17,6 @@ from coati_kto.data.sampler import MixedLabelBatchSampler
 from coati_kto.data.tokenize import encode, truncation
 from coati_kto.data.weights import GUIDELINE, resolve_kto_weights
 from coati_kto.errors import DataError
-from tests.test_data_formats import write_jsonl
 
 SYSTEM = "You can call the tool search(query). Answer briefly."
 
