@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_operations import env, weights, write_run
+from helpers import env, weights, write_run
 
 from coati_kto.parallel.distributed import free_port
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -18,68 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from helpers import env, weights, write_run
 
 from coati_kto.runtime.signals import ABORT_EXIT_CODE, STOP_EXIT_CODE
 from coati_kto.testing.distributed import run_distributed
 
-GOOD = ["Paris is the capital.", "The answer is 5.", "Here is the result, thank you!"]
-BAD = ["I cannot help with that.", "Sorry, that is not possible."]
-
-
-def write_run(root: Path, model_dir: Path, steps: int = 48, save_interval: int = 4) -> Path:
-    """96 examples (3:1), 2 ranks x micro-batch 2: 24 steps per epoch; ``steps`` steps in all. Prepared."""
-    rng = random.Random(0)
-    data = root / "train.jsonl"
-    with data.open("w") as f:
-        for i in range(96):
-            label = i % 4 != 0
-            completion = rng.choice(GOOD if label else BAD)
-            f.write(
-                json.dumps(
-                    {"prompt": f"Question {i}: please answer.", "completion": completion, "label": label}
-                )
-            )
-            f.write("\n")
-    config = root / "config.yaml"
-    config.write_text(
-        f"""
-model:
-  path: {model_dir}
-data:
-  train_files: [{data}]
-  prepared_dir: {root / "prepared"}
-  max_length: 64
-  max_prompt_length: 32
-train:
-  seed: 7
-  micro_batch_size: 2
-  max_epochs: 2
-  max_steps: {steps}
-  lr: 1.0e-3
-plugin:
-  name: hybrid_parallel
-  zero_stage: 2
-  precision: bf16
-output:
-  dir: {root / "out"}
-  save_interval: {save_interval}
-logging:
-  tensorboard: true
-"""
-    )
-    subprocess.run(
-        [sys.executable, "-m", "coati_kto", "prepare", str(config)], check=True, capture_output=True
-    )
-    return config
-
 
 def cli(*args: str) -> list[str]:
     return [sys.executable, "-m", "coati_kto", *args]
-
-
-def env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
 def start(cmd: list[str]) -> subprocess.Popen:
@@ -104,10 +49,6 @@ def stop_with_sigterm(proc: subprocess.Popen, out: Path) -> tuple[str, str, int]
     stopped = [line for line in output.splitlines() if line.startswith("stopped by")]
     assert len(stopped) == 1, output[-3000:]
     return output, stopped[0], int(stopped[0].split("after step ")[1].split(";")[0])
-
-
-def weights(out_dir: Path) -> dict[str, torch.Tensor]:
-    return load_file(out_dir / "final" / "model.safetensors")
 
 
 @pytest.fixture(scope="module")

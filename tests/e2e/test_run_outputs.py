@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from test_train_e2e import _records
+from helpers import preference_records
 
 from coati_kto.data.formats import write_jsonl
 from coati_kto.testing.tensorboard import read_hparams, read_scalars, read_texts
@@ -29,8 +29,8 @@ def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     config = {
         "model": {"path": str(tiny_model_dir)},
         "data": {
-            "train_files": [str(write_jsonl(_records(24, 0), root / "train.jsonl"))],
-            "eval_files": [str(write_jsonl(_records(7, 100), root / "eval.jsonl"))],
+            "train_files": [str(write_jsonl(preference_records(24, 0), root / "train.jsonl"))],
+            "eval_files": [str(write_jsonl(preference_records(7, 100), root / "eval.jsonl"))],
             "prepared_dir": str(root / "prepared"),
             "max_length": 24,  # short: some completions are truncated, so the card's truncation is not 0
             "max_prompt_length": 16,
