@@ -18,7 +18,8 @@ from coati_kto.config.schema import Config
 from coati_kto.data.store import PreparedData, ensure, read_fingerprint, read_prepared, summary
 from coati_kto.data.tokenize import load_tokenizer
 from coati_kto.data.weights import imbalance
-from coati_kto.errors import ConfigError, DataError, UserError
+from coati_kto.errors import DataError
+from coati_kto.parallel.distributed import global_rank, on_rank0
 
 
 def _open(config: Config) -> PreparedData:
@@ -43,45 +44,25 @@ def prepare(config: Config) -> PreparedData:
 
 
 def load_prepared(config: Config) -> PreparedData:
-    """For training: every rank calls it. Global rank 0 builds if needed while the others wait at a barrier;
-    then every rank loads from disk. A rank-0 failure is raised on every rank (nobody hangs in a collective).
-    Every rank enters exactly one barrier then one broadcast, whatever happens on rank 0.
+    """For training: every rank calls it. Global rank 0 builds if needed while the others wait; then every rank
+    loads from disk. A rank-0 failure is raised on every rank (``on_rank0``: nobody hangs in a collective).
 
     Long builds can outlast the process-group timeout: run ``coati-kto prepare`` before launching.
     """
-    # Imported here: ``coati-kto prepare`` (above) never needs torch.distributed.
-    import torch.distributed as dist
 
-    from coati_kto.parallel.distributed import barrier, broadcast_object
+    def build() -> str:
+        start = time.perf_counter()
+        fp, built, why = ensure(config, load_tokenizer(config))
+        if built:
+            print(_summary(_open(config), config, built, why, time.perf_counter() - start))
+        return fp["digest"]
 
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    outcome: tuple[str, str, str] = ("ok", "", "")
-    if rank == 0:
-        try:
-            start = time.perf_counter()
-            tokenizer = load_tokenizer(config)
-            fp, built, why = ensure(config, tokenizer)
-            outcome = ("ok", fp["digest"], "")
-            if built:
-                print(_summary(_open(config), config, built, why, time.perf_counter() - start))
-        except UserError as err:
-            outcome = (type(err).__name__, "", str(err))
-        except Exception as err:
-            outcome = ("internal", "", f"{type(err).__name__}: {err}")
-            barrier()
-            broadcast_object(outcome)
-            raise
-    barrier()
-    kind, digest, message = broadcast_object(outcome)
-    if kind == "internal":
-        raise RuntimeError(f"global rank 0 failed to prepare the data: {message}")
-    if kind != "ok":
-        raise (ConfigError if kind == "ConfigError" else DataError)(message)
+    digest = on_rank0(build, "prepare the data")
     target = Path(config.data.prepared_dir)
     found = (read_fingerprint(target) or {}).get("digest")
     if found != digest:
         raise DataError(
-            f"data.prepared_dir {target}: rank {rank} sees prepared data {found or 'missing'}, rank 0 built "
-            f"{digest}: on multi-node runs put data.prepared_dir on a shared filesystem"
+            f"data.prepared_dir {target}: rank {global_rank()} sees prepared data {found or 'missing'}, rank 0 "
+            f"built {digest}: on multi-node runs put data.prepared_dir on a shared filesystem"
         )
     return _open(config)

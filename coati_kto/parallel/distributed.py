@@ -1,8 +1,9 @@
-"""Process groups, launch and reductions. The only module that knows the parallel layout.
+"""Process groups, launch and reductions: which rank holds what (``ParallelLayout``), and the few collective
+patterns the rest of the code uses (sums and counts, barrier, gather, broadcast, ``on_rank0``).
 
 Launch: under torchrun / ``colossalai run`` (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK set) or
-as a single process with no launcher. Model and loss code never touch torch.distributed directly: they get
-the groups from a ``ParallelLayout``.
+as a single process with no launcher. The loss and model code get their groups from a ``ParallelLayout``
+(built from the plugin by ``ParallelPlan``'s caller), never the default group by accident.
 """
 
 from __future__ import annotations
@@ -11,16 +12,20 @@ import os
 import random
 import re
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from coati_kto.errors import UserError
 from coati_kto.parallel import compat
+
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -137,22 +142,6 @@ def reduce_sums(values: dict[str, float | torch.Tensor], group: ProcessGroup | N
     return dict(zip(keys, flat.tolist(), strict=True))
 
 
-def all_reduce_mean(tensor: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
-    """Mean over ``group`` of equally weighted per-rank values (e.g. a grad norm, a timing). Every rank calls."""
-    out = tensor.detach().clone()
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-        out /= dist.get_world_size(group)
-    return out
-
-
-def all_reduce_max(value: float, group: ProcessGroup | None = None) -> float:
-    out = torch.tensor([value], dtype=torch.float64, device=_comm_device())
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=group)
-    return out.item()
-
-
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
@@ -174,6 +163,37 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def global_rank() -> int:
+    """This process's rank in the default group (0 without a process group)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def on_rank0(compute: Callable[[], T], what: str) -> T:
+    """Rank 0 decides, every rank follows: ``compute()`` runs on global rank 0 only, and its result is returned
+    on every rank. Every rank calls, and enters exactly one broadcast whatever happens on rank 0, so nobody is
+    left waiting in a collective. A UserError on rank 0 is raised on every rank (same class, same one-line
+    message); any other exception is re-raised on rank 0 and raised on the others as a RuntimeError naming
+    ``what`` ("prepare the data").
+    """
+    outcome: tuple[str, Any, Any] = ("ok", None, None)
+    failure: BaseException | None = None
+    if global_rank() == 0:
+        try:
+            outcome = ("ok", compute(), None)
+        except UserError as err:
+            outcome = ("user", type(err), str(err))
+        except Exception as err:
+            outcome, failure = ("internal", None, f"{type(err).__name__}: {err}"), err
+    kind, value, message = broadcast_object(outcome)
+    if failure is not None:
+        raise failure
+    if kind == "user":
+        raise value(message)
+    if kind == "internal":
+        raise RuntimeError(f"global rank 0 failed to {what}: {message}")
+    return value
 
 
 _PEER_ADDRESS = re.compile(r"\[([0-9a-fA-F.:]+)\]:\d+")

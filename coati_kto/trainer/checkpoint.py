@@ -26,7 +26,7 @@ from colossalai.booster import Booster
 
 from coati_kto.errors import UserError
 from coati_kto.models.lora import base_module
-from coati_kto.parallel.distributed import ParallelLayout, barrier, broadcast_object, gather_objects
+from coati_kto.parallel.distributed import ParallelLayout, barrier, gather_objects, on_rank0
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ class CheckpointManager:
 
         One rank decides, so all ranks load the same checkpoint even when a save lands between their looks.
         """
-        return _on_main(self.layout.is_main, lambda: self.resolve(resume))
+        return on_rank0(lambda: self.resolve(resume), "resolve the checkpoint")
 
     def load(self, path: Path, model: Any, optimizer: Any, lr_scheduler: Any) -> dict:
         """Every rank calls. Restores model, optimizer (with fp32 masters), scheduler and this rank's RNG.
@@ -210,7 +210,7 @@ class CheckpointManager:
             _set_rng_state(saved["rng"])  # last: loading above must not advance the restored generators
             return saved["trainer_state"]
         logger.warning("rank %d: parallel layout changed since the save, RNG states not restored", rank)
-        states = _on_main(self.layout.is_main, lambda: _old_dp_states(path, meta))
+        states = on_rank0(lambda: _old_dp_states(path, meta), "read the checkpoint's data position")
         return {**states[0], "rank_states": states}
 
     # ---- export -------------------------------------------------------------------------------------------
@@ -232,20 +232,6 @@ class CheckpointManager:
                 tokenizer.save_pretrained(out)
         barrier()
         return out
-
-
-def _on_main(is_main: bool, compute: Any) -> Any:
-    """``compute()`` on global rank 0, its result (or its UserError, raised) on every rank; every rank calls."""
-    answer: tuple[str, Any] | None = None
-    if is_main:
-        try:
-            answer = ("ok", compute())
-        except UserError as err:
-            answer = ("error", str(err))
-    kind, value = broadcast_object(answer)
-    if kind == "error":
-        raise UserError(value)
-    return value
 
 
 def _read_state(path: Path, rank: int) -> dict:

@@ -32,8 +32,14 @@ import torch
 import torch.distributed as dist
 
 from coati_kto.config.schema import Config
+from coati_kto.data.collator import KTOCollator
+from coati_kto.data.prepared import load_prepared
+from coati_kto.data.store import read_fingerprint
+from coati_kto.data.tokenize import load_tokenizer
 from coati_kto.errors import ConfigError
 from coati_kto.models.hf import load_reference
+from coati_kto.models.packing import pair_logps
+from coati_kto.parallel.distributed import barrier, init_distributed, on_rank0
 from coati_kto.parallel.plan import ParallelPlan
 
 CACHE_VERSION = 1  # bump when the stored values change for the same key
@@ -178,8 +184,6 @@ def _why_missing(root: Path, key: dict) -> str:
 # ------------------------------------------------------------------------------------------------ compute
 def score_rows(model: torch.nn.Module, rows: Any, order: np.ndarray, batch_size: int, pad_token_id: int):
     """Reference (example, KL pair) log-probs of ``rows[order]``: float32 [len(order), 2]. No grad."""
-    from coati_kto.data.collator import KTOCollator
-    from coati_kto.models.packing import pair_logps
 
     collator = KTOCollator(pad_token_id)
     device = next(model.parameters()).device
@@ -242,39 +246,25 @@ def ensure_reference_cache(config: Config, data: Any, pad_token_id: int) -> dict
 
     Every rank calls it after ``load_prepared`` (collectives inside). Prints one line on global rank 0.
     """
-    from coati_kto.data.store import read_fingerprint
-    from coati_kto.parallel.distributed import barrier, broadcast_object
-
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     prepared = Path(config.data.prepared_dir)
     root = prepared / CACHE_DIR
     splits = {s: ds for s, ds in (("train", data.train), ("eval", data.eval)) if ds is not None and len(ds)}
     rows = {s: len(ds) for s, ds in splits.items()}
-    status: tuple[str, Any, str] = ("", None, "")
-    if rank == 0:
+
+    def look_up() -> tuple[str, dict, str]:
+        digest = (read_fingerprint(prepared) or {})["digest"]
+        memo = root / "weights_sha256.json"
+        key = cache_key(config, digest, weights_hash(config.model.reference_path or config.model.path, memo))
         try:
-            digest = (read_fingerprint(prepared) or {})["digest"]
-            memo = root / "weights_sha256.json"
-            key = cache_key(
-                config, digest, weights_hash(config.model.reference_path or config.model.path, memo)
-            )
-            try:
-                _read(root / key["digest"], key, rows)
-                status = ("hit", key, "")
-            except ValueError as err:
-                damaged = (root / key["digest"]).exists()
-                why = f"the cache is damaged ({err})" if damaged else _why_missing(root, key)
-                status = ("compute", key, why)
-        except ConfigError as err:
-            status = ("error", None, str(err))
-        except Exception as err:  # every rank must leave the broadcast below, then fail
-            status = ("internal", None, f"{type(err).__name__}: {err}")
-    kind, key, why = broadcast_object(status)
-    if kind == "error":
-        raise ConfigError(why)
-    if kind == "internal":
-        raise RuntimeError(f"global rank 0 failed to check the reference cache: {why}")
+            _read(root / key["digest"], key, rows)
+            return "hit", key, ""
+        except ValueError as err:
+            damaged = (root / key["digest"]).exists()
+            return "compute", key, f"the cache is damaged ({err})" if damaged else _why_missing(root, key)
+
+    kind, key, why = on_rank0(look_up, "check the reference cache")
     directory = root / key["digest"]
     if kind == "compute":
         if rank == 0:
@@ -307,9 +297,6 @@ def with_reference_logps(config: Config, data: Any, pad_token_id: int) -> Any:
 
 def precompute(config: Config) -> None:
     """``coati-kto precompute``: prepare the data if needed, then make sure the reference cache matches."""
-    from coati_kto.data.prepared import load_prepared
-    from coati_kto.data.tokenize import load_tokenizer
-    from coati_kto.parallel.distributed import init_distributed
 
     init_distributed(timeout_s=config.train.dist_timeout)
     data = load_prepared(config)

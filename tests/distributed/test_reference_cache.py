@@ -84,6 +84,7 @@ def _worker(root: str, model_dir: str, reference_dir: str) -> dict:
     from coati_kto.data.prepared import load_prepared
     from coati_kto.models.hf import load_reference
     from coati_kto.models.logprobs import LMHead, model_sequence_logps
+    from coati_kto.parallel.plan import ParallelPlan
     from coati_kto.train import train
 
     root_p, rank = Path(root), dist.get_rank()
@@ -96,7 +97,7 @@ def _worker(root: str, model_dir: str, reference_dir: str) -> dict:
     # Online scoring, one row at a time in separate passes: what the cache must equal.
     expected = {}
     if rank == 0:
-        model = load_reference(config)
+        model = load_reference(config.model, ParallelPlan.from_config(config).dtype)
         head = LMHead.find(model)
         collate = KTOCollator(0)
         for split, ds in (("train", data.train), ("eval", data.eval)):

@@ -322,29 +322,31 @@ class FakeCollectives:
 
 
 def test_load_prepared_protocol(tmp_path: Path, tiny_model_dir: Path, monkeypatch) -> None:
-    """Every rank enters the same collectives (barrier, broadcast) whether rank 0 succeeds or fails."""
+    """Every rank enters the same one collective (on_rank0's broadcast) whether rank 0 succeeds or fails."""
     path = write_jsonl(tmp_path / "t.jsonl", rows(6, 4))
     cfg = make_config(tmp_path, tiny_model_dir, [str(path)])
     rank0 = FakeCollectives(monkeypatch, 0)
-    assert len(load_prepared(cfg).train) == 10 and rank0.calls == ["barrier", "broadcast"]
+    assert len(load_prepared(cfg).train) == 10 and rank0.calls == ["broadcast"]
     digest = json.loads((tmp_path / "prepared" / "fingerprint.json").read_text())["digest"]
 
-    rank1 = FakeCollectives(monkeypatch, 1, rank0_outcome=("ok", digest, ""))
-    assert len(load_prepared(cfg).train) == 10 and rank1.calls == ["barrier", "broadcast"]
+    rank1 = FakeCollectives(monkeypatch, 1, rank0_outcome=("ok", digest, None))
+    assert len(load_prepared(cfg).train) == 10 and rank1.calls == ["broadcast"]
 
     # Rank 0 failed: every rank raises its one-line error after the same collectives.
-    rank1 = FakeCollectives(monkeypatch, 1, rank0_outcome=("DataError", "", "t.jsonl:3: field 'label': ..."))
+    rank1 = FakeCollectives(
+        monkeypatch, 1, rank0_outcome=("user", DataError, "t.jsonl:3: field 'label': ...")
+    )
     with pytest.raises(DataError, match="t.jsonl:3: field 'label'"):
         load_prepared(cfg)
-    assert rank1.calls == ["barrier", "broadcast"]
+    assert rank1.calls == ["broadcast"]
     bad = make_config(tmp_path, tiny_model_dir, [str(write_jsonl(tmp_path / "one.jsonl", rows(4, 0)))])
     rank0 = FakeCollectives(monkeypatch, 0)
     with pytest.raises(DataError, match="KTO needs both labels"):
         load_prepared(bad)
-    assert rank0.calls == ["barrier", "broadcast"]
+    assert rank0.calls == ["broadcast"]
 
     # A rank that cannot see rank 0's build (prepared_dir not shared across nodes) says so.
-    FakeCollectives(monkeypatch, 1, rank0_outcome=("ok", "0123456789abcdef", ""))
+    FakeCollectives(monkeypatch, 1, rank0_outcome=("ok", "0123456789abcdef", None))
     with pytest.raises(DataError, match="shared filesystem"):
         load_prepared(cfg)
 
