@@ -23,7 +23,8 @@ from coati_kto.config.schema import Config
 from coati_kto.models.hf import load_causal_lm
 from coati_kto.parallel.distributed import ParallelLayout, barrier, init_distributed, seed_everything
 from coati_kto.parallel.plan import ParallelPlan
-from coati_kto.runtime.preflight import check_training, clear_previous_run
+from coati_kto.runtime.preflight import check_training
+from coati_kto.runtime.run_dir import clear_previous_run
 from coati_kto.runtime.signals import STOP, StopSignals
 from coati_kto.runtime.watchdog import Heartbeat, new_heartbeat
 

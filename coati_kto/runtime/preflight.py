@@ -19,10 +19,9 @@ from pathlib import Path
 
 from coati_kto.config.schema import Config
 from coati_kto.data.formats import resolve_files
-from coati_kto.errors import ConfigError, DataError
+from coati_kto.errors import ConfigError, DataError, UserError
+from coati_kto.runtime.run_dir import CHECKPOINTS_DIR, complete_checkpoints, previous_run, resolve_checkpoint
 
-# What a run writes under output.dir that a second run would mix with (output.overwrite clears these).
-RUN_OUTPUTS = ("checkpoints", "tensorboard", "final", "wandb")
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 _WEIGHTS = (
     "model.safetensors",
@@ -31,7 +30,6 @@ _WEIGHTS = (
     "pytorch_model.bin.index.json",
 )
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-_COMPLETE = "COMPLETE"  # coati_kto.trainer.checkpoint.COMPLETE (not imported: it pulls in colossalai)
 HUB_TIMEOUT_S = 10.0
 
 
@@ -70,19 +68,6 @@ def check_training(config: Config) -> None:
         )
     if problems:
         raise ConfigError("\n".join(problems))
-
-
-def previous_run(out_dir: Path) -> list[str]:
-    """What an earlier run left in ``out_dir`` (``checkpoints/step-3``, ``tensorboard/``...); empty when none."""
-    found = []
-    checkpoints = out_dir / "checkpoints"
-    if checkpoints.is_dir():
-        found += sorted(f"checkpoints/{p.name}" for p in checkpoints.iterdir() if p.name.startswith("step-"))
-    if any((out_dir / "tensorboard").glob("events.out.tfevents.*")):
-        found.append("tensorboard/ events")
-    if (out_dir / "final").is_dir():
-        found.append("final/")
-    return found
 
 
 # ---------------------------------------------------------------------------------------------- model sources
@@ -176,22 +161,17 @@ def _starts_from_zero(config: Config) -> bool:
     """No resume, or train.resume=auto with no complete checkpoint to resume from."""
     if config.train.resume is None:
         return True
-    checkpoints = Path(config.output.dir) / "checkpoints"
-    return config.train.resume == "auto" and not any(checkpoints.glob(f"step-*/{_COMPLETE}"))
+    checkpoints = Path(config.output.dir) / CHECKPOINTS_DIR
+    return config.train.resume == "auto" and not complete_checkpoints(checkpoints)
 
 
 def _resume_problems(config: Config) -> list[str]:
-    resume = config.train.resume
-    if resume is None or resume == "auto":
+    if config.train.resume in (None, "auto"):
         return []
-    path = Path(resume)
-    if not path.is_dir():
-        return [f"train.resume: checkpoint {path} does not exist (train.resume=auto picks the latest one)"]
-    if not (path / _COMPLETE).is_file():
-        return [
-            f"train.resume: {path} is not a complete checkpoint (no {_COMPLETE} marker: its save was interrupted, "
-            "or it is not a step-N directory); use train.resume=auto or another step-N"
-        ]
+    try:
+        resolve_checkpoint(Path(config.output.dir) / CHECKPOINTS_DIR, config.train.resume)
+    except UserError as err:
+        return [str(err)]
     return []
 
 
@@ -214,19 +194,3 @@ def _output_problems(config: Config) -> list[str]:
             "or start over with output.overwrite=true (deletes its checkpoints, events and final model)"
         ]
     return []
-
-
-def clear_previous_run(out_dir: Path) -> None:
-    """output.overwrite: global rank 0 deletes the earlier run's outputs (RUN_OUTPUTS); every rank calls, after
-    the process group exists, and returns once they are gone."""
-    import shutil
-
-    import torch.distributed as dist
-
-    from coati_kto.parallel.distributed import barrier
-
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        for name in RUN_OUTPUTS:
-            if (out_dir / name).exists():
-                shutil.rmtree(out_dir / name)
-    barrier()

@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import random
-import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -27,12 +26,9 @@ from colossalai.booster import Booster
 from coati_kto.errors import UserError
 from coati_kto.models.lora import base_module
 from coati_kto.parallel.distributed import ParallelLayout, barrier, gather_objects, on_rank0
+from coati_kto.runtime.run_dir import COMPLETE, LATEST, complete_checkpoints, resolve_checkpoint
 
 logger = logging.getLogger(__name__)
-
-COMPLETE = "COMPLETE"
-LATEST = "latest"
-_STEP_DIR = re.compile(r"step-(\d+)")
 
 
 class CheckpointSaveError(UserError):
@@ -142,10 +138,7 @@ class CheckpointManager:
 
     def _complete(self) -> list[Path]:
         """Complete checkpoints under root, oldest step first."""
-        if not self.root.is_dir():
-            return []
-        found = [p for p in self.root.iterdir() if _STEP_DIR.fullmatch(p.name) and (p / COMPLETE).is_file()]
-        return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+        return complete_checkpoints(self.root)
 
     # ---- resolve / load -----------------------------------------------------------------------------------
     def resolve(self, resume: str | None) -> Path | None:
@@ -154,25 +147,7 @@ class CheckpointManager:
         Reads the filesystem only (no collectives), so any rank may call it. Raises UserError for a path that
         is missing or not a complete checkpoint.
         """
-        if resume is None:
-            return None
-        if resume == "auto":
-            pointer = self.root / LATEST
-            if pointer.is_file():
-                named = self.root / pointer.read_text().strip()
-                if (named / COMPLETE).is_file():
-                    return named
-            complete = self._complete()  # pointer missing or stale: fall back to the highest complete step
-            return complete[-1] if complete else None
-        path = Path(resume)
-        if not path.is_dir():
-            raise UserError(f"train.resume: checkpoint {path} does not exist")
-        if not (path / COMPLETE).is_file():
-            raise UserError(
-                f"train.resume: {path} is not a complete checkpoint (no {COMPLETE} marker: its save was "
-                f"interrupted, or it is not a step-N directory); use train.resume=auto or another step-N"
-            )
-        return path
+        return resolve_checkpoint(self.root, resume)
 
     def resolve_everywhere(self, resume: str | None) -> Path | None:
         """``resolve`` on global rank 0, its answer (or its UserError) on every rank; every rank calls.

@@ -102,4 +102,4 @@ def test_two_ranks_then_one_consumes_every_example_of_the_epoch_once(runs: dict[
 def test_resume_path_is_resolved_on_rank_zero_for_every_rank(runs: dict[str, Any]) -> None:
     errors = [r["missing_error"] for r in runs["first"]]
     assert errors[0] == errors[1] and errors[0].startswith("train.resume: checkpoint ")
-    assert errors[0].endswith("missing does not exist")
+    assert errors[0].endswith("missing does not exist (train.resume=auto picks the latest one)")

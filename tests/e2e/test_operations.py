@@ -114,7 +114,7 @@ def test_one_run_per_output_dir(run_config: Path, tmp_path: Path) -> None:
 
 
 def test_overwrite_clears_the_old_run_first(run_config: Path, tmp_path: Path) -> None:
-    from coati_kto.runtime.preflight import clear_previous_run
+    from coati_kto.runtime.run_dir import clear_previous_run
 
     out = tmp_path / "out"
     for name in ("checkpoints/step-3", "tensorboard", "final", "keep"):
