@@ -122,68 +122,71 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise UserError(f"--examples must be >= 0, got {args.examples}")
 
 
+def _run(args: argparse.Namespace) -> int:
+    """The command itself; user mistakes raise UserError (``main`` turns them into one line and exit 2)."""
+    if args.command == "config":
+        _config_command(args)
+        return 0
+    # The commands' modules are imported on demand: `coati-kto config` and `--help` must not pay for torch.
+    from coati_kto.config.load import load_config
+
+    _check_numbers(args)
+    config = load_config(args.config, args.overrides)
+    if args.command in ("train", "precompute") and args.nproc_per_node and "RANK" not in os.environ:
+        if args.command == "train":  # here, once, rather than in N processes
+            from coati_kto.runtime.preflight import check_training
+
+            check_training(config)
+        return _launch_local(args)
+    if args.command == "prepare":
+        from coati_kto.data.prepared import prepare
+
+        prepare(config)
+    elif args.command == "inspect":
+        from coati_kto.data.inspect import inspect_batches
+
+        inspect_batches(config, num_ranks=args.ranks, num_batches=args.batches, num_examples=args.examples)
+    elif args.command == "precompute":
+        from coati_kto.trainer.reference_cache import precompute
+
+        precompute(config)
+    else:
+        from coati_kto.train import train
+
+        train(config)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    """``coati-kto``: exit 0 done, 2 a user mistake (one line), 75 a clean stop, 1 a peer gone, 130 aborted."""
     args = _parse(argv)
     if args.command == "train" and "RANK" in os.environ:  # a rank: stop cleanly even while still importing
         STOP.install()
+    rank = os.environ.get("RANK")
     try:
-        if args.command == "config":
-            _config_command(args)
-            return 0
-        from coati_kto.config.load import load_config
-
-        _check_numbers(args)
-        if args.command in ("train", "precompute") and args.nproc_per_node and "RANK" not in os.environ:
-            # Here, once, rather than in N processes.
-            config = load_config(args.config, args.overrides)
-            if args.command == "train":
-                from coati_kto.runtime.preflight import check_training
-
-                check_training(config)
-            return _launch_local(args)
-        config = load_config(args.config, args.overrides)
-        if args.command == "prepare":
-            from coati_kto.data.prepared import prepare
-
-            prepare(config)
-        elif args.command == "inspect":
-            from coati_kto.data.inspect import inspect_batches
-
-            inspect_batches(
-                config, num_ranks=args.ranks, num_batches=args.batches, num_examples=args.examples
-            )
-        elif args.command == "precompute":
-            from coati_kto.trainer.reference_cache import precompute
-
-            precompute(config)
-        else:
-            from coati_kto.train import train
-
-            train(config)
+        return _run(args)
     except UserError as err:
-        rank = os.environ.get("RANK")
         if err.same_on_every_rank and rank not in (None, "0"):
             return 2  # the same on every rank: rank 0 prints it
         prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
         print(f"{prefix}error: {err}", file=sys.stderr)
         return 2
     except TrainingStoppedError as stop:
-        if os.environ.get("RANK", "0") == "0":
+        if rank in (None, "0"):
             print(stop, file=sys.stderr, flush=True)
         return STOP_EXIT_CODE
     except Exception as err:  # a peer rank or node died: one line here, not a traceback per rank
-        from coati_kto.parallel.distributed import peer_failure
+        from coati_kto.parallel.distributed import peer_failure  # torch: only once something failed
 
         line = peer_failure(err)
         if line is None:
             raise
-        print(f"[rank {os.environ.get('RANK', '0')}] error: {line}", file=sys.stderr, flush=True)
+        print(f"[rank {rank or '0'}] error: {line}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:  # Ctrl-C before the stop handlers are installed (imports, config)
-        if os.environ.get("RANK", "0") == "0":
+        if rank in (None, "0"):
             print("interrupted before training started: nothing to save", file=sys.stderr)
         return ABORT_EXIT_CODE
-    return 0
 
 
 if __name__ == "__main__":

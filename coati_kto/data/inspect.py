@@ -8,6 +8,8 @@ examples (prompt | completion | KL completion) to eyeball.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from coati_kto.config.schema import Config
@@ -72,11 +74,15 @@ def inspect_batches(
     )
     print(resolve_kto_weights(config, data.stats, ranks)[2])
 
-    if num_examples <= 0:
-        return
+    if num_examples > 0:
+        _print_examples(config, train, first_batch[:num_examples])
+
+
+def _print_examples(config: Config, train: Any, indices: list[int]) -> None:
+    """Decode rows ``indices`` of the train split: prompt, completion and KL completion, clipped."""
     tokenizer = load_tokenizer(config)
     print("\nexamples from rank 0's first micro-batch (prompt | completion | KL completion):")
-    for i in first_batch[:num_examples]:
+    for i in indices:
         row = train[int(i)]
         ids, start = row["input_ids"], row["completion_start"]
         kl_ids, kl_start = row["kl_input_ids"], row["kl_completion_start"]

@@ -29,12 +29,12 @@ Contract (micro_batch_size m >= 2, R = num_replicas, both labels present):
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
+from coati_kto.data.label_mix import SamplerStats, check_counts, draw_stream, slot_layout, spread_duplicates
 from coati_kto.data.replan import consumed_rows, replan_remaining
 
 __all__ = ["MixedLabelBatchSampler", "SamplerStats", "padding_saved", "padding_tokens"]
@@ -42,109 +42,6 @@ __all__ = ["MixedLabelBatchSampler", "SamplerStats", "padding_saved", "padding_t
 # Length grouping sorts each label's examples within chunks of this many micro-batches: large enough to cut
 # most padding, small enough that the epoch still mixes lengths from the whole dataset.
 GROUP_CHUNK = 64
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplerStats:
-    """Per-epoch slot counts (identical for every epoch); the effective counts are what the model sees."""
-
-    n_desirable: int
-    n_undesirable: int
-    micro_batch_size: int
-    num_replicas: int
-    drop_last: bool
-    minority_label: bool  # True when desirable is the minority; ties count undesirable (False) as minority
-    num_micro_batches: int  # global, all ranks together
-    micro_batches_per_rank: int
-    effective_desirable: int  # desirable slots filled per epoch, repeats included
-    effective_undesirable: int
-    minority_repeats: int  # minority slots beyond one use of each minority example
-    minority_uses: tuple[int, int]  # (min, max) uses of one minority example per epoch
-    minority_per_micro_batch: tuple[int, int]  # (min, max) minority examples in one micro-batch
-    repeated_slots: int  # slots beyond the first use of an example, both labels
-    left_out: int  # examples not used at all in an epoch
-
-    @property
-    def repeats_minority(self) -> bool:
-        """Whether the minority label had to be repeated to mix every micro-batch."""
-        return self.minority_repeats > 0
-
-
-def _check_counts(n_desirable: int, n_undesirable: int, micro_batch_size: int, num_replicas: int) -> None:
-    if micro_batch_size < 2:
-        raise ValueError(
-            f"micro_batch_size must be >= 2 so each micro-batch can hold both labels (got {micro_batch_size})"
-        )
-    if num_replicas < 1:
-        raise ValueError(f"num_replicas must be >= 1 (got {num_replicas})")
-    if n_desirable == 0 or n_undesirable == 0:
-        raise ValueError(
-            f"KTO needs both desirable and undesirable examples; got {n_desirable} desirable and "
-            f"{n_undesirable} undesirable: add examples of the missing label"
-        )
-    n = n_desirable + n_undesirable
-    if n < micro_batch_size * num_replicas:
-        raise ValueError(
-            f"dataset has {n} examples, fewer than one global batch (num_replicas {num_replicas} x "
-            f"micro_batch_size {micro_batch_size} = {micro_batch_size * num_replicas}): lower "
-            f"micro_batch_size or num_replicas, or add data"
-        )
-
-
-def _layout(n_minor: int, n_major: int, m: int, r: int, drop_last: bool) -> tuple[int, int]:
-    """Global micro-batch count K (a multiple of r) and minority slots s; the majority fills K*m - s."""
-    n = n_minor + n_major
-
-    def rounded(k: int) -> int:  # round(k*m*n_minor/n), half up, in exact integers
-        return (2 * k * m * n_minor + n) // (2 * n)
-
-    if drop_last:
-        k = r * (n // (r * m))
-        if n_minor >= k:
-            s = min(max(rounded(k), k), n_minor)
-        else:  # one minority per micro-batch, repeated; the majority bounds the epoch
-            k = r * (n_major // ((m - 1) * r))
-            s = k
-        assert k <= k * m - s <= n_major and s >= k
-        return k, s
-    # Smallest epoch that uses every example with at least one of each label per micro-batch.
-    k = r * -(-n // (r * m))
-    while True:
-        s = max(k, rounded(k))
-        if n_minor <= s <= k * m - max(k, n_major):
-            return k, s
-        k += r
-
-
-def _stream(rng: np.random.Generator, idx: np.ndarray, slots: int) -> np.ndarray:
-    """``slots`` draws from ``idx``: whole shuffled copies, then a random subset, so uses differ by <= 1."""
-    copies, extra = divmod(slots, len(idx))
-    full = rng.permuted(np.tile(idx, (copies, 1)), axis=1).ravel()
-    return np.concatenate([full, idx[rng.permutation(len(idx))[:extra]]])
-
-
-def _spread_duplicates(plan: np.ndarray, counts: np.ndarray) -> None:
-    """Swap a repeated example out of any micro-batch that holds it twice, with a same-label example nearby.
-
-    Only possible when examples repeat; rows after ``j`` are tried first so length grouping is barely disturbed.
-    """
-    k, m = plan.shape
-    srt = np.sort(plan, axis=1)
-    for j in np.flatnonzero((srt[:, 1:] == srt[:, :-1]).any(axis=1)):
-        for col in range(m):
-            v = plan[j, col]
-            if (plan[j] == v).sum() < 2:
-                continue
-            minor = col < counts[j]
-            for step in range(1, k):
-                o = (j + step) % k
-                if v in plan[o]:
-                    continue
-                cols = range(counts[o]) if minor else range(counts[o], m)
-                c = next((c for c in cols if plan[o, c] not in plan[j]), None)
-                if c is not None:
-                    plan[j, col], plan[o, c] = plan[o, c], v
-                    break
 
 
 class MixedLabelBatchSampler:
@@ -208,11 +105,11 @@ class MixedLabelBatchSampler:
         drop_last: bool = True,
     ) -> SamplerStats:
         """The epoch's slot counts from label counts alone (no plan is built); raises the sampler's ValueErrors."""
-        _check_counts(n_desirable, n_undesirable, micro_batch_size, num_replicas)
+        check_counts(n_desirable, n_undesirable, micro_batch_size, num_replicas)
         minority = n_desirable < n_undesirable
         n_minor, n_major = sorted((n_desirable, n_undesirable))
         m = micro_batch_size
-        k, s = _layout(n_minor, n_major, m, num_replicas, drop_last)
+        k, s = slot_layout(n_minor, n_major, m, num_replicas, drop_last)
         major_slots = k * m - s
         return SamplerStats(
             n_desirable=n_desirable,
@@ -255,8 +152,8 @@ class MixedLabelBatchSampler:
         s = (self.stats.effective_desirable, self.stats.effective_undesirable)[not self.stats.minority_label]
         counts = np.full(k, s // k)
         counts[rng.permutation(k)[: s % k]] += 1  # which micro-batches get the extra minority: seeded
-        minor = _stream(rng, self._minor_idx, s)
-        major = _stream(rng, self._major_idx, k * m - s)
+        minor = draw_stream(rng, self._minor_idx, s)
+        major = draw_stream(rng, self._major_idx, k * m - s)
         if self.group_by_length:
             assert self._lengths is not None
             # Sort each label's draws by length inside chunks of micro-batches, so neighbours have similar lengths.
@@ -272,7 +169,7 @@ class MixedLabelBatchSampler:
             is_minor, minor[np.minimum(at_minor, len(minor) - 1)], major[np.clip(at_major, 0, len(major) - 1)]
         )
         if self.stats.repeated_slots:
-            _spread_duplicates(plan, counts)
+            spread_duplicates(plan, counts)
         plan = rng.permuted(plan[rng.permutation(k)], axis=1)  # shuffle micro-batch order and positions
         self._cache = (self.seed, epoch, plan)
         return plan

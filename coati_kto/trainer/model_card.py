@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from coati_kto.config.schema import Config
+from coati_kto.trainer.loss import needs_kl
 from coati_kto.trainer.run_summary import data_stats_table, split_rows
 
 # A Hub id: "name" or "org/name", no path separators beyond the one slash, not an existing local path.
@@ -68,7 +69,19 @@ def render(
     world_size: int,
 ) -> str:
     """The card's text (front matter + markdown). ``weights``: the (lambda_D, lambda_U) the run used."""
-    from huggingface_hub import ModelCardData
+    lines = [
+        *_front_matter(config),
+        *_data_section(config, data_stats),
+        *_settings_section(config, weights),
+        *_training_section(config, steps, world_size),
+        *_evaluation_section(eval_record),
+        *_use_section(config),
+    ]
+    return "\n".join(lines)
+
+
+def _front_matter(config: Config) -> list[str]:
+    from huggingface_hub import ModelCardData  # imported by the one rank that writes the card
 
     base = base_model_id(config)
     datasets = sorted({d for f in config.data.train_files + config.data.eval_files if (d := hub_id(f))})
@@ -80,36 +93,42 @@ def render(
         datasets=datasets or None,
         pipeline_tag="text-generation",
     )
-    kto, train = config.kto, config.train
-    lines = [
+    return [
         "---",
         meta.to_yaml(),
         "---",
         "",
         f"# {Path(config.output.dir).name}",
         "",
-        f"Aligned from binary feedback with coati-kto (loss `{kto.loss_type}`) on ColossalAI.",
+        f"Aligned from binary feedback with coati-kto (loss `{config.kto.loss_type}`) on ColossalAI.",
         "",
         "## Base model",
         "",
         f"`{config.model.path}`" + (f" (Hub id `{base}`)" if base and base != config.model.path else ""),
         "",
-        "## Data",
+    ]
+
+
+def _data_section(config: Config, data_stats: dict[str, Any] | None) -> list[str]:
+    lines = ["## Data", ""]
+    if data_stats is None:
+        return [*lines, "- train files: " + ", ".join(f"`{f}`" for f in config.data.train_files), ""]
+    for row in split_rows(data_stats):
+        lines.append(f"- {row['split']} files: " + ", ".join(f"`{f}`" for f in row["files"]))
+    return [
+        *lines,
+        "",
+        data_stats_table(data_stats),
+        "",
+        f"Truncation: data.max_length {config.data.max_length}, "
+        f"data.max_prompt_length {config.data.max_prompt_length}.",
         "",
     ]
-    if data_stats is not None:
-        for row in split_rows(data_stats):
-            lines.append(f"- {row['split']} files: " + ", ".join(f"`{f}`" for f in row["files"]))
-        lines += ["", data_stats_table(data_stats)]
-        lines += [
-            "",
-            f"Truncation: data.max_length {config.data.max_length}, "
-            f"data.max_prompt_length {config.data.max_prompt_length}.",
-        ]
-    else:
-        lines.append("- train files: " + ", ".join(f"`{f}`" for f in config.data.train_files))
-    lines += [
-        "",
+
+
+def _settings_section(config: Config, weights: tuple[float, float]) -> list[str]:
+    kto = config.kto
+    return [
         "## KTO settings",
         "",
         "| setting | value |",
@@ -118,37 +137,42 @@ def render(
         f"| beta | {kto.beta} |",
         f"| desirable_weight (lambda_D) | {weights[0]:.6g} |",
         f"| undesirable_weight (lambda_U) | {weights[1]:.6g} |",
-        f"| kl_scope | {kto.kl_scope if kto.loss_type == 'kto' else 'n/a (no reference point)'} |",
+        f"| kl_scope | {kto.kl_scope if needs_kl(kto.loss_type) else 'n/a (no reference point)'} |",
         "",
+    ]
+
+
+def _training_section(config: Config, steps: int, world_size: int) -> list[str]:
+    train, plugin = config.train, config.plugin
+    return [
         "## Training",
         "",
         f"{steps} optimizer steps; lr {train.lr} (warmup {train.warmup_steps}, cosine to "
         f"{train.min_lr_ratio} x lr); micro-batch {train.micro_batch_size} x accumulation "
-        f"{train.accumulation_steps} x {world_size} process(es); plugin {config.plugin.name} "
-        f"(ZeRO {config.plugin.zero_stage}, {config.plugin.precision}, tp {config.plugin.tp_size}); "
+        f"{train.accumulation_steps} x {world_size} process(es); plugin {plugin.name} "
+        f"(ZeRO {plugin.zero_stage}, {plugin.precision}, tp {plugin.tp_size}); "
         f"seed {train.seed}. The whole resolved config is `../config.yaml`.",
         "",
-        "## Evaluation",
-        "",
     ]
+
+
+def _evaluation_section(eval_record: dict[str, float] | None) -> list[str]:
+    lines = ["## Evaluation", ""]
     if eval_record is None:
-        lines.append("No evaluation set was configured (data.eval_files / data.eval_fraction).")
-    else:
-        lines += [
-            f"On the evaluation split, at optimizer step {int(eval_record['step'])}:",
-            "",
-            "| metric | value |",
-            "| --- | ---: |",
-        ]
-        lines += [f"| {k} | {_fmt(k, eval_record[k])} |" for k in EVAL_KEYS if k in eval_record]
-    lines += [
+        return [*lines, "No evaluation set was configured (data.eval_files / data.eval_fraction).", ""]
+    return [
+        *lines,
+        f"On the evaluation split, at optimizer step {int(eval_record['step'])}:",
         "",
-        "## Use",
-        "",
-        "```python",
-        "from transformers import AutoModelForCausalLM, AutoTokenizer",
+        "| metric | value |",
+        "| --- | ---: |",
+        *[f"| {k} | {_fmt(k, eval_record[k])} |" for k in EVAL_KEYS if k in eval_record],
         "",
     ]
+
+
+def _use_section(config: Config) -> list[str]:
+    lines = ["## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", ""]
     if config.model.lora is None:
         lines += [
             'model = AutoModelForCausalLM.from_pretrained("path/to/final")',
@@ -166,8 +190,7 @@ def render(
         ]
         if config.output is not None and config.output.merge_lora:
             lines += ['# or, merged: AutoModelForCausalLM.from_pretrained("path/to/final/merged")']
-    lines += ["```", ""]
-    return "\n".join(lines)
+    return [*lines, "```", ""]
 
 
 def write_model_card(
