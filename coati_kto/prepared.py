@@ -16,7 +16,7 @@ from pathlib import Path
 
 from coati_kto.config import Config
 from coati_kto.data.store import PreparedData, ensure, read_fingerprint, read_prepared, summary
-from coati_kto.data.tokenize import load_tokenizer
+from coati_kto.data.tokenize import load_tokenizer, pad_id
 from coati_kto.errors import ConfigError, DataError, UserError
 from coati_kto.kto_weights import imbalance
 
@@ -64,6 +64,8 @@ def load_prepared(config: Config) -> PreparedData:
             outcome = ("ok", fp["digest"], "")
             if built:
                 print(_summary(_open(config), config, built, why, time.perf_counter() - start))
+            elif pad_id(tokenizer)[1]:  # the summary says it when built; once per run either way
+                print(pad_id(tokenizer)[1])
         except UserError as err:
             outcome = (type(err).__name__, "", str(err))
         except Exception as err:

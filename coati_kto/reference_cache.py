@@ -321,10 +321,10 @@ def with_reference_logps(config: Config, data: Any, pad_token_id: int) -> Any:
 
 def precompute(config: Config) -> None:
     """``coati-kto precompute``: prepare the data if needed, then make sure the reference cache matches."""
-    from coati_kto.data.tokenize import load_tokenizer
+    from coati_kto.data.tokenize import load_tokenizer, pad_id
     from coati_kto.distributed import init_distributed
     from coati_kto.prepared import load_prepared
 
     init_distributed(timeout_s=config.train.dist_timeout)
     data = load_prepared(config)
-    ensure_reference_cache(config, data, load_tokenizer(config).pad_token_id)
+    ensure_reference_cache(config, data, pad_id(load_tokenizer(config))[0])

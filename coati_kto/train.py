@@ -153,6 +153,7 @@ def _train(config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | Non
     from coati_kto.data.collator import KTOCollator
     from coati_kto.data.eval_sampler import EvalBatchSampler, ValidMaskLoader
     from coati_kto.data.sampler import MixedLabelBatchSampler
+    from coati_kto.data.tokenize import pad_id
     from coati_kto.kto_weights import resolve_kto_weights
     from coati_kto.model_card import write_model_card
     from coati_kto.prepared import load_prepared
@@ -176,7 +177,7 @@ def _train(config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | Non
     if config.kto.reference == "cached":  # computed once (all ranks) unless a matching cache exists
         from coati_kto.reference_cache import with_reference_logps
 
-        data = with_reference_logps(config, data, tokenizer.pad_token_id)
+        data = with_reference_logps(config, data, pad_id(tokenizer)[0])
     plan = ParallelPlan.from_config(config)
     plugin = plan.build_plugin()
     layout = ParallelLayout.from_plugin(plugin)
@@ -194,7 +195,7 @@ def _train(config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | Non
         lengths=data.train["length"] if config.data.group_by_length else None,
         group_by_length=config.data.group_by_length,
     )
-    collator = KTOCollator(tokenizer.pad_token_id, config.data.pad_to_multiple_of)
+    collator = KTOCollator(pad_id(tokenizer)[0], config.data.pad_to_multiple_of)  # EOS when no pad token
     train_loader = DataLoader(
         data.train, batch_sampler=sampler, collate_fn=collator, num_workers=config.train.num_workers
     )
