@@ -295,3 +295,16 @@ def test_pad_id_falls_back_to_eos() -> None:
         f"note: the tokenizer has no pad token; padding with EOS '</s>' (id {pad}), which is harmless: masks come "
         "from lengths"
     )
+
+
+def test_python_tokenizers_split_like_fast_ones(tiny_tokenizer, tmp_path) -> None:
+    """A slow (Python) tokenizer has no offsets: the common-prefix fallback gives the same split."""
+    from transformers import GPT2Tokenizer
+
+    vocab, merges = tiny_tokenizer.backend_tokenizer.model.save(str(tmp_path))
+    slow = GPT2Tokenizer(vocab, merges, eos_token="<|im_end|>")
+    assert not slow.is_fast
+    prompts = ["Answer: ", "ca", "The answer is", "def add(a, b):\n   ", "x"]
+    completions = ["5", "pital", " 5", " return a + b", " y"]
+    assert Encoder(slow).split(prompts, completions) == Encoder(tiny_tokenizer).split(prompts, completions)
+    assert Encoder(slow).split(prompts, completions)[2] == [True, True, False, False, False]
