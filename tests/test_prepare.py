@@ -438,7 +438,9 @@ def test_no_pad_token_is_one_line_then_pads_with_eos(tmp_path: Path, capsys) -> 
     assert printed.count("no pad token") == 1 and f"padding with EOS '</s>' (id {eos})" in printed
     batch = KTOCollator(eos)(list(out.train))
     assert (batch.example.input_ids[batch.example.attention_mask == 0] == eos).all()
-    load_prepared(make_config(tmp_path, model_dir, [str(path)]))  # what train's rank 0 runs: reused, said once
+    load_prepared(
+        make_config(tmp_path, model_dir, [str(path)])
+    )  # what train's rank 0 runs: reused, said once
     assert capsys.readouterr().out == out.stats["padding"]["note"] + "\n"
 
 
