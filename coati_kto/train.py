@@ -137,6 +137,7 @@ def _train(config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | Non
     from coati_kto.data.eval_sampler import EvalBatchSampler, ValidMaskLoader
     from coati_kto.data.prepared import load_prepared
     from coati_kto.data.sampler import MixedLabelBatchSampler
+    from coati_kto.data.tokenize import pad_id
     from coati_kto.data.weights import resolve_kto_weights
     from coati_kto.trainer.checkpoint import CheckpointManager
     from coati_kto.trainer.kto import KTOTrainer
@@ -159,7 +160,7 @@ def _train(config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | Non
     if config.kto.reference == "cached":  # computed once (all ranks) unless a matching cache exists
         from coati_kto.trainer.reference_cache import with_reference_logps
 
-        data = with_reference_logps(config, data, tokenizer.pad_token_id)
+        data = with_reference_logps(config, data, pad_id(tokenizer)[0])
     plan = ParallelPlan.from_config(config)
     plugin = plan.build_plugin()
     layout = ParallelLayout.from_plugin(plugin)
@@ -177,7 +178,7 @@ def _train(config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | Non
         lengths=data.train["length"] if config.data.group_by_length else None,
         group_by_length=config.data.group_by_length,
     )
-    collator = KTOCollator(tokenizer.pad_token_id, config.data.pad_to_multiple_of)
+    collator = KTOCollator(pad_id(tokenizer)[0], config.data.pad_to_multiple_of)  # EOS when no pad token
     train_loader = DataLoader(
         data.train, batch_sampler=sampler, collate_fn=collator, num_workers=config.train.num_workers
     )

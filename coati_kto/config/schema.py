@@ -1,7 +1,7 @@
 """The one config schema: every section and key of the YAML file, its type, default and check (pydantic).
 
 Unknown keys are errors (a typo must not silently fall back to a default); cross-key checks are model
-validators, so every mistake is reported at once. Loading, overrides and error text: ``coati_kto.config.schema.load``.
+validators, so every mistake is reported at once. Loading, overrides and error text: ``coati_kto.config.load``.
 """
 
 from __future__ import annotations

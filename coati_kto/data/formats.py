@@ -11,8 +11,8 @@ Record shapes (one JSON object / table row each):
   undesirable. Without ``prompt``, chosen and rejected are whole conversations sharing their prompt turns.
 
 Messages use ``role``/``content`` or ``from``/``value`` keys (``human`` -> user, ``gpt`` -> assistant); other
-keys (``tool_calls``, ``name``, ...) are kept for the chat template. Labels are JSON booleans or the integers
-0/1. Files: ``.jsonl``, ``.json``, ``.parquet``, a directory of them, or a ``datasets`` save_to_disk directory.
+keys (``tool_calls``, ``name``, ...) are kept for the chat template. Labels are JSON booleans, the integers
+0/1 or the floats 1.0/0.0. Files: ``.jsonl``, ``.json``, ``.parquet``, a directory of them, or a ``datasets`` save_to_disk directory.
 
 Every problem is a one-line :class:`RecordError` naming ``file:line`` (``file:row N``, 0-based, for tables) and
 the field; :func:`load_records` raises it or, with ``on_bad_record="skip"``, collects it by reason.
@@ -82,9 +82,12 @@ def _label(raw: dict[str, Any], source: str) -> bool:
         value = value.item()
     if isinstance(value, bool):
         return value
-    if isinstance(value, int) and value in (0, 1):
+    # 1.0/0.0: what pandas writes for a bool column with a gap (the gap itself, NaN, stays an error).
+    if isinstance(value, (int, float)) and value in (0, 1):
         return bool(value)
-    raise RecordError(source, "label", f"expected true/false or 0/1, got {_show(value)}", "bad_label")
+    raise RecordError(
+        source, "label", f"expected true/false or 0/1 (1.0/0.0), got {_show(value)}", "bad_label"
+    )
 
 
 def _message(raw: Any, source: str, where: str) -> dict[str, Any]:

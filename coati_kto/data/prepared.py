@@ -16,7 +16,7 @@ from pathlib import Path
 
 from coati_kto.config.schema import Config
 from coati_kto.data.store import PreparedData, ensure, read_fingerprint, read_prepared, summary
-from coati_kto.data.tokenize import load_tokenizer
+from coati_kto.data.tokenize import load_tokenizer, pad_id
 from coati_kto.data.weights import imbalance
 from coati_kto.errors import DataError
 from coati_kto.parallel.distributed import global_rank, on_rank0
@@ -52,9 +52,12 @@ def load_prepared(config: Config) -> PreparedData:
 
     def build() -> str:
         start = time.perf_counter()
-        fp, built, why = ensure(config, load_tokenizer(config))
+        tokenizer = load_tokenizer(config)
+        fp, built, why = ensure(config, tokenizer)
         if built:
             print(_summary(_open(config), config, built, why, time.perf_counter() - start))
+        elif pad_id(tokenizer)[1]:  # the summary says it when built; once per run either way
+            print(pad_id(tokenizer)[1])
         return fp["digest"]
 
     digest = on_rank0(build, "prepare the data")

@@ -3,7 +3,8 @@
 Layout: ``train/`` and ``eval/`` (``datasets`` save_to_disk), ``stats.json``, ``skipped.txt`` (every bad
 record skipped, one line each) and ``fingerprint.json``, written last.
 
-Cache: the fingerprint covers the input files (path, size, mtime), the tokenizer's content (vocab, merges,
+Cache: the fingerprint covers the input files (path, size and a hash of the content: an edit that keeps size
+and mtime, as ``cp -p`` or ``rsync -t`` can, still rebuilds), the tokenizer's content (vocab, merges,
 template, special tokens), the settings that change the output (lengths, bad-record and too-long policies,
 eval fraction, seed) and :data:`PIPELINE_VERSION`. Equal fingerprint -> reuse; otherwise rebuild into a
 temporary sibling directory that replaces ``prepared_dir`` by rename, so a crash never leaves a half-written
@@ -33,14 +34,20 @@ from coati_kto.config.schema import Config
 from coati_kto.data.formats import Record, RecordError, load_records, resolve_files
 from coati_kto.data.tables import (
     build_split,
+    duplicates,
+    group_split,
     label_counts,
     progress_bars,
+    prompt_key,
     require_both_labels,
-    stratified_split,
 )
+from coati_kto.data.tokenize import pad_id
 from coati_kto.errors import DataError
 
-PIPELINE_VERSION = 1  # bump when the prepared rows change for the same inputs
+PIPELINE_VERSION = 2  # bump when the prepared rows change for the same inputs
+# 2: ids of the whole text tokenized once (SentencePiece-style tokenizers lost their spurious "▁"); eval split
+#    by prompt group; content hash of the input files.
+HASH_CHUNK = 8 << 20  # bytes per hash update; 1-8 MiB all read at about disk/hash speed (~500 MB/s here)
 
 
 @dataclass
@@ -67,13 +74,24 @@ def tokenizer_hash(tokenizer) -> str:
     return h.hexdigest()
 
 
+def content_hash(path: Path) -> str:
+    """SHA-256 of the file's bytes (hex), read in HASH_CHUNK pieces (hashlib releases the GIL, one pass)."""
+    h = hashlib.sha256()
+    buf = bytearray(HASH_CHUNK)
+    view = memoryview(buf)
+    with path.open("rb", buffering=0) as fh:
+        while n := fh.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
 def _file_entries(paths: list[str], key: str) -> list[list]:
+    """[path, size, content hash] of every input file (a directory's files, sorted)."""
     out = []
     for path in resolve_files(paths, key):
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
         for f in files:
-            st = f.stat()
-            out.append([str(f.resolve()), st.st_size, st.st_mtime_ns])
+            out.append([str(f.resolve()), f.stat().st_size, content_hash(f)])
     return out
 
 
@@ -103,8 +121,23 @@ def _settings(config: Config) -> dict[str, Any]:
     }
 
 
+def _files_changed(old: list, new: list) -> str:
+    """E.g. ``" (content of a.jsonl; b.jsonl added)"``: what changed among the input files, by name."""
+    before = {entry[0]: entry[1:] for entry in old or [] if isinstance(entry, list) and entry}
+    after = {entry[0]: entry[1:] for entry in new}
+    what = [f"{Path(p).name} added" for p in after if p not in before]
+    what += [f"{Path(p).name} removed" for p in before if p not in after]
+    what += [f"content of {Path(p).name}" for p in after if p in before and before[p] != after[p]]
+    return f" ({'; '.join(what)})" if what else ""
+
+
 def _changed(old: dict, new: dict) -> str:
-    keys = [k for k in ("version", "train_files", "eval_files", "tokenizer") if old.get(k) != new.get(k)]
+    keys = [k for k in ("version", "tokenizer") if old.get(k) != new.get(k)]
+    keys += [
+        f"{k}{_files_changed(old.get(k), new[k])}"
+        for k in ("train_files", "eval_files")
+        if old.get(k) != new.get(k)
+    ]
     keys += [f"{k}" for k, v in new["settings"].items() if old.get("settings", {}).get(k) != v]
     return ", ".join(keys) or "fingerprint"
 
@@ -137,7 +170,8 @@ def _read_inputs(config: Config, cache: str) -> tuple[list[Record], list[Record]
         return train_in.records, eval_in.records, files, train_in.skipped + eval_in.skipped
     if d.eval_fraction == 0:
         return train_in.records, [], files, train_in.skipped
-    tr, ev = stratified_split(labels, d.eval_fraction, config.train.seed)
+    groups = np.array([prompt_key(r) for r in train_in.records], dtype=object)
+    tr, ev = group_split(groups, labels, d.eval_fraction, config.train.seed)
     return [train_in.records[i] for i in tr], [train_in.records[i] for i in ev], files, train_in.skipped
 
 
@@ -147,6 +181,8 @@ def _build(config: Config, tokenizer, fp: dict, target: Path) -> None:
     work.mkdir(parents=True)
     try:
         train_records, eval_records, files, skipped = _read_inputs(config, str(work / "hf-cache"))
+        repeats, repeat_examples = duplicates(train_records + eval_records)
+        pad, pad_note = pad_id(tokenizer)
         stats: dict[str, Any] = {
             "version": PIPELINE_VERSION,
             "fingerprint": fp["digest"],
@@ -154,6 +190,8 @@ def _build(config: Config, tokenizer, fp: dict, target: Path) -> None:
             "settings": _settings(config),
             "files": files,
             "tokenizer": config.model.tokenizer or config.model.path,
+            "duplicates": {"records": repeats, "examples": repeat_examples},
+            "padding": {"pad_id": pad, "note": pad_note},
         }
         for name, records in (("train", train_records), ("eval", eval_records)):
             stats[name] = None
@@ -233,9 +271,11 @@ def summary(stats: dict, config: Config, built: bool, why: str, seconds: float) 
         if not s:
             continue
         lab, tot, tr = s["labels"], s["lengths"]["total"], s.get("truncated", {})
+        cut = s["lengths_truncated"]["total"]
         lines.append(
             f"  {name}: {s['examples']} examples ({lab['desirable']} desirable, {lab['undesirable']} "
-            f"undesirable); tokens per example p50 {tot['p50']:.0f}, p99 {tot['p99']:.0f}, max {tot['max']}"
+            f"undesirable); tokens per example before truncation p50 {tot['p50']:.0f}, p99 {tot['p99']:.0f}, "
+            f"max {tot['max']}; after p50 {cut['p50']:.0f}, p99 {cut['p99']:.0f}, max {cut['max']}"
         )
         lines.append(
             f"    truncated to data.max_length {config.data.max_length}: {tr.get('prompt', 0)} prompts, "
@@ -243,11 +283,19 @@ def summary(stats: dict, config: Config, built: bool, why: str, seconds: float) 
             f"KL pairs: {s['kl_pairs']['self_pairs']} self, {s['kl_pairs']['same_prompt_pairs']} same-prompt "
             f"(minimum possible {s['kl_pairs']['min_same_prompt_pairs']})"
         )
-        if s["boundary_merges"]:
+        if s["boundary_inside_token"]:
             lines.append(
-                f"    {s['boundary_merges']} prompt/completion boundaries would merge into one token if "
-                f"tokenized together (e.g. a prompt ending in a space); split at the text boundary"
+                f"    {s['boundary_inside_token']} examples have one token spanning the prompt/completion "
+                "boundary (e.g. a prompt ending in a space): it is trained on as the completion's first token"
             )
+    dup = stats["duplicates"]
+    if dup["records"]:
+        lines.append(
+            f"  duplicates: {dup['records']} records repeat an earlier one exactly (same prompt, completion and "
+            f"label; e.g. {dup['examples'][0]}); kept: remove them if you did not mean them"
+        )
+    if stats["padding"]["note"]:
+        lines.append(f"  {stats['padding']['note']}")
     bad = stats["bad_records"]
     if bad["skipped"]:
         lines.append(

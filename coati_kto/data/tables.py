@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
@@ -31,22 +32,66 @@ MIN_ROWS_PER_PROC = 1000  # below this a worker process costs more than it saves
 PROGRESS_MIN_ROWS = 10_000  # show datasets' tokenizing progress bar from this many records
 
 
-def stratified_split(labels: np.ndarray, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(train indices, eval indices): ``fraction`` of each label, at least one of each in both splits."""
-    rng = np.random.default_rng(seed)
-    train, held = [], []
+def prompt_key(record: Record) -> str:
+    """The record's prompt as canonical JSON: records with equal keys share a prompt."""
+    return json.dumps(record.prompt, sort_keys=True, ensure_ascii=False)
+
+
+def duplicates(records: list[Record]) -> tuple[int, list[str]]:
+    """(records that repeat an earlier one exactly: same prompt, completion and label; up to 5 examples as
+    ``"later source = first source"``). Kept, since a user may mean them, but counted."""
+    first: dict[tuple[str, str, bool], str] = {}
+    count, examples = 0, []
+    for r in records:
+        key = (prompt_key(r), json.dumps(r.completion, sort_keys=True, ensure_ascii=False), r.label)
+        if key in first:
+            count += 1
+            if len(examples) < 5:
+                examples.append(f"{r.source} = {first[key]}")
+        else:
+            first[key] = r.source
+    return count, examples
+
+
+def group_split(
+    groups: np.ndarray, labels: np.ndarray, fraction: float, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """(train indices, eval indices), all records of a group (same prompt) on one side, deterministic by seed.
+
+    Aims at ``fraction`` of each label held out (at least 1, at most all but 1): groups are taken in a seeded
+    random order, those holding the scarcer label first, each only while it overshoots neither label's target.
+    Raises DataError when the held-out side cannot get both labels (too few distinct prompts).
+    """
+    labels = np.asarray(labels, dtype=bool)
+    targets = []
     for value in (True, False):
-        idx = np.flatnonzero(labels == value)
-        if len(idx) < 2:
+        n = int((labels == value).sum())
+        if n < 2:
             raise DataError(
                 f"data.eval_fraction {fraction}: needs at least 2 {'desirable' if value else 'undesirable'} "
-                f"records so both splits hold both labels (got {len(idx)}); add data or set data.eval_files"
+                f"records so both splits hold both labels (got {n}); add data or set data.eval_files"
             )
-        k = min(max(1, round(fraction * len(idx))), len(idx) - 1)
-        idx = rng.permutation(idx)
-        held.append(idx[:k])
-        train.append(idx[k:])
-    return np.sort(np.concatenate(train)), np.sort(np.concatenate(held))
+        targets.append(min(max(1, round(fraction * n)), n - 1))
+    _, group = np.unique(groups, return_inverse=True)  # sorted: independent of the records' order
+    per_group = np.zeros((group.max() + 1, 2), dtype=np.int64)
+    np.add.at(per_group, (group, (~labels).astype(np.int64)), 1)  # columns: desirable, undesirable
+    order = np.random.default_rng(seed).permutation(len(per_group))
+    scarce = int(
+        np.argmin(targets)
+    )  # fill the label with the smaller target first, or groups may crowd it out
+    order = np.concatenate([order[per_group[order, scarce] > 0], order[per_group[order, scarce] == 0]])
+    held = np.zeros(len(per_group), dtype=bool)
+    room = np.array(targets, dtype=np.int64)
+    for g in order:
+        if (per_group[g] <= room).all():
+            held[g], room = True, room - per_group[g]
+    in_eval = held[group]
+    if not (labels[in_eval].any() and (~labels[in_eval]).any()):
+        raise DataError(
+            f"data.eval_fraction {fraction}: cannot hold out both labels while keeping each prompt's records on "
+            f"one side ({len(per_group)} distinct prompts for {len(labels)} records); set data.eval_files"
+        )
+    return np.flatnonzero(~in_eval), np.flatnonzero(in_eval)
 
 
 def label_counts(labels: np.ndarray) -> dict[str, int]:
@@ -103,7 +148,7 @@ def _encode(records: list[Record], tokenizer, config: Config, work: Path, name: 
             "prompt_ids": datasets.List(datasets.Value("int32")),
             "completion_ids": datasets.List(datasets.Value("int32")),
             "prompt_hash": datasets.Value("int64"),
-            "boundary_merge": datasets.Value("bool"),
+            "boundary_inside_token": datasets.Value("bool"),
             "error_reason": datasets.Value("string"),
             "error": datasets.Value("string"),
         }
@@ -132,29 +177,36 @@ def _encode(records: list[Record], tokenizer, config: Config, work: Path, name: 
     return encoded.with_format("arrow")[:]
 
 
-def build_split(
-    records: list[Record], tokenizer, config: Config, work: Path, name: str, files: list[str]
-) -> tuple[datasets.Dataset, dict, list[RecordError]]:
-    """One split (``name``: "train" or "eval", which also seeds its KL pairing): tokenize, drop what cannot fit,
-    pair, truncate. Returns (in-memory rows, the split's stats, records skipped here). ``work``: a scratch
-    directory for the tokenizer's arrow cache (the caller deletes it); ``files``: named in errors.
-
-    Raises the first bad record (``data.on_bad_record: error``), a too-long example (``data.on_too_long:
-    error``) or a split left without both labels, as DataError.
-    """
-    d = config.data
-    table = _encode(records, tokenizer, config, work, name)
-
-    # Records the chat template could not render: an error, or skipped and counted like bad records.
+def _skipped_records(table: pa.Table, on_bad_record: str) -> tuple[np.ndarray, list[RecordError]]:
+    """(per-row error text, "" when fine; the RecordErrors of the rest): records the template could not render
+    or with no prompt token. Raises the first with ``data.on_bad_record: error``; else they are skipped."""
     errors = np.asarray(table.column("error").to_pylist(), dtype=object)
     reasons, sources = table.column("error_reason"), table.column("source")
     skipped = [
         RecordError.restore(errors[i], reasons[i].as_py(), sources[i].as_py())
         for i in np.flatnonzero(errors != "")
     ]
-    if skipped and d.on_bad_record == "error":
+    if skipped and on_bad_record == "error":
         raise skipped[0]
+    return errors, skipped
 
+
+@dataclass
+class _Fitted:
+    """The rows kept (indices into the encoded table) with their token counts before and after truncation."""
+
+    rows: np.ndarray
+    dropped: int
+    p_len: np.ndarray
+    c_len: np.ndarray
+    keep_p: np.ndarray
+    keep_c: np.ndarray
+
+
+def _fit(table: pa.Table, errors: np.ndarray, config: Config) -> _Fitted:
+    """Truncate every usable row to ``data.max_length``; a row with no room for a completion token is dropped
+    and counted, or raised as DataError with ``data.on_too_long: error``."""
+    d = config.data
     p_len = pc.list_value_length(table.column("prompt_ids")).to_numpy()
     c_len = pc.list_value_length(table.column("completion_ids")).to_numpy()
     keep_p, keep_c = truncation(p_len, c_len, d.max_length, d.max_prompt_length)
@@ -162,31 +214,27 @@ def build_split(
     if len(too_long) and d.on_too_long == "error":
         i = too_long[0]
         raise DataError(
-            f"{sources[i].as_py()}: prompt ({p_len[i]} tokens) leaves no room for the completion within "
-            f"data.max_length {d.max_length} (data.max_prompt_length {d.max_prompt_length})"
+            f"{table.column('source')[i].as_py()}: prompt ({p_len[i]} tokens) leaves no room for the completion "
+            f"within data.max_length {d.max_length} (data.max_prompt_length {d.max_prompt_length})"
         )
     rows = np.flatnonzero((errors == "") & (keep_c > 0))
-    table, p_len, c_len, keep_p, keep_c = (
-        table.take(rows),
-        p_len[rows],
-        c_len[rows],
-        keep_p[rows],
-        keep_c[rows],
-    )
-    labels = table.column("label").to_numpy(zero_copy_only=False).astype(bool)
-    require_both_labels(label_counts(labels), files, f"the {name} split", len(skipped))
+    return _Fitted(rows, len(too_long), p_len[rows], c_len[rows], keep_p[rows], keep_c[rows])
 
-    hashes = table.column("prompt_hash").to_numpy()
-    pi = derangement(hashes, [config.train.seed, int(name == "eval")])
+
+def _split_stats(table: pa.Table, fit: _Fitted, labels: np.ndarray, pi: np.ndarray, config: Config) -> dict:
+    """stats.json's entry for one split (``table``: the kept rows; ``pi``: each row's KL partner)."""
+    d = config.data
+    p_len, c_len, keep_p, keep_c = fit.p_len, fit.c_len, fit.keep_p, fit.keep_c
     kl_keep_p, kl_keep_c = truncation(p_len, c_len[pi], d.max_length, d.max_prompt_length)
-    stats = {
-        "examples": len(rows),
+    return {
+        "examples": len(fit.rows),
         "labels": label_counts(labels),
         "lengths": {  # as tokenized, before truncation: what data.max_length is chosen against
             "prompt": _percentiles(p_len),
             "completion": _percentiles(c_len),
             "total": _percentiles(p_len + c_len),
         },
+        "lengths_truncated": {"total": _percentiles(keep_p + keep_c)},  # what training sees
         "truncated": {
             "prompt": int((keep_p < p_len).sum()),
             "completion": int((keep_c < c_len).sum()),
@@ -195,14 +243,23 @@ def build_split(
             "kl_prompt": int((kl_keep_p < p_len).sum()),
             "kl_completion": int((kl_keep_c < c_len[pi]).sum()),
         },
-        "dropped": {"no_room_for_completion": len(too_long)} if len(too_long) else {},
-        "boundary_merges": int(table.column("boundary_merge").to_numpy(zero_copy_only=False).sum()),
-        "kl_pairs": pair_stats(hashes, pi),
+        "dropped": {"no_room_for_completion": fit.dropped} if fit.dropped else {},
+        "boundary_inside_token": int(
+            table.column("boundary_inside_token").to_numpy(zero_copy_only=False).sum()
+        ),
+        "kl_pairs": pair_stats(table.column("prompt_hash").to_numpy(), pi),
     }
+
+
+def _rows(table: pa.Table, fit: _Fitted, labels: np.ndarray, pi: np.ndarray, config: Config) -> pa.Table:
+    """The prepared rows (module docstring): truncated sequences and their KL pairs."""
+    d = config.data
+    keep_p, keep_c = fit.keep_p, fit.keep_c
+    kl_keep_p, kl_keep_c = truncation(fit.p_len, fit.c_len[pi], d.max_length, d.max_prompt_length)
     prompts = table.column("prompt_ids").combine_chunks()
     comps = table.column("completion_ids").combine_chunks()
-    n = np.arange(len(rows))
-    out = pa.table(
+    n = np.arange(len(fit.rows))
+    return pa.table(
         {
             "input_ids": join_truncated(prompts, comps, n, keep_p, keep_c),
             "completion_start": pa.array(keep_p, pa.int32()),
@@ -216,4 +273,24 @@ def build_split(
             "kl_length": pa.array(kl_keep_p + kl_keep_c, pa.int32()),
         }
     )
-    return datasets.Dataset(InMemoryTable(out)), stats, skipped
+
+
+def build_split(
+    records: list[Record], tokenizer, config: Config, work: Path, name: str, files: list[str]
+) -> tuple[datasets.Dataset, dict, list[RecordError]]:
+    """One split (``name``: "train" or "eval", which also seeds its KL pairing): tokenize, drop what cannot fit,
+    pair, truncate. Returns (in-memory rows, the split's stats, records skipped here). ``work``: a scratch
+    directory for the tokenizer's arrow cache (the caller deletes it); ``files``: named in errors.
+
+    Raises the first bad record (``data.on_bad_record: error``), a too-long example (``data.on_too_long:
+    error``) or a split left without both labels, as DataError.
+    """
+    table = _encode(records, tokenizer, config, work, name)
+    errors, skipped = _skipped_records(table, config.data.on_bad_record)
+    fit = _fit(table, errors, config)
+    table = table.take(fit.rows)
+    labels = table.column("label").to_numpy(zero_copy_only=False).astype(bool)
+    require_both_labels(label_counts(labels), files, f"the {name} split", len(skipped))
+    pi = derangement(table.column("prompt_hash").to_numpy(), [config.train.seed, int(name == "eval")])
+    stats = _split_stats(table, fit, labels, pi, config)
+    return datasets.Dataset(InMemoryTable(_rows(table, fit, labels, pi, config))), stats, skipped

@@ -4,16 +4,24 @@ Rendering: message records go through the tokenizer's own chat template: the pro
 ``template(prompt, add_generation_prompt=True)``, the completion text is what ``template(prompt +
 completion)`` adds after it. Plain strings are used as given (a tokenizer that prepends BOS gets its BOS).
 
-Splitting (why not ``full[len(prompt):]``): BPE may merge tokens across the prompt/completion boundary
-(``"Answer: " + "5"`` tokenizes as ``"Answer:" + " 5"``), so the prompt's tokens are not always a prefix of the
-full text's tokens and a mask taken by position would be shifted. We tokenize the prompt text and the
-completion text separately and concatenate the ids: the split is exact by construction, the loss mask decodes
-to exactly the completion text, and the prompt tokens are what the model sees at generation time (it is
-given the prompt's tokens and continues from there). Examples where the joined text would tokenize
-differently at the boundary are counted (``boundary_merges`` in stats.json) so the user knows.
+Splitting: the whole text (prompt + completion) is tokenized ONCE, so the stored ids are exactly
+``tokenizer(whole text)``: what the model sees when the conversation is tokenized whole, and what it produces
+at generation time. Tokenizing the completion on its own would be wrong for SentencePiece-style tokenizers
+(Metaspace, legacy prepend: Llama-2, Mistral v0.x, Gemma), which put "▁" before any text tokenized alone, so
+every completion would start with a token that is not in the conversation. The prompt/completion boundary is
+found by character offsets: prompt tokens are those ending at or before the boundary, completion tokens the
+rest. A token that straddles the boundary (BPE merging ``"Answer: " + "5"`` into ``"Answer:" + " 5"``) belongs
+to the COMPLETION: it is in the loss, the prompt keeps only whole tokens. Such examples are counted
+(``boundary_inside_token`` in stats.json) and reported by prepare.
+
+No prompt tokens at all (an empty prompt, or one merged whole into the first completion token, with a
+tokenizer that adds no BOS) is a bad record (``no_prompt_tokens``): nothing would predict the first completion
+token.
 
 EOS: the completion ends with the tokenizer's EOS unless its last non-whitespace token already is EOS (the
 ChatML template ends a turn with ``<|im_end|>\\n``; a plain completion may end with the EOS text itself).
+
+Padding (:func:`pad_id`): the pad token, else EOS, else 0; masks come from lengths, so the id never matters.
 
 Truncation (:func:`truncation`): only an example longer than ``max_length`` is cut. Its prompt keeps its END
 (at most ``max_prompt_length`` tokens), its completion its START (what fits in the rest). Every cut is counted
@@ -29,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import pyarrow as pa
+from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from coati_kto.data.formats import RecordError
@@ -110,7 +119,35 @@ def prompt_hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little") >> 1
 
 
-BOUNDARY_WINDOW = 64  # characters either side of the prompt/completion boundary checked for BPE merges
+def pad_id(tokenizer: PreTrainedTokenizerBase) -> tuple[int, str]:
+    """(the id to pad batches with, a one-line note for the user or "").
+
+    The pad token when the tokenizer has one; else EOS (GPT-2 and many base models have no pad token); else 0.
+    Safe whatever the id: attention and loss masks come from row lengths, never from ``ids != pad``.
+    """
+    if tokenizer.pad_token_id is not None:
+        return int(tokenizer.pad_token_id), ""
+    if tokenizer.eos_token_id is not None:
+        eos = int(tokenizer.eos_token_id)
+        return eos, (
+            f"note: the tokenizer has no pad token; padding with EOS {tokenizer.eos_token!r} (id {eos}), "
+            "which is harmless: masks come from lengths"
+        )
+    return (
+        0,
+        "note: the tokenizer has no pad or EOS token; padding with id 0, which is harmless: masks come from lengths",
+    )
+
+
+def no_prompt_tokens(source: str) -> RecordError:
+    """The record whose prompt gives no token before the completion (see the module docstring)."""
+    return RecordError(
+        source,
+        "prompt",
+        "no prompt tokens (the prompt is empty, or merges whole into the completion's first token, and the "
+        "tokenizer adds no BOS): nothing would predict the completion's first token; give the record a prompt",
+        "no_prompt_tokens",
+    )
 
 
 class Encoder:
@@ -121,6 +158,14 @@ class Encoder:
         self.bos = bos_prefix(tokenizer)
         self.eos = tokenizer.eos_token_id
         self._blank: dict[int, bool] = {}
+        self._backend: Tokenizer | None = None
+        if getattr(tokenizer, "is_fast", False):
+            # The Rust tokenizer itself: offsets and char_to_token without converting every row to Python
+            # lists. A copy without truncation/padding, which a tokenizer.json may carry (transformers turns
+            # them off per call; we call the backend directly).
+            self._backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
+            self._backend.no_truncation()
+            self._backend.no_padding()
 
     def _is_blank(self, token: int) -> bool:
         if token not in self._blank:
@@ -135,28 +180,49 @@ class Encoder:
                 return False
         return False
 
-    def boundary_merges(self, prompts: list[str], completions: list[str]) -> list[bool]:
-        """Whether tokenizing prompt + completion together would merge tokens across the boundary.
+    def split(
+        self, prompts: list[str], completions: list[str]
+    ) -> tuple[list[list[int]], list[list[int]], list[bool]]:
+        """(prompt ids, completion ids, boundary inside a token) per row; prompt ids + completion ids ==
+        ``tokenizer(prompt + completion, add_special_tokens=False)`` (see the module docstring)."""
+        texts = [p + c for p, c in zip(prompts, completions, strict=True)]
+        if self._backend is None:
+            return self._split_slow(prompts, texts)
+        p_ids, c_ids, inside = [], [], []
+        for enc, prompt, text in zip(
+            self._backend.encode_batch(texts, add_special_tokens=False), prompts, texts, strict=True
+        ):
+            ids, b = enc.ids, len(prompt)
+            k = len(ids) if b == len(text) else enc.char_to_token(b)
+            if (
+                k is None
+            ):  # the boundary character made no token (a normaliser dropped it): first token after it
+                k = next((i for i, (_, end) in enumerate(enc.offsets) if end > b), len(ids))
+            p_ids.append(ids[:k])
+            c_ids.append(ids[k:])
+            inside.append(k < len(ids) and enc.offsets[k][0] < b)
+        return p_ids, c_ids, inside
 
-        Checked on a window of BOUNDARY_WINDOW characters either side (merges are local to the pre-token
-        that spans the boundary), so the check costs little next to tokenizing the whole text again.
-        """
-        tails = [p[-BOUNDARY_WINDOW:] for p in prompts]
-        heads = [c[:BOUNDARY_WINDOW] for c in completions]
+    def _split_slow(self, prompts: list[str], texts: list[str]) -> tuple[list, list, list]:
+        """Python tokenizers have no offsets: the prompt is the longest common prefix of tokenizer(prompt) and
+        tokenizer(whole text); a prompt token missing from that prefix means the boundary is inside a token."""
         tok = self.tokenizer
-        joint = tok([t + h for t, h in zip(tails, heads, strict=True)], add_special_tokens=False)["input_ids"]
-        t_ids = tok(tails, add_special_tokens=False)["input_ids"]
-        h_ids = tok(heads, add_special_tokens=False)["input_ids"]
-        return [j != t + h for j, t, h in zip(joint, t_ids, h_ids, strict=True)]
+        whole = tok(texts, add_special_tokens=False)["input_ids"]
+        alone = tok(prompts, add_special_tokens=False)["input_ids"]
+        p_ids, c_ids, inside = [], [], []
+        for w, a in zip(whole, alone, strict=True):
+            k = next((i for i, (x, y) in enumerate(zip(w, a, strict=False)) if x != y), min(len(w), len(a)))
+            p_ids.append(w[:k])
+            c_ids.append(w[k:])
+            inside.append(k < len(a))
+        return p_ids, c_ids, inside
 
-    def __call__(self, batch: dict[str, list]) -> dict[str, list]:
-        """Columns prompt/completion (JSON message lists when ``chat``)/chat/source -> prompt_ids,
-        completion_ids, prompt_hash, boundary_merge, error_reason, error ("" when the record is fine)."""
-        n = len(batch["prompt"])
+    def _render(self, batch: dict[str, list]) -> list[tuple[str, str] | RecordError]:
+        """(prompt text, completion text) per row; chat rows through the template, errors in place."""
         texts: list[tuple[str, str] | RecordError] = list(
             zip(batch["prompt"], batch["completion"], strict=True)
         )
-        chat_rows = [i for i in range(n) if batch["chat"][i]]
+        chat_rows = [i for i in range(len(texts)) if batch["chat"][i]]
         if chat_rows:
             rendered = render_chats(
                 self.tokenizer,
@@ -166,27 +232,29 @@ class Encoder:
             )
             for i, r in zip(chat_rows, rendered, strict=True):
                 texts[i] = r
+        return texts
+
+    def __call__(self, batch: dict[str, list]) -> dict[str, list]:
+        """Columns prompt/completion (JSON message lists when ``chat``)/chat/source -> prompt_ids,
+        completion_ids, prompt_hash, boundary_inside_token, error_reason, error ("" when the record is fine)."""
+        texts = self._render(batch)
         bad = {i: t for i, t in enumerate(texts) if isinstance(t, RecordError)}
         prompts = ["" if i in bad else t[0] for i, t in enumerate(texts)]
         completions = ["" if i in bad else t[1] for i, t in enumerate(texts)]
-        tok = self.tokenizer
-        p_ids = tok(prompts, add_special_tokens=False)["input_ids"]
-        c_ids = tok(completions, add_special_tokens=False)["input_ids"]
-        out: dict[str, list] = {
-            "prompt_ids": [],
-            "completion_ids": [],
-            "prompt_hash": [prompt_hash(p) for p in prompts],
-            "boundary_merge": self.boundary_merges(prompts, completions),
-            "error_reason": [bad[i].reason if i in bad else "" for i in range(n)],
-            "error": [str(bad[i]) if i in bad else "" for i in range(n)],
-        }
-        for p, c, chat in zip(p_ids, c_ids, batch["chat"], strict=True):
+        p_ids, c_ids, inside = self.split(prompts, completions)
+        out: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "boundary_inside_token": inside}
+        for i, (p, c, chat) in enumerate(zip(p_ids, c_ids, batch["chat"], strict=True)):
             if not chat:
                 p = self.bos + p
             if self.eos is not None and not self.ends_with_eos(c):
                 c = c + [self.eos]
+            if not p and i not in bad:
+                bad[i] = no_prompt_tokens(batch["source"][i])
             out["prompt_ids"].append(p)
             out["completion_ids"].append(c)
+        out["prompt_hash"] = [prompt_hash(p) for p in prompts]
+        out["error_reason"] = [bad[i].reason if i in bad else "" for i in range(len(texts))]
+        out["error"] = [str(bad[i]) if i in bad else "" for i in range(len(texts))]
         return out
 
 

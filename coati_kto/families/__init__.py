@@ -4,7 +4,7 @@ What lives here: which model class a checkpoint builds (from config.json alone),
 shard, the check that refuses a family a plugin cannot run (called by the config schema at load), which heads
 are exactly ``lm_head(hidden)`` (the chunked head is exact for them), the attention window a packed mask must
 apply, and, in ``policies``, the shardformer policies the project corrects. A new family's facts go here and in
-``coati_kto.testing.distributed.tiny`` (its tiny builder), nowhere else.
+``coati_kto.testing.tiny`` (its tiny builder), nowhere else.
 
 May import: ``coati_kto.errors`` only (a leaf: the config schema imports it). ColossalAI is never imported at
 module level here (3-4 s): the coverage scan reads its source instead, and ``policies`` imports it lazily.

@@ -354,7 +354,7 @@ def model_sequence_logps(
         inputs["logits_to_keep"] = completion_logits_to_keep(loss_mask)
     if head is None:
         # Log-probs normalise over the real vocabulary only: a shardformer policy that returns the padding
-        # columns of a padded vocabulary as logits (ColossalAI's Qwen2 policy did: coati_kto.parallel.plan) would
+        # columns of a padded vocabulary as logits (ColossalAI's Qwen2 policy did: coati_kto.families.policies) would
         # shift every log-prob and train the padding rows. A no-op view when the logits are unpadded.
         logits = model(**inputs).logits[..., : module.config.vocab_size]
         return sequence_logps(logits, input_ids, loss_mask)

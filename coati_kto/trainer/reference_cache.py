@@ -35,7 +35,7 @@ from coati_kto.config.schema import Config
 from coati_kto.data.collator import KTOCollator
 from coati_kto.data.prepared import load_prepared
 from coati_kto.data.store import read_fingerprint
-from coati_kto.data.tokenize import load_tokenizer
+from coati_kto.data.tokenize import load_tokenizer, pad_id
 from coati_kto.errors import ConfigError
 from coati_kto.models.hf import load_reference
 from coati_kto.models.packing import pair_logps
@@ -300,4 +300,4 @@ def precompute(config: Config) -> None:
 
     init_distributed(timeout_s=config.train.dist_timeout)
     data = load_prepared(config)
-    ensure_reference_cache(config, data, load_tokenizer(config).pad_token_id)
+    ensure_reference_cache(config, data, pad_id(load_tokenizer(config))[0])

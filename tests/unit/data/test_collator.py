@@ -85,3 +85,31 @@ def test_attention_and_loss_masks_when_pad_is_eos() -> None:
 def test_rejects_rows_without_completion() -> None:
     with pytest.raises(ValueError, match="completion_start"):
         KTOCollator(0)([row([1, 2], [], [3], True, 0)])
+
+
+def test_tokenizer_without_pad_token_collates_to_the_same_logprobs() -> None:
+    """Issue 17: GPT-2-like tokenizers (no pad token) passed prepare, then train died on every rank. pad_id pads
+    with EOS; masks come from lengths, so the log-probs equal those of any other pad id."""
+    from test_tokenize import sentencepiece_tokenizer
+
+    from coati_kto.data.tokenize import pad_id
+    from coati_kto.models.packing import pair_logps
+    from coati_kto.testing.tiny import build_llama
+
+    tok = sentencepiece_tokenizer("legacy-prepend")
+    assert tok.pad_token_id is None
+    pad, note = pad_id(tok)
+    assert pad == tok.eos_token_id and note.startswith("note: the tokenizer has no pad token")
+    features = []
+    for i, (prompt, completion) in enumerate(
+        [("2+3=", " 5"), ("The capital of France is", " Paris, in France.")]
+    ):
+        p, c = encode(tok, prompt, completion, chat=False)
+        features.append(row(p, c, c[:2], bool(i % 2), i))
+    model = build_llama(tok, hidden_size=32, num_layers=1, num_heads=2).eval()
+    with torch.no_grad():
+        by_eos = pair_logps(model, KTOCollator(pad, pad_to_multiple_of=8)(features))
+        by_other = pair_logps(model, KTOCollator(tok.unk_token_id, pad_to_multiple_of=8)(features))
+    assert by_eos[0].isfinite().all() and not torch.equal(by_eos[0], by_eos[1])
+    torch.testing.assert_close(by_eos[0], by_other[0], rtol=0, atol=1e-6)
+    torch.testing.assert_close(by_eos[1], by_other[1], rtol=0, atol=1e-6)

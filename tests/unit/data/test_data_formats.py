@@ -79,7 +79,16 @@ BAD = [
         "bad_label",
     ),
     ({"prompt": "a", "completion": "b", "label": 2}, "field 'label'", "bad_label"),
-    ({"prompt": "a", "completion": "b", "label": 1.0}, "field 'label'", "bad_label"),
+    (
+        {"prompt": "a", "completion": "b", "label": 0.5},
+        "field 'label': expected true/false or 0/1",
+        "bad_label",
+    ),
+    (
+        '{"prompt": "a", "completion": "b", "label": NaN}',
+        "field 'label': expected true/false or 0/1",
+        "bad_label",
+    ),
     (
         {"messages": [SYSTEM, USER], "label": True},
         "field 'messages': needs a final assistant turn",
@@ -209,3 +218,29 @@ def test_encoding_problems_name_the_line(tmp_path: Path) -> None:
     (tmp_path / "broken.parquet").write_bytes(b"PAR1 nonsense")
     with pytest.raises(DataError, match=r"broken.parquet: cannot read it with datasets"):
         load_records([str(tmp_path / "broken.parquet")], cache_dir=str(tmp_path / "cache"))
+
+
+def test_float_labels_from_pandas_are_accepted(tmp_path: Path) -> None:
+    """1.0/0.0 is what pandas writes for a bool column with a gap; accepted in JSONL and parquet float columns."""
+    import datasets
+
+    rows = [{"prompt": "a", "completion": "b", "label": v} for v in (1.0, 0.0, 1, 0, True)]
+    records = load_records([str(write_jsonl(tmp_path / "t.jsonl", rows))]).records
+    assert [r.label for r in records] == [True, False, True, False, True]
+    table = datasets.Dataset.from_dict(
+        {"prompt": ["a"] * 3, "completion": ["b"] * 3, "label": [1.0, 0.0, 1.0]}
+    )
+    assert table.features["label"].dtype == "float64"
+    table.to_parquet(str(tmp_path / "f.parquet"))
+    records = load_records([str(tmp_path / "f.parquet")], cache_dir=str(tmp_path / "cache")).records
+    assert [r.label for r in records] == [True, False, True]
+    # The gap itself (NaN in a float column) and any other float are one-line errors naming row and field.
+    gap = datasets.Dataset.from_dict(
+        {"prompt": ["a"] * 3, "completion": ["b"] * 3, "label": [1.0, float("nan"), 0.0]}
+    )
+    gap.to_parquet(str(tmp_path / "gap.parquet"))
+    with pytest.raises(RecordError) as info:
+        load_records([str(tmp_path / "gap.parquet")], cache_dir=str(tmp_path / "cache"))
+    assert str(info.value) == (
+        f"{tmp_path / 'gap.parquet'}:row 1: field 'label': expected true/false or 0/1 (1.0/0.0), got NaN"
+    )

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_data_formats import write_jsonl
 
 from coati_kto.config.schema import Config
@@ -71,7 +74,7 @@ def test_rows_masks_pairs_and_stats(tmp_path: Path, tiny_model_dir: Path, tiny_t
         "kl_index",
     } <= set(train.column_names)
     assert stats["train"]["labels"] == {"desirable": 13, "undesirable": 7}
-    assert stats["train"]["kl_pairs"]["self_pairs"] == 0 and stats["train"]["boundary_merges"] == 2
+    assert stats["train"]["kl_pairs"]["self_pairs"] == 0 and stats["train"]["boundary_inside_token"] == 2
     assert set(stats) >= {"fingerprint", "settings", "files", "train", "eval", "bad_records", "imbalance"}
 
     records = {r["source"]: r for r in train}
@@ -82,10 +85,16 @@ def test_rows_masks_pairs_and_stats(tmp_path: Path, tiny_model_dir: Path, tiny_t
         completion = tiny_tokenizer.decode(batch.example.input_ids[b][batch.example.loss_mask[b]])
         line = int(r["source"].rsplit(":", 1)[1])
         raw = json.loads(data.read_text().splitlines()[line - 1])
+        straddled = {
+            "5": " 5",
+            "pital": "apital",
+        }  # the token spanning the boundary belongs to the completion
         expected = (
-            raw["completion"] + eos if "completion" in raw else raw["messages"][-1]["content"] + eos + "\n"
+            straddled[raw["completion"]] + eos
+            if "completion" in raw
+            else raw["messages"][-1]["content"] + eos + "\n"
         )
-        assert completion == expected  # the loss mask covers exactly the completion, boundary merges included
+        assert completion == expected  # the loss mask covers exactly the completion (and a straddling token)
         # KL sequence = this prompt + the completion of row kl_index (nothing truncated at this length).
         partner = train[r["kl_index"]]
         assert r["kl_input_ids"][: r["kl_completion_start"]] == r["input_ids"][: r["completion_start"]]
@@ -366,3 +375,181 @@ def test_examples_that_cannot_fit_are_dropped_and_counted(tmp_path: Path, tiny_m
     object.__setattr__(cfg, "data", cfg.data.model_construct(**{**data, "on_too_long": "error"}))
     with pytest.raises(DataError, match=rf"^{path}:1: prompt \(\d+ tokens\) leaves no room"):
         prepare(cfg)
+
+
+# ------------------------------------------------------------------------------------------- issue 17
+
+
+def sp_model_dir(tmp_path: Path, style: str) -> Path:
+    """A directory holding only a SentencePiece-style tokenizer (prepare needs no weights)."""
+    from test_tokenize import sentencepiece_tokenizer
+
+    out = tmp_path / f"tok-{style}"
+    sentencepiece_tokenizer(style).save_pretrained(out)
+    return out
+
+
+def qa_row(i: int, label: bool) -> dict:
+    return {
+        "messages": [
+            {"role": "user", "content": f"Please add {i} and 3."},
+            {"role": "assistant", "content": f"The answer is {i + 3}." if label else "I cannot help."},
+        ],
+        "label": label,
+    }
+
+
+def test_sentencepiece_rows_are_the_conversation_tokenized_whole(tmp_path: Path) -> None:
+    """Issue 17: a Gemma-style tokenizer's stored rows decoded to "model\\n answer" on every row."""
+    from transformers import AutoTokenizer
+
+    model_dir = sp_model_dir(tmp_path, "metaspace-first")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    data = [qa_row(i, i % 3 != 0) for i in range(60)]
+    path = write_jsonl(tmp_path / "t.jsonl", data)
+    out = prepare(make_config(tmp_path, model_dir, [str(path)], max_length=512, max_prompt_length=256))
+    assert out.stats["train"]["boundary_inside_token"] == 0 and len(out.train) == 60
+    for r in out.train:
+        raw = data[int(r["source"].rsplit(":", 1)[1]) - 1]
+        text = tok.apply_chat_template(raw["messages"], tokenize=False)
+        assert tok.decode(r["input_ids"]) == text + tok.eos_token  # no "model\n " anywhere
+        assert r["input_ids"][:-1] == tok(text, add_special_tokens=False)["input_ids"]
+        assert tok.decode(r["input_ids"][r["completion_start"] :]) == raw["messages"][-1]["content"] + (
+            "<end_of_turn>\n<eos>"
+        )
+
+    # Truncation on the same rows: the prompt keeps its END, the completion its START, EOS only if it fits.
+    cut = prepare(make_config(tmp_path / "cut", model_dir, [str(path)], max_length=16, max_prompt_length=8))
+    whole = {r["source"]: r for r in out.train}
+    for r in cut.train:
+        full = whole[r["source"]]
+        p, c = full["input_ids"][: full["completion_start"]], full["input_ids"][full["completion_start"] :]
+        keep_p, keep_c = truncation(len(p), len(c), 16, 8)
+        assert r["input_ids"] == p[len(p) - int(keep_p) :] + c[: int(keep_c)]
+        assert r["completion_start"] == keep_p and r["length"] <= 16
+    assert cut.stats["train"]["truncated"]["prompt"] == 60
+
+
+def test_no_pad_token_is_one_line_then_pads_with_eos(tmp_path: Path, capsys) -> None:
+    model_dir = sp_model_dir(tmp_path, "legacy-prepend")  # Llama-2 style: no pad token
+    path = write_jsonl(tmp_path / "t.jsonl", [qa_row(i, i % 2 == 0) for i in range(8)])
+    out = prepare(make_config(tmp_path, model_dir, [str(path)]))
+    printed = capsys.readouterr().out
+    eos = out.stats["padding"]["pad_id"]
+    assert f"  {out.stats['padding']['note']}" in printed.splitlines()
+    assert printed.count("no pad token") == 1 and f"padding with EOS '</s>' (id {eos})" in printed
+    batch = KTOCollator(eos)(list(out.train))
+    assert (batch.example.input_ids[batch.example.attention_mask == 0] == eos).all()
+    load_prepared(
+        make_config(tmp_path, model_dir, [str(path)])
+    )  # what train's rank 0 runs: reused, said once
+    assert capsys.readouterr().out == out.stats["padding"]["note"] + "\n"
+
+
+def test_summary_says_lengths_before_and_after_truncation(tmp_path: Path, tiny_model_dir: Path) -> None:
+    long = [{"prompt": "Q:", "completion": " yes" * (20 + i), "label": i % 2 == 0} for i in range(4)]
+    path = write_jsonl(tmp_path / "t.jsonl", long)
+    cfg = make_config(tmp_path, tiny_model_dir, [str(path)], max_length=16, max_prompt_length=8)
+    out = prepare(cfg)
+    before = out.stats["train"]["lengths"]["total"]
+    assert before["max"] > 16 and out.stats["train"]["lengths_truncated"]["total"]["max"] == 16
+    text = store.summary(out.stats, cfg, True, "x", 1.0)
+    assert (
+        f"tokens per example before truncation p50 {before['p50']:.0f}, p99 {before['p99']:.0f}, max "
+        f"{before['max']}; after p50 16, p99 16, max 16" in text
+    )
+
+
+def test_exact_duplicates_are_counted_and_kept(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
+    data = rows(5, 5)
+    path = write_jsonl(tmp_path / "t.jsonl", data + [data[0], data[0], data[3]])
+    out = prepare(make_config(tmp_path, tiny_model_dir, [str(path)]))
+    assert len(out.train) == 13  # kept: the user may mean them
+    assert out.stats["duplicates"] == {
+        "records": 3,
+        "examples": [f"{path}:11 = {path}:1", f"{path}:12 = {path}:1", f"{path}:13 = {path}:4"],
+    }
+    assert (
+        f"  duplicates: 3 records repeat an earlier one exactly (same prompt, completion and label; e.g. "
+        f"{path}:11 = {path}:1); kept: remove them if you did not mean them"
+        in capsys.readouterr().out.splitlines()
+    )
+    # A different label is no duplicate (KTO data often holds both judgements of one completion).
+    flipped = {**data[0], "label": not data[0]["label"]}
+    path2 = write_jsonl(tmp_path / "u.jsonl", [*data, flipped])
+    assert (
+        prepare(make_config(tmp_path / "u", tiny_model_dir, [str(path2)])).stats["duplicates"]["records"] == 0
+    )
+
+
+def test_eval_fraction_keeps_each_prompt_on_one_side(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Issue 17: the two halves of a prompt/chosen/rejected pair, and duplicates, landed on both sides."""
+    pairs = [
+        {"prompt": f"Please add {i} and 3.", "chosen": f" {i + 3}", "rejected": " I cannot."}
+        for i in range(20)
+    ]
+    path = write_jsonl(tmp_path / "p.jsonl", pairs + pairs[:3])  # 3 duplicated pairs
+    out = prepare(make_config(tmp_path, tiny_model_dir, [str(path)], eval_fraction=0.25))
+
+    def prompts(ds) -> set[tuple[int, ...]]:
+        return {tuple(r["input_ids"][: r["completion_start"]]) for r in ds}
+
+    assert prompts(out.train).isdisjoint(prompts(out.eval))
+    assert len(out.train) + len(out.eval) == 46 and len(out.eval) >= 2
+    assert out.stats["eval"]["labels"]["desirable"] == out.stats["eval"]["labels"]["undesirable"]
+
+
+def test_content_change_with_same_size_and_mtime_rebuilds(
+    tmp_path: Path, tiny_model_dir: Path, capsys
+) -> None:
+    """Issue 17: cp -p / rsync -t keep size and mtime; the fingerprint hashes the content."""
+    path = write_jsonl(tmp_path / "t.jsonl", [{**r, "label": int(r["label"])} for r in rows(6, 4)])
+    cfg = make_config(tmp_path, tiny_model_dir, [str(path)])
+    first = prepare(cfg)
+    st = path.stat()
+    flipped = path.read_text().translate(str.maketrans({"0": "1", "1": "0"}))  # labels (and numbers) flipped
+    path.write_text(flipped)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
+    capsys.readouterr()
+    again = prepare(cfg)
+    assert f"(changed: train_files (content of {path.name}))" in capsys.readouterr().out
+    assert again.stats["train"]["labels"] == {"desirable": 4, "undesirable": 6}
+    assert first.stats["train"]["labels"] == {"desirable": 6, "undesirable": 4}
+
+
+def test_empty_prompt_is_refused_or_counted(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """The tiny tokenizer adds no BOS: nothing would predict an empty prompt's first completion token."""
+    path = write_jsonl(
+        tmp_path / "t.jsonl", [*rows(3, 3), {"prompt": "", "completion": " yes", "label": True}]
+    )
+    with pytest.raises(DataError) as info:
+        prepare(make_config(tmp_path, tiny_model_dir, [str(path)]))
+    assert str(info.value).startswith(f"{path}:7: field 'prompt': no prompt tokens (the prompt is empty")
+    out = prepare(make_config(tmp_path, tiny_model_dir, [str(path)], on_bad_record="skip"))
+    assert len(out.train) == 6 and out.stats["bad_records"]["by_reason"] == {"no_prompt_tokens": 1}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 15), st.booleans()), min_size=4, max_size=80),
+    st.sampled_from([0.1, 0.25, 0.5]),
+    st.integers(0, 3),
+)
+def test_group_split_never_puts_a_prompt_on_both_sides(records, fraction: float, seed: int) -> None:
+    groups = np.array([f"prompt {g}" for g, _ in records], dtype=object)
+    labels = np.array([label for _, label in records])
+    try:
+        train, held = tables.group_split(groups, labels, fraction, seed)
+    except DataError as err:  # allowed only when no such split exists or a label has < 2 records
+        assert "data.eval_fraction" in str(err) and "\n" not in str(err)
+        return
+    assert sorted([*train, *held]) == list(range(len(records)))  # every record on exactly one side
+    assert set(groups[train]).isdisjoint(groups[held])
+    for side in (train, held):
+        assert labels[side].any() and (~labels[side]).any()  # both labels on both sides
+    for value in (True, False):  # never more than the target of either label held out
+        n = int((labels == value).sum())
+        assert (labels[held] == value).sum() <= min(max(1, round(fraction * n)), n - 1)
+    again = tables.group_split(groups[::-1], labels[::-1], fraction, seed)[1]
+    assert sorted(len(records) - 1 - again) == sorted(held)  # deterministic by seed, whatever the order

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import functools
+import string
+
 import numpy as np
 import pyarrow as pa
 import pytest
+from helpers import CORPUS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_data_formats import CONVERSATION, conversation_shapes
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from tokenizers.processors import TemplateProcessing
+from transformers import PreTrainedTokenizerFast
 
 from coati_kto.data.formats import RecordError, normalize
-from coati_kto.data.tokenize import bos_prefix, encode, join_truncated, render, truncation
+from coati_kto.data.tokenize import Encoder, bos_prefix, encode, join_truncated, pad_id, render, truncation
 
 INT_LISTS = pa.list_(pa.int32())
 
@@ -38,14 +44,24 @@ def test_every_shape_gives_the_same_tokens(tiny_tokenizer) -> None:
 
 
 @pytest.mark.parametrize(
-    ("prompt", "completion"),
-    [("Answer: ", "5"), ("ca", "pital"), ("The answer is", " 5"), ("def add(a, b):\n   ", " return a + b")],
+    ("prompt", "completion", "stored_prompt", "stored_completion"),
+    [
+        ("Answer: ", "5", "Answer:", " 5"),  # " 5" straddles the boundary: it goes to the completion
+        ("ca", "pital", "c", "apital"),
+        ("The answer is", " 5", "The answer is", " 5"),
+        ("def add(a, b):\n   ", " return a + b", "def add(a, b):\n   ", " return a + b"),
+    ],
 )
-def test_plain_split_is_exact_even_when_bpe_merges_the_boundary(tiny_tokenizer, prompt: str, completion: str):
+def test_a_token_straddling_the_boundary_belongs_to_the_completion(
+    tiny_tokenizer, prompt: str, completion: str, stored_prompt: str, stored_completion: str
+) -> None:
     p_ids, c_ids = encode(tiny_tokenizer, prompt, completion, False)
-    assert tiny_tokenizer.decode(p_ids) == prompt
-    assert tiny_tokenizer.decode(c_ids) == completion + tiny_tokenizer.eos_token
-    assert c_ids[-1] == tiny_tokenizer.eos_token_id
+    whole = tiny_tokenizer(prompt + completion, add_special_tokens=False)["input_ids"]
+    assert p_ids + c_ids == whole + [tiny_tokenizer.eos_token_id]  # the whole text, tokenized once
+    assert tiny_tokenizer.decode(p_ids) == stored_prompt
+    assert tiny_tokenizer.decode(c_ids) == stored_completion + tiny_tokenizer.eos_token
+    inside = Encoder(tiny_tokenizer).split([prompt], [completion])[2]
+    assert inside == [stored_prompt != prompt]
 
 
 def test_boundary_merge_cases_really_merge(tiny_tokenizer) -> None:
@@ -121,3 +137,174 @@ def test_join_truncated_matches_python(lengths, data) -> None:
     ).to_pylist()
     expected = [prompts[i][len(prompts[i]) - keep_p[i] :] + comps[j][: keep_c[i]] for i, j in enumerate(rows)]
     assert out == expected
+
+
+# ---------------------------------------------------------------- SentencePiece-style tokenizers, built offline
+
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<start_of_turn>"
+    "{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n{{ message['content'] }}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+LLAMA2_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + message['content'] "
+    "+ ' [/INST]' }}{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'] + ' ' + eos_token }}"
+    "{% endif %}{% endfor %}"
+)
+SENTENCEPIECE_STYLES = ("metaspace-first", "metaspace-always", "legacy-prepend")
+
+
+@functools.cache
+def sentencepiece_tokenizer(style: str) -> PreTrainedTokenizerFast:
+    """A BPE over "▁"-words as SentencePiece models convert to ``tokenizers``, in one of SENTENCEPIECE_STYLES:
+
+    * ``metaspace-first``: Gemma-like (Metaspace pre-tokenizer, prepend_scheme "first"; Gemma's turn template,
+      a pad token);
+    * ``metaspace-always``: Mistral v0.x-like (prepend_scheme "always": "▁" after every special token too);
+    * ``legacy-prepend``: Llama-2's tokenizer.json (normalizer Prepend("▁") + Replace(" ", "▁"), no
+      pre-tokenizer; [INST] template, no pad token).
+
+    The last two put "▁" before any text tokenized on its own, the first before the start of any text. Each adds
+    BOS to plain text (a TemplateProcessing post-processor, as Llama's and Gemma's do).
+    """
+    tok = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True))
+    if style == "legacy-prepend":
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(
+            prepend_scheme="never"
+        )  # training only: merges within words
+        tok.decoder = decoders.Sequence(
+            [decoders.Replace("▁", " "), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+        )
+    else:
+        scheme = "first" if style == "metaspace-first" else "always"
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=scheme)
+        tok.decoder = decoders.Metaspace(prepend_scheme=scheme)
+    gemma = style == "metaspace-first"
+    specials = (
+        ["<unk>", "<bos>", "<eos>", "<pad>", "<start_of_turn>", "<end_of_turn>"]
+        if gemma
+        else ["<unk>", "<s>", "</s>"]
+    )
+    alphabet = sorted(set(string.ascii_letters + string.digits + string.punctuation + "▁\n"))
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, initial_alphabet=alphabet, show_progress=False
+    )
+    tok.train_from_iterator([*CORPUS, *["[INST] user model [/INST]"] * 5], trainer=trainer)
+    if style == "legacy-prepend":
+        tok.pre_tokenizer = None
+    bos = specials[1]
+    tok.post_processor = TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=bos,
+        eos_token=specials[2],
+        unk_token="<unk>",
+        pad_token="<pad>" if gemma else None,
+        chat_template=GEMMA_TEMPLATE if gemma else LLAMA2_TEMPLATE,
+    )
+
+
+def any_tokenizer(style: str, tiny_tokenizer: PreTrainedTokenizerFast) -> PreTrainedTokenizerFast:
+    return tiny_tokenizer if style == "byte-level" else sentencepiece_tokenizer(style)
+
+
+ALL_STYLES = ("byte-level", *SENTENCEPIECE_STYLES)
+USER = {"role": "user", "content": "What is the capital of France?"}
+CONVERSATIONS = [
+    [USER, {"role": "assistant", "content": "Paris is the capital."}],
+    [USER, {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And Italy?"},
+     {"role": "assistant", "content": " Rome, with a space first."}],
+]  # fmt: skip
+
+
+def without_added_eos(tok: PreTrainedTokenizerFast, ids: list[int], text: str) -> list[int]:
+    """``ids`` less the EOS that encode appends when the text does not end with it."""
+    return ids[:-1] if ids[-1] == tok.eos_token_id and not text.rstrip().endswith(tok.eos_token) else ids
+
+
+@pytest.mark.parametrize("style", ALL_STYLES)
+@pytest.mark.parametrize("conversation", CONVERSATIONS, ids=["one-turn", "two-turns"])
+def test_chat_ids_are_the_whole_conversation_tokenized_once(tiny_tokenizer, style: str, conversation) -> None:
+    """Issue 17: tokenizing the completion alone gave SentencePiece-style tokenizers a "▁" on every completion."""
+    tok = any_tokenizer(style, tiny_tokenizer)
+    text = tok.apply_chat_template(conversation, tokenize=False)
+    p_ids, c_ids = encode(tok, conversation[:-1], conversation[-1:], True)
+    whole = tok(text, add_special_tokens=False)["input_ids"]
+    assert without_added_eos(tok, p_ids + c_ids, text) == whole
+    decoded = tok.decode(p_ids + c_ids)
+    assert decoded == tok.decode(whole) + ("" if decoded == tok.decode(whole) else tok.eos_token)
+    if style in ("byte-level", "metaspace-first"):  # decoding is exact for these: the rendered text itself
+        assert tok.decode(whole) == text
+    # The completion's tokens are those after the rendered prompt, with nothing prepended to them.
+    prompt_text = tok.apply_chat_template(conversation[:-1], tokenize=False, add_generation_prompt=True)
+    assert p_ids == tok(prompt_text, add_special_tokens=False)["input_ids"][: len(p_ids)]
+
+
+@pytest.mark.parametrize("style", ALL_STYLES)
+@pytest.mark.parametrize(
+    ("prompt", "completion"), [("The capital of France is", " Paris."), ("Q: 2+3=", "5"), ("Hi\n", "there")]
+)
+def test_plain_ids_are_the_whole_text_tokenized_once(
+    tiny_tokenizer, style: str, prompt: str, completion: str
+):
+    tok = any_tokenizer(style, tiny_tokenizer)
+    p_ids, c_ids = encode(tok, prompt, completion, False)
+    assert p_ids + c_ids == tok(prompt + completion)["input_ids"] + [tok.eos_token_id]  # BOS included
+    assert tok.decode(p_ids + c_ids, skip_special_tokens=True) == tok.decode(
+        tok(prompt + completion)["input_ids"], skip_special_tokens=True
+    )
+
+
+TEXT = st.text(alphabet=string.ascii_letters[:8] + " \n.:", max_size=30)
+
+
+@settings(max_examples=150, deadline=None)
+@given(TEXT, TEXT.filter(str.strip), st.sampled_from(ALL_STYLES))
+def test_split_invariants(tiny_tokenizer, prompt: str, completion: str, style: str) -> None:
+    """Prompt ids + completion ids == tokenizer(whole text); prompt ids are whole tokens of the prompt text, the
+    boundary is flagged exactly when a token straddles it."""
+    tok = any_tokenizer(style, tiny_tokenizer)
+    (p_ids,), (c_ids,), (inside,) = Encoder(tok).split([prompt], [completion])
+    assert p_ids + c_ids == tok(prompt + completion, add_special_tokens=False)["input_ids"]
+    if style == "byte-level":  # lossless decoding: the prompt ids spell a prefix of the prompt
+        assert prompt.startswith(tok.decode(p_ids))
+        assert inside == (tok.decode(p_ids) != prompt)
+
+
+def test_empty_prompt_without_bos_is_a_record_error(tiny_tokenizer) -> None:
+    with pytest.raises(
+        RecordError, match=r"^f.jsonl:4: field 'prompt': no prompt tokens \(the prompt is empty"
+    ):
+        encode(tiny_tokenizer, "", "hello", False, source="f.jsonl:4")
+    tok = sentencepiece_tokenizer("metaspace-first")  # adds BOS: BOS predicts the first completion token
+    p_ids, c_ids = encode(tok, "", "hello", False)
+    assert p_ids == [tok.bos_token_id] and tok.decode(c_ids) == "hello<eos>"
+
+
+def test_pad_id_falls_back_to_eos() -> None:
+    assert pad_id(sentencepiece_tokenizer("metaspace-first")) == (
+        sentencepiece_tokenizer("metaspace-first").pad_token_id,
+        "",
+    )
+    tok = sentencepiece_tokenizer("legacy-prepend")
+    assert tok.pad_token_id is None
+    pad, note = pad_id(tok)
+    assert pad == tok.eos_token_id
+    assert note == (
+        f"note: the tokenizer has no pad token; padding with EOS '</s>' (id {pad}), which is harmless: masks come "
+        "from lengths"
+    )
+
+
+def test_python_tokenizers_split_like_fast_ones(tiny_tokenizer, tmp_path) -> None:
+    """A slow (Python) tokenizer has no offsets: the common-prefix fallback gives the same split."""
+    from transformers import GPT2Tokenizer
+
+    vocab, merges = tiny_tokenizer.backend_tokenizer.model.save(str(tmp_path))
+    slow = GPT2Tokenizer(vocab, merges, eos_token="<|im_end|>")
+    assert not slow.is_fast
+    prompts = ["Answer: ", "ca", "The answer is", "def add(a, b):\n   ", "x"]
+    completions = ["5", "pital", " 5", " return a + b", " y"]
+    assert Encoder(slow).split(prompts, completions) == Encoder(tiny_tokenizer).split(prompts, completions)
+    assert Encoder(slow).split(prompts, completions)[2] == [True, True, False, False, False]
