@@ -24,6 +24,8 @@ import socket
 import sys
 from types import FrameType
 
+import psutil
+
 from coati_kto.runtime.signals import ABORT_EXIT_CODE, PENDING_STOP_ENV, STOP_EXIT_CODE, STOP_SIGNALS
 
 DEFAULT_RDZV_TIMEOUT_S = 90
@@ -37,9 +39,10 @@ class _StoppedBeforeWorkersError(Exception):
 
 def _forward(signum: int, frame: FrameType | None) -> None:
     """Send ``signum`` to this process's direct children: torchrun's workers (each in its own session, so
-    nothing else reaches them). With no worker yet, stop the launch itself."""
-    import psutil
+    nothing else reaches them). With no worker yet, stop the launch itself.
 
+    Imports nothing: GNU timeout, ``kill -- -PGID`` and scancel deliver a signal more than once, and a second
+    one arriving while the first handler imported psutil left the module half-initialised (exit 1, not 75)."""
     workers = psutil.Process().children(recursive=False)
     if not workers and signum == signal.SIGUSR1:
         # A warning (SLURM's --signal) before the workers exist: they inherit it and stop after their first step.
