@@ -21,8 +21,10 @@ import time
 from multiprocessing.connection import wait
 from typing import Any
 
+from coati_kto.runtime.signals import STOP_EXIT_CODE
+
 DEFAULT_GRACE_S = 30.0
-STOPPED_EXIT = 75  # coati_kto.runtime.signals: every rank stopped cleanly after a checkpoint
+
 _stopped_nodes: list[str] = []  # hosts that reported "stopped" (the launcher process's own record)
 
 
@@ -50,7 +52,7 @@ def _run_on_host(hostinfo: Any, workdir: str, recv_conn: Any, send_conn: Any, en
             try:
                 return call(self, *args, **kwargs)
             except UnexpectedExit as err:
-                if err.result.exited != STOPPED_EXIT:
+                if err.result.exited != STOP_EXIT_CODE:
                     raise
                 stopped.append(True)
                 return err.result
@@ -118,7 +120,7 @@ def main(argv: list[str] | None = None) -> None:
     except SystemExit as done:
         if done.code in (None, 0) and _stopped_nodes:  # no node failed, and the ranks stopped cleanly
             print(
-                f"launcher: stopped cleanly on {', '.join(_stopped_nodes)}; exit {STOPPED_EXIT}", flush=True
+                f"launcher: stopped cleanly on {', '.join(_stopped_nodes)}; exit {STOP_EXIT_CODE}", flush=True
             )
-            raise SystemExit(STOPPED_EXIT) from None
+            raise SystemExit(STOP_EXIT_CODE) from None
         raise

@@ -1,0 +1,112 @@
+"""The folder layout is the architecture: imports run one way between the layers, never in a circle.
+
+Every import statement between the package's modules counts, at any depth (an import inside a function is
+still an edge). Layers, bottom to top; a module may import its own subpackage and any lower layer:
+
+    errors, families < config < parallel < data < models, runtime < trainer, launch < train, testing < cli
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "coati_kto"
+LAYERS = {
+    "__init__": 0,
+    "errors": 0,
+    "families": 1,
+    "config": 2,
+    "parallel": 3,
+    "data": 4,
+    "models": 5,
+    "runtime": 5,
+    "trainer": 6,
+    "launch": 6,
+    "train": 7,
+    "testing": 7,
+    "colossalai_launch": 7,
+    "cli": 8,
+    "__main__": 9,
+}
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 60
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _edges() -> dict[str, set[str]]:
+    modules = _modules()
+    edges: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for target in targets:
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target and target != module and not module.startswith(target + "."):
+                    edges[module].add(target)
+    return edges
+
+
+def _layer(module: str) -> tuple[str, int]:
+    top = module.split(".")[1] if "." in module else "__init__"
+    assert top in LAYERS, f"{module}: no layer for coati_kto.{top} (add it to LAYERS and to the README)"
+    return top, LAYERS[top]
+
+
+def test_every_import_runs_down_the_layers() -> None:
+    upward = []
+    for module, targets in _edges().items():
+        top, layer = _layer(module)
+        for target in targets:
+            target_top, target_layer = _layer(target)
+            if target_top != top and target_layer >= layer:
+                upward.append(f"{module} -> {target}")
+    assert not upward, upward
+
+
+def test_no_import_circles() -> None:
+    edges = _edges()
+    state: dict[str, int] = {}  # 1 on the current path, 2 done
+
+    def visit(module: str, path: list[str]) -> None:
+        state[module] = 1
+        for target in sorted(edges[module]):
+            if state.get(target) == 1:
+                pytest.fail("import circle: " + " -> ".join([*path[path.index(target) :], target]))
+            if target not in state:
+                visit(target, [*path, target])
+        state[module] = 2
+
+    for module in sorted(edges):
+        if module not in state:
+            visit(module, [module])
+
+
+def test_modules_and_functions_stay_short() -> None:
+    long = []
+    for path in PACKAGE.rglob("*.py"):
+        source = path.read_text()
+        if source.count("\n") > MAX_MODULE_LINES:
+            long.append(f"{path.relative_to(PACKAGE)}: {source.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = node.end_lineno - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}: {length} lines")
+    assert not long, long
