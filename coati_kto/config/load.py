@@ -62,18 +62,53 @@ def _format_errors(err: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
-def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None) -> Config:
-    """Read ``path``, apply ``overrides``, validate; raises ConfigError listing every problem."""
-    path = Path(path)
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """YAML's safe loader, except that a key given twice in one mapping is an error: PyYAML keeps the last one
+    silently, so a second ``train:`` block holding only ``seed: 3`` dropped the first block's lr and steps."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise _DuplicateKeyError(key, seen[key], key_node.start_mark.line + 1)
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+
+class _DuplicateKeyError(Exception):
+    def __init__(self, key: Any, first_line: int, line: int) -> None:
+        super().__init__(key)
+        self.key, self.first_line, self.line = key, first_line, line
+
+
+def _read_yaml(path: Path) -> Any:
+    """The parsed file; ConfigError naming file and line for a missing file, a directory, bad YAML or a key
+    given twice."""
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        return yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
+    except IsADirectoryError:
+        raise ConfigError(
+            f"{path}: is a directory, not a config file (pass the YAML file inside it)"
+        ) from None
+    except _DuplicateKeyError as err:
+        raise ConfigError(
+            f"{path}:{err.line}: key {err.key!r} is given twice in the same section (first on line "
+            f"{err.first_line}); YAML would silently keep only the second: merge them"
+        ) from None
     except yaml.YAMLError as err:
         # The context mark (e.g. where an unclosed bracket opened) is nearer the mistake than the problem mark.
         mark = getattr(err, "context_mark", None) or getattr(err, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
         raise ConfigError(f"{where}: not valid YAML ({getattr(err, 'problem', err)})") from None
+
+
+def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None) -> Config:
+    """Read ``path``, apply ``overrides``, validate; raises ConfigError listing every problem."""
+    path = Path(path)
+    raw = _read_yaml(path) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections (model, data, ...)")
     for key, value in parse_overrides(overrides or []):

@@ -149,3 +149,25 @@ def test_pack_policy_true_false_or_auto_and_what_auto_means(tmp_path: Path) -> N
     assert str(err.value).count(
         "\n"
     ) == 0 and "kto.pack_policy: must be true, false or auto (got 'maybe')" in str(err.value)
+
+
+def test_a_key_given_twice_is_an_error_naming_file_and_line(tmp_path: Path) -> None:
+    """PyYAML keeps the last of two equal keys: a second ``train:`` block holding only ``seed`` silently reset
+    the first block's lr and steps to their defaults (issue 17)."""
+    text = MINIMAL + "train:\n  lr: 1.0e-3\n  max_steps: 50\ntrain:\n  seed: 3\n"
+    path = write_config(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == (
+        f"{path}:11: key 'train' is given twice in the same section (first on line 8); YAML would silently "
+        "keep only the second: merge them"
+    )
+    nested = write_config(tmp_path, MINIMAL.replace("  dir: out\n", "  dir: out\n  dir: elsewhere\n"))
+    with pytest.raises(ConfigError, match=r"cfg.yaml:8: key 'dir' is given twice .*first on line 7"):
+        load_config(nested)
+
+
+def test_a_directory_instead_of_a_config_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(tmp_path)
+    assert str(err.value) == f"{tmp_path}: is a directory, not a config file (pass the YAML file inside it)"
