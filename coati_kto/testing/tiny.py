@@ -90,7 +90,7 @@ def build_llama(
     """A randomly initialised Llama sized for CPU tests; heads divide by 2 so tp_size=2 works."""
     config = LlamaConfig(
         # A multiple of 128, so shardformer's padding (to 64 x tp_size) is a no-op here; padded vocabularies
-        # are covered by save_tiny_family's models (tests/test_families.py).
+        # are covered by save_tiny_family's models (tests/distributed/test_families.py).
         vocab_size=-(-len(tokenizer) // 128) * 128,
         hidden_size=hidden_size,
         intermediate_size=hidden_size * 2,
