@@ -59,6 +59,7 @@ def check_training(config: Config) -> None:
             resolve_files(getattr(config.data, key), f"data.{key}")
         except DataError as err:
             problems.append(str(err))
+    problems += _lora_problems(config)
     problems += _resume_problems(config)
     problems += _output_problems(config)
     if config.logging.wandb and importlib.util.find_spec("wandb") is None:
@@ -118,6 +119,41 @@ def _directory_problems(key: str, path: Path, trust_remote_code: bool, need_weig
     if not any((path / name).is_file() for name in _WEIGHTS):
         problems.append(f"{key}: {path} holds no weights ({' or '.join(_WEIGHTS[::2])})")
     return problems
+
+
+def _lora_problems(config: Config) -> list[str]:
+    """model.lora.target_modules that match no module of the model (peft would fail after the model loaded).
+
+    The model is built on the meta device from its config.json (no weights read, no memory): only for a local
+    directory without remote code; anything else is left to peft.
+    """
+    lora, path = config.model.lora, Path(config.model.path).expanduser()
+    if lora is None or config.model.trust_remote_code or not (path / "config.json").is_file():
+        return []
+    # Imported here: torch and transformers cost seconds, and only a LoRA run pays them in preflight.
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    except (OSError, ValueError, KeyError):
+        return []  # an unloadable config is reported by _source_problems
+    names = [name for name, _ in model.named_modules()]
+    missing = [t for t in lora.target_modules if not any(n == t or n.endswith("." + t) for n in names)]
+    if not missing:
+        return []
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if _is_linear(m)} - {"lm_head"})
+    return [
+        f"model.lora.target_modules: {', '.join(missing)} match no module of {type(model).__name__} "
+        f"({path}); its linear layers: {', '.join(linear)}"
+    ]
+
+
+def _is_linear(module: object) -> bool:
+    import torch
+
+    return isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"  # GPT-2's linear layers
 
 
 def _known_model_type(model_type: object) -> bool:

@@ -1,0 +1,44 @@
+"""Preflight: mistakes that would surface only after the model loaded are one line before anything heavy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import MINIMAL, write_config
+
+from coati_kto.config.load import load_config
+from coati_kto.runtime.preflight import _lora_problems
+
+
+def _model_dir(tmp_path: Path, config) -> Path:
+    out = tmp_path / "model"
+    config.save_pretrained(out)  # config.json only: preflight builds the model on the meta device
+    return out
+
+
+def _lora_config(tmp_path: Path, model_dir: Path, targets: str | None = None):
+    text = MINIMAL.replace("path: some/model", f"path: {model_dir}\n  lora:\n    rank: 4")
+    if targets:
+        text = text.replace("rank: 4", f"rank: 4\n    target_modules: {targets}")
+    return load_config(write_config(tmp_path, text))
+
+
+def test_lora_targets_missing_from_the_model_are_named_with_its_linear_layers(tmp_path: Path) -> None:
+    """GPT-2 has no q_proj: the default targets failed in peft after the model loaded (issue 17)."""
+    from transformers import GPT2Config
+
+    model_dir = _model_dir(tmp_path, GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64))
+    assert _lora_problems(_lora_config(tmp_path, model_dir)) == [
+        f"model.lora.target_modules: q_proj, k_proj, v_proj, o_proj match no module of GPT2LMHeadModel "
+        f"({model_dir}); its linear layers: c_attn, c_fc, c_proj"
+    ]
+    assert _lora_problems(_lora_config(tmp_path, model_dir, "[c_attn, attn.c_proj]")) == []
+
+
+@pytest.mark.parametrize("targets", [None, "[q_proj, gate_proj, down_proj]"])
+def test_lora_targets_of_a_llama_pass(tmp_path: Path, targets: str | None) -> None:
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
+    assert _lora_problems(_lora_config(tmp_path, _model_dir(tmp_path, config), targets)) == []
