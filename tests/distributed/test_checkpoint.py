@@ -28,8 +28,9 @@ def _setup(model_dir: str, plugin_kw: dict, root: str) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
 
     from coati_kto.config.schema import PluginSection
+    from coati_kto.parallel import compat
     from coati_kto.parallel.distributed import ParallelLayout, seed_everything
-    from coati_kto.parallel.plan import ParallelPlan, compat
+    from coati_kto.parallel.plan import ParallelPlan
     from coati_kto.trainer.checkpoint import CheckpointManager
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)

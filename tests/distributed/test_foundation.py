@@ -18,8 +18,9 @@ def _train_zero2_bf16(model_dir: str, steps: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from coati_kto.config.schema import PluginSection
+    from coati_kto.parallel import compat
     from coati_kto.parallel.distributed import ParallelLayout
-    from coati_kto.parallel.plan import ParallelPlan, compat
+    from coati_kto.parallel.plan import ParallelPlan
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
