@@ -14,6 +14,11 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from coati_kto.errors import ConfigError
 from coati_kto.families import check_model_family
 
+# The enumerations other layers share (the plan, the loss): one list each, here.
+PluginName = Literal["hybrid_parallel", "low_level_zero", "gemini", "ddp"]
+Precision = Literal["fp32", "bf16", "fp16"]
+LossType = Literal["kto", "apo_zero_unpaired"]
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -125,7 +130,7 @@ class DataSection(_Section):
 
 
 class KTOSection(_Section):
-    loss_type: Literal["kto", "apo_zero_unpaired"] = Field(
+    loss_type: LossType = Field(
         "kto", description="kto (Eq. 7, reference point z0) or apo_zero_unpaired (no z0, no KL passes)."
     )
     beta: float = Field(
@@ -235,7 +240,7 @@ class PluginSection(_Section):
     is 0 for ddp, 0 for hybrid_parallel in fp32 (its ZeRO needs bf16/fp16) and 2 otherwise.
     """
 
-    name: Literal["hybrid_parallel", "low_level_zero", "gemini", "ddp"] = Field(
+    name: PluginName = Field(
         "hybrid_parallel",
         description="ColossalAI booster plugin (gemini is refused until verified on a GPU).",
     )
@@ -244,9 +249,7 @@ class PluginSection(_Section):
         description="ZeRO stage: 1 shards optimizer states, 2 also gradients. Default: 0 for ddp and fp32 "
         "hybrid_parallel, else 2.",
     )
-    precision: Literal["fp32", "bf16", "fp16"] = Field(
-        "bf16", description="Training precision. Default: fp32 for ddp, else bf16."
-    )
+    precision: Precision = Field("bf16", description="Training precision. Default: fp32 for ddp, else bf16.")
     tp_size: int = Field(1, ge=1, description="Tensor-parallel degree (hybrid_parallel only).")
     cpu_offload: bool = Field(False, description="Keep optimizer states in CPU memory (ZeRO).")
 

@@ -23,11 +23,12 @@ value back after the cast (they are derived constants, never trained nor saved).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
+from coati_kto.config.schema import PluginName, Precision
 from coati_kto.errors import ConfigError
 from coati_kto.families import model_class_name
 from coati_kto.families.policies import corrected_policy
@@ -37,15 +38,13 @@ if TYPE_CHECKING:
     from coati_kto.parallel.distributed import ParallelLayout
     from coati_kto.parallel.grad_norm import GradNorm
 
-PluginName = Literal["hybrid_parallel", "low_level_zero", "gemini", "ddp"]
-
 
 @dataclass(frozen=True)
 class ParallelPlan:
     """How the run is parallelised; built on every rank from the same config, so identical everywhere."""
 
     plugin: PluginName
-    precision: Literal["fp32", "bf16", "fp16"]
+    precision: Precision
     zero_stage: int
     tp_size: int = 1
     cpu_offload: bool = False

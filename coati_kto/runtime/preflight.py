@@ -13,16 +13,15 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import re
 import tempfile
 from pathlib import Path
 
+from coati_kto.config.hub import looks_like_hub_id
 from coati_kto.config.schema import Config
 from coati_kto.data.formats import resolve_files
 from coati_kto.errors import ConfigError, DataError, UserError
 from coati_kto.runtime.run_dir import CHECKPOINTS_DIR, complete_checkpoints, previous_run, resolve_checkpoint
 
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 _WEIGHTS = (
     "model.safetensors",
     "model.safetensors.index.json",
@@ -79,7 +78,7 @@ def _looks_like_path(value: str) -> bool:
         or value.endswith("/")
         or os.sep != "/"
         and os.sep in value
-        or _HUB_ID.fullmatch(value) is None
+        or not looks_like_hub_id(value)
     )
 
 

@@ -26,13 +26,14 @@ gradient, and needs no KL pairs at all.
 
 from __future__ import annotations
 
-from typing import Literal
+import typing
 
 import torch
 import torch.distributed as dist
 
-LossType = Literal["kto", "apo_zero_unpaired"]
-LOSS_TYPES: tuple[str, ...] = ("kto", "apo_zero_unpaired")
+from coati_kto.config.schema import LossType
+
+LOSS_TYPES: tuple[str, ...] = typing.get_args(LossType)  # the config's list, not a copy
 
 
 def needs_kl(loss_type: str) -> bool:

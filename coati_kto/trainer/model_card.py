@@ -8,16 +8,14 @@ evaluation metrics. Written by the main rank only (``write_model_card`` is no co
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
+from coati_kto.config.hub import hub_id
 from coati_kto.config.schema import Config
 from coati_kto.trainer.loss import needs_kl
 from coati_kto.trainer.run_summary import data_stats_table, split_rows
 
-# A Hub id: "name" or "org/name", no path separators beyond the one slash, not an existing local path.
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
 EVAL_KEYS = (
     "eval/loss",
     "eval/rewards/chosen",
@@ -36,13 +34,6 @@ def last_eval(history: Any) -> dict[str, float] | None:
     """The last evaluation record of a KTOTrainer history ({"step": ..., "eval/loss": ..., ...}) or None."""
     records = [h for h in history if "eval/loss" in h]
     return dict(records[-1]) if records else None
-
-
-def hub_id(name: str | None) -> str | None:
-    """``name`` when it reads as a Hugging Face Hub id and is no local path; else None."""
-    if not name or Path(name).exists() or not _HUB_ID.fullmatch(name):
-        return None
-    return name
 
 
 def base_model_id(config: Config) -> str | None:
