@@ -27,3 +27,16 @@ def warmup_cosine_schedule(
 ) -> LambdaLR:
     """A LambdaLR of :func:`lr_factor`; step it once per optimizer step (skipped steps included)."""
     return LambdaLR(optimizer, lambda s: lr_factor(s, warmup_steps, total_steps, min_lr_ratio))
+
+
+def rebase_lr(scheduler: LambdaLR, lr: float) -> None:
+    """Make ``lr`` the schedule's peak from the current step on (a resume with a changed ``train.lr``).
+
+    A restored LambdaLR keeps the ``base_lrs`` of the run that saved it, so a new ``train.lr`` would be ignored
+    while config.yaml and the model card recorded it. Every rank calls it after loading the scheduler's state.
+    """
+    scheduler.base_lrs = [lr] * len(scheduler.base_lrs)
+    for group, lr_lambda in zip(scheduler.optimizer.param_groups, scheduler.lr_lambdas, strict=True):
+        group["initial_lr"] = lr
+        group["lr"] = lr * lr_lambda(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]

@@ -60,3 +60,28 @@ def test_progress_lines_in_a_log_are_whole_lines(capsys: pytest.CaptureFixture[s
     silent.update({"train/loss": 0.1})
     silent.write("not shown")
     assert capsys.readouterr() == ("", "")
+
+
+def test_rebase_lr_makes_a_new_peak_from_the_current_step() -> None:
+    """A restored LambdaLR kept the saved run's base lr: a resume with a new train.lr was silently ignored."""
+    from coati_kto.trainer.schedule import rebase_lr, warmup_cosine_schedule
+
+    def run(lr: float, steps: int) -> tuple[torch.optim.Optimizer, object]:
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+        sched = warmup_cosine_schedule(opt, 2, 10, 0.1)
+        for _ in range(steps):
+            opt.step()
+            sched.step()
+        return opt, sched
+
+    saved_opt, saved = run(1e-3, 4)
+    opt, sched = run(1e-3, 0)
+    opt.load_state_dict(saved_opt.state_dict())
+    sched.load_state_dict(saved.state_dict())
+    assert opt.param_groups[0]["lr"] == pytest.approx(1e-3 * lr_factor(4, 2, 10, 0.1))
+    rebase_lr(sched, 5e-4)
+    assert opt.param_groups[0]["lr"] == pytest.approx(5e-4 * lr_factor(4, 2, 10, 0.1))
+    opt.step()
+    sched.step()
+    assert opt.param_groups[0]["lr"] == pytest.approx(5e-4 * lr_factor(5, 2, 10, 0.1))
+    assert sched.get_last_lr() == [opt.param_groups[0]["lr"]]

@@ -1,0 +1,66 @@
+"""What a resume does with a changed config: every change named in one line; the ones that would make the
+checkpoint another run's are refused with the reason."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import MINIMAL, write_config
+
+from coati_kto.config.load import load_config
+from coati_kto.config.resume import check_resume, config_changes
+from coati_kto.errors import ConfigError
+
+
+def _dump(tmp_path: Path, *overrides: str) -> dict:
+    return load_config(write_config(tmp_path, MINIMAL), list(overrides)).model_dump(mode="json")
+
+
+def test_unchanged_or_quiet_changes_say_nothing(tmp_path: Path) -> None:
+    saved = _dump(tmp_path)
+    assert check_resume(saved, _dump(tmp_path), "step-6") is None
+    assert (
+        check_resume(saved, _dump(tmp_path, "train.resume=auto", "logging.tensorboard=false"), "step-6")
+        is None
+    )
+
+
+def test_applied_changes_are_listed_in_one_line(tmp_path: Path) -> None:
+    saved = _dump(tmp_path, "train.lr=1e-3")
+    line = check_resume(
+        saved, _dump(tmp_path, "train.lr=5e-4", "kto.beta=0.2", "train.max_steps=20"), "step-6"
+    )
+    assert line == (
+        "resume: 3 setting(s) differ from step-6's config, applied: kto.beta 0.1 -> 0.2, "
+        "train.lr 0.001 -> 0.0005, train.max_steps None -> 20"
+    )
+
+
+def test_refused_changes_are_every_one_named_with_the_reason(tmp_path: Path) -> None:
+    saved = _dump(tmp_path)
+    current = _dump(
+        tmp_path, "train.seed=3", "data.max_prompt_length=128", "model.path=other/model", "train.lr=1e-4"
+    )
+    with pytest.raises(ConfigError) as err:
+        check_resume(saved, current, "out/checkpoints/step-6")
+    lines = str(err.value).splitlines()
+    assert lines == [
+        "train.resume out/checkpoints/step-6: data.max_prompt_length 512 -> 128: cannot change on resume (the data "
+        "position of the epoch in progress belongs to the old training set)",
+        "train.resume out/checkpoints/step-6: model.path 'some/model' -> 'other/model': cannot change on resume "
+        "(the checkpoint's weights belong to another model)",
+        "train.resume out/checkpoints/step-6: train.seed 0 -> 3: cannot change on resume (the data order of the "
+        "epoch in progress depends on it)",
+        "(start a new run in another output.dir, or resume unchanged)",
+    ]
+
+
+def test_eval_data_may_change(tmp_path: Path) -> None:
+    line = check_resume(_dump(tmp_path), _dump(tmp_path, "data.eval_files=[held.jsonl]"), "step-2")
+    assert line is not None and "data.eval_files [] -> ['held.jsonl']" in line
+
+
+def test_changes_are_leaf_keys(tmp_path: Path) -> None:
+    changes = config_changes(_dump(tmp_path), _dump(tmp_path, "model.lora={rank: 4}"))
+    assert [c.key for c in changes] == ["model.lora"] or all(c.key.startswith("model.lora") for c in changes)
