@@ -50,7 +50,7 @@ def test_refused_changes_are_every_one_named_with_the_reason(tmp_path: Path) -> 
         "position of the epoch in progress belongs to the old training set)",
         "train.resume out/checkpoints/step-6: model.path 'some/model' -> 'other/model': cannot change on resume "
         "(the checkpoint's weights belong to another model)",
-        "train.resume out/checkpoints/step-6: train.seed 0 -> 3: cannot change on resume (the data order of the "
+        "train.resume out/checkpoints/step-6: train.seed 42 -> 3: cannot change on resume (the data order of the "
         "epoch in progress depends on it)",
         "(start a new run in another output.dir, or resume unchanged)",
     ]
