@@ -87,3 +87,17 @@ def attention_window(config: Any) -> int | None:
     """
     window = getattr(config, "sliding_window", None)
     return int(window) if window else None
+
+
+def eager_attention_reason(model_dir: str) -> str | None:
+    """Why ``model_dir``'s attention must run eager (None when any kernel computes it): attention-logit
+    soft-capping (Gemma 2; Gemma 3 when set) is applied by transformers' eager kernel only, and sdpa / flash
+    attention skip it without an error. Read from config.json alone; None when there is none."""
+    config_file = Path(model_dir) / "config.json"
+    if not config_file.is_file():
+        return None
+    raw = json.loads(config_file.read_text())
+    softcap = raw.get("attn_logit_softcapping", (raw.get("text_config") or {}).get("attn_logit_softcapping"))
+    if softcap is None:
+        return None
+    return f"its attention soft-capping (attn_logit_softcapping {softcap}) runs in the eager kernel only"

@@ -12,6 +12,19 @@ import torch
 
 from coati_kto.config.schema import ModelSection
 from coati_kto.errors import ConfigError
+from coati_kto.families import eager_attention_reason
+
+
+def attention_implementation(path: str, model_cfg: ModelSection) -> tuple[str | None, str | None]:
+    """(the attention kernel to load ``path`` with, a one-line note when it was chosen here rather than by the
+    user). ``model.attn_implementation`` unset means transformers' default (sdpa), except for models whose
+    attention only the eager kernel computes exactly (:func:`coati_kto.families.eager_attention_reason`)."""
+    if model_cfg.attn_implementation is not None:
+        return model_cfg.attn_implementation, None
+    reason = eager_attention_reason(path)
+    if reason is None:
+        return None, None
+    return "eager", f"model.attn_implementation: eager for {path} ({reason}; sdpa would skip it silently)"
 
 
 def load_causal_lm(path: str, model_cfg: ModelSection, dtype: torch.dtype) -> torch.nn.Module:
@@ -28,7 +41,8 @@ def load_causal_lm(path: str, model_cfg: ModelSection, dtype: torch.dtype) -> to
             "model.attn_implementation flash_attention_2 needs the flash-attn package, which is not installed: "
             "pip install flash-attn --no-build-isolation, or set model.attn_implementation=sdpa"
         )
-    extra = {"attn_implementation": model_cfg.attn_implementation} if model_cfg.attn_implementation else {}
+    attention, _ = attention_implementation(path, model_cfg)
+    extra = {"attn_implementation": attention} if attention else {}
     return AutoModelForCausalLM.from_pretrained(
         path, torch_dtype=dtype, trust_remote_code=model_cfg.trust_remote_code, **extra
     )

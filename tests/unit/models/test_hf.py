@@ -21,3 +21,48 @@ def test_flash_attention_2_without_flash_attn_is_a_config_error(tiny_model_dir: 
         ConfigError, match=r"^model\.attn_implementation flash_attention_2 needs the flash-attn"
     ):
         load_causal_lm(section.path, section, torch.float32)
+
+
+def test_softcapped_attention_loads_eager_unless_told(tmp_path: Path) -> None:
+    """Gemma 2's attention soft-capping runs in the eager kernel only: under transformers' default (sdpa) the
+    model's log-probs were silently those of another function (issue 17: only transformers' warning said so)."""
+    from transformers import AutoModelForCausalLM, Gemma2Config, Gemma2ForCausalLM
+
+    from coati_kto.models.hf import attention_implementation
+
+    config = Gemma2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        attn_logit_softcapping=0.5,  # small: the cap bites on random weights
+        query_pre_attn_scalar=8,
+        initializer_range=0.5,  # large attention logits, so the cap changes them
+    )
+    torch.manual_seed(0)
+    Gemma2ForCausalLM(config).save_pretrained(tmp_path / "gemma2")
+    section = ModelSection(path=str(tmp_path / "gemma2"))
+    kernel, note = attention_implementation(section.path, section)
+    assert kernel == "eager" and note == (
+        f"model.attn_implementation: eager for {section.path} (its attention soft-capping "
+        "(attn_logit_softcapping 0.5) runs in the eager kernel only; sdpa would skip it silently)"
+    )
+    ids = torch.randint(0, 64, (2, 12))
+    loaded = load_causal_lm(section.path, section, torch.float32).eval()
+    eager = AutoModelForCausalLM.from_pretrained(section.path, attn_implementation="eager").eval()
+    sdpa = AutoModelForCausalLM.from_pretrained(section.path, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        got, want, skipped = (m(ids).logits for m in (loaded, eager, sdpa))
+    assert torch.equal(got, want) and (got - skipped).abs().max() > 1e-3
+    told = ModelSection(path=section.path, attn_implementation="sdpa")
+    assert attention_implementation(told.path, told) == ("sdpa", None)
+
+
+def test_models_without_softcapping_keep_the_default(tiny_model_dir: Path) -> None:
+    from coati_kto.models.hf import attention_implementation
+
+    section = ModelSection(path=str(tiny_model_dir))
+    assert attention_implementation(section.path, section) == (None, None)
