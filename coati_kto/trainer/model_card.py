@@ -58,15 +58,19 @@ def render(
     steps: int,
     weights: tuple[float, float],
     world_size: int,
+    notes: list[str] | None = None,
 ) -> str:
-    """The card's text (front matter + markdown). ``weights``: the (lambda_D, lambda_U) the run used."""
+    """The card's text (front matter + markdown). ``weights``: the (lambda_D, lambda_U) the run used;
+    ``notes``: the one-line facts the run printed about choices made for the user (the attention kernel, the
+    pad token, settings changed on resume, the exported dtype), repeated here so the card says what was used."""
     lines = [
         *_front_matter(config),
         *_data_section(config, data_stats),
         *_settings_section(config, weights),
-        *_training_section(config, steps, world_size),
+        *_training_section(config, steps, world_size, notes or []),
         *_evaluation_section(eval_record),
         *_use_section(config),
+        *_config_section(config),
     ]
     return "\n".join(lines)
 
@@ -133,7 +137,7 @@ def _settings_section(config: Config, weights: tuple[float, float]) -> list[str]
     ]
 
 
-def _training_section(config: Config, steps: int, world_size: int) -> list[str]:
+def _training_section(config: Config, steps: int, world_size: int, notes: list[str]) -> list[str]:
     train, plugin = config.train, config.plugin
     return [
         "## Training",
@@ -142,8 +146,10 @@ def _training_section(config: Config, steps: int, world_size: int) -> list[str]:
         f"{train.min_lr_ratio} x lr); micro-batch {train.micro_batch_size} x accumulation "
         f"{train.accumulation_steps} x {world_size} process(es); plugin {plugin.name} "
         f"(ZeRO {plugin.zero_stage}, {plugin.precision}, tp {plugin.tp_size}); "
-        f"seed {train.seed}. The whole resolved config is `../config.yaml`.",
+        f"seed {train.seed}. The whole resolved config is at the end of this card.",
         "",
+        *[f"- {note}" for note in notes],
+        *([""] if notes else []),
     ]
 
 
@@ -184,6 +190,22 @@ def _use_section(config: Config) -> list[str]:
     return [*lines, "```", ""]
 
 
+def _config_section(config: Config) -> list[str]:
+    # Embedded, not linked: the card travels with final/ (uploaded alone), the run's config.yaml does not.
+    return [
+        "## Configuration",
+        "",
+        "<details><summary>The resolved config of the run (every default filled in)</summary>",
+        "",
+        "```yaml",
+        config.to_yaml().rstrip(),
+        "```",
+        "",
+        "</details>",
+        "",
+    ]
+
+
 def write_model_card(
     out_dir: str | Path,
     config: Config,
@@ -192,9 +214,10 @@ def write_model_card(
     steps: int,
     weights: tuple[float, float],
     world_size: int,
+    notes: list[str] | None = None,
 ) -> Path:
     """Write ``out_dir/README.md`` from the run's config, data stats and last eval record. Main rank only."""
     path = Path(out_dir) / "README.md"
-    text = render(config, data_stats, last_eval(history), steps, weights, world_size)
+    text = render(config, data_stats, last_eval(history), steps, weights, world_size, notes)
     path.write_text(text)
     return path
