@@ -22,6 +22,12 @@ def test_signal_handler_imports_nothing() -> None:
 
 def test_handler_reentered_before_workers_exist(monkeypatch: pytest.MonkeyPatch) -> None:
     """No workers yet: SIGUSR1 is remembered for them, SIGTERM stops the launch; calling it twice is the same."""
+
+    class NoChildren:  # pytest's own children (multiprocessing's resource tracker) must not be signalled
+        def children(self, recursive: bool = False) -> list:
+            return []
+
+    monkeypatch.setattr(torchrun.psutil, "Process", NoChildren)
     monkeypatch.delenv(PENDING_STOP_ENV, raising=False)
     for _ in range(2):
         torchrun._forward(signal.SIGUSR1, None)
