@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import env
 from safetensors.torch import load_file
 
 from coati_kto.parallel.distributed import free_port
@@ -80,10 +81,6 @@ logging:
     return config
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
 def _torchrun(*args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", *args, "-m", "coati_kto", "train"]
 
@@ -101,7 +98,7 @@ def _check(procs: list[subprocess.Popen], timeout: float = 600) -> None:
 def test_two_nodes_match_one_node_with_two_processes(run_config: Path, tmp_path: Path) -> None:
     one_node = tmp_path / "one_node"
     cmd = _torchrun("--standalone", "--nproc_per_node=2") + [str(run_config), f"output.dir={one_node}"]
-    _check([subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)])
+    _check([subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)])
 
     two_nodes = tmp_path / "two_nodes"
     port = free_port()
@@ -115,7 +112,7 @@ def test_two_nodes_match_one_node_with_two_processes(run_config: Path, tmp_path:
             f"--master_port={port}",
         ) + [str(run_config), f"output.dir={two_nodes}"]
         procs.append(
-            subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         )
     _check(procs)
 

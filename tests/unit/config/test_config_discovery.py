@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import MINIMAL, write_config
 
 from coati_kto import __version__
 from coati_kto.cli import main
@@ -15,22 +16,6 @@ from coati_kto.config.discovery import did_you_mean, schema_lines
 from coati_kto.config.load import load_config
 from coati_kto.config.schema import Config, OutputSection
 from coati_kto.errors import ConfigError
-
-MINIMAL = """\
-model:
-  path: some/model
-data:
-  train_files: data.jsonl
-  prepared_dir: prepared
-output:
-  dir: out
-"""
-
-
-def _write(tmp_path: Path, text: str = MINIMAL) -> Path:
-    path = tmp_path / "cfg.yaml"
-    path.write_text(text)
-    return path
 
 
 def test_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -47,7 +32,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
 def test_config_prints_the_resolved_config_with_every_default(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    path = _write(tmp_path)
+    path = write_config(tmp_path, MINIMAL)
     assert main(["config", str(path), "kto.beta=0.25", "train.lr=1e-6"]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
@@ -117,7 +102,7 @@ def test_schema_lists_every_key_with_type_default_and_help(capsys: pytest.Captur
     ],
 )
 def test_unknown_key_suggests_a_close_one(tmp_path: Path, text: str, message: str) -> None:
-    path = _write(tmp_path, MINIMAL + text)
+    path = write_config(tmp_path, MINIMAL + text)
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert str(err.value) == f"{path}: {message}"
@@ -132,7 +117,7 @@ def test_did_you_mean_on_overrides_and_far_keys() -> None:
 def test_config_command_mistakes_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["config"]) == 2
     assert capsys.readouterr().err == "error: coati-kto config needs a config file (or --schema)\n"
-    assert main(["config", "--schema", str(_write(tmp_path))]) == 2
+    assert main(["config", "--schema", str(write_config(tmp_path, MINIMAL))]) == 2
     assert "takes no config file" in capsys.readouterr().err
     assert main(["config", str(tmp_path / "missing.yaml")]) == 2
     assert capsys.readouterr().err == f"error: {tmp_path / 'missing.yaml'}: config file not found\n"
