@@ -19,14 +19,29 @@ from typing import Any
 import torch
 
 from coati_kto.config.load import save_config
+from coati_kto.config.resume import check_resume
 from coati_kto.config.schema import Config
-from coati_kto.models.hf import load_causal_lm
+from coati_kto.data.collator import KTOCollator
+from coati_kto.data.eval_sampler import EvalBatchSampler, ValidMaskLoader
+from coati_kto.data.sampler import MixedLabelBatchSampler
+from coati_kto.data.tokenize import load_tokenizer, pad_id
+from coati_kto.data.weights import imbalance, resolve_kto_weights
+from coati_kto.models.hf import attention_implementation, load_causal_lm
 from coati_kto.parallel.distributed import ParallelLayout, barrier, init_distributed, seed_everything
 from coati_kto.parallel.plan import ParallelPlan
 from coati_kto.runtime.preflight import check_training
-from coati_kto.runtime.run_dir import clear_previous_run
+from coati_kto.runtime.run_dir import (
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    FINAL_DIR,
+    TENSORBOARD_DIR,
+    clear_previous_run,
+)
 from coati_kto.runtime.signals import STOP, StopSignals
 from coati_kto.runtime.watchdog import Heartbeat, new_heartbeat
+from coati_kto.trainer.options import KTOOptions
+from coati_kto.trainer.schedule import rebase_lr, warmup_cosine_schedule
+from coati_kto.trainer.throughput import resolve_peak_flops
 
 
 @dataclass
@@ -58,7 +73,6 @@ def build_components(
     from colossalai.booster import Booster
 
     from coati_kto.parallel import compat
-    from coati_kto.trainer.schedule import warmup_cosine_schedule
 
     plan = plan or ParallelPlan.from_config(config)
     layout = ParallelLayout.from_plugin(plugin)
@@ -127,47 +141,80 @@ def train(config: Config) -> Any:
 
 
 def _train(config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | None) -> Any:
+    """The recipe: setup, train, save, cleanup. Every rank runs every step."""
     from coati_kto.parallel.compat import quiet_known_warnings
 
-    quiet_known_warnings()  # before the imports below bring in colossalai
-    from torch.utils.data import DataLoader
-    from transformers import AutoTokenizer
+    quiet_known_warnings()  # before anything imports colossalai: it warns at import time
+    run = _setup(config, heartbeat)
+    trainer = _setup_trainer(config, run, stop_signals)
+    _resume(config, run, trainer)
+    # ---- train (checkpoints every output.save_interval steps and at the end; writers close inside fit)
+    trainer.fit(
+        run.train_loader,
+        run.eval_loader,
+        log_dir=str(run.out_dir / TENSORBOARD_DIR) if config.logging.tensorboard else None,
+        use_wandb=config.logging.wandb,
+    )
+    _save_final(config, run, trainer)
+    barrier()  # ---- cleanup: nobody leaves before the export is on disk
+    return trainer
 
-    from coati_kto.data.collator import KTOCollator
-    from coati_kto.data.eval_sampler import EvalBatchSampler, ValidMaskLoader
-    from coati_kto.data.prepared import load_prepared
-    from coati_kto.data.sampler import MixedLabelBatchSampler
-    from coati_kto.data.tokenize import pad_id
-    from coati_kto.data.weights import resolve_kto_weights
-    from coati_kto.trainer.checkpoint import CheckpointManager
-    from coati_kto.trainer.kto import KTOTrainer
-    from coati_kto.trainer.model_card import write_model_card
-    from coati_kto.trainer.throughput import resolve_peak_flops
 
-    # ---- setup
+@dataclass
+class _Run:
+    """What setup produced for the rest of the recipe (every rank holds its own)."""
+
+    out_dir: Path
+    data: Any  # PreparedData, with reference log-probs when kto.reference is cached
+    tokenizer: Any
+    plan: ParallelPlan
+    plugin: Any
+    layout: ParallelLayout
+    train_loader: Any
+    eval_loader: Any
+    weights: tuple[float, float]  # (lambda_D, lambda_U) for this data-parallel layout
+    notes: list[str]  # one-line facts about choices made for the user: printed by rank 0, kept in the card
+
+
+def _setup(config: Config, heartbeat: Heartbeat | None) -> _Run:
+    """Process group, seed, output directory, data, tokenizer, plugin and loaders (every rank)."""
+    from coati_kto.data.prepared import load_prepared  # after quiet_known_warnings (see _train)
+    from coati_kto.trainer.reference_cache import with_reference_logps
+
     init_distributed(timeout_s=config.train.dist_timeout)
     if heartbeat is not None and not heartbeat.is_alive():
         heartbeat.start()
     seed_everything(config.train.seed)
-    output = config.training_output()
-    out_dir = Path(output.dir)
-    if output.overwrite:
+    out_dir = Path(config.training_output().dir)
+    if config.training_output().overwrite:
         clear_previous_run(out_dir)  # rank 0 deletes, the others wait
     data = load_prepared(config)
-    tokenizer = AutoTokenizer.from_pretrained(
-        config.model.tokenizer or config.model.path, trust_remote_code=config.model.trust_remote_code
-    )
+    tokenizer = load_tokenizer(config)
+    pad, pad_note = pad_id(tokenizer)
     if config.kto.reference == "cached":  # computed once (all ranks) unless a matching cache exists
-        from coati_kto.trainer.reference_cache import with_reference_logps
-
-        data = with_reference_logps(config, data, pad_id(tokenizer)[0])
+        data = with_reference_logps(config, data, pad)
     plan = ParallelPlan.from_config(config)
     plugin = plan.build_plugin()
     layout = ParallelLayout.from_plugin(plugin)
     if layout.is_main:
-        save_config(config, out_dir / "config.yaml")
+        save_config(config, out_dir / CONFIG_FILE)
+    train_loader, eval_loader = _loaders(config, data, layout, pad)
+    desirable, undesirable, report = resolve_kto_weights(config, data.stats, layout.dp_size)
+    # The run card shows the report of this layout, not prepare's one-replica view.
+    data.stats["imbalance"] = imbalance(config, data.stats, layout.dp_size)
+    attention_note = attention_implementation(config.model.path, config.model)[1]
+    notes = [note for note in (pad_note, attention_note) if note]
+    if layout.is_main:
+        print("\n".join([report, *notes]), flush=True)
+    weights = (desirable, undesirable)
+    return _Run(out_dir, data, tokenizer, plan, plugin, layout, train_loader, eval_loader, weights, notes)
 
-    # Data-parallel rank, not global rank: tensor-parallel peers must see the same batches.
+
+def _loaders(config: Config, data: Any, layout: ParallelLayout, pad: int) -> tuple[Any, Any]:
+    """(train loader, eval loader or None). Batches go by data-parallel rank, not global rank: the
+    tensor-parallel peers of a rank must see the same batches."""
+    from torch.utils.data import DataLoader
+
     sampler = MixedLabelBatchSampler(
         data.train["label"],
         config.train.micro_batch_size,
@@ -178,104 +225,114 @@ def _train(config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | Non
         lengths=data.train["length"] if config.data.group_by_length else None,
         group_by_length=config.data.group_by_length,
     )
-    collator = KTOCollator(pad_id(tokenizer)[0], config.data.pad_to_multiple_of)  # EOS when no pad token
-    train_loader = DataLoader(
-        data.train, batch_sampler=sampler, collate_fn=collator, num_workers=config.train.num_workers
+    collator = KTOCollator(pad, config.data.pad_to_multiple_of)
+    workers = config.train.num_workers
+    train_loader = DataLoader(data.train, batch_sampler=sampler, collate_fn=collator, num_workers=workers)
+    if data.eval is None or len(data.eval) == 0:
+        return train_loader, None
+    eval_sampler = EvalBatchSampler(
+        len(data.eval),
+        config.train.eval_micro_batch_size or config.train.micro_batch_size,
+        num_replicas=layout.dp_size,
+        rank=layout.dp_rank,
     )
-    eval_loader = None
-    if data.eval is not None and len(data.eval) > 0:
-        eval_sampler = EvalBatchSampler(
-            len(data.eval),
-            config.train.eval_micro_batch_size or config.train.micro_batch_size,
-            num_replicas=layout.dp_size,
-            rank=layout.dp_rank,
-        )
-        loader = DataLoader(
-            data.eval, batch_sampler=eval_sampler, collate_fn=collator, num_workers=config.train.num_workers
-        )
-        eval_loader = ValidMaskLoader(loader, eval_sampler)
-    desirable_weight, undesirable_weight, report = resolve_kto_weights(config, data.stats, layout.dp_size)
-    if layout.is_main:
-        print(report, flush=True)
+    loader = DataLoader(data.eval, batch_sampler=eval_sampler, collate_fn=collator, num_workers=workers)
+    return train_loader, ValidMaskLoader(loader, eval_sampler)
 
-    total_steps = total_optimizer_steps(config, len(sampler))
-    if layout.is_main and config.train.max_steps and total_steps < config.train.max_steps:
-        print(
-            f"note: train.max_epochs {config.train.max_epochs} holds {total_steps} optimizer steps, fewer than "
-            f"train.max_steps {config.train.max_steps}: the run ends after {total_steps}",
-            flush=True,
-        )
-    parts = build_components(config, plugin, total_steps, plan)
+
+def _setup_trainer(config: Config, run: _Run, stop_signals: StopSignals) -> Any:
+    """Models, optimizer, schedule and the KTOTrainer (every rank)."""
+    from coati_kto.trainer.checkpoint import CheckpointManager  # after quiet_known_warnings (see _train)
+    from coati_kto.trainer.kto import KTOTrainer
+
+    steps = total_optimizer_steps(config, len(run.train_loader.batch_sampler))
+    if run.layout.is_main:
+        for line in _schedule_notes(config, steps):
+            print(line, flush=True)
+    parts = build_components(config, run.plugin, steps, run.plan)
     peak_flops, peak_source = resolve_peak_flops(config.train.peak_flops, config.plugin.precision)
-    if layout.is_main:
-        if peak_flops:
-            print(f"train/mfu against {peak_flops:.4g} FLOP/s per device ({peak_source})", flush=True)
-        else:
-            print(f"train/mfu not logged: peak FLOP/s {peak_source}", flush=True)
-    manager = CheckpointManager(out_dir / "checkpoints", parts.booster, layout, output.keep_last)
-    trainer = KTOTrainer(
-        actor=parts.policy,
-        ref_model=parts.reference,
-        booster=parts.booster,
-        actor_optim=parts.optimizer,
-        plugin=plugin,
-        actor_lr_scheduler=parts.lr_scheduler,
-        tokenizer=tokenizer,
+    if run.layout.is_main:
+        shown = (
+            f"against {peak_flops:.4g} FLOP/s per device ({peak_source})"
+            if peak_flops
+            else f"not logged: peak FLOP/s {peak_source}"
+        )
+        print(f"train/mfu {shown}", flush=True)
+    output = config.training_output()
+    manager = CheckpointManager(run.out_dir / CHECKPOINTS_DIR, parts.booster, run.layout, output.keep_last)
+    return KTOTrainer(
+        parts.policy,
+        parts.reference,
+        parts.booster,
+        parts.optimizer,
+        run.plugin,
+        parts.lr_scheduler,
+        run.tokenizer,
         max_epochs=config.train.max_epochs,
         beta=config.kto.beta,
-        desirable_weight=desirable_weight,
-        undesirable_weight=undesirable_weight,
+        desirable_weight=run.weights[0],
+        undesirable_weight=run.weights[1],
         accumulation_steps=config.train.accumulation_steps,
         save_interval=output.save_interval,
-        layout=layout,
-        loss_type=config.kto.loss_type,
-        kl_scope=config.kto.kl_scope,
-        max_steps=config.train.max_steps,
-        eval_interval=config.train.eval_interval,
-        eval_at_start=config.train.eval_at_start,
-        eval_at_epoch_end=config.train.eval_at_epoch_end,
-        log_interval=config.train.log_interval,
-        on_nonfinite=config.train.on_nonfinite,
-        max_grad_norm=config.train.max_grad_norm,
+        options=KTOOptions.from_config(config, peak_flops),
+        layout=run.layout,
+        plan=run.plan,
         checkpoint_manager=manager,
         run_config=config.model_dump(mode="json"),
-        data_stats=data.stats,
-        wandb_project=config.logging.wandb_project,
-        wandb_mode=config.logging.wandb_mode,
-        wandb_dir=str(out_dir),
+        data_stats=run.data.stats,
         stop_signals=stop_signals,
-        plan=plan,
-        peak_flops=peak_flops,
-        pack_reference=config.kto.pack_reference,
-        pack_policy=config.kto.policy_packing(),
-    )
-    checkpoint = manager.resolve_everywhere(config.train.resume)  # rank 0 decides, every rank follows
-    if checkpoint is not None:
-        trainer.resume(checkpoint)
-        if layout.is_main:
-            print(f"resumed from {checkpoint} at optimizer step {trainer.global_step}", flush=True)
-
-    # ---- train (checkpoints every output.save_interval steps and at the end)
-    trainer.fit(
-        train_loader,
-        eval_loader,
-        log_dir=str(out_dir / "tensorboard") if config.logging.tensorboard else None,
-        use_wandb=config.logging.wandb,
     )
 
-    # ---- save
-    if output.save_final:
-        if config.model.lora is not None:  # final/adapter (peft) and, with output.merge_lora, final/merged
-            from coati_kto.models.lora import export_lora
 
-            final = export_lora(parts.policy, tokenizer, out_dir / "final", layout.is_main, output.merge_lora)
-        else:
-            final = manager.export_hf(parts.policy, tokenizer, out_dir / "final")
-        if layout.is_main:
-            weights = (desirable_weight, undesirable_weight)
-            write_model_card(
-                final, config, data.stats, trainer.history, trainer.global_step, weights, layout.world_size
-            )
-            print(f"final model: {final}", flush=True)
-    barrier()
-    return trainer
+def _schedule_notes(config: Config, steps: int) -> list[str]:
+    """One line each for a schedule that will not run as the config reads."""
+    train, notes = config.train, []
+    if train.max_steps and steps < train.max_steps:
+        notes.append(
+            f"note: train.max_epochs {train.max_epochs} holds {steps} optimizer steps, fewer than "
+            f"train.max_steps {train.max_steps}: the run ends after {steps}"
+        )
+    if train.warmup_steps >= steps:
+        notes.append(
+            f"warning: train.warmup_steps {train.warmup_steps} is not shorter than the run ({steps} optimizer "
+            f"steps): the learning rate never reaches train.lr {train.lr} (peak {train.lr * steps / (train.warmup_steps + 1):.3g})"
+        )
+    return notes
+
+
+def _resume(config: Config, run: _Run, trainer: Any) -> None:
+    """Continue from train.resume's checkpoint, if any: changed settings are applied and named, or refused
+    (coati_kto.config.resume); a changed train.lr becomes the schedule's peak. Every rank calls."""
+    checkpoint = trainer.checkpoint_manager.resolve_everywhere(config.train.resume)  # rank 0 decides
+    if checkpoint is None:
+        return
+    saved = trainer.checkpoint_manager.saved_config(checkpoint)
+    line = check_resume(saved, config.model_dump(mode="json"), checkpoint.name) if saved is not None else None
+    trainer.resume(checkpoint)
+    if saved is not None and saved.get("train", {}).get("lr") != config.train.lr:
+        rebase_lr(trainer.lr_scheduler, config.train.lr)
+    if line is not None:
+        run.notes.append(line)
+    if run.layout.is_main:
+        print(f"resumed from {checkpoint} at optimizer step {trainer.global_step}", flush=True)
+        if line is not None:
+            print(line, flush=True)
+
+
+def _save_final(config: Config, run: _Run, trainer: Any) -> None:
+    """The trained model in Hugging Face format under output.dir/final, with its model card (every rank)."""
+    from coati_kto.models.lora import export_lora  # after quiet_known_warnings (see _train)
+    from coati_kto.trainer.model_card import write_model_card
+
+    if not config.training_output().save_final:
+        return
+    final_dir = run.out_dir / FINAL_DIR
+    if config.model.lora is not None:  # final/adapter (peft) and, with output.merge_lora, final/merged
+        merge = config.training_output().merge_lora
+        final = export_lora(trainer.policy, run.tokenizer, final_dir, run.layout.is_main, merge)
+    else:
+        final = trainer.checkpoint_manager.export_hf(trainer.policy, run.tokenizer, final_dir)
+    if run.layout.is_main:
+        history, steps, world = trainer.history, trainer.global_step, run.layout.world_size
+        write_model_card(final, config, run.data.stats, history, steps, run.weights, world, run.notes)
+        print(f"final model: {final}", flush=True)

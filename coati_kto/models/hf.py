@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 
 import torch
+from torch import nn
 
 from coati_kto.config.schema import ModelSection
 from coati_kto.errors import ConfigError
@@ -59,3 +60,17 @@ def load_reference(model_cfg: ModelSection, dtype: torch.dtype) -> torch.nn.Modu
 
     model = load_causal_lm(model_cfg.reference_path or model_cfg.path, model_cfg, dtype)
     return model.to(get_accelerator().get_current_device()).eval().requires_grad_(False)
+
+
+# Float attributes that transformers' attention and MLP code read as dropout probabilities in forward.
+_DROPOUT_ATTRS = ("attention_dropout", "attn_dropout", "hidden_dropout", "dropout", "dropout_rate")
+
+
+def disable_dropout(module: nn.Module) -> None:
+    """Set every dropout probability of ``module`` to 0 (nn.Dropout layers and float attributes read in forward)."""
+    for sub in module.modules():
+        if isinstance(sub, nn.modules.dropout._DropoutNd):
+            sub.p = 0.0
+        for name in _DROPOUT_ATTRS:
+            if isinstance(getattr(sub, name, None), float):
+                setattr(sub, name, 0.0)

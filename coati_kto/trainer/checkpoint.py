@@ -156,6 +156,11 @@ class CheckpointManager:
         """
         return on_rank0(lambda: self.resolve(resume), "resolve the checkpoint")
 
+    def saved_config(self, path: Path) -> dict | None:
+        """The resolved config the checkpoint's run trained with (``Config.model_dump(mode="json")``), or None
+        for a checkpoint saved without one. Reads a file only; every rank may call."""
+        return _read_state(path, 0)["trainer_state"].get("config")
+
     def load(self, path: Path, model: Any, optimizer: Any, lr_scheduler: Any) -> dict:
         """Every rank calls. Restores model, optimizer (with fp32 masters), scheduler and this rank's RNG.
 

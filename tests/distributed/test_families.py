@@ -103,11 +103,11 @@ def _step_zero(config: Any, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
     trainer = KTOTrainer(
         parts.policy, parts.reference, parts.booster, parts.optimizer, plugin, None, None, plan=plan
     )
-    policy = trainer._sequence_logps(parts.policy, batch.example)  # with gradient, as in training
+    policy = trainer.passes._sequence_logps(parts.policy, batch.example)  # with gradient, as in training
     with torch.no_grad():
-        reference = trainer._sequence_logps(parts.reference, batch.example)
-        policy_kl = trainer._sequence_logps(parts.policy, batch.kl)
-        reference_kl = trainer._sequence_logps(parts.reference, batch.kl)
+        reference = trainer.passes._sequence_logps(parts.reference, batch.example)
+        policy_kl = trainer.passes._sequence_logps(parts.policy, batch.kl)
+        reference_kl = trainer.passes._sequence_logps(parts.reference, batch.kl)
     # ddp's reference is the plain module; the plugins' are wrappers
     ref_module = getattr(parts.reference, "unwrap", lambda: parts.reference)()
     ref_bytes = {n: p.numel() * p.element_size() for n, p in ref_module.named_parameters()}

@@ -109,14 +109,14 @@ def _run(model_dir: str, ref_dir: str, out_dir: str, pack: bool) -> dict[str, An
     with sgd():
         parts, trainer = _build(cfg, total_steps=len(STEPS), pack_policy=pack, eval_at_start=True)
         folded = []
-        no_grad_pass = trainer._no_grad_pass
+        no_grad_pass = trainer.passes._no_grad_pass
 
         def counted(*args: Any, **kwargs: Any) -> Any:
             item = no_grad_pass(*args, **kwargs)
             folded.append(item.folded)
             return item
 
-        trainer._no_grad_pass = counted
+        trainer.passes._no_grad_pass = counted
         batches = [
             _long_prompts(10 * s + r, labels) for s, step in enumerate(STEPS) for r, labels in enumerate(step)
         ]

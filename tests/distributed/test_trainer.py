@@ -151,7 +151,7 @@ def _inject_nan(trainer: Any, at_step: int, rank: int | None = None) -> None:
     """Make the policy's log-probs NaN in optimizer step ``at_step`` (on ``rank`` only, or every rank)."""
     import torch.distributed as dist
 
-    original = trainer._policy_logps
+    original = trainer.passes._policy_logps
 
     def patched(batch):
         logps = original(batch)
@@ -159,7 +159,7 @@ def _inject_nan(trainer: Any, at_step: int, rank: int | None = None) -> None:
             logps = logps * float("nan")
         return logps
 
-    trainer._policy_logps = patched
+    trainer.passes._policy_logps = patched
 
 
 # ------------------------------------------------------------------------------------------- hand computation
@@ -290,8 +290,8 @@ def _one_step_variants(model_dir: str, ref_dir: str, out_dir: str) -> dict:
         precomputed = [
             dataclasses.replace(
                 b,
-                reference_logps=trainer._sequence_logps(parts.reference, b.example),
-                reference_kl_logps=trainer._sequence_logps(parts.reference, b.kl),
+                reference_logps=trainer.passes._sequence_logps(parts.reference, b.example),
+                reference_kl_logps=trainer.passes._sequence_logps(parts.reference, b.kl),
             )
             for b in step
         ]

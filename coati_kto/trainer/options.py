@@ -1,0 +1,94 @@
+"""``KTOOptions``: the run's settings that steer KTOTrainer, one frozen object instead of a keyword list.
+
+Built from the config by ``KTOOptions.from_config`` (the recipe) or from keywords (ColossalChat-style callers
+and tests pass ``loss_type=...`` to KTOTrainer, which builds the options from them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from coati_kto.config.schema import Config
+from coati_kto.trainer.loss import needs_kl
+
+
+@dataclass(frozen=True)
+class KTOOptions:
+    """Settings of the step and the loops (not the collaborators: layout, plan, checkpoints, signals).
+
+    loss_type: "kto" or "apo_zero_unpaired" (no reference point: no KL-pair passes, no z0 collective).
+    kl_scope: "step" (z0 over the whole optimizer step, all ranks) or "micro_batch".
+    max_steps: stop after this many optimizer steps (None: ``max_epochs`` epochs).
+    eval_interval: evaluate every N optimizer steps (0: none between epoch ends).
+    eval_at_start: evaluate before the first update of ``fit`` (the step-0 baseline; on resume, only when the
+        checkpoint's step was not evaluated yet).
+    eval_at_epoch_end: evaluate after each epoch's last step, unless that step was just evaluated.
+    log_interval: write train metrics every N steps, exact over the interval.
+    on_nonfinite: "stop" (raise NonFiniteLossError) or "skip" (zero the gradients, no update, counted), when the
+        loss or the global gradient norm is NaN/inf on any rank.
+    max_grad_norm: clip the global gradient norm to this (0: off) where the plugin does not clip (ddp); ZeRO and
+        hybrid optimizers clip with the plugin's own max_norm (build_plugin gives them the same).
+    peak_flops: peak FLOP/s per device; when set, ``train/mfu`` is logged (coati_kto.trainer.throughput).
+    pack_reference: score an example and its KL pair in one shared-prompt reference pass where the model allows
+        it. Equal to two passes only within rounding (fp32 ~1e-7, bf16 ~1e-3 nats), so step-0 rewards are no
+        longer exactly 0 (the policy's passes are separate).
+    pack_policy: the policy's passes in one packed row too: in evaluation always; in training where a z0 group
+        is one micro-batch and ``models.packing.fold_pays`` (long prompts, short completions), folding its KL
+        pass into the gradient pass. Same rounding caveat.
+    wandb_project, wandb_mode, wandb_dir: W&B settings when ``fit(use_wandb=True)``.
+    keep_last: checkpoints kept when the trainer builds its own CheckpointManager (``save_dir``).
+    """
+
+    loss_type: str = "kto"
+    kl_scope: Literal["step", "micro_batch"] = "step"
+    max_steps: int | None = None
+    eval_interval: int = 0
+    eval_at_start: bool = False
+    eval_at_epoch_end: bool = True
+    log_interval: int = 1
+    on_nonfinite: Literal["stop", "skip"] = "stop"
+    max_grad_norm: float = 0.0
+    peak_flops: float | None = None
+    pack_reference: bool = False
+    pack_policy: bool = False
+    wandb_project: str = "coati-kto"
+    wandb_mode: str = "online"
+    wandb_dir: str | None = None
+    keep_last: int = 2
+
+    def __post_init__(self) -> None:
+        if self.log_interval < 1 or self.eval_interval < 0:
+            raise ValueError("log_interval must be >= 1, eval_interval >= 0")
+        if self.kl_scope not in ("step", "micro_batch") or self.on_nonfinite not in ("stop", "skip"):
+            raise ValueError(
+                f"kl_scope={self.kl_scope!r} / on_nonfinite={self.on_nonfinite!r} not understood"
+            )
+        needs_kl(self.loss_type)  # ValueError on an unknown loss type
+
+    @property
+    def needs_kl(self) -> bool:
+        return needs_kl(self.loss_type)
+
+    @classmethod
+    def from_config(cls, config: Config, peak_flops: float | None = None) -> KTOOptions:
+        """The options a run of ``config`` trains with (``peak_flops`` as resolved for this device)."""
+        train, logging = config.train, config.logging
+        return cls(
+            loss_type=config.kto.loss_type,
+            kl_scope=config.kto.kl_scope,
+            max_steps=train.max_steps,
+            eval_interval=train.eval_interval,
+            eval_at_start=train.eval_at_start,
+            eval_at_epoch_end=train.eval_at_epoch_end,
+            log_interval=train.log_interval,
+            on_nonfinite=train.on_nonfinite,
+            max_grad_norm=train.max_grad_norm,
+            peak_flops=peak_flops,
+            pack_reference=config.kto.pack_reference,
+            pack_policy=config.kto.policy_packing(),
+            wandb_project=logging.wandb_project,
+            wandb_mode=logging.wandb_mode,
+            wandb_dir=config.training_output().dir,
+            keep_last=config.training_output().keep_last,
+        )

@@ -1,0 +1,259 @@
+"""The passes of one KTO step over its micro-batches: no-grad log-probs, the reference point z0, the policy's
+gradient pass and the loss (``KTOPasses.forward``), shared by training and evaluation.
+
+Per micro-batch: phase 1 (no grad) scores the reference on the examples and their KL pairs (two passes, or
+one shared-prompt pass: coati_kto.models.packing; or the batch's precomputed ``reference_logps``) and the
+policy on the KL pairs; z0 is reduced over the data-parallel group once per group of micro-batches (every
+rank enters that collective whatever its labels); phase 2 runs the policy with gradient and the KTO loss, and
+hands the loss to ``backward``. A group of one training micro-batch may fold the policy's KL pass into its
+gradient pass (``pack_policy``): one packed row, z0 reduced between that forward and its backward.
+
+Every rank calls ``forward`` with the same number of groups; per-model facts (the chunked LM head, the FLOPs
+parameter count) are computed once per model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from coati_kto.data.batch import KTOBatch, TokenView
+from coati_kto.models.logprobs import LMHead, model_sequence_logps
+from coati_kto.models.packing import can_pack, fold_pays, pair_logps
+from coati_kto.parallel.plan import ParallelPlan
+from coati_kto.trainer.loss import estimate_kl_raw, preference_loss
+from coati_kto.trainer.metrics import StepSums
+from coati_kto.trainer.options import KTOOptions
+from coati_kto.trainer.throughput import flop_params, forward_flops, train_flops
+
+
+@dataclass
+class _NoGradPass:
+    """One micro-batch's no-grad log-probs, [B] fp32 each, and its labels/validity.
+
+    ``batch`` is kept only while its policy pass with gradient is pending (training), then dropped.
+    """
+
+    batch: KTOBatch | None
+    labels: torch.Tensor  # [B] bool
+    valid: torch.Tensor  # [B] bool; False on evaluation padding rows
+    tokens: torch.Tensor  # 0-dim: non-padding tokens of valid examples (and of their KL pairs, when run)
+    gradient_tokens: torch.Tensor  # 0-dim: tokens the gradient pass processes (valid rows; packed if folded)
+    flops: torch.Tensor  # 0-dim float64: model FLOPs of the no-grad passes run here
+    reference: torch.Tensor
+    policy_kl: torch.Tensor | None  # None when the loss has no reference point (no KL passes run)
+    reference_kl: torch.Tensor | None
+    policy: torch.Tensor | None  # evaluation only: the policy's log-probs, computed without gradient
+    folded: bool = False  # the policy's KL pass runs inside its gradient pass (one packed pass)
+
+
+class KTOPasses:
+    """The policy's and the reference's passes of a KTO step, and the loss. Every rank builds one (KTOTrainer).
+
+    ``reference`` may be None when every batch carries precomputed reference log-probs. ``kl_group`` is the
+    process group z0 reduces over (the data-parallel group; ``ParallelPlan.kl_group``).
+    """
+
+    def __init__(
+        self,
+        policy: Any,
+        reference: Any,
+        plan: ParallelPlan,
+        options: KTOOptions,
+        kl_group: Any,
+        device: torch.device,
+        loss_weights: tuple[float, float, float],
+        apply_loss_mask: bool = True,
+    ) -> None:
+        self.policy, self.reference, self.plan, self.options = policy, reference, plan, options
+        self.kl_group, self.device = kl_group, device
+        self.beta, self.desirable_weight, self.undesirable_weight = loss_weights
+        self.apply_loss_mask = apply_loss_mask
+        self._needs_kl = options.needs_kl
+        self._policy_packing: bool | None = None
+        self._heads: dict[int, LMHead | None] = {}  # per model: its chunked LM head, or None
+        self._params: dict[int, int] = {}  # per model: N for the model FLOPs count
+
+    def forward(
+        self,
+        groups: Iterable[Iterable[KTOBatch]],
+        train: bool,
+        num_micro_batches: int = 1,
+        backward: Callable[[torch.Tensor], None] | None = None,
+        grad_sync: Callable[[bool], contextlib.AbstractContextManager] | None = None,
+    ) -> StepSums:
+        """Run every micro-batch of ``groups``; one reference point z0 per group. ``backward(loss)`` when ``train``.
+
+        Phase 1 (no grad) runs over a whole group before z0 exists; phase 2 needs z0. In evaluation the policy
+        log-probs come from phase 1 and batches are dropped at once, so a whole eval set can be one group.
+        A group of one training micro-batch may fold the policy's KL pass into its gradient pass (one packed
+        pass, ``pack_policy``): z0 is then reduced between that forward and its backward, still once per group
+        on every rank, folded or not.
+        """
+        sums = StepSums(self.device)
+        done = 0
+        for group in groups:
+            group = list(group)
+            passes = [self._no_grad_pass(batch, train, may_fold=len(group) == 1) for batch in group]
+            folded = bool(passes) and passes[0].folded  # only a group of one micro-batch folds
+            z0 = self._z0(passes, sums) if self._needs_kl and not folded else None
+            for item in passes:
+                done += 1
+                last = done == num_micro_batches
+                with grad_sync(last) if train and grad_sync else contextlib.nullcontext():
+                    if item.folded:
+                        policy_logps, item.policy_kl, shared = pair_logps(self.policy, item.batch)
+                        item.gradient_tokens = item.gradient_tokens - torch.where(item.valid, shared, 0).sum()
+                        z0 = self._z0([item], sums)
+                    else:
+                        policy_logps = self._policy_logps(item.batch) if train else item.policy
+                    losses, rewards = preference_loss(
+                        self.options.loss_type,
+                        policy_logps,
+                        item.reference,
+                        item.labels,
+                        z0,
+                        self.beta,
+                        self.desirable_weight,
+                        self.undesirable_weight,
+                    )
+                    if train:
+                        scale = item.labels.numel() * num_micro_batches
+                        loss = torch.where(item.valid, losses, 0.0).sum() / scale
+                        backward(loss)
+                item.batch = None
+                grad_flops = (
+                    train_flops(self._flop_params(self.policy), item.gradient_tokens) if train else 0.0
+                )
+                sums.add_flops(item.flops + grad_flops)
+                sums.add(losses, rewards, policy_logps, item.labels, item.valid, item.tokens)
+        return sums
+
+    def _z0(self, passes: list[_NoGradPass], sums: StepSums) -> torch.Tensor:
+        """z0 of a group (one collective); recorded with its unclamped value."""
+        raw = self._reference_point(passes)
+        z0 = raw.clamp(min=0.0)  # the paper's clamp, after averaging; raw is logged beside it
+        sums.add_kl(z0, raw)
+        return z0
+
+    def _no_grad_pass(self, batch: KTOBatch, train: bool, may_fold: bool = False) -> _NoGradPass:
+        """The reference's log-probs and the policy's without gradient: on the KL pairs (unless the KL pass
+        folds into the gradient pass) and, in evaluation, on the examples (one packed pass with
+        ``pack_policy``)."""
+        batch = batch.to(self.device, non_blocking=True)
+        labels = batch.label.bool()
+        valid = batch.valid_rows()
+        example_tokens = torch.where(valid, batch.example.lengths(), 0).sum()
+        kl_tokens = torch.where(valid, batch.kl.lengths(), 0).sum()
+        if not self._needs_kl:  # apo_zero_unpaired: no pass runs on the KL pairs
+            kl_tokens = torch.zeros_like(kl_tokens)
+        packs = self._needs_kl and self._policy_packs()
+        folded = train and may_fold and packs and fold_pays(batch)
+        policy = policy_kl = None
+        with torch.no_grad():
+            reference, reference_kl, shared = self._reference_pair(batch, kl=self._needs_kl)
+            # Model FLOPs of the passes that run: the reference unless the batch carries its log-probs, and
+            # the policy's no-grad passes (a packed pass counts the shared prompt once).
+            flops = torch.zeros((), dtype=torch.float64, device=self.device)
+            if shared is not None:
+                flops = flops + self._packed_flops(self.reference, batch, shared, valid)
+            if not train and packs:
+                policy, policy_kl, policy_shared = pair_logps(self.policy, batch)
+                flops = flops + self._packed_flops(self.policy, batch, policy_shared, valid)
+            else:
+                if not train:
+                    policy = self._sequence_logps(self.policy, batch.example)
+                if self._needs_kl and not folded:
+                    policy_kl = self._sequence_logps(self.policy, batch.kl)
+                none = torch.zeros_like(example_tokens)
+                run = (none if train else example_tokens) + (none if folded else kl_tokens)
+                flops = flops + forward_flops(self._flop_params(self.policy), run)
+        return _NoGradPass(
+            batch=batch if train else None,
+            labels=labels,
+            valid=valid,
+            tokens=example_tokens + kl_tokens,
+            gradient_tokens=example_tokens + kl_tokens if folded else example_tokens,
+            flops=flops,
+            reference=reference,
+            policy_kl=policy_kl,
+            reference_kl=reference_kl,
+            policy=policy,
+            folded=folded,
+        )
+
+    def _policy_packs(self) -> bool:
+        """Whether the policy's passes pack example and KL pair (``pack_policy``, the loss mask on, and a model
+        :func:`~coati_kto.models.packing.can_pack` takes); decided once."""
+        if self._policy_packing is None:
+            self._policy_packing = self.options.pack_policy and self.apply_loss_mask and can_pack(self.policy)
+        return self._policy_packing
+
+    def _packed_flops(
+        self, model: Any, batch: KTOBatch, shared: torch.Tensor, valid: torch.Tensor
+    ) -> torch.Tensor:
+        """Forward FLOPs of one pass over examples and KL pairs that processed ``shared`` prompt tokens once."""
+        run = batch.example.lengths() - shared + (batch.kl.lengths() if self._needs_kl else 0)
+        return forward_flops(self._flop_params(model), torch.where(valid, run, 0).sum())
+
+    def _reference_point(self, passes: list[_NoGradPass]) -> torch.Tensor:
+        """The unclamped KL estimate over the valid KL pairs of ``passes`` on every data-parallel rank (one
+        collective); z0 is its max with 0."""
+        if not passes:  # still enter the collective: the other ranks do
+            empty = torch.zeros(0, device=self.device)
+            return estimate_kl_raw(empty, empty, group=self.kl_group)
+        policy_kl = torch.cat([p.policy_kl[p.valid] for p in passes])
+        reference_kl = torch.cat([p.reference_kl[p.valid] for p in passes])
+        return estimate_kl_raw(policy_kl, reference_kl, group=self.kl_group)
+
+    def _policy_logps(self, batch: KTOBatch) -> torch.Tensor:
+        """The policy's completion log-probs [B] fp32 with gradient (the only pass that builds a graph)."""
+        return self._sequence_logps(self.policy, batch.example)
+
+    def _reference_pair(
+        self, batch: KTOBatch, kl: bool = True
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(reference log-probs [B], on the KL pairs [B] or None when ``kl`` is False, prompt tokens [B] shared
+        by one packed pass or None when nothing ran): precomputed from the batch, else one shared-prompt pass
+        (coati_kto.models.packing), or the examples alone without ``kl``."""
+        if batch.reference_logps is not None and (not kl or batch.reference_kl_logps is not None):
+            reference_kl = batch.reference_kl_logps.float() if kl else None
+            return batch.reference_logps.float(), reference_kl, None
+        if self.reference is None:
+            raise ValueError("no reference model and the batch has no precomputed reference_logps")
+        zeros = torch.zeros_like(batch.label, dtype=torch.long)
+        if not kl:
+            return self._sequence_logps(self.reference, batch.example), None, zeros
+        if not self.apply_loss_mask or not self.options.pack_reference:  # two passes (or every token scored)
+            return (
+                self._sequence_logps(self.reference, batch.example),
+                self._sequence_logps(self.reference, batch.kl),
+                zeros,
+            )
+        return pair_logps(self.reference, batch)
+
+    def _sequence_logps(self, model: Any, view: TokenView) -> torch.Tensor:
+        """Completion log-probs [B] fp32 of ``model`` on one view of the batch (graph only under grad)."""
+        # apply_loss_mask=False scores every non-padding token (prompt included), as ColossalChat does.
+        mask = view.loss_mask if self.apply_loss_mask else view.attention_mask
+        return model_sequence_logps(model, view.input_ids, view.attention_mask, mask, self._lm_head(model))
+
+    def _flop_params(self, model: Any) -> int:
+        """N of ``model`` for the FLOPs count (coati_kto.trainer.throughput), computed once per model."""
+        if id(model) not in self._params:
+            self._params[id(model)] = flop_params(model)
+        return self._params[id(model)]
+
+    def _lm_head(self, model: Any) -> LMHead | None:
+        """The model's LM head for the chunked path (no [B, S, V] logits), or None: the logits path.
+
+        Gemini keeps parameters in chunks released outside the forward, so its head is used through logits.
+        """
+        if id(model) not in self._heads:
+            gemini = self.plan.plugin == "gemini"
+            self._heads[id(model)] = None if gemini else LMHead.find(model)
+        return self._heads[id(model)]
