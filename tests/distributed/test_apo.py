@@ -21,7 +21,7 @@ EVAL_BATCHES = 2  # _eval_loader(2, rank): 7 rows (+1 padding) in micro-batches 
 def _worker(model_dir: str, out_dir: str) -> dict:
     import torch.distributed as dist
 
-    from coati_kto.trainer import kto as kto_module
+    from coati_kto.trainer import passes as kto_module
 
     rank = dist.get_rank()
     counts = {"policy": 0, "reference": 0, "kl_collective": 0}

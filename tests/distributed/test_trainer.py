@@ -664,13 +664,13 @@ def test_eval_sampler_covers_every_example_once_with_equal_batches(n: int, m: in
 def test_dropout_is_off_in_train_mode_and_model_config_is_kept(tiny_model_dir: Path) -> None:
     from transformers import AutoModelForCausalLM
 
-    from coati_kto.trainer.kto import _disable_dropout
+    from coati_kto.models.hf import disable_dropout
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, attention_dropout=0.5).train()
     ids = torch.randint(3, 100, (2, 16), generator=torch.Generator().manual_seed(0))
     # With the config's dropout, two train-mode passes differ: the check below can fail.
     assert not torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)
-    _disable_dropout(model)
+    disable_dropout(model)
     assert torch.equal(model(input_ids=ids).logits, model(input_ids=ids).logits)
     assert model.config.attention_dropout == 0.5  # the exported config stays the user's
 
