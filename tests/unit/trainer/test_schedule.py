@@ -85,3 +85,18 @@ def test_rebase_lr_makes_a_new_peak_from_the_current_step() -> None:
     sched.step()
     assert opt.param_groups[0]["lr"] == pytest.approx(5e-4 * lr_factor(5, 2, 10, 0.1))
     assert sched.get_last_lr() == [opt.param_groups[0]["lr"]]
+
+
+def test_warmup_longer_than_the_run_is_said(tmp_path) -> None:
+    """train.warmup_steps longer than the run was accepted silently: the lr never reached train.lr (issue 17)."""
+    from helpers import MINIMAL, write_config
+
+    from coati_kto.config.load import load_config
+    from coati_kto.train import _schedule_notes
+
+    config = load_config(write_config(tmp_path, MINIMAL), ["train.warmup_steps=10", "train.lr=1e-3"])
+    assert _schedule_notes(config, 4) == [
+        "warning: train.warmup_steps 10 is not shorter than the run (4 optimizer steps): the learning rate "
+        "never reaches train.lr 0.001 (peak 0.000364)"
+    ]
+    assert _schedule_notes(load_config(write_config(tmp_path, MINIMAL), ["train.warmup_steps=3"]), 4) == []
