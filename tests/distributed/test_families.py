@@ -146,7 +146,7 @@ def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, 
     }
     trained = _full_state(first.policy)
     with torch.no_grad():
-        trained_logps = first._sequence_logps(first.policy, batch.example)
+        trained_logps = first.passes._sequence_logps(first.policy, batch.example)
     resumed_raw = _raw_config(model_dir, root, plugin, "resumed")
     resumed_raw["train"]["resume"] = str(root / "run" / "checkpoints" / "step-2")
     resumed_raw["output"]["save_final"] = False
@@ -163,7 +163,7 @@ def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, 
         dtype = second.plan.dtype
         hf = AutoModelForCausalLM.from_pretrained(root / "run" / "final", torch_dtype=dtype)
         with torch.no_grad():
-            export_logps = first._sequence_logps(hf, batch.example)
+            export_logps = first.passes._sequence_logps(hf, batch.example)
         result["export"] = {
             "vocab_size": hf.config.vocab_size,
             "embedding_rows": hf.get_input_embeddings().weight.shape[0],

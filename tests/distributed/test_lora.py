@@ -82,14 +82,14 @@ def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, 
     )
     result["reference_is_policy"] = first.reference.policy is first.policy
     # The chunked LM head path (no [B, S, V] logits) finds the head through the PeftModel.
-    result["chunked_head"] = first._lm_head(first.policy) is not None
+    result["chunked_head"] = first.passes._lm_head(first.policy) is not None
     trained = _adapters(first.policy)
     data = load_prepared(config)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     batch = KTOCollator(tokenizer.pad_token_id)([data.train[i] for i in range(4)])
     with torch.no_grad():
-        trained_logps = first._sequence_logps(first.policy, batch.example)
-        base_logps = first._sequence_logps(first.reference, batch.example)
+        trained_logps = first.passes._sequence_logps(first.policy, batch.example)
+        base_logps = first.passes._sequence_logps(first.reference, batch.example)
 
     resumed_raw = _raw_config(model_dir, root, plugin, "resumed")
     resumed_raw["train"]["resume"] = str(root / "run" / "checkpoints" / "step-3")
@@ -110,10 +110,10 @@ def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, 
         merged = AutoModelForCausalLM.from_pretrained(final / "merged", torch_dtype=dtype).eval()
         with torch.no_grad():
             result["adapter_diff"] = float(
-                (first._sequence_logps(adapted, batch.example) - trained_logps).abs().max()
+                (first.passes._sequence_logps(adapted, batch.example) - trained_logps).abs().max()
             )
             result["merged_diff"] = float(
-                (first._sequence_logps(merged, batch.example) - trained_logps).abs().max()
+                (first.passes._sequence_logps(merged, batch.example) - trained_logps).abs().max()
             )
         result["trained_vs_base"] = float((trained_logps - base_logps).abs().max())
         result["logps_scale"] = float(trained_logps.abs().max())
