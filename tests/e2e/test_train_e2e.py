@@ -15,7 +15,7 @@ from helpers import preference_records
 
 from coati_kto.data.formats import write_jsonl
 from coati_kto.testing.distributed import run_distributed
-from coati_kto.testing.tensorboard import read_scalars
+from coati_kto.testing.tensorboard import read_scalars, read_texts
 
 
 def _train_worker(config_path: str, overrides: list[str]) -> dict:
@@ -103,6 +103,9 @@ def test_outputs_tensorboard_wandb_config_and_final_model(run: dict) -> None:
     assert list((out / "wandb").glob("offline-run-*")), "W&B offline run directory missing"
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert saved["plugin"]["zero_stage"] == 2 and saved["train"]["lr"] == 5e-3
+    # The run card reports the imbalance of the layout that trained (2 ranks), not prepare's 1-replica view.
+    for _, card in read_texts(out / "tensorboard")["run/data"]:  # the first run's, then the resumed one's
+        assert "micro_batch_size 4, 2 ranks)" in card and "1 rank)" not in card
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
