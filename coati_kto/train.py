@@ -28,6 +28,7 @@ from coati_kto.data.tokenize import load_tokenizer, pad_id
 from coati_kto.data.weights import imbalance, resolve_kto_weights
 from coati_kto.models.hf import attention_implementation, load_causal_lm
 from coati_kto.parallel.distributed import ParallelLayout, barrier, init_distributed, seed_everything
+from coati_kto.parallel.masters import gathered_masters
 from coati_kto.parallel.plan import ParallelPlan
 from coati_kto.runtime.preflight import check_training
 from coati_kto.runtime.run_dir import (
@@ -331,8 +332,27 @@ def _save_final(config: Config, run: _Run, trainer: Any) -> None:
         merge = config.training_output().merge_lora
         final = export_lora(trainer.policy, run.tokenizer, final_dir, run.layout.is_main, merge)
     else:
-        final = trainer.checkpoint_manager.export_hf(trainer.policy, run.tokenizer, final_dir)
+        masters = None
+        if config.training_output().export_dtype == "fp32":
+            masters = gathered_masters(trainer.policy, trainer.optimizer)  # a collective: every rank
+        final = trainer.checkpoint_manager.export_hf(trainer.policy, run.tokenizer, final_dir, masters)
+        run.notes.append(_export_note(config))
     if run.layout.is_main:
         history, steps, world = trainer.history, trainer.global_step, run.layout.world_size
         write_model_card(final, config, run.data.stats, history, steps, run.weights, world, run.notes)
         print(f"final model: {final}", flush=True)
+        if config.model.lora is None:
+            print(run.notes[-1], flush=True)  # what its weights are
+
+
+def _export_note(config: Config) -> str:
+    """What final/'s weights are, in one line (the card repeats it)."""
+    precision = config.plugin.precision
+    if config.training_output().export_dtype == "fp32":
+        return f"final/ holds the optimizer's fp32 master weights (trained in {precision}; output.export_dtype fp32)"
+    if precision == "fp32":
+        return "final/ holds the fp32 weights the run trained"
+    return (
+        f"final/ holds the {precision} weights the run trained (its base was loaded in fp32 and cast); "
+        "output.export_dtype=fp32 writes the fp32 master weights instead"
+    )

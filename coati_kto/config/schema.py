@@ -311,6 +311,11 @@ class OutputSection(_Section):
         False,
         description="Start over in a dir holding a run: delete its checkpoints, events and final model.",
     )
+    export_dtype: Literal["training", "fp32"] = Field(
+        "training",
+        description="final/'s weights: training (the working weights, e.g. bf16) or fp32 (the optimizer's fp32 "
+        "master weights after bf16 training; tensor-parallel size 1, no LoRA).",
+    )
 
 
 class LoggingSection(_Section):
@@ -337,6 +342,19 @@ class Config(_Section):
                 check_model_family(self.plugin.name, self.model.reference_path, "model.reference_path")
         except ConfigError as err:
             raise ValueError(str(err)) from None
+        return self
+
+    @model_validator(mode="after")
+    def _export_fits(self) -> Config:
+        if self.output is None or self.output.export_dtype != "fp32":
+            return self
+        if self.model.lora is not None:
+            raise ValueError("output.export_dtype fp32 with model.lora: the adapters are exported as trained")
+        if self.plugin.tp_size > 1:
+            raise ValueError(
+                f"output.export_dtype fp32 with plugin.tp_size {self.plugin.tp_size}: the fp32 masters are "
+                "gathered for tensor-parallel size 1 only (export the training dtype, or train with tp_size 1)"
+            )
         return self
 
     @model_validator(mode="after")

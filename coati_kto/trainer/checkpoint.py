@@ -26,6 +26,7 @@ from colossalai.booster import Booster
 from coati_kto.errors import UserError
 from coati_kto.models.lora import base_module
 from coati_kto.parallel.distributed import ParallelLayout, barrier, gather_objects, on_rank0
+from coati_kto.parallel.masters import working_to_master
 from coati_kto.runtime.run_dir import COMPLETE, LATEST, complete_checkpoints, resolve_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -194,24 +195,50 @@ class CheckpointManager:
         return {**states[0], "rank_states": states}
 
     # ---- export -------------------------------------------------------------------------------------------
-    def export_hf(self, model: Any, tokenizer: Any, out_dir: str | Path) -> Path:
+    def export_hf(
+        self,
+        model: Any,
+        tokenizer: Any,
+        out_dir: str | Path,
+        fp32_masters: dict[str, torch.Tensor] | None = None,
+    ) -> Path:
         """Every rank calls (tensor-parallel shards are gathered by ``state_dict()``, a collective there).
 
         The main rank writes a Hugging Face model directory (config.json, model.safetensors, tokenizer
-        files) in the training dtype; the others wait for it. Returns ``out_dir``.
+        files) in the training dtype, or in fp32 from ``fp32_masters`` (``parallel.masters.gathered_masters``);
+        the others wait for it. Returns ``out_dir``.
         """
         out = Path(out_dir)
         module = model.unwrap()
         save_tied_weights_once(module)
         state = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
+        if fp32_masters is not None:
+            state = _fp32_state(state, fp32_masters)
         if self.layout.is_main:
             out.mkdir(parents=True, exist_ok=True)
             # save_pretrained drops tied duplicates that safetensors refuses, and writes config's torch_dtype.
             module.save_pretrained(out, state_dict=state, safe_serialization=True)
+            if fp32_masters is not None:  # config.json names the module's (working) dtype: say what is stored
+                config = json.loads((out / "config.json").read_text())
+                config["torch_dtype"] = "float32"
+                _write_atomic(out / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
             if tokenizer is not None:
                 tokenizer.save_pretrained(out)
         barrier()
         return out
+
+
+def _fp32_state(state: dict[str, torch.Tensor], masters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with every parameter replaced by its fp32 master and other floats cast to fp32; tied entries
+    (one tensor under two names) stay one tensor."""
+    by_storage = {state[name].data_ptr(): master for name, master in masters.items() if name in state}
+    out = {}
+    for key, value in state.items():
+        replaced = by_storage.get(value.data_ptr())
+        out[key] = (
+            replaced if replaced is not None else (value.float() if value.is_floating_point() else value)
+        )
+    return out
 
 
 def _read_state(path: Path, rank: int) -> dict:
@@ -292,17 +319,12 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _working_to_master(optimizer: Any) -> dict[int, torch.Tensor]:
-    get = getattr(optimizer, "get_working_to_master_map", None)
-    return (get() if get is not None else None) or {}
-
-
 def _master_shards(model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
     """This rank's fp32 masters whose working parameter has a lower precision, by parameter name.
 
     fp32 runs have none (the masters equal the working weights, which the model checkpoint holds exactly).
     """
-    mapping = _working_to_master(optimizer)
+    mapping = working_to_master(optimizer)
     shards = {}
     for name, param in model.unwrap().named_parameters():
         master = mapping.get(id(param))
@@ -312,7 +334,7 @@ def _master_shards(model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
 
 
 def _restore_masters(model: Any, optimizer: Any, shards: dict[str, torch.Tensor]) -> None:
-    mapping = _working_to_master(optimizer)
+    mapping = working_to_master(optimizer)
     params = dict(model.unwrap().named_parameters())
     with torch.no_grad():
         for name, saved in shards.items():

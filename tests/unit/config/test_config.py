@@ -171,3 +171,21 @@ def test_a_directory_instead_of_a_config_is_one_line(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(tmp_path)
     assert str(err.value) == f"{tmp_path}: is a directory, not a config file (pass the YAML file inside it)"
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("plugin.tp_size=2", "output.export_dtype fp32 with plugin.tp_size 2: the fp32 masters are gathered"),
+        (
+            "model.lora={rank: 4}",
+            "output.export_dtype fp32 with model.lora: the adapters are exported as trained",
+        ),
+    ],
+)
+def test_fp32_export_is_refused_where_masters_cannot_be_gathered(
+    tmp_path: Path, override: str, message: str
+) -> None:
+    path = write_config(tmp_path, MINIMAL)
+    with pytest.raises(ConfigError, match=message):
+        load_config(path, ["output.export_dtype=fp32", "plugin.precision=bf16", override])

@@ -19,3 +19,17 @@ def test_card_embeds_the_config_and_the_run_notes(tmp_path: Path) -> None:
     assert f"- {notes[0]}" in card
     embedded = card.split("```yaml\n", 1)[1].split("```", 1)[0]
     assert yaml.safe_load(embedded) == config.model_dump(mode="json")
+
+
+def test_export_note_says_what_final_holds(tmp_path: Path) -> None:
+    """final/ was written in bf16 after bf16 training from an fp32 base without a word (issue 17)."""
+    from coati_kto.train import _export_note
+
+    bf16 = ["plugin.precision=bf16", "plugin.zero_stage=2"]
+    config = load_config(write_config(tmp_path, MINIMAL), bf16)
+    assert _export_note(config) == (
+        "final/ holds the bf16 weights the run trained (its base was loaded in fp32 and cast); "
+        "output.export_dtype=fp32 writes the fp32 master weights instead"
+    )
+    fp32 = load_config(write_config(tmp_path, MINIMAL), [*bf16, "output.export_dtype=fp32"])
+    assert "fp32 master weights (trained in bf16" in _export_note(fp32)
