@@ -262,8 +262,8 @@ def run_case(name: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
         rows = [train_loader.dataset[i] for i in range(config.train.micro_batch_size)]
         batch = train_loader.collate_fn(rows).to(self.device)
         with torch.no_grad():
-            policy = self._sequence_logps(self.policy, batch.example)
-            reference = self._sequence_logps(self.reference, batch.example)
+            policy = self.passes._sequence_logps(self.policy, batch.example)
+            reference = self.passes._sequence_logps(self.reference, batch.example)
         tokens = batch.example.loss_mask.sum(1).clamp(min=1).float()
         result["step0_logp_max_abs_diff"] = float((policy - reference).abs().max())
         result["step0_logp_max_abs_diff_per_token"] = float(((policy - reference).abs() / tokens).max())
