@@ -27,6 +27,8 @@ from coati_kto.data.sampler import MixedLabelBatchSampler
 from coati_kto.data.tokenize import load_tokenizer, pad_id
 from coati_kto.data.weights import imbalance, resolve_kto_weights
 from coati_kto.models.hf import attention_implementation, load_causal_lm
+from coati_kto.models.lora import AdapterFreeReference, enable_lora
+from coati_kto.parallel import compat
 from coati_kto.parallel.distributed import ParallelLayout, barrier, init_distributed, seed_everything
 from coati_kto.parallel.masters import gathered_masters
 from coati_kto.parallel.plan import ParallelPlan
@@ -73,8 +75,6 @@ def build_components(
     """
     from colossalai.booster import Booster
 
-    from coati_kto.parallel import compat
-
     plan = plan or ParallelPlan.from_config(config)
     layout = ParallelLayout.from_plugin(plugin)
     policy = load_causal_lm(config.model.path, config.model, torch.float32)
@@ -83,8 +83,6 @@ def build_components(
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     booster = Booster(plugin=plugin)
     if config.model.lora is not None:  # before boosting: the plugins wrap the PeftModel
-        from coati_kto.models.lora import enable_lora
-
         policy = enable_lora(booster, policy, config.model.lora)
     reference = (
         None  # kto.reference cached: the batches carry its log-probs (coati_kto.trainer.reference_cache)
@@ -102,8 +100,6 @@ def build_components(
     # by their base layer's parameter.
     policy, optimizer, lr_scheduler = plan.boost(booster, policy, optimizer, lr_scheduler)
     if config.model.lora is not None and config.kto.reference == "online":
-        from coati_kto.models.lora import AdapterFreeReference
-
         reference = AdapterFreeReference(policy)  # the base model: no second copy in memory
     return Components(plugin, booster, layout, policy, reference, optimizer, lr_scheduler, plan)
 

@@ -71,23 +71,30 @@ def replan_remaining(
 
 
 def _spread_duplicates(plan: list[np.ndarray], labels: np.ndarray) -> None:
-    """Swap a repeated example out of a micro-batch holding it twice, with a same-label example of another one.
+    """Swap a repeated example out of a micro-batch holding it more often than its fair share (its copies over
+    the micro-batches, rounded up) with a same-label example of another micro-batch that has room for it.
 
-    Only repeated (minority) examples can collide; the label counts of every micro-batch stay as dealt.
+    Only repeated examples can collide; the label counts of every micro-batch stay as dealt.
     """
     rows = len(plan)
+    values, counts = np.unique(np.concatenate(plan), return_counts=True)
+    limit = dict(zip(values.tolist(), (-(-counts // rows)).tolist(), strict=True))
     for j in range(rows):
         row = plan[j]
         values, counts = np.unique(row, return_counts=True)
         for value in values[counts > 1]:
             for step in range(1, rows):
-                if (row == value).sum() < 2:
+                if (row == value).sum() <= limit[int(value)]:
                     break
                 other = plan[(j + step) % rows]
-                if value in other:
+                if (other == value).sum() + 1 > limit[int(value)]:
                     continue
                 swap = [
-                    c for c in range(len(other)) if labels[other[c]] == labels[value] and other[c] not in row
+                    c
+                    for c in range(len(other))
+                    if labels[other[c]] == labels[value]
+                    and other[c] != value
+                    and (row == other[c]).sum() + 1 <= limit[int(other[c])]
                 ]
                 if swap:
                     col = np.flatnonzero(row == value)[-1]

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from coati_kto.families import HEAD_FAMILIES
+from coati_kto.models.lora import base_module
 
 # Default chunk: 2**22 fp32 elements (16 MiB; 131 positions at V=32000) of upcast logits at a time. On CPU
 # 64-128 positions ran ~2x faster than 2048 (cache-resident chunks): benchmarks/logprobs_bench.py.
@@ -345,7 +346,6 @@ def model_sequence_logps(
     Shardformer's tensor-parallel forwards ignore or refuse ``logits_to_keep`` and return all S positions; both
     paths read K from the shape they get.
     """
-    from coati_kto.models.lora import base_module
 
     module = base_module(model)  # under a LoRA PeftModel too (ColossalAI's unwrap() has no forward there)
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)

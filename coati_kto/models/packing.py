@@ -30,6 +30,7 @@ import torch
 from coati_kto.data.batch import KTOBatch
 from coati_kto.families import attention_window
 from coati_kto.models.logprobs import LMHead, head_token_logps, model_sequence_logps, sum_per_row
+from coati_kto.models.lora import base_module
 
 PACKABLE_ATTENTION = ("eager", "sdpa")
 
@@ -122,7 +123,6 @@ def pack_pairs(batch: KTOBatch, window: int | None = None) -> PackedPairs:
 
 def _config(model: Any) -> Any:
     """The Hugging Face config under any plugin wrapper or LoRA PeftModel (a LoRA reference included)."""
-    from coati_kto.models.lora import base_module
 
     return getattr(base_module(model), "config", None)
 

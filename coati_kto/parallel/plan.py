@@ -32,11 +32,12 @@ from coati_kto.config.schema import PluginName, Precision
 from coati_kto.errors import ConfigError
 from coati_kto.families import model_class_name
 from coati_kto.families.policies import corrected_policy
+from coati_kto.parallel import compat
+from coati_kto.parallel.grad_norm import GradNorm
 
 if TYPE_CHECKING:
     from coati_kto.config.schema import Config, PluginSection
     from coati_kto.parallel.distributed import ParallelLayout
-    from coati_kto.parallel.grad_norm import GradNorm
 
 
 @dataclass(frozen=True)
@@ -128,7 +129,6 @@ class ParallelPlan:
         store (each rank's partition). ddp has no clipping, so GradNorm clips it; ZeRO and the hybrid plugin
         clip inside their own step with ``max_grad_norm`` (``build_plugin``), handed the norm already taken.
         """
-        from coati_kto.parallel.grad_norm import GradNorm
 
         return GradNorm(optimizer, self.max_grad_norm if max_norm is None else max_norm, layout)
 
@@ -149,8 +149,6 @@ class ParallelPlan:
         gradient; TorchDDPPlugin has none, ``gradient_norm`` clips there.
         """
         from colossalai.booster.plugin import HybridParallelPlugin, LowLevelZeroPlugin, TorchDDPPlugin
-
-        from coati_kto.parallel import compat
 
         device_kwargs = compat.plugin_overrides()
         if self.plugin == "hybrid_parallel":

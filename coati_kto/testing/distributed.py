@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from coati_kto.parallel.distributed import free_port
+from coati_kto.parallel.distributed import free_port, init_distributed
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
@@ -26,8 +26,6 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
     )
     torch.set_num_threads(1)
     try:
-        from coati_kto.parallel.distributed import init_distributed
-
         init_distributed(timeout_s=120)
         results.put((rank, True, fn(*args)))
     except BaseException:  # report every failure to the parent, then exit non-zero

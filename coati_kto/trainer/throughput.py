@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from coati_kto.models.lora import base_module
+
 # Dense bf16/fp16 tensor-core peak per device, FLOP/s (vendor datasheets, no sparsity), matched as substrings
 # of torch.cuda.get_device_name(), first match wins (more specific names first).
 PEAK_FLOPS: tuple[tuple[str, float], ...] = (
@@ -67,7 +69,6 @@ def flop_params(model: Any) -> int:
 
     Tensor-parallel shards count at their global shape, so every rank gets the whole model's N.
     """
-    from coati_kto.models.lora import base_module
 
     inner = base_module(model)
     try:
