@@ -24,6 +24,11 @@ class TokenView:
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     loss_mask: torch.Tensor
+    # The host-side plan of the completion positions (``planned``), so that scoring reads no value back from
+    # the GPU: logits_to_keep K, and the (row, column) of every completion token among the last K positions.
+    keep: int | None = None
+    rows: torch.Tensor | None = None  # [T] long
+    cols: torch.Tensor | None = None  # [T] long
 
     def lengths(self) -> torch.Tensor:
         """[B] long: tokens per row (padding excluded)."""
@@ -33,8 +38,25 @@ class TokenView:
         """[B] long: the first completion column of each row (its prompt length)."""
         return self.loss_mask.int().argmax(dim=1)
 
+    def planned(self) -> TokenView:
+        """This view with its completion positions planned; called on the host (the collator), where reading
+        the mask costs no device sync. Same K and (row, column) order as the device path computes."""
+        seq = self.loss_mask.shape[1]
+        predicted = self.loss_mask[:, 1:].bool().any(dim=0)
+        keep = seq - int(predicted.int().argmax()) if seq >= 2 and bool(predicted.any()) else 1
+        rows, cols = self.loss_mask[:, seq - keep + 1 :].bool().nonzero(as_tuple=True)
+        return replace(self, keep=keep, rows=rows, cols=cols)
+
+    def targets(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows, cols) of the planned completion positions, or None when not planned."""
+        return None if self.rows is None else (self.rows, self.cols)
+
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> TokenView:
-        return TokenView(fn(self.input_ids), fn(self.attention_mask), fn(self.loss_mask))
+        rows = None if self.rows is None else fn(self.rows)
+        cols = None if self.cols is None else fn(self.cols)
+        return TokenView(
+            fn(self.input_ids), fn(self.attention_mask), fn(self.loss_mask), self.keep, rows, cols
+        )
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ class KTOCollator:
         self.pad_to_multiple_of = pad_to_multiple_of
 
     def _view(self, rows: list[Any], starts: list[int]) -> TokenView:
-        return TokenView(*_pad(rows, starts, self.pad_token_id, self.pad_to_multiple_of))
+        return TokenView(*_pad(rows, starts, self.pad_token_id, self.pad_to_multiple_of)).planned()
 
     def __call__(self, features: list[dict]) -> KTOBatch:
         if not features:

@@ -65,6 +65,7 @@ def sequence_logps(
     input_ids: torch.Tensor,
     loss_mask: torch.Tensor,
     chunk_size: int | None = None,
+    targets: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Sum over completion tokens of log p(token), per sequence: Tensor[B], fp32, differentiable in logits.
 
@@ -78,7 +79,8 @@ def sequence_logps(
         chunk_size: positions upcast to fp32 at a time; None = about 16 MiB of fp32 logits per chunk.
 
     Masked (prompt/padding) positions contribute exactly 0, whatever their logits hold.
-    One host sync (the positions of the mask) per call.
+    One host sync (the positions of the mask) per call, none when ``targets`` gives them: the (row, column)
+    of every completion token among the K kept positions, planned on the host (``TokenView.planned``).
     """
     batch, seq = input_ids.shape
     if loss_mask.shape != input_ids.shape:
@@ -87,14 +89,7 @@ def sequence_logps(
         raise ValueError(f"logits {tuple(logits.shape)} do not fit input_ids {tuple(input_ids.shape)}")
     keep = logits.shape[1]
     start = seq - keep + 1  # first token predicted by the kept logits
-    mask = loss_mask.bool()
-    if keep < seq and bool(mask[:, 1:start].any()):
-        raise ValueError(
-            f"logits cover the last {keep} positions but loss_mask marks tokens before position {start}; "
-            "use completion_logits_to_keep(loss_mask)"
-        )
-    # Kept-logit index j predicts token start + j: shift the mask and targets, not the logits (no copy).
-    rows, cols = mask[:, start:].nonzero(as_tuple=True)
+    rows, cols = targets if targets is not None else _completion_positions(loss_mask, keep, "logits")
     targets = input_ids[:, start:][rows, cols].long()
     if chunk_size is None:
         chunk_size = max(1, _CHUNK_ELEMENTS // max(1, logits.shape[-1]))
@@ -114,6 +109,21 @@ def completion_logits_to_keep(loss_mask: torch.Tensor) -> int:
     if seq < 2 or not bool(predicted.any()):
         return 1
     return seq - int(predicted.int().argmax())
+
+
+def _completion_positions(loss_mask: torch.Tensor, keep: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows, cols) of the completion tokens among the last ``keep`` positions, read from the mask on its
+    device (a host sync on a GPU: the collator plans them on the host instead). Kept index j predicts token
+    start + j: the mask and targets shift, not the logits (no copy)."""
+    seq = loss_mask.shape[1]
+    start = seq - keep + 1
+    mask = loss_mask.bool()
+    if keep < seq and bool(mask[:, 1:start].any()):
+        raise ValueError(
+            f"{what} cover the last {keep} positions but loss_mask marks tokens before position {start}; "
+            "use completion_logits_to_keep(loss_mask)"
+        )
+    return mask[:, start:].nonzero(as_tuple=True)
 
 
 def token_count(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -245,6 +255,7 @@ def hidden_sequence_logps(
     input_ids: torch.Tensor,
     loss_mask: torch.Tensor,
     vocab_chunk: int | None = None,
+    targets: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """:func:`sequence_logps` from the last hidden states [B, K, H] (the last K positions) and the LM head.
 
@@ -256,10 +267,7 @@ def hidden_sequence_logps(
         raise ValueError(f"hidden {tuple(hidden.shape)} does not fit input_ids {tuple(input_ids.shape)}")
     keep = hidden.shape[1]
     start = seq - keep + 1
-    mask = loss_mask.bool()
-    if keep < seq and bool(mask[:, 1:start].any()):
-        raise ValueError(f"hidden states cover the last {keep} positions but loss_mask marks earlier tokens")
-    rows, cols = mask[:, start:].nonzero(as_tuple=True)
+    rows, cols = targets if targets is not None else _completion_positions(loss_mask, keep, "hidden states")
     targets = input_ids[:, start:][rows, cols]
     token_logps = head_token_logps(hidden[rows, cols], weight, bias, targets, vocab_chunk)
     return sum_per_row(token_logps, rows, cols, (batch, keep))
@@ -339,8 +347,13 @@ def model_sequence_logps(
     attention_mask: torch.Tensor,
     loss_mask: torch.Tensor,
     head: LMHead | None,
+    keep: int | None = None,
+    targets: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Completion log-probs [B] fp32 of ``model`` on one batch: through ``head`` when given, else the logits.
+
+    ``keep`` and ``targets``: the completion positions planned on the host for ``loss_mask``
+    (``TokenView.planned``); without them they are read from the mask on its device (host syncs on a GPU).
 
     Either way only the positions from the first completion token on are projected (``logits_to_keep``).
     Shardformer's tensor-parallel forwards ignore or refuse ``logits_to_keep`` and return all S positions; both
@@ -351,15 +364,17 @@ def model_sequence_logps(
     inputs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     # Shardformer's tensor-parallel forwards swallow logits_to_keep (Llama) or refuse it (Qwen2, Mistral).
     if _forward_accepts(module, "logits_to_keep"):
-        inputs["logits_to_keep"] = completion_logits_to_keep(loss_mask)
+        inputs["logits_to_keep"] = keep if keep is not None else completion_logits_to_keep(loss_mask)
     if head is None:
         # Log-probs normalise over the real vocabulary only: a shardformer policy that returns the padding
         # columns of a padded vocabulary as logits (ColossalAI's Qwen2 policy did: coati_kto.families.policies) would
         # shift every log-prob and train the padding rows. A no-op view when the logits are unpadded.
         logits = model(**inputs).logits[..., : module.config.vocab_size]
-        return sequence_logps(logits, input_ids, loss_mask)
+        planned = targets if logits.shape[1] == keep else None  # a forward that ignored logits_to_keep: all S
+        return sequence_logps(logits, input_ids, loss_mask, targets=planned)
     hidden = head.capture(model, **inputs)
-    return hidden_sequence_logps(hidden, head.weight, head.bias, input_ids, loss_mask)
+    planned = targets if hidden.shape[1] == keep else None
+    return hidden_sequence_logps(hidden, head.weight, head.bias, input_ids, loss_mask, targets=planned)
 
 
 def _forward_accepts(module: torch.nn.Module, name: str) -> bool:

@@ -125,6 +125,7 @@ def estimate_kl_raw(
     policy_kl_logps: torch.Tensor,
     reference_kl_logps: torch.Tensor,
     group: dist.ProcessGroup | None = None,
+    valid: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The unclamped KL estimate: global mean of (policy_kl_logps - reference_kl_logps); z0 is its max with 0.
 
@@ -132,6 +133,7 @@ def estimate_kl_raw(
         policy_kl_logps, reference_kl_logps: [N] log-probs of the mismatched (x', y'') KL pairs; N may be 0.
         group: the data-parallel process group; every rank of it must call this (it is a collective).
             None: no reduction (one process, or the caller reduces).
+        valid: [N] bool, the pairs that count (False on evaluation padding rows); None: all of them.
 
     Returns:
         0-dim fp32 tensor, detached; 0 when no rank holds any pair.
@@ -141,7 +143,12 @@ def estimate_kl_raw(
     the same shape and dtype on every rank whatever its batch, so no rank can desynchronise the collective.
     """
     diff = policy_kl_logps.detach().float() - reference_kl_logps.detach().to(policy_kl_logps.device).float()
-    stats = torch.stack([diff.sum(), torch.tensor(float(diff.numel()), device=diff.device)])
+    if valid is None:
+        count = torch.tensor(float(diff.numel()), device=diff.device)
+    else:  # masked sums, not boolean indexing: no data-dependent shape, so no host sync on a GPU
+        diff = torch.where(valid, diff, 0.0)
+        count = valid.sum(dtype=torch.float32)
+    stats = torch.stack([diff.sum(), count])
     if group is not None:
         dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
     # With count 0 the sum is 0 too, so clamping the divisor at 1 returns 0 without a branch (no sync).

@@ -206,9 +206,10 @@ class KTOPasses:
         if not passes:  # still enter the collective: the other ranks do
             empty = torch.zeros(0, device=self.device)
             return estimate_kl_raw(empty, empty, group=self.kl_group)
-        policy_kl = torch.cat([p.policy_kl[p.valid] for p in passes])
-        reference_kl = torch.cat([p.reference_kl[p.valid] for p in passes])
-        return estimate_kl_raw(policy_kl, reference_kl, group=self.kl_group)
+        policy_kl = torch.cat([p.policy_kl for p in passes])
+        reference_kl = torch.cat([p.reference_kl for p in passes])
+        valid = torch.cat([p.valid for p in passes])
+        return estimate_kl_raw(policy_kl, reference_kl, group=self.kl_group, valid=valid)
 
     def _policy_logps(self, batch: KTOBatch) -> torch.Tensor:
         """The policy's completion log-probs [B] fp32 with gradient (the only pass that builds a graph)."""
@@ -239,8 +240,19 @@ class KTOPasses:
     def _sequence_logps(self, model: Any, view: TokenView) -> torch.Tensor:
         """Completion log-probs [B] fp32 of ``model`` on one view of the batch (graph only under grad)."""
         # apply_loss_mask=False scores every non-padding token (prompt included), as ColossalChat does.
-        mask = view.loss_mask if self.apply_loss_mask else view.attention_mask
-        return model_sequence_logps(model, view.input_ids, view.attention_mask, mask, self._lm_head(model))
+        if not self.apply_loss_mask:
+            return model_sequence_logps(
+                model, view.input_ids, view.attention_mask, view.attention_mask, self._lm_head(model)
+            )
+        return model_sequence_logps(
+            model,
+            view.input_ids,
+            view.attention_mask,
+            view.loss_mask,
+            self._lm_head(model),
+            view.keep,
+            view.targets(),
+        )
 
     def _flop_params(self, model: Any) -> int:
         """N of ``model`` for the FLOPs count (coati_kto.trainer.throughput), computed once per model."""
