@@ -54,13 +54,16 @@ QUESTIONS = [
 REFUSALS = ["I cannot help with that.", "Sorry, that is not possible.", "I cannot help with that. Sorry!"]
 
 
-def preference_records(n: int, offset: int) -> list[dict]:
-    """Imbalanced (about 2 desirable : 1 undesirable), each prompt with both kinds of answer."""
+def preference_records(
+    n: int, offset: int, questions: int = len(QUESTIONS), refusals: int = len(REFUSALS)
+) -> list[dict]:
+    """Imbalanced (about 2 desirable : 1 undesirable), each prompt with both kinds of answer; from the first
+    ``questions`` questions and ``refusals`` refusals."""
     out = []
     for i in range(n):
-        question, answer = QUESTIONS[(i + offset) % len(QUESTIONS)]
+        question, answer = QUESTIONS[(i + offset) % questions]
         desirable = i % 3 != 2
-        completion = answer if desirable else REFUSALS[i % len(REFUSALS)]
+        completion = answer if desirable else REFUSALS[i % refusals]
         out.append({"prompt": f"{question} ({i + offset})", "completion": completion, "label": desirable})
     return out
 

@@ -60,24 +60,12 @@ RUNS: dict[str, dict[str, Any]] = {
     },
 }
 
-QUESTIONS = [
-    ("What is the capital of France?", "The capital of France is Paris."),
-    ("What is the capital of Italy?", "The capital of Italy is Rome."),
-    ("Please add 2 and 3.", "The answer is 5. Thank you for asking!"),
-    ("Write a function that adds two numbers.", "def add(a, b):\n    return a + b\n"),
-]
-REFUSALS = ["I cannot help with that.", "Sorry, that is not possible."]
-
 
 def _records(n: int, offset: int) -> list[dict]:
-    """About 2 desirable : 1 undesirable, each prompt with both kinds of answer."""
-    out = []
-    for i in range(n):
-        question, answer = QUESTIONS[(i + offset) % len(QUESTIONS)]
-        desirable = i % 3 != 2
-        completion = answer if desirable else REFUSALS[i % len(REFUSALS)]
-        out.append({"prompt": f"{question} ({i + offset})", "completion": completion, "label": desirable})
-    return out
+    """The records the reference was recorded with: the first 4 questions and 2 refusals of tests/helpers.py."""
+    from helpers import preference_records
+
+    return preference_records(n, offset, questions=4, refusals=2)
 
 
 def _merge(base: dict, extra: dict) -> dict:
