@@ -72,7 +72,7 @@ def _die_on_rank_1() -> int:
 
     if dist.get_rank() == 1:
         os._exit(3)  # no traceback, no result: a segfault or the OOM killer looks like this
-    time.sleep(60)  # rank 0 is busy (gloo would notice a dead peer inside a collective by itself)
+    time.sleep(300)  # rank 0 is busy (gloo would notice a dead peer inside a collective by itself)
     return 0
 
 
@@ -80,4 +80,6 @@ def test_a_worker_dying_without_a_result_fails_the_run_at_once() -> None:
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="rank 1 exited with code 3 without reporting a result"):
         run_distributed(_die_on_rank_1, 2, timeout_s=600)
-    assert time.monotonic() - started < 30  # neither the 600 s timeout nor rank 0's 60 s
+    # Neither the 600 s timeout nor rank 0's 300 s; the margin is for spawning and imports on a loaded machine
+    # (47 s seen with other jobs on the 2 cores).
+    assert time.monotonic() - started < 150
