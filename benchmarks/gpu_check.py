@@ -128,7 +128,7 @@ def make_model(out: Path, corpus: list[str], size: str, device: str) -> int:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
-        torch_dtype="bfloat16",
+        dtype="bfloat16",
     )
     torch.manual_seed(0)
     with torch.device(device):
@@ -329,8 +329,8 @@ def check_export(work: Path, name: str) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM
 
     final = work / "runs" / name / "final"
-    exported = AutoModelForCausalLM.from_pretrained(final, torch_dtype=torch.float32)
-    initial = AutoModelForCausalLM.from_pretrained(work / "model", torch_dtype=torch.float32)
+    exported = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32)
+    initial = AutoModelForCausalLM.from_pretrained(work / "model", dtype=torch.float32)
     a, b = exported.state_dict(), initial.state_dict()
     changed = max(float((a[k] - b[k]).abs().max()) for k in b)
     finite = all(bool(torch.isfinite(v).all()) for v in a.values())

@@ -63,7 +63,9 @@ def completion_logprob(
 def greedy_answer(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: str, max_new: int = 4
 ) -> str:
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, return_dict=False
+    )
     out = model.generate(
         torch.tensor([ids]),
         max_new_tokens=max_new,
@@ -79,7 +81,7 @@ def evaluate(model_dir: str | Path, rows: list[dict]) -> Scores:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     answers = [greedy_answer(model, tokenizer, r["prompt"]) for r in rows]
     margins = [
         completion_logprob(model, tokenizer, r["prompt"], r["correct"])

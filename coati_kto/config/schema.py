@@ -337,9 +337,10 @@ class Config(_Section):
     @model_validator(mode="after")
     def _family_fits_plugin(self) -> Config:
         try:  # a model class without a shardformer policy cannot run under hybrid_parallel
-            check_model_family(self.plugin.name, self.model.path, "model.path")
+            tp = self.plugin.tp_size
+            check_model_family(self.plugin.name, self.model.path, "model.path", tp)
             if self.model.reference_path:
-                check_model_family(self.plugin.name, self.model.reference_path, "model.reference_path")
+                check_model_family(self.plugin.name, self.model.reference_path, "model.reference_path", tp)
         except ConfigError as err:
             raise ValueError(str(err)) from None
         return self

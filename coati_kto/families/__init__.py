@@ -12,37 +12,16 @@ module level here (3-4 s): the coverage scan reads its source instead, and ``pol
 
 from __future__ import annotations
 
-import ast
-import functools
-import importlib.util
 import json
 from pathlib import Path
 from typing import Any
 
 from coati_kto.errors import ConfigError
+from coati_kto.families.shardformer import hybrid_refusal, supported_summary
 
 # Families whose causal-LM forward is exactly ``logits = lm_head(final_hidden)`` (no soft-capping or scaling
 # after the head): the chunked head is exact for them. Others keep the logits path.
 HEAD_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe"})
-
-
-@functools.cache
-def shardformer_model_classes() -> frozenset[str]:
-    """Full class names (``transformers.models.llama.modeling_llama.LlamaForCausalLM``) with a shardformer policy.
-
-    Read from ColossalAI's own ``auto_policy.py`` without importing ColossalAI (3-4 s): config checks stay fast.
-    """
-    spec = importlib.util.find_spec("colossalai")
-    if spec is None or not spec.submodule_search_locations:
-        return frozenset()
-    source = Path(spec.submodule_search_locations[0]) / "shardformer" / "policies" / "auto_policy.py"
-    for node in ast.walk(ast.parse(source.read_text())):
-        targets = getattr(node, "targets", None) or [getattr(node, "target", None)]
-        if any(getattr(t, "id", None) == "_POLICY_LIST" for t in targets) and isinstance(
-            node.value, ast.Dict
-        ):
-            return frozenset(k.value for k in node.value.keys if isinstance(k, ast.Constant))
-    return frozenset()
 
 
 def model_class_name(model_dir: str) -> str | None:
@@ -61,32 +40,61 @@ def model_class_name(model_dir: str) -> str | None:
     return f"transformers.models.{module}.modeling_{module}.{architectures[0]}"
 
 
-def check_model_family(plugin: str, model_dir: str, key: str) -> None:
-    """ConfigError when ``plugin`` is hybrid_parallel and the model class at ``model_dir`` has no shardformer
-    policy. Checked from config.json alone; unknown classes (hub ids, remote code) are left to the plugin."""
+def check_model_family(plugin: str, model_dir: str, key: str, tp_size: int = 1) -> None:
+    """ConfigError (one line, naming what is supported) when ``plugin`` is hybrid_parallel and the model class at
+    ``model_dir`` is not admitted at ``tp_size`` (``shardformer.HYBRID_FAMILIES``: what the tests prove).
+    Checked from config.json alone; a class it cannot tell (hub id, remote code) is checked at boost."""
     if plugin != "hybrid_parallel":
         return
     name = model_class_name(model_dir)
-    supported = shardformer_model_classes()
-    if name is None or not supported or name in supported:
+    if name is None:
         return
-    families = sorted({c.rsplit(".", 1)[1] for c in supported if c.endswith("ForCausalLM")})
-    raise ConfigError(
-        f"{key} {model_dir}: {name.rsplit('.', 1)[1]} has no ColossalAI shardformer policy, so plugin.name "
-        f"hybrid_parallel cannot shard it: use plugin.name low_level_zero or ddp (causal LMs with a policy: "
-        f"{', '.join(families)})"
-    )
+    refuse_unadmitted(name, tp_size, f"{key} {model_dir}: ")
+
+
+def refuse_unadmitted(model_class: str, tp_size: int, prefix: str = "") -> None:
+    """ConfigError unless ``model_class`` (a class name, bare or with its module) is admitted under
+    hybrid_parallel at ``tp_size``."""
+    why = hybrid_refusal(model_class.rsplit(".", 1)[-1], tp_size)
+    if why is not None:
+        raise ConfigError(
+            f"{prefix}{why} (supported: {supported_summary()}); plugin.name low_level_zero or ddp needs no "
+            "policy"
+        )
+
+
+def layer_windows(config: Any) -> list[int | None] | None:
+    """Each layer's sliding window (None: full causal) as transformers 5 applies it, or None when some layer's
+    attention type is neither full nor sliding (chunked, linear...: no 4D mask reproduces it).
+
+    Transformers 5 decides per layer from ``config.layer_types`` (``sliding_attention`` uses
+    ``config.sliding_window``), so a Qwen2 config with ``use_sliding_window: false`` keeps a ``sliding_window``
+    value it never applies; configs without ``layer_types`` (Mistral) apply ``sliding_window`` to every layer.
+    """
+    window = getattr(config, "sliding_window", None)
+    window = int(window) if window else None
+    types = getattr(config, "layer_types", None)
+    if not types:
+        return [window]
+    if any(t not in ("full_attention", "sliding_attention") for t in types):
+        return None
+    return [window if t == "sliding_attention" else None for t in types]
 
 
 def attention_window(config: Any) -> int | None:
-    """The sliding window that Hugging Face's eager/sdpa causal mask applies for ``config`` (None: full causal).
+    """The one sliding window every layer applies (None: full causal); a packed 4D mask replaces the model's own
+    mask in every layer, so it must apply that window itself. ValueError where layers differ
+    (:func:`uniform_windows` says so beforehand)."""
+    windows = layer_windows(config)
+    if windows is None or len(set(windows)) != 1:
+        raise ValueError(f"layers mix attention windows {windows}: one packed mask cannot serve them all")
+    return windows[0]
 
-    A 4D mask replaces that mask, so the packed mask must apply the window itself: transformers 4.51 masks key
-    k for query q when q - k >= config.sliding_window (Mistral, Mixtral, Qwen2/3 build it from the config
-    value alone, whatever ``use_sliding_window`` says; Qwen2-MoE sets it to None when unused).
-    """
-    window = getattr(config, "sliding_window", None)
-    return int(window) if window else None
+
+def uniform_windows(config: Any) -> bool:
+    """Whether every layer attends with the same window (one 4D mask is right for all of them)."""
+    windows = layer_windows(config)
+    return windows is not None and len(set(windows)) == 1
 
 
 def eager_attention_reason(model_dir: str) -> str | None:

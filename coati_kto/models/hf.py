@@ -45,7 +45,7 @@ def load_causal_lm(path: str, model_cfg: ModelSection, dtype: torch.dtype) -> to
     attention, _ = attention_implementation(path, model_cfg)
     extra = {"attn_implementation": attention} if attention else {}
     return AutoModelForCausalLM.from_pretrained(
-        path, torch_dtype=dtype, trust_remote_code=model_cfg.trust_remote_code, **extra
+        path, dtype=dtype, trust_remote_code=model_cfg.trust_remote_code, **extra
     )
 
 
@@ -62,8 +62,20 @@ def load_reference(model_cfg: ModelSection, dtype: torch.dtype) -> torch.nn.Modu
     return model.to(get_accelerator().get_current_device()).eval().requires_grad_(False)
 
 
-# Float attributes that transformers' attention and MLP code read as dropout probabilities in forward.
-_DROPOUT_ATTRS = ("attention_dropout", "attn_dropout", "hidden_dropout", "dropout", "dropout_rate")
+# Float attributes that transformers' attention and MLP code read as dropout probabilities in forward. MoE router
+# jitter (Mixtral's jitter_noise, PhiMoE's router/input jitter, DBRX's moe_jitter_eps) is noise in training mode
+# like dropout: it would make the policy differ from the reference at step 0.
+_DROPOUT_ATTRS = (
+    "attention_dropout",
+    "attn_dropout",
+    "hidden_dropout",
+    "dropout",
+    "dropout_rate",
+    "jitter_noise",
+    "router_jitter_noise",
+    "input_jitter_noise",
+    "moe_jitter_eps",
+)
 
 
 def disable_dropout(module: nn.Module) -> None:

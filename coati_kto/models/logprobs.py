@@ -378,6 +378,10 @@ def model_sequence_logps(
 
 
 def _forward_accepts(module: torch.nn.Module, name: str) -> bool:
-    """Whether ``module.forward`` takes keyword ``name`` (or any keyword)."""
-    params = inspect.signature(module.forward).parameters.values()
-    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    """Whether ``module.forward`` names keyword ``name`` in its signature.
+
+    A ``**kwargs`` catch-all does not count: transformers 5's forwards take ``**kwargs`` and hand them on to the
+    attention, so a forward that does not name ``logits_to_keep`` would not slice (or would fail deeper down).
+    """
+    params = inspect.signature(module.forward).parameters
+    return name in params and params[name].kind is not inspect.Parameter.VAR_POSITIONAL

@@ -13,9 +13,9 @@ KL prompt is not the example's prompt (truncation cut them differently) packs as
 (B = the whole KL sequence, positions from 0, seeing only itself): still one forward, nothing shared.
 
 It needs a 4D additive mask, which Hugging Face's Llama-family models take with ``eager`` and ``sdpa``
-attention (transformers 4.51), and so do the plugins' wrappers of them: shardformer's Llama, Mistral and Qwen2
-forwards without flash attention hand the mask and position ids to the same attention (tested through
-HybridParallelModule and LowLevelZeroModel). With flash_attention_2, or a model whose head the chunked path
+attention (transformers 5 applies a 4D mask as given, in every layer), and so do the plugins' wrappers of them
+(the project's shardformer policies keep transformers' forwards; tested through HybridParallelModule and
+LowLevelZeroModel). Models whose layers mix window sizes (Gemma 3) run two passes. With flash_attention_2, or a model whose head the chunked path
 does not cover (tensor parallelism's vocabulary slices), :func:`pair_logps` runs two passes. The
 mask costs B x L^2 elements of the model dtype (L = the packed length).
 """
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from coati_kto.data.batch import KTOBatch
-from coati_kto.families import attention_window
+from coati_kto.families import attention_window, uniform_windows
 from coati_kto.models.logprobs import LMHead, head_token_logps, model_sequence_logps, sum_per_row
 from coati_kto.models.lora import base_module
 
@@ -128,9 +128,12 @@ def _config(model: Any) -> Any:
 
 
 def can_pack(model: Any) -> bool:
-    """eager/sdpa attention and a head covered by the chunked path (a plain model or a plugin's wrapper)."""
-    attention = getattr(_config(model), "_attn_implementation", None)
-    return attention in PACKABLE_ATTENTION and LMHead.find(model) is not None
+    """eager/sdpa attention, one attention window for every layer, and a head covered by the chunked path (a
+    plain model or a plugin's wrapper)."""
+    config = _config(model)
+    attention = getattr(config, "_attn_implementation", None)
+    # Layers with different windows (Gemma 3's sliding / full mix) would each need their own mask.
+    return attention in PACKABLE_ATTENTION and uniform_windows(config) and LMHead.find(model) is not None
 
 
 def packed_pair_logps(model: Any, head: LMHead, packed: PackedPairs) -> tuple[torch.Tensor, torch.Tensor]:

@@ -77,6 +77,7 @@ def apply() -> None:
         return
     _fix_unpadding_of_detached_copies()
     _fix_tp_partition_of_padded_vocabularies()
+    _route_policies_to_the_project()
     _applied = True
     if cuda_available():
         return
@@ -192,3 +193,23 @@ def make_optimizer(
 
         return HybridAdam(params, lr=lr, weight_decay=weight_decay, adamw_mode=True)
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+
+
+def _route_policies_to_the_project() -> None:
+    """Shardformer's automatic policy choice (a plugin built without ``custom_policy``) picks the project's
+    policy (coati_kto.families.shardformer) and refuses, in one line, a class it has none for: ColossalAI 0.5.0's
+    own policies replace forwards with transformers-4.51 code that fails, or computes wrong, under transformers 5.
+    """
+    from colossalai.shardformer.shard import sharder
+
+    from coati_kto.families.shardformer import policy_for, supported_summary
+
+    def project_policy(model: torch.nn.Module) -> Any:
+        policy = policy_for(type(model).__name__)
+        if policy is None:
+            raise ValueError(
+                f"{type(model).__name__} has no coati-kto shardformer policy (supported: {supported_summary()})"
+            )
+        return policy
+
+    sharder.get_autopolicy = project_policy

@@ -13,7 +13,7 @@ questions the rest of the code would otherwise ask the plugin object:
 - ``gradient_norm(optimizer, layout)``: where the step's gradient norm comes from and who clips.
 
 Why the rotary buffers stay fp32: the plugins cast the policy with ``module.to(bf16)``, which also casts the
-non-persistent ``inv_freq`` buffer of rotary embeddings. ``from_pretrained(torch_dtype=bf16)`` keeps that buffer
+non-persistent ``inv_freq`` buffer of rotary embeddings. ``from_pretrained(dtype=bf16)`` keeps that buffer
 in fp32 (transformers builds it with an explicit ``.float()``), so the exported model reloaded in bf16 computes
 RoPE in fp32. The policy and the reference must compute it the same way, or rewards are not 0 at step 0 and
 the trained policy is not the model that gets exported: every floating non-persistent buffer gets its fp32
@@ -30,7 +30,7 @@ from torch import nn
 
 from coati_kto.config.schema import PluginName, Precision
 from coati_kto.errors import ConfigError
-from coati_kto.families import model_class_name
+from coati_kto.families import model_class_name, refuse_unadmitted
 from coati_kto.families.policies import corrected_policy
 from coati_kto.parallel import compat
 from coati_kto.parallel.grad_norm import GradNorm
@@ -52,7 +52,7 @@ class ParallelPlan:
     max_grad_norm: float = 0.0
     flash_attention: bool = False
     # Full class name of the policy model (model_class_name), when config.json tells it: picks corrected
-    # shardformer policies (``_custom_policy``).
+    # shardformer policies (``families.policies.corrected_policy``).
     model_class: str | None = None
 
     # ---- construction / validation ----------------------------------------------------------------------
@@ -159,7 +159,9 @@ class ParallelPlan:
                 zero_stage=self.zero_stage,
                 max_norm=self.max_grad_norm,
                 cpu_offload=self.cpu_offload,
-                enable_flash_attention=self.flash_attention,
+                # Flash attention comes from transformers (model.attn_implementation), whose forwards the
+                # project's policies keep; ColossalAI's flash forwards are written for transformers 4.51.
+                enable_flash_attention=False,
                 # Full logits on every tensor-parallel rank: the log-prob gather needs the whole vocabulary row.
                 parallel_output=False,
                 custom_policy=corrected_policy(self.model_class),
@@ -182,6 +184,12 @@ class ParallelPlan:
     ) -> tuple[Any, Any, Any]:
         """``booster.boost`` the policy (loaded in fp32), then give its fp32-only buffers their values back."""
         kept = _fp32_buffers(policy)
+        if self.plugin == "hybrid_parallel":  # the class config.json could not tell (a hub id) is known now
+            # The transformers class, under a LoRA PeftModel too (not yet wrapped by the plugin here).
+            inner = type(policy.get_base_model() if hasattr(policy, "get_base_model") else policy)
+            model_class = f"{inner.__module__}.{inner.__qualname__}"
+            refuse_unadmitted(model_class, self.tp_size, "model.path: ")
+            booster.plugin.custom_policy = corrected_policy(model_class)
         policy, optimizer, _, _, lr_scheduler = booster.boost(policy, optimizer, lr_scheduler=lr_scheduler)
         _restore_buffers(kept)
         return policy, optimizer, lr_scheduler
@@ -201,6 +209,8 @@ class ParallelPlan:
         if self.plugin == "hybrid_parallel":
             from colossalai.booster.plugin.hybrid_parallel_plugin import HybridParallelModule
 
+            reference_class = f"{type(model).__module__}.{type(model).__qualname__}"
+            refuse_unadmitted(reference_class, self.tp_size, "model.reference_path: ")
             wrapped: nn.Module = HybridParallelModule(
                 model,
                 precision=plugin.precision,
@@ -211,7 +221,7 @@ class ParallelPlan:
                 use_ddp=False,
                 ddp_config={},
                 # By the reference's own class: model.reference_path may hold another family than the policy.
-                custom_policy=corrected_policy(f"{type(model).__module__}.{type(model).__qualname__}"),
+                custom_policy=corrected_policy(reference_class),
             )
         elif self.plugin == "low_level_zero":
             from colossalai.booster.plugin.low_level_zero_plugin import LowLevelZeroModel

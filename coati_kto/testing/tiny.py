@@ -131,8 +131,17 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "chatml",
         "tied input/output embeddings, attention bias, odd vocabulary, grouped-query attention",
     ),
-    # No ColossalAI 0.5.0 shardformer policy: ddp / low_level_zero only.
-    "qwen3": ("chatml", "tied embeddings, q/k norms (no shardformer policy)"),
+    "qwen3": (
+        "chatml",
+        "tied embeddings, per-head q/k norms (their gradients summed under tensor parallelism)",
+    ),
+    "gemma3": (
+        "chatml",
+        "tied scaled embeddings, (1 + w) norms, q/k norms, soft-capping, sliding and full layers mixed (window 8)",
+    ),
+    # transformers 5 only; ddp / low_level_zero (no hybrid_parallel policy).
+    "smollm3": ("llama3", "tied embeddings, layers without RoPE (no_rope_layers), grouped-query attention"),
+    # Gemma (1): no project policy, refused under hybrid_parallel (tests/test_plan_config.py).
     "gemma": ("chatml", "tied embeddings, scaled embeddings (no shardformer policy)"),
 }
 
@@ -159,6 +168,8 @@ def random_causal_lm(
 def build_family_model(family: str, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> PreTrainedModel:
     """A random ``family`` causal LM (FAMILIES) sized for CPU tests, its vocabulary fitted to ``tokenizer``."""
     from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
         GemmaConfig,
         GemmaForCausalLM,
         MistralConfig,
@@ -167,6 +178,8 @@ def build_family_model(family: str, tokenizer: PreTrainedTokenizerFast, seed: in
         Qwen2ForCausalLM,
         Qwen3Config,
         Qwen3ForCausalLM,
+        SmolLM3Config,
+        SmolLM3ForCausalLM,
     )
 
     exact = len(tokenizer)  # odd for the corpus used in tests: padded under HybridParallelPlugin
@@ -188,6 +201,22 @@ def build_family_model(family: str, tokenizer: PreTrainedTokenizerFast, seed: in
         "qwen2": (Qwen2ForCausalLM, Qwen2Config, dict(tie_word_embeddings=True, use_sliding_window=False)),
         "qwen3": (Qwen3ForCausalLM, Qwen3Config, dict(tie_word_embeddings=True, head_dim=8)),
         "gemma": (GemmaForCausalLM, GemmaConfig, dict(head_dim=8)),
+        "gemma3": (
+            Gemma3ForCausalLM,
+            Gemma3TextConfig,
+            dict(
+                head_dim=8,
+                num_hidden_layers=2,
+                sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"],
+                tie_word_embeddings=True,
+            ),
+        ),
+        "smollm3": (
+            SmolLM3ForCausalLM,
+            SmolLM3Config,
+            dict(num_hidden_layers=2, no_rope_layers=[1, 0], tie_word_embeddings=True),
+        ),
     }
     if family not in by_family:
         raise ValueError(f"unknown tiny family {family!r}; known: {sorted(FAMILIES)}")

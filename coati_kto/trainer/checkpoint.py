@@ -216,11 +216,11 @@ class CheckpointManager:
             state = _fp32_state(state, fp32_masters)
         if self.layout.is_main:
             out.mkdir(parents=True, exist_ok=True)
-            # save_pretrained drops tied duplicates that safetensors refuses, and writes config's torch_dtype.
+            # save_pretrained drops tied duplicates that safetensors refuses, and writes config's dtype.
             module.save_pretrained(out, state_dict=state, safe_serialization=True)
             if fp32_masters is not None:  # config.json names the module's (working) dtype: say what is stored
                 config = json.loads((out / "config.json").read_text())
-                config["torch_dtype"] = "float32"
+                config["dtype" if "dtype" in config else "torch_dtype"] = "float32"
                 _write_atomic(out / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
             if tokenizer is not None:
                 tokenizer.save_pretrained(out)

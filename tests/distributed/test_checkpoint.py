@@ -33,7 +33,7 @@ def _setup(model_dir: str, plugin_kw: dict, root: str) -> dict[str, Any]:
     from coati_kto.parallel.plan import ParallelPlan
     from coati_kto.trainer.checkpoint import CheckpointManager
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     plugin = ParallelPlan.from_section(PluginSection(**plugin_kw), max_grad_norm=1.0).build_plugin()
     layout = ParallelLayout.from_plugin(plugin)
     optimizer = compat.make_optimizer(model.parameters(), lr=3e-3, weight_decay=0.01)
@@ -237,8 +237,8 @@ def test_export_hf_loads_with_trained_weights_and_tokenizer(
 
     export = runs["export"]
     assert {"config.json", "model.safetensors"} <= set(os.listdir(export))
-    assert json.loads((export / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    hf = AutoModelForCausalLM.from_pretrained(export, torch_dtype=torch.float32)
+    assert json.loads((export / "config.json").read_text())["dtype"] == "bfloat16"
+    hf = AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32)
     trained = runs["second"][0]["bf16"]["weights"]
     assert {n for n, _ in hf.named_parameters()} == set(trained)
     for name, p in hf.named_parameters():

@@ -23,7 +23,7 @@ def _train_zero2_bf16(model_dir: str, steps: int) -> dict:
     from coati_kto.parallel.plan import ParallelPlan
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     section = PluginSection(name="hybrid_parallel", zero_stage=2, precision="bf16")
     plugin = ParallelPlan.from_section(section, max_grad_norm=1.0).build_plugin()
     layout = ParallelLayout.from_plugin(plugin)

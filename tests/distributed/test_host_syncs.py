@@ -41,4 +41,5 @@ def test_one_host_sync_per_step_outside_the_model(plugin: str, tiny_model_dir: P
     counts = run_distributed(_count, 1, str(tiny_model_dir), str(tmp_path), PLUGINS[plugin])[0]
     ours = counts["total"] - counts["in_model"]
     assert ours == 1, counts  # the metric / vote all-reduce, read once (it was 37)
-    assert counts["in_model"] <= MICRO_BATCHES * PASSES, counts
+    # transformers 4.51 checks the mask once per forward pass, 5.x twice; never per token or per layer.
+    assert counts["in_model"] <= 2 * MICRO_BATCHES * PASSES, counts

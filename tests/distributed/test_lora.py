@@ -105,9 +105,9 @@ def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, 
     if dist.get_rank() == 0:
         dtype = first.plan.dtype
         final = root / "run" / "final"
-        base = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=dtype)
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         adapted = PeftModel.from_pretrained(base, final / "adapter").eval()
-        merged = AutoModelForCausalLM.from_pretrained(final / "merged", torch_dtype=dtype).eval()
+        merged = AutoModelForCausalLM.from_pretrained(final / "merged", dtype=dtype).eval()
         with torch.no_grad():
             result["adapter_diff"] = float(
                 (first.passes._sequence_logps(adapted, batch.example) - trained_logps).abs().max()

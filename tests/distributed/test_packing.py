@@ -60,8 +60,32 @@ FAMILIES = {
     "qwen2": (Qwen2ForCausalLM, Qwen2Config, {}),
     # Sliding windows shorter than the rows: the packed 4D mask must apply them (it was 0.22 nats off before).
     "mistral_window4": (MistralForCausalLM, MistralConfig, {"sliding_window": 4}),
-    "qwen2_window4": (Qwen2ForCausalLM, Qwen2Config, {"use_sliding_window": True, "sliding_window": 4}),
+    "qwen2_window4": (
+        Qwen2ForCausalLM,
+        Qwen2Config,
+        {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0},
+    ),
+    # transformers 5 decides per layer (config.layer_types): with max_window_layers at its default (28) no layer
+    # of this 2-layer model slides, so the window must not be applied (reading config.sliding_window alone, as
+    # transformers 4 did, was 0.08 nats off per sequence here).
+    "qwen2_window_unused": (Qwen2ForCausalLM, Qwen2Config, {"use_sliding_window": True, "sliding_window": 4}),
 }
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_mixed_layer_windows_run_two_passes(attn):
+    """Layers with different windows (here full, then window 4) cannot share one packed mask: two passes."""
+    model = _model(
+        Qwen2ForCausalLM, Qwen2Config, attn, use_sliding_window=True, sliding_window=4, max_window_layers=1
+    )
+    assert model.config.layer_types == ["full_attention", "sliding_attention"]
+    assert not can_pack(model)
+    batch = KTOCollator(0)(_rows(0, 5))
+    with torch.no_grad():
+        example, kl, shared = pair_logps(model, batch)
+    assert int(shared.sum()) == 0
+    ref_example, ref_kl = _separate(model, batch)
+    assert torch.equal(example, ref_example) and torch.equal(kl, ref_kl)
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])

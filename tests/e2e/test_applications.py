@@ -108,7 +108,7 @@ def test_sft_scores_the_same_completion_tokens_as_coati_kto(qs: dict[str, list[d
     ids, n_prompt = qs_sft.encode(tokenizer, qs["kto_train"][0]["messages"])
     assert tokenizer.decode(ids[n_prompt:]) == answer(qs["kto_train"][0]) + "<|im_end|>\n"
     assert ids[:n_prompt] == tokenizer.apply_chat_template(
-        qs["kto_train"][0]["messages"][:1], add_generation_prompt=True
+        qs["kto_train"][0]["messages"][:1], add_generation_prompt=True, return_dict=False
     )
 
 

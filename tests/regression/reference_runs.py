@@ -141,9 +141,11 @@ def weights_digest(final_dir: Path) -> dict[str, Any]:
 def machine() -> dict[str, str]:
     """What decides whether float results can repeat bit for bit."""
     import torch
+    import transformers
 
     return {
         "torch": torch.__version__,
+        "transformers": transformers.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "machine": platform.machine(),
     }

@@ -1,7 +1,8 @@
 """Same seed, same numbers: four fixed runs (ddp fp32, hybrid ZeRO-2 bf16, cached reference, LoRA) against the
 numbers recorded in ``reference_runs.json`` before the package was reorganised (see ``reference_runs.py``).
 
-Bit for bit where the reference was recorded on the same torch build and CPU capability; elsewhere within
+Bit for bit where the reference was recorded on the same torch and transformers builds and CPU capability
+(the recorded file names them); elsewhere within
 rounding (fp32 1e-5 relative, bf16 runs 2e-2), and the weights' sum instead of their hash.
 """
 

@@ -303,7 +303,8 @@ def test_python_tokenizers_split_like_fast_ones(tiny_tokenizer, tmp_path) -> Non
 
     vocab, merges = tiny_tokenizer.backend_tokenizer.model.save(str(tmp_path))
     slow = GPT2Tokenizer(vocab, merges, eos_token="<|im_end|>")
-    assert not slow.is_fast
+    if slow.is_fast:  # transformers 5: every GPT-2 tokenizer has the Rust backend (and so offsets)
+        pytest.skip("this transformers has no Python GPT-2 tokenizer")
     prompts = ["Answer: ", "ca", "The answer is", "def add(a, b):\n   ", "x"]
     completions = ["5", "pital", " 5", " return a + b", " y"]
     assert Encoder(slow).split(prompts, completions) == Encoder(tiny_tokenizer).split(prompts, completions)

@@ -53,10 +53,14 @@ def test_softcapped_attention_loads_eager_unless_told(tmp_path: Path) -> None:
     ids = torch.randint(0, 64, (2, 12))
     loaded = load_causal_lm(section.path, section, torch.float32).eval()
     eager = AutoModelForCausalLM.from_pretrained(section.path, attn_implementation="eager").eval()
-    sdpa = AutoModelForCausalLM.from_pretrained(section.path, attn_implementation="sdpa").eval()
     with torch.no_grad():
-        got, want, skipped = (m(ids).logits for m in (loaded, eager, sdpa))
-    assert torch.equal(got, want) and (got - skipped).abs().max() > 1e-3
+        assert torch.equal(loaded(ids).logits, eager(ids).logits)
+    try:  # transformers 4.51 runs it under sdpa without the cap; transformers 5 refuses sdpa for Gemma 2
+        sdpa = AutoModelForCausalLM.from_pretrained(section.path, attn_implementation="sdpa").eval()
+    except ValueError:
+        return
+    with torch.no_grad():
+        assert (eager(ids).logits - sdpa(ids).logits).abs().max() > 1e-3
     told = ModelSection(path=section.path, attn_implementation="sdpa")
     assert attention_implementation(told.path, told) == ("sdpa", None)
 

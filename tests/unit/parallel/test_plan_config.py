@@ -10,7 +10,6 @@ from helpers import CORPUS, MINIMAL, write_config
 from coati_kto.config.load import load_config
 from coati_kto.config.schema import Config
 from coati_kto.errors import ConfigError
-from coati_kto.families import model_class_name, shardformer_model_classes
 from coati_kto.parallel.plan import ParallelPlan
 
 
@@ -88,23 +87,35 @@ def test_output_is_needed_by_train_only(tmp_path: Path, tiny_model_dir: Path) ->
         config.training_output()
 
 
-def test_family_without_shardformer_policy_is_a_config_error(tmp_path: Path) -> None:
+def test_hybrid_admits_only_the_proven_families(tmp_path: Path) -> None:
+    """hybrid_parallel admits a family at a tp_size only where the lifecycle matrix proves it; anything else is
+    one line at config load naming what is supported. The other plugins take any causal LM."""
     from coati_kto.testing.tiny import save_tiny_family
 
-    supported = shardformer_model_classes()
-    assert "transformers.models.qwen2.modeling_qwen2.Qwen2ForCausalLM" in supported
-    for family, arch in [("gemma", "GemmaForCausalLM"), ("qwen3", "Qwen3ForCausalLM")]:
-        model_dir = save_tiny_family(tmp_path / family, family, CORPUS[:20], vocab_size=280)
-        assert model_class_name(str(model_dir)) not in supported
+    def load(model_dir: Path, *overrides: str) -> object:
         text = MINIMAL.replace("some/model", str(model_dir))
-        with pytest.raises(ConfigError) as err:
-            load_config(write_config(tmp_path, text))
-        assert f"model.path {model_dir}: {arch} has no ColossalAI shardformer policy" in str(err.value)
-        assert "use plugin.name low_level_zero or ddp" in str(err.value)
-        # The other plugins do not need a policy.
-        assert (
-            load_config(write_config(tmp_path, text), ["plugin.name=low_level_zero"]).plugin.zero_stage == 2
-        )
+        return load_config(write_config(tmp_path, text), list(overrides))
+
+    gemma = save_tiny_family(tmp_path / "gemma", "gemma", CORPUS[:20], vocab_size=280)
+    with pytest.raises(ConfigError) as err:
+        load(gemma)
+    message = str(err.value)
+    assert "\n" not in message
+    assert (
+        f"model.path {gemma}: GemmaForCausalLM is not supported under plugin.name hybrid_parallel" in message
+    )
+    assert "Qwen3ForCausalLM (tp_size 1, 2)" in message and "Gemma3ForCausalLM (tp_size 1)" in message
+    assert "low_level_zero or ddp needs no policy" in message
+    assert load(gemma, "plugin.name=low_level_zero").plugin.zero_stage == 2
+
+    gemma3 = save_tiny_family(tmp_path / "gemma3", "gemma3", CORPUS[:20], vocab_size=280)
+    assert load(gemma3).plugin.tp_size == 1
+    with pytest.raises(
+        ConfigError, match="Gemma3ForCausalLM is not supported under plugin.name hybrid_parallel at tp_size 2"
+    ):
+        load(gemma3, "plugin.tp_size=2", "plugin.zero_stage=0")
+    qwen3 = save_tiny_family(tmp_path / "qwen3", "qwen3", CORPUS[:20], vocab_size=280)
+    assert load(qwen3, "plugin.tp_size=2", "plugin.zero_stage=0").plugin.tp_size == 2
 
 
 def test_plan_answers() -> None:

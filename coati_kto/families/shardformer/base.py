@@ -1,0 +1,140 @@
+"""The project's tensor-parallel policy for Llama-shaped decoders, run with transformers' own forwards.
+
+Why not ColossalAI 0.5.0's policies: they replace the model's forward with copies written for transformers
+4.51, which under transformers 5 fail to import (``StaticCache``), call ``_update_causal_mask`` (gone), or take
+``layer_outputs[0]`` from decoder layers that now return a tensor (batch row 0, silently, at micro-batch 1).
+Transformers 5's attention reshapes with ``view(*shape, -1, head_dim)`` and repeats key-value heads by the
+ratio ``num_key_value_groups``, so its own forward runs unchanged on a rank holding 1/tp of the heads: the policy
+only has to swap modules, never forwards. Pipeline and sequence parallelism (which need ColossalAI's forwards)
+are refused; the project runs neither (``pp_size=1``, no sequence parallelism).
+
+What the policy swaps, under tensor parallelism only: q/k/v and gate/up projections column-parallel, o/down
+row-parallel (one all-reduce each), the embedding vocabulary-parallel, the LM head vocabulary-parallel with the
+logits gathered and unpadded (``parallel_output=False``: the log-prob code needs whole vocabulary rows). At
+tp_size 1 nothing is swapped: transformers' modules as they are, no padded vocabulary to unpad at save time.
+Flash attention comes from transformers (``attn_implementation``), not from ColossalAI's kernels.
+
+Parameters that act on a rank's own heads but are replicated (per-head q/k norms) get partial gradients on each
+rank: ``per_head_replicated`` names them, and ``postprocess`` registers a gradient hook summing them over the
+tensor-parallel group, so every rank applies the same, full gradient (tp_size 2 == tp_size 1).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from colossalai.shardformer.layer import (
+    Linear1D_Col,
+    Linear1D_Row,
+    VocabParallelEmbedding1D,
+    VocabParallelLMHead1D,
+)
+from colossalai.shardformer.policies.base_policy import (
+    ModulePolicyDescription,
+    Policy,
+    SubModuleReplacementDescription,
+)
+from torch import nn
+
+COLUMN_PARALLEL = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+
+
+class DecoderPolicy(Policy):
+    """Tensor-parallel sharding of a ``...ForCausalLM`` whose layers follow Llama's module names.
+
+    Subclasses set ``causal_lm`` / ``base_model`` / ``decoder_layer`` (the transformers classes) and may set
+    ``per_head_replicated`` (suffixes under a decoder layer whose gradients are summed over the tensor-parallel
+    group) and ``embedding_cls`` (the vocabulary-parallel embedding).
+    """
+
+    causal_lm: type[nn.Module]
+    base_model: type[nn.Module]
+    decoder_layer: type[nn.Module]
+    per_head_replicated: tuple[str, ...] = ()
+    embedding_cls: type[nn.Module] = VocabParallelEmbedding1D
+
+    def config_sanity_check(self) -> None:
+        config = self.shard_config
+        if config.pipeline_stage_manager is not None or config.enable_sequence_parallelism:
+            raise ValueError(
+                f"{type(self).__name__} supports tensor parallelism only (no pipeline / sequence parallelism)"
+            )
+
+    def preprocess(self) -> nn.Module:
+        return self.model
+
+    def module_policy(self) -> dict[Any, ModulePolicyDescription]:
+        config = self.shard_config
+        if not config.enable_tensor_parallelism:
+            return {}
+        model_config = self.model.config
+        tp = config.tensor_parallel_size
+        heads, kv_heads = model_config.num_attention_heads, model_config.num_key_value_heads
+        if heads % tp or kv_heads % tp:
+            # One line for the user: the split must keep whole heads (and whole key-value groups) per rank.
+            raise ValueError(
+                f"tp_size {tp} must divide num_attention_heads {heads} and num_key_value_heads {kv_heads}"
+            )
+        fp8 = {"fp8_communication": config.fp8_communication}
+        layers = [SubModuleReplacementDescription(s, Linear1D_Col, kwargs=fp8) for s in COLUMN_PARALLEL]
+        layers += [SubModuleReplacementDescription(s, Linear1D_Row, kwargs=fp8) for s in ROW_PARALLEL]
+        vocab = {"make_vocab_size_divisible_by": config.make_vocab_size_divisible_by, **fp8}
+        return {
+            self.decoder_layer: ModulePolicyDescription(sub_module_replacement=layers),
+            self.base_model: ModulePolicyDescription(
+                sub_module_replacement=[
+                    SubModuleReplacementDescription("embed_tokens", self.embedding_cls, kwargs=vocab)
+                ]
+            ),
+            self.causal_lm: ModulePolicyDescription(
+                sub_module_replacement=[
+                    SubModuleReplacementDescription(
+                        "lm_head",
+                        VocabParallelLMHead1D,
+                        kwargs={"gather_output": not config.parallel_output, **vocab},
+                    )
+                ]
+            ),
+        }
+
+    def postprocess(self) -> nn.Module:
+        config = self.shard_config
+        if config.enable_tensor_parallelism and config.tensor_parallel_size > 1:
+            for param in replicated_per_head_parameters(
+                self.model, self.decoder_layer, self.per_head_replicated
+            ):
+                sum_gradient_over(param, config.tensor_parallel_process_group)
+        return self.model
+
+
+def replicated_per_head_parameters(
+    model: nn.Module, layer_cls: type[nn.Module], suffixes: tuple[str, ...]
+) -> list[nn.Parameter]:
+    """The parameters under every ``layer_cls`` module of ``model`` whose names start with one of ``suffixes``."""
+    found = []
+    for layer in model.modules():
+        if isinstance(layer, layer_cls):
+            found += [p for n, p in layer.named_parameters() if n.startswith(suffixes)]
+    return found
+
+
+def sum_gradient_over(param: nn.Parameter, group: Any) -> None:
+    """Make ``param``'s gradient the sum over ``group`` of each rank's gradient.
+
+    A tensor hook runs on each backward's gradient before it is accumulated into ``.grad`` (and before ZeRO's
+    post-accumulate hooks move it into its buckets), so accumulation, ZeRO and clipping all see the summed value.
+    Idempotent per parameter.
+    """
+    if getattr(param, "_coati_tp_summed", False):
+        return
+
+    def summed(grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.clone()  # the incoming gradient may be shared with other consumers of the graph
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=group)
+        return grad
+
+    param.register_hook(summed)
+    param._coati_tp_summed = True  # type: ignore[attr-defined]
