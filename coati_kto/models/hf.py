@@ -32,7 +32,11 @@ def load_causal_lm(path: str, model_cfg: ModelSection, dtype: torch.dtype) -> to
     """A Hugging Face causal LM. Dropout is switched off on the modules by KTOTrainer, not in the config, so
     the exported model keeps the user's config."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
+    # transformers 5 draws a "Loading weights" bar on stderr for every load on every rank (policy, reference):
+    # noise between the run's own lines, and in front of a one-line refusal.
+    hf_logging.disable_progress_bar()
     if (
         model_cfg.attn_implementation == "flash_attention_2"
         and importlib.util.find_spec("flash_attn") is None
