@@ -1,0 +1,506 @@
+"""KTO training on one GPU in one command: step time, tokens/s, MFU, memory, GPU-busy share, launches, syncs.
+
+    PYTHONPATH=. python benchmarks/gpu_bench.py --out /tmp/gpu_bench [--trl-wheels DIR] [--json report.json]
+    PYTHONPATH=. python benchmarks/gpu_bench.py --smoke          # CPU, tiny, seconds: the same table
+
+Fixture, built offline: a byte-level BPE tokenizer (coati_kto.testing.tiny), a random ~1B Llama (hidden 2048, 16
+layers, vocabulary 32000) and a Qwen3 of the same shape (grouped-query attention, q/k norms), saved in bf16; two
+synthetic KTO datasets of rows up to ``--max-length`` (1024) tokens, half desirable, whose lengths spread:
+``tool_use`` (prompts of 76-92% of the row, completions of 1-8%: a long system prompt, a short answer) and
+``half`` (prompt and completion 35-50% each). Token counts are exact: each word's tokens are counted with the
+tokenizer (the byte-level pre-tokenizer splits on spaces, so a text's tokens are the sum of its words').
+
+Cases: model x shape x reference (``online``; ``cached``: the train's own cache step computes the reference
+log-probs once, before the first step) x plugin (hybrid_parallel ZeRO-2 bf16, low_level_zero ZeRO-2 bf16),
+micro-batch 8, ``model.attn_implementation`` sdpa. A model the plugin does not admit (Qwen3 under
+hybrid_parallel with transformers 4.51: no shardformer policy) is skipped with the config check's reason.
+Each case runs ``coati_kto.train.train(config)`` twice in a fresh process (peak memory is a process figure):
+
+- timed run, ``--warmup`` + ``--steps`` optimizer steps, ``train.log_interval`` 1: the trainer's own per-step
+  record gives the step's wall seconds (its one metric all-reduce reads the step's sums back to the host, so
+  the step ends after the GPU finished its forward and backward passes), its non-pad tokens and its model
+  FLOPs counted over the passes actually run (coati_kto.trainer.throughput: 6 N per token of the policy's
+  gradient pass, 2 N per token of each no-grad pass, no reference pass with the cached reference). Printed:
+  medians over the steps after the warm-up; MFU = model FLOP/s / the device's dense bf16 peak (throughput's
+  table); peak ``torch.cuda.max_memory_allocated``.
+- profiled run, 1 + ``--profile-steps`` steps under ``torch.profiler`` (CPU and CUDA activities). Steps are
+  cut at the end of each ``Optimizer.step#...`` range (torch records one per optimizer step); over the steps
+  after the first: GPU busy = summed CUDA kernel time / wall time, kernel launches, host syncs
+  (cudaStreamSynchronize / cudaDeviceSynchronize / cudaEventSynchronize calls and blocking cudaMemcpy), device
+  to host copies, and host ops (``aten::`` op events, nested ones included) per step.
+
+On CPU (``--smoke``: a model of a few hundred K parameters, rows of 64 tokens, 2 steps per case, gloo, all cases
+in one process) the GPU columns say n/a and host ops per step are still counted.
+
+TRL side by side (``--trl-wheels DIR``): TRL's KTOTrainer on the same model and data (llama, both shapes,
+reference model / ``precompute_ref_log_probs``), bf16, micro-batch 8, in a throwaway venv built from the wheels
+in DIR only (``pip install --no-index --find-links DIR``: the GPU machine reaches no registry), its steps timed
+by a TrainerCallback with CUDA synchronization (benchmarks/trl_side_by_side.py's child does the run). The
+README says how to prepare DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB_SIZE = 32000
+MICRO_BATCH = 8
+# model name -> (transformers class, hidden, layers, heads, kv heads, intermediate)
+MODELS: dict[str, tuple[str, int, int, int, int, int]] = {
+    "llama": ("Llama", 2048, 16, 16, 16, 5632),
+    "qwen3": ("Qwen3", 2048, 16, 16, 8, 5632),
+}
+SMOKE_MODELS: dict[str, tuple[str, int, int, int, int, int]] = {
+    "llama": ("Llama", 64, 2, 4, 4, 128),
+    "qwen3": ("Qwen3", 64, 2, 4, 2, 128),
+}
+# shape -> (prompt, completion) token ranges as fractions of max_length (uniform within each range).
+SHAPES: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {
+    "tool_use": ((0.76, 0.92), (0.01, 0.08)),
+    "half": ((0.35, 0.50), (0.35, 0.50)),
+}
+PLUGINS: dict[str, dict[str, Any]] = {
+    "hybrid_z2": {"name": "hybrid_parallel", "zero_stage": 2, "precision": "bf16"},
+    "lowlevel_z2": {"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"},
+}
+REFERENCES = ("online", "cached")
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+@dataclass(frozen=True)
+class Case:
+    """One benchmark run: which model, data shape, reference mode and plugin."""
+
+    model: str
+    shape: str
+    reference: str
+    plugin: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.model}/{self.shape}/{self.reference}/{self.plugin}"
+
+
+def all_cases() -> list[Case]:
+    return [
+        Case(m, s, r, p) for m in MODELS for s in SHAPES for r in REFERENCES for p in PLUGINS
+    ]
+
+
+# ------------------------------------------------------------------------------------------------ fixture
+def _words(rng: random.Random, n: int) -> list[str]:
+    syllables = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"]
+    return sorted({"".join(rng.choices(syllables, k=rng.randint(1, 3))) for _ in range(n)})
+
+
+def _text(rng: random.Random, words: list[str], cost: dict[str, int], tokens: int) -> str:
+    """Words drawn until their tokens reach ``tokens`` (each word's count measured with the tokenizer)."""
+    out, n = [], 0
+    while n < tokens:
+        word = rng.choice(words)
+        n += cost[word]
+        out.append(word)
+    return " ".join(out)
+
+
+def build_fixture(work: Path, max_length: int, rows: int, models: dict[str, tuple]) -> dict[str, Any]:
+    """Tokenizer, one random model per ``models`` entry (bf16 safetensors) and one JSONL file per shape."""
+    import torch
+    import transformers
+
+    from coati_kto.data.formats import write_jsonl
+    from coati_kto.testing.tiny import build_tokenizer
+
+    rng = random.Random(0)
+    words = _words(rng, 6000)
+    tokenizer = build_tokenizer(
+        [" ".join(rng.sample(words, 300)) for _ in range(300)], vocab_size=4096 if max_length > 128 else 512
+    )
+    # " word" is what a word costs inside a text: the byte-level pre-tokenizer splits before each space.
+    cost = {w: len(tokenizer(" " + w, add_special_tokens=False)["input_ids"]) for w in words}
+    info: dict[str, Any] = {"shapes": {}, "models": {}}
+    for shape, ((p_lo, p_hi), (c_lo, c_hi)) in SHAPES.items():
+        records, prompts, completions = [], [], []
+        for i in range(rows):
+            p = rng.randint(max(1, int(p_lo * max_length)), int(p_hi * max_length))
+            c = rng.randint(max(1, int(c_lo * max_length)), max(1, int(c_hi * max_length)))
+            records.append(
+                {
+                    "prompt": _text(rng, words, cost, p),
+                    "completion": " " + _text(rng, words, cost, c),
+                    "label": i % 2 == 0,
+                }
+            )
+            prompts.append(p)
+            completions.append(c)
+        write_jsonl(records, work / "data" / shape / "train.jsonl")
+        info["shapes"][shape] = {"prompt_p50": statistics.median(prompts), "completion_p50": statistics.median(completions)}
+    for name, (family, hidden, layers, heads, kv_heads, inter) in models.items():
+        config_class = getattr(transformers, f"{family}Config")
+        model_class = getattr(transformers, f"{family}ForCausalLM")
+        extra = {"head_dim": hidden // heads} if family == "Qwen3" else {}
+        config = config_class(
+            vocab_size=VOCAB_SIZE if max_length > 128 else 512,
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            max_position_embeddings=max(2048, max_length),
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+            tie_word_embeddings=False,
+            attention_dropout=0.0,
+            torch_dtype="bfloat16",
+            **extra,
+        )
+        torch.manual_seed(0)
+        model = model_class(config)
+        out = work / "models" / name
+        model.to(torch.bfloat16).save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        embedding = model.get_input_embeddings().weight.numel()
+        info["models"][name] = {"params": sum(p.numel() for p in model.parameters()), "embedding": embedding}
+        del model
+    return info
+
+
+def case_config(work: Path, case: Case, args: argparse.Namespace, steps: int, tag: str) -> dict[str, Any]:
+    """The run's config as a plain dict (validated by the caller: a refused combination is a skip reason)."""
+    return {
+        "model": {"path": str(work / "models" / case.model), "attn_implementation": args.attn},
+        "data": {
+            "train_files": [str(work / "data" / case.shape / "train.jsonl")],
+            # One prepared dir per (model, shape): the reference cache lives there and is reused by later runs.
+            "prepared_dir": str(work / "prepared" / f"{case.model}-{case.shape}"),
+            "max_length": args.max_length,
+            "max_prompt_length": args.max_length - 1,
+        },
+        "kto": {"beta": 0.1, "reference": case.reference},
+        "train": {
+            "micro_batch_size": MICRO_BATCH,
+            "max_epochs": 1000,
+            "max_steps": steps,
+            "lr": 1e-5,
+            "log_interval": 1,
+            "seed": 0,
+        },
+        "plugin": dict(PLUGINS[case.plugin]),
+        "output": {"dir": str(work / "runs" / f"{case.name.replace('/', '-')}-{tag}"), "save_final": False},
+        "logging": {"tensorboard": False},
+    }
+
+
+# ------------------------------------------------------------------------------------------------ one case
+def _profile_figures(prof: Any, cuda: bool) -> dict[str, Any]:
+    """Per-step figures of a profiled run, over the steps after the first (cut at optimizer-step ends)."""
+    import torch
+
+    events = list(prof.events())
+    ends = sorted(e.time_range.end for e in events if e.name.startswith("Optimizer.step#"))
+    if len(ends) < 2:
+        return {"profile_error": f"{len(ends)} optimizer steps found in the profile (need 2)"}
+    lo, hi, steps = ends[0], ends[-1], len(ends) - 1
+    inside = [e for e in events if lo <= e.time_range.start < hi]
+    cpu_ops = sum(1 for e in inside if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("aten::"))
+    out: dict[str, Any] = {"host_ops": cpu_ops / steps, "profiled_steps": steps}
+    if not cuda:
+        return out
+    gpu = [e for e in inside if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [e for e in gpu if not e.name.startswith(("Memcpy", "Memset"))]
+    busy_us = sum(e.time_range.elapsed_us() for e in kernels)
+    syncs = sum(1 for e in inside if e.name in SYNC_CALLS)
+    dtoh = sum(1 for e in gpu if e.name.startswith("Memcpy DtoH"))
+    out.update(
+        gpu_busy=busy_us / (hi - lo),
+        kernels=len(kernels) / steps,
+        syncs=syncs / steps,
+        dtoh=dtoh / steps,
+    )
+    return out
+
+
+def run_case(work: Path, case: Case, args: argparse.Namespace, fixture: dict[str, Any]) -> dict[str, Any]:
+    """Timed run then profiled run of ``case`` in this process; its figures (or the reason it was skipped)."""
+    import torch
+    from pydantic import ValidationError
+
+    from coati_kto.config.schema import Config
+    from coati_kto.errors import ConfigError
+    from coati_kto.train import train
+    from coati_kto.trainer.throughput import table_peak_flops
+
+    cuda = torch.cuda.is_available()
+    result: dict[str, Any] = {"case": case.name}
+    try:
+        config = Config.model_validate(case_config(work, case, args, args.warmup + args.steps, "timed"))
+    except (ValidationError, ConfigError) as err:
+        reason = str(err).splitlines()
+        result["skipped"] = next((line.strip() for line in reversed(reason) if "plugin" in line), reason[-1])
+        return result
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    trainer = train(config)
+    records = [r for r in trainer.history if "train/examples_per_second" in r]
+    timed = records[args.warmup :] or records
+    seconds = [MICRO_BATCH / r["train/examples_per_second"] for r in timed]
+    flops = [r["train/model_flops_per_second"] * s for r, s in zip(timed, seconds, strict=True)]
+    tokens = [r["train/tokens_per_second"] * s for r, s in zip(timed, seconds, strict=True)]
+    step = statistics.median(seconds)
+    peak = table_peak_flops(torch.cuda.get_device_name()) if cuda else None
+    result.update(
+        step_s=step,
+        tokens_per_s=statistics.median(t / s for t, s in zip(tokens, seconds, strict=True)),
+        tokens_per_step=statistics.fmean(tokens),
+        tflops=statistics.median(f / s for f, s in zip(flops, seconds, strict=True)) / 1e12,
+        loss_first=records[0].get("train/loss"),
+        steps=len(records),
+    )
+    result["mfu"] = result["tflops"] * 1e12 / peak if peak else None
+    result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
+    del trainer
+    if cuda:
+        torch.cuda.empty_cache()
+
+    config = Config.model_validate(case_config(work, case, args, 1 + args.profile_steps, "profiled"))
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        del_trainer = train(config)
+    del del_trainer
+    result.update(_profile_figures(prof, cuda))
+    return result
+
+
+def run_cases_here(work: Path, names: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every case of ``names`` in this process, one after the other; each result is also printed as JSON."""
+    fixture = json.loads((work / "fixture.json").read_text())
+    by_name = {c.name: c for c in all_cases()}
+    results = []
+    for name in names:
+        try:
+            result = run_case(work, by_name[name], args, fixture)
+        except Exception as err:  # noqa: BLE001 - one failing case is a row of the table, not the end
+            import traceback
+
+            traceback.print_exc()
+            result = {"case": name, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
+        print("RESULT " + json.dumps(result), flush=True)
+        results.append(result)
+    return results
+
+
+# ------------------------------------------------------------------------------------------------ TRL
+def trl_rows(work: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """TRL's KTOTrainer on the llama fixture (both shapes, both reference modes) in a venv built from wheels."""
+    import trl_side_by_side
+
+    venv = Path(args.trl_venv).resolve() if args.trl_venv else work / "trl-venv"
+    wheels = Path(args.trl_wheels).resolve() if args.trl_wheels else None
+    if wheels is None and not (venv / trl_side_by_side.SPEC_FILE).exists():
+        return [{"case": "TRL", "skipped": "no --trl-wheels DIR given and no TRL venv at " + str(venv)}]
+    if wheels is not None:
+        spec = trl_side_by_side.trl_spec_from_wheels(wheels)
+        trl_side_by_side.ensure_trl_venv(venv, spec, find_links=wheels)
+    rows = []
+    for shape in SHAPES:
+        for reference, precompute in (("online", False), ("cached", True)):
+            name = f"TRL llama/{shape}/{reference}"
+            options = {
+                "model": str(work / "models" / "llama"),
+                "data": str(work / "data" / shape / "train.jsonl"),
+                "out": str(work / "runs" / f"trl-{shape}-{reference}"),
+                "micro_batch": MICRO_BATCH,
+                "max_length": args.max_length,
+                "max_prompt_length": args.max_length - 1,
+                "bf16": not args.smoke,
+                "use_cpu": args.smoke,
+                "steps": args.warmup + args.steps,
+            }
+            try:
+                r = trl_side_by_side.run_trl(venv, work, precompute, options)
+            except SystemExit as err:  # run_trl exits with the child's output tail
+                rows.append({"case": name, "error": str(err)[-300:]})
+                continue
+            timed = r["step_seconds"][args.warmup :] or r["step_seconds"]
+            rows.append(
+                {
+                    "case": name,
+                    "step_s": statistics.median(timed),
+                    "peak_gib": r.get("peak_cuda_gib"),
+                    "versions": r["versions"],
+                }
+            )
+    return rows
+
+
+# ------------------------------------------------------------------------------------------------ table
+def _fmt(value: Any, spec: str) -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    return format(value, spec)
+
+
+COLUMNS = (
+    ("case", 34, None, "case"),
+    ("step_s", 8, ".4f", "step_s"),
+    ("tokens_per_s", 10, ".0f", "tok/s"),
+    ("tflops", 8, ".2f", "TFLOP/s"),
+    ("mfu", 6, ".1%", "MFU"),
+    ("peak_gib", 8, ".2f", "peakGiB"),
+    ("gpu_busy", 8, ".1%", "GPUbusy"),
+    ("kernels", 9, ".0f", "kernels"),
+    ("syncs", 7, ".1f", "syncs"),
+    ("dtoh", 6, ".1f", "DtoH"),
+    ("host_ops", 9, ".0f", "host_ops"),
+)
+
+
+def table(results: list[dict[str, Any]]) -> str:
+    """One line per case; per step figures; ``n/a`` where the device has none (CPU) or the case lacks it."""
+    lines = ["  ".join(f"{title:<{width}}" for _, width, _, title in COLUMNS)]
+    for r in results:
+        if "skipped" in r or "error" in r:
+            what = "skipped" if "skipped" in r else "FAILED"
+            lines.append(f"{r['case']:<34}  {what}: {r.get('skipped') or r.get('error')}")
+            continue
+        cells = [f"{r['case']:<34}"]
+        for key, width, spec, _ in COLUMNS[1:]:
+            cells.append(f"{_fmt(r.get(key), spec):<{width}}")
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def speedups(results: list[dict[str, Any]], trl: list[dict[str, Any]]) -> list[str]:
+    """Per-step speed-up of coati-kto (hybrid ZeRO-2, llama) over TRL on the same shape and reference mode."""
+    ours = {r["case"]: r for r in results if "step_s" in r}
+    lines = []
+    for t in trl:
+        if "step_s" not in t:
+            continue
+        shape, reference = t["case"].split("/")[1:]
+        mine = ours.get(f"llama/{shape}/{reference}/hybrid_z2")
+        if mine:
+            lines.append(f"llama/{shape}/{reference}: coati-kto {t['step_s'] / mine['step_s']:.2f}x faster per step than TRL")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------ driver
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=None, help="work directory (default: a temporary one)")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny models, rows of 64 tokens, 2 steps per case")
+    p.add_argument("--cases", default=None, help="comma-separated case names or substrings (default: all)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps after warm-up (default 10; smoke 1)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3; smoke 1)")
+    p.add_argument("--profile-steps", type=int, default=None, help="profiled steps (default 3; smoke 1)")
+    p.add_argument("--max-length", type=int, default=None, help="tokens per row at most (1024; smoke 64)")
+    p.add_argument("--attn", default="sdpa", choices=["eager", "sdpa", "flash_attention_2"])
+    p.add_argument("--trl-wheels", default=None, help="wheels for TRL's throwaway venv (see the README)")
+    p.add_argument("--trl-venv", default=None, help="TRL venv to build or reuse (default: OUT/trl-venv)")
+    p.add_argument("--case-timeout", type=float, default=900)
+    p.add_argument("--json", type=Path, default=None, help="write every figure here")
+    p.add_argument("--run-cases", default=None, help=argparse.SUPPRESS)  # internal: a case process
+    args = p.parse_args(argv)
+    small = args.smoke
+    args.steps = args.steps if args.steps is not None else (1 if small else 10)
+    args.warmup = args.warmup if args.warmup is not None else (1 if small else 3)
+    args.profile_steps = args.profile_steps if args.profile_steps is not None else (1 if small else 3)
+    args.max_length = args.max_length or (64 if small else 1024)
+    return args
+
+
+def _selected(spec: str | None) -> list[str]:
+    names = [c.name for c in all_cases()]
+    if not spec:
+        return names
+    wanted = [s.strip() for s in spec.split(",") if s.strip()]
+    return [n for n in names if any(w == n or w in n for w in wanted)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("TQDM_DISABLE", "1")
+    if args.run_cases:  # a case process: the fixture exists
+        run_cases_here(args.out, args.run_cases.split(","), args)
+        return 0
+
+    from coati_kto.parallel.compat import quiet_known_warnings
+
+    quiet_known_warnings()
+    import torch
+
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        print("no CUDA device: running the smoke sizes instead (--smoke)", flush=True)
+        return main([*(argv if argv is not None else sys.argv[1:]), "--smoke"])
+    work = args.out or Path(__import__("tempfile").mkdtemp(prefix="coati_gpu_bench_"))
+    shutil.rmtree(work / "runs", ignore_errors=True)
+    work.mkdir(parents=True, exist_ok=True)
+    args.out = work
+    started = time.perf_counter()
+    names = _selected(args.cases)
+    rows = MICRO_BATCH * (args.warmup + args.steps + 1 + args.profile_steps) + 16
+    fixture = build_fixture(work, args.max_length, rows, SMOKE_MODELS if args.smoke else MODELS)
+    (work / "fixture.json").write_text(json.dumps(fixture))
+    device = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)"
+    print(
+        f"device {device}; torch {torch.__version__}; models "
+        + ", ".join(f"{k} {v['params'] / 1e6:.2f}M" for k, v in fixture["models"].items())
+        + f"; rows <= {args.max_length} tokens, micro-batch {MICRO_BATCH}; "
+        + "; ".join(f"{k}: prompt p50 {v['prompt_p50']:.0f}, completion p50 {v['completion_p50']:.0f}" for k, v in fixture["shapes"].items())
+        + f"; setup {time.perf_counter() - started:.1f} s",
+        flush=True,
+    )
+
+    results: list[dict[str, Any]] = []
+    if args.smoke:  # all cases in this process: imports once, seconds per case
+        results = run_cases_here(work, names, args)
+    else:  # a fresh process per case: peak memory and the CUDA caching allocator are that case's own
+        for name in names:
+            cmd = [sys.executable, __file__, "--run-cases", name, "--out", str(work), "--attn", args.attn]
+            cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
+            cmd += ["--profile-steps", str(args.profile_steps), "--max-length", str(args.max_length)]
+            try:
+                proc = subprocess.run(cmd, timeout=args.case_timeout, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+                result = json.loads(lines[-1][7:]) if lines else {"case": name, "error": proc.stderr.strip().splitlines()[-1][:300] if proc.stderr.strip() else f"exit {proc.returncode}"}
+            except subprocess.TimeoutExpired:
+                result = {"case": name, "error": f"timed out after {args.case_timeout:.0f} s"}
+            print("RESULT " + json.dumps(result), flush=True)
+            results.append(result)
+            shutil.rmtree(work / "runs", ignore_errors=True)  # checkpoints of a 1B model fill the disk
+    trl = trl_rows(work, args)
+
+    print("\n" + table(results + trl), flush=True)
+    for line in speedups(results, trl):
+        print(line)
+    print(
+        "per optimizer step; step_s, tok/s (non-pad), TFLOP/s, MFU: medians over the timed steps; kernels, syncs, "
+        "DtoH, host_ops: from the profiled run; n/a: no such figure on this device",
+        flush=True,
+    )
+    if args.json:
+        args.json.write_text(json.dumps({"device": device, "fixture": fixture, "cases": results, "trl": trl}, indent=2))
+    print(f"total {time.perf_counter() - started:.1f} s")
+    return 0 if all("error" not in r for r in results + trl) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
