@@ -148,7 +148,14 @@ def main() -> None:
     p.add_argument("--variant", default=None)
     p.add_argument("--mask", default="full")
     p.add_argument("--chunk", type=int, default=None)
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny sizes, seconds: the figures of every row, for tests/e2e/test_benchmarks.py",
+    )
     args = p.parse_args()
+    if args.smoke:  # tiny tensors: every variant and mask still runs, children included
+        args.batch, args.seq, args.vocab, args.hidden, args.reps = 2, 32, 512, 32, 1
     if args.head:
         if args.variant:
             return head_child(args)

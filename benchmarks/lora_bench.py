@@ -110,7 +110,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--child", choices=["setup", "full", "lora"])
     parser.add_argument("--work")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny sizes, seconds: the figures of every row, for tests/e2e/test_benchmarks.py",
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.hidden, args.layers, args.steps = 64, 2, 2
     if args.child == "setup":
         return _setup(Path(args.work), args.hidden, args.layers)
     if args.child:

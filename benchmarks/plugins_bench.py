@@ -112,7 +112,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=96, help="prompt tokens per example")
     parser.add_argument("--completion", type=int, default=96, help="max completion tokens (min: half)")
     parser.add_argument("--only", nargs="*", default=None, help="plugin rows to run (default: all)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="2 + 1 steps of 16 + 16 tokens, hybrid ZeRO-2 bf16 only (seconds)",
+    )
     args = parser.parse_args(argv)
+    if args.smoke:
+        args.steps, args.warmup, args.prompt, args.completion = 2, 1, 16, 16
+        args.only = args.only or ["hybrid zero2 bf16"]
 
     from coati_kto.testing.tiny import save_tiny_model
 

@@ -71,7 +71,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=100_000)
     parser.add_argument("--num-proc", type=int, default=2)
+    parser.add_argument("--smoke", action="store_true", help="200 records, 1 process (seconds)")
     args = parser.parse_args()
+    if args.smoke:
+        args.records, args.num_proc = 200, 1
 
     root = Path(tempfile.mkdtemp(prefix="prepare_bench_"))
     try:

@@ -64,5 +64,11 @@ def padding_table() -> None:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # Already seconds at full size: --smoke is the same report, accepted so every benchmark has the flag.
+    parser.add_argument("--smoke", action="store_true", help="same as without (it takes seconds)")
+    parser.parse_args()
     seeds_table()
     padding_table()

@@ -273,7 +273,14 @@ def main() -> None:
     p.add_argument("--skip-fixture", action="store_true", help="only the tool-use shape (and the ~100M run)")
     p.add_argument("--repeats", type=int, default=2, help="~100M runs per mode")
     p.add_argument("--only-100m", action="store_true", help="just the ~100M peak-memory comparison")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the fixture's table only, on a hidden-64 2-layer Llama and 32 examples (4 steps): tests/e2e",
+    )
     args, rest = p.parse_known_args()
+    if args.smoke and not args.child:
+        args.examples, args.skip_fixture, args.skip_100m = 32, False, True
     if args.child:
         kind, *params = args.child + rest
         if kind == "setup":
@@ -289,7 +296,8 @@ def main() -> None:
     if not args.only_100m:
         if not args.skip_fixture:
             _fixture(args, base)
-        _tool_use(args, base)
+        if not args.smoke:  # the same training path as the fixture's, on other data: not in the smoke run
+            _tool_use(args, base)
     if not args.skip_100m:
         _memory_100m(base, args.repeats)
 
@@ -298,7 +306,8 @@ def _fixture(args: argparse.Namespace, base: Path) -> None:
     # ---- fixture: 7.4M Llama, ~100 + ~100 tokens, micro-batch 8, fp32, one epoch
     work = base / "fixture"
     work.mkdir(parents=True)
-    info, _ = _run(["--child", "setup", str(work), str(args.examples), "fixture", "256", "4"])
+    hidden, layers = ("64", "2") if args.smoke else ("256", "4")
+    info, _ = _run(["--child", "setup", str(work), str(args.examples), "fixture", hidden, layers])
     config = _config(work, "fixture", 256, 128, 8, max_epochs=1)
     savings, _ = _run(["--child", "savings", str(config)])
     print(

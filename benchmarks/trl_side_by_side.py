@@ -63,8 +63,8 @@ SPEC_FILE = "coati-bench-spec.txt"
 
 
 # ------------------------------------------------------------------ TRL child (runs in the TRL venv)
-def _trl_child(work: Path, precompute: bool, steps: int) -> None:
-    """Train TRL's KTOTrainer ``steps`` steps on ``work``'s fixture; prints timings and versions as JSON."""
+def _trl_child(options: dict) -> None:
+    """Train TRL's KTOTrainer as ``options`` say (see :func:`run_trl`); prints timings and versions as JSON."""
     import dataclasses
     import resource
 
@@ -86,9 +86,13 @@ def _trl_child(work: Path, precompute: bool, steps: int) -> None:
             self.loss: list[float] = []
 
         def on_step_begin(self, args, state, control, **kwargs):
+            if cuda:  # the step's kernels, not the previous step's, end inside its interval
+                torch.cuda.synchronize()
             self._start = (time.perf_counter(), time.process_time())
 
         def on_step_end(self, args, state, control, **kwargs):
+            if cuda:
+                torch.cuda.synchronize()
             self.wall.append(time.perf_counter() - self._start[0])
             self.cpu.append(time.process_time() - self._start[1])
 
@@ -96,27 +100,27 @@ def _trl_child(work: Path, precompute: bool, steps: int) -> None:
             if logs and "loss" in logs:
                 self.loss.append(float(logs["loss"]))
 
-    records = [json.loads(line) for line in (work / "train.jsonl").read_text().splitlines()]
-    tokenizer = AutoTokenizer.from_pretrained(work / "model")
-    model = AutoModelForCausalLM.from_pretrained(
-        work / "model"
-    )  # saved in fp32; no dtype kwarg: renamed in 5.x
-    assert model.dtype == torch.float32, model.dtype
+    cuda = not options["use_cpu"] and torch.cuda.is_available()
+    records = [json.loads(line) for line in Path(options["data"]).read_text().splitlines()]
+    tokenizer = AutoTokenizer.from_pretrained(options["model"])
+    # fp32 weights (the saved dtype may be bf16: TRL's bf16 option then runs autocast over fp32 masters, as
+    # coati-kto's plugins do); .float() rather than a dtype kwarg, which 5.x renamed.
+    model = AutoModelForCausalLM.from_pretrained(options["model"]).float()
     wanted = {
-        "output_dir": str(work / f"trl-out-{int(precompute)}"),
-        "per_device_train_batch_size": MICRO_BATCH,
-        "max_steps": steps,
+        "output_dir": options["out"],
+        "per_device_train_batch_size": options["micro_batch"],
+        "max_steps": options["steps"],
         "learning_rate": 1e-5,
         "beta": 0.1,
         "logging_steps": 1,
         "save_strategy": "no",
         "eval_strategy": "no",
         "report_to": [],
-        "use_cpu": True,
-        "bf16": False,
-        "max_length": MAX_LENGTH,
-        "max_prompt_length": MAX_PROMPT_LENGTH,
-        "precompute_ref_log_probs": precompute,
+        "use_cpu": options["use_cpu"],
+        "bf16": options["bf16"],
+        "max_length": options["max_length"],
+        "max_prompt_length": options["max_prompt_length"],
+        "precompute_ref_log_probs": options["precompute"],
         "remove_unused_columns": False,
         "dataloader_num_workers": 0,
         "disable_tqdm": True,
@@ -142,6 +146,7 @@ def _trl_child(work: Path, precompute: bool, steps: int) -> None:
         "seconds": time.perf_counter() - start,
         "cpu_seconds": usage.ru_utime + usage.ru_stime,
         "peak_rss_mib": usage.ru_maxrss / 1024,
+        "peak_cuda_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "ignored_config_keys": sorted(set(wanted) - known),
         "prompt_p50": statistics.median(prompts) if prompts else None,
         "completion_p50": statistics.median(completions) if completions else None,
@@ -162,9 +167,18 @@ def _token_counts(ds) -> tuple[list[int], list[int]]:
 
 
 # ------------------------------------------------------------------------------ parent (main venv)
-def ensure_trl_venv(venv: Path, spec: str) -> float | None:
+def trl_spec_from_wheels(wheels: Path) -> str:
+    """``trl==<version>`` of the one TRL wheel in ``wheels`` (a directory prepared with pip download)."""
+    found = sorted(wheels.glob("trl-*.whl"))
+    if len(found) != 1:
+        sys.exit(f"{wheels}: expected exactly one trl-*.whl, found {[f.name for f in found]}")
+    return "trl==" + found[0].name.split("-")[1]
+
+
+def ensure_trl_venv(venv: Path, spec: str, find_links: Path | None = None) -> float | None:
     """Create ``venv`` (see the module docstring) and pip install ``spec`` into it, unless it already holds
-    ``spec``. Returns the install's wall seconds, or None when the venv was reused."""
+    ``spec``; with ``find_links`` only from that directory of wheels (no index: a machine without a registry).
+    Returns the install's wall seconds, or None when the venv was reused."""
     marker = venv / SPEC_FILE
     if marker.exists() and marker.read_text().strip() == spec:
         return None
@@ -182,7 +196,8 @@ def ensure_trl_venv(venv: Path, spec: str) -> float | None:
     # Appended after the venv's own site-packages: whatever pip installs into the venv shadows the main venv.
     (Path(site) / "coati_main_venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     pip = subprocess.run(
-        [str(python), "-m", "pip", "install", "--disable-pip-version-check", spec],
+        [str(python), "-m", "pip", "install", "--disable-pip-version-check", spec]
+        + (["--no-index", "--find-links", str(find_links)] if find_links is not None else []),
         capture_output=True,
         text=True,
     )
@@ -195,7 +210,37 @@ def ensure_trl_venv(venv: Path, spec: str) -> float | None:
 
 
 def _run_trl(venv: Path, work: Path, precompute: bool, steps: int) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # TRL's process never sees coati_kto
+    """TRL on step_bench's fixture in ``work``: fp32, CPU, this module's lengths and micro-batch."""
+    options = {
+        "model": str(work / "model"),
+        "data": str(work / "train.jsonl"),
+        "out": str(work / f"trl-out-{int(precompute)}"),
+        "micro_batch": MICRO_BATCH,
+        "max_length": MAX_LENGTH,
+        "max_prompt_length": MAX_PROMPT_LENGTH,
+        "bf16": False,
+        "use_cpu": True,
+        "steps": steps,
+    }
+    return run_trl(venv, work, precompute, options)
+
+
+def run_trl(venv: Path, work: Path, precompute: bool, options: dict) -> dict:
+    """TRL's KTOTrainer in a child process of ``venv``: ``options`` holds model, data (JSONL of prompt,
+    completion, label), out, micro_batch, max_length, max_prompt_length, bf16, use_cpu, steps. Returns the
+    child's JSON (step_seconds, step_cpu_seconds, loss, peak_rss_mib, peak_cuda_gib, versions, ...)."""
+    # TRL's process never sees coati_kto, nor the process group of a caller that initialised one (accelerate
+    # would join it: MASTER_PORT is taken).
+    dist_keys = {
+        "PYTHONPATH",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+    }
+    env = {k: v for k, v in os.environ.items() if k not in dist_keys}
     env.update(
         OMP_NUM_THREADS="1",
         TOKENIZERS_PARALLELISM="false",
@@ -208,9 +253,7 @@ def _run_trl(venv: Path, work: Path, precompute: bool, steps: int) -> dict:
         str(venv / "bin" / "python"),
         __file__,
         "--trl-child",
-        str(work),
-        str(int(precompute)),
-        str(steps),
+        json.dumps({**options, "precompute": precompute}),
     ]
     proc = subprocess.run(args, capture_output=True, text=True, env=env, cwd=str(work))
     if proc.returncode != 0:
@@ -230,21 +273,34 @@ def _row(tool: str, mode: str, r: dict, trl_cpu: float, trl_wall: float) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--trl-child", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--trl-child", help=argparse.SUPPRESS)  # internal: the options of one TRL run, JSON
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--examples", type=int, default=None, help="fixture examples (default: steps x 8)")
     p.add_argument("--venv", default=str(ROOT / ".trl-venv"), help="TRL's own virtual environment")
     p.add_argument("--trl-spec", default="trl==0.19.1", help="what pip installs into --venv")
     p.add_argument("--work", default="/tmp/coati_trl_side_by_side")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        help="tiny and fast (4 steps, hidden 64, 2 layers); reuses --venv only, never installs: without it, "
+        "prints why it skipped and exits 0",
+    )
     args = p.parse_args()
     if args.trl_child:
-        work, precompute, steps = args.trl_child
-        return _trl_child(Path(work), precompute == "1", int(steps))
+        return _trl_child(json.loads(args.trl_child))
 
     import shutil
 
+    hidden, layers = ("64", "2") if args.smoke else ("256", "4")
+    if args.smoke:
+        args.steps = min(args.steps, 4)
     examples = args.examples or args.steps * MICRO_BATCH
     venv = Path(args.venv).resolve()
+    if args.smoke and not (venv / SPEC_FILE).exists():
+        print(
+            f"SKIPPED: no TRL venv at {venv} (TRL is never a dependency; build it with a run without --smoke)"
+        )
+        return None
     installed = ensure_trl_venv(venv, args.trl_spec)
     print(
         f"TRL venv {venv} ({args.trl_spec}): "
@@ -253,7 +309,7 @@ def main() -> None:
     work = Path(args.work)
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    info, _ = step_bench._run(["--child", "setup", str(work), str(examples), "fixture", "256", "4"])
+    info, _ = step_bench._run(["--child", "setup", str(work), str(examples), "fixture", hidden, layers])
     config = step_bench._config(
         work, "fixture", MAX_LENGTH, MAX_PROMPT_LENGTH, MICRO_BATCH, max_steps=args.steps
     )

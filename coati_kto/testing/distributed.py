@@ -65,7 +65,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     ``fn`` must be importable (a module-level function); its return value must be picklable. A failure on
     any rank raises RuntimeError with that rank's traceback. The workers see no GPU, even on a GPU machine:
     the CPU path (gloo) everywhere, the same numbers as on CI, and no two ranks on one GPU, which NCCL
-    refuses (the CUDA path is checked by benchmarks/gpu_check.py).
+    refuses (the CUDA path is measured by benchmarks/gpu_bench.py).
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
