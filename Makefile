@@ -28,6 +28,10 @@ quickstart: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# Every benchmark's smoke mode (tiny sizes, CPU), its printed figures checked: tests/e2e/test_benchmarks.py.
+bench: $(STAMP)
+	$(PY) -m pytest -q tests/e2e/test_benchmarks.py
+
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
 

@@ -1,0 +1,171 @@
+"""Every script in benchmarks/ runs its smoke mode in a subprocess and prints finite figures, so none can rot.
+
+Figures, not exit codes: each test parses what the script prints (its table) and checks the numbers are there
+and finite (step time > 0, tokens/s > 0, ...). The ones that start several training processes (lora_bench,
+plugins_bench, step_bench: 30-60 s each on 2 cores) are marked ``slow`` (``-m "not slow"`` leaves them out);
+trl_side_by_side skips unless a TRL venv exists (TRL is never a dependency).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+BENCH = ROOT / "benchmarks"
+NUMBER = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|inf)"
+
+
+def smoke(script: str, *args: str, timeout: float = 300) -> str:
+    """Run ``benchmarks/<script> --smoke ARGS`` from the repository root; its stdout (asserting exit 0)."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONWARNINGS": "ignore",
+    }
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / script), "--smoke", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(ROOT),
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, (
+        f"{script} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    )
+    return proc.stdout
+
+
+def numbers(line: str) -> list[float]:
+    return [float(x) for x in re.findall(NUMBER, line)]
+
+
+def positive_finite(values: list[float], what: str) -> None:
+    assert values, f"no figures for {what}"
+    for v in values:
+        assert math.isfinite(v) and v > 0, f"{what}: {v}"
+
+
+def test_every_benchmark_has_a_test() -> None:
+    """A new script in benchmarks/ needs its smoke test here."""
+    scripts = {p.name for p in BENCH.glob("*.py")}
+    tested = {n for n in re.findall(r'"(\w+\.py)"', Path(__file__).read_text()) if (BENCH / n).exists()}
+    assert scripts <= tested, f"benchmarks without a smoke test: {sorted(scripts - tested)}"
+
+
+def test_gpu_bench_smoke(tmp_path: Path) -> None:
+    """All 16 cases on CPU: each run row has step time, tokens/s, TFLOP/s and host ops per step; the GPU
+    columns say n/a; Qwen3 under hybrid_parallel is skipped with the config check's reason."""
+    out = smoke("gpu_bench.py", "--out", str(tmp_path), "--trl-venv", str(tmp_path / "no-trl-venv"))
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("case ") and "host_ops" in line)
+    titles = lines[header].split()
+    rows = {}
+    for line in lines[header + 1 :]:
+        if not line or line.startswith("per optimizer step"):
+            break
+        rows[line.split()[0]] = line
+    expected = {
+        f"{m}/{s}/{r}/{p}"
+        for m in ("llama", "qwen3")
+        for s in ("tool_use", "half")
+        for r in ("online", "cached")
+        for p in ("hybrid_z2", "lowlevel_z2")
+    }
+    assert expected <= set(rows), sorted(expected - set(rows))
+    ran = 0
+    for name in expected:
+        cells = rows[name].split()
+        if name.startswith("qwen3/") and name.endswith("/hybrid_z2") and "skipped:" in rows[name]:
+            assert "plugin" in rows[name], rows[name]  # the reason, from the config check
+            continue
+        assert "FAILED" not in rows[name], rows[name]
+        figures = dict(zip(titles[1:], cells[1:], strict=True))
+        positive_finite([float(figures[k]) for k in ("step_s", "tok/s", "TFLOP/s", "host_ops")], name)
+        assert {figures[k] for k in ("MFU", "peakGiB", "GPUbusy", "kernels", "syncs", "DtoH")} == {"n/a"}
+        ran += 1
+    assert ran >= 12, ran
+    assert "TRL" in rows and "skipped:" in rows["TRL"], rows.get("TRL")
+
+
+def test_logprobs_bench_smoke() -> None:
+    out = smoke("logprobs_bench.py")
+    rows = [line for line in out.splitlines() if line.startswith("realistic ")]
+    assert len(rows) == 2, out
+    for row in rows:
+        *_, tokens, median, fastest, extra_mib = numbers(row)
+        positive_finite([tokens, median, fastest], row)
+        assert math.isfinite(extra_mib), row
+
+
+def test_logprobs_bench_head_smoke() -> None:
+    out = smoke("logprobs_bench.py", "--head")
+    for variant in ("logits", "chunked"):
+        line = next(line for line in out.splitlines() if line.startswith(variant + " "))
+        positive_finite(numbers(line), line)
+    ratio = next(line for line in out.splitlines() if line.startswith("chunked / logits"))
+    assert all(math.isfinite(v) for v in numbers(ratio)), ratio
+
+
+def test_prepare_bench_smoke() -> None:
+    out = smoke("prepare_bench.py")
+    m = re.search(r"cold (\S+) s = (\S+) examples/s \((\S+) tokens/s", out)
+    assert m, out
+    positive_finite([float(g.replace(",", "")) for g in m.groups()], "prepare cold build")
+
+
+def test_sampler_report_smoke() -> None:
+    out = smoke("sampler_report.py")
+    rows = [line for line in out.splitlines() if re.match(r"\s*\d+\s+\d+\s+\d+\s+\d+\s+[\d.]+%$", line)]
+    assert len(rows) == 6, out
+    for row in rows:
+        positive_finite(numbers(row.rstrip("%")), row)
+
+
+@pytest.mark.slow
+def test_lora_bench_smoke() -> None:
+    out = smoke("lora_bench.py")
+    for mode in ("full", "lora"):
+        line = next(line for line in out.splitlines() if line.strip().startswith(mode + ":"))
+        positive_finite(numbers(line), line)
+    assert re.search(rf"lora saves ({NUMBER}) MiB", out), out
+
+
+@pytest.mark.slow
+def test_plugins_bench_smoke() -> None:
+    out = smoke("plugins_bench.py")
+    line = next(line for line in out.splitlines() if line.startswith("| hybrid zero2 bf16"))
+    assert "failed" not in line, line
+    cells = [c.strip() for c in line.strip("|").split("|")[1:]]
+    step0, slowest, rss, loss = float(cells[0]), float(cells[1]), cells[2], float(cells[3])
+    positive_finite([step0, slowest, loss, *[float(x) for x in rss.split("/")]], line)
+
+
+@pytest.mark.slow
+def test_step_bench_smoke(tmp_path: Path) -> None:
+    out = smoke("step_bench.py", "--work", str(tmp_path / "work"))
+    lines = out.splitlines()
+    for run in ("online", "cached"):
+        line = next(line for line in lines if line.split()[:1] == [run])
+        positive_finite(numbers(line), line)  # step CPU/wall s, tokens/s, GFLOP/s, process s, RSS
+    assert re.search(rf"step time cached / online.*: CPU ({NUMBER}), wall ({NUMBER})", out), out
+
+
+def test_trl_side_by_side_smoke(tmp_path: Path) -> None:
+    venv = ROOT / ".trl-venv"
+    if not (venv / "coati-bench-spec.txt").exists():
+        pytest.skip(f"no TRL venv at {venv}: TRL is never a dependency (trl_side_by_side.py builds one)")
+    out = smoke("trl_side_by_side.py", "--venv", str(venv), "--work", str(tmp_path / "work"), timeout=600)
+    rows = [line for line in out.splitlines() if line.startswith(("TRL ", "coati-kto "))]
+    assert len(rows) == 4, out
+    for row in rows:
+        positive_finite(numbers(row), row)  # step wall/CPU s, RSS, process CPU s, loss, x TRL
