@@ -369,7 +369,7 @@ COLUMNS = (
     ("case", 34, None, "case"),
     ("step_s", 8, ".4f", "step_s"),
     ("tokens_per_s", 10, ".0f", "tok/s"),
-    ("tflops", 8, ".2f", "TFLOP/s"),
+    ("tflops", 8, ".3g", "TFLOP/s"),
     ("mfu", 6, ".1%", "MFU"),
     ("peak_gib", 8, ".2f", "peakGiB"),
     ("gpu_busy", 8, ".1%", "GPUbusy"),

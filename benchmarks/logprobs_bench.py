@@ -127,7 +127,7 @@ def head_main(args: argparse.Namespace) -> None:
         out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout
         results[variant] = json.loads(out)
     for variant, r in results.items():
-        print(f"{variant:<10} peak extra {r['extra_mib']:8.0f} MiB   {r['seconds']:7.2f} s")
+        print(f"{variant:<10} peak extra {r['extra_mib']:8.0f} MiB   {r['seconds']:9.4f} s")
     ratio = results["chunked"]["extra_mib"] / results["logits"]["extra_mib"]
     diff = max(
         abs(a - b) for a, b in zip(results["chunked"]["logps"], results["logits"]["logps"], strict=True)
