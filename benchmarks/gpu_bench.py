@@ -16,14 +16,14 @@ micro-batch 8, ``model.attn_implementation`` sdpa. A model the plugin does not a
 hybrid_parallel with transformers 4.51: no shardformer policy) is skipped with the config check's reason.
 Each case runs ``coati_kto.train.train(config)`` twice in a fresh process (peak memory is a process figure):
 
-- timed run, ``--warmup`` + ``--steps`` optimizer steps, ``train.log_interval`` 1: the trainer's own per-step
+- timed run, ``--warmup`` (2) + ``--steps`` (6) optimizer steps, ``train.log_interval`` 1: the trainer's own per-step
   record gives the step's wall seconds (its one metric all-reduce reads the step's sums back to the host, so
   the step ends after the GPU finished its forward and backward passes), its non-pad tokens and its model
   FLOPs counted over the passes actually run (coati_kto.trainer.throughput: 6 N per token of the policy's
   gradient pass, 2 N per token of each no-grad pass, no reference pass with the cached reference). Printed:
   medians over the steps after the warm-up; MFU = model FLOP/s / the device's dense bf16 peak (throughput's
   table); peak ``torch.cuda.max_memory_allocated``.
-- profiled run, 1 + ``--profile-steps`` steps under ``torch.profiler`` (CPU and CUDA activities). Steps are
+- profiled run, 1 + ``--profile-steps`` (2) steps under ``torch.profiler`` (CPU and CUDA activities). Steps are
   cut at the end of each ``Optimizer.step#...`` range (torch records one per optimizer step); over the steps
   after the first: GPU busy = summed CUDA kernel time / wall time, kernel launches, host syncs
   (cudaStreamSynchronize / cudaDeviceSynchronize / cudaEventSynchronize calls and blocking cudaMemcpy), device
@@ -42,6 +42,7 @@ README says how to prepare DIR.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -279,6 +280,7 @@ def run_case(work: Path, case: Case, args: argparse.Namespace, fixture: dict[str
     result["mfu"] = result["tflops"] * 1e12 / peak if peak else None
     result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
     del trainer
+    gc.collect()  # the timed run's models and optimizer states go before the profiled run loads its own
     if cuda:
         torch.cuda.empty_cache()
 
@@ -312,9 +314,12 @@ def run_cases_here(work: Path, names: list[str], args: argparse.Namespace) -> li
 
 
 # ------------------------------------------------------------------------------------------------ TRL
-def trl_rows(work: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+def trl_rows(work: Path, args: argparse.Namespace, started: float) -> list[dict[str, Any]]:
     """TRL's KTOTrainer on the llama fixture (both shapes, both reference modes) in a venv built from wheels."""
     import trl_side_by_side
+
+    if args.skip_trl:
+        return [{"case": "TRL", "skipped": "--skip-trl"}]
 
     venv = Path(args.trl_venv).resolve() if args.trl_venv else work / "trl-venv"
     wheels = Path(args.trl_wheels).resolve() if args.trl_wheels else None
@@ -330,6 +335,9 @@ def trl_rows(work: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     for shape in SHAPES:
         for reference, precompute in (("online", False), ("cached", True)):
             name = f"TRL llama/{shape}/{reference}"
+            if args.time_limit - (time.perf_counter() - started) < 60:
+                rows.append({"case": name, "skipped": f"--time-limit {args.time_limit:.0f} s spent"})
+                continue
             options = {
                 "model": str(work / "models" / "llama"),
                 "data": str(work / "data" / shape / "train.jsonl"),
@@ -420,13 +428,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--smoke", action="store_true", help="CPU, tiny models, rows of 64 tokens, 2 steps per case"
     )
     p.add_argument("--cases", default=None, help="comma-separated case names or substrings (default: all)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps after warm-up (default 10; smoke 1)")
-    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 3; smoke 1)")
-    p.add_argument("--profile-steps", type=int, default=None, help="profiled steps (default 3; smoke 1)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps after warm-up (default 6; smoke 1)")
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 2; smoke 1)")
+    p.add_argument("--profile-steps", type=int, default=None, help="profiled steps (default 2; smoke 1)")
     p.add_argument("--max-length", type=int, default=None, help="tokens per row at most (1024; smoke 64)")
     p.add_argument("--attn", default="sdpa", choices=["eager", "sdpa", "flash_attention_2"])
     p.add_argument("--trl-wheels", default=None, help="wheels for TRL's throwaway venv (see the README)")
     p.add_argument("--trl-venv", default=None, help="TRL venv to build or reuse (default: OUT/trl-venv)")
+    p.add_argument("--skip-trl", action="store_true", help="no TRL rows (e.g. a second call for other cases)")
     p.add_argument(
         "--time-limit",
         type=float,
@@ -438,9 +447,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--run-cases", default=None, help=argparse.SUPPRESS)  # internal: a case process
     args = p.parse_args(argv)
     small = args.smoke
-    args.steps = args.steps if args.steps is not None else (1 if small else 10)
-    args.warmup = args.warmup if args.warmup is not None else (1 if small else 3)
-    args.profile_steps = args.profile_steps if args.profile_steps is not None else (1 if small else 3)
+    # One device call is limited to 10 minutes: few steps per case, so that the target cases and TRL fit.
+    args.steps = args.steps if args.steps is not None else (1 if small else 6)
+    args.warmup = args.warmup if args.warmup is not None else (1 if small else 2)
+    args.profile_steps = args.profile_steps if args.profile_steps is not None else (1 if small else 2)
     args.max_length = args.max_length or (64 if small else 1024)
     return args
 
@@ -526,11 +536,11 @@ def main(argv: list[str] | None = None) -> int:
     first = [n for n in names if n.startswith("llama/") and n.endswith("/hybrid_z2")]
     if args.smoke:  # all cases in this process: imports once, seconds per case
         results = run_cases_here(work, names, args)
-        trl = trl_rows(work, args)
+        trl = trl_rows(work, args, started)
     else:  # a fresh process per case: peak memory and the CUDA caching allocator are that case's own
         for name in first:
             results.append(_case_process(work, name, args, started))
-        trl = trl_rows(work, args)  # right after the cases it is compared with
+        trl = trl_rows(work, args, started)  # right after the cases it is compared with
         for name in names:
             if name not in first:
                 results.append(_case_process(work, name, args, started))
