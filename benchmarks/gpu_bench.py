@@ -78,6 +78,7 @@ PLUGINS: dict[str, dict[str, Any]] = {
     "lowlevel_z2": {"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"},
 }
 REFERENCES = ("online", "cached")
+TOP_KERNELS = 12  # the kernels with the most GPU time per step, printed under the table (where time goes)
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
@@ -210,6 +211,23 @@ def case_config(work: Path, case: Case, args: argparse.Namespace, steps: int, ta
     }
 
 
+def apply_overrides(config: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """``section.key=value`` pairs (value parsed as YAML) set into the case's config: the bench's seam for trying a
+    knob (``kto.pack_reference=false``, ``model.attn_implementation=eager``) without touching the trainer."""
+    import yaml
+
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or "." not in key:
+            raise SystemExit(f"--set {item!r}: expected section.key=value")
+        *path, leaf = key.split(".")
+        node = config
+        for part in path:
+            node = node.setdefault(part, {})
+        node[leaf] = yaml.safe_load(value)
+    return config
+
+
 # ------------------------------------------------------------------------------------------------ one case
 def _profile_figures(prof: Any, cuda: bool) -> dict[str, Any]:
     """Per-step figures of a profiled run, over the steps after the first (cut at optimizer-step ends)."""
@@ -232,7 +250,12 @@ def _profile_figures(prof: Any, cuda: bool) -> dict[str, Any]:
     busy_us = sum(e.time_range.elapsed_us() for e in kernels)
     syncs = sum(1 for e in inside if e.name in SYNC_CALLS)
     dtoh = sum(1 for e in gpu if e.name.startswith("Memcpy DtoH"))
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        by_name[e.name] = by_name.get(e.name, 0.0) + e.time_range.elapsed_us()
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
     out.update(
+        top_kernels=[(name[:90], us / steps / 1e3) for name, us in top],
         gpu_busy=busy_us / (hi - lo),
         kernels=len(kernels) / steps,
         syncs=syncs / steps,
@@ -254,7 +277,9 @@ def run_case(work: Path, case: Case, args: argparse.Namespace, fixture: dict[str
     cuda = torch.cuda.is_available()
     result: dict[str, Any] = {"case": case.name}
     try:
-        config = Config.model_validate(case_config(work, case, args, args.warmup + args.steps, "timed"))
+        config = Config.model_validate(
+            apply_overrides(case_config(work, case, args, args.warmup + args.steps, "timed"), args.set)
+        )
     except (ValidationError, ConfigError) as err:
         reason = str(err).splitlines()
         result["skipped"] = next((line.strip() for line in reversed(reason) if "plugin" in line), reason[-1])
@@ -284,7 +309,9 @@ def run_case(work: Path, case: Case, args: argparse.Namespace, fixture: dict[str
     if cuda:
         torch.cuda.empty_cache()
 
-    config = Config.model_validate(case_config(work, case, args, 1 + args.profile_steps, "profiled"))
+    config = Config.model_validate(
+        apply_overrides(case_config(work, case, args, 1 + args.profile_steps, "profiled"), args.set)
+    )
     activities = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -313,6 +340,50 @@ def run_cases_here(work: Path, names: list[str], args: argparse.Namespace) -> li
     return results
 
 
+# ------------------------------------------------------------------------------------------------ ceiling
+def model_ceiling(work: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The bare model's forward + backward on [8, max_length] (bf16 weights, sdpa, no KTO, no plugin): what the
+    GPU gives this model and shape at best, with no mask (causal kernel) and with a padding mask (4D path)."""
+    import torch
+    import transformers
+
+    if not torch.cuda.is_available():
+        return []
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        work / "models" / "llama", dtype=torch.bfloat16, attn_implementation=args.attn
+    ).cuda()
+    params = sum(p.numel() for p in model.parameters())
+    ids = torch.randint(0, VOCAB_SIZE, (MICRO_BATCH, args.max_length), device="cuda")
+    rows = []
+    for label, mask in (("no mask", None), ("padding mask", torch.ones_like(ids))):
+        if mask is not None:
+            mask[0, -17:] = 0
+        for grad in (True, False):
+            times = []
+            for _ in range(5):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                with torch.set_grad_enabled(grad):
+                    out = model(input_ids=ids, attention_mask=mask, logits_to_keep=64)
+                    if grad:
+                        out.logits.float().sum().backward()
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - t0)
+            model.zero_grad(set_to_none=True)
+            step = statistics.median(times[2:])
+            flops = (6 if grad else 2) * params * ids.numel()
+            rows.append(
+                {
+                    "case": f"bare llama {'fwd+bwd' if grad else 'fwd'} {label}",
+                    "step_s": step,
+                    "tflops": flops / step / 1e12,
+                }
+            )
+    del model
+    torch.cuda.empty_cache()
+    return rows
+
+
 # ------------------------------------------------------------------------------------------------ TRL
 def trl_rows(work: Path, args: argparse.Namespace, started: float) -> list[dict[str, Any]]:
     """TRL's KTOTrainer on the llama fixture (both shapes, both reference modes) in a venv built from wheels."""
@@ -332,8 +403,12 @@ def trl_rows(work: Path, args: argparse.Namespace, started: float) -> list[dict[
         except SystemExit as err:  # pip's own words: which wheel the directory lacks
             return [{"case": "TRL", "error": " ".join(str(err).split())[-300:]}]
     rows = []
+    # The TRL counterparts of the selected llama cases (all four when none is selected).
+    pairs = {tuple(n.split("/")[1:3]) for n in args.selected if n.startswith("llama/")}
     for shape in SHAPES:
         for reference, precompute in (("online", False), ("cached", True)):
+            if pairs and (shape, reference) not in pairs:
+                continue
             name = f"TRL llama/{shape}/{reference}"
             if args.time_limit - (time.perf_counter() - started) < 60:
                 rows.append({"case": name, "skipped": f"--time-limit {args.time_limit:.0f} s spent"})
@@ -435,6 +510,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attn", default="sdpa", choices=["eager", "sdpa", "flash_attention_2"])
     p.add_argument("--trl-wheels", default=None, help="wheels for TRL's throwaway venv (see the README)")
     p.add_argument("--trl-venv", default=None, help="TRL venv to build or reuse (default: OUT/trl-venv)")
+    p.add_argument("--ceiling", action="store_true", help="also time the bare model's passes (GPU only)")
     p.add_argument("--skip-trl", action="store_true", help="no TRL rows (e.g. a second call for other cases)")
     p.add_argument(
         "--time-limit",
@@ -442,6 +518,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=540,
         help="seconds for the whole bench: cases that would start later are listed as not run (default 540: "
         "one device call is limited to 600 s)",
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="set a config knob in every case (repeatable), e.g. --set kto.pack_reference=false",
     )
     p.add_argument("--json", type=Path, default=None, help="write every figure here")
     p.add_argument("--run-cases", default=None, help=argparse.SUPPRESS)  # internal: a case process
@@ -476,7 +559,9 @@ def _case_process(work: Path, name: str, args: argparse.Namespace, started: floa
     cmd = [sys.executable, __file__, "--run-cases", name, "--out", str(work), "--attn", args.attn]
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     cmd += ["--profile-steps", str(args.profile_steps), "--max-length", str(args.max_length)]
+    cmd += [f"--set={item}" for item in args.set]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, timeout=left, capture_output=True, text=True, env=env)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
@@ -487,6 +572,7 @@ def _case_process(work: Path, name: str, args: argparse.Namespace, started: floa
             result = {"case": name, "error": tail[-1][:300] if tail else f"exit status {proc.returncode}"}
     except subprocess.TimeoutExpired:
         result = {"case": name, "error": f"stopped at --time-limit {args.time_limit:.0f} s"}
+    result["case_wall_s"] = time.perf_counter() - t0  # both runs: loads, booster set-up, compile, profile
     print("RESULT " + json.dumps(result), flush=True)
     shutil.rmtree(work / "runs", ignore_errors=True)  # the final checkpoints of a 1B model fill the disk
     return result
@@ -514,10 +600,15 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     args.out = work
     started = time.perf_counter()
-    names = _selected(args.cases)
+    names = args.selected = _selected(args.cases)
     rows = MICRO_BATCH * (args.warmup + args.steps + 1 + args.profile_steps) + 16
-    fixture = build_fixture(work, args.max_length, rows, SMOKE_MODELS if args.smoke else MODELS)
-    (work / "fixture.json").write_text(json.dumps(fixture))
+    built_for = {"max_length": args.max_length, "rows": rows, "smoke": args.smoke}
+    saved = work / "fixture.json"
+    fixture = json.loads(saved.read_text()) if saved.exists() else {}
+    if fixture.get("built_for") != built_for:  # a second call with the same --out reuses models and data
+        fixture = build_fixture(work, args.max_length, rows, SMOKE_MODELS if args.smoke else MODELS)
+        fixture["built_for"] = built_for
+        saved.write_text(json.dumps(fixture))
     device = torch.cuda.get_device_name() if cuda else f"CPU ({os.cpu_count()} cores)"
     print(
         f"device {device}; torch {torch.__version__}; models "
@@ -545,6 +636,12 @@ def main(argv: list[str] | None = None) -> int:
             if name not in first:
                 results.append(_case_process(work, name, args, started))
 
+    if args.ceiling:
+        for row in model_ceiling(work, args):
+            print(f"{row['case']:<34}  {row['step_s']:.4f} s  {row['tflops']:.0f} TFLOP/s", flush=True)
+    for r in results:
+        for name, ms in r.get("top_kernels", []):
+            print(f"  {r['case']}: {ms:8.2f} ms/step  {name}")
     print("\n" + table(results + trl), flush=True)
     for line in speedups(results, trl):
         print(line)
