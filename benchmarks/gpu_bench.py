@@ -246,7 +246,12 @@ def _profile_figures(prof: Any, cuda: bool) -> dict[str, Any]:
     if not cuda:
         return out
     gpu = [e for e in inside if e.device_type == torch.autograd.DeviceType.CUDA]
-    kernels = [e for e in gpu if not e.name.startswith(("Memcpy", "Memset"))]
+    # user annotations (a module's or the optimizer's range mirrored on the GPU timeline) are not kernels
+    kernels = [
+        e
+        for e in gpu
+        if not e.name.startswith(("Memcpy", "Memset")) and not getattr(e, "is_user_annotation", False)
+    ]
     busy_us = sum(e.time_range.elapsed_us() for e in kernels)
     syncs = sum(1 for e in inside if e.name in SYNC_CALLS)
     dtoh = sum(1 for e in gpu if e.name.startswith("Memcpy DtoH"))
@@ -511,6 +516,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--trl-wheels", default=None, help="wheels for TRL's throwaway venv (see the README)")
     p.add_argument("--trl-venv", default=None, help="TRL venv to build or reuse (default: OUT/trl-venv)")
     p.add_argument("--ceiling", action="store_true", help="also time the bare model's passes (GPU only)")
+    p.add_argument("--trl-only", action="store_true", help="only TRL's rows for the selected llama cases")
     p.add_argument("--skip-trl", action="store_true", help="no TRL rows (e.g. a second call for other cases)")
     p.add_argument(
         "--time-limit",
@@ -629,6 +635,8 @@ def main(argv: list[str] | None = None) -> int:
         results = run_cases_here(work, names, args)
         trl = trl_rows(work, args, started)
     else:  # a fresh process per case: peak memory and the CUDA caching allocator are that case's own
+        if args.trl_only:
+            names = first = []
         for name in first:
             results.append(_case_process(work, name, args, started))
         trl = trl_rows(work, args, started)  # right after the cases it is compared with
