@@ -1,7 +1,7 @@
 """TRL's KTOTrainer next to coati-kto on step_bench's fixture: step time, CPU time, peak RSS, step-1 loss.
 
     PYTHONPATH=. .venv/bin/python benchmarks/trl_side_by_side.py [--steps 20] [--examples 160]
-        [--venv .trl-venv] [--trl-spec trl==0.19.1] [--work /tmp/coati_trl_side_by_side]
+        [--venv .trl-venv] [--trl-spec trl==1.16.0] [--work /tmp/coati_trl_side_by_side]
 
 Fixture: ``benchmarks/step_bench.py``'s own (its ``setup`` child builds it: a random Llama of 7.4M parameters,
 hidden 256, 4 layers, vocabulary 8192; prompt + completion about 100 + 100 tokens; 3:1 labels), micro-batch 8,
@@ -277,7 +277,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--examples", type=int, default=None, help="fixture examples (default: steps x 8)")
     p.add_argument("--venv", default=str(ROOT / ".trl-venv"), help="TRL's own virtual environment")
-    p.add_argument("--trl-spec", default="trl==0.19.1", help="what pip installs into --venv")
+    p.add_argument("--trl-spec", default="trl==1.16.0", help="what pip installs into --venv")
     p.add_argument("--work", default="/tmp/coati_trl_side_by_side")
     p.add_argument(
         "--smoke",
