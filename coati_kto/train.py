@@ -222,7 +222,7 @@ def _loaders(config: Config, data: Any, layout: ParallelLayout, pad: int) -> tup
         lengths=data.train["length"] if config.data.group_by_length else None,
         group_by_length=config.data.group_by_length,
     )
-    collator = KTOCollator(pad, config.data.pad_to_multiple_of)
+    collator = KTOCollator(pad, config.data.pad_to_multiple_of, config.data.padding_free)
     workers = config.train.num_workers
     train_loader = DataLoader(data.train, batch_sampler=sampler, collate_fn=collator, num_workers=workers)
     if data.eval is None or len(data.eval) == 0:

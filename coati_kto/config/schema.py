@@ -12,7 +12,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from coati_kto.errors import ConfigError
-from coati_kto.families import check_model_family
+from coati_kto.families import check_model_family, packing_refusal
 
 # The enumerations other layers share (the plan, the loss): one list each, here.
 PluginName = Literal["hybrid_parallel", "low_level_zero", "gemini", "ddp"]
@@ -60,8 +60,10 @@ class ModelSection(_Section):
     gradient_checkpointing: bool = Field(
         False, description="Recompute activations in backward to save memory."
     )
-    attn_implementation: Literal["eager", "sdpa", "flash_attention_2"] | None = Field(
-        None, description="Attention kernel passed to from_pretrained; None: the model's default."
+    attn_implementation: Literal["eager", "sdpa", "flex_attention", "flash_attention_2"] | None = Field(
+        None,
+        description="Attention kernel passed to from_pretrained; None: the model's default. flex_attention "
+        "skips the blocks no document reaches in packed and padding-free rows (GPU; compiled on first use).",
     )
     trust_remote_code: bool = Field(
         False, description="Allow model/tokenizer code shipped with the checkpoint."
@@ -101,6 +103,13 @@ class DataSection(_Section):
         None, ge=1, description="Pad batches to a multiple of this length."
     )
     group_by_length: bool = Field(False, description="Batch examples of similar length (less padding).")
+    padding_free: bool = Field(
+        False,
+        description="Every pass runs a micro-batch's rows as one sequence, each row seeing only itself "
+        "(positions restart per row): the model processes the data's tokens and no padding. Needs the chunked "
+        "LM head's families (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE) with one attention window, "
+        "eager / sdpa / flex_attention, tp_size 1, not gemini.",
+    )
 
     @field_validator("train_files", "eval_files", mode="before")
     @classmethod
@@ -343,6 +352,24 @@ class Config(_Section):
                 check_model_family(self.plugin.name, self.model.reference_path, "model.reference_path", tp)
         except ConfigError as err:
             raise ValueError(str(err)) from None
+        return self
+
+    @model_validator(mode="after")
+    def _padding_free_fits(self) -> Config:
+        if not self.data.padding_free:
+            return self
+        why = None
+        if self.plugin.tp_size > 1:
+            why = f"plugin.tp_size {self.plugin.tp_size} (each rank holds a vocabulary slice of the head)"
+        elif self.plugin.name == "gemini":
+            why = "plugin.name gemini (its parameters live in chunks outside the forward)"
+        elif self.model.attn_implementation == "flash_attention_2":
+            why = "model.attn_implementation flash_attention_2 (use sdpa or flex_attention)"
+        else:
+            paths = [self.model.path] + ([self.model.reference_path] if self.model.reference_path else [])
+            why = next((w for w in map(packing_refusal, paths) if w is not None), None)
+        if why is not None:
+            raise ValueError(f"data.padding_free needs packed rows, which {why} cannot take")
         return self
 
     @model_validator(mode="after")

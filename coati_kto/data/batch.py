@@ -9,8 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from coati_kto.data.packed import PackedRows
 
 
 @dataclass(frozen=True)
@@ -65,7 +69,9 @@ class KTOBatch:
 
     ``reference_logps`` / ``reference_kl_logps`` (fp32) are present when the reference cache supplies them,
     so no reference model runs. ``valid`` is False on evaluation padding rows, which count nowhere; None means
-    every row is real.
+    every row is real. ``pairs`` / ``example_rows`` / ``kl_rows``: the packed layouts the collator planned on
+    the host (coati_kto.data.packed; the last two with ``padding_free`` only), and ``fold_pays`` whether the
+    policy's folded pass processes fewer tokens than its two.
     """
 
     example: TokenView
@@ -75,6 +81,10 @@ class KTOBatch:
     reference_logps: torch.Tensor | None = None  # [B] fp32
     reference_kl_logps: torch.Tensor | None = None  # [B] fp32
     valid: torch.Tensor | None = None  # [B] bool
+    pairs: PackedRows | None = None
+    example_rows: PackedRows | None = None
+    kl_rows: PackedRows | None = None
+    fold_pays: bool = False
 
     def __len__(self) -> int:
         return int(self.label.shape[0])
@@ -98,9 +108,9 @@ class KTOBatch:
         out = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, TokenView):
-                value = value.map(fn)
-            elif value is not None:
+            if isinstance(value, torch.Tensor):
                 value = fn(value)
+            elif hasattr(value, "map"):  # TokenView, PackedRows
+                value = value.map(fn)
             out[f.name] = value
         return KTOBatch(**out)

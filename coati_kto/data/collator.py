@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from coati_kto.data.batch import KTOBatch, TokenView
+from coati_kto.data.packed import fold_pays, plan_rows
 
 
 def _pad(
@@ -38,14 +39,19 @@ def _pad(
 class KTOCollator:
     """``features`` (rows with input_ids, completion_start, label, kl_input_ids, kl_completion_start and
     optionally index, reference_logps, reference_kl_logps) -> :class:`~coati_kto.data.batch.KTOBatch`: the
-    examples and the KL pairs each padded to their own longest row, label [B] bool, the extras [B] when present.
+    examples and the KL pairs each padded to their own longest row, label [B] bool, the extras [B] when present,
+    and the packed layouts (coati_kto.data.packed): the shared-prompt pairs always, one row per example; with
+    ``padding_free`` the pairs, the examples and the KL pairs each as one row of exactly the data's tokens.
     """
 
-    def __init__(self, pad_token_id: int, pad_to_multiple_of: int | None = None) -> None:
+    def __init__(
+        self, pad_token_id: int, pad_to_multiple_of: int | None = None, padding_free: bool = False
+    ) -> None:
         if pad_token_id is None:
             raise ValueError("pad_token_id is None: set tokenizer.pad_token (EOS is fine, masks use lengths)")
         self.pad_token_id = int(pad_token_id)
         self.pad_to_multiple_of = pad_to_multiple_of
+        self.padding_free = padding_free
 
     def _view(self, rows: list[Any], starts: list[int]) -> TokenView:
         return TokenView(*_pad(rows, starts, self.pad_token_id, self.pad_to_multiple_of)).planned()
@@ -60,17 +66,30 @@ class KTOCollator:
                 torch.tensor([float(f[key]) for f in features], dtype=torch.float32) if key in first else None
             )
 
+        example = self._view(
+            [f["input_ids"] for f in features], [int(f["completion_start"]) for f in features]
+        )
+        kl = self._view(
+            [f["kl_input_ids"] for f in features], [int(f["kl_completion_start"]) for f in features]
+        )
+        pairs = plan_rows(example, kl, one_row=self.padding_free)
+        example_rows = plan_rows(example, None, one_row=True) if self.padding_free else None
+        kl_rows = plan_rows(None, kl, one_row=True) if self.padding_free else None
+        if self.padding_free:
+            fold = fold_pays(pairs, example_rows.tokens(), kl_rows.tokens())
+        else:
+            fold = fold_pays(pairs, example.input_ids.numel(), kl.input_ids.numel())
         return KTOBatch(
-            example=self._view(
-                [f["input_ids"] for f in features], [int(f["completion_start"]) for f in features]
-            ),
-            kl=self._view(
-                [f["kl_input_ids"] for f in features], [int(f["kl_completion_start"]) for f in features]
-            ),
+            example=example,
+            kl=kl,
             label=torch.tensor([bool(f["label"]) for f in features], dtype=torch.bool),
             index=torch.tensor([int(f["index"]) for f in features], dtype=torch.long)
             if "index" in first
             else None,
             reference_logps=floats("reference_logps"),
             reference_kl_logps=floats("reference_kl_logps"),
+            pairs=pairs,
+            example_rows=example_rows,
+            kl_rows=kl_rows,
+            fold_pays=fold,
         )

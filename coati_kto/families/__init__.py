@@ -97,6 +97,21 @@ def uniform_windows(config: Any) -> bool:
     return windows is not None and len(set(windows)) == 1
 
 
+def packing_refusal(model_dir: str) -> str | None:
+    """Why the model at ``model_dir`` cannot take packed rows (None when it can, or when only loading it would
+    tell: a hub id): its family's head is outside :data:`HEAD_FAMILIES`, or its layers mix attention windows."""
+    if not (Path(model_dir) / "config.json").is_file():
+        return None
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_dir)
+    if config.model_type not in HEAD_FAMILIES:
+        return f"model_type {config.model_type} at {model_dir} (the chunked LM head covers {sorted(HEAD_FAMILIES)})"
+    if not uniform_windows(config):
+        return f"the model at {model_dir} (its layers mix attention windows {layer_windows(config)})"
+    return None
+
+
 def eager_attention_reason(model_dir: str) -> str | None:
     """Why ``model_dir``'s attention must run eager (None when any kernel computes it): attention-logit
     soft-capping (Gemma 2; Gemma 3 when set) is applied by transformers' eager kernel only, and sdpa / flash

@@ -23,7 +23,7 @@ import torch
 
 from coati_kto.data.batch import KTOBatch, TokenView
 from coati_kto.models.logprobs import LMHead, model_sequence_logps
-from coati_kto.models.packing import can_pack, fold_pays, pair_logps
+from coati_kto.models.packing import can_pack, packed_logps, pair_logps
 from coati_kto.parallel.plan import ParallelPlan
 from coati_kto.trainer.loss import estimate_kl_raw, preference_loss
 from coati_kto.trainer.metrics import StepSums
@@ -152,7 +152,7 @@ class KTOPasses:
         if not self._needs_kl:  # apo_zero_unpaired: no pass runs on the KL pairs
             kl_tokens = torch.zeros_like(kl_tokens)
         packs = self._needs_kl and self._policy_packs()
-        folded = train and may_fold and packs and fold_pays(batch)
+        folded = train and may_fold and packs and batch.fold_pays
         policy = policy_kl = None
         with torch.no_grad():
             reference, reference_kl, shared = self._reference_pair(batch, kl=self._needs_kl)
@@ -166,9 +166,9 @@ class KTOPasses:
                 flops = flops + self._packed_flops(self.policy, batch, policy_shared, valid)
             else:
                 if not train:
-                    policy = self._sequence_logps(self.policy, batch.example)
+                    policy = self._view_logps(self.policy, batch, kl=False)
                 if self._needs_kl and not folded:
-                    policy_kl = self._sequence_logps(self.policy, batch.kl)
+                    policy_kl = self._view_logps(self.policy, batch, kl=True)
                 none = torch.zeros_like(example_tokens)
                 run = (none if train else example_tokens) + (none if folded else kl_tokens)
                 flops = flops + forward_flops(self._flop_params(self.policy), run)
@@ -213,7 +213,7 @@ class KTOPasses:
 
     def _policy_logps(self, batch: KTOBatch) -> torch.Tensor:
         """The policy's completion log-probs [B] fp32 with gradient (the only pass that builds a graph)."""
-        return self._sequence_logps(self.policy, batch.example)
+        return self._view_logps(self.policy, batch, kl=False)
 
     def _reference_pair(
         self, batch: KTOBatch, kl: bool = True
@@ -228,14 +228,28 @@ class KTOPasses:
             raise ValueError("no reference model and the batch has no precomputed reference_logps")
         zeros = torch.zeros_like(batch.label, dtype=torch.long)
         if not kl:
-            return self._sequence_logps(self.reference, batch.example), None, zeros
+            return self._view_logps(self.reference, batch, kl=False), None, zeros
         if not self.apply_loss_mask or not self.options.pack_reference:  # two passes (or every token scored)
             return (
-                self._sequence_logps(self.reference, batch.example),
-                self._sequence_logps(self.reference, batch.kl),
+                self._view_logps(self.reference, batch, kl=False),
+                self._view_logps(self.reference, batch, kl=True),
                 zeros,
             )
         return pair_logps(self.reference, batch)
+
+    def _view_logps(self, model: Any, batch: KTOBatch, kl: bool) -> torch.Tensor:
+        """Completion log-probs [B] fp32 of ``model`` on the examples or (``kl``) the KL pairs: from the
+        collator's padding-free row when it planned one (coati_kto.data.packed), else the padded view."""
+        rows = batch.kl_rows if kl else batch.example_rows
+        if rows is None or not self.apply_loss_mask:
+            return self._sequence_logps(model, batch.kl if kl else batch.example)
+        if not can_pack(model) or self._lm_head(model) is None:
+            raise RuntimeError(
+                "data.padding_free: this model cannot take packed rows (it needs eager, sdpa or flex attention, "
+                "one attention window for every layer, and the chunked LM head: tp_size 1, not gemini)"
+            )
+        example, kl_logps = packed_logps(model, self._lm_head(model), rows, len(batch))
+        return kl_logps if kl else example
 
     def _sequence_logps(self, model: Any, view: TokenView) -> torch.Tensor:
         """Completion log-probs [B] fp32 of ``model`` on one view of the batch (graph only under grad)."""

@@ -180,7 +180,7 @@ def _packed_run(model_dir: str, root: str, pack_policy: bool) -> dict[str, Any]:
     from coati_kto.train import train
 
     calls: list[str] = []
-    packed = packing.packed_pair_logps
+    packed = packing.packed_logps
 
     def counted(model: Any, *args: Any, **kwargs: Any) -> Any:
         calls.append(type(model).__name__)
@@ -191,11 +191,11 @@ def _packed_run(model_dir: str, root: str, pack_policy: bool) -> dict[str, Any]:
     raw["train"]["max_steps"] = 2
     raw["kto"] = {"pack_reference": True, "pack_policy": pack_policy}
     raw["output"] = {"dir": str(Path(root) / f"packed-{pack_policy}"), "save_final": False}
-    packing.packed_pair_logps = counted
+    packing.packed_logps = counted
     try:
         trainer = train(Config.model_validate(raw))
     finally:
-        packing.packed_pair_logps = packed
+        packing.packed_logps = packed
     first = next(h for h in trainer.history if "train/loss" in h)
     return {"calls": calls, "rewards": (first["train/rewards/chosen"], first["train/rewards/rejected"])}
 

@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralFo
 
 from coati_kto.data.collator import KTOCollator
 from coati_kto.models.logprobs import LMHead, model_sequence_logps
-from coati_kto.models.packing import fold_pays, pair_logps
+from coati_kto.models.packing import pair_logps
 from coati_kto.testing.distributed import run_distributed
 from coati_kto.testing.tiny import random_causal_lm
 
@@ -49,12 +49,12 @@ def _long_prompts(seed: int, labels: list[int]):
 
 
 def test_fold_pays_for_long_prompts_only() -> None:
-    assert fold_pays(_long_prompts(0, [1, 0, 1, 0]))
-    assert not fold_pays(KTOCollator(0)(_rows(0, [1, 0, 1, 0], (5, 8), (5, 8))))  # P ~ C: two passes cheaper
+    assert _long_prompts(0, [1, 0, 1, 0]).fold_pays
+    assert not KTOCollator(0)(_rows(0, [1, 0, 1, 0], (5, 8), (5, 8))).fold_pays  # P ~ C: two passes cheaper
     rows = _rows(1, [1, 0, 1, 0], (14, 20), (1, 4))
     rows[2]["kl_input_ids"] = rows[2]["kl_input_ids"][1:]  # truncation cut this KL prompt differently
     rows[2]["kl_completion_start"] -= 1
-    assert not fold_pays(KTOCollator(0)(rows))
+    assert not KTOCollator(0)(rows).fold_pays
 
 
 @pytest.mark.parametrize(

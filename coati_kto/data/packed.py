@@ -1,0 +1,174 @@
+"""Packed rows: a micro-batch's sequences laid out for one forward, planned on the host by the collator.
+
+A *document* is what one separate forward pass would see. Three layouts serve the passes of a KTO step:
+
+    pairs    document b = [x_i, y_i] then [y_j]: the example, then its KL pair's completion, which sees the
+             shared prompt x_i (positions continue from |x_i|) and itself, never y_i (coati_kto.models.packing)
+    example  document b = [x_i, y_i]
+    kl       document b = [x_j', y_j] (the KL pair alone)
+
+Each layout holds one document per row, right-padded to the longest (``one_row=False``), or every document of
+the micro-batch in one row (``one_row=True``: padding-free, so the model processes exactly the data's tokens).
+Attention is described per token, so that the device builds the mask with broadcasts alone, reading nothing
+back: query q may attend key k in the same row iff
+
+    document[q] == document[k]  and  k <= q  and  (segment[q] == segment[k]  or  position[k] < prompt_seen[q])
+
+(segment 0: the example's tokens, 1: the KL pair's own; ``prompt_seen`` is the shared prompt length on a KL
+token, 0 elsewhere). A padding token is a document of its own (``-1 - column``): it sees itself only.
+Everything here runs on CPU tensors; the batch then moves to the device whole (``KTOBatch.to``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import torch
+
+from coati_kto.data.batch import TokenView
+
+
+@dataclass(frozen=True)
+class Targets:
+    """The tokens a layout scores: example ``owner`` (0..B-1), the (row, column) whose hidden state predicts
+    the token, and the token id; [T] long each, ordered by owner then column."""
+
+    owner: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+    ids: torch.Tensor
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Targets:
+        return Targets(*(fn(getattr(self, f.name)) for f in fields(self)))
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """One layout of a micro-batch (module docstring); tensors [R, L] long unless noted."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor  # each document's own positions (a KL completion continues its prompt's)
+    document: torch.Tensor  # the example b a token belongs to; padding -1 - column
+    segment: torch.Tensor  # 0 example tokens, 1 the KL pair's own
+    prompt_seen: torch.Tensor  # on a KL token: it sees the example's positions below this; 0 elsewhere
+    example: Targets | None  # None in the kl layout
+    kl: Targets | None  # None in the example layout
+    shared: torch.Tensor  # [B] long: prompt tokens processed once instead of twice (pairs layout)
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> PackedRows:
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = (
+                None if value is None else value.map(fn) if isinstance(value, Targets) else fn(value)
+            )
+        return PackedRows(**out)
+
+    def tokens(self) -> int:
+        """Tokens processed per forward: R x L (padding included)."""
+        return int(self.input_ids.numel())
+
+
+def shared_prompt_lengths(example: TokenView, kl: TokenView) -> torch.Tensor:
+    """[B] long: tokens the KL pair shares with the example (its prompt), 0 where the prompts differ.
+
+    Both loss masks start at the completion; the shared prompt is everything before, when equal token for token.
+    """
+    ids, kl_ids = example.input_ids, kl.input_ids
+    start, kl_start = example.completion_starts(), kl.completion_starts()
+    width = min(ids.shape[1], kl_ids.shape[1])
+    cols = torch.arange(width, device=ids.device)
+    before = cols[None, :] < start[:, None]
+    same = ((ids[:, :width] == kl_ids[:, :width]) | ~before).all(dim=1)
+    ok = (start == kl_start) & same & example.loss_mask.any(dim=1) & kl.loss_mask.any(dim=1) & (start > 0)
+    return torch.where(ok, start, 0)
+
+
+def plan_rows(example: TokenView | None, kl: TokenView | None, one_row: bool = False) -> PackedRows:
+    """The pairs layout (both views), the example layout (``kl`` None) or the kl layout (``example`` None),
+    from host tensors. Scored tokens are the loss masks' (token 0 of a document is never predicted)."""
+    view = example if example is not None else kl
+    n = view.input_ids.shape[0]
+    shared = (
+        shared_prompt_lengths(example, kl)
+        if example is not None and kl is not None
+        else torch.zeros(n, dtype=torch.long)
+    )
+    a_len = example.lengths().tolist() if example is not None else [0] * n
+    k_len = kl.lengths().tolist() if kl is not None else [0] * n
+    docs = [_document(example, kl, b, a_len[b], k_len[b], int(shared[b])) for b in range(n)]
+    width = sum(len(d[0]) for d in docs) if one_row else max(len(d[0]) for d in docs)
+    rows = 1 if one_row else n
+    columns = torch.arange(width).expand(rows, width)
+    ids, positions, segment, seen = (torch.zeros(rows, width, dtype=torch.long) for _ in range(4))
+    document = -1 - columns.clone()
+    targets: dict[str, list[torch.Tensor]] = {"example": [], "kl": []}
+    offset = 0
+    for b, (doc_ids, doc_pos, doc_seg, doc_seen, doc_targets) in enumerate(docs):
+        r = 0 if one_row else b
+        span = slice(offset, offset + len(doc_ids))
+        ids[r, span], positions[r, span], segment[r, span], seen[r, span] = (
+            doc_ids,
+            doc_pos,
+            doc_seg,
+            doc_seen,
+        )
+        document[r, span] = b
+        for name, (cols, tgt) in doc_targets.items():
+            targets[name].append(
+                torch.stack([torch.full_like(cols, b), torch.full_like(cols, r), cols + offset, tgt])
+            )
+        offset = offset + len(doc_ids) if one_row else 0
+
+    def gather(name: str, present: bool) -> Targets | None:
+        if not present:
+            return None
+        parts = targets[name]
+        return Targets(*torch.cat(parts, dim=1)) if parts else None
+
+    return PackedRows(
+        ids,
+        positions,
+        document,
+        segment,
+        seen,
+        gather("example", example is not None),
+        gather("kl", kl is not None),
+        shared,
+    )
+
+
+def _document(example: TokenView | None, kl: TokenView | None, b: int, a: int, k: int, s: int):
+    """Row b's document: ids, positions, segments, prompt_seen [len] and {view: (predictor columns, targets)}.
+
+    The example [x_i, y_i] takes columns 0..a-1; the KL pair's tokens from ``s`` on follow at a.. (positions
+    s..k-1): a KL token u is predicted at column u - 1 inside the shared prompt, else at a + u - 1 - s.
+    """
+    pieces, targets = [], {}
+    if example is not None:
+        ids = example.input_ids[b, :a]
+        pieces.append(
+            (ids, torch.arange(a), torch.zeros(a, dtype=torch.long), torch.zeros(a, dtype=torch.long))
+        )
+        t = example.loss_mask[b, 1:a].nonzero().squeeze(1) + 1
+        targets["example"] = (t - 1, ids[t])
+    if kl is not None:
+        ids = kl.input_ids[b, :k]
+        n = k - s
+        pieces.append((ids[s:], torch.arange(s, k), torch.ones(n, dtype=torch.long), torch.full((n,), s)))
+        u = kl.loss_mask[b, 1:k].nonzero().squeeze(1) + 1
+        pred = u - 1
+        targets["kl"] = (torch.where(pred < s, pred, a + pred - s), ids[u])
+    return (*(torch.cat(parts) for parts in zip(*pieces, strict=True)), targets)
+
+
+def fold_pays(pairs: PackedRows, example_tokens: int, kl_tokens: int) -> bool:
+    """Whether one packed pass with gradient over [x_i, y_i, y_j] costs less than the policy's two passes (the
+    KL pair without gradient, the example with), in tokens processed, padding included (a forward plus a
+    backward of ~2 forwards; the packed KL tokens ride through the backward with zero gradient): every row
+    shares its prompt and 3 x packed <= kl + 3 x example. True for long prompts and short completions
+    (P > 2C), false for P ~ C. Host tensors."""
+    if not bool((pairs.shared > 0).all()):
+        return False
+    return 3 * pairs.tokens() <= kl_tokens + 3 * example_tokens
