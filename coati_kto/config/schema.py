@@ -108,7 +108,7 @@ class DataSection(_Section):
         description="Every pass runs a micro-batch's rows as one sequence, each row seeing only itself "
         "(positions restart per row): the model processes the data's tokens and no padding. Needs the chunked "
         "LM head's families (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE) with one attention window, "
-        "eager / sdpa / flex_attention, tp_size 1, not gemini.",
+        "eager / sdpa / flex_attention, and tp_size 1.",
     )
 
     @field_validator("train_files", "eval_files", mode="before")
@@ -361,8 +361,6 @@ class Config(_Section):
         why = None
         if self.plugin.tp_size > 1:
             why = f"plugin.tp_size {self.plugin.tp_size} (each rank holds a vocabulary slice of the head)"
-        elif self.plugin.name == "gemini":
-            why = "plugin.name gemini (its parameters live in chunks outside the forward)"
         elif self.model.attn_implementation == "flash_attention_2":
             why = "model.attn_implementation flash_attention_2 (use sdpa or flex_attention)"
         else:

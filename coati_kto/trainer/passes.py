@@ -246,7 +246,7 @@ class KTOPasses:
         if not can_pack(model) or self._lm_head(model) is None:
             raise RuntimeError(
                 "data.padding_free: this model cannot take packed rows (it needs eager, sdpa or flex attention, "
-                "one attention window for every layer, and the chunked LM head: tp_size 1, not gemini)"
+                "one attention window for every layer, and the chunked LM head: tp_size 1)"
             )
         example, kl_logps = packed_logps(model, self._lm_head(model), rows, len(batch))
         return kl_logps if kl else example

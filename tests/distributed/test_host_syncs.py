@@ -24,12 +24,28 @@ PLUGINS = {
 MICRO_BATCHES, PASSES = 2, 4  # per step; per micro-batch: policy and reference on examples and KL pairs
 
 
-def _count(model_dir: str, out_dir: str, plugin: dict) -> dict:
+def _count(
+    model_dir: str, out_dir: str, plugin: dict, padding_free: bool = False, pack: bool = False
+) -> dict:
+    from dataclasses import replace
+
+    from coati_kto.data.packed import plan_rows
     from coati_kto.testing.syncs import HostSyncCounter
 
     train = {"accumulation_steps": MICRO_BATCHES, "micro_batch_size": 4}
-    _, trainer = _build(_config(model_dir, out_dir, plugin=plugin, train=train), 4)
+    cfg = _config(model_dir, out_dir, plugin=plugin, train=train)
+    _, trainer = _build(cfg, 4, pack_reference=pack, pack_policy=pack)
     batches = _rank_loader(1, 0)
+    if padding_free:  # what KTOCollator(padding_free=True) plans
+        batches = [
+            replace(
+                b,
+                pairs=plan_rows(b.example, b.kl, one_row=True),
+                example_rows=plan_rows(b.example, None, one_row=True),
+                kl_rows=plan_rows(None, b.kl, one_row=True),
+            )
+            for b in batches
+        ]
     trainer._train_step(batches[0:2], 0)  # the first step builds what later steps reuse
     with HostSyncCounter() as syncs:
         trainer._train_step(batches[2:4], 0)
@@ -43,3 +59,17 @@ def test_one_host_sync_per_step_outside_the_model(plugin: str, tiny_model_dir: P
     assert ours == 1, counts  # the metric / vote all-reduce, read once (it was 37)
     # transformers 4.51 checks the mask once per forward pass, 5.x twice; never per token or per layer.
     assert counts["in_model"] <= 2 * MICRO_BATCHES * PASSES, counts
+
+
+@pytest.mark.parametrize("padding_free", [False, True])
+def test_packed_passes_read_nothing_back(padding_free: bool, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The packed layouts are planned on the host and their masks built by broadcasts: the shared-prompt
+    reference pass adds no sync (it cost 19 per micro-batch of 8 on an H100 when planned on the device), and
+    with padding-free rows no pass syncs at all (a 4D mask skips transformers' all-ones check)."""
+    plugin = PLUGINS["hybrid_zero2_bf16"]
+    counts = run_distributed(_count, 1, str(tiny_model_dir), str(tmp_path), plugin, padding_free, True)[0]
+    if padding_free:
+        assert counts["total"] == 1, counts
+    else:  # the policy's two padded passes per micro-batch check their 2D masks, the packed reference does not
+        assert counts["total"] - counts["in_model"] == 1, counts
+        assert counts["in_model"] <= 2 * MICRO_BATCHES * 2, counts

@@ -189,3 +189,30 @@ def test_fp32_export_is_refused_where_masters_cannot_be_gathered(
     path = write_config(tmp_path, MINIMAL)
     with pytest.raises(ConfigError, match=message):
         load_config(path, ["output.export_dtype=fp32", "plugin.precision=bf16", override])
+
+
+def test_padding_free_refused_where_packed_rows_cannot_run(tmp_path: Path) -> None:
+    """data.padding_free needs the packed path: one line naming what stands in the way, at config load."""
+    from transformers import Gemma3TextConfig, LlamaConfig
+
+    path = write_config(tmp_path, MINIMAL)
+    on = ["data.padding_free=true"]
+    assert load_config(path, on).data.padding_free
+    for overrides, needle in [
+        (["plugin.name=hybrid_parallel", "plugin.tp_size=2"], "which plugin.tp_size 2"),
+        (
+            ["model.attn_implementation=flash_attention_2"],
+            "which model.attn_implementation flash_attention_2",
+        ),
+    ]:
+        with pytest.raises(ConfigError, match=needle):
+            load_config(path, on + overrides)
+    gemma3, llama = tmp_path / "gemma3", tmp_path / "llama"
+    Gemma3TextConfig(num_hidden_layers=2, sliding_window=8).save_pretrained(gemma3)
+    LlamaConfig(num_hidden_layers=2).save_pretrained(llama)
+    assert load_config(path, on + [f"model.path={llama}", "model.attn_implementation=flex_attention"])
+    with pytest.raises(ConfigError, match="model_type gemma3_text") as err:
+        load_config(path, on + [f"model.path={gemma3}"])
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match="model_type gemma3_text"):  # the reference is packed too
+        load_config(path, on + [f"model.path={llama}", f"model.reference_path={gemma3}"])

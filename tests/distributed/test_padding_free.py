@@ -1,0 +1,137 @@
+"""Padding-free passes (data.padding_free): a micro-batch's rows as one sequence give each row's log-probs and
+gradients of its own padded pass (fp32, 1e-5), for every packable family and attention kernel, and a
+training run with them equals the padded run step by step."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_packing import FAMILIES, _model, _rows, _separate
+from test_policy_packing import STEPS
+from test_policy_packing import _rows as _prompt_rows
+from test_trainer import _build, _config, _weights, sgd
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from coati_kto.data.collator import KTOCollator
+from coati_kto.models.logprobs import LMHead, model_sequence_logps
+from coati_kto.models.packing import packed_logps, pair_logps
+from coati_kto.testing.distributed import run_distributed
+
+CASES = {**FAMILIES, "qwen3": (Qwen3ForCausalLM, Qwen3Config, {})}
+
+
+def _layouts(model: Any, batch: Any) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    head = LMHead.find(model)
+    with torch.no_grad():
+        example, _ = packed_logps(model, head, batch.example_rows, len(batch))
+        _, kl = packed_logps(model, head, batch.kl_rows, len(batch))
+        pair_example, pair_kl, _ = pair_logps(model, batch)
+    return {"views": (example, kl), "pairs": (pair_example, pair_kl)}
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", list(CASES))
+def test_one_row_passes_equal_padded_passes_fp32(attn: str, family: str) -> None:
+    cls, config_cls, config = CASES[family]
+    model = _model(cls, config_cls, attn, **config)
+    batch = KTOCollator(0, padding_free=True)(_rows(7, 6, mismatched=(3,)))
+    assert tuple(batch.pairs.input_ids.shape)[0] == 1 and bool((batch.pairs.document >= 0).all())
+    ref_example, ref_kl = _separate(model, batch)
+    for name, (example, kl) in _layouts(model, batch).items():
+        torch.testing.assert_close(example, ref_example, atol=1e-5, rtol=0, msg=name)
+        torch.testing.assert_close(kl, ref_kl, atol=1e-5, rtol=0, msg=name)
+
+
+def test_one_row_gradient_equals_padded_gradient() -> None:
+    model = _model(LlamaForCausalLM, LlamaConfig, "sdpa")
+    padded = copy.deepcopy(model)
+    batch = KTOCollator(0, padding_free=True)(_rows(8, 5))
+    weights = torch.tensor([0.7, -1.3, 0.4, 2.0, -0.5])
+    example, kl = packed_logps(model, LMHead.find(model), batch.example_rows, len(batch))
+    assert example.requires_grad and kl is None
+    (example * weights).sum().backward()
+    view = batch.example
+    reference = model_sequence_logps(
+        padded, view.input_ids, view.attention_mask, view.loss_mask, LMHead.find(padded)
+    )
+    (reference * weights).sum().backward()
+    torch.testing.assert_close(example, reference, atol=1e-5, rtol=0)
+    grads = dict(padded.named_parameters())
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name].grad, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_flex_attention_block_mask_equals_padded_passes() -> None:
+    """flex_attention: the BlockMask (rows padded to its 128-token block) is the 4D mask's rule."""
+    model = _model(LlamaForCausalLM, LlamaConfig, "sdpa")
+    batch = KTOCollator(0, padding_free=True)(_rows(9, 6, mismatched=(1,)))
+    ref_example, ref_kl = _separate(model, batch)
+    model.config._attn_implementation = "flex_attention"
+    for name, (example, kl) in _layouts(model, batch).items():
+        torch.testing.assert_close(example, ref_example, atol=1e-5, rtol=0, msg=name)
+        torch.testing.assert_close(kl, ref_kl, atol=1e-5, rtol=0, msg=name)
+
+
+# ------------------------------------------------------------------------------------------- 2 processes
+def _run(model_dir: str, out_dir: str, padding_free: bool, pack: bool) -> dict[str, Any]:
+    """Three steps on hybrid_parallel fp32, 2 processes: online reference (the policy's own start, so step 0's
+    rewards are 0), tool-use rows where the policy's folded pass pays; ``pack``: the shared-prompt reference
+    pass and the policy's folded pass, else every view on its own."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = _config(
+        model_dir,
+        str(Path(out_dir) / f"free-{padding_free}-{pack}"),
+        plugin={"name": "hybrid_parallel", "zero_stage": 0, "precision": "fp32"},
+        train={"micro_batch_size": 4},
+        kto={"beta": 0.5},
+    )
+    collate = KTOCollator(0, padding_free=padding_free)
+    batches = [
+        collate(_prompt_rows(10 * s + r, labels, (14, 20), (1, 4)))
+        for s, step in enumerate(STEPS)
+        for r, labels in enumerate(step)
+    ]
+    import coati_kto.models.packing as packing
+    import coati_kto.trainer.passes as passes
+
+    rows_per_pass: list[int] = []
+    original = packing.packed_logps
+
+    def counted(model: Any, head: Any, rows: Any, batch_size: int) -> Any:
+        rows_per_pass.append(int(rows.input_ids.shape[0]))
+        return original(model, head, rows, batch_size)
+
+    packing.packed_logps = passes.packed_logps = counted
+    try:
+        with sgd():
+            parts, trainer = _build(cfg, total_steps=len(STEPS), pack_reference=pack, pack_policy=pack)
+            trainer.fit(batches[rank::world], None)
+    finally:
+        packing.packed_logps = passes.packed_logps = original
+    return {"history": trainer.history, "weights": _weights(parts.policy), "rows": rows_per_pass}
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_padding_free_run_equals_padded_run(pack: bool, tiny_model_dir: Path, tmp_path: Path) -> None:
+    padded, free = (
+        run_distributed(_run, 2, str(tiny_model_dir), str(tmp_path), f, pack) for f in (False, True)
+    )
+    for rank in range(2):
+        # 3 micro-batches per rank. Padded: only the packed passes (reference pair, policy fold) run packed rows,
+        # a row per example; padding-free: every pass is one row (two per micro-batch packed, four not).
+        assert padded[rank]["rows"] == ([4] * 6 if pack else [])
+        assert free[rank]["rows"] == [1] * (6 if pack else 12)
+        steps = [h for h in padded[rank]["history"] if "train/loss" in h]
+        free_steps = [h for h in free[rank]["history"] if "train/loss" in h]
+        assert len(steps) == len(free_steps) == len(STEPS)
+        assert free_steps[0]["train/rewards/chosen"] == 0.0 and free_steps[0]["train/rewards/rejected"] == 0.0
+        for a, b in zip(steps, free_steps, strict=True):
+            for key in ("train/loss", "train/rewards/chosen", "train/rewards/rejected", "train/kl"):
+                assert abs(a[key] - b[key]) <= 1e-5, (key, a[key], b[key])
+        assert abs(padded[rank]["weights"] - free[rank]["weights"]).max() <= 1e-5

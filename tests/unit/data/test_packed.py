@@ -1,0 +1,137 @@
+"""Packed layouts planned by the collator (coati_kto.data.packed): what each token sees, which tokens are
+scored, and that padding-free rows hold exactly the data's tokens. Invariants checked with hypothesis against a
+direct construction from the rows themselves."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coati_kto.data.collator import KTOCollator
+from coati_kto.data.packed import plan_rows
+from coati_kto.models.packing import allowed_attention
+
+
+@st.composite
+def micro_batches(draw: st.DrawFn) -> list[dict]:
+    rows = []
+    for i in range(draw(st.integers(1, 6))):
+        prompt = draw(st.lists(st.integers(3, 50), min_size=1, max_size=9))
+        completion = draw(st.lists(st.integers(3, 50), min_size=1, max_size=6))
+        kl_completion = draw(st.lists(st.integers(3, 50), min_size=1, max_size=6))
+        kl_prompt = prompt[1:] if draw(st.booleans()) and len(prompt) > 1 else prompt  # truncated differently
+        rows.append(
+            {
+                "input_ids": prompt + completion,
+                "completion_start": len(prompt),
+                "label": bool(i % 2),
+                "kl_input_ids": kl_prompt + kl_completion,
+                "kl_completion_start": len(kl_prompt),
+            }
+        )
+    return rows
+
+
+def _documents(rows: list[dict], which: str) -> list[list[tuple[int, int, str]]]:
+    """Per row, its document as (token, position, part) in the order the layout must hold it."""
+    out = []
+    for r in rows:
+        ids, start = r["input_ids"], r["completion_start"]
+        kl_ids, kl_start = r["kl_input_ids"], r["kl_completion_start"]
+        shared = start if which == "pairs" and start == kl_start and ids[:start] == kl_ids[:start] else 0
+        doc = [(t, p, "example") for p, t in enumerate(ids)] if which != "kl" else []
+        if which != "example":
+            doc += [(t, p, "kl") for p, t in enumerate(kl_ids) if p >= shared]
+        out.append(doc)
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=micro_batches(), one_row=st.booleans(), which=st.sampled_from(["pairs", "example", "kl"]))
+def test_layout_holds_each_document_and_scores_its_completions(rows, one_row, which) -> None:
+    batch = KTOCollator(0)(rows)
+    example = batch.example if which != "kl" else None
+    kl = batch.kl if which != "example" else None
+    plan = plan_rows(example, kl, one_row=one_row)
+    documents = _documents(rows, which)
+    width = sum(map(len, documents)) if one_row else max(map(len, documents))
+    assert tuple(plan.input_ids.shape) == ((1, width) if one_row else (len(rows), width))
+    if one_row:
+        assert bool((plan.document >= 0).all())  # padding-free: not one padding token
+    offset = 0
+    for b, doc in enumerate(documents):
+        r, cols = (0, torch.arange(offset, offset + len(doc))) if one_row else (b, torch.arange(len(doc)))
+        assert plan.input_ids[r, cols].tolist() == [t for t, _, _ in doc]
+        assert plan.position_ids[r, cols].tolist() == [p for _, p, _ in doc]
+        assert bool((plan.document[r, cols] == b).all())
+        offset += len(doc) if one_row else 0
+    # Scored tokens: every completion token but a document's first, once, predicted by the column before it
+    # in its own part (or, for a KL pair's first completion token, by the shared prompt's last).
+    for part, targets in (("example", plan.example), ("kl", plan.kl)):
+        if (part == "example" and example is None) or (part == "kl" and kl is None):
+            assert targets is None
+            continue
+        key, start_key = (
+            ("input_ids", "completion_start")
+            if part == "example"
+            else ("kl_input_ids", "kl_completion_start")
+        )
+        expected = [(b, t) for b, r in enumerate(rows) for t in r[key][max(1, r[start_key]) :]]
+        assert list(zip(targets.owner.tolist(), targets.ids.tolist(), strict=True)) == expected
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=micro_batches(), which=st.sampled_from(["pairs", "example", "kl"]))
+def test_one_row_mask_is_the_block_diagonal_of_the_per_row_masks(rows, which) -> None:
+    """Padding-free attention = each document's own attention, and nothing across documents."""
+    batch = KTOCollator(0)(rows)
+    views = {"pairs": (batch.example, batch.kl), "example": (batch.example, None), "kl": (None, batch.kl)}[
+        which
+    ]
+    per_row, one_row = plan_rows(*views), plan_rows(*views, one_row=True)
+    separate, joined = allowed_attention(per_row), allowed_attention(one_row)[0]
+    expected = torch.zeros_like(joined)
+    offset = 0
+    for b in range(len(rows)):
+        n = int((per_row.document[b] >= 0).sum())
+        expected[offset : offset + n, offset : offset + n] = separate[b, :n, :n]
+        offset += n
+    assert torch.equal(joined, expected)
+    # Within a pairs document, the KL pair's tokens see the shared prompt and themselves, never y_i.
+    for b in range(len(rows)):
+        real = per_row.document[b] >= 0
+        seen = separate[b][real][:, real]
+        assert bool(seen.tril().eq(seen).all())  # causal
+        assert bool(seen.diagonal().all())
+
+
+def test_padding_free_batch_plans_three_one_row_layouts() -> None:
+    rows = [
+        {
+            "input_ids": [5, 6, 7, 8],
+            "completion_start": 2,
+            "label": True,
+            "kl_input_ids": [5, 6, 9],
+            "kl_completion_start": 2,
+        },
+        {
+            "input_ids": [4, 3],
+            "completion_start": 1,
+            "label": False,
+            "kl_input_ids": [4, 11, 12],
+            "kl_completion_start": 1,
+        },
+    ]
+    padded, free = KTOCollator(0)(rows), KTOCollator(0, padding_free=True)(rows)
+    assert padded.example_rows is None and padded.kl_rows is None
+    assert tuple(padded.pairs.input_ids.shape) == (2, 5)  # [5 6 7 8 | 9] and [4 3 | 11 12 + pad]
+    assert free.pairs.input_ids.tolist() == [[5, 6, 7, 8, 9, 4, 3, 11, 12]]
+    assert free.pairs.position_ids.tolist() == [[0, 1, 2, 3, 2, 0, 1, 1, 2]]
+    assert free.example_rows.input_ids.tolist() == [[5, 6, 7, 8, 4, 3]]
+    assert free.kl_rows.input_ids.tolist() == [[5, 6, 9, 4, 11, 12]]
+    assert free.kl_rows.position_ids.tolist() == [[0, 1, 2, 0, 1, 2]]
+    assert free.pairs.shared.tolist() == [2, 1]
+    # y_j's first token is predicted by the shared prompt's last (9 by 6 at column 1, 11 by 4 at column 5),
+    # never by y_i's last; 12 by 11 at column 7.
+    assert free.pairs.kl.cols.tolist() == [1, 5, 7] and free.pairs.kl.ids.tolist() == [9, 11, 12]
