@@ -169,3 +169,19 @@ def test_trl_side_by_side_smoke(tmp_path: Path) -> None:
     assert len(rows) == 4, out
     for row in rows:
         positive_finite(numbers(row), row)  # step wall/CPU s, RSS, process CPU s, loss, x TRL
+
+
+def test_padding_bench_smoke() -> None:
+    out = smoke("padding_bench.py")
+    rows = {
+        line.split()[0]: line
+        for line in out.splitlines()
+        if line.split()[:1] in (["tool_use"], ["half"], ["long_tail"])
+    }
+    assert set(rows) == {"tool_use", "half", "long_tail"}, out
+    for shape, line in rows.items():
+        fractions = [float(v.rstrip("%")) for v in line.split()[2:]]
+        assert len(fractions) == 8, line
+        padded, padded64, free = fractions[:3]
+        assert 0.0 < padded <= padded64 < 100.0 and free == 0.0, line  # real padding, none without it
+        assert fractions[5] == 0.0 and fractions[7] == 0.0, line
