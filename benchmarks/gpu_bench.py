@@ -12,7 +12,8 @@ tokenizer (the byte-level pre-tokenizer splits on spaces, so a text's tokens are
 
 Cases: model x shape x reference (``online``; ``cached``: the train's own cache step computes the reference
 log-probs once, before the first step) x plugin (hybrid_parallel ZeRO-2 bf16, low_level_zero ZeRO-2 bf16),
-micro-batch 8, ``model.attn_implementation`` sdpa. A model the plugin does not admit (Qwen3 under
+micro-batch 8, ``model.attn_implementation`` sdpa; and the Llama hybrid ZeRO-2 cases again with ``data.padding_free``
+(``.../free``: ``flex_attention`` on a GPU, ``--attn`` on CPU). A model the plugin does not admit (Qwen3 under
 hybrid_parallel with transformers 4.51: no shardformer policy) is skipped with the config check's reason.
 Each case runs ``coati_kto.train.train(config)`` twice in a fresh process (peak memory is a process figure):
 
