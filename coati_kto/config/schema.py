@@ -61,9 +61,7 @@ class ModelSection(_Section):
         False, description="Recompute activations in backward to save memory."
     )
     attn_implementation: Literal["eager", "sdpa", "flex_attention", "flash_attention_2"] | None = Field(
-        None,
-        description="Attention kernel passed to from_pretrained; None: the model's default. flex_attention "
-        "skips the blocks no document reaches in packed and padding-free rows (GPU; compiled on first use).",
+        None, description="Attention kernel passed to from_pretrained; None: the model's default."
     )
     trust_remote_code: bool = Field(
         False, description="Allow model/tokenizer code shipped with the checkpoint."
@@ -105,10 +103,8 @@ class DataSection(_Section):
     group_by_length: bool = Field(False, description="Batch examples of similar length (less padding).")
     padding_free: bool = Field(
         False,
-        description="Every pass runs a micro-batch's rows as one sequence, each row seeing only itself "
-        "(positions restart per row): the model processes the data's tokens and no padding. Needs the chunked "
-        "LM head's families (Llama, Mistral, Qwen2, Qwen3, Mixtral, Qwen2-MoE) with one attention window, "
-        "eager / sdpa / flex_attention, and tp_size 1.",
+        description="Each pass runs the micro-batch's rows as one sequence, each row seeing only itself (no "
+        "padding reaches the model); pair with flex_attention on GPUs. tp_size 1; not flash_attention_2.",
     )
 
     @field_validator("train_files", "eval_files", mode="before")
@@ -356,18 +352,11 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _padding_free_fits(self) -> Config:
-        if not self.data.padding_free:
-            return self
-        why = None
-        if self.plugin.tp_size > 1:
-            why = f"plugin.tp_size {self.plugin.tp_size} (each rank holds a vocabulary slice of the head)"
-        elif self.model.attn_implementation == "flash_attention_2":
-            why = "model.attn_implementation flash_attention_2 (use sdpa or flex_attention)"
-        else:
-            paths = [self.model.path] + ([self.model.reference_path] if self.model.reference_path else [])
-            why = next((w for w in map(packing_refusal, paths) if w is not None), None)
-        if why is not None:
-            raise ValueError(f"data.padding_free needs packed rows, which {why} cannot take")
+        if self.data.padding_free:
+            paths = [p for p in (self.model.path, self.model.reference_path) if p]
+            why = packing_refusal(paths, self.plugin.tp_size, self.model.attn_implementation)
+            if why is not None:
+                raise ValueError(f"data.padding_free needs packed rows, which {why} cannot take")
         return self
 
     @model_validator(mode="after")

@@ -9,12 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from coati_kto.data.packed import PackedRows
 
 
 @dataclass(frozen=True)
@@ -61,6 +57,48 @@ class TokenView:
         return TokenView(
             fn(self.input_ids), fn(self.attention_mask), fn(self.loss_mask), self.keep, rows, cols
         )
+
+
+@dataclass(frozen=True)
+class Targets:
+    """The tokens a layout scores: example ``owner`` (0..B-1), the (row, column) whose hidden state predicts
+    the token, and the token id; [T] long each, ordered by owner then column."""
+
+    owner: torch.Tensor
+    rows: torch.Tensor
+    cols: torch.Tensor
+    ids: torch.Tensor
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Targets:
+        return Targets(*(fn(getattr(self, f.name)) for f in fields(self)))
+
+
+@dataclass(frozen=True)
+class PackedRows:
+    """One layout of a micro-batch, planned by coati_kto.data.packed (its docstring: the attention rule);
+    tensors [R, L] long unless noted."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor  # each document's own positions (a KL completion continues its prompt's)
+    document: torch.Tensor  # the example b a token belongs to; padding -1 - column
+    segment: torch.Tensor  # 0 example tokens, 1 the KL pair's own
+    prompt_seen: torch.Tensor  # on a KL token: it sees the example's positions below this; 0 elsewhere
+    example: Targets | None  # None in the kl layout
+    kl: Targets | None  # None in the example layout
+    shared: torch.Tensor  # [B] long: prompt tokens processed once instead of twice (pairs layout)
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> PackedRows:
+        out = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out[f.name] = (
+                None if value is None else value.map(fn) if isinstance(value, Targets) else fn(value)
+            )
+        return PackedRows(**out)
+
+    def tokens(self) -> int:
+        """Tokens processed per forward: R x L (padding included)."""
+        return int(self.input_ids.numel())
 
 
 @dataclass(frozen=True)

@@ -21,53 +21,9 @@ Everything here runs on CPU tensors; the batch then moves to the device whole (`
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, fields
-
 import torch
 
-from coati_kto.data.batch import TokenView
-
-
-@dataclass(frozen=True)
-class Targets:
-    """The tokens a layout scores: example ``owner`` (0..B-1), the (row, column) whose hidden state predicts
-    the token, and the token id; [T] long each, ordered by owner then column."""
-
-    owner: torch.Tensor
-    rows: torch.Tensor
-    cols: torch.Tensor
-    ids: torch.Tensor
-
-    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> Targets:
-        return Targets(*(fn(getattr(self, f.name)) for f in fields(self)))
-
-
-@dataclass(frozen=True)
-class PackedRows:
-    """One layout of a micro-batch (module docstring); tensors [R, L] long unless noted."""
-
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor  # each document's own positions (a KL completion continues its prompt's)
-    document: torch.Tensor  # the example b a token belongs to; padding -1 - column
-    segment: torch.Tensor  # 0 example tokens, 1 the KL pair's own
-    prompt_seen: torch.Tensor  # on a KL token: it sees the example's positions below this; 0 elsewhere
-    example: Targets | None  # None in the kl layout
-    kl: Targets | None  # None in the example layout
-    shared: torch.Tensor  # [B] long: prompt tokens processed once instead of twice (pairs layout)
-
-    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> PackedRows:
-        out = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            out[f.name] = (
-                None if value is None else value.map(fn) if isinstance(value, Targets) else fn(value)
-            )
-        return PackedRows(**out)
-
-    def tokens(self) -> int:
-        """Tokens processed per forward: R x L (padding included)."""
-        return int(self.input_ids.numel())
+from coati_kto.data.batch import PackedRows, Targets, TokenView
 
 
 def shared_prompt_lengths(example: TokenView, kl: TokenView) -> torch.Tensor:

@@ -97,18 +97,24 @@ def uniform_windows(config: Any) -> bool:
     return windows is not None and len(set(windows)) == 1
 
 
-def packing_refusal(model_dir: str) -> str | None:
-    """Why the model at ``model_dir`` cannot take packed rows (None when it can, or when only loading it would
-    tell: a hub id): its family's head is outside :data:`HEAD_FAMILIES`, or its layers mix attention windows."""
-    if not (Path(model_dir) / "config.json").is_file():
-        return None
-    from transformers import AutoConfig
+def packing_refusal(model_dirs: list[str], tp_size: int = 1, attention: str | None = None) -> str | None:
+    """Why packed rows cannot run (None when they can, or when only loading the model would tell: a hub id):
+    tensor parallelism (each rank holds a vocabulary slice of the head), flash_attention_2 (no 4D mask), a
+    family whose head is outside :data:`HEAD_FAMILIES`, or layers that mix attention windows."""
+    if tp_size > 1:
+        return f"plugin.tp_size {tp_size} (each rank holds a vocabulary slice of the head)"
+    if attention == "flash_attention_2":
+        return "model.attn_implementation flash_attention_2 (use sdpa or flex_attention)"
+    for model_dir in model_dirs:
+        if not (Path(model_dir) / "config.json").is_file():
+            continue
+        from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(model_dir)
-    if config.model_type not in HEAD_FAMILIES:
-        return f"model_type {config.model_type} at {model_dir} (the chunked LM head covers {sorted(HEAD_FAMILIES)})"
-    if not uniform_windows(config):
-        return f"the model at {model_dir} (its layers mix attention windows {layer_windows(config)})"
+        config = AutoConfig.from_pretrained(model_dir)
+        if config.model_type not in HEAD_FAMILIES:
+            return f"model_type {config.model_type} at {model_dir} (the chunked LM head covers {sorted(HEAD_FAMILIES)})"
+        if not uniform_windows(config):
+            return f"the model at {model_dir} (its layers mix attention windows {layer_windows(config)})"
     return None
 
 

@@ -30,8 +30,8 @@ from typing import Any
 
 import torch
 
-from coati_kto.data.batch import KTOBatch
-from coati_kto.data.packed import PackedRows, Targets, plan_rows
+from coati_kto.data.batch import KTOBatch, PackedRows, Targets
+from coati_kto.data.packed import plan_rows
 from coati_kto.families import attention_window, uniform_windows
 from coati_kto.models.logprobs import LMHead, head_token_logps, model_sequence_logps, sum_per_row
 from coati_kto.models.lora import base_module

@@ -179,7 +179,7 @@ def test_padding_bench_smoke() -> None:
         if line.split()[:1] in (["tool_use"], ["half"], ["long_tail"])
     }
     assert set(rows) == {"tool_use", "half", "long_tail"}, out
-    for shape, line in rows.items():
+    for line in rows.values():
         fractions = [float(v.rstrip("%")) for v in line.split()[2:]]
         assert len(fractions) == 8, line
         padded, padded64, free = fractions[:3]
