@@ -21,8 +21,16 @@ from coati_kto.families import HEAD_FAMILIES
 from coati_kto.models.lora import base_module
 
 # Default chunk: 2**22 fp32 elements (16 MiB; 131 positions at V=32000) of upcast logits at a time. On CPU
-# 64-128 positions ran ~2x faster than 2048 (cache-resident chunks): benchmarks/logprobs_bench.py.
+# 64-128 positions ran ~2x faster than 2048 (cache-resident chunks): benchmarks/logprobs_bench.py. On a GPU
+# each chunk is a handful of kernel launches and Python ops for the host to issue, so chunks are 16x larger
+# there (256 MiB of fp32): a micro-batch's completion positions take one to a few chunks.
 _CHUNK_ELEMENTS = 1 << 22
+_GPU_SCALE = 16
+
+
+def _budget(elements: int, device: torch.device) -> int:
+    """``elements`` on CPU, :data:`_GPU_SCALE` times it on an accelerator."""
+    return elements if device.type == "cpu" else elements * _GPU_SCALE
 
 
 class _CompletionLogps(torch.autograd.Function):
@@ -92,7 +100,7 @@ def sequence_logps(
     rows, cols = targets if targets is not None else _completion_positions(loss_mask, keep, "logits")
     targets = input_ids[:, start:][rows, cols].long()
     if chunk_size is None:
-        chunk_size = max(1, _CHUNK_ELEMENTS // max(1, logits.shape[-1]))
+        chunk_size = max(1, _budget(_CHUNK_ELEMENTS, logits.device) // max(1, logits.shape[-1]))
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     return _CompletionLogps.apply(logits, rows, cols, targets, batch, chunk_size)
@@ -136,21 +144,23 @@ def token_count(loss_mask: torch.Tensor) -> torch.Tensor:
 # a time. Forward keeps a running log-sum-exp per position; backward recomputes each chunk's logits from the
 # saved hidden states and weight, so nothing of size positions x vocabulary outlives one chunk.
 
-# Elements of one [positions, vocabulary-chunk] fp32 logits block: 2**22 = 16 MiB (a few live at once).
+# Elements of one [positions, vocabulary-chunk] fp32 logits block: 2**22 = 16 MiB (a few live at once); x16 on
+# a GPU (:func:`_budget`).
 _HEAD_CHUNK_ELEMENTS = 1 << 22
 # Up to this many [positions x vocabulary] elements, the forward keeps its logits for the backward instead of
 # recomputing them (the recompute is a quarter of the head's FLOPs in a gradient pass); a constant bound
-# (64 MiB in fp32), so peak memory still does not grow with vocabulary x sequence.
+# (64 MiB in fp32 on CPU, x16 on a GPU), so peak memory still does not grow with vocabulary x sequence.
 _KEEP_LOGITS_ELEMENTS = 1 << 24
 _MIN_VOCAB_CHUNK = 128
 
 
-def _vocab_chunk(positions: int, vocab: int, chunk: int | None) -> int:
+def _vocab_chunk(positions: int, vocab: int, chunk: int | None, device: torch.device) -> int:
     if chunk is not None:
         if chunk < 1:
             raise ValueError(f"vocab_chunk must be >= 1, got {chunk}")
         return min(chunk, vocab)
-    return min(vocab, max(_MIN_VOCAB_CHUNK, _HEAD_CHUNK_ELEMENTS // max(1, positions)))
+    elements = _budget(_HEAD_CHUNK_ELEMENTS, device)
+    return min(vocab, max(_MIN_VOCAB_CHUNK, elements // max(1, positions)))
 
 
 class _HeadTokenLogps(torch.autograd.Function):
@@ -167,7 +177,7 @@ class _HeadTokenLogps(torch.autograd.Function):
         running_max = torch.full((n,), float("-inf"), dtype=torch.float32, device=hidden.device)
         running_sum = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         target_logit = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-        keep = any(ctx.needs_input_grad[:3]) and n * vocab <= _KEEP_LOGITS_ELEMENTS
+        keep = any(ctx.needs_input_grad[:3]) and n * vocab <= _budget(_KEEP_LOGITS_ELEMENTS, hidden.device)
         ctx.kept = []
         for v0 in range(0, vocab, vocab_chunk):
             v1 = min(vocab, v0 + vocab_chunk)
@@ -238,7 +248,7 @@ def head_token_logps(
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} do not fit")
-    chunk = _vocab_chunk(hidden.shape[0], weight.shape[0], vocab_chunk)
+    chunk = _vocab_chunk(hidden.shape[0], weight.shape[0], vocab_chunk, hidden.device)
     return _HeadTokenLogps.apply(hidden, weight, bias, targets.long(), chunk)
 
 
