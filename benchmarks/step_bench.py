@@ -11,6 +11,7 @@ included); the parent imports nothing heavy, so each child's peak RSS is its own
   process, so other processes on a shared machine stretch the wall time, not this) and in wall seconds;
 - one epoch end to end: the whole process, CPU seconds and wall; the ``cached`` run starts with the reference
   cache deleted, so it precomputes (same process) and then trains: precompute included;
+- online with ``data.padding_free`` (every pass one row, no padding; sdpa takes a dense mask on CPU);
 - ``--baseline DIR``: the same online run with another checkout's coati_kto (e.g. the code before this
   change: four passes per step, logits-based log-probs) for comparison;
 - tool-use shape (applications/chatml_tool_use: a ~620-token system prompt, short completions): step times
@@ -318,12 +319,14 @@ def _fixture(args: argparse.Namespace, base: Path) -> None:
     if args.baseline:
         runs["online, baseline checkout"] = _train(config, "online", Path(args.baseline))
     runs["online"] = _train(config, "online")
+    runs["online, padding-free"] = _train(config, "online", extra=("data.padding_free=true",))
     # The cache is deleted first: this process precomputes, then trains (its steps are cached-reference steps).
     runs["cached"] = _train(config, "cached", fresh_cache=True)
     _step_table(
         f"fixture, one epoch per run ({args.examples // 8} steps); cached includes its precompute", runs
     )
     _ratios(runs, "cached", "online", "online (target <= 0.65)")
+    _ratios(runs, "online, padding-free", "online", "online (padded)")
     if args.baseline:
         _ratios(runs, "cached", "online, baseline checkout", "baseline online")
         _ratios(runs, "online", "online, baseline checkout", "baseline online")
@@ -351,11 +354,13 @@ def _tool_use(args: argparse.Namespace, base: Path) -> None:
         "cached (pack_policy auto: on)": _train(config, "cached", fresh_cache=True),
         "cached, pack_policy=false": _train(config, "cached", extra=("kto.pack_policy=false",)),
         "online, pack_reference+policy": _train(config, "online", extra=("kto.pack_reference=true",)),
+        "online, padding-free": _train(config, "online", extra=("data.padding_free=true",)),
     }
     _step_table(f"tool-use shape, {args.tool_steps} steps per run; the first cached run precomputes", runs)
     _ratios(runs, "cached (pack_policy auto: on)", "online", "online")
     _ratios(runs, "cached (pack_policy auto: on)", "cached, pack_policy=false", "cached without folding")
     _ratios(runs, "online, pack_reference+policy", "online", "online")
+    _ratios(runs, "online, padding-free", "online", "online (padded)")
     print(
         f"tool-use shape: prompt p50 {savings['prompt_p50']:.0f} tokens, completion p50 "
         f"{savings['completion_p50']:.0f}; {savings['packable']:.0%} of pairs share the prompt; reference tokens "

@@ -21,7 +21,7 @@ from coati_kto.families.shardformer import hybrid_refusal, supported_summary
 
 # Families whose causal-LM forward is exactly ``logits = lm_head(final_hidden)`` (no soft-capping or scaling
 # after the head): the chunked head is exact for them. Others keep the logits path.
-HEAD_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe"})
+HEAD_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "smollm3"})
 
 
 def model_class_name(model_dir: str) -> str | None:

@@ -11,10 +11,13 @@ from transformers import (
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    SmolLM3Config,
+    SmolLM3ForCausalLM,
 )
 
 from coati_kto.data.collator import KTOCollator
 from coati_kto.data.packed import shared_prompt_lengths
+from coati_kto.families.shardformer import hybrid_refusal
 from coati_kto.models.logprobs import LMHead, model_sequence_logps
 from coati_kto.models.packing import can_pack, pair_logps
 from coati_kto.testing.tiny import random_causal_lm
@@ -70,6 +73,18 @@ FAMILIES = {
     # of this 2-layer model slides, so the window must not be applied (reading config.sliding_window alone, as
     # transformers 4 did, was 0.08 nats off per sequence here).
     "qwen2_window_unused": (Qwen2ForCausalLM, Qwen2Config, {"use_sliding_window": True, "sliding_window": 4}),
+    # Layers without RoPE (no_rope_layers: position ids reach only the other layers), tied embeddings.
+    "smollm3": (
+        SmolLM3ForCausalLM,
+        SmolLM3Config,
+        {
+            "no_rope_layers": [1, 0],
+            "tie_word_embeddings": True,
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        },
+    ),
 }
 
 
@@ -124,6 +139,8 @@ def _through_plugins() -> dict[str, list[float]]:
     out = {}
     for family, (cls, config_cls, config) in FAMILIES.items():
         for plugin, precision in (("hybrid_parallel", "fp32"), ("low_level_zero", "bf16")):
+            if plugin == "hybrid_parallel" and hybrid_refusal(cls.__name__, 1) is not None:
+                continue  # no shardformer policy (SmolLM3): refused under hybrid_parallel at config load
             name = f"{cls.__module__}.{cls.__qualname__}"
             plan = ParallelPlan(plugin, precision, 0 if plugin == "hybrid_parallel" else 2, model_class=name)
             wrapped = plan.build_reference(plan.build_plugin(), _model(cls, config_cls, "sdpa", **config))
