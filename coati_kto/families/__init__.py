@@ -22,6 +22,18 @@ from coati_kto.families.shardformer import hybrid_refusal, supported_summary
 # Families whose causal-LM forward is exactly ``logits = lm_head(final_hidden)`` (no soft-capping or scaling
 # after the head): the chunked head is exact for them. Others keep the logits path.
 HEAD_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "smollm3"})
+# Families whose decoder takes ``attention_mask`` as a mapping {layer type: 4D mask} (transformers 5): one packed
+# forward gives their sliding and full layers each its own mask.
+MASK_MAPPING_FAMILIES = frozenset({"gemma3_text", "qwen2", "qwen3", "smollm3"})
+
+
+def plain_head(config: Any) -> bool:
+    """Whether the causal LM's logits are exactly ``lm_head(final hidden)``: :data:`HEAD_FAMILIES`, and Gemma 3
+    without final logit soft-capping (its default; Gemma 2 caps, so a capped Gemma 3 keeps the logits path)."""
+    model_type = getattr(config, "model_type", None)
+    if model_type == "gemma3_text":
+        return getattr(config, "final_logit_softcapping", None) is None
+    return model_type in HEAD_FAMILIES
 
 
 def model_class_name(model_dir: str) -> str | None:
@@ -81,20 +93,19 @@ def layer_windows(config: Any) -> list[int | None] | None:
     return [window if t == "sliding_attention" else None for t in types]
 
 
-def attention_window(config: Any) -> int | None:
-    """The one sliding window every layer applies (None: full causal); a packed 4D mask replaces the model's own
-    mask in every layer, so it must apply that window itself. ValueError where layers differ
-    (:func:`uniform_windows` says so beforehand)."""
+def packed_masks(config: Any) -> dict[str, int | None] | None:
+    """The windows of the 4D masks one packed forward needs: ``{"": window}`` where every layer attends with
+    the same window (one mask), ``{layer type: window}`` where layers mix windows and the family takes a mapping
+    (:data:`MASK_MAPPING_FAMILIES`); None where no set of 4D masks reproduces the layers (chunked or linear
+    attention, or mixed windows in a family that takes one mask)."""
     windows = layer_windows(config)
-    if windows is None or len(set(windows)) != 1:
-        raise ValueError(f"layers mix attention windows {windows}: one packed mask cannot serve them all")
-    return windows[0]
-
-
-def uniform_windows(config: Any) -> bool:
-    """Whether every layer attends with the same window (one 4D mask is right for all of them)."""
-    windows = layer_windows(config)
-    return windows is not None and len(set(windows)) == 1
+    if windows is None:
+        return None
+    if len(set(windows)) == 1:
+        return {"": windows[0]}
+    if getattr(config, "model_type", None) not in MASK_MAPPING_FAMILIES:
+        return None
+    return dict(zip(config.layer_types, windows, strict=True))
 
 
 def packing_refusal(model_dirs: list[str], tp_size: int = 1, attention: str | None = None) -> str | None:
@@ -111,10 +122,11 @@ def packing_refusal(model_dirs: list[str], tp_size: int = 1, attention: str | No
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(model_dir)
-        if config.model_type not in HEAD_FAMILIES:
-            return f"model_type {config.model_type} at {model_dir} (the chunked LM head covers {sorted(HEAD_FAMILIES)})"
-        if not uniform_windows(config):
-            return f"the model at {model_dir} (its layers mix attention windows {layer_windows(config)})"
+        if not plain_head(config):
+            covered = sorted(HEAD_FAMILIES | {"gemma3_text"})
+            return f"model_type {config.model_type} at {model_dir} (the chunked LM head covers {covered})"
+        if packed_masks(config) is None:
+            return f"the model at {model_dir} (no 4D masks reproduce its layers' attention {layer_windows(config)})"
     return None
 
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from coati_kto.families import HEAD_FAMILIES
+from coati_kto.families import plain_head
 from coati_kto.models.lora import base_module
 
 # Default chunk: 2**22 fp32 elements (16 MiB; 131 positions at V=32000) of upcast logits at a time. On CPU
@@ -315,12 +315,12 @@ class LMHead:
     def find(cls, model: torch.nn.Module) -> LMHead | None:
         """The head when the chunked path is exact for ``model``; None (use logits) otherwise.
 
-        None for: families outside :data:`HEAD_FAMILIES`, a vocabulary-parallel head (tensor parallelism: each
+        None for: heads that are not plain (``coati_kto.families.plain_head``), a vocabulary-parallel head (tensor parallelism: each
         rank holds a slice), and parameters not resident (Gemini keeps them in chunks outside the forward).
         """
         inner = model.unwrap(unwrap_peft=False) if hasattr(model, "unwrap") else model
         config = getattr(inner, "config", None)
-        if getattr(config, "model_type", None) not in HEAD_FAMILIES:
+        if not plain_head(config):
             return None
         head = inner.get_output_embeddings()
         if hasattr(head, "base_layer"):

@@ -18,9 +18,10 @@ The layout is planned on the host; here the device builds the attention mask fro
 broadcasts alone (no value read back): a 4D additive mask [R, 1, L, L] of the model dtype for ``eager`` and
 ``sdpa`` (transformers applies a 4D mask as given, in every layer, and so do the plugins' wrappers: the
 project's shardformer policies keep transformers' forwards), a flex-attention BlockMask for ``flex_attention``
-(blocks no document reaches are skipped, so one long row costs what its documents cost). Models whose layers
-mix window sizes (Gemma 3), flash_attention_2, and heads the chunked path does not cover (tensor parallelism's
-vocabulary slices) run the padded passes.
+(blocks no document reaches are skipped, so one long row costs what its documents cost). Layers that mix
+windows (Gemma 3, Qwen2 with max_window_layers) get one mask per layer type, as the mapping transformers 5
+takes (``coati_kto.families.packed_masks``). flash_attention_2, and heads the chunked path does not cover (tensor
+parallelism's vocabulary slices, soft-capped logits) run the padded passes.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 
 from coati_kto.data.batch import KTOBatch, PackedRows, Targets
 from coati_kto.data.packed import plan_rows
-from coati_kto.families import attention_window, uniform_windows
+from coati_kto.families import packed_masks
 from coati_kto.models.logprobs import LMHead, head_token_logps, model_sequence_logps, sum_per_row
 from coati_kto.models.lora import base_module
 
@@ -42,7 +43,8 @@ FLEX_BLOCK = 128  # flex attention's block: rows are padded to a multiple of it 
 
 def allowed_attention(rows: PackedRows, window: int | None = None) -> torch.Tensor:
     """[R, L, L] bool: query t may attend key s (coati_kto.data.packed's rule); ``window``: the model's sliding
-    window (:func:`attention_window`), applied on the documents' positions as a separate pass applies it."""
+    window (:func:`~coati_kto.families.packed_masks`), applied on the documents' positions as a separate pass
+    applies it."""
     doc, seg, pos, seen = rows.document, rows.segment, rows.position_ids, rows.prompt_seen
     col = torch.arange(doc.shape[1], device=doc.device)
     ok = (doc[:, :, None] == doc[:, None, :]) & (col[:, None] >= col[None, :])
@@ -50,6 +52,13 @@ def allowed_attention(rows: PackedRows, window: int | None = None) -> torch.Tens
     if window is not None:
         ok &= (pos[:, :, None] - pos[:, None, :]) < window
     return ok
+
+
+def _additive_mask(rows: PackedRows, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """[R, 1, L, L] of ``dtype``: 0 where :func:`allowed_attention`, the dtype's minimum elsewhere."""
+    allowed = allowed_attention(rows, window)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
 
 def _flex_mask(rows: PackedRows, window: int | None) -> Any:
@@ -92,12 +101,16 @@ def _config(model: Any) -> Any:
 
 
 def can_pack(model: Any) -> bool:
-    """eager, sdpa or flex attention, one attention window for every layer, and a head covered by the chunked
-    path (a plain model or a plugin's wrapper)."""
+    """eager, sdpa or flex attention, 4D masks that reproduce every layer's window
+    (:func:`~coati_kto.families.packed_masks`), and a head covered by the chunked path (a plain model or a
+    plugin's wrapper)."""
     config = _config(model)
     attention = getattr(config, "_attn_implementation", None)
-    # Layers with different windows (Gemma 3's sliding / full mix) would each need their own mask.
-    return attention in PACKABLE_ATTENTION and uniform_windows(config) and LMHead.find(model) is not None
+    return (
+        attention in PACKABLE_ATTENTION
+        and packed_masks(config) is not None
+        and LMHead.find(model) is not None
+    )
 
 
 def packed_logps(
@@ -106,17 +119,16 @@ def packed_logps(
     """(example, KL) log-probs [B] fp32 from one forward over ``rows`` (None for a view the layout lacks); the
     example's carry gradient when grad is enabled, the KL pair's never. Reads nothing back from the device."""
     config = _config(model)
-    if getattr(config, "_attn_implementation", None) == "flex_attention":
+    flex = getattr(config, "_attn_implementation", None) == "flex_attention"
+    if flex:
         rows = _pad_columns(rows, FLEX_BLOCK)
-        mask = _flex_mask(rows, attention_window(config))
-    else:
-        dtype = (
-            head.weight.dtype
-        )  # the working dtype (a LoRA reference is no module with parameters of its own)
-        allowed = allowed_attention(rows, attention_window(config))
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device)
-        mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-        mask = mask[:, None]
+    dtype = head.weight.dtype  # the working dtype (a LoRA reference is no module with parameters of its own)
+    windows = packed_masks(config)
+    built: dict[int | None, Any] = {}  # one mask per distinct window (sliding and full layers)
+    for window in windows.values():
+        if window not in built:
+            built[window] = _flex_mask(rows, window) if flex else _additive_mask(rows, window, dtype)
+    mask = built[windows[""]] if "" in windows else {kind: built[w] for kind, w in windows.items()}
     hidden = head.capture(
         model, input_ids=rows.input_ids, attention_mask=mask, position_ids=rows.position_ids, use_cache=False
     )

@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -73,6 +75,26 @@ FAMILIES = {
     # of this 2-layer model slides, so the window must not be applied (reading config.sliding_window alone, as
     # transformers 4 did, was 0.08 nats off per sequence here).
     "qwen2_window_unused": (Qwen2ForCausalLM, Qwen2Config, {"use_sliding_window": True, "sliding_window": 4}),
+    # Sliding and full layers mixed: one mask per layer type (transformers 5 takes a mapping).
+    "qwen2_mixed_windows": (
+        Qwen2ForCausalLM,
+        Qwen2Config,
+        {"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 1},
+    ),
+    # Gemma 3: sliding then full layer (window 4), scaled tied embeddings, q/k norms, (1 + w) norms.
+    "gemma3": (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        {
+            "head_dim": 8,
+            "sliding_window": 4,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "tie_word_embeddings": True,
+            "pad_token_id": 0,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
+        },
+    ),
     # Layers without RoPE (no_rope_layers: position ids reach only the other layers), tied embeddings.
     "smollm3": (
         SmolLM3ForCausalLM,
@@ -88,20 +110,22 @@ FAMILIES = {
 }
 
 
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
-def test_mixed_layer_windows_run_two_passes(attn):
-    """Layers with different windows (here full, then window 4) cannot share one packed mask: two passes."""
-    model = _model(
-        Qwen2ForCausalLM, Qwen2Config, attn, use_sliding_window=True, sliding_window=4, max_window_layers=1
-    )
-    assert model.config.layer_types == ["full_attention", "sliding_attention"]
-    assert not can_pack(model)
-    batch = KTOCollator(0)(_rows(0, 5))
-    with torch.no_grad():
-        example, kl, shared = pair_logps(model, batch)
-    assert int(shared.sum()) == 0
-    ref_example, ref_kl = _separate(model, batch)
-    assert torch.equal(example, ref_example) and torch.equal(kl, ref_kl)
+def test_mixed_windows_pack_where_the_family_takes_a_mask_per_layer_type():
+    """Sliding and full layers need different masks: families whose decoder takes a mapping {layer type: mask}
+    get one each (the mixed cases of FAMILIES); a family that takes one mask keeps separate passes."""
+    from types import SimpleNamespace
+
+    from coati_kto.families import packed_masks
+
+    mixed = {"layer_types": ["full_attention", "sliding_attention"], "sliding_window": 4}
+    assert packed_masks(SimpleNamespace(model_type="qwen2", **mixed)) == {
+        "full_attention": None,
+        "sliding_attention": 4,
+    }
+    assert packed_masks(SimpleNamespace(model_type="llama", **mixed)) is None
+    assert packed_masks(SimpleNamespace(model_type="llama", sliding_window=None)) == {"": None}
+    chunked = {"layer_types": ["full_attention", "chunked_attention"], "sliding_window": None}
+    assert packed_masks(SimpleNamespace(model_type="qwen2", **chunked)) is None
 
 
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])

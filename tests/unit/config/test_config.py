@@ -207,12 +207,17 @@ def test_padding_free_refused_where_packed_rows_cannot_run(tmp_path: Path) -> No
     ]:
         with pytest.raises(ConfigError, match=needle):
             load_config(path, on + overrides)
-    gemma3, llama = tmp_path / "gemma3", tmp_path / "llama"
+    capped, gemma3, llama = tmp_path / "capped", tmp_path / "gemma3", tmp_path / "llama"
+    # Gemma 3 packs (a mask per layer type) unless its logits are soft-capped (no plain head to chunk).
+    Gemma3TextConfig(num_hidden_layers=2, sliding_window=8, final_logit_softcapping=30.0).save_pretrained(
+        capped
+    )
     Gemma3TextConfig(num_hidden_layers=2, sliding_window=8).save_pretrained(gemma3)
     LlamaConfig(num_hidden_layers=2).save_pretrained(llama)
     assert load_config(path, on + [f"model.path={llama}", "model.attn_implementation=flex_attention"])
+    assert load_config(path, on + [f"model.path={gemma3}"]).data.padding_free
     with pytest.raises(ConfigError, match="model_type gemma3_text") as err:
-        load_config(path, on + [f"model.path={gemma3}"])
+        load_config(path, on + [f"model.path={capped}"])
     assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="model_type gemma3_text"):  # the reference is packed too
-        load_config(path, on + [f"model.path={llama}", f"model.reference_path={gemma3}"])
+        load_config(path, on + [f"model.path={llama}", f"model.reference_path={capped}"])
