@@ -172,7 +172,7 @@ def test_lora_lifecycle(lora_runs: list[dict[str, Any]], plugin: str) -> None:
     assert not main["merged_has_lora"] and main["card_uses_adapter"]
 
 
-def _packed_run(model_dir: str, root: str, pack_policy: bool) -> dict[str, Any]:
+def _packed_run(model_dir: str, root: str, pack_policy: bool, padding_free: bool = False) -> dict[str, Any]:
     """Two steps of LoRA on hybrid_parallel ZeRO-2 bf16 with kto.pack_reference: the adapter-free reference
     runs its shared-prompt pass through the plugin's wrapper; with pack_policy the policy folds too."""
     import coati_kto.models.packing as packing
@@ -190,6 +190,7 @@ def _packed_run(model_dir: str, root: str, pack_policy: bool) -> dict[str, Any]:
     raw["data"].pop("eval_files")
     raw["train"]["max_steps"] = 2
     raw["kto"] = {"pack_reference": True, "pack_policy": pack_policy}
+    raw["data"]["padding_free"] = padding_free
     raw["output"] = {"dir": str(Path(root) / f"packed-{pack_policy}"), "save_final": False}
     packing.packed_logps = counted
     try:
@@ -200,12 +201,12 @@ def _packed_run(model_dir: str, root: str, pack_policy: bool) -> dict[str, Any]:
     return {"calls": calls, "rewards": (first["train/rewards/chosen"], first["train/rewards/rejected"])}
 
 
-@pytest.mark.parametrize("pack_policy", [False, True])
+@pytest.mark.parametrize("pack_policy,padding_free", [(False, False), (True, False), (True, True)])
 def test_packed_passes_through_a_lora_hybrid_policy(
-    tiny_model_dir: Path, tmp_path: Path, pack_policy: bool
+    tiny_model_dir: Path, tmp_path: Path, pack_policy: bool, padding_free: bool
 ) -> None:
     write_jsonl(preference_records(48, 0), tmp_path / "train.jsonl")
-    runs = run_distributed(_packed_run, 2, str(tiny_model_dir), str(tmp_path), pack_policy)
+    runs = run_distributed(_packed_run, 2, str(tiny_model_dir), str(tmp_path), pack_policy, padding_free)
     for run in runs:
         # one packed reference pass per step, no fallback to two passes
         assert run["calls"].count("AdapterFreeReference") == 2, run
