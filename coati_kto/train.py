@@ -244,7 +244,7 @@ def _setup_trainer(config: Config, run: _Run, stop_signals: StopSignals) -> Any:
 
     steps = total_optimizer_steps(config, len(run.train_loader.batch_sampler))
     if run.layout.is_main:
-        for line in _schedule_notes(config, steps):
+        for line in _schedule_notes(config, steps) + _attention_notes(config, torch.cuda.is_available()):
             print(line, flush=True)
     parts = build_components(config, run.plugin, steps, run.plan)
     peak_flops, peak_source = resolve_peak_flops(config.train.peak_flops, config.plugin.precision)
@@ -295,6 +295,18 @@ def _schedule_notes(config: Config, steps: int) -> list[str]:
             f"steps): the learning rate never reaches train.lr {train.lr} (peak {train.lr * steps / (train.warmup_steps + 1):.3g})"
         )
     return notes
+
+
+def _attention_notes(config: Config, cuda: bool) -> list[str]:
+    """One line when padding-free rows meet a dense-mask kernel on a GPU (they cost N^2 per pass there)."""
+    attention = config.model.attn_implementation or "the model's default"
+    if not (config.data.padding_free and cuda and attention != "flex_attention"):
+        return []
+    return [
+        f"note: data.padding_free with attention {attention}: each pass attends across the micro-batch's whole "
+        "row through a dense N x N mask (N = its tokens); model.attn_implementation flex_attention skips the "
+        "blocks no row reaches"
+    ]
 
 
 def _resume(config: Config, run: _Run, trainer: Any) -> None:

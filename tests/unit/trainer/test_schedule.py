@@ -100,3 +100,19 @@ def test_warmup_longer_than_the_run_is_said(tmp_path) -> None:
         "never reaches train.lr 0.001 (peak 0.000364)"
     ]
     assert _schedule_notes(load_config(write_config(tmp_path, MINIMAL), ["train.warmup_steps=3"]), 4) == []
+
+
+def test_padding_free_with_a_dense_mask_on_a_gpu_is_said(tmp_path) -> None:
+    from helpers import MINIMAL, write_config
+
+    from coati_kto.config.load import load_config
+    from coati_kto.train import _attention_notes
+
+    path = write_config(tmp_path, MINIMAL)
+    free = load_config(path, ["data.padding_free=true", "model.attn_implementation=sdpa"])
+    (note,) = _attention_notes(free, cuda=True)
+    assert note.startswith("note: data.padding_free with attention sdpa: ") and "flex_attention" in note
+    assert _attention_notes(free, cuda=False) == []  # CPU: the dense mask is what runs, nothing to choose
+    flex = load_config(path, ["data.padding_free=true", "model.attn_implementation=flex_attention"])
+    assert _attention_notes(flex, cuda=True) == []
+    assert _attention_notes(load_config(path), cuda=True) == []
