@@ -6,7 +6,8 @@
 Micro-batches of 8 rows in random order go through the real KTOCollator; a pass processes R x L tokens of its
 layout (R rows, L columns). Per data shape and layout, printed: the pad fraction = 1 - data tokens / processed
 tokens, for the examples' pass, the KL pairs' pass and the shared-prompt pairs pass, padded as the trainer pads
-(to the micro-batch's longest row, and with ``pad_to_multiple_of: 64`` as the GPU configs do) and padding-free.
+(to the micro-batch's longest row, and with ``pad_to_multiple_of: 64`` as the GPU configs do) and padding-free:
+``bins`` (rows as long as the longest document: what eager and sdpa run) and ``free`` (one row: flex attention).
 
 Shapes (lengths only matter): ``tool_use`` and ``half`` as gpu_bench.py draws them (rows up to 1024 tokens),
 ``long_tail`` (log-normal row lengths, median 180 tokens, sigma 1, at most 2048: chat data), and the quickstart's
@@ -69,7 +70,7 @@ def prepared_rows(config_path: str) -> list[dict] | None:
 
 
 def pad_fractions(rows: list[dict], seed: int = 0) -> dict[str, float]:
-    """Pad fraction per (layout, padding): 'example', 'kl', 'pairs' x 'padded', 'padded64', 'free'."""
+    """Pad fraction per (layout, padding): 'example', 'kl', 'pairs' x 'padded', 'padded64', 'bins', 'free'."""
     order = list(range(len(rows)))
     random.Random(seed).shuffle(order)
     batches = [[rows[i] for i in order[s : s + MICRO_BATCH]] for s in range(0, len(order), MICRO_BATCH)]
@@ -78,7 +79,8 @@ def pad_fractions(rows: list[dict], seed: int = 0) -> dict[str, float]:
     for mode, collate in (
         ("padded", KTOCollator(0)),
         ("padded64", KTOCollator(0, pad_to_multiple_of=64)),
-        ("free", KTOCollator(0, padding_free=True)),
+        ("bins", KTOCollator(0, padding_free="bins")),
+        ("free", KTOCollator(0, padding_free="one")),
     ):
         for features in batches:
             batch = collate(features)
@@ -87,7 +89,7 @@ def pad_fractions(rows: list[dict], seed: int = 0) -> dict[str, float]:
                 "kl": batch.kl.input_ids,
                 "pairs": batch.pairs.input_ids,
             }
-            if mode == "free":
+            if mode in ("bins", "free"):
                 layouts.update(example=batch.example_rows.input_ids, kl=batch.kl_rows.input_ids)
             for name, ids in layouts.items():
                 processed[f"{name}/{mode}"] = processed.get(f"{name}/{mode}", 0) + ids.numel()
@@ -118,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         data["quickstart"] = quickstart
     elif not args.smoke:
         print(f"(no prepared data for {args.config}: run `make quickstart` to add its row)")
-    columns = ["example/padded", "example/padded64", "example/free", "kl/padded", "kl/padded64", "kl/free"]
-    columns += ["pairs/padded", "pairs/free"]
+    columns = ["example/padded", "example/padded64", "example/bins", "example/free"]
+    columns += ["kl/padded", "kl/padded64", "kl/bins", "kl/free", "pairs/padded", "pairs/bins", "pairs/free"]
     print(f"pad fraction of processed tokens, micro-batch {MICRO_BATCH}, random order")
     print(f"{'shape':<12} {'rows':>6} " + " ".join(f"{c:>16}" for c in columns))
     for shape, rows in data.items():

@@ -222,7 +222,7 @@ def _loaders(config: Config, data: Any, layout: ParallelLayout, pad: int) -> tup
         lengths=data.train["length"] if config.data.group_by_length else None,
         group_by_length=config.data.group_by_length,
     )
-    collator = KTOCollator(pad, config.data.pad_to_multiple_of, config.data.padding_free)
+    collator = KTOCollator(pad, config.data.pad_to_multiple_of, padding_free_rows(config))
     workers = config.train.num_workers
     train_loader = DataLoader(data.train, batch_sampler=sampler, collate_fn=collator, num_workers=workers)
     if data.eval is None or len(data.eval) == 0:
@@ -297,15 +297,25 @@ def _schedule_notes(config: Config, steps: int) -> list[str]:
     return notes
 
 
+def padding_free_rows(config: Config) -> str | None:
+    """The collator's ``padding_free`` mode: one row per pass where flex attention skips what no document
+    reaches; bins as long as the longest row for dense-mask kernels (eager, sdpa), whose attention then costs no
+    more than the padded rows'; None when off."""
+    if not config.data.padding_free:
+        return None
+    return "one" if config.model.attn_implementation == "flex_attention" else "bins"
+
+
 def _attention_notes(config: Config, cuda: bool) -> list[str]:
-    """One line when padding-free rows meet a dense-mask kernel on a GPU (they cost N^2 per pass there)."""
+    """One line when padding-free rows meet a dense-mask kernel on a GPU: they are packed into bins there, so
+    some padding remains, which flex attention would remove."""
     attention = config.model.attn_implementation or "the model's default"
-    if not (config.data.padding_free and cuda and attention != "flex_attention"):
+    if padding_free_rows(config) != "bins" or not cuda:
         return []
     return [
-        f"note: data.padding_free with attention {attention}: each pass attends across the micro-batch's whole "
-        "row through a dense N x N mask (N = its tokens); model.attn_implementation flex_attention skips the "
-        "blocks no row reaches"
+        f"note: data.padding_free with attention {attention}: rows are packed into bins as long as the longest "
+        "(a dense mask attends across a whole row, so one row per pass would cost more than padding); "
+        "model.attn_implementation flex_attention runs each pass as one row, with no padding"
     ]
 
 

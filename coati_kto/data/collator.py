@@ -41,12 +41,15 @@ class KTOCollator:
     optionally index, reference_logps, reference_kl_logps) -> :class:`~coati_kto.data.batch.KTOBatch`: the
     examples and the KL pairs each padded to their own longest row, label [B] bool, the extras [B] when present,
     and the packed layouts (coati_kto.data.packed): the shared-prompt pairs always, one row per example; with
-    ``padding_free`` the pairs, the examples and the KL pairs each as one row of exactly the data's tokens.
+    ``padding_free`` the pairs, the examples and the KL pairs each laid out by ``plan_rows``'s ``rows`` mode:
+    ``"one"`` (one row of exactly the data's tokens) or ``"bins"`` (rows as long as the longest document).
     """
 
     def __init__(
-        self, pad_token_id: int, pad_to_multiple_of: int | None = None, padding_free: bool = False
+        self, pad_token_id: int, pad_to_multiple_of: int | None = None, padding_free: str | None = None
     ) -> None:
+        if padding_free not in (None, "one", "bins"):
+            raise ValueError(f"padding_free must be None, 'one' or 'bins', got {padding_free!r}")
         if pad_token_id is None:
             raise ValueError("pad_token_id is None: set tokenizer.pad_token (EOS is fine, masks use lengths)")
         self.pad_token_id = int(pad_token_id)
@@ -72,9 +75,10 @@ class KTOCollator:
         kl = self._view(
             [f["kl_input_ids"] for f in features], [int(f["kl_completion_start"]) for f in features]
         )
-        pairs = plan_rows(example, kl, one_row=self.padding_free)
-        example_rows = plan_rows(example, None, one_row=True) if self.padding_free else None
-        kl_rows = plan_rows(None, kl, one_row=True) if self.padding_free else None
+        free = self.padding_free
+        pairs = plan_rows(example, kl, free or "padded")
+        example_rows = plan_rows(example, None, free) if free else None
+        kl_rows = plan_rows(None, kl, free) if free else None
         if self.padding_free:
             fold = fold_pays(pairs, example_rows.tokens(), kl_rows.tokens())
         else:

@@ -21,6 +21,8 @@ Everything here runs on CPU tensors; the batch then moves to the device whole (`
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from coati_kto.data.batch import PackedRows, Targets, TokenView
@@ -41,9 +43,20 @@ def shared_prompt_lengths(example: TokenView, kl: TokenView) -> torch.Tensor:
     return torch.where(ok, start, 0)
 
 
-def plan_rows(example: TokenView | None, kl: TokenView | None, one_row: bool = False) -> PackedRows:
+ROW_LAYOUTS = ("padded", "bins", "one")
+
+
+def plan_rows(example: TokenView | None, kl: TokenView | None, rows: str = "padded") -> PackedRows:
     """The pairs layout (both views), the example layout (``kl`` None) or the kl layout (``example`` None),
-    from host tensors. Scored tokens are the loss masks' (token 0 of a document is never predicted)."""
+    from host tensors. Scored tokens are the loss masks' (token 0 of a document is never predicted).
+
+    ``rows``: ``padded``, a document per row; ``one``, every document in one row (no padding: for kernels that
+    skip what no document reaches, flex attention); ``bins``, documents first-fit (longest first) into rows as
+    long as the longest document (padding only where no document fits; a dense 4D mask then costs no more than
+    the padded rows' attention, as no row is longer than theirs).
+    """
+    if rows not in ROW_LAYOUTS:
+        raise ValueError(f"rows must be one of {ROW_LAYOUTS}, got {rows!r}")
     view = example if example is not None else kl
     n = view.input_ids.shape[0]
     shared = (
@@ -54,15 +67,14 @@ def plan_rows(example: TokenView | None, kl: TokenView | None, one_row: bool = F
     a_len = example.lengths().tolist() if example is not None else [0] * n
     k_len = kl.lengths().tolist() if kl is not None else [0] * n
     docs = [_document(example, kl, b, a_len[b], k_len[b], int(shared[b])) for b in range(n)]
-    width = sum(len(d[0]) for d in docs) if one_row else max(len(d[0]) for d in docs)
-    rows = 1 if one_row else n
-    columns = torch.arange(width).expand(rows, width)
-    ids, positions, segment, seen = (torch.zeros(rows, width, dtype=torch.long) for _ in range(4))
-    document = -1 - columns.clone()
+    place, width = _placement([len(d[0]) for d in docs], rows)
+    count = max(r for r, _ in place) + 1
+    ids, positions, segment, seen = (torch.zeros(count, width, dtype=torch.long) for _ in range(4))
+    document = -1 - torch.arange(width).expand(count, width).clone()
     targets: dict[str, list[torch.Tensor]] = {"example": [], "kl": []}
-    offset = 0
-    for b, (doc_ids, doc_pos, doc_seg, doc_seen, doc_targets) in enumerate(docs):
-        r = 0 if one_row else b
+    for b, ((doc_ids, doc_pos, doc_seg, doc_seen, doc_targets), (r, offset)) in enumerate(
+        zip(docs, place, strict=True)
+    ):
         span = slice(offset, offset + len(doc_ids))
         ids[r, span], positions[r, span], segment[r, span], seen[r, span] = (
             doc_ids,
@@ -72,27 +84,33 @@ def plan_rows(example: TokenView | None, kl: TokenView | None, one_row: bool = F
         )
         document[r, span] = b
         for name, (cols, tgt) in doc_targets.items():
-            targets[name].append(
-                torch.stack([torch.full_like(cols, b), torch.full_like(cols, r), cols + offset, tgt])
-            )
-        offset = offset + len(doc_ids) if one_row else 0
+            owner, row = torch.full_like(cols, b), torch.full_like(cols, r)
+            targets[name].append(torch.stack([owner, row, cols + offset, tgt]))
 
     def gather(name: str, present: bool) -> Targets | None:
-        if not present:
-            return None
         parts = targets[name]
-        return Targets(*torch.cat(parts, dim=1)) if parts else None
+        return Targets(*torch.cat(parts, dim=1)) if present and parts else None
 
-    return PackedRows(
-        ids,
-        positions,
-        document,
-        segment,
-        seen,
-        gather("example", example is not None),
-        gather("kl", kl is not None),
-        shared,
-    )
+    example_targets, kl_targets = gather("example", example is not None), gather("kl", kl is not None)
+    return PackedRows(ids, positions, document, segment, seen, example_targets, kl_targets, shared)
+
+
+def _placement(lengths: list[int], rows: str) -> tuple[list[tuple[int, int]], int]:
+    """(row, first column) of each document, and the rows' width, for ``rows`` (:func:`plan_rows`)."""
+    if rows == "padded":
+        return [(b, 0) for b in range(len(lengths))], max(lengths)
+    if rows == "one":
+        starts = itertools.accumulate(lengths[:-1], initial=0)
+        return [(0, start) for start in starts], sum(lengths)
+    capacity, fill = max(lengths), []
+    place = [(0, 0)] * len(lengths)
+    for b in sorted(range(len(lengths)), key=lambda b: -lengths[b]):  # stable: ties keep batch order
+        r = next((r for r, used in enumerate(fill) if used + lengths[b] <= capacity), len(fill))
+        if r == len(fill):
+            fill.append(0)
+        place[b] = (r, fill[r])
+        fill[r] += lengths[b]
+    return place, capacity
 
 
 def _document(example: TokenView | None, kl: TokenView | None, b: int, a: int, k: int, s: int):

@@ -36,13 +36,13 @@ def _count(
     cfg = _config(model_dir, out_dir, plugin=plugin, train=train)
     _, trainer = _build(cfg, 4, pack_reference=pack, pack_policy=pack)
     batches = _rank_loader(1, 0)
-    if padding_free:  # what KTOCollator(padding_free=True) plans
+    if padding_free:  # what KTOCollator(padding_free="one") plans
         batches = [
             replace(
                 b,
-                pairs=plan_rows(b.example, b.kl, one_row=True),
-                example_rows=plan_rows(b.example, None, one_row=True),
-                kl_rows=plan_rows(None, b.kl, one_row=True),
+                pairs=plan_rows(b.example, b.kl, "one"),
+                example_rows=plan_rows(b.example, None, "one"),
+                kl_rows=plan_rows(None, b.kl, "one"),
             )
             for b in batches
         ]

@@ -33,13 +33,17 @@ def _layouts(model: Any, batch: Any) -> dict[str, tuple[torch.Tensor, torch.Tens
     return {"views": (example, kl), "pairs": (pair_example, pair_kl)}
 
 
+@pytest.mark.parametrize("layout", ["one", "bins"])
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 @pytest.mark.parametrize("family", list(CASES))
-def test_one_row_passes_equal_padded_passes_fp32(attn: str, family: str) -> None:
+def test_packed_passes_equal_padded_passes_fp32(layout: str, attn: str, family: str) -> None:
     cls, config_cls, config = CASES[family]
     model = _model(cls, config_cls, attn, **config)
-    batch = KTOCollator(0, padding_free=True)(_rows(7, 6, mismatched=(3,)))
-    assert tuple(batch.pairs.input_ids.shape)[0] == 1 and bool((batch.pairs.document >= 0).all())
+    batch = KTOCollator(0, padding_free=layout)(_rows(7, 6, mismatched=(3,)))
+    if layout == "one":
+        assert tuple(batch.pairs.input_ids.shape)[0] == 1 and bool((batch.pairs.document >= 0).all())
+    else:  # documents of 3-20 tokens: some bins hold two (here 4 rows of KL pairs for 6 documents)
+        assert tuple(batch.kl_rows.input_ids.shape) == (4, 14)
     ref_example, ref_kl = _separate(model, batch)
     for name, (example, kl) in _layouts(model, batch).items():
         torch.testing.assert_close(example, ref_example, atol=1e-5, rtol=0, msg=name)
@@ -49,7 +53,7 @@ def test_one_row_passes_equal_padded_passes_fp32(attn: str, family: str) -> None
 def test_one_row_gradient_equals_padded_gradient() -> None:
     model = _model(LlamaForCausalLM, LlamaConfig, "sdpa")
     padded = copy.deepcopy(model)
-    batch = KTOCollator(0, padding_free=True)(_rows(8, 5))
+    batch = KTOCollator(0, padding_free="one")(_rows(8, 5))
     weights = torch.tensor([0.7, -1.3, 0.4, 2.0, -0.5])
     example, kl = packed_logps(model, LMHead.find(model), batch.example_rows, len(batch))
     assert example.requires_grad and kl is None
@@ -68,7 +72,7 @@ def test_one_row_gradient_equals_padded_gradient() -> None:
 def test_flex_attention_block_mask_equals_padded_passes() -> None:
     """flex_attention: the BlockMask (rows padded to its 128-token block) is the 4D mask's rule."""
     model = _model(LlamaForCausalLM, LlamaConfig, "sdpa")
-    batch = KTOCollator(0, padding_free=True)(_rows(9, 6, mismatched=(1,)))
+    batch = KTOCollator(0, padding_free="one")(_rows(9, 6, mismatched=(1,)))
     ref_example, ref_kl = _separate(model, batch)
     model.config._attn_implementation = "flex_attention"
     for name, (example, kl) in _layouts(model, batch).items():
@@ -77,7 +81,7 @@ def test_flex_attention_block_mask_equals_padded_passes() -> None:
 
 
 # ------------------------------------------------------------------------------------------- 2 processes
-def _run(model_dir: str, out_dir: str, padding_free: bool, pack: bool) -> dict[str, Any]:
+def _run(model_dir: str, out_dir: str, padding_free: str | None, pack: bool) -> dict[str, Any]:
     """Three steps on hybrid_parallel fp32, 2 processes: online reference (the policy's own start, so step 0's
     rewards are 0), tool-use rows where the policy's folded pass pays; ``pack``: the shared-prompt reference
     pass and the policy's folded pass, else every view on its own."""
@@ -117,16 +121,22 @@ def _run(model_dir: str, out_dir: str, padding_free: bool, pack: bool) -> dict[s
     return {"history": trainer.history, "weights": _weights(parts.policy), "rows": rows_per_pass}
 
 
-@pytest.mark.parametrize("pack", [False, True])
-def test_padding_free_run_equals_padded_run(pack: bool, tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("pack,layout", [(False, "one"), (True, "one"), (True, "bins")])
+def test_padding_free_run_equals_padded_run(
+    pack: bool, layout: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
     padded, free = (
-        run_distributed(_run, 2, str(tiny_model_dir), str(tmp_path), f, pack) for f in (False, True)
+        run_distributed(_run, 2, str(tiny_model_dir), str(tmp_path), f, pack) for f in (None, layout)
     )
     for rank in range(2):
-        # 3 micro-batches per rank. Padded: only the packed passes (reference pair, policy fold) run packed rows,
-        # a row per example; padding-free: every pass is one row (two per micro-batch packed, four not).
+        # 3 micro-batches of 4 per rank. Padded: only the packed passes (reference pair, policy fold) run packed
+        # rows, a row per example; padding-free: every pass (two per micro-batch packed, four not), in one row
+        # or in bins (these rows are of similar lengths: bins hold one or two).
         assert padded[rank]["rows"] == ([4] * 6 if pack else [])
-        assert free[rank]["rows"] == [1] * (6 if pack else 12)
+        if layout == "one":
+            assert free[rank]["rows"] == [1] * (6 if pack else 12)
+        else:
+            assert len(free[rank]["rows"]) == 6 and all(1 <= r <= 4 for r in free[rank]["rows"])
         steps = [h for h in padded[rank]["history"] if "train/loss" in h]
         free_steps = [h for h in free[rank]["history"] if "train/loss" in h]
         assert len(steps) == len(free_steps) == len(STEPS)

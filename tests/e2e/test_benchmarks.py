@@ -181,7 +181,8 @@ def test_padding_bench_smoke() -> None:
     assert set(rows) == {"tool_use", "half", "long_tail"}, out
     for line in rows.values():
         fractions = [float(v.rstrip("%")) for v in line.split()[2:]]
-        assert len(fractions) == 8, line
-        padded, padded64, free = fractions[:3]
-        assert 0.0 < padded <= padded64 < 100.0 and free == 0.0, line  # real padding, none without it
-        assert fractions[5] == 0.0 and fractions[7] == 0.0, line
+        assert len(fractions) == 11, line
+        for padded, padded64, bins, free in (fractions[0:4], fractions[4:8]):
+            assert 0.0 < padded <= padded64 < 100.0, line  # real padding
+            assert bins <= padded and free == 0.0, line  # bins never pad more; one row not at all
+        assert fractions[9] <= fractions[8] and fractions[10] == 0.0, line

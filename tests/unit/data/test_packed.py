@@ -47,25 +47,43 @@ def _documents(rows: list[dict], which: str) -> list[list[tuple[int, int, str]]]
     return out
 
 
+def _spans(plan, n: int) -> list[tuple[int, torch.Tensor]]:
+    """(row, columns) of each document 0..n-1 in ``plan``, read from its ``document`` tensor."""
+    out = []
+    for b in range(n):
+        rows, cols = (plan.document == b).nonzero(as_tuple=True)
+        assert rows.numel() > 0 and bool((rows == rows[0]).all())  # a document never spans rows
+        assert bool((cols.diff() == 1).all())  # contiguous
+        out.append((int(rows[0]), cols))
+    return out
+
+
 @settings(max_examples=60, deadline=None)
-@given(rows=micro_batches(), one_row=st.booleans(), which=st.sampled_from(["pairs", "example", "kl"]))
-def test_layout_holds_each_document_and_scores_its_completions(rows, one_row, which) -> None:
+@given(
+    rows=micro_batches(),
+    layout=st.sampled_from(["padded", "bins", "one"]),
+    which=st.sampled_from(["pairs", "example", "kl"]),
+)
+def test_layout_holds_each_document_and_scores_its_completions(rows, layout, which) -> None:
     batch = KTOCollator(0)(rows)
     example = batch.example if which != "kl" else None
     kl = batch.kl if which != "example" else None
-    plan = plan_rows(example, kl, one_row=one_row)
+    plan = plan_rows(example, kl, layout)
     documents = _documents(rows, which)
-    width = sum(map(len, documents)) if one_row else max(map(len, documents))
-    assert tuple(plan.input_ids.shape) == ((1, width) if one_row else (len(rows), width))
-    if one_row:
-        assert bool((plan.document >= 0).all())  # padding-free: not one padding token
-    offset = 0
-    for b, doc in enumerate(documents):
-        r, cols = (0, torch.arange(offset, offset + len(doc))) if one_row else (b, torch.arange(len(doc)))
+    lengths = list(map(len, documents))
+    count, width = plan.input_ids.shape
+    if layout == "one":
+        assert (count, width) == (1, sum(lengths)) and bool((plan.document >= 0).all())  # not one pad token
+    elif layout == "padded":
+        assert (count, width) == (len(rows), max(lengths))
+    else:  # bins: no row longer than the longest document, and no two rows whose documents would fit in one
+        assert width == max(lengths) and sum(lengths) <= count * width
+        fill = sorted(int((plan.document[r] >= 0).sum()) for r in range(count))
+        assert count == 1 or fill[0] + fill[1] > width
+    for b, (doc, (r, cols)) in enumerate(zip(documents, _spans(plan, len(rows)), strict=True)):
         assert plan.input_ids[r, cols].tolist() == [t for t, _, _ in doc]
         assert plan.position_ids[r, cols].tolist() == [p for _, p, _ in doc]
-        assert bool((plan.document[r, cols] == b).all())
-        offset += len(doc) if one_row else 0
+        assert layout != "padded" or (r == b and int(cols[0]) == 0)
     # Scored tokens: every completion token but a document's first, once, predicted by the column before it
     # in its own part (or, for a KL pair's first completion token, by the shared prompt's last).
     for part, targets in (("example", plan.example), ("kl", plan.kl)):
@@ -79,24 +97,29 @@ def test_layout_holds_each_document_and_scores_its_completions(rows, one_row, wh
         )
         expected = [(b, t) for b, r in enumerate(rows) for t in r[key][max(1, r[start_key]) :]]
         assert list(zip(targets.owner.tolist(), targets.ids.tolist(), strict=True)) == expected
+        assert bool((plan.document[targets.rows, targets.cols] == targets.owner).all())  # its own document
 
 
 @settings(max_examples=40, deadline=None)
-@given(rows=micro_batches(), which=st.sampled_from(["pairs", "example", "kl"]))
-def test_one_row_mask_is_the_block_diagonal_of_the_per_row_masks(rows, which) -> None:
-    """Padding-free attention = each document's own attention, and nothing across documents."""
+@given(
+    rows=micro_batches(),
+    layout=st.sampled_from(["bins", "one"]),
+    which=st.sampled_from(["pairs", "example", "kl"]),
+)
+def test_packed_mask_is_each_documents_own_mask(rows, layout, which) -> None:
+    """Packed attention = each document's attention in its padded row, and nothing across documents."""
     batch = KTOCollator(0)(rows)
     views = {"pairs": (batch.example, batch.kl), "example": (batch.example, None), "kl": (None, batch.kl)}[
         which
     ]
-    per_row, one_row = plan_rows(*views), plan_rows(*views, one_row=True)
-    separate, joined = allowed_attention(per_row), allowed_attention(one_row)[0]
+    per_row, packed = plan_rows(*views), plan_rows(*views, layout)
+    separate, joined = allowed_attention(per_row), allowed_attention(packed)
     expected = torch.zeros_like(joined)
-    offset = 0
-    for b in range(len(rows)):
-        n = int((per_row.document[b] >= 0).sum())
-        expected[offset : offset + n, offset : offset + n] = separate[b, :n, :n]
-        offset += n
+    pads = packed.document < 0
+    expected[:, torch.arange(joined.shape[1]), torch.arange(joined.shape[1])] = pads  # padding sees itself
+    for b, (r, cols) in enumerate(_spans(packed, len(rows))):
+        n = cols.numel()
+        expected[r, cols[0] : cols[0] + n, cols[0] : cols[0] + n] = separate[b, :n, :n]
     assert torch.equal(joined, expected)
     # Within a pairs document, the KL pair's tokens see the shared prompt and themselves, never y_i.
     for b in range(len(rows)):
@@ -123,7 +146,7 @@ def test_padding_free_batch_plans_three_one_row_layouts() -> None:
             "kl_completion_start": 1,
         },
     ]
-    padded, free = KTOCollator(0)(rows), KTOCollator(0, padding_free=True)(rows)
+    padded, free = KTOCollator(0)(rows), KTOCollator(0, padding_free="one")(rows)
     assert padded.example_rows is None and padded.kl_rows is None
     assert tuple(padded.pairs.input_ids.shape) == (2, 5)  # [5 6 7 8 | 9] and [4 3 | 11 12 + pad]
     assert free.pairs.input_ids.tolist() == [[5, 6, 7, 8, 9, 4, 3, 11, 12]]
@@ -135,3 +158,35 @@ def test_padding_free_batch_plans_three_one_row_layouts() -> None:
     # y_j's first token is predicted by the shared prompt's last (9 by 6 at column 1, 11 by 4 at column 5),
     # never by y_i's last; 12 by 11 at column 7.
     assert free.pairs.kl.cols.tolist() == [1, 5, 7] and free.pairs.kl.ids.tolist() == [9, 11, 12]
+    # bins as long as the longest document (5): [5 6 7 8 | 9] fills one, [4 3 | 11 12] the next
+    bins = KTOCollator(0, padding_free="bins")(rows)
+    assert bins.pairs.input_ids.tolist() == [[5, 6, 7, 8, 9], [4, 3, 11, 12, 0]]
+    assert bins.example_rows.input_ids.tolist() == [[5, 6, 7, 8], [4, 3, 0, 0]]  # 4 + 2 > 4: no room
+    # Lengths 6, 2, 3 (longest first): the 3 opens a second bin, the 2 joins it after the 3.
+    rows = [
+        {
+            "input_ids": [5, 6, 7, 8, 9, 10],
+            "completion_start": 3,
+            "label": True,
+            "kl_input_ids": [5, 1],
+            "kl_completion_start": 1,
+        },
+        {
+            "input_ids": [4, 3],
+            "completion_start": 1,
+            "label": False,
+            "kl_input_ids": [4, 2],
+            "kl_completion_start": 1,
+        },
+        {
+            "input_ids": [7, 7, 7],
+            "completion_start": 2,
+            "label": True,
+            "kl_input_ids": [7, 2],
+            "kl_completion_start": 1,
+        },
+    ]
+    example_rows = KTOCollator(0, padding_free="bins")(rows).example_rows
+    assert example_rows.input_ids.tolist() == [[5, 6, 7, 8, 9, 10], [7, 7, 7, 4, 3, 0]]
+    assert example_rows.position_ids.tolist() == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 0, 1, 0]]
+    assert example_rows.document.tolist() == [[0, 0, 0, 0, 0, 0], [2, 2, 2, 1, 1, -6]]
