@@ -239,9 +239,12 @@ class KTOPasses:
 
     def _view_logps(self, model: Any, batch: KTOBatch, kl: bool) -> torch.Tensor:
         """Completion log-probs [B] fp32 of ``model`` on the examples or (``kl``) the KL pairs: from the
-        collator's padding-free row when it planned one (coati_kto.data.packed), else the padded view."""
+        collator's padding-free rows when it planned fewer rows than documents (coati_kto.data.packed), else the
+        padded view."""
         rows = batch.kl_rows if kl else batch.example_rows
-        if rows is None or not self.apply_loss_mask:
+        # Bins that hold one document each are the padded rows again: the padded pass is the same work, with
+        # the model's own mask (rows are counted on the host, nothing is read back).
+        if rows is None or not self.apply_loss_mask or rows.input_ids.shape[0] >= len(batch):
             return self._sequence_logps(model, batch.kl if kl else batch.example)
         if not can_pack(model) or self._lm_head(model) is None:
             raise RuntimeError(
