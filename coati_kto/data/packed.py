@@ -7,8 +7,9 @@ A *document* is what one separate forward pass would see. Three layouts serve th
     example  document b = [x_i, y_i]
     kl       document b = [x_j', y_j] (the KL pair alone)
 
-Each layout holds one document per row, right-padded to the longest (``one_row=False``), or every document of
-the micro-batch in one row (``one_row=True``: padding-free, so the model processes exactly the data's tokens).
+Each layout holds one document per row, right-padded to the longest (``rows="padded"``), every document of the
+micro-batch in one row (``"one"``: the model processes exactly the data's tokens), or the documents in bins as
+long as the longest (``"bins"``: for dense masks, whose cost grows with the square of a row's length).
 Attention is described per token, so that the device builds the mask with broadcasts alone, reading nothing
 back: query q may attend key k in the same row iff
 

@@ -12,7 +12,8 @@ reference (online and precomputed) uses it without gradient; the policy's gradie
 collator found that folding pays (long prompts, short completions), its KL-pair pass then folded into the
 gradient pass. A row whose KL prompt is not the example's prompt (truncation cut them differently) packs as two
 independent documents (B = the whole KL sequence, positions from 0, seeing only itself). With ``padding_free``
-every document of a micro-batch shares one row (no padding processed), in each of the three layouts.
+the documents of a micro-batch share rows in each of the three layouts: one row (flex attention) or bins as
+long as the longest document (dense masks).
 
 The layout is planned on the host; here the device builds the attention mask from per-token vectors with
 broadcasts alone (no value read back): a 4D additive mask [R, 1, L, L] of the model dtype for ``eager`` and

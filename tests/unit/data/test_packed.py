@@ -129,7 +129,7 @@ def test_packed_mask_is_each_documents_own_mask(rows, layout, which) -> None:
         assert bool(seen.diagonal().all())
 
 
-def test_padding_free_batch_plans_three_one_row_layouts() -> None:
+def test_padding_free_batch_plans_its_layouts() -> None:
     rows = [
         {
             "input_ids": [5, 6, 7, 8],
