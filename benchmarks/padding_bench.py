@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from gpu_bench import MICRO_BATCH, SHAPES  # noqa: E402
 
-from coati_kto.data.collator import KTOCollator  # noqa: E402
+from coati_kto.data.inspect import pad_fractions  # noqa: E402
 
 
 def synthetic_rows(shape: str, n: int, max_length: int, seed: int = 0) -> list[dict]:
@@ -69,39 +69,6 @@ def prepared_rows(config_path: str) -> list[dict] | None:
     return [dict(zip(keys, values, strict=True)) for values in zip(*(train[k] for k in keys), strict=True)]
 
 
-def pad_fractions(rows: list[dict], seed: int = 0) -> dict[str, float]:
-    """Pad fraction per (layout, padding): 'example', 'kl', 'pairs' x 'padded', 'padded64', 'bins', 'free'."""
-    order = list(range(len(rows)))
-    random.Random(seed).shuffle(order)
-    batches = [[rows[i] for i in order[s : s + MICRO_BATCH]] for s in range(0, len(order), MICRO_BATCH)]
-    processed: dict[str, int] = {}
-    data = {"example": 0, "kl": 0, "pairs": 0}
-    for mode, collate in (
-        ("padded", KTOCollator(0)),
-        ("padded64", KTOCollator(0, pad_to_multiple_of=64)),
-        ("bins", KTOCollator(0, padding_free="bins")),
-        ("free", KTOCollator(0, padding_free="one")),
-    ):
-        for features in batches:
-            batch = collate(features)
-            layouts = {
-                "example": batch.example.input_ids,
-                "kl": batch.kl.input_ids,
-                "pairs": batch.pairs.input_ids,
-            }
-            if mode in ("bins", "free"):
-                layouts.update(example=batch.example_rows.input_ids, kl=batch.kl_rows.input_ids)
-            for name, ids in layouts.items():
-                processed[f"{name}/{mode}"] = processed.get(f"{name}/{mode}", 0) + ids.numel()
-            if mode == "padded":
-                data["example"] += int(batch.example.attention_mask.sum())
-                data["kl"] += int(batch.kl.attention_mask.sum())
-                data["pairs"] += int((batch.pairs.document >= 0).sum())
-    # pairs/padded64: the shared-prompt layout is not padded to a multiple (it needs a 4D mask anyway)
-    processed.pop("pairs/padded64")
-    return {key: 1.0 - data[key.split("/")[0]] / tokens for key, tokens in processed.items()}
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, default=4096)
@@ -125,7 +92,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"pad fraction of processed tokens, micro-batch {MICRO_BATCH}, random order")
     print(f"{'shape':<12} {'rows':>6} " + " ".join(f"{c:>16}" for c in columns))
     for shape, rows in data.items():
-        fractions = pad_fractions(rows)
+        order = list(range(len(rows)))
+        random.Random(0).shuffle(order)
+        batches = [[rows[i] for i in order[s : s + MICRO_BATCH]] for s in range(0, len(order), MICRO_BATCH)]
+        fractions = pad_fractions(batches)
+        fractions.update(
+            {k.replace("/padded", "/padded64"): v for k, v in pad_fractions(batches, 64).items()}
+        )
+        fractions = {k.replace("/one", "/free"): v for k, v in fractions.items()}
         print(f"{shape:<12} {len(rows):>6} " + " ".join(f"{fractions[c]:>16.1%}" for c in columns))
         if any(fractions[c] != 0.0 for c in columns if c.endswith("/free")):
             raise SystemExit(f"{shape}: padding-free rows hold padding")

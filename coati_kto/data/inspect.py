@@ -2,8 +2,9 @@
 
 Prints, for ``num_ranks`` ranks and the configured micro-batch size and seed: each rank's first micro-batches
 as a label pattern (``rank 0 batch 0: [T F T T]  mixed``), the share of mixed micro-batches over the whole
-epoch, the sampler's minority repeats and effective counts, the KTO weights report, and a few decoded
-examples (prompt | completion | KL completion) to eyeball.
+epoch, the sampler's minority repeats and effective counts, the KTO weights report, the padding of rank 0's
+first micro-batches as configured and padding-free (:func:`pad_fractions`), and a few decoded examples
+(prompt | completion | KL completion) to eyeball.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from coati_kto.config.schema import Config
+from coati_kto.data.collator import KTOCollator
 from coati_kto.data.prepared import load_prepared
 from coati_kto.data.sampler import MixedLabelBatchSampler
 from coati_kto.data.tokenize import load_tokenizer
@@ -73,9 +75,58 @@ def inspect_batches(
         f"(each used {s.minority_uses[0]}-{s.minority_uses[1]} times); {s.left_out} examples left out"
     )
     print(resolve_kto_weights(config, data.stats, ranks)[2])
+    print(_padding_line(config, train, batches_of_rank0=list(samplers[0])[:PADDING_BATCHES]))
 
     if num_examples > 0:
         _print_examples(config, train, first_batch[:num_examples])
+
+
+PADDING_BATCHES = 256  # micro-batches of rank 0 whose padding inspect measures (collating each takes ms)
+PASSES = {"example": "examples", "kl": "KL pairs", "pairs": "shared-prompt pairs"}
+FEATURES = ("input_ids", "completion_start", "label", "kl_input_ids", "kl_completion_start")
+
+
+def pad_fractions(batches: list[list[dict]], pad_to_multiple_of: int | None = None) -> dict[str, float]:
+    """Share of padding in the tokens each pass processes, over ``batches`` (each a micro-batch's rows):
+    ``{"<pass>/<layout>": fraction}`` for passes example, kl, pairs and layouts ``padded`` (to the longest row,
+    and to ``pad_to_multiple_of`` if given; the pairs layout is never padded to a multiple), ``bins`` and
+    ``one`` (``data.padding_free`` with dense masks / flex attention: coati_kto.data.packed)."""
+    collators = {
+        "padded": KTOCollator(0, pad_to_multiple_of),
+        "bins": KTOCollator(0, padding_free="bins"),
+        "one": KTOCollator(0, padding_free="one"),
+    }
+    data = dict.fromkeys(PASSES, 0)
+    processed: dict[str, int] = {}
+    for layout, collate in collators.items():
+        for features in batches:
+            batch = collate(features)
+            views = {
+                "example": batch.example.input_ids,
+                "kl": batch.kl.input_ids,
+                "pairs": batch.pairs.input_ids,
+            }
+            if layout != "padded":
+                views.update(example=batch.example_rows.input_ids, kl=batch.kl_rows.input_ids)
+            for name, ids in views.items():
+                processed[f"{name}/{layout}"] = processed.get(f"{name}/{layout}", 0) + ids.numel()
+            if layout == "padded":
+                data["example"] += int(batch.example.attention_mask.sum())
+                data["kl"] += int(batch.kl.attention_mask.sum())
+                data["pairs"] += int((batch.pairs.document >= 0).sum())
+    return {key: 1.0 - data[key.split("/")[0]] / tokens for key, tokens in processed.items()}
+
+
+def _padding_line(config: Config, train: Any, batches_of_rank0: list[list[int]]) -> str:
+    """One line: the padding of these micro-batches as configured, and with data.padding_free."""
+    batches = [[{k: train[int(i)][k] for k in FEATURES} for i in batch] for batch in batches_of_rank0]
+    f = pad_fractions(batches, config.data.pad_to_multiple_of)
+    shares = ", ".join(f"{what} {f[name + '/padded']:.1%}" for name, what in PASSES.items())
+    bins = ", ".join(f"{f[name + '/bins']:.1%}" for name in PASSES)
+    return (
+        f"padding (rank 0's first {len(batches)} micro-batches, share of the tokens each pass processes): "
+        f"{shares}; data.padding_free: bins (eager/sdpa) {bins}, one row (flex_attention) 0"
+    )
 
 
 def _print_examples(config: Config, train: Any, indices: list[int]) -> None:

@@ -190,3 +190,24 @@ def test_padding_free_batch_plans_its_layouts() -> None:
     assert example_rows.input_ids.tolist() == [[5, 6, 7, 8, 9, 10], [7, 7, 7, 4, 3, 0]]
     assert example_rows.position_ids.tolist() == [[0, 1, 2, 3, 4, 5], [0, 1, 2, 0, 1, 0]]
     assert example_rows.document.tolist() == [[0, 0, 0, 0, 0, 0], [2, 2, 2, 1, 1, -6]]
+
+
+def test_pad_fractions_by_hand() -> None:
+    """Examples of 4 + 2 tokens, then 6 + 2 + 3: padded rows process 2 x 4 + 3 x 6 = 26 tokens for 17; bins as
+    long as the longest process [4] [2.] and [6] [3 2.] = 8 + 12 = 20; one row 17."""
+    from coati_kto.data.inspect import pad_fractions
+
+    def row(n: int) -> dict:
+        return {
+            "input_ids": [5] * n,
+            "completion_start": 1,
+            "label": True,
+            "kl_input_ids": [5, 6],
+            "kl_completion_start": 1,
+        }
+
+    f = pad_fractions([[row(4), row(2)], [row(6), row(2), row(3)]])
+    assert abs(f["example/padded"] - (1 - 17 / 26)) < 1e-12
+    assert abs(f["example/bins"] - (1 - 17 / 20)) < 1e-12
+    assert f["example/one"] == 0.0 and f["kl/padded"] == 0.0 and f["kl/one"] == 0.0  # KL pairs all 2 long
+    assert abs(pad_fractions([[row(4), row(2)]], 8)["example/padded"] - (1 - 6 / 16)) < 1e-12  # to a multiple

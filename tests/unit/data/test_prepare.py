@@ -311,6 +311,10 @@ def test_inspect_shows_mixed_batches(tmp_path: Path, tiny_model_dir: Path, capsy
             assert f"rank {rank} batch {b}: [" in out
         assert f"rank {rank}: 2/2 micro-batches mixed (100.0%)" in out
     assert "SINGLE LABEL" not in out and "minority (undesirable) repeats 0" in out
+    assert (
+        "padding (rank 0's first 2 micro-batches, share of the tokens each pass processes): examples " in out
+    )
+    assert "one row (flex_attention) 0" in out
     assert out.count("  KL completion | ") == 2
 
 
