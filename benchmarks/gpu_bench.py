@@ -314,6 +314,7 @@ def run_case(work: Path, case: Case, args: argparse.Namespace, fixture: dict[str
         tflops=statistics.median(f / s for f, s in zip(flops, seconds, strict=True)) / 1e12,
         loss_first=records[0].get("train/loss"),
         steps=len(records),
+        zero=trainer.plan.zero_stage,  # the stage that ran: 0 for hybrid_parallel on one GPU (running_zero_stage)
     )
     result["mfu"] = result["tflops"] * 1e12 / peak if peak else None
     result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
@@ -463,6 +464,7 @@ def _fmt(value: Any, spec: str) -> str:
 
 COLUMNS = (
     ("case", 34, None, "case"),
+    ("zero", 4, "d", "ZeRO"),
     ("step_s", 8, ".4f", "step_s"),
     ("tokens_per_s", 10, ".0f", "tok/s"),
     ("tflops", 8, ".3g", "TFLOP/s"),

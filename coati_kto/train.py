@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from coati_kto.config.load import save_config
 from coati_kto.config.resume import check_resume
@@ -190,7 +191,7 @@ def _setup(config: Config, heartbeat: Heartbeat | None) -> _Run:
     pad, pad_note = pad_id(tokenizer)
     if config.kto.reference == "cached":  # computed once (all ranks) unless a matching cache exists
         data = with_reference_logps(config, data, pad)
-    plan = ParallelPlan.from_config(config)
+    plan = ParallelPlan.from_config(config, dp_size=dist.get_world_size() // config.plugin.tp_size)
     plugin = plan.build_plugin()
     layout = ParallelLayout.from_plugin(plugin)
     if layout.is_main:
@@ -200,7 +201,7 @@ def _setup(config: Config, heartbeat: Heartbeat | None) -> _Run:
     # The run card shows the report of this layout, not prepare's one-replica view.
     data.stats["imbalance"] = imbalance(config, data.stats, layout.dp_size)
     attention_note = attention_implementation(config.model.path, config.model)[1]
-    notes = [note for note in (pad_note, attention_note) if note]
+    notes = [note for note in (pad_note, attention_note, _zero_note(config, plan)) if note]
     if layout.is_main:
         print("\n".join([report, *notes]), flush=True)
     weights = (desirable, undesirable)
@@ -278,6 +279,16 @@ def _setup_trainer(config: Config, run: _Run, stop_signals: StopSignals) -> Any:
         run_config=config.model_dump(mode="json"),
         data_stats=run.data.stats,
         stop_signals=stop_signals,
+    )
+
+
+def _zero_note(config: Config, plan: ParallelPlan) -> str | None:
+    """One line when the ZeRO stage that runs is not the configured one (``parallel.plan.running_zero_stage``)."""
+    if plan.zero_stage == config.plugin.zero_stage:
+        return None
+    return (
+        f"plugin.zero_stage {config.plugin.zero_stage} runs as 0 on one data-parallel rank: nothing to shard, "
+        "so no ZeRO buckets or reductions (the AMP optimizer keeps the fp32 masters; same updates)"
     )
 
 

@@ -5,6 +5,8 @@ the model family under ``hybrid_parallel`` via ``check_model_family``, are check
 questions the rest of the code would otherwise ask the plugin object:
 
 - ``build_plugin()``: the ColossalAI plugin, with the device-specific settings (coati_kto.parallel.compat);
+- ``zero_stage``: the stage that runs, which is 0 for hybrid_parallel on one data-parallel rank
+  (``running_zero_stage``: nothing to shard there, and the updates are the same bit for bit);
 - ``boost(...)``: the policy, optimizer and schedule boosted, the policy's fp32-only buffers kept in fp32;
 - ``build_reference(plugin, model)``: the frozen reference through the same plugin path as the policy (same
   shardformer sharding, same dtype cast, same fp32 buffers), so that at step 0 both give identical log-probs;
@@ -40,6 +42,25 @@ if TYPE_CHECKING:
     from coati_kto.parallel.distributed import ParallelLayout
 
 
+def running_zero_stage(section: PluginSection, dp_size: int | None) -> int:
+    """The ZeRO stage the run uses: ``plugin.zero_stage``, except hybrid_parallel on one data-parallel rank.
+
+    There ZeRO has nothing to shard, yet its buckets, flat fp32 copies and per-backward reductions all run (and on
+    CUDA a device synchronize after every backward), and ColossalAI warns about it. Stage 0 runs the AMP
+    optimizer instead: the same fp32 masters and the same updates, bit for bit (the clipping, the non-finite
+    vote and the exported weights too; tests/distributed/test_checkpoint.py). ``cpu_offload`` needs ZeRO, so it
+    keeps the stage. low_level_zero is ZeRO by name and keeps it too.
+    """
+    if (
+        dp_size == 1
+        and section.name == "hybrid_parallel"
+        and section.zero_stage > 0
+        and not section.cpu_offload
+    ):
+        return 0
+    return section.zero_stage
+
+
 @dataclass(frozen=True)
 class ParallelPlan:
     """How the run is parallelised; built on every rank from the same config, so identical everywhere."""
@@ -63,12 +84,17 @@ class ParallelPlan:
         max_grad_norm: float = 0.0,
         flash_attention: bool = False,
         model_class: str | None = None,
+        dp_size: int | None = None,
     ) -> ParallelPlan:
-        """From a validated ``plugin`` section (its combinations are checked there, at config load)."""
+        """From a validated ``plugin`` section (its combinations are checked there, at config load).
+
+        ``dp_size``: the data-parallel size the run will have (known after ``init_distributed``); None keeps
+        the section's ZeRO stage as written (callers that only ask for the dtype).
+        """
         return cls(
             plugin=section.name,
             precision=section.precision,
-            zero_stage=section.zero_stage,
+            zero_stage=running_zero_stage(section, dp_size),
             tp_size=section.tp_size,
             cpu_offload=section.cpu_offload,
             max_grad_norm=max_grad_norm,
@@ -77,13 +103,15 @@ class ParallelPlan:
         )
 
     @classmethod
-    def from_config(cls, config: Config) -> ParallelPlan:
-        """The plan of a validated ``config`` (Config checks the family against the plugin at load)."""
+    def from_config(cls, config: Config, dp_size: int | None = None) -> ParallelPlan:
+        """The plan of a validated ``config`` (Config checks the family against the plugin at load); see
+        ``from_section`` for ``dp_size``."""
         return cls.from_section(
             config.plugin,
             config.train.max_grad_norm,
             config.model.attn_implementation == "flash_attention_2",
             model_class_name(config.model.path),
+            dp_size,
         )
 
     @classmethod

@@ -181,7 +181,8 @@ class CheckpointManager:
         same_layout = all(meta.get(k) == v for k, v in self._layout_meta().items())
         master_file = path / "master_weights" / f"rank-{rank}.pt"
         if same_layout and master_file.is_file():
-            _restore_masters(model, optimizer, torch.load(master_file, map_location="cpu"))
+            masters = torch.load(master_file, map_location="cpu")
+            _restore_masters(model, optimizer, masters, whole=self.layout.dp_size == 1)
         elif _master_shards(model, optimizer):
             logger.warning(
                 "rank %d: fp32 master weights rebuilt from the model checkpoint (layout changed)", rank
@@ -333,12 +334,24 @@ def _master_shards(model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
     return shards
 
 
-def _restore_masters(model: Any, optimizer: Any, shards: dict[str, torch.Tensor]) -> None:
+def _restore_masters(
+    model: Any, optimizer: Any, shards: dict[str, torch.Tensor], whole: bool = False
+) -> None:
+    """Copy this rank's saved masters into the optimizer's.
+
+    ``whole``: one data-parallel rank, where every master holds its whole parameter whatever the optimizer, as
+    ZeRO's flat copy or the AMP optimizer's shaped one: a checkpoint of either restores into the other exactly
+    (hybrid_parallel's running stage at dp 1 changed from 2 to 0: ``parallel.plan.running_zero_stage``).
+    """
     mapping = working_to_master(optimizer)
     params = dict(model.unwrap().named_parameters())
     with torch.no_grad():
         for name, saved in shards.items():
             master = mapping[id(params[name])]
+            numel = params[name].numel()
+            if whole and master.shape != saved.shape and min(master.numel(), saved.numel()) >= numel:
+                master.view(-1)[:numel].copy_(saved.reshape(-1)[:numel])
+                continue
             if master.shape != saved.shape:
                 raise UserError(
                     f"checkpoint master shard of {name} has shape {tuple(saved.shape)}, "

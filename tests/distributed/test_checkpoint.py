@@ -246,3 +246,49 @@ def test_export_hf_loads_with_trained_weights_and_tokenizer(
     tok, orig = AutoTokenizer.from_pretrained(export), AutoTokenizer.from_pretrained(tiny_model_dir)
     assert tok("Paris is the capital")["input_ids"] == orig("Paris is the capital")["input_ids"]
     assert tok.chat_template == orig.chat_template
+
+
+# ---- one data-parallel rank: hybrid_parallel runs ZeRO stage 0 (parallel.plan.running_zero_stage) ----------
+
+
+def _dp1_runs(model_dir: str, base: str) -> dict[str, Any]:
+    """One process, bf16: ZeRO-2 uninterrupted (4 steps, saving at 2), the running stage's AMP optimizer
+    uninterrupted, and the ZeRO-2 checkpoint of step 2 resumed by the AMP optimizer (a run saved before the
+    running stage changed)."""
+    from coati_kto.config.schema import PluginSection
+    from coati_kto.parallel.plan import ParallelPlan
+
+    assert ParallelPlan.from_section(PluginSection(**BF16), dp_size=1).zero_stage == 0
+    zero2 = _setup(model_dir, BF16, f"{base}/zero2")  # from_section without dp_size: ZeRO-2 as written
+    zero0 = {**BF16, "zero_stage": 0}
+    _train(zero2, 2)
+    zero2["mgr"].save(2, zero2["model"], zero2["opt"], zero2["sched"], {"global_step": 2})
+    _train(zero2, 2)
+    amp = _setup(model_dir, zero0, f"{base}/amp")
+    _train(amp, 4)
+    resumed = _setup(model_dir, zero0, f"{base}/zero2")
+    resumed["mgr"].load(resumed["mgr"].resolve("auto"), resumed["model"], resumed["opt"], resumed["sched"])
+    _train(resumed, 2)
+    kinds = {k: type(s["opt"]).__name__ for k, s in (("zero2", zero2), ("amp", amp))}
+    return {
+        "kinds": kinds,
+        **{k: _snapshot(s) for k, s in (("zero2", zero2), ("amp", amp), ("resumed", resumed))},
+    }
+
+
+@pytest.fixture(scope="module")
+def dp1(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_distributed(_dp1_runs, 1, str(tiny_model_dir), str(tmp_path_factory.mktemp("dp1")))[0]
+
+
+def test_one_rank_runs_without_zero_with_the_same_updates(dp1: dict[str, Any]) -> None:
+    assert dp1["kinds"] == {"zero2": "HybridParallelZeroOptimizer", "amp": "HybridParallelAMPOptimizer"}
+    assert _max_diff(dp1["zero2"], dp1["amp"]) == 0.0  # clipped bf16 Adam steps, bit for bit
+    assert dp1["zero2"]["lr"] == dp1["amp"]["lr"]
+
+
+def test_one_rank_zero2_checkpoint_resumes_exactly_without_zero(dp1: dict[str, Any]) -> None:
+    # ZeRO's flat masters restore into the AMP optimizer's shaped ones (they failed with a shape error before).
+    assert _max_diff(dp1["zero2"], dp1["resumed"]) == 0.0
+    for name, m in dp1["zero2"]["masters"].items():
+        assert np.array_equal(m.reshape(-1), dp1["resumed"]["masters"][name].reshape(-1)), name

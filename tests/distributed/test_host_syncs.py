@@ -20,6 +20,8 @@ PLUGINS = {
     "ddp_fp32": {"name": "ddp", "precision": "fp32"},
     "low_level_zero_zero2_bf16": {"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"},
     "hybrid_zero2_bf16": {"name": "hybrid_parallel", "zero_stage": 2, "precision": "bf16"},
+    # What hybrid_parallel runs on one GPU (parallel.plan.running_zero_stage): the AMP optimizer.
+    "hybrid_zero0_bf16": {"name": "hybrid_parallel", "zero_stage": 0, "precision": "bf16"},
 }
 MICRO_BATCHES, PASSES = 2, 4  # per step; per micro-batch: policy and reference on examples and KL pairs
 

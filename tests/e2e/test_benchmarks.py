@@ -91,6 +91,8 @@ def test_gpu_bench_smoke(tmp_path: Path) -> None:
         assert "FAILED" not in rows[name], rows[name]
         figures = dict(zip(titles[1:], cells[1:], strict=True))
         positive_finite([float(figures[k]) for k in ("step_s", "tok/s", "TFLOP/s", "host_ops")], name)
+        # One process: hybrid_parallel runs without ZeRO (nothing to shard), low_level_zero is ZeRO by name.
+        assert figures["ZeRO"] == ("0" if name.endswith("/hybrid_z2") else "2"), rows[name]
         assert {figures[k] for k in ("MFU", "peakGiB", "GPUbusy", "kernels", "syncs", "DtoH")} == {"n/a"}
         ran += 1
     assert ran >= 12, ran

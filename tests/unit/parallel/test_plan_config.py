@@ -43,6 +43,32 @@ def test_plugin_defaults_follow_the_plugin(tmp_path: Path, overrides: list[str],
     assert (plugin.name, plugin.zero_stage, plugin.precision) == expected
 
 
+@pytest.mark.parametrize(
+    "overrides, dp_size, running",
+    [
+        ([], 1, 0),  # hybrid ZeRO-2 on one data-parallel rank: nothing to shard
+        ([], 2, 2),
+        (["plugin.zero_stage=1"], 1, 0),
+        (["plugin.tp_size=2"], 1, 0),  # 2 tensor-parallel ranks, one data-parallel rank
+        (["plugin.cpu_offload=true"], 1, 2),  # offload needs ZeRO
+        (["plugin.name=low_level_zero"], 1, 2),
+        ([], None, 2),  # no layout given: as written
+    ],
+)
+def test_zero_stage_that_runs(
+    tmp_path: Path, overrides: list[str], dp_size: int | None, running: int
+) -> None:
+    from coati_kto.train import _zero_note
+
+    config = load_config(write_config(tmp_path, MINIMAL), overrides)
+    plan = ParallelPlan.from_config(config, dp_size=dp_size)
+    assert plan.zero_stage == running
+    note = _zero_note(config, plan)
+    assert (note is None) == (running == config.plugin.zero_stage)
+    if note is not None:
+        assert note.startswith(f"plugin.zero_stage {config.plugin.zero_stage} runs as 0 on one data-parallel")
+
+
 def test_combinations_the_user_wrote_are_still_errors(tmp_path: Path) -> None:
     path = write_config(tmp_path, MINIMAL)
     for overrides, needle in [
