@@ -11,6 +11,7 @@ is all it changes.
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import sys
 import warnings
@@ -37,14 +38,36 @@ _KNOWN_NOISE = (
 # The same, sent through ColossalAI's DistributedLogger rather than warnings.warn. Its ``warning`` logs two
 # records, "<file>:<line> <function>" and then the message, so a logging.Filter on the message alone would
 # leave the location line behind: the message is dropped before either is logged. The hybrid plugin warns
-# "Use Zero Optimizer when data parallel size is 1 ..." on every 1-process run with ZeRO (the CPU quickstart).
+# "Use Zero Optimizer when data parallel size is 1 ..." on a 1-process run that keeps ZeRO (cpu_offload).
 _KNOWN_LOG_NOISE = (re.compile(r"Use Zero Optimizer when data parallel size is 1"),)
+
+# Python loggers of third-party modules, by logger name: the records to drop. bitsandbytes (imported by
+# ColossalAI's GaLore, at import time) 0.50 warns on CPUs with AVX512-BF16 that the optional `kernels` package
+# for its 4-bit CPU GEMM is absent; nothing here quantizes.
+_KNOWN_LOGGER_NOISE = {
+    "bitsandbytes.backends.cpu.ops": re.compile(
+        r"Failed to load CPU gemm_4bit_forward from kernels-community"
+    ),
+}
+
+
+class _DropMatching(logging.Filter):
+    def __init__(self, pattern: re.Pattern[str]) -> None:
+        super().__init__()
+        self.pattern = pattern
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.match(record.getMessage())
 
 
 def quiet_known_warnings() -> None:
     """Silence only the notices listed above; every other warning still shows. Idempotent."""
     for category, message in _KNOWN_NOISE:
         warnings.filterwarnings("ignore", message=message, category=category)
+    for name, pattern in _KNOWN_LOGGER_NOISE.items():
+        logger = logging.getLogger(name)  # the module's own logger, before it is imported
+        if not any(isinstance(f, _DropMatching) for f in logger.filters):
+            logger.addFilter(_DropMatching(pattern))
 
 
 def quiet_known_logs() -> None:

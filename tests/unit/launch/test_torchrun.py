@@ -28,7 +28,10 @@ def test_handler_reentered_before_workers_exist(monkeypatch: pytest.MonkeyPatch)
             return []
 
     monkeypatch.setattr(torchrun.psutil, "Process", NoChildren)
-    monkeypatch.delenv(PENDING_STOP_ENV, raising=False)
+    # setenv first: it records the variable's absence, so the value the handler writes is undone after the test
+    # (delenv of an absent variable records nothing: later runs in this process started "stopped").
+    monkeypatch.setenv(PENDING_STOP_ENV, "")
+    monkeypatch.delenv(PENDING_STOP_ENV)
     for _ in range(2):
         torchrun._forward(signal.SIGUSR1, None)
         assert os.environ[PENDING_STOP_ENV] == str(int(signal.SIGUSR1))
