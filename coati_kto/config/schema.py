@@ -354,7 +354,7 @@ class Config(_Section):
     def _padding_free_fits(self) -> Config:
         if self.data.padding_free:
             paths = [p for p in (self.model.path, self.model.reference_path) if p]
-            why = packing_refusal(paths, self.plugin.tp_size, self.model.attn_implementation)
+            why = packing_refusal(paths, self.model.attn_implementation)
             if why is not None:
                 raise ValueError(f"data.padding_free needs packed rows, which {why} cannot take")
         return self

@@ -108,12 +108,10 @@ def packed_masks(config: Any) -> dict[str, int | None] | None:
     return dict(zip(config.layer_types, windows, strict=True))
 
 
-def packing_refusal(model_dirs: list[str], tp_size: int = 1, attention: str | None = None) -> str | None:
+def packing_refusal(model_dirs: list[str], attention: str | None = None) -> str | None:
     """Why packed rows cannot run (None when they can, or when only loading the model would tell: a hub id):
-    tensor parallelism (each rank holds a vocabulary slice of the head), flash_attention_2 (no 4D mask), a
-    family whose head is outside :data:`HEAD_FAMILIES`, or layers that mix attention windows."""
-    if tp_size > 1:
-        return f"plugin.tp_size {tp_size} (each rank holds a vocabulary slice of the head)"
+    flash_attention_2 (no 4D mask), a family whose head is outside :data:`HEAD_FAMILIES`, or layers whose
+    windows no 4D masks reproduce. Tensor parallelism packs too (through the model's logits)."""
     if attention == "flash_attention_2":
         return "model.attn_implementation flash_attention_2 (use sdpa or flex_attention)"
     for model_dir in model_dirs:

@@ -5,20 +5,15 @@ backward pass): 8 x 512 x 32000 x 4 bytes = 0.5 GiB on top of the bf16 logits. H
 loss mask selects are processed, a chunk of rows at a time, and a custom backward recomputes each chunk's
 softmax from the saved logits and one fp32 log-sum-exp per position.
 
-The trainer goes further where it can (:class:`LMHead`, :func:`model_sequence_logps`): no logits tensor at
-all, the completion positions' hidden states through the LM head a vocabulary chunk at a time, forward and
-backward. :func:`sequence_logps` remains the path for vocabulary-parallel heads (tensor parallelism) and Gemini.
+The trainer goes further where it can (:func:`head_token_logps`, through ``coati_kto.models.lm_head``): no
+logits tensor at all, the completion positions' hidden states through the LM head a vocabulary chunk at a
+time, forward and backward. :func:`sequence_logps` (and :func:`logits_token_logps` for packed rows) remains the path for
+vocabulary-parallel heads (tensor parallelism) and Gemini.
 """
 
 from __future__ import annotations
 
-import inspect
-from typing import Any
-
 import torch
-
-from coati_kto.families import plain_head
-from coati_kto.models.lora import base_module
 
 # Default chunk: 2**22 fp32 elements (16 MiB; 131 positions at V=32000) of upcast logits at a time. On CPU
 # 64-128 positions ran ~2x faster than 2048 (cache-resident chunks): benchmarks/logprobs_bench.py. On a GPU
@@ -33,11 +28,11 @@ def _budget(elements: int, device: torch.device) -> int:
     return elements if device.type == "cpu" else elements * _GPU_SCALE
 
 
-class _CompletionLogps(torch.autograd.Function):
-    """sum_t log softmax(logits[b, t])[target] over the given (b, t) positions, per row b."""
+class _TokenLogps(torch.autograd.Function):
+    """log softmax(logits[rows[n], cols[n]])[targets[n]] per position n: fp32 [N], differentiable in logits."""
 
     @staticmethod
-    def forward(ctx, logits, rows, cols, targets, batch_size: int, chunk_size: int):
+    def forward(ctx, logits, rows, cols, targets, chunk_size: int):
         token_logps = torch.empty(rows.numel(), dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(token_logps)
         for s in range(0, rows.numel(), chunk_size):
@@ -45,19 +40,16 @@ class _CompletionLogps(torch.autograd.Function):
             chunk = logits[rows[s:e], cols[s:e]].float()  # [n, V]: the only fp32 copy alive
             lse[s:e] = torch.logsumexp(chunk, dim=-1)
             token_logps[s:e] = chunk.gather(1, targets[s:e, None]).squeeze(1) - lse[s:e]
-        # Scatter into [B, T] and sum rows, rather than index_add_: deterministic on every device.
-        per_pos = torch.zeros(batch_size, logits.shape[1], dtype=torch.float32, device=logits.device)
-        per_pos[rows, cols] = token_logps
         ctx.save_for_backward(logits, rows, cols, targets, lse)
         ctx.chunk_size = chunk_size
-        return per_pos.sum(dim=1)
+        return token_logps
 
     @staticmethod
     def backward(ctx, grad_out):
         logits, rows, cols, targets, lse = ctx.saved_tensors
         # Unselected positions get exactly 0, even where their logits are inf/NaN (no 0 * NaN).
         grad_logits = torch.zeros_like(logits)
-        g = grad_out.float()[rows]  # [N]
+        g = grad_out.float()  # [N]
         for s in range(0, rows.numel(), ctx.chunk_size):
             e = s + ctx.chunk_size
             # d/dlogits (logit[target] - lse) = onehot(target) - softmax(logits)
@@ -65,7 +57,26 @@ class _CompletionLogps(torch.autograd.Function):
             grad = chunk.sub_(lse[s:e, None]).exp_().mul_(-g[s:e, None])
             grad.scatter_add_(1, targets[s:e, None], g[s:e, None])
             grad_logits[rows[s:e], cols[s:e]] = grad.to(logits.dtype)
-        return grad_logits, None, None, None, None, None
+        return grad_logits, None, None, None, None
+
+
+def logits_token_logps(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    cols: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """log p(targets[n]) at logits[rows[n], cols[n]] (logits [R, K, V], any float dtype): fp32 [N].
+
+    ``chunk_size`` positions are upcast to fp32 at a time (None: about 16 MiB of fp32 logits per chunk, x16 on
+    an accelerator); the backward recomputes each chunk's softmax from the saved logits.
+    """
+    if chunk_size is None:
+        chunk_size = max(1, _budget(_CHUNK_ELEMENTS, logits.device) // max(1, logits.shape[-1]))
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return _TokenLogps.apply(logits, rows, cols, targets.long(), chunk_size)
 
 
 def sequence_logps(
@@ -98,12 +109,9 @@ def sequence_logps(
     keep = logits.shape[1]
     start = seq - keep + 1  # first token predicted by the kept logits
     rows, cols = targets if targets is not None else _completion_positions(loss_mask, keep, "logits")
-    targets = input_ids[:, start:][rows, cols].long()
-    if chunk_size is None:
-        chunk_size = max(1, _budget(_CHUNK_ELEMENTS, logits.device) // max(1, logits.shape[-1]))
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    return _CompletionLogps.apply(logits, rows, cols, targets, batch, chunk_size)
+    token_logps = logits_token_logps(logits, rows, cols, input_ids[:, start:][rows, cols], chunk_size)
+    # Scatter into [B, K] and sum rows, rather than index_add_: deterministic on every device.
+    return sum_per_row(token_logps, rows, cols, (batch, keep))
 
 
 def completion_logits_to_keep(loss_mask: torch.Tensor) -> int:
@@ -132,11 +140,6 @@ def _completion_positions(loss_mask: torch.Tensor, keep: int, what: str) -> tupl
             "use completion_logits_to_keep(loss_mask)"
         )
     return mask[:, start:].nonzero(as_tuple=True)
-
-
-def token_count(loss_mask: torch.Tensor) -> torch.Tensor:
-    """Completion tokens per row that :func:`sequence_logps` sums over (token 0 is never predicted): [B]."""
-    return loss_mask[:, 1:].bool().sum(dim=1)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -281,117 +284,3 @@ def hidden_sequence_logps(
     targets = input_ids[:, start:][rows, cols]
     token_logps = head_token_logps(hidden[rows, cols], weight, bias, targets, vocab_chunk)
     return sum_per_row(token_logps, rows, cols, (batch, keep))
-
-
-def _is_distributed(weight: torch.Tensor) -> bool:
-    try:
-        from colossalai.tensor.d_tensor import is_distributed_tensor
-    except ImportError:  # colossalai absent: plain torch models only
-        return False
-    return is_distributed_tensor(weight)
-
-
-class LMHead:
-    """The output projection of a causal LM, found through any ColossalAI wrapper, for the chunked path.
-
-    ``weight`` is [V, H] restricted to the real vocabulary (shardformer's PaddingLMHead pads rows to a multiple
-    of 64; those rows are not tokens). :meth:`capture` runs the model with the head fed zero positions and
-    returns the hidden states it would have projected.
-    """
-
-    def __init__(self, module: torch.nn.Module, vocab: int) -> None:
-        self.module, self.vocab = module, vocab
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.module.weight[: self.vocab]
-
-    @property
-    def bias(self) -> torch.Tensor | None:
-        bias = getattr(self.module, "bias", None)
-        return None if bias is None else bias[: self.vocab]
-
-    @classmethod
-    def find(cls, model: torch.nn.Module) -> LMHead | None:
-        """The head when the chunked path is exact for ``model``; None (use logits) otherwise.
-
-        None for: heads that are not plain (``coati_kto.families.plain_head``), a vocabulary-parallel head (tensor parallelism: each
-        rank holds a slice), and parameters not resident (Gemini keeps them in chunks outside the forward).
-        """
-        inner = model.unwrap(unwrap_peft=False) if hasattr(model, "unwrap") else model
-        config = getattr(inner, "config", None)
-        if not plain_head(config):
-            return None
-        head = inner.get_output_embeddings()
-        if hasattr(head, "base_layer"):
-            return None  # a LoRA-adapted head: its weight alone is not the projection
-        weight = getattr(head, "weight", None)
-        vocab = int(getattr(head, "old_num_embeddings", None) or config.vocab_size)
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] < vocab:
-            return None  # Gemini's released parameters (empty), or a vocabulary slice
-        if _is_distributed(weight):
-            return None  # tensor parallelism: each rank holds a vocabulary slice
-        return cls(head, vocab)
-
-    def capture(self, model: Any, **inputs: Any) -> torch.Tensor:
-        """Run ``model(**inputs)`` and return the head's input [B, K, H]; the head itself projects 0 positions."""
-        captured: list[torch.Tensor] = []
-
-        def hook(module, args):
-            captured.append(args[0])
-            return (args[0][..., :0, :], *args[1:])
-
-        handle = self.module.register_forward_pre_hook(hook)
-        try:
-            model(**inputs)
-        finally:
-            handle.remove()
-        if len(captured) != 1:
-            raise RuntimeError(f"the LM head ran {len(captured)} times in one forward (expected once)")
-        return captured[0]
-
-
-def model_sequence_logps(
-    model: Any,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    loss_mask: torch.Tensor,
-    head: LMHead | None,
-    keep: int | None = None,
-    targets: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """Completion log-probs [B] fp32 of ``model`` on one batch: through ``head`` when given, else the logits.
-
-    ``keep`` and ``targets``: the completion positions planned on the host for ``loss_mask``
-    (``TokenView.planned``); without them they are read from the mask on its device (host syncs on a GPU).
-
-    Either way only the positions from the first completion token on are projected (``logits_to_keep``).
-    Shardformer's tensor-parallel forwards ignore or refuse ``logits_to_keep`` and return all S positions; both
-    paths read K from the shape they get.
-    """
-
-    module = base_module(model)  # under a LoRA PeftModel too (ColossalAI's unwrap() has no forward there)
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-    # Shardformer's tensor-parallel forwards swallow logits_to_keep (Llama) or refuse it (Qwen2, Mistral).
-    if _forward_accepts(module, "logits_to_keep"):
-        inputs["logits_to_keep"] = keep if keep is not None else completion_logits_to_keep(loss_mask)
-    if head is None:
-        # Log-probs normalise over the real vocabulary only: a shardformer policy that returns the padding
-        # columns of a padded vocabulary as logits (ColossalAI's Qwen2 policy did: coati_kto.families.policies) would
-        # shift every log-prob and train the padding rows. A no-op view when the logits are unpadded.
-        logits = model(**inputs).logits[..., : module.config.vocab_size]
-        planned = targets if logits.shape[1] == keep else None  # a forward that ignored logits_to_keep: all S
-        return sequence_logps(logits, input_ids, loss_mask, targets=planned)
-    hidden = head.capture(model, **inputs)
-    planned = targets if hidden.shape[1] == keep else None
-    return hidden_sequence_logps(hidden, head.weight, head.bias, input_ids, loss_mask, targets=planned)
-
-
-def _forward_accepts(module: torch.nn.Module, name: str) -> bool:
-    """Whether ``module.forward`` names keyword ``name`` in its signature.
-
-    A ``**kwargs`` catch-all does not count: transformers 5's forwards take ``**kwargs`` and hand them on to the
-    attention, so a forward that does not name ``logits_to_keep`` would not slice (or would fail deeper down).
-    """
-    params = inspect.signature(module.forward).parameters
-    return name in params and params[name].kind is not inspect.Parameter.VAR_POSITIONAL

@@ -21,8 +21,9 @@ broadcasts alone (no value read back): a 4D additive mask [R, 1, L, L] of the mo
 project's shardformer policies keep transformers' forwards), a flex-attention BlockMask for ``flex_attention``
 (blocks no document reaches are skipped, so one long row costs what its documents cost). Layers that mix
 windows (Gemma 3, Qwen2 with max_window_layers) get one mask per layer type, as the mapping transformers 5
-takes (``coati_kto.families.packed_masks``). flash_attention_2, and heads the chunked path does not cover (tensor
-parallelism's vocabulary slices, soft-capped logits) run the padded passes.
+takes (``coati_kto.families.packed_masks``). Log-probs come through the chunked LM head, or under tensor
+parallelism (each rank holds a vocabulary slice of the head) through the model's logits, gathered whole.
+flash_attention_2, and heads neither covers (soft-capped logits), run the padded passes.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ import torch
 from coati_kto.data.batch import KTOBatch, PackedRows, Targets
 from coati_kto.data.packed import plan_rows
 from coati_kto.families import packed_masks
-from coati_kto.models.logprobs import LMHead, head_token_logps, model_sequence_logps, sum_per_row
+from coati_kto.models.lm_head import LMHead, model_sequence_logps
+from coati_kto.models.logprobs import head_token_logps, logits_token_logps, sum_per_row
 from coati_kto.models.lora import base_module
 
 PACKABLE_ATTENTION = ("eager", "sdpa", "flex_attention")
@@ -103,41 +105,54 @@ def _config(model: Any) -> Any:
 
 def can_pack(model: Any) -> bool:
     """eager, sdpa or flex attention, 4D masks that reproduce every layer's window
-    (:func:`~coati_kto.families.packed_masks`), and a head covered by the chunked path (a plain model or a
-    plugin's wrapper)."""
+    (:func:`~coati_kto.families.packed_masks`), and a plain head: covered by the chunked path (a plain model or
+    a plugin's wrapper), or sliced over the vocabulary by tensor parallelism (the model's own logits)."""
     config = _config(model)
     attention = getattr(config, "_attn_implementation", None)
     return (
         attention in PACKABLE_ATTENTION
         and packed_masks(config) is not None
-        and LMHead.find(model) is not None
+        and (LMHead.find(model) is not None or LMHead.vocab_parallel(model))
     )
 
 
 def packed_logps(
-    model: Any, head: LMHead, rows: PackedRows, batch_size: int
+    model: Any, head: LMHead | None, rows: PackedRows, batch_size: int
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(example, KL) log-probs [B] fp32 from one forward over ``rows`` (None for a view the layout lacks); the
-    example's carry gradient when grad is enabled, the KL pair's never. Reads nothing back from the device."""
+    example's carry gradient when grad is enabled, the KL pair's never. Reads nothing back from the device.
+
+    Through ``head`` (the chunked head: no logits tensor), or with ``head`` None through the model's logits
+    [R, L, V] (a vocabulary-parallel head under tensor parallelism, which returns them whole on every rank).
+    """
     config = _config(model)
     flex = getattr(config, "_attn_implementation", None) == "flex_attention"
     if flex:
         rows = _pad_columns(rows, FLEX_BLOCK)
-    dtype = head.weight.dtype  # the working dtype (a LoRA reference is no module with parameters of its own)
+    # The working dtype (a LoRA reference is no module with parameters of its own, hence the head's).
+    dtype = head.weight.dtype if head is not None else base_module(model).get_input_embeddings().weight.dtype
     windows = packed_masks(config)
     built: dict[int | None, Any] = {}  # one mask per distinct window (sliding and full layers)
     for window in windows.values():
         if window not in built:
             built[window] = _flex_mask(rows, window) if flex else _additive_mask(rows, window, dtype)
     mask = built[windows[""]] if "" in windows else {kind: built[w] for kind, w in windows.items()}
-    hidden = head.capture(
-        model, input_ids=rows.input_ids, attention_mask=mask, position_ids=rows.position_ids, use_cache=False
+    inputs = dict(
+        input_ids=rows.input_ids, attention_mask=mask, position_ids=rows.position_ids, use_cache=False
     )
+    if head is not None:
+        hidden = head.capture(model, **inputs)
+    else:  # the real vocabulary only (coati_kto.models.lm_head.model_sequence_logps says why)
+        logits = model(**inputs).logits[..., : config.vocab_size]
     grid = (batch_size, rows.input_ids.shape[1])
 
     def score(targets: Targets | None, detach: bool) -> torch.Tensor | None:
         if targets is None:
             return None
+        if head is None:
+            source = logits.detach() if detach else logits
+            token_logps = logits_token_logps(source, targets.rows, targets.cols, targets.ids)
+            return sum_per_row(token_logps, targets.owner, targets.cols, grid)
         h, w, b = hidden[targets.rows, targets.cols], head.weight, head.bias
         if detach:
             h, w, b = h.detach(), w.detach(), None if b is None else b.detach()
@@ -156,7 +171,7 @@ def pair_logps(model: Any, batch: KTOBatch) -> tuple[torch.Tensor, torch.Tensor,
     cache's passes run it under no_grad; the trainer's folded policy pass with gradient (the example's log-probs
     differentiable, the KL pair's detached)."""
     head = LMHead.find(model)
-    if head is not None and can_pack(model):
+    if can_pack(model):
         pairs = batch.pairs
         if pairs is None:  # a batch built without the collator: plan it now (host reads)
             host = batch.to("cpu")

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from coati_kto.data.batch import KTOBatch, TokenView
-from coati_kto.models.logprobs import LMHead, model_sequence_logps
+from coati_kto.models.lm_head import LMHead, model_sequence_logps
 from coati_kto.models.packing import can_pack, packed_logps, pair_logps
 from coati_kto.parallel.plan import ParallelPlan
 from coati_kto.trainer.loss import estimate_kl_raw, preference_loss
@@ -246,10 +246,10 @@ class KTOPasses:
         # the model's own mask (rows are counted on the host, nothing is read back).
         if rows is None or not self.apply_loss_mask or rows.input_ids.shape[0] >= len(batch):
             return self._sequence_logps(model, batch.kl if kl else batch.example)
-        if not can_pack(model) or self._lm_head(model) is None:
+        if not can_pack(model):
             raise RuntimeError(
                 "data.padding_free: this model cannot take packed rows (it needs eager, sdpa or flex attention, "
-                "one attention window for every layer, and the chunked LM head: tp_size 1)"
+                "4D masks that reproduce its layers' windows, and a plain LM head)"
             )
         example, kl_logps = packed_logps(model, self._lm_head(model), rows, len(batch))
         return kl_logps if kl else example

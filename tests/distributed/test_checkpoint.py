@@ -102,7 +102,7 @@ def _resume(s: dict[str, Any], model_dir: str, export_dir: str | None) -> dict[s
     if (
         export_dir is not None
     ):  # bf16: first the booster alone, which rebuilds the masters from the bf16 model
-        restore, ckpt._restore_masters = ckpt._restore_masters, lambda *a: None
+        restore, ckpt._restore_masters = ckpt._restore_masters, lambda *a, **k: None
         s["mgr"].load(path, s["model"], s["opt"], s["sched"])
         _train(s, 2)
         result["without_masters"] = _snapshot(s)["weights"]

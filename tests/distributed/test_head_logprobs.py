@@ -6,13 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from coati_kto.models.logprobs import (
-    LMHead,
-    head_token_logps,
-    hidden_sequence_logps,
-    model_sequence_logps,
-    sequence_logps,
-)
+from coati_kto.models.lm_head import LMHead, model_sequence_logps
+from coati_kto.models.logprobs import head_token_logps, hidden_sequence_logps, sequence_logps
 from coati_kto.testing.tiny import random_causal_lm
 
 

@@ -20,7 +20,7 @@ from transformers import (
 from coati_kto.data.collator import KTOCollator
 from coati_kto.data.packed import shared_prompt_lengths
 from coati_kto.families.shardformer import hybrid_refusal
-from coati_kto.models.logprobs import LMHead, model_sequence_logps
+from coati_kto.models.lm_head import LMHead, model_sequence_logps
 from coati_kto.models.packing import can_pack, pair_logps
 from coati_kto.testing.tiny import random_causal_lm
 

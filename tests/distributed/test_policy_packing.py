@@ -15,7 +15,7 @@ from test_trainer import VOCAB_HI, _build, _config, _weights, sgd
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from coati_kto.data.collator import KTOCollator
-from coati_kto.models.logprobs import LMHead, model_sequence_logps
+from coati_kto.models.lm_head import LMHead, model_sequence_logps
 from coati_kto.models.packing import pair_logps
 from coati_kto.testing.distributed import run_distributed
 from coati_kto.testing.tiny import random_causal_lm

@@ -83,7 +83,7 @@ def _worker(root: str, model_dir: str, reference_dir: str) -> dict:
     from coati_kto.data.collator import KTOCollator
     from coati_kto.data.prepared import load_prepared
     from coati_kto.models.hf import load_reference
-    from coati_kto.models.logprobs import LMHead, model_sequence_logps
+    from coati_kto.models.lm_head import LMHead, model_sequence_logps
     from coati_kto.parallel.plan import ParallelPlan
     from coati_kto.train import train
 

@@ -8,7 +8,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 from coati_kto.models.hf import disable_dropout
-from coati_kto.models.logprobs import _forward_accepts, model_sequence_logps
+from coati_kto.models.lm_head import _forward_accepts, model_sequence_logps
 from coati_kto.testing.tiny import random_causal_lm
 
 

@@ -1,0 +1,140 @@
+"""A causal LM's output projection found through any wrapper (:class:`LMHead`), and a model's completion
+log-probs on one batch (:func:`model_sequence_logps`): through the chunked head where it is exact, else through
+the model's logits (``coati_kto.models.logprobs`` holds both computations).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from coati_kto.families import plain_head
+from coati_kto.models.logprobs import completion_logits_to_keep, hidden_sequence_logps, sequence_logps
+from coati_kto.models.lora import base_module
+
+
+def _is_distributed(weight: torch.Tensor) -> bool:
+    try:
+        from colossalai.tensor.d_tensor import is_distributed_tensor
+    except ImportError:  # colossalai absent: plain torch models only
+        return False
+    return is_distributed_tensor(weight)
+
+
+class LMHead:
+    """The output projection of a causal LM, found through any ColossalAI wrapper, for the chunked path.
+
+    ``weight`` is [V, H] restricted to the real vocabulary (shardformer's PaddingLMHead pads rows to a multiple
+    of 64; those rows are not tokens). :meth:`capture` runs the model with the head fed zero positions and
+    returns the hidden states it would have projected.
+    """
+
+    def __init__(self, module: torch.nn.Module, vocab: int) -> None:
+        self.module, self.vocab = module, vocab
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.module.weight[: self.vocab]
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        bias = getattr(self.module, "bias", None)
+        return None if bias is None else bias[: self.vocab]
+
+    @classmethod
+    def find(cls, model: torch.nn.Module) -> LMHead | None:
+        """The head when the chunked path is exact for ``model``; None (use logits) otherwise.
+
+        None for: heads that are not plain (``coati_kto.families.plain_head``), a vocabulary-parallel head (tensor parallelism: each
+        rank holds a slice), and parameters not resident (Gemini keeps them in chunks outside the forward).
+        """
+        inner = model.unwrap(unwrap_peft=False) if hasattr(model, "unwrap") else model
+        config = getattr(inner, "config", None)
+        if not plain_head(config):
+            return None
+        head = inner.get_output_embeddings()
+        if hasattr(head, "base_layer"):
+            return None  # a LoRA-adapted head: its weight alone is not the projection
+        weight = getattr(head, "weight", None)
+        vocab = int(getattr(head, "old_num_embeddings", None) or config.vocab_size)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] < vocab:
+            return None  # Gemini's released parameters (empty), or a vocabulary slice
+        if _is_distributed(weight):
+            return None  # tensor parallelism: each rank holds a vocabulary slice
+        return cls(head, vocab)
+
+    @staticmethod
+    def vocab_parallel(model: torch.nn.Module) -> bool:
+        """Whether ``model``'s head is plain but sliced over the vocabulary (tensor parallelism): the model's own
+        logits (gathered whole on every rank: the plan builds the plugin with ``parallel_output=False``) are
+        then exact where the chunked head cannot run."""
+        inner = model.unwrap(unwrap_peft=False) if hasattr(model, "unwrap") else model
+        if not plain_head(getattr(inner, "config", None)):
+            return False
+        weight = getattr(inner.get_output_embeddings(), "weight", None)
+        return isinstance(weight, torch.Tensor) and _is_distributed(weight)
+
+    def capture(self, model: Any, **inputs: Any) -> torch.Tensor:
+        """Run ``model(**inputs)`` and return the head's input [B, K, H]; the head itself projects 0 positions."""
+        captured: list[torch.Tensor] = []
+
+        def hook(module, args):
+            captured.append(args[0])
+            return (args[0][..., :0, :], *args[1:])
+
+        handle = self.module.register_forward_pre_hook(hook)
+        try:
+            model(**inputs)
+        finally:
+            handle.remove()
+        if len(captured) != 1:
+            raise RuntimeError(f"the LM head ran {len(captured)} times in one forward (expected once)")
+        return captured[0]
+
+
+def model_sequence_logps(
+    model: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    loss_mask: torch.Tensor,
+    head: LMHead | None,
+    keep: int | None = None,
+    targets: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Completion log-probs [B] fp32 of ``model`` on one batch: through ``head`` when given, else the logits.
+
+    ``keep`` and ``targets``: the completion positions planned on the host for ``loss_mask``
+    (``TokenView.planned``); without them they are read from the mask on its device (host syncs on a GPU).
+
+    Either way only the positions from the first completion token on are projected (``logits_to_keep``).
+    Shardformer's tensor-parallel forwards ignore or refuse ``logits_to_keep`` and return all S positions; both
+    paths read K from the shape they get.
+    """
+
+    module = base_module(model)  # under a LoRA PeftModel too (ColossalAI's unwrap() has no forward there)
+    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    # Shardformer's tensor-parallel forwards swallow logits_to_keep (Llama) or refuse it (Qwen2, Mistral).
+    if _forward_accepts(module, "logits_to_keep"):
+        inputs["logits_to_keep"] = keep if keep is not None else completion_logits_to_keep(loss_mask)
+    if head is None:
+        # Log-probs normalise over the real vocabulary only: a shardformer policy that returns the padding
+        # columns of a padded vocabulary as logits (ColossalAI's Qwen2 policy did: coati_kto.families.policies) would
+        # shift every log-prob and train the padding rows. A no-op view when the logits are unpadded.
+        logits = model(**inputs).logits[..., : module.config.vocab_size]
+        planned = targets if logits.shape[1] == keep else None  # a forward that ignored logits_to_keep: all S
+        return sequence_logps(logits, input_ids, loss_mask, targets=planned)
+    hidden = head.capture(model, **inputs)
+    planned = targets if hidden.shape[1] == keep else None
+    return hidden_sequence_logps(hidden, head.weight, head.bias, input_ids, loss_mask, targets=planned)
+
+
+def _forward_accepts(module: torch.nn.Module, name: str) -> bool:
+    """Whether ``module.forward`` names keyword ``name`` in its signature.
+
+    A ``**kwargs`` catch-all does not count: transformers 5's forwards take ``**kwargs`` and hand them on to the
+    attention, so a forward that does not name ``logits_to_keep`` would not slice (or would fail deeper down).
+    """
+    params = inspect.signature(module.forward).parameters
+    return name in params and params[name].kind is not inspect.Parameter.VAR_POSITIONAL
