@@ -292,3 +292,56 @@ def test_one_rank_zero2_checkpoint_resumes_exactly_without_zero(dp1: dict[str, A
     assert _max_diff(dp1["zero2"], dp1["resumed"]) == 0.0
     for name, m in dp1["zero2"]["masters"].items():
         assert np.array_equal(m.reshape(-1), dp1["resumed"]["masters"][name].reshape(-1)), name
+
+
+def _adam_states(s: dict[str, Any]) -> dict[str, np.ndarray]:
+    """Every parameter's Adam exp_avg and exp_avg_sq, whole (ZeRO's chunks gathered over the data-parallel group)."""
+    import torch.distributed as dist
+
+    from coati_kto.parallel.masters import working_to_master
+
+    mapping, optim = working_to_master(s["opt"]), s["opt"].optim
+    out = {}
+    for name, param in s["model"].unwrap().named_parameters():
+        master = mapping[id(param)]
+        for key in ("exp_avg", "exp_avg_sq"):
+            value = optim.state[master][key].detach()
+            if value.numel() != param.numel():  # a ZeRO chunk of the flattened, padded parameter
+                chunks = [torch.empty_like(value) for _ in range(dist.get_world_size())]
+                dist.all_gather(chunks, value.contiguous())
+                value = torch.cat(chunks)[: param.numel()]
+            out[f"{name}/{key}"] = value.float().reshape(-1).numpy().copy()
+    return out
+
+
+def _saves(model_dir: str, root: str, plugin: dict) -> dict[str, Any]:
+    s = _setup(model_dir, plugin, root)
+    _train(s, 2)
+    s["mgr"].save(2, s["model"], s["opt"], s["sched"], {"global_step": 2, "epoch": 0})
+    return {"kind": type(s["opt"]).__name__, "states": _adam_states(s)}
+
+
+def _loads(model_dir: str, root: str, plugin: dict) -> dict[str, Any]:
+    s = _setup(model_dir, plugin, root)
+    s["mgr"].load(s["mgr"].resolve("auto"), s["model"], s["opt"], s["sched"])
+    return {"kind": type(s["opt"]).__name__, "states": _adam_states(s)}
+
+
+@pytest.mark.parametrize("saving,loading", [(1, 2), (2, 1)])
+def test_optimizer_states_move_between_one_rank_and_two(
+    saving: int, loading: int, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """A run grown from one GPU (the AMP optimizer: running_zero_stage) to two (ZeRO-2), or shrunk back: Adam's
+    moments come back whole and exact."""
+    amp = {**BF16, "zero_stage": 0}
+    plugins = {1: amp, 2: BF16}
+    kinds = {1: "HybridParallelAMPOptimizer", 2: "HybridParallelZeroOptimizer"}
+    saved = run_distributed(_saves, saving, str(tiny_model_dir), str(tmp_path), plugins[saving])[0]
+    loaded = run_distributed(_loads, loading, str(tiny_model_dir), str(tmp_path), plugins[loading])
+    assert saved["kind"] == kinds[saving]
+    for rank in loaded:
+        assert rank["kind"] == kinds[loading]
+        assert rank["states"].keys() == saved["states"].keys()
+        for key, value in saved["states"].items():
+            assert np.abs(value).max() > 0, key
+            assert np.array_equal(value, rank["states"][key]), key
