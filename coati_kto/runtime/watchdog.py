@@ -32,15 +32,25 @@ class Heartbeat(threading.Thread):
         # One key space per launch attempt: torchrun restarts reuse its store.
         self.prefix = f"coati_kto/heartbeat/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
         self._stopped = threading.Event()
+        self._io: threading.Thread | None = None
 
-    def stop(self) -> None:
+    def stop(self, wait: float = 10.0) -> None:
+        """Stop both threads; returns once they have ended (or after ``wait`` seconds: a store call stuck on a
+        dead link). The store thread must not outlive the interpreter: a daemon thread that comes back from a
+        store call while Python shuts down is ended by pthread_exit, whose unwinding through the binding's C++
+        frames aborts the process ("terminate called without an active exception", SIGABRT instead of the
+        clean stop's exit 75)."""
         self._stopped.set()
+        for thread in (self._io, self):
+            if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+                thread.join(wait)
 
     def run(self) -> None:
         """Store traffic in a second thread; this one only watches the clock, so a store call that blocks on a
         dead link (a reply that never comes) cannot stall the watchdog itself."""
         self._last_round = time.monotonic()
-        threading.Thread(target=self._talk, name="coati-kto-heartbeat-io", daemon=True).start()
+        self._io = threading.Thread(target=self._talk, name="coati-kto-heartbeat-io", daemon=True)
+        self._io.start()
         while not self._stopped.wait(self.interval):
             silent = time.monotonic() - self._last_round
             if silent > self.timeout + 2 * self.interval:
