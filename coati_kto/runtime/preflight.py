@@ -59,6 +59,7 @@ def check_training(config: Config) -> None:
         except DataError as err:
             problems.append(str(err))
     problems += _lora_problems(config)
+    problems += _attention_problems(config)
     problems += _resume_problems(config)
     problems += _output_problems(config)
     if config.logging.wandb and importlib.util.find_spec("wandb") is None:
@@ -192,6 +193,20 @@ def _hub_problems(key: str, repo_id: str) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- run state
+def _attention_problems(config: Config) -> list[str]:
+    """flex_attention trains only where torch has its backward: not on CPU (the policy's first backward
+    raised NotImplementedError there, after the models had loaded). No-grad passes (precompute, the tests'
+    packed passes) run on CPU."""
+    import torch
+
+    if config.model.attn_implementation != "flex_attention" or torch.cuda.is_available():
+        return []
+    return [
+        f"model.attn_implementation flex_attention: torch {torch.__version__} has no FlexAttention backward on "
+        "CPU, so the policy cannot train here; use sdpa (or eager) on CPU, flex_attention on GPUs"
+    ]
+
+
 def _starts_from_zero(config: Config) -> bool:
     """No resume, or train.resume=auto with no complete checkpoint to resume from."""
     if config.train.resume is None:

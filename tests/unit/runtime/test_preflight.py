@@ -8,7 +8,7 @@ import pytest
 from helpers import MINIMAL, write_config
 
 from coati_kto.config.load import load_config
-from coati_kto.runtime.preflight import _lora_problems
+from coati_kto.runtime.preflight import _attention_problems, _lora_problems
 
 
 def _model_dir(tmp_path: Path, config) -> Path:
@@ -42,3 +42,15 @@ def test_lora_targets_of_a_llama_pass(tmp_path: Path, targets: str | None) -> No
 
     config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
     assert _lora_problems(_lora_config(tmp_path, _model_dir(tmp_path, config), targets)) == []
+
+
+def test_flex_attention_is_refused_for_training_on_cpu(tmp_path: Path) -> None:
+    """torch has no FlexAttention backward on CPU: the first gradient pass raised NotImplementedError."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU trains with flex_attention")
+    path = write_config(tmp_path, MINIMAL)
+    (line,) = _attention_problems(load_config(path, ["model.attn_implementation=flex_attention"]))
+    assert line.startswith("model.attn_implementation flex_attention: torch ") and "use sdpa" in line
+    assert _attention_problems(load_config(path, ["model.attn_implementation=sdpa"])) == []
