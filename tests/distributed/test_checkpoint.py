@@ -345,3 +345,30 @@ def test_optimizer_states_move_between_one_rank_and_two(
         for key, value in saved["states"].items():
             assert np.abs(value).max() > 0, key
             assert np.array_equal(value, rank["states"][key]), key
+
+
+def _kto_steps(model_dir: str, out_dir: str, zero_stage: int) -> dict[str, Any]:
+    """Two KTO optimizer steps of 2 micro-batches each, 1 process, hybrid bf16 at ``zero_stage``."""
+    from test_trainer import _build, _config, _rank_loader, full_weights
+
+    plugin = {**BF16, "zero_stage": zero_stage}
+    cfg = _config(model_dir, out_dir, plugin=plugin, train={"accumulation_steps": 2, "micro_batch_size": 4})
+    parts, trainer = _build(cfg, 2)
+    trainer.fit(_rank_loader(1, 0)[:4], None)
+    records = [
+        {k: v for k, v in h.items() if "second" not in k} for h in trainer.history if "train/loss" in h
+    ]
+    return {"kind": type(parts.optimizer).__name__, "records": records, "weights": full_weights(parts.policy)}
+
+
+def test_one_rank_kto_steps_with_accumulation_are_the_zero2_steps(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """With accumulation the AMP optimizer's micro-batches skip the (one-rank) reduction (no_sync), ZeRO-2's
+    do not: the steps are the same all the same, every logged number and weight bit for bit."""
+    zero2, amp = (
+        run_distributed(_kto_steps, 1, str(tiny_model_dir), str(tmp_path / f"z{z}"), z)[0] for z in (2, 0)
+    )
+    assert (zero2["kind"], amp["kind"]) == ("HybridParallelZeroOptimizer", "HybridParallelAMPOptimizer")
+    assert len(zero2["records"]) == 2 and zero2["records"] == amp["records"]
+    assert np.array_equal(zero2["weights"], amp["weights"])
