@@ -29,6 +29,9 @@ class TokenView:
     keep: int | None = None
     rows: torch.Tensor | None = None  # [T] long
     cols: torch.Tensor | None = None  # [T] long
+    # Whether any row is shorter than the view (planned on the host): the padded passes build their sdpa mask
+    # from it without reading the mask back (coati_kto.models.packing.padded_attention).
+    padded: bool | None = None
 
     def lengths(self) -> torch.Tensor:
         """[B] long: tokens per row (padding excluded)."""
@@ -45,7 +48,8 @@ class TokenView:
         predicted = self.loss_mask[:, 1:].bool().any(dim=0)
         keep = seq - int(predicted.int().argmax()) if seq >= 2 and bool(predicted.any()) else 1
         rows, cols = self.loss_mask[:, seq - keep + 1 :].bool().nonzero(as_tuple=True)
-        return replace(self, keep=keep, rows=rows, cols=cols)
+        padded = not bool(self.attention_mask.bool().all())
+        return replace(self, keep=keep, rows=rows, cols=cols, padded=padded)
 
     def targets(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(rows, cols) of the planned completion positions, or None when not planned."""
@@ -55,7 +59,13 @@ class TokenView:
         rows = None if self.rows is None else fn(self.rows)
         cols = None if self.cols is None else fn(self.cols)
         return TokenView(
-            fn(self.input_ids), fn(self.attention_mask), fn(self.loss_mask), self.keep, rows, cols
+            fn(self.input_ids),
+            fn(self.attention_mask),
+            fn(self.loss_mask),
+            self.keep,
+            rows,
+            cols,
+            self.padded,
         )
 
 

@@ -97,13 +97,16 @@ class LMHead:
 def model_sequence_logps(
     model: Any,
     input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
+    attention_mask: Any,
     loss_mask: torch.Tensor,
     head: LMHead | None,
     keep: int | None = None,
     targets: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Completion log-probs [B] fp32 of ``model`` on one batch: through ``head`` when given, else the logits.
+
+    ``attention_mask``: what the model takes, the 2D [B, S] mask or prepared 4D masks (a mapping per layer type
+    where layers mix windows; ``coati_kto.models.packing.padded_attention``) or None (no padding).
 
     ``keep`` and ``targets``: the completion positions planned on the host for ``loss_mask``
     (``TokenView.planned``); without them they are read from the mask on its device (host syncs on a GPU).

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from coati_kto.data.batch import KTOBatch, PackedRows, Targets
+from coati_kto.data.batch import KTOBatch, PackedRows, Targets, TokenView
 from coati_kto.data.packed import plan_rows
 from coati_kto.families import packed_masks
 from coati_kto.models.lm_head import LMHead, model_sequence_logps
@@ -76,6 +76,35 @@ def _flex_mask(rows: PackedRows, window: int | None) -> Any:
 
     n, length = doc.shape
     return create_block_mask(mask_mod, n, None, length, length, device=doc.device)
+
+
+def padded_attention(model: Any, view: TokenView) -> Any:
+    """The attention mask to give ``model`` for the padded ``view``: what transformers would build from
+    ``view.attention_mask``, without the device read behind it.
+
+    sdpa: transformers first asks the device whether the 2D mask is all ones (then sdpa's own causal kernel runs,
+    with no mask), a host sync per pass. Here the collator knows (``TokenView.padded``): without padding, None
+    where transformers would skip the mask (no window, or one longer than the rows), else the same 4D bool mask
+    it builds (causal, the row's tokens as keys, the layer type's window), by broadcasts: the same kernel on the
+    same mask, bit for bit. Other kernels, an unplanned view, or windows no 4D mask reproduces get the 2D mask.
+    """
+    config = _config(model)
+    windows = packed_masks(config)
+    if getattr(config, "_attn_implementation", None) != "sdpa" or view.padded is None or windows is None:
+        return view.attention_mask
+    seq = view.input_ids.shape[1]
+    col = torch.arange(seq, device=view.input_ids.device)
+    keys = view.attention_mask.bool()[:, None, None, :]  # [B, 1, 1, K]
+    built: dict[int | None, torch.Tensor | None] = {}
+    for window in set(windows.values()):
+        if not view.padded and (window is None or seq < window):
+            built[window] = None  # transformers' skip: sdpa's is_causal
+            continue
+        allowed = col[None, :] <= col[:, None]  # [Q, K] causal
+        if window is not None:  # transformers' sliding window: key > query - window
+            allowed = allowed & (col[None, :] > col[:, None] - window)
+        built[window] = allowed[None, None] & keys  # [B, 1, Q, K]
+    return built[windows[""]] if "" in windows else {kind: built[w] for kind, w in windows.items()}
 
 
 def _pad_columns(rows: PackedRows, multiple: int) -> PackedRows:

@@ -23,7 +23,7 @@ import torch
 
 from coati_kto.data.batch import KTOBatch, TokenView
 from coati_kto.models.lm_head import LMHead, model_sequence_logps
-from coati_kto.models.packing import can_pack, packed_logps, pair_logps
+from coati_kto.models.packing import can_pack, packed_logps, padded_attention, pair_logps
 from coati_kto.parallel.plan import ParallelPlan
 from coati_kto.trainer.loss import estimate_kl_raw, preference_loss
 from coati_kto.trainer.metrics import StepSums
@@ -264,7 +264,7 @@ class KTOPasses:
         return model_sequence_logps(
             model,
             view.input_ids,
-            view.attention_mask,
+            padded_attention(model, view),
             view.loss_mask,
             self._lm_head(model),
             view.keep,

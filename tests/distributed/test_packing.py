@@ -203,3 +203,26 @@ def test_packed_bf16_within_the_bf16_error_of_one_pass():
     for got, ref, mask in ((example, ref_example, batch.example.loss_mask), (kl, ref_kl, batch.kl.loss_mask)):
         assert got.dtype == torch.float32
         assert bool(((got - ref).abs() <= 2e-3 * mask.sum(1)).all())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_padded_sdpa_masks_give_the_2d_mask_log_probs_bit_for_bit(family: str, dtype: torch.dtype) -> None:
+    """The padded passes' sdpa masks built from the host's plan (no device read) against transformers' own from
+    the 2D mask: the same log-probs to the bit, with and without padding, in fp32 and bf16, windows included."""
+    from coati_kto.models.packing import padded_attention
+
+    cls, config_cls, config = FAMILIES[family]
+    model = _model(cls, config_cls, "sdpa", **config).to(dtype)
+    head = LMHead.find(model)
+    padded = KTOCollator(0)(_rows(7, 6)).example  # rows of 3-20 tokens: padded, longer than the windows
+    fit = [r for r in _rows(9, 24) if len(r["input_ids"]) >= 9 and r["completion_start"] < 8][:3]
+    even = KTOCollator(0)([{**r, "input_ids": r["input_ids"][:9]} for r in fit]).example  # 9 tokens each
+    assert padded.padded and not even.padded and even.input_ids.shape[1] == 9
+    for view in (padded, even):
+        with torch.no_grad():
+            own = model_sequence_logps(model, view.input_ids, view.attention_mask, view.loss_mask, head)
+            planned = padded_attention(model, view)
+            assert planned is not view.attention_mask  # the plan's masks, not the 2D mask
+            ours = model_sequence_logps(model, view.input_ids, planned, view.loss_mask, head)
+        assert torch.equal(own, ours), (family, view.padded, own, ours)
