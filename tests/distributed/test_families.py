@@ -4,7 +4,7 @@ Families (coati_kto.testing.tiny.FAMILIES) on transformers 5 and ColossalAI 0.5.
 (coati_kto.families.shardformer): Llama (Llama-3 chat template, vocabulary 300: not a multiple of 64, grouped-query
 attention), Mistral ([INST] template, sliding-window attention, GQA), Qwen2 (ChatML, tied embeddings, attention
 bias, GQA, vocabulary 300), Qwen3 (per-head q/k norms), Gemma 3 (scaled tied embeddings, sliding and full layers
-mixed, soft-capping; tp_size 1 only), SmolLM3 (transformers 5 only, layers without RoPE; no shardformer policy:
+mixed, soft-capping; its embed_scale kept under tensor parallelism), SmolLM3 (transformers 5 only, layers without RoPE; no shardformer policy:
 ddp and low_level_zero). ``FAMILY_PLUGINS`` is the matrix; it is what coati_kto.families.shardformer.HYBRID_FAMILIES
 admits. Plugins: ddp fp32, low_level_zero ZeRO-2 bf16, hybrid_parallel ZeRO-0 fp32, hybrid_parallel ZeRO-2 bf16 and
 hybrid_parallel tp_size 2 (bf16, ZeRO-0: with 2 processes the data-parallel size is 1).
@@ -50,7 +50,7 @@ FAMILY_PLUGINS: dict[str, list[str]] = {
     "mistral": ALL,
     "qwen2": ALL,
     "qwen3": ALL,
-    "gemma3": TP1,
+    "gemma3": ALL,
     "smollm3": ["ddp fp32", "low_level_zero zero2 bf16"],
 }
 CELLS = [(family, plugin) for family, plugins in FAMILY_PLUGINS.items() for plugin in plugins]
@@ -293,7 +293,7 @@ def test_tp2_reference_is_sharded(matrices: Any, family: str) -> None:
     assert tp_names.keys() == full_names.keys()
     linear = [n for n in full_names if n.endswith("proj.weight")]
     tp_linear, full_linear = sum(tp_names[n] for n in linear), sum(full_names[n] for n in linear)
-    assert len(linear) == 7 and 2 * tp_linear == full_linear
+    assert len(linear) == 7 * family_runs["config"].num_hidden_layers and 2 * tp_linear == full_linear
     vocab = -(-family_runs["config"].vocab_size // 128) * 128
     hidden = family_runs["config"].hidden_size
     for name in [n for n in full_names if "embed_tokens" in n or "lm_head" in n]:

@@ -207,10 +207,17 @@ def _tp2_packed(family: str, attn: str) -> dict[str, float]:
     "family,attn",
     # flex_attention at tp_size 2 is left out: on CPU, inductor's flex kernel for this shape failed to compile
     # (a C++ codegen error, torch 2.13) in two runs of three; on a GPU flex compiles to Triton instead.
-    [("llama", "sdpa"), ("llama", "eager"), ("mistral", "sdpa"), ("qwen2", "sdpa"), ("qwen3", "sdpa")],
+    [
+        ("llama", "sdpa"),
+        ("llama", "eager"),
+        ("mistral", "sdpa"),
+        ("qwen2", "sdpa"),
+        ("qwen3", "sdpa"),
+        ("gemma3", "sdpa"),  # sliding and full layers: one mask per layer type
+    ],
 )
 def test_tensor_parallel_packed_passes_equal_unsharded_padded_passes(family: str, attn: str) -> None:
-    """Every family admitted at tp_size 2 (Mistral with a sliding window shorter than the rows), packed rows
+    """Every family admitted at tp_size 2 (Mistral and Gemma 3 with windows shorter than the rows), packed rows
     through the vocabulary-parallel model's logits, against the unsharded model's padded passes."""
     for rank, diffs in enumerate(run_distributed(_tp2_packed, 2, family, attn)):
         assert len(diffs) == 8 and max(diffs.values()) <= 1e-5, (rank, diffs)

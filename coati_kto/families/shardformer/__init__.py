@@ -17,7 +17,7 @@ HYBRID_FAMILIES: dict[str, tuple[str, str, tuple[int, ...]]] = {
     "MistralForCausalLM": ("mistral", "MistralForCausalLMPolicy", (1, 2)),
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLMPolicy", (1, 2)),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLMPolicy", (1, 2)),
-    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLMPolicy", (1,)),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLMPolicy", (1, 2)),
 }
 
 

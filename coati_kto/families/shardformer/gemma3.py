@@ -1,13 +1,17 @@
-"""Gemma 3 (text): the project's shardformer policy, tp_size 1 only.
+"""Gemma 3 (text): the project's shardformer policy.
 
 At tp_size 1 the policy swaps nothing (transformers 5's forward, its scaled embedding, its (1 + w) RMSNorm and
-soft-capping as they are), which the lifecycle matrix proves. Tensor parallelism is refused at config load:
-it would need a vocabulary-parallel embedding that keeps Gemma's ``embed_scale`` and the per-head q/k norm
-gradient sum (as Qwen3's), and no test proves that yet.
+soft-capping as they are). Under tensor parallelism it swaps the Llama-shaped modules (coati_kto.families.
+shardformer.base), sums the per-head q/k norms' gradients over the tensor-parallel group (as Qwen3's), and keeps
+Gemma's ``embed_scale`` on the vocabulary-parallel embedding.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+from colossalai.shardformer.layer import VocabParallelEmbedding1D
 from transformers.models.gemma3.modeling_gemma3 import (
     Gemma3DecoderLayer,
     Gemma3ForCausalLM,
@@ -17,13 +21,24 @@ from transformers.models.gemma3.modeling_gemma3 import (
 from coati_kto.families.shardformer.base import DecoderPolicy
 
 
+class ScaledVocabParallelEmbedding1D(VocabParallelEmbedding1D):
+    """Gemma's scaled word embedding sliced over the vocabulary: the gathered lookup times ``embed_scale``."""
+
+    @staticmethod
+    def from_native_module(module: torch.nn.Module, process_group: Any, *args: Any, **kwargs: Any) -> Any:
+        parallel = VocabParallelEmbedding1D.from_native_module(module, process_group, *args, **kwargs)
+        parallel.__class__ = ScaledVocabParallelEmbedding1D
+        # A derived constant, like transformers' own (non-persistent: never saved nor trained).
+        parallel.register_buffer("embed_scale", module.embed_scale.detach().clone(), persistent=False)
+        return parallel
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        return super().forward(input_) * self.embed_scale.to(self.weight.dtype)
+
+
 class Gemma3ForCausalLMPolicy(DecoderPolicy):
     causal_lm = Gemma3ForCausalLM
     base_model = Gemma3TextModel
     decoder_layer = Gemma3DecoderLayer
     per_head_replicated = ("self_attn.q_norm", "self_attn.k_norm")
-
-    def config_sanity_check(self) -> None:
-        super().config_sanity_check()
-        if self.shard_config.enable_tensor_parallelism:
-            raise ValueError("Gemma3ForCausalLMPolicy: tensor parallelism is not supported (tp_size 1 only)")
+    embedding_cls = ScaledVocabParallelEmbedding1D

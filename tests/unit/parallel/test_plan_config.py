@@ -130,16 +130,16 @@ def test_hybrid_admits_only_the_proven_families(tmp_path: Path) -> None:
     assert (
         f"model.path {gemma}: GemmaForCausalLM is not supported under plugin.name hybrid_parallel" in message
     )
-    assert "Qwen3ForCausalLM (tp_size 1, 2)" in message and "Gemma3ForCausalLM (tp_size 1)" in message
+    assert "Qwen3ForCausalLM (tp_size 1, 2)" in message and "Gemma3ForCausalLM (tp_size 1, 2)" in message
     assert "low_level_zero or ddp needs no policy" in message
     assert load(gemma, "plugin.name=low_level_zero").plugin.zero_stage == 2
 
     gemma3 = save_tiny_family(tmp_path / "gemma3", "gemma3", CORPUS[:20], vocab_size=280)
-    assert load(gemma3).plugin.tp_size == 1
+    assert load(gemma3, "plugin.tp_size=2", "plugin.zero_stage=0").plugin.tp_size == 2
     with pytest.raises(
-        ConfigError, match="Gemma3ForCausalLM is not supported under plugin.name hybrid_parallel at tp_size 2"
+        ConfigError, match="Gemma3ForCausalLM is not supported under plugin.name hybrid_parallel at tp_size 4"
     ):
-        load(gemma3, "plugin.tp_size=2", "plugin.zero_stage=0")
+        load(gemma3, "plugin.tp_size=4", "plugin.zero_stage=0")
     qwen3 = save_tiny_family(tmp_path / "qwen3", "qwen3", CORPUS[:20], vocab_size=280)
     assert load(qwen3, "plugin.tp_size=2", "plugin.zero_stage=0").plugin.tp_size == 2
 
