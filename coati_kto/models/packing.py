@@ -28,6 +28,7 @@ flash_attention_2, and heads neither covers (soft-capped logits), run the padded
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -95,15 +96,22 @@ def padded_attention(model: Any, view: TokenView) -> Any:
     seq = view.input_ids.shape[1]
     col = torch.arange(seq, device=view.input_ids.device)
     keys = view.attention_mask.bool()[:, None, None, :]  # [B, 1, 1, K]
-    built: dict[int | None, torch.Tensor | None] = {}
-    for window in set(windows.values()):
+
+    def build(window: int | None) -> torch.Tensor | None:
         if not view.padded and (window is None or seq < window):
-            built[window] = None  # transformers' skip: sdpa's is_causal
-            continue
+            return None  # transformers' skip: sdpa's is_causal
         allowed = col[None, :] <= col[:, None]  # [Q, K] causal
         if window is not None:  # transformers' sliding window: key > query - window
             allowed = allowed & (col[None, :] > col[:, None] - window)
-        built[window] = allowed[None, None] & keys  # [B, 1, Q, K]
+        return allowed[None, None] & keys  # [B, 1, Q, K]
+
+    return _by_layer_type(windows, build)
+
+
+def _by_layer_type(windows: dict[str, int | None], build: Callable[[int | None], Any]) -> Any:
+    """``build(window)`` once per distinct window (:func:`~coati_kto.families.packed_masks`), handed out as the
+    model takes masks: one, or a mapping per layer type where layers mix windows."""
+    built = {window: build(window) for window in set(windows.values())}
     return built[windows[""]] if "" in windows else {kind: built[w] for kind, w in windows.items()}
 
 
@@ -161,11 +169,9 @@ def packed_logps(
     # The working dtype (a LoRA reference is no module with parameters of its own, hence the head's).
     dtype = head.weight.dtype if head is not None else base_module(model).get_input_embeddings().weight.dtype
     windows = packed_masks(config)
-    built: dict[int | None, Any] = {}  # one mask per distinct window (sliding and full layers)
-    for window in windows.values():
-        if window not in built:
-            built[window] = _flex_mask(rows, window) if flex else _additive_mask(rows, window, dtype)
-    mask = built[windows[""]] if "" in windows else {kind: built[w] for kind, w in windows.items()}
+    mask = _by_layer_type(
+        windows, lambda window: _flex_mask(rows, window) if flex else _additive_mask(rows, window, dtype)
+    )
     inputs = dict(
         input_ids=rows.input_ids, attention_mask=mask, position_ids=rows.position_ids, use_cache=False
     )

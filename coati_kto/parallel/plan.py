@@ -47,9 +47,9 @@ def running_zero_stage(section: PluginSection, dp_size: int | None) -> int:
 
     There ZeRO has nothing to shard, yet its buckets, flat fp32 copies and per-backward reductions all run (and on
     CUDA a device synchronize after every backward), and ColossalAI warns about it. Stage 0 runs the AMP
-    optimizer instead: the same fp32 masters and the same updates, bit for bit (the clipping, the non-finite
-    vote and the exported weights too; tests/distributed/test_checkpoint.py). ``cpu_offload`` needs ZeRO, so it
-    keeps the stage. low_level_zero is ZeRO by name and keeps it too.
+    optimizer instead: the same fp32 masters and the same updates, bit for bit (clipped Adam steps, and KTO
+    steps with accumulation: every logged number and weight; tests/distributed/test_checkpoint.py).
+    ``cpu_offload`` needs ZeRO, so it keeps the stage. low_level_zero is ZeRO by name and keeps it too.
     """
     if (
         dp_size == 1
