@@ -104,7 +104,7 @@ class DataSection(_Section):
     padding_free: bool = Field(
         False,
         description="Each pass runs the micro-batch's rows as one sequence, each row seeing only itself (no "
-        "padding reaches the model); pair with flex_attention on GPUs. tp_size 1; not flash_attention_2.",
+        "padding reaches the model); pair with flex_attention on GPUs. Any tp_size; not flash_attention_2.",
     )
 
     @field_validator("train_files", "eval_files", mode="before")
