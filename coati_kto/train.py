@@ -27,6 +27,7 @@ from coati_kto.data.eval_sampler import EvalBatchSampler, ValidMaskLoader
 from coati_kto.data.sampler import MixedLabelBatchSampler
 from coati_kto.data.tokenize import load_tokenizer, pad_id
 from coati_kto.data.weights import imbalance, resolve_kto_weights
+from coati_kto.families import router_loss_note
 from coati_kto.models.hf import attention_implementation, load_causal_lm
 from coati_kto.models.lora import AdapterFreeReference, enable_lora
 from coati_kto.parallel import compat
@@ -201,7 +202,8 @@ def _setup(config: Config, heartbeat: Heartbeat | None) -> _Run:
     # The run card shows the report of this layout, not prepare's one-replica view.
     data.stats["imbalance"] = imbalance(config, data.stats, layout.dp_size)
     attention_note = attention_implementation(config.model.path, config.model)[1]
-    notes = [note for note in (pad_note, attention_note, _zero_note(config, plan)) if note]
+    router_note = router_loss_note(config.model.path)
+    notes = [note for note in (pad_note, attention_note, _zero_note(config, plan), router_note) if note]
     if layout.is_main:
         print("\n".join([report, *notes]), flush=True)
     weights = (desirable, undesirable)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
 
 from coati_kto.errors import ConfigError
 from coati_kto.families import check_model_family, packing_refusal
@@ -96,6 +96,9 @@ class DataSection(_Section):
     on_too_long: Literal["drop", "error"] = Field(
         "drop", description="A prompt leaving no room for the completion: drop it (counted) or stop."
     )
+    chat_template_kwargs: dict[str, JsonValue] = Field(
+        default_factory=dict, description="Chat template variables, e.g. {enable_thinking: false} (Qwen3)."
+    )
     num_proc: int = Field(1, ge=1, description="Tokenization processes for `prepare`.")
     pad_to_multiple_of: int | None = Field(
         None, ge=1, description="Pad batches to a multiple of this length."
@@ -116,11 +119,8 @@ class DataSection(_Section):
     @classmethod
     def _prompt_budget_from_max_length(cls, data: Any) -> Any:
         # An unset prompt budget follows max_length, so `max_length: 64` alone is a valid config.
-        if (
-            isinstance(data, dict)
-            and "max_prompt_length" not in data
-            and isinstance(data.get("max_length"), int)
-        ):
+        unset = isinstance(data, dict) and "max_prompt_length" not in data
+        if unset and isinstance(data.get("max_length"), int):
             return {**data, "max_prompt_length": max(1, data["max_length"] // 2)}
         return data
 

@@ -11,7 +11,8 @@ Record shapes (one JSON object / table row each):
   undesirable. Without ``prompt``, chosen and rejected are whole conversations sharing their prompt turns.
 
 Messages use ``role``/``content`` or ``from``/``value`` keys (``human`` -> user, ``gpt`` -> assistant); other
-keys (``tool_calls``, ``name``, ...) are kept for the chat template. Labels are JSON booleans, the integers
+keys (``tool_calls``, ``name``, ...) are kept for the chat template. A completion holds assistant turns only. A
+record's ``tools`` (tool definitions: a list, or a JSON string of one) go to the chat template with its messages. Labels are JSON booleans, the integers
 0/1 or the floats 1.0/0.0. Files: ``.jsonl``, ``.json``, ``.parquet``, a directory of them, or a ``datasets`` save_to_disk directory.
 
 Every problem is a one-line :class:`RecordError` naming ``file:line`` (``file:row N``, 0-based, for tables) and
@@ -59,6 +60,7 @@ class Record:
     label: bool
     source: str
     chat: bool
+    tools: list[dict[str, Any]] | None = None  # tool definitions the chat template renders (message records)
 
 
 @dataclass
@@ -150,6 +152,8 @@ def _prompt_and_completion(raw: dict[str, Any], key: str, source: str) -> tuple[
             source, key, f"prompt and {key} must both be strings or messages ({kinds})", "mixed"
         )
     messages = _messages(prompt, source, "prompt")
+    if not messages:
+        raise RecordError(source, "prompt", "no messages (an empty prompt)", "empty_prompt")
     if isinstance(completion, dict):  # ColossalChat: a single assistant message
         completion = [completion]
     reply = _messages(completion, source, key)
@@ -157,12 +161,54 @@ def _prompt_and_completion(raw: dict[str, Any], key: str, source: str) -> tuple[
         raise RecordError(
             source, key, "the completion must end with an assistant message", "no_final_assistant"
         )
+    other = next(
+        (f"{key}[{i}] is a {m['role']!r} turn" for i, m in enumerate(reply) if m["role"] != "assistant"), ""
+    )
+    if other:  # every completion token is trained on as the model's own output
+        raise RecordError(
+            source,
+            key,
+            f"{other}: a completion holds assistant turns only (earlier turns go in the prompt)",
+            "non_assistant_completion",
+        )
     _check_completion(reply, source, key)
     return messages, reply, True
 
 
+def _tools(raw: dict[str, Any], source: str, records: list[Record]) -> list[dict[str, Any]] | None:
+    """The record's ``tools`` (a list of tool objects, or that list as a JSON string, as some datasets store
+    it), for the chat template to render; None when absent or empty. Plain-text records take none."""
+    value = raw.get("tools")
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise RecordError(source, "tools", f"not valid JSON ({err.msg})", "bad_tools") from None
+    if hasattr(value, "tolist"):  # a numpy array from a table
+        value = value.tolist()
+    if value is None or value == []:
+        return None
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise RecordError(
+            source, "tools", f"expected a list of tool objects, got {_show(value)}", "bad_tools"
+        )
+    if not all(r.chat for r in records):
+        raise RecordError(
+            source, "tools", "plain-text prompts are used as given: tools need message records", "bad_tools"
+        )
+    return value
+
+
 def normalize(raw: Any, source: str) -> list[Record]:
-    """One raw record -> one Record (two for a preference pair); raises RecordError."""
+    """One raw record -> one Record (two for a preference pair), with its ``tools``; raises RecordError."""
+    records = _normalize(raw, source)
+    tools = _tools(raw, source, records)
+    for record in records:
+        record.tools = tools
+    return records
+
+
+def _normalize(raw: Any, source: str) -> list[Record]:
     if not isinstance(raw, dict):
         raise RecordError(source, None, f"expected a JSON object, got {_show(raw)}", "unknown_format")
     if "chosen" in raw and "rejected" in raw:

@@ -44,9 +44,12 @@ from coati_kto.data.tables import (
 from coati_kto.data.tokenize import pad_id
 from coati_kto.errors import DataError
 
-PIPELINE_VERSION = 2  # bump when the prepared rows change for the same inputs
+PIPELINE_VERSION = 3  # bump when the prepared rows change for the same inputs
 # 2: ids of the whole text tokenized once (SentencePiece-style tokenizers lost their spurious "▁"); eval split
 #    by prompt group; content hash of the input files.
+# 3: a cut prompt keeps its BOS; a boundary token holding only the completion's leading whitespace stays with the
+#    prompt; no second BOS before plain text that starts with it; record-level tools and
+#    data.chat_template_kwargs reach the chat template.
 HASH_CHUNK = 8 << 20  # bytes per hash update; 1-8 MiB all read at about disk/hash speed (~500 MB/s here)
 
 
@@ -116,6 +119,7 @@ def _settings(config: Config) -> dict[str, Any]:
         "max_prompt_length": d.max_prompt_length,
         "on_bad_record": d.on_bad_record,
         "on_too_long": d.on_too_long,
+        "chat_template_kwargs": d.chat_template_kwargs,
         "eval_fraction": d.eval_fraction if not d.eval_files else 0.0,
         "seed": config.train.seed,
     }
@@ -286,7 +290,8 @@ def summary(stats: dict, config: Config, built: bool, why: str, seconds: float) 
         if s["boundary_inside_token"]:
             lines.append(
                 f"    {s['boundary_inside_token']} examples have one token spanning the prompt/completion "
-                "boundary (e.g. a prompt ending in a space): it is trained on as the completion's first token"
+                "boundary (a prompt ending in a space: the token is trained on as the completion's first; a "
+                "completion starting with whitespace: the token stays with the prompt, the whitespace untrained)"
             )
     dup = stats["duplicates"]
     if dup["records"]:

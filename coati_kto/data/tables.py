@@ -33,8 +33,9 @@ PROGRESS_MIN_ROWS = 10_000  # show datasets' tokenizing progress bar from this m
 
 
 def prompt_key(record: Record) -> str:
-    """The record's prompt as canonical JSON: records with equal keys share a prompt."""
-    return json.dumps(record.prompt, sort_keys=True, ensure_ascii=False)
+    """The record's prompt (with its tools) as canonical JSON: records with equal keys share a prompt."""
+    prompt = record.prompt if not record.tools else [record.prompt, record.tools]
+    return json.dumps(prompt, sort_keys=True, ensure_ascii=False)
 
 
 def duplicates(records: list[Record]) -> tuple[int, list[str]]:
@@ -158,16 +159,17 @@ def _encode(records: list[Record], tokenizer, config: Config, work: Path, name: 
             "prompt": [json.dumps(r.prompt) if r.chat else r.prompt for r in records],
             "completion": [json.dumps(r.completion) if r.chat else r.completion for r in records],
             "chat": [r.chat for r in records],
+            "tools": [json.dumps(r.tools) if r.tools else "" for r in records],
             "label": [r.label for r in records],
             "source": [r.source for r in records],
         }
     )
     with progress_bars(len(records) >= PROGRESS_MIN_ROWS):
         encoded = records_ds.map(
-            Encoder(tokenizer),
+            Encoder(tokenizer, config.data.chat_template_kwargs),
             batched=True,
             num_proc=procs if procs > 1 else None,
-            remove_columns=["prompt", "completion", "chat"],
+            remove_columns=["prompt", "completion", "chat", "tools"],
             features=features,
             cache_file_name=str(work / f"{name}-encoded.arrow"),  # in the build dir, not ~/.cache
             new_fingerprint=f"{name}-encoded",
@@ -251,20 +253,27 @@ def _split_stats(table: pa.Table, fit: _Fitted, labels: np.ndarray, pi: np.ndarr
     }
 
 
-def _rows(table: pa.Table, fit: _Fitted, labels: np.ndarray, pi: np.ndarray, config: Config) -> pa.Table:
-    """The prepared rows (module docstring): truncated sequences and their KL pairs."""
+def _rows(
+    table: pa.Table, fit: _Fitted, labels: np.ndarray, pi: np.ndarray, config: Config, bos_id: int | None
+) -> pa.Table:
+    """The prepared rows (module docstring): truncated sequences and their KL pairs; a cut prompt keeps its
+    leading ``bos_id``."""
     d = config.data
     keep_p, keep_c = fit.keep_p, fit.keep_c
     kl_keep_p, kl_keep_c = truncation(fit.p_len, fit.c_len[pi], d.max_length, d.max_prompt_length)
     prompts = table.column("prompt_ids").combine_chunks()
     comps = table.column("completion_ids").combine_chunks()
+    first = prompts.values.to_numpy(zero_copy_only=False)[prompts.offsets.to_numpy()[:-1][fit.p_len > 0]]
+    head = np.zeros(len(fit.rows), np.int64)
+    if bos_id is not None:
+        head[fit.p_len > 0] = first == bos_id
     n = np.arange(len(fit.rows))
     return pa.table(
         {
-            "input_ids": join_truncated(prompts, comps, n, keep_p, keep_c),
+            "input_ids": join_truncated(prompts, comps, n, keep_p, keep_c, head),
             "completion_start": pa.array(keep_p, pa.int32()),
             "label": pa.array(labels),
-            "kl_input_ids": join_truncated(prompts, comps, pi, kl_keep_p, kl_keep_c),
+            "kl_input_ids": join_truncated(prompts, comps, pi, kl_keep_p, kl_keep_c, head),
             "kl_completion_start": pa.array(kl_keep_p, pa.int32()),
             "index": pa.array(n, pa.int64()),
             "kl_index": pa.array(pi, pa.int64()),
@@ -293,4 +302,5 @@ def build_split(
     require_both_labels(label_counts(labels), files, f"the {name} split", len(skipped))
     pi = derangement(table.column("prompt_hash").to_numpy(), [config.train.seed, int(name == "eval")])
     stats = _split_stats(table, fit, labels, pi, config)
-    return datasets.Dataset(InMemoryTable(_rows(table, fit, labels, pi, config))), stats, skipped
+    rows = _rows(table, fit, labels, pi, config, tokenizer.bos_token_id)
+    return datasets.Dataset(InMemoryTable(rows)), stats, skipped

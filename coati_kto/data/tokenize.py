@@ -1,8 +1,8 @@
 """Prompt/completion text -> token ids with a completion-only loss mask, and counted truncation.
 
-Rendering: message records go through the tokenizer's own chat template: the prompt is
-``template(prompt, add_generation_prompt=True)``, the completion text is what ``template(prompt +
-completion)`` adds after it. Plain strings are used as given (a tokenizer that prepends BOS gets its BOS).
+Rendering (:mod:`coati_kto.data.chat`): message records go through the tokenizer's own chat template; plain
+strings are used as given (a tokenizer that prepends BOS gets its BOS, once: a prompt whose text already starts
+with it gets no second one).
 
 Splitting: the whole text (prompt + completion) is tokenized ONCE, so the stored ids are exactly
 ``tokenizer(whole text)``: what the model sees when the conversation is tokenized whole, and what it produces
@@ -11,7 +11,10 @@ at generation time. Tokenizing the completion on its own would be wrong for Sent
 every completion would start with a token that is not in the conversation. The prompt/completion boundary is
 found by character offsets: prompt tokens are those ending at or before the boundary, completion tokens the
 rest. A token that straddles the boundary (BPE merging ``"Answer: " + "5"`` into ``"Answer:" + " 5"``) belongs
-to the COMPLETION: it is in the loss, the prompt keeps only whole tokens. Such examples are counted
+to the COMPLETION: it is in the loss, the prompt keeps only whole tokens. Unless all it holds of the completion
+is whitespace: then it stays with the PROMPT, so a completion starting with a space or newline never puts the
+prompt's last token in the loss (Phi-3's ``<|assistant|>`` swallows the whitespace after it; Qwen's and Llama
+3's pre-tokenizers merge ``"\n" + "\n"``) and its KL pairs keep that token. Either way such examples are counted
 (``boundary_inside_token`` in stats.json) and reported by prepare.
 
 No prompt tokens at all (an empty prompt, or one merged whole into the first completion token, with a
@@ -24,9 +27,10 @@ ChatML template ends a turn with ``<|im_end|>\\n``; a plain completion may end w
 Padding (:func:`pad_id`): the pad token, else EOS, else 0; masks come from lengths, so the id never matters.
 
 Truncation (:func:`truncation`): only an example longer than ``max_length`` is cut. Its prompt keeps its END
-(at most ``max_prompt_length`` tokens), its completion its START (what fits in the rest). Every cut is counted
-by the caller; an example with no room left for a completion token is dropped (or an error), never cropped
-to nothing.
+(at most ``max_prompt_length`` tokens) behind its leading BOS, which a cut never removes (Llama, Gemma and
+Mistral models read a sequence without BOS as out of distribution); its completion keeps its START (what fits
+in the rest). Every cut is counted by the caller; an example with no room left for a completion token is
+dropped (or an error), never cropped to nothing.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ import pyarrow as pa
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from coati_kto.data.chat import render_chats
 from coati_kto.data.formats import RecordError
 from coati_kto.errors import ConfigError
 
@@ -52,56 +57,9 @@ def load_tokenizer(config: Config) -> PreTrainedTokenizerBase:
     name = config.model.tokenizer or config.model.path
     try:
         return AutoTokenizer.from_pretrained(name, trust_remote_code=config.model.trust_remote_code)
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError, ImportError) as err:  # ImportError: a backend package it needs is missing
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"model.tokenizer / model.path {name}: cannot load a tokenizer ({first})") from None
-
-
-def render(
-    tokenizer: PreTrainedTokenizerBase, prompt: Any, completion: Any, chat: bool, source: str
-) -> tuple[str, str]:
-    """(prompt text, completion text); for chat records ``prompt text + completion text`` is the whole
-    conversation as the template renders it. Raises RecordError when the template fails on this record."""
-    if not chat:
-        return prompt, completion
-    out = render_chats(tokenizer, [prompt], [completion], [source])[0]
-    if isinstance(out, RecordError):
-        raise out
-    return out
-
-
-def render_chats(
-    tokenizer: PreTrainedTokenizerBase, prompts: list[list], completions: list[list], sources: list[str]
-) -> list[tuple[str, str] | RecordError]:
-    """:func:`render` for many chat records at once, errors returned in place.
-
-    One batched ``apply_chat_template`` call per batch: its per-call overhead costs as much as the rendering.
-    A batch that fails is rendered record by record to name the records at fault.
-    """
-    try:
-        prompt_texts = tokenizer.apply_chat_template(prompts, tokenize=False, add_generation_prompt=True)
-        full_texts = tokenizer.apply_chat_template(
-            [p + c for p, c in zip(prompts, completions, strict=True)], tokenize=False
-        )
-    except Exception as err:  # jinja raises on e.g. non-alternating roles; name the record, not the template
-        if len(prompts) > 1:
-            return [
-                render_chats(tokenizer, [p], [c], [s])[0]
-                for p, c, s in zip(prompts, completions, sources, strict=True)
-            ]
-        msg = str(err).splitlines()[0] if str(err) else type(err).__name__
-        return [RecordError(sources[0], "messages", f"the chat template failed: {msg}", "chat_template")]
-    out: list[tuple[str, str] | RecordError] = []
-    for prompt_text, full_text, source in zip(prompt_texts, full_texts, sources, strict=True):
-        if full_text.startswith(prompt_text):
-            out.append((prompt_text, full_text[len(prompt_text) :]))
-        else:
-            problem = (
-                "the chat template renders the prompt (add_generation_prompt=True) as something that is not a "
-                "prefix of the whole conversation, so the completion cannot be located"
-            )
-            out.append(RecordError(source, "messages", problem, "chat_template"))
-    return out
 
 
 def bos_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
@@ -153,8 +111,11 @@ def no_prompt_tokens(source: str) -> RecordError:
 class Encoder:
     """Batched encoder for ``datasets.map``; picklable, so it runs in ``num_proc`` worker processes."""
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, template_kwargs: dict[str, Any] | None = None
+    ) -> None:
         self.tokenizer = tokenizer
+        self.template_kwargs = template_kwargs or {}
         self.bos = bos_prefix(tokenizer)
         self.eos = tokenizer.eos_token_id
         self._blank: dict[int, bool] = {}
@@ -198,9 +159,12 @@ class Encoder:
                 k is None
             ):  # the boundary character made no token (a normaliser dropped it): first token after it
                 k = next((i for i, (_, end) in enumerate(enc.offsets) if end > b), len(ids))
+            straddles = k < len(ids) and enc.offsets[k][0] < b
+            if straddles and k + 1 < len(ids) and not text[b : enc.offsets[k][1]].strip():
+                k += 1  # only the completion's leading whitespace is in the token: it stays with the prompt
             p_ids.append(ids[:k])
             c_ids.append(ids[k:])
-            inside.append(k < len(ids) and enc.offsets[k][0] < b)
+            inside.append(straddles)
         return p_ids, c_ids, inside
 
     def _split_slow(self, prompts: list[str], texts: list[str]) -> tuple[list, list, list]:
@@ -224,18 +188,21 @@ class Encoder:
         )
         chat_rows = [i for i in range(len(texts)) if batch["chat"][i]]
         if chat_rows:
+            tools = batch.get("tools") or [""] * len(texts)
             rendered = render_chats(
                 self.tokenizer,
                 [json.loads(batch["prompt"][i]) for i in chat_rows],
                 [json.loads(batch["completion"][i]) for i in chat_rows],
                 [batch["source"][i] for i in chat_rows],
+                [json.loads(tools[i]) if tools[i] else None for i in chat_rows],
+                self.template_kwargs,
             )
             for i, r in zip(chat_rows, rendered, strict=True):
                 texts[i] = r
         return texts
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
-        """Columns prompt/completion (JSON message lists when ``chat``)/chat/source -> prompt_ids,
+        """Columns prompt/completion (JSON message lists when ``chat``)/chat/source/tools (JSON, "" for none) -> prompt_ids,
         completion_ids, prompt_hash, boundary_inside_token, error_reason, error ("" when the record is fine)."""
         texts = self._render(batch)
         bad = {i: t for i, t in enumerate(texts) if isinstance(t, RecordError)}
@@ -244,7 +211,7 @@ class Encoder:
         p_ids, c_ids, inside = self.split(prompts, completions)
         out: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "boundary_inside_token": inside}
         for i, (p, c, chat) in enumerate(zip(p_ids, c_ids, batch["chat"], strict=True)):
-            if not chat:
+            if not chat and p[: len(self.bos)] != self.bos:  # text already rendered with its BOS: no second
                 p = self.bos + p
             if self.eos is not None and not self.ends_with_eos(c):
                 c = c + [self.eos]
@@ -259,7 +226,13 @@ class Encoder:
 
 
 def encode(
-    tokenizer: PreTrainedTokenizerBase, prompt: Any, completion: Any, chat: bool, source: str = "<record>"
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: Any,
+    completion: Any,
+    chat: bool,
+    source: str = "<record>",
+    tools: list[dict] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> tuple[list[int], list[int]]:
     """(prompt ids, completion ids) of one record, exactly as prepare encodes it; raises RecordError."""
     row = {
@@ -267,8 +240,9 @@ def encode(
         "completion": [json.dumps(completion) if chat else completion],
         "chat": [chat],
         "source": [source],
+        "tools": [json.dumps(tools) if tools else ""],
     }
-    out = Encoder(tokenizer)(row)
+    out = Encoder(tokenizer, template_kwargs)(row)
     if out["error"][0]:
         raise RecordError.restore(out["error"][0], out["error_reason"][0], source)
     return out["prompt_ids"][0], out["completion_ids"][0]
@@ -306,29 +280,28 @@ def join_truncated(
     completion_rows: np.ndarray,
     keep_prompt: np.ndarray,
     keep_completion: np.ndarray,
+    prompt_head: np.ndarray | None = None,
 ) -> pa.ListArray:
-    """Row i = ``prompts[i][-keep_prompt[i]:] + completions[completion_rows[i]][:keep_completion[i]]``.
+    """Row i = the kept prompt of ``prompts[i]`` + ``completions[completion_rows[i]][:keep_completion[i]]``.
 
-    The prompt keeps its END, the completion its START (``keep_*`` from :func:`truncation`). Vectorised over
-    the flat token arrays: 100k rows in milliseconds, without Python lists of ints.
+    A whole prompt is kept as is; a cut one (``keep_prompt[i]`` below its length) keeps its first
+    ``prompt_head[i]`` tokens (its BOS; default 0) and fills the rest of ``keep_prompt[i]`` from its END. The
+    completion keeps its START (``keep_*`` from :func:`truncation`). Vectorised over the flat token arrays: 100k
+    rows in milliseconds, without Python lists of ints.
     """
     n = len(keep_prompt)
     p_off, c_off = prompts.offsets.to_numpy(), completions.offsets.to_numpy()
     p_len = np.diff(p_off)
-    prompt_part = _ragged_take(
-        prompts.values.to_numpy(zero_copy_only=False), p_off, np.arange(n), p_len - keep_prompt, keep_prompt
+    head = np.zeros(n, np.int64) if prompt_head is None else np.asarray(prompt_head, np.int64)
+    head = np.where(keep_prompt < p_len, np.minimum(head, keep_prompt), 0)
+    tail = keep_prompt - head
+    # Three segments per row, in order (prompt head, prompt tail, completion), taken from one flat array.
+    p_values = prompts.values.to_numpy(zero_copy_only=False)
+    values = np.concatenate([p_values, completions.values.to_numpy(zero_copy_only=False)])
+    starts = np.stack([p_off[:-1], p_off[1:] - tail, len(p_values) + c_off[completion_rows]], axis=1).reshape(
+        -1
     )
-    comp_part = _ragged_take(
-        completions.values.to_numpy(zero_copy_only=False),
-        c_off,
-        completion_rows,
-        np.zeros(n, np.int64),
-        keep_completion,
-    )
-    lengths = keep_prompt + keep_completion
-    offsets = np.concatenate([[0], np.cumsum(lengths)])
-    position = np.arange(offsets[-1]) - np.repeat(offsets[:-1], lengths)  # index within its row
-    in_prompt = position < np.repeat(keep_prompt, lengths)
-    out = np.empty(offsets[-1], dtype=np.int32)
-    out[in_prompt], out[~in_prompt] = prompt_part, comp_part
-    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(out))
+    counts = np.stack([head, tail, np.asarray(keep_completion, np.int64)], axis=1).reshape(-1)
+    out = _ragged_take(values, starts, np.arange(3 * n), np.zeros(3 * n, np.int64), counts)
+    offsets = np.concatenate([[0], np.cumsum(keep_prompt + keep_completion)])
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(out.astype(np.int32)))

@@ -140,3 +140,15 @@ def eager_attention_reason(model_dir: str) -> str | None:
     if softcap is None:
         return None
     return f"its attention soft-capping (attn_logit_softcapping {softcap}) runs in the eager kernel only"
+
+
+def router_loss_note(model_dir: str) -> str | None:
+    """One line when ``model_dir``'s config asks its MoE router for logits (``output_router_logits: true``): the
+    passes run without them, so transformers' load-balancing loss is neither computed nor added to the KTO loss."""
+    config_file = Path(model_dir) / "config.json"
+    if not config_file.is_file() or not json.loads(config_file.read_text()).get("output_router_logits"):
+        return None
+    return (
+        f"note: {model_dir} sets output_router_logits: the router's load-balancing loss is not added to the KTO "
+        "loss (every pass runs without router logits)"
+    )

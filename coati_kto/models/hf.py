@@ -66,20 +66,16 @@ def load_reference(model_cfg: ModelSection, dtype: torch.dtype) -> torch.nn.Modu
     return model.to(get_accelerator().get_current_device()).eval().requires_grad_(False)
 
 
-# Float attributes that transformers' attention and MLP code read as dropout probabilities in forward. MoE router
-# jitter (Mixtral's jitter_noise, PhiMoE's router/input jitter, DBRX's moe_jitter_eps) is noise in training mode
-# like dropout: it would make the policy differ from the reference at step 0.
-_DROPOUT_ATTRS = (
-    "attention_dropout",
-    "attn_dropout",
-    "hidden_dropout",
-    "dropout",
-    "dropout_rate",
-    "jitter_noise",
-    "router_jitter_noise",
-    "input_jitter_noise",
-    "moe_jitter_eps",
-)
+# Float attributes that transformers' modules read in forward as dropout probabilities: any name holding "dropout"
+# (attention_dropout, residual_dropout and embedding_dropout of Starcoder2 and Seed-OSS, MPT's attn_dropout_p) or
+# ending in "pdrop" (DBRX's resid_pdrop, GPT-2's attn_pdrop). MoE router jitter (Mixtral's jitter_noise, PhiMoE's
+# router/input jitter, DBRX's moe_jitter_eps) is noise in training mode like dropout: it would make the policy
+# differ from the reference at step 0.
+_JITTER_ATTRS = frozenset({"jitter_noise", "router_jitter_noise", "input_jitter_noise", "moe_jitter_eps"})
+
+
+def _is_dropout(name: str) -> bool:
+    return "dropout" in name or name.endswith("pdrop") or name in _JITTER_ATTRS
 
 
 def disable_dropout(module: nn.Module) -> None:
@@ -87,6 +83,6 @@ def disable_dropout(module: nn.Module) -> None:
     for sub in module.modules():
         if isinstance(sub, nn.modules.dropout._DropoutNd):
             sub.p = 0.0
-        for name in _DROPOUT_ATTRS:
-            if isinstance(getattr(sub, name, None), float):
+        for name, value in list(vars(sub).items()):
+            if isinstance(value, float) and _is_dropout(name):
                 setattr(sub, name, 0.0)

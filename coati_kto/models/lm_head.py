@@ -117,7 +117,7 @@ def model_sequence_logps(
     """
 
     module = base_module(model)  # under a LoRA PeftModel too (ColossalAI's unwrap() has no forward there)
-    inputs = dict(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    inputs = forward_inputs(module.config, input_ids=input_ids, attention_mask=attention_mask)
     # Shardformer's tensor-parallel forwards swallow logits_to_keep (Llama) or refuse it (Qwen2, Mistral).
     if _forward_accepts(module, "logits_to_keep"):
         inputs["logits_to_keep"] = keep if keep is not None else completion_logits_to_keep(loss_mask)
@@ -131,6 +131,16 @@ def model_sequence_logps(
     hidden = head.capture(model, **inputs)
     planned = targets if hidden.shape[1] == keep else None
     return hidden_sequence_logps(hidden, head.weight, head.bias, input_ids, loss_mask, targets=planned)
+
+
+def forward_inputs(config: Any, **inputs: Any) -> dict[str, Any]:
+    """The keywords of a log-prob forward: ``inputs``, no KV cache, and no router logits where an MoE config asks
+    for them (transformers' load-balancing loss reads a 2D mask and fails on the passes' 4D ones; coati-kto trains
+    the KTO loss alone: ``coati_kto.families.router_loss_note``)."""
+    inputs["use_cache"] = False
+    if getattr(config, "output_router_logits", False):
+        inputs["output_router_logits"] = False
+    return inputs
 
 
 def _forward_accepts(module: torch.nn.Module, name: str) -> bool:

@@ -37,7 +37,7 @@ import torch
 from coati_kto.data.batch import KTOBatch, PackedRows, Targets, TokenView
 from coati_kto.data.packed import plan_rows
 from coati_kto.families import packed_masks
-from coati_kto.models.lm_head import LMHead, model_sequence_logps
+from coati_kto.models.lm_head import LMHead, forward_inputs, model_sequence_logps
 from coati_kto.models.logprobs import head_token_logps, logits_token_logps, sum_per_row
 from coati_kto.models.lora import base_module
 
@@ -172,8 +172,8 @@ def packed_logps(
     mask = _by_layer_type(
         windows, lambda window: _flex_mask(rows, window) if flex else _additive_mask(rows, window, dtype)
     )
-    inputs = dict(
-        input_ids=rows.input_ids, attention_mask=mask, position_ids=rows.position_ids, use_cache=False
+    inputs = forward_inputs(
+        config, input_ids=rows.input_ids, attention_mask=mask, position_ids=rows.position_ids
     )
     if head is not None:
         hidden = head.capture(model, **inputs)

@@ -112,6 +112,29 @@ BAD = [
     ({"text": "hello", "label": True}, "unknown record format (keys: label, text)", "unknown_format"),
     ({"prompt": "a", "completion": [ASSISTANT], "label": True}, "field 'completion'", "mixed"),
     ({"messages": [{"content": "hi"}, ASSISTANT], "label": True}, "field 'messages[0]'", "bad_message"),
+    # A user turn inside a completion was trained on as the model's own output.
+    (
+        {"prompt": [USER], "completion": [ASSISTANT, USER, ASSISTANT], "label": True},
+        "field 'completion': completion[1] is a 'user' turn: a completion holds assistant turns only",
+        "non_assistant_completion",
+    ),
+    # An empty prompt list was reported as the chat template failing on field 'messages'.
+    ({"prompt": [], "completion": [ASSISTANT], "label": True}, "field 'prompt': no messages", "empty_prompt"),
+    (
+        {"messages": [USER, ASSISTANT], "tools": "[{", "label": True},
+        "field 'tools': not valid JSON",
+        "bad_tools",
+    ),
+    (
+        {"messages": [USER, ASSISTANT], "tools": [1], "label": True},
+        "field 'tools': expected a list",
+        "bad_tools",
+    ),
+    (
+        {"prompt": "a", "completion": "b", "tools": [{"name": "f"}], "label": True},
+        "field 'tools': plain-text prompts are used as given",
+        "bad_tools",
+    ),
 ]
 
 

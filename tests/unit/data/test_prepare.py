@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_data_formats import write_jsonl
+from test_tokenize import LLAMA2_TEMPLATE
 
 from coati_kto.config.schema import Config
 from coati_kto.data import store, tables
@@ -426,15 +427,21 @@ def test_sentencepiece_rows_are_the_conversation_tokenized_whole(tmp_path: Path)
             "<end_of_turn>\n<eos>"
         )
 
-    # Truncation on the same rows: the prompt keeps its END, the completion its START, EOS only if it fits.
+    # Truncation on the same rows: the prompt keeps its BOS and its END, the completion its START, EOS only if
+    # it fits. (Before: the cut removed the BOS, and a Gemma model read every truncated row without it.)
     cut = prepare(make_config(tmp_path / "cut", model_dir, [str(path)], max_length=16, max_prompt_length=8))
     whole = {r["source"]: r for r in out.train}
-    for r in cut.train:
-        full = whole[r["source"]]
-        p, c = full["input_ids"][: full["completion_start"]], full["input_ids"][full["completion_start"] :]
-        keep_p, keep_c = truncation(len(p), len(c), 16, 8)
-        assert r["input_ids"] == p[len(p) - int(keep_p) :] + c[: int(keep_c)]
-        assert r["completion_start"] == keep_p and r["length"] <= 16
+    for rows, ids in ((cut.train, "input_ids"), (cut.train, "kl_input_ids")):
+        for r in rows:
+            full = whole[r["source"]] if ids == "input_ids" else out.train[r["index"]]
+            p = full["input_ids"][: full["completion_start"]]
+            c = out.train[r["kl_index"]] if ids == "kl_input_ids" else full
+            c = c["input_ids"][c["completion_start"] :]
+            keep_p, keep_c = truncation(len(p), len(c), 16, 8)
+            assert p[0] == tok.bos_token_id and r[ids][0] == tok.bos_token_id
+            assert r[ids] == p[:1] + p[len(p) - int(keep_p) + 1 :] + c[: int(keep_c)]
+            assert r["length" if ids == "input_ids" else "kl_length"] <= 16
+        assert all(r["completion_start"] == 8 for r in rows)
     assert cut.stats["train"]["truncated"]["prompt"] == 60
 
 
@@ -561,3 +568,150 @@ def test_group_split_never_puts_a_prompt_on_both_sides(records, fraction: float,
         assert (labels[held] == value).sum() <= min(max(1, round(fraction * n)), n - 1)
     again = tables.group_split(groups[::-1], labels[::-1], fraction, seed)[1]
     assert sorted(len(records) - 1 - again) == sorted(held)  # deterministic by seed, whatever the order
+
+
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\ntools: {{ tools | map(attribute='name') | join(', ') }}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['role'] == 'assistant' and not thinking %}no think\n{% endif %}{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% if not thinking %}no think\n{% endif %}"
+    "{% endif %}"
+)
+
+
+def test_record_tools_and_template_variables_reach_the_template(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A record's tools key was dropped (the prompt rendered without the tool definitions its tool-call answer
+    needs), and no template variable (Qwen3's enable_thinking) could be set. Both reach every template call: the
+    rows are the template's rendering with them, records with different tools rendered each with their own."""
+    from transformers import AutoTokenizer
+
+    model_dir = tmp_path / "model"
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template = TOOLS_TEMPLATE
+    tok.save_pretrained(model_dir)
+    (model_dir / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+    tools = [[{"name": "search"}], [{"name": "weather"}, {"name": "add"}], None]
+    records = [
+        {
+            "messages": [
+                {"role": "user", "content": f"Find {i}."},
+                {"role": "assistant", "content": "Paris."},
+            ],
+            "label": i % 3 != 0,
+            **({"tools": tools[i % 3]} if tools[i % 3] else {}),
+        }
+        for i in range(12)
+    ]
+    records[1]["tools"] = json.dumps(records[1]["tools"])  # as some datasets store it: a JSON string
+    path = write_jsonl(tmp_path / "t.jsonl", records)
+    out = prepare(make_config(tmp_path, model_dir, [str(path)], chat_template_kwargs={"thinking": False}))
+    assert len(out.train) == 12
+    for r in out.train:
+        i = int(r["source"].rsplit(":", 1)[1]) - 1
+        messages = records[i]["messages"]
+        prompt = tok.apply_chat_template(
+            messages[:1], tools=tools[i % 3], add_generation_prompt=True, tokenize=False, thinking=False
+        )
+        assert tok.decode(r["input_ids"][: r["completion_start"]]) == prompt
+        assert prompt.endswith("assistant\nno think\n") and ("tools: " in prompt) == (
+            tools[i % 3] is not None
+        )
+        assert tok.decode(r["input_ids"][r["completion_start"] :]) == "Paris.<|im_end|>\n"
+    thinking = prepare(
+        make_config(tmp_path / "t", model_dir, [str(path)], chat_template_kwargs={"thinking": True})
+    )
+    assert "no think" not in tok.decode(thinking.train[0]["input_ids"])
+
+
+def test_a_prompt_the_template_rewrites_names_where_it_differs(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A template that changes earlier turns once the conversation ends with an assistant turn (Mistral v0.3
+    drops the system prompt, DeepSeek-R1 strips the <think> its generation prompt opens): one line showing where
+    the prompt and the conversation part."""
+    from transformers import AutoTokenizer
+
+    model_dir = tmp_path / "model"
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    tok.chat_template = (
+        "{% for message in messages %}{% if message['role'] != 'system' or not messages[-1]['role'] == "
+        "'assistant' %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    tok.save_pretrained(model_dir)
+    (model_dir / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+    system = {"role": "system", "content": "Be brief."}
+    record = {
+        "messages": [system, {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    }
+    path = write_jsonl(tmp_path / "t.jsonl", [{**record, "label": True}, {**record, "label": False}])
+    with pytest.raises(DataError) as info:
+        prepare(make_config(tmp_path, model_dir, [str(path)]))
+    message = str(info.value)
+    assert (
+        message.startswith(f"{path}:1: field 'messages': the chat template renders the prompt")
+        and "\n" not in message
+    )
+    assert "at character 12 the prompt has 'system\\nBe brief.<|im_end|>\\n<|im_start|>u'" in message
+    assert "the conversation 'user\\nHi<|im_end|>\\n<|im_start|>assistant\\n'" in message
+
+
+def test_a_sentencepiece_model_file_alone_prepares(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A checkpoint with only a SentencePiece tokenizer.model (no tokenizer.json: older Llama 2 / Mistral repos)
+    loads through the sentencepiece package the install now carries (without it: a raw ImportError traceback),
+    and its rows are the template's rendering tokenized whole, the completion split exactly."""
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(
+        "\n".join(f"Please add {i} and 3. The answer is {i + 3}. I cannot help." for i in range(200))
+    )
+    spm.SentencePieceTrainer.train(
+        input=str(corpus), model_prefix=str(model_dir / "tokenizer"), vocab_size=400, model_type="bpe",
+        byte_fallback=True, bos_id=1, eos_id=2, unk_id=0, pad_id=-1, minloglevel=2,
+    )  # fmt: skip
+    (model_dir / "tokenizer.vocab").unlink()
+    (model_dir / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "LlamaTokenizer",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "unk_token": "<unk>",
+                "chat_template": LLAMA2_TEMPLATE,
+            }
+        )
+    )
+    (model_dir / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    data = [qa_row(i, i % 2 == 0) for i in range(8)]
+    out = prepare(make_config(tmp_path, model_dir, [str(write_jsonl(tmp_path / "t.jsonl", data))]))
+    assert len(out.train) == 8
+    for r in out.train:
+        messages = data[int(r["source"].rsplit(":", 1)[1]) - 1]["messages"]
+        whole = tok.apply_chat_template(messages, tokenize=False)
+        assert r["input_ids"] == tok(whole, add_special_tokens=False)["input_ids"]
+        assert (
+            tok.decode(r["input_ids"][r["completion_start"] :]).strip() == messages[-1]["content"] + " </s>"
+        )
+
+
+def test_a_tokenizer_backend_missing_is_one_line(tmp_path: Path, tiny_model_dir: Path, monkeypatch) -> None:
+    from transformers import AutoTokenizer
+
+    from coati_kto.data.tokenize import load_tokenizer
+    from coati_kto.errors import ConfigError
+
+    def missing(*args, **kwargs):
+        raise ImportError(
+            "\nSentencePieceBackend requires the SentencePiece library but it was not found.\nmore"
+        )
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", missing)
+    with pytest.raises(ConfigError) as info:
+        load_tokenizer(make_config(tmp_path, tiny_model_dir, ["t.jsonl"]))
+    assert str(info.value) == (
+        f"model.tokenizer / model.path {tiny_model_dir}: cannot load a tokenizer (SentencePieceBackend requires "
+        "the SentencePiece library but it was not found.)"
+    )

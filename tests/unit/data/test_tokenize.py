@@ -16,8 +16,9 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 from tokenizers.processors import TemplateProcessing
 from transformers import PreTrainedTokenizerFast
 
+from coati_kto.data.chat import render
 from coati_kto.data.formats import RecordError, normalize
-from coati_kto.data.tokenize import Encoder, bos_prefix, encode, join_truncated, pad_id, render, truncation
+from coati_kto.data.tokenize import Encoder, bos_prefix, encode, join_truncated, pad_id, truncation
 
 INT_LISTS = pa.list_(pa.int32())
 
@@ -64,6 +65,28 @@ def test_a_token_straddling_the_boundary_belongs_to_the_completion(
     assert inside == [stored_prompt != prompt]
 
 
+def test_a_straddling_token_holding_only_completion_whitespace_stays_with_the_prompt(tiny_tokenizer) -> None:
+    """Phi-3's role tokens strip the whitespace after them (AddedToken rstrip): with a completion starting with a
+    space or newline, "<|assistant|>" straddled the boundary and was trained on as the completion's first token
+    (the prompt lost it; KL pairs got 0 or 2 of it). It stays with the prompt; the straddle is still counted."""
+    from copy import deepcopy
+
+    from tokenizers import AddedToken
+
+    tok = deepcopy(tiny_tokenizer)
+    tok.add_special_tokens(
+        {"additional_special_tokens": [AddedToken("<|assistant|>", rstrip=True, special=True)]}
+    )
+    role = tok.convert_tokens_to_ids("<|assistant|>")
+    clean = Encoder(tok).split(["Q?<|assistant|>\n"], ["Paris."])
+    for completion in (" Paris.", "\n Paris.", "\nParis."):
+        (p_ids,), (c_ids,), (inside,) = Encoder(tok).split(["Q?<|assistant|>\n"], [completion])
+        assert p_ids[-1] == role and role not in c_ids and inside
+        assert p_ids + c_ids == tok("Q?<|assistant|>\n" + completion, add_special_tokens=False)["input_ids"]
+        assert tok.decode(c_ids).strip() == "Paris." and p_ids == clean[0][0]
+    assert clean[2] == [False]
+
+
 def test_boundary_merge_cases_really_merge(tiny_tokenizer) -> None:
     """Guard for the test above: taking full[len(prompt):] would shift the mask on these inputs."""
     for prompt, completion in [("Answer: ", "5"), ("ca", "pital")]:
@@ -96,6 +119,9 @@ def test_bos_prefix_for_tokenizers_that_add_bos(tiny_tokenizer) -> None:
     assert p_ids[0] == bos and p_ids.count(bos) == 1
     chat_p, _ = encode(tok, CONVERSATION[:2], CONVERSATION[2:], True)
     assert chat_p.count(bos) == 3  # the template's own <|im_start|> (3 turns), nothing prepended
+    # A plain prompt already rendered with its BOS (a template applied by the user) gets no second one.
+    rendered, _ = encode(tok, "<|im_start|>Q:", " yes", False)
+    assert rendered == p_ids
 
 
 def test_template_failure_is_a_record_error(tiny_tokenizer) -> None:
@@ -132,11 +158,24 @@ def test_join_truncated_matches_python(lengths, data) -> None:
     rows = np.array(data.draw(st.lists(st.integers(0, n - 1), min_size=n, max_size=n)))
     keep_p = np.array([data.draw(st.integers(0, len(p))) for p in prompts])
     keep_c = np.array([data.draw(st.integers(0, len(comps[j]))) for j in rows])
+    head = np.array(data.draw(st.lists(st.integers(0, 2), min_size=n, max_size=n)))
     out = join_truncated(
-        pa.array(prompts, INT_LISTS), pa.array(comps, INT_LISTS), rows, keep_p, keep_c
+        pa.array(prompts, INT_LISTS), pa.array(comps, INT_LISTS), rows, keep_p, keep_c, head
     ).to_pylist()
-    expected = [prompts[i][len(prompts[i]) - keep_p[i] :] + comps[j][: keep_c[i]] for i, j in enumerate(rows)]
+
+    def kept_prompt(i: int) -> list[int]:
+        p, k = prompts[i], int(keep_p[i])
+        if k == len(p):
+            return p
+        h = min(int(head[i]), k)  # a cut prompt keeps its head (the BOS), then its END
+        return p[:h] + p[len(p) - (k - h) :]
+
+    expected = [kept_prompt(i) + comps[j][: keep_c[i]] for i, j in enumerate(rows)]
     assert out == expected
+    no_head = join_truncated(pa.array(prompts, INT_LISTS), pa.array(comps, INT_LISTS), rows, keep_p, keep_c)
+    assert no_head.to_pylist() == [
+        prompts[i][len(prompts[i]) - keep_p[i] :] + comps[j][: keep_c[i]] for i, j in enumerate(rows)
+    ]
 
 
 # ---------------------------------------------------------------- SentencePiece-style tokenizers, built offline
@@ -262,14 +301,17 @@ TEXT = st.text(alphabet=string.ascii_letters[:8] + " \n.:", max_size=30)
 @settings(max_examples=150, deadline=None)
 @given(TEXT, TEXT.filter(str.strip), st.sampled_from(ALL_STYLES))
 def test_split_invariants(tiny_tokenizer, prompt: str, completion: str, style: str) -> None:
-    """Prompt ids + completion ids == tokenizer(whole text); prompt ids are whole tokens of the prompt text, the
-    boundary is flagged exactly when a token straddles it."""
+    """Prompt ids + completion ids == tokenizer(whole text); prompt ids are whole tokens of the prompt text (plus
+    completion whitespace a straddling token holds), the boundary is flagged exactly when a token straddles it."""
     tok = any_tokenizer(style, tiny_tokenizer)
     (p_ids,), (c_ids,), (inside,) = Encoder(tok).split([prompt], [completion])
     assert p_ids + c_ids == tok(prompt + completion, add_special_tokens=False)["input_ids"]
-    if style == "byte-level":  # lossless decoding: the prompt ids spell a prefix of the prompt
-        assert prompt.startswith(tok.decode(p_ids))
-        assert inside == (tok.decode(p_ids) != prompt)
+    if style == "byte-level":  # lossless decoding: the prompt ids spell a prefix of the prompt, or the prompt
+        spelled = tok.decode(p_ids)  # and (a token holding only that of the completion) leading whitespace
+        assert prompt.startswith(spelled) or (
+            spelled.startswith(prompt) and not spelled[len(prompt) :].strip()
+        )
+        assert inside == (spelled != prompt)
 
 
 def test_empty_prompt_without_bos_is_a_record_error(tiny_tokenizer) -> None:

@@ -1,0 +1,111 @@
+"""Chat records -> (prompt text, completion text) through the tokenizer's own chat template.
+
+The prompt is ``template(prompt, add_generation_prompt=True)``; the completion text is what ``template(prompt +
+completion)`` adds after it. Every call gets ``data.chat_template_kwargs`` (e.g. Qwen3's ``enable_thinking``) and
+the record's own ``tools``. A template that fails on a record, or renders a prompt that is not a prefix of the
+whole conversation, makes that record a one-line :class:`RecordError`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from coati_kto.data.formats import RecordError
+
+
+def render(
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: Any,
+    completion: Any,
+    chat: bool,
+    source: str,
+    tools: list[dict] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> tuple[str, str]:
+    """(prompt text, completion text); for chat records ``prompt text + completion text`` is the whole
+    conversation as the template renders it (with ``tools`` and ``template_kwargs``, e.g. Qwen3's
+    ``enable_thinking``). Raises RecordError when the template fails on this record."""
+    if not chat:
+        return prompt, completion
+    out = render_chats(tokenizer, [prompt], [completion], [source], [tools], template_kwargs)[0]
+    if isinstance(out, RecordError):
+        raise out
+    return out
+
+
+def render_chats(
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list],
+    completions: list[list],
+    sources: list[str],
+    tools: list[list[dict] | None] | None = None,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[tuple[str, str] | RecordError]:
+    """:func:`render` for many chat records at once, errors returned in place.
+
+    One batched ``apply_chat_template`` call per set of records with the same tools (most batches: one): its
+    per-call overhead costs as much as the rendering. A batch that fails is rendered record by record to name
+    the records at fault.
+    """
+    tools = tools if tools is not None else [None] * len(prompts)
+    groups: dict[str, list[int]] = {}
+    for i, t in enumerate(tools):
+        groups.setdefault(json.dumps(t, sort_keys=True), []).append(i)
+    out: list[tuple[str, str] | RecordError] = [None] * len(prompts)  # type: ignore[list-item]
+    for rows in groups.values():
+        kwargs = {**(template_kwargs or {}), **({"tools": tools[rows[0]]} if tools[rows[0]] else {})}
+        rendered = _render_group(
+            tokenizer,
+            [prompts[i] for i in rows],
+            [completions[i] for i in rows],
+            [sources[i] for i in rows],
+            kwargs,
+        )
+        for i, r in zip(rows, rendered, strict=True):
+            out[i] = r
+    return out
+
+
+def _render_group(
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: list[list],
+    completions: list[list],
+    sources: list[str],
+    kwargs: dict[str, Any],
+) -> list[tuple[str, str] | RecordError]:
+    """:func:`render_chats` for records that share ``kwargs`` (tools and template variables)."""
+    try:
+        prompt_texts = tokenizer.apply_chat_template(
+            prompts, tokenize=False, add_generation_prompt=True, **kwargs
+        )
+        full_texts = tokenizer.apply_chat_template(
+            [p + c for p, c in zip(prompts, completions, strict=True)], tokenize=False, **kwargs
+        )
+    except Exception as err:  # jinja raises on e.g. non-alternating roles; name the record, not the template
+        if len(prompts) > 1:
+            return [
+                _render_group(tokenizer, [p], [c], [s], kwargs)[0]
+                for p, c, s in zip(prompts, completions, sources, strict=True)
+            ]
+        msg = str(err).splitlines()[0] if str(err) else type(err).__name__
+        return [RecordError(sources[0], "messages", f"the chat template failed: {msg}", "chat_template")]
+    out: list[tuple[str, str] | RecordError] = []
+    for prompt_text, full_text, source in zip(prompt_texts, full_texts, sources, strict=True):
+        if full_text.startswith(prompt_text):
+            out.append((prompt_text, full_text[len(prompt_text) :]))
+            continue
+        at = next(
+            (i for i, (a, b) in enumerate(zip(prompt_text, full_text, strict=False)) if a != b),
+            len(full_text),
+        )
+        problem = (
+            "the chat template renders the prompt (add_generation_prompt=True) as something that is not a "
+            f"prefix of the whole conversation, so the completion cannot be located: at character {at} the "
+            f"prompt has {prompt_text[at : at + 40]!r}, the conversation {full_text[at : at + 40]!r} (the "
+            "template changes earlier turns once the conversation ends with an assistant turn)"
+        )
+        out.append(RecordError(source, "messages", problem, "chat_template"))
+    return out
