@@ -27,8 +27,8 @@ from coati_kto.data.eval_sampler import EvalBatchSampler, ValidMaskLoader
 from coati_kto.data.sampler import MixedLabelBatchSampler
 from coati_kto.data.tokenize import load_tokenizer, pad_id
 from coati_kto.data.weights import imbalance, resolve_kto_weights
-from coati_kto.families import router_loss_note
-from coati_kto.models.hf import attention_implementation, load_causal_lm
+from coati_kto.families import model_notes
+from coati_kto.models.hf import attention_implementation, freeze_vision_tower, load_causal_lm
 from coati_kto.models.lora import AdapterFreeReference, enable_lora
 from coati_kto.parallel import compat
 from coati_kto.parallel.distributed import ParallelLayout, barrier, init_distributed, seed_everything
@@ -80,6 +80,7 @@ def build_components(
     plan = plan or ParallelPlan.from_config(config)
     layout = ParallelLayout.from_plugin(plugin)
     policy = load_causal_lm(config.model.path, config.model, torch.float32)
+    freeze_vision_tower(policy)  # a vision-language model's text passes never reach it (model_notes says so)
     if config.model.gradient_checkpointing:
         # Non-reentrant: shardformer's forward requires it, and it works with no_grad passes.
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -202,8 +203,8 @@ def _setup(config: Config, heartbeat: Heartbeat | None) -> _Run:
     # The run card shows the report of this layout, not prepare's one-replica view.
     data.stats["imbalance"] = imbalance(config, data.stats, layout.dp_size)
     attention_note = attention_implementation(config.model.path, config.model)[1]
-    router_note = router_loss_note(config.model.path)
-    notes = [note for note in (pad_note, attention_note, _zero_note(config, plan), router_note) if note]
+    notes = [note for note in (pad_note, attention_note, _zero_note(config, plan)) if note]
+    notes += model_notes(config.model.path)
     if layout.is_main:
         print("\n".join([report, *notes]), flush=True)
     weights = (desirable, undesirable)

@@ -27,6 +27,19 @@ HEAD_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwe
 MASK_MAPPING_FAMILIES = frozenset({"gemma3_text", "qwen2", "qwen3", "smollm3"})
 
 
+def vision_language(config: Any) -> bool:
+    """Whether ``config`` is a composite vision-language config whose text model is ``config.get_text_config()``
+    (Gemma 3 4B-27B: ``model_type`` gemma3, Gemma3ForConditionalGeneration). The passes are text-only: such a
+    model runs through its own logits and transformers' own masks (no packed rows), its vision tower frozen."""
+    get_text_config = getattr(config, "get_text_config", None)
+    return get_text_config is not None and get_text_config() is not config
+
+
+def text_vocab_size(config: Any) -> int:
+    """The vocabulary of ``config``'s text model (a composite config keeps it in its text config)."""
+    return int(config.get_text_config().vocab_size if vision_language(config) else config.vocab_size)
+
+
 def plain_head(config: Any) -> bool:
     """Whether the causal LM's logits are exactly ``lm_head(final hidden)``: :data:`HEAD_FAMILIES`, and Gemma 3
     without final logit soft-capping (its default; Gemma 2 caps, so a capped Gemma 3 keeps the logits path)."""
@@ -97,8 +110,9 @@ def packed_masks(config: Any) -> dict[str, int | None] | None:
     """The windows of the 4D masks one packed forward needs: ``{"": window}`` where every layer attends with
     the same window (one mask), ``{layer type: window}`` where layers mix windows and the family takes a mapping
     (:data:`MASK_MAPPING_FAMILIES`); None where no set of 4D masks reproduces the layers (chunked or linear
-    attention, or mixed windows in a family that takes one mask)."""
-    windows = layer_windows(config)
+    attention, or mixed windows in a family that takes one mask) or for a vision-language model (its top config
+    holds no windows: it builds its own masks from the 2D one)."""
+    windows = None if vision_language(config) else layer_windows(config)
     if windows is None:
         return None
     if len(set(windows)) == 1:
@@ -142,13 +156,23 @@ def eager_attention_reason(model_dir: str) -> str | None:
     return f"its attention soft-capping (attn_logit_softcapping {softcap}) runs in the eager kernel only"
 
 
-def router_loss_note(model_dir: str) -> str | None:
-    """One line when ``model_dir``'s config asks its MoE router for logits (``output_router_logits: true``): the
-    passes run without them, so transformers' load-balancing loss is neither computed nor added to the KTO loss."""
+def model_notes(model_dir: str) -> list[str]:
+    """One line each for what training does with ``model_dir``'s config that the user may not expect (read from
+    config.json alone): an MoE router asked for logits (``output_router_logits: true``; the passes run without
+    them, so transformers' load-balancing loss is neither computed nor added to the KTO loss), and a
+    vision-language checkpoint (:func:`vision_language`: trained on text, its vision tower frozen)."""
     config_file = Path(model_dir) / "config.json"
-    if not config_file.is_file() or not json.loads(config_file.read_text()).get("output_router_logits"):
-        return None
-    return (
-        f"note: {model_dir} sets output_router_logits: the router's load-balancing loss is not added to the KTO "
-        "loss (every pass runs without router logits)"
-    )
+    if not config_file.is_file():
+        return []
+    raw, notes = json.loads(config_file.read_text()), []
+    if raw.get("output_router_logits"):
+        notes.append(
+            f"note: {model_dir} sets output_router_logits: the router's load-balancing loss is not added to the "
+            "KTO loss (every pass runs without router logits)"
+        )
+    if raw.get("vision_config") is not None and raw.get("text_config") is not None:
+        notes.append(
+            f"note: {model_dir} is a vision-language model ({raw.get('model_type')}): KTO trains its language "
+            "model on text; the vision tower and projector stay frozen and are exported unchanged"
+        )
+    return notes

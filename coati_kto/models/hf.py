@@ -13,7 +13,7 @@ from torch import nn
 
 from coati_kto.config.schema import ModelSection
 from coati_kto.errors import ConfigError
-from coati_kto.families import eager_attention_reason
+from coati_kto.families import eager_attention_reason, vision_language
 
 
 def attention_implementation(path: str, model_cfg: ModelSection) -> tuple[str | None, str | None]:
@@ -51,6 +51,20 @@ def load_causal_lm(path: str, model_cfg: ModelSection, dtype: torch.dtype) -> to
     return AutoModelForCausalLM.from_pretrained(
         path, dtype=dtype, trust_remote_code=model_cfg.trust_remote_code, **extra
     )
+
+
+def freeze_vision_tower(model: torch.nn.Module) -> int:
+    """Freeze what a vision-language model's text passes never reach (``coati_kto.families.vision_language``: the
+    vision tower and projector of Gemma 3 4B-27B), so it takes no optimizer state (ZeRO saves none for a
+    parameter without a gradient; DDP waits for gradients of every trainable one) and is exported unchanged.
+    Returns the number of elements frozen; 0 for a text-only model."""
+    if not vision_language(getattr(model, "config", None)):
+        return 0
+    text = {id(p) for m in (model.get_decoder(), model.get_output_embeddings()) for p in m.parameters()}
+    frozen = [p for p in model.parameters() if id(p) not in text and p.requires_grad]
+    for p in frozen:
+        p.requires_grad_(False)
+    return sum(p.numel() for p in frozen)
 
 
 def load_reference(model_cfg: ModelSection, dtype: torch.dtype) -> torch.nn.Module:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from coati_kto.families import plain_head
+from coati_kto.families import plain_head, text_vocab_size
 from coati_kto.models.logprobs import completion_logits_to_keep, hidden_sequence_logps, sequence_logps
 from coati_kto.models.lora import base_module
 
@@ -125,7 +125,7 @@ def model_sequence_logps(
         # Log-probs normalise over the real vocabulary only: a shardformer policy that returns the padding
         # columns of a padded vocabulary as logits (ColossalAI's Qwen2 policy did: coati_kto.families.policies) would
         # shift every log-prob and train the padding rows. A no-op view when the logits are unpadded.
-        logits = model(**inputs).logits[..., : module.config.vocab_size]
+        logits = model(**inputs).logits[..., : text_vocab_size(module.config)]
         planned = targets if logits.shape[1] == keep else None  # a forward that ignored logits_to_keep: all S
         return sequence_logps(logits, input_ids, loss_mask, targets=planned)
     hidden = head.capture(model, **inputs)

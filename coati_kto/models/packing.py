@@ -36,7 +36,7 @@ import torch
 
 from coati_kto.data.batch import KTOBatch, PackedRows, Targets, TokenView
 from coati_kto.data.packed import plan_rows
-from coati_kto.families import packed_masks
+from coati_kto.families import packed_masks, text_vocab_size
 from coati_kto.models.lm_head import LMHead, forward_inputs, model_sequence_logps
 from coati_kto.models.logprobs import head_token_logps, logits_token_logps, sum_per_row
 from coati_kto.models.lora import base_module
@@ -178,7 +178,7 @@ def packed_logps(
     if head is not None:
         hidden = head.capture(model, **inputs)
     else:  # the real vocabulary only (coati_kto.models.lm_head.model_sequence_logps says why)
-        logits = model(**inputs).logits[..., : config.vocab_size]
+        logits = model(**inputs).logits[..., : text_vocab_size(config)]
     grid = (batch_size, rows.input_ids.shape[1])
 
     def score(targets: Targets | None, detach: bool) -> torch.Tensor | None:

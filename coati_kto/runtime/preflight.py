@@ -20,6 +20,7 @@ from coati_kto.config.hub import looks_like_hub_id
 from coati_kto.config.schema import Config
 from coati_kto.data.formats import resolve_files
 from coati_kto.errors import ConfigError, DataError, UserError
+from coati_kto.families import vision_language
 from coati_kto.runtime.run_dir import CHECKPOINTS_DIR, complete_checkpoints, previous_run, resolve_checkpoint
 
 _WEIGHTS = (
@@ -139,6 +140,12 @@ def _lora_problems(config: Config) -> list[str]:
             model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
     except (OSError, ValueError, KeyError):
         return []  # an unloadable config is reported by _source_problems
+    if vision_language(
+        model.config
+    ):  # suffixes like q_proj would put adapters in the frozen vision tower too
+        return [
+            f"model.lora with {path}, a vision-language model ({model.config.model_type}): train it in full"
+        ]
     names = [name for name, _ in model.named_modules()]
     missing = [t for t in lora.target_modules if not any(n == t or n.endswith("." + t) for n in names)]
     if not missing:

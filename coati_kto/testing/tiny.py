@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -139,6 +140,12 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "chatml",
         "tied scaled embeddings, (1 + w) norms, q/k norms, soft-capping, sliding and full layers mixed (window 8)",
     ),
+    # ddp / low_level_zero (no hybrid_parallel policy): Gemma 3 4B-27B's composite shape.
+    "gemma3_vl": (
+        "chatml",
+        "the gemma3 text model behind a SigLIP vision tower (Gemma3ForConditionalGeneration: text config nested, "
+        "tower frozen, its own masks and logits)",
+    ),
     # transformers 5 only; ddp / low_level_zero (no hybrid_parallel policy).
     "smollm3": ("llama3", "tied embeddings, layers without RoPE (no_rope_layers), grouped-query attention"),
     # Gemma (1): no project policy, refused under hybrid_parallel (tests/test_plan_config.py).
@@ -183,6 +190,8 @@ def build_family_model(family: str, tokenizer: PreTrainedTokenizerFast, seed: in
     )
 
     exact = len(tokenizer)  # odd for the corpus used in tests: padded under HybridParallelPlugin
+    if family == "gemma3_vl":
+        return _vision_language_gemma3(build_family_model("gemma3", tokenizer, seed).config, exact, seed)
     common = dict(
         vocab_size=exact,
         num_hidden_layers=1,
@@ -222,6 +231,29 @@ def build_family_model(family: str, tokenizer: PreTrainedTokenizerFast, seed: in
         raise ValueError(f"unknown tiny family {family!r}; known: {sorted(FAMILIES)}")
     model_class, config_class, specific = by_family[family]
     return random_causal_lm(model_class, config_class, seed, **{**common, **specific})
+
+
+def _vision_language_gemma3(text: Any, vocab: int, seed: int) -> PreTrainedModel:
+    """Gemma3ForConditionalGeneration around the ``text`` config, with a one-layer SigLIP tower; its image token
+    lies outside the text vocabulary (as Gemma 3's own does at 262144)."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+
+    vision = SiglipVisionConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    config = Gemma3Config(
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=4,
+        image_token_index=vocab,
+    )
+    torch.manual_seed(seed)
+    return Gemma3ForConditionalGeneration(config)
 
 
 def save_tiny_family(out_dir: str | Path, family: str, corpus: Iterable[str], vocab_size: int = 300) -> Path:

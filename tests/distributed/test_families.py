@@ -5,7 +5,8 @@ Families (coati_kto.testing.tiny.FAMILIES) on transformers 5 and ColossalAI 0.5.
 attention), Mistral ([INST] template, sliding-window attention, GQA), Qwen2 (ChatML, tied embeddings, attention
 bias, GQA, vocabulary 300), Qwen3 (per-head q/k norms), Gemma 3 (scaled tied embeddings, sliding and full layers
 mixed, soft-capping; its embed_scale kept under tensor parallelism), SmolLM3 (transformers 5 only, layers without RoPE; no shardformer policy:
-ddp and low_level_zero). ``FAMILY_PLUGINS`` is the matrix; it is what coati_kto.families.shardformer.HYBRID_FAMILIES
+ddp and low_level_zero), Gemma 3 vision-language (Gemma3ForConditionalGeneration, Gemma 3 4B-27B's shape: ddp and
+low_level_zero; its vision tower frozen and exported as loaded). ``FAMILY_PLUGINS`` is the matrix; it is what coati_kto.families.shardformer.HYBRID_FAMILIES
 admits. Plugins: ddp fp32, low_level_zero ZeRO-2 bf16, hybrid_parallel ZeRO-0 fp32, hybrid_parallel ZeRO-2 bf16 and
 hybrid_parallel tp_size 2 (bf16, ZeRO-0: with 2 processes the data-parallel size is 1).
 
@@ -52,6 +53,7 @@ FAMILY_PLUGINS: dict[str, list[str]] = {
     "qwen3": ALL,
     "gemma3": ALL,
     "smollm3": ["ddp fp32", "low_level_zero zero2 bf16"],
+    "gemma3_vl": ["ddp fp32", "low_level_zero zero2 bf16"],
 }
 CELLS = [(family, plugin) for family, plugins in FAMILY_PLUGINS.items() for plugin in plugins]
 QUESTIONS = ["What is the capital of France?", "Please add 2 and 3.", "Write a function that adds numbers."]
@@ -169,7 +171,7 @@ def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, 
     resumed = _full_state(second.policy)
     result["resume_diffs"] = {k: _max_diff(v, resumed[k]) for k, v in trained.items()}
     module = second.policy.unwrap()
-    if module.config.tie_word_embeddings:
+    if module.config.get_text_config().tie_word_embeddings:
         out_w, in_w = module.get_output_embeddings().weight, module.get_input_embeddings().weight
         result["tied_after_resume"] = out_w is in_w or out_w.data_ptr() == in_w.data_ptr()
 
@@ -178,8 +180,11 @@ def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, 
         hf = AutoModelForCausalLM.from_pretrained(root / "run" / "final", dtype=dtype)
         with torch.no_grad():
             export_logps = first.passes._sequence_logps(hf, batch.example)
+        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).state_dict()
         result["export"] = {
-            "vocab_size": hf.config.vocab_size,
+            "vocab_size": hf.config.get_text_config().vocab_size,
+            # a vision-language model's tower and projector: frozen, exported as loaded
+            "vision_diffs": {k: _max_diff(v, base[k]) for k, v in hf.state_dict().items() if "vision" in k},
             "embedding_rows": hf.get_input_embeddings().weight.shape[0],
             "tied": hf.get_output_embeddings().weight is hf.get_input_embeddings().weight,
             "weight_diffs": {k: _max_diff(v, trained[k]) for k, v in hf.state_dict().items() if k in trained},
@@ -244,7 +249,7 @@ def test_lifecycle(matrices: Any, family: str, plugin: str) -> None:
     ranks = [r[plugin] for r in family_runs["ranks"]]
     for r in ranks:
         assert "error" not in r, r.get("error")
-    config = family_runs["config"]
+    config = family_runs["config"].get_text_config()  # a vision-language model's text config
     main = ranks[0]
     step0 = {k: v for k, v in main["step0"].items() if k != "reference_bytes_by_name"}
     print(f"{family_runs['family']} / {plugin}: {main['seconds']:.1f} s, step 0 {step0}")
@@ -262,6 +267,8 @@ def test_lifecycle(matrices: Any, family: str, plugin: str) -> None:
     assert export["vocab_size"] == config.vocab_size == export["embedding_rows"]
     assert export["tied"] == config.tie_word_embeddings
     assert export["missing"] == [] and max(export["weight_diffs"].values()) == 0.0
+    assert (family == "gemma3_vl") == bool(export["vision_diffs"])
+    assert all(d == 0.0 for d in export["vision_diffs"].values()), export["vision_diffs"]
     assert export["inv_freq_dtypes"] == main["policy_inv_freq_dtypes"]
     bf16 = PLUGINS[plugin].get("precision", "fp32") == "bf16"
     # The exported model's log-probs are the trained policy's: same weights, same RoPE; under shardformer the

@@ -111,7 +111,7 @@ def test_moe_config_asking_for_router_logits_runs_the_passes(tmp_path) -> None:
     reads a 2D mask; the passes give 4D ones). The passes run without router logits: the same log-probs as the
     config without them, and one note says the auxiliary loss is not added."""
     from coati_kto.data.collator import KTOCollator
-    from coati_kto.families import router_loss_note
+    from coati_kto.families import model_notes
     from coati_kto.models.lm_head import LMHead
     from coati_kto.models.packing import padded_attention
 
@@ -139,5 +139,51 @@ def test_moe_config_asking_for_router_logits_runs_the_passes(tmp_path) -> None:
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
     asking.save_pretrained(tmp_path / "asking")
     plain.save_pretrained(tmp_path / "plain")
-    assert router_loss_note(str(tmp_path / "plain")) is None
-    assert "load-balancing loss is not added" in router_loss_note(str(tmp_path / "asking"))
+    assert model_notes(str(tmp_path / "plain")) == []
+    (note,) = model_notes(str(tmp_path / "asking"))
+    assert note.startswith("note: ") and "load-balancing loss is not added" in note
+
+
+def test_vision_language_gemma3_log_probs_keep_the_sliding_window() -> None:
+    """Gemma 3 4B-27B (Gemma3ForConditionalGeneration): the log-prob pass read config.vocab_size (kept in the text
+    config: AttributeError), and the planned 4D masks read windows from the top config (none there), so the
+    sliding layers attended over the whole row (3.8-5.8 nats off past the window). Now: the model's own masks from
+    the 2D one, its logits over the text vocabulary, equal to log_softmax of its logits; the tower is frozen."""
+    from coati_kto.data.collator import KTOCollator
+    from coati_kto.families import vision_language
+    from coati_kto.models.hf import freeze_vision_tower
+    from coati_kto.models.lm_head import LMHead
+    from coati_kto.models.packing import padded_attention
+    from coati_kto.testing.tiny import build_family_model, build_tokenizer
+
+    tokenizer = build_tokenizer(["The capital of France is Paris. Please add 2 and 3."] * 20, vocab_size=300)
+    model = build_family_model("gemma3_vl", tokenizer).eval()
+    assert vision_language(model.config) and LMHead.find(model) is None
+    for p in model.parameters():  # rows long past the window (8) and sharp weights: a wrong mask shows
+        torch.nn.init.normal_(p, std=0.3, generator=torch.Generator().manual_seed(p.numel()))
+    rows = [[(7 * i + 3 * n) % 250 + 3 for i in range(n)] for n in (24, 17)]
+    features = [
+        dict(input_ids=r, completion_start=4, label=True, kl_input_ids=r, kl_completion_start=4) for r in rows
+    ]
+    view = KTOCollator(0)(features).example
+    with torch.no_grad():
+        got = model_sequence_logps(
+            model,
+            view.input_ids,
+            padded_attention(model, view),
+            view.loss_mask,
+            None,
+            view.keep,
+            view.targets(),
+        )
+        logits = model(input_ids=view.input_ids, attention_mask=view.attention_mask).logits.float()
+    token = logits[:, :-1].log_softmax(-1).gather(2, view.input_ids[:, 1:, None]).squeeze(2)
+    expected = (token * view.loss_mask[:, 1:]).sum(1)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-6)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    frozen = freeze_vision_tower(model)
+    tower = sum(p.numel() for n, p in model.named_parameters() if "vision" in n or "multi_modal" in n)
+    assert (
+        frozen == tower > 0
+        and sum(p.numel() for p in model.parameters() if p.requires_grad) == trainable - tower
+    )

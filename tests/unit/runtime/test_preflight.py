@@ -36,6 +36,17 @@ def test_lora_targets_missing_from_the_model_are_named_with_its_linear_layers(tm
     assert _lora_problems(_lora_config(tmp_path, model_dir, "[c_attn, attn.c_proj]")) == []
 
 
+def test_lora_on_a_vision_language_model_is_refused(tmp_path: Path) -> None:
+    """q_proj also names the SigLIP tower's projections: adapters there get no gradient (the tower is frozen)."""
+    from coati_kto.testing.tiny import build_family_model, build_tokenizer
+
+    model = build_family_model("gemma3_vl", build_tokenizer(["a b c d"] * 5, vocab_size=280))
+    model_dir = _model_dir(tmp_path, model.config)
+    assert _lora_problems(_lora_config(tmp_path, model_dir)) == [
+        f"model.lora with {model_dir}, a vision-language model (gemma3): train it in full"
+    ]
+
+
 @pytest.mark.parametrize("targets", [None, "[q_proj, gate_proj, down_proj]"])
 def test_lora_targets_of_a_llama_pass(tmp_path: Path, targets: str | None) -> None:
     from transformers import LlamaConfig
