@@ -18,12 +18,20 @@ from coati_kto.config.schema import Config
 from coati_kto.data.store import PreparedData, ensure, read_fingerprint, read_prepared, summary
 from coati_kto.data.tokenize import load_tokenizer, pad_id
 from coati_kto.data.weights import imbalance
-from coati_kto.errors import DataError
+from coati_kto.errors import ConfigError, DataError
+from coati_kto.families import vocabulary_problem
 from coati_kto.parallel.distributed import global_rank, on_rank0
 
 
 def _open(config: Config) -> PreparedData:
     data = read_prepared(config)
+    for path in {config.model.path, config.model.reference_path or config.model.path}:
+        for split in ("train", "eval"):
+            why = vocabulary_problem(path, (data.stats.get(split) or {}).get("max_token_id", 0))
+            if why:
+                raise ConfigError(
+                    f"model.path {why}" if path == config.model.path else f"model.reference_path {why}"
+                )
     data.stats["imbalance"] = imbalance(config, data.stats, num_replicas=1)
     return data
 

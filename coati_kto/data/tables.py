@@ -250,6 +250,14 @@ def _split_stats(table: pa.Table, fit: _Fitted, labels: np.ndarray, pi: np.ndarr
             table.column("boundary_inside_token").to_numpy(zero_copy_only=False).sum()
         ),
         "kl_pairs": pair_stats(table.column("prompt_hash").to_numpy(), pi),
+        # every id the rows hold (completions' EOS included): checked against the model's vocabulary on opening
+        "max_token_id": max(
+            (
+                int(pc.max(table.column(c).combine_chunks().flatten()).as_py() or 0)
+                for c in ("prompt_ids", "completion_ids")
+            ),
+            default=0,
+        ),
     }
 
 

@@ -176,3 +176,20 @@ def model_notes(model_dir: str) -> list[str]:
             "model on text; the vision tower and projector stay frozen and are exported unchanged"
         )
     return notes
+
+
+def vocabulary_problem(model_dir: str, max_token_id: int) -> str | None:
+    """Why ``model_dir`` cannot read token id ``max_token_id`` (None when it can, or when config.json does not
+    tell): an id past the embedding rows is an index error on CPU and a device-side assert on a GPU."""
+    config_file = Path(model_dir) / "config.json"
+    if not config_file.is_file():
+        return None
+    raw = json.loads(config_file.read_text())
+    vocab = raw.get("vocab_size") or (raw.get("text_config") or {}).get("vocab_size")
+    if not isinstance(vocab, int) or max_token_id < vocab:
+        return None
+    return (
+        f"{model_dir} has {vocab} token embeddings, but the prepared data holds token id {max_token_id}: the "
+        "tokenizer has tokens the model cannot embed (resize its embeddings to the tokenizer with "
+        "model.resize_token_embeddings(len(tokenizer)) and save it, or use the model's own tokenizer)"
+    )

@@ -20,7 +20,7 @@ from coati_kto.data.prepared import load_prepared, prepare
 from coati_kto.data.sampler import MixedLabelBatchSampler
 from coati_kto.data.tokenize import encode, truncation
 from coati_kto.data.weights import GUIDELINE, resolve_kto_weights
-from coati_kto.errors import DataError
+from coati_kto.errors import ConfigError, DataError
 
 SYSTEM = "You can call the tool search(query). Answer briefly."
 
@@ -701,7 +701,6 @@ def test_a_tokenizer_backend_missing_is_one_line(tmp_path: Path, tiny_model_dir:
     from transformers import AutoTokenizer
 
     from coati_kto.data.tokenize import load_tokenizer
-    from coati_kto.errors import ConfigError
 
     def missing(*args, **kwargs):
         raise ImportError(
@@ -714,4 +713,28 @@ def test_a_tokenizer_backend_missing_is_one_line(tmp_path: Path, tiny_model_dir:
     assert str(info.value) == (
         f"model.tokenizer / model.path {tiny_model_dir}: cannot load a tokenizer (SentencePieceBackend requires "
         "the SentencePiece library but it was not found.)"
+    )
+
+
+def test_token_ids_past_the_model_vocabulary_are_one_line(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A tokenizer with tokens the model has no embedding for (special tokens added, embeddings not resized): an
+    index error on every rank on CPU, a device-side assert on a GPU. One line on opening the data instead."""
+    import shutil
+
+    model_dir = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    path = write_jsonl(tmp_path / "t.jsonl", rows(6, 3))
+    out = prepare(make_config(tmp_path, model_dir, [str(path)]))
+    top = out.stats["train"]["max_token_id"]
+    assert (
+        top == max(max(r["input_ids"] + r["kl_input_ids"]) for r in out.train) and top < config["vocab_size"]
+    )
+    (model_dir / "config.json").write_text(json.dumps({**config, "vocab_size": top}))
+    with pytest.raises(ConfigError) as info:
+        prepare(make_config(tmp_path, model_dir, [str(path)]))
+    assert str(info.value) == (
+        f"model.path {model_dir} has {top} token embeddings, but the prepared data holds token id {top}: the "
+        "tokenizer has tokens the model cannot embed (resize its embeddings to the tokenizer with "
+        "model.resize_token_embeddings(len(tokenizer)) and save it, or use the model's own tokenizer)"
     )
