@@ -1,8 +1,8 @@
 """Chat records -> (prompt text, completion text) through the tokenizer's own chat template.
 
 The prompt is ``template(prompt, add_generation_prompt=True)``; the completion text is what ``template(prompt +
-completion)`` adds after it. Every call gets ``data.chat_template_kwargs`` (e.g. Qwen3's ``enable_thinking``) and
-the record's own ``tools``. A template that fails on a record, or renders a prompt that is not a prefix of the
+completion)`` adds after it. Every call gets ``data.chat_template_kwargs`` (e.g. Qwen3's ``enable_thinking``)
+and the record's own ``tools``. A template that fails on a record, or renders a prompt that is not a prefix of the
 whole conversation, makes that record a one-line :class:`RecordError`.
 """
 

@@ -12,8 +12,9 @@ Record shapes (one JSON object / table row each):
 
 Messages use ``role``/``content`` or ``from``/``value`` keys (``human`` -> user, ``gpt`` -> assistant); other
 keys (``tool_calls``, ``name``, ...) are kept for the chat template. A completion holds assistant turns only. A
-record's ``tools`` (tool definitions: a list, or a JSON string of one) go to the chat template with its messages. Labels are JSON booleans, the integers
-0/1 or the floats 1.0/0.0. Files: ``.jsonl``, ``.json``, ``.parquet``, a directory of them, or a ``datasets`` save_to_disk directory.
+record's ``tools`` (tool definitions: a list, or a JSON string of one) go to the chat template with its
+messages. Labels are JSON booleans, the integers 0/1 or the floats 1.0/0.0. Files: ``.jsonl``, ``.json``,
+``.parquet``, a directory of them, or a ``datasets`` save_to_disk directory.
 
 Every problem is a one-line :class:`RecordError` naming ``file:line`` (``file:row N``, 0-based, for tables) and
 the field; :func:`load_records` raises it or, with ``on_bad_record="skip"``, collects it by reason.
