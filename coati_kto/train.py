@@ -63,6 +63,8 @@ class Components:
     optimizer: Any  # boosted
     lr_scheduler: Any
     plan: ParallelPlan
+    # main rank, output.export_dtype fp32: a vision-language model's frozen tower as loaded (no masters hold it)
+    frozen_fp32: dict[str, torch.Tensor]
 
 
 def build_components(
@@ -80,7 +82,9 @@ def build_components(
     plan = plan or ParallelPlan.from_config(config)
     layout = ParallelLayout.from_plugin(plugin)
     policy = load_causal_lm(config.model.path, config.model, torch.float32)
-    freeze_vision_tower(policy)  # a vision-language model's text passes never reach it (model_notes says so)
+    # A vision-language model's text passes never reach its tower (model_notes says so).
+    fp32_export = config.output is not None and config.output.export_dtype == "fp32"
+    frozen_fp32 = freeze_vision_tower(policy, keep_fp32=fp32_export and layout.is_main)
     if config.model.gradient_checkpointing:
         # Non-reentrant: shardformer's forward requires it, and it works with no_grad passes.
         policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -104,7 +108,7 @@ def build_components(
     policy, optimizer, lr_scheduler = plan.boost(booster, policy, optimizer, lr_scheduler)
     if config.model.lora is not None and config.kto.reference == "online":
         reference = AdapterFreeReference(policy)  # the base model: no second copy in memory
-    return Components(plugin, booster, layout, policy, reference, optimizer, lr_scheduler, plan)
+    return Components(plugin, booster, layout, policy, reference, optimizer, lr_scheduler, plan, frozen_fp32)
 
 
 def total_optimizer_steps(config: Config, micro_batches_per_rank: int) -> int:
@@ -146,7 +150,7 @@ def _train(config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | Non
 
     quiet_known_warnings()  # before anything imports colossalai: it warns at import time
     run = _setup(config, heartbeat)
-    trainer = _setup_trainer(config, run, stop_signals)
+    trainer, frozen_fp32 = _setup_trainer(config, run, stop_signals)
     _resume(config, run, trainer)
     # ---- train (checkpoints every output.save_interval steps and at the end; writers close inside fit)
     trainer.fit(
@@ -155,7 +159,7 @@ def _train(config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | Non
         log_dir=str(run.out_dir / TENSORBOARD_DIR) if config.logging.tensorboard else None,
         use_wandb=config.logging.wandb,
     )
-    _save_final(config, run, trainer)
+    _save_final(config, run, trainer, frozen_fp32)
     barrier()  # ---- cleanup: nobody leaves before the export is on disk
     return trainer
 
@@ -241,8 +245,10 @@ def _loaders(config: Config, data: Any, layout: ParallelLayout, pad: int) -> tup
     return train_loader, ValidMaskLoader(loader, eval_sampler)
 
 
-def _setup_trainer(config: Config, run: _Run, stop_signals: StopSignals) -> Any:
-    """Models, optimizer, schedule and the KTOTrainer (every rank)."""
+def _setup_trainer(
+    config: Config, run: _Run, stop_signals: StopSignals
+) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Models, optimizer, schedule and the KTOTrainer (every rank); with it ``Components.frozen_fp32``."""
     from coati_kto.trainer.checkpoint import CheckpointManager  # after quiet_known_warnings (see _train)
     from coati_kto.trainer.kto import KTOTrainer
 
@@ -261,7 +267,7 @@ def _setup_trainer(config: Config, run: _Run, stop_signals: StopSignals) -> Any:
         print(f"train/mfu {shown}", flush=True)
     output = config.training_output()
     manager = CheckpointManager(run.out_dir / CHECKPOINTS_DIR, parts.booster, run.layout, output.keep_last)
-    return KTOTrainer(
+    trainer = KTOTrainer(
         parts.policy,
         parts.reference,
         parts.booster,
@@ -283,6 +289,7 @@ def _setup_trainer(config: Config, run: _Run, stop_signals: StopSignals) -> Any:
         data_stats=run.data.stats,
         stop_signals=stop_signals,
     )
+    return trainer, parts.frozen_fp32
 
 
 def _zero_note(config: Config, plan: ParallelPlan) -> str | None:
@@ -352,7 +359,7 @@ def _resume(config: Config, run: _Run, trainer: Any) -> None:
             print(line, flush=True)
 
 
-def _save_final(config: Config, run: _Run, trainer: Any) -> None:
+def _save_final(config: Config, run: _Run, trainer: Any, frozen_fp32: dict[str, torch.Tensor]) -> None:
     """The trained model in Hugging Face format under output.dir/final, with its model card (every rank)."""
     from coati_kto.models.lora import export_lora  # after quiet_known_warnings (see _train)
     from coati_kto.trainer.model_card import write_model_card
@@ -367,6 +374,7 @@ def _save_final(config: Config, run: _Run, trainer: Any) -> None:
         masters = None
         if config.training_output().export_dtype == "fp32":
             masters = gathered_masters(trainer.policy, trainer.optimizer)  # a collective: every rank
+            masters.update(frozen_fp32)
         final = trainer.checkpoint_manager.export_hf(trainer.policy, run.tokenizer, final_dir, masters)
         run.notes.append(_export_note(config))
     if run.layout.is_main:

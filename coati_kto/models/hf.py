@@ -53,18 +53,20 @@ def load_causal_lm(path: str, model_cfg: ModelSection, dtype: torch.dtype) -> to
     )
 
 
-def freeze_vision_tower(model: torch.nn.Module) -> int:
+def freeze_vision_tower(model: torch.nn.Module, keep_fp32: bool = False) -> dict[str, torch.Tensor]:
     """Freeze what a vision-language model's text passes never reach (``coati_kto.families.vision_language``: the
     vision tower and projector of Gemma 3 4B-27B), so it takes no optimizer state (ZeRO saves none for a
     parameter without a gradient; DDP waits for gradients of every trainable one) and is exported unchanged.
-    Returns the number of elements frozen; 0 for a text-only model."""
+
+    Returns, with ``keep_fp32``, a CPU fp32 copy of each frozen parameter by name, taken before a plugin casts
+    it (an fp32 export has no optimizer master to take them from); else {}. A text-only model: nothing, {}."""
     if not vision_language(getattr(model, "config", None)):
-        return 0
+        return {}
     text = {id(p) for m in (model.get_decoder(), model.get_output_embeddings()) for p in m.parameters()}
-    frozen = [p for p in model.parameters() if id(p) not in text and p.requires_grad]
-    for p in frozen:
+    frozen = {n: p for n, p in model.named_parameters() if id(p) not in text and p.requires_grad}
+    for p in frozen.values():
         p.requires_grad_(False)
-    return sum(p.numel() for p in frozen)
+    return {n: p.detach().float().cpu().clone() for n, p in frozen.items()} if keep_fp32 else {}
 
 
 def load_reference(model_cfg: ModelSection, dtype: torch.dtype) -> torch.nn.Module:

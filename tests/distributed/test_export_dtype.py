@@ -68,3 +68,39 @@ def test_fp32_export_is_the_gathered_masters(plugin: str, tiny_model_dir: Path, 
     assert (
         "final/ holds the optimizer's fp32 master weights (trained in bf16; output.export_dtype fp32)" in card
     )
+
+
+def test_fp32_export_of_a_vision_language_model_keeps_its_frozen_tower_as_loaded(tmp_path: Path) -> None:
+    """Gemma 3 vision-language: the frozen tower has no fp32 master, so the fp32 export took its bf16 working copy
+    (1.9e-3 off the loaded weights). The tower is now exported as loaded, the language model as its masters."""
+    from helpers import CORPUS
+    from transformers import AutoModelForCausalLM
+
+    from coati_kto.testing.tiny import save_tiny_family
+
+    model_dir = save_tiny_family(tmp_path / "model", "gemma3_vl", CORPUS)
+    config = {
+        "model": {"path": str(model_dir)},
+        "data": {
+            "train_files": [str(write_jsonl(preference_records(24, 0), tmp_path / "train.jsonl"))],
+            "prepared_dir": str(tmp_path / "prepared"),
+            "max_length": 48,
+        },
+        "train": {"micro_batch_size": 4, "max_steps": 2, "lr": 1e-2, "warmup_steps": 0},
+        "plugin": PLUGINS["low_level_zero_zero2_bf16"],
+        "output": {"dir": str(tmp_path / "out"), "export_dtype": "fp32"},
+        "logging": {"tensorboard": False},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    run_distributed(_train, 2, str(path))
+    exported = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "out" / "final", dtype=torch.float32
+    ).state_dict()
+    loaded = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    tower = [k for k in loaded if "vision" in k or "multi_modal" in k]
+    assert tower and all(torch.equal(exported[k], loaded[k]) for k in tower)
+    text = [k for k in loaded if k not in tower]
+    changed = [k for k in text if not torch.equal(exported[k], loaded[k])]
+    assert len(changed) > len(text) // 2  # the language model trained
+    assert any(not torch.equal(exported[k], exported[k].bfloat16().float()) for k in changed)  # fp32 masters
