@@ -181,9 +181,11 @@ def test_vision_language_gemma3_log_probs_keep_the_sliding_window() -> None:
     expected = (token * view.loss_mask[:, 1:]).sum(1)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-6)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    frozen = freeze_vision_tower(model)
-    tower = sum(p.numel() for n, p in model.named_parameters() if "vision" in n or "multi_modal" in n)
-    assert (
-        frozen == tower > 0
-        and sum(p.numel() for p in model.parameters() if p.requires_grad) == trainable - tower
-    )
+    loaded = {
+        n: p.detach().clone() for n, p in model.named_parameters() if "vision" in n or "multi_modal" in n
+    }
+    frozen = freeze_vision_tower(model, keep_fp32=True)
+    tower = sum(p.numel() for p in loaded.values())
+    assert frozen.keys() == loaded.keys() and all(torch.equal(frozen[n], p) for n, p in loaded.items())
+    assert tower > 0 and sum(p.numel() for p in model.parameters() if p.requires_grad) == trainable - tower
+    assert freeze_vision_tower(model) == {}  # nothing left to freeze, no copy kept
