@@ -11,6 +11,8 @@ import dataclasses
 
 import numpy as np
 
+from coati_kto.errors import ConfigError, DataError
+
 
 @dataclasses.dataclass(frozen=True)
 class SamplerStats:
@@ -45,17 +47,18 @@ def check_counts(n_desirable: int, n_undesirable: int, micro_batch_size: int, nu
         )
     if num_replicas < 1:
         raise ValueError(f"num_replicas must be >= 1 (got {num_replicas})")
+    # The data's own shortcomings are user errors (one line, no traceback), the same on every rank.
     if n_desirable == 0 or n_undesirable == 0:
-        raise ValueError(
+        raise DataError(
             f"KTO needs both desirable and undesirable examples; got {n_desirable} desirable and "
             f"{n_undesirable} undesirable: add examples of the missing label"
         )
     n = n_desirable + n_undesirable
     if n < micro_batch_size * num_replicas:
-        raise ValueError(
-            f"dataset has {n} examples, fewer than one global batch (num_replicas {num_replicas} x "
-            f"micro_batch_size {micro_batch_size} = {micro_batch_size * num_replicas}): lower "
-            f"micro_batch_size or num_replicas, or add data"
+        raise ConfigError(
+            f"the dataset has {n} examples, fewer than one global batch ({num_replicas} data-parallel ranks x "
+            f"train.micro_batch_size {micro_batch_size} = {micro_batch_size * num_replicas}): lower "
+            "train.micro_batch_size or the number of processes, or add data"
         )
 
 

@@ -65,3 +65,25 @@ def test_flex_attention_is_refused_for_training_on_cpu(tmp_path: Path) -> None:
     (line,) = _attention_problems(load_config(path, ["model.attn_implementation=flex_attention"]))
     assert line.startswith("model.attn_implementation flex_attention: torch ") and "use sdpa" in line
     assert _attention_problems(load_config(path, ["model.attn_implementation=sdpa"])) == []
+
+
+def test_resume_auto_over_a_run_without_checkpoints_says_what_to_do(tmp_path: Path) -> None:
+    """A run killed before its first checkpoint left events only: train.resume=auto was refused with 'continue it
+    with train.resume=auto', the setting the user had just given."""
+    from coati_kto.runtime.preflight import _output_problems
+
+    out = tmp_path / "out"
+    (out / "tensorboard").mkdir(parents=True)
+    (out / "tensorboard" / "events.out.tfevents.1.host").write_bytes(b"")
+    text = MINIMAL.replace("dir: out", f"dir: {out}")
+    fresh = load_config(write_config(tmp_path, text))
+    assert _output_problems(fresh) == [
+        f"output.dir: {out} already holds a run (tensorboard/ events): continue it with train.resume=auto, or "
+        "start over with output.overwrite=true (deletes its checkpoints, events and final model)"
+    ]
+    auto = load_config(write_config(tmp_path, text + "train:\n  resume: auto\n"))
+    assert _output_problems(auto) == [
+        f"output.dir: {out} holds a run (tensorboard/ events) with no complete checkpoint, so train.resume=auto "
+        "has nothing to continue: start over with output.overwrite=true (deletes its events and final model), or "
+        "use another output.dir"
+    ]
