@@ -139,6 +139,14 @@ class ParallelPlan:
         return {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.precision, torch.float32)
 
     @property
+    def forward_collectives(self) -> bool:
+        """Whether the policy's gradient forward enters a collective of the data-parallel group: DDP's does (its
+        bucket rebuild, at the second gradient forward). There no rank may order that forward and the z0
+        all-reduce otherwise than the others, so the KL pass never folds into the gradient pass (a fold is each
+        rank's own decision from its batch's lengths: folded, the forward comes before z0)."""
+        return self.plugin == "ddp"
+
+    @property
     def no_sync_accumulation(self) -> bool:
         """Whether micro-batches before a step's last may skip the gradient reduction (``booster.no_sync``).
 
@@ -204,7 +212,11 @@ class ParallelPlan:
                 **device_kwargs,
             )
         if self.plugin == "ddp":
-            return TorchDDPPlugin()
+            # No buffer broadcast: DDP runs it inside the forward after a gradient forward, a collective, while
+            # ranks run data-dependent numbers of no-grad forwards (a micro-batch whose KL pass folds into the
+            # gradient pass skips one): the ranks then entered different collectives (gloo aborted on a
+            # resumed cached-reference run). The buffers (rotary frequencies, scales) are equal on every rank.
+            return TorchDDPPlugin(broadcast_buffers=False)
         raise ConfigError(f"plugin.name {self.plugin} cannot be built (the config check refuses it)")
 
     def boost(

@@ -246,7 +246,9 @@ def _output_problems(config: Config) -> list[str]:
         return [f"output.dir: cannot write in {existing} ({err.strerror or err})"]
     if _starts_from_zero(config) and not config.output.overwrite and previous_run(out_dir):
         found = ", ".join(previous_run(out_dir)[-3:])
-        if config.train.resume == "auto":  # asked to continue, but that run left no checkpoint to continue from
+        if (
+            config.train.resume == "auto"
+        ):  # asked to continue, but that run left no checkpoint to continue from
             return [
                 f"output.dir: {out_dir} holds a run ({found}) with no complete checkpoint, so train.resume=auto "
                 "has nothing to continue: start over with output.overwrite=true (deletes its events and final "

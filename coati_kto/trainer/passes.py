@@ -152,7 +152,7 @@ class KTOPasses:
         if not self._needs_kl:  # apo_zero_unpaired: no pass runs on the KL pairs
             kl_tokens = torch.zeros_like(kl_tokens)
         packs = self._needs_kl and self._policy_packs()
-        folded = train and may_fold and packs and batch.fold_pays
+        folded = train and may_fold and packs and batch.fold_pays and not self.plan.forward_collectives
         policy = policy_kl = None
         with torch.no_grad():
             reference, reference_kl, shared = self._reference_pair(batch, kl=self._needs_kl)

@@ -153,3 +153,49 @@ def test_folded_run_equals_the_run_with_separate_passes(runs: dict[bool, list]) 
     # The reference differs from the policy, so z0 and the rewards are not trivially 0.
     first = next(h for h in runs[True][0]["history"] if "train/kl_raw" in h)
     assert abs(first["train/kl_raw"]) > 1e-3
+
+
+def _ddp_run(model_dir: str, ref_dir: str, out_dir: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    cfg = _config(
+        model_dir,
+        str(Path(out_dir) / "ddp"),
+        model={"path": model_dir, "reference_path": ref_dir},
+        plugin={"name": "ddp", "precision": "fp32"},
+        train={"micro_batch_size": 4, "dist_timeout": 60},
+    )
+    parts, trainer = _build(cfg, total_steps=3, pack_policy=True)
+    folded = []
+    no_grad_pass = trainer.passes._no_grad_pass
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        item = no_grad_pass(*args, **kwargs)
+        folded.append(item.folded)
+        return item
+
+    trainer.passes._no_grad_pass = counted
+    # Rank 0's micro-batches would fold (long prompts), rank 1's would not (prompt ~ completion).
+    batches = [
+        _long_prompts(s, [1, 0, 1, 0])
+        if rank == 0
+        else KTOCollator(0)(_rows(s, [0, 1, 1, 0], (5, 8), (5, 8)))
+        for s in range(3)
+    ]
+    assert [b.fold_pays for b in batches] == [rank == 0] * 3
+    trainer.fit(batches, None)
+    return {"folded": folded, "steps": trainer.global_step}
+
+
+def test_ddp_never_folds_so_ranks_meet_the_same_collectives(
+    tiny_model_dir: Path, reference_dir: Path, tmp_path: Path
+) -> None:
+    """DDP's gradient forward enters a collective (its bucket rebuild at the second one). A rank folding its KL
+    pass ran that forward before the z0 all-reduce, a rank not folding after it: a cached-reference ddp run hung
+    at step 2, or aborted in gloo after a resume. Under ddp no micro-batch folds; the run ends on every rank."""
+    results = run_distributed(
+        _ddp_run, 2, str(tiny_model_dir), str(reference_dir), str(tmp_path), timeout_s=300
+    )
+    for r in results:
+        assert r["steps"] == 3 and r["folded"] == [False] * 3, r
