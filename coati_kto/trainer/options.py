@@ -35,7 +35,7 @@ class KTOOptions:
         longer exactly 0 (the policy's passes are separate).
     pack_policy: the policy's passes in one packed row too: in evaluation always; in training where a z0 group
         is one micro-batch and ``models.packing.fold_pays`` (long prompts, short completions), folding its KL
-        pass into the gradient pass. Same rounding caveat.
+        pass into the gradient pass (never under ddp: ``ParallelPlan.forward_collectives``). Same rounding caveat.
     wandb_project, wandb_mode, wandb_dir: W&B settings when ``fit(use_wandb=True)``.
     keep_last: checkpoints kept when the trainer builds its own CheckpointManager (``save_dir``).
     """
