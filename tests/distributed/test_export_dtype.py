@@ -27,10 +27,10 @@ def _train(config_path: str) -> None:
     train(load_config(config_path))
 
 
-@pytest.mark.parametrize("plugin", list(PLUGINS))
-def test_fp32_export_is_the_gathered_masters(plugin: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+def _train_fp32_export(model_dir: Path, tmp_path: Path, plugin: str) -> None:
+    """2 steps on 2 processes with ``plugin``, exporting fp32 to ``tmp_path/out/final``."""
     config = {
-        "model": {"path": str(tiny_model_dir)},
+        "model": {"path": str(model_dir)},
         "data": {
             "train_files": [str(write_jsonl(preference_records(24, 0), tmp_path / "train.jsonl"))],
             "prepared_dir": str(tmp_path / "prepared"),
@@ -44,6 +44,11 @@ def test_fp32_export_is_the_gathered_masters(plugin: str, tiny_model_dir: Path, 
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     run_distributed(_train, 2, str(path))
+
+
+@pytest.mark.parametrize("plugin", list(PLUGINS))
+def test_fp32_export_is_the_gathered_masters(plugin: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    _train_fp32_export(tiny_model_dir, tmp_path, plugin)
     out = tmp_path / "out"
     final = load_file(out / "final" / "model.safetensors")
     assert {t.dtype for t in final.values()} == {torch.float32}
@@ -79,21 +84,7 @@ def test_fp32_export_of_a_vision_language_model_keeps_its_frozen_tower_as_loaded
     from coati_kto.testing.tiny import save_tiny_family
 
     model_dir = save_tiny_family(tmp_path / "model", "gemma3_vl", CORPUS)
-    config = {
-        "model": {"path": str(model_dir)},
-        "data": {
-            "train_files": [str(write_jsonl(preference_records(24, 0), tmp_path / "train.jsonl"))],
-            "prepared_dir": str(tmp_path / "prepared"),
-            "max_length": 48,
-        },
-        "train": {"micro_batch_size": 4, "max_steps": 2, "lr": 1e-2, "warmup_steps": 0},
-        "plugin": PLUGINS["low_level_zero_zero2_bf16"],
-        "output": {"dir": str(tmp_path / "out"), "export_dtype": "fp32"},
-        "logging": {"tensorboard": False},
-    }
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
-    run_distributed(_train, 2, str(path))
+    _train_fp32_export(model_dir, tmp_path, "low_level_zero_zero2_bf16")
     exported = AutoModelForCausalLM.from_pretrained(
         tmp_path / "out" / "final", dtype=torch.float32
     ).state_dict()

@@ -86,6 +86,20 @@ def test_packed_gradient_pass_equals_separate_passes(cls, config_cls, extra) -> 
 STEPS = [[[1, 0, 1, 0], [0, 1, 1, 1]], [[1, 1, 0, 0], [0, 0, 1, 1]], [[1, 0, 0, 1], [1, 0, 1, 0]]]
 
 
+def _record_folds(trainer: Any) -> list[bool]:
+    """The list each micro-batch's fold decision is appended to, as the trainer's passes run."""
+    folded: list[bool] = []
+    no_grad_pass = trainer.passes._no_grad_pass
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        item = no_grad_pass(*args, **kwargs)
+        folded.append(item.folded)
+        return item
+
+    trainer.passes._no_grad_pass = counted
+    return folded
+
+
 def _run(model_dir: str, ref_dir: str, out_dir: str, pack: bool) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.utils.data import DataLoader
@@ -108,15 +122,7 @@ def _run(model_dir: str, ref_dir: str, out_dir: str, pack: bool) -> dict[str, An
     )
     with sgd():
         parts, trainer = _build(cfg, total_steps=len(STEPS), pack_policy=pack, eval_at_start=True)
-        folded = []
-        no_grad_pass = trainer.passes._no_grad_pass
-
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            item = no_grad_pass(*args, **kwargs)
-            folded.append(item.folded)
-            return item
-
-        trainer.passes._no_grad_pass = counted
+        folded = _record_folds(trainer)
         batches = [
             _long_prompts(10 * s + r, labels) for s, step in enumerate(STEPS) for r, labels in enumerate(step)
         ]
@@ -167,15 +173,7 @@ def _ddp_run(model_dir: str, ref_dir: str, out_dir: str) -> dict[str, Any]:
         train={"micro_batch_size": 4, "dist_timeout": 60},
     )
     parts, trainer = _build(cfg, total_steps=3, pack_policy=True)
-    folded = []
-    no_grad_pass = trainer.passes._no_grad_pass
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        item = no_grad_pass(*args, **kwargs)
-        folded.append(item.folded)
-        return item
-
-    trainer.passes._no_grad_pass = counted
+    folded = _record_folds(trainer)
     # Rank 0's micro-batches would fold (long prompts), rank 1's would not (prompt ~ completion).
     batches = [
         _long_prompts(s, [1, 0, 1, 0])
