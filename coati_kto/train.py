@@ -10,7 +10,6 @@ export's files); tensor-parallel ranks of one data-parallel group get the same b
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,7 +44,7 @@ from coati_kto.runtime.run_dir import (
 from coati_kto.runtime.signals import STOP, StopSignals
 from coati_kto.runtime.watchdog import Heartbeat, new_heartbeat
 from coati_kto.trainer.options import KTOOptions
-from coati_kto.trainer.schedule import rebase_lr, warmup_cosine_schedule
+from coati_kto.trainer.schedule import planned_steps, reschedule, schedule_notes, warmup_cosine_schedule
 from coati_kto.trainer.throughput import resolve_peak_flops
 
 
@@ -111,15 +110,14 @@ def build_components(
     return Components(plugin, booster, layout, policy, reference, optimizer, lr_scheduler, plan, frozen_fp32)
 
 
-def total_optimizer_steps(config: Config, micro_batches_per_rank: int) -> int:
-    """Optimizer steps of the run: epochs x ceil(micro-batches / accumulation), capped by train.max_steps.
-
-    The LR schedule spans exactly this many steps: a max_steps beyond the epochs' steps must not stretch the
-    cosine over steps that never run.
-    """
-    per_epoch = math.ceil(micro_batches_per_rank / config.train.accumulation_steps)
-    by_epochs = per_epoch * config.train.max_epochs
-    return min(config.train.max_steps, by_epochs) if config.train.max_steps else by_epochs
+def total_optimizer_steps(
+    config: Config, micro_batches_per_rank: int, resumed: tuple[int, int, int] | None = None
+) -> int:
+    """The run's optimizer steps under ``config`` (``trainer.schedule.planned_steps``)."""
+    train = config.train
+    return planned_steps(
+        micro_batches_per_rank, train.accumulation_steps, train.max_epochs, train.max_steps, resumed
+    )
 
 
 def train(config: Config) -> Any:
@@ -254,7 +252,7 @@ def _setup_trainer(
 
     steps = total_optimizer_steps(config, len(run.train_loader.batch_sampler))
     if run.layout.is_main:
-        for line in _schedule_notes(config, steps) + _attention_notes(config, torch.cuda.is_available()):
+        for line in _attention_notes(config, torch.cuda.is_available()):
             print(line, flush=True)
     parts = build_components(config, run.plugin, steps, run.plan)
     peak_flops, peak_source = resolve_peak_flops(config.train.peak_flops, config.plugin.precision)
@@ -302,22 +300,6 @@ def _zero_note(config: Config, plan: ParallelPlan) -> str | None:
     )
 
 
-def _schedule_notes(config: Config, steps: int) -> list[str]:
-    """One line each for a schedule that will not run as the config reads."""
-    train, notes = config.train, []
-    if train.max_steps and steps < train.max_steps:
-        notes.append(
-            f"note: train.max_epochs {train.max_epochs} holds {steps} optimizer steps, fewer than "
-            f"train.max_steps {train.max_steps}: the run ends after {steps}"
-        )
-    if train.warmup_steps >= steps:
-        notes.append(
-            f"warning: train.warmup_steps {train.warmup_steps} is not shorter than the run ({steps} optimizer "
-            f"steps): the learning rate never reaches train.lr {train.lr} (peak {train.lr * steps / (train.warmup_steps + 1):.3g})"
-        )
-    return notes
-
-
 def padding_free_rows(config: Config) -> str | None:
     """The collator's ``padding_free`` mode: one row per pass where flex attention skips what no document
     reaches; bins as long as the longest row for dense-mask kernels (eager, sdpa), whose attention then costs no
@@ -342,21 +324,26 @@ def _attention_notes(config: Config, cuda: bool) -> list[str]:
 
 def _resume(config: Config, run: _Run, trainer: Any) -> None:
     """Continue from train.resume's checkpoint, if any: changed settings are applied and named, or refused
-    (coati_kto.config.resume); a changed train.lr becomes the schedule's peak. Every rank calls."""
+    (coati_kto.config.resume); the schedule then spans the steps this run will take (the rest of the epoch in
+    progress is re-planned on another layout or micro-batch size) and peaks at train.lr. Every rank calls."""
     checkpoint = trainer.checkpoint_manager.resolve_everywhere(config.train.resume)  # rank 0 decides
-    if checkpoint is None:
-        return
-    saved = trainer.checkpoint_manager.saved_config(checkpoint)
+    saved = trainer.checkpoint_manager.saved_config(checkpoint) if checkpoint is not None else None
     line = check_resume(saved, config.model_dump(mode="json"), checkpoint.name) if saved is not None else None
-    trainer.resume(checkpoint)
-    if saved is not None and saved.get("train", {}).get("lr") != config.train.lr:
-        rebase_lr(trainer.lr_scheduler, config.train.lr)
+    resumed = None
+    if checkpoint is not None:
+        trainer.resume(checkpoint)
+        resumed = (trainer.global_step, *trainer.position.left_in_epoch(run.train_loader))
+    steps = total_optimizer_steps(config, len(run.train_loader.batch_sampler), resumed)
+    if checkpoint is not None:
+        train = config.train
+        reschedule(trainer.lr_scheduler, train.lr, train.warmup_steps, steps, train.min_lr_ratio)
     if line is not None:
         run.notes.append(line)
     if run.layout.is_main:
-        print(f"resumed from {checkpoint} at optimizer step {trainer.global_step}", flush=True)
-        if line is not None:
-            print(line, flush=True)
+        said = [f"resumed from {checkpoint} at optimizer step {trainer.global_step}"] if checkpoint else []
+        said += [line] if line is not None else []
+        for text in said + schedule_notes(config, steps):
+            print(text, flush=True)
 
 
 def _save_final(config: Config, run: _Run, trainer: Any, frozen_fp32: dict[str, torch.Tensor]) -> None:

@@ -25,13 +25,14 @@ from coati_kto.parallel.distributed import global_rank, on_rank0
 
 def _open(config: Config) -> PreparedData:
     data = read_prepared(config)
-    for path in {config.model.path, config.model.reference_path or config.model.path}:
-        for split in ("train", "eval"):
-            why = vocabulary_problem(path, (data.stats.get(split) or {}).get("max_token_id", 0))
-            if why:
-                raise ConfigError(
-                    f"model.path {why}" if path == config.model.path else f"model.reference_path {why}"
-                )
+    max_token_id = max((data.stats.get(split) or {}).get("max_token_id", 0) for split in ("train", "eval"))
+    for key, path in (
+        ("model.path", config.model.path),
+        ("model.reference_path", config.model.reference_path),
+    ):
+        why = vocabulary_problem(path, max_token_id) if path else None
+        if why:
+            raise ConfigError(f"{key} {why}")
     data.stats["imbalance"] = imbalance(config, data.stats, num_replicas=1)
     return data
 

@@ -49,15 +49,20 @@ def plain_head(config: Any) -> bool:
     return model_type in HEAD_FAMILIES
 
 
+def _config_json(model_dir: str) -> dict[str, Any] | None:
+    """``model_dir``'s config.json as a dict, or None where it has none (a hub id)."""
+    config_file = Path(model_dir) / "config.json"
+    return json.loads(config_file.read_text()) if config_file.is_file() else None
+
+
 def model_class_name(model_dir: str) -> str | None:
     """The full class name AutoModelForCausalLM builds for ``model_dir``, from its config.json alone.
 
     None when it cannot be known without loading (a hub id, or remote code): the plugin then checks at build.
     """
-    config_file = Path(model_dir) / "config.json"
-    if not config_file.is_file():
+    raw = _config_json(model_dir)
+    if raw is None:
         return None
-    raw = json.loads(config_file.read_text())
     architectures, model_type = raw.get("architectures") or [], raw.get("model_type")
     if "auto_map" in raw or not architectures or not model_type:
         return None
@@ -146,10 +151,9 @@ def eager_attention_reason(model_dir: str) -> str | None:
     """Why ``model_dir``'s attention must run eager (None when any kernel computes it): attention-logit
     soft-capping (Gemma 2; Gemma 3 when set) is applied by transformers' eager kernel only, and sdpa / flash
     attention skip it without an error. Read from config.json alone; None when there is none."""
-    config_file = Path(model_dir) / "config.json"
-    if not config_file.is_file():
+    raw = _config_json(model_dir)
+    if raw is None:
         return None
-    raw = json.loads(config_file.read_text())
     softcap = raw.get("attn_logit_softcapping", (raw.get("text_config") or {}).get("attn_logit_softcapping"))
     if softcap is None:
         return None
@@ -161,10 +165,9 @@ def model_notes(model_dir: str) -> list[str]:
     config.json alone): an MoE router asked for logits (``output_router_logits: true``; the passes run without
     them, so transformers' load-balancing loss is neither computed nor added to the KTO loss), and a
     vision-language checkpoint (:func:`vision_language`: trained on text, its vision tower frozen)."""
-    config_file = Path(model_dir) / "config.json"
-    if not config_file.is_file():
-        return []
-    raw, notes = json.loads(config_file.read_text()), []
+    raw, notes = _config_json(model_dir), []
+    if raw is None:
+        return notes
     if raw.get("output_router_logits"):
         notes.append(
             f"note: {model_dir} sets output_router_logits: the router's load-balancing loss is not added to the "
@@ -181,10 +184,9 @@ def model_notes(model_dir: str) -> list[str]:
 def vocabulary_problem(model_dir: str, max_token_id: int) -> str | None:
     """Why ``model_dir`` cannot read token id ``max_token_id`` (None when it can, or when config.json does not
     tell): an id past the embedding rows is an index error on CPU and a device-side assert on a GPU."""
-    config_file = Path(model_dir) / "config.json"
-    if not config_file.is_file():
+    raw = _config_json(model_dir)
+    if raw is None:
         return None
-    raw = json.loads(config_file.read_text())
     vocab = raw.get("vocab_size") or (raw.get("text_config") or {}).get("vocab_size")
     if not isinstance(vocab, int) or max_token_id < vocab:
         return None

@@ -208,10 +208,22 @@ def peer_failure(err: BaseException) -> str | None:
     """
     text = str(err)
     address, cause = _PEER_ADDRESS.search(text), next((c for c in _PEER_CAUSES if c in text), None)
+    first_line = text.strip().splitlines()[0][:200] if text.strip() else type(err).__name__
     if cause is not None and address is not None:
         cause = f"{cause}: {address.group(1)}"
-    elif isinstance(err, dist.DistError) or "Timed out" in text and "gloo" in text:
-        cause = text.strip().splitlines()[0][:200] if text.strip() else type(err).__name__
+    elif (
+        "Timed out" in text
+        and "gloo" in text
+        or isinstance(err, dist.DistError)
+        and "timed out" in text.lower()
+    ):
+        # A timeout cannot tell a dead peer from a live one stuck elsewhere (a hang, another collective).
+        return (
+            f"a collective timed out after train.dist_timeout ({first_line}): another rank or node is gone or "
+            "stuck; its own error, if any, is reported above; resume with train.resume=auto"
+        )
+    elif isinstance(err, dist.DistError):
+        cause = first_line
     else:
         return None
     return (

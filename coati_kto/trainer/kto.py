@@ -61,6 +61,7 @@ from coati_kto.trainer.options import KTOOptions
 from coati_kto.trainer.passes import KTOPasses
 from coati_kto.trainer.position import DataPosition
 from coati_kto.trainer.run_summary import config_markdown, data_stats_markdown, flat_hparams
+from coati_kto.trainer.schedule import planned_steps
 from coati_kto.trainer.throughput import mfu
 
 HISTORY_LENGTH = 10_000  # logged records kept in memory (TensorBoard/W&B hold the full run)
@@ -188,10 +189,11 @@ class KTOTrainer(SLTrainer):
         self, train_dataloader: Any, eval_dataloader: Any, log_dir: str | None, use_wandb: bool
     ) -> None:
         self._train_loader, self._eval_loader = train_dataloader, eval_dataloader
-        self.steps_per_epoch = math.ceil(len(train_dataloader) / self.accumulation_steps)
-        total = self.steps_per_epoch * self.max_epochs
-        total = min(total, self.options.max_steps) if self.options.max_steps else total
-        resumed = self.position.resuming
+        left = self.position.left_in_epoch(train_dataloader)  # None unless resuming
+        resumed = None if left is None else (self.global_step, *left)
+        total = planned_steps(
+            len(train_dataloader), self.accumulation_steps, self.max_epochs, self.options.max_steps, resumed
+        )
         options = self.options
         wandb = None
         if use_wandb:

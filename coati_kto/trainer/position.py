@@ -6,6 +6,7 @@ One ``DataPosition`` per KTOTrainer, on every rank; its ``state`` goes into the 
 
 from __future__ import annotations
 
+import copy
 import itertools
 from collections.abc import Iterator
 from typing import Any
@@ -51,39 +52,68 @@ class DataPosition:
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch)
         resume, self._resume = self._resume, None
-        here = resume is not None and int(resume["epoch"]) == epoch
-        start = int(resume["consumed"]) if here else 0
-        if here and resume.get("rank_states") is not None:  # another layout: re-plan the rest of the epoch
-            batches = self._replanned(loader, sampler, resume["rank_states"], epoch)
-            start = sampler.start
-        elif start and hasattr(sampler, "load_state_dict"):
-            saved = resume.get("sampler") or {}
-            try:
-                sampler.load_state_dict({**saved, "epoch": epoch, "position": start})
-            except ValueError as err:
-                raise UserError(
-                    f"train.resume: the checkpoint's data order does not fit this run: {err}"
-                ) from None
-            batches: Iterator = iter(loader)
-        else:
-            batches = itertools.islice(iter(loader), start, None)
-        self.consumed = start
+        skip = consumed = 0
+        if resume is not None and int(resume["epoch"]) == epoch:
+            skip, consumed = _position(sampler, resume, epoch)
+        self.consumed = consumed
+        batches = itertools.islice(iter(loader), skip, None)
         while chunk := list(itertools.islice(batches, self.accumulation_steps)):
             yield chunk
 
-    @staticmethod
-    def _replanned(loader: Any, sampler: Any, old_ranks: list[dict[str, Any]], epoch: int) -> Iterator:
-        """Position ``sampler`` from every old data-parallel rank's saved state (a resume on another layout)."""
-        if not hasattr(sampler, "load_state_dicts") or any(s.get("sampler") is None for s in old_ranks):
-            raise UserError(
-                "train.resume: the checkpoint was saved on another parallel layout and this data loader cannot "
-                "re-plan the interrupted epoch (it needs coati_kto's MixedLabelBatchSampler in both runs)"
-            )
-        states = [{**s["sampler"], "epoch": epoch, "position": int(s["consumed"])} for s in old_ranks]
+    def left_in_epoch(self, loader: Any) -> tuple[int, int] | None:
+        """For a pending resume: its epoch and the micro-batches this rank has left of it (after the re-plan of
+        another layout or micro-batch size); None when not resuming. Positions a copy of the loader's sampler."""
+        if self._resume is None:
+            return None
+        epoch, sampler = int(self._resume["epoch"]), getattr(loader, "batch_sampler", None)
+        if not hasattr(sampler, "set_epoch"):
+            return epoch, max(0, len(loader) - int(self._resume["consumed"]))
+        sampler = copy.deepcopy(sampler)
+        sampler.set_epoch(epoch)
+        skip, _ = _position(sampler, self._resume, epoch)
+        return epoch, max(0, len(sampler) - skip)
+
+
+def _position(sampler: Any, resume: dict[str, Any], epoch: int) -> tuple[int, int]:
+    """Position ``sampler`` for a resume inside ``epoch``: at the saved position (same layout), or over a
+    re-plan of the epoch's unconsumed examples (another layout or micro-batch size). Returns the micro-batches
+    the loader's iterator must still skip (a sampler that cannot be positioned) and the consumed count to keep."""
+    start = int(resume["consumed"])
+    saved = resume.get("sampler")
+    if resume.get("rank_states") is not None:  # another layout
+        _replan(sampler, resume["rank_states"], epoch)
+        return 0, sampler.start
+    if start and _resized(sampler, saved):
+        # Same layout: every rank consumed as many micro-batches, so each old rank's state equals this one's.
+        _replan(sampler, [{"sampler": saved, "consumed": start}] * sampler.num_replicas, epoch)
+        return 0, sampler.start
+    if start and hasattr(sampler, "load_state_dict"):
         try:
-            sampler.load_state_dicts(states)
+            sampler.load_state_dict({**(saved or {}), "epoch": epoch, "position": start})
         except ValueError as err:
             raise UserError(
                 f"train.resume: the checkpoint's data order does not fit this run: {err}"
             ) from None
-        return iter(loader)
+        return 0, start
+    return start, start
+
+
+def _replan(sampler: Any, old_ranks: list[dict[str, Any]], epoch: int) -> None:
+    """Position ``sampler`` from every old data-parallel rank's saved state (a resume on another layout)."""
+    if not hasattr(sampler, "load_state_dicts") or any(s.get("sampler") is None for s in old_ranks):
+        raise UserError(
+            "train.resume: the checkpoint was saved on another parallel layout and this data loader cannot "
+            "re-plan the interrupted epoch (it needs coati_kto's MixedLabelBatchSampler in both runs)"
+        )
+    states = [{**s["sampler"], "epoch": epoch, "position": int(s["consumed"])} for s in old_ranks]
+    try:
+        sampler.load_state_dicts(states)
+    except ValueError as err:
+        raise UserError(f"train.resume: the checkpoint's data order does not fit this run: {err}") from None
+
+
+def _resized(sampler: Any, saved: dict[str, Any] | None) -> bool:
+    """Whether a same-layout resume changed the micro-batch size (the rest of the epoch is then re-planned)."""
+    if saved is None or not hasattr(sampler, "load_state_dicts") or "micro_batch_size" not in saved:
+        return False
+    return int(saved["micro_batch_size"]) != sampler.micro_batch_size

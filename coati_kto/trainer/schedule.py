@@ -13,6 +13,8 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
+from coati_kto.config.schema import Config
+
 
 def lr_factor(scheduler_step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
     """The lr multiplier for the optimizer step taken after ``scheduler_step`` scheduler steps (0-based)."""
@@ -20,6 +22,28 @@ def lr_factor(scheduler_step: int, warmup_steps: int, total_steps: int, min_lr_r
         return (scheduler_step + 1) / (warmup_steps + 1)
     progress = min(1.0, (scheduler_step - warmup_steps) / max(1, total_steps - warmup_steps))
     return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def planned_steps(
+    micro_batches_per_rank: int,
+    accumulation_steps: int,
+    max_epochs: int,
+    max_steps: int | None,
+    resumed: tuple[int, int, int] | None = None,
+) -> int:
+    """Optimizer steps of the run, capped by ``max_steps``: epochs x ceil(micro-batches / accumulation).
+
+    ``resumed`` (global step, epoch, micro-batches this rank has left of that epoch): the steps done, the rest of
+    the epoch in progress (re-planned when the layout or micro-batch size changed), then whole epochs. With an
+    unchanged config this is the fresh count. The LR schedule spans exactly this many steps: a max_steps beyond
+    them must not stretch the cosine over steps that never run.
+    """
+    per_epoch = math.ceil(micro_batches_per_rank / accumulation_steps)
+    total = per_epoch * max_epochs
+    if resumed is not None:
+        step, epoch, left = resumed
+        total = step + math.ceil(left / accumulation_steps) + per_epoch * max(0, max_epochs - epoch - 1)
+    return min(max_steps, total) if max_steps else total
 
 
 def warmup_cosine_schedule(
@@ -40,3 +64,30 @@ def rebase_lr(scheduler: LambdaLR, lr: float) -> None:
         group["initial_lr"] = lr
         group["lr"] = lr * lr_lambda(scheduler.last_epoch)
     scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+
+
+def reschedule(
+    scheduler: LambdaLR, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float
+) -> None:
+    """After a resume: the schedule of this run's ``total_steps`` with peak ``lr`` from the current step on
+    (the restored state keeps the step count; the old run may have had another length or peak). Every rank."""
+    scheduler.lr_lambdas = [
+        lambda s: lr_factor(s, warmup_steps, total_steps, min_lr_ratio) for _ in scheduler.lr_lambdas
+    ]
+    rebase_lr(scheduler, lr)
+
+
+def schedule_notes(config: Config, steps: int) -> list[str]:
+    """One line each for a schedule that will not run as the config reads."""
+    train, notes = config.train, []
+    if train.max_steps and steps < train.max_steps:
+        notes.append(
+            f"note: train.max_epochs {train.max_epochs} holds {steps} optimizer steps, fewer than "
+            f"train.max_steps {train.max_steps}: the run ends after {steps}"
+        )
+    if train.warmup_steps >= steps:
+        notes.append(
+            f"warning: train.warmup_steps {train.warmup_steps} is not shorter than the run ({steps} optimizer "
+            f"steps): the learning rate never reaches train.lr {train.lr} (peak {train.lr * steps / (train.warmup_steps + 1):.3g})"
+        )
+    return notes

@@ -64,11 +64,13 @@ def _run(model_dir: str, out_dir: str, max_steps: int | None, resume: bool) -> d
     if resume:
         trainer.resume(trainer.checkpoint_manager.resolve_everywhere("auto"))
     resumed_at = trainer.global_step
+    left = trainer.position.left_in_epoch(loader)  # what the schedule's length is computed from
     trainer.fit(loader)
     return {
         "seen": recording.seen,
         "losses": [h["train/loss"] for h in trainer.history if "train/loss" in h],
         "resumed_at": resumed_at,
+        "left": left,
         "missing_error": missing_error,
         "steps": trainer.global_step,
     }
@@ -95,6 +97,7 @@ def test_two_ranks_then_one_consumes_every_example_of_the_epoch_once(runs: dict[
     left = len(plan) - 2 * STEPS_BEFORE
     assert len(plan) == 16 and left == 12
     assert second["resumed_at"] == STEPS_BEFORE and second["steps"] == STEPS_BEFORE + left
+    assert second["left"] == (0, left) and first[0]["left"] is None
     assert len(second["losses"]) == left and all(math.isfinite(x) for x in second["losses"])
     assert all(math.isfinite(x) for r in first for x in r["losses"])
 

@@ -686,18 +686,22 @@ def test_schedule_length_is_capped_by_the_epochs(tmp_path: Path) -> None:
     assert total_optimizer_steps(config, 62) == 62
     assert (
         total_optimizer_steps(
-            config.model_copy(update={"train": config.train.model_copy(update={"max_steps": 40})}), 62
+            load_config(path, ["train.max_steps=40", "train.accumulation_steps=2", "train.max_epochs=2"]), 62
         )
         == 40
     )
     # A max_steps beyond what the epochs hold must not stretch the cosine schedule over steps that never run.
-    assert (
-        total_optimizer_steps(
-            config.model_copy(update={"train": config.train.model_copy(update={"max_steps": 100})}), 62
-        )
-        == 62
-    )
+    more = load_config(path, ["train.max_steps=100", "train.accumulation_steps=2", "train.max_epochs=2"])
+    assert total_optimizer_steps(more, 62) == 62
     assert total_optimizer_steps(load_config(path, ["train.accumulation_steps=4"]), 62) == 16
+    # Resumed with the config unchanged: the fresh count, wherever the checkpoint is.
+    for step, epoch, left in [(0, 0, 62), (10, 0, 42), (31, 0, 0), (31, 1, 62), (45, 1, 34), (62, 1, 0)]:
+        assert total_optimizer_steps(config, 62, (step, epoch, left)) == 62
+    # Resumed on another layout or micro-batch size (the rest of epoch 0 re-planned into 9 micro-batches; the
+    # next epoch has 124): 10 steps done, 5 more for epoch 0, then 62 for epoch 1.
+    assert total_optimizer_steps(config, 124, (10, 0, 9)) == 10 + 5 + 62
+    assert total_optimizer_steps(more, 124, (10, 0, 9)) == 77
+    assert total_optimizer_steps(load_config(path, ["train.max_steps=20"]), 124, (10, 0, 9)) == 19
 
 
 def test_a_skipped_step_leaves_its_logging_interval_finite() -> None:

@@ -53,6 +53,35 @@ def first_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) ->
     return path
 
 
+def test_a_changed_micro_batch_size_replans_the_epoch_in_progress(first_run: Path) -> None:
+    """The checkpoint at step 4 consumed 16 of the epoch's 24 examples in micro-batches of 4. Resumed with
+    micro-batches of 8 over 2 epochs, the other 8 examples are step 5 (the rest of epoch 0 re-planned), and epoch
+    1 runs in micro-batches of 8; the schedule spans the 8 steps the run now holds. The resume used to say
+    "applied" and then refuse the changed micro-batch size at the first step."""
+    checkpoint, out = first_run.parent / "out" / "checkpoints" / "step-4", first_run.parent / "resized"
+    overrides = (f"output.dir={out}", "train.micro_batch_size=8", "train.max_epochs=2", "train.max_steps=100")
+    done = _train(first_run, f"train.resume={checkpoint}", *overrides)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (
+        "resume: 3 setting(s) differ from step-4's config, applied: train.max_epochs 1 -> 2, "
+        "train.max_steps 4 -> 100, train.micro_batch_size 4 -> 8"
+    ) in done.stdout.splitlines()
+    assert (
+        "note: train.max_epochs 2 holds 8 optimizer steps, fewer than train.max_steps 100: the run ends after 8"
+        in (done.stdout.splitlines())
+    )
+    scalars = read_scalars(out / "tensorboard")
+    examples = [
+        c + r
+        for (_, c), (_, r) in zip(scalars["train/count/chosen"], scalars["train/count/rejected"], strict=True)
+    ]
+    assert [step for step, _ in scalars["train/loss"]] == [5, 6, 7, 8]
+    assert examples == [8, 8, 8, 8]  # 24 examples an epoch: the last 8 of epoch 0, then 3 steps of epoch 1
+    lrs = dict(scalars["train/lr"])
+    for step in (5, 6, 7, 8):
+        assert lrs[step] == pytest.approx(1e-3 * lr_factor(step - 1, WARMUP, 8, MIN_LR_RATIO), rel=1e-6)
+
+
 def test_changed_lr_is_applied_named_and_recorded(first_run: Path) -> None:
     done = _train(first_run, "train.resume=auto", "train.max_steps=6", "train.lr=5e-4")
     assert done.returncode == 0, done.stderr[-3000:]

@@ -58,3 +58,23 @@ def test_internal_error_reraised_on_rank0_named_on_the_others(monkeypatch: pytes
     OneCollective(monkeypatch, 1, sent=rank0.calls[0])
     with pytest.raises(RuntimeError, match="^global rank 0 failed to check the reference cache: KeyError"):
         cd.on_rank0(lambda: None, "check the reference cache")
+
+
+def test_a_collective_failure_names_what_is_known() -> None:
+    """A closed connection names the gone peer; a timeout (a hang looks the same as a dead peer) says gone or
+    stuck: a hung ddp run used to be told "another rank or node is gone" while every rank was alive."""
+    closed = RuntimeError("[gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:4810")
+    assert cd.peer_failure(closed) == (
+        "a collective failed because another rank or node is gone (Connection closed by peer: 10.0.0.2); its own "
+        "error, if any, is reported above; resume with train.resume=auto"
+    )
+    timeout = RuntimeError(
+        "[../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 1800000ms"
+    )
+    assert cd.peer_failure(timeout) == (
+        "a collective timed out after train.dist_timeout ([../third_party/gloo/gloo/transport/tcp/unbound_buffer.cc"
+        ":81] Timed out waiting 1800000ms): another rank or node is gone or stuck; its own error, if any, is "
+        "reported above; resume with train.resume=auto"
+    )
+    assert cd.peer_failure(RuntimeError("Timed out reading the dataset")) is None
+    assert cd.peer_failure(ValueError("shape mismatch")) is None

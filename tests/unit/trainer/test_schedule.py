@@ -92,14 +92,14 @@ def test_warmup_longer_than_the_run_is_said(tmp_path) -> None:
     from helpers import MINIMAL, write_config
 
     from coati_kto.config.load import load_config
-    from coati_kto.train import _schedule_notes
+    from coati_kto.trainer.schedule import schedule_notes
 
     config = load_config(write_config(tmp_path, MINIMAL), ["train.warmup_steps=10", "train.lr=1e-3"])
-    assert _schedule_notes(config, 4) == [
+    assert schedule_notes(config, 4) == [
         "warning: train.warmup_steps 10 is not shorter than the run (4 optimizer steps): the learning rate "
         "never reaches train.lr 0.001 (peak 0.000364)"
     ]
-    assert _schedule_notes(load_config(write_config(tmp_path, MINIMAL), ["train.warmup_steps=3"]), 4) == []
+    assert schedule_notes(load_config(write_config(tmp_path, MINIMAL), ["train.warmup_steps=3"]), 4) == []
 
 
 def test_padding_free_with_a_dense_mask_on_a_gpu_is_said(tmp_path) -> None:
