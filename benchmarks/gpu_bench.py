@@ -128,7 +128,7 @@ def build_fixture(work: Path, max_length: int, rows: int, models: dict[str, tupl
     import torch
     import transformers
 
-    from coati_kto.data.formats import write_jsonl
+    from coati_kto.data.files import write_jsonl
     from coati_kto.testing.tiny import build_tokenizer
 
     rng = random.Random(0)

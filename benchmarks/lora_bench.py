@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _setup(work: Path, hidden: int, layers: int) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from coati_kto.data.formats import write_jsonl
+    from coati_kto.data.files import write_jsonl
     from coati_kto.testing.tiny import build_tokenizer
 
     rng = random.Random(0)

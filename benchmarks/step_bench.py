@@ -45,7 +45,7 @@ def _child_setup(work: Path, examples: int, shape: str, hidden: int, layers: int
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from coati_kto.data.formats import write_jsonl
+    from coati_kto.data.files import write_jsonl
     from coati_kto.testing.tiny import build_tokenizer
 
     rng = random.Random(0)

@@ -19,7 +19,7 @@ import json
 import random
 from pathlib import Path
 
-from coati_kto.data.formats import write_jsonl
+from coati_kto.data.files import write_jsonl
 
 N_DESIRABLE, N_UNDESIRABLE = 746, 254  # the seeds' full file: nothing thrown away, nothing interleaved
 FOLDERS = ["Projects", "Daily", "Research", "Archive", "Ideas", "Meetings", "Reading", "Journal"]

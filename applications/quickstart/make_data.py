@@ -22,7 +22,7 @@ import random
 import string
 from pathlib import Path
 
-from coati_kto.data.formats import write_jsonl
+from coati_kto.data.files import write_jsonl
 
 # Letters stop short of z and a (no successor / predecessor); weekdays and months wrap around.
 SEQUENCES = {

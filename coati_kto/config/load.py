@@ -111,12 +111,21 @@ def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None
     raw = _read_yaml(path) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections (model, data, ...)")
+    for name in ("kto", "train", "plugin", "logging"):  # a section whose keys are all commented out: defaults
+        if name in raw and raw[name] is None:
+            raw[name] = {}
     for key, value in parse_overrides(overrides or []):
         _set_dotted(raw, key, value, f"{path} (override {key})")
     try:
-        return Config.model_validate(raw)
+        config = Config.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(_format_errors(err, str(path))) from None
+    if config.data.eval_files and config.data.eval_fraction > 0:  # the fraction would be ignored silently
+        raise ConfigError(
+            f"{path}: data.eval_fraction {config.data.eval_fraction} with data.eval_files: the fraction is "
+            "held out only when data.eval_files is empty; set one of them"
+        )
+    return config
 
 
 def save_config(config: Config, path: str | os.PathLike[str]) -> None:

@@ -21,7 +21,7 @@ LossType = Literal["kto", "apo_zero_unpaired"]
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
 
 
 class LoraSection(_Section):
@@ -185,7 +185,7 @@ class KTOSection(_Section):
 
 
 class TrainSection(_Section):
-    seed: int = Field(42, description="Seed of weights' RNG, data order and KL pairing.")
+    seed: int = Field(42, ge=0, description="Seed of weights' RNG, data order and KL pairing.")
     micro_batch_size: int = Field(
         4, ge=2, description="Per rank; >= 2 so each micro-batch holds both labels."
     )

@@ -1,4 +1,4 @@
-"""Read feedback files in any supported shape and normalise each record to (prompt, completion, label).
+"""Normalise feedback records in any supported shape each record to (prompt, completion, label).
 
 Record shapes (one JSON object / table row each):
 
@@ -13,24 +13,21 @@ Record shapes (one JSON object / table row each):
 Messages use ``role``/``content`` or ``from``/``value`` keys (``human`` -> user, ``gpt`` -> assistant); other
 keys (``tool_calls``, ``name``, ...) are kept for the chat template. A completion holds assistant turns only. A
 record's ``tools`` (tool definitions: a list, or a JSON string of one) go to the chat template with its
-messages. Labels are JSON booleans, the integers 0/1 or the floats 1.0/0.0. Files: ``.jsonl``, ``.json``,
-``.parquet``, a directory of them, or a ``datasets`` save_to_disk directory.
+messages. Labels are JSON booleans, the integers 0/1 or the floats 1.0/0.0. Text must be valid Unicode (a lone
+surrogate, a string cut inside an emoji, is a bad record). Files are found and read in ``files``.
 
 Every problem is a one-line :class:`RecordError` naming ``file:line`` (``file:row N``, 0-based, for tables) and
-the field; :func:`load_records` raises it or, with ``on_bad_record="skip"``, collects it by reason.
+the field; :func:`coati_kto.data.files.load_records` raises it or, with ``on_bad_record="skip"``, collects it by reason.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from coati_kto.errors import DataError
 
-SUFFIXES = (".jsonl", ".json", ".parquet")
 ROLE_ALIASES = {"human": "user", "gpt": "assistant"}
 MESSAGE_LIST_KEYS = ("messages", "conversations")
 
@@ -71,7 +68,7 @@ class LoadResult:
     skipped: list[RecordError] = field(default_factory=list)
 
 
-def _show(value: Any, limit: int = 60) -> str:
+def show_value(value: Any, limit: int = 60) -> str:
     """A short one-line rendering of a bad value for error messages."""
     text = json.dumps(value, ensure_ascii=False, default=str)
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -89,14 +86,14 @@ def _label(raw: dict[str, Any], source: str) -> bool:
     if isinstance(value, (int, float)) and value in (0, 1):
         return bool(value)
     raise RecordError(
-        source, "label", f"expected true/false or 0/1 (1.0/0.0), got {_show(value)}", "bad_label"
+        source, "label", f"expected true/false or 0/1 (1.0/0.0), got {show_value(value)}", "bad_label"
     )
 
 
 def _message(raw: Any, source: str, where: str) -> dict[str, Any]:
     """Normalise one message to ``role``/``content`` (plus any extra keys the template may use)."""
     if not isinstance(raw, dict):
-        raise RecordError(source, where, f"expected a message object, got {_show(raw)}", "bad_message")
+        raise RecordError(source, where, f"expected a message object, got {show_value(raw)}", "bad_message")
     # Tables (parquet, arrow) give every message all keys seen in the column, the absent ones as None.
     role = raw.get("role") if raw.get("role") is not None else raw.get("from")
     if not isinstance(role, str) or not role:
@@ -107,7 +104,7 @@ def _message(raw: Any, source: str, where: str) -> dict[str, Any]:
     if content is None and raw.get("tool_calls"):
         content = ""
     if not isinstance(content, str):
-        problem = "missing" if content is None else f"expected a string, got {_show(content)}"
+        problem = "missing" if content is None else f"expected a string, got {show_value(content)}"
         raise RecordError(source, f"{where}.{key}", problem, "non_string_content")
     extra = {k: v for k, v in raw.items() if k not in ("role", "from", "content", "value") and v is not None}
     return {"role": ROLE_ALIASES.get(role.lower(), role.lower()), "content": content, **extra}
@@ -115,7 +112,7 @@ def _message(raw: Any, source: str, where: str) -> dict[str, Any]:
 
 def _messages(raw: Any, source: str, key: str) -> list[dict[str, Any]]:
     if not isinstance(raw, list):
-        raise RecordError(source, key, f"expected a list of messages, got {_show(raw)}", "bad_message")
+        raise RecordError(source, key, f"expected a list of messages, got {show_value(raw)}", "bad_message")
     return [_message(m, source, f"{key}[{i}]") for i, m in enumerate(raw)]
 
 
@@ -180,6 +177,8 @@ def _tools(raw: dict[str, Any], source: str, records: list[Record]) -> list[dict
     """The record's ``tools`` (a list of tool objects, or that list as a JSON string, as some datasets store
     it), for the chat template to render; None when absent or empty. Plain-text records take none."""
     value = raw.get("tools")
+    if isinstance(value, str) and not value.strip():  # "" in a string column: no tools
+        value = None
     if isinstance(value, str):
         try:
             value = json.loads(value)
@@ -191,7 +190,7 @@ def _tools(raw: dict[str, Any], source: str, records: list[Record]) -> list[dict
         return None
     if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
         raise RecordError(
-            source, "tools", f"expected a list of tool objects, got {_show(value)}", "bad_tools"
+            source, "tools", f"expected a list of tool objects, got {show_value(value)}", "bad_tools"
         )
     if not all(r.chat for r in records):
         raise RecordError(
@@ -203,6 +202,8 @@ def _tools(raw: dict[str, Any], source: str, records: list[Record]) -> list[dict
 def normalize(raw: Any, source: str) -> list[Record]:
     """One raw record -> one Record (two for a preference pair), with its ``tools``; raises RecordError."""
     records = _normalize(raw, source)
+    if bad := next(filter(None, (_lone_surrogate(r.prompt, r.completion) for r in records)), None):
+        raise RecordError(source, bad[0], bad[1], "bad_text")
     tools = _tools(raw, source, records)
     for record in records:
         record.tools = tools
@@ -211,7 +212,7 @@ def normalize(raw: Any, source: str) -> list[Record]:
 
 def _normalize(raw: Any, source: str) -> list[Record]:
     if not isinstance(raw, dict):
-        raise RecordError(source, None, f"expected a JSON object, got {_show(raw)}", "unknown_format")
+        raise RecordError(source, None, f"expected a JSON object, got {show_value(raw)}", "unknown_format")
     if "chosen" in raw and "rejected" in raw:
         out = []
         for key, label in (("chosen", True), ("rejected", False)):
@@ -244,147 +245,23 @@ def _normalize(raw: Any, source: str) -> list[Record]:
     )
 
 
-# ---------------------------------------------------------------------------------------------- files
-
-
-def _is_saved_dataset(path: Path) -> bool:
-    return any((path / name).exists() for name in ("state.json", "dataset_dict.json", "dataset_info.json"))
-
-
-def _walk(root: Path) -> list[Path]:
-    """Data files and saved datasets under ``root``, sorted; skips hidden entries and coati-kto prepared dirs
-    (a prepared_dir placed inside the data directory must not be read back as data)."""
-    found: list[Path] = []
-    for entry in sorted(root.iterdir()):
-        if entry.name.startswith("."):
-            continue
-        if entry.is_dir():
-            if (entry / "fingerprint.json").exists():
+def _lone_surrogate(prompt: Any, completion: Any) -> tuple[str, str] | None:
+    """(field, problem) for the first string holding a lone UTF-16 surrogate (JSON admits ``"\\ud800"``, a
+    string cut inside an emoji; no tokenizer or arrow column takes it), else None."""
+    for key, value in (("prompt", prompt), ("completion", completion)):
+        texts = (
+            [(key, value)]
+            if isinstance(value, str)
+            else [(f"{key}[{i}].content", m.get("content")) for i, m in enumerate(value)]
+        )
+        for where, text in texts:
+            if not isinstance(text, str):  # a tool-call turn's null content
                 continue
-            found.extend([entry] if _is_saved_dataset(entry) else _walk(entry))
-        elif entry.suffix in SUFFIXES:
-            found.append(entry)
-    return found
-
-
-def resolve_files(paths: list[str], key: str) -> list[Path]:
-    """Expand directories (sorted, recursive) into data files; a saved dataset stays one path."""
-    out: list[Path] = []
-    for name in paths:
-        path = Path(name)
-        if not path.exists():
-            raise DataError(f"{key}: {name}: no such file or directory")
-        if path.is_dir() and not _is_saved_dataset(path):
-            found = _walk(path)
-            if not found:
-                raise DataError(f"{key}: {name}: directory holds no {'/'.join(SUFFIXES)} files or datasets")
-            out.extend(found)
-        elif path.is_file() and path.suffix not in SUFFIXES:
-            raise DataError(
-                f"{key}: {name}: unsupported file type (use {', '.join(SUFFIXES)} or a dataset dir)"
-            )
-        else:
-            out.append(path)
-    return out
-
-
-def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    """(``file:line``, parsed object) per non-blank line; a malformed line yields a RecordError in its place."""
-    with path.open("rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
-            source = f"{path}:{lineno}"
             try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # tolerate a byte-order mark
-            except UnicodeDecodeError as err:
-                yield (
-                    source,
-                    RecordError(source, None, f"not UTF-8 text (byte {err.start + 1})", "malformed_json"),
+                text.encode("utf-8")
+            except UnicodeEncodeError as err:
+                return where, (
+                    f"not valid Unicode: a lone surrogate {text[err.start]!r} at character {err.start} "
+                    "(a string cut inside a UTF-16 pair)"
                 )
-                continue
-            if not line.strip():
-                continue
-            try:
-                yield source, json.loads(line)
-            except json.JSONDecodeError as err:
-                problem = f"malformed JSON ({err.msg} at column {err.colno})"
-                yield source, RecordError(source, None, problem, "malformed_json")
-
-
-def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    """A .json file: an array of records, ``{"data": [...]}``, or JSON lines under a .json name."""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8-sig"))
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        yield from _jsonl_rows(path)  # the line numbers then point at the broken line
-        return
-    if isinstance(data, dict) and isinstance(data.get("data"), list):
-        data = data["data"]
-    if isinstance(data, dict):
-        data = [data]
-    if not isinstance(data, list):
-        raise DataError(f"{path}: expected a JSON array of records, got {_show(data)}")
-    for i, item in enumerate(data):
-        yield f"{path}:row {i}", item
-
-
-def _table_rows(path: Path, cache_dir: str | None) -> Iterator[tuple[str, Any]]:
-    import datasets
-
-    try:
-        if path.is_dir():
-            ds = datasets.load_from_disk(str(path))
-        else:
-            ds = datasets.Dataset.from_parquet(str(path), cache_dir=cache_dir)
-    except Exception as err:  # corrupt or foreign files: say which, in one line
-        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        raise DataError(
-            f"{path}: cannot read it with datasets ({type(err).__name__}: {first[:200]})"
-        ) from None
-    if isinstance(ds, datasets.DatasetDict):
-        if len(ds) != 1:
-            raise DataError(
-                f"{path}: a DatasetDict with splits {sorted(ds)}: point at one split's directory, "
-                f"e.g. {path / sorted(ds)[0]}"
-            )
-        ds = next(iter(ds.values()))
-    for i, row in enumerate(ds):
-        # A table has every column in every row; keys a record did not have come back as None.
-        yield f"{path}:row {i}", {k: v for k, v in row.items() if v is not None}
-
-
-def iter_raw(path: Path, cache_dir: str | None = None) -> Iterator[tuple[str, Any]]:
-    if path.suffix == ".jsonl":
-        return _jsonl_rows(path)
-    if path.suffix == ".json":
-        return _json_rows(path)
-    return _table_rows(path, cache_dir)
-
-
-def load_records(
-    paths: list[str],
-    key: str = "data.train_files",
-    on_bad_record: str = "error",
-    cache_dir: str | None = None,
-) -> LoadResult:
-    """Read and validate every record of ``paths``; ``on_bad_record`` is ``"error"`` or ``"skip"``."""
-    files = resolve_files(paths, key)
-    result = LoadResult(records=[], files=[str(p) for p in files])
-    for path in files:
-        for source, raw in iter_raw(path, cache_dir):
-            try:
-                if isinstance(raw, RecordError):
-                    raise raw
-                result.records.extend(normalize(raw, source))
-            except RecordError as bad:
-                if on_bad_record == "error":
-                    raise
-                result.skipped.append(bad)
-    return result
-
-
-def write_jsonl(rows: list[dict[str, Any]], path: str | Path) -> Path:
-    """Write ``rows`` as JSON Lines (the input format ``prepare`` reads), creating parent folders."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
+    return None

@@ -19,7 +19,7 @@ from coati_kto.data.store import PreparedData, ensure, read_fingerprint, read_pr
 from coati_kto.data.tokenize import load_tokenizer, pad_id
 from coati_kto.data.weights import imbalance
 from coati_kto.errors import ConfigError, DataError
-from coati_kto.families import vocabulary_problem
+from coati_kto.families import positions_problem, vocabulary_problem
 from coati_kto.parallel.distributed import global_rank, on_rank0
 
 
@@ -30,11 +30,21 @@ def _open(config: Config) -> PreparedData:
         ("model.path", config.model.path),
         ("model.reference_path", config.model.reference_path),
     ):
-        why = vocabulary_problem(path, max_token_id) if path else None
+        why = path and (
+            vocabulary_problem(path, max_token_id) or positions_problem(path, _longest(config, data))
+        )
         if why:
             raise ConfigError(f"{key} {why}")
     data.stats["imbalance"] = imbalance(config, data.stats, num_replicas=1)
     return data
+
+
+def _longest(config: Config, data: PreparedData) -> int:
+    """The longest row a pass can hold: an example, or a KL row (one example's prompt, another's completion)."""
+    lengths = [(data.stats.get(split) or {}).get("lengths", {}) for split in ("train", "eval")]
+    prompt = max(int(s.get("prompt", {}).get("max", 0)) for s in lengths)
+    completion = max(int(s.get("completion", {}).get("max", 0)) for s in lengths)
+    return min(config.data.max_length, prompt + completion)
 
 
 def _summary(data: PreparedData, config: Config, built: bool, why: str, seconds: float) -> str:

@@ -31,7 +31,8 @@ import datasets
 import numpy as np
 
 from coati_kto.config.schema import Config
-from coati_kto.data.formats import Record, RecordError, load_records, resolve_files
+from coati_kto.data.files import load_records, resolve_files
+from coati_kto.data.formats import Record, RecordError
 from coati_kto.data.tables import (
     build_split,
     duplicates,
@@ -182,7 +183,10 @@ def _read_inputs(config: Config, cache: str) -> tuple[list[Record], list[Record]
 def _build(config: Config, tokenizer, fp: dict, target: Path) -> None:
     """Build everything in a temporary sibling of ``target``, then rename it into place."""
     work = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    work.mkdir(parents=True)
+    try:
+        work.mkdir(parents=True)
+    except OSError as err:  # a parent that is a file, a read-only or missing mount: one line, no traceback
+        raise DataError(f"data.prepared_dir {target}: cannot write there ({err.strerror})") from None
     try:
         train_records, eval_records, files, skipped = _read_inputs(config, str(work / "hf-cache"))
         repeats, repeat_examples = duplicates(train_records + eval_records)
@@ -242,6 +246,8 @@ def ensure(config: Config, tokenizer) -> tuple[dict, bool, str]:
     old = read_fingerprint(target)
     if old and old.get("digest") == fp["digest"] and (target / "train").is_dir():
         return fp, False, "inputs, tokenizer and settings unchanged"
+    if target.exists() and not target.is_dir():
+        raise DataError(f"data.prepared_dir {target}: is a file, not a directory")
     if target.exists() and old is None and any(target.iterdir()):
         raise DataError(
             f"data.prepared_dir {target}: exists, is not empty and holds no coati-kto fingerprint.json; "

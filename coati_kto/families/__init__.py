@@ -195,3 +195,22 @@ def vocabulary_problem(model_dir: str, max_token_id: int) -> str | None:
         "tokenizer has tokens the model cannot embed (resize its embeddings to the tokenizer with "
         "model.resize_token_embeddings(len(tokenizer)) and save it, or use the model's own tokenizer)"
     )
+
+
+def positions_problem(model_dir: str, longest: int) -> str | None:
+    """Why ``model_dir`` cannot take rows of ``longest`` tokens (None when it can, or config.json does not tell):
+    a learned position table (GPT-2's ``n_positions``, OPT's ``max_position_embeddings``: no rotary or ALiBi
+    keys in the config) has no row for a later position, an index error on CPU and a device-side assert on a
+    GPU. Rotary models run past their trained length; that is the user's call."""
+    raw = _config_json(model_dir)
+    if raw is None:
+        return None
+    raw = {**raw, **(raw.get("text_config") or {})}
+    table = raw.get("n_positions", raw.get("max_position_embeddings"))
+    relative = any("rope" in key or "rotary" in key or "alibi" in key for key in raw)
+    if relative or not isinstance(table, int) or longest <= table:
+        return None
+    return (
+        f"{model_dir} has {table} learned positions, but the prepared rows reach {longest} tokens: set "
+        f"data.max_length to at most {table}"
+    )

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from coati_kto.config.hub import looks_like_hub_id
 from coati_kto.config.schema import Config
-from coati_kto.data.formats import resolve_files
+from coati_kto.data.files import resolve_files
 from coati_kto.errors import ConfigError, DataError, UserError
 from coati_kto.families import vision_language
 from coati_kto.runtime.run_dir import CHECKPOINTS_DIR, complete_checkpoints, previous_run, resolve_checkpoint

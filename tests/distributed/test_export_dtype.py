@@ -11,7 +11,7 @@ import yaml
 from helpers import preference_records
 from safetensors.torch import load_file
 
-from coati_kto.data.formats import write_jsonl
+from coati_kto.data.files import write_jsonl
 from coati_kto.testing.distributed import run_distributed
 
 PLUGINS = {

@@ -33,7 +33,7 @@ import pytest
 import torch
 from helpers import CORPUS
 
-from coati_kto.data.formats import write_jsonl
+from coati_kto.data.files import write_jsonl
 from coati_kto.testing.distributed import run_distributed
 
 PLUGINS: dict[str, dict[str, Any]] = {

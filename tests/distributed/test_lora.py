@@ -17,7 +17,7 @@ import torch
 from helpers import MINIMAL, preference_records, write_config
 
 from coati_kto.config.load import load_config
-from coati_kto.data.formats import write_jsonl
+from coati_kto.data.files import write_jsonl
 from coati_kto.errors import ConfigError
 from coati_kto.testing.distributed import run_distributed
 

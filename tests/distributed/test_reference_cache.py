@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from coati_kto.data.formats import write_jsonl
+from coati_kto.data.files import write_jsonl
 from coati_kto.testing.distributed import run_distributed
 
 PROMPTS = ["What is the capital of France?", "Please add 2 and 3.", "What is the weather in Berlin?"]

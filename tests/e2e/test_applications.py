@@ -199,7 +199,7 @@ def test_tool_use_undesirable_is_wrong_in_a_checkable_way() -> None:
 
 
 def test_tool_use_records_load_in_coati_kto(tmp_path: Path, tool_records: list[dict]) -> None:
-    from coati_kto.data.formats import load_records
+    from coati_kto.data.files import load_records
 
     tool_data.write_jsonl(tool_records[:50], tmp_path / "train.jsonl")
     loaded = load_records([str(tmp_path / "train.jsonl")]).records

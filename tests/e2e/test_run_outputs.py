@@ -17,7 +17,7 @@ import pytest
 import yaml
 from helpers import preference_records
 
-from coati_kto.data.formats import write_jsonl
+from coati_kto.data.files import write_jsonl
 from coati_kto.testing.tensorboard import read_hparams, read_scalars, read_texts
 
 LR, WARMUP = 5e-3, 2

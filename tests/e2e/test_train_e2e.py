@@ -13,7 +13,7 @@ import pytest
 import yaml
 from helpers import preference_records
 
-from coati_kto.data.formats import write_jsonl
+from coati_kto.data.files import write_jsonl
 from coati_kto.testing.distributed import run_distributed
 from coati_kto.testing.tensorboard import read_scalars, read_texts
 

@@ -77,7 +77,7 @@ def _merge(base: dict, extra: dict) -> dict:
 
 def write_config(name: str, root: Path, model_dir: Path) -> Path:
     """The YAML of run ``name`` under ``root`` (data files written beside it)."""
-    from coati_kto.data.formats import write_jsonl
+    from coati_kto.data.files import write_jsonl
 
     base = {
         "model": {"path": str(model_dir)},

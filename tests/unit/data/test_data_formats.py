@@ -11,7 +11,8 @@ import datasets
 import pytest
 import yaml
 
-from coati_kto.data.formats import RecordError, load_records, normalize
+from coati_kto.data.files import load_records
+from coati_kto.data.formats import RecordError, normalize
 from coati_kto.errors import DataError
 
 SYSTEM = {"role": "system", "content": "You can call tools."}
@@ -194,6 +195,12 @@ def test_file_kinds_and_directories(tmp_path: Path) -> None:
     (data / ".hidden.jsonl").write_text("not json")
     sources = [r.source for r in load_records([str(data)], cache_dir=str(tmp_path / "cache")).records]
     assert len(sources) == 8 and sources[-1] == f"{data}/sub/saved:row 1"
+    # Data it does not read is an error, never a silent skip (a directory of 90 examples gave 30).
+    for name in ("d.csv", "e.JSONL", "f.jsonl.gz"):
+        (data / "sub" / name).write_text("x")
+        with pytest.raises(DataError, match=rf"^{data}/sub/{name}: a data file this directory holds that"):
+            load_records([str(data)], cache_dir=str(tmp_path / "cache"))
+        (data / "sub" / name).unlink()
 
     with pytest.raises(DataError, match=r"data.train_files: .*missing.jsonl: no such file"):
         load_records([str(tmp_path / "missing.jsonl")])

@@ -738,3 +738,34 @@ def test_token_ids_past_the_model_vocabulary_are_one_line(tmp_path: Path, tiny_m
         "tokenizer has tokens the model cannot embed (resize its embeddings to the tokenizer with "
         "model.resize_token_embeddings(len(tokenizer)) and save it, or use the model's own tokenizer)"
     )
+
+
+def test_rows_past_a_learned_position_table_are_one_line(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A GPT-2 style model (learned positions, ``n_positions``) given rows longer than its table: an index error
+    at step 1 after the models loaded (a device-side assert on a GPU). One line on opening the data instead;
+    rotary models are not limited."""
+    import shutil
+
+    from transformers import GPT2Config
+
+    from coati_kto.data.prepared import _longest
+
+    path = write_jsonl(tmp_path / "t.jsonl", rows(6, 3))
+    out = prepare(make_config(tmp_path, tiny_model_dir, [str(path)]))
+    config = make_config(tmp_path, tiny_model_dir, [str(path)])
+    longest = max(len(r[key]) for r in out.train for key in ("input_ids", "kl_input_ids"))
+    assert longest <= _longest(config, out) <= config.data.max_length
+    model_dir = tmp_path / "gpt2"
+    shutil.copytree(tiny_model_dir, model_dir)
+    GPT2Config(n_positions=_longest(config, out) - 1, vocab_size=1000).save_pretrained(model_dir)
+    with pytest.raises(ConfigError) as info:
+        prepare(make_config(tmp_path, model_dir, [str(path)]))
+    assert str(info.value) == (
+        f"model.path {model_dir} has {_longest(config, out) - 1} learned positions, but the prepared rows reach "
+        f"{_longest(config, out)} tokens: set data.max_length to at most {_longest(config, out) - 1}"
+    )
+    GPT2Config(n_positions=_longest(config, out), vocab_size=1000).save_pretrained(model_dir)
+    prepare(make_config(tmp_path, model_dir, [str(path)]))
+    rotary = json.loads((tiny_model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**rotary, "max_position_embeddings": 4}))
+    prepare(make_config(tmp_path, model_dir, [str(path)]))

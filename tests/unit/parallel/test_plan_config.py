@@ -94,7 +94,7 @@ def test_gemini_is_refused_at_load_with_the_reason(tmp_path: Path) -> None:
 
 
 def test_output_is_needed_by_train_only(tmp_path: Path, tiny_model_dir: Path) -> None:
-    from coati_kto.data.formats import write_jsonl
+    from coati_kto.data.files import write_jsonl
     from coati_kto.data.prepared import prepare
 
     rows = [{"prompt": f"Question {i}?", "completion": f"Answer {i}.", "label": i % 2 == 0} for i in range(8)]

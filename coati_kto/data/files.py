@@ -1,0 +1,210 @@
+"""Find and read feedback files: ``.jsonl``, ``.json`` (an array, ``{"data": [...]}`` or JSON lines),
+``.parquet``, a directory of them (recursive, sorted) or a ``datasets`` save_to_disk directory; each raw record
+goes to :func:`coati_kto.data.formats.normalize` under its ``file:line`` (``file:row N``, 0-based, for tables).
+
+A data-looking file a directory holds but this module does not read (``.csv``, ``.jsonl.gz``, ``.JSONL``...) is an
+error, never skipped in silence; a ``ClassLabel`` label column maps by its class names, never by index.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from coati_kto.data.formats import LoadResult, RecordError, normalize, show_value
+from coati_kto.errors import DataError
+
+SUFFIXES = (".jsonl", ".json", ".parquet")
+# Suffixes of data this module does not read: a directory holding one is an error, not a silent skip.
+UNREAD = (".csv", ".tsv", ".gz", ".zst", ".bz2", ".xz", ".zip", ".arrow")
+DESIRABLE_NAMES = {"true", "1", "desirable", "good", "chosen", "positive", "yes", "accepted"}
+UNDESIRABLE_NAMES = {"false", "0", "undesirable", "bad", "rejected", "negative", "no"}
+
+
+def _is_saved_dataset(path: Path) -> bool:
+    return any((path / name).exists() for name in ("state.json", "dataset_dict.json", "dataset_info.json"))
+
+
+def _walk(root: Path) -> list[Path]:
+    """Data files and saved datasets under ``root``, sorted; skips hidden entries and coati-kto prepared dirs
+    (a prepared_dir placed inside the data directory must not be read back as data)."""
+    found: list[Path] = []
+    for entry in sorted(root.iterdir()):
+        if entry.name.startswith("."):
+            continue
+        if entry.is_dir():
+            if (entry / "fingerprint.json").exists():
+                continue
+            found.extend([entry] if _is_saved_dataset(entry) else _walk(entry))
+        elif entry.suffix in SUFFIXES:
+            found.append(entry)
+        elif entry.suffix.lower() in SUFFIXES + UNREAD:
+            raise DataError(
+                f"{entry}: a data file this directory holds that coati-kto does not read (use "
+                f"{', '.join(SUFFIXES)}, lower case, uncompressed); convert it or move it out of {root}"
+            )
+    return found
+
+
+def resolve_files(paths: list[str], key: str) -> list[Path]:
+    """Expand directories (sorted, recursive) into data files; a saved dataset stays one path."""
+    out: list[Path] = []
+    for name in paths:
+        path = Path(name)
+        if not path.exists():
+            raise DataError(f"{key}: {name}: no such file or directory")
+        if path.is_dir() and not _is_saved_dataset(path):
+            found = _walk(path)
+            if not found:
+                raise DataError(f"{key}: {name}: directory holds no {'/'.join(SUFFIXES)} files or datasets")
+            out.extend(found)
+        elif path.is_file() and path.suffix not in SUFFIXES:
+            raise DataError(
+                f"{key}: {name}: unsupported file type (use {', '.join(SUFFIXES)} or a dataset dir)"
+            )
+        else:
+            out.append(path)
+    return out
+
+
+def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    """(``file:line``, parsed object) per non-blank line; a malformed line yields a RecordError in its place."""
+    with path.open("rb") as fh:
+        for lineno, raw in enumerate(fh, start=1):
+            source = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # tolerate a byte-order mark
+            except UnicodeDecodeError as err:
+                yield (
+                    source,
+                    RecordError(source, None, f"not UTF-8 text (byte {err.start + 1})", "malformed_json"),
+                )
+                continue
+            if not line.strip():
+                continue
+            try:
+                yield source, json.loads(line)
+            except json.JSONDecodeError as err:
+                problem = f"malformed JSON ({err.msg} at column {err.colno})"
+                yield source, RecordError(source, None, problem, "malformed_json")
+
+
+def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
+    """A .json file: an array of records, ``{"data": [...]}``, or JSON lines under a .json name."""
+    try:
+        data = json.loads(text := path.read_text(encoding="utf-8-sig"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        if isinstance(err, json.JSONDecodeError) and (whole := one_document_error(text, err, path)):
+            raise whole from None
+        yield from _jsonl_rows(path)  # the line numbers then point at the broken line
+        return
+    if isinstance(data, dict) and isinstance(data.get("data"), list):
+        data = data["data"]
+    if isinstance(data, dict):
+        data = [data]
+    if not isinstance(data, list):
+        raise DataError(f"{path}: expected a JSON array of records, got {show_value(data)}")
+    for i, item in enumerate(data):
+        yield f"{path}:row {i}", item
+
+
+def _table_rows(path: Path, cache_dir: str | None) -> Iterator[tuple[str, Any]]:
+    import datasets
+
+    try:
+        if path.is_dir():
+            ds = datasets.load_from_disk(str(path))
+        else:
+            ds = datasets.Dataset.from_parquet(str(path), cache_dir=cache_dir)
+    except Exception as err:  # corrupt or foreign files: say which, in one line
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise DataError(
+            f"{path}: cannot read it with datasets ({type(err).__name__}: {first[:200]})"
+        ) from None
+    if isinstance(ds, datasets.DatasetDict):
+        if len(ds) != 1:
+            raise DataError(
+                f"{path}: a DatasetDict with splits {sorted(ds)}: point at one split's directory, "
+                f"e.g. {path / ('train' if 'train' in ds else sorted(ds)[0])}"
+            )
+        ds = next(iter(ds.values()))
+    label_of = class_label_map(ds, path)  # ClassLabel indices -> bool by the class names
+    for i, row in enumerate(ds):
+        if label_of is not None and row.get("label") in range(len(label_of)):  # -1: datasets' missing label
+            row = {**row, "label": label_of[row["label"]]}
+        # A table has every column in every row; keys a record did not have come back as None.
+        yield f"{path}:row {i}", {k: v for k, v in row.items() if v is not None}
+
+
+def iter_raw(path: Path, cache_dir: str | None = None) -> Iterator[tuple[str, Any]]:
+    if path.suffix == ".jsonl":
+        return _jsonl_rows(path)
+    if path.suffix == ".json":
+        return _json_rows(path)
+    return _table_rows(path, cache_dir)
+
+
+def load_records(
+    paths: list[str],
+    key: str = "data.train_files",
+    on_bad_record: str = "error",
+    cache_dir: str | None = None,
+) -> LoadResult:
+    """Read and validate every record of ``paths``; ``on_bad_record`` is ``"error"`` or ``"skip"``."""
+    files = resolve_files(paths, key)
+    result = LoadResult(records=[], files=[str(p) for p in files])
+    for path in files:
+        for source, raw in iter_raw(path, cache_dir):
+            try:
+                if isinstance(raw, RecordError):
+                    raise raw
+                result.records.extend(normalize(raw, source))
+            except RecordError as bad:
+                if on_bad_record == "error":
+                    raise
+                result.skipped.append(bad)
+    return result
+
+
+def write_jsonl(rows: list[dict[str, Any]], path: str | Path) -> Path:
+    """Write ``rows`` as JSON Lines (the input format ``prepare`` reads), creating parent folders."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def class_label_map(ds: Any, path: Path) -> list[bool] | None:
+    """A ``ClassLabel`` label column stores class indices: map them by the class names (``names=["good",
+    "bad"]`` stores good as 0), never by the index. None when the column is no ClassLabel."""
+    import datasets
+
+    feature = ds.features.get("label")
+    if not isinstance(feature, datasets.ClassLabel):
+        return None
+    keys = [str(name).strip().lower() for name in feature.names]
+    out = [key in DESIRABLE_NAMES for key in keys]
+    known = all(key in DESIRABLE_NAMES | UNDESIRABLE_NAMES for key in keys)
+    if not known or len(keys) != 2 or out[0] == out[1]:
+        raise DataError(
+            f"{path}: column 'label' is a ClassLabel with names {feature.names}: cannot tell which class is "
+            "desirable; store the label as a bool (true = desirable)"
+        )
+    return out
+
+
+def one_document_error(text: str, err: json.JSONDecodeError, path: Path) -> DataError | None:
+    """A .json file that does not parse: when its first line is no JSON value on its own, the file is one
+    document (an array, often pretty-printed) and ``err`` has the line; read as JSON lines, every line of it
+    would be "malformed" (and with on_bad_record: skip the whole file dropped). None: JSON lines, read so."""
+    first = next((line for line in text.splitlines() if line.strip()), "")
+    try:
+        json.loads(first)
+        return None
+    except json.JSONDecodeError:
+        return DataError(
+            f"{path}:{err.lineno}: malformed JSON ({err.msg} at column {err.colno}); the file is one JSON "
+            "document, so none of it can be read until this is fixed"
+        )

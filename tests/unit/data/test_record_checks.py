@@ -1,0 +1,86 @@
+"""Input that used to crash or mislead: lone surrogates, ClassLabel labels, a broken one-document .json, "" tools;
+and config values that used to be refused or ignored (numeric names, negative seed, empty sections)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import datasets
+import pytest
+from helpers import MINIMAL, write_config
+
+from coati_kto.config.load import load_config
+from coati_kto.data.files import load_records
+from coati_kto.data.formats import RecordError
+from coati_kto.errors import ConfigError, DataError
+
+ROWS = [{"prompt": f"q{i}", "completion": f"a{i}", "label": i % 2 == 0} for i in range(6)]
+
+
+def test_lone_surrogate_is_a_bad_record(tmp_path: Path) -> None:
+    path = tmp_path / "d.jsonl"
+    path.write_text(
+        '{"prompt": "a", "completion": "b", "label": true}\n'
+        '{"prompt": "x \\ud800", "completion": "b", "label": false}\n'
+    )
+    with pytest.raises(RecordError, match=r"d.jsonl:2: field 'prompt': not valid Unicode"):
+        load_records([str(path)])
+    assert [b.reason for b in load_records([str(path)], on_bad_record="skip").skipped] == ["bad_text"]
+
+
+def test_class_label_maps_by_name(tmp_path: Path) -> None:
+    rows = [{**r, "label": "good" if r["label"] else "bad"} for r in ROWS]
+    features = datasets.Features(
+        {
+            "prompt": datasets.Value("string"),
+            "completion": datasets.Value("string"),
+            "label": datasets.ClassLabel(names=["good", "bad"]),
+        }
+    )
+    datasets.Dataset.from_list(rows, features=features).save_to_disk(str(tmp_path / "ds"))
+    got = [r.label for r in load_records([str(tmp_path / "ds")]).records]
+    assert got == [r["label"] for r in ROWS]
+    # -1 is how datasets stores a missing ClassLabel: a bad label, never the last class.
+    datasets.Dataset.from_list([{**ROWS[0], "label": -1}], features=features).save_to_disk(
+        str(tmp_path / "gap")
+    )
+    with pytest.raises(
+        RecordError, match=r"row 0: field 'label': expected true/false or 0/1 \(1.0/0.0\), got -1"
+    ):
+        load_records([str(tmp_path / "gap")])
+    features["label"] = datasets.ClassLabel(names=["x", "y"])
+    datasets.Dataset.from_list([{**r, "label": 0} for r in ROWS], features=features).save_to_disk(
+        str(tmp_path / "xy")
+    )
+    with pytest.raises(DataError, match="cannot tell which class is desirable"):
+        load_records([str(tmp_path / "xy")])
+
+
+def test_broken_pretty_json_names_its_line(tmp_path: Path) -> None:
+    lines = json.dumps(ROWS, indent=2).splitlines()
+    lines[4] = lines[4].replace('"label"', "label")
+    (tmp_path / "d.json").write_text("\n".join(lines))
+    for mode in ("error", "skip"):  # skip used to drop the whole file, one "bad record" per line
+        with pytest.raises(DataError, match=r"d.json:5: malformed JSON"):
+            load_records([str(tmp_path / "d.json")], on_bad_record=mode)
+
+
+def test_empty_tools_string_is_no_tools(tmp_path: Path) -> None:
+    row = {
+        "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+        "label": True,
+    }
+    (tmp_path / "d.jsonl").write_text(json.dumps({**row, "tools": ""}) + "\n")
+    assert load_records([str(tmp_path / "d.jsonl")]).records[0].tools is None
+
+
+def test_config_values(tmp_path: Path) -> None:
+    path = write_config(tmp_path, MINIMAL + "train:\nkto:\n")
+    config = load_config(path, ["output.dir=20261125", "logging.wandb_project=2024"])
+    assert config.output.dir == "20261125" and config.logging.wandb_project == "2024"
+    assert config.train.seed == 42
+    with pytest.raises(ConfigError, match="train.seed"):
+        load_config(path, ["train.seed=-1"])
+    with pytest.raises(ConfigError, match="eval_fraction 0.1 with data.eval_files"):
+        load_config(path, ["data.eval_files=[e.jsonl]", "data.eval_fraction=0.1"])
