@@ -93,8 +93,8 @@ class DataSection(_Section):
     on_bad_record: Literal["error", "skip"] = Field(
         "error", description="A malformed record: stop with its file:line, or skip it and count it."
     )
-    on_too_long: Literal["drop", "error"] = Field(
-        "drop", description="A prompt leaving no room for the completion: drop it (counted) or stop."
+    on_too_long: Literal["truncate", "skip", "error"] = Field(
+        "truncate", description="An example over data.max_length: truncate it, skip it (counted) or stop."
     )
     chat_template_kwargs: dict[str, JsonValue] = Field(
         default_factory=dict, description="Chat template variables, e.g. {enable_thinking: false} (Qwen3)."

@@ -205,22 +205,28 @@ class _Fitted:
     keep_c: np.ndarray
 
 
+DROP_REASON = {"skip": "too_long", "truncate": "no_room_for_completion"}  # stats.json's "dropped" key
+
+
 def _fit(table: pa.Table, errors: np.ndarray, config: Config) -> _Fitted:
-    """Truncate every usable row to ``data.max_length``; a row with no room for a completion token is dropped
-    and counted, or raised as DataError with ``data.on_too_long: error``."""
+    """Fit every usable row to ``data.max_length`` as ``data.on_too_long`` says: truncate it (a row with no room
+    for a completion token, reachable only when the prompt limit is not below max_length, is dropped), skip it
+    (counted), or raise DataError naming the first one."""
     d = config.data
     p_len = pc.list_value_length(table.column("prompt_ids")).to_numpy()
     c_len = pc.list_value_length(table.column("completion_ids")).to_numpy()
     keep_p, keep_c = truncation(p_len, c_len, d.max_length, d.max_prompt_length)
-    too_long = np.flatnonzero((errors == "") & (keep_c == 0))
-    if len(too_long) and d.on_too_long == "error":
-        i = too_long[0]
+    usable = errors == ""
+    over = usable & (p_len + c_len > d.max_length)
+    if over.any() and d.on_too_long == "error":
+        i = np.flatnonzero(over)[0]
         raise DataError(
-            f"{table.column('source')[i].as_py()}: prompt ({p_len[i]} tokens) leaves no room for the completion "
-            f"within data.max_length {d.max_length} (data.max_prompt_length {d.max_prompt_length})"
+            f"{table.column('source')[i].as_py()}: {p_len[i]} prompt + {c_len[i]} completion tokens, longer than "
+            f"data.max_length {d.max_length} (data.on_too_long: error; truncate or skip it instead)"
         )
-    rows = np.flatnonzero((errors == "") & (keep_c > 0))
-    return _Fitted(rows, len(too_long), p_len[rows], c_len[rows], keep_p[rows], keep_c[rows])
+    drop = over if d.on_too_long == "skip" else usable & (keep_c == 0)
+    rows = np.flatnonzero(usable & ~drop)
+    return _Fitted(rows, int(drop.sum()), p_len[rows], c_len[rows], keep_p[rows], keep_c[rows])
 
 
 def _split_stats(table: pa.Table, fit: _Fitted, labels: np.ndarray, pi: np.ndarray, config: Config) -> dict:
@@ -245,7 +251,7 @@ def _split_stats(table: pa.Table, fit: _Fitted, labels: np.ndarray, pi: np.ndarr
             "kl_prompt": int((kl_keep_p < p_len).sum()),
             "kl_completion": int((kl_keep_c < c_len[pi]).sum()),
         },
-        "dropped": {"no_room_for_completion": fit.dropped} if fit.dropped else {},
+        "dropped": {DROP_REASON[d.on_too_long]: fit.dropped} if fit.dropped else {},
         "boundary_inside_token": int(
             table.column("boundary_inside_token").to_numpy(zero_copy_only=False).sum()
         ),

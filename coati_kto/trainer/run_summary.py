@@ -38,7 +38,7 @@ def split_rows(stats: dict[str, Any]) -> list[dict[str, Any]]:
                 "undesirable": split["labels"]["undesirable"],
                 "truncated_prompts": truncated.get("prompt", 0),
                 "truncated_completions": truncated.get("completion", 0),
-                "dropped_too_long": (split.get("dropped") or {}).get("no_room_for_completion", 0),
+                "dropped_too_long": sum((split.get("dropped") or {}).values()),
             }
         )
     return rows

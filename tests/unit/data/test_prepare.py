@@ -381,9 +381,26 @@ def test_examples_that_cannot_fit_are_dropped_and_counted(tmp_path: Path, tiny_m
     out = prepare(cfg)
     assert out.stats["train"]["dropped"] == {"no_room_for_completion": 3} and len(out.train) == 4
     assert "dropped: {'no_room_for_completion': 3}" in store.summary(out.stats, cfg, True, "", 1.0)
-    object.__setattr__(cfg, "data", cfg.data.model_construct(**{**data, "on_too_long": "error"}))
-    with pytest.raises(DataError, match=rf"^{path}:1: prompt \(\d+ tokens\) leaves no room"):
-        prepare(cfg)
+
+
+def test_on_too_long_truncates_skips_or_stops(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """data.on_too_long: "drop" and "error" could never fire (they applied only to examples with no room for a
+    completion, which the schema rules out), so over-long examples were truncated whatever the config said."""
+    rows_ = [{"prompt": "Q:", "completion": " ok" * 40, "label": i % 2 == 0} for i in range(3)]
+    rows_ += [{"prompt": "Q:", "completion": " ok", "label": i % 2 == 0} for i in range(4)]
+    path = write_jsonl(tmp_path / "t.jsonl", rows_)
+    truncated = prepare(make_config(tmp_path, tiny_model_dir, [str(path)], max_length=24))
+    assert len(truncated.train) == 7 and truncated.stats["train"]["truncated"]["completion"] == 3
+    assert max(len(r["input_ids"]) for r in truncated.train) == 24
+    skipped = prepare(make_config(tmp_path, tiny_model_dir, [str(path)], max_length=24, on_too_long="skip"))
+    assert len(skipped.train) == 4 and skipped.stats["train"]["dropped"] == {"too_long": 3}
+    assert skipped.stats["train"]["truncated"]["completion"] == 0
+    with pytest.raises(
+        DataError, match=rf"^{path}:1: \d+ prompt \+ \d+ completion tokens, longer than data.max"
+    ):
+        prepare(make_config(tmp_path, tiny_model_dir, [str(path)], max_length=24, on_too_long="error"))
+    with pytest.raises(Exception, match="on_too_long"):
+        make_config(tmp_path, tiny_model_dir, [str(path)], on_too_long="drop")
 
 
 # ------------------------------------------------------------------------------------------- issue 17
