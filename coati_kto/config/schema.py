@@ -21,7 +21,9 @@ LossType = Literal["kto", "apo_zero_unpaired"]
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, coerce_numbers_to_str=True)
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, coerce_numbers_to_str=True, allow_inf_nan=False
+    )
 
 
 class LoraSection(_Section):
@@ -57,9 +59,7 @@ class ModelSection(_Section):
     path: str = Field(description="Hugging Face model directory (or hub id on machines that reach the hub).")
     tokenizer: str | None = Field(None, description="Tokenizer directory; defaults to model.path.")
     reference_path: str | None = Field(None, description="Reference model; defaults to model.path.")
-    gradient_checkpointing: bool = Field(
-        False, description="Recompute activations in backward to save memory."
-    )
+    gradient_checkpointing: bool = Field(False, description="Recompute activations in backward: less memory.")
     attn_implementation: Literal["eager", "sdpa", "flex_attention", "flash_attention_2"] | None = Field(
         None, description="Attention kernel passed to from_pretrained; None: the model's default."
     )
@@ -100,9 +100,7 @@ class DataSection(_Section):
         default_factory=dict, description="Chat template variables, e.g. {enable_thinking: false} (Qwen3)."
     )
     num_proc: int = Field(1, ge=1, description="Tokenization processes for `prepare`.")
-    pad_to_multiple_of: int | None = Field(
-        None, ge=1, description="Pad batches to a multiple of this length."
-    )
+    pad_to_multiple_of: int | None = Field(None, ge=1, description="Pad batches to a multiple of this.")
     group_by_length: bool = Field(False, description="Batch examples of similar length (less padding).")
     padding_free: bool = Field(
         False,
@@ -147,7 +145,7 @@ class KTOSection(_Section):
     )
     auto_weights: bool = Field(False, description="Set the weights into the paper's [1, 4/3] guideline.")
     kl_scope: Literal["step", "micro_batch"] = Field(
-        "step", description="Estimate z0 over the whole optimizer step (all ranks) or per micro-batch."
+        "step", description="z0 over the optimizer step, or per accumulation micro-batch (all ranks)."
     )
     reference: Literal["online", "cached"] = Field(
         "online",
@@ -190,7 +188,7 @@ class TrainSection(_Section):
         4, ge=2, description="Per rank; >= 2 so each micro-batch holds both labels."
     )
     eval_micro_batch_size: int | None = Field(
-        None, ge=2, description="Per rank, for evaluation; defaults to micro_batch_size."
+        None, ge=1, description="Per rank, for evaluation; defaults to micro_batch_size."
     )
     accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step on each rank.")
     max_epochs: int = Field(1, ge=1, description="Passes over the training data.")

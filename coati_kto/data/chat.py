@@ -2,8 +2,9 @@
 
 The prompt is ``template(prompt, add_generation_prompt=True)``; the completion text is what ``template(prompt +
 completion)`` adds after it. Every call gets ``data.chat_template_kwargs`` (e.g. Qwen3's ``enable_thinking``)
-and the record's own ``tools``. A template that fails on a record, or renders a prompt that is not a prefix of the
-whole conversation, makes that record a one-line :class:`RecordError`.
+and the record's own ``tools``. A template that fails on a record, renders a prompt that is not a prefix of the
+whole conversation, or leaves out a system or user turn or the record's tools, makes that record a one-line
+:class:`RecordError` (never a silent loss of what the model should see).
 """
 
 from __future__ import annotations
@@ -93,7 +94,12 @@ def _render_group(
         msg = str(err).splitlines()[0] if str(err) else type(err).__name__
         return [RecordError(sources[0], "messages", f"the chat template failed: {msg}", "chat_template")]
     out: list[tuple[str, str] | RecordError] = []
-    for prompt_text, full_text, source in zip(prompt_texts, full_texts, sources, strict=True):
+    for prompt, prompt_text, full_text, source in zip(
+        prompts, prompt_texts, full_texts, sources, strict=True
+    ):
+        if (left_out := _left_out(prompt, prompt_text, kwargs.get("tools"))) is not None:
+            out.append(RecordError(source, left_out[0], left_out[1], "not_rendered"))
+            continue
         if full_text.startswith(prompt_text):
             out.append((prompt_text, full_text[len(prompt_text) :]))
             continue
@@ -109,3 +115,25 @@ def _render_group(
         )
         out.append(RecordError(source, "messages", problem, "chat_template"))
     return out
+
+
+def _left_out(prompt: list[dict], prompt_text: str, tools: list[dict] | None) -> tuple[str, str] | None:
+    """(field, problem) when the template left out part of the prompt: a system or user turn whose text is not
+    in the rendering (a template without system turns drops them), or tools none of whose names appear (a
+    template without tool support ignores ``tools``). Assistant and tool turns are not checked: templates
+    rightly rewrite them (reasoning stripped from history, tool results as JSON)."""
+    for i, message in enumerate(prompt):
+        content = message.get("content")
+        shown = not isinstance(content, str) or content.strip() in prompt_text
+        if message.get("role") in ("system", "user") and not shown:
+            return f"prompt[{i}].content", (
+                f"the chat template leaves this {message['role']} turn out of the prompt it renders, so the "
+                "model would train without it; use a template that renders it, or remove the turn"
+            )
+    names = [str((t.get("function") or t).get("name", "")) for t in tools or [] if isinstance(t, dict)]
+    if names and not any(name and name in prompt_text for name in names):
+        return "tools", (
+            f"the chat template renders none of the record's tools ({', '.join(names)[:80]}): it ignores tools, "
+            "so the model would train without them; use a template with tool support, or drop the tools"
+        )
+    return None

@@ -5,7 +5,7 @@ One optimizer step (``_train_step``) on every rank:
 1. no-grad passes over each micro-batch of the step (coati_kto.trainer.passes): the policy on the KL pairs,
    the reference on the examples and their KL pairs, or the batch's precomputed reference log-probs;
 2. the reference point z0 from the KL log-ratios of every micro-batch of the step on every data-parallel rank
-   (``kto.kl_scope: step``; ``micro_batch`` estimates one z0 per micro-batch instead). With
+   (``kto.kl_scope: step``; ``micro_batch``: one z0 per accumulation micro-batch, over all ranks). With
    ``loss_type="apo_zero_unpaired"`` there is no z0: the KL-pair passes of step 1 and this collective are
    skipped on every rank alike;
 3. the policy pass with gradient per micro-batch, the KTO loss, ``booster.backward`` of

@@ -96,6 +96,12 @@ class KTOPasses:
         """
         sums = StepSums(self.device)
         done = 0
+        if train:
+            groups = [list(group) for group in groups]
+            # Every example of the step weighs the same, 1 / (the step's rows on all data-parallel ranks), also
+            # when micro-batches differ in size (a step re-planned after a resume on another layout): the
+            # plugins average gradients over the dp ranks, so each rank divides by (global rows / dp size).
+            scale = self._step_rows([batch for group in groups for batch in group])
         for group in groups:
             group = list(group)
             passes = [self._no_grad_pass(batch, train, may_fold=len(group) == 1) for batch in group]
@@ -122,7 +128,6 @@ class KTOPasses:
                         self.undesirable_weight,
                     )
                     if train:
-                        scale = item.labels.numel() * num_micro_batches
                         loss = torch.where(item.valid, losses, 0.0).sum() / scale
                         backward(loss)
                 item.batch = None
@@ -132,6 +137,17 @@ class KTOPasses:
                 sums.add_flops(item.flops + grad_flops)
                 sums.add(losses, rewards, policy_logps, item.labels, item.valid, item.tokens)
         return sums
+
+    def _step_rows(self, batches: list[KTOBatch]) -> torch.Tensor:
+        """0-dim fp32 on the device: the step's rows summed over the data-parallel group, divided by its size
+        (one collective, no host sync); equals rows x micro-batches when every micro-batch has the same size."""
+        import torch.distributed as dist
+
+        rows = torch.tensor(float(sum(len(batch) for batch in batches)), device=self.device)
+        if self.kl_group is None:
+            return rows
+        dist.all_reduce(rows, op=dist.ReduceOp.SUM, group=self.kl_group)
+        return rows / dist.get_world_size(self.kl_group)
 
     def _z0(self, passes: list[_NoGradPass], sums: StepSums) -> torch.Tensor:
         """z0 of a group (one collective); recorded with its unclamped value."""

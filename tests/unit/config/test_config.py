@@ -42,6 +42,15 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
         "bf16",
     )
     assert load_config(path).kto.beta == 0.1
+    # Evaluation needs no mixed-label micro-batches: one example per micro-batch is fine (was refused, >= 2).
+    assert load_config(path, ["train.eval_micro_batch_size=1"]).train.eval_micro_batch_size == 1
+    # An infinite lr or a NaN beta passed validation (and trained to NaN).
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["train.lr=.inf", "kto.beta=nan"])
+    assert str(info.value).splitlines() == [
+        f"{path}: kto.beta: Input should be a finite number (got 'nan')",
+        f"{path}: train.lr: Input should be a finite number (got inf)",
+    ]
 
 
 def test_unknown_key_is_named(tmp_path: Path) -> None:

@@ -76,7 +76,7 @@ def test_schema_lists_every_key_with_type_default_and_help(capsys: pytest.Captur
         "kto.undesirable_weight: float = 1.0  # lambda_U: weight of undesirable examples' loss.",
         "kto.auto_weights: bool = false  # Set the weights into the paper's [1, 4/3] guideline.",
         "kto.kl_scope: step | micro_batch = step  "
-        "# Estimate z0 over the whole optimizer step (all ranks) or per micro-batch.",
+        "# z0 over the optimizer step, or per accumulation micro-batch (all ranks).",
     ]
     required = "model.path: str (required)  # Hugging Face model directory (or hub id on machines that reach the hub)."
     assert required in lines

@@ -351,3 +351,32 @@ def test_python_tokenizers_split_like_fast_ones(tiny_tokenizer, tmp_path) -> Non
     completions = ["5", "pital", " 5", " return a + b", " y"]
     assert Encoder(slow).split(prompts, completions) == Encoder(tiny_tokenizer).split(prompts, completions)
     assert Encoder(slow).split(prompts, completions)[2] == [True, True, False, False, False]
+
+
+def test_a_template_that_leaves_out_a_turn_or_the_tools_makes_a_bad_record() -> None:
+    """A template without system turns (the Mistral style here) or without tool support (this ChatML one)
+    rendered the record without them, and the model trained on less than the record said, in silence."""
+    from coati_kto.data.chat import render
+    from coati_kto.testing.tiny import build_tokenizer
+
+    corpus = ["The rules are strict.", "What is the weather?", "Sunny."]
+    system = {"role": "system", "content": "The rules are strict."}
+    user = {"role": "user", "content": "What is the weather?"}
+    completion = [{"role": "assistant", "content": "Sunny."}]
+    mistral = build_tokenizer(corpus, vocab_size=300, style="mistral")
+    with pytest.raises(RecordError) as info:
+        render(mistral, [system, user], completion, True, "d.jsonl:3")
+    assert str(info.value) == (
+        "d.jsonl:3: field 'prompt[0].content': the chat template leaves this system turn out of the prompt it "
+        "renders, so the model would train without it; use a template that renders it, or remove the turn"
+    )
+    assert info.value.reason == "not_rendered"
+    assert render(mistral, [user], completion, True, "d.jsonl:3")[1] == "Sunny.</s>"
+    chatml = build_tokenizer(corpus, vocab_size=300, style="chatml")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
+    with pytest.raises(
+        RecordError, match=r"field 'tools': the chat template renders none of the record's tools"
+    ):
+        render(chatml, [system, user], completion, True, "d.jsonl:3", tools=tools)
+    prompt, _ = render(chatml, [system, user], completion, True, "d.jsonl:3")
+    assert "The rules are strict." in prompt
