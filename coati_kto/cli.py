@@ -122,6 +122,17 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise UserError(f"--examples must be >= 0, got {args.examples}")
 
 
+def _check_before_launch(args: argparse.Namespace) -> None:
+    """The config, and for train the preflight: here, once, rather than in N processes."""
+    from coati_kto.config.load import load_config
+
+    config = load_config(args.config, args.overrides)
+    if args.command == "train":
+        from coati_kto.runtime.preflight import check_training
+
+        check_training(config)
+
+
 def _run(args: argparse.Namespace) -> int:
     """The command itself; user mistakes raise UserError (``main`` turns them into one line and exit 2)."""
     if args.command == "config":
@@ -131,13 +142,13 @@ def _run(args: argparse.Namespace) -> int:
     from coati_kto.config.load import load_config
 
     _check_numbers(args)
-    config = load_config(args.config, args.overrides)
     if args.command in ("train", "precompute") and args.nproc_per_node and "RANK" not in os.environ:
-        if args.command == "train":  # here, once, rather than in N processes
-            from coati_kto.runtime.preflight import check_training
+        from coati_kto.launch.torchrun import before_workers
 
-            check_training(config)
-        return _launch_local(args)
+        # The launcher's signal handling from here: a stop signal during the checks is one line, not a kill.
+        stopped = before_workers(lambda: _check_before_launch(args))
+        return stopped if stopped is not None else _launch_local(args)
+    config = load_config(args.config, args.overrides)
     if args.command == "prepare":
         from coati_kto.data.prepared import prepare
 

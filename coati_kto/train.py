@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from coati_kto.config.load import save_config
-from coati_kto.config.resume import check_resume
+from coati_kto.config.resume import check_resume, check_training_data
 from coati_kto.config.schema import Config
 from coati_kto.data.collator import KTOCollator
 from coati_kto.data.eval_sampler import EvalBatchSampler, ValidMaskLoader
@@ -327,8 +327,11 @@ def _resume(config: Config, run: _Run, trainer: Any) -> None:
     (coati_kto.config.resume); the schedule then spans the steps this run will take (the rest of the epoch in
     progress is re-planned on another layout or micro-batch size) and peaks at train.lr. Every rank calls."""
     checkpoint = trainer.checkpoint_manager.resolve_everywhere(config.train.resume)  # rank 0 decides
-    saved = trainer.checkpoint_manager.saved_config(checkpoint) if checkpoint is not None else None
+    state = trainer.checkpoint_manager.saved_state(checkpoint) if checkpoint is not None else {}
+    saved = state.get("config")
     line = check_resume(saved, config.model_dump(mode="json"), checkpoint.name) if saved is not None else None
+    if checkpoint is not None:
+        check_training_data(state.get("train_data"), run.data.stats.get("train_data"), checkpoint.name)
     resumed = None
     if checkpoint is not None:
         trainer.resume(checkpoint)

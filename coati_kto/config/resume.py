@@ -87,3 +87,14 @@ def check_resume(saved: dict, current: dict, checkpoint: str) -> str | None:
     return f"resume: {len(changes)} setting(s) differ from {checkpoint}'s config, applied: " + ", ".join(
         map(str, changes)
     )
+
+
+def check_training_data(saved: str | None, current: str | None, checkpoint: str) -> None:
+    """ConfigError when the training data changed since the checkpoint while the config did not (files edited in
+    place: the data position of the epoch in progress would index other rows). None on either side: not known."""
+    if saved is not None and current is not None and saved != current:
+        raise ConfigError(
+            f"train.resume {checkpoint}: the training data changed since the checkpoint (the content of "
+            f"data.train_files or the tokenizer: {saved} -> {current}): cannot change on resume ({REFUSED['data']})"
+            "\n(start a new run in another output.dir, or resume unchanged)"
+        )

@@ -15,7 +15,14 @@ import time
 from pathlib import Path
 
 from coati_kto.config.schema import Config
-from coati_kto.data.store import PreparedData, ensure, read_fingerprint, read_prepared, summary
+from coati_kto.data.store import (
+    PreparedData,
+    ensure,
+    read_fingerprint,
+    read_prepared,
+    summary,
+    train_data_digest,
+)
 from coati_kto.data.tokenize import load_tokenizer, pad_id
 from coati_kto.data.weights import imbalance
 from coati_kto.errors import ConfigError, DataError
@@ -36,6 +43,7 @@ def _open(config: Config) -> PreparedData:
         if why:
             raise ConfigError(f"{key} {why}")
     data.stats["imbalance"] = imbalance(config, data.stats, num_replicas=1)
+    data.stats["train_data"] = train_data_digest(read_fingerprint(Path(config.data.prepared_dir)))
     return data
 
 

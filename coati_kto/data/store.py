@@ -147,6 +147,15 @@ def _changed(old: dict, new: dict) -> str:
     return ", ".join(keys) or "fingerprint"
 
 
+def train_data_digest(fp: dict | None) -> str | None:
+    """What the training rows are made of, wherever the files sit: every train file's size and content hash and
+    the tokenizer (16 hex digits; None without a fingerprint). A resume refuses a change of it."""
+    if fp is None:
+        return None
+    parts = [[entry[1:] for entry in fp.get("train_files", [])], fp.get("tokenizer")]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def read_fingerprint(target: Path) -> dict | None:
     """``target/fingerprint.json`` (present only in a complete build), or None when missing or unreadable."""
     try:

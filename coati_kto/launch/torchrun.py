@@ -22,6 +22,7 @@ import os
 import signal
 import socket
 import sys
+from collections.abc import Callable
 from types import FrameType
 
 import psutil
@@ -81,6 +82,21 @@ def _failure_lines(err: BaseException) -> tuple[list[str], int]:
         how = f"signal {failure.signal_name()}" if failure.exitcode < 0 else f"exit code {failure.exitcode}"
         lines.append(f"launcher: rank {rank} (local rank {failure.local_rank}) on {host} failed with {how}")
     return lines, 1
+
+
+def before_workers(checks: Callable[[], None]) -> int | None:
+    """Run ``checks`` (config, preflight: seconds of imports) under the launcher's signal handling; returns the
+    exit status when a stop signal ended them (one line), else None. SIGUSR1 stays pending for the workers."""
+    previous = {sig: signal.signal(sig, _forward) for sig in STOP_SIGNALS}
+    try:
+        checks()
+        return None
+    except _StoppedBeforeWorkersError as err:
+        print(f"launcher: stopped by {err} before the workers started", file=sys.stderr, flush=True)
+        return 128 + err.signum
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def main(argv: list[str] | None = None) -> int:

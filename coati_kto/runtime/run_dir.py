@@ -50,8 +50,16 @@ def resolve_checkpoint(root: Path, resume: str | None) -> Path | None:
         pointer = root / LATEST
         if pointer.is_file():
             named = root / pointer.read_text().strip()
-            if (named / COMPLETE).is_file():
-                return named
+            marker = named / COMPLETE
+            if marker.is_file():
+                # A save killed between its rename into step-N and the pointer's update leaves the pointer on
+                # an older checkpoint: a checkpoint completed after the one named is the newer one.
+                later = [
+                    p
+                    for p in complete_checkpoints(root)
+                    if (p / COMPLETE).stat().st_mtime_ns > marker.stat().st_mtime_ns
+                ]
+                return max(later, key=lambda p: (p / COMPLETE).stat().st_mtime_ns) if later else named
         complete = complete_checkpoints(root)  # pointer missing or stale: the highest complete step
         return complete[-1] if complete else None
     path = Path(resume)

@@ -28,6 +28,7 @@ from coati_kto.models.lora import base_module
 from coati_kto.parallel.distributed import ParallelLayout, barrier, gather_objects, on_rank0
 from coati_kto.parallel.masters import working_to_master
 from coati_kto.runtime.run_dir import COMPLETE, LATEST, complete_checkpoints, resolve_checkpoint
+from coati_kto.trainer.export import fp32_state, write_atomic, write_hf
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ class CheckpointManager:
         except CheckpointSaveError:
             raise
         except Exception as err:  # this rank failed: join the agreement the other ranks are waiting in
-            self._agree(step, tmp, err)
+            self._agree(step, tmp, _with_disk_hint(err, self.root))
             raise  # not reached: _agree raises
 
     def _write(self, step: int, model: Any, optimizer: Any, lr_scheduler: Any, trainer_state: dict) -> Path:
@@ -97,9 +98,11 @@ class CheckpointManager:
             # COMPLETE goes in before the rename, so a directory named step-N is never seen half-done.
             (tmp / COMPLETE).write_text(f"step {step}\n")
             if final.exists():  # re-saving a step (e.g. right after a resume): replace it
+                # COMPLETE goes first: a kill in the middle of rmtree must not leave a "complete" husk.
+                (final / COMPLETE).unlink(missing_ok=True)
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            _write_atomic(self.root / LATEST, final.name)
+            write_atomic(self.root / LATEST, final.name)
             self._prune(keep=final)
         self._agree(step, tmp)
         return final
@@ -157,10 +160,11 @@ class CheckpointManager:
         """
         return on_rank0(lambda: self.resolve(resume), "resolve the checkpoint")
 
-    def saved_config(self, path: Path) -> dict | None:
-        """The resolved config the checkpoint's run trained with (``Config.model_dump(mode="json")``), or None
-        for a checkpoint saved without one. Reads a file only; every rank may call."""
-        return _read_state(path, 0)["trainer_state"].get("config")
+    def saved_state(self, path: Path) -> dict:
+        """Rank 0's saved trainer state: ``config`` (the resolved config the run trained with,
+        ``Config.model_dump(mode="json")``) and ``train_data`` (its training data's digest), each None in a
+        checkpoint saved without it. Reads a file only; every rank may call."""
+        return _read_state(path, 0)["trainer_state"]
 
     def load(self, path: Path, model: Any, optimizer: Any, lr_scheduler: Any) -> dict:
         """Every rank calls. Restores model, optimizer (with fp32 masters), scheduler and this rank's RNG.
@@ -206,40 +210,35 @@ class CheckpointManager:
         """Every rank calls (tensor-parallel shards are gathered by ``state_dict()``, a collective there).
 
         The main rank writes a Hugging Face model directory (config.json, model.safetensors, tokenizer
-        files) in the training dtype, or in fp32 from ``fp32_masters`` (``parallel.masters.gathered_masters``);
-        the others wait for it. Returns ``out_dir``.
+        files) in the training dtype, or in fp32 from ``fp32_masters`` (``parallel.masters.gathered_masters``),
+        into ``out_dir.tmp`` and renames it into place: ``out_dir`` is whole or absent. A failed write (disk
+        full) removes the partial directory and raises CheckpointSaveError on every rank. Returns ``out_dir``.
         """
         out = Path(out_dir)
         module = model.unwrap()
         save_tied_weights_once(module)
         state = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
         if fp32_masters is not None:
-            state = _fp32_state(state, fp32_masters)
+            state = fp32_state(state, fp32_masters)
+        tmp, failure = out.with_name(f"{out.name}.tmp"), None
         if self.layout.is_main:
-            out.mkdir(parents=True, exist_ok=True)
-            # save_pretrained drops tied duplicates that safetensors refuses, and writes config's dtype.
-            module.save_pretrained(out, state_dict=state, safe_serialization=True)
-            if fp32_masters is not None:  # config.json names the module's (working) dtype: say what is stored
-                config = json.loads((out / "config.json").read_text())
-                config["dtype" if "dtype" in config else "torch_dtype"] = "float32"
-                _write_atomic(out / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
-            if tokenizer is not None:
-                tokenizer.save_pretrained(out)
-        barrier()
+            try:
+                write_hf(module, state, tokenizer, tmp, fp32=fp32_masters is not None)
+                if out.exists():
+                    shutil.rmtree(out)
+                os.replace(tmp, out)
+            except Exception as err:  # the others wait in the gather below; all raise the same error
+                failure = _with_disk_hint(err, out.parent)
+        failed = gather_objects(None if failure is None else _describe(failure))[0]
+        if failed is not None:
+            if self.layout.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            last = self.resolve("auto")
+            raise CheckpointSaveError(
+                f"the final model could not be written to {out} (rank 0: {failed}); removed the partial "
+                f"{tmp.name}; " + (f"train.resume=auto exports it again from {last}" if last else "")
+            )
         return out
-
-
-def _fp32_state(state: dict[str, torch.Tensor], masters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state`` with every parameter replaced by its fp32 master and other floats cast to fp32; tied entries
-    (one tensor under two names) stay one tensor."""
-    by_storage = {state[name].data_ptr(): master for name, master in masters.items() if name in state}
-    out = {}
-    for key, value in state.items():
-        replaced = by_storage.get(value.data_ptr())
-        out[key] = (
-            replaced if replaced is not None else (value.float() if value.is_floating_point() else value)
-        )
-    return out
 
 
 def _read_state(path: Path, rank: int) -> dict:
@@ -264,6 +263,19 @@ def _old_dp_states(path: Path, meta: dict) -> list[dict]:
             f"{sorted(steps)}; expected dp ranks 0..{dp_size - 1} at one step: the checkpoint is inconsistent"
         )
     return [by_dp[r] for r in range(dp_size)]
+
+
+def _with_disk_hint(err: BaseException, root: Path) -> BaseException:
+    """torch.save's file writer turns ENOSPC and EIO into ``RuntimeError: ... unexpected pos A vs B``: name the
+    cause from the filesystem's free space instead (an OSError :func:`_describe` prints in one line)."""
+    if isinstance(err, OSError) or "unexpected pos" not in str(err):
+        return err
+    try:
+        free = shutil.disk_usage(root).free
+    except OSError:
+        return err
+    hint = "No space left on device" if free < (1 << 20) else "write failed (I/O error?)"
+    return OSError(0, f"{hint}: {free} bytes free under {root} ({str(err).strip().splitlines()[0]})")
 
 
 def _describe(err: BaseException) -> str:
@@ -309,15 +321,6 @@ def save_tied_weights_once(module: torch.nn.Module) -> None:
 
     module._register_state_dict_hook(drop_aliases)
     module._register_load_state_dict_pre_hook(fill_aliases)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _master_shards(model: Any, optimizer: Any) -> dict[str, torch.Tensor]:

@@ -152,8 +152,7 @@ class KTOTrainer(SLTrainer):
     def _init_run_state(self) -> None:
         """Counters, the data position and the writers: what fit advances and a checkpoint records."""
         self.skipped_steps = 0
-        # The last logged records, {"step": ..., "train/loss": ..., ...}, on all ranks (callers, tests).
-        self.history: deque[dict[str, float]] = deque(maxlen=HISTORY_LENGTH)
+        self.history: deque[dict[str, float]] = deque(maxlen=HISTORY_LENGTH)  # last logged records, all ranks
         self.position = DataPosition(self.accumulation_steps)
         self._last_lr = float("nan")
         self._last_saved_step: int | None = None
@@ -372,6 +371,7 @@ class KTOTrainer(SLTrainer):
             "skipped_steps": self.skipped_steps,
             "last_eval_step": self._last_eval_step,
             "config": self.run_config,
+            "train_data": (self.data_stats or {}).get("train_data"),  # checked on resume (config.resume)
         }
         self.checkpoint_manager.save(self.global_step, self.policy, self.optimizer, self.lr_scheduler, state)
         self._last_saved_step = self.global_step

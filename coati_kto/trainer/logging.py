@@ -6,6 +6,7 @@ every call is a no-op. Values arrive already reduced over the data-parallel grou
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 import time
@@ -45,16 +46,13 @@ class MetricWriter:
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Write finite scalars at ``step`` (names like ``train/loss``); a NaN never reaches the dashboards."""
         finite = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
-        if self._tb is not None:
-            for key, value in finite.items():
-                self._tb.add_scalar(key, value, global_step=step)
+        self._to_tensorboard(lambda tb: [tb.add_scalar(k, v, global_step=step) for k, v in finite.items()])
         if self._wandb is not None and finite:
             self._wandb.log(finite, step=step)
 
     def text(self, tag: str, markdown: str, step: int) -> None:
         """A TensorBoard TEXT entry (rendered as markdown) under ``tag``."""
-        if self._tb is not None:
-            self._tb.add_text(tag, markdown, global_step=step)
+        self._to_tensorboard(lambda tb: tb.add_text(tag, markdown, global_step=step))
 
     def hparams(self, params: dict[str, float | int | str | bool], metric_tags: Iterable[str]) -> None:
         """The run's hyperparameters for TensorBoard's HPARAMS tab, in this run's own directory.
@@ -66,21 +64,37 @@ class MetricWriter:
             return
         from torch.utils.tensorboard.summary import hparams
 
-        experiment, start, end = hparams(params, {tag: float("nan") for tag in metric_tags})
-        for summary in (experiment, start, end):
-            self._tb.file_writer.add_summary(summary)
+        summaries = hparams(params, {tag: float("nan") for tag in metric_tags})
+        self._to_tensorboard(lambda tb: [tb.file_writer.add_summary(summary) for summary in summaries])
 
     def flush(self) -> None:
-        if self._tb is not None:
-            self._tb.flush()
+        self._to_tensorboard(lambda tb: tb.flush())
 
     def close(self) -> None:
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        self._to_tensorboard(lambda tb: tb.close())
+        self._tb = None
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+    def _to_tensorboard(self, write: Any) -> None:
+        """``write(writer)``; an OSError (disk full, a read-only filesystem) stops TensorBoard with one warning
+        instead of the run with a traceback: checkpoints report their own failures."""
+        if self._tb is None:
+            return
+        try:
+            write(self._tb)
+        except OSError as err:
+            tb, self._tb = self._tb, None
+            where = f": {err.filename}" if err.filename else ""
+            print(
+                f"warning: TensorBoard stopped ({err.strerror or err}{where}); training goes on, and the "
+                "console and W&B still get the metrics",
+                file=sys.stderr,
+                flush=True,
+            )
+            with contextlib.suppress(OSError):
+                tb.close()
 
 
 def _init_wandb(

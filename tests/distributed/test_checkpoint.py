@@ -115,7 +115,29 @@ def _resume(s: dict[str, Any], model_dir: str, export_dir: str | None) -> dict[s
         from transformers import AutoTokenizer
 
         s["mgr"].export_hf(s["model"], AutoTokenizer.from_pretrained(model_dir), export_dir)
+        result["failed_export"] = _failed_export(s, export_dir)
     return result
+
+
+def _failed_export(s: dict[str, Any], export_dir: str) -> str:
+    """Export again with the main rank's write failing (a full disk): every rank's error, the good export kept."""
+    import errno
+
+    import coati_kto.trainer.checkpoint as ckpt
+
+    def full(module: Any, state: dict, tokenizer: Any, out: Path, fp32: bool) -> None:
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+        raise OSError(errno.ENOSPC, "No space left on device", str(out / "model.safetensors"))
+
+    write, ckpt.write_hf = ckpt.write_hf, full
+    try:
+        s["mgr"].export_hf(s["model"], None, export_dir)
+    except ckpt.CheckpointSaveError as err:
+        return str(err)
+    finally:
+        ckpt.write_hf = write
+    return "no error"
 
 
 def _housekeeping(s: dict[str, Any]) -> dict[str, Any]:
@@ -246,6 +268,16 @@ def test_export_hf_loads_with_trained_weights_and_tokenizer(
     tok, orig = AutoTokenizer.from_pretrained(export), AutoTokenizer.from_pretrained(tiny_model_dir)
     assert tok("Paris is the capital")["input_ids"] == orig("Paris is the capital")["input_ids"]
     assert tok.chat_template == orig.chat_template
+    # A write that fails on the main rank (disk full): one error on every rank (was a traceback on rank 0 and a
+    # hang or SIGTERM on the others), no partial directory, the export before it intact.
+    errors = {r["bf16"]["failed_export"] for r in runs["second"]}
+    last = export.parent / "bf16" / runs["second"][0]["bf16"]["resolved"]
+    assert errors == {
+        f"the final model could not be written to {export} (rank 0: No space left on device: {export}.tmp/"
+        f"model.safetensors); removed the partial {export.name}.tmp; train.resume=auto exports it again from {last}"
+    }
+    assert not export.with_name(f"{export.name}.tmp").exists()
+    assert json.loads((export / "config.json").read_text())["dtype"] == "bfloat16"
 
 
 # ---- one data-parallel rank: hybrid_parallel runs ZeRO stage 0 (parallel.plan.running_zero_stage) ----------

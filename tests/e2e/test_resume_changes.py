@@ -114,3 +114,30 @@ def test_a_change_that_makes_another_run_is_refused(first_run: Path) -> None:
     ]
     assert "Traceback" not in done.stderr
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before  # nothing trained, nothing saved
+
+
+def test_training_data_edited_in_place_is_refused(first_run: Path) -> None:
+    """The same train file, edited (completions rewritten, as many records and labels): the config is unchanged,
+    so the resume was accepted and the epoch in progress went on at its old position in other rows."""
+    import re
+
+    train = first_run.parent / "train.jsonl"
+    original = train.read_text()
+    out = first_run.parent / "out"
+    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+    try:
+        train.write_text(original.replace('"completion": "', '"completion": "Edited: '))
+        done = _train(first_run, "train.resume=auto")
+    finally:
+        train.write_text(original)
+    assert done.returncode == 2, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.strip()]
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    assert re.fullmatch(
+        rf"error: train.resume {latest}: the training data changed since the checkpoint \(the content of "
+        r"data.train_files or the tokenizer: [0-9a-f]{16} -> [0-9a-f]{16}\): cannot change on resume \(the data "
+        r"position of the epoch in progress belongs to the old training set\)",
+        errors[0],
+    ), errors
+    assert errors[1:] == ["(start a new run in another output.dir, or resume unchanged)"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before  # nothing trained, nothing saved

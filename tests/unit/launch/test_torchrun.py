@@ -37,3 +37,24 @@ def test_handler_reentered_before_workers_exist(monkeypatch: pytest.MonkeyPatch)
         assert os.environ[PENDING_STOP_ENV] == str(int(signal.SIGUSR1))
         with pytest.raises(torchrun._StoppedBeforeWorkersError):
             torchrun._forward(signal.SIGTERM, None)
+
+
+def test_a_stop_signal_during_the_checks_before_launch_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`coati-kto train --nproc-per-node N` loads the config and runs the preflight (seconds of imports) before
+    torchrun starts: SIGUSR1 there killed the launcher ("User defined signal 1", exit 138), SIGTERM gave -15."""
+
+    class NoChildren:
+        def children(self, recursive: bool = False) -> list:
+            return []
+
+    monkeypatch.setattr(torchrun.psutil, "Process", NoChildren)
+    monkeypatch.setenv(PENDING_STOP_ENV, "")
+    monkeypatch.delenv(PENDING_STOP_ENV)
+    before = signal.getsignal(signal.SIGTERM)
+    assert torchrun.before_workers(lambda: os.kill(os.getpid(), signal.SIGUSR1)) is None
+    assert os.environ[PENDING_STOP_ENV] == str(int(signal.SIGUSR1))  # the workers inherit it
+    assert torchrun.before_workers(lambda: os.kill(os.getpid(), signal.SIGTERM)) == 128 + signal.SIGTERM
+    assert capsys.readouterr().err == "launcher: stopped by SIGTERM before the workers started\n"
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -116,3 +116,29 @@ def test_padding_free_with_a_dense_mask_on_a_gpu_is_said(tmp_path) -> None:
     flex = load_config(path, ["data.padding_free=true", "model.attn_implementation=flex_attention"])
     assert _attention_notes(flex, cuda=True) == []
     assert _attention_notes(load_config(path), cuda=True) == []
+
+
+def test_a_tensorboard_write_that_fails_stops_tensorboard_not_the_run(
+    tmp_path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A read-only or full output filesystem made the event writer raise OSError out of the training loop (a
+    traceback on rank 0, the other ranks SIGTERMed). Now one warning, and the run goes on."""
+    import errno
+
+    from coati_kto.trainer.logging import MetricWriter
+
+    writer = MetricWriter(True, tmp_path / "tb")
+    writer.log({"train/loss": 0.5}, 1)
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(tmp_path / "tb" / "events"))
+
+    writer._tb.add_scalar = read_only
+    writer.log({"train/loss": 0.4}, 2)
+    writer.log({"train/loss": 0.3}, 3)  # TensorBoard is off: no second warning
+    writer.flush()
+    writer.close()
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: TensorBoard stopped (Read-only file system: {tmp_path / 'tb' / 'events'}); training goes on, "
+        "and the console and W&B still get the metrics"
+    ]

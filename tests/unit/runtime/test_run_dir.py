@@ -1,0 +1,53 @@
+"""Which checkpoint ``train.resume=auto`` picks, and how a failed checkpoint write is named."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from coati_kto.runtime.run_dir import COMPLETE, LATEST, resolve_checkpoint
+
+
+def _checkpoint(root: Path, step: int, completed_ns: int) -> Path:
+    path = root / f"step-{step}"
+    path.mkdir(parents=True)
+    (path / COMPLETE).write_text(f"step {step}\n")
+    os.utime(path / COMPLETE, ns=(completed_ns, completed_ns))
+    return path
+
+
+def test_auto_prefers_a_checkpoint_completed_after_the_one_the_pointer_names(tmp_path: Path) -> None:
+    """A SIGKILL between a save's rename into step-8 and the pointer's update left ``latest`` on step-4, and
+    resume=auto went back to step-4 (the steps since were trained again)."""
+    _checkpoint(tmp_path, 4, 1_000_000_000)
+    eight = _checkpoint(tmp_path, 8, 2_000_000_000)
+    (tmp_path / LATEST).write_text("step-4")
+    assert resolve_checkpoint(tmp_path, "auto") == eight
+
+
+def test_auto_follows_the_pointer_over_a_higher_but_older_step(tmp_path: Path) -> None:
+    """A run resumed from step-2 by hand and saved step-4: step-6 (completed before, by the abandoned run) is a
+    higher step, but the pointer's step-4 is the newer checkpoint."""
+    _checkpoint(tmp_path, 2, 1_000_000_000)
+    _checkpoint(tmp_path, 6, 2_000_000_000)
+    four = _checkpoint(tmp_path, 4, 3_000_000_000)
+    (tmp_path / LATEST).write_text("step-4")
+    assert resolve_checkpoint(tmp_path, "auto") == four
+
+
+def test_a_full_disk_under_torch_save_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch.save given a path turns ENOSPC into "RuntimeError: [enforce fail ...] unexpected pos A vs B"."""
+    import shutil
+
+    from coati_kto.trainer.checkpoint import _describe, _with_disk_hint
+
+    err = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 863872 vs 863764")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(8 << 20, 8 << 20, 0))
+    assert _describe(_with_disk_hint(err, tmp_path)) == (
+        f"No space left on device: 0 bytes free under {tmp_path} ([enforce fail at inline_container.cc:672] . "
+        "unexpected pos 863872 vs 863764)"
+    )
+    other = ValueError("not a write")
+    assert _with_disk_hint(other, tmp_path) is other
