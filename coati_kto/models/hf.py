@@ -7,6 +7,7 @@ code, dtype) is decided once. May import: config, errors (and transformers / col
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,9 +30,9 @@ def attention_implementation(path: str, model_cfg: ModelSection) -> tuple[str | 
 
 
 def load_causal_lm(path: str, model_cfg: ModelSection, dtype: torch.dtype) -> torch.nn.Module:
-    """A Hugging Face causal LM. Dropout is switched off on the modules by KTOTrainer, not in the config, so
+    """A Hugging Face causal LM (a vision-language model whole: :func:`auto_model_class`). Dropout is switched off on the modules by KTOTrainer, not in the config, so
     the exported model keeps the user's config."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
     from transformers.utils import logging as hf_logging
 
     # transformers 5 draws a "Loading weights" bar on stderr for every load on every rank (policy, reference):
@@ -48,9 +49,41 @@ def load_causal_lm(path: str, model_cfg: ModelSection, dtype: torch.dtype) -> to
         )
     attention, _ = attention_implementation(path, model_cfg)
     extra = {"attn_implementation": attention} if attention else {}
-    return AutoModelForCausalLM.from_pretrained(
+    config = AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
+    model = auto_model_class(config).from_pretrained(
         path, dtype=dtype, trust_remote_code=model_cfg.trust_remote_code, **extra
     )
+    _restore_frozen(model)
+    return model
+
+
+def _restore_frozen(model: torch.nn.Module) -> None:
+    """Give back ``requires_grad=False`` to the parameters the model's own constructor freezes (Ernie-4.5-MoE's
+    ``moe_statics.e_score_correction_bias``, AFMoE's ``expert_bias``): transformers 5's loader re-wraps every
+    loaded tensor as ``nn.Parameter(requires_grad=is_floating_point())`` (core_model_loading.py), so they became
+    trainable parameters that never get a gradient (DDP raises at the next step; an optimizer would own them)."""
+    try:
+        with torch.device("meta"):
+            fresh = type(model)(model.config)
+    except Exception:  # a class that cannot be rebuilt from its config alone keeps the loader's flags
+        return
+    frozen = {name for name, param in fresh.named_parameters() if not param.requires_grad}
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
+
+
+def auto_model_class(config: Any) -> Any:
+    """AutoModelForCausalLM, or AutoModelForImageTextToText for a vision-language checkpoint (trained on text
+    like Gemma 3 4B-27B, its vision tower frozen and exported): transformers maps Qwen2-VL, Qwen2.5-VL, Qwen3-VL
+    and Mistral 3 to no causal-LM class, and Qwen 3.5's to its text-only Qwen3_5ForCausalLM (the vision tower
+    would be dropped from the export)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    if vision_language(config) and config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
 
 
 def freeze_vision_tower(model: torch.nn.Module, keep_fp32: bool = False) -> dict[str, torch.Tensor]:

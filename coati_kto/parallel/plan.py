@@ -276,10 +276,20 @@ class ParallelPlan:
 def _fp32_buffers(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
     """(owner, name, fp32 copy) of every floating non-persistent buffer (rotary ``inv_freq``): derived constants
     that transformers computes in fp32 whatever the load dtype."""
-    found = []
+    # Persistent buffers the model class keeps in fp32 whatever the load dtype (transformers'
+    # _keep_in_fp32_modules(_strict): DeepSeek-V3's, GLM-4-MoE's and Ernie-4.5-MoE's router
+    # e_score_correction_bias): never trained, so a bf16 cast would round them in training and in the export.
+    keep = set()
     for owner in module.modules():
+        keep |= set(getattr(owner, "_keep_in_fp32_modules_strict", None) or ())
+        keep |= set(getattr(owner, "_keep_in_fp32_modules", None) or ())
+    found = []
+    for prefix, owner in module.named_modules():
         for name, buf in owner._buffers.items():
-            if buf is not None and buf.is_floating_point() and name in owner._non_persistent_buffers_set:
+            if buf is None or not buf.is_floating_point():
+                continue
+            qualified = f"{prefix}.{name}" if prefix else name
+            if name in owner._non_persistent_buffers_set or any(k in qualified for k in keep):
                 found.append((owner, name, buf.detach().float().clone()))
     return found
 

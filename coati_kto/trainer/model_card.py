@@ -168,11 +168,25 @@ def _evaluation_section(eval_record: dict[str, float] | None) -> list[str]:
     ]
 
 
+def _auto_class_name(config: Config) -> str:
+    """The Auto class that reloads the export: image-text-to-text for a vision-language base model (read from a
+    local model directory; a hub id gets the causal-LM class)."""
+    if not (Path(config.model.path) / "config.json").is_file():
+        return "AutoModelForCausalLM"
+    from transformers import AutoConfig
+
+    from coati_kto.models.hf import auto_model_class
+
+    base = AutoConfig.from_pretrained(config.model.path, trust_remote_code=config.model.trust_remote_code)
+    return auto_model_class(base).__name__
+
+
 def _use_section(config: Config) -> list[str]:
-    lines = ["## Use", "", "```python", "from transformers import AutoModelForCausalLM, AutoTokenizer", ""]
+    auto = _auto_class_name(config)
+    lines = ["## Use", "", "```python", f"from transformers import {auto}, AutoTokenizer", ""]
     if config.model.lora is None:
         lines += [
-            'model = AutoModelForCausalLM.from_pretrained("path/to/final")',
+            f'model = {auto}.from_pretrained("path/to/final")',
             'tokenizer = AutoTokenizer.from_pretrained("path/to/final")',
         ]
     else:  # coati_kto.models.lora.export_lora: final/adapter (peft) and, with output.merge_lora, final/merged
