@@ -35,6 +35,36 @@ def vision_language(config: Any) -> bool:
     return get_text_config is not None and get_text_config() is not config
 
 
+def auto_model_class(config: Any) -> Any:
+    """AutoModelForCausalLM, or AutoModelForImageTextToText for a vision-language checkpoint (trained on text
+    like Gemma 3 4B-27B, its vision tower frozen and exported): transformers maps Qwen2-VL, Qwen2.5-VL, Qwen3-VL
+    and Mistral 3 to no causal-LM class, and Qwen 3.5's to its text-only Qwen3_5ForCausalLM (the vision tower
+    would be dropped from the export)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    if vision_language(config) and config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
+# Vision-language families whose whole-model class cannot run the text passes (transformers 5.24): refused.
+BROKEN_VISION_LANGUAGE = {
+    "llama4": "transformers' Llama4ForConditionalGeneration fails on text-only batches ('MoeCausalLMOutputWithPast' "
+    "has no attribute 'image_outputs')",
+}
+
+
+def vision_language_refusal(model_dir: str) -> str | None:
+    """Why the vision-language checkpoint at ``model_dir`` cannot train (None when it can or is no such model);
+    read from config.json alone."""
+    raw = _config_json(model_dir)
+    if raw is None or raw.get("vision_config") is None or raw.get("text_config") is None:
+        return None
+    why = BROKEN_VISION_LANGUAGE.get(str(raw.get("model_type")))
+    return f"{model_dir} is a {raw.get('model_type')} vision-language checkpoint: {why}" if why else None
+
+
 def text_vocab_size(config: Any) -> int:
     """The vocabulary of ``config``'s text model (a composite config keeps it in its text config)."""
     return int(config.get_text_config().vocab_size if vision_language(config) else config.vocab_size)

@@ -7,14 +7,13 @@ code, dtype) is decided once. May import: config, errors (and transformers / col
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
 
 import torch
 from torch import nn
 
 from coati_kto.config.schema import ModelSection
 from coati_kto.errors import ConfigError
-from coati_kto.families import eager_attention_reason, vision_language
+from coati_kto.families import auto_model_class, eager_attention_reason, vision_language
 
 
 def attention_implementation(path: str, model_cfg: ModelSection) -> tuple[str | None, str | None]:
@@ -71,19 +70,6 @@ def _restore_frozen(model: torch.nn.Module) -> None:
     for name, param in model.named_parameters():
         if name in frozen:
             param.requires_grad_(False)
-
-
-def auto_model_class(config: Any) -> Any:
-    """AutoModelForCausalLM, or AutoModelForImageTextToText for a vision-language checkpoint (trained on text
-    like Gemma 3 4B-27B, its vision tower frozen and exported): transformers maps Qwen2-VL, Qwen2.5-VL, Qwen3-VL
-    and Mistral 3 to no causal-LM class, and Qwen 3.5's to its text-only Qwen3_5ForCausalLM (the vision tower
-    would be dropped from the export)."""
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-
-    if vision_language(config) and config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
-        return AutoModelForImageTextToText
-    return AutoModelForCausalLM
 
 
 def freeze_vision_tower(model: torch.nn.Module, keep_fp32: bool = False) -> dict[str, torch.Tensor]:

@@ -20,7 +20,7 @@ from coati_kto.config.hub import looks_like_hub_id
 from coati_kto.config.schema import Config
 from coati_kto.data.files import resolve_files
 from coati_kto.errors import ConfigError, DataError, UserError
-from coati_kto.families import vision_language
+from coati_kto.families import auto_model_class, vision_language, vision_language_refusal
 from coati_kto.runtime.run_dir import CHECKPOINTS_DIR, complete_checkpoints, previous_run, resolve_checkpoint
 
 _WEIGHTS = (
@@ -59,6 +59,7 @@ def check_training(config: Config) -> None:
             resolve_files(getattr(config.data, key), f"data.{key}")
         except DataError as err:
             problems.append(str(err))
+    problems += [f"model.path {why}" for why in [vision_language_refusal(model.path)] if why]
     problems += _lora_problems(config)
     problems += _attention_problems(config)
     problems += _resume_problems(config)
@@ -133,11 +134,12 @@ def _lora_problems(config: Config) -> list[str]:
         return []
     # Imported here: torch and transformers cost seconds, and only a LoRA run pays them in preflight.
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+            base = AutoConfig.from_pretrained(path)
+            model = auto_model_class(base).from_config(base)
     except (OSError, ValueError, KeyError):
         return []  # an unloadable config is reported by _source_problems
     if vision_language(

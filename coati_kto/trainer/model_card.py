@@ -175,7 +175,7 @@ def _auto_class_name(config: Config) -> str:
         return "AutoModelForCausalLM"
     from transformers import AutoConfig
 
-    from coati_kto.models.hf import auto_model_class
+    from coati_kto.families import auto_model_class
 
     base = AutoConfig.from_pretrained(config.model.path, trust_remote_code=config.model.trust_remote_code)
     return auto_model_class(base).__name__

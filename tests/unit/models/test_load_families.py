@@ -92,3 +92,35 @@ def test_router_buffers_the_class_keeps_in_fp32_are_kept(tmp_path: Path) -> None
     model = tf.DeepseekV3ForCausalLM(config)
     kept = {name for _, name, copy in _fp32_buffers(model) if copy.dtype == torch.float32}
     assert "e_score_correction_bias" in kept
+
+
+def test_vision_language_refusals_at_preflight(tmp_path: Path) -> None:
+    """LoRA on Qwen2.5-VL was not refused (preflight built it with AutoModelForCausalLM, which raised, and the
+    check gave up); a Llama 4 vision-language checkpoint, loaded whole, fails on text batches in transformers 5.24:
+    one line each before anything loads."""
+    from coati_kto.config.schema import Config
+    from coati_kto.families import vision_language_refusal
+    from coati_kto.runtime.preflight import _lora_problems
+
+    mrope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}
+    qwen25 = tf.Qwen2_5_VLConfig(
+        text_config={**TEXT, "rope_parameters": mrope},
+        vision_config={**VISION, "window_size": 28, "fullatt_block_indexes": [0]},
+    )
+    qwen25.save_pretrained(tmp_path / "qwen25")
+    config = Config.model_validate(
+        {
+            "model": {"path": str(tmp_path / "qwen25"), "lora": {"rank": 4}},
+            "data": {"train_files": ["d.jsonl"], "prepared_dir": str(tmp_path / "p")},
+            "output": {"dir": str(tmp_path / "o")},
+        }
+    )
+    assert _lora_problems(config) == [
+        f"model.lora with {tmp_path / 'qwen25'}, a vision-language model (qwen2_5_vl): train it in full"
+    ]
+    tf.Llama4Config(text_config={**TEXT, "head_dim": 8}).save_pretrained(tmp_path / "llama4")
+    assert vision_language_refusal(str(tmp_path / "llama4")) == (
+        f"{tmp_path / 'llama4'} is a llama4 vision-language checkpoint: transformers' Llama4ForConditionalGeneration "
+        "fails on text-only batches ('MoeCausalLMOutputWithPast' has no attribute 'image_outputs')"
+    )
+    assert vision_language_refusal(str(tmp_path / "qwen25")) is None
