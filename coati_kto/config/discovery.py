@@ -72,8 +72,33 @@ def all_keys() -> list[str]:
     return keys
 
 
+# The names TRL's KTOConfig and transformers' TrainingArguments give these settings: users bring them along.
+TRAINER_NAMES = {
+    "learning_rate": "train.lr",
+    "per_device_train_batch_size": "train.micro_batch_size",
+    "per_device_eval_batch_size": "train.eval_micro_batch_size",
+    "gradient_accumulation_steps": "train.accumulation_steps",
+    "num_train_epochs": "train.max_epochs",
+    "warmup_steps": "train.warmup_steps",
+    "max_grad_norm": "train.max_grad_norm",
+    "logging_steps": "train.log_interval",
+    "eval_steps": "train.eval_interval",
+    "save_steps": "output.save_interval",
+    "output_dir": "output.dir",
+    "max_prompt_length": "data.max_prompt_length",
+    "max_length": "data.max_length",
+    "beta": "kto.beta",
+    "desirable_weight": "kto.desirable_weight",
+    "undesirable_weight": "kto.undesirable_weight",
+}
+
+
 def did_you_mean(dotted: str) -> str | None:
-    """The closest known key (or section) to the unknown ``dotted`` key, when one is close; else None."""
+    """The closest known key (or section) to the unknown ``dotted`` key, when one is close; else None. A
+    TRL / transformers trainer name (``train.learning_rate``) maps to this project's key (``train.lr``)."""
+    leaf = dotted.rsplit(".", 1)[-1]
+    if leaf in TRAINER_NAMES and TRAINER_NAMES[leaf] in all_keys():
+        return TRAINER_NAMES[leaf]
     depth = dotted.count(".")
     candidates = [k for k in all_keys() if k.count(".") == depth]
     close = difflib.get_close_matches(dotted, candidates, n=1, cutoff=0.75)

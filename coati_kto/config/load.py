@@ -58,7 +58,7 @@ def _format_errors(err: ValidationError, source: str) -> str:
             msg = "required key is missing"
         elif "input" in e and not isinstance(e["input"], dict):
             msg = f"{msg} (got {e['input']!r})"
-        lines.append(f"{source}: {key}: {msg}" if key else f"{source}: {msg}")
+        lines += [f"{source}: {key}: {part}" if key else f"{source}: {part}" for part in msg.split("\n")]
     return "\n".join(lines)
 
 

@@ -271,31 +271,32 @@ class PluginSection(_Section):
 
     @model_validator(mode="after")
     def _combinations(self) -> PluginSection:
+        problems = []  # every one at once, a line each
         if self.name == "gemini":
-            raise ValueError(
+            problems.append(
                 "plugin.name gemini is not supported: it needs CUDA and is unverified here (the no-grad policy "
                 "forward before the first backward trips GeminiDDP's placement assertion, and gradient "
                 "accumulation needs enable_gradient_accumulation); use hybrid_parallel with zero_stage 2, or "
                 "low_level_zero"
             )
         if self.name == "hybrid_parallel" and self.zero_stage >= 1 and self.precision == "fp32":
-            raise ValueError(
+            problems.append(
                 f"plugin.name hybrid_parallel with plugin.zero_stage {self.zero_stage} needs "
                 "plugin.precision bf16 or fp16: set plugin.precision=bf16, or plugin.zero_stage=0 for fp32"
             )
         if self.tp_size > 1 and self.name != "hybrid_parallel":
-            raise ValueError(
-                f"plugin.tp_size {self.tp_size} needs plugin.name hybrid_parallel (got {self.name})"
-            )
+            problems.append(f"plugin.tp_size {self.tp_size} needs hybrid_parallel, not {self.name}")
         if self.name == "ddp" and self.zero_stage != 0:
-            raise ValueError("plugin.name ddp has no ZeRO: set plugin.zero_stage=0 (or use low_level_zero)")
+            problems.append("plugin.name ddp has no ZeRO: set plugin.zero_stage=0 (or use low_level_zero)")
         if self.name == "ddp" and self.precision != "fp32":
-            raise ValueError(
+            problems.append(
                 f"plugin.name ddp trains in fp32 here (got plugin.precision {self.precision}): set "
                 "plugin.precision=fp32, or use low_level_zero / hybrid_parallel for bf16"
             )
         if self.name == "low_level_zero" and self.zero_stage == 0:
-            raise ValueError("plugin.name low_level_zero needs plugin.zero_stage 1 or 2")
+            problems.append("plugin.name low_level_zero needs plugin.zero_stage 1 or 2")
+        if problems:
+            raise ValueError("\n".join(problems))
         return self
 
 

@@ -44,6 +44,21 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
     assert load_config(path).kto.beta == 0.1
     # Evaluation needs no mixed-label micro-batches: one example per micro-batch is fine (was refused, >= 2).
     assert load_config(path, ["train.eval_micro_batch_size=1"]).train.eval_micro_batch_size == 1
+    # Every plugin problem at once (the checks stopped at the first), and the trainer names users bring from
+    # TRL / transformers get this project's key.
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["plugin.name=ddp", "plugin.precision=bf16", "plugin.tp_size=2"])
+    assert str(info.value).splitlines() == [
+        f"{path}: plugin: plugin.tp_size 2 needs hybrid_parallel, not ddp",
+        f"{path}: plugin: plugin.name ddp trains in fp32 here (got plugin.precision bf16): set "
+        "plugin.precision=fp32, or use low_level_zero / hybrid_parallel for bf16",
+    ]
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["train.learning_rate=1e-5", "train.gradient_accumulation_steps=4"])
+    assert sorted(str(info.value).splitlines()) == [
+        f"{path}: train.gradient_accumulation_steps: unknown key (did you mean train.accumulation_steps?)",
+        f"{path}: train.learning_rate: unknown key (did you mean train.lr?)",
+    ]
     # An infinite lr or a NaN beta passed validation (and trained to NaN).
     with pytest.raises(ConfigError) as info:
         load_config(path, ["train.lr=.inf", "kto.beta=nan"])
@@ -98,7 +113,7 @@ def test_other_impossible_combinations(tmp_path: Path) -> None:
         (["plugin.name=ddp", "plugin.zero_stage=2"], "plugin.name ddp has no ZeRO"),
         (
             ["plugin.name=low_level_zero", "plugin.tp_size=2"],
-            "plugin.tp_size 2 needs plugin.name hybrid_parallel",
+            "plugin.tp_size 2 needs hybrid_parallel",
         ),
         (["data.max_prompt_length=600", "data.max_length=512"], "data.max_prompt_length (600)"),
     ]:
