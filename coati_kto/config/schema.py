@@ -339,55 +339,55 @@ class Config(_Section):
     logging: LoggingSection = Field(default_factory=LoggingSection)
 
     @model_validator(mode="after")
-    def _family_fits_plugin(self) -> Config:
-        try:  # a model class without a shardformer policy cannot run under hybrid_parallel
-            tp = self.plugin.tp_size
-            check_model_family(self.plugin.name, self.model.path, "model.path", tp)
-            if self.model.reference_path:
-                check_model_family(self.plugin.name, self.model.reference_path, "model.reference_path", tp)
-        except ConfigError as err:
-            raise ValueError(str(err)) from None
+    def _combinations(self) -> Config:
+        problems = self._family_problems() + self._padding_free_problems()  # every one at once, a line each
+        problems += self._export_problems() + self._lora_problems()
+        if problems:
+            raise ValueError("\n".join(problems))
         return self
 
-    @model_validator(mode="after")
-    def _padding_free_fits(self) -> Config:
-        if self.data.padding_free:
-            paths = [p for p in (self.model.path, self.model.reference_path) if p]
-            why = packing_refusal(paths, self.model.attn_implementation)
-            if why is not None:
-                raise ValueError(f"data.padding_free needs packed rows, which {why} cannot take")
-        return self
+    def _family_problems(self) -> list[str]:
+        out = []
+        for key in ("model.path", "model.reference_path"):  # no shardformer policy: no hybrid_parallel
+            try:
+                if path := getattr(self.model, key.split(".")[1]):
+                    check_model_family(self.plugin.name, path, key, self.plugin.tp_size)
+            except ConfigError as err:
+                out.append(str(err))
+        return out
 
-    @model_validator(mode="after")
-    def _export_fits(self) -> Config:
-        if self.output is None or self.output.export_dtype != "fp32":
-            return self
-        if self.model.lora is not None:
-            raise ValueError("output.export_dtype fp32 with model.lora: the adapters are exported as trained")
-        if self.plugin.tp_size > 1:
-            raise ValueError(
+    def _padding_free_problems(self) -> list[str]:
+        paths = [p for p in (self.model.path, self.model.reference_path) if p]
+        why = packing_refusal(paths, self.model.attn_implementation) if self.data.padding_free else None
+        return [] if why is None else [f"data.padding_free needs packed rows, which {why} cannot take"]
+
+    def _export_problems(self) -> list[str]:
+        out, fp32 = [], self.output is not None and self.output.export_dtype == "fp32"
+        if fp32 and self.model.lora is not None:
+            out.append("output.export_dtype fp32 with model.lora: the adapters are exported as trained")
+        if fp32 and self.plugin.tp_size > 1:
+            out.append(
                 f"output.export_dtype fp32 with plugin.tp_size {self.plugin.tp_size}: the fp32 masters are "
                 "gathered for tensor-parallel size 1 only (export the training dtype, or train with tp_size 1)"
             )
-        return self
+        return out
 
-    @model_validator(mode="after")
-    def _lora_fits(self) -> Config:
+    def _lora_problems(self) -> list[str]:
         if self.model.lora is None:
-            if self.output is not None and self.output.merge_lora:
-                raise ValueError("output.merge_lora needs model.lora (there are no adapters to merge)")
-            return self
+            merge = self.output is not None and self.output.merge_lora
+            return ["output.merge_lora needs model.lora (there are no adapters to merge)"] if merge else []
+        out = []
         if self.plugin.name == "hybrid_parallel" and self.plugin.tp_size > 1:
-            raise ValueError(
+            out.append(
                 f"model.lora with plugin.tp_size {self.plugin.tp_size}: ColossalAI 0.5.0 enables LoRA under "
                 "hybrid_parallel only with tp_size 1 (set plugin.tp_size=1, or use low_level_zero or ddp)"
             )
         if self.model.reference_path and self.kto.reference == "online":
-            raise ValueError(
+            out.append(
                 "model.reference_path with model.lora: the online reference is model.path with the adapters "
                 "disabled (remove model.reference_path, or use kto.reference cached)"
             )
-        return self
+        return out
 
     def training_output(self) -> OutputSection:
         """The ``output`` section, which training needs (``prepare`` and ``inspect`` do not)."""

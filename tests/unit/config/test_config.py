@@ -59,6 +59,16 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
         f"{path}: train.gradient_accumulation_steps: unknown key (did you mean train.accumulation_steps?)",
         f"{path}: train.learning_rate: unknown key (did you mean train.lr?)",
     ]
+    # The cross-key checks too: each stopped the others (LoRA, tp 2 and an fp32 export break three rules).
+    with pytest.raises(ConfigError) as info:
+        load_config(path, ["model.lora={rank: 4}", "plugin.tp_size=2", "output.export_dtype=fp32"])
+    assert str(info.value).splitlines() == [
+        f"{path}: output.export_dtype fp32 with model.lora: the adapters are exported as trained",
+        f"{path}: output.export_dtype fp32 with plugin.tp_size 2: the fp32 masters are gathered for "
+        "tensor-parallel size 1 only (export the training dtype, or train with tp_size 1)",
+        f"{path}: model.lora with plugin.tp_size 2: ColossalAI 0.5.0 enables LoRA under hybrid_parallel only "
+        "with tp_size 1 (set plugin.tp_size=1, or use low_level_zero or ddp)",
+    ]
     # An infinite lr or a NaN beta passed validation (and trained to NaN).
     with pytest.raises(ConfigError) as info:
         load_config(path, ["train.lr=.inf", "kto.beta=nan"])
