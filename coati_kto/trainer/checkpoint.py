@@ -112,14 +112,10 @@ class CheckpointManager:
 
         On any failure: the main rank removes ``tmp``, then every rank raises the same CheckpointSaveError.
         """
-        failures = gather_objects(None if failure is None else _describe(failure))
-        failed = [(rank, text) for rank, text in enumerate(failures) if text is not None]
-        if not failed:
+        failed = self._first_failure(tmp, failure)
+        if failed is None:
             return
-        if self.layout.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-        barrier()  # removed before anyone reports it
-        rank, text = failed[0]
+        rank, text = failed
         last = self.resolve("auto")
         kept = f"the last complete checkpoint is {last}" if last else "no complete checkpoint was written yet"
         raise CheckpointSaveError(
@@ -229,16 +225,26 @@ class CheckpointManager:
                 os.replace(tmp, out)
             except Exception as err:  # the others wait in the gather below; all raise the same error
                 failure = _with_disk_hint(err, out.parent)
-        failed = gather_objects(None if failure is None else _describe(failure))[0]
+        failed = self._first_failure(tmp, failure)
         if failed is not None:
-            if self.layout.is_main:
-                shutil.rmtree(tmp, ignore_errors=True)
             last = self.resolve("auto")
             raise CheckpointSaveError(
-                f"the final model could not be written to {out} (rank 0: {failed}); removed the partial "
-                f"{tmp.name}; " + (f"train.resume=auto exports it again from {last}" if last else "")
+                f"the final model could not be written to {out} (rank {failed[0]}: {failed[1]}); removed the "
+                f"partial {tmp.name}; " + (f"train.resume=auto exports it again from {last}" if last else "")
             )
         return out
+
+    def _first_failure(self, tmp: Path, failure: BaseException | None) -> tuple[int, str] | None:
+        """Every rank calls (one gather): the first rank that failed and its one-line cause, or None. On a
+        failure the main rank has removed ``tmp`` before any rank returns."""
+        failures = gather_objects(None if failure is None else _describe(failure))
+        failed = [(rank, text) for rank, text in enumerate(failures) if text is not None]
+        if not failed:
+            return None
+        if self.layout.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        barrier()  # removed before anyone reports it
+        return failed[0]
 
 
 def _read_state(path: Path, rank: int) -> dict:
