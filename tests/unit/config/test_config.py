@@ -29,6 +29,13 @@ def test_shipped_configs_exist() -> None:
     assert {"single_gpu.yaml", "node_8gpu_zero2.yaml", "multinode_zero2.yaml", "tp2_zero1.yaml"} <= names
 
 
+def _errors(path: Path, overrides: list[str]) -> list[str]:
+    """The lines of the ConfigError that loading ``path`` with ``overrides`` raises."""
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    return str(info.value).splitlines()
+
+
 def test_defaults_and_overrides(tmp_path: Path) -> None:
     path = write_config(tmp_path, MINIMAL)
     config = load_config(path, ["train.lr=1e-5", "data.train_files=[a.jsonl, b.jsonl]", "kto.beta=0.2"])
@@ -46,23 +53,17 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
     assert load_config(path, ["train.eval_micro_batch_size=1"]).train.eval_micro_batch_size == 1
     # Every plugin problem at once (the checks stopped at the first), and the trainer names users bring from
     # TRL / transformers get this project's key.
-    with pytest.raises(ConfigError) as info:
-        load_config(path, ["plugin.name=ddp", "plugin.precision=bf16", "plugin.tp_size=2"])
-    assert str(info.value).splitlines() == [
+    assert _errors(path, ["plugin.name=ddp", "plugin.precision=bf16", "plugin.tp_size=2"]) == [
         f"{path}: plugin: plugin.tp_size 2 needs hybrid_parallel, not ddp",
         f"{path}: plugin: plugin.name ddp trains in fp32 here (got plugin.precision bf16): set "
         "plugin.precision=fp32, or use low_level_zero / hybrid_parallel for bf16",
     ]
-    with pytest.raises(ConfigError) as info:
-        load_config(path, ["train.learning_rate=1e-5", "train.gradient_accumulation_steps=4"])
-    assert sorted(str(info.value).splitlines()) == [
+    assert sorted(_errors(path, ["train.learning_rate=1e-5", "train.gradient_accumulation_steps=4"])) == [
         f"{path}: train.gradient_accumulation_steps: unknown key (did you mean train.accumulation_steps?)",
         f"{path}: train.learning_rate: unknown key (did you mean train.lr?)",
     ]
     # The cross-key checks too: each stopped the others (LoRA, tp 2 and an fp32 export break three rules).
-    with pytest.raises(ConfigError) as info:
-        load_config(path, ["model.lora={rank: 4}", "plugin.tp_size=2", "output.export_dtype=fp32"])
-    assert str(info.value).splitlines() == [
+    assert _errors(path, ["model.lora={rank: 4}", "plugin.tp_size=2", "output.export_dtype=fp32"]) == [
         f"{path}: output.export_dtype fp32 with model.lora: the adapters are exported as trained",
         f"{path}: output.export_dtype fp32 with plugin.tp_size 2: the fp32 masters are gathered for "
         "tensor-parallel size 1 only (export the training dtype, or train with tp_size 1)",
@@ -70,9 +71,7 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
         "with tp_size 1 (set plugin.tp_size=1, or use low_level_zero or ddp)",
     ]
     # An infinite lr or a NaN beta passed validation (and trained to NaN).
-    with pytest.raises(ConfigError) as info:
-        load_config(path, ["train.lr=.inf", "kto.beta=nan"])
-    assert str(info.value).splitlines() == [
+    assert _errors(path, ["train.lr=.inf", "kto.beta=nan"]) == [
         f"{path}: kto.beta: Input should be a finite number (got 'nan')",
         f"{path}: train.lr: Input should be a finite number (got inf)",
     ]
