@@ -9,7 +9,7 @@ import argparse
 import os
 import sys
 
-from coati_kto.errors import UserError
+from coati_kto.errors import USER_ERROR_EXIT_CODE, UserError
 from coati_kto.runtime.signals import ABORT_EXIT_CODE, STOP, STOP_EXIT_CODE, TrainingStoppedError
 
 _EPILOG = "Overrides: section.key=value (YAML values), e.g. train.lr=1e-6 data.max_length=512"
@@ -178,10 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         return _run(args)
     except UserError as err:
         if err.same_on_every_rank and rank not in (None, "0"):
-            return 2  # the same on every rank: rank 0 prints it
+            return USER_ERROR_EXIT_CODE  # the same on every rank: rank 0 prints it
         prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
         print(f"{prefix}error: {err}", file=sys.stderr)
-        return 2
+        return USER_ERROR_EXIT_CODE
     except TrainingStoppedError as stop:
         if rank in (None, "0"):
             print(stop, file=sys.stderr, flush=True)

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+USER_ERROR_EXIT_CODE = (
+    2  # the CLI's exit status for a UserError; a launcher whose ranks exit so returns it too
+)
+
 
 class UserError(Exception):
     """A mistake in the user's input (config, data, command line).

@@ -30,7 +30,13 @@ from coati_kto.families import model_notes
 from coati_kto.models.hf import attention_implementation, freeze_vision_tower, load_causal_lm
 from coati_kto.models.lora import AdapterFreeReference, enable_lora
 from coati_kto.parallel import compat
-from coati_kto.parallel.distributed import ParallelLayout, barrier, init_distributed, seed_everything
+from coati_kto.parallel.distributed import (
+    ParallelLayout,
+    barrier,
+    init_distributed,
+    on_rank0,
+    seed_everything,
+)
 from coati_kto.parallel.masters import gathered_masters
 from coati_kto.parallel.plan import ParallelPlan
 from coati_kto.runtime.preflight import check_training
@@ -39,7 +45,9 @@ from coati_kto.runtime.run_dir import (
     CONFIG_FILE,
     FINAL_DIR,
     TENSORBOARD_DIR,
+    claim_output_dir,
     clear_previous_run,
+    release_output_dir,
 )
 from coati_kto.runtime.signals import STOP, StopSignals
 from coati_kto.runtime.watchdog import Heartbeat, new_heartbeat
@@ -138,6 +146,7 @@ def train(config: Config) -> Any:
             heartbeat.start()
         return _train(config, stop_signals, heartbeat)
     finally:
+        release_output_dir(Path(config.training_output().dir))
         if heartbeat is not None:
             heartbeat.stop()
 
@@ -188,6 +197,8 @@ def _setup(config: Config, heartbeat: Heartbeat | None) -> _Run:
         heartbeat.start()
     seed_everything(config.train.seed)
     out_dir = Path(config.training_output().dir)
+    # Global rank 0 holds output.dir's lock from here to the end of the run: nothing is written there before.
+    lock_note = on_rank0(lambda: claim_output_dir(out_dir), "lock output.dir")
     if config.training_output().overwrite:
         clear_previous_run(out_dir)  # rank 0 deletes, the others wait
     data = load_prepared(config)
@@ -205,7 +216,7 @@ def _setup(config: Config, heartbeat: Heartbeat | None) -> _Run:
     # The run card shows the report of this layout, not prepare's one-replica view.
     data.stats["imbalance"] = imbalance(config, data.stats, layout.dp_size)
     attention_note = attention_implementation(config.model.path, config.model)[1]
-    notes = [note for note in (pad_note, attention_note, _zero_note(config, plan)) if note]
+    notes = [note for note in (lock_note, pad_note, attention_note, _zero_note(config, plan)) if note]
     notes += model_notes(config.model.path)
     if layout.is_main:
         print("\n".join([report, *notes]), flush=True)

@@ -27,6 +27,7 @@ from types import FrameType
 
 import psutil
 
+from coati_kto.errors import USER_ERROR_EXIT_CODE
 from coati_kto.runtime.signals import ABORT_EXIT_CODE, PENDING_STOP_ENV, STOP_EXIT_CODE, STOP_SIGNALS
 
 DEFAULT_RDZV_TIMEOUT_S = 90
@@ -76,6 +77,9 @@ def _failure_lines(err: BaseException) -> tuple[list[str], int]:
         return [], STOP_EXIT_CODE
     if codes == {ABORT_EXIT_CODE}:
         return [], ABORT_EXIT_CODE
+    # A user mistake found in the ranks (resume, output.dir in use): they printed its one line and exited 2.
+    if USER_ERROR_EXIT_CODE in codes and codes <= {USER_ERROR_EXIT_CODE, -signal.SIGTERM}:
+        return [], USER_ERROR_EXIT_CODE
     host = socket.gethostname()
     lines = []
     for rank, failure in sorted(failures.items()):

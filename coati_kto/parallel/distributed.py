@@ -190,7 +190,9 @@ def on_rank0(compute: Callable[[], T], what: str) -> T:
     if failure is not None:
         raise failure
     if kind == "user":
-        raise value(message)
+        err = value(message)
+        err.same_on_every_rank = True  # rank 0's own error, raised on every rank: printed once (cli.main)
+        raise err
     if kind == "internal":
         raise RuntimeError(f"global rank 0 failed to {what}: {message}")
     return value

@@ -3,7 +3,7 @@
 ``check_training(config)`` raises ConfigError listing: model / tokenizer / reference sources (a value that
 looks like a path must be a directory holding a loadable model; a hub id is looked up only when the value
 cannot be a path, once, with no retries, and not at all under HF_HUB_OFFLINE beyond the local cache), the
-resume checkpoint, an output.dir that is writable and holds no other run, wandb when logging.wandb is on.
+resume checkpoint, an output.dir that is writable, holds no other run and is not in use by a live one, wandb when logging.wandb is on.
 Filesystem reads only (plus that one hub request): every rank may call it, and the ``--nproc-per-node``
 launcher calls it once before starting the workers.
 """
@@ -21,7 +21,14 @@ from coati_kto.config.schema import Config
 from coati_kto.data.files import resolve_files
 from coati_kto.errors import ConfigError, DataError, UserError
 from coati_kto.families import auto_model_class, vision_language, vision_language_refusal
-from coati_kto.runtime.run_dir import CHECKPOINTS_DIR, complete_checkpoints, previous_run, resolve_checkpoint
+from coati_kto.runtime.run_dir import (
+    CHECKPOINTS_DIR,
+    complete_checkpoints,
+    in_use,
+    lock_holder,
+    previous_run,
+    resolve_checkpoint,
+)
 
 _WEIGHTS = (
     "model.safetensors",
@@ -246,6 +253,11 @@ def _output_problems(config: Config) -> list[str]:
             pass
     except OSError as err:
         return [f"output.dir: cannot write in {existing} ({err.strerror or err})"]
+    # Before "holds a run": that run is alive, and resuming it now would race it. Launcher side only (no RANK):
+    # in a rank, its own rank 0 may hold the lock already; there train's claim_output_dir decides.
+    holder = lock_holder(out_dir) if "RANK" not in os.environ else None
+    if holder is not None:
+        return [in_use(out_dir, holder)]
     if _starts_from_zero(config) and not config.output.overwrite and previous_run(out_dir):
         found = ", ".join(previous_run(out_dir)[-3:])
         if (

@@ -9,6 +9,7 @@
       checkpoints/step-N/    one checkpoint; it counts only once its COMPLETE marker is written
       checkpoints/latest     the name of the newest complete step-N
       final/                 the trained model in Hugging Face format (+ README.md, the model card)
+      .run.lock              held (flock) by global rank 0 while a run trains here; names its pid and host
 
 Filesystem reads only here (no collectives, no torch import), so preflight and the checkpoint manager
 share one definition of "a complete checkpoint"; ``clear_previous_run`` is the one writer, on rank 0.
@@ -16,9 +17,14 @@ share one definition of "a complete checkpoint"; ``clear_previous_run`` is the o
 
 from __future__ import annotations
 
+import fcntl
+import os
 import re
 import shutil
+import socket
+import time
 from pathlib import Path
+from typing import BinaryIO
 
 from coati_kto.errors import UserError
 
@@ -31,6 +37,8 @@ LATEST = "latest"
 STEP_DIR = re.compile(r"step-(\d+)")
 # What a run writes under output.dir that a second run would mix with (output.overwrite clears these).
 RUN_OUTPUTS = (CHECKPOINTS_DIR, TENSORBOARD_DIR, FINAL_DIR, "wandb")
+RUN_LOCK = ".run.lock"
+_held: dict[Path, BinaryIO] = {}  # output.dir -> its open lock file, on the rank that holds it
 
 
 def complete_checkpoints(root: Path) -> list[Path]:
@@ -101,3 +109,66 @@ def clear_previous_run(out_dir: Path) -> None:
             if (out_dir / name).exists():
                 shutil.rmtree(out_dir / name)
     barrier()
+
+
+def lock_holder(out_dir: Path) -> str | None:
+    """Who holds ``out_dir``'s run lock ("pid 41 on node1 since 2026-11-25 21:30:02"), or None when no run
+    does (or the filesystem has no locks). Takes a shared lock for a moment, so it is for the launcher side
+    only: a rank probing after its rank 0 claimed the directory would find its own run."""
+    path = out_dir / RUN_LOCK
+    if not path.is_file():
+        return None
+    with open(path, "rb") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return handle.read().decode(errors="replace").strip() or "holder unknown"
+        except OSError:  # ENOLCK / EOPNOTSUPP: nothing to learn on a filesystem without locks
+            return None
+        fcntl.flock(handle, fcntl.LOCK_UN)
+    return None
+
+
+def claim_output_dir(out_dir: Path) -> str | None:
+    """Global rank 0: lock ``out_dir`` for this run (until ``release_output_dir``), so that a second run there
+    (a relaunch while the old ranks still live, two jobs given one directory) is refused instead of writing
+    into the same checkpoints. The kernel drops the lock when the process dies, so a killed run leaves none.
+
+    Raises UserError (one line) naming the holder; returns a note when the filesystem has no locks."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    handle = open(out_dir / RUN_LOCK, "a+b")  # noqa: SIM115 - held open for the whole run
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)  # "a+" opens at the end
+        holder = handle.read().decode(errors="replace").strip() or "holder unknown"
+        handle.close()
+        raise UserError(in_use(out_dir, holder)) from None
+    except OSError as err:  # ENOLCK / EOPNOTSUPP: a filesystem without locks
+        handle.close()
+        return (
+            f"note: output.dir {out_dir} cannot be locked ({err.strerror or err}): a second run started there "
+            "would not be refused"
+        )
+    handle.seek(0)
+    handle.truncate()
+    since = time.strftime("%Y-%m-%d %H:%M:%S")
+    handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {since}\n".encode())
+    handle.flush()
+    _held[out_dir.resolve()] = handle
+    return None
+
+
+def release_output_dir(out_dir: Path) -> None:
+    """End of the run (any rank may call; only the holder has something to release)."""
+    handle = _held.pop(out_dir.resolve(), None)
+    if handle is not None:
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        handle.close()
+
+
+def in_use(out_dir: Path, holder: str) -> str:
+    return (
+        f"output.dir: {out_dir} is in use by a run still training there ({holder}): wait for it to end or stop "
+        "it, or use another output.dir"
+    )

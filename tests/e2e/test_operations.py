@@ -97,6 +97,52 @@ def test_signals_stop_with_a_checkpoint_and_resume_exactly(run_config: Path, tmp
         assert torch.equal(a[name], b[name]), name
 
 
+def test_a_second_run_in_a_live_runs_output_dir_is_refused(run_config: Path, tmp_path: Path) -> None:
+    """A relaunch while the old run's ranks still live (a launcher killed with -9 leaves them ~20 s; two jobs
+    given one directory) wrote into the same checkpoints. Now it is refused in one line: by the launcher's
+    preflight, and by rank 0 when the ranks are started without it (torchrun directly). The live run is
+    stood in for by a process holding the lock as rank 0 does (coati_kto.runtime.run_dir.claim_output_dir)."""
+    out = tmp_path / "out"
+    hold = (
+        "import sys, time; from pathlib import Path; from coati_kto.runtime.run_dir import claim_output_dir; "
+    )
+    hold += "claim_output_dir(Path(sys.argv[1])); print('held', flush=True); time.sleep(600)"
+    live = subprocess.Popen(
+        [sys.executable, "-c", hold, str(out)], env=env(), stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert live.stdout.readline() == "held\n"
+        holder = (out / ".run.lock").read_text().strip()
+        assert holder.startswith(f"pid {live.pid} on ")
+        expected = (
+            f"error: output.dir: {out} is in use by a run still training there ({holder}): wait for it to end "
+            "or stop it, or use another output.dir"
+        )
+        train = ["train", str(run_config), f"output.dir={out}", "train.resume=auto"]
+        second = subprocess.run(
+            cli(train[0], "--nproc-per-node", "2", *train[1:]), env=env(), capture_output=True, text=True
+        )
+        assert (second.returncode, second.stderr.strip()) == (2, expected)
+        torchrun = [
+            sys.executable,
+            "-m",
+            "coati_kto.launch",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "coati_kto",
+        ]
+        second = subprocess.run([*torchrun, *train], env=env(), capture_output=True, text=True)
+        assert (second.returncode, second.stderr.strip()) == (2, expected)  # rank 0's line, once
+        assert sorted(p.name for p in out.iterdir()) == [".run.lock"]  # nothing written
+    finally:
+        live.kill()
+        live.wait()
+    # Killed with -9, the holder left nothing to clean up: the same command now trains.
+    done = subprocess.run(cli(*train), env=env(), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
 def test_one_run_per_output_dir(run_config: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     (out / "checkpoints" / "step-3").mkdir(parents=True)

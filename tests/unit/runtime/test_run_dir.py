@@ -51,3 +51,47 @@ def test_a_full_disk_under_torch_save_is_named(tmp_path: Path, monkeypatch: pyte
     )
     other = ValueError("not a write")
     assert _with_disk_hint(other, tmp_path) is other
+
+
+_HOLD = """
+import sys, time
+from pathlib import Path
+from coati_kto.runtime.run_dir import claim_output_dir
+claim_output_dir(Path(sys.argv[1]))
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_live_run_holds_its_output_dir_and_a_killed_one_leaves_no_lock(tmp_path: Path) -> None:
+    """A relaunch while the old ranks still trained (a launcher killed with -9 leaves them ~20 s; two jobs
+    given one directory) wrote into the same checkpoints. Now the live run's lock refuses it in one line, on
+    the launcher side (preflight) and in rank 0 (claim); a run killed with -9 leaves nothing to clean up."""
+    import socket
+    import subprocess
+    import sys
+
+    from coati_kto.errors import UserError
+    from coati_kto.runtime.run_dir import claim_output_dir, lock_holder, release_output_dir
+
+    out = tmp_path / "out"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        who = lock_holder(out)
+        assert who is not None and who.startswith(f"pid {holder.pid} on {socket.gethostname()} since ")
+        with pytest.raises(UserError) as err:
+            claim_output_dir(out)
+        assert str(err.value) == (
+            f"output.dir: {out} is in use by a run still training there ({who}): wait for it to end or stop "
+            "it, or use another output.dir"
+        )
+        assert lock_holder(out) == who  # the refused claim did not disturb the holder's lock or its text
+    finally:
+        holder.kill()
+        holder.wait()
+    assert lock_holder(out) is None
+    assert claim_output_dir(out) is None
+    assert lock_holder(out).startswith(f"pid {os.getpid()} on ")
+    release_output_dir(out)
+    assert lock_holder(out) is None  # released at the end of the run
