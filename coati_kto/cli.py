@@ -1,4 +1,5 @@
-"""``coati-kto`` (also ``python -m coati_kto``): prepare | inspect | train | precompute | config; ``--version``.
+"""``coati-kto`` (also ``python -m coati_kto``): prepare | inspect | train | precompute | export | config;
+``--version``.
 
 User mistakes (UserError) print one ``error:`` line and exit 2, with no traceback.
 """
@@ -47,6 +48,23 @@ def _parser() -> argparse.ArgumentParser:
         "--nproc-per-node", type=int, default=None, help="launch this many local processes with torchrun"
     )
     # ---- end precompute
+    p = command(
+        "export",
+        "Write a checkpoint of the run as a Hugging Face model (as training does at its end), e.g. to evaluate "
+        "a run part-way; output.dir is only read.",
+    )
+    p.add_argument(
+        "--checkpoint",
+        default="auto",
+        help="auto (the latest complete one) or a checkpoints/step-N directory",
+    )
+    p.add_argument("--out", default=None, help="where to write it (default: output.dir/exports/step-N)")
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        help="launch this many local processes with torchrun (the checkpoint's layout: exact fp32 masters)",
+    )
     p = sub.add_parser(
         "config",
         help="Print the resolved config (every default filled in), or with --schema every key.",
@@ -92,13 +110,16 @@ def _config_command(args: argparse.Namespace) -> None:
 
 
 def _launch_local(args: argparse.Namespace) -> int:
-    """Re-run the command (train, precompute) under torchrun (coati_kto.launch, in this process) with N local processes; returns its
+    """Re-run the command (train, precompute, export) under torchrun (coati_kto.launch, in this process) with N local processes; returns its
     exit status (STOP_EXIT_CODE after a clean stop on a signal)."""
     from coati_kto.launch.torchrun import main as launch
 
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torchrun_args = ["--standalone", f"--nproc_per_node={args.nproc_per_node}"]
-    return launch([*torchrun_args, "-m", "coati_kto", args.command, args.config, *args.overrides])
+    options = []
+    if args.command == "export":
+        options = ["--checkpoint", args.checkpoint, *(["--out", args.out] if args.out else [])]
+    return launch([*torchrun_args, "-m", "coati_kto", args.command, *options, args.config, *args.overrides])
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -142,7 +163,7 @@ def _run(args: argparse.Namespace) -> int:
     from coati_kto.config.load import load_config
 
     _check_numbers(args)
-    if args.command in ("train", "precompute") and args.nproc_per_node and "RANK" not in os.environ:
+    if args.command in ("train", "precompute", "export") and args.nproc_per_node and "RANK" not in os.environ:
         from coati_kto.launch.torchrun import before_workers
 
         # The launcher's signal handling from here: a stop signal during the checks is one line, not a kill.
@@ -161,6 +182,10 @@ def _run(args: argparse.Namespace) -> int:
         from coati_kto.trainer.reference_cache import precompute
 
         precompute(config)
+    elif args.command == "export":
+        from coati_kto.export import export_checkpoint
+
+        export_checkpoint(config, args.checkpoint, args.out)
     else:
         from coati_kto.train import train
 

@@ -29,6 +29,7 @@ from coati_kto.data.weights import imbalance, resolve_kto_weights
 from coati_kto.families import model_notes
 from coati_kto.models.hf import attention_implementation, freeze_vision_tower, load_causal_lm
 from coati_kto.models.lora import AdapterFreeReference, enable_lora
+from coati_kto.models.packing import padding_free_notes, padding_free_rows
 from coati_kto.parallel import compat
 from coati_kto.parallel.distributed import (
     ParallelLayout,
@@ -94,7 +95,8 @@ def build_components(
     frozen_fp32 = freeze_vision_tower(policy, keep_fp32=fp32_export and layout.is_main)
     if config.model.gradient_checkpointing:
         # Non-reentrant: shardformer's forward requires it, and it works with no_grad passes.
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # (transformers 5's name: gradient_checkpointing_enable is its deprecated alias, a FutureWarning per rank)
+        policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     booster = Booster(plugin=plugin)
     if config.model.lora is not None:  # before boosting: the plugins wrap the PeftModel
         policy = enable_lora(booster, policy, config.model.lora)
@@ -187,8 +189,10 @@ class _Run:
     notes: list[str]  # one-line facts about choices made for the user: printed by rank 0, kept in the card
 
 
-def _setup(config: Config, heartbeat: Heartbeat | None) -> _Run:
-    """Process group, seed, output directory, data, tokenizer, plugin and loaders (every rank)."""
+def _setup(config: Config, heartbeat: Heartbeat | None, training: bool = True) -> _Run:
+    """Process group, seed, output directory, data, tokenizer, plugin and loaders (every rank). Not
+    ``training`` (``coati-kto export``): output.dir is only read (no lock, no clearing, no config.yaml) and
+    nothing is scored with the reference."""
     from coati_kto.data.prepared import load_prepared  # after quiet_known_warnings (see _train)
     from coati_kto.trainer.reference_cache import with_reference_logps
 
@@ -198,18 +202,20 @@ def _setup(config: Config, heartbeat: Heartbeat | None) -> _Run:
     seed_everything(config.train.seed)
     out_dir = Path(config.training_output().dir)
     # Global rank 0 holds output.dir's lock from here to the end of the run: nothing is written there before.
-    lock_note = on_rank0(lambda: claim_output_dir(out_dir), "lock output.dir")
-    if config.training_output().overwrite:
+    lock_note = on_rank0(lambda: claim_output_dir(out_dir), "lock output.dir") if training else None
+    if training and config.training_output().overwrite:
         clear_previous_run(out_dir)  # rank 0 deletes, the others wait
     data = load_prepared(config)
     tokenizer = load_tokenizer(config)
     pad, pad_note = pad_id(tokenizer)
-    if config.kto.reference == "cached":  # computed once (all ranks) unless a matching cache exists
+    if (
+        training and config.kto.reference == "cached"
+    ):  # computed once (all ranks) unless a matching cache exists
         data = with_reference_logps(config, data, pad)
     plan = ParallelPlan.from_config(config, dp_size=dist.get_world_size() // config.plugin.tp_size)
     plugin = plan.build_plugin()
     layout = ParallelLayout.from_plugin(plugin)
-    if layout.is_main:
+    if layout.is_main and training:
         save_config(config, out_dir / CONFIG_FILE)
     train_loader, eval_loader = _loaders(config, data, layout, pad)
     desirable, undesirable, report = resolve_kto_weights(config, data.stats, layout.dp_size)
@@ -263,7 +269,7 @@ def _setup_trainer(
 
     steps = total_optimizer_steps(config, len(run.train_loader.batch_sampler))
     if run.layout.is_main:
-        for line in _attention_notes(config, torch.cuda.is_available()):
+        for line in padding_free_notes(config, torch.cuda.is_available()):
             print(line, flush=True)
     parts = build_components(config, run.plugin, steps, run.plan)
     peak_flops, peak_source = resolve_peak_flops(config.train.peak_flops, config.plugin.precision)
@@ -311,28 +317,6 @@ def _zero_note(config: Config, plan: ParallelPlan) -> str | None:
     )
 
 
-def padding_free_rows(config: Config) -> str | None:
-    """The collator's ``padding_free`` mode: one row per pass where flex attention skips what no document
-    reaches; bins as long as the longest row for dense-mask kernels (eager, sdpa), whose attention then costs no
-    more than the padded rows'; None when off."""
-    if not config.data.padding_free:
-        return None
-    return "one" if config.model.attn_implementation == "flex_attention" else "bins"
-
-
-def _attention_notes(config: Config, cuda: bool) -> list[str]:
-    """One line when padding-free rows meet a dense-mask kernel on a GPU: they are packed into bins there, so
-    some padding remains, which flex attention would remove."""
-    attention = config.model.attn_implementation or "the model's default"
-    if padding_free_rows(config) != "bins" or not cuda:
-        return []
-    return [
-        f"note: data.padding_free with attention {attention}: rows are packed into bins as long as the longest "
-        "(a dense mask attends across a whole row, so one row per pass would cost more than padding); "
-        "model.attn_implementation flex_attention runs each pass as one row, with no padding"
-    ]
-
-
 def _resume(config: Config, run: _Run, trainer: Any) -> None:
     """Continue from train.resume's checkpoint, if any: changed settings are applied and named, or refused
     (coati_kto.config.resume); the schedule then spans the steps this run will take (the rest of the epoch in
@@ -360,14 +344,21 @@ def _resume(config: Config, run: _Run, trainer: Any) -> None:
             print(text, flush=True)
 
 
-def _save_final(config: Config, run: _Run, trainer: Any, frozen_fp32: dict[str, torch.Tensor]) -> None:
-    """The trained model in Hugging Face format under output.dir/final, with its model card (every rank)."""
+def _save_final(
+    config: Config,
+    run: _Run,
+    trainer: Any,
+    frozen_fp32: dict[str, torch.Tensor],
+    final_dir: Path | None = None,
+) -> None:
+    """The trained model in Hugging Face format under ``final_dir`` (output.dir/final), with its model card
+    (every rank)."""
     from coati_kto.models.lora import export_lora  # after quiet_known_warnings (see _train)
     from coati_kto.trainer.model_card import write_model_card
 
-    if not config.training_output().save_final:
+    if final_dir is None and not config.training_output().save_final:
         return
-    final_dir = run.out_dir / FINAL_DIR
+    final_dir = final_dir or run.out_dir / FINAL_DIR
     if config.model.lora is not None:  # final/adapter (peft) and, with output.merge_lora, final/merged
         merge = config.training_output().merge_lora
         final = export_lora(trainer.policy, run.tokenizer, final_dir, run.layout.is_main, merge)

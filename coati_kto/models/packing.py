@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from coati_kto.config.schema import Config
 from coati_kto.data.batch import KTOBatch, PackedRows, Targets, TokenView
 from coati_kto.data.packed import plan_rows
 from coati_kto.families import packed_masks, text_vocab_size
@@ -219,3 +220,25 @@ def pair_logps(model: Any, batch: KTOBatch) -> tuple[torch.Tensor, torch.Tensor,
         model_sequence_logps(model, kl.input_ids, kl.attention_mask, kl.loss_mask, head),
         torch.zeros(len(batch), dtype=torch.long, device=example.input_ids.device),
     )
+
+
+def padding_free_rows(config: Config) -> str | None:
+    """The collator's ``padding_free`` mode: one row per pass where flex attention skips what no document
+    reaches; bins as long as the longest row for dense-mask kernels (eager, sdpa), whose attention then costs no
+    more than the padded rows'; None when off."""
+    if not config.data.padding_free:
+        return None
+    return "one" if config.model.attn_implementation == "flex_attention" else "bins"
+
+
+def padding_free_notes(config: Config, cuda: bool) -> list[str]:
+    """One line when padding-free rows meet a dense-mask kernel on a GPU: they are packed into bins there, so
+    some padding remains, which flex attention would remove."""
+    attention = config.model.attn_implementation or "the model's default"
+    if padding_free_rows(config) != "bins" or not cuda:
+        return []
+    return [
+        f"note: data.padding_free with attention {attention}: rows are packed into bins as long as the longest "
+        "(a dense mask attends across a whole row, so one row per pass would cost more than padding); "
+        "model.attn_implementation flex_attention runs each pass as one row, with no padding"
+    ]

@@ -7,11 +7,14 @@ same directories.
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
-from helpers import preference_records
+from helpers import env, preference_records
 
 from coati_kto.data.files import write_jsonl
 from coati_kto.testing.distributed import run_distributed
@@ -125,3 +128,51 @@ def test_cli_resume_auto_continues_step_axis(run: dict) -> None:
     assert [s for s, _ in tb["eval/loss"]] == [0, 3, 6, 9, 12]
     checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-"))
     assert checkpoints == ["step-12", "step-9"]  # keep_last 2
+
+
+def test_export_writes_a_checkpoint_as_the_final_model_and_only_reads_the_run(run: dict) -> None:
+    """``coati-kto export``: the last checkpoint (step 12) on its own layout gives final/'s tensors bit for bit,
+    under output.dir/exports/step-12; an earlier one on another layout (1 process) loads with transformers and
+    holds other weights; an existing target is refused in one line; nothing else in output.dir changes."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out, config = run["root"] / "out", str(run["root"] / "config.yaml")
+    before = sorted(str(p.relative_to(out)) for p in out.rglob("*") if "wandb" not in p.parts)
+    saved_config = (out / "config.yaml").read_text()
+    assert run_distributed(_cli_worker, 2, ["export", config, "train.max_steps=12"]) == [0, 0]
+    final = load_file(out / "final" / "model.safetensors")
+    exported = load_file(out / "exports" / "step-12" / "model.safetensors")
+    assert final.keys() == exported.keys()
+    assert all(torch.equal(final[k], exported[k]) for k in final)
+    assert "12 optimizer steps" in (out / "exports" / "step-12" / "README.md").read_text()
+
+    nine = run["root"] / "step-9-export"
+    argv = ["export", "--checkpoint", str(out / "checkpoints" / "step-9"), "--out", str(nine), config]
+    assert run_distributed(_cli_worker, 1, argv) == [0]
+    model = AutoModelForCausalLM.from_pretrained(nine)
+    assert any(
+        not torch.equal(p.detach(), final[n].to(p.dtype)) for n, p in model.named_parameters() if n in final
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "coati_kto", *argv], capture_output=True, text=True, env=env()
+    )
+    assert (proc.returncode, proc.stderr.strip()) == (
+        2,
+        f"error: coati-kto export: {nine} exists; remove it or name another with --out",
+    )
+    missing = str(out / "checkpoints" / "step-3")  # pruned by keep_last 2
+    proc = subprocess.run(
+        [sys.executable, "-m", "coati_kto", "export", "--checkpoint", missing, config],
+        capture_output=True,
+        text=True,
+        env=env(),
+    )
+    assert (proc.returncode, proc.stderr.strip()) == (
+        2,
+        f"error: coati-kto export --checkpoint: {missing} is not a complete checkpoint (a checkpoints/step-N "
+        "directory with its COMPLETE marker)",
+    )
+    after = sorted(str(p.relative_to(out)) for p in out.rglob("*") if "wandb" not in p.parts)
+    assert [p for p in after if not p.startswith("exports")] == before
+    assert (out / "config.yaml").read_text() == saved_config

@@ -106,16 +106,16 @@ def test_padding_free_with_a_dense_mask_on_a_gpu_is_said(tmp_path) -> None:
     from helpers import MINIMAL, write_config
 
     from coati_kto.config.load import load_config
-    from coati_kto.train import _attention_notes
+    from coati_kto.models.packing import padding_free_notes
 
     path = write_config(tmp_path, MINIMAL)
     free = load_config(path, ["data.padding_free=true", "model.attn_implementation=sdpa"])
-    (note,) = _attention_notes(free, cuda=True)
+    (note,) = padding_free_notes(free, cuda=True)
     assert note.startswith("note: data.padding_free with attention sdpa: ") and "flex_attention" in note
-    assert _attention_notes(free, cuda=False) == []  # CPU: the dense mask is what runs, nothing to choose
+    assert padding_free_notes(free, cuda=False) == []  # CPU: the dense mask is what runs, nothing to choose
     flex = load_config(path, ["data.padding_free=true", "model.attn_implementation=flex_attention"])
-    assert _attention_notes(flex, cuda=True) == []
-    assert _attention_notes(load_config(path), cuda=True) == []
+    assert padding_free_notes(flex, cuda=True) == []
+    assert padding_free_notes(load_config(path), cuda=True) == []
 
 
 def test_a_tensorboard_write_that_fails_stops_tensorboard_not_the_run(
