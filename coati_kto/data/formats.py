@@ -30,6 +30,8 @@ from coati_kto.errors import DataError
 
 ROLE_ALIASES = {"human": "user", "gpt": "assistant"}
 MESSAGE_LIST_KEYS = ("messages", "conversations")
+# Every top-level field some record shape reads; others (id, system, source, ...) are counted as not read.
+READ_FIELDS = frozenset({"prompt", "completion", "label", "chosen", "rejected", "tools", *MESSAGE_LIST_KEYS})
 
 
 class RecordError(DataError):
@@ -66,6 +68,7 @@ class LoadResult:
     records: list[Record]
     files: list[str]
     skipped: list[RecordError] = field(default_factory=list)
+    unread_fields: dict[str, int] = field(default_factory=dict)  # field -> records holding it, not read
 
 
 def show_value(value: Any, limit: int = 60) -> str:

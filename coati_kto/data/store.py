@@ -167,8 +167,11 @@ def read_fingerprint(target: Path) -> dict | None:
 # ------------------------------------------------------------------------------------------------ build
 
 
-def _read_inputs(config: Config, cache: str) -> tuple[list[Record], list[Record], dict, list[RecordError]]:
-    """(train records, eval records, files per split, bad records skipped); eval from files or a fraction."""
+def _read_inputs(
+    config: Config, cache: str
+) -> tuple[list[Record], list[Record], dict, list[RecordError], dict[str, int]]:
+    """(train records, eval records, files per split, bad records skipped, fields that records hold but no
+    record shape reads: field -> records); eval from files or a fraction."""
     d = config.data
     with progress_bars(False):
         train_in = load_records(d.train_files, "data.train_files", d.on_bad_record, cache)
@@ -176,17 +179,27 @@ def _read_inputs(config: Config, cache: str) -> tuple[list[Record], list[Record]
             load_records(d.eval_files, "data.eval_files", d.on_bad_record, cache) if d.eval_files else None
         )
     files = {"train": train_in.files, "eval": eval_in.files if eval_in else []}
+    unread = dict(train_in.unread_fields)
+    for name, count in (eval_in.unread_fields if eval_in else {}).items():
+        unread[name] = unread.get(name, 0) + count
+    unread = dict(sorted(unread.items()))
     labels = np.array([r.label for r in train_in.records], dtype=bool)
     require_both_labels(label_counts(labels), files["train"], "data.train_files", len(train_in.skipped))
     if eval_in:
         eval_labels = np.array([r.label for r in eval_in.records], dtype=bool)
         require_both_labels(label_counts(eval_labels), files["eval"], "data.eval_files", len(eval_in.skipped))
-        return train_in.records, eval_in.records, files, train_in.skipped + eval_in.skipped
+        return train_in.records, eval_in.records, files, train_in.skipped + eval_in.skipped, unread
     if d.eval_fraction == 0:
-        return train_in.records, [], files, train_in.skipped
+        return train_in.records, [], files, train_in.skipped, unread
     groups = np.array([prompt_key(r) for r in train_in.records], dtype=object)
     tr, ev = group_split(groups, labels, d.eval_fraction, config.train.seed)
-    return [train_in.records[i] for i in tr], [train_in.records[i] for i in ev], files, train_in.skipped
+    return (
+        [train_in.records[i] for i in tr],
+        [train_in.records[i] for i in ev],
+        files,
+        train_in.skipped,
+        unread,
+    )
 
 
 def _build(config: Config, tokenizer, fp: dict, target: Path) -> None:
@@ -197,7 +210,7 @@ def _build(config: Config, tokenizer, fp: dict, target: Path) -> None:
     except OSError as err:  # a parent that is a file, a read-only or missing mount: one line, no traceback
         raise DataError(f"data.prepared_dir {target}: cannot write there ({err.strerror})") from None
     try:
-        train_records, eval_records, files, skipped = _read_inputs(config, str(work / "hf-cache"))
+        train_records, eval_records, files, skipped, unread = _read_inputs(config, str(work / "hf-cache"))
         repeats, repeat_examples = duplicates(train_records + eval_records)
         pad, pad_note = pad_id(tokenizer)
         stats: dict[str, Any] = {
@@ -206,6 +219,7 @@ def _build(config: Config, tokenizer, fp: dict, target: Path) -> None:
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "settings": _settings(config),
             "files": files,
+            "unread_fields": unread,
             "tokenizer": config.model.tokenizer or config.model.path,
             "duplicates": {"records": repeats, "examples": repeat_examples},
             "padding": {"pad_id": pad, "note": pad_note},
@@ -308,6 +322,12 @@ def summary(stats: dict, config: Config, built: bool, why: str, seconds: float) 
                 "boundary (a prompt ending in a space: the token is trained on as the completion's first; a "
                 "completion starting with whitespace: the token stays with the prompt, the whitespace untrained)"
             )
+    if unread := stats.get("unread_fields"):
+        shown = ", ".join(f"{name} ({count} records)" for name, count in list(unread.items())[:8])
+        lines.append(
+            f"  fields not read: {shown}; only prompt, completion, label, messages/conversations, chosen/rejected "
+            "and tools are (a system prompt goes in as a system message)"
+        )
     dup = stats["duplicates"]
     if dup["records"]:
         lines.append(

@@ -786,3 +786,23 @@ def test_rows_past_a_learned_position_table_are_one_line(tmp_path: Path, tiny_mo
     rotary = json.loads((tiny_model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**rotary, "max_position_embeddings": 4}))
     prepare(make_config(tmp_path, model_dir, [str(path)]))
+
+
+def test_fields_no_record_shape_reads_are_counted_and_said(
+    tmp_path: Path, tiny_model_dir: Path, capsys
+) -> None:
+    """A ``system`` field next to prompt/completion/label was dropped in silence (the system prompt never
+    reached the chat template). Now every field no record shape reads is counted, in the stats and the summary."""
+    data = [{**r, "system": "Be brief.", **({"id": i} if i % 2 else {})} for i, r in enumerate(rows(5, 5))]
+    path = write_jsonl(tmp_path / "t.jsonl", data)
+    out = prepare(make_config(tmp_path, tiny_model_dir, [str(path)]))
+    assert out.stats["unread_fields"] == {"id": 5, "system": 10}
+    assert (
+        "  fields not read: id (5 records), system (10 records); only prompt, completion, label, "
+        "messages/conversations, chosen/rejected and tools are (a system prompt goes in as a system message)"
+        in capsys.readouterr().out.splitlines()
+    )
+    clean = write_jsonl(tmp_path / "u.jsonl", rows(5, 5))
+    out = prepare(make_config(tmp_path / "u", tiny_model_dir, [str(clean)]))
+    assert out.stats["unread_fields"] == {}
+    assert "fields not read" not in capsys.readouterr().out
