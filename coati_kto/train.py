@@ -26,7 +26,7 @@ from coati_kto.data.eval_sampler import EvalBatchSampler, ValidMaskLoader
 from coati_kto.data.sampler import MixedLabelBatchSampler
 from coati_kto.data.tokenize import load_tokenizer, pad_id
 from coati_kto.data.weights import imbalance, resolve_kto_weights
-from coati_kto.families import model_notes
+from coati_kto.families import model_notes, vocabulary_size
 from coati_kto.models.hf import attention_implementation, freeze_vision_tower, load_causal_lm
 from coati_kto.models.lora import AdapterFreeReference, enable_lora
 from coati_kto.models.packing import padding_free_notes, padding_free_rows
@@ -207,7 +207,7 @@ def _setup(config: Config, heartbeat: Heartbeat | None, training: bool = True) -
         clear_previous_run(out_dir)  # rank 0 deletes, the others wait
     data = load_prepared(config)
     tokenizer = load_tokenizer(config)
-    pad, pad_note = pad_id(tokenizer)
+    pad, pad_note = pad_id(tokenizer, vocabulary_size(config.model.path, config.model.reference_path))
     if (
         training and config.kto.reference == "cached"
     ):  # computed once (all ranks) unless a matching cache exists

@@ -3,8 +3,8 @@
 The prompt is ``template(prompt, add_generation_prompt=True)``; the completion text is what ``template(prompt +
 completion)`` adds after it. Every call gets ``data.chat_template_kwargs`` (e.g. Qwen3's ``enable_thinking``)
 and the record's own ``tools``. A template that fails on a record, renders a prompt that is not a prefix of the
-whole conversation, or leaves out a system or user turn or the record's tools, makes that record a one-line
-:class:`RecordError` (never a silent loss of what the model should see).
+whole conversation, or leaves out a system or user turn, the record's tools or part of a completion turn, makes
+that record a one-line :class:`RecordError` (never a silent loss of what the model should see).
 """
 
 from __future__ import annotations
@@ -94,14 +94,18 @@ def _render_group(
         msg = str(err).splitlines()[0] if str(err) else type(err).__name__
         return [RecordError(sources[0], "messages", f"the chat template failed: {msg}", "chat_template")]
     out: list[tuple[str, str] | RecordError] = []
-    for prompt, prompt_text, full_text, source in zip(
-        prompts, prompt_texts, full_texts, sources, strict=True
+    for prompt, completion, prompt_text, full_text, source in zip(
+        prompts, completions, prompt_texts, full_texts, sources, strict=True
     ):
         if (left_out := _left_out(prompt, prompt_text, kwargs.get("tools"))) is not None:
             out.append(RecordError(source, left_out[0], left_out[1], "not_rendered"))
             continue
         if full_text.startswith(prompt_text):
-            out.append((prompt_text, full_text[len(prompt_text) :]))
+            completion_text = full_text[len(prompt_text) :]
+            if (dropped := _completion_left_out(completion, completion_text)) is not None:
+                out.append(RecordError(source, dropped[0], dropped[1], "not_rendered"))
+            else:
+                out.append((prompt_text, completion_text))
             continue
         at = next(
             (i for i, (a, b) in enumerate(zip(prompt_text, full_text, strict=False)) if a != b),
@@ -117,15 +121,21 @@ def _render_group(
     return out
 
 
+# Turns a template may rightly rewrite: assistant turns (reasoning stripped from history), tool results (as JSON;
+# "ipython" is Llama 3.1's tool role, "function" the older OpenAI one).
+REWRITTEN_ROLES = ("assistant", "tool", "ipython", "function")
+
+
 def _left_out(prompt: list[dict], prompt_text: str, tools: list[dict] | None) -> tuple[str, str] | None:
-    """(field, problem) when the template left out part of the prompt: a system or user turn whose text is not
-    in the rendering (a template without system turns drops them), or tools none of whose names appear (a
-    template without tool support ignores ``tools``). Assistant and tool turns are not checked: templates
-    rightly rewrite them (reasoning stripped from history, tool results as JSON)."""
+    """(field, problem) when the template left out part of the prompt: a system, user or other turn (OpenAI's
+    "developer") whose text is not in the rendering (a template without system turns drops them, one that knows
+    only its own roles drops the rest), or tools none of whose names appear (a template without tool support
+    ignores ``tools``). Assistant and tool turns are not checked: templates rightly rewrite them (reasoning
+    stripped from history, tool results as JSON)."""
     for i, message in enumerate(prompt):
         content = message.get("content")
         shown = not isinstance(content, str) or content.strip() in prompt_text
-        if message.get("role") in ("system", "user") and not shown:
+        if message.get("role") not in REWRITTEN_ROLES and not shown:
             return f"prompt[{i}].content", (
                 f"the chat template leaves this {message['role']} turn out of the prompt it renders, so the "
                 "model would train without it; use a template that renders it, or remove the turn"
@@ -136,4 +146,21 @@ def _left_out(prompt: list[dict], prompt_text: str, tools: list[dict] | None) ->
             f"the chat template renders none of the record's tools ({', '.join(names)[:80]}): it ignores tools, "
             "so the model would train without them; use a template with tool support, or drop the tools"
         )
+    return None
+
+
+def _completion_left_out(completion: list[dict], completion_text: str) -> tuple[str, str] | None:
+    """(field, problem) when the rendered completion lacks part of a completion turn's text, whitespace aside
+    (templates trim turns and lay out reasoning in their own lines): a template that strips ``<think>...</think>``
+    from every assistant turn, the last included (DeepSeek-R1's as first released), or drops the final turn,
+    would otherwise train on the rest in silence (on EOS alone for a dropped turn)."""
+    rendered = "".join(completion_text.split())
+    for i, message in enumerate(completion):
+        content = message.get("content")
+        if isinstance(content, str) and "".join(content.split()) not in rendered:
+            return f"completion[{i}].content", (
+                "the chat template leaves part of this assistant turn out of the completion it renders (e.g. "
+                "reasoning between <think> and </think>), so the model would not train on it; use a template "
+                "that renders it, or remove that part from the record"
+            )
     return None

@@ -77,16 +77,30 @@ def prompt_hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little") >> 1
 
 
-def pad_id(tokenizer: PreTrainedTokenizerBase) -> tuple[int, str]:
+def pad_id(tokenizer: PreTrainedTokenizerBase, vocab_size: int | None = None) -> tuple[int, str]:
     """(the id to pad batches with, a one-line note for the user or "").
 
     The pad token when the tokenizer has one; else EOS (GPT-2 and many base models have no pad token); else 0.
-    Safe whatever the id: attention and loss masks come from row lengths, never from ``ids != pad``.
+    Safe whatever the id the model can embed: attention and loss masks come from row lengths, never from
+    ``ids != pad``. But padded positions still go through the embedding, so with ``vocab_size`` (the model's
+    embedding rows) an id past them (a pad token added to the tokenizer, the model not resized) is passed over.
     """
-    if tokenizer.pad_token_id is not None:
-        return int(tokenizer.pad_token_id), ""
-    if tokenizer.eos_token_id is not None:
-        eos = int(tokenizer.eos_token_id)
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+
+    def fits(token: int | None) -> bool:
+        return token is not None and (vocab_size is None or int(token) < vocab_size)
+
+    if fits(pad):
+        return int(pad), ""
+    if pad is not None:  # a pad token the model has no embedding for
+        fallback = int(eos) if fits(eos) else 0
+        return fallback, (
+            f"note: the tokenizer's pad token {tokenizer.pad_token!r} (id {int(pad)}) is past the model's "
+            f"{vocab_size} token embeddings; padding with id {fallback} instead, which is harmless: masks come "
+            "from lengths"
+        )
+    if fits(eos):
+        eos = int(eos)
         return eos, (
             f"note: the tokenizer has no pad token; padding with EOS {tokenizer.eos_token!r} (id {eos}), "
             "which is harmless: masks come from lengths"
@@ -169,16 +183,36 @@ class Encoder:
 
     def _split_slow(self, prompts: list[str], texts: list[str]) -> tuple[list, list, list]:
         """Python tokenizers have no offsets: the prompt is the longest common prefix of tokenizer(prompt) and
-        tokenizer(whole text); a prompt token missing from that prefix means the boundary is inside a token."""
+        tokenizer(whole text); a prompt token missing from that prefix means the boundary is inside a token. That
+        token stays with the prompt, as in :meth:`split`, when all it holds of the completion is its leading
+        whitespace: tokenizer(prompt + that whitespace) has the same token there (a token ending past the
+        whitespace could not appear in a text that ends with it)."""
         tok = self.tokenizer
         whole = tok(texts, add_special_tokens=False)["input_ids"]
         alone = tok(prompts, add_special_tokens=False)["input_ids"]
+        spaces = [
+            t[len(p) :][: len(t) - len(p) - len(t[len(p) :].lstrip())]
+            for p, t in zip(prompts, texts, strict=True)
+        ]
+        rows = [i for i, ws in enumerate(spaces) if ws]
+        with_spaces = dict(
+            zip(
+                rows,
+                tok([prompts[i] + spaces[i] for i in rows], add_special_tokens=False)["input_ids"]
+                if rows
+                else [],
+                strict=True,
+            )
+        )
         p_ids, c_ids, inside = [], [], []
-        for w, a in zip(whole, alone, strict=True):
-            k = next((i for i, (x, y) in enumerate(zip(w, a, strict=False)) if x != y), min(len(w), len(a)))
+        for i, (w, a) in enumerate(zip(whole, alone, strict=True)):
+            k = next((j for j, (x, y) in enumerate(zip(w, a, strict=False)) if x != y), min(len(w), len(a)))
+            straddles = k < len(a)
+            if straddles and k + 1 < len(w) and i in with_spaces and with_spaces[i][: k + 1] == w[: k + 1]:
+                k += 1  # only the completion's leading whitespace is in the token: it stays with the prompt
             p_ids.append(w[:k])
             c_ids.append(w[k:])
-            inside.append(k < len(a))
+            inside.append(straddles)
         return p_ids, c_ids, inside
 
     def _render(self, batch: dict[str, list]) -> list[tuple[str, str] | RecordError]:

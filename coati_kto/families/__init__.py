@@ -211,14 +211,23 @@ def model_notes(model_dir: str) -> list[str]:
     return notes
 
 
+def vocabulary_size(*model_dirs: str | None) -> int | None:
+    """The fewest token embedding rows of ``model_dirs`` (None entries skipped) from their config.json; None when
+    none of them tells (a hub id)."""
+    sizes = []
+    for model_dir in filter(None, model_dirs):
+        raw = _config_json(model_dir) or {}
+        vocab = raw.get("vocab_size") or (raw.get("text_config") or {}).get("vocab_size")
+        if isinstance(vocab, int):
+            sizes.append(vocab)
+    return min(sizes, default=None)
+
+
 def vocabulary_problem(model_dir: str, max_token_id: int) -> str | None:
     """Why ``model_dir`` cannot read token id ``max_token_id`` (None when it can, or when config.json does not
     tell): an id past the embedding rows is an index error on CPU and a device-side assert on a GPU."""
-    raw = _config_json(model_dir)
-    if raw is None:
-        return None
-    vocab = raw.get("vocab_size") or (raw.get("text_config") or {}).get("vocab_size")
-    if not isinstance(vocab, int) or max_token_id < vocab:
+    vocab = vocabulary_size(model_dir)
+    if vocab is None or max_token_id < vocab:
         return None
     return (
         f"{model_dir} has {vocab} token embeddings, but the prepared data holds token id {max_token_id}: the "

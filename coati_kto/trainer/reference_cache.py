@@ -37,6 +37,7 @@ from coati_kto.data.prepared import load_prepared
 from coati_kto.data.store import read_fingerprint
 from coati_kto.data.tokenize import load_tokenizer, pad_id
 from coati_kto.errors import ConfigError
+from coati_kto.families import vocabulary_size
 from coati_kto.models.hf import load_reference
 from coati_kto.models.packing import pair_logps
 from coati_kto.parallel.distributed import barrier, init_distributed, on_rank0
@@ -300,4 +301,5 @@ def precompute(config: Config) -> None:
 
     init_distributed(timeout_s=config.train.dist_timeout)
     data = load_prepared(config)
-    ensure_reference_cache(config, data, pad_id(load_tokenizer(config))[0])
+    pad = pad_id(load_tokenizer(config), vocabulary_size(config.model.path, config.model.reference_path))[0]
+    ensure_reference_cache(config, data, pad)

@@ -380,3 +380,157 @@ def test_a_template_that_leaves_out_a_turn_or_the_tools_makes_a_bad_record() -> 
         render(chatml, [system, user], completion, True, "d.jsonl:3", tools=tools)
     prompt, _ = render(chatml, [system, user], completion, True, "d.jsonl:3")
     assert "The rules are strict." in prompt
+
+
+def test_a_pad_id_past_the_model_embeddings_is_passed_over(tmp_path) -> None:
+    """A pad token added to the tokenizer, the model not resized (Mistral v0.1 + "[PAD]", id 32000 of 32000
+    embeddings): the data held no such id, so prepare passed, and padding with it was an IndexError in the
+    embedding at the first padded micro-batch (a device-side assert on a GPU)."""
+    import json
+
+    from coati_kto.families import vocabulary_size
+
+    tok = sentencepiece_tokenizer("metaspace-first")
+    pad, eos = tok.pad_token_id, tok.eos_token_id
+    assert pad > eos
+    assert pad_id(tok, vocab_size=pad + 1) == (pad, "")
+    assert pad_id(tok) == (pad, "")
+    assert pad_id(tok, vocab_size=pad) == (
+        eos,
+        f"note: the tokenizer's pad token '<pad>' (id {pad}) is past the model's {pad} token embeddings; padding "
+        f"with id {eos} instead, which is harmless: masks come from lengths",
+    )
+    assert pad_id(tok, vocab_size=eos)[0] == 0
+    # The model's rows from config.json; with a reference model, the fewer of the two.
+    for name, vocab in (("policy", 394), ("reference", 300), ("vl", None)):
+        (tmp_path / name).mkdir()
+        raw = {"vocab_size": vocab} if vocab else {"text_config": {"vocab_size": 500}}
+        (tmp_path / name / "config.json").write_text(json.dumps(raw))
+    assert vocabulary_size(str(tmp_path / "policy"), None) == 394
+    assert vocabulary_size(str(tmp_path / "policy"), str(tmp_path / "reference")) == 300
+    assert vocabulary_size(str(tmp_path / "vl")) == 500
+    assert vocabulary_size("some/hub-id", None) is None
+
+
+def python_tokenizer(fast: PreTrainedTokenizerFast):
+    """A Python (slow) tokenizer with ``fast``'s vocabulary, merges and added tokens, but no offsets: what
+    remote-code tokenizers (Qwen-1's tiktoken, ChatGLM, Baichuan; ``model.trust_remote_code``) are, and what
+    transformers 5 no longer builds for GPT-2 (test_python_tokenizers_split_like_fast_ones skips there)."""
+    from transformers.tokenization_python import PythonBackend
+
+    backend = fast.backend_tokenizer
+
+    class PythonTokenizer(PythonBackend):
+        def __init__(self, **kwargs) -> None:
+            self._vocab = backend.get_vocab(with_added_tokens=False)
+            self._tokens = {i: t for t, i in self._vocab.items()}
+            super().__init__(**kwargs)
+
+        def get_vocab(self) -> dict[str, int]:
+            return {**self._vocab, **self.added_tokens_encoder}
+
+        @property
+        def vocab_size(self) -> int:
+            return len(self._vocab)
+
+        def _tokenize(self, text: str, **kwargs) -> list[str]:
+            return backend.encode(text, add_special_tokens=False).tokens
+
+        def _convert_token_to_id(self, token: str) -> int:
+            return self._vocab[token]
+
+        def _convert_id_to_token(self, index: int) -> str:
+            return self._tokens[index]
+
+        def convert_tokens_to_string(self, tokens: list[str]) -> str:
+            return backend.decoder.decode(tokens)
+
+    added = [fast.added_tokens_decoder[i] for i in sorted(fast.added_tokens_decoder)]
+    slow = PythonTokenizer(eos_token=fast.eos_token, additional_special_tokens=added)
+    assert not slow.is_fast and slow.get_vocab() == fast.get_vocab()
+    return slow
+
+
+def test_python_tokenizers_keep_completion_whitespace_tokens_with_the_prompt() -> None:
+    """The common-prefix split of Python tokenizers put a straddling token holding only the completion's leading
+    whitespace into the completion ("Sum:\n" + "\n\nThe...": the prompt's own newline, merged into "\n\n",
+    trained on as model output and missing from the KL pairs' prompts), where the offsets split keeps it with
+    the prompt."""
+    from coati_kto.testing.tiny import build_tokenizer
+
+    fast = build_tokenizer([*CORPUS, *["Sum:\n\n\nThe answer is 5.\n\n"] * 20], vocab_size=400)
+    slow = python_tokenizer(fast)
+    newlines = fast.convert_tokens_to_ids("ĊĊ")
+    prompts = ["Sum:\n", "Sum:\n", "Sum:\n", "Answer: ", "ca", "x"]
+    completions = ["\n\nThe answer is 5.", "\n\n\nThe answer is 5.", "The answer is 5.", "5", "pital", " y"]
+    fast_split, slow_split = (
+        Encoder(fast).split(prompts, completions),
+        Encoder(slow).split(prompts, completions),
+    )
+    assert slow_split == fast_split
+    assert [p[-1] for p in slow_split[0][:2]] == [
+        newlines,
+        newlines,
+    ]  # "\n" of the prompt + "\n" of the completion
+    assert [slow.decode(c) for c in slow_split[1][:3]] == [
+        "\nThe answer is 5.",
+        "\n\nThe answer is 5.",
+        "The answer is 5.",
+    ]
+    assert slow_split[2] == [True, True, False, True, True, False]
+    for p, c, prompt, completion in zip(*slow_split[:2], prompts, completions, strict=True):
+        assert p + c == slow(prompt + completion, add_special_tokens=False)["input_ids"]
+
+
+def test_a_template_that_leaves_out_part_of_the_completion_makes_a_bad_record(tiny_tokenizer) -> None:
+    """DeepSeek-R1's template as first released strips <think>...</think> from every assistant turn, the last
+    included, while its generation prompt stays a prefix: the reasoning was left out of the loss in silence (and a
+    template that drops the final turn trained on EOS alone). Reformatted whitespace is not a loss."""
+    from copy import deepcopy
+
+    tok = deepcopy(tiny_tokenizer)
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% set content = m['content'] %}"
+        "{% if '</think>' in content %}{% set content = content.split('</think>')[-1] %}{% endif %}"
+        "{{ content | trim }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    user = [{"role": "user", "content": "What is the capital of France?"}]
+    reasoning = [{"role": "assistant", "content": "<think>It is Paris.</think>\n\nParis."}]
+    with pytest.raises(RecordError) as info:
+        encode(tok, user, reasoning, True, source="r1.jsonl:7")
+    assert str(info.value) == (
+        "r1.jsonl:7: field 'completion[0].content': the chat template leaves part of this assistant turn out of "
+        "the completion it renders (e.g. reasoning between <think> and </think>), so the model would not train "
+        "on it; use a template that renders it, or remove that part from the record"
+    )
+    assert info.value.reason == "not_rendered"
+    # Trimmed, or whitespace laid out differently (Qwen3 puts reasoning on lines of its own): all of it is there.
+    for content in ("  Paris.\n", "Paris,\n\n  then Rome."):
+        _, c_ids = encode(tok, user, [{"role": "assistant", "content": content}], True)
+        assert tok.decode(c_ids) == content.strip() + "<|im_end|>\n"
+
+
+def test_a_template_that_drops_a_role_it_does_not_know_makes_a_bad_record() -> None:
+    """A "developer" turn (OpenAI's name for the system turn since o1, gpt-oss's harmony) reached a template that
+    renders only its own roles (Qwen3's: system/user/assistant/tool; this Mistral style: user/assistant) and was
+    left out in silence: only system and user turns were checked."""
+    from coati_kto.testing.tiny import build_tokenizer
+
+    corpus = ["Always answer in French.", "What is the capital of France?", "Paris."]
+    developer = {"role": "developer", "content": "Always answer in French."}
+    user = {"role": "user", "content": "What is the capital of France?"}
+    completion = [{"role": "assistant", "content": "Paris."}]
+    mistral = build_tokenizer(corpus, vocab_size=300, style="mistral")
+    with pytest.raises(RecordError) as info:
+        render(mistral, [developer, user], completion, True, "d.jsonl:5")
+    assert str(info.value) == (
+        "d.jsonl:5: field 'prompt[0].content': the chat template leaves this developer turn out of the prompt it "
+        "renders, so the model would train without it; use a template that renders it, or remove the turn"
+    )
+    assert info.value.reason == "not_rendered"
+    # A template that renders the role (ChatML renders any) keeps the record; tool results stay unchecked.
+    chatml = build_tokenizer(corpus, vocab_size=300, style="chatml")
+    prompt, _ = render(chatml, [developer, user], completion, True, "d.jsonl:5")
+    assert prompt.startswith("<|im_start|>developer\nAlways answer in French.<|im_end|>\n")
+    tool_turn = {"role": "tool", "content": '{"capital": "Paris"}'}
+    assert render(mistral, [user, *completion, tool_turn], completion, True, "d.jsonl:5")[1] == "Paris.</s>"
