@@ -4,6 +4,8 @@
 #   bash launch/colossalai_run.sh CONFIG [section.key=value ...]                 # this node, NPROC_PER_NODE ranks
 #   HOSTFILE=launch/hostfile.example bash launch/colossalai_run.sh CONFIG ...    # every host in the hostfile
 #
+# Run from any directory: CONFIG may be relative to it; relative paths inside the config (data, outputs) are read
+# from the repo root, as in the shipped configs (the script runs there).
 # Multi-node: colossalai run SSHes into each host (password-less SSH, same repo path and .venv on every host),
 # runs `cd <this dir> && export <this environment> && torchrun ...` there. Set MASTER_ADDR to an address the
 # other nodes reach (not 127.0.0.1) and, if the hosts have several interfaces, NCCL_SOCKET_IFNAME /
@@ -16,6 +18,10 @@ if [[ $# -lt 1 ]]; then
 fi
 config=$1
 shift
+# The scripts run from the repo root (below): a config path is first read from where you are, then from there.
+if [[ -f $config ]]; then
+    config=$(realpath -- "$config")
+fi
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv_bin=${VENV_BIN:-$repo/.venv/bin}

@@ -5,6 +5,8 @@
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 bash launch/torchrun.sh CONFIG  # on node 0
 #   NNODES=2 NODE_RANK=1 MASTER_ADDR=10.0.0.1 bash launch/torchrun.sh CONFIG  # on node 1
 #
+# Run from any directory: CONFIG may be relative to it; relative paths inside the config (data, outputs) are read
+# from the repo root, as in the shipped configs (the script runs there).
 # NPROC_PER_NODE defaults to the number of GPUs (2 on a CPU-only machine). Every node must see the same config,
 # data and output paths (a shared filesystem); global rank 0 writes the shared files, node-local caches are
 # keyed by local rank.
@@ -16,6 +18,10 @@ if [[ $# -lt 1 ]]; then
 fi
 config=$1
 shift
+# The scripts run from the repo root (below): a config path is first read from where you are, then from there.
+if [[ -f $config ]]; then
+    config=$(realpath -- "$config")
+fi
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 python=${PYTHON:-$repo/.venv/bin/python}

@@ -26,6 +26,8 @@ def _type_name(annotation: Any) -> str:
         return " | ".join(_type_name(a) for a in typing.get_args(annotation))
     if annotation is type(None):
         return "null"
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return "mapping"  # a nested section (model.lora): its keys are listed below it
     if origin is not None:
         args = ", ".join(_type_name(a) for a in typing.get_args(annotation))
         return f"{origin.__name__}[{args}]"
@@ -39,14 +41,33 @@ def _default_text(field: Any) -> str:
     return "= " + yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...").strip()
 
 
+def _model_of(annotation: Any) -> type[BaseModel] | None:
+    """The section model a field holds (``OutputSection | None`` -> OutputSection); None for a plain value."""
+    for a in typing.get_args(annotation) or (annotation,):
+        if isinstance(a, type) and issubclass(a, BaseModel):
+            return a
+    return None
+
+
 def _sections() -> list[tuple[str, type[BaseModel]]]:
     """Each section's name and model; an optional section (``output: OutputSection | None``) by its model."""
+    return [(name, _model_of(field.annotation)) for name, field in Config.model_fields.items()]
+
+
+def _key_lines(prefix: str, section: type[BaseModel]) -> list[tuple[str, str]]:
+    """(dotted key, schema line) for every key of ``section``, and of the sections nested in it
+    (``model.lora`` and then ``model.lora.rank``, ...)."""
     out = []
-    for name, field in Config.model_fields.items():
-        models = [
-            a for a in (typing.get_args(field.annotation) or (field.annotation,)) if a is not type(None)
-        ]
-        out.append((name, models[0]))
+    for key, field in section.model_fields.items():
+        dotted = f"{prefix}.{key}"
+        out.append(
+            (
+                dotted,
+                f"{dotted}: {_type_name(field.annotation)} {_default_text(field)}  # {field.description}",
+            )
+        )
+        if (nested := _model_of(field.annotation)) is not None:
+            out += _key_lines(dotted, nested)
     return out
 
 
@@ -56,19 +77,16 @@ def schema_lines() -> list[str]:
     for name, section in _sections():
         if lines:
             lines.append("")
-        for key, field in section.model_fields.items():
-            lines.append(
-                f"{name}.{key}: {_type_name(field.annotation)} {_default_text(field)}  # {field.description}"
-            )
+        lines += [line for _, line in _key_lines(name, section)]
     return lines
 
 
 def all_keys() -> list[str]:
-    """Every dotted key (``kto.beta``) and section name (``kto``)."""
+    """Every dotted key (``kto.beta``, ``model.lora.rank``) and section name (``kto``)."""
     keys = []
     for name, section in _sections():
         keys.append(name)
-        keys += [f"{name}.{key}" for key in section.model_fields]
+        keys += [dotted for dotted, _ in _key_lines(name, section)]
     return keys
 
 
@@ -105,4 +123,6 @@ def did_you_mean(dotted: str) -> str | None:
     if not close and depth == 1:  # a right key in the wrong section: train.beta -> kto.beta
         leaf = dotted.split(".")[1]
         close = [k for k in candidates if k.split(".")[1] == leaf]
+    if not close and depth == 0:  # a key outside its section (lost indentation): max_steps -> train.max_steps
+        close = [k for k in all_keys() if k.count(".") == 1 and k.split(".")[1] == dotted]
     return close[0] if close else None

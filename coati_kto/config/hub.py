@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
 # "name" or "org/name": letters, digits, "_", "." and "-", each part starting with a letter or digit.
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+HUB_TIMEOUT_S = 10.0
 
 
 def looks_like_hub_id(value: str) -> bool:
@@ -19,3 +21,52 @@ def hub_id(name: str | None) -> str | None:
     if not name or Path(name).exists() or not looks_like_hub_id(name):
         return None
     return name
+
+
+def looks_like_path(value: str) -> bool:
+    """Whether a model source that does not exist was meant as a local path (not a hub id)."""
+    return (
+        value.startswith(("/", "./", "../", "~", "."))
+        or value.count("/") > 1
+        or value.endswith("/")
+        or os.sep != "/"
+        and os.sep in value
+        or not looks_like_hub_id(value)
+    )
+
+
+def missing_path(key: str, value: str) -> str:
+    """The line for a local model source that does not exist; a relative one names the directory it was read from."""
+    where = "" if Path(value).expanduser().is_absolute() else f", read from {Path.cwd()}"
+    return f"{key}: {value} does not exist (a local path{where}; a hub id looks like org/name)"
+
+
+def hub_problems(key: str, repo_id: str) -> list[str]:
+    """One look-up: the local hub cache first; then, unless HF_HUB_OFFLINE, one HEAD request, no retries."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return []
+    # constants.HF_HUB_OFFLINE is read once, at import; the environment may have changed since.
+    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}:
+        return [
+            f"{key}: {repo_id} is not a local directory and not in the hub cache, and HF_HUB_OFFLINE is set"
+        ]
+    import httpx
+    from huggingface_hub.utils import build_hf_headers, get_session
+
+    url = f"{constants.ENDPOINT}/{repo_id}/resolve/main/config.json"
+    try:  # huggingface_hub 1.x's session is an httpx.Client (requests' allow_redirects is a TypeError there)
+        response = get_session().head(
+            url, headers=build_hf_headers(), timeout=HUB_TIMEOUT_S, follow_redirects=True
+        )
+    except (httpx.HTTPError, OSError) as err:  # DNS, connection refused, timeout: the hub cannot be reached
+        return [
+            f"{key}: {repo_id} is not a local directory, and the hub ({constants.ENDPOINT}) cannot be reached "
+            f"({type(err).__name__}): download the model and set {key} to its directory"
+        ]
+    if response.status_code in (401, 403):
+        return [f"{key}: {repo_id} on the hub needs a token (gated or private): see README, Credentials"]
+    if response.status_code == 404:
+        return [f"{key}: {repo_id} is neither a local directory nor a model on the hub"]
+    return []

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -44,6 +45,7 @@ import pyarrow as pa
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from coati_kto.config.hub import hub_problems, looks_like_path, missing_path
 from coati_kto.data.chat import render_chats
 from coati_kto.data.formats import RecordError
 from coati_kto.errors import ConfigError
@@ -55,6 +57,12 @@ if TYPE_CHECKING:
 def load_tokenizer(config: Config) -> PreTrainedTokenizerBase:
     """``model.tokenizer`` (default ``model.path``); ConfigError naming both keys when it cannot be loaded."""
     name = config.model.tokenizer or config.model.path
+    if not Path(name).expanduser().exists():  # one line now, not a minute of hub retries and a repo-id error
+        key = "model.tokenizer" if config.model.tokenizer else "model.path"
+        if looks_like_path(name):
+            raise ConfigError(missing_path(key, name))
+        if key == "model.path" and (problems := hub_problems(key, name)):  # a model repo holds config.json
+            raise ConfigError(problems[0])
     try:
         return AutoTokenizer.from_pretrained(name, trust_remote_code=config.model.trust_remote_code)
     except (OSError, ValueError, ImportError) as err:  # ImportError: a backend package it needs is missing

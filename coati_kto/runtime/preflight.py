@@ -16,7 +16,9 @@ import os
 import tempfile
 from pathlib import Path
 
-from coati_kto.config.hub import looks_like_hub_id
+from coati_kto.config.hub import hub_problems as _hub_problems
+from coati_kto.config.hub import looks_like_path as _looks_like_path
+from coati_kto.config.hub import missing_path
 from coati_kto.config.schema import Config
 from coati_kto.data.files import resolve_files
 from coati_kto.errors import ConfigError, DataError, UserError
@@ -37,7 +39,6 @@ _WEIGHTS = (
     "pytorch_model.bin.index.json",
 )
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-HUB_TIMEOUT_S = 10.0
 
 
 def check_training(config: Config) -> None:
@@ -81,23 +82,12 @@ def check_training(config: Config) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- model sources
-def _looks_like_path(value: str) -> bool:
-    return (
-        value.startswith(("/", "./", "../", "~", "."))
-        or value.count("/") > 1
-        or value.endswith("/")
-        or os.sep != "/"
-        and os.sep in value
-        or not looks_like_hub_id(value)
-    )
-
-
 def _source_problems(key: str, value: str, trust_remote_code: bool, need_weights: bool) -> list[str]:
     path = Path(value).expanduser()
     if path.exists():
         return _directory_problems(key, path, trust_remote_code, need_weights)
     if _looks_like_path(value):
-        return [f"{key}: {value} does not exist (a local path; a hub id looks like org/name)"]
+        return [missing_path(key, value)]
     return _hub_problems(key, value)
 
 
@@ -178,49 +168,33 @@ def _known_model_type(model_type: object) -> bool:
     return isinstance(model_type, str) and model_type in CONFIG_MAPPING_NAMES
 
 
-def _hub_problems(key: str, repo_id: str) -> list[str]:
-    """One look-up: the local hub cache first; then, unless HF_HUB_OFFLINE, one HEAD request, no retries."""
-    from huggingface_hub import constants, try_to_load_from_cache
-
-    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
-        return []
-    # constants.HF_HUB_OFFLINE is read once, at import; the environment may have changed since.
-    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}:
-        return [
-            f"{key}: {repo_id} is not a local directory and not in the hub cache, and HF_HUB_OFFLINE is set"
-        ]
-    from huggingface_hub.utils import build_hf_headers, get_session
-
-    url = f"{constants.ENDPOINT}/{repo_id}/resolve/main/config.json"
-    try:
-        response = get_session().head(
-            url, headers=build_hf_headers(), timeout=HUB_TIMEOUT_S, allow_redirects=True
-        )
-    except Exception as err:  # DNS, connection refused, timeout: the hub cannot be reached from here
-        return [
-            f"{key}: {repo_id} is not a local directory, and the hub ({constants.ENDPOINT}) cannot be reached "
-            f"({type(err).__name__}): download the model and set {key} to its directory"
-        ]
-    if response.status_code in (401, 403):
-        return [f"{key}: {repo_id} on the hub needs a token (gated or private): see README, Credentials"]
-    if response.status_code == 404:
-        return [f"{key}: {repo_id} is neither a local directory nor a model on the hub"]
-    return []
-
-
 # ---------------------------------------------------------------------------------------------- run state
 def _attention_problems(config: Config) -> list[str]:
-    """flex_attention trains only where torch has its backward: not on CPU (the policy's first backward
-    raised NotImplementedError there, after the models had loaded). No-grad passes (precompute, the tests'
-    packed passes) run on CPU."""
+    """flash_attention_2 without flash-attn; GPU-only settings on CPU: flex_attention trains only where torch
+    has its backward (the policy's first backward raised NotImplementedError on CPU, after the models had
+    loaded; no-grad passes run there); fp16's dynamic loss scaler asks ColossalAI's CPU accelerator for a device
+    count, which raises."""
     import torch
 
-    if config.model.attn_implementation != "flex_attention" or torch.cuda.is_available():
-        return []
-    return [
-        f"model.attn_implementation flex_attention: torch {torch.__version__} has no FlexAttention backward on "
-        "CPU, so the policy cannot train here; use sdpa (or eager) on CPU, flex_attention on GPUs"
-    ]
+    out = []
+    if (
+        config.model.attn_implementation == "flash_attention_2"
+        and importlib.util.find_spec("flash_attn") is None
+    ):
+        out.append(  # models/hf.py says the same at load, after prepare (minutes on a large data set)
+            "model.attn_implementation flash_attention_2 needs the flash-attn package, which is not installed: "
+            "pip install flash-attn --no-build-isolation, or set model.attn_implementation=sdpa"
+        )
+    if torch.cuda.is_available():
+        return out
+    if config.model.attn_implementation == "flex_attention":
+        out.append(
+            f"model.attn_implementation flex_attention: torch {torch.__version__} has no FlexAttention backward "
+            "on CPU, so the policy cannot train here; use sdpa (or eager) on CPU, flex_attention on GPUs"
+        )
+    if config.plugin.precision == "fp16":  # ColossalAI's fp16 loss scaler counts CUDA devices: a traceback
+        out.append("plugin.precision fp16 needs a GPU (ColossalAI's loss scaler); use bf16 or fp32 on CPU")
+    return out
 
 
 def _starts_from_zero(config: Config) -> bool:

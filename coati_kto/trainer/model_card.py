@@ -68,7 +68,7 @@ def render(
         *_data_section(config, data_stats),
         *_settings_section(config, weights),
         *_training_section(config, steps, world_size, notes or []),
-        *_evaluation_section(eval_record),
+        *_evaluation_section(eval_record, bool(data_stats and data_stats.get("eval"))),
         *_use_section(config),
         *_config_section(config),
     ]
@@ -109,7 +109,9 @@ def _data_section(config: Config, data_stats: dict[str, Any] | None) -> list[str
     if data_stats is None:
         return [*lines, "- train files: " + ", ".join(f"`{f}`" for f in config.data.train_files), ""]
     for row in split_rows(data_stats):
-        lines.append(f"- {row['split']} files: " + ", ".join(f"`{f}`" for f in row["files"]))
+        files = ", ".join(f"`{f}`" for f in row["files"])
+        held_out = f"held out of the train files by prompt (data.eval_fraction {config.data.eval_fraction})"
+        lines.append(f"- {row['split']} files: {files or held_out}")
     return [
         *lines,
         "",
@@ -153,8 +155,14 @@ def _training_section(config: Config, steps: int, world_size: int, notes: list[s
     ]
 
 
-def _evaluation_section(eval_record: dict[str, float] | None) -> list[str]:
+def _evaluation_section(eval_record: dict[str, float] | None, has_eval_split: bool) -> list[str]:
     lines = ["## Evaluation", ""]
+    if eval_record is None and has_eval_split:
+        why = (
+            "No evaluation ran in the process that wrote this card (a resume or `coati-kto export` after the "
+            "last one, or evaluation turned off): see TensorBoard's eval/ scalars for any earlier ones."
+        )
+        return [*lines, why, ""]
     if eval_record is None:
         return [*lines, "No evaluation set was configured (data.eval_files / data.eval_fraction).", ""]
     return [

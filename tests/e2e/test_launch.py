@@ -136,6 +136,25 @@ def test_two_nodes_match_one_node_with_two_processes(run_config: Path, tmp_path:
         assert chosen + rejected == 8 and chosen >= 1 and rejected >= 1
 
 
+def test_torchrun_script_reads_a_config_relative_to_where_it_is_run(run_config: Path, tmp_path: Path) -> None:
+    """launch/torchrun.sh cd's to the repo root: `bash /repo/launch/torchrun.sh my.yaml` from the config's
+    directory said "my.yaml: config file not found" although the file was right there."""
+    script = Path(__file__).resolve().parents[2] / "launch" / "torchrun.sh"
+    out = tmp_path / "relative"
+    proc = subprocess.run(
+        ["bash", str(script), run_config.name, f"output.dir={out}", "train.max_steps=2"],
+        cwd=run_config.parent,
+        env={**env(), "NPROC_PER_NODE": "1", "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    scalars = read_scalars(out / "tensorboard")
+    assert [s for s, _ in scalars["train/loss"]] == [1, 2]
+    assert sum(v for _, v in scalars["train/count/chosen"] + scalars["train/count/rejected"]) == 2 * 2 * 2
+
+
 def load_config_path(config: Path) -> str:
     import yaml
 

@@ -14,7 +14,7 @@ from coati_kto import __version__
 from coati_kto.cli import main
 from coati_kto.config.discovery import did_you_mean, schema_lines
 from coati_kto.config.load import load_config
-from coati_kto.config.schema import Config, OutputSection
+from coati_kto.config.schema import Config, LoraSection, OutputSection
 from coati_kto.errors import ConfigError
 
 
@@ -59,7 +59,7 @@ def test_config_prints_the_resolved_config_with_every_default(
     # Every key of the schema is printed, and the text loads back to the same config.
     printed = yaml.safe_load(out)
     assert {f"{s}.{k}" for s, keys in printed.items() for k in keys} == {
-        line.split(":")[0] for line in schema_lines() if line
+        line.split(":")[0] for line in schema_lines() if line and line.count(".", 0, line.index(":")) == 1
     }
     assert Config.model_validate(printed) == load_config(path, ["kto.beta=0.25", "train.lr=1e-6"])
 
@@ -87,8 +87,25 @@ def test_schema_lists_every_key_with_type_default_and_help(capsys: pytest.Captur
         OutputSection if f.annotation == OutputSection | None else f.annotation
         for f in Config.model_fields.values()
     ]
-    assert len(keys) == sum(len(section.model_fields) for section in sections)
+    assert len(keys) == sum(len(section.model_fields) for section in sections) + len(LoraSection.model_fields)
     assert all("  # " in line and not line.endswith("# None") for line in keys)
+
+
+def test_schema_lists_the_keys_of_a_nested_section(capsys: pytest.CaptureFixture[str]) -> None:
+    """model.lora's keys were missing from --schema (one line "model.lora: LoraSection | null"), and a typo in
+    them got no suggestion."""
+    assert main(["config", "--schema"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    start = lines.index(next(line for line in lines if line.startswith("model.lora:")))
+    assert lines[start : start + 5] == [
+        "model.lora: mapping | null = null  # Train LoRA adapters instead of every weight (null: full fine-tuning).",
+        "model.lora.rank: int = 8  # LoRA rank r of each adapter's A [r, in] and B [out, r] matrices.",
+        "model.lora.alpha: float = 16.0  # LoRA scaling numerator: the update is (alpha / rank) B A.",
+        "model.lora.dropout: float = 0.0  "
+        "# Recorded in adapter_config.json; training runs it at 0 like all dropout (deterministic KTO).",
+        "model.lora.target_modules: list[str] = [q_proj, k_proj, v_proj, o_proj]  "
+        "# Module names (suffixes) that get adapters; not the LM head (lm_head) or embeddings.",
+    ]
 
 
 @pytest.mark.parametrize(
@@ -99,6 +116,8 @@ def test_schema_lists_every_key_with_type_default_and_help(capsys: pytest.Captur
         ("train:\n  beta: 0.2\n", "train.beta: unknown key (did you mean kto.beta?)"),
         ("kto:\n  loss: kto\n", "kto.loss: unknown key (did you mean kto.loss_type?)"),
         ("kto:\n  zzz: 1\n", "kto.zzz: unknown key"),
+        ("max_steps: 3\n", "max_steps: unknown key (did you mean train.max_steps?)"),  # lost indentation
+        ("lr: 1.0e-6\n", "lr: unknown key (did you mean train.lr?)"),
     ],
 )
 def test_unknown_key_suggests_a_close_one(tmp_path: Path, text: str, message: str) -> None:
@@ -112,6 +131,8 @@ def test_did_you_mean_on_overrides_and_far_keys() -> None:
     assert did_you_mean("train.warmup") == "train.warmup_steps"
     assert did_you_mean("output.save_intervals") == "output.save_interval"
     assert did_you_mean("train.zzzz") is None
+    assert did_you_mean("model.lora.rnak") == "model.lora.rank"
+    assert did_you_mean("model.lora.target_module") == "model.lora.target_modules"
 
 
 def test_config_command_mistakes_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

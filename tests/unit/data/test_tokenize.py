@@ -534,3 +534,35 @@ def test_a_template_that_drops_a_role_it_does_not_know_makes_a_bad_record() -> N
     assert prompt.startswith("<|im_start|>developer\nAlways answer in French.<|im_end|>\n")
     tool_turn = {"role": "tool", "content": '{"capital": "Paris"}'}
     assert render(mistral, [user, *completion, tool_turn], completion, True, "d.jsonl:5")[1] == "Paris.</s>"
+
+
+def test_a_missing_tokenizer_source_is_one_line_without_hub_retries(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """prepare / inspect / precompute load the tokenizer without train's preflight: a mistyped relative
+    model.path said "Repo id must use alphanumeric chars" (a path taken for a hub id), and a name shaped like a
+    hub id spent ~1 min in the hub client's retries before "cannot load a tokenizer"."""
+    import time
+
+    from helpers import MINIMAL, write_config
+
+    from coati_kto.config.load import load_config
+    from coati_kto.data.tokenize import load_tokenizer
+    from coati_kto.errors import ConfigError
+
+    monkeypatch.chdir(tmp_path)
+    path = write_config(tmp_path, MINIMAL)
+    with pytest.raises(ConfigError) as err:
+        load_tokenizer(load_config(path, ["model.path=./modle"]))
+    assert str(err.value) == (
+        f"model.path: ./modle does not exist (a local path, read from {tmp_path}; a hub id looks like org/name)"
+    )
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.perf_counter()
+    with pytest.raises(ConfigError) as err:
+        load_tokenizer(load_config(path, ["model.path=org/not-cached-here"]))
+    assert str(err.value) == (
+        "model.path: org/not-cached-here is not a local directory and not in the hub cache, and HF_HUB_OFFLINE "
+        "is set"
+    )
+    assert time.perf_counter() - start < 5

@@ -67,6 +67,35 @@ def test_flex_attention_is_refused_for_training_on_cpu(tmp_path: Path) -> None:
     assert _attention_problems(load_config(path, ["model.attn_implementation=sdpa"])) == []
 
 
+def test_fp16_is_refused_for_training_on_cpu(tmp_path: Path) -> None:
+    """fp16 passed every check on CPU, then ColossalAI's loss scaler raised "this method is not supported for cpu
+    accelerator" (device_count) in a traceback per rank, after the models had loaded."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU trains in fp16")
+    path = write_config(tmp_path, MINIMAL)
+    for plugin in (["plugin.name=hybrid_parallel"], ["plugin.name=low_level_zero", "plugin.zero_stage=2"]):
+        assert _attention_problems(load_config(path, [*plugin, "plugin.precision=fp16"])) == [
+            "plugin.precision fp16 needs a GPU (ColossalAI's loss scaler); use bf16 or fp32 on CPU"
+        ]
+    assert _attention_problems(load_config(path, ["plugin.precision=bf16"])) == []
+
+
+def test_flash_attention_without_flash_attn_is_refused_before_prepare(tmp_path: Path) -> None:
+    """node_8gpu_zero2.yaml and multinode_zero2.yaml name flash_attention_2: without the optional flash-attn the
+    refusal came at model load, after prepare had tokenized the whole data set."""
+    import importlib.util
+
+    if importlib.util.find_spec("flash_attn") is not None:
+        pytest.skip("flash-attn is installed")
+    path = write_config(tmp_path, MINIMAL)
+    assert _attention_problems(load_config(path, ["model.attn_implementation=flash_attention_2"])) == [
+        "model.attn_implementation flash_attention_2 needs the flash-attn package, which is not installed: "
+        "pip install flash-attn --no-build-isolation, or set model.attn_implementation=sdpa"
+    ]
+
+
 def test_resume_auto_over_a_run_without_checkpoints_says_what_to_do(tmp_path: Path) -> None:
     """A run killed before its first checkpoint left events only: train.resume=auto was refused with 'continue it
     with train.resume=auto', the setting the user had just given."""
@@ -87,3 +116,45 @@ def test_resume_auto_over_a_run_without_checkpoints_says_what_to_do(tmp_path: Pa
         "has nothing to continue: start over with output.overwrite=true (deletes its events and final model), or "
         "use another output.dir"
     ]
+
+
+def test_a_hub_id_is_looked_up_on_the_hub(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hub id not yet in the local cache: one HEAD request decides. huggingface_hub 1.x's session is an httpx
+    Client, which has no ``allow_redirects``: every such id was refused as "the hub cannot be reached (TypeError)",
+    on machines that reach the hub too (every GPU config names a hub id)."""
+    import http.server
+    import threading
+
+    from huggingface_hub import constants
+
+    from coati_kto.runtime.preflight import _hub_problems
+
+    class Hub(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self) -> None:  # noqa: N802 (http.server's name)
+            status = {"/org/public/": 302, "/org/gated/": 401}.get(
+                self.path[: self.path.find("/", 5) + 1], 404
+            )
+            self.send_response(200 if self.path.startswith("/cdn/") else status)
+            if status == 302:
+                self.send_header("Location", "/cdn/config.json")
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    try:
+        assert _hub_problems("model.path", "org/public") == []  # found (through a redirect)
+        assert _hub_problems("model.path", "org/missing") == [
+            "model.path: org/missing is neither a local directory nor a model on the hub"
+        ]
+        assert _hub_problems("model.path", "org/gated") == [
+            "model.path: org/gated on the hub needs a token (gated or private): see README, Credentials"
+        ]
+    finally:
+        server.shutdown()

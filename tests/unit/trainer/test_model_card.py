@@ -33,3 +33,24 @@ def test_export_note_says_what_final_holds(tmp_path: Path) -> None:
     )
     fp32 = load_config(write_config(tmp_path, MINIMAL), [*bf16, "output.export_dtype=fp32"])
     assert "fp32 master weights (trained in bf16" in _export_note(fp32)
+
+
+def test_card_of_a_held_out_split_and_of_a_resume_after_the_last_evaluation(tmp_path: Path) -> None:
+    """With data.eval_fraction the card listed "eval files: " (nothing); and `train.resume=auto` over a finished
+    run (single_gpu.yaml's default) rewrote final/README.md saying no evaluation set was configured."""
+    config = load_config(write_config(tmp_path, MINIMAL), ["data.eval_fraction=0.2"])
+    split = {"examples": 8, "labels": {"desirable": 6, "undesirable": 2}}
+    stats = {
+        "train": {**split, "examples": 32},
+        "eval": split,
+        "files": {"train": ["data.jsonl"], "eval": []},
+    }
+    card = render(config, stats, None, 12, (1.0, 1.0), 1).splitlines()
+    assert "- eval files: held out of the train files by prompt (data.eval_fraction 0.2)" in card
+    assert "No evaluation set was configured (data.eval_files / data.eval_fraction)." not in card
+    assert (
+        "No evaluation ran in the process that wrote this card (a resume or `coati-kto export` after the "
+        "last one, or evaluation turned off): see TensorBoard's eval/ scalars for any earlier ones." in card
+    )
+    no_eval = render(config, {**stats, "eval": None}, None, 12, (1.0, 1.0), 1).splitlines()
+    assert "No evaluation set was configured (data.eval_files / data.eval_fraction)." in no_eval
