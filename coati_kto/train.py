@@ -39,7 +39,7 @@ from coati_kto.parallel.distributed import (
     seed_everything,
 )
 from coati_kto.parallel.masters import gathered_masters
-from coati_kto.parallel.plan import ParallelPlan
+from coati_kto.parallel.plan import ParallelPlan, check_tp_divides_world
 from coati_kto.runtime.preflight import check_training
 from coati_kto.runtime.run_dir import (
     CHECKPOINTS_DIR,
@@ -197,6 +197,7 @@ def _setup(config: Config, heartbeat: Heartbeat | None, training: bool = True) -
     from coati_kto.trainer.reference_cache import with_reference_logps
 
     init_distributed(timeout_s=config.train.dist_timeout)
+    check_tp_divides_world(config.plugin.tp_size, dist.get_world_size())  # before the data and the model
     if heartbeat is not None and not heartbeat.is_alive():
         heartbeat.start()
     seed_everything(config.train.seed)

@@ -110,6 +110,29 @@ def check_model_family(plugin: str, model_dir: str, key: str, tp_size: int = 1) 
     if name is None:
         return
     refuse_unadmitted(name, tp_size, f"{key} {model_dir}: ")
+    why = tensor_parallel_shape_refusal(_config_json(model_dir) or {}, tp_size)
+    if why is not None:
+        raise ConfigError(f"{key} {model_dir}: {why}")
+
+
+def tensor_parallel_shape_refusal(raw: dict[str, Any], tp_size: int) -> str | None:
+    """Why a model of config.json ``raw`` cannot be split over ``tp_size`` tensor-parallel ranks (None when it
+    can): each rank must hold whole query heads and whole key-value heads (the project's policies split q/k/v
+    by output rows and keep transformers' attention, which reshapes by ``head_dim``). Gemma 3 270M / 1B and
+    SmolLM2 135M / 360M have one or an odd number of key-value heads: tp_size 2 cannot split them."""
+    if tp_size <= 1:
+        return None
+    text = {**raw, **(raw.get("text_config") or {})}
+    heads = text.get("num_attention_heads")
+    kv_heads = text.get("num_key_value_heads") or heads
+    if not isinstance(heads, int) or not isinstance(kv_heads, int):
+        return None
+    if heads % tp_size or kv_heads % tp_size:
+        return (
+            f"plugin.tp_size {tp_size} must divide num_attention_heads {heads} and num_key_value_heads "
+            f"{kv_heads} (each tensor-parallel rank holds whole heads): use plugin.tp_size 1, or low_level_zero"
+        )
+    return None
 
 
 def refuse_unadmitted(model_class: str, tp_size: int, prefix: str = "") -> None:

@@ -61,6 +61,16 @@ def running_zero_stage(section: PluginSection, dp_size: int | None) -> int:
     return section.zero_stage
 
 
+def check_tp_divides_world(tp_size: int, world: int) -> None:
+    """ConfigError (one line; every rank raises it, rank 0 prints it) when ``world`` processes cannot form
+    tensor-parallel groups of ``tp_size``: ColossalAI's plugin asserts it later, a traceback on every rank."""
+    if world % tp_size:
+        raise ConfigError(
+            f"plugin.tp_size {tp_size} must divide the number of processes, {world}: launch a multiple of "
+            f"{tp_size} (e.g. --nproc-per-node {tp_size}), or set plugin.tp_size=1"
+        )
+
+
 @dataclass(frozen=True)
 class ParallelPlan:
     """How the run is parallelised; built on every rank from the same config, so identical everywhere."""

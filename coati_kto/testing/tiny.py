@@ -146,7 +146,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "the gemma3 text model behind a SigLIP vision tower (Gemma3ForConditionalGeneration: text config nested, "
         "tower frozen, its own masks and logits)",
     ),
-    # transformers 5 only; ddp / low_level_zero (no hybrid_parallel policy).
+    # transformers 5 only; Llama's module names (families/shardformer/smollm3.py): every plugin.
     "smollm3": ("llama3", "tied embeddings, layers without RoPE (no_rope_layers), grouped-query attention"),
     # Gemma (1): no project policy, refused under hybrid_parallel (tests/test_plan_config.py).
     "gemma": ("chatml", "tied embeddings, scaled embeddings (no shardformer policy)"),

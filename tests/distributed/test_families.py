@@ -4,8 +4,8 @@ Families (coati_kto.testing.tiny.FAMILIES) on transformers 5 and ColossalAI 0.5.
 (coati_kto.families.shardformer): Llama (Llama-3 chat template, vocabulary 300: not a multiple of 64, grouped-query
 attention), Mistral ([INST] template, sliding-window attention, GQA), Qwen2 (ChatML, tied embeddings, attention
 bias, GQA, vocabulary 300), Qwen3 (per-head q/k norms), Gemma 3 (scaled tied embeddings, sliding and full layers
-mixed, soft-capping; its embed_scale kept under tensor parallelism), SmolLM3 (transformers 5 only, layers without RoPE; no shardformer policy:
-ddp and low_level_zero), Gemma 3 vision-language (Gemma3ForConditionalGeneration, Gemma 3 4B-27B's shape: ddp and
+mixed, soft-capping; its embed_scale kept under tensor parallelism), SmolLM3 (transformers 5 only, layers without RoPE;
+Llama's module names: every plugin), Gemma 3 vision-language (Gemma3ForConditionalGeneration, Gemma 3 4B-27B's shape: ddp and
 low_level_zero; its vision tower frozen and exported as loaded). ``FAMILY_PLUGINS`` is the matrix; it is what coati_kto.families.shardformer.HYBRID_FAMILIES
 admits. Plugins: ddp fp32, low_level_zero ZeRO-2 bf16, hybrid_parallel ZeRO-0 fp32, hybrid_parallel ZeRO-2 bf16 and
 hybrid_parallel tp_size 2 (bf16, ZeRO-0: with 2 processes the data-parallel size is 1).
@@ -52,7 +52,7 @@ FAMILY_PLUGINS: dict[str, list[str]] = {
     "qwen2": ALL,
     "qwen3": ALL,
     "gemma3": ALL,
-    "smollm3": ["ddp fp32", "low_level_zero zero2 bf16"],
+    "smollm3": ALL,
     "gemma3_vl": ["ddp fp32", "low_level_zero zero2 bf16"],
 }
 CELLS = [(family, plugin) for family, plugins in FAMILY_PLUGINS.items() for plugin in plugins]

@@ -83,3 +83,39 @@ def test_a_worker_dying_without_a_result_fails_the_run_at_once() -> None:
     # Neither the 600 s timeout nor rank 0's 300 s; the margin is for spawning and imports on a loaded machine
     # (47 s seen with other jobs on the 2 cores).
     assert time.monotonic() - started < 150
+
+
+def _train_error(raw: dict) -> str:
+    from coati_kto.config.schema import Config
+    from coati_kto.errors import ConfigError
+    from coati_kto.train import train
+
+    try:
+        train(Config.model_validate(raw))
+    except ConfigError as err:
+        return str(err)
+    return "trained"
+
+
+def test_tp_size_that_does_not_divide_the_processes_is_one_line(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """plugin.tp_size 2 on 1 process (a TP2 config started without --nproc-per-node): one ConfigError line
+    before the data is prepared, not ColossalAI's assertion traceback from the plugin on every rank."""
+    from helpers import preference_records
+
+    from coati_kto.data.files import write_jsonl
+
+    write_jsonl(preference_records(12, 0), tmp_path / "train.jsonl")
+    raw = {
+        "model": {"path": str(tiny_model_dir)},
+        "data": {"train_files": [str(tmp_path / "train.jsonl")], "prepared_dir": str(tmp_path / "prepared")},
+        "train": {"max_steps": 1},
+        "plugin": {"name": "hybrid_parallel", "tp_size": 2, "zero_stage": 0, "precision": "fp32"},
+        "output": {"dir": str(tmp_path / "out")},
+        "logging": {"tensorboard": False},
+    }
+    [message] = run_distributed(_train_error, 1, raw)
+    assert message == (
+        "plugin.tp_size 2 must divide the number of processes, 1: launch a multiple of 2 (e.g. "
+        "--nproc-per-node 2), or set plugin.tp_size=1"
+    )
+    assert not (tmp_path / "prepared").exists()  # nothing heavy ran first

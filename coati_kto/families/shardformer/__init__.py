@@ -18,6 +18,7 @@ HYBRID_FAMILIES: dict[str, tuple[str, str, tuple[int, ...]]] = {
     "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLMPolicy", (1, 2)),
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLMPolicy", (1, 2)),
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLMPolicy", (1, 2)),
+    "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLMPolicy", (1, 2)),
 }
 
 

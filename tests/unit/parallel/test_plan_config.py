@@ -149,3 +149,31 @@ def test_plan_answers() -> None:
     assert not plan.no_sync_accumulation and plan.max_grad_norm == 1.0
     assert ParallelPlan("low_level_zero", "bf16", 1).no_sync_accumulation
     assert str(ParallelPlan("low_level_zero", "bf16", 1).dtype) == "torch.bfloat16"
+
+
+def test_tp_size_must_split_whole_heads(tmp_path: Path) -> None:
+    """A model whose query or key-value heads tp_size does not divide (Gemma 3 270M / 1B: 4 heads over 1
+    key-value head; SmolLM2 135M: 9 over 3) is refused at config load in one line, not by a traceback per rank
+    from the policy once the model is loaded and the data prepared."""
+    from transformers import AutoConfig
+
+    from coati_kto.testing.tiny import build_family_model, build_tokenizer
+
+    tokenizer = build_tokenizer(CORPUS[:20], vocab_size=280)
+    model = build_family_model("gemma3", tokenizer)
+    model.config.num_key_value_heads = 1  # gemma-3-1b's shape (config.json is all the check reads)
+    model.save_pretrained(tmp_path / "gemma3_kv1")
+    assert AutoConfig.from_pretrained(tmp_path / "gemma3_kv1").num_key_value_heads == 1
+
+    def load(*overrides: str) -> Config:
+        text = MINIMAL.replace("some/model", str(tmp_path / "gemma3_kv1"))
+        return load_config(write_config(tmp_path, text), ["plugin.zero_stage=0", *overrides])
+
+    assert load().plugin.tp_size == 1
+    with pytest.raises(ConfigError) as err:
+        load("plugin.tp_size=2")
+    message = str(err.value)
+    assert "\n" not in message
+    assert "plugin.tp_size 2 must divide num_attention_heads 4 and num_key_value_heads 1" in message
+    # ddp and low_level_zero do not split heads: no refusal there.
+    assert load("plugin.name=low_level_zero", "plugin.zero_stage=2").plugin.name == "low_level_zero"
