@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from coati_kto.config.load import save_config
-from coati_kto.config.resume import check_resume, check_training_data
+from coati_kto.config.resume import check_contents, check_resume
 from coati_kto.config.schema import Config
 from coati_kto.data.collator import KTOCollator
 from coati_kto.data.eval_sampler import EvalBatchSampler, ValidMaskLoader
@@ -267,6 +267,7 @@ def _setup_trainer(
     """Models, optimizer, schedule and the KTOTrainer (every rank); with it ``Components.frozen_fp32``."""
     from coati_kto.trainer.checkpoint import CheckpointManager  # after quiet_known_warnings (see _train)
     from coati_kto.trainer.kto import KTOTrainer
+    from coati_kto.trainer.reference_cache import reference_weights_digest
 
     steps = total_optimizer_steps(config, len(run.train_loader.batch_sampler))
     if run.layout.is_main:
@@ -302,7 +303,7 @@ def _setup_trainer(
         plan=run.plan,
         checkpoint_manager=manager,
         run_config=config.model_dump(mode="json"),
-        data_stats=run.data.stats,
+        data_stats={**run.data.stats, "reference_weights": reference_weights_digest(config)},  # checkpointed
         stop_signals=stop_signals,
     )
     return trainer, parts.frozen_fp32
@@ -327,7 +328,7 @@ def _resume(config: Config, run: _Run, trainer: Any) -> None:
     saved = state.get("config")
     line = check_resume(saved, config.model_dump(mode="json"), checkpoint.name) if saved is not None else None
     if checkpoint is not None:
-        check_training_data(state.get("train_data"), run.data.stats.get("train_data"), checkpoint.name)
+        check_contents(state, trainer.data_stats, checkpoint.name)
     resumed = None
     if checkpoint is not None:
         trainer.resume(checkpoint)

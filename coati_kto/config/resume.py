@@ -22,8 +22,14 @@ REFUSED: dict[str, str] = {
     "model.lora": "the checkpoint holds other trainable parameters",
     "model.trust_remote_code": "the model code may differ",
     "data": "the data position of the epoch in progress belongs to the old training set",
+    # Data keys that change neither the training rows nor their order: how they are built, where they are
+    # stored, how a batch is laid out. A moved prepared_dir or another num_proc builds the same rows (its
+    # fingerprint leaves both out), and the rows' content is checked on its own (check_training_data).
     "data.eval_files": "",
     "data.pad_to_multiple_of": "",
+    "data.padding_free": "",
+    "data.num_proc": "",
+    "data.prepared_dir": "",
     "train.seed": "the data order of the epoch in progress depends on it",
     "plugin.precision": "the saved fp32 master weights belong to the old precision",
     "kto.loss_type": "another objective: start a new run from the exported model instead",
@@ -97,4 +103,22 @@ def check_training_data(saved: str | None, current: str | None, checkpoint: str)
             f"train.resume {checkpoint}: the training data changed since the checkpoint (the content of "
             f"data.train_files or the tokenizer: {saved} -> {current}): cannot change on resume ({REFUSED['data']})"
             "\n(start a new run in another output.dir, or resume unchanged)"
+        )
+
+
+def check_contents(state: dict, stats: dict, checkpoint: str) -> None:
+    """:func:`check_training_data` and :func:`check_reference_weights` of a checkpoint's trainer state against
+    this run's data stats (``train_data``, ``reference_weights``)."""
+    check_training_data(state.get("train_data"), stats.get("train_data"), checkpoint)
+    check_reference_weights(state.get("reference_weights"), stats.get("reference_weights"), checkpoint)
+
+
+def check_reference_weights(saved: str | None, current: str | None, checkpoint: str) -> None:
+    """ConfigError when the reference model's weights changed since the checkpoint at the same path (a new SFT
+    run saved over it): the rewards so far were measured against the old ones. None on either side: not known."""
+    if saved is not None and current is not None and saved != current:
+        raise ConfigError(
+            f"train.resume {checkpoint}: the reference model's weights changed since the checkpoint (the files "
+            f"under model.reference_path / model.path: {saved[:16]} -> {current[:16]}): cannot change on resume "
+            f"({REFUSED['model.reference_path']})\n(start a new run in another output.dir, or restore the weights)"
         )

@@ -19,6 +19,7 @@ from pathlib import Path
 from coati_kto.config.hub import hub_problems as _hub_problems
 from coati_kto.config.hub import looks_like_path as _looks_like_path
 from coati_kto.config.hub import missing_path
+from coati_kto.config.resume import check_resume
 from coati_kto.config.schema import Config
 from coati_kto.data.files import resolve_files
 from coati_kto.errors import ConfigError, DataError, UserError
@@ -206,12 +207,25 @@ def _starts_from_zero(config: Config) -> bool:
 
 
 def _resume_problems(config: Config) -> list[str]:
-    if config.train.resume in (None, "auto"):
-        return []
+    """A checkpoint train.resume names that is not one, or config changes a resume from it refuses: said before
+    the data is prepared and the cached reference computed (a refused resume used to rebuild data.prepared_dir,
+    deleting the reference cache the old config needs, and score the data with the reference, then refuse)."""
+    if config.train.resume is None or (config.train.resume == "auto" and config.output.overwrite):
+        return []  # overwrite: the run's checkpoints are deleted before auto looks for one
     try:
-        resolve_checkpoint(Path(config.output.dir) / CHECKPOINTS_DIR, config.train.resume)
+        checkpoint = resolve_checkpoint(Path(config.output.dir) / CHECKPOINTS_DIR, config.train.resume)
     except UserError as err:
         return [str(err)]
+    state = checkpoint / "trainer_state" / "rank-0.pt" if checkpoint is not None else None
+    if state is None or not state.is_file():
+        return []
+    import torch  # only here: the launcher imports this module before anything heavy
+
+    saved = torch.load(state, map_location="cpu", weights_only=False)["trainer_state"].get("config")
+    try:
+        check_resume(saved, config.model_dump(mode="json"), checkpoint.name) if saved is not None else None
+    except ConfigError as err:
+        return str(err).splitlines()
     return []
 
 

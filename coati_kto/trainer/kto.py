@@ -361,7 +361,7 @@ class KTOTrainer(SLTrainer):
             self._writer.log(metrics, self.global_step)
 
     def _save(self, epoch: int) -> None:
-        """Checkpoint after a finite step; every rank calls. The state is this rank's data position."""
+        """Checkpoint after a finite step (every rank): its data position, the digests config.resume checks."""
         if self.checkpoint_manager is None or self._last_saved_step == self.global_step:
             return
         state = {
@@ -371,7 +371,7 @@ class KTOTrainer(SLTrainer):
             "skipped_steps": self.skipped_steps,
             "last_eval_step": self._last_eval_step,
             "config": self.run_config,
-            "train_data": (self.data_stats or {}).get("train_data"),  # checked on resume (config.resume)
+            **{k: (self.data_stats or {}).get(k) for k in ("train_data", "reference_weights")},
         }
         self.checkpoint_manager.save(self.global_step, self.policy, self.optimizer, self.lr_scheduler, state)
         self._last_saved_step = self.global_step

@@ -47,6 +47,7 @@ CACHE_VERSION = 1  # bump when the stored values change for the same key
 CACHE_DIR = "reference_cache"
 SPLITS = ("train", "eval")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")  # plus config.json: what the forward depends on
+_SAMPLE = 1 << 20  # bytes per sampled block of a weight file (reference_weights_digest)
 
 
 # ----------------------------------------------------------------------------------------------- the key
@@ -76,8 +77,10 @@ def _file_sha256(path: Path) -> str:
 def weights_hash(path: str, memo_file: Path | None = None) -> str:
     """sha256 over the reference's weight files and config.json (names and contents).
 
-    ``memo_file`` remembers each file's hash under (path, size, mtime), so a multi-GB model is read once, not
-    at every launch; a file that changes gets a new size or mtime and is hashed again.
+    ``memo_file`` remembers each file's hash under (path, size, mtime, ctime, inode), so a multi-GB model is
+    read once, not at every launch. A file that changes is hashed again, even with the same size and mtime (a
+    checkpoint of the same shapes extracted or copied with its timestamps: ``tar``, ``cp -p``, ``rsync -t``):
+    nothing but the kernel sets ctime, and a write or a replacing rename changes it or the inode.
     """
     root = _weights_dir(path)
     memo: dict[str, str] = {}
@@ -94,16 +97,48 @@ def weights_hash(path: str, memo_file: Path | None = None) -> str:
     )
     for f in files:
         st = f.stat()
-        stamp = f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+        stamp = f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}|{st.st_ino}"
         if stamp not in memo:
             memo[stamp] = _file_sha256(f)
         h.update(f"{f.relative_to(root)}\0{memo[stamp]}\0".encode())
     if memo_file is not None:
-        memo_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = memo_file.with_name(f".{memo_file.name}.{uuid.uuid4().hex[:8]}")
-        tmp.write_text(json.dumps(memo, indent=1))
-        tmp.replace(memo_file)
+        try:
+            memo_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = memo_file.with_name(f".{memo_file.name}.{uuid.uuid4().hex[:8]}")
+            tmp.write_text(json.dumps(memo, indent=1))
+            tmp.replace(memo_file)
+        except (
+            OSError
+        ):  # a read-only prepared_dir (an online run writes nothing else there): hashed next time
+            pass
     return h.hexdigest()
+
+
+def reference_weights_digest(config: Config) -> str | None:
+    """The run's reference weights (``model.reference_path`` or ``model.path``) by a sample of their content,
+    which a resume compares with the checkpoint's (a new SFT run saved over the reference changes every
+    sample): None where the reference is not read from disk (LoRA with an online reference: the checkpoint's
+    own base, adapters off) or is not on disk. Reads at most 16 MiB per file, so a 70B reference costs a
+    second, not a full hash while the other ranks wait. Every rank calls; global rank 0 reads."""
+    if config.model.lora is not None and config.kto.reference == "online":
+        return None
+
+    def digest() -> str | None:
+        try:
+            root = _weights_dir(config.model.reference_path or config.model.path)
+        except ConfigError:
+            return None
+        h = hashlib.sha256()
+        for f in sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in _WEIGHT_SUFFIXES):
+            size = f.stat().st_size
+            h.update(f"{f.relative_to(root)}\0{size}\0".encode())
+            with f.open("rb") as handle:  # 16 blocks of 1 MiB spread over the file, its header first
+                for offset in sorted({i * max(0, size - _SAMPLE) // 15 for i in range(16)}):
+                    handle.seek(offset)
+                    h.update(handle.read(_SAMPLE))
+        return h.hexdigest()
+
+    return on_rank0(digest, "read the reference weights")
 
 
 def cache_key(config: Config, data_digest: str, reference_weights: str) -> dict[str, Any]:

@@ -141,3 +141,47 @@ def test_training_data_edited_in_place_is_refused(first_run: Path) -> None:
     ), errors
     assert errors[1:] == ["(start a new run in another output.dir, or resume unchanged)"]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before  # nothing trained, nothing saved
+
+
+def test_reference_weights_saved_over_in_place_are_refused(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The same model.path, its weights saved over (a new SFT run into the same directory: same shapes, same
+    file size): the resume was accepted and the online reference scored the rest of the run with the new
+    weights, in silence (step 3's KL estimate went from 3.4 to 18.4 on this fixture)."""
+    import re
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model_dir = shutil.copytree(tiny_model_dir, tmp_path / "sft")  # saved over below: not the shared one
+    config = {
+        "model": {"path": str(model_dir)},
+        "data": {
+            "train_files": [str(write_jsonl(preference_records(24, 0), tmp_path / "train.jsonl"))],
+            "prepared_dir": str(tmp_path / "prepared"),
+            "max_length": 48,
+        },
+        "train": {"micro_batch_size": 4, "max_steps": 2, "lr": 1e-3},
+        "plugin": {"name": "ddp", "precision": "fp32"},
+        "output": {"dir": str(tmp_path / "out"), "save_interval": 2},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    assert (done := _train(path)).returncode == 0, done.stderr[-3000:]
+    unchanged = _train(path, "train.resume=auto", "train.max_steps=3", f"output.dir={tmp_path / 'unchanged'}")
+    assert unchanged.returncode == 0, unchanged.stderr[-3000:]  # the same weights: resumed
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1.5)
+    model.save_pretrained(model_dir)
+    done = _train(path, "train.resume=auto", "train.max_steps=3")
+    assert done.returncode == 2, done.stderr[-3000:]
+    errors = [line for line in done.stderr.splitlines() if line.strip()]
+    assert re.fullmatch(
+        r"error: train.resume step-2: the reference model's weights changed since the checkpoint \(the files "
+        r"under model.reference_path / model.path: [0-9a-f]{16} -> [0-9a-f]{16}\): cannot change on resume "
+        r"\(the rewards so far were measured against another reference\)",
+        errors[0],
+    ), errors
+    assert errors[1:] == ["(start a new run in another output.dir, or restore the weights)"]
+    assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["latest", "step-2"]

@@ -64,3 +64,17 @@ def test_eval_data_may_change(tmp_path: Path) -> None:
 def test_changes_are_leaf_keys(tmp_path: Path) -> None:
     changes = config_changes(_dump(tmp_path), _dump(tmp_path, "model.lora={rank: 4}"))
     assert [c.key for c in changes] == ["model.lora"] or all(c.key.startswith("model.lora") for c in changes)
+
+
+def test_data_keys_that_change_neither_rows_nor_order_may_change(tmp_path: Path) -> None:
+    """A prepared_dir copied elsewhere (another machine, a scratch disk), another num_proc or padding-free rows
+    build or lay out the same rows in the same order: applied, not refused as "another training set"."""
+    line = check_resume(
+        _dump(tmp_path),
+        _dump(tmp_path, "data.prepared_dir=/scratch/prepared", "data.num_proc=4", "data.padding_free=true"),
+        "step-2",
+    )
+    assert line == (
+        "resume: 3 setting(s) differ from step-2's config, applied: data.num_proc 1 -> 4, "
+        "data.padding_free False -> True, data.prepared_dir 'prepared' -> '/scratch/prepared'"
+    )

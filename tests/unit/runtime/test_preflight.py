@@ -158,3 +158,40 @@ def test_a_hub_id_is_looked_up_on_the_hub(monkeypatch: pytest.MonkeyPatch) -> No
         ]
     finally:
         server.shutdown()
+
+
+def test_a_refused_resume_is_said_before_the_data_is_prepared(tmp_path: Path) -> None:
+    """train.resume with a config the checkpoint refuses (here data.max_length) was refused only once the run
+    had set up: data.prepared_dir rebuilt for the new config (its reference cache deleted) and the new data
+    scored with the reference, all of which a resume unchanged then had to do again."""
+    import torch
+
+    from coati_kto.runtime.preflight import _resume_problems
+
+    out = tmp_path / "out"
+    text = MINIMAL.replace("dir: out", f"dir: {out}").replace(
+        "prepared_dir: prepared", "prepared_dir: p\n  max_length: 48\n  max_prompt_length: 16"
+    )
+    saved = load_config(write_config(tmp_path, text)).model_dump(mode="json")
+    step = out / "checkpoints" / "step-4"
+    (step / "trainer_state").mkdir(parents=True)
+    torch.save({"trainer_state": {"config": saved}, "rng": None}, step / "trainer_state" / "rank-0.pt")
+    (step / "COMPLETE").write_text("step 4\n")
+    unchanged = load_config(write_config(tmp_path, text), ["train.resume=auto", "train.max_steps=6"])
+    assert _resume_problems(unchanged) == []
+    changed = load_config(write_config(tmp_path, text), ["train.resume=auto", "data.max_length=40"])
+    assert _resume_problems(changed) == [
+        "train.resume step-4: data.max_length 48 -> 40: cannot change on resume (the data position of the epoch "
+        "in progress belongs to the old training set)",
+        "(start a new run in another output.dir, or resume unchanged)",
+    ]
+    assert _resume_problems(
+        load_config(write_config(tmp_path, text), [f"train.resume={step}", "data.max_length=40"])
+    )
+    overwrite = [
+        "train.resume=auto",
+        "output.overwrite=true",
+        "data.max_length=40",
+    ]  # a new run: deletes step-4
+    assert _resume_problems(load_config(write_config(tmp_path, text), overwrite)) == []
+    assert not (tmp_path / "p").exists()

@@ -1,0 +1,27 @@
+"""The reference cache's memo of weight-file hashes: a file put in place with another's content is hashed again."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from coati_kto.trainer.reference_cache import weights_hash
+
+
+def test_weights_saved_over_with_their_old_timestamps_are_hashed_again(tmp_path: Path) -> None:
+    """The memo used to key a file's hash on (path, size, mtime): weights of the same shapes put in place with
+    the old timestamp (``tar`` of a build with fixed mtimes, ``cp -p``, ``rsync -t``) kept the old hash, and a
+    stale reference cache was used in silence."""
+    model, memo = tmp_path / "model", tmp_path / "memo.json"
+    model.mkdir()
+    weights = model / "model.safetensors"
+    weights.write_bytes(b"\x01" * 4096)
+    (model / "config.json").write_text("{}")
+    stamp = weights.stat()
+    first = weights_hash(str(model), memo)
+    staged = tmp_path / "staged.safetensors"
+    staged.write_bytes(b"\x02" * 4096)  # another checkpoint of the same shapes: same size
+    os.utime(staged, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))  # with the old timestamp
+    os.replace(staged, weights)
+    assert weights.stat().st_size == stamp.st_size and weights.stat().st_mtime_ns == stamp.st_mtime_ns
+    assert weights_hash(str(model), memo) == weights_hash(str(model)) != first
