@@ -15,24 +15,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from coati_kto.config.lora import peft_config
 from coati_kto.parallel.distributed import barrier
 
 if TYPE_CHECKING:
     from coati_kto.config.schema import LoraSection
-
-
-def peft_config(section: LoraSection) -> Any:
-    """The ``peft.LoraConfig`` of a ``model.lora`` section (causal LM, no bias trained)."""
-    import peft
-
-    return peft.LoraConfig(
-        task_type="CAUSAL_LM",
-        r=section.rank,
-        lora_alpha=section.alpha,
-        lora_dropout=section.dropout,
-        target_modules=list(section.target_modules),
-        bias="none",
-    )
 
 
 def enable_lora(booster: Any, model: torch.nn.Module, section: LoraSection) -> torch.nn.Module:

@@ -91,15 +91,14 @@ def quiet_known_logs() -> None:
 
 
 def apply() -> None:
-    """Fix ColossalAI's padded-vocabulary unpadding; without CUDA, also install the CPU accelerator and the ZeRO
-    patch (the GPU path runs ColossalAI otherwise untouched). Idempotent; every rank."""
+    """Fix ColossalAI's bugs (``_fix_bugs_on_every_device``); without CUDA, also install the CPU accelerator and
+    the ZeRO patch (the GPU path runs ColossalAI otherwise untouched). Idempotent; every rank."""
     global _applied
     quiet_known_warnings()
     quiet_known_logs()
     if _applied:
         return
-    _fix_unpadding_of_detached_copies()
-    _fix_tp_partition_of_padded_vocabularies()
+    _fix_bugs_on_every_device()
     _route_policies_to_the_project()
     _applied = True
     if cuda_available():
@@ -150,6 +149,33 @@ def apply() -> None:
                     raise TypeError(f"ZeRO expects parameters of dtype {self._dtype}, got {param.dtype}")
 
     low_level_optim.LowLevelZeroOptimizer._sanity_checks = _sanity_checks_without_device
+
+
+def _fix_bugs_on_every_device() -> None:
+    """ColossalAI 0.5.0 bugs fixed on every device: padded vocabularies' save and tensor-parallel partition, and
+    the adapters' lookup of LoRA on parameters."""
+    _fix_unpadding_of_detached_copies()
+    _fix_tp_partition_of_padded_vocabularies()
+    _fix_lora_lookup_of_parameter_adapters()
+
+
+def _fix_lora_lookup_of_parameter_adapters() -> None:
+    """ColossalAI 0.5.0 bug, on every device: ``LowLevelZeroPlugin.configure`` looks each adapter's base weight up
+    as ``<module>.base_layer.weight``, which peft's ``ParamWrapper`` (LoRA on an MoE's fused expert parameters,
+    ``target_modules: [gate_proj, up_proj, down_proj]`` under transformers 5) does not have: KeyError. The lookup
+    only serves to add adapters missing from the optimizer, and the project builds its optimizer from every
+    parameter after ``enable_lora``: skip it when none is missing."""
+    from colossalai.booster.plugin.low_level_zero_plugin import LowLevelZeroPlugin
+
+    upstream = LowLevelZeroPlugin.add_lora_params_to_optimizer
+
+    def add_lora_params_to_optimizer(self: Any, model: Any, optimizer: Any) -> None:
+        held = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        adapters = [p for n, p in model.named_parameters() if "lora_A" in n or "lora_B" in n]
+        if any(id(p) not in held for p in adapters):
+            upstream(self, model, optimizer)
+
+    LowLevelZeroPlugin.add_lora_params_to_optimizer = add_lora_params_to_optimizer
 
 
 def _fix_unpadding_of_detached_copies() -> None:

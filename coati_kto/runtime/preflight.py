@@ -19,6 +19,7 @@ from pathlib import Path
 from coati_kto.config.hub import hub_problems as _hub_problems
 from coati_kto.config.hub import looks_like_path as _looks_like_path
 from coati_kto.config.hub import missing_path
+from coati_kto.config.lora import peft_config
 from coati_kto.config.resume import check_resume
 from coati_kto.config.schema import Config
 from coati_kto.data.files import resolve_files
@@ -122,7 +123,8 @@ def _directory_problems(key: str, path: Path, trust_remote_code: bool, need_weig
 
 
 def _lora_problems(config: Config) -> list[str]:
-    """model.lora.target_modules that match no module of the model (peft would fail after the model loaded).
+    """model.lora.target_modules that match no module of the model, or name one peft cannot adapt, and any other
+    refusal of peft's (each would fail in peft after the model loaded on every rank).
 
     The model is built on the meta device from its config.json (no weights read, no memory): only for a local
     directory without remote code; anything else is left to peft.
@@ -146,15 +148,47 @@ def _lora_problems(config: Config) -> list[str]:
         return [
             f"model.lora with {path}, a vision-language model ({model.config.model_type}): train it in full"
         ]
-    names = [name for name, _ in model.named_modules()]
-    missing = [t for t in lora.target_modules if not any(n == t or n.endswith("." + t) for n in names)]
-    if not missing:
-        return []
-    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if _is_linear(m)} - {"lm_head"})
-    return [
-        f"model.lora.target_modules: {', '.join(missing)} match no module of {type(model).__name__} "
-        f"({path}); its linear layers: {', '.join(linear)}"
-    ]
+    modules = dict(model.named_modules())
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items() if _is_linear(m)} - {"lm_head"})
+    found = {t: [m for n, m in modules.items() if n == t or n.endswith("." + t)] for t in lora.target_modules}
+    remapped, peft_refused = _peft_remapped(model, lora)  # after the names above: peft wraps in place
+    missing = [t for t, hits in found.items() if not hits and t not in remapped]
+    unsupported = sorted(
+        {type(m).__name__ for t, hits in found.items() if t not in remapped for m in hits} - _PEFT_LAYERS
+    )
+    problems, where = [], f"{type(model).__name__} ({path}); its linear layers: {', '.join(linear)}"
+    if missing:
+        problems.append(f"model.lora.target_modules: {', '.join(missing)} match no module of {where}")
+    if peft_refused and unsupported:  # an MoE experts block or router, a whole MLP: peft fails after loading
+        problems.append(
+            f"model.lora.target_modules: peft cannot put adapters on {', '.join(unsupported)} (not a linear "
+            f"layer) of {where}"
+        )
+    elif peft_refused and not missing:  # e.g. lora_dropout on the MoE parameters peft adapts (ParamWrapper)
+        problems.append(f"model.lora: peft refuses it for {type(model).__name__} ({path}): {peft_refused}")
+    return problems
+
+
+# The layer classes peft's LoRA adapts as modules (a list target naming anything else fails in peft).
+_PEFT_LAYERS = frozenset(
+    {"Linear", "Embedding", "Conv1d", "Conv2d", "Conv3d", "Conv1D", "MultiheadAttention"}
+)
+
+
+def _peft_remapped(model: object, lora: object) -> tuple[set[str], str]:
+    """The targets peft renames for transformers 5 itself (the experts' ``gate_proj``, ``up_proj``, ``down_proj``
+    of Qwen3-MoE, OLMoE, DeepSeek-V3..., Mixtral's ``w1``, ``w2``, ``w3`` and ``gate``: fused parameters or router
+    modules now, adapted through ``target_parameters``), and peft's refusal in one line ('' when none), from
+    peft itself on the meta model (which it changes in place)."""
+    import peft
+
+    config = peft_config(lora)
+    try:
+        peft.get_peft_model(model, config)
+        refused = ""
+    except ValueError as err:  # its first line: peft prints the refused module's repr below
+        refused = str(err).splitlines()[0].rstrip("(").strip() or type(err).__name__
+    return set(lora.target_modules) - set(config.target_modules or ()), refused
 
 
 def _is_linear(module: object) -> bool:

@@ -236,3 +236,64 @@ def test_lora_config_checks(tmp_path: Path) -> None:
         load_config(path, ["model.lora={target_modules: [q_proj, lm_head]}"])
     with pytest.raises(ConfigError, match="model.reference_path with model.lora"):
         load_config(path, ["model.lora={rank: 4}", f"model.reference_path={tmp_path}"])
+
+
+def _moe_experts_run(model_dir: str, root: str) -> dict[str, Any]:
+    """Two steps of LoRA on a Qwen3-MoE's fused expert parameters (peft maps gate_proj/up_proj/down_proj onto
+    them: ParamWrapper) under low_level_zero ZeRO-2 bf16."""
+    from coati_kto.config.schema import Config
+    from coati_kto.models.lora import peft_model
+    from coati_kto.train import train
+
+    raw = _raw_config(
+        model_dir, Path(root), {"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"}, "moe"
+    )
+    raw["model"]["lora"] = {"rank": 4, "alpha": 8, "target_modules": ["gate_proj", "up_proj", "down_proj"]}
+    raw["data"].pop("eval_files")
+    raw["train"]["max_steps"] = 2
+    raw["output"] = {"dir": str(Path(root) / "moe"), "save_final": False}
+    trainer = train(Config.model_validate(raw))
+    first = next(h for h in trainer.history if "train/loss" in h)
+    peft = peft_model(trainer.policy)
+    lora_b = {n: float(p.detach().float().abs().max()) for n, p in peft.named_parameters() if "lora_B" in n}
+    return {
+        "rewards": (first["train/rewards/chosen"], first["train/rewards/rejected"]),
+        "trainable": sorted(n for n, p in peft.named_parameters() if p.requires_grad),
+        "lora_b": lora_b,
+    }
+
+
+def test_lora_on_moe_experts_under_zero2(tmp_path: Path) -> None:
+    """ColossalAI 0.5.0's LowLevelZeroPlugin looked each adapter's base up as '<module>.base_layer.weight' and
+    raised KeyError for peft's ParamWrapper (coati_kto.parallel.compat fixes the lookup)."""
+    from helpers import CORPUS
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from coati_kto.testing.tiny import build_tokenizer, random_causal_lm
+
+    tokenizer = build_tokenizer(CORPUS, vocab_size=300)
+    model = random_causal_lm(
+        Qwen3MoeForCausalLM,
+        Qwen3MoeConfig,
+        vocab_size=len(tokenizer),
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    write_jsonl(preference_records(48, 0), tmp_path / "train.jsonl")
+    runs = run_distributed(_moe_experts_run, 2, str(tmp_path / "model"), str(tmp_path))
+    for run in runs:
+        assert run["rewards"] == (0.0, 0.0), run  # B starts at zero: the adapter-free reference is the policy
+        # Only the experts' adapters train, in both layers, and every B moved away from zero.
+        assert run["trainable"] and all(".mlp.experts." in n and "lora_" in n for n in run["trainable"]), run
+        assert {n.split(".mlp.")[0] for n in run["trainable"]} == {
+            f"base_model.model.model.layers.{i}" for i in (0, 1)
+        }, run
+        assert run["lora_b"] and all(v > 0 for v in run["lora_b"].values()), run
+    assert runs[0]["lora_b"] == runs[1]["lora_b"]  # the ranks hold the same adapters

@@ -195,3 +195,49 @@ def test_a_refused_resume_is_said_before_the_data_is_prepared(tmp_path: Path) ->
     ]  # a new run: deletes step-4
     assert _resume_problems(load_config(write_config(tmp_path, text), overwrite)) == []
     assert not (tmp_path / "p").exists()
+
+
+def _qwen3_moe_dir(tmp_path: Path) -> Path:
+    from transformers import Qwen3MoeConfig
+
+    config = Qwen3MoeConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+    )
+    return _model_dir(tmp_path, config)
+
+
+@pytest.mark.parametrize("targets", ["[gate_proj, up_proj, down_proj]", "[q_proj, gate]"])
+def test_lora_targets_peft_maps_onto_fused_moe_experts_pass(tmp_path: Path, targets: str) -> None:
+    """transformers 5 fuses an MoE's experts into 3D parameters and makes the router a custom module: peft maps
+    the v4 names (gate_proj, up_proj, down_proj; gate) onto them (target_parameters), so preflight must too."""
+    assert _lora_problems(_lora_config(tmp_path, _qwen3_moe_dir(tmp_path), targets)) == []
+
+
+@pytest.mark.parametrize(
+    "targets,kind", [("[experts]", "Qwen3MoeExperts"), ("[q_proj, mlp]", "Qwen3MoeSparseMoeBlock")]
+)
+def test_lora_targets_peft_cannot_adapt_are_named(tmp_path: Path, targets: str, kind: str) -> None:
+    """A name that exists but is no layer peft wraps failed in peft after every rank loaded the model."""
+    model_dir = _qwen3_moe_dir(tmp_path)
+    assert _lora_problems(_lora_config(tmp_path, model_dir, targets)) == [
+        f"model.lora.target_modules: peft cannot put adapters on {kind} (not a linear layer) of "
+        f"Qwen3MoeForCausalLM ({model_dir}); its linear layers: k_proj, o_proj, q_proj, v_proj"
+    ]
+
+
+def test_lora_dropout_on_moe_parameters_is_named_before_loading(tmp_path: Path) -> None:
+    """peft's ParamWrapper (the experts' and router's fused parameters) refuses lora_dropout != 0."""
+    model_dir = _qwen3_moe_dir(tmp_path)
+    config = _lora_config(tmp_path, model_dir, "[q_proj, gate]\n    dropout: 0.1")
+    assert _lora_problems(config) == [
+        f"model.lora: peft refuses it for Qwen3MoeForCausalLM ({model_dir}): lora.ParamWrapper does not work "
+        "with lora_dropout != 0."
+    ]
