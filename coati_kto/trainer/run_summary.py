@@ -66,7 +66,8 @@ def data_stats_markdown(stats: dict[str, Any]) -> str:
     """Files, per-split counts per label, truncation and drops, the imbalance report and the fingerprint."""
     lines = []
     for r in split_rows(stats):
-        lines.append(f"**{r['split']} files:** " + ", ".join(f"`{f}`" for f in r["files"]))
+        files = ", ".join(f"`{f}`" for f in r["files"]) or "held out of the train files (data.eval_fraction)"
+        lines.append(f"**{r['split']} files:** {files}")
         lines.append("")
     lines.append(data_stats_table(stats))
     report = (stats.get("imbalance") or {}).get("report")

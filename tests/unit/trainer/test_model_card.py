@@ -54,3 +54,15 @@ def test_card_of_a_held_out_split_and_of_a_resume_after_the_last_evaluation(tmp_
     )
     no_eval = render(config, {**stats, "eval": None}, None, 12, (1.0, 1.0), 1).splitlines()
     assert "No evaluation set was configured (data.eval_files / data.eval_fraction)." in no_eval
+
+
+def test_tensorboard_data_text_names_a_held_out_eval_split() -> None:
+    """With data.eval_fraction the eval split has no files of its own: TensorBoard's run/data text showed an empty
+    "eval files:" line."""
+    from coati_kto.trainer.run_summary import data_stats_markdown
+
+    split = {"examples": 4, "labels": {"desirable": 2, "undesirable": 2}, "truncated": {}, "dropped": {}}
+    stats = {"files": {"train": ["t.jsonl"], "eval": []}, "train": split, "eval": split}
+    lines = data_stats_markdown(stats).splitlines()
+    assert "**train files:** `t.jsonl`" in lines
+    assert "**eval files:** held out of the train files (data.eval_fraction)" in lines
