@@ -83,7 +83,12 @@ def check_resume(saved: dict, current: dict, checkpoint: str) -> str | None:
 
     Raises ConfigError listing every refused change with its reason (one line each).
     """
-    changes = [c for c in config_changes(saved, current) if not c.key.startswith(QUIET)]
+    changes = [
+        c
+        for c in config_changes(saved, current)
+        if not c.key.startswith(QUIET)
+        and not (c.key == "model.tokenizer" and _same_tokenizer(saved, current))
+    ]
     refused = [f"{c}: cannot change on resume ({refusal(c.key)})" for c in changes if refusal(c.key)]
     if refused:
         lines = [f"train.resume {checkpoint}: {line}" for line in refused]
@@ -93,6 +98,12 @@ def check_resume(saved: dict, current: dict, checkpoint: str) -> str | None:
     return f"resume: {len(changes)} setting(s) differ from {checkpoint}'s config, applied: " + ", ".join(
         map(str, changes)
     )
+
+
+def _same_tokenizer(saved: dict, current: dict) -> bool:
+    """model.tokenizer null (it defaults to model.path) and model.tokenizer = model.path are one tokenizer."""
+    old, new = saved.get("model") or {}, current.get("model") or {}
+    return (old.get("tokenizer") or old.get("path")) == (new.get("tokenizer") or new.get("path"))
 
 
 def check_training_data(saved: str | None, current: str | None, checkpoint: str) -> None:

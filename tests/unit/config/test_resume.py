@@ -78,3 +78,13 @@ def test_data_keys_that_change_neither_rows_nor_order_may_change(tmp_path: Path)
         "resume: 3 setting(s) differ from step-2's config, applied: data.num_proc 1 -> 4, "
         "data.padding_free False -> True, data.prepared_dir 'prepared' -> '/scratch/prepared'"
     )
+
+
+def test_the_tokenizer_spelled_out_as_the_model_path_is_no_change(tmp_path: Path) -> None:
+    """model.tokenizer null defaults to model.path: setting it to that same path was refused on resume as
+    "another tokenizer"."""
+    saved = _dump(tmp_path)
+    assert check_resume(saved, _dump(tmp_path, "model.tokenizer=some/model"), "step-2") is None
+    assert check_resume(_dump(tmp_path, "model.tokenizer=some/model"), saved, "step-2") is None
+    with pytest.raises(ConfigError, match="model.tokenizer None -> 'other/tokenizer': cannot change"):
+        check_resume(saved, _dump(tmp_path, "model.tokenizer=other/tokenizer"), "step-2")
