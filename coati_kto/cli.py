@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import time
 
 from coati_kto.errors import USER_ERROR_EXIT_CODE, UserError
 from coati_kto.runtime.signals import ABORT_EXIT_CODE, STOP, STOP_EXIT_CODE, TrainingStoppedError
 
+ABORT_GRACE_S = 2.0
 _EPILOG = "Overrides: section.key=value (YAML values), e.g. train.lr=1e-6 data.max_length=512"
 
 
@@ -217,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
         line = peer_failure(err)
         if line is None:
             raise
+        if STOP.received == signal.SIGINT:  # Ctrl-C twice: the second may reach a peer first, which aborts;
+            time.sleep(
+                ABORT_GRACE_S
+            )  # this rank's own is on its way (its handler exits 130: not "a peer gone")
         print(f"[rank {rank or '0'}] error: {line}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:  # Ctrl-C before the stop handlers are installed (imports, config)
