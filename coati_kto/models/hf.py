@@ -1,7 +1,7 @@
 """Loading Hugging Face causal LMs: the policy, and the reference where no plugin runs it.
 
 Every model the project trains or scores is built here, so a load option (attention implementation, remote
-code, dtype) is decided once. May import: config, errors (and transformers / colossalai).
+code, dtype) is decided once. May import: config, errors, parallel.fp32_kept (and transformers / colossalai).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from torch import nn
 from coati_kto.config.schema import ModelSection
 from coati_kto.errors import ConfigError
 from coati_kto.families import auto_model_class, eager_attention_reason, vision_language
+from coati_kto.parallel.fp32_kept import round_trainable
 
 
 def attention_implementation(path: str, model_cfg: ModelSection) -> tuple[str | None, str | None]:
@@ -91,13 +92,17 @@ def freeze_vision_tower(model: torch.nn.Module, keep_fp32: bool = False) -> dict
 def load_reference(model_cfg: ModelSection, dtype: torch.dtype) -> torch.nn.Module:
     """The reference model (``model.reference_path``, default ``model.path``) in ``dtype`` on the device, eval,
     frozen: its log-probs equal those of the reference ``train`` builds through the plugin
-    (``ParallelPlan.build_reference`` keeps the fp32 rotary buffers that ``from_pretrained`` in the training
-    dtype keeps). Used where no plugin runs the reference (precomputing the reference cache)."""
+    (``ParallelPlan.build_reference`` keeps in fp32 what ``from_pretrained`` in the training dtype keeps, except
+    trainable parameters, rounded here as the policy trains them: ``coati_kto.parallel.fp32_kept``). Used where no
+    plugin runs the reference (precomputing the reference cache)."""
     from colossalai.accelerator import (
         get_accelerator,  # colossalai costs 3-4 s to import: callers that need it
     )
 
     model = load_causal_lm(model_cfg.reference_path or model_cfg.path, model_cfg, dtype)
+    # Trained in full, the policy runs the routers transformers keeps in fp32 in ``dtype`` (fp32_kept): so must this.
+    if model_cfg.lora is None:
+        round_trainable(model, dtype)
     return model.to(get_accelerator().get_current_device()).eval().requires_grad_(False)
 
 

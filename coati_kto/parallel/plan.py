@@ -7,19 +7,19 @@ questions the rest of the code would otherwise ask the plugin object:
 - ``build_plugin()``: the ColossalAI plugin, with the device-specific settings (coati_kto.parallel.compat);
 - ``zero_stage``: the stage that runs, which is 0 for hybrid_parallel on one data-parallel rank
   (``running_zero_stage``: nothing to shard there, and the updates are the same bit for bit);
-- ``boost(...)``: the policy, optimizer and schedule boosted, the policy's fp32-only buffers kept in fp32;
+- ``boost(...)``: the policy, optimizer and schedule boosted, what transformers keeps in fp32 kept in fp32;
 - ``build_reference(plugin, model)``: the frozen reference through the same plugin path as the policy (same
-  shardformer sharding, same dtype cast, same fp32 buffers), so that at step 0 both give identical log-probs;
+  shardformer sharding, same dtype cast, same fp32 tensors), so that at step 0 both give identical log-probs;
 - ``no_sync_accumulation``: whether accumulation micro-batches may skip the gradient reduction;
 - ``kl_group(layout)``: the group the reference point z0 reduces over;
 - ``gradient_norm(optimizer, layout)``: where the step's gradient norm comes from and who clips.
 
-Why the rotary buffers stay fp32: the plugins cast the policy with ``module.to(bf16)``, which also casts the
-non-persistent ``inv_freq`` buffer of rotary embeddings. ``from_pretrained(dtype=bf16)`` keeps that buffer
-in fp32 (transformers builds it with an explicit ``.float()``), so the exported model reloaded in bf16 computes
-RoPE in fp32. The policy and the reference must compute it the same way, or rewards are not 0 at step 0 and
-the trained policy is not the model that gets exported: every floating non-persistent buffer gets its fp32
-value back after the cast (they are derived constants, never trained nor saved).
+What stays fp32 (coati_kto.parallel.fp32_kept): the plugins cast the policy with ``module.to(bf16)``, which also
+casts what ``from_pretrained(dtype=bf16)`` keeps in fp32 (rotary ``inv_freq``; the MoE routers' ``gate.weight`` and
+``e_score_correction_bias`` in ``_keep_in_fp32_modules_strict``). The policy and the reference must compute them
+the same way, and as the exported model reloaded in bf16 does: those buffers, and those parameters that are
+frozen, get their fp32 values back after the cast (trainable ones stay in the working dtype: ZeRO's optimizer
+holds one dtype). Buffers transformers builds in the load dtype (Falcon-H1's ``mup_vector``) stay cast.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from coati_kto.errors import ConfigError
 from coati_kto.families import model_class_name, refuse_unadmitted
 from coati_kto.families.policies import corrected_policy
 from coati_kto.parallel import compat
+from coati_kto.parallel.fp32_kept import fp32_kept, restore
 from coati_kto.parallel.grad_norm import GradNorm
 
 if TYPE_CHECKING:
@@ -232,8 +233,8 @@ class ParallelPlan:
     def boost(
         self, booster: Any, policy: nn.Module, optimizer: Any, lr_scheduler: Any
     ) -> tuple[Any, Any, Any]:
-        """``booster.boost`` the policy (loaded in fp32), then give its fp32-only buffers their values back."""
-        kept = _fp32_buffers(policy)
+        """``booster.boost`` the policy (loaded in fp32), then give what runs in fp32 (``fp32_kept``) its values back."""
+        kept = fp32_kept(policy, self.dtype)
         if self.plugin == "hybrid_parallel":  # the class config.json could not tell (a hub id) is known now
             # The transformers class, under a LoRA PeftModel too (not yet wrapped by the plugin here).
             inner = type(policy.get_base_model() if hasattr(policy, "get_base_model") else policy)
@@ -241,7 +242,7 @@ class ParallelPlan:
             refuse_unadmitted(model_class, self.tp_size, "model.path: ")
             booster.plugin.custom_policy = corrected_policy(model_class)
         policy, optimizer, _, _, lr_scheduler = booster.boost(policy, optimizer, lr_scheduler=lr_scheduler)
-        _restore_buffers(kept)
+        restore(kept)
         return policy, optimizer, lr_scheduler
 
     def build_reference(self, plugin: Any, model: nn.Module) -> nn.Module:
@@ -255,7 +256,7 @@ class ParallelPlan:
         """
         from colossalai.accelerator import get_accelerator
 
-        kept = _fp32_buffers(model)
+        kept = fp32_kept(model, self.dtype)
         if self.plugin == "hybrid_parallel":
             from colossalai.booster.plugin.hybrid_parallel_plugin import HybridParallelModule
 
@@ -279,31 +280,5 @@ class ParallelPlan:
             wrapped = LowLevelZeroModel(model, precision=self.precision)
         else:
             wrapped = model.to(get_accelerator().get_current_device(), self.dtype)
-        _restore_buffers(kept)
+        restore(kept)
         return wrapped.eval().requires_grad_(False)
-
-
-def _fp32_buffers(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
-    """(owner, name, fp32 copy) of every floating non-persistent buffer (rotary ``inv_freq``): derived constants
-    that transformers computes in fp32 whatever the load dtype."""
-    # Persistent buffers the model class keeps in fp32 whatever the load dtype (transformers'
-    # _keep_in_fp32_modules(_strict): DeepSeek-V3's, GLM-4-MoE's and Ernie-4.5-MoE's router
-    # e_score_correction_bias): never trained, so a bf16 cast would round them in training and in the export.
-    keep = set()
-    for owner in module.modules():
-        keep |= set(getattr(owner, "_keep_in_fp32_modules_strict", None) or ())
-        keep |= set(getattr(owner, "_keep_in_fp32_modules", None) or ())
-    found = []
-    for prefix, owner in module.named_modules():
-        for name, buf in owner._buffers.items():
-            if buf is None or not buf.is_floating_point():
-                continue
-            qualified = f"{prefix}.{name}" if prefix else name
-            if name in owner._non_persistent_buffers_set or any(k in qualified for k in keep):
-                found.append((owner, name, buf.detach().float().clone()))
-    return found
-
-
-def _restore_buffers(kept: list[tuple[nn.Module, str, torch.Tensor]]) -> None:
-    for owner, name, value in kept:
-        owner._buffers[name] = value.to(owner._buffers[name].device)

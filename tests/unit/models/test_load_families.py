@@ -82,7 +82,7 @@ def test_parameters_the_class_freezes_stay_frozen(tmp_path: Path) -> None:
 def test_router_buffers_the_class_keeps_in_fp32_are_kept(tmp_path: Path) -> None:
     """DeepSeek-V3's router e_score_correction_bias (a persistent buffer the class keeps in fp32): the bf16 cast
     rounded it in training and in the export (8.08199 exported as 8.0625)."""
-    from coati_kto.parallel.plan import _fp32_buffers
+    from coati_kto.parallel.fp32_kept import fp32_kept
 
     config = tf.DeepseekV3Config(
         **{**TEXT, "num_key_value_heads": 4}, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
@@ -90,7 +90,7 @@ def test_router_buffers_the_class_keeps_in_fp32_are_kept(tmp_path: Path) -> None
         moe_intermediate_size=32, first_k_dense_replace=1, n_group=2, topk_group=1,
     )  # fmt: skip
     model = tf.DeepseekV3ForCausalLM(config)
-    kept = {name for _, name, copy in _fp32_buffers(model) if copy.dtype == torch.float32}
+    kept = {name for _, name, copy in fp32_kept(model, torch.bfloat16) if copy.dtype == torch.float32}
     assert "e_score_correction_bias" in kept
 
 
