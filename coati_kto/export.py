@@ -15,6 +15,8 @@ written under output.dir except the export itself (default ``output.dir/exports/
 
 from __future__ import annotations
 
+import json
+import os
 from pathlib import Path
 
 from coati_kto.config.resume import check_resume
@@ -37,7 +39,10 @@ def export_checkpoint(config: Config, checkpoint: str = "auto", out: str | None 
     quiet_known_warnings()  # before anything imports colossalai: it warns at import time
     out_dir = Path(config.training_output().dir)
     root = out_dir / CHECKPOINTS_DIR
-    _target(root, checkpoint, out)  # a missing checkpoint or an existing target: said before anything heavy
+    # A missing checkpoint, an existing target, fp32 masters of another layout: said before anything heavy.
+    first = _target(root, checkpoint, out)[0]
+    _masters_problem(config, first)
+    config = _run_config(config, first)
     # The optimizer is built (it holds the fp32 masters) but the reference model is not: nothing is scored.
     unscored = config.model_copy(update={"kto": config.kto.model_copy(update={"reference": "cached"})})
     run = _setup(config, heartbeat=None, training=False)
@@ -48,8 +53,46 @@ def export_checkpoint(config: Config, checkpoint: str = "auto", out: str | None 
     if saved is not None:  # refuses another model, tokenizer, LoRA or data than the checkpoint's
         check_resume(saved, config.model_dump(mode="json"), path.name)
     trainer.resume(path)
-    _save_final(config, run, trainer, frozen_fp32, final_dir=target)
+    trained_on = json.loads((path / "meta.json").read_text()).get("world_size")  # the card's process count
+    _save_final(config, run, trainer, frozen_fp32, final_dir=target, world_size=trained_on)
     return target
+
+
+def _masters_problem(config: Config, path: Path) -> None:
+    """UserError (one line) for output.export_dtype fp32 of a bf16/fp16 checkpoint on another layout than it was
+    saved on: its fp32 masters are per rank and would be rebuilt from the working weights, so the export would
+    hold the working weights cast to fp32 under a card and a line that call them the fp32 masters."""
+    if config.training_output().export_dtype != "fp32" or config.model.lora is not None:
+        return
+    if config.plugin.precision == "fp32" or not (path / "meta.json").is_file():
+        return
+    meta = json.loads((path / "meta.json").read_text())
+    world, tp = int(os.environ.get("WORLD_SIZE", "1")), config.plugin.tp_size
+    saved_world, saved_tp = meta.get("world_size"), meta.get("tp_size", 1)
+    if (world, tp) != (saved_world, saved_tp):
+        raise UserError(
+            f"coati-kto export: output.export_dtype fp32 writes the fp32 master weights, which {path.name} holds "
+            f"per rank for {saved_world} process(es) at plugin.tp_size {saved_tp}, not {world} at {tp} (they would "
+            f"be rebuilt from the {config.plugin.precision} weights): run it with --nproc-per-node {saved_world} "
+            f"and plugin.tp_size={saved_tp}, or output.export_dtype=training"
+        )
+
+
+def _run_config(config: Config, path: Path) -> Config:
+    """The config the checkpoint was trained with (its output section and tensor-parallel size from ``config``):
+    what the export and its card describe. Another model, tokenizer, LoRA or data is refused (check_resume); a
+    changed training setting (kto.beta, train.lr...) would otherwise be written into the card as the run's."""
+    import torch
+
+    state = torch.load(path / "trainer_state" / "rank-0.pt", map_location="cpu", weights_only=False)
+    saved = state["trainer_state"].get("config")
+    if saved is None:
+        return config
+    check_resume(saved, config.model_dump(mode="json"), path.name)
+    current = config.model_dump(mode="json")
+    plugin = {**saved["plugin"], "tp_size": current["plugin"]["tp_size"]}
+    data = {**saved["data"], **{k: current["data"][k] for k in ("prepared_dir", "num_proc")}}  # may move
+    return Config.model_validate({**saved, "output": current["output"], "plugin": plugin, "data": data})
 
 
 def _target(root: Path, checkpoint: str, out: str | None) -> tuple[Path, Path]:

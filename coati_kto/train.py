@@ -194,7 +194,7 @@ def _setup(config: Config, heartbeat: Heartbeat | None, training: bool = True) -
     ``training`` (``coati-kto export``): output.dir is only read (no lock, no clearing, no config.yaml) and
     nothing is scored with the reference."""
     from coati_kto.data.prepared import load_prepared  # after quiet_known_warnings (see _train)
-    from coati_kto.trainer.reference_cache import with_reference_logps
+    from coati_kto.trainer.reference_cache import refuse_changed_contents, with_reference_logps
 
     init_distributed(timeout_s=config.train.dist_timeout)
     check_tp_divides_world(config.plugin.tp_size, dist.get_world_size())  # before the data and the model
@@ -206,6 +206,8 @@ def _setup(config: Config, heartbeat: Heartbeat | None, training: bool = True) -
     lock_note = on_rank0(lambda: claim_output_dir(out_dir), "lock output.dir") if training else None
     if training and config.training_output().overwrite:
         clear_previous_run(out_dir)  # rank 0 deletes, the others wait
+    if training:  # a refused resume: before prepare rebuilds data.prepared_dir and the reference scores
+        refuse_changed_contents(config, out_dir / CHECKPOINTS_DIR)
     data = load_prepared(config)
     tokenizer = load_tokenizer(config)
     pad, pad_note = pad_id(tokenizer, vocabulary_size(config.model.path, config.model.reference_path))
@@ -223,7 +225,8 @@ def _setup(config: Config, heartbeat: Heartbeat | None, training: bool = True) -
     # The run card shows the report of this layout, not prepare's one-replica view.
     data.stats["imbalance"] = imbalance(config, data.stats, layout.dp_size)
     attention_note = attention_implementation(config.model.path, config.model)[1]
-    notes = [note for note in (lock_note, pad_note, attention_note, _zero_note(config, plan)) if note]
+    zero_note = _zero_note(config, plan) if training else None  # the export's own layout is not the run's
+    notes = [note for note in (lock_note, pad_note, attention_note, zero_note) if note]
     notes += model_notes(config.model.path)
     if layout.is_main:
         print("\n".join([report, *notes]), flush=True)
@@ -352,14 +355,16 @@ def _save_final(
     trainer: Any,
     frozen_fp32: dict[str, torch.Tensor],
     final_dir: Path | None = None,
+    world_size: int | None = None,
 ) -> None:
     """The trained model in Hugging Face format under ``final_dir`` (output.dir/final), with its model card
-    (every rank)."""
+    (every rank). ``coati-kto export`` names its directory and the processes the checkpoint was trained on."""
     from coati_kto.models.lora import export_lora  # after quiet_known_warnings (see _train)
     from coati_kto.trainer.model_card import write_model_card
 
     if final_dir is None and not config.training_output().save_final:
         return
+    what = "final model" if final_dir is None else "exported model"
     final_dir = final_dir or run.out_dir / FINAL_DIR
     if config.model.lora is not None:  # final/adapter (peft) and, with output.merge_lora, final/merged
         merge = config.training_output().merge_lora
@@ -370,23 +375,24 @@ def _save_final(
             masters = gathered_masters(trainer.policy, trainer.optimizer)  # a collective: every rank
             masters.update(frozen_fp32)
         final = trainer.checkpoint_manager.export_hf(trainer.policy, run.tokenizer, final_dir, masters)
-        run.notes.append(_export_note(config))
+        run.notes.append(_export_note(config, f"{final_dir.name}/"))
     if run.layout.is_main:
-        history, steps, world = trainer.history, trainer.global_step, run.layout.world_size
+        history, steps, world = trainer.history, trainer.global_step, world_size or run.layout.world_size
         write_model_card(final, config, run.data.stats, history, steps, run.weights, world, run.notes)
-        print(f"final model: {final}", flush=True)
+        print(f"{what}: {final}", flush=True)
         if config.model.lora is None:
             print(run.notes[-1], flush=True)  # what its weights are
 
 
-def _export_note(config: Config) -> str:
-    """What final/'s weights are, in one line (the card repeats it)."""
+def _export_note(config: Config, where: str = "final/") -> str:
+    """What the export's weights are (``where``: final/, or step-N/ for coati-kto export), in one line (the card
+    repeats it)."""
     precision = config.plugin.precision
     if config.training_output().export_dtype == "fp32":
-        return f"final/ holds the optimizer's fp32 master weights (trained in {precision}; output.export_dtype fp32)"
+        return f"{where} holds the optimizer's fp32 master weights (trained in {precision}; output.export_dtype fp32)"
     if precision == "fp32":
-        return "final/ holds the fp32 weights the run trained"
+        return f"{where} holds the fp32 weights the run trained"
     return (
-        f"final/ holds the {precision} weights the run trained (its base was loaded in fp32 and cast); "
+        f"{where} holds the {precision} weights the run trained (its base was loaded in fp32 and cast); "
         "output.export_dtype=fp32 writes the fp32 master weights instead"
     )

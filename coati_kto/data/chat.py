@@ -10,6 +10,7 @@ that record a one-line :class:`RecordError` (never a silent loss of what the mod
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -97,7 +98,13 @@ def _render_group(
     for prompt, completion, prompt_text, full_text, source in zip(
         prompts, completions, prompt_texts, full_texts, sources, strict=True
     ):
-        if (left_out := _left_out(prompt, prompt_text, kwargs.get("tools"))) is not None:
+
+        def render(messages: list[dict]) -> str:
+            return tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=True, **kwargs
+            )
+
+        if (left_out := _left_out(prompt, prompt_text, kwargs.get("tools"), render)) is not None:
             out.append(RecordError(source, left_out[0], left_out[1], "not_rendered"))
             continue
         if full_text.startswith(prompt_text):
@@ -126,7 +133,12 @@ def _render_group(
 REWRITTEN_ROLES = ("assistant", "tool", "ipython", "function")
 
 
-def _left_out(prompt: list[dict], prompt_text: str, tools: list[dict] | None) -> tuple[str, str] | None:
+def _left_out(
+    prompt: list[dict],
+    prompt_text: str,
+    tools: list[dict] | None,
+    render: Callable[[list[dict]], str] | None = None,
+) -> tuple[str, str] | None:
     """(field, problem) when the template left out part of the prompt: a system, user or other turn (OpenAI's
     "developer") whose text is not in the rendering (a template without system turns drops them, one that knows
     only its own roles drops the rest), or tools none of whose names appear (a template without tool support
@@ -134,7 +146,7 @@ def _left_out(prompt: list[dict], prompt_text: str, tools: list[dict] | None) ->
     stripped from history, tool results as JSON)."""
     for i, message in enumerate(prompt):
         content = message.get("content")
-        shown = not isinstance(content, str) or content.strip() in prompt_text
+        shown = not isinstance(content, str) or content.strip() in prompt_text or _rendered(prompt, i, render)
         if message.get("role") not in REWRITTEN_ROLES and not shown:
             return f"prompt[{i}].content", (
                 f"the chat template leaves this {message['role']} turn out of the prompt it renders, so the "
@@ -147,6 +159,26 @@ def _left_out(prompt: list[dict], prompt_text: str, tools: list[dict] | None) ->
             "so the model would train without them; use a template with tool support, or drop the tools"
         )
     return None
+
+
+# Texts no template rewrites: they mark where a turn's content went (_rendered).
+_PROBES = ("\u2063coati-kto-probe-start\u2063", "\u2063coati-kto-probe-end\u2063")
+
+
+def _rendered(prompt: list[dict], i: int, render: Callable[[list[dict]], str] | None) -> bool:
+    """Whether the template renders turn ``i`` whole, though not verbatim: with a probe on either side of its
+    content, both show in the rendering. SmolLM3's takes the ``/think`` and ``/no_think`` flags its model card puts
+    in the system prompt out of it (a system turn left out, and one cut short, still fail)."""
+    if render is None:
+        return False
+    message = prompt[i]
+    start, end = _PROBES
+    probed = [*prompt[:i], {**message, "content": start + message["content"] + end}, *prompt[i + 1 :]]
+    try:
+        text = render(probed)
+    except Exception:  # the template refuses the probe: keep the verbatim test's answer
+        return False
+    return start in text and end in text[text.index(start) :]
 
 
 def _completion_left_out(completion: list[dict], completion_text: str) -> tuple[str, str] | None:

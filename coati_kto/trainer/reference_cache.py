@@ -31,10 +31,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from coati_kto.config.resume import check_contents
 from coati_kto.config.schema import Config
 from coati_kto.data.collator import KTOCollator
 from coati_kto.data.prepared import load_prepared
-from coati_kto.data.store import read_fingerprint
+from coati_kto.data.store import fingerprint, read_fingerprint, train_data_digest
 from coati_kto.data.tokenize import load_tokenizer, pad_id
 from coati_kto.errors import ConfigError
 from coati_kto.families import vocabulary_size
@@ -129,7 +130,9 @@ def reference_weights_digest(config: Config) -> str | None:
         except ConfigError:
             return None
         h = hashlib.sha256()
-        for f in sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in _WEIGHT_SUFFIXES):
+        # Top level only, as from_pretrained reads it: not an output.dir, an export or Trainer's checkpoint-N/
+        # kept under the model's directory (a run's own checkpoints there changed the digest at every save).
+        for f in sorted(p for p in root.iterdir() if p.is_file() and p.suffix in _WEIGHT_SUFFIXES):
             size = f.stat().st_size
             h.update(f"{f.relative_to(root)}\0{size}\0".encode())
             with f.open("rb") as handle:  # 16 blocks of 1 MiB spread over the file, its header first
@@ -139,6 +142,24 @@ def reference_weights_digest(config: Config) -> str | None:
         return h.hexdigest()
 
     return on_rank0(digest, "read the reference weights")
+
+
+def refuse_changed_contents(config: Config, checkpoints: Path) -> None:
+    """train.resume from a checkpoint (under ``checkpoints``) whose training data (files edited in place, another
+    tokenizer) or reference weights changed since: refused (``check_contents``) before data.prepared_dir is
+    rebuilt, deleting the reference cache the checkpoint's run needs, and the new data scored. Every rank calls."""
+    from coati_kto.runtime.run_dir import resolve_checkpoint
+
+    resume = config.train.resume
+    checkpoint = on_rank0(lambda: resolve_checkpoint(checkpoints, resume), "resolve the checkpoint")
+    state_file = checkpoint / "trainer_state" / "rank-0.pt" if checkpoint is not None else None
+    if state_file is None or not state_file.is_file():
+        return
+    state = torch.load(state_file, map_location="cpu", weights_only=False)["trainer_state"]
+    data = on_rank0(lambda: train_data_digest(fingerprint(config, load_tokenizer(config))), "hash the data")
+    check_contents(
+        state, {"train_data": data, "reference_weights": reference_weights_digest(config)}, checkpoint.name
+    )
 
 
 def cache_key(config: Config, data_digest: str, reference_weights: str) -> dict[str, Any]:

@@ -185,3 +185,23 @@ def test_reference_weights_saved_over_in_place_are_refused(tiny_model_dir: Path,
     ), errors
     assert errors[1:] == ["(start a new run in another output.dir, or restore the weights)"]
     assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["latest", "step-2"]
+
+
+def test_a_resume_refused_for_edited_data_leaves_the_prepared_data_alone(first_run: Path) -> None:
+    """The refusal above came only after setup: data.prepared_dir rebuilt for the edited files (the reference
+    cache the checkpoint's run needs deleted with it) and, with kto.reference cached, the edited data scored with
+    the reference; the README says a refused resume is said before either."""
+    train, prepared = first_run.parent / "train.jsonl", first_run.parent / "prepared"
+    original, fingerprint = train.read_text(), (prepared / "fingerprint.json").read_text()
+    kept = prepared / "reference_cache" / "kept"  # stands for the run's cached reference log-probs
+    kept.mkdir(parents=True)
+    try:
+        train.write_text(original.replace('"completion": "', '"completion": "Edited: '))
+        done = _train(first_run, "train.resume=auto")
+    finally:
+        train.write_text(original)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "the training data changed since the checkpoint" in done.stderr
+    assert not done.stdout.startswith("prepared "), done.stdout[:300]
+    assert (prepared / "fingerprint.json").read_text() == fingerprint
+    assert kept.is_dir()

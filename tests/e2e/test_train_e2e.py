@@ -176,3 +176,28 @@ def test_export_writes_a_checkpoint_as_the_final_model_and_only_reads_the_run(ru
     after = sorted(str(p.relative_to(out)) for p in out.rglob("*") if "wandb" not in p.parts)
     assert [p for p in after if not p.startswith("exports")] == before
     assert (out / "config.yaml").read_text() == saved_config
+
+
+def test_an_export_on_another_layout_describes_the_run_not_itself(run: dict) -> None:
+    """The card of a 1-process export of a 2-process run said "x 1 process(es)" and that ZeRO stage 2 ran as 0 on
+    one data-parallel rank (the export's own layout), with the settings of the command line, not of the run,
+    and the command printed "final model:" and "final/ holds"
+    for a directory that is not final/."""
+    out, config = run["root"] / "out", str(run["root"] / "config.yaml")
+    target = run["root"] / "step-12-on-one-process"
+    argv = ["export", "--checkpoint", str(out / "checkpoints" / "step-12"), "--out", str(target), config]
+    proc = subprocess.run(
+        [sys.executable, "-m", "coati_kto", *argv, "train.max_steps=12", "kto.beta=0.5", "train.lr=1e-4"],
+        capture_output=True,
+        text=True,
+        env=env(),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    card = (target / "README.md").read_text()
+    assert "micro-batch 4 x accumulation 2 x 2 process(es)" in card
+    # The run's settings, not the command line's: the card said beta 0.5 and lr 1e-4 for a run at 0.1 and 5e-3.
+    assert "| beta | 0.1 |" in card and "12 optimizer steps; lr 0.005 " in card
+    assert "runs as 0 on one data-parallel rank" not in card
+    assert f"exported model: {target}" in proc.stdout.splitlines()
+    assert f"- {target.name}/ holds the bf16 weights the run trained" in card
+    assert "final model:" not in proc.stdout and "final/ holds" not in card

@@ -566,3 +566,44 @@ def test_a_missing_tokenizer_source_is_one_line_without_hub_retries(
         "is set"
     )
     assert time.perf_counter() - start < 5
+
+
+# SmolLM3-3B's handling of its system turn, verbatim: the /think and /no_think flags its model card puts in the
+# system prompt set the reasoning mode and are taken out of the instructions it renders.
+SMOLLM3_TEMPLATE = (
+    '{%- set reasoning_mode = "/think" -%}{{- "<|im_start|>system\\n" -}}'
+    '{%- if messages[0].role == "system" -%}{%- set system_message = messages[0].content -%}'
+    '{%- if "/no_think" in system_message -%}{%- set reasoning_mode = "/no_think" -%}'
+    '{%- elif "/think" in system_message -%}{%- set reasoning_mode = "/think" -%}{%- endif -%}'
+    '{%- set custom_instructions = system_message.replace("/no_think", "").replace("/think", "").rstrip() -%}'
+    "{%- endif -%}"
+    '{{- "Reasoning Mode: " + reasoning_mode + "\\n\\n" -}}'
+    '{%- if custom_instructions -%}{{- custom_instructions + "\\n\\n" -}}{%- endif -%}{{- "<|im_end|>\\n" -}}'
+    "{%- for message in messages if message.role != 'system' -%}"
+    "{{ '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+
+def test_a_system_turn_the_template_rewrites_is_kept() -> None:
+    """SmolLM3 (admitted under hybrid_parallel) with its documented "... /no_think" system prompt: every record
+    was refused as a system turn left out, though the template renders it, less the flag. A system turn the
+    template drops, or cuts short, is still a bad record."""
+    from coati_kto.testing.tiny import build_tokenizer
+
+    corpus = ["You are a concise assistant.", "What is the capital of France?", "Paris."]
+    tok = build_tokenizer(corpus, vocab_size=300, style="chatml")
+    tok.chat_template = SMOLLM3_TEMPLATE
+    user = {"role": "user", "content": "What is the capital of France?"}
+    completion = [{"role": "assistant", "content": "Paris."}]
+    system = {"role": "system", "content": "You are a concise assistant. /no_think"}
+    prompt, rendered = render(tok, [system, user], completion, True, "d.jsonl:7")
+    assert prompt.startswith(
+        "<|im_start|>system\nReasoning Mode: /no_think\n\nYou are a concise assistant.\n\n"
+    )
+    assert rendered == "Paris.<|im_end|>\n"
+    tok.chat_template = SMOLLM3_TEMPLATE.replace("custom_instructions + ", "custom_instructions[:12] + ")
+    with pytest.raises(
+        RecordError, match=r"field 'prompt\[0\].content': the chat template leaves this system"
+    ):
+        render(tok, [system, user], completion, True, "d.jsonl:7")

@@ -54,3 +54,16 @@ def test_changed_reference_weights_are_refused_in_one_line() -> None:
         "so far were measured against another reference)",
         "(start a new run in another output.dir, or restore the weights)",
     ]
+
+
+def test_files_below_the_model_directory_are_not_its_weights(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """output.dir under model.path (models/sft and models/sft/kto): the run's own checkpoints (model shards,
+    optimizer, trainer state) changed the digest at every save, and every resume was refused as "the reference
+    model's weights changed". from_pretrained reads the directory's top level only."""
+    copy = shutil.copytree(tiny_model_dir, tmp_path / "sft")
+    before = reference_weights_digest(_config(tmp_path, copy))
+    step = copy / "kto" / "checkpoints" / "step-6"
+    (step / "model").mkdir(parents=True)
+    shutil.copy(copy / "model.safetensors", step / "model" / "model-00001.safetensors")
+    torch.save({"trainer_state": {}}, step / "rank-0.pt")
+    assert reference_weights_digest(_config(tmp_path, copy)) == before
