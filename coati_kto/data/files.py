@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from coati_kto.data.formats import READ_FIELDS, LoadResult, RecordError, normalize, show_value
+from coati_kto.data.formats import LoadResult, RecordError, normalize, show_value, unread_fields
 from coati_kto.errors import DataError
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -161,7 +161,7 @@ def load_records(
                 if isinstance(raw, RecordError):
                     raise raw
                 result.records.extend(normalize(raw, source))
-                for name in raw.keys() - READ_FIELDS:  # a "system" field is no system turn: say so
+                for name in unread_fields(raw):  # a "system" field is no system turn: say so
                     result.unread_fields[name] = result.unread_fields.get(name, 0) + 1
             except RecordError as bad:
                 if on_bad_record == "error":

@@ -30,8 +30,6 @@ from coati_kto.errors import DataError
 
 ROLE_ALIASES = {"human": "user", "gpt": "assistant"}
 MESSAGE_LIST_KEYS = ("messages", "conversations")
-# Every top-level field some record shape reads; others (id, system, source, ...) are counted as not read.
-READ_FIELDS = frozenset({"prompt", "completion", "label", "chosen", "rejected", "tools", *MESSAGE_LIST_KEYS})
 
 
 class RecordError(DataError):
@@ -211,6 +209,17 @@ def normalize(raw: Any, source: str) -> list[Record]:
     for record in records:
         record.tools = tools
     return records
+
+
+def unread_fields(raw: dict[str, Any]) -> set[str]:
+    """The fields of a record (normalised without error) that its shape does not read, as ``_normalize`` picks
+    the shape: ids, a ``system`` field, and the prompt/completion of a record that also holds messages."""
+    if "chosen" in raw and "rejected" in raw:
+        read = {"prompt", "chosen", "rejected"}
+    else:
+        key = next((k for k in MESSAGE_LIST_KEYS if k in raw), None)
+        read = {key, "label"} if key else {"prompt", "completion", "label"}
+    return set(raw) - read - {"tools"}
 
 
 def _normalize(raw: Any, source: str) -> list[Record]:

@@ -255,7 +255,10 @@ def _resume_problems(config: Config) -> list[str]:
         return []
     import torch  # only here: the launcher imports this module before anything heavy
 
-    saved = torch.load(state, map_location="cpu", weights_only=False)["trainer_state"].get("config")
+    try:
+        saved = torch.load(state, map_location="cpu", weights_only=False)["trainer_state"].get("config")
+    except OSError:  # pruned by a run still saving there (keep_last): the lock check says so
+        return []
     try:
         check_resume(saved, config.model_dump(mode="json"), checkpoint.name) if saved is not None else None
     except ConfigError as err:

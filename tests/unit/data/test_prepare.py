@@ -802,6 +802,19 @@ def test_fields_no_record_shape_reads_are_counted_and_said(
         "messages/conversations, chosen/rejected and tools are (a system prompt goes in as a system message)"
         in capsys.readouterr().out.splitlines()
     )
+    both = [
+        {
+            "messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}],
+            "prompt": "Unused?",
+            "completion": "Unused.",
+            "label": i % 2 == 0,
+        }
+        for i in range(4)
+    ]
+    path = write_jsonl(tmp_path / "m.jsonl", both)
+    out = prepare(make_config(tmp_path / "m", tiny_model_dir, [str(path)]))
+    assert out.stats["unread_fields"] == {"completion": 4, "prompt": 4}  # messages wins: said, not silent
+    capsys.readouterr()
     clean = write_jsonl(tmp_path / "u.jsonl", rows(5, 5))
     out = prepare(make_config(tmp_path / "u", tiny_model_dir, [str(clean)]))
     assert out.stats["unread_fields"] == {}
