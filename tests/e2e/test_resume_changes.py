@@ -26,28 +26,29 @@ def _train(config: Path, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 
-@pytest.fixture(scope="module")
-def first_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("resume_changes")
+def _ddp_config(root: Path, model_dir: Path, **train: float) -> Path:
+    """``root/config.yaml``: 24 examples, ddp fp32, micro-batch 4, lr 1e-3 (and ``train``), a checkpoint every 2
+    steps in ``root/out``."""
     config = {
-        "model": {"path": str(tiny_model_dir)},
+        "model": {"path": str(model_dir)},
         "data": {
             "train_files": [str(write_jsonl(preference_records(24, 0), root / "train.jsonl"))],
             "prepared_dir": str(root / "prepared"),
             "max_length": 48,
         },
-        "train": {
-            "micro_batch_size": 4,
-            "max_steps": 4,
-            "lr": 1e-3,
-            "warmup_steps": WARMUP,
-            "min_lr_ratio": MIN_LR_RATIO,
-        },
+        "train": {"micro_batch_size": 4, "lr": 1e-3, **train},
         "plugin": {"name": "ddp", "precision": "fp32"},
         "output": {"dir": str(root / "out"), "save_interval": 2},
     }
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def first_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("resume_changes")
+    path = _ddp_config(root, tiny_model_dir, max_steps=4, warmup_steps=WARMUP, min_lr_ratio=MIN_LR_RATIO)
     done = _train(path)
     assert done.returncode == 0, done.stderr[-3000:]
     return path
@@ -154,19 +155,7 @@ def test_reference_weights_saved_over_in_place_are_refused(tiny_model_dir: Path,
     from transformers import AutoModelForCausalLM
 
     model_dir = shutil.copytree(tiny_model_dir, tmp_path / "sft")  # saved over below: not the shared one
-    config = {
-        "model": {"path": str(model_dir)},
-        "data": {
-            "train_files": [str(write_jsonl(preference_records(24, 0), tmp_path / "train.jsonl"))],
-            "prepared_dir": str(tmp_path / "prepared"),
-            "max_length": 48,
-        },
-        "train": {"micro_batch_size": 4, "max_steps": 2, "lr": 1e-3},
-        "plugin": {"name": "ddp", "precision": "fp32"},
-        "output": {"dir": str(tmp_path / "out"), "save_interval": 2},
-    }
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path = _ddp_config(tmp_path, model_dir, max_steps=2)
     assert (done := _train(path)).returncode == 0, done.stderr[-3000:]
     unchanged = _train(path, "train.resume=auto", "train.max_steps=3", f"output.dir={tmp_path / 'unchanged'}")
     assert unchanged.returncode == 0, unchanged.stderr[-3000:]  # the same weights: resumed
