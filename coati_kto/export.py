@@ -23,7 +23,7 @@ from coati_kto.config.resume import check_resume
 from coati_kto.config.schema import Config
 from coati_kto.errors import UserError
 from coati_kto.parallel.distributed import on_rank0
-from coati_kto.runtime.run_dir import CHECKPOINTS_DIR, COMPLETE, resolve_checkpoint
+from coati_kto.runtime.run_dir import CHECKPOINTS_DIR, COMPLETE, resolve_checkpoint, saved_trainer_state
 from coati_kto.runtime.signals import STOP
 from coati_kto.train import _save_final, _setup, _setup_trainer
 
@@ -82,10 +82,7 @@ def _run_config(config: Config, path: Path) -> Config:
     """The config the checkpoint was trained with (its output section and tensor-parallel size from ``config``):
     what the export and its card describe. Another model, tokenizer, LoRA or data is refused (check_resume); a
     changed training setting (kto.beta, train.lr...) would otherwise be written into the card as the run's."""
-    import torch
-
-    state = torch.load(path / "trainer_state" / "rank-0.pt", map_location="cpu", weights_only=False)
-    saved = state["trainer_state"].get("config")
+    saved = saved_trainer_state(path)["trainer_state"].get("config")
     if saved is None:
         return config
     check_resume(saved, config.model_dump(mode="json"), path.name)

@@ -32,6 +32,7 @@ from coati_kto.runtime.run_dir import (
     lock_holder,
     previous_run,
     resolve_checkpoint,
+    saved_trainer_state,
 )
 
 _WEIGHTS = (
@@ -250,14 +251,11 @@ def _resume_problems(config: Config) -> list[str]:
         checkpoint = resolve_checkpoint(Path(config.output.dir) / CHECKPOINTS_DIR, config.train.resume)
     except UserError as err:
         return [str(err)]
-    state = checkpoint / "trainer_state" / "rank-0.pt" if checkpoint is not None else None
-    if state is None or not state.is_file():
+    if checkpoint is None:
         return []
-    import torch  # only here: the launcher imports this module before anything heavy
-
     try:
-        saved = torch.load(state, map_location="cpu", weights_only=False)["trainer_state"].get("config")
-    except OSError:  # pruned by a run still saving there (keep_last): the lock check says so
+        saved = saved_trainer_state(checkpoint)["trainer_state"].get("config")
+    except OSError:  # none saved, or pruned by a run still saving there (keep_last): the lock check says so
         return []
     try:
         check_resume(saved, config.model_dump(mode="json"), checkpoint.name) if saved is not None else None

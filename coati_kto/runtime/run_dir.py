@@ -11,7 +11,7 @@
       final/                 the trained model in Hugging Face format (+ README.md, the model card)
       .run.lock              held (flock) by global rank 0 while a run trains here; names its pid and host
 
-Filesystem reads only here (no collectives, no torch import), so preflight and the checkpoint manager
+Filesystem reads only here (no collectives; torch imported only to read a trainer state), so preflight and the checkpoint manager
 share one definition of "a complete checkpoint"; ``clear_previous_run`` is the one writer, on rank 0.
 """
 
@@ -34,6 +34,7 @@ CHECKPOINTS_DIR = "checkpoints"
 FINAL_DIR = "final"
 COMPLETE = "COMPLETE"
 LATEST = "latest"
+TRAINER_STATE_DIR = "trainer_state"  # in a checkpoint: rank-R.pt, each rank's trainer state and RNG
 STEP_DIR = re.compile(r"step-(\d+)")
 # What a run writes under output.dir that a second run would mix with (output.overwrite clears these).
 RUN_OUTPUTS = (CHECKPOINTS_DIR, TENSORBOARD_DIR, FINAL_DIR, "wandb")
@@ -81,6 +82,17 @@ def resolve_checkpoint(root: Path, resume: str | None) -> Path | None:
             "or it is not a step-N directory); use train.resume=auto or another step-N"
         )
     return path
+
+
+def saved_trainer_state(checkpoint: Path, rank: int = 0) -> dict:
+    """``checkpoint/trainer_state/rank-R.pt`` as the checkpoint manager wrote it: ``trainer_state`` (the data
+    position, ``config``, the contents' digests) and ``rng``. Raises FileNotFoundError when it is not there."""
+    import torch  # here only: preflight reads this module before anything heavy
+
+    # Our own file; numpy's RNG state needs full unpickling.
+    return torch.load(
+        checkpoint / TRAINER_STATE_DIR / f"rank-{rank}.pt", map_location="cpu", weights_only=False
+    )
 
 
 def previous_run(out_dir: Path) -> list[str]:

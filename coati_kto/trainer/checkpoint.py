@@ -27,7 +27,14 @@ from coati_kto.errors import UserError
 from coati_kto.models.lora import base_module
 from coati_kto.parallel.distributed import ParallelLayout, barrier, gather_objects, on_rank0
 from coati_kto.parallel.masters import working_to_master
-from coati_kto.runtime.run_dir import COMPLETE, LATEST, complete_checkpoints, resolve_checkpoint
+from coati_kto.runtime.run_dir import (
+    COMPLETE,
+    LATEST,
+    TRAINER_STATE_DIR,
+    complete_checkpoints,
+    resolve_checkpoint,
+    saved_trainer_state,
+)
 from coati_kto.trainer.export import fp32_state, write_atomic, write_hf
 
 logger = logging.getLogger(__name__)
@@ -80,14 +87,14 @@ class CheckpointManager:
             self.root.mkdir(parents=True, exist_ok=True)
             for stale in self.root.glob("step-*.tmp"):
                 shutil.rmtree(stale)
-            (tmp / "trainer_state").mkdir(parents=True)
+            (tmp / TRAINER_STATE_DIR).mkdir(parents=True)
             (tmp / "master_weights").mkdir()
         self._agree(step, tmp)
         save_tied_weights_once(base_module(model))
         self.booster.save_model(model, str(tmp / "model"), shard=True, use_safetensors=True)
         self.booster.save_optimizer(optimizer, str(tmp / "optimizer"), shard=True)
         self.booster.save_lr_scheduler(lr_scheduler, str(tmp / "lr_scheduler.pt"))
-        torch.save({"trainer_state": trainer_state, "rng": rng}, tmp / "trainer_state" / f"rank-{rank}.pt")
+        torch.save({"trainer_state": trainer_state, "rng": rng}, tmp / TRAINER_STATE_DIR / f"rank-{rank}.pt")
         masters = _master_shards(model, optimizer)
         if masters:
             torch.save(masters, tmp / "master_weights" / f"rank-{rank}.pt")
@@ -160,7 +167,7 @@ class CheckpointManager:
         """Rank 0's saved trainer state: ``config`` (the resolved config the run trained with,
         ``Config.model_dump(mode="json")``) and ``train_data`` (its training data's digest), each None in a
         checkpoint saved without it. Reads a file only; every rank may call."""
-        return _read_state(path, 0)["trainer_state"]
+        return saved_trainer_state(path, 0)["trainer_state"]
 
     def load(self, path: Path, model: Any, optimizer: Any, lr_scheduler: Any) -> dict:
         """Every rank calls. Restores model, optimizer (with fp32 masters), scheduler and this rank's RNG.
@@ -188,7 +195,7 @@ class CheckpointManager:
                 "rank %d: fp32 master weights rebuilt from the model checkpoint (layout changed)", rank
             )
         if same_layout:
-            saved = _read_state(path, rank)
+            saved = saved_trainer_state(path, rank)
             _set_rng_state(saved["rng"])  # last: loading above must not advance the restored generators
             return saved["trainer_state"]
         logger.warning("rank %d: parallel layout changed since the save, RNG states not restored", rank)
@@ -247,18 +254,13 @@ class CheckpointManager:
         return failed[0]
 
 
-def _read_state(path: Path, rank: int) -> dict:
-    # Our own file; numpy's RNG state needs full unpickling.
-    return torch.load(path / "trainer_state" / f"rank-{rank}.pt", map_location="cpu", weights_only=False)
-
-
 def _old_dp_states(path: Path, meta: dict) -> list[dict]:
     """The saved run's trainer states, one per data-parallel rank in dp-rank order (tensor-parallel peers of a
     dp rank share its data position). Raises UserError when they do not describe one step of one run."""
     world, dp_size = int(meta["world_size"]), int(meta["dp_size"])
     by_dp: dict[int, dict] = {}
     for rank in range(world):
-        state = _read_state(path, rank)["trainer_state"]
+        state = saved_trainer_state(path, rank)["trainer_state"]
         # States saved before dp_rank was recorded come from dp-only layouts, where dp rank = global rank.
         dp_rank = int(state.get("dp_rank", rank))
         by_dp.setdefault(dp_rank, state)

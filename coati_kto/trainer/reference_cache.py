@@ -148,14 +148,16 @@ def refuse_changed_contents(config: Config, checkpoints: Path) -> None:
     """train.resume from a checkpoint (under ``checkpoints``) whose training data (files edited in place, another
     tokenizer) or reference weights changed since: refused (``check_contents``) before data.prepared_dir is
     rebuilt, deleting the reference cache the checkpoint's run needs, and the new data scored. Every rank calls."""
-    from coati_kto.runtime.run_dir import resolve_checkpoint
+    from coati_kto.runtime.run_dir import resolve_checkpoint, saved_trainer_state
 
     resume = config.train.resume
     checkpoint = on_rank0(lambda: resolve_checkpoint(checkpoints, resume), "resolve the checkpoint")
-    state_file = checkpoint / "trainer_state" / "rank-0.pt" if checkpoint is not None else None
-    if state_file is None or not state_file.is_file():
+    if checkpoint is None:
         return
-    state = torch.load(state_file, map_location="cpu", weights_only=False)["trainer_state"]
+    try:
+        state = saved_trainer_state(checkpoint)["trainer_state"]
+    except FileNotFoundError:
+        return
     data = on_rank0(lambda: train_data_digest(fingerprint(config, load_tokenizer(config))), "hash the data")
     check_contents(
         state, {"train_data": data, "reference_weights": reference_weights_digest(config)}, checkpoint.name

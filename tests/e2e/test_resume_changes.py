@@ -26,6 +26,17 @@ def _train(config: Path, *overrides: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
 
 
+def _resume_with_edited_data(config: Path) -> subprocess.CompletedProcess:
+    """``train.resume=auto`` with every completion of train.jsonl edited in place (restored after)."""
+    train = config.parent / "train.jsonl"
+    original = train.read_text()
+    try:
+        train.write_text(original.replace('"completion": "', '"completion": "Edited: '))
+        return _train(config, "train.resume=auto")
+    finally:
+        train.write_text(original)
+
+
 def _ddp_config(root: Path, model_dir: Path, **train: float) -> Path:
     """``root/config.yaml``: 24 examples, ddp fp32, micro-batch 4, lr 1e-3 (and ``train``), a checkpoint every 2
     steps in ``root/out``."""
@@ -122,15 +133,9 @@ def test_training_data_edited_in_place_is_refused(first_run: Path) -> None:
     so the resume was accepted and the epoch in progress went on at its old position in other rows."""
     import re
 
-    train = first_run.parent / "train.jsonl"
-    original = train.read_text()
     out = first_run.parent / "out"
     before = sorted(p.name for p in (out / "checkpoints").iterdir())
-    try:
-        train.write_text(original.replace('"completion": "', '"completion": "Edited: '))
-        done = _train(first_run, "train.resume=auto")
-    finally:
-        train.write_text(original)
+    done = _resume_with_edited_data(first_run)
     assert done.returncode == 2, done.stderr[-3000:]
     errors = [line for line in done.stderr.splitlines() if line.strip()]
     latest = (out / "checkpoints" / "latest").read_text().strip()
@@ -180,15 +185,11 @@ def test_a_resume_refused_for_edited_data_leaves_the_prepared_data_alone(first_r
     """The refusal above came only after setup: data.prepared_dir rebuilt for the edited files (the reference
     cache the checkpoint's run needs deleted with it) and, with kto.reference cached, the edited data scored with
     the reference; the README says a refused resume is said before either."""
-    train, prepared = first_run.parent / "train.jsonl", first_run.parent / "prepared"
-    original, fingerprint = train.read_text(), (prepared / "fingerprint.json").read_text()
+    prepared = first_run.parent / "prepared"
+    fingerprint = (prepared / "fingerprint.json").read_text()
     kept = prepared / "reference_cache" / "kept"  # stands for the run's cached reference log-probs
     kept.mkdir(parents=True)
-    try:
-        train.write_text(original.replace('"completion": "', '"completion": "Edited: '))
-        done = _train(first_run, "train.resume=auto")
-    finally:
-        train.write_text(original)
+    done = _resume_with_edited_data(first_run)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "the training data changed since the checkpoint" in done.stderr
     assert not done.stdout.startswith("prepared "), done.stdout[:300]
