@@ -16,7 +16,7 @@ $(STAMP):
 	rm -f $(VENV)/.installed-*
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements/cpu.txt
-	# colossalai 0.5.0's metadata pins torch<=2.5.1; it runs on torch 2.13 (see README), so no deps here.
+	# colossalai 0.5.0's metadata pins torch<=2.5.1; it runs on torch 2.13 (see docs/installing.md), so no deps here.
 	$(PY) -m pip install -q --no-deps colossalai==0.5.0
 	$(PY) -m pip install -q --no-deps -e .
 	$(PY) -c "import colossalai, coati_kto, transformers; print('installed colossalai', colossalai.__version__)"

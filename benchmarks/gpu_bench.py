@@ -37,7 +37,7 @@ TRL side by side (``--trl-wheels DIR``): TRL's KTOTrainer on the same model and 
 reference model / ``precompute_ref_log_probs``), bf16, micro-batch 8, in a throwaway venv built from the wheels
 in DIR only (``pip install --no-index --find-links DIR``: the GPU machine reaches no registry), its steps timed
 by a TrainerCallback with CUDA synchronization (benchmarks/trl_side_by_side.py's child does the run). The
-README says how to prepare DIR.
+docs/gpu.md says how to prepare DIR.
 """
 
 from __future__ import annotations
@@ -524,7 +524,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-steps", type=int, default=None, help="profiled steps (default 2; smoke 1)")
     p.add_argument("--max-length", type=int, default=None, help="tokens per row at most (1024; smoke 64)")
     p.add_argument("--attn", default="sdpa", choices=["eager", "sdpa", "flash_attention_2"])
-    p.add_argument("--trl-wheels", default=None, help="wheels for TRL's throwaway venv (see the README)")
+    p.add_argument("--trl-wheels", default=None, help="wheels for TRL's throwaway venv (see docs/gpu.md)")
     p.add_argument("--trl-venv", default=None, help="TRL venv to build or reuse (default: OUT/trl-venv)")
     p.add_argument("--ceiling", action="store_true", help="also time the bare model's passes (GPU only)")
     p.add_argument("--trl-only", action="store_true", help="only TRL's rows for the selected llama cases")

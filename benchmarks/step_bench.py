@@ -1,8 +1,8 @@
 """Training step time, one epoch end to end and peak memory: reference online vs cached, plus shared-prompt savings.
 
-    PYTHONPATH=. python benchmarks/step_bench.py [--examples 512] [--baseline /work/main] [--skip-100m]
+    PYTHONPATH=. python benchmarks/step_bench.py [--examples 512] [--baseline DIR] [--skip-100m]
 
-Fixture (DESIGN.md section 7): a random Llama of 7.4M parameters (hidden 256, 4 layers, vocabulary 8192),
+Fixture (docs/performance.md, "Work per step"): a random Llama of 7.4M parameters (hidden 256, 4 layers, vocabulary 8192),
 prompt + completion about 100 + 100 tokens, 3:1 labels, micro-batch 8, fp32, HybridParallelPlugin ZeRO-0,
 1 process. Each run is a whole ``coati-kto train`` process (imports, data loading, checkpoint at the end
 included); the parent imports nothing heavy, so each child's peak RSS is its own.

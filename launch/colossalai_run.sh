@@ -9,7 +9,7 @@
 # Multi-node: colossalai run SSHes into each host (password-less SSH, same repo path and .venv on every host),
 # runs `cd <this dir> && export <this environment> && torchrun ...` there. Set MASTER_ADDR to an address the
 # other nodes reach (not 127.0.0.1) and, if the hosts have several interfaces, NCCL_SOCKET_IFNAME /
-# GLOO_SOCKET_IFNAME to the one they share (see README, "Multi-node").
+# GLOO_SOCKET_IFNAME to the one they share (see docs/launching.md, "Multi-node").
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
@@ -33,7 +33,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 unset MAKEOVERRIDES MAKEFLAGS MFLAGS
 # That line is also sent over SSH and printed whole when a node fails: secrets must not be in it. Variables
 # whose names contain TOKEN, KEY, SECRET or PASSWORD (any case) are not passed on (the same rule as
-# coati_kto.parallel.distributed.launcher_env); credentials reach the nodes as files instead (README, "Credentials").
+# coati_kto.parallel.distributed.launcher_env); credentials reach the nodes as files instead (docs/operations.md, "Credentials").
 dropped=()
 for name in $(compgen -e); do
     case ${name^^} in

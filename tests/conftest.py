@@ -59,7 +59,7 @@ def reference_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     return out
 
 
-# The folder says what a test costs (README "Tests"): unit/ is single-process and fast; distributed/ and
+# The folder says what a test costs (docs/testing.md): unit/ is single-process and fast; distributed/ and
 # regression/ run real gloo process groups; e2e/ the real CLI and launchers in subprocesses; drills/ the
 # multi-node (netns + SSH) and SLURM drills. `pytest -m "not e2e and not drill"` is the inner loop.
 _FOLDER_MARKERS = {"distributed": "distributed", "regression": "distributed", "e2e": "e2e", "drills": "drill"}

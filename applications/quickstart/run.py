@@ -10,7 +10,7 @@ Everything lands in outputs/quickstart/ (removed first, so a re-run starts clean
 results.json (the same numbers, read by sweep.py). Extra arguments of the form section.key=value are passed to
 the KTO config (e.g. ``train.max_steps=50 kto.beta=0.5``). ``--threads N`` sets torch's threads in every stage
 (SFT, each KTO rank, evaluation); sweep.py runs 1 and 2, since another count may sum floats in another order
-(on the 2-core VM measured in the README it did not: the models were bit-identical).
+(on the 2-core VM measured in docs/quickstart.md it did not: the models were bit-identical).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ CONFIG = "configs/quickstart_cpu.yaml"
 BIN = Path(sys.executable).parent
 
 
-# --check (CI): KTO clearly worked. The band over seeds 0-4 x 1-2 threads and seeds 5-9 (README) is 100% accuracy,
+# --check (CI): KTO clearly worked. The band over seeds 0-4 x 1-2 threads and seeds 5-9 (docs/quickstart.md) is 100% accuracy,
 # 0% other answers, margin +3.04 to +3.16; the SFT model scores 42-67%, margin about 0 (a coin flip per item).
 CHECK_MIN_ACCURACY = 0.85  # after KTO: fraction of greedy answers naming the successor
 CHECK_MIN_GAIN = 0.15  # after - before accuracy: the SFT model leans to the successor on some seeds

@@ -1,8 +1,8 @@
 """Run the quickstart over seeds x threads per process, one run after the other, and print the band.
 
 Every run is the full pipeline (``run.py --seed S --threads T``). Seeds change the data, the base model and
-the SFT model; threads may change the order of float sums (on the 2-core VM of the README's band they did
-not: 1 and 2 threads printed the same numbers). The README's band comes from this script. From the repo root:
+the SFT model; threads may change the order of float sums (on the 2-core VM of the band in docs/quickstart.md they did
+not: 1 and 2 threads printed the same numbers). That band comes from this script. From the repo root:
 
     nice .venv/bin/python applications/quickstart/sweep.py --seeds 0 1 2 3 4 --threads 1 2
 

@@ -66,7 +66,9 @@ def hub_problems(key: str, repo_id: str) -> list[str]:
             f"({type(err).__name__}): download the model and set {key} to its directory"
         ]
     if response.status_code in (401, 403):
-        return [f"{key}: {repo_id} on the hub needs a token (gated or private): see README, Credentials"]
+        return [
+            f"{key}: {repo_id} on the hub needs a token (gated or private): see docs/operations.md, Credentials"
+        ]
     if response.status_code == 404:
         return [f"{key}: {repo_id} is neither a local directory nor a model on the hub"]
     return []

@@ -1,7 +1,7 @@
-"""Failure drills on real clusters built on this machine by ../shared/tools: netns_cluster.sh (SSH nodes in
+"""Failure drills on real clusters built on this machine by tests/drills/tools/: netns_cluster.sh (SSH nodes in
 network namespaces, for launch/colossalai_run.sh with a hostfile) and slurm_local.sh (a single-node SLURM, for
 launch/slurm.sbatch). Each cluster is brought up once per session and always taken down. Skipped, with the
-reason, where they cannot run (not root, no `ip netns`, no apt-get, tools not found).
+reason, where they cannot run (not root, no `ip netns`, no apt-get).
 
 Each drill measures its time to stop (printed; run with -s to see it) and checks it against the 2-minute goal,
 and checks numbers: weights equal to an uninterrupted 1 node x 2 processes run, bit for bit.
@@ -26,14 +26,7 @@ from helpers import env, weights, write_run
 from coati_kto.parallel.distributed import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-TOOLS = next(
-    (
-        p
-        for p in (REPO.parent / "shared" / "tools", Path("/work/shared/tools"))
-        if (p / "netns_cluster.sh").is_file()
-    ),
-    None,
-)
+TOOLS = Path(__file__).resolve().parent / "tools"  # netns_cluster.sh, slurm_local.sh: see tools/README.md
 RUN = ["train.max_epochs=4", "train.max_steps=96"]  # 96 steps: long enough to be interrupted mid-run
 GOAL_S = 120.0
 slow = pytest.mark.skipif(
@@ -54,8 +47,6 @@ def _bring_up(tool: Path, timeout: float) -> None:
 
 
 def _cluster_tool(name: str, needs: str) -> Path:
-    if TOOLS is None:
-        pytest.skip("../shared/tools not found")
     if os.geteuid() != 0:
         pytest.skip(f"{name} needs root")
     if shutil.which(needs) is None:
@@ -200,7 +191,7 @@ def test_a_sigterm_stops_both_nodes_cleanly_with_exit_75_and_resume_completes(
     out = tmp_path / "out"
     proc = colossalai_run(netns_cluster, drill_config, f"output.dir={out}")
     wait_for_checkpoint(out, proc)
-    # With a hostfile every node's ranks run under its sshd: signal one node's launcher (README: `ssh node1
+    # With a hostfile every node's ranks run under its sshd: signal one node's launcher (docs/operations.md: `ssh node1
     # pkill -TERM -f coati_kto.launch`); the ranks' vote stops every node after the same step.
     (launcher,) = node_pids("node1", "-m coati_kto.launch")
     os.kill(launcher, signal.SIGTERM)

@@ -135,7 +135,7 @@ def scores(accuracy: float, other: float, margin: float) -> object:
 def test_quickstart_check_fails_unless_kto_clearly_worked() -> None:
     run = load(APPS / "quickstart" / "run.py", "qs_run")
     sft = scores(0.45, 0.02, 0.01)  # what the SFT model scores: a coin flip between the two answers
-    # Below the band's floor (README, seeds 0-4 x 1-2 threads) still passes; KTO doing nothing fails.
+    # Below the band's floor (docs/quickstart.md, seeds 0-4 x 1-2 threads) still passes; KTO doing nothing fails.
     assert run.check(sft, scores(0.90, 0.05, 2.0)) == []
     assert run.check(sft, sft) == ["accuracy 45.0% < 85%", "accuracy gain +0.0% < 15%", "margin +0.01 < +1.5"]
     # Each threshold on its own: accuracy, gain over before, answers off-task, margin.

@@ -184,7 +184,7 @@ def test_reference_weights_saved_over_in_place_are_refused(tiny_model_dir: Path,
 def test_a_resume_refused_for_edited_data_leaves_the_prepared_data_alone(first_run: Path) -> None:
     """The refusal above came only after setup: data.prepared_dir rebuilt for the edited files (the reference
     cache the checkpoint's run needs deleted with it) and, with kto.reference cached, the edited data scored with
-    the reference; the README says a refused resume is said before either."""
+    the reference; docs/operations.md says a refused resume is said before either."""
     prepared = first_run.parent / "prepared"
     fingerprint = (prepared / "fingerprint.json").read_text()
     kept = prepared / "reference_cache" / "kept"  # stands for the run's cached reference log-probs

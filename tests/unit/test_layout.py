@@ -66,7 +66,9 @@ def _edges() -> dict[str, set[str]]:
 
 def _layer(module: str) -> tuple[str, int]:
     top = module.split(".")[1] if "." in module else "__init__"
-    assert top in LAYERS, f"{module}: no layer for coati_kto.{top} (add it to LAYERS and to the README)"
+    assert top in LAYERS, (
+        f"{module}: no layer for coati_kto.{top} (add it to LAYERS and to docs/architecture.md)"
+    )
     return top, LAYERS[top]
 
 

@@ -29,28 +29,6 @@ def test_shipped_configs_exist() -> None:
     assert {"single_gpu.yaml", "node_8gpu_zero2.yaml", "multinode_zero2.yaml", "tp2_zero1.yaml"} <= names
 
 
-def test_every_repo_file_the_docs_name_exists() -> None:
-    """The configs' launch lines and the READMEs name scripts by path: multinode_zero2.yaml's header named
-    launch/colossalai_run_multinode.sh, which does not exist (the hostfile goes to colossalai_run.sh)."""
-    import re
-
-    docs = [
-        REPO / "README.md",
-        REPO / "applications" / "README.md",
-        *sorted((REPO / "configs").glob("*.yaml")),
-    ]
-    docs += sorted((REPO / "launch").glob("*.sh")) + [REPO / "launch" / "slurm.sbatch"]
-    named = re.compile(r"\b(?:launch|applications|configs|benchmarks)/[\w./-]*\w")
-    gone = {"benchmarks/gpu_check.py"}  # the README says it was folded into gpu_bench.py and deleted
-    missing = sorted(
-        f"{doc.relative_to(REPO)}: {path}"
-        for doc in docs
-        for path in set(named.findall(doc.read_text()))
-        if path not in gone and not (REPO / path).exists()
-    )
-    assert missing == []
-
-
 def test_weights_given_with_auto_weights_are_refused(tmp_path: Path) -> None:
     """auto_weights replaced a configured lambda_D / lambda_U without a word (single_gpu.yaml has auto_weights on
     and desirable_weight just below it); like eval_fraction with eval_files, the pair is one line."""

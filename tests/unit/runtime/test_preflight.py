@@ -154,7 +154,7 @@ def test_a_hub_id_is_looked_up_on_the_hub(monkeypatch: pytest.MonkeyPatch) -> No
             "model.path: org/missing is neither a local directory nor a model on the hub"
         ]
         assert _hub_problems("model.path", "org/gated") == [
-            "model.path: org/gated on the hub needs a token (gated or private): see README, Credentials"
+            "model.path: org/gated on the hub needs a token (gated or private): see docs/operations.md, Credentials"
         ]
     finally:
         server.shutdown()
