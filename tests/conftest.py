@@ -23,6 +23,18 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    """The CPU kernels this run gets (coati_kto.testing.machine), so a failure can be tied to a machine."""
+    from coati_kto.testing.machine import kernel_key
+
+    key = kernel_key()
+    return [
+        f"kernels: {key['cpu_vendor']} {key['cpu_model']} ({key['cpu_family_model_stepping']}), "
+        f"ATen {key['cpu_capability']}, ISA {' '.join(key['isa_flags']) or '-'}, "
+        f"env {key['kernel_env'] or '-'}, torch {key['torch']}"
+    ]
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A saved tiny Llama + ChatML BPE tokenizer (vocab 512, hidden 64, 2 layers)."""

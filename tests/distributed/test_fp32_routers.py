@@ -1,6 +1,6 @@
 """DeepSeek-V3's router (``gate.weight`` in ``_keep_in_fp32_modules_strict``) under low_level_zero ZeRO-2 bf16 on 2
 gloo processes: trained in full, its cached reference scores with the router as the policy runs it (first
-rewards exactly 0); under LoRA the frozen router stays fp32, as ``from_pretrained(dtype=bf16)`` keeps it."""
+rewards 0 to within one machine's kernels); under LoRA the frozen router stays fp32, as ``from_pretrained(dtype=bf16)`` keeps it."""
 
 from __future__ import annotations
 
@@ -71,10 +71,14 @@ def test_router_fp32_is_consistent_under_zero2(tmp_path: Path) -> None:
     write_jsonl(preference_records(32, 0), tmp_path / "train.jsonl")
     full = run_distributed(_run, 2, str(tmp_path / "model"), str(tmp_path), False, "cached")
     for rank in full:  # before: (1.5e-5, 6.2e-5): the cache had the router in fp32, the policy in bf16
-        assert rank["rewards"] == (0.0, 0.0), rank["rewards"]
+        # Equal on one machine's kernels only, not by construction: the cache is scored by transformers' model
+        # in the cache's batches, the policy through ZeRO's flat views in the step's, and a CPU's matmul kernels
+        # may round the two differently (an AMX Xeon: 3.1e-7). The bound stays 7x below the bug's 1.5e-5.
+        assert max(abs(r) for r in rank["rewards"]) < 2e-6, rank["rewards"]
         assert rank["gate_dtypes"] == ["torch.bfloat16"]  # trained: ZeRO's optimizer holds one dtype
     adapters = run_distributed(_run, 2, str(tmp_path / "model"), str(tmp_path), True, "online")
     for rank in adapters:
+        # Exact by construction: the reference is the same forward on the same batch with the adapters off.
         assert rank["rewards"] == (0.0, 0.0)
         assert rank["gate_dtypes"] == ["torch.float32"]  # before: bfloat16
         assert rank["gates"] == initial  # frozen, and not rounded to bf16

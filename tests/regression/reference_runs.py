@@ -15,9 +15,11 @@ Regenerate (only when a change is *meant* to alter the numbers, and say so in th
 
     .venv/bin/python tests/regression/reference_runs.py --write
 
-The test (``tests/regression/test_reference_runs.py``) compares a fresh run bit for bit where the reference was
-recorded on the same torch build and CPU capability. Elsewhere, float results legitimately differ in the last
-bits (other SIMD kernels), so it compares within fp32/bf16 rounding instead and says so.
+The test (``tests/regression/test_reference_runs.py``) compares a fresh run bit for bit only where the reference
+was recorded on the same kernels: same torch and transformers, CPU vendor and model, the ISA extensions MKL and
+oneDNN dispatch on, thread count and kernel-capping environment (``coati_kto.testing.machine.kernel_key``; the
+file's "machine" says where it was recorded). Elsewhere float results legitimately differ in the last bits, so it
+compares within fp32/bf16 rounding instead, and prints which path it took and why.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import platform
 import sys
 import tempfile
 from pathlib import Path
@@ -138,17 +139,11 @@ def weights_digest(final_dir: Path) -> dict[str, Any]:
     return {"sha256": digest.hexdigest(), "sum": total}
 
 
-def machine() -> dict[str, str]:
-    """What decides whether float results can repeat bit for bit."""
-    import torch
-    import transformers
+def machine() -> dict[str, Any]:
+    """What picks the kernels of the recorded runs (``coati_kto.testing.machine``): the ranks run one thread each."""
+    from coati_kto.testing.machine import kernel_key
 
-    return {
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "machine": platform.machine(),
-    }
+    return kernel_key(threads=1)
 
 
 def run_reference(name: str, root: Path, model_dir: Path) -> dict[str, Any]:
