@@ -108,6 +108,7 @@ TRAINER_NAMES = {
     "beta": "kto.beta",
     "desirable_weight": "kto.desirable_weight",
     "undesirable_weight": "kto.undesirable_weight",
+    "generate_during_eval": "eval.samples",
 }
 
 

@@ -40,6 +40,7 @@ QUIET = (
     "output.overwrite",
     "train.resume",
     "logging.",
+    "eval.",  # what evaluation shows (samples), like logging
     "train.heartbeat_timeout",
     "train.dist_timeout",
 )

@@ -9,8 +9,10 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, JsonValue, field_validator, model_validator
+from pydantic import Field, JsonValue, field_validator, model_validator
 
+from coati_kto.config.evaluation import EvalSection, sample_problems
+from coati_kto.config.section import Section as _Section
 from coati_kto.errors import ConfigError
 from coati_kto.families import check_model_family, packing_refusal
 
@@ -18,12 +20,6 @@ from coati_kto.families import check_model_family, packing_refusal
 PluginName = Literal["hybrid_parallel", "low_level_zero", "gemini", "ddp"]
 Precision = Literal["fp32", "bf16", "fp16"]
 LossType = Literal["kto", "apo_zero_unpaired"]
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(
-        extra="forbid", validate_assignment=True, coerce_numbers_to_str=True, allow_inf_nan=False
-    )
 
 
 class LoraSection(_Section):
@@ -337,11 +333,12 @@ class Config(_Section):
     plugin: PluginSection = Field(default_factory=PluginSection)
     output: OutputSection | None = Field(None, description="Required by `train`; `prepare` needs none.")
     logging: LoggingSection = Field(default_factory=LoggingSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
 
     @model_validator(mode="after")
     def _combinations(self) -> Config:
         problems = self._family_problems() + self._padding_free_problems()  # every one at once, a line each
-        problems += self._export_problems() + self._lora_problems()
+        problems += self._export_problems() + self._lora_problems() + sample_problems(self)
         if problems:
             raise ValueError("\n".join(problems))
         return self

@@ -36,6 +36,14 @@ def _pad(
     return ids, attention, loss
 
 
+def padded_view(
+    rows: Sequence[Any], starts: Sequence[int], pad_id: int, multiple: int | None = None
+) -> TokenView:
+    """Rows of token ids right-padded into a :class:`TokenView` whose loss mask covers ``[start, length)`` of
+    each row, its completion positions planned (on the host)."""
+    return TokenView(*_pad(rows, starts, pad_id, multiple)).planned()
+
+
 class KTOCollator:
     """``features`` (rows with input_ids, completion_start, label, kl_input_ids, kl_completion_start and
     optionally index, reference_logps, reference_kl_logps) -> :class:`~coati_kto.data.batch.KTOBatch`: the
@@ -57,7 +65,7 @@ class KTOCollator:
         self.padding_free = padding_free
 
     def _view(self, rows: list[Any], starts: list[int]) -> TokenView:
-        return TokenView(*_pad(rows, starts, self.pad_token_id, self.pad_to_multiple_of)).planned()
+        return padded_view(rows, starts, self.pad_token_id, self.pad_to_multiple_of)
 
     def __call__(self, features: list[dict]) -> KTOBatch:
         if not features:

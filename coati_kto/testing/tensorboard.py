@@ -49,3 +49,39 @@ def read_hparams(log_dir: str | os.PathLike[str]) -> dict[str, float | str | boo
             for name, value in data.session_start_info.hparams.items():
                 found[name] = getattr(value, value.WhichOneof("kind"))
     return found
+
+
+def read_samples(log_dir: str | os.PathLike[str]) -> dict[str, dict[int, list[dict[str, str]]]]:
+    """The evaluation samples a run wrote (``eval.samples``): {"policy" | "reference": {step: [row, ...]}}, each
+    row {"sample", "label", "reward", "prompt", "completion"} as text, prompt and completion unescaped."""
+    from coati_kto.trainer.samples import COLUMNS, unescape
+
+    found: dict[str, dict[int, list[dict[str, str]]]] = {}
+    for tag, entries in read_texts(log_dir).items():
+        if not tag.startswith("eval/samples/"):
+            continue
+        for step, markdown in entries:
+            rows = []
+            for line in markdown.splitlines()[2:]:  # past the header and its rule
+                cells = [cell[1:-1] for cell in _cells(line[1:-1])]  # each written as "| " + text + " "
+                rows.append({c: unescape(v) for c, v in zip(COLUMNS, cells, strict=True)})
+            found.setdefault(tag.removeprefix("eval/samples/"), {})[step] = rows
+    return found
+
+
+def _cells(inner: str) -> list[str]:
+    """A markdown table row's cells: split at ``|`` not escaped by a backslash."""
+    cells, current, k = [], [], 0
+    while k < len(inner):
+        if inner[k] == "\\" and k + 1 < len(inner):
+            current.append(inner[k : k + 2])
+            k += 2
+            continue
+        if inner[k] == "|":
+            cells.append("".join(current))
+            current = []
+        else:
+            current.append(inner[k])
+        k += 1
+    cells.append("".join(current))
+    return cells

@@ -60,7 +60,7 @@ from coati_kto.trainer.metrics import IntervalMeter, summarize
 from coati_kto.trainer.options import KTOOptions
 from coati_kto.trainer.passes import KTOPasses
 from coati_kto.trainer.position import DataPosition
-from coati_kto.trainer.run_summary import config_markdown, data_stats_markdown, flat_hparams
+from coati_kto.trainer.samples import EvalSamples
 from coati_kto.trainer.schedule import planned_steps
 from coati_kto.trainer.throughput import mfu
 
@@ -160,6 +160,7 @@ class KTOTrainer(SLTrainer):
         self._interval = IntervalMeter()
         self._writer: MetricWriter | None = None
         self._progress: ProgressBar | None = None
+        self._samples: EvalSamples | None = None  # eval.samples: decoded at every evaluation
 
     def _make_deterministic(self) -> None:
         """No dropout anywhere (the log-ratios compare two models), the reference frozen in eval mode."""
@@ -205,7 +206,8 @@ class KTOTrainer(SLTrainer):
             wandb_settings=wandb,
         )
         self._progress = ProgressBar(self.layout.is_main, total, initial=self.global_step)
-        self._write_run_summary()
+        self._writer.run_summary(self.run_config, self.data_stats, self.global_step)
+        self._samples = EvalSamples.for_run(self, eval_dataloader)
         self.policy.train()
         if (
             self.options.eval_at_start
@@ -213,17 +215,6 @@ class KTOTrainer(SLTrainer):
             and self._last_eval_step != self.global_step
         ):
             self._evaluate()  # the baseline: every eval/ curve starts from the model the run began with
-
-    def _write_run_summary(self) -> None:
-        """The resolved config and the data statistics as TensorBoard text (and hparams), at the start step."""
-        if self._writer is None:
-            return
-        if self.run_config is not None:
-            self._writer.text("run/config", config_markdown(self.run_config), self.global_step)
-            self._writer.hparams(flat_hparams(self.run_config), ("eval/loss", "eval/rewards/margin"))
-        if self.data_stats is not None:
-            self._writer.text("run/data", data_stats_markdown(self.data_stats), self.global_step)
-        self._writer.flush()
 
     def _finished(self) -> bool:
         return self.options.max_steps is not None and self.global_step >= self.options.max_steps
@@ -325,9 +316,11 @@ class KTOTrainer(SLTrainer):
     # ---------------------------------------------------------------- evaluation
     def _eval(self, epoch: int) -> None:
         """The epoch-end evaluation, when ``eval_at_epoch_end`` asks for it."""
-        if not self.options.eval_at_epoch_end:
-            return
-        if self._eval_loader is not None and self._last_eval_step != self.global_step:
+        if (
+            self.options.eval_at_epoch_end
+            and self._eval_loader is not None
+            and self._last_eval_step != self.global_step
+        ):
             self._evaluate()
 
     def _evaluate(self) -> dict[str, float]:
@@ -347,6 +340,8 @@ class KTOTrainer(SLTrainer):
         metrics["eval/examples_per_second"] = totals["examples"] / seconds
         metrics["eval/tokens_per_second"] = totals["tokens"] / seconds
         metrics["eval/model_flops_per_second"] = totals["model_flops"] / seconds
+        if self._samples is not None:  # after the metrics' timing; the policy decodes in eval mode
+            metrics.update(self._samples.write(self.policy, self.reference, self.passes, self.global_step))
         self._record(metrics)
         self._last_eval_step = self.global_step
         if self._progress is not None and "eval/loss" in metrics:

@@ -16,6 +16,8 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from coati_kto.trainer.run_summary import config_markdown, data_stats_markdown, flat_hparams
+
 
 class MetricWriter:
     """TensorBoard under ``tensorboard_dir`` and/or a W&B run, on the main rank.
@@ -53,6 +55,22 @@ class MetricWriter:
     def text(self, tag: str, markdown: str, step: int) -> None:
         """A TensorBoard TEXT entry (rendered as markdown) under ``tag``."""
         self._to_tensorboard(lambda tb: tb.add_text(tag, markdown, global_step=step))
+
+    def run_summary(self, run_config: dict | None, data_stats: dict | None, step: int) -> None:
+        """The resolved config and the data statistics as TEXT (the config also as hparams), at the start step."""
+        if run_config is not None:
+            self.text("run/config", config_markdown(run_config), step)
+            self.hparams(flat_hparams(run_config), ("eval/loss", "eval/rewards/margin"))
+        if data_stats is not None:
+            self.text("run/data", data_stats_markdown(data_stats), step)
+        self.flush()
+
+    def table(self, key: str, columns: list[str], rows: list[list[Any]], step: int) -> None:
+        """A W&B table under ``key`` at ``step`` (TensorBoard gets tables as TEXT: :meth:`text`)."""
+        if self._wandb is not None:
+            import wandb
+
+            self._wandb.log({key: wandb.Table(columns=columns, data=rows)}, step=step)
 
     def hparams(self, params: dict[str, float | int | str | bool], metric_tags: Iterable[str]) -> None:
         """The run's hyperparameters for TensorBoard's HPARAMS tab, in this run's own directory.

@@ -38,6 +38,8 @@ class KTOOptions:
         pass into the gradient pass (never under ddp: ``ParallelPlan.forward_collectives``). Same rounding caveat.
     wandb_project, wandb_mode, wandb_dir: W&B settings when ``fit(use_wandb=True)``.
     keep_last: checkpoints kept when the trainer builds its own CheckpointManager (``save_dir``).
+    samples, sample_max_new_tokens, sample_seed: eval prompts decoded at every evaluation (0: none), tokens
+        each at most, and the seed of their choice (coati_kto.trainer.samples).
     """
 
     loss_type: str = "kto"
@@ -56,6 +58,9 @@ class KTOOptions:
     wandb_mode: str = "online"
     wandb_dir: str | None = None
     keep_last: int = 2
+    samples: int = 0
+    sample_max_new_tokens: int = 64
+    sample_seed: int = 0
 
     def __post_init__(self) -> None:
         if self.log_interval < 1 or self.eval_interval < 0:
@@ -91,4 +96,7 @@ class KTOOptions:
             wandb_mode=logging.wandb_mode,
             wandb_dir=config.training_output().dir,
             keep_last=config.training_output().keep_last,
+            samples=config.eval.samples,
+            sample_max_new_tokens=config.eval.sample_max_new_tokens,
+            sample_seed=config.eval.sample_seed,
         )

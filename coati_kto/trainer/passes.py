@@ -270,6 +270,11 @@ class KTOPasses:
         example, kl_logps = packed_logps(model, self._lm_head(model), rows, len(batch))
         return kl_logps if kl else example
 
+    def completion_logps(self, model: Any, view: TokenView) -> torch.Tensor:
+        """Completion log-probs [B] fp32 of ``model`` on ``view``, as the eval passes score them (evaluation
+        samples); every rank of a tensor-parallel group calls with the same view."""
+        return self._sequence_logps(model, view)
+
     def _sequence_logps(self, model: Any, view: TokenView) -> torch.Tensor:
         """Completion log-probs [B] fp32 of ``model`` on one view of the batch (graph only under grad)."""
         # apply_loss_mask=False scores every non-padding token (prompt included), as ColossalChat does.

@@ -55,6 +55,7 @@ def test_config_prints_the_resolved_config_with_every_default(
         "plugin:",
         "output:",
         "logging:",
+        "eval:",
     ]
     # Every key of the schema is printed, and the text loads back to the same config.
     printed = yaml.safe_load(out)

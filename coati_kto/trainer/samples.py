@@ -1,0 +1,189 @@
+"""Samples during evaluation (``eval.samples``): a fixed, seeded set of eval prompts decoded greedily by the
+policy, and at step 0 also by the reference, each with the policy's implied reward, to TensorBoard and W&B.
+
+Every rank picks the same N rows of the eval set (a permutation seeded by ``eval.sample_seed``). Data-parallel
+rank d decodes rows d, d + D, ..., padded to ceil(N / D) rows by repeating one of them, so that every rank runs
+the same passes (DDP's forward and the tensor-parallel layers hold collectives); its tensor-parallel peers
+decode the same rows in lockstep (``coati_kto.models.generate``). Each rank scores its completions with the
+trainer's own passes (fp32 log-probs of the policy and the reference), and global rank 0 gathers the rows and
+writes them. The implied reward of a completion y is beta * (log pi(y|x) - log pi_ref(y|x)), the reward the
+loss pushes up for desirable completions: exactly 0 at step 0, where policy and reference are the same weights.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from coati_kto.data.collator import padded_view
+from coati_kto.models.generate import eos_ids, greedy_generate
+from coati_kto.parallel.distributed import ParallelLayout, gather_objects
+
+COLUMNS = ("sample", "label", "reward", "prompt", "completion")
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One decoded prompt: its place in the seeded set, the eval row it came from and the row's label."""
+
+    sample: int
+    row: int
+    label: bool
+    prompt: str
+    completion: str
+    reward: float | None  # None without a reference model (kto.reference cached)
+    prompt_ids: tuple[int, ...] = ()
+    completion_ids: tuple[int, ...] = ()
+
+
+class EvalSamples:
+    """The seeded prompts of this rank and their writer. Every rank builds one (same arguments) and calls
+    :meth:`write` at every evaluation."""
+
+    def __init__(
+        self,
+        rows: Any,
+        count: int,
+        max_new_tokens: int,
+        seed: int,
+        tokenizer: Any,
+        layout: ParallelLayout,
+        device: torch.device,
+    ) -> None:
+        if tokenizer is None:
+            raise ValueError("eval samples need the tokenizer (KTOTrainer's tokenizer argument)")
+        chosen = [int(i) for i in np.random.default_rng(seed).permutation(len(rows))[:count]]
+        # (place in the set, row); None marks this rank's padding rows, decoded and dropped
+        mine: list[tuple[int | None, int]] = list(enumerate(chosen))[layout.dp_rank :: layout.dp_size]
+        per_rank = math.ceil(len(chosen) / layout.dp_size)
+        mine += [(None, mine[-1][1] if mine else chosen[0])] * (per_rank - len(mine))
+        self.places = [place for place, _ in mine]
+        self.rows = [rows[row] for _, row in mine]
+        self.prompts = [[int(t) for t in r["input_ids"][: int(r["completion_start"])]] for r in self.rows]
+        self.row_ids = [row for _, row in mine]
+        self.tokenizer, self.layout, self.device = tokenizer, layout, device
+        self.max_new_tokens = max_new_tokens
+        self.writer: Any = None  # MetricWriter: TensorBoard text and W&B tables (main rank)
+        self.progress: Any = None  # ProgressBar: the timing line (main rank); print without one
+        self.last: dict[str, list[Sample]] = {}  # the last evaluation's samples by model (main rank)
+
+    @classmethod
+    def for_run(cls, trainer: Any, eval_loader: Any) -> EvalSamples | None:
+        """``trainer.options.samples`` of the eval loader's rows, written through the trainer's writer and
+        progress bar (so built after them, in ``fit``); None when off or without an eval set."""
+        rows = getattr(getattr(eval_loader, "loader", eval_loader), "dataset", None)
+        options = trainer.options
+        if not options.samples or rows is None or len(rows) == 0:
+            return None
+        samples = cls(
+            rows,
+            options.samples,
+            options.sample_max_new_tokens,
+            options.sample_seed,
+            trainer.tokenizer,
+            trainer.layout,
+            trainer.device,
+        )
+        samples.writer, samples.progress = trainer._writer, trainer._progress
+        return samples
+
+    def decode(self, model: Any, policy: Any, reference: Any, passes: Any) -> list[Sample]:
+        """``model``'s greedy completions of this rank's prompts with the policy's implied rewards; every rank
+        calls with the same models. Gathered: the whole set in order on global rank 0, [] elsewhere."""
+        eos = eos_ids(policy, self.tokenizer)
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos[0]
+        synced = self.layout.world_size > 1
+        completions = greedy_generate(model, self.prompts, self.max_new_tokens, pad, eos, self.device, synced)
+        rewards: list[float | None] = [None] * len(completions)
+        if reference is not None:
+            whole = [p + c for p, c in zip(self.prompts, completions, strict=True)]
+            view = padded_view(whole, [len(p) for p in self.prompts], pad).map(lambda t: t.to(self.device))
+            with torch.no_grad():
+                ratio = passes.completion_logps(policy, view) - passes.completion_logps(reference, view)
+            rewards = (passes.beta * ratio).tolist()
+        local = [
+            Sample(place, row, bool(r["label"]), self._text(p), self._text(c), reward, tuple(p), tuple(c))
+            for place, row, r, p, c, reward in zip(
+                self.places, self.row_ids, self.rows, self.prompts, completions, rewards, strict=True
+            )
+            if place is not None
+        ]
+        gathered = gather_objects(local)  # every rank's, on every rank: small (N rows of text)
+        if not self.layout.is_main:
+            return []
+        found = {s.sample: s for rank in gathered for s in rank}  # tensor-parallel peers hold the same rows
+        return [found[k] for k in sorted(found)]
+
+    def _text(self, ids: list[int]) -> str:
+        """The tokens as the model read or wrote them (chat-template markers and EOS included)."""
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def write(self, policy: Any, reference: Any, passes: Any, step: int) -> dict[str, float]:
+        """Decode with the policy (and at step 0 the reference) in eval mode, write the tables, leave the
+        policy in train mode (where the trainer holds it outside evaluation). Every rank calls.
+
+        Returns ``{"eval/samples_seconds": s}``: the wall time of decoding, scoring and gathering on this rank.
+        """
+        started = time.perf_counter()
+        policy.eval()
+        try:
+            decoded = {"policy": self.decode(policy, policy, reference, passes)}
+            if step == 0 and reference is not None:
+                decoded["reference"] = self.decode(reference, policy, reference, passes)
+        finally:
+            policy.train()
+        seconds = time.perf_counter() - started
+        if self.layout.is_main:
+            self.last = decoded
+            for who, samples in decoded.items():
+                rows = [[_cell(asdict(s)[c]) for c in COLUMNS] for s in samples]
+                if self.writer is not None:
+                    self.writer.text(f"eval/samples/{who}", samples_markdown(samples), step)
+                    self.writer.table(f"eval/samples/{who}", list(COLUMNS), rows, step)
+            line = f"step {step}: {len(decoded['policy'])} eval samples ({' and '.join(decoded)}) in {seconds:.2f} s"
+            (self.progress.write if self.progress is not None else print)(line)
+        return {"eval/samples_seconds": seconds}
+
+
+def _cell(value: Any) -> Any:
+    if isinstance(value, bool):
+        return "desirable" if value else "undesirable"
+    return "" if value is None else value
+
+
+def _escape(text: str) -> str:
+    """A table cell's markdown: every character that could end or format the cell escaped, reversibly."""
+    out = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    out = out.replace("\\", "\\\\").replace("|", "\\|").replace("`", "\\`").replace("*", "\\*")
+    return out.replace("_", "\\_").replace("\n", "<br>")
+
+
+def unescape(cell: str) -> str:
+    """The text :func:`_escape` wrote (``coati_kto.testing.tensorboard.read_samples`` reads the tables)."""
+    out, k = [], 0
+    while k < len(cell):
+        if cell.startswith("<br>", k):
+            out.append("\n")
+            k += 4
+        elif cell[k] == "\\" and k + 1 < len(cell):
+            out.append(cell[k + 1])
+            k += 2
+        else:
+            out.append(cell[k])
+            k += 1
+    return "".join(out).replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&")
+
+
+def samples_markdown(samples: list[Sample]) -> str:
+    """The samples as one markdown table (TensorBoard's TEXT tab renders it): one row per sample."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + " --- |" * len(COLUMNS)]
+    for s in samples:
+        reward = "n/a" if s.reward is None else f"{s.reward:.6g}"
+        cells = [str(s.sample), _cell(s.label), reward, _escape(s.prompt), _escape(s.completion)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
