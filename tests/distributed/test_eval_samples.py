@@ -1,5 +1,7 @@
 """Samples during evaluation (``eval.samples``) on 2 gloo processes, through ``train()``, under every plugin:
-ddp fp32, low_level_zero ZeRO-2 bf16, hybrid_parallel ZeRO-2 bf16 (tp_size 1) and hybrid_parallel tp_size 2 fp32.
+ddp fp32, low_level_zero ZeRO-2 bf16, hybrid_parallel ZeRO-2 bf16 (tp_size 1) and hybrid_parallel tp_size 2 fp32,
+and under ddp with LoRA (the reference is the policy with its adapters off) and with a cached reference (no
+reference model: rewards n/a).
 
 Checked numbers, per plugin: TensorBoard's TEXT holds N samples at every evaluation (steps 0 and 2), their
 prompts those of the eval rows the seeded choice names (the same rows under every plugin and in a second run);
@@ -31,7 +33,10 @@ PLUGINS: dict[str, dict[str, Any]] = {
     "low_level_zero": {"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"},
     "hybrid_zero2": {"name": "hybrid_parallel", "zero_stage": 2, "precision": "bf16"},
     "hybrid_tp2": {"name": "hybrid_parallel", "zero_stage": 0, "precision": "fp32", "tp_size": 2},
+    "lora": {"name": "ddp"},  # the reference: the policy with its adapters disabled
+    "cached": {"name": "ddp"},  # no reference model: no rewards, no reference samples
 }
+WITH_REFERENCE = [name for name in PLUGINS if name != "cached"]
 QUESTIONS = ["What is the capital of France?", "Please add 2 and 3.", "Write a function that adds numbers."]
 ANSWERS = ["The capital of France is Paris.", "The answer is 5.", "def add(a, b): return a + b"]
 
@@ -50,7 +55,7 @@ def _records(n: int, offset: int) -> list[dict]:
 
 
 def _config(model_dir: str, root: Path, name: str) -> dict[str, Any]:
-    return {
+    config = {
         "model": {"path": model_dir},
         "data": {
             "train_files": [str(root / "train.jsonl")],
@@ -65,6 +70,12 @@ def _config(model_dir: str, root: Path, name: str) -> dict[str, Any]:
         "logging": {"tensorboard": True, "wandb": name == "ddp", "wandb_mode": "offline"},
         "eval": {"samples": N, "sample_max_new_tokens": NEW_TOKENS, "sample_seed": SEED},
     }
+    if name == "lora":
+        config["model"]["lora"] = {"rank": 4, "alpha": 8}
+        config["output"]["merge_lora"] = True
+    if name == "cached":
+        config["kto"]["reference"] = "cached"
+    return config
 
 
 def _run(model_dir: str, root: str, name: str) -> dict[str, Any]:
@@ -133,7 +144,8 @@ def test_every_evaluation_writes_the_seeded_prompts(runs: dict[str, Any], name: 
     samples = _samples(runs, name)
     expected = _expected_prompts(runs)
     assert sorted(samples["policy"]) == [0, 2]  # eval at start and at the run's last step
-    assert sorted(samples["reference"]) == [0]  # the reference decodes at step 0 only
+    # the reference decodes at step 0 only, and not at all when none is loaded
+    assert sorted(samples.get("reference", {})) == ([] if name == "cached" else [0])
     for step, rows in samples["policy"].items():
         assert [r["sample"] for r in rows] == [str(k) for k in range(N)], step
         assert [r["prompt"] for r in rows] == expected, step
@@ -148,7 +160,7 @@ def test_every_evaluation_writes_the_seeded_prompts(runs: dict[str, Any], name: 
     assert len(seconds) == 2 and all(s > 0 for s in seconds)
 
 
-@pytest.mark.parametrize("name", list(PLUGINS))
+@pytest.mark.parametrize("name", WITH_REFERENCE)
 def test_the_reference_decodes_like_the_policy_at_step_0(runs: dict[str, Any], name: str) -> None:
     samples = _samples(runs, name)
     policy, reference = samples["policy"][0], samples["reference"][0]
@@ -163,14 +175,15 @@ def test_seeded_prompts_and_greedy_decoding_repeat_in_a_second_run(runs: dict[st
     assert runs["rank0"]["ddp"]["ids"] == runs["rank0"]["ddp_again"]["ids"]
 
 
-@pytest.mark.parametrize("name", list(PLUGINS))
+@pytest.mark.parametrize("name", WITH_REFERENCE)
 def test_rewards_equal_a_recomputation(runs: dict[str, Any], name: str) -> None:
     """beta * (log pi(y|x) - log pi_ref(y|x)) on the run's tokens, with final/ and the starting model loaded by
     transformers in the run's dtype, log-probs in fp32: the run's reward within rounding of its dtype."""
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if PLUGINS[name].get("precision") == "bf16" else torch.float32
-    policy = AutoModelForCausalLM.from_pretrained(runs["root"] / name / "final", dtype=dtype).eval()
+    final = runs["root"] / name / "final" / ("merged" if name == "lora" else "")
+    policy = AutoModelForCausalLM.from_pretrained(final, dtype=dtype).eval()
     reference = AutoModelForCausalLM.from_pretrained(runs["model_dir"], dtype=dtype).eval()
     rows = _samples(runs, name)["policy"][2]
     recomputed = [
@@ -188,6 +201,12 @@ def _logp(model: Any, prompt: tuple[int, ...], completion: tuple[int, ...]) -> f
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1].float()
     return float(torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None]).sum())
+
+
+def test_without_a_reference_model_the_rewards_say_so(runs: dict[str, Any]) -> None:
+    """kto.reference cached loads no reference model: the samples are decoded, their reward is n/a."""
+    samples = _samples(runs, "cached")
+    assert [r["reward"] for step in (0, 2) for r in samples["policy"][step]] == ["n/a"] * (2 * N)
 
 
 def test_wandb_gets_the_rows_as_a_table(runs: dict[str, Any]) -> None:
