@@ -31,6 +31,7 @@ import datasets
 import numpy as np
 
 from coati_kto.config.schema import Config
+from coati_kto.data.endings import completion_end_line, generation_eos_ids
 from coati_kto.data.files import load_records, resolve_files
 from coati_kto.data.formats import Record, RecordError
 from coati_kto.data.tables import (
@@ -45,12 +46,14 @@ from coati_kto.data.tables import (
 from coati_kto.data.tokenize import pad_id
 from coati_kto.errors import DataError
 
-PIPELINE_VERSION = 3  # bump when the prepared rows change for the same inputs
+PIPELINE_VERSION = 4  # bump when the prepared rows change for the same inputs
 # 2: ids of the whole text tokenized once (SentencePiece-style tokenizers lost their spurious "▁"); eval split
 #    by prompt group; content hash of the input files.
 # 3: a cut prompt keeps its BOS; a boundary token holding only the completion's leading whitespace stays with the
 #    prompt; no second BOS before plain text that starts with it; record-level tools and
 #    data.chat_template_kwargs reach the chat template.
+# 4: no EOS after a chat template's own end of turn (<end_of_turn>, <|im_end|>, <|eot_id|>): a chat completion is
+#    the template's rendering of the turn (coati_kto.data.endings).
 HASH_CHUNK = 8 << 20  # bytes per hash update; 1-8 MiB all read at about disk/hash speed (~500 MB/s here)
 
 
@@ -108,6 +111,7 @@ def fingerprint(config: Config, tokenizer) -> dict[str, Any]:
         "eval_files": _file_entries(d.eval_files, "data.eval_files"),
         "tokenizer": tokenizer_hash(tokenizer),
         "settings": _settings(config),
+        "generation_eos_ids": generation_eos_ids(config),  # chat completions ending with one get no EOS
     }
     parts["digest"] = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
     return parts
@@ -137,7 +141,7 @@ def _files_changed(old: list, new: list) -> str:
 
 
 def _changed(old: dict, new: dict) -> str:
-    keys = [k for k in ("version", "tokenizer") if old.get(k) != new.get(k)]
+    keys = [k for k in ("version", "tokenizer", "generation_eos_ids") if old.get(k) != new.get(k)]
     keys += [
         f"{k}{_files_changed(old.get(k), new[k])}"
         for k in ("train_files", "eval_files")
@@ -240,6 +244,8 @@ def _build(config: Config, tokenizer, fp: dict, target: Path) -> None:
             "by_reason": by_reason,
             "examples": [str(b) for b in skipped[:10]],
         }
+        ends = [(stats[split] or {}).get("completion_end", {}) for split in ("train", "eval")]
+        stats["completion_end"] = completion_end_line(ends, tokenizer.eos_token)
         (work / "skipped.txt").write_text("".join(f"{b.reason}\t{b}\n" for b in skipped))
         (work / "stats.json").write_text(json.dumps(stats, indent=2))
         shutil.rmtree(work / "hf-cache", ignore_errors=True)
@@ -322,6 +328,8 @@ def summary(stats: dict, config: Config, built: bool, why: str, seconds: float) 
                 "boundary (a prompt ending in a space: the token is trained on as the completion's first; a "
                 "completion starting with whitespace: the token stays with the prompt, the whitespace untrained)"
             )
+    if stats.get("completion_end"):
+        lines.append(f"  {stats['completion_end']}")
     if unread := stats.get("unread_fields"):
         shown = ", ".join(f"{name} ({count} records)" for name, count in list(unread.items())[:8])
         lines.append(

@@ -23,6 +23,7 @@ import pyarrow.compute as pc
 from datasets.table import InMemoryTable
 
 from coati_kto.config.schema import Config
+from coati_kto.data.endings import generation_eos_ids
 from coati_kto.data.formats import Record, RecordError
 from coati_kto.data.kl_pairs import derangement, pair_stats
 from coati_kto.data.tokenize import Encoder, join_truncated, truncation
@@ -150,6 +151,7 @@ def _encode(records: list[Record], tokenizer, config: Config, work: Path, name: 
             "completion_ids": datasets.List(datasets.Value("int32")),
             "prompt_hash": datasets.Value("int64"),
             "boundary_inside_token": datasets.Value("bool"),
+            "completion_end": datasets.Value("string"),
             "error_reason": datasets.Value("string"),
             "error": datasets.Value("string"),
         }
@@ -166,7 +168,7 @@ def _encode(records: list[Record], tokenizer, config: Config, work: Path, name: 
     )
     with progress_bars(len(records) >= PROGRESS_MIN_ROWS):
         encoded = records_ds.map(
-            Encoder(tokenizer, config.data.chat_template_kwargs),
+            Encoder(tokenizer, config.data.chat_template_kwargs, generation_eos_ids(config)),
             batched=True,
             num_proc=procs if procs > 1 else None,
             remove_columns=["prompt", "completion", "chat", "tools"],
@@ -256,6 +258,11 @@ def _split_stats(table: pa.Table, fit: _Fitted, labels: np.ndarray, pi: np.ndarr
             table.column("boundary_inside_token").to_numpy(zero_copy_only=False).sum()
         ),
         "kl_pairs": pair_stats(table.column("prompt_hash").to_numpy(), pi),
+        # how the completions end (coati_kto.data.endings): {"stop:<|im_end|>": n, "eos_added:plain": n, ...}
+        "completion_end": {
+            str(v["values"]): int(v["counts"])
+            for v in pc.value_counts(table.column("completion_end")).to_pylist()
+        },
         # every id the rows hold (completions' EOS included): checked against the model's vocabulary on opening
         "max_token_id": max(
             (

@@ -21,8 +21,8 @@ No prompt tokens at all (an empty prompt, or one merged whole into the first com
 tokenizer that adds no BOS) is a bad record (``no_prompt_tokens``): nothing would predict the first completion
 token.
 
-EOS: the completion ends with the tokenizer's EOS unless its last non-whitespace token already is EOS (the
-ChatML template ends a turn with ``<|im_end|>\\n``; a plain completion may end with the EOS text itself).
+Where a completion ends (:mod:`coati_kto.data.endings`): a chat completion as the template renders the turn,
+its end-of-turn token included and no EOS after it; a plain-text completion with EOS appended.
 
 Padding (:func:`pad_id`): the pad token, else EOS, else 0; masks come from lengths, so the id never matters.
 
@@ -47,6 +47,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from coati_kto.config.hub import hub_problems, looks_like_path, missing_path
 from coati_kto.data.chat import render_chats
+from coati_kto.data.endings import Endings
 from coati_kto.data.formats import RecordError
 from coati_kto.errors import ConfigError
 
@@ -131,16 +132,21 @@ def no_prompt_tokens(source: str) -> RecordError:
 
 
 class Encoder:
-    """Batched encoder for ``datasets.map``; picklable, so it runs in ``num_proc`` worker processes."""
+    """Batched encoder for ``datasets.map``; picklable, so it runs in ``num_proc`` worker processes.
+
+    ``stop_ids``: ids that end a chat completion without an added EOS besides the tokenizer's EOS and the
+    template's end of turn (the checkpoint's generation ``eos_token_id``: :func:`~coati_kto.data.endings.generation_eos_ids`)."""
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, template_kwargs: dict[str, Any] | None = None
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        template_kwargs: dict[str, Any] | None = None,
+        stop_ids: list[int] | tuple[int, ...] = (),
     ) -> None:
         self.tokenizer = tokenizer
         self.template_kwargs = template_kwargs or {}
         self.bos = bos_prefix(tokenizer)
-        self.eos = tokenizer.eos_token_id
-        self._blank: dict[int, bool] = {}
+        self.endings = Endings(tokenizer, self.template_kwargs, stop_ids)
         self._backend: Tokenizer | None = None
         if getattr(tokenizer, "is_fast", False):
             # The Rust tokenizer itself: offsets and char_to_token without converting every row to Python
@@ -149,19 +155,6 @@ class Encoder:
             self._backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
             self._backend.no_truncation()
             self._backend.no_padding()
-
-    def _is_blank(self, token: int) -> bool:
-        if token not in self._blank:
-            self._blank[token] = not self.tokenizer.decode([token]).strip()
-        return self._blank[token]
-
-    def ends_with_eos(self, ids: list[int]) -> bool:
-        for token in reversed(ids):
-            if token == self.eos:
-                return True
-            if not self._is_blank(token):
-                return False
-        return False
 
     def split(
         self, prompts: list[str], completions: list[str]
@@ -245,22 +238,28 @@ class Encoder:
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
         """Columns prompt/completion (JSON message lists when ``chat``)/chat/source/tools (JSON, "" for none) -> prompt_ids,
-        completion_ids, prompt_hash, boundary_inside_token, error_reason, error ("" when the record is fine)."""
+        completion_ids, prompt_hash, boundary_inside_token, completion_end (:meth:`Endings.end`), error_reason, error (""
+        when the record is fine)."""
         texts = self._render(batch)
         bad = {i: t for i, t in enumerate(texts) if isinstance(t, RecordError)}
         prompts = ["" if i in bad else t[0] for i, t in enumerate(texts)]
         completions = ["" if i in bad else t[1] for i, t in enumerate(texts)]
         p_ids, c_ids, inside = self.split(prompts, completions)
-        out: dict[str, list] = {"prompt_ids": [], "completion_ids": [], "boundary_inside_token": inside}
+        out: dict[str, list] = {
+            "prompt_ids": [],
+            "completion_ids": [],
+            "boundary_inside_token": inside,
+            "completion_end": [],
+        }
         for i, (p, c, chat) in enumerate(zip(p_ids, c_ids, batch["chat"], strict=True)):
             if not chat and p[: len(self.bos)] != self.bos:  # text already rendered with its BOS: no second
                 p = self.bos + p
-            if self.eos is not None and not self.ends_with_eos(c):
-                c = c + [self.eos]
+            c, how = self.endings.end(c, chat)
             if not p and i not in bad:
                 bad[i] = no_prompt_tokens(batch["source"][i])
             out["prompt_ids"].append(p)
             out["completion_ids"].append(c)
+            out["completion_end"].append(how)
         out["prompt_hash"] = [prompt_hash(p) for p in prompts]
         out["error_reason"] = [bad[i].reason if i in bad else "" for i in range(len(texts))]
         out["error"] = [str(bad[i]) if i in bad else "" for i in range(len(texts))]
@@ -275,6 +274,7 @@ def encode(
     source: str = "<record>",
     tools: list[dict] | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    stop_ids: list[int] | tuple[int, ...] = (),
 ) -> tuple[list[int], list[int]]:
     """(prompt ids, completion ids) of one record, exactly as prepare encodes it; raises RecordError."""
     row = {
@@ -284,7 +284,7 @@ def encode(
         "source": [source],
         "tools": [json.dumps(tools) if tools else ""],
     }
-    out = Encoder(tokenizer, template_kwargs)(row)
+    out = Encoder(tokenizer, template_kwargs, stop_ids)(row)
     if out["error"][0]:
         raise RecordError.restore(out["error"][0], out["error_reason"][0], source)
     return out["prompt_ids"][0], out["completion_ids"][0]

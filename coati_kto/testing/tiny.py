@@ -36,9 +36,29 @@ MISTRAL_TEMPLATE = (
     "[INST] {{ message['content'] }} [/INST]{% elif message['role'] == 'assistant' %}"
     "{{ message['content'] }}{{ eos_token }}{% endif %}{% endfor %}"
 )
-# style -> (special tokens, bos, eos, pad, chat template)
+# Gemma style: <start_of_turn>role ... <end_of_turn>, the assistant role called "model"; its EOS is <eos>.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<start_of_turn>"
+    "{{ 'model' if message['role'] == 'assistant' else message['role'] }}\n{{ message['content'] }}<end_of_turn>\n"
+    "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
+# style -> (special tokens, bos, eos, pad, chat template). The template ends an assistant turn with: chatml
+# <|im_end|> (its EOS: Qwen instruct); chatml_s the same, but EOS "</s>"; llama3 <|eot_id|> (its EOS: Llama 3
+# instruct); llama3_base the same, but EOS <|end_of_text|> (Llama 3 base under an instruct template); gemma
+# <end_of_turn>, EOS <eos>; mistral </s> (its EOS).
 TOKENIZER_STYLES: dict[str, tuple[list[str], str, str, str, str]] = {
     "chatml": (SPECIAL_TOKENS, "<|im_start|>", "<|im_end|>", "<|endoftext|>", CHATML_TEMPLATE),
+    "chatml_s": ([*SPECIAL_TOKENS, "</s>"], "<|im_start|>", "</s>", "<|endoftext|>", CHATML_TEMPLATE),
+    "llama3_base": (
+        ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+        + ["<|finetune_pad|>"],
+        "<|begin_of_text|>",
+        "<|end_of_text|>",
+        "<|finetune_pad|>",
+        LLAMA3_TEMPLATE,
+    ),
+    "gemma": (GEMMA_SPECIALS, "<bos>", "<eos>", "<pad>", GEMMA_TEMPLATE),
     "llama3": (
         ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>", "<|finetune_pad|>"],
         "<|begin_of_text|>",
@@ -51,14 +71,20 @@ TOKENIZER_STYLES: dict[str, tuple[list[str], str, str, str, str]] = {
 
 
 def build_tokenizer(
-    corpus: Iterable[str], vocab_size: int = 512, pad_is_eos: bool = False, style: str = "chatml"
+    corpus: Iterable[str],
+    vocab_size: int = 512,
+    pad_is_eos: bool = False,
+    style: str = "chatml",
+    eos_token: str | None = None,
 ) -> PreTrainedTokenizerFast:
     """A byte-level BPE trained on ``corpus`` with a chat template of ``style`` (TOKENIZER_STYLES); ChatML's
-    eos is ``<|im_end|>``.
+    eos is ``<|im_end|>``. ``eos_token`` (one of the style's special tokens) replaces the style's EOS: the
+    same vocabulary and ids, another EOS.
 
     ``pad_is_eos`` reproduces the common (and dangerous) setup where padding and end-of-sequence share an id.
     """
     special, bos, eos, pad, template = TOKENIZER_STYLES[style]
+    eos = eos_token or eos
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

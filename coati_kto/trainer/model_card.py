@@ -120,6 +120,7 @@ def _data_section(config: Config, data_stats: dict[str, Any] | None) -> list[str
         f"Truncation: data.max_length {config.data.max_length}, "
         f"data.max_prompt_length {config.data.max_prompt_length}.",
         "",
+        *([f"Completions: {data_stats['completion_end']}.", ""] if data_stats.get("completion_end") else []),
     ]
 
 

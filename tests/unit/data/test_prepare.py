@@ -438,14 +438,15 @@ def test_sentencepiece_rows_are_the_conversation_tokenized_whole(tmp_path: Path)
     for r in out.train:
         raw = data[int(r["source"].rsplit(":", 1)[1]) - 1]
         text = tok.apply_chat_template(raw["messages"], tokenize=False)
-        assert tok.decode(r["input_ids"]) == text + tok.eos_token  # no "model\n " anywhere
-        assert r["input_ids"][:-1] == tok(text, add_special_tokens=False)["input_ids"]
+        assert tok.decode(r["input_ids"]) == text  # no "model\n " anywhere; no <eos> after <end_of_turn>
+        assert r["input_ids"] == tok(text, add_special_tokens=False)["input_ids"]
         assert tok.decode(r["input_ids"][r["completion_start"] :]) == raw["messages"][-1]["content"] + (
-            "<end_of_turn>\n<eos>"
+            "<end_of_turn>\n"
         )
+    assert out.stats["completion_end"] == "completions end with the template's `<end_of_turn>`; no EOS added"
 
-    # Truncation on the same rows: the prompt keeps its BOS and its END, the completion its START, EOS only if
-    # it fits. (Before: the cut removed the BOS, and a Gemma model read every truncated row without it.)
+    # Truncation on the same rows: the prompt keeps its BOS and its END, the completion its START, its end of
+    # turn only if it fits. (Before: the cut removed the BOS, and a Gemma model read every truncated row without it.)
     cut = prepare(make_config(tmp_path / "cut", model_dir, [str(path)], max_length=16, max_prompt_length=8))
     whole = {r["source"]: r for r in out.train}
     for rows, ids in ((cut.train, "input_ids"), (cut.train, "kl_input_ids")):

@@ -66,3 +66,12 @@ def test_tensorboard_data_text_names_a_held_out_eval_split() -> None:
     lines = data_stats_markdown(stats).splitlines()
     assert "**train files:** `t.jsonl`" in lines
     assert "**eval files:** held out of the train files (data.eval_fraction)" in lines
+
+
+def test_card_says_how_completions_end(tmp_path: Path) -> None:
+    """Issue 32: prepare's one line on where completions end (the template's end of turn, or EOS) is on the card."""
+    config = load_config(write_config(tmp_path, MINIMAL))
+    split = {"examples": 8, "labels": {"desirable": 6, "undesirable": 2}}
+    line = "completions end with the template's `<end_of_turn>`; no EOS added"
+    stats = {"train": split, "eval": None, "files": {"train": ["data.jsonl"]}, "completion_end": line}
+    assert f"Completions: {line}." in render(config, stats, None, 12, (1.0, 1.0), 1).splitlines()

@@ -1,0 +1,132 @@
+"""Where a completion ends: the chat template's end of turn, or EOS appended (issue 32).
+
+A chat completion (:meth:`Endings.end`; ``completion_end`` per row says how each ended) is exactly what the
+template renders for the assistant turn, its end-of-turn token and the text after it included, with NO EOS
+appended when its last non-whitespace token stops generation: the tokenizer's EOS, an id of the checkpoint's
+``generation_config.json`` ``eos_token_id`` (:func:`generation_eos_ids`), or the template's own end of turn
+(:func:`template_end_of_turn`: Gemma's ``<end_of_turn>``, ChatML's ``<|im_end|>``, Llama 3's ``<|eot_id|>``).
+An EOS after it (Gemma's ``<end_of_turn>\\n<eos>``) is a token the template never renders and the base model
+never saw there: every desirable completion would push it up, and since the KL pairs end with it too, z0 would
+measure that token rather than the answers. A template turn that ends with no such token gets EOS, as does a
+plain-text completion, unless its last non-whitespace token already is EOS (:func:`completion_end_line` says
+which, in one line).
+
+The template's end of turn is found once per tokenizer by rendering a one-turn probe conversation. Which ending
+each row got is counted per split (stats.json's ``completion_end``) and said in one line by ``prepare`` and the
+model card (:func:`completion_end_line`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from transformers import PreTrainedTokenizerBase
+
+if TYPE_CHECKING:
+    from coati_kto.config.schema import Config
+
+
+def generation_eos_ids(config: Config) -> list[int]:
+    """The ``eos_token_id`` ids (one or a list) of ``model.path``'s ``generation_config.json``, sorted; [] when the
+    checkpoint has none or is not a local directory (prepare reads no hub file for this)."""
+    path = Path(config.model.path).expanduser() / "generation_config.json"
+    try:
+        found = json.loads(path.read_text()).get("eos_token_id")
+    except (OSError, ValueError, AttributeError):
+        return []
+    found = found if isinstance(found, list) else [found]
+    return sorted({int(i) for i in found if isinstance(i, int) and not isinstance(i, bool)})
+
+
+PROBE_TURN = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+
+
+def template_end_of_turn(
+    tokenizer: PreTrainedTokenizerBase, template_kwargs: dict[str, Any] | None = None
+) -> int | None:
+    """The id of the special token the chat template ends an assistant turn with (``<end_of_turn>``,
+    ``<|im_end|>``, ``<|eot_id|>``): the last non-whitespace token of a rendered one-turn reply, when it is a
+    special or added token; None without a template, or when the turn ends in ordinary text."""
+    try:
+        kwargs = template_kwargs or {}
+        prompt = tokenizer.apply_chat_template(
+            PROBE_TURN[:1], tokenize=False, add_generation_prompt=True, **kwargs
+        )
+        whole = tokenizer.apply_chat_template(PROBE_TURN, tokenize=False, **kwargs)
+    except Exception:  # no template, or one that refuses the probe: no end-of-turn token known
+        return None
+    if not whole.startswith(prompt):
+        return None
+    ids = tokenizer(whole[len(prompt) :], add_special_tokens=False)["input_ids"]
+    last = next((t for t in reversed(ids) if tokenizer.decode([t]).strip()), None)
+    special = set(tokenizer.all_special_ids) | set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+    return int(last) if last is not None and last in special else None
+
+
+def completion_end_line(splits: list[dict[str, int]], eos_token: str | None) -> str:
+    """One line saying how completions end, from the ``completion_end`` counts of the prepared splits, e.g.
+    "completions end with the template's `<end_of_turn>`; no EOS added"."""
+    counts: dict[str, int] = {}
+    for split in splits:
+        for how, n in split.items():
+            counts[how] = counts.get(how, 0) + n
+    parts = []
+    stops = [k.removeprefix("stop:") for k in counts if k.startswith("stop:")]
+    if stops:
+        shown = " / ".join(f"`{t}`" for t in sorted(stops, key=lambda t: -counts["stop:" + t]))
+        parts.append(f"completions end with the template's {shown}; no EOS added")
+    if counts.get("eos_added:chat"):
+        parts.append(
+            f"EOS `{eos_token}` appended to {counts['eos_added:chat']} chat completions (their template turn "
+            "ends with no token that stops generation)"
+        )
+    plain = counts.get("eos_added:plain", 0) + counts.get("eos_given:plain", 0)
+    if plain:
+        given = counts.get("eos_given:plain", 0)
+        parts.append(
+            f"EOS `{eos_token}` appended to plain-text completions"
+            + (f" ({given} of {plain} already ended with it)" if given else "")
+        )
+    if counts.get("as_given:chat") or counts.get("as_given:plain"):
+        parts.append("completions end as given: the tokenizer has no EOS token")
+    return "; ".join(parts)
+
+
+class Endings:
+    """Picklable (it runs in ``datasets.map`` workers): the stop ids of one tokenizer and how a completion ends."""
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        template_kwargs: dict[str, Any] | None = None,
+        stop_ids: list[int] | tuple[int, ...] = (),
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.eos = tokenizer.eos_token_id
+        self.end_of_turn = template_end_of_turn(tokenizer, template_kwargs)
+        self.stops = {int(t) for t in (self.eos, self.end_of_turn, *stop_ids) if t is not None}
+        self._blank: dict[int, bool] = {}
+
+    def _is_blank(self, token: int) -> bool:
+        if token not in self._blank:
+            self._blank[token] = not self.tokenizer.decode([token]).strip()
+        return self._blank[token]
+
+    def last_token(self, ids: list[int]) -> int | None:
+        """The last token of ``ids`` that is not whitespace alone (None when there is none)."""
+        return next((t for t in reversed(ids) if not self._is_blank(t)), None)
+
+    def end(self, ids: list[int], chat: bool) -> tuple[list[int], str]:
+        """(completion ids as stored, how they end: "stop:<token>" for a chat completion ending with a stop id,
+        "eos_added:chat|plain", "eos_given:plain" for plain text already ending with EOS, "as_given:chat|plain"
+        for a tokenizer without EOS). Only "eos_added" appends a token."""
+        kind, last = "chat" if chat else "plain", self.last_token(ids)
+        if chat and last in self.stops:
+            return ids, "stop:" + str(self.tokenizer.convert_ids_to_tokens(int(last)))
+        if self.eos is None:
+            return ids, f"as_given:{kind}"
+        if not chat and last == self.eos:
+            return ids, "eos_given:plain"
+        return ids + [self.eos], f"eos_added:{kind}"

@@ -1,0 +1,142 @@
+"""Where a completion ends (issue 32): a chat completion is the template's rendering of the assistant turn, with no
+EOS after the template's own end of turn; plain text gets EOS. Tokenizers built offline whose EOS differs from
+the end of turn (Gemma-style <eos> vs <end_of_turn>, ChatML with </s>, Llama 3 base's <|end_of_text|> vs
+<|eot_id|>) and ones where the two agree (Qwen-style ChatML, Llama 3 instruct, Mistral)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from helpers import CORPUS
+from test_prepare import make_config
+from test_tokenize import CONVERSATIONS, sentencepiece_tokenizer
+
+from coati_kto.data.endings import Endings, completion_end_line, generation_eos_ids, template_end_of_turn
+from coati_kto.data.files import write_jsonl
+from coati_kto.data.prepared import prepare
+from coati_kto.data.tokenize import encode
+from coati_kto.testing.tiny import build_tokenizer
+
+# style -> (the template's end of turn, whether it is the tokenizer's EOS)
+STYLES = {
+    "gemma": ("<end_of_turn>", False),
+    "chatml_s": ("<|im_end|>", False),
+    "llama3_base": ("<|eot_id|>", False),
+    "chatml": ("<|im_end|>", True),  # Qwen-style: EOS is the end of turn
+    "llama3": ("<|eot_id|>", True),
+    "mistral": ("</s>", True),
+}
+
+
+def tokenizer(style: str, eos_token: str | None = None):
+    return build_tokenizer([*CORPUS, "[INST] user model [/INST]"] * 2, 400, style=style, eos_token=eos_token)
+
+
+@pytest.mark.parametrize("style", STYLES)
+@pytest.mark.parametrize("conversation", CONVERSATIONS, ids=["one-turn", "two-turns"])
+def test_stored_ids_are_the_template_rendering_of_the_whole_conversation(style: str, conversation) -> None:
+    """Before: "...<end_of_turn>\\n<eos>", "...<|im_end|>\\n</s>", "...<|eot_id|><|end_of_text|>": a token the
+    template never renders after every completion."""
+    tok = tokenizer(style)
+    end_of_turn, agrees = STYLES[style]
+    p_ids, c_ids = encode(tok, conversation[:-1], conversation[-1:], True)
+    whole = tok.apply_chat_template(conversation, tokenize=False)
+    assert p_ids + c_ids == tok(whole, add_special_tokens=False)["input_ids"]
+    assert tok.decode(c_ids).rstrip().endswith(conversation[-1]["content"].strip() + end_of_turn)
+    assert (tok.eos_token_id in c_ids) == agrees
+    assert template_end_of_turn(tok) == tok.convert_tokens_to_ids(end_of_turn)
+
+
+def test_a_sentencepiece_gemma_tokenizer_gets_no_eos_after_end_of_turn() -> None:
+    tok = sentencepiece_tokenizer("metaspace-first")  # Metaspace, Gemma's template and specials
+    conversation = CONVERSATIONS[1]
+    p_ids, c_ids = encode(tok, conversation[:-1], conversation[-1:], True)
+    whole = tok.apply_chat_template(conversation, tokenize=False)
+    assert p_ids + c_ids == tok(whole, add_special_tokens=False)["input_ids"]
+    assert tok.eos_token_id not in c_ids and tok.decode(c_ids[-2:]) == "<end_of_turn>\n"
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_plain_text_completions_keep_eos(style: str) -> None:
+    tok = tokenizer(style)
+    p_ids, c_ids = encode(tok, "The capital of France is", " Paris.", False)
+    assert c_ids[-1] == tok.eos_token_id and c_ids.count(tok.eos_token_id) == 1
+    assert p_ids + c_ids[:-1] == tok("The capital of France is Paris.", add_special_tokens=False)["input_ids"]
+    # A plain completion that already ends with the EOS text gets no second one.
+    assert encode(tok, "Q:", " yes" + tok.eos_token, False)[1] == encode(tok, "Q:", " yes", False)[1]
+
+
+END_WITH_TEXT = (  # a template whose assistant turn ends in ordinary text, no special token
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\nThank you\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def test_a_turn_ending_in_text_gets_eos_unless_the_generation_config_stops_there(tmp_path: Path) -> None:
+    tok = tokenizer("chatml_s")
+    tok.chat_template = END_WITH_TEXT
+    conversation = CONVERSATIONS[0]
+    assert template_end_of_turn(tok) is None
+    _, c_ids = encode(tok, conversation[:-1], conversation[-1:], True)
+    assert c_ids[-1] == tok.eos_token_id  # nothing in the turn stops generation: the model learns to stop
+    last = Endings(tok).last_token(c_ids[:-1])
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_token_id, last]}))
+    config = make_config(tmp_path, tmp_path, ["x.jsonl"])
+    assert generation_eos_ids(config) == sorted([tok.eos_token_id, last])
+    _, stopped = encode(tok, conversation[:-1], conversation[-1:], True, stop_ids=generation_eos_ids(config))
+    assert stopped == c_ids[:-1]
+
+
+def test_completion_end_line() -> None:
+    assert (
+        completion_end_line([{"stop:<end_of_turn>": 5}, {"stop:<end_of_turn>": 2}], "<eos>")
+        == "completions end with the template's `<end_of_turn>`; no EOS added"
+    )
+    assert (
+        completion_end_line([{"eos_added:plain": 3}], "</s>")
+        == "EOS `</s>` appended to plain-text completions"
+    )
+    assert completion_end_line([{"eos_added:plain": 3, "eos_given:plain": 1}, {}], "</s>") == (
+        "EOS `</s>` appended to plain-text completions (1 of 4 already ended with it)"
+    )
+    assert completion_end_line([{"stop:<|im_end|>": 4, "eos_added:chat": 1}], "</s>") == (
+        "completions end with the template's `<|im_end|>`; no EOS added; EOS `</s>` appended to 1 chat "
+        "completions (their template turn ends with no token that stops generation)"
+    )
+    assert completion_end_line([{"as_given:plain": 2}], None) == (
+        "completions end as given: the tokenizer has no EOS token"
+    )
+
+
+def _write_model(out: Path, style: str) -> Path:
+    from coati_kto.testing.tiny import build_llama
+
+    tok = tokenizer(style)
+    build_llama(tok, hidden_size=32, num_layers=1).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def test_prepare_says_how_completions_end(tmp_path: Path, capsys) -> None:
+    model = _write_model(tmp_path / "model", "gemma")
+    chat = [
+        {"messages": [{"role": "user", "content": f"Add {i} and 3."}, {"role": "assistant", "content": "5"}],
+            "label": i % 3 != 0}
+        for i in range(12)
+    ]  # fmt: skip
+    plain = [{"prompt": f"Add {i} and 3.", "completion": " 5", "label": i % 3 != 0} for i in range(12)]
+    lines = {}
+    for name, rows in (("chat", chat), ("plain", plain)):
+        data = write_jsonl(rows, tmp_path / name / "data.jsonl")
+        out = prepare(make_config(tmp_path / name, model, [str(data)]))
+        printed = capsys.readouterr().out
+        lines[name] = out.stats["completion_end"]
+        assert f"  {lines[name]}\n" in printed
+        stats = json.loads((tmp_path / name / "prepared" / "stats.json").read_text())
+        assert stats["completion_end"] == lines[name] and stats["version"] == 4
+    assert lines == {
+        "chat": "completions end with the template's `<end_of_turn>`; no EOS added",
+        "plain": "EOS `<eos>` appended to plain-text completions",
+    }
