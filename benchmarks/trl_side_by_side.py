@@ -84,6 +84,7 @@ def _trl_child(options: dict) -> None:
             self.wall: list[float] = []
             self.cpu: list[float] = []
             self.loss: list[float] = []
+            self.kl: list[float] = []
 
         def on_step_begin(self, args, state, control, **kwargs):
             if cuda:  # the step's kernels, not the previous step's, end inside its interval
@@ -99,6 +100,8 @@ def _trl_child(options: dict) -> None:
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and "loss" in logs:
                 self.loss.append(float(logs["loss"]))
+            if logs and "kl" in logs:
+                self.kl.append(float(logs["kl"]))
 
     cuda = not options["use_cpu"] and torch.cuda.is_available()
     records = [json.loads(line) for line in Path(options["data"]).read_text().splitlines()]
@@ -126,6 +129,7 @@ def _trl_child(options: dict) -> None:
         "disable_tqdm": True,
         "seed": 0,
     }
+    wanted.update(options.get("config", {}))  # learning_study.py: its hyper-parameters
     known = {f.name for f in dataclasses.fields(KTOConfig)}
     config = KTOConfig(**{k: v for k, v in wanted.items() if k in known})
     timer = StepTimer()
@@ -138,11 +142,14 @@ def _trl_child(options: dict) -> None:
     )
     prompts, completions = _token_counts(trainer.train_dataset)
     trainer.train()
+    if options.get("save_to"):
+        trainer.save_model(options["save_to"])
     usage = resource.getrusage(resource.RUSAGE_SELF)
     out = {
         "step_seconds": timer.wall,
         "step_cpu_seconds": timer.cpu,
         "loss": timer.loss,
+        "kl": timer.kl,
         "seconds": time.perf_counter() - start,
         "cpu_seconds": usage.ru_utime + usage.ru_stime,
         "peak_rss_mib": usage.ru_maxrss / 1024,
@@ -227,8 +234,9 @@ def _run_trl(venv: Path, work: Path, precompute: bool, steps: int) -> dict:
 
 def run_trl(venv: Path, work: Path, precompute: bool, options: dict) -> dict:
     """TRL's KTOTrainer in a child process of ``venv``: ``options`` holds model, data (JSONL of prompt,
-    completion, label), out, micro_batch, max_length, max_prompt_length, bf16, use_cpu, steps. Returns the
-    child's JSON (step_seconds, step_cpu_seconds, loss, peak_rss_mib, peak_cuda_gib, versions, ...)."""
+    completion, label), out, micro_batch, max_length, max_prompt_length, bf16, use_cpu, steps; optionally
+    config (KTOConfig fields over these defaults) and save_to (where the trained model is saved). Returns the
+    child's JSON (step_seconds, step_cpu_seconds, loss, kl, peak_rss_mib, peak_cuda_gib, versions, ...)."""
     # TRL's process never sees coati_kto, nor the process group of a caller that initialised one (accelerate
     # would join it: MASTER_PORT is taken).
     dist_keys = {

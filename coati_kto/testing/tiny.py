@@ -106,6 +106,34 @@ def build_tokenizer(
     )
 
 
+def build_sentencepiece_tokenizer(corpus: list[str], vocab_size: int = 400) -> PreTrainedTokenizerFast:
+    """A Gemma-like SentencePiece-style tokenizer: BPE over "▁"-words (Metaspace, prepend_scheme "first"), BOS
+    added to plain text, Gemma's turn template; its EOS ``<eos>`` differs from the template's ``<end_of_turn>``."""
+    from tokenizers.processors import TemplateProcessing
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first")
+    tok.decoder = decoders.Metaspace(prepend_scheme="first")
+    specials = ["<unk>", *GEMMA_SPECIALS]
+    alphabet = sorted({c for text in corpus for c in text.replace(" ", "▁")} | {"▁", "\n"})
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=alphabet, show_progress=False
+    )
+    tok.train_from_iterator(corpus, trainer=trainer)
+    tok.post_processor = TemplateProcessing(
+        single="<bos> $A", special_tokens=[("<bos>", tok.token_to_id("<bos>"))]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        pad_token="<pad>",
+        chat_template=GEMMA_TEMPLATE,
+        padding_side="right",
+    )
+
+
 def build_llama(
     tokenizer: PreTrainedTokenizerFast,
     hidden_size: int = 64,

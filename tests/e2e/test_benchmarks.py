@@ -2,7 +2,7 @@
 
 Figures, not exit codes: each test parses what the script prints (its table) and checks the numbers are there
 and finite (step time > 0, tokens/s > 0, ...). The ones that start several training processes (lora_bench,
-plugins_bench, step_bench: 30-60 s each on 2 cores) are marked ``slow`` (``-m "not slow"`` leaves them out);
+plugins_bench, step_bench: 30-60 s each on 2 cores; learning_study) are marked ``slow`` (``-m "not slow"`` leaves them out);
 trl_side_by_side skips unless a TRL venv exists (TRL is never a dependency).
 """
 
@@ -171,6 +171,24 @@ def test_trl_side_by_side_smoke(tmp_path: Path) -> None:
     assert len(rows) == 4, out
     for row in rows:
         positive_finite(numbers(row), row)  # step wall/CPU s, RSS, process CPU s, loss, x TRL
+
+
+@pytest.mark.slow
+def test_learning_study_smoke(tmp_path: Path) -> None:
+    """One seed of one task: the SFT base, coati-kto (and TRL when its venv exists), the held-out gains."""
+    venv = ROOT / ".trl-venv"
+    out = smoke("learning_study.py", "--work", str(tmp_path), "--venv", str(venv), timeout=900)
+    rows = {line.split()[2]: line for line in out.splitlines() if line.split()[:2] == ["after/chatml", "0"]}
+    expected = {"coati-kto", "TRL"} if (venv / "coati-bench-spec.txt").exists() else {"coati-kto"}
+    assert set(rows) == expected, out
+    for row in rows.values():
+        gain, accuracy, kl, kl_tail = numbers(row.split(maxsplit=3)[3].replace("%", ""))
+        assert all(math.isfinite(v) for v in (gain, kl, kl_tail)), row
+        assert 0.0 <= accuracy <= 100.0 and kl >= 0.0 and kl_tail >= 0.0, row
+    summary = next(
+        line for line in out.splitlines() if line.split()[:3] == ["after/chatml", "mean", "coati-kto"]
+    )
+    assert re.search(rf"train/kl ({NUMBER})", summary), summary
 
 
 def test_padding_bench_smoke() -> None:
