@@ -11,12 +11,12 @@ Tasks (made here, on the quickstart's items: letters, weekdays, months), each on
   SentencePiece-style (Metaspace) tokenizer with Gemma's template: EOS ``<eos>``, turns end ``<end_of_turn>\\n``.
 
 Base: a random Llama (hidden 64, 2 layers) fine-tuned (SFT, plain PyTorch, one process) on the template's
-rendering of every (item, training phrasing) answered both ways, 50/50: it knows the format and both neighbours
+rendering of every (item, training phrasing) answered both ways, 50/50 (300 steps of 32): it knows the format and both neighbours
 but not which one is asked for. Cached in ``--work`` by the task's settings (the second run skips it).
 
-KTO, both tools, same base, data and hyper-parameters: 384 records 3:1, conversational prompt/completion, one
-epoch, micro-batch 8 on 1 process (48 steps), AdamW lr 3e-4 constant (no warmup, no decay), max_grad_norm 1,
-beta 0.1, desirable_weight 1, undesirable_weight 2.5 ((1 x 288)/(2.5 x 96) = 1.2, inside the paper's [1, 4/3]),
+KTO, both tools, same base, data and hyper-parameters: 256 records 3:1, conversational prompt/completion, one
+epoch, micro-batch 8 on 1 process (32 steps), AdamW lr 3e-4 constant (no warmup, no decay), max_grad_norm 1,
+beta 0.1, desirable_weight 1, undesirable_weight 2.5 ((1 x 192)/(2.5 x 64) = 1.2, inside the paper's [1, 4/3]),
 fp32. coati-kto: ``ddp`` on 1 process, ``train.seed`` = the seed; TRL 1.16: its own venv (``trl_side_by_side``'s
 machinery), ``seed`` = the seed (its default sampler is sequential: the data order is the file's; with
 ``--trl-shuffle`` the file is shuffled by the seed).
@@ -45,7 +45,7 @@ import trl_side_by_side
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "applications" / "quickstart"))
-SETTINGS = {"sft_steps": 500, "hidden": 64, "layers": 2, "n_train": 384, "micro_batch": 8, "lr": 3e-4}
+SETTINGS = {"sft_steps": 300, "hidden": 64, "layers": 2, "n_train": 256, "micro_batch": 8, "lr": 3e-4}
 SMOKE = {"sft_steps": 20, "hidden": 32, "layers": 1, "n_train": 32, "micro_batch": 8, "lr": 3e-4}
 BETA, WEIGHTS, MAX_LENGTH = 0.1, (1.0, 2.5), 64
 TASKS = {"after/chatml": ("after", "chatml_s"), "before/gemma-sp": ("before", "sentencepiece")}
@@ -130,7 +130,7 @@ def build_base(task: str, settings: dict, work: Path) -> Path:
     torch.manual_seed(0)
     examples = [turn_ids(tok, p, a) for p, a in data["sft"]]
     opt = torch.optim.AdamW(model.parameters(), lr=1.5e-3, weight_decay=0.0)
-    stream = batches(examples, 64, tok.pad_token_id, random.Random(0))
+    stream = batches(examples, 32, tok.pad_token_id, random.Random(0))
     for _ in range(settings["sft_steps"]):
         ids, mask, labels = next(stream)
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
@@ -253,33 +253,42 @@ def _summary(task: str, tool: str, gains: list[float], kls: list[float], trl_mea
 
 
 def study_task(task: str, args: argparse.Namespace, settings: dict, venv: Path | None) -> list[str]:
-    """Every seed of one task, both tools; prints the rows, returns the summary lines."""
+    """Every seed of one task, both tools (``args.jobs`` training processes at a time); prints the rows,
+    returns the summary lines."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from coati_kto.data.files import write_jsonl
 
     work = Path(args.work)
-    base = build_base(task, settings, work)
+    base = build_base(task, settings, Path(args.base_dir or args.work))
     data = task_data(TASKS[task][0], settings["n_train"])
     train_file = write_jsonl(data["kto"], work / task.replace("/", "-") / "kto.jsonl")
     before = margins(base, base, data["heldout"])
     print(f"{task}: base mean margin {statistics.fmean(before):+.3f} on {len(before)} held-out prompts")
-    results: dict[str, tuple[list[float], list[float]]] = {}
-    for seed in args.seeds:
+
+    def job(seed: int, tool: str) -> dict:
         out = work / task.replace("/", "-") / f"seed{seed}"
-        runs = {"coati-kto": run_coati(base, train_file, out, seed, settings, args.coati_root, args.override)}
-        if venv is not None:
-            trl_file = train_file
-            if args.trl_shuffle:
-                rows = list(data["kto"])
-                random.Random(seed).shuffle(rows)
-                trl_file = write_jsonl(rows, out / "kto-shuffled.jsonl")
-            runs["TRL"] = run_trl(base, trl_file, out, seed, settings, venv)
-        for tool, run in runs.items():
-            after = margins(Path(run["model"]), base, data["heldout"])
-            gain = statistics.fmean(after) - statistics.fmean(before)
-            print(_row(task, seed, tool, gain, sum(m > 0 for m in after) / len(after), run["kl"]), flush=True)
-            gains, kls = results.setdefault(tool, ([], []))
-            gains.append(gain)
-            kls.append(run["kl"][-1] if run["kl"] else float("nan"))
+        if tool == "coati-kto":
+            return run_coati(base, train_file, out, seed, settings, args.coati_root, args.override)
+        trl_file = train_file
+        if args.trl_shuffle:
+            rows = list(data["kto"])
+            random.Random(seed).shuffle(rows)
+            trl_file = write_jsonl(rows, out / "kto-shuffled.jsonl")
+        return run_trl(base, trl_file, out, seed, settings, venv)
+
+    tools = ["coati-kto"] + (["TRL"] if venv is not None else [])
+    keys = [(seed, tool) for seed in args.seeds for tool in tools]
+    with ThreadPoolExecutor(args.jobs) as pool:
+        runs = dict(zip(keys, pool.map(lambda k: job(*k), keys), strict=True))
+    results: dict[str, tuple[list[float], list[float]]] = {}
+    for (seed, tool), run in runs.items():
+        after = margins(Path(run["model"]), base, data["heldout"])
+        gain = statistics.fmean(after) - statistics.fmean(before)
+        print(_row(task, seed, tool, gain, sum(m > 0 for m in after) / len(after), run["kl"]), flush=True)
+        gains, kls = results.setdefault(tool, ([], []))
+        gains.append(gain)
+        kls.append(run["kl"][-1] if run["kl"] else float("nan"))
     trl_mean = statistics.fmean(results["TRL"][0]) if "TRL" in results else None
     return [
         _summary(task, tool, g, k, trl_mean if tool != "TRL" else None) for tool, (g, k) in results.items()
@@ -298,6 +307,8 @@ def main() -> None:
     p.add_argument("--trl-shuffle", action="store_true", help="TRL reads the data shuffled by the seed")
     p.add_argument("--coati-root", type=Path, default=ROOT, help="the checkout whose coati_kto trains")
     p.add_argument("--override", nargs="*", default=[], help="coati-kto config overrides (ablations)")
+    p.add_argument("--jobs", type=int, default=3, help="training processes at a time")
+    p.add_argument("--base-dir", help="where the SFT bases are cached (default --work)")
     p.add_argument("--smoke", action="store_true", help="tiny and fast; TRL only when --venv exists")
     args, rest = p.parse_known_args()
     if args.coati_child:
@@ -312,6 +323,11 @@ def main() -> None:
         venv = None
     elif venv is not None:
         trl_side_by_side.ensure_trl_venv(venv, args.trl_spec)
+    import torch
+
+    torch.set_num_threads(
+        1
+    )  # the base's SFT and the evaluations: tiny matrices, beside the training processes
     start = time.perf_counter()
     print(f"coati-kto from {args.coati_root}; overrides {args.override or 'none'}; settings {settings}")
     print(
