@@ -18,8 +18,8 @@ KTO, both tools, same base, data and hyper-parameters: 256 records 3:1, conversa
 epoch, micro-batch 8 on 1 process (32 steps), AdamW lr 3e-4 constant (no warmup, no decay), max_grad_norm 1,
 beta 0.1, desirable_weight 1, undesirable_weight 2.5 ((1 x 192)/(2.5 x 64) = 1.2, inside the paper's [1, 4/3]),
 fp32. coati-kto: ``ddp`` on 1 process, ``train.seed`` = the seed; TRL 1.16: its own venv (``trl_side_by_side``'s
-machinery), ``seed`` = the seed (its default sampler is sequential: the data order is the file's; with
-``--trl-shuffle`` the file is shuffled by the seed).
+machinery), ``seed`` = the seed (its default sampler is sequential: the data order is the file's;
+``--trl-order shuffled|mixed`` reorders it by the seed, see :func:`trl_order`).
 
 Gain: on held-out phrasings of every item, the margin m = log p(desirable turn | prompt) - log p(undesirable
 turn | prompt), summed over the completion tokens as the template renders them (the answer, the end-of-turn
@@ -109,7 +109,8 @@ def turn_ids(tok, prompt: str, answer: str) -> tuple[list[int], int]:
 # ------------------------------------------------------------------------------------------------ base
 def build_base(task: str, settings: dict, work: Path) -> Path:
     """The task's SFT base (cached by its settings): tokenizer, random Llama, SFT on both answers 50/50."""
-    key = hashlib.sha256(json.dumps([task, settings], sort_keys=True).encode()).hexdigest()[:10]
+    fixed = {k: v for k, v in settings.items() if k != "weights"}  # KTO's weights are not the base's
+    key = hashlib.sha256(json.dumps([task, fixed], sort_keys=True).encode()).hexdigest()[:10]
     out = work / f"base-{task.replace('/', '-')}-{key}"
     if (out / "config.json").exists():
         return out
@@ -172,7 +173,11 @@ def run_coati(
     config = {
         "model": {"path": str(base)},
         "data": {"train_files": [str(data)], "prepared_dir": str(out / "prepared"), "max_length": MAX_LENGTH},
-        "kto": {"beta": BETA, "desirable_weight": WEIGHTS[0], "undesirable_weight": WEIGHTS[1]},
+        "kto": {
+            "beta": BETA,
+            "desirable_weight": settings["weights"][0],
+            "undesirable_weight": settings["weights"][1],
+        },
         "train": {"seed": seed, "micro_batch_size": settings["micro_batch"], "lr": settings["lr"]}
         | {"warmup_steps": 0, "min_lr_ratio": 1.0, "max_grad_norm": 1.0, "eval_at_start": False},
         "plugin": {"name": "ddp", "precision": "fp32"},
@@ -225,8 +230,8 @@ def run_trl(base: Path, data: Path, out: Path, seed: int, settings: dict, venv: 
             "max_grad_norm": 1.0,
             "weight_decay": 0.0,
             "beta": BETA,
-            "desirable_weight": WEIGHTS[0],
-            "undesirable_weight": WEIGHTS[1],
+            "desirable_weight": settings["weights"][0],
+            "undesirable_weight": settings["weights"][1],
             "seed": seed,
         },
     }
@@ -252,6 +257,21 @@ def _summary(task: str, tool: str, gains: list[float], kls: list[float], trl_mea
     )
 
 
+def trl_order(rows: list[dict], order: str, seed: int) -> list[dict]:
+    """TRL's data order for an ablation: "shuffled" by the seed, or "mixed": shuffled, then laid out so every
+    micro-batch of 8 holds 6 desirable and 2 undesirable records (as coati-kto's sampler lays out 3:1 data)."""
+    rng = random.Random(seed)
+    rows = rng.sample(rows, len(rows))
+    if order == "shuffled":
+        return rows
+    good, bad = [r for r in rows if r["label"]], [r for r in rows if not r["label"]]
+    out = []
+    while good or bad:
+        out += good[:6] + bad[:2]
+        good, bad = good[6:], bad[2:]
+    return out
+
+
 def study_task(task: str, args: argparse.Namespace, settings: dict, venv: Path | None) -> list[str]:
     """Every seed of one task, both tools (``args.jobs`` training processes at a time); prints the rows,
     returns the summary lines."""
@@ -271,13 +291,11 @@ def study_task(task: str, args: argparse.Namespace, settings: dict, venv: Path |
         if tool == "coati-kto":
             return run_coati(base, train_file, out, seed, settings, args.coati_root, args.override)
         trl_file = train_file
-        if args.trl_shuffle:
-            rows = list(data["kto"])
-            random.Random(seed).shuffle(rows)
-            trl_file = write_jsonl(rows, out / "kto-shuffled.jsonl")
+        if args.trl_order != "file":
+            trl_file = write_jsonl(trl_order(data["kto"], args.trl_order, seed), out / "kto-trl.jsonl")
         return run_trl(base, trl_file, out, seed, settings, venv)
 
-    tools = ["coati-kto"] + (["TRL"] if venv is not None else [])
+    tools = [t for t in args.tools if t == "coati-kto" or venv is not None]
     keys = [(seed, tool) for seed in args.seeds for tool in tools]
     with ThreadPoolExecutor(args.jobs) as pool:
         runs = dict(zip(keys, pool.map(lambda k: job(*k), keys), strict=True))
@@ -304,7 +322,11 @@ def main() -> None:
     p.add_argument("--venv", default=str(ROOT / ".trl-venv"), help="TRL's venv (trl_side_by_side builds it)")
     p.add_argument("--trl-spec", default="trl==1.16.0")
     p.add_argument("--no-trl", action="store_true", help="coati-kto only")
-    p.add_argument("--trl-shuffle", action="store_true", help="TRL reads the data shuffled by the seed")
+    p.add_argument("--tools", nargs="+", default=["coati-kto", "TRL"], choices=["coati-kto", "TRL"])
+    p.add_argument(
+        "--trl-order", choices=["file", "shuffled", "mixed"], default="file", help="TRL's data order"
+    )
+    p.add_argument("--weights", type=float, nargs=2, default=list(WEIGHTS), help="desirable, undesirable")
     p.add_argument("--coati-root", type=Path, default=ROOT, help="the checkout whose coati_kto trains")
     p.add_argument("--override", nargs="*", default=[], help="coati-kto config overrides (ablations)")
     p.add_argument("--jobs", type=int, default=3, help="training processes at a time")
@@ -313,11 +335,11 @@ def main() -> None:
     args, rest = p.parse_known_args()
     if args.coati_child:
         return _coati_child(args.coati_child, rest)
-    settings = SMOKE if args.smoke else SETTINGS
+    settings = {**(SMOKE if args.smoke else SETTINGS), "weights": args.weights}
     if args.smoke:  # one seed of one task: the whole path (base, both tools, evaluation) in a minute or two
         args.seeds, args.tasks = args.seeds[:1], args.tasks[:1]
         args.work = str(Path(args.work) / "smoke")
-    venv: Path | None = None if args.no_trl else Path(args.venv).resolve()
+    venv: Path | None = None if args.no_trl or "TRL" not in args.tools else Path(args.venv).resolve()
     if venv is not None and args.smoke and not (venv / trl_side_by_side.SPEC_FILE).exists():
         print(f"TRL skipped: no TRL venv at {venv} (a run without --smoke builds it)")
         venv = None
