@@ -79,7 +79,7 @@ def check_training(config: Config) -> None:
     problems += _attention_problems(config)
     problems += _resume_problems(config)
     problems += _output_problems(config)
-    problems += _push_problems(config)
+    problems += push_problems(config)
     if config.logging.wandb and importlib.util.find_spec("wandb") is None:
         problems.append(
             "logging.wandb: true, but the wandb package is not installed: pip install wandb, "
@@ -303,11 +303,17 @@ def _output_problems(config: Config) -> list[str]:
     return []
 
 
-def _push_problems(config: Config) -> list[str]:
-    """output.push_to_hub that cannot succeed at the end of the run: said now, not after hours of training."""
-    push = config.training_output().push_to_hub
+def push_problems(config: Config, exporting: bool = False) -> list[str]:
+    """output.push_to_hub that cannot succeed at the end of the run: said now, not after hours of training
+    (``exporting``: for ``coati-kto export --push``, which writes its own directory)."""
+    output = config.training_output()
+    push = output.push_to_hub
     if push is None:
-        return []
+        return ["coati-kto export --push needs output.push_to_hub (the repo id)"] if exporting else []
+    if not output.save_final and not exporting:
+        return [
+            f"output.push_to_hub {push.repo_id} with output.save_final false: there is no final/ to upload"
+        ]
     if hub_offline():
         return [f"output.push_to_hub {push.repo_id}: HF_HUB_OFFLINE is set, so nothing can be uploaded"]
     if hub_token() is None:

@@ -185,17 +185,20 @@ def _read(
 
 
 def _write(hub: StandInHub, parts: list[str], body: bytes, headers: Any) -> tuple[int, dict, bytes]:
-    """POST: /api/repos/create, /api/{kinds}/{org}/{name}/(preupload|commit|branch|paths-info)/{rev}."""
+    """POST: /api/repos/create, /api/validate-yaml, /api/{kinds}/{org}/{name}/(preupload|commit|branch|paths-info)/{rev}."""
     if parts == ["api", "repos", "create"]:
         if not hub.authorized(headers) or hub.token is None:
             return _error(401, "", "Invalid credentials")
         payload = json.loads(body)
         key = (payload.get("type") or "model", f"{payload['organization']}/{payload['name']}")
-        if key in hub.repos:
-            return _error(409, "", "You already created this model repo")
+        if key in hub.repos:  # the Hub's 409 names the repo's url too (create_repo(exist_ok=True) reads it)
+            status, headers, _ = _error(409, "", "You already created this model repo")
+            return status, headers, json.dumps({"error": "exists", "url": f"{hub.url}/{key[1]}"}).encode()
         hub.repos[key] = Repo(private=payload.get("visibility") == "private")
         hub.commit(*key, {".gitattributes": b"*.safetensors filter=lfs diff=lfs merge=lfs -text\n"})
         return _ok({"url": f"{hub.url}/{key[1]}"})
+    if parts == ["api", "validate-yaml"]:  # a README's front matter must be a YAML mapping
+        return _validate_yaml(json.loads(body)["content"])
     if parts[:1] != ["api"] or len(parts) < 6:
         return 0, {}, b""
     kind, repo_id, action, revision = _kind(parts[1]), "/".join(parts[2:4]), parts[4], "/".join(parts[5:])
@@ -224,6 +227,19 @@ def _write(hub: StandInHub, parts: list[str], body: bytes, headers: Any) -> tupl
     if action == "commit":
         return _commit(hub, kind, repo_id, repo, revision, body)
     return 0, {}, b""
+
+
+def _validate_yaml(content: str) -> tuple[int, dict, bytes]:
+    import yaml
+
+    head = content.split("---\n")[1] if content.startswith("---\n") and content.count("---\n") >= 2 else ""
+    try:
+        meta = yaml.safe_load(head) if head else {}
+    except yaml.YAMLError as err:
+        return 400, {}, json.dumps({"errors": [{"message": str(err)}]}).encode()
+    if not isinstance(meta, dict):
+        return 400, {}, json.dumps({"errors": [{"message": "metadata is not a mapping"}]}).encode()
+    return _ok({"errors": [], "warnings": []})
 
 
 def _commit(
