@@ -56,6 +56,22 @@ def _parser() -> argparse.ArgumentParser:
         "Write a checkpoint of the run as a Hugging Face model (as training does at its end), e.g. to evaluate "
         "a run part-way; output.dir is only read.",
     )
+    _export_options(p)
+    p = sub.add_parser(
+        "config",
+        help="Print the resolved config (every default filled in), or with --schema every key.",
+        description="Print CONFIG with OVERRIDES applied and every default filled in, as YAML; or, with "
+        "--schema, every key with its type, default and help.",
+        epilog=_EPILOG,
+    )
+    p.add_argument("config", nargs="?", help="YAML config file")
+    p.add_argument("overrides", nargs="*", help="section.key=value")
+    p.add_argument("--schema", action="store_true", help="list every key: type, default, help")
+    return parser
+
+
+def _export_options(p: argparse.ArgumentParser) -> None:
+    """``coati-kto export``'s own options."""
     p.add_argument(
         "--checkpoint",
         default="auto",
@@ -73,17 +89,6 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="launch this many local processes with torchrun (the checkpoint's layout: exact fp32 masters)",
     )
-    p = sub.add_parser(
-        "config",
-        help="Print the resolved config (every default filled in), or with --schema every key.",
-        description="Print CONFIG with OVERRIDES applied and every default filled in, as YAML; or, with "
-        "--schema, every key with its type, default and help.",
-        epilog=_EPILOG,
-    )
-    p.add_argument("config", nargs="?", help="YAML config file")
-    p.add_argument("overrides", nargs="*", help="section.key=value")
-    p.add_argument("--schema", action="store_true", help="list every key: type, default, help")
-    return parser
 
 
 def version_line() -> str:

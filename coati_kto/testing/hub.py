@@ -28,6 +28,7 @@ class Repo:
 
     private: bool = False
     gated: bool = False
+    cdn: bool = False  # files resolve through a 302 to /cdn/... (as the Hub's LFS files do)
     commits: dict[str, dict[str, bytes]] = field(default_factory=dict)
     branches: dict[str, str] = field(default_factory=dict)
 
@@ -92,6 +93,12 @@ def _error(status: int, code: str, message: str) -> tuple[int, dict, bytes]:
     return status, {"X-Error-Code": code, "X-Error-Message": message}, json.dumps({"error": message}).encode()
 
 
+def _not_found(hub: StandInHub, headers: Any) -> tuple[int, dict, bytes]:
+    """A missing (or unreadable private) repo: 401 to a request without a valid token, 404 with one (the Hub's)."""
+    known = hub.token is not None and hub.authorized(headers)
+    return _error(404 if known else 401, "RepoNotFound", "Repository not found")
+
+
 def _ok(payload: Any) -> tuple[int, dict, bytes]:
     return 200, {"Content-Type": "application/json"}, json.dumps(payload).encode()
 
@@ -141,7 +148,10 @@ def _info(hub: StandInHub, repo_id: str, repo: Repo, sha: str) -> dict:
 def _read(
     hub: StandInHub, method: str, parts: list[str], query: dict, headers: Any
 ) -> tuple[int, dict, bytes]:
-    """GET / HEAD: /api/{kinds}/{org}/{name}[/revision/{rev} | /tree/{rev}/{path}], /[datasets/]{org}/{name}/resolve/{rev}/{path}."""
+    """GET / HEAD: /api/{kinds}/{org}/{name}[/revision/{rev} | /tree/{rev}/{path}], /api/whoami-v2,
+    /[datasets/]{org}/{name}/resolve/{rev}/{path}, /cdn/... (a repo's files when ``cdn``)."""
+    if parts == ["api", "agent-harnesses"]:  # huggingface_hub's user-agent detection: an empty registry
+        return _ok({"standardEnvVars": [], "harnesses": {}})
     if parts[:1] == ["api"] and parts[1:2] == ["whoami-v2"]:
         return (
             _ok({"name": "stand-in", "type": "user"})
@@ -152,7 +162,7 @@ def _read(
         kind, repo_id, rest = _kind(parts[1]), "/".join(parts[2:4]), parts[4:]
         repo = hub.find(kind, repo_id, headers)
         if repo is None:
-            return _error(401, "RepoNotFound", "Repository not found")
+            return _not_found(hub, headers)
         revision = rest[1] if len(rest) >= 2 else "main"
         sha = repo.sha_of(revision)
         if sha is None:
@@ -168,7 +178,7 @@ def _read(
         repo_id = "/".join(parts[1:at] if kind == "dataset" else parts[:at])
         repo = hub.find(kind, repo_id, headers)
         if repo is None:
-            return _error(401, "RepoNotFound", "Repository not found")
+            return _not_found(hub, headers)
         sha = repo.sha_of(parts[at + 1])
         if sha is None:
             return _error(404, "RevisionNotFound", f"Invalid rev id: {parts[at + 1]}")
@@ -180,7 +190,15 @@ def _read(
         if data is None:
             return 404, {**head, "X-Error-Code": "EntryNotFound", "X-Error-Message": "Entry not found"}, b""
         etag = f'"{hashlib.sha1(data).hexdigest()}"'
+        if repo.cdn:  # the CDN serves the bytes; the 302 carries the file's metadata
+            linked = {"X-Linked-Etag": etag, "X-Linked-Size": str(len(data))}
+            return 302, {**head, **linked, "Location": f"/cdn/{kind}/{repo_id}/{sha}/{path}"}, b""
         return 200, {**head, "ETag": etag, "Content-Type": "application/octet-stream"}, data
+    if parts[:1] == ["cdn"] and len(parts) >= 6:
+        repo = hub.repos.get((parts[1], "/".join(parts[2:4])))
+        data = repo.commits.get(parts[4], {}).get("/".join(parts[5:])) if repo else None
+        if data is not None:
+            return 200, {"ETag": f'"{hashlib.sha1(data).hexdigest()}"'}, data
     return 0, {}, b""
 
 
@@ -204,7 +222,7 @@ def _write(hub: StandInHub, parts: list[str], body: bytes, headers: Any) -> tupl
     kind, repo_id, action, revision = _kind(parts[1]), "/".join(parts[2:4]), parts[4], "/".join(parts[5:])
     repo = hub.find(kind, repo_id, headers)
     if repo is None:
-        return _error(401, "RepoNotFound", "Repository not found")
+        return _not_found(hub, headers)
     if action == "paths-info":
         sha = repo.sha_of(revision)
         wanted = urllib.parse.parse_qs(body.decode()).get("paths", [])
