@@ -185,7 +185,7 @@ def test_hub_dataset_mistakes_are_one_line_each(
     assert refused.returncode == 2
     assert refused.stderr.splitlines() == [
         f"error: {where}/feedback?split=validation&revision=main: no split validation (its splits: train)",
-        f"data.eval_files: hf://datasets/org/feedback?split=test&revision=main: no split test (its splits: train)",
+        "data.eval_files: hf://datasets/org/feedback?split=test&revision=main: no split test (its splits: train)",
         "output.push_to_hub me/kto-tiny: no Hugging Face token (set HF_TOKEN, or run `hf auth login`): the upload "
         "at the end of the run would fail",
     ]
@@ -209,7 +209,7 @@ def test_a_run_on_hub_data_pushes_final_and_a_failed_push_is_retried(
             "data/test.jsonl": jsonl(preference_records(9, 100)),
         },
     )
-    config = write_config(tmp_path, tiny_model_dir, "  push_to_hub: me/kto-tiny\n")
+    config = write_config(tmp_path, tiny_model_dir, "  push_to_hub: {repo_id: me/kto-tiny}\n")
     environ, final = hub_env(hub, tmp_path, token=True), tmp_path / "out" / "final"
     trained = run(["train", str(config), "--nproc-per-node", "2"], environ)
     assert trained.returncode == 0, trained.stderr[-3000:]
