@@ -301,7 +301,7 @@ class OutputSection(_Section):
     )
     push_to_hub: PushToHubSection | None = Field(
         None,
-        description="Upload final/ and its card to this Hub repo at the end (repo_id, private, revision).",
+        description="Upload final/ and its card to a Hub repo at the end: OWNER/NAME, or {repo_id, private, revision}.",
     )
     export_dtype: Literal["training", "fp32"] = Field(
         "training",

@@ -179,7 +179,7 @@ def load_records(
         p.source: (revisions or {}).get(p.source) or check(p, key) for p in files if isinstance(p, HubDataset)
     }
     result = LoadResult(
-        records=[], files=[pinned(p, shas[p.source]) if p.source in shas else str(p) for p in files]
+        records=[], files=[pinned(p, shas[p.source]) if isinstance(p, HubDataset) else str(p) for p in files]
     )
     for path in files:
         sha = shas.get(path.source) if isinstance(path, HubDataset) else None

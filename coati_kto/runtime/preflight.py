@@ -316,7 +316,7 @@ def push_problems(config: Config, exporting: bool = False) -> list[str]:
         ]
     if hub_offline():
         return [f"output.push_to_hub {push.repo_id}: HF_HUB_OFFLINE is set, so nothing can be uploaded"]
-    if hub_token() is None:
+    if hub_token() is None and os.environ.get("RANK", "0") == "0":  # only global rank 0 uploads
         return [
             f"output.push_to_hub {push.repo_id}: no Hugging Face token (set HF_TOKEN, or run `hf auth login`): "
             "the upload at the end of the run would fail"

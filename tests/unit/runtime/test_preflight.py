@@ -134,7 +134,7 @@ def test_a_hub_id_is_looked_up_on_the_hub(monkeypatch: pytest.MonkeyPatch) -> No
         monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
         monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
         monkeypatch.delenv("HF_TOKEN", raising=False)
-        monkeypatch.setenv("HF_TOKEN_PATH", "/nonexistent/token")
+        monkeypatch.setattr(constants, "HF_TOKEN_PATH", "/nonexistent/token")
         assert _hub_problems("model.path", "org/public") == []  # found (through a redirect)
         assert _hub_problems("model.path", "org/gated") == [
             "model.path: org/gated on the hub needs a token (gated or private): see docs/operations.md, Credentials"
@@ -230,4 +230,44 @@ def test_lora_dropout_on_moe_parameters_is_named_before_loading(tmp_path: Path) 
     assert _lora_problems(config) == [
         f"model.lora: peft refuses it for Qwen3MoeForCausalLM ({model_dir}): lora.ParamWrapper does not work "
         "with lora_dropout != 0."
+    ]
+
+
+def test_a_push_that_cannot_succeed_is_refused_before_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """output.push_to_hub without a token would fail only after the whole run: said before it (by global rank 0
+    and the launcher: the other ranks upload nothing, and multi-node launchers strip *TOKEN* variables)."""
+    from coati_kto.runtime.preflight import push_problems
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(
+        constants, "HF_TOKEN_PATH", str(tmp_path / "no-token")
+    )  # read at import, not per call
+    config = load_config(write_config(tmp_path, MINIMAL + "  push_to_hub: me/kto\n"))
+    no_token = (
+        "output.push_to_hub me/kto: no Hugging Face token (set HF_TOKEN, or run `hf auth login`): the upload at "
+        "the end of the run would fail"
+    )
+    assert push_problems(config) == [no_token]
+    monkeypatch.setenv("RANK", "1")
+    assert push_problems(config) == []
+    monkeypatch.setenv("RANK", "0")
+    (tmp_path / "no-token").write_text("hf_from_the_token_file\n")  # what `hf auth login` writes
+    assert push_problems(config) == []
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert push_problems(config) == [
+        "output.push_to_hub me/kto: HF_HUB_OFFLINE is set, so nothing can be uploaded"
+    ]
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    unsaved = load_config(write_config(tmp_path, MINIMAL + "  push_to_hub: me/kto\n  save_final: false\n"))
+    assert push_problems(unsaved) == [
+        "output.push_to_hub me/kto with output.save_final false: there is no final/ to upload"
+    ]
+    assert push_problems(load_config(write_config(tmp_path, MINIMAL)), exporting=True) == [
+        "coati-kto export --push needs output.push_to_hub (the repo id)"
     ]
