@@ -11,9 +11,13 @@ import os
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from coati_kto.errors import USER_ERROR_EXIT_CODE, UserError
 from coati_kto.runtime.signals import ABORT_EXIT_CODE, STOP, STOP_EXIT_CODE, TrainingStoppedError
+
+if TYPE_CHECKING:  # the commands import the config on demand (`--help` must not pay for it)
+    from coati_kto.config.schema import Config
 
 ABORT_GRACE_S = 2.0
 _EPILOG = "Overrides: section.key=value (YAML values), e.g. train.lr=1e-6 data.max_length=512"
@@ -209,7 +213,7 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _export(args: argparse.Namespace, config: object) -> int:
+def _export(args: argparse.Namespace, config: Config) -> int:
     """``coati-kto export``; with ``--push`` the upload (exit 1 when it failed: the files stay on disk)."""
     from coati_kto.export import check_push, export_checkpoint, finished_final, push
 

@@ -5,8 +5,8 @@ record skipped, one line each) and ``fingerprint.json``, written last.
 
 Cache: the fingerprint covers the input files (path, size and a hash of the content: an edit that keeps size
 and mtime, as ``cp -p`` or ``rsync -t`` can, still rebuilds; a Hub dataset by the commit sha its revision
-resolves to, so a new commit on its branch rebuilds and an unchanged one does not), the tokenizer's content (vocab, merges,
-template, special tokens), the settings that change the output (lengths, bad-record and too-long policies,
+resolves to, so a new commit on its branch rebuilds and an unchanged one does not), the tokenizer's content
+(vocab, merges, template, special tokens), the settings that change the output (lengths, bad-record and too-long policies,
 eval fraction, seed) and :data:`PIPELINE_VERSION`. Equal fingerprint -> reuse; otherwise rebuild into a
 temporary sibling directory that replaces ``prepared_dir`` by rename, so a crash never leaves a half-written
 cache that looks valid.

@@ -69,9 +69,11 @@ def check_training(config: Config) -> None:
             need_weights=False,
         )
     for key in ("train_files", "eval_files"):
-        try:  # a Hub dataset: its revision, config, split and access, asked of the Hub (or the cache offline)
+        try:  # a Hub dataset: revision, config, split and access, asked of the Hub (the cache offline) by the
+            # launcher and global rank 0, which builds the data: not by every rank of a large job
             for entry in resolve_files(getattr(config.data, key), f"data.{key}"):
-                _ = hub_check(entry, f"data.{key}") if isinstance(entry, HubDataset) else None
+                if isinstance(entry, HubDataset) and os.environ.get("RANK", "0") == "0":
+                    hub_check(entry, f"data.{key}")
         except DataError as err:
             problems.append(str(err))
     problems += [f"model.path {why}" for why in [vision_language_refusal(model.path)] if why]
