@@ -11,9 +11,13 @@ import os
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from coati_kto.errors import USER_ERROR_EXIT_CODE, UserError
 from coati_kto.runtime.signals import ABORT_EXIT_CODE, STOP, STOP_EXIT_CODE, TrainingStoppedError
+
+if TYPE_CHECKING:  # the commands import the config on demand (`--help` must not pay for it)
+    from coati_kto.config.schema import Config
 
 ABORT_GRACE_S = 2.0
 _EPILOG = "Overrides: section.key=value (YAML values), e.g. train.lr=1e-6 data.max_length=512"
@@ -56,18 +60,7 @@ def _parser() -> argparse.ArgumentParser:
         "Write a checkpoint of the run as a Hugging Face model (as training does at its end), e.g. to evaluate "
         "a run part-way; output.dir is only read.",
     )
-    p.add_argument(
-        "--checkpoint",
-        default="auto",
-        help="auto (the latest complete one) or a checkpoints/step-N directory",
-    )
-    p.add_argument("--out", default=None, help="where to write it (default: output.dir/exports/step-N)")
-    p.add_argument(
-        "--nproc-per-node",
-        type=int,
-        default=None,
-        help="launch this many local processes with torchrun (the checkpoint's layout: exact fp32 masters)",
-    )
+    _export_options(p)
     p = sub.add_parser(
         "config",
         help="Print the resolved config (every default filled in), or with --schema every key.",
@@ -79,6 +72,27 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="section.key=value")
     p.add_argument("--schema", action="store_true", help="list every key: type, default, help")
     return parser
+
+
+def _export_options(p: argparse.ArgumentParser) -> None:
+    """``coati-kto export``'s own options."""
+    p.add_argument(
+        "--checkpoint",
+        default="auto",
+        help="auto (the latest complete one) or a checkpoints/step-N directory",
+    )
+    p.add_argument("--out", default=None, help="where to write it (default: output.dir/exports/step-N)")
+    p.add_argument(
+        "--push",
+        action="store_true",
+        help="upload to output.push_to_hub: final/ as the run left it (no --checkpoint/--out), else this export",
+    )
+    p.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=None,
+        help="launch this many local processes with torchrun (the checkpoint's layout: exact fp32 masters)",
+    )
 
 
 def version_line() -> str:
@@ -122,6 +136,7 @@ def _launch_local(args: argparse.Namespace) -> int:
     options = []
     if args.command == "export":
         options = ["--checkpoint", args.checkpoint, *(["--out", args.out] if args.out else [])]
+        options += ["--push"] if args.push else []
     return launch([*torchrun_args, "-m", "coati_kto", args.command, *options, args.config, *args.overrides])
 
 
@@ -155,6 +170,10 @@ def _check_before_launch(args: argparse.Namespace) -> None:
         from coati_kto.runtime.preflight import check_training
 
         check_training(config)
+    if args.command == "export" and args.push:
+        from coati_kto.export import check_push
+
+        check_push(config)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -186,13 +205,27 @@ def _run(args: argparse.Namespace) -> int:
 
         precompute(config)
     elif args.command == "export":
-        from coati_kto.export import export_checkpoint
-
-        export_checkpoint(config, args.checkpoint, args.out)
+        return _export(args, config)
     else:
         from coati_kto.train import train
 
         train(config)
+    return 0
+
+
+def _export(args: argparse.Namespace, config: Config) -> int:
+    """``coati-kto export``; with ``--push`` the upload (exit 1 when it failed: the files stay on disk)."""
+    from coati_kto.export import check_push, export_checkpoint, finished_final, push
+
+    if args.push:
+        check_push(config)
+        final = finished_final(config, args.checkpoint, args.out)
+        if final is not None:  # the run finished: upload final/ as it is, nothing to load (one rank uploads)
+            main_rank = os.environ.get("RANK", "0") == "0"
+            return 0 if not main_rank or push(config, final, "final/ (coati-kto export --push)") else 1
+    target = export_checkpoint(config, args.checkpoint, args.out)
+    if args.push and os.environ.get("RANK", "0") == "0":
+        return 0 if push(config, target, f"{target.name} (coati-kto export --push)") else 1
     return 0
 
 

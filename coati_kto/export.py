@@ -11,6 +11,9 @@ weights (a warning says so).
 
 output.dir is only read: a run still training there is not disturbed (its lock is not taken), and nothing is
 written under output.dir except the export itself (default ``output.dir/exports/step-N``).
+
+``--push`` uploads to output.push_to_hub: ``final/`` as it is when the run finished (no checkpoint or --out
+named: the retry of a failed upload at the end of training; nothing is loaded), else the export just written.
 """
 
 from __future__ import annotations
@@ -23,11 +26,41 @@ from coati_kto.config.resume import check_resume
 from coati_kto.config.schema import Config
 from coati_kto.errors import UserError
 from coati_kto.parallel.distributed import on_rank0
-from coati_kto.runtime.run_dir import CHECKPOINTS_DIR, COMPLETE, resolve_checkpoint, saved_trainer_state
+from coati_kto.runtime.preflight import push_problems
+from coati_kto.runtime.run_dir import (
+    CHECKPOINTS_DIR,
+    COMPLETE,
+    FINAL_DIR,
+    resolve_checkpoint,
+    saved_trainer_state,
+)
 from coati_kto.runtime.signals import STOP
 from coati_kto.train import _save_final, _setup, _setup_trainer
+from coati_kto.trainer.push import push_folder
 
 EXPORTS_DIR = "exports"
+CARD = "README.md"  # written last into an export: final/ holding it is complete
+
+
+def finished_final(config: Config, checkpoint: str, out: str | None) -> Path | None:
+    """output.dir/final when ``export --push`` should upload it as it is: no checkpoint or --out named, and its
+    model card written (the end of a finished run). None: export a checkpoint first."""
+    final = Path(config.training_output().dir) / FINAL_DIR
+    return final if checkpoint == "auto" and out is None and (final / CARD).is_file() else None
+
+
+def check_push(config: Config) -> None:
+    """``export --push``: a repo id and a token, before anything is loaded (UserError, one line each)."""
+    problems = push_problems(config, exporting=True)
+    if problems:
+        raise UserError("\n".join(problems))
+
+
+def push(config: Config, folder: Path, what: str) -> bool:
+    """Upload ``folder`` to output.push_to_hub and print the line saying how it went (one process)."""
+    uploaded, line = push_folder(folder, config.training_output().push_to_hub, what)
+    print(line, flush=True)
+    return uploaded
 
 
 def export_checkpoint(config: Config, checkpoint: str = "auto", out: str | None = None) -> Path:

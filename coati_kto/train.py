@@ -53,6 +53,7 @@ from coati_kto.runtime.run_dir import (
 from coati_kto.runtime.signals import STOP, StopSignals
 from coati_kto.runtime.watchdog import Heartbeat, new_heartbeat
 from coati_kto.trainer.options import KTOOptions
+from coati_kto.trainer.push import push_final
 from coati_kto.trainer.schedule import planned_steps, reschedule, schedule_notes, warmup_cosine_schedule
 from coati_kto.trainer.throughput import resolve_peak_flops
 
@@ -100,9 +101,8 @@ def build_components(
     booster = Booster(plugin=plugin)
     if config.model.lora is not None:  # before boosting: the plugins wrap the PeftModel
         policy = enable_lora(booster, policy, config.model.lora)
-    reference = (
-        None  # kto.reference cached: the batches carry its log-probs (coati_kto.trainer.reference_cache)
-    )
+    # None with kto.reference cached: the batches carry its log-probs (coati_kto.trainer.reference_cache)
+    reference = None
     if config.kto.reference == "online" and config.model.lora is None:
         reference = load_causal_lm(
             config.model.reference_path or config.model.path, config.model, torch.float32
@@ -146,11 +146,13 @@ def train(config: Config) -> Any:
         # process group forms is caught too. Elsewhere rank 0 creates the store in init_distributed.
         if heartbeat is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             heartbeat.start()
-        return _train(config, stop_signals, heartbeat)
+        trainer = _train(config, stop_signals, heartbeat)
     finally:
         release_output_dir(Path(config.training_output().dir))
         if heartbeat is not None:
             heartbeat.stop()
+    push_final(config)  # after the heartbeat stopped: an upload of hours keeps no peer waiting
+    return trainer
 
 
 def _train(config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | None) -> Any:

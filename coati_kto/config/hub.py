@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 # "name" or "org/name": letters, digits, "_", "." and "-", each part starting with a letter or digit.
@@ -47,8 +48,7 @@ def hub_problems(key: str, repo_id: str) -> list[str]:
 
     if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
         return []
-    # constants.HF_HUB_OFFLINE is read once, at import; the environment may have changed since.
-    if constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {"1", "ON", "YES", "TRUE"}:
+    if hub_offline():
         return [
             f"{key}: {repo_id} is not a local directory and not in the hub cache, and HF_HUB_OFFLINE is set"
         ]
@@ -72,3 +72,82 @@ def hub_problems(key: str, repo_id: str) -> list[str]:
     if response.status_code == 404:
         return [f"{key}: {repo_id} is neither a local directory nor a model on the hub"]
     return []
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE, read now (huggingface_hub's constant is read once, at import)."""
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {
+        "1",
+        "ON",
+        "YES",
+        "TRUE",
+    }
+
+
+def hub_token() -> str | None:
+    """The Hugging Face token (HF_TOKEN, else the token file ``hf auth login`` wrote): to pass on, never to show."""
+    from huggingface_hub import get_token
+
+    return get_token()
+
+
+# ------------------------------------------------------------------------------------------ Hub datasets
+DATASET_PREFIX = "hf://datasets/"
+DATASET_KEYS = ("config", "split", "revision")
+# The split when none is named: TRL's defaults (--dataset_train_split train, --dataset_test_split test).
+DEFAULT_SPLIT = {"data.train_files": "train", "data.eval_files": "test"}
+# datasets' split syntax: names joined by "+", each optionally sliced ("train[:1000]", "train[10%:]").
+SPLIT = re.compile(r"[\w.-]+(\[[^\]]*\])?(\+[\w.-]+(\[[^\]]*\])?)*")
+
+
+@dataclass(frozen=True)
+class HubDataset:
+    """A Hub dataset in ``data.*_files``: ``load_dataset(repo_id, name=config, split=split, revision=revision)``."""
+
+    repo_id: str
+    config: str | None
+    split: str
+    revision: str
+
+    @property
+    def source(self) -> str:
+        """The entry as written back (every part explicit): what stats.json and the card name."""
+        config = f"config={self.config}&" if self.config else ""
+        return f"{DATASET_PREFIX}{self.repo_id}?{config}split={self.split}&revision={self.revision}"
+
+    @property
+    def split_names(self) -> list[str]:
+        """The split names the split expression reads (``train[:10%]+test`` -> train, test)."""
+        return [part.split("[")[0] for part in self.split.split("+")]
+
+
+def is_hub_dataset(value: str) -> bool:
+    return value.startswith(DATASET_PREFIX)
+
+
+def parse_hub_dataset(value: str, key: str) -> HubDataset:
+    """``hf://datasets/OWNER/NAME[?config=C][&split=S][&revision=R]`` (values taken literally, not URL-decoded).
+    Raises ValueError with the one line that says what is wrong."""
+    repo_id, _, query = value[len(DATASET_PREFIX) :].partition("?")
+    where = f"{key}: {value}"
+    if "/" not in repo_id or not looks_like_hub_id(repo_id):
+        raise ValueError(
+            f"{where}: expected hf://datasets/OWNER/NAME, then ?config=...&split=...&revision=..."
+        )
+    options: dict[str, str] = {}
+    for item in filter(None, query.split("&")):
+        name, eq, text = item.partition("=")
+        if name not in DATASET_KEYS or not eq or not text or name in options:
+            hint = " (the config is config=, as TRL's --dataset_config)" if name == "name" else ""
+            raise ValueError(
+                f"{where}: {item!r} is not one of {', '.join(k + '=...' for k in DATASET_KEYS)}{hint}"
+            )
+        options[name] = text
+    split = options.get("split", DEFAULT_SPLIT.get(key, "train"))
+    if not SPLIT.fullmatch(split):
+        raise ValueError(
+            f"{where}: split {split!r} is no split expression (e.g. train, train[:1000], train+test)"
+        )
+    return HubDataset(repo_id, options.get("config"), split, options.get("revision", "main"))

@@ -9,9 +9,12 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, JsonValue, field_validator, model_validator
+from pydantic import Field, JsonValue, ValidationInfo, field_validator, model_validator
 
 from coati_kto.config.evaluation import EvalSection, sample_problems
+from coati_kto.config.hub import is_hub_dataset, parse_hub_dataset
+from coati_kto.config.lora import LoraSection
+from coati_kto.config.push import PushToHubSection
 from coati_kto.config.section import Section as _Section
 from coati_kto.errors import ConfigError
 from coati_kto.families import check_model_family, packing_refusal
@@ -20,35 +23,6 @@ from coati_kto.families import check_model_family, packing_refusal
 PluginName = Literal["hybrid_parallel", "low_level_zero", "gemini", "ddp"]
 Precision = Literal["fp32", "bf16", "fp16"]
 LossType = Literal["kto", "apo_zero_unpaired"]
-
-
-class LoraSection(_Section):
-    """LoRA adapters (peft) on the policy; the reference is the same model with the adapters disabled."""
-
-    rank: int = Field(8, ge=1, description="LoRA rank r of each adapter's A [r, in] and B [out, r] matrices.")
-    alpha: float = Field(
-        16.0, gt=0.0, description="LoRA scaling numerator: the update is (alpha / rank) B A."
-    )
-    dropout: float = Field(
-        0.0,
-        ge=0.0,
-        lt=1.0,
-        description="Recorded in adapter_config.json; training runs it at 0 like all dropout (deterministic KTO).",
-    )
-    target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
-        min_length=1,
-        description="Module names (suffixes) that get adapters; not the LM head (lm_head) or embeddings.",
-    )
-
-    @field_validator("target_modules")
-    @classmethod
-    def _not_the_head(cls, value: list[str]) -> list[str]:
-        # The chunked LM head path reads the head's weight directly: an adapter there would be skipped.
-        bad = [m for m in value if m in ("lm_head", "embed_tokens", "embed_out", "wte")]
-        if bad:
-            raise ValueError(f"{', '.join(bad)}: adapters on the embeddings or LM head are not supported")
-        return value
 
 
 class ModelSection(_Section):
@@ -69,9 +43,15 @@ class ModelSection(_Section):
 
 class DataSection(_Section):
     train_files: list[str] = Field(
-        min_length=1, description="Feedback files or directories (JSONL, parquet, HF dataset dirs)."
+        min_length=1,
+        description="Feedback files or directories (JSONL, parquet, HF dataset dirs), or Hub datasets: "
+        "hf://datasets/OWNER/NAME?config=C&split=S&revision=R (each part optional; load_dataset(OWNER/NAME, "
+        "name=C, split=S, revision=R); split default train, revision main).",
     )
-    eval_files: list[str] = Field(default_factory=list, description="Held-out feedback files for evaluation.")
+    eval_files: list[str] = Field(
+        default_factory=list,
+        description="Held-out feedback files for evaluation (Hub datasets: split default test).",
+    )
     eval_fraction: float = Field(
         0.0, ge=0.0, lt=1.0, description="Fraction of train held out for evaluation when eval_files is empty."
     )
@@ -106,8 +86,16 @@ class DataSection(_Section):
 
     @field_validator("train_files", "eval_files", mode="before")
     @classmethod
-    def _one_or_many(cls, value: Any) -> Any:
-        return [value] if isinstance(value, str) else value
+    def _one_or_many(cls, value: Any, info: ValidationInfo) -> Any:
+        value = [value] if isinstance(value, str) else value
+        for item in (
+            [v for v in value if isinstance(v, str) and is_hub_dataset(v)] if isinstance(value, list) else []
+        ):
+            try:  # a malformed one: its line, at config load (which names the key and the value)
+                parse_hub_dataset(item, f"data.{info.field_name}")
+            except ValueError as err:
+                raise ValueError(str(err).removeprefix(f"data.{info.field_name}: {item}: ")) from None
+        return value
 
     @model_validator(mode="before")
     @classmethod
@@ -310,6 +298,10 @@ class OutputSection(_Section):
     overwrite: bool = Field(
         False,
         description="Start over in a dir holding a run: delete its checkpoints, events and final model.",
+    )
+    push_to_hub: PushToHubSection | None = Field(
+        None,
+        description="Upload final/ and its card to a Hub repo at the end: OWNER/NAME, or {repo_id, private, revision}.",
     )
     export_dtype: Literal["training", "fp32"] = Field(
         "training",

@@ -1,6 +1,6 @@
 """Find and read feedback files: ``.jsonl``, ``.json`` (an array, ``{"data": [...]}`` or JSON lines),
-``.parquet``, a directory of them (recursive, sorted) or a ``datasets`` save_to_disk directory; each raw record
-goes to :func:`coati_kto.data.formats.normalize` under its ``file:line`` (``file:row N``, 0-based, for tables).
+``.parquet``, a directory of them (recursive, sorted), a ``datasets`` save_to_disk directory, or a Hub dataset
+(``hf://datasets/...``: :mod:`coati_kto.data.hub`); each raw record goes to :func:`coati_kto.data.formats.normalize` under its ``file:line`` (``file:row N``, 0-based, for tables).
 
 A data-looking file a directory holds but this module does not read (``.csv``, ``.jsonl.gz``, ``.JSONL``...) is an
 error, never skipped in silence; a ``ClassLabel`` label column maps by its class names, never by index.
@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from coati_kto.config.hub import HubDataset, is_hub_dataset, parse_hub_dataset
 from coati_kto.data.formats import LoadResult, RecordError, normalize, show_value, unread_fields
 from coati_kto.errors import DataError
 
@@ -48,10 +49,14 @@ def _walk(root: Path) -> list[Path]:
     return found
 
 
-def resolve_files(paths: list[str], key: str) -> list[Path]:
-    """Expand directories (sorted, recursive) into data files; a saved dataset stays one path."""
-    out: list[Path] = []
+def resolve_files(paths: list[str], key: str) -> list[Path | HubDataset]:
+    """Expand directories (sorted, recursive) into data files; a saved dataset stays one path, a Hub dataset one
+    entry (parsed only: :func:`coati_kto.data.hub.check` asks the Hub)."""
+    out: list[Path | HubDataset] = []
     for name in paths:
+        if is_hub_dataset(name):
+            out.append(parse_hub_dataset(name, key))
+            continue
         path = Path(name)
         if not path.exists():
             raise DataError(f"{key}: {name}: no such file or directory")
@@ -130,15 +135,27 @@ def _table_rows(path: Path, cache_dir: str | None) -> Iterator[tuple[str, Any]]:
                 f"e.g. {path / ('train' if 'train' in ds else sorted(ds)[0])}"
             )
         ds = next(iter(ds.values()))
-    label_of = class_label_map(ds, path)  # ClassLabel indices -> bool by the class names
+    return dataset_rows(ds, str(path))
+
+
+def dataset_rows(ds: Any, name: str) -> Iterator[tuple[str, Any]]:
+    """(``name:row N``, record) per row of a ``datasets.Dataset``; a ClassLabel label maps by its class names."""
+    label_of = class_label_map(ds, name)  # ClassLabel indices -> bool by the class names
     for i, row in enumerate(ds):
         if label_of is not None and row.get("label") in range(len(label_of)):  # -1: datasets' missing label
             row = {**row, "label": label_of[row["label"]]}
         # A table has every column in every row; keys a record did not have come back as None.
-        yield f"{path}:row {i}", {k: v for k, v in row.items() if v is not None}
+        yield f"{name}:row {i}", {k: v for k, v in row.items() if v is not None}
 
 
-def iter_raw(path: Path, cache_dir: str | None = None) -> Iterator[tuple[str, Any]]:
+def iter_raw(
+    path: Path | HubDataset, cache_dir: str | None = None, sha: str | None = None
+) -> Iterator[tuple[str, Any]]:
+    """(source, raw record) of one resolved entry; a Hub dataset at commit ``sha``."""
+    if isinstance(path, HubDataset):
+        from coati_kto.data.hub import open_split, pinned
+
+        return dataset_rows(open_split(path, sha), pinned(path, sha))
     if path.suffix == ".jsonl":
         return _jsonl_rows(path)
     if path.suffix == ".json":
@@ -151,12 +168,22 @@ def load_records(
     key: str = "data.train_files",
     on_bad_record: str = "error",
     cache_dir: str | None = None,
+    revisions: dict[str, str] | None = None,
 ) -> LoadResult:
-    """Read and validate every record of ``paths``; ``on_bad_record`` is ``"error"`` or ``"skip"``."""
+    """Read and validate every record of ``paths``; ``on_bad_record`` is ``"error"`` or ``"skip"``. A Hub
+    dataset is read at the commit ``revisions`` gives for its ``source`` (resolved here when not given)."""
+    from coati_kto.data.hub import check, pinned
+
     files = resolve_files(paths, key)
-    result = LoadResult(records=[], files=[str(p) for p in files])
+    shas = {
+        p.source: (revisions or {}).get(p.source) or check(p, key) for p in files if isinstance(p, HubDataset)
+    }
+    result = LoadResult(
+        records=[], files=[pinned(p, shas[p.source]) if isinstance(p, HubDataset) else str(p) for p in files]
+    )
     for path in files:
-        for source, raw in iter_raw(path, cache_dir):
+        sha = shas.get(path.source) if isinstance(path, HubDataset) else None
+        for source, raw in iter_raw(path, cache_dir, sha):
             try:
                 if isinstance(raw, RecordError):
                     raise raw
@@ -178,7 +205,7 @@ def write_jsonl(rows: list[dict[str, Any]], path: str | Path) -> Path:
     return path
 
 
-def class_label_map(ds: Any, path: Path) -> list[bool] | None:
+def class_label_map(ds: Any, path: Path | str) -> list[bool] | None:
     """A ``ClassLabel`` label column stores class indices: map them by the class names (``names=["good",
     "bad"]`` stores good as 0), never by the index. None when the column is no ClassLabel."""
     import datasets

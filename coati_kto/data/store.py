@@ -4,8 +4,9 @@ Layout: ``train/`` and ``eval/`` (``datasets`` save_to_disk), ``stats.json``, ``
 record skipped, one line each) and ``fingerprint.json``, written last.
 
 Cache: the fingerprint covers the input files (path, size and a hash of the content: an edit that keeps size
-and mtime, as ``cp -p`` or ``rsync -t`` can, still rebuilds), the tokenizer's content (vocab, merges,
-template, special tokens), the settings that change the output (lengths, bad-record and too-long policies,
+and mtime, as ``cp -p`` or ``rsync -t`` can, still rebuilds; a Hub dataset by the commit sha its revision
+resolves to, so a new commit on its branch rebuilds and an unchanged one does not), the tokenizer's content
+(vocab, merges, template, special tokens), the settings that change the output (lengths, bad-record and too-long policies,
 eval fraction, seed) and :data:`PIPELINE_VERSION`. Equal fingerprint -> reuse; otherwise rebuild into a
 temporary sibling directory that replaces ``prepared_dir`` by rename, so a crash never leaves a half-written
 cache that looks valid.
@@ -30,10 +31,12 @@ from typing import Any
 import datasets
 import numpy as np
 
+from coati_kto.config.hub import HubDataset, is_hub_dataset
 from coati_kto.config.schema import Config
 from coati_kto.data.endings import completion_end_line, generation_eos_ids
 from coati_kto.data.files import load_records, resolve_files
 from coati_kto.data.formats import Record, RecordError
+from coati_kto.data.hub import check as hub_check
 from coati_kto.data.tables import (
     build_split,
     duplicates,
@@ -93,9 +96,13 @@ def content_hash(path: Path) -> str:
 
 
 def _file_entries(paths: list[str], key: str) -> list[list]:
-    """[path, size, content hash] of every input file (a directory's files, sorted)."""
-    out = []
+    """[path, size, content hash] of every input file (a directory's files, sorted); [entry, commit sha] of a Hub
+    dataset (its revision resolved now: the Hub is asked, or the cache under HF_HUB_OFFLINE)."""
+    out: list[list] = []
     for path in resolve_files(paths, key):
+        if isinstance(path, HubDataset):
+            out.append([path.source, hub_check(path, key)])
+            continue
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
         for f in files:
             out.append([str(f.resolve()), f.stat().st_size, content_hash(f)])
@@ -134,9 +141,19 @@ def _files_changed(old: list, new: list) -> str:
     """E.g. ``" (content of a.jsonl; b.jsonl added)"``: what changed among the input files, by name."""
     before = {entry[0]: entry[1:] for entry in old or [] if isinstance(entry, list) and entry}
     after = {entry[0]: entry[1:] for entry in new}
-    what = [f"{Path(p).name} added" for p in after if p not in before]
-    what += [f"{Path(p).name} removed" for p in before if p not in after]
-    what += [f"content of {Path(p).name}" for p in after if p in before and before[p] != after[p]]
+
+    def name(p: str) -> str:
+        return p if is_hub_dataset(p) else Path(p).name
+
+    what = [f"{name(p)} added" for p in after if p not in before]
+    what += [f"{name(p)} removed" for p in before if p not in after]
+    what += [
+        f"revision of {p}: {before[p][-1][:12]} -> {after[p][-1][:12]}"
+        if is_hub_dataset(p)
+        else f"content of {name(p)}"
+        for p in after
+        if p in before and before[p] != after[p]
+    ]
     return f" ({'; '.join(what)})" if what else ""
 
 
@@ -172,15 +189,19 @@ def read_fingerprint(target: Path) -> dict | None:
 
 
 def _read_inputs(
-    config: Config, cache: str
+    config: Config, cache: str, fp: dict
 ) -> tuple[list[Record], list[Record], dict, list[RecordError], dict[str, int]]:
     """(train records, eval records, files per split, bad records skipped, fields that records hold but no
-    record shape reads: field -> records); eval from files or a fraction."""
+    record shape reads: field -> records); eval from files or a fraction. Hub datasets at the commits ``fp``
+    resolved (what the fingerprint names is what is read)."""
     d = config.data
+    shas = {e[0]: e[1] for e in fp["train_files"] + fp["eval_files"] if is_hub_dataset(e[0])}
     with progress_bars(False):
-        train_in = load_records(d.train_files, "data.train_files", d.on_bad_record, cache)
+        train_in = load_records(d.train_files, "data.train_files", d.on_bad_record, cache, shas)
         eval_in = (
-            load_records(d.eval_files, "data.eval_files", d.on_bad_record, cache) if d.eval_files else None
+            load_records(d.eval_files, "data.eval_files", d.on_bad_record, cache, shas)
+            if d.eval_files
+            else None
         )
     files = {"train": train_in.files, "eval": eval_in.files if eval_in else []}
     unread = dict(train_in.unread_fields)
@@ -214,7 +235,7 @@ def _build(config: Config, tokenizer, fp: dict, target: Path) -> None:
     except OSError as err:  # a parent that is a file, a read-only or missing mount: one line, no traceback
         raise DataError(f"data.prepared_dir {target}: cannot write there ({err.strerror})") from None
     try:
-        train_records, eval_records, files, skipped, unread = _read_inputs(config, str(work / "hf-cache"))
+        train_records, eval_records, files, skipped, unread = _read_inputs(config, str(work / "hf-cache"), fp)
         repeats, repeat_examples = duplicates(train_records + eval_records)
         pad, pad_note = pad_id(tokenizer)
         stats: dict[str, Any] = {

@@ -3,8 +3,10 @@
 ``check_training(config)`` raises ConfigError listing: model / tokenizer / reference sources (a value that
 looks like a path must be a directory holding a loadable model; a hub id is looked up only when the value
 cannot be a path, once, with no retries, and not at all under HF_HUB_OFFLINE beyond the local cache), the
-resume checkpoint, an output.dir that is writable, holds no other run and is not in use by a live one, wandb when logging.wandb is on.
-Filesystem reads only (plus that one hub request): every rank may call it, and the ``--nproc-per-node``
+resume checkpoint, an output.dir that is writable, holds no other run and is not in use by a live one, wandb when
+logging.wandb is on, Hub datasets (revision, config, split, access: coati_kto.data.hub.check) and, for
+output.push_to_hub, a token.
+Filesystem reads only (plus those hub requests): every rank may call it, and the ``--nproc-per-node``
 launcher calls it once before starting the workers.
 """
 
@@ -16,13 +18,14 @@ import os
 import tempfile
 from pathlib import Path
 
+from coati_kto.config.hub import HubDataset, hub_offline, hub_token, missing_path
 from coati_kto.config.hub import hub_problems as _hub_problems
 from coati_kto.config.hub import looks_like_path as _looks_like_path
-from coati_kto.config.hub import missing_path
 from coati_kto.config.lora import peft_config
 from coati_kto.config.resume import check_resume
 from coati_kto.config.schema import Config
 from coati_kto.data.files import resolve_files
+from coati_kto.data.hub import check as hub_check
 from coati_kto.errors import ConfigError, DataError, UserError
 from coati_kto.families import auto_model_class, vision_language, vision_language_refusal
 from coati_kto.runtime.run_dir import (
@@ -66,8 +69,11 @@ def check_training(config: Config) -> None:
             need_weights=False,
         )
     for key in ("train_files", "eval_files"):
-        try:
-            resolve_files(getattr(config.data, key), f"data.{key}")
+        try:  # a Hub dataset: revision, config, split and access, asked of the Hub (the cache offline) by the
+            # launcher and global rank 0, which builds the data: not by every rank of a large job
+            for entry in resolve_files(getattr(config.data, key), f"data.{key}"):
+                if isinstance(entry, HubDataset) and os.environ.get("RANK", "0") == "0":
+                    hub_check(entry, f"data.{key}")
         except DataError as err:
             problems.append(str(err))
     problems += [f"model.path {why}" for why in [vision_language_refusal(model.path)] if why]
@@ -75,6 +81,7 @@ def check_training(config: Config) -> None:
     problems += _attention_problems(config)
     problems += _resume_problems(config)
     problems += _output_problems(config)
+    problems += push_problems(config)
     if config.logging.wandb and importlib.util.find_spec("wandb") is None:
         problems.append(
             "logging.wandb: true, but the wandb package is not installed: pip install wandb, "
@@ -294,5 +301,26 @@ def _output_problems(config: Config) -> list[str]:
         return [
             f"output.dir: {out_dir} already holds a run ({found}): continue it with train.resume=auto, "
             "or start over with output.overwrite=true (deletes its checkpoints, events and final model)"
+        ]
+    return []
+
+
+def push_problems(config: Config, exporting: bool = False) -> list[str]:
+    """output.push_to_hub that cannot succeed at the end of the run: said now, not after hours of training
+    (``exporting``: for ``coati-kto export --push``, which writes its own directory)."""
+    output = config.training_output()
+    push = output.push_to_hub
+    if push is None:
+        return ["coati-kto export --push needs output.push_to_hub (the repo id)"] if exporting else []
+    if not output.save_final and not exporting:
+        return [
+            f"output.push_to_hub {push.repo_id} with output.save_final false: there is no final/ to upload"
+        ]
+    if hub_offline():
+        return [f"output.push_to_hub {push.repo_id}: HF_HUB_OFFLINE is set, so nothing can be uploaded"]
+    if hub_token() is None and os.environ.get("RANK", "0") == "0":  # only global rank 0 uploads
+        return [
+            f"output.push_to_hub {push.repo_id}: no Hugging Face token (set HF_TOKEN, or run `hf auth login`): "
+            "the upload at the end of the run would fail"
         ]
     return []

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from coati_kto.config.hub import hub_id
+from coati_kto.config.hub import hub_id, is_hub_dataset
 from coati_kto.config.schema import Config
 from coati_kto.trainer.loss import needs_kl
 from coati_kto.trainer.run_summary import data_stats_table, split_rows
@@ -79,7 +79,7 @@ def _front_matter(config: Config) -> list[str]:
     from huggingface_hub import ModelCardData  # imported by the one rank that writes the card
 
     base = base_model_id(config)
-    datasets = sorted({d for f in config.data.train_files + config.data.eval_files if (d := hub_id(f))})
+    datasets = sorted({d for f in config.data.train_files + config.data.eval_files if (d := _dataset_id(f))})
     tags = ["kto", "coati-kto", "colossalai", config.kto.loss_type.replace("_", "-")]
     meta = ModelCardData(
         library_name="transformers",
@@ -244,3 +244,10 @@ def write_model_card(
     text = render(config, data_stats, last_eval(history), steps, weights, world_size, notes)
     path.write_text(text)
     return path
+
+
+def _dataset_id(entry: str) -> str | None:
+    """The Hub dataset an entry of data.*_files names (``hf://datasets/OWNER/NAME?...``, or a bare hub id)."""
+    if is_hub_dataset(entry):
+        return entry.removeprefix("hf://datasets/").partition("?")[0]
+    return hub_id(entry)

@@ -14,6 +14,7 @@ from coati_kto import __version__
 from coati_kto.cli import main
 from coati_kto.config.discovery import did_you_mean, schema_lines
 from coati_kto.config.load import load_config
+from coati_kto.config.push import PushToHubSection
 from coati_kto.config.schema import Config, LoraSection, OutputSection
 from coati_kto.errors import ConfigError
 
@@ -88,7 +89,8 @@ def test_schema_lists_every_key_with_type_default_and_help(capsys: pytest.Captur
         OutputSection if f.annotation == OutputSection | None else f.annotation
         for f in Config.model_fields.values()
     ]
-    assert len(keys) == sum(len(section.model_fields) for section in sections) + len(LoraSection.model_fields)
+    nested = len(LoraSection.model_fields) + len(PushToHubSection.model_fields)
+    assert len(keys) == sum(len(section.model_fields) for section in sections) + nested
     assert all("  # " in line and not line.endswith("# None") for line in keys)
 
 

@@ -122,42 +122,32 @@ def test_a_hub_id_is_looked_up_on_the_hub(monkeypatch: pytest.MonkeyPatch) -> No
     """A hub id not yet in the local cache: one HEAD request decides. huggingface_hub 1.x's session is an httpx
     Client, which has no ``allow_redirects``: every such id was refused as "the hub cannot be reached (TypeError)",
     on machines that reach the hub too (every GPU config names a hub id)."""
-    import http.server
-    import threading
-
     from huggingface_hub import constants
 
     from coati_kto.runtime.preflight import _hub_problems
+    from coati_kto.testing.hub import StandInHub
 
-    class Hub(http.server.BaseHTTPRequestHandler):
-        def do_HEAD(self) -> None:  # noqa: N802 (http.server's name)
-            status = {"/org/public/": 302, "/org/gated/": 401}.get(
-                self.path[: self.path.find("/", 5) + 1], 404
-            )
-            self.send_response(200 if self.path.startswith("/cdn/") else status)
-            if status == 302:
-                self.send_header("Location", "/cdn/config.json")
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hub)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    try:
+    with StandInHub(token="hf_standin") as hub:
+        hub.commit("model", "org/public", {"config.json": b"{}"}, cdn=True)  # resolves through a 302
+        hub.commit("model", "org/gated", {"config.json": b"{}"}, gated=True)
+        monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        monkeypatch.setattr(constants, "HF_TOKEN_PATH", "/nonexistent/token")
         assert _hub_problems("model.path", "org/public") == []  # found (through a redirect)
-        assert _hub_problems("model.path", "org/missing") == [
-            "model.path: org/missing is neither a local directory nor a model on the hub"
-        ]
         assert _hub_problems("model.path", "org/gated") == [
             "model.path: org/gated on the hub needs a token (gated or private): see docs/operations.md, Credentials"
         ]
-    finally:
-        server.shutdown()
+        monkeypatch.setenv("HF_TOKEN", "hf_standin")  # with a token, the Hub says 404 for a missing repo
+        assert _hub_problems("model.path", "org/missing") == [
+            "model.path: org/missing is neither a local directory nor a model on the hub"
+        ]
+        assert (
+            "HEAD",
+            "/cdn/model/org/public/" + hub.repos[("model", "org/public")].branches["main"] + "/config.json",
+        ) in hub.requests
+        assert hub.unhandled == []
 
 
 def test_a_refused_resume_is_said_before_the_data_is_prepared(tmp_path: Path) -> None:
@@ -240,4 +230,44 @@ def test_lora_dropout_on_moe_parameters_is_named_before_loading(tmp_path: Path) 
     assert _lora_problems(config) == [
         f"model.lora: peft refuses it for Qwen3MoeForCausalLM ({model_dir}): lora.ParamWrapper does not work "
         "with lora_dropout != 0."
+    ]
+
+
+def test_a_push_that_cannot_succeed_is_refused_before_training(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """output.push_to_hub without a token would fail only after the whole run: said before it (by global rank 0
+    and the launcher: the other ranks upload nothing, and multi-node launchers strip *TOKEN* variables)."""
+    from coati_kto.runtime.preflight import push_problems
+
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(
+        constants, "HF_TOKEN_PATH", str(tmp_path / "no-token")
+    )  # read at import, not per call
+    config = load_config(write_config(tmp_path, MINIMAL + "  push_to_hub: me/kto\n"))
+    no_token = (
+        "output.push_to_hub me/kto: no Hugging Face token (set HF_TOKEN, or run `hf auth login`): the upload at "
+        "the end of the run would fail"
+    )
+    assert push_problems(config) == [no_token]
+    monkeypatch.setenv("RANK", "1")
+    assert push_problems(config) == []
+    monkeypatch.setenv("RANK", "0")
+    (tmp_path / "no-token").write_text("hf_from_the_token_file\n")  # what `hf auth login` writes
+    assert push_problems(config) == []
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert push_problems(config) == [
+        "output.push_to_hub me/kto: HF_HUB_OFFLINE is set, so nothing can be uploaded"
+    ]
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    unsaved = load_config(write_config(tmp_path, MINIMAL + "  push_to_hub: me/kto\n  save_final: false\n"))
+    assert push_problems(unsaved) == [
+        "output.push_to_hub me/kto with output.save_final false: there is no final/ to upload"
+    ]
+    assert push_problems(load_config(write_config(tmp_path, MINIMAL)), exporting=True) == [
+        "coati-kto export --push needs output.push_to_hub (the repo id)"
     ]

@@ -1,0 +1,240 @@
+"""From the Hub and back, through the real CLI against a stand-in Hub on the loopback (coati_kto.testing.hub),
+never the network: a Hub dataset is prepared at the commit its revision names (a new commit rebuilds, an
+unchanged one does not, HF_HUB_OFFLINE reads the caches without a request); its mistakes are one line each
+before anything heavy; a 2-process run trained on it uploads final/ byte for byte, a failed upload says how to
+retry and the retry uploads; the token is never printed or written.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from helpers import env, preference_records
+
+from coati_kto.testing.hub import StandInHub
+
+TOKEN = "hf_standInSecret0123456789"  # distinctive: grepped for in every output
+
+
+def jsonl(records: list[dict]) -> bytes:
+    return "".join(json.dumps(r) + "\n" for r in records).encode()
+
+
+@pytest.fixture
+def hub(tmp_path: Path) -> Iterator[StandInHub]:
+    with StandInHub(token=TOKEN) as server:
+        yield server
+    assert server.unhandled == []  # every call the clients made is one the stand-in serves
+
+
+def hub_env(hub: StandInHub, root: Path, token: bool = False, offline: bool = False) -> dict[str, str]:
+    out = {k: v for k, v in env().items() if k not in ("HF_TOKEN", "HF_HUB_OFFLINE", "HF_TOKEN_PATH")}
+    out.update(HF_ENDPOINT=hub.url, HF_HOME=str(root / "hf-home"), HF_HUB_DISABLE_XET="1")
+    out.update(HF_HUB_DISABLE_TELEMETRY="1", HF_HUB_DISABLE_UPDATE_CHECK="1")
+    return {**out, **({"HF_TOKEN": TOKEN} if token else {}), **({"HF_HUB_OFFLINE": "1"} if offline else {})}
+
+
+def run(args: list[str], environ: dict[str, str]) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "coati_kto", *args]
+    return subprocess.run(cmd, env=environ, capture_output=True, text=True, timeout=600)
+
+
+def write_config(root: Path, model_dir: Path, extra: str = "") -> Path:
+    path = root / "config.yaml"
+    path.write_text(
+        f"""
+model:
+  path: {model_dir}
+data:
+  train_files: hf://datasets/org/feedback
+  eval_files: hf://datasets/org/feedback
+  prepared_dir: {root / "prepared"}
+  max_length: 64
+train:
+  micro_batch_size: 2
+  max_steps: 2
+  lr: 1.0e-3
+plugin:
+  name: ddp
+output:
+  dir: {root / "out"}
+{extra}"""
+    )
+    return path
+
+
+def test_a_hub_dataset_is_prepared_at_its_commit_and_offline_from_the_cache(
+    hub: StandInHub, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    first = hub.commit(
+        "dataset",
+        "org/feedback",
+        {
+            "data/train.jsonl": jsonl(preference_records(24, 0)),
+            "data/test.jsonl": jsonl(preference_records(9, 100)),
+        },
+    )
+    config, environ = write_config(tmp_path, tiny_model_dir), hub_env(hub, tmp_path)
+    built = run(["prepare", str(config)], environ)
+    assert built.returncode == 0, built.stderr[-2000:]
+    assert built.stdout.startswith(f"prepared {tmp_path / 'prepared'} (no prepared data yet)")
+    stats = json.loads((tmp_path / "prepared" / "stats.json").read_text())
+    assert stats["files"] == {  # the commit it was read at, not "main"
+        "train": [f"hf://datasets/org/feedback?split=train&revision={first}"],
+        "eval": [f"hf://datasets/org/feedback?split=test&revision={first}"],
+    }
+    assert (stats["train"]["examples"], stats["eval"]["examples"]) == (24, 9)
+    assert run(["prepare", str(config)], environ).stdout.startswith(f"reusing {tmp_path / 'prepared'}")
+
+    second = hub.commit("dataset", "org/feedback", {"data/train.jsonl": jsonl(preference_records(30, 0))})
+    rebuilt = run(["prepare", str(config)], environ)
+    spec = "hf://datasets/org/feedback?split=train&revision=main"
+    assert f"changed: train_files (revision of {spec}: {first[:12]} -> {second[:12]})" in rebuilt.stdout
+    assert json.loads((tmp_path / "prepared" / "stats.json").read_text())["train"]["examples"] == 30
+
+    asked = len(hub.requests)
+    offline = hub_env(hub, tmp_path, offline=True)
+    assert run(["prepare", str(config)], offline).stdout.startswith(f"reusing {tmp_path / 'prepared'}")
+    changed = run(["prepare", str(config), "data.max_length=80"], offline)  # rebuilt from the datasets cache
+    assert changed.stdout.startswith(
+        f"prepared {tmp_path / 'prepared'} (changed: max_length, max_prompt_length)"
+    )
+    assert json.loads((tmp_path / "prepared" / "stats.json").read_text())["train"]["examples"] == 30
+    pinned = run(
+        ["prepare", str(config), f"data.train_files=hf://datasets/org/feedback?revision={first}"], offline
+    )
+    assert json.loads((tmp_path / "prepared" / "stats.json").read_text())["train"]["examples"] == 24, (
+        pinned.stderr
+    )
+    assert len(hub.requests) == asked  # offline: not one request
+
+
+CHECK = """
+import sys
+from coati_kto.config.hub import parse_hub_dataset
+from coati_kto.data.hub import check
+from coati_kto.errors import DataError
+for value in sys.argv[1:]:
+    try:
+        print(check(parse_hub_dataset(value, "data.train_files"), "data.train_files"))
+    except DataError as err:
+        print(err)
+"""
+
+
+def test_hub_dataset_mistakes_are_one_line_each(
+    hub: StandInHub, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    files = {"data/train.jsonl": jsonl(preference_records(12, 0))}
+    public = hub.commit("dataset", "org/feedback", files)
+    hub.commit("dataset", "org/private", files, private=True)
+    hub.commit("dataset", "org/gated", {"README.md": b"---\nlicense: mit\n---\n", **files}, gated=True)
+    card = b"---\nconfigs:\n- config_name: en\n  data_files:\n  - split: train\n    path: en/*.jsonl\n---\n"
+    hub.commit("dataset", "org/configs", {"README.md": card, "en/a.jsonl": files["data/train.jsonl"]})
+    values = [
+        "hf://datasets/org/feedback",
+        "hf://datasets/org/missing",
+        "hf://datasets/org/private",
+        "hf://datasets/org/gated",
+        "hf://datasets/org/feedback?revision=v9",
+        "hf://datasets/org/feedback?split=validation",
+        "hf://datasets/org/configs?config=fr",
+    ]
+    no_token = subprocess.run(
+        [sys.executable, "-c", CHECK, *values], env=hub_env(hub, tmp_path), capture_output=True, text=True
+    )
+    login = "HF_TOKEN, or `hf auth login`"
+    where = "data.train_files: hf://datasets/org"
+    assert no_token.stdout.splitlines() == [
+        public,
+        f"{where}/missing?split=train&revision=main: no such dataset on the Hub ({hub.url}), or it is private or "
+        f"gated and no token is set ({login})",
+        f"{where}/private?split=train&revision=main: no such dataset on the Hub ({hub.url}), or it is private or "
+        f"gated and no token is set ({login})",
+        f"{where}/gated?split=train&revision=main: the dataset is gated on the Hub and no token is set ({login}): "
+        "ask for access on its page",
+        f"{where}/feedback?split=train&revision=v9: the dataset has no revision v9 on the Hub",
+        f"{where}/feedback?split=validation&revision=main: no split validation (its splits: train)",
+        f"{where}/configs?config=fr&split=train&revision=main: BuilderConfig 'fr' not found. Available: ['en']",
+    ], no_token.stderr[-2000:]
+    with_token = subprocess.run(
+        [sys.executable, "-c", CHECK, *values[:4]],
+        env=hub_env(hub, tmp_path, token=True),
+        capture_output=True,
+        text=True,
+    )
+    assert with_token.stdout.splitlines()[1:] == [
+        f"{where}/missing?split=train&revision=main: no such dataset on the Hub ({hub.url}), or your token cannot "
+        "read it",
+        hub.repos[("dataset", "org/private")].branches["main"],
+        hub.repos[("dataset", "org/gated")].branches["main"],
+    ]
+    assert TOKEN not in with_token.stdout + with_token.stderr
+
+    # Through `train`: every problem at once, one line each, before anything heavy (no output.dir made).
+    config = write_config(tmp_path, tiny_model_dir, "  push_to_hub: me/kto-tiny\n")
+    refused = run(
+        ["train", str(config), "data.train_files=hf://datasets/org/feedback?split=validation"],
+        hub_env(hub, tmp_path),
+    )
+    assert refused.returncode == 2
+    assert refused.stderr.splitlines() == [
+        f"error: {where}/feedback?split=validation&revision=main: no split validation (its splits: train)",
+        "data.eval_files: hf://datasets/org/feedback?split=test&revision=main: no split test (its splits: train)",
+        "output.push_to_hub me/kto-tiny: no Hugging Face token (set HF_TOKEN, or run `hf auth login`): the upload "
+        "at the end of the run would fail",
+    ]
+    assert not (tmp_path / "out").exists() and not (tmp_path / "prepared").exists()
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    return {
+        p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+    }
+
+
+def test_a_run_on_hub_data_pushes_final_and_a_failed_push_is_retried(
+    hub: StandInHub, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    hub.commit(
+        "dataset",
+        "org/feedback",
+        {
+            "data/train.jsonl": jsonl(preference_records(24, 0)),
+            "data/test.jsonl": jsonl(preference_records(9, 100)),
+        },
+    )
+    config = write_config(tmp_path, tiny_model_dir, "  push_to_hub: {repo_id: me/kto-tiny}\n")
+    environ, final = hub_env(hub, tmp_path, token=True), tmp_path / "out" / "final"
+    trained = run(["train", str(config), "--nproc-per-node", "2"], environ)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    sha = hub.repos[("model", "me/kto-tiny")].branches["main"]
+    assert f"pushed {final} to me/kto-tiny: commit {sha[:12]}" in trained.stdout
+    local, uploaded = tree(final), hub.files("model", "me/kto-tiny")
+    assert {"model.safetensors", "config.json", "tokenizer.json", "README.md"} <= set(local)
+    assert uploaded == {**local, ".gitattributes": uploaded[".gitattributes"]}  # byte for byte
+    assert "datasets:\n- org/feedback\n" in local["README.md"].decode()
+    assert hub.repos[("model", "me/kto-tiny")].private
+
+    hub.fail_commits = 1  # the Hub fails the next commit: the files stay, the line says how to retry
+    failed = run(["export", str(config), "--push", "output.push_to_hub.revision=dev"], environ)
+    assert failed.returncode == 1
+    assert failed.stdout.splitlines()[-1] == (
+        f"output.push_to_hub: uploading {final} to me/kto-tiny (branch dev) on {hub.url} failed (HfHubHTTPError: "
+        f"Server error '500 Internal Server Error' for url '{hub.url}/api/models/me/kto-tiny/commit/dev'); "
+        "everything is on disk: retry with `coati-kto export CONFIG --push`"
+    )
+    assert tree(final) == local
+    retried = run(["export", str(config), "--push", "output.push_to_hub.revision=dev"], environ)
+    assert retried.returncode == 0, retried.stdout[-2000:] + retried.stderr[-2000:]
+    assert hub.files("model", "me/kto-tiny", "dev") == uploaded
+
+    outputs = [trained.stdout, trained.stderr, failed.stdout, failed.stderr, retried.stdout, retried.stderr]
+    assert not [text for text in outputs if TOKEN in text]
+    written = [p for p in tmp_path.rglob("*") if p.is_file() and "hf-home" not in p.parts]
+    assert not [p for p in written if TOKEN.encode() in p.read_bytes()]

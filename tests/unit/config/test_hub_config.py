@@ -1,0 +1,85 @@
+"""The Hub in the config: ``hf://datasets/...`` entries of data.*_files and ``output.push_to_hub``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import MINIMAL, write_config
+
+from coati_kto.config.hub import HubDataset, parse_hub_dataset
+from coati_kto.config.load import load_config
+from coati_kto.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    ("value", "key", "expected"),
+    [
+        (
+            "hf://datasets/trl-lib/kto-mix-14k",
+            "data.train_files",
+            HubDataset("trl-lib/kto-mix-14k", None, "train", "main"),
+        ),
+        (
+            "hf://datasets/trl-lib/kto-mix-14k",
+            "data.eval_files",
+            HubDataset("trl-lib/kto-mix-14k", None, "test", "main"),
+        ),
+        (
+            "hf://datasets/o/n?config=en&split=train[:10%]+validation&revision=v1.0",
+            "data.train_files",
+            HubDataset("o/n", "en", "train[:10%]+validation", "v1.0"),
+        ),
+    ],
+)
+def test_a_hub_dataset_reads_as_load_dataset_arguments(value: str, key: str, expected: HubDataset) -> None:
+    spec = parse_hub_dataset(value, key)
+    assert spec == expected
+    assert parse_hub_dataset(spec.source, key) == spec  # the written-back form reads the same
+    assert spec.split_names == [part.split("[")[0] for part in expected.split.split("+")]
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (
+            "hf://datasets/kto-mix-14k",
+            "expected hf://datasets/OWNER/NAME, then ?config=...&split=...&revision=...",
+        ),
+        (
+            "hf://datasets/o/n?name=en",
+            "'name=en' is not one of config=..., split=..., revision=... (the config is config=, as TRL's "
+            "--dataset_config)",
+        ),
+        (
+            "hf://datasets/o/n?split=train&split=test",
+            "'split=test' is not one of config=..., split=..., revision=...",
+        ),
+        (
+            "hf://datasets/o/n?split=train[:5",
+            "split 'train[:5' is no split expression (e.g. train, train[:1000], train+test)",
+        ),
+    ],
+)
+def test_a_malformed_hub_dataset_is_one_line_at_config_load(tmp_path: Path, value: str, message: str) -> None:
+    path = write_config(tmp_path, MINIMAL.replace("train_files: data.jsonl", f"train_files: ['{value}']"))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert str(err.value) == f"{path}: data.train_files: {message} (got ['{value}'])"
+
+
+def test_push_to_hub_takes_a_repo_id_or_a_section(tmp_path: Path) -> None:
+    short = load_config(write_config(tmp_path, MINIMAL + "  push_to_hub: me/kto-model\n"))
+    assert short.output.push_to_hub.model_dump() == {
+        "repo_id": "me/kto-model",
+        "private": True,
+        "revision": "main",
+    }
+    # No token key (it comes from HF_TOKEN or the token file): config.yaml cannot hold one.
+    full = load_config(
+        write_config(tmp_path, MINIMAL + "  push_to_hub: {repo_id: me/m, private: false, revision: dev}\n")
+    )
+    assert full.output.push_to_hub.model_dump() == {"repo_id": "me/m", "private": False, "revision": "dev"}
+    with pytest.raises(ConfigError) as err:
+        load_config(write_config(tmp_path, MINIMAL + "  push_to_hub: kto-model\n"))
+    assert "output.push_to_hub.repo_id: 'kto-model' is no Hub repo id (OWNER/NAME)" in str(err.value)
