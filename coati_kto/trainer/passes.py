@@ -21,9 +21,10 @@ from typing import Any
 
 import torch
 
-from coati_kto.data.batch import KTOBatch, TokenView
+from coati_kto.data.batch import KTOBatch, PackedRows, TokenView
 from coati_kto.models.lm_head import LMHead, model_sequence_logps
-from coati_kto.models.packing import can_pack, packed_logps, padded_attention, pair_logps
+from coati_kto.models.packing import can_pack, example_tokens, packed_logps, padded_attention, pair_logps
+from coati_kto.models.router import RouterLoss
 from coati_kto.parallel.plan import ParallelPlan
 from coati_kto.trainer.loss import estimate_kl_raw, preference_loss
 from coati_kto.trainer.metrics import StepSums
@@ -77,6 +78,8 @@ class KTOPasses:
         self._policy_packing: bool | None = None
         self._heads: dict[int, LMHead | None] = {}  # per model: its chunked LM head, or None
         self._params: dict[int, int] = {}  # per model: N for the model FLOPs count
+        # The policy's router load-balancing loss (MoE, kto.router_aux_loss_coef), or None: nothing added.
+        self._router = RouterLoss.find(policy, options.router_aux_loss_coef)
 
     def forward(
         self,
@@ -111,12 +114,9 @@ class KTOPasses:
                 done += 1
                 last = done == num_micro_batches
                 with grad_sync(last) if train and grad_sync else contextlib.nullcontext():
+                    policy_logps, aux = self._policy_pass(item) if train else (item.policy, None)
                     if item.folded:
-                        policy_logps, item.policy_kl, shared = pair_logps(self.policy, item.batch)
-                        item.gradient_tokens = item.gradient_tokens - torch.where(item.valid, shared, 0).sum()
                         z0 = self._z0([item], sums)
-                    else:
-                        policy_logps = self._policy_logps(item.batch) if train else item.policy
                     losses, rewards = preference_loss(
                         self.options.loss_type,
                         policy_logps,
@@ -129,6 +129,11 @@ class KTOPasses:
                     )
                     if train:
                         loss = torch.where(item.valid, losses, 0.0).sum() / scale
+                        if (
+                            aux is not None
+                        ):  # each micro-batch's router loss weighs its rows, as its examples do
+                            sums.add_aux(aux, len(item.batch))
+                            loss = loss + self._router.coefficient * aux * (len(item.batch) / scale)
                         backward(loss)
                 item.batch = None
                 grad_flops = (
@@ -227,6 +232,26 @@ class KTOPasses:
         valid = torch.cat([p.valid for p in passes])
         return estimate_kl_raw(policy_kl, reference_kl, group=self.kl_group, valid=valid)
 
+    def _policy_pass(self, item: _NoGradPass) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The policy's gradient pass: (completion log-probs [B] fp32, its router load-balancing loss, fp32 0-dim
+        over the examples' tokens, or None when none is added). Folded: the packed pass also gives the KL
+        pairs' log-probs (set on ``item``) and its KL tokens are left out of the router loss."""
+        routing = self._router.capture() if self._router is not None else contextlib.nullcontext()
+        with routing as routed:
+            if item.folded:
+                policy_logps, item.policy_kl, shared = pair_logps(self.policy, item.batch)
+                item.gradient_tokens = item.gradient_tokens - torch.where(item.valid, shared, 0).sum()
+            else:
+                policy_logps = self._policy_logps(item.batch)
+        if routed is None:
+            return policy_logps, None
+        if item.folded:  # folding needs the collator's pairs (fold_pays is computed from them)
+            tokens = example_tokens(self.policy, item.batch.pairs)
+        else:
+            rows = self._packed_rows(item.batch, kl=False)
+            tokens = item.batch.example.attention_mask if rows is None else example_tokens(self.policy, rows)
+        return policy_logps, self._router.loss(routed, tokens)
+
     def _policy_logps(self, batch: KTOBatch) -> torch.Tensor:
         """The policy's completion log-probs [B] fp32 with gradient (the only pass that builds a graph)."""
         return self._view_logps(self.policy, batch, kl=False)
@@ -257,10 +282,8 @@ class KTOPasses:
         """Completion log-probs [B] fp32 of ``model`` on the examples or (``kl``) the KL pairs: from the
         collator's padding-free rows when it planned fewer rows than documents (coati_kto.data.packed), else the
         padded view."""
-        rows = batch.kl_rows if kl else batch.example_rows
-        # Bins that hold one document each are the padded rows again: the padded pass is the same work, with
-        # the model's own mask (rows are counted on the host, nothing is read back).
-        if rows is None or not self.apply_loss_mask or rows.input_ids.shape[0] >= len(batch):
+        rows = self._packed_rows(batch, kl)
+        if rows is None:
             return self._sequence_logps(model, batch.kl if kl else batch.example)
         if not can_pack(model):
             raise RuntimeError(
@@ -274,6 +297,15 @@ class KTOPasses:
         """Completion log-probs [B] fp32 of ``model`` on ``view``, as the eval passes score them (evaluation
         samples); every rank of a tensor-parallel group calls with the same view."""
         return self._sequence_logps(model, view)
+
+    def _packed_rows(self, batch: KTOBatch, kl: bool) -> PackedRows | None:
+        """The collator's padding-free rows for the examples or (``kl``) the KL pairs, None for the padded view."""
+        rows = batch.kl_rows if kl else batch.example_rows
+        # Bins that hold one document each are the padded rows again: the padded pass is the same work, with
+        # the model's own mask (rows are counted on the host, nothing is read back).
+        if rows is None or not self.apply_loss_mask or rows.input_ids.shape[0] >= len(batch):
+            return None
+        return rows
 
     def _sequence_logps(self, model: Any, view: TokenView) -> torch.Tensor:
         """Completion log-probs [B] fp32 of ``model`` on one view of the batch (graph only under grad)."""
