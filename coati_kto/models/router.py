@@ -23,8 +23,6 @@ the reference's and the no-grad passes never record, and the model is called wit
 from __future__ import annotations
 
 import contextlib
-import inspect
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,9 +30,8 @@ from typing import Any
 import torch
 
 from coati_kto.errors import ConfigError
+from coati_kto.families import switch_aux_loss
 from coati_kto.models.lora import base_module
-
-_SWITCH_PARAMETERS = ["gate_logits", "num_experts", "top_k", "attention_mask"]
 
 
 def _text_config(config: Any) -> Any:
@@ -110,9 +107,7 @@ class RouterLoss:
         """The model's loss with its own ``router_aux_loss_coef``, or None when its family has no Switch
         load-balancing loss in transformers (or no router logits to record)."""
         module = base_module(model)
-        family = sys.modules.get(type(module).__module__)
-        function = getattr(family, "load_balancing_loss_func", None)
-        if function is None or list(inspect.signature(function).parameters) != _SWITCH_PARAMETERS:
+        if not switch_aux_loss(type(module).__module__):
             return None
         experts, modules = _experts(module), _router_modules(module)
         if experts is None or not modules:

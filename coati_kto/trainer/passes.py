@@ -128,13 +128,7 @@ class KTOPasses:
                         self.undesirable_weight,
                     )
                     if train:
-                        loss = torch.where(item.valid, losses, 0.0).sum() / scale
-                        if (
-                            aux is not None
-                        ):  # each micro-batch's router loss weighs its rows, as its examples do
-                            sums.add_aux(aux, len(item.batch))
-                            loss = loss + self._router.coefficient * aux * (len(item.batch) / scale)
-                        backward(loss)
+                        backward(self._train_loss(losses, item, aux, scale, sums))
                 item.batch = None
                 grad_flops = (
                     train_flops(self._flop_params(self.policy), item.gradient_tokens) if train else 0.0
@@ -142,6 +136,24 @@ class KTOPasses:
                 sums.add_flops(item.flops + grad_flops)
                 sums.add(losses, rewards, policy_logps, item.labels, item.valid, item.tokens)
         return sums
+
+    def _train_loss(
+        self,
+        losses: torch.Tensor,
+        item: _NoGradPass,
+        aux: torch.Tensor | None,
+        scale: torch.Tensor,
+        sums: StepSums,
+    ) -> torch.Tensor:
+        """The loss handed to backward: the micro-batch's KTO losses [B] over the step's rows (``scale``), plus its
+        router load-balancing loss (recorded in ``sums``) x the coefficient, weighing its rows as its examples
+        do: with equal micro-batches, the mean of every pass's router loss over the step's micro-batches and
+        data-parallel ranks, as transformers' Trainer averages it under accumulation and DDP."""
+        loss = torch.where(item.valid, losses, 0.0).sum() / scale
+        if aux is None:
+            return loss
+        sums.add_aux(aux, len(item.batch))
+        return loss + self._router.coefficient * aux * (len(item.batch) / scale)
 
     def _step_rows(self, batches: list[KTOBatch]) -> torch.Tensor:
         """0-dim fp32 on the device: the step's rows summed over the data-parallel group, divided by its size

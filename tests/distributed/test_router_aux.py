@@ -62,11 +62,10 @@ def _config(model_dir: str, out_dir: str, plugin: str) -> Any:
 def _run(model_dir: str, out_dir: str, plugin: str) -> dict[str, Any]:
     import torch.distributed as dist
 
+    from coati_kto.parallel.plan import ParallelPlan
     from coati_kto.train import build_components
     from coati_kto.trainer.kto import KTOTrainer
     from coati_kto.trainer.options import KTOOptions
-
-    from coati_kto.parallel.plan import ParallelPlan
 
     cfg = _config(model_dir, out_dir, plugin)
     plan = ParallelPlan.from_config(cfg)
@@ -120,5 +119,8 @@ def test_aux_loss_is_transformers_mean_over_the_step(tmp_path: Path, plugin: str
         first, expected = rank["first"], sum(rank["expected"]) / 4
         assert first["train/rewards/chosen"] == 0.0 and first["train/rewards/rejected"] == 0.0
         assert first["train/kl"] == 0.0
-        assert abs(first["train/aux_loss"] - expected) < tolerance * expected, (first["train/aux_loss"], expected)
+        assert abs(first["train/aux_loss"] - expected) < tolerance * expected, (
+            first["train/aux_loss"],
+            expected,
+        )
     assert ranks[0]["first"]["train/aux_loss"] == ranks[1]["first"]["train/aux_loss"]

@@ -24,7 +24,11 @@ def _moe(family: str, seed: int = 0, **config: object) -> torch.nn.Module:
     import transformers as tf
 
     specific = {
-        "qwen3_moe": (tf.Qwen3MoeForCausalLM, tf.Qwen3MoeConfig, dict(num_experts=4, moe_intermediate_size=16)),
+        "qwen3_moe": (
+            tf.Qwen3MoeForCausalLM,
+            tf.Qwen3MoeConfig,
+            dict(num_experts=4, moe_intermediate_size=16),
+        ),
         "mixtral": (tf.MixtralForCausalLM, tf.MixtralConfig, dict(num_local_experts=4)),
         "qwen2_moe": (
             tf.Qwen2MoeForCausalLM,
@@ -88,7 +92,9 @@ def _step(policy, batch, coefficient: float | str = "auto", **options) -> tuple[
 def _transformers_aux(model, batch) -> torch.Tensor:
     """transformers' own ``aux_loss`` of ``model`` on the examples' padded batch (its 2D attention mask)."""
     view = batch.example
-    return model(input_ids=view.input_ids, attention_mask=view.attention_mask, output_router_logits=True).aux_loss
+    return model(
+        input_ids=view.input_ids, attention_mask=view.attention_mask, output_router_logits=True
+    ).aux_loss
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "qwen2_moe", "olmoe", "gpt_oss"])
@@ -143,7 +149,9 @@ def test_gradient_holds_the_coefficient_times_the_aux_gradient() -> None:
     assert abs(with_loss - plain_loss - 0.25 * float(expected_aux.detach())) < 1e-6
     diff = torch.cat([(c - p).flatten() for c, p in zip(combined, plain, strict=True)])
     # (the LM head and the last norm take no part in routing: no gradient from the aux loss)
-    aux_grad = torch.cat([(torch.zeros_like(p) if p.grad is None else p.grad).flatten() for p in policy.parameters()])
+    aux_grad = torch.cat(
+        [(torch.zeros_like(p) if p.grad is None else p.grad).flatten() for p in policy.parameters()]
+    )
     assert float(aux_grad.norm()) > 1e-3
     error = float((diff - 0.25 * aux_grad).norm() / (0.25 * aux_grad).norm())
     assert error < 1e-4, error
@@ -165,3 +173,32 @@ def test_auto_follows_the_config_and_a_number_overrides_it() -> None:
         RouterLoss.find(dense, 0.01)
     batch = KTOCollator(0)(_features([5, 4], [8, 5]))
     assert _step(silent, batch)[0] is None  # nothing computed, nothing logged
+
+
+def test_a_number_for_a_family_without_the_loss_is_refused_at_config_load(tmp_path) -> None:
+    """kto.router_aux_loss_coef 0.01 with a dense Llama (or DeepSeek-V3, which balances with a bias): one line at
+    config load, before any data is prepared; auto and 0 pass; a garbage value names the key."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from coati_kto.config.load import load_config
+    from coati_kto.errors import ConfigError
+
+    random_causal_lm(LlamaForCausalLM, LlamaConfig).save_pretrained(tmp_path / "llama")
+    _moe("mixtral").save_pretrained(tmp_path / "mixtral")
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        f"model: {{path: {tmp_path / 'llama'}}}\ndata: {{train_files: [x.jsonl], prepared_dir: p}}\n"
+        "plugin: {name: low_level_zero}\n"
+    )
+    for ok in ("kto.router_aux_loss_coef=auto", "kto.router_aux_loss_coef=0"):
+        load_config(path, [ok])
+    load_config(path, [f"model.path={tmp_path / 'mixtral'}", "kto.router_aux_loss_coef=0.01"])
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["kto.router_aux_loss_coef=0.01"])
+    (line,) = str(err.value).splitlines()
+    assert (
+        "kto.router_aux_loss_coef 0.01: LlamaForCausalLM" in line
+        and "has no router load-balancing loss" in line
+    )
+    with pytest.raises(ConfigError, match="kto.router_aux_loss_coef: must be auto or a number >= 0"):
+        load_config(path, ["kto.router_aux_loss_coef=-1"])
