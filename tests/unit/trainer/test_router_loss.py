@@ -145,6 +145,11 @@ def test_gradient_holds_the_coefficient_times_the_aux_gradient() -> None:
     plain = [p.grad.clone() for p in policy.parameters()]
     aux, with_loss = _step(policy, batch)  # auto: the config's 0.25
     combined = [p.grad.clone() for p in policy.parameters()]
+    # Under activation checkpointing (a 30B MoE needs it) the recorded logits recompute in backward: the same.
+    policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    assert _step(policy, batch) == (aux, with_loss)
+    assert all(torch.equal(p.grad, c) for p, c in zip(policy.parameters(), combined, strict=True))
+    policy.activation_checkpointing_disable()
     policy.zero_grad()
     expected_aux = _transformers_aux(policy, batch)
     expected_aux.backward()
