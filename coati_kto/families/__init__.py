@@ -259,7 +259,7 @@ def router_aux_note(model_dir: str, setting: float | str) -> str | None:
     if name is None or "output_router_logits" not in text or not switch_aux_loss(name.rsplit(".", 1)[0]):
         return None
     if setting == "auto" and text.get("output_router_logits"):
-        coefficient = text.get("router_aux_loss_coef", 0)
+        coefficient = text.get("router_aux_loss_coef", text.get("aux_loss_coef", "its coefficient"))
         return (
             f"note: {model_dir} sets output_router_logits: its router load-balancing loss x {coefficient} "
             "(router_aux_loss_coef) joins the KTO loss (train/aux_loss; kto.router_aux_loss_coef=0 turns it off)"

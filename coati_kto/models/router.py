@@ -113,8 +113,10 @@ class RouterLoss:
         if experts is None or not modules:
             return None
         text = _text_config(module.config)
-        coefficient = getattr(module, "router_aux_loss_coef", None) or getattr(
-            text, "router_aux_loss_coef", 0
+        # As the causal LM holds it (DBRX's from its ffn_config, JetMoE's named aux_loss_coef), else its config's.
+        coefficient = getattr(module, "router_aux_loss_coef", None) or getattr(module, "aux_loss_coef", None)
+        coefficient = (
+            coefficient or getattr(text, "router_aux_loss_coef", None) or getattr(text, "aux_loss_coef", 0)
         )
         return cls(float(coefficient or 0.0), *experts, modules)
 
