@@ -5,8 +5,10 @@ Per micro-batch: phase 1 (no grad) scores the reference on the examples and thei
 one shared-prompt pass: coati_kto.models.packing; or the batch's precomputed ``reference_logps``) and the
 policy on the KL pairs; z0 is reduced over the data-parallel group once per group of micro-batches (every
 rank enters that collective whatever its labels); phase 2 runs the policy with gradient and the KTO loss, and
-hands the loss to ``backward``. A group of one training micro-batch may fold the policy's KL pass into its
-gradient pass (``pack_policy``): one packed row, z0 reduced between that forward and its backward.
+hands the loss to ``backward`` (with an MoE's router load-balancing loss over the examples' tokens of that
+pass, ``coati_kto.models.router``, where ``kto.router_aux_loss_coef`` adds it). A group of one training
+micro-batch may fold the policy's KL pass into its gradient pass (``pack_policy``): one packed row, z0 reduced
+between that forward and its backward.
 
 Every rank calls ``forward`` with the same number of groups; per-model facts (the chunked LM head, the FLOPs
 parameter count) are computed once per model.
