@@ -229,7 +229,7 @@ def _setup(config: Config, heartbeat: Heartbeat | None, training: bool = True) -
     attention_note = attention_implementation(config.model.path, config.model)[1]
     zero_note = _zero_note(config, plan) if training else None  # the export's own layout is not the run's
     notes = [note for note in (lock_note, pad_note, attention_note, zero_note) if note]
-    notes += model_notes(config.model.path)
+    notes += model_notes(config.model.path, config.kto.router_aux_loss_coef)
     if layout.is_main:
         print("\n".join([report, *notes]), flush=True)
     weights = (desirable, undesirable)

@@ -14,10 +14,11 @@ from pydantic import Field, JsonValue, ValidationInfo, field_validator, model_va
 from coati_kto.config.evaluation import EvalSection, sample_problems
 from coati_kto.config.hub import is_hub_dataset, parse_hub_dataset
 from coati_kto.config.lora import LoraSection
-from coati_kto.config.push import PushToHubSection
+from coati_kto.config.output import LoggingSection, OutputSection
 from coati_kto.config.section import Section as _Section
+from coati_kto.config.section import auto_or_number
 from coati_kto.errors import ConfigError
-from coati_kto.families import check_model_family, packing_refusal
+from coati_kto.families import check_model_family, packing_refusal, router_aux_problem
 
 # The enumerations other layers share (the plan, the loss): one list each, here.
 PluginName = Literal["hybrid_parallel", "low_level_zero", "gemini", "ddp"]
@@ -149,6 +150,17 @@ class KTOSection(_Section):
         "width <= KL width + 3 x example width). auto: on when the reference is cached or packed (step-0 "
         "rewards are then within rounding of 0 already).",
     )
+
+    router_aux_loss_coef: float | Literal["auto"] = Field(
+        "auto",
+        description="MoE: weight of the router load-balancing loss added to the KTO loss (0: off). auto: the "
+        "model's router_aux_loss_coef when its config sets output_router_logits (as transformers and TRL do).",
+    )
+
+    @field_validator("router_aux_loss_coef", mode="before")
+    @classmethod
+    def _auto_or_number(cls, value: Any) -> float | str:
+        return auto_or_number(value)
 
     @field_validator("pack_policy", mode="before")
     @classmethod
@@ -284,39 +296,6 @@ class PluginSection(_Section):
         return self
 
 
-class OutputSection(_Section):
-    dir: str = Field(description="Run directory: config.yaml, tensorboard/, checkpoints/, final/.")
-    save_interval: int = Field(0, ge=0, description="Checkpoint every N optimizer steps; 0: only at the end.")
-    keep_last: int = Field(2, ge=1, description="Checkpoints kept; older ones are deleted.")
-    save_final: bool = Field(
-        True, description="Export final/ (HF model, tokenizer, README.md model card) at the end."
-    )
-    merge_lora: bool = Field(
-        False,
-        description="With model.lora: also write final/merged/, the adapters merged into the base model.",
-    )
-    overwrite: bool = Field(
-        False,
-        description="Start over in a dir holding a run: delete its checkpoints, events and final model.",
-    )
-    push_to_hub: PushToHubSection | None = Field(
-        None,
-        description="Upload final/ and its card to a Hub repo at the end: OWNER/NAME, or {repo_id, private, revision}.",
-    )
-    export_dtype: Literal["training", "fp32"] = Field(
-        "training",
-        description="final/'s weights: training (the working weights, e.g. bf16) or fp32 (the optimizer's fp32 "
-        "master weights after bf16 training; tensor-parallel size 1, no LoRA).",
-    )
-
-
-class LoggingSection(_Section):
-    tensorboard: bool = Field(True, description="Write TensorBoard events under output.dir/tensorboard.")
-    wandb: bool = Field(False, description="Log to Weights & Biases.")
-    wandb_project: str = Field("coati-kto", description="W&B project name.")
-    wandb_mode: Literal["online", "offline"] = Field("online", description="offline: write under output.dir.")
-
-
 class Config(_Section):
     model: ModelSection
     data: DataSection
@@ -336,7 +315,7 @@ class Config(_Section):
         return self
 
     def _family_problems(self) -> list[str]:
-        out = []
+        out = [why for why in [router_aux_problem(self.model.path, self.kto.router_aux_loss_coef)] if why]
         for key in ("model.path", "model.reference_path"):  # no shardformer policy: no hybrid_parallel
             try:
                 if path := getattr(self.model, key.split(".")[1]):

@@ -213,25 +213,83 @@ def eager_attention_reason(model_dir: str) -> str | None:
     return f"its attention soft-capping (attn_logit_softcapping {softcap}) runs in the eager kernel only"
 
 
-def model_notes(model_dir: str) -> list[str]:
+def model_notes(model_dir: str, router_aux_loss_coef: float | str = "auto") -> list[str]:
     """One line each for what training does with ``model_dir``'s config that the user may not expect (read from
-    config.json alone): an MoE router asked for logits (``output_router_logits: true``; the passes run without
-    them, so transformers' load-balancing loss is neither computed nor added to the KTO loss), and a
-    vision-language checkpoint (:func:`vision_language`: trained on text, its vision tower frozen)."""
+    config.json alone): whether an MoE's router load-balancing loss joins the KTO loss
+    (:func:`router_aux_note`), and a vision-language checkpoint (:func:`vision_language`: trained on text, its
+    vision tower frozen)."""
     raw, notes = _config_json(model_dir), []
     if raw is None:
         return notes
-    if raw.get("output_router_logits"):
-        notes.append(
-            f"note: {model_dir} sets output_router_logits: the router's load-balancing loss is not added to the "
-            "KTO loss (every pass runs without router logits)"
-        )
+    notes += [note for note in [router_aux_note(model_dir, router_aux_loss_coef)] if note]
     if raw.get("vision_config") is not None and raw.get("text_config") is not None:
         notes.append(
             f"note: {model_dir} is a vision-language model ({raw.get('model_type')}): KTO trains its language "
             "model on text; the vision tower and projector stay frozen and are exported unchanged"
         )
     return notes
+
+
+# transformers' Switch load-balancing loss: Mixtral's ``load_balancing_loss_func``, copied into ~30 MoE families.
+SWITCH_LOSS_PARAMETERS = ("gate_logits", "num_experts", "top_k", "attention_mask")
+
+
+def switch_aux_loss(module_name: str) -> bool:
+    """Whether the transformers modeling module ``module_name`` holds the Switch load-balancing loss its MoE
+    causal LM adds when its config asks for router logits (``load_balancing_loss_func`` with Mixtral's
+    arguments: Mixtral, Qwen2/3-MoE, Qwen3-Next, Qwen 3.5-MoE, OLMoE, GPT-OSS, PhiMoE, GraniteMoE, Jamba, ...).
+    False for families without one (DeepSeek-V3 and GLM-4-MoE balance with a bias; Llama 4) or with another
+    (Doge)."""
+    import importlib
+    import inspect
+
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return False
+    function = getattr(module, "load_balancing_loss_func", None)
+    return function is not None and tuple(inspect.signature(function).parameters) == SWITCH_LOSS_PARAMETERS
+
+
+def router_aux_note(model_dir: str, setting: float | str) -> str | None:
+    """The line saying whether ``model_dir``'s router load-balancing loss joins the KTO loss under
+    ``kto.router_aux_loss_coef`` = ``setting`` (None for a dense model, or one config.json cannot tell)."""
+    raw, name = _config_json(model_dir) or {}, model_class_name(model_dir)
+    text = {**raw, **(raw.get("text_config") or {})}
+    if name is None or "output_router_logits" not in text or not switch_aux_loss(name.rsplit(".", 1)[0]):
+        return None
+    if setting == "auto" and text.get("output_router_logits"):
+        coefficient = text.get("router_aux_loss_coef", text.get("aux_loss_coef", "its coefficient"))
+        return (
+            f"note: {model_dir} sets output_router_logits: its router load-balancing loss x {coefficient} "
+            "(router_aux_loss_coef) joins the KTO loss (train/aux_loss; kto.router_aux_loss_coef=0 turns it off)"
+        )
+    if setting == "auto" or float(setting) == 0:
+        return (
+            f"note: {model_dir} is an MoE whose router load-balancing loss is not added ("
+            + (
+                "kto.router_aux_loss_coef 0"
+                if setting != "auto"
+                else "its config sets no output_router_logits"
+            )
+            + "); kto.router_aux_loss_coef=<weight> adds it"
+        )
+    return (
+        f"note: {model_dir}: the router load-balancing loss x {setting} joins the KTO loss (train/aux_loss)"
+    )
+
+
+def router_aux_problem(model_dir: str, setting: float | str) -> str | None:
+    """Why ``kto.router_aux_loss_coef`` = ``setting`` (a number > 0) cannot apply to ``model_dir``: its family has
+    no Switch load-balancing loss (:func:`switch_aux_loss`). From config.json alone; None when it applies, is
+    ``auto`` or 0, or config.json cannot tell (checked when the model is built)."""
+    name = model_class_name(model_dir)
+    if setting == "auto" or float(setting) == 0 or name is None or switch_aux_loss(name.rsplit(".", 1)[0]):
+        return None
+    return (
+        f"kto.router_aux_loss_coef {setting}: {name.rsplit('.', 1)[-1]} ({model_dir}) has no router "
+        "load-balancing loss in transformers (set it to auto or 0)"
+    )
 
 
 def vocabulary_size(*model_dirs: str | None) -> int | None:

@@ -135,8 +135,8 @@ def model_sequence_logps(
 
 def forward_inputs(config: Any, **inputs: Any) -> dict[str, Any]:
     """The keywords of a log-prob forward: ``inputs``, no KV cache, and no router logits where an MoE config asks
-    for them (transformers' load-balancing loss reads a 2D mask and fails on the passes' 4D ones; coati-kto trains
-    the KTO loss alone: ``coati_kto.families.model_notes`` says so)."""
+    for them (transformers' load-balancing loss reads a 2D mask and fails on the passes' 4D ones): the policy's
+    gradient pass records them itself and adds that loss over the examples' tokens (``coati_kto.models.router``)."""
     inputs["use_cache"] = False
     if getattr(config, "output_router_logits", False):
         inputs["output_router_logits"] = False

@@ -154,6 +154,16 @@ def can_pack(model: Any) -> bool:
     )
 
 
+def example_tokens(model: Any, rows: PackedRows) -> torch.Tensor:
+    """[R, L] long over the rows :func:`packed_logps` runs ``model`` on (flex attention's padding columns
+    included): 1 on the tokens of the examples' documents ([x_i, y_i]), 0 on padding (a document of its own,
+    ``-1 - column``) and on a KL pair's own tokens (segment 1). The tokens a padded pass over the examples holds,
+    as its 2D attention mask marks them: the router loss's weights (``coati_kto.models.router``)."""
+    if getattr(_config(model), "_attn_implementation", None) == "flex_attention":
+        rows = _pad_columns(rows, FLEX_BLOCK)
+    return ((rows.document >= 0) & (rows.segment == 0)).long()
+
+
 def packed_logps(
     model: Any, head: LMHead | None, rows: PackedRows, batch_size: int
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:

@@ -23,6 +23,8 @@ SUM_KEYS = (
     "tokens",
     "nonfinite",
     "model_flops",
+    "aux_loss",  # the router load-balancing loss of each gradient pass x its rows (MoE; 0 when none is added)
+    "aux_rows",
 )
 
 
@@ -72,8 +74,18 @@ class StepSums:
             "tokens": tokens,
             "nonfinite": ~finite,
             "model_flops": torch.zeros((), device=self._sums.device),
+            "aux_loss": torch.zeros((), device=self._sums.device),
+            "aux_rows": torch.zeros((), device=self._sums.device),
         }
         self._sums += torch.stack([parts[k].to(self._sums) for k in SUM_KEYS])
+
+    def add_aux(self, aux: torch.Tensor, rows: int) -> None:
+        """Add one gradient pass's router load-balancing loss (0-dim), weighted by its ``rows`` as the loss weighs
+        them; a non-finite one counts as a non-finite micro-batch."""
+        aux = aux.detach().to(self._sums)
+        self._sums[SUM_KEYS.index("aux_loss")] += aux * rows
+        self._sums[SUM_KEYS.index("aux_rows")] += rows
+        self._sums[SUM_KEYS.index("nonfinite")] += (~torch.isfinite(aux)).to(self._sums)
 
     def add_flops(self, flops: torch.Tensor) -> None:
         """Add model FLOPs of passes run (0-dim; coati_kto.trainer.throughput counts them)."""
@@ -113,6 +125,8 @@ def summarize(totals: dict[str, float], kl: dict[str, float] | None) -> dict[str
         out["loss"] = totals["loss"] / totals["examples"]
     if kl is not None:
         out.update(kl)
+    if totals.get("aux_rows", 0) > 0 and totals["nonfinite"] == 0:  # the mean router loss of the passes
+        out["aux_loss"] = totals["aux_loss"] / totals["aux_rows"]
     means = {}
     for side in ("chosen", "rejected"):
         count = totals[f"count/{side}"]

@@ -36,6 +36,9 @@ class KTOOptions:
     pack_policy: the policy's passes in one packed row too: in evaluation always; in training where a z0 group
         is one micro-batch and ``models.packing.fold_pays`` (long prompts, short completions), folding its KL
         pass into the gradient pass (never under ddp: ``ParallelPlan.forward_collectives``). Same rounding caveat.
+    router_aux_loss_coef: ``kto.router_aux_loss_coef``: "auto" (an MoE's own ``router_aux_loss_coef`` when its config
+        asks for router logits) or the coefficient of the router load-balancing loss (0: off;
+        ``coati_kto.models.router``).
     wandb_project, wandb_mode, wandb_dir: W&B settings when ``fit(use_wandb=True)``.
     keep_last: checkpoints kept when the trainer builds its own CheckpointManager (``save_dir``).
     samples, sample_max_new_tokens, sample_seed: eval prompts decoded at every evaluation (0: none), tokens
@@ -54,6 +57,7 @@ class KTOOptions:
     peak_flops: float | None = None
     pack_reference: bool = False
     pack_policy: bool = False
+    router_aux_loss_coef: float | str = "auto"
     wandb_project: str = "coati-kto"
     wandb_mode: str = "online"
     wandb_dir: str | None = None
@@ -92,6 +96,7 @@ class KTOOptions:
             peak_flops=peak_flops,
             pack_reference=config.kto.pack_reference,
             pack_policy=config.kto.policy_packing(),
+            router_aux_loss_coef=config.kto.router_aux_loss_coef,
             wandb_project=logging.wandb_project,
             wandb_mode=logging.wandb_mode,
             wandb_dir=config.training_output().dir,

@@ -5,8 +5,10 @@ Per micro-batch: phase 1 (no grad) scores the reference on the examples and thei
 one shared-prompt pass: coati_kto.models.packing; or the batch's precomputed ``reference_logps``) and the
 policy on the KL pairs; z0 is reduced over the data-parallel group once per group of micro-batches (every
 rank enters that collective whatever its labels); phase 2 runs the policy with gradient and the KTO loss, and
-hands the loss to ``backward``. A group of one training micro-batch may fold the policy's KL pass into its
-gradient pass (``pack_policy``): one packed row, z0 reduced between that forward and its backward.
+hands the loss to ``backward`` (with an MoE's router load-balancing loss over the examples' tokens of that
+pass, ``coati_kto.models.router``, where ``kto.router_aux_loss_coef`` adds it). A group of one training
+micro-batch may fold the policy's KL pass into its gradient pass (``pack_policy``): one packed row, z0 reduced
+between that forward and its backward.
 
 Every rank calls ``forward`` with the same number of groups; per-model facts (the chunked LM head, the FLOPs
 parameter count) are computed once per model.
@@ -21,9 +23,10 @@ from typing import Any
 
 import torch
 
-from coati_kto.data.batch import KTOBatch, TokenView
+from coati_kto.data.batch import KTOBatch, PackedRows, TokenView
 from coati_kto.models.lm_head import LMHead, model_sequence_logps
-from coati_kto.models.packing import can_pack, packed_logps, padded_attention, pair_logps
+from coati_kto.models.packing import can_pack, example_tokens, packed_logps, padded_attention, pair_logps
+from coati_kto.models.router import RouterLoss
 from coati_kto.parallel.plan import ParallelPlan
 from coati_kto.trainer.loss import estimate_kl_raw, preference_loss
 from coati_kto.trainer.metrics import StepSums
@@ -77,6 +80,8 @@ class KTOPasses:
         self._policy_packing: bool | None = None
         self._heads: dict[int, LMHead | None] = {}  # per model: its chunked LM head, or None
         self._params: dict[int, int] = {}  # per model: N for the model FLOPs count
+        # The policy's router load-balancing loss (MoE, kto.router_aux_loss_coef), or None: nothing added.
+        self._router = RouterLoss.find(policy, options.router_aux_loss_coef)
 
     def forward(
         self,
@@ -111,12 +116,9 @@ class KTOPasses:
                 done += 1
                 last = done == num_micro_batches
                 with grad_sync(last) if train and grad_sync else contextlib.nullcontext():
+                    policy_logps, aux = self._policy_pass(item) if train else (item.policy, None)
                     if item.folded:
-                        policy_logps, item.policy_kl, shared = pair_logps(self.policy, item.batch)
-                        item.gradient_tokens = item.gradient_tokens - torch.where(item.valid, shared, 0).sum()
                         z0 = self._z0([item], sums)
-                    else:
-                        policy_logps = self._policy_logps(item.batch) if train else item.policy
                     losses, rewards = preference_loss(
                         self.options.loss_type,
                         policy_logps,
@@ -128,8 +130,7 @@ class KTOPasses:
                         self.undesirable_weight,
                     )
                     if train:
-                        loss = torch.where(item.valid, losses, 0.0).sum() / scale
-                        backward(loss)
+                        backward(self._train_loss(losses, item, aux, scale, sums))
                 item.batch = None
                 grad_flops = (
                     train_flops(self._flop_params(self.policy), item.gradient_tokens) if train else 0.0
@@ -137,6 +138,24 @@ class KTOPasses:
                 sums.add_flops(item.flops + grad_flops)
                 sums.add(losses, rewards, policy_logps, item.labels, item.valid, item.tokens)
         return sums
+
+    def _train_loss(
+        self,
+        losses: torch.Tensor,
+        item: _NoGradPass,
+        aux: torch.Tensor | None,
+        scale: torch.Tensor,
+        sums: StepSums,
+    ) -> torch.Tensor:
+        """The loss handed to backward: the micro-batch's KTO losses [B] over the step's rows (``scale``), plus its
+        router load-balancing loss (recorded in ``sums``) x the coefficient, weighing its rows as its examples
+        do: with equal micro-batches, the mean of every pass's router loss over the step's micro-batches and
+        data-parallel ranks, as transformers' Trainer averages it under accumulation and DDP."""
+        loss = torch.where(item.valid, losses, 0.0).sum() / scale
+        if aux is None:
+            return loss
+        sums.add_aux(aux, len(item.batch))
+        return loss + self._router.coefficient * aux * (len(item.batch) / scale)
 
     def _step_rows(self, batches: list[KTOBatch]) -> torch.Tensor:
         """0-dim fp32 on the device: the step's rows summed over the data-parallel group, divided by its size
@@ -227,6 +246,26 @@ class KTOPasses:
         valid = torch.cat([p.valid for p in passes])
         return estimate_kl_raw(policy_kl, reference_kl, group=self.kl_group, valid=valid)
 
+    def _policy_pass(self, item: _NoGradPass) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The policy's gradient pass: (completion log-probs [B] fp32, its router load-balancing loss, fp32 0-dim
+        over the examples' tokens, or None when none is added). Folded: the packed pass also gives the KL
+        pairs' log-probs (set on ``item``) and its KL tokens are left out of the router loss."""
+        routing = self._router.capture() if self._router is not None else contextlib.nullcontext()
+        with routing as routed:
+            if item.folded:
+                policy_logps, item.policy_kl, shared = pair_logps(self.policy, item.batch)
+                item.gradient_tokens = item.gradient_tokens - torch.where(item.valid, shared, 0).sum()
+            else:
+                policy_logps = self._policy_logps(item.batch)
+        if routed is None:
+            return policy_logps, None
+        if item.folded:  # folding needs the collator's pairs (fold_pays is computed from them)
+            tokens = example_tokens(self.policy, item.batch.pairs)
+        else:
+            rows = self._packed_rows(item.batch, kl=False)
+            tokens = item.batch.example.attention_mask if rows is None else example_tokens(self.policy, rows)
+        return policy_logps, self._router.loss(routed, tokens)
+
     def _policy_logps(self, batch: KTOBatch) -> torch.Tensor:
         """The policy's completion log-probs [B] fp32 with gradient (the only pass that builds a graph)."""
         return self._view_logps(self.policy, batch, kl=False)
@@ -257,10 +296,8 @@ class KTOPasses:
         """Completion log-probs [B] fp32 of ``model`` on the examples or (``kl``) the KL pairs: from the
         collator's padding-free rows when it planned fewer rows than documents (coati_kto.data.packed), else the
         padded view."""
-        rows = batch.kl_rows if kl else batch.example_rows
-        # Bins that hold one document each are the padded rows again: the padded pass is the same work, with
-        # the model's own mask (rows are counted on the host, nothing is read back).
-        if rows is None or not self.apply_loss_mask or rows.input_ids.shape[0] >= len(batch):
+        rows = self._packed_rows(batch, kl)
+        if rows is None:
             return self._sequence_logps(model, batch.kl if kl else batch.example)
         if not can_pack(model):
             raise RuntimeError(
@@ -274,6 +311,15 @@ class KTOPasses:
         """Completion log-probs [B] fp32 of ``model`` on ``view``, as the eval passes score them (evaluation
         samples); every rank of a tensor-parallel group calls with the same view."""
         return self._sequence_logps(model, view)
+
+    def _packed_rows(self, batch: KTOBatch, kl: bool) -> PackedRows | None:
+        """The collator's padding-free rows for the examples or (``kl``) the KL pairs, None for the padded view."""
+        rows = batch.kl_rows if kl else batch.example_rows
+        # Bins that hold one document each are the padded rows again: the padded pass is the same work, with
+        # the model's own mask (rows are counted on the host, nothing is read back).
+        if rows is None or not self.apply_loss_mask or rows.input_ids.shape[0] >= len(batch):
+            return None
+        return rows
 
     def _sequence_logps(self, model: Any, view: TokenView) -> torch.Tensor:
         """Completion log-probs [B] fp32 of ``model`` on one view of the batch (graph only under grad)."""

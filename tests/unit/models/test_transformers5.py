@@ -108,8 +108,9 @@ def test_dropout_attributes_of_other_families_are_off_in_training(model_class, c
 
 def test_moe_config_asking_for_router_logits_runs_the_passes(tmp_path) -> None:
     """Mixtral with output_router_logits: true crashed in every padded pass (transformers' load-balancing loss
-    reads a 2D mask; the passes give 4D ones). The passes run without router logits: the same log-probs as the
-    config without them, and one note says the auxiliary loss is not added."""
+    reads a 2D mask; the passes give 4D ones). The passes run without transformers' router logits (the same
+    log-probs as the config without them; coati_kto.models.router records them itself), and one note says whether
+    the load-balancing loss joins the KTO loss."""
     from coati_kto.data.collator import KTOCollator
     from coati_kto.families import model_notes
     from coati_kto.models.lm_head import LMHead
@@ -139,9 +140,12 @@ def test_moe_config_asking_for_router_logits_runs_the_passes(tmp_path) -> None:
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
     asking.save_pretrained(tmp_path / "asking")
     plain.save_pretrained(tmp_path / "plain")
-    assert model_notes(str(tmp_path / "plain")) == []
+    (silent,) = model_notes(str(tmp_path / "plain"))
+    assert "load-balancing loss is not added (its config sets no output_router_logits)" in silent
     (note,) = model_notes(str(tmp_path / "asking"))
-    assert note.startswith("note: ") and "load-balancing loss is not added" in note
+    assert note.startswith("note: ") and "load-balancing loss x 0.001 (router_aux_loss_coef) joins" in note
+    assert model_notes(str(tmp_path / "asking"), 0.0)[0].endswith("not added (kto.router_aux_loss_coef 0); "
+                                                               "kto.router_aux_loss_coef=<weight> adds it")  # fmt: skip
 
 
 def test_vision_language_gemma3_log_probs_keep_the_sliding_window() -> None:

@@ -1,0 +1,43 @@
+"""The ``output`` and ``logging`` sections: where a run writes, and what it logs to."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from coati_kto.config.push import PushToHubSection
+from coati_kto.config.section import Section
+
+
+class OutputSection(Section):
+    dir: str = Field(description="Run directory: config.yaml, tensorboard/, checkpoints/, final/.")
+    save_interval: int = Field(0, ge=0, description="Checkpoint every N optimizer steps; 0: only at the end.")
+    keep_last: int = Field(2, ge=1, description="Checkpoints kept; older ones are deleted.")
+    save_final: bool = Field(
+        True, description="Export final/ (HF model, tokenizer, README.md model card) at the end."
+    )
+    merge_lora: bool = Field(
+        False,
+        description="With model.lora: also write final/merged/, the adapters merged into the base model.",
+    )
+    overwrite: bool = Field(
+        False,
+        description="Start over in a dir holding a run: delete its checkpoints, events and final model.",
+    )
+    push_to_hub: PushToHubSection | None = Field(
+        None,
+        description="Upload final/ and its card to a Hub repo at the end: OWNER/NAME, or {repo_id, private, revision}.",
+    )
+    export_dtype: Literal["training", "fp32"] = Field(
+        "training",
+        description="final/'s weights: training (the working weights, e.g. bf16) or fp32 (the optimizer's fp32 "
+        "master weights after bf16 training; tensor-parallel size 1, no LoRA).",
+    )
+
+
+class LoggingSection(Section):
+    tensorboard: bool = Field(True, description="Write TensorBoard events under output.dir/tensorboard.")
+    wandb: bool = Field(False, description="Log to Weights & Biases.")
+    wandb_project: str = Field("coati-kto", description="W&B project name.")
+    wandb_mode: Literal["online", "offline"] = Field("online", description="offline: write under output.dir.")
