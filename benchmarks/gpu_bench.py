@@ -697,7 +697,11 @@ def main(argv: list[str] | None = None) -> int:
         argv_base = [__file__, "--run-cases", ",".join(names), "--counts-only", "--out", str(work)]
         argv_base += ["--attn", args.attn, "--max-length", str(args.max_length)]
         argv_base += ["--profile-steps", str(args.profile_steps), *[f"--set={item}" for item in args.set]]
+        shutil.rmtree(work / "runs", ignore_errors=True)  # the same run directories, on the other revision
         before = {r["case"]: r for r in baseline_results(args.baseline_rev, argv_base)}
+        for r in before.values():
+            if "error" in r:
+                print(f"before ({args.baseline_rev}) {r['case']}: {r['error']}", flush=True)
     print("\n" + count_table(results, before), flush=True)
     for line in speedups(results, trl):
         print(line)

@@ -168,7 +168,15 @@ def op_cost(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[int, int, i
     if name in _NOT_KERNELS or func.namespace == "profiler" or _is_view(func):
         return 0, 0, 0
     inputs = _tensors((args, {k: v for k, v in kwargs.items() if k != "out"}))
-    outputs = _tensors(out)
+    specs = func._schema.arguments
+    mutated = [
+        args[i] if i < len(args) else kwargs.get(spec.name)
+        for i, spec in enumerate(specs)
+        if spec.alias_info is not None and spec.alias_info.is_write
+    ]
+    outputs = (
+        _tensors(mutated) if mutated else _tensors(out)
+    )  # in place: what it writes (a foreach returns None)
     if not inputs and not outputs:
         return 0, 0, 0
     written = sum(_bytes(t) for t in outputs)

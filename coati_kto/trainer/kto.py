@@ -239,8 +239,7 @@ class KTOTrainer(SLTrainer):
         sums = self.passes.forward(groups, True, len(micro_batches), self._backward, self._grad_sync)
         local, kl_local = sums.local_tensors()
         local[_GRAD_SQ] = self._grad_norm.local_share()
-        # The step's one metric collective and its one host sync: its "nonfinite" count, the gradient norm and
-        # the stop keys are the votes every rank acts on; the step's z0 (this rank's) is read back with them.
+        # The step's one collective and host sync: "nonfinite", the norm and stop keys are the votes; z0 rides along.
         vote = self.stop_signals.vote()
         totals = reduce_sums({**local, **vote}, self.layout.dp_group, local=kl_local)
         kl = {k: totals.pop(k) for k in kl_local} if kl_local else None
