@@ -492,7 +492,9 @@ COLUMNS = (
     ("peak_gib", 8, ".2f", "peakGiB"),
     ("gpu_busy", 8, ".1%", "GPUbusy"),
     ("kernels", 9, ".0f", "kernels"),
+    ("count_kernels", 9, ".0f", "predicted"),  # coati_kto.testing.kernels, beside the CUDA profile's
     ("syncs", 7, ".1f", "syncs"),
+    ("count_syncs", 9, ".1f", "predicted"),
     ("dtoh", 6, ".1f", "DtoH"),
     ("host_ops", 9, ".0f", "host_ops"),
 )
@@ -707,7 +709,8 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     print(
         "per optimizer step; step_s, tok/s (non-pad), TFLOP/s, MFU: medians over the timed steps; kernels, syncs, "
-        "DtoH, host_ops: from the profiled run; n/a: no such figure on this device",
+        "DtoH, host_ops: from the profiled run; predicted: the kernel counter's (a third run, "
+        "coati_kto.testing.kernels; its per-category table below); n/a: no such figure on this device",
         flush=True,
     )
     if args.json:

@@ -243,7 +243,7 @@ def _path_summary(paths: list[str]) -> str:
 
 def attention_path(func: Any, args: tuple, kwargs: dict) -> str | None:
     """The attention path of a torch-level call: sdpa with a dense mask, sdpa without one (flash-capable),
-    flex, varlen; None for other calls (eager attention is reported by the pass: matmuls and a softmax)."""
+    flex, varlen; None for other calls (eager attention is seen at its softmax, :meth:`KernelCounter.record`)."""
     name = getattr(func, "__name__", "")
     if name == "scaled_dot_product_attention":
         mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
@@ -339,7 +339,10 @@ class KernelCounter(Tally):
         kernels, read, written = op_cost(func, args, kwargs, out)
         if not kernels:
             return
-        category = model_category(func.overloadpacket.__name__, ctx[1], ctx[2]) if ctx[0] == MODEL else ctx[0]
+        name = func.overloadpacket.__name__
+        category = model_category(name, ctx[1], ctx[2]) if ctx[0] == MODEL else ctx[0]
+        if category == ATTENTION and name == "_softmax" and self._modules and self.tally.passes:
+            self.tally.passes[-1].append("eager")  # a softmax in an attention module's forward: no fused kernel
         if self.log is not None:
             self.log.append((str(func), category, kernels, read, written))
         tally = self.tally

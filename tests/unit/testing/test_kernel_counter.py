@@ -185,3 +185,40 @@ def test_what_does_not_sync(name: str) -> None:
     with HostSyncCounter() as count:
         NOT_SYNCS[name](t, m)
     assert count.total == 0, dict(count.by_op)
+
+
+def _llama(attention: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, attn_implementation=attention,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize(
+    ("attention", "padded", "path"),
+    [("eager", False, "eager x2"), ("sdpa", False, "sdpa no mask x2"), ("sdpa", True, "sdpa dense mask x2")],
+)
+def test_attention_path_of_a_model_pass(attention: str, padded: bool, path: str) -> None:
+    """A Llama pass (2 layers): the path per layer; eager attention's matmuls and softmax count as attention,
+    its projections as model matmuls (7 Linear per layer and the LM head: 15 matmul kernels forward)."""
+    from coati_kto.testing.kernels import ATTENTION
+
+    ids, mask = torch.randint(0, 32, (2, 6)), torch.ones(2, 6, dtype=torch.long)
+    mask[1, :2] = 0  # a left-padded row
+    with torch.no_grad(), KernelCounter(log=True) as count:
+        _llama(attention)(input_ids=ids, attention_mask=mask if padded else None)
+    assert count.summary(1)["attention"] == [path]
+    assert count.kernels[MATMUL] == 2 * 7 + 1
+    # eager: q k^T, softmax, (attention) v per layer; sdpa: one kernel per layer (the rest: mask building)
+    kernels = [op.split(".")[1] for op, category, *_ in count.log if category == ATTENTION]
+    expected = (
+        ["bmm", "_softmax", "bmm"] * 2
+        if attention == "eager"
+        else ["_scaled_dot_product_flash_attention_for_cpu"] * 2
+    )
+    assert [k for k in kernels if k in ("bmm", "_softmax") or k.startswith("_scaled")] == expected
+    assert len(kernels) == 2 if not padded and attention == "sdpa" else len(kernels) > len(expected)
