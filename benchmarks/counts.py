@@ -62,7 +62,10 @@ def baseline_results(rev: str, argv: list[str]) -> list[dict[str, Any]]:
     try:
         for name in COUNTER_FILES:
             shutil.copyfile(ROOT / name, tree / name)
-        env = {**os.environ, "PYTHONPATH": str(tree)}
+        # The caller's process group (gpu_bench --smoke runs its cases in-process) holds its port: a fresh one.
+        dist_env = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+        env = {k: v for k, v in os.environ.items() if k not in dist_env}
+        env["PYTHONPATH"] = str(tree)
         proc = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, cwd=str(tree))
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if not lines:
