@@ -342,7 +342,9 @@ class KernelCounter(Tally):
         name = func.overloadpacket.__name__
         category = model_category(name, ctx[1], ctx[2]) if ctx[0] == MODEL else ctx[0]
         if category == ATTENTION and name == "_softmax" and self._modules and self.tally.passes:
-            self.tally.passes[-1].append("eager")  # a softmax in an attention module's forward: no fused kernel
+            self.tally.passes[-1].append(
+                "eager"
+            )  # a softmax in an attention module's forward: no fused kernel
         if self.log is not None:
             self.log.append((str(func), category, kernels, read, written))
         tally = self.tally
