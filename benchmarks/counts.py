@@ -90,6 +90,8 @@ def count_table(results: list[dict[str, Any]], before: dict[str, dict[str, Any]]
 
     lines = []
     for r in results:
+        if "count_error" in r:
+            lines.append(f"{r['case']}: not counted: {r['count_error']}")
         if "count_kernels" not in r:
             continue
         b = (before or {}).get(r["case"])

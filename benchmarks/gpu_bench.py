@@ -353,7 +353,10 @@ def _counted(work: Path, case: Case, args: argparse.Namespace, params: int) -> d
     config = Config.model_validate(
         apply_overrides(case_config(work, case, args, 1 + max(1, args.profile_steps), "counted"), args.set)
     )
-    return counted_run(lambda: train(config), params)
+    try:
+        return counted_run(lambda: train(config), params)
+    except Exception as err:  # noqa: BLE001 - e.g. flex attention: torch.compile refuses a dispatch mode
+        return {"count_error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
 
 
 def run_cases_here(work: Path, names: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
