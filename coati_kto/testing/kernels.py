@@ -5,9 +5,7 @@ Every aten op on tensors is one kernel (a ``_foreach_``/``_fused_`` op: the laun
 makes), except views, metadata and allocations (an op whose result aliases its input, ``empty``...). Bytes read:
 the tensor inputs' sizes (a broadcast input counts its memory, not its expanded size; a gather counts its
 indices and what it gathers, not the whole table); bytes written: the outputs' (or the mutated arguments').
-Those figures do not depend on the device: the same ops run on the CPU as on a GPU, except where a library
-picks another implementation per device (CPU AdamW runs per tensor, a GPU's HybridAdam fuses: their bytes
-differ by the temporaries, their kernels a lot).
+The same ops run on a CPU as on a GPU, except where a library picks per device (CPU AdamW runs per tensor).
 
 Categories need context, not op names alone: where in the code an op runs (innermost first: torch.optim and
 ColossalAI's optimizer step, the gradient norm, ZeRO's gradient hooks and buckets, the KTO loss, the chunked LM
@@ -237,8 +235,7 @@ class Tally:
 
 
 def _path_summary(paths: list[str]) -> str:
-    counts = Counter(paths)
-    return ", ".join(f"{p} x{n}" for p, n in counts.items()) if counts else "none"
+    return ", ".join(f"{p} x{n}" for p, n in Counter(paths).items()) or "none"
 
 
 def attention_path(func: Any, args: tuple, kwargs: dict) -> str | None:
@@ -276,10 +273,10 @@ class KernelCounter(Tally):
 
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(counting_synchronize(self._sync))
-        pre = nn_module.register_module_forward_pre_hook(self._enter_module)
-        post = nn_module.register_module_forward_hook(self._leave_module, always_call=True)
-        self._stack.callback(pre.remove)
-        self._stack.callback(post.remove)
+        self._stack.callback(nn_module.register_module_forward_pre_hook(self._enter_module).remove)
+        self._stack.callback(
+            nn_module.register_module_forward_hook(self._leave_module, always_call=True).remove
+        )
         if self._steps:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -303,10 +300,8 @@ class KernelCounter(Tally):
             self._modules.pop()
 
     def _module_flags(self) -> tuple[bool, bool]:
-        names = [type(m).__name__ for m in self._modules]
-        return any(n.endswith("Attention") for n in names), any(
-            isinstance(m, torch.nn.Linear) for m in self._modules
-        )
+        attention = any(type(m).__name__.endswith("Attention") for m in self._modules)
+        return attention, any(isinstance(m, torch.nn.Linear) for m in self._modules)
 
     def _sync(self, kind: str) -> None:
         if code_context() != HOST:  # the data pipeline's reads are of host tensors
@@ -377,12 +372,20 @@ class _Functions(TorchFunctionMode):
             out = func(*args, **kwargs)
         finally:
             counter._current.pop()
-        for t in _tensors(out) if torch.is_grad_enabled() else ():
-            if t.requires_grad and not t.is_leaf:
-                node = t.grad_fn
-                if node is not None and "coati_kto_context" not in node.metadata:
-                    node.metadata["coati_kto_context"] = tag
+        if torch.is_grad_enabled():
+            _tag_new_nodes([t.grad_fn for t in _tensors(out) if t.requires_grad and not t.is_leaf], tag)
         return out
+
+
+def _tag_new_nodes(nodes: list[Any], tag: tuple[str, bool, bool]) -> None:
+    """Tag the autograd nodes one call created (a composite makes several: matmul's view, mm, view) with its
+    context: from its outputs' nodes back to the first node an earlier call tagged (or a leaf's)."""
+    while nodes:
+        node = nodes.pop()
+        if node is None or "coati_kto_context" in node.metadata or "AccumulateGrad" in node.name():
+            continue
+        node.metadata["coati_kto_context"] = tag
+        nodes.extend(next_node for next_node, _ in node.next_functions)
 
 
 class _Dispatch(TorchDispatchMode):
