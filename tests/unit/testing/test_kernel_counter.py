@@ -222,3 +222,15 @@ def test_attention_path_of_a_model_pass(attention: str, padded: bool, path: str)
     )
     assert [k for k in kernels if k in ("bmm", "_softmax") or k.startswith("_scaled")] == expected
     assert len(kernels) == 2 if not padded and attention == "sdpa" else len(kernels) > len(expected)
+
+
+def test_backward_of_a_composite_takes_its_context() -> None:
+    """A Linear on a 3D input is view -> mm -> view: the backward's matmuls are the model's, not 'other'
+    (the autograd nodes behind the output's node are tagged too)."""
+    torch.manual_seed(0)
+    linear, x = torch.nn.Linear(3, 5), torch.randn(2, 4, 3, requires_grad=True)
+    with KernelCounter(log=True) as count:
+        linear(x).sum().backward()
+    matmuls = [(op, category) for op, category, *_ in count.log if op.startswith("aten.mm")]
+    assert matmuls and all(category == MATMUL for _, category in matmuls), matmuls
+    assert count.kernels[MATMUL] == 3, count.log
