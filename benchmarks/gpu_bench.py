@@ -297,6 +297,10 @@ def run_case(work: Path, case: Case, args: argparse.Namespace, fixture: dict[str
         reason = str(err).splitlines()
         result["skipped"] = next((line.strip() for line in reversed(reason) if "plugin" in line), reason[-1])
         return result
+    params = fixture["models"][case.model]["params"]
+    if args.counts_only:  # the counter alone (e.g. a --baseline-rev run)
+        result.update(_counted(work, case, args, params))
+        return result
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     trainer = train(config)
@@ -333,7 +337,26 @@ def run_case(work: Path, case: Case, args: argparse.Namespace, fixture: dict[str
         del_trainer = train(config)
     del del_trainer
     result.update(_profile_figures(prof, cuda))
+    gc.collect()
+    result.update(_counted(work, case, args, params))
     return result
+
+
+def _counted(work: Path, case: Case, args: argparse.Namespace, params: int) -> dict[str, Any]:
+    """Kernels, bytes per parameter and host syncs per optimizer step (coati_kto.testing.kernels), from a
+    third run of 1 + ``--profile-steps`` steps under the counter (benchmarks/counts.py)."""
+    from counts import counted_run
+
+    from coati_kto.config.schema import Config
+    from coati_kto.train import train
+
+    config = Config.model_validate(
+        apply_overrides(case_config(work, case, args, 1 + max(1, args.profile_steps), "counted"), args.set)
+    )
+    try:
+        return counted_run(lambda: train(config), params)
+    except Exception as err:  # noqa: BLE001 - e.g. flex attention: torch.compile refuses a dispatch mode
+        return {"count_error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
 
 
 def run_cases_here(work: Path, names: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -472,7 +495,9 @@ COLUMNS = (
     ("peak_gib", 8, ".2f", "peakGiB"),
     ("gpu_busy", 8, ".1%", "GPUbusy"),
     ("kernels", 9, ".0f", "kernels"),
+    ("count_kernels", 9, ".0f", "predicted"),  # coati_kto.testing.kernels, beside the CUDA profile's
     ("syncs", 7, ".1f", "syncs"),
+    ("count_syncs", 9, ".1f", "predicted"),
     ("dtoh", 6, ".1f", "DtoH"),
     ("host_ops", 9, ".0f", "host_ops"),
 )
@@ -543,6 +568,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="SECTION.KEY=VALUE",
         help="set a config knob in every case (repeatable), e.g. --set kto.pack_reference=false",
     )
+    p.add_argument(
+        "--counts-only", action="store_true", help="only the counted run (kernels, bytes, syncs) per case"
+    )
+    p.add_argument(
+        "--baseline-rev",
+        default=None,
+        help="also count on this git revision (a temporary worktree), printed as the before column",
+    )
     p.add_argument("--json", type=Path, default=None, help="write every figure here")
     p.add_argument("--run-cases", default=None, help=argparse.SUPPRESS)  # internal: a case process
     args = p.parse_args(argv)
@@ -576,7 +609,7 @@ def _case_process(work: Path, name: str, args: argparse.Namespace, started: floa
     cmd = [sys.executable, __file__, "--run-cases", name, "--out", str(work), "--attn", args.attn]
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     cmd += ["--profile-steps", str(args.profile_steps), "--max-length", str(args.max_length)]
-    cmd += [f"--set={item}" for item in args.set]
+    cmd += [f"--set={item}" for item in args.set] + (["--counts-only"] if args.counts_only else [])
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     t0 = time.perf_counter()
     try:
@@ -662,19 +695,36 @@ def main(argv: list[str] | None = None) -> int:
         for name, ms in r.get("top_kernels", []):
             print(f"  {r['case']}: {ms:8.2f} ms/step  {name}")
     print("\n" + table(results + trl), flush=True)
+    from counts import baseline_results, count_table
+
+    before = None
+    if args.baseline_rev:
+        argv_base = [__file__, "--run-cases", ",".join(names), "--counts-only", "--out", str(work)]
+        argv_base += ["--attn", args.attn, "--max-length", str(args.max_length)]
+        argv_base += ["--profile-steps", str(args.profile_steps), *[f"--set={item}" for item in args.set]]
+        shutil.rmtree(work / "runs", ignore_errors=True)  # the same run directories, on the other revision
+        before = {r["case"]: r for r in baseline_results(args.baseline_rev, argv_base)}
+        for r in before.values():
+            if "error" in r:
+                print(f"before ({args.baseline_rev}) {r['case']}: {r['error']}", flush=True)
+    print("\n" + count_table(results, before), flush=True)
     for line in speedups(results, trl):
         print(line)
     print(
         "per optimizer step; step_s, tok/s (non-pad), TFLOP/s, MFU: medians over the timed steps; kernels, syncs, "
-        "DtoH, host_ops: from the profiled run; n/a: no such figure on this device",
+        "DtoH, host_ops: from the profiled run; predicted: the kernel counter's (a third run, "
+        "coati_kto.testing.kernels; its per-category table below); n/a: no such figure on this device",
         flush=True,
     )
     if args.json:
         args.json.write_text(
-            json.dumps({"device": device, "fixture": fixture, "cases": results, "trl": trl}, indent=2)
+            json.dumps(
+                {"device": device, "fixture": fixture, "cases": results, "trl": trl, "before": before},
+                indent=2,
+            )
         )
     print(f"total {time.perf_counter() - started:.1f} s")
-    return 0 if all("error" not in r for r in results + trl) else 1
+    return 0 if all("error" not in r for r in results + trl + list((before or {}).values())) else 1
 
 
 if __name__ == "__main__":

@@ -149,6 +149,51 @@ def _child_run(config_path: str, overrides: list[str], command: str) -> None:
     print("RESULT " + json.dumps(out))
 
 
+def _child_count(config_path: str, params: int, overrides: list[str]) -> None:
+    """``coati-kto train`` for 3 steps under the kernel counter (benchmarks/counts.py); prints the per-step
+    figures as JSON."""
+    from counts import counted_run
+
+    from coati_kto.config.load import load_config
+    from coati_kto.train import train
+
+    config = load_config(config_path, ["train.max_steps=3", *overrides])
+    print(
+        "RESULT "
+        + json.dumps({"case": " ".join(overrides) or "online", **counted_run(lambda: train(config), params)})
+    )
+
+
+def _counts(args: argparse.Namespace, base: Path) -> None:
+    """Kernels, bytes per parameter and host syncs per optimizer step on the fixture, per path (this tree, and
+    ``--baseline-rev`` in a temporary worktree as the before column)."""
+    from counts import baseline_results, count_table
+
+    work = base / "counts"
+    work.mkdir(parents=True)
+    hidden, layers = ("64", "2") if args.smoke else ("256", "4")
+    info, _ = _run(["--child", "setup", str(work), "64", "fixture", hidden, layers])
+    config = _config(work, "fixture", 256, 128, 8, max_epochs=1)
+    paths = [[], ["kto.reference=cached"], ["kto.pack_reference=true"], ["data.padding_free=true"]]
+    results, argvs = [], []
+    for overrides in paths:
+        argv = ["--child", "count", str(config), str(info["params"]), *overrides]
+        shutil.rmtree(work / "out-fixture", ignore_errors=True)
+        results.append(_run(argv)[0])
+        argvs.append(argv)
+    before = None
+    if args.baseline_rev:
+        before = {}
+        for argv in argvs:
+            shutil.rmtree(work / "out-fixture", ignore_errors=True)
+            for r in baseline_results(args.baseline_rev, [__file__, *argv]):
+                before[r["case"]] = r
+    print(
+        f"fixture counts ({info['params'] / 1e6:.2f}M parameters, micro-batch 8, fp32, hybrid ZeRO-0, 1 process)"
+    )
+    print(count_table(results, before))
+
+
 def _child_savings(config_path: str) -> None:
     """Reference tokens with two passes vs one shared-prompt pass, over the prepared train split."""
     import numpy as np
@@ -270,6 +315,12 @@ def main() -> None:
     p.add_argument("--tool-examples", type=int, default=128)
     p.add_argument("--tool-steps", type=int, default=8)
     p.add_argument("--baseline", default=None, help="another checkout whose online run to compare with")
+    p.add_argument(
+        "--counts", action="store_true", help="only kernels, bytes/param and syncs per step, per path"
+    )
+    p.add_argument(
+        "--baseline-rev", default=None, help="with --counts: the before column from this git revision"
+    )
     p.add_argument("--skip-100m", action="store_true")
     p.add_argument("--skip-fixture", action="store_true", help="only the tool-use shape (and the ~100M run)")
     p.add_argument("--repeats", type=int, default=2, help="~100M runs per mode")
@@ -288,12 +339,16 @@ def main() -> None:
             return _child_setup(Path(params[0]), int(params[1]), params[2], int(params[3]), int(params[4]))
         if kind == "run":
             return _child_run(params[0], params[2:], params[1])
+        if kind == "count":
+            return _child_count(params[0], int(params[1]), params[2:])
         return _child_savings(params[0])
 
     base = Path(args.work)
     shutil.rmtree(base, ignore_errors=True)
     print(f"work dir {base}; {os.cpu_count()} CPUs (shared: other processes may load them)")
 
+    if args.counts:
+        return _counts(args, base)
     if not args.only_100m:
         if not args.skip_fixture:
             _fixture(args, base)

@@ -130,16 +130,34 @@ class ParallelLayout:
         )
 
 
-def reduce_sums(values: dict[str, float | torch.Tensor], group: ProcessGroup | None) -> dict[str, float]:
+def reduce_sums(
+    values: dict[str, float | torch.Tensor],
+    group: ProcessGroup | None,
+    local: dict[str, torch.Tensor] | None = None,
+) -> dict[str, float]:
     """Sum each value over ``group`` in one fp64 all-reduce; every rank of the group calls it with the same keys.
+    ``local``: values returned as they are on this rank (not reduced), read back with the sums.
 
-    Use it for exact metrics: reduce sums and counts, divide afterwards (never average per-rank means).
+    Use it for exact metrics: reduce sums and counts, divide afterwards (never average per-rank means). One host
+    sync: the result's read-back. Device tensors stay on the device until then; floats go over in one
+    non-blocking copy (pinned on CUDA): a pageable copy would synchronize the stream.
     """
-    keys = sorted(values)
-    flat = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=_comm_device())
+    local = local or {}
+    device = _comm_device()
+    host = sorted(k for k, v in values.items() if not isinstance(v, torch.Tensor))
+    on_device = sorted(k for k in values if k not in host)
+    parts = []
+    if host:
+        staged = torch.tensor([float(values[k]) for k in host], dtype=torch.float64)
+        staged = staged.pin_memory() if device.type == "cuda" else staged
+        parts.append(staged.to(device, non_blocking=True))
+    parts += [t.detach().reshape(1).to(device, torch.float64) for t in (values[k] for k in on_device)]
+    parts += [local[k].detach().reshape(1).to(device, torch.float64) for k in local]
+    flat = torch.cat(parts)
+    summed = len(host) + len(on_device)
     if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    return dict(zip(keys, flat.tolist(), strict=True))
+        dist.all_reduce(flat[:summed], op=dist.ReduceOp.SUM, group=group)
+    return dict(zip([*host, *on_device, *local], flat.tolist(), strict=True))
 
 
 def barrier() -> None:

@@ -1,16 +1,32 @@
-"""Counting the host syncs of a piece of code on any device: the ops that make the host wait for the device on
-CUDA (reading a value back: ``item``/``float``/``bool`` of a tensor, ``nonzero`` and boolean-mask indexing whose
-output size depends on the data, ``torch.equal``...). On CPU nothing waits, but the same ops run, so the count a
-CPU test sees is the count a GPU step pays.
+"""Counting the host syncs of a piece of code on any device, as CUDA counts them: the calls that make the host
+wait for the device. On CPU nothing waits, but the same calls run, so the count a CPU test sees is the count a
+GPU step pays. Counted:
+
+- reading a value back: ``item``/``float``/``int``/``bool`` of a tensor, ``tolist``, ``cpu``, ``numpy``,
+  ``.to("cpu")`` (a device argument written as the string ``"cpu"``: code that names the host), not
+  ``non_blocking`` copies;
+- data-dependent shapes: ``nonzero``, boolean-mask indexing, ``masked_select``, ``unique``,
+  ``repeat_interleave`` by a tensor, ``torch.equal``;
+- a pageable host-to-device copy: ``torch.tensor``/``as_tensor`` of Python data with a ``device`` other than
+  the string ``"cpu"`` (CUDA copies it and synchronizes the stream);
+- explicit synchronization: ColossalAI's accelerator ``synchronize`` (a no-op on the CPU accelerator that
+  ``coati_kto.parallel.compat`` installs, counted all the same), ``torch.cuda.synchronize``, CUDA stream and
+  event ``synchronize``.
+
+torch.optim's own ``.item()`` on its step counters is not counted: they live on the host (capturable=False).
 """
 
 from __future__ import annotations
 
+import contextlib
+import sys
 import traceback
 from collections import Counter
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _aten = torch.ops.aten
@@ -23,8 +39,16 @@ SYNC_OPS = {
     _aten.is_nonzero.default,
     _aten.unique_consecutive.default,
     _aten._unique2.default,
+    _aten.unique_dim.default,
     _aten.repeat_interleave.Tensor,
 }
+_READ_BACK = {
+    "tolist",
+    "cpu",
+    "numpy",
+}  # Tensor methods that copy to the host (function level: no aten op on CPU)
+_NEW_TENSOR = {"tensor", "as_tensor"}
+_MODEL_CODE = ("/transformers/models/", "/transformers/modeling_", "/transformers/masking", "/shardformer/")
 
 
 def _bool_index(func: Any, args: tuple) -> bool:
@@ -40,37 +64,150 @@ def _bool_index(func: Any, args: tuple) -> bool:
 
 def _in_torch_optimizer() -> bool:
     """torch.optim's step counters live on the CPU (capturable=False): their ``.item()`` never waits for a GPU."""
-    return any("torch/optim/" in frame.filename for frame in traceback.extract_stack()[-8:])
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return False
+        if "torch/optim/" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _caller() -> str:
     for frame in reversed(traceback.extract_stack()[:-3]):
-        if "coati_kto" in frame.filename and "testing/syncs" not in frame.filename:
+        if "coati_kto" in frame.filename and "testing/" not in frame.filename:
             return f"{frame.filename.split('coati_kto/')[-1]}:{frame.lineno}"
     return "outside coati_kto"
 
 
-_MODEL_CODE = ("/transformers/models/", "/transformers/modeling_", "/transformers/masking", "/shardformer/")
+def _names_host(device: Any) -> bool:
+    return isinstance(device, str) and device.split(":")[0] == "cpu"
 
 
-class HostSyncCounter(TorchDispatchMode):
-    """``with HostSyncCounter() as syncs: ...``; then ``syncs.total``, ``syncs.by_op`` (op name -> count),
-    ``syncs.by_place`` (coati_kto line -> count) and ``syncs.in_model`` (inside a model's forward)."""
+def function_sync(func: Any, args: tuple, kwargs: dict) -> str | None:
+    """The sync kind of a torch-level call, or None."""
+    name = getattr(func, "__name__", "")
+    if name in _READ_BACK:
+        return name
+    if name == "to" and not kwargs.get("non_blocking", False):
+        device = kwargs.get("device", args[1] if len(args) > 1 else None)
+        return "to_cpu" if _names_host(device) else None
+    if name in _NEW_TENSOR and func in (torch.tensor, torch.as_tensor):
+        device = kwargs.get("device")
+        data = args[0] if args else kwargs.get("data")
+        pageable = device is not None and not _names_host(device) and not isinstance(data, torch.Tensor)
+        return "host_to_device" if pageable else None
+    return None
+
+
+def dispatch_sync(func: Any, args: tuple) -> str | None:
+    """The sync kind of an aten op (below autograd), or None."""
+    if func in SYNC_OPS or _bool_index(func, args):
+        return "bool_index" if func not in SYNC_OPS else str(func.overloadpacket.__name__)
+    return None
+
+
+class SyncRecord:
+    """The syncs seen: ``by_op`` (kind -> count), ``by_place`` (innermost coati_kto line -> count), ``in_model``
+    (of the total, inside a model's own forward: transformers / shardformer code)."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.by_op: Counter[str] = Counter()
-        self.by_place: Counter[str] = Counter()  # the innermost coati_kto line that caused each sync
-        self.in_model = 0  # of the total, inside a model's own forward (transformers / shardformer code)
+        self.by_place: Counter[str] = Counter()
+        self.in_model = 0
 
     @property
     def total(self) -> int:
         return sum(self.by_op.values())
 
+    def add(self, kind: str) -> None:
+        if _in_torch_optimizer():
+            return
+        self.by_op[kind] += 1
+        self.by_place[_caller()] += 1
+        if any(part in f.filename for f in traceback.extract_stack() for part in _MODEL_CODE):
+            self.in_model += 1
+
+
+@contextlib.contextmanager
+def counting_synchronize(add: Callable[[str], None]) -> Iterator[None]:
+    """Calls to every synchronize (ColossalAI's accelerator, torch.cuda, CUDA streams and events) reported to
+    ``add`` while inside; one per outermost call (the CUDA accelerator's synchronize calls torch.cuda's)."""
+    depth = [0]
+    patched: list[tuple[Any, str, Any]] = []
+
+    def wrap(owner: Any, attr: str, kind: str) -> None:
+        original = getattr(owner, attr, None)
+        if original is None:
+            return
+
+        def counted(*a: Any, **k: Any) -> Any:
+            if depth[0] == 0:
+                add(kind)
+            depth[0] += 1
+            try:
+                return original(*a, **k)
+            finally:
+                depth[0] -= 1
+
+        patched.append((owner, attr, original))
+        setattr(owner, attr, counted)
+
+    try:
+        from colossalai.accelerator import get_accelerator
+
+        wrap(get_accelerator(), "synchronize", "synchronize")
+    except ImportError:  # the counter also serves code without ColossalAI
+        pass
+    wrap(torch.cuda, "synchronize", "synchronize")
+    wrap(torch.cuda.Stream, "synchronize", "synchronize")
+    wrap(torch.cuda.Event, "synchronize", "synchronize")
+    try:
+        yield
+    finally:
+        for owner, attr, original in reversed(patched):
+            if owner is not torch.cuda.Stream and owner is not torch.cuda.Event and owner is not torch.cuda:
+                delattr(owner, attr)  # the accelerator instance: its class's method shows again
+            else:
+                setattr(owner, attr, original)
+
+
+class _Dispatch(TorchDispatchMode):
+    def __init__(self, record: SyncRecord) -> None:
+        super().__init__()
+        self.record = record
+
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if (func in SYNC_OPS or _bool_index(func, args)) and not _in_torch_optimizer():
-            self.by_op[str(func.overloadpacket.__name__)] += 1
-            self.by_place[_caller()] += 1
-            if any(part in f.filename for f in traceback.extract_stack() for part in _MODEL_CODE):
-                self.in_model += 1
+        kind = dispatch_sync(func, args)
+        if kind is not None:
+            self.record.add(kind)
         return func(*args, **(kwargs or {}))
+
+
+class _Functions(TorchFunctionMode):
+    def __init__(self, record: SyncRecord) -> None:
+        super().__init__()
+        self.record = record
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        kind = function_sync(func, args, kwargs)
+        if kind is not None:
+            self.record.add(kind)
+        return func(*args, **kwargs)
+
+
+class HostSyncCounter(SyncRecord):
+    """``with HostSyncCounter() as syncs: ...``; then ``syncs.total``, ``syncs.by_op`` (kind -> count),
+    ``syncs.by_place`` (coati_kto line -> count) and ``syncs.in_model``. Any thread's code that runs inside."""
+
+    def __enter__(self) -> HostSyncCounter:
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(counting_synchronize(self.add))
+        self._stack.enter_context(_Functions(self))
+        self._stack.enter_context(_Dispatch(self))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()

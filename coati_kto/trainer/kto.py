@@ -237,12 +237,12 @@ class KTOTrainer(SLTrainer):
         step = self.global_step + 1
         groups = [micro_batches] if self.options.kl_scope == "step" else [[b] for b in micro_batches]
         sums = self.passes.forward(groups, True, len(micro_batches), self._backward, self._grad_sync)
-        local, kl = sums.local()
-        local[_GRAD_SQ] = float(self._grad_norm.local_share())
-        # The step's one metric collective: its "nonfinite" count, the gradient norm and the stop keys are the
-        # votes every rank acts on.
+        local, kl_local = sums.local_tensors()
+        local[_GRAD_SQ] = self._grad_norm.local_share()
+        # The step's one collective and host sync: "nonfinite", the norm and stop keys are the votes; z0 rides along.
         vote = self.stop_signals.vote()
-        totals = reduce_sums({**local, **vote}, self.layout.dp_group)
+        totals = reduce_sums({**local, **vote}, self.layout.dp_group, local=kl_local)
+        kl = {k: totals.pop(k) for k in kl_local} if kl_local else None
         if self.layout.dp_size < self.layout.world_size:  # tensor-parallel peers vote in other dp groups
             totals.update(reduce_sums(vote, None))
         self._stop_signal = decide(totals)

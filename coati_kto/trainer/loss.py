@@ -98,11 +98,8 @@ def kto_loss(
     z0 = torch.as_tensor(kl, dtype=torch.float32, device=device).detach()
     desirable = labels.to(device).bool()
     z = beta * torch.where(desirable, r - z0, z0 - r)
-    weight = torch.where(
-        desirable,
-        torch.tensor(float(desirable_weight), device=device),
-        torch.tensor(float(undesirable_weight), device=device),
-    )
+    # Python scalars, not torch.tensor(x, device=...): a pageable host-to-device copy syncs on CUDA.
+    weight = torch.where(desirable, float(desirable_weight), float(undesirable_weight))
     # sigmoid(-z) == 1 - sigmoid(z), without the cancellation when sigmoid(z) is close to 1.
     losses = weight * torch.sigmoid(-z)
     rewards = beta * r.detach()

@@ -96,16 +96,23 @@ class StepSums:
         self._kl.append(z0.detach().double().reshape(()))
         self._kl_raw.append(raw.detach().double().reshape(()))
 
-    def local(self) -> tuple[dict[str, float], dict[str, float] | None]:
-        """(this rank's sums, {"kl": mean z0, "kl_raw": mean raw estimate} of the step or None): one
-        device-to-host copy."""
+    def local_tensors(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+        """(this rank's sums, {"kl": mean z0, "kl_raw": mean raw estimate} of the step or None), 0-dim fp64 on
+        the device: nothing read back (coati_kto.parallel.distributed.reduce_sums reads them with the sums)."""
         if self._kl:
             kl = torch.stack([torch.stack(self._kl).mean(), torch.stack(self._kl_raw).mean()])
         else:
             kl = self._sums.new_full((2,), float("nan"))
-        values = torch.cat([self._sums, kl]).tolist()
+        values = torch.cat([self._sums, kl]).unbind()
         sums = dict(zip(SUM_KEYS, values[:-2], strict=True))
         return sums, ({"kl": values[-2], "kl_raw": values[-1]} if self._kl else None)
+
+    def local(self) -> tuple[dict[str, float], dict[str, float] | None]:
+        """:meth:`local_tensors` as floats: one device-to-host copy."""
+        sums, kl = self.local_tensors()
+        flat = torch.stack([*sums.values(), *(kl or {}).values()]).tolist()
+        host = dict(zip([*sums, *(kl or {})], flat, strict=True))
+        return {k: host[k] for k in sums}, ({k: host[k] for k in kl} if kl else None)
 
 
 def add_totals(into: dict[str, float], totals: dict[str, float]) -> None:

@@ -162,7 +162,8 @@ class KTOPasses:
         (one collective, no host sync); equals rows x micro-batches when every micro-batch has the same size."""
         import torch.distributed as dist
 
-        rows = torch.tensor(float(sum(len(batch) for batch in batches)), device=self.device)
+        # A fill, not torch.tensor(x, device=...): that is a pageable host-to-device copy, a sync on CUDA.
+        rows = torch.full((), float(sum(len(batch) for batch in batches)), device=self.device)
         if self.kl_group is None:
             return rows
         dist.all_reduce(rows, op=dist.ReduceOp.SUM, group=self.kl_group)

@@ -71,3 +71,64 @@ def test_packed_passes_read_nothing_back(padding_free: bool, tiny_model_dir: Pat
     plugin = PLUGINS["hybrid_zero2_bf16"]
     counts = run_distributed(_count, 1, str(tiny_model_dir), str(tmp_path), plugin, padding_free, True)[0]
     assert counts["total"] == 1, counts
+
+
+PATHS = {
+    "online": {},
+    "cached": {"kto": {"reference": "cached"}},
+    "pack_reference": {"kto": {"pack_reference": True}},
+    "padding_free": {"data": {"padding_free": True}},
+    "lora": {"model": {"lora": {"rank": 4, "alpha": 8}}},
+}
+
+
+def _train_counted(root: str, model_dir: str) -> dict:
+    """Each path of PATHS trained 3 steps by coati_kto.train.train under the kernel counter: host syncs per
+    optimizer step as CUDA counts them (coati_kto.testing.kernels, windows cut at optimizer-step ends)."""
+    from coati_kto.config.schema import Config
+    from coati_kto.data.files import write_jsonl
+    from coati_kto.testing.kernels import KernelCounter
+    from coati_kto.train import train
+
+    prompts = ["What is the capital of France?", "Please add 2 and 3.", "What is the weather in Berlin?"]
+    answers = ["The capital of France is Paris.", "The answer is 5. Thank you!", "I cannot help with that."]
+    records = [
+        {"prompt": f"{prompts[i % 3]} ({i})", "completion": answers[i % 3] * (1 + i % 2), "label": i % 4 != 3}
+        for i in range(48)
+    ]
+    write_jsonl(records, Path(root) / "train.jsonl")
+    out = {}
+    for name, sections in PATHS.items():
+        raw = {
+            "model": {"path": model_dir, "attn_implementation": "sdpa"},
+            "data": {"train_files": [f"{root}/train.jsonl"], "prepared_dir": f"{root}/prepared"},
+            "train": {"micro_batch_size": 4, "accumulation_steps": 2, "max_steps": 3, "log_interval": 1},
+            "plugin": {"name": "hybrid_parallel", "zero_stage": 2, "precision": "bf16"},
+            "output": {"dir": f"{root}/out-{name}", "save_final": False},
+            "logging": {"tensorboard": False},
+        }
+        for section, values in sections.items():
+            raw[section] = {**raw.get(section, {}), **values}
+        with KernelCounter(steps=True) as counter:
+            train(Config.model_validate(raw))
+        steady = counter.windows[:-1]  # the last window: after the last step
+        out[name] = [(w.syncs.total, dict(w.syncs.by_place)) for w in steady]
+    return out
+
+
+@pytest.fixture(scope="module")
+def counted_paths(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("syncs")
+    return run_distributed(_train_counted, 1, str(root), str(tiny_model_dir))[0]
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_one_host_sync_per_step_on_every_path(path: str, counted_paths: dict) -> None:
+    """Whole training runs, every step counted as CUDA counts syncs (read-backs, pageable host-to-device copies,
+    data-dependent shapes, synchronize calls): one per optimizer step, the step's metric all-reduce read-back
+    (it was 7 on each path: the gradient norm's float(), the metrics' tolist, the all-reduce's pageable copy in
+    and its read-back, the step's row count and the loss weights as torch.tensor on the device)."""
+    windows = counted_paths[path]
+    assert len(windows) == 2, windows
+    assert all(total == 1 for total, _ in windows), windows
+    assert all(list(places) == ["parallel/distributed.py:160"] for _, places in windows), windows

@@ -55,9 +55,13 @@ def positive_finite(values: list[float], what: str) -> None:
         assert math.isfinite(v) and v > 0, f"{what}: {v}"
 
 
+# Modules the scripts import, not scripts: tested through them (counts.py: gpu_bench's and step_bench's counts).
+HELPERS = {"counts.py"}
+
+
 def test_every_benchmark_has_a_test() -> None:
     """A new script in benchmarks/ needs its smoke test here."""
-    scripts = {p.name for p in BENCH.glob("*.py")}
+    scripts = {p.name for p in BENCH.glob("*.py")} - HELPERS
     tested = {n for n in re.findall(r'"(\w+\.py)"', Path(__file__).read_text()) if (BENCH / n).exists()}
     assert scripts <= tested, f"benchmarks without a smoke test: {sorted(scripts - tested)}"
 
@@ -94,8 +98,14 @@ def test_gpu_bench_smoke(tmp_path: Path) -> None:
         # One process: hybrid_parallel runs without ZeRO (nothing to shard), low_level_zero is ZeRO by name.
         assert figures["ZeRO"] == ("0" if name.endswith("/hybrid_z2") else "2"), rows[name]
         assert {figures[k] for k in ("MFU", "peakGiB", "GPUbusy", "kernels", "syncs", "DtoH")} == {"n/a"}
+        # the kernel counter's prediction (benchmarks/counts.py): kernels per step, one host sync per step
+        predicted_kernels = float(cells[titles.index("kernels") + 1])
+        predicted_syncs = float(cells[titles.index("syncs") + 1])
+        assert predicted_kernels > 0 and predicted_syncs == 1.0, rows[name]
         ran += 1
     assert ran >= 12, ran
+    # the per-category table: every category listed per case, with bytes per parameter
+    assert out.count("gradient norm   ") >= ran and out.count("host syncs (as CUDA counts)") >= ran, out
     assert "TRL" in rows and "skipped:" in rows["TRL"], rows.get("TRL")
 
 

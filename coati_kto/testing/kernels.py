@@ -1,0 +1,400 @@
+"""What a piece of code would cost a GPU, counted on any device: kernels, the bytes they read and write, per
+category, host syncs (coati_kto.testing.syncs) and the attention path each model pass took.
+
+Every aten op on tensors is one kernel (a ``_foreach_``/``_fused_`` op: the launches CUDA's multi-tensor apply
+makes), except views, metadata and allocations (an op whose result aliases its input, ``empty``...). Bytes read:
+the tensor inputs' sizes (a broadcast input counts its memory, not its expanded size; a gather counts its
+indices and what it gathers, not the whole table); bytes written: the outputs' (or the mutated arguments').
+The same ops run on a CPU as on a GPU, except where a library picks per device (CPU AdamW runs per tensor).
+
+Categories need context, not op names alone: where in the code an op runs (innermost first: torch.optim and
+ColossalAI's optimizer step, the gradient norm, ZeRO's gradient hooks and buckets, the KTO loss, the chunked LM
+head and log-softmax, the attention masks) and, inside a model, which module (global module hooks: an
+``*Attention`` module, a ``Linear``) and which op (matmuls, attention kernels, casts and copies, the rest:
+norms / rotary / activations / embedding). A backward op takes the category of the forward op whose autograd
+node runs it (tagged at the forward, in the node's metadata). Work of the data pipeline (``coati_kto/data``,
+``torch.utils.data``) is host work: not counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from coati_kto.testing.syncs import SyncRecord, counting_synchronize, dispatch_sync, function_sync
+
+MATMUL, ATTENTION, POINTWISE, COPIES = (
+    "model matmuls",
+    "attention",
+    "norms / rotary / activations",
+    "casts and copies",
+)
+HEAD, LOSS, GRADS, NORM, OPTIMIZER, OTHER = (
+    "LM head and log-softmax",
+    "loss",
+    "gradient buckets and reductions",
+    "gradient norm",
+    "optimizer",
+    "other",
+)
+CATEGORIES = (MATMUL, ATTENTION, POINTWISE, COPIES, HEAD, LOSS, GRADS, NORM, OPTIMIZER, OTHER)
+GRAD_PATH = (GRADS, NORM, OPTIMIZER)  # the optimizer and gradient path of the issue's target
+MODEL, HOST = "model", "host"  # contexts refined by op (MODEL) or not counted (HOST)
+
+_aten = torch.ops.aten
+_MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_addmm_activation", "addbmm"}
+_SOFTMAX_OPS = {"_softmax", "softmax", "_softmax_backward_data", "_safe_softmax"}
+_ATTENTION_OPS = ("_scaled_dot_product", "_flash_attention", "_efficient_attention", "_cudnn_attention")
+_COPY_OPS = {"_to_copy", "copy_", "clone", "_copy_from", "_copy_from_and_resize", "contiguous"}
+_NOT_KERNELS = {
+    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias", "lift_fresh",
+    "set_", "resize_", "_local_scalar_dense", "record_stream", "is_same_size", "_has_compatible_shallow_copy_type",
+    "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "_resize_output_", "is_nonzero",
+    "_record_function_enter_new", "_record_function_exit", "_unsafe_view", "_reshape_alias", "view",
+}  # fmt: skip
+_GATHERS = {"embedding", "index", "index_select", "gather", "take"}
+_WRITE_ONLY = {
+    "zero_", "fill_", "normal_", "uniform_", "random_", "ones_like", "zeros_like", "full_like", "new_zeros",
+    "new_ones", "new_full",
+}  # fmt: skip
+# CUDA multi-tensor apply: tensors per launch by the number of tensor lists, chunks of 65536 elements, 320
+# chunks per launch (ATen's MultiTensorApply.cuh).
+_MTA_TENSORS = {1: 110, 2: 64, 3: 48, 4: 36, 5: 30}
+_MTA_CHUNK, _MTA_BLOCKS = 65536, 320
+
+# (part of a file path, function name or None) -> context; the innermost frame that matches decides.
+_PLACES: tuple[tuple[str, str | None, str], ...] = (
+    ("/torch/utils/data/", None, HOST),
+    ("coati_kto/data/", None, HOST),
+    ("/torch/optim/", None, OPTIMIZER),
+    ("/colossalai/nn/optimizer/", None, OPTIMIZER),
+    ("/torch/nn/utils/clip_grad", None, NORM),
+    ("coati_kto/parallel/grad_norm", None, NORM),
+    ("/colossalai/", "_compute_grad_norm", NORM),
+    ("/colossalai/", "step", OPTIMIZER),
+    ("/colossalai/zero/", None, GRADS),
+    ("/colossalai/amp/", None, OPTIMIZER),
+    ("coati_kto/models/packing", "allowed_attention", ATTENTION),
+    ("coati_kto/models/packing", "_additive_mask", ATTENTION),
+    ("coati_kto/models/packing", "_flex_mask", ATTENTION),
+    ("coati_kto/models/packing", "build", ATTENTION),
+    ("coati_kto/models/packing", "_pad_columns", ATTENTION),
+    ("/transformers/masking", None, ATTENTION),
+    ("/transformers/", None, MODEL),
+    ("/peft/", None, MODEL),
+    ("/colossalai/shardformer/", None, MODEL),
+    ("coati_kto/families/", None, MODEL),
+    ("/torch/nn/modules/", None, MODEL),
+    ("coati_kto/trainer/loss", None, LOSS),
+    ("coati_kto/models/logprobs", None, HEAD),
+    ("coati_kto/models/packing", "score", HEAD),
+    ("coati_kto/models/lm_head", None, HEAD),
+)
+_BACKWARD = {"backward", "grad"}  # Tensor.backward, torch.autograd.backward / grad
+_place_cache: dict[Any, str | None] = {}
+
+
+def _place_of(code: Any) -> str | None:
+    if code not in _place_cache:
+        name, path = code.co_name, code.co_filename.replace("\\", "/")
+        _place_cache[code] = next(
+            (ctx for part, fn, ctx in _PLACES if part in path and (fn is None or fn == name)), None
+        )
+    return _place_cache[code]
+
+
+def code_context() -> str:
+    """The context of the calling code: the innermost frame :data:`_PLACES` names, else OTHER."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        ctx = _place_of(frame.f_code)
+        if ctx is not None:
+            return ctx
+        frame = frame.f_back
+    return OTHER
+
+
+def _bytes(t: torch.Tensor) -> int:
+    """Memory a kernel touches for ``t``: its elements, a broadcast (stride 0) dimension counted once."""
+    if t.numel() == 0:
+        return 0
+    span = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride(), strict=True))
+    return min(t.numel(), span) * t.element_size()
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+def _launches(args: tuple) -> int:
+    """CUDA launches of a multi-tensor op (ATen's multi_tensor_apply: a launch when the tensors per launch or
+    the chunks per launch are full, an unfinished tensor carried into the next)."""
+    lists = [a for a in args if isinstance(a, list | tuple) and a and isinstance(a[0], torch.Tensor)]
+    if not lists:
+        return 1
+    per_launch = _MTA_TENSORS.get(len(lists), 30)
+    launches = tensors = chunks = 0
+    for t in lists[0]:
+        count = -(-t.numel() // _MTA_CHUNK)
+        if count == 0:
+            continue
+        tensors += 1
+        for chunk in range(count):
+            chunks += 1
+            last = chunk == count - 1
+            if chunks == _MTA_BLOCKS or (tensors == per_launch and last):
+                launches, chunks, tensors = launches + 1, 0, 0 if last else 1
+    return launches + (1 if chunks else 0)
+
+
+def _is_view(func: Any) -> bool:
+    returns = func._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+def op_cost(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[int, int, int]:
+    """(kernels, bytes read, bytes written) of one aten op call; (0, 0, 0) for views and allocations."""
+    name = func.overloadpacket.__name__
+    if name in _NOT_KERNELS or func.namespace == "profiler" or _is_view(func):
+        return 0, 0, 0
+    inputs = _tensors((args, {k: v for k, v in kwargs.items() if k != "out"}))
+    specs = func._schema.arguments
+    mutated = [
+        args[i] if i < len(args) else kwargs.get(spec.name)
+        for i, spec in enumerate(specs)
+        if spec.alias_info is not None and spec.alias_info.is_write
+    ]
+    outputs = (
+        _tensors(mutated) if mutated else _tensors(out)
+    )  # in place: what it writes (a foreach returns None)
+    if not inputs and not outputs:
+        return 0, 0, 0
+    written = sum(_bytes(t) for t in outputs)
+    if name in _GATHERS:  # reads its indices and the gathered rows, not the whole table
+        read = written + sum(_bytes(t) for t in inputs[1:] if not t.is_floating_point())
+    elif name == "copy_":  # reads the source only
+        read = _bytes(inputs[1])
+    elif name in _WRITE_ONLY:
+        read = 0
+    else:
+        read = sum(_bytes(t) for t in inputs)
+    kernels = _launches(args) if name.startswith(("_foreach_", "_fused_")) else 1
+    return kernels, read, written
+
+
+def model_category(op_name: str, in_attention: bool, in_linear: bool) -> str:
+    """A model op's category by what it is and where (module context)."""
+    if op_name.startswith(_ATTENTION_OPS) or "flex_attention" in op_name:
+        return ATTENTION
+    if op_name in _MATMUL_OPS:
+        return ATTENTION if in_attention and not in_linear else MATMUL
+    if op_name in _SOFTMAX_OPS and in_attention:
+        return ATTENTION
+    if op_name in _COPY_OPS:
+        return COPIES
+    return POINTWISE
+
+
+@dataclass
+class Tally:
+    """Per category: kernels, bytes read, bytes written; syncs (coati_kto.testing.syncs.SyncRecord); the
+    attention path of each model pass, in order."""
+
+    kernels: Counter = field(default_factory=Counter)
+    read: Counter = field(default_factory=Counter)
+    written: Counter = field(default_factory=Counter)
+    syncs: SyncRecord = field(default_factory=SyncRecord)
+    passes: list[list[str]] = field(default_factory=list)
+
+    def summary(self, params: int) -> dict[str, Any]:
+        """Plain numbers: per category kernels and bytes per parameter (read + written), totals, syncs."""
+        cats = {
+            c: {"kernels": self.kernels[c], "bytes_per_param": (self.read[c] + self.written[c]) / params}
+            for c in CATEGORIES
+        }
+        non_matmul = sum(v["bytes_per_param"] for c, v in cats.items() if c != MATMUL)
+        return {
+            "categories": cats,
+            "kernels": sum(self.kernels.values()),
+            "bytes_per_param": sum(v["bytes_per_param"] for v in cats.values()),
+            "non_matmul_bytes_per_param": non_matmul,
+            "grad_path_bytes_per_param": sum(cats[c]["bytes_per_param"] for c in GRAD_PATH),
+            "syncs": self.syncs.total,
+            "syncs_by_op": dict(self.syncs.by_op),
+            "syncs_by_place": dict(self.syncs.by_place),
+            "attention": [_path_summary(p) for p in self.passes],
+        }
+
+
+def _path_summary(paths: list[str]) -> str:
+    return ", ".join(f"{p} x{n}" for p, n in Counter(paths).items()) or "none"
+
+
+def attention_path(func: Any, args: tuple, kwargs: dict) -> str | None:
+    """The attention path of a torch-level call: sdpa with a dense mask, sdpa without one (flash-capable),
+    flex, varlen; None for other calls (eager attention is seen at its softmax, :meth:`KernelCounter.record`)."""
+    name = getattr(func, "__name__", "")
+    if name == "scaled_dot_product_attention":
+        mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+        return "sdpa dense mask" if mask is not None else "sdpa no mask"
+    if name in ("flex_attention", "varlen_attn"):
+        return name.replace("_attn", "").replace("_attention", "")
+    return None
+
+
+class KernelCounter(Tally):
+    """``with KernelCounter() as count: ...``; then :meth:`Tally.summary` (per parameter of ``params``).
+    ``steps=True``: a new :class:`Tally` starts at the end of every optimizer step (torch's global step hook,
+    which every plugin's inner optimizer runs), kept in ``count.windows``: window i is step i's cycle (the
+    previous step's end to this one's), windows after the first are steady state."""
+
+    def __init__(self, steps: bool = False, log: bool = False) -> None:
+        super().__init__()
+        self.log: list[tuple[str, str, int, int, int]] | None = [] if log else None  # op, category, k, r, w
+        self.windows: list[Tally] = []
+        self._steps = steps
+        self._modules: list[torch.nn.Module] = []
+        self._current: list[str] = []  # the context of the torch-level call being run (a stack)
+
+    @property
+    def tally(self) -> Tally:
+        return self.windows[-1] if self.windows else self
+
+    def __enter__(self) -> KernelCounter:
+        from torch.nn.modules import module as nn_module
+
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(counting_synchronize(self._sync))
+        self._stack.callback(nn_module.register_module_forward_pre_hook(self._enter_module).remove)
+        self._stack.callback(
+            nn_module.register_module_forward_hook(self._leave_module, always_call=True).remove
+        )
+        if self._steps:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+
+            hook = register_optimizer_step_post_hook(lambda *_: self.windows.append(Tally()))
+            self._stack.callback(hook.remove)
+        self._stack.enter_context(_Functions(self))
+        self._stack.enter_context(_Dispatch(self))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    # ---- context ----------------------------------------------------------------------------------------
+    def _enter_module(self, module: torch.nn.Module, _: Any) -> None:
+        if not self._modules:
+            self.tally.passes.append([])
+        self._modules.append(module)
+
+    def _leave_module(self, module: torch.nn.Module, *_: Any) -> None:
+        if self._modules and self._modules[-1] is module:
+            self._modules.pop()
+
+    def _module_flags(self) -> tuple[bool, bool]:
+        attention = any(type(m).__name__.endswith("Attention") for m in self._modules)
+        return attention, any(isinstance(m, torch.nn.Linear) for m in self._modules)
+
+    def _sync(self, kind: str) -> None:
+        if code_context() != HOST:  # the data pipeline's reads are of host tensors
+            self.tally.syncs.add(kind)
+
+    def context(self) -> tuple[str, bool, bool]:
+        """(context, in attention module, in linear module) of the op being dispatched now."""
+        if self._current and self._current[-1] is not None:
+            return self._current[-1]
+        node = torch._C._current_autograd_node()
+        if node is not None:
+            tag = node.metadata.get("coati_kto_context")
+            if tag is not None:
+                return tag
+            if "AccumulateGrad" in node.name():
+                return GRADS, False, False
+        ctx = code_context()
+        return (ctx, *self._module_flags()) if ctx == MODEL else (ctx, False, False)
+
+    def record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        kind = dispatch_sync(func, args)
+        if kind is not None:
+            self._sync(kind)
+        if func.namespace == "c10d":
+            ctx: tuple[str, bool, bool] = (GRADS, False, False)
+        else:
+            ctx = self.context()
+        if ctx[0] == HOST:
+            return
+        kernels, read, written = op_cost(func, args, kwargs, out)
+        if not kernels:
+            return
+        name = func.overloadpacket.__name__
+        category = model_category(name, ctx[1], ctx[2]) if ctx[0] == MODEL else ctx[0]
+        if category == ATTENTION and name == "_softmax" and self._modules and self.tally.passes:
+            self.tally.passes[-1].append(
+                "eager"
+            )  # a softmax in an attention module's forward: no fused kernel
+        if self.log is not None:
+            self.log.append((str(func), category, kernels, read, written))
+        tally = self.tally
+        tally.kernels[category] += kernels
+        tally.read[category] += read
+        tally.written[category] += written
+
+
+class _Functions(TorchFunctionMode):
+    """Sets the context of each torch-level call and tags the autograd nodes it creates with it."""
+
+    def __init__(self, counter: KernelCounter) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        counter = self.counter
+        kind = function_sync(func, args, kwargs)
+        if kind is not None:
+            counter._sync(kind)
+        path = attention_path(func, args, kwargs)
+        if path is not None and counter.tally.passes:
+            counter.tally.passes[-1].append(path)
+        ctx = code_context()
+        tag = (ctx, *counter._module_flags()) if ctx == MODEL else (ctx, False, False)
+        # A backward's ops take their autograd node's context (None: look at the node)
+        counter._current.append(None if getattr(func, "__name__", "") in _BACKWARD else tag)
+        try:
+            out = func(*args, **kwargs)
+        finally:
+            counter._current.pop()
+        if torch.is_grad_enabled():
+            _tag_new_nodes([t.grad_fn for t in _tensors(out) if t.requires_grad and not t.is_leaf], tag)
+        return out
+
+
+def _tag_new_nodes(nodes: list[Any], tag: tuple[str, bool, bool]) -> None:
+    """Tag the autograd nodes one call created (a composite makes several: matmul's view, mm, view) with its
+    context: from its outputs' nodes back to the first node an earlier call tagged (or a leaf's)."""
+    while nodes:
+        node = nodes.pop()
+        if node is None or "coati_kto_context" in node.metadata or "AccumulateGrad" in node.name():
+            continue
+        node.metadata["coati_kto_context"] = tag
+        nodes.extend(next_node for next_node, _ in node.next_functions)
+
+
+class _Dispatch(TorchDispatchMode):
+    def __init__(self, counter: KernelCounter) -> None:
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.counter.record(func, args, kwargs, out)
+        return out
