@@ -237,8 +237,8 @@ class KTOTrainer(SLTrainer):
         step = self.global_step + 1
         groups = [micro_batches] if self.options.kl_scope == "step" else [[b] for b in micro_batches]
         sums = self.passes.forward(groups, True, len(micro_batches), self._backward, self._grad_sync)
-        local, kl = sums.local()
-        local[_GRAD_SQ] = float(self._grad_norm.local_share())
+        # The gradient norm's share is read with the step's sums: one device-to-host copy for both.
+        local, kl = sums.local({_GRAD_SQ: self._grad_norm.local_share()})
         # The step's one metric collective: its "nonfinite" count, the gradient norm and the stop keys are the
         # votes every rank acts on.
         vote = self.stop_signals.vote()

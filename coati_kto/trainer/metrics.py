@@ -84,15 +84,19 @@ class StepSums:
         self._kl.append(z0.detach().double().reshape(()))
         self._kl_raw.append(raw.detach().double().reshape(()))
 
-    def local(self) -> tuple[dict[str, float], dict[str, float] | None]:
+    def local(
+        self, extra: dict[str, torch.Tensor] | None = None
+    ) -> tuple[dict[str, float], dict[str, float] | None]:
         """(this rank's sums, {"kl": mean z0, "kl_raw": mean raw estimate} of the step or None): one
-        device-to-host copy."""
+        device-to-host copy, which also reads the 0-dim device tensors of ``extra`` (into the sums, by key)."""
         if self._kl:
             kl = torch.stack([torch.stack(self._kl).mean(), torch.stack(self._kl_raw).mean()])
         else:
             kl = self._sums.new_full((2,), float("nan"))
-        values = torch.cat([self._sums, kl]).tolist()
-        sums = dict(zip(SUM_KEYS, values[:-2], strict=True))
+        keys = sorted(extra or {})
+        more = [extra[k].reshape(1).to(self._sums) for k in keys] if extra else []
+        values = torch.cat([self._sums, *more, kl]).tolist()
+        sums = dict(zip([*SUM_KEYS, *keys], values[:-2], strict=True))
         return sums, ({"kl": values[-2], "kl_raw": values[-1]} if self._kl else None)
 
 
