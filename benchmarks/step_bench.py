@@ -323,6 +323,7 @@ def main() -> None:
     )
     p.add_argument("--skip-100m", action="store_true")
     p.add_argument("--skip-fixture", action="store_true", help="only the tool-use shape (and the ~100M run)")
+    p.add_argument("--skip-tool-use", action="store_true", help="no tool-use shape runs")
     p.add_argument("--repeats", type=int, default=2, help="~100M runs per mode")
     p.add_argument("--only-100m", action="store_true", help="just the ~100M peak-memory comparison")
     p.add_argument(
@@ -352,7 +353,7 @@ def main() -> None:
     if not args.only_100m:
         if not args.skip_fixture:
             _fixture(args, base)
-        if not args.smoke:  # the same training path as the fixture's, on other data: not in the smoke run
+        if not (args.smoke or args.skip_tool_use):  # the fixture's training path on other data: not in smoke
             _tool_use(args, base)
     if not args.skip_100m:
         _memory_100m(base, args.repeats)

@@ -108,7 +108,7 @@ def build_components(
             config.model.reference_path or config.model.path, config.model, torch.float32
         )
         reference = plan.build_reference(plugin, reference)
-    optimizer = compat.make_optimizer(policy.parameters(), config.train.lr, config.train.weight_decay)
+    optimizer = compat.optimizer_for(policy.parameters(), config.train)
     lr_scheduler = warmup_cosine_schedule(
         optimizer, config.train.warmup_steps, max(1, total_steps), config.train.min_lr_ratio
     )

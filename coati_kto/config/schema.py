@@ -191,6 +191,7 @@ class TrainSection(_Section):
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
     lr: float = Field(5e-7, gt=0.0, description="Peak learning rate (AdamW).")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    optimizer_state_dtype: Literal["fp32", "bf16"] = Field("fp32", description="dtype of AdamW's moments")
     warmup_steps: int = Field(
         0, ge=0, description="Linear warmup steps; step k of them uses lr * k / (warmup_steps + 1)."
     )

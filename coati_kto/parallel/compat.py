@@ -234,14 +234,24 @@ def plugin_overrides() -> dict[str, Any]:
 
 
 def make_optimizer(
-    params: Any, lr: float, weight_decay: float, fused_ok: bool = True
+    params: Any, lr: float, weight_decay: float, fused_ok: bool = True, state_dtype: str = "fp32"
 ) -> torch.optim.Optimizer:
-    """HybridAdam on CUDA (fused CPU/GPU Adam kernels); torch AdamW on CPU, where HybridAdam has no kernel."""
+    """HybridAdam on CUDA (fused CPU/GPU Adam kernels); torch AdamW on CPU, where HybridAdam has no kernel.
+    ``state_dtype`` bf16: the project's AdamW with bf16 moments on every device (coati_kto.parallel.adamw)."""
+    if state_dtype == "bf16":
+        from coati_kto.parallel.adamw import AdamWLowPrecisionStates
+
+        return AdamWLowPrecisionStates(params, lr=lr, weight_decay=weight_decay)
     if cuda_available() and fused_ok:
         from colossalai.nn.optimizer import HybridAdam
 
         return HybridAdam(params, lr=lr, weight_decay=weight_decay, adamw_mode=True)
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+
+
+def optimizer_for(params: Any, train: Any) -> torch.optim.Optimizer:
+    """``make_optimizer`` with the ``train`` section's lr, weight_decay and optimizer_state_dtype."""
+    return make_optimizer(params, train.lr, train.weight_decay, state_dtype=train.optimizer_state_dtype)
 
 
 def _route_policies_to_the_project() -> None:

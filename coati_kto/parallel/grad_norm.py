@@ -21,7 +21,6 @@ the fp32 gradients itself; only DDP, which has no clipping, is clipped here.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -30,8 +29,12 @@ import torch
 import torch.distributed as dist
 
 from coati_kto.parallel.distributed import ParallelLayout
-
-CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s and ColossalAI's
+from coati_kto.parallel.optimizer_path import (
+    clip_coefficient,
+    given_norm,
+    install_clipping,
+    loss_scale,
+)
 
 
 class GradNorm:
@@ -53,26 +56,43 @@ class GradNorm:
                 "ZeRO with several data-parallel groups (MoE) is not supported by the gradient-norm vote"
             )
         self._tp_rank = dist.get_rank(layout.tp_group) if layout.tp_size > 1 else 0
+        self._weight_cache: dict[tuple[int, ...], torch.Tensor] = {}
+        install_clipping(optimizer)
 
     # ---- the norm ---------------------------------------------------------------------------------------
     def local_share(self) -> torch.Tensor:
-        """0-dim fp64: this rank's share of the squared global norm (already summed over tensor-parallel ranks).
+        """0-dim fp64 on the device: this rank's share of the squared global norm (summed over tensor-parallel
+        ranks). Nothing is read back here: the trainer reads it with the step's metric sums (one sync).
 
-        Call after the step's last backward, before the step's data-parallel all-reduce; every rank calls (a
+        One fp32 ``torch._foreach_norm`` over every gradient (fp32 accumulation, no fp64 copy of each gradient
+        as ColossalAI's ``grad.double().norm()``), squared and weighted in fp64 (one value per tensor). Call
+        after the step's last backward, before the step's data-parallel all-reduce; every rank calls (a
         tensor-parallel all-reduce happens here when tp_size > 1). Loss-scaled (fp16) gradients give the scaled
-        norm, as the plugin's clipping expects; ``unscaled`` divides it out for logging.
+        norm, as the clipping expects; ``unscaled`` divides it out for logging.
         """
-        device = _device(self.optimizer)
-        share = torch.zeros((), dtype=torch.float64, device=device)
-        replica = 1.0 if self._zero else float(self.layout.dp_rank == 0)
-        for param, grad in self._param_grads():
-            sq = torch.linalg.vector_norm(grad, 2, dtype=torch.float64).square()
-            sliced = self.layout.tp_size > 1 and _is_distributed(param)
-            keep = replica * (1.0 if sliced or self._tp_rank == 0 else 0.0)
-            share += sq.to(device) * keep  # 0 * NaN is NaN: a bad gradient votes from any rank
+        pairs = list(self._param_grads())
+        if not pairs:
+            share = torch.zeros((), dtype=torch.float64, device=_device(self.optimizer))
+        else:
+            norms = torch._foreach_norm([g for _, g in pairs], 2, dtype=torch.float32)
+            weights = self._weights([p for p, _ in pairs], norms[0].device)
+            share = (torch.stack(norms).double().square() * weights).sum()  # 0 * NaN is NaN: any rank votes
         if self.layout.tp_size > 1:
             dist.all_reduce(share, op=dist.ReduceOp.SUM, group=self.layout.tp_group)
         return share
+
+    def _weights(self, params: list[torch.nn.Parameter], device: torch.device) -> torch.Tensor:
+        """fp64 [len(params)]: 1 where this rank counts the parameter, 0 where another rank holds the same
+        replica (cached per parameter list: one host-to-device copy the first time only)."""
+        key = tuple(id(p) for p in params)
+        cached = self._weight_cache.get(key)
+        if cached is None:
+            replica = 1.0 if self._zero else float(self.layout.dp_rank == 0)
+            tp = self.layout.tp_size > 1
+            keep = [replica * float(self._tp_rank == 0 or (tp and _is_distributed(p))) for p in params]
+            cached = torch.tensor(keep, dtype=torch.float64, device=device)
+            self._weight_cache = {key: cached}
+        return cached
 
     @property
     def loss_scaled(self) -> bool:
@@ -86,10 +106,7 @@ class GradNorm:
         return norm / scale if scale else norm
 
     def _loss_scale(self) -> float | None:
-        opt = self.optimizer
-        mixin = getattr(opt, "mixed_precision_mixin", None) or getattr(opt, "mixed_precision", None)
-        scale = getattr(mixin, "loss_scale", None)  # fp16 mixins only; bf16 has no scale
-        return float(scale) if scale is not None else None
+        return loss_scale(self.optimizer)
 
     def _param_grads(self) -> Iterator[tuple[torch.nn.Parameter, torch.Tensor]]:
         """(working parameter, this rank's averaged gradient or its ZeRO partition) for every parameter with one."""
@@ -111,33 +128,22 @@ class GradNorm:
 
     # ---- the step ---------------------------------------------------------------------------------------
     def step(self, norm: float) -> None:
-        """Clip to ``max_norm`` with the global pre-clipping ``norm`` (finite, from ``local_share``), then step."""
+        """Clip to ``max_norm`` with the global pre-clipping ``norm`` (finite, from ``local_share``), then step.
+
+        The plugins' optimizers clip inside their ``step`` through the methods ``optimizer_path.install_clipping``
+        replaced: they are handed ``norm`` (no second norm, no all-reduce) and multiply gradients only where the
+        coefficient is not 1. TorchDDPPlugin has no clipping: it is done here.
+        """
         opt = self.optimizer
         if hasattr(opt, "_compute_grad_norm"):  # ZeRO and the hybrid optimizers clip (in fp32) inside step()
-            with _norm_given(opt, norm):
+            with given_norm(opt, norm):
                 opt.step()
             return
-        if self.max_norm > 0:  # TorchDDPPlugin: no clipping of its own
-            coef = min(1.0, self.max_norm / (norm + CLIP_EPS))
-            grads = [g for _, g in self._param_grads()]
-            if coef < 1.0 and grads:
-                torch._foreach_mul_(grads, coef)
+        coef = clip_coefficient(norm, self.max_norm, None)
+        grads = [g for _, g in self._param_grads()]
+        if coef != 1.0 and grads:
+            torch._foreach_mul_(grads, coef)
         opt.step()
-
-
-@contextlib.contextmanager
-def _norm_given(optimizer: Any, norm: float) -> Iterator[None]:
-    """Make ``optimizer.step()`` use ``norm`` instead of computing it.
-
-    ZeRO's step asks once per parameter group and combines the answers as sqrt(sum of squares); the hybrid
-    zero-0 optimizers ask once. Answering ``norm`` first and 0 afterwards gives ``norm`` in both.
-    """
-    answers = iter([norm])
-    optimizer._compute_grad_norm = lambda *args, **kwargs: next(answers, 0.0)
-    try:
-        yield
-    finally:
-        del optimizer._compute_grad_norm  # the class's method again
 
 
 def global_norm(total_share: float) -> float:

@@ -34,7 +34,7 @@ from coati_kto.config.schema import PluginName, Precision
 from coati_kto.errors import ConfigError
 from coati_kto.families import model_class_name, refuse_unadmitted
 from coati_kto.families.policies import corrected_policy
-from coati_kto.parallel import compat
+from coati_kto.parallel import compat, optimizer_path
 from coati_kto.parallel.fp32_kept import fp32_kept, restore
 from coati_kto.parallel.grad_norm import GradNorm
 
@@ -86,6 +86,8 @@ class ParallelPlan:
     # Full class name of the policy model (model_class_name), when config.json tells it: picks corrected
     # shardformer policies (``families.policies.corrected_policy``).
     model_class: str | None = None
+    # The data-parallel size the run has, when known (``from_config(config, dp_size)``); None: not known.
+    dp_size: int | None = None
 
     # ---- construction / validation ----------------------------------------------------------------------
     @classmethod
@@ -111,6 +113,7 @@ class ParallelPlan:
             max_grad_norm=max_grad_norm,
             flash_attention=flash_attention,
             model_class=model_class,
+            dp_size=dp_size,
         )
 
     @classmethod
@@ -227,6 +230,8 @@ class ParallelPlan:
             # ranks run data-dependent numbers of no-grad forwards (a micro-batch whose KL pass folds into the
             # gradient pass skips one): the ranks then entered different collectives (gloo aborted on a
             # resumed cached-reference run). The buffers (rotary frequencies, scales) are equal on every rank.
+            if self.dp_size == 1:  # nothing to reduce: no DDP buckets (coati_kto.parallel.optimizer_path)
+                return optimizer_path.single_rank_ddp_plugin(broadcast_buffers=False)
             return TorchDDPPlugin(broadcast_buffers=False)
         raise ConfigError(f"plugin.name {self.plugin} cannot be built (the config check refuses it)")
 
@@ -243,6 +248,10 @@ class ParallelPlan:
             booster.plugin.custom_policy = corrected_policy(model_class)
         policy, optimizer, _, _, lr_scheduler = booster.boost(policy, optimizer, lr_scheduler=lr_scheduler)
         restore(kept)
+        # The project's gradient path after the backward (coati_kto.parallel.optimizer_path): no second norm, no
+        # multiply by 1, and at one ZeRO rank no bucket flatten / divide / all-gather.
+        optimizer_path.install_clipping(optimizer)
+        optimizer_path.install_single_rank_zero(optimizer)
         return policy, optimizer, lr_scheduler
 
     def build_reference(self, plugin: Any, model: nn.Module) -> nn.Module:

@@ -20,10 +20,11 @@ from coati_kto.testing.distributed import run_distributed
 
 FP32 = {"name": "hybrid_parallel", "zero_stage": 0, "precision": "fp32"}
 BF16 = {"name": "hybrid_parallel", "zero_stage": 2, "precision": "bf16"}
-PLUGINS = {"fp32": FP32, "bf16": BF16}
+# bf16_states: the bf16 ZeRO-2 run with AdamW's moments in bf16 (train.optimizer_state_dtype).
+PLUGINS = {"fp32": FP32, "bf16": BF16, "bf16_states": BF16}
 
 
-def _setup(model_dir: str, plugin_kw: dict, root: str) -> dict[str, Any]:
+def _setup(model_dir: str, plugin_kw: dict, root: str, state_dtype: str = "fp32") -> dict[str, Any]:
     from colossalai.booster import Booster
     from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
 
@@ -36,7 +37,7 @@ def _setup(model_dir: str, plugin_kw: dict, root: str) -> dict[str, Any]:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     plugin = ParallelPlan.from_section(PluginSection(**plugin_kw), max_grad_norm=1.0).build_plugin()
     layout = ParallelLayout.from_plugin(plugin)
-    optimizer = compat.make_optimizer(model.parameters(), lr=3e-3, weight_decay=0.01)
+    optimizer = compat.make_optimizer(model.parameters(), lr=3e-3, weight_decay=0.01, state_dtype=state_dtype)
     scheduler = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=1, num_training_steps=10)
     booster = Booster(plugin=plugin)
     model, optimizer, _, _, scheduler = booster.boost(model, optimizer, lr_scheduler=scheduler)
@@ -69,7 +70,8 @@ def _snapshot(s: dict[str, Any]) -> dict[str, Any]:
     # numpy, not tensors: torch's queue would share tensor storage with a process that is about to exit
     weights = {n: p.detach().float().numpy().copy() for n, p in s["model"].unwrap().named_parameters()}
     masters = {n: m.numpy() for n, m in _master_shards(s["model"], s["opt"]).items()}
-    return {"weights": weights, "lr": s["sched"].get_last_lr(), "masters": masters}
+    moments = {str(v.dtype) for st in s["opt"].optim.state.values() for k, v in st.items() if k != "step"}
+    return {"weights": weights, "lr": s["sched"].get_last_lr(), "masters": masters, "moments": moments}
 
 
 def _reference(s: dict[str, Any]) -> dict[str, Any]:
@@ -171,7 +173,14 @@ def _housekeeping(s: dict[str, Any]) -> dict[str, Any]:
 
 
 def _first_run(model_dir: str, roots: dict[str, str]) -> dict[str, Any]:
-    return {prec: _reference(_setup(model_dir, PLUGINS[prec], root)) for prec, root in roots.items()}
+    return {
+        prec: _reference(_setup(model_dir, PLUGINS[prec], root, _state_dtype(prec)))
+        for prec, root in roots.items()
+    }
+
+
+def _state_dtype(prec: str) -> str:
+    return "bf16" if prec == "bf16_states" else "fp32"
 
 
 def _second_run(model_dir: str, roots: dict[str, str], export_dir: str) -> dict[str, Any]:
@@ -180,6 +189,8 @@ def _second_run(model_dir: str, roots: dict[str, str], export_dir: str) -> dict[
     out = {"fp32": _resume(fp32, model_dir, None)}
     out["housekeeping"] = _housekeeping(fp32)
     out["bf16"] = _resume(_setup(model_dir, BF16, roots["bf16"]), model_dir, export_dir)
+    states = _setup(model_dir, BF16, roots["bf16_states"], "bf16")
+    out["bf16_states"] = _resume(states, model_dir, None)
     return out
 
 
@@ -232,6 +243,23 @@ def test_bf16_zero2_resume_is_bit_identical_with_master_weights(runs: dict[str, 
         assert ref["masters"].keys() == res["masters"].keys() and len(ref["masters"]) > 0
         for name, m in ref["masters"].items():  # ... our per-rank master shards come back exactly
             assert m.dtype == np.float32 and np.array_equal(m, res["masters"][name]), name
+
+
+def test_bf16_optimizer_states_resume_bit_identical(runs: dict[str, Any]) -> None:
+    """train.optimizer_state_dtype bf16: the moments are stored (and saved) in bf16 and a resume is exact; they
+    moved the weights otherwise than fp32 moments (they are in use)."""
+    _check_exact_resume(runs, "bf16_states")
+    for ref, res, fp32_states in zip(
+        (r["bf16_states"] for r in runs["first"]),
+        (r["bf16_states"] for r in runs["second"]),
+        (r["bf16"] for r in runs["first"]),
+        strict=True,
+    ):
+        assert ref["moments"] == res["moments"] == {"torch.bfloat16"}
+        assert fp32_states["moments"] == {"torch.float32"}
+        for name, m in ref["masters"].items():
+            assert np.array_equal(m, res["masters"][name]), name
+        assert _max_diff(fp32_states, ref) > 0.0
 
 
 def test_failed_save_keeps_last_good_checkpoint(runs: dict[str, Any]) -> None:

@@ -129,7 +129,7 @@ def sgd() -> Iterator[None]:
     from coati_kto.parallel import compat
 
     original = compat.make_optimizer
-    compat.make_optimizer = lambda params, lr, weight_decay, fused_ok=True: torch.optim.SGD(params, lr=lr)
+    compat.make_optimizer = lambda params, lr, weight_decay, **kwargs: torch.optim.SGD(params, lr=lr)
     try:
         yield
     finally:

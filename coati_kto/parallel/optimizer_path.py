@@ -1,0 +1,225 @@
+"""The gradient path of ColossalAI 0.5.0's optimizers after the backward, where the project runs its own.
+
+Clipping and unscaling (every plugin optimizer; ``install_clipping``): upstream computes the norm again in fp64
+(``grad.double().norm()`` per gradient and an all-reduce) and then multiplies every gradient by ``1.0 /
+div_scale`` even when there is no loss scale (bf16, fp32) and no clipping. Here the step is handed the norm the
+trainer already took (``coati_kto.parallel.grad_norm``, read at the step's one sync) and multiplies the gradients
+once, with ``torch._foreach_mul_``, only when the coefficient is not 1: ``torch.nn.utils.clip_grad_norm_``'s
+``max_norm / (norm + 1e-6)`` (at most 1) times ``1 / loss_scale`` (fp16).
+
+ZeRO at one data-parallel rank (``install_single_rank_zero``, low_level_zero on one process, or a ZeRO group of
+one): upstream still flattens each bucket of gradients into one tensor, divides it by 1, "reduces" it over one
+rank and views it back, and after the update casts each fp32 master to a new bf16 tensor, flattens those into a
+bucket, all-gathers it over one rank and copies it back. Here each gradient goes straight into the ZeRO gradient
+store (the same values: dividing by 1 and reducing over one rank change no bit), and each master is cast once
+into its working parameter. The optimizer's state, its checkpoints and its ``step`` contract are upstream's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s and ColossalAI's
+
+
+def clip_coefficient(norm: float, max_norm: float, loss_scale: float | None) -> float:
+    """What every gradient is multiplied by: ``1 / loss_scale`` times clip_grad_norm_'s clamped coefficient for the
+    true norm ``norm / loss_scale`` (``max_norm`` 0: no clipping). ``norm`` is of the (loss-scaled) gradients."""
+    scale = loss_scale or 1.0
+    coef = 1.0 / scale
+    if max_norm > 0:
+        clip = max_norm / (norm / scale + CLIP_EPS)
+        if clip < 1.0:
+            coef *= clip
+    return coef
+
+
+def _scale(grads: list[torch.Tensor], coef: float) -> None:
+    if coef != 1.0 and grads:
+        torch._foreach_mul_(grads, coef)
+
+
+def loss_scale(optimizer: Any) -> float | None:
+    """The fp16 dynamic loss scale of a plugin optimizer; None without one (bf16, fp32, DDP)."""
+    mixin = getattr(optimizer, "mixed_precision_mixin", None) or getattr(optimizer, "mixed_precision", None)
+    scale = getattr(mixin, "loss_scale", None)  # fp16 mixins only; bf16 has no scale
+    return float(scale) if scale is not None else None
+
+
+@contextlib.contextmanager
+def given_norm(optimizer: Any, norm: float) -> Iterator[None]:
+    """Within it ``optimizer.step()`` uses ``norm`` instead of computing it (``install_clipping`` must have run).
+
+    ZeRO's step asks once per parameter group and combines the answers as sqrt(sum of squares); the hybrid
+    zero-0 optimizers ask once. Answering ``norm`` first and 0 afterwards gives ``norm`` in both.
+    """
+    optimizer._coati_norms = iter([norm])
+    optimizer._coati_norm = norm
+    try:
+        yield
+    finally:
+        optimizer._coati_norms = optimizer._coati_norm = None
+
+
+def install_clipping(optimizer: Any) -> None:
+    """Replace, on this optimizer object only, upstream's norm and unscale / clip methods (see the module).
+
+    Outside ``given_norm`` the norm is upstream's own computation; the multiplication is the project's either way.
+    Idempotent; an optimizer without those methods (TorchDDPPlugin's wrapper) is left alone.
+    """
+    if not hasattr(optimizer, "_compute_grad_norm") or getattr(optimizer, "_coati_norms", 0) is None:
+        return
+    optimizer._coati_norms = optimizer._coati_norm = None
+    upstream_norm = type(optimizer)._compute_grad_norm
+
+    def compute_grad_norm(self: Any, *args: Any, **kwargs: Any) -> float:
+        if self._coati_norms is None:
+            return upstream_norm(self, *args, **kwargs)
+        return next(self._coati_norms, 0.0)
+
+    optimizer._compute_grad_norm = types.MethodType(compute_grad_norm, optimizer)
+    from colossalai.zero.low_level.low_level_optim import LowLevelZeroOptimizer
+
+    if isinstance(optimizer, LowLevelZeroOptimizer):
+
+        def zero_unscale_and_clip(self: Any, grads: list[torch.Tensor], total_norm: float) -> None:
+            _scale(grads, clip_coefficient(total_norm, self._clip_grad_norm, loss_scale(self)))
+
+        optimizer._unscale_and_clip_grads = types.MethodType(zero_unscale_and_clip, optimizer)
+    elif hasattr(optimizer, "_unscale_and_clip_grads"):  # the AMP optimizer (hybrid zero 0, bf16 / fp16)
+
+        def amp_unscale_and_clip(self: Any, total_norm: float) -> None:
+            # Upstream passes 0.0 when it does not clip; only the loss scale applies then.
+            norm = self._coati_norm if self._coati_norm is not None else total_norm
+            grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+            _scale(grads, clip_coefficient(norm, self.max_norm, loss_scale(self)))
+
+        optimizer._unscale_and_clip_grads = types.MethodType(amp_unscale_and_clip, optimizer)
+    elif hasattr(optimizer, "_clip_grad_norm"):  # the naive optimizer (hybrid zero 0, fp32): called to clip
+
+        def naive_clip(self: Any, total_norm: float) -> None:
+            grads = [p.grad for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
+            _scale(grads, clip_coefficient(total_norm, self.max_norm, None))
+
+        optimizer._clip_grad_norm = types.MethodType(naive_clip, optimizer)
+
+
+def single_rank_zero(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is a ZeRO optimizer whose one ZeRO group has a single rank, with masters on the device
+    (no cpu_offload), fp32 masters and no asynchronous all-gather: where ``install_single_rank_zero`` applies."""
+    from colossalai.zero.low_level.low_level_optim import LowLevelZeroOptimizer
+
+    if not isinstance(optimizer, LowLevelZeroOptimizer) or len(optimizer.pg_to_bucket_store) != 1:
+        return False
+    store = next(iter(optimizer.pg_to_bucket_store.values()))
+    return (
+        store.world_size == 1
+        and not optimizer._cpu_offload
+        and optimizer._master_weights
+        and not optimizer._overlap_allgather
+    )
+
+
+def install_single_rank_zero(optimizer: Any) -> bool:
+    """At one ZeRO rank, give this optimizer object the direct gradient store and write-back (see the module).
+    Returns whether it did; every rank calls after ``booster.boost``. Idempotent."""
+    if not single_rank_zero(optimizer):
+        return False
+    optimizer._add_to_bucket = types.MethodType(_store_gradient, optimizer)
+    optimizer.step = types.MethodType(_single_rank_step, optimizer)
+    return True
+
+
+def _store_gradient(self: Any, param: torch.nn.Parameter, group_id: int) -> None:
+    """``_add_to_bucket`` at one rank: the gradient itself (flat view) into the store, or added to the one there
+    (accumulation), as upstream's bucket reduction leaves it, without the flat copy, the division and the views."""
+    grad = param.grad.detach().view(-1)
+    param.grad = None
+    self._add_grad(grad, 1, group_id, id(param))
+
+
+def _single_rank_step(self: Any, closure: Any = None) -> None:
+    """``LowLevelZeroOptimizer.step`` at one rank: the same gradients, norm, clipping and update; each updated fp32
+    master cast once into its working parameter instead of through a flattened all-gather bucket."""
+    from colossalai.zero.low_level._utils import calculate_global_norm_from_list
+
+    if closure is not None:
+        raise ValueError("closure is not supported by step()")
+    if not self.require_grad_sync:
+        return
+    if self.mixed_precision_mixin is not None and self.mixed_precision_mixin.should_skip_step():
+        self.zero_grad()
+        return
+    store = next(iter(self.pg_to_grad_store.values()))
+    live: dict[int, list[tuple[torch.nn.Parameter, torch.Tensor]]] = {}
+    norms = []
+    for group_id in range(self.num_param_groups):
+        pairs = []
+        masters = self._master_param_groups_of_current_rank[group_id]
+        for working, master in zip(self._working_param_groups[group_id], masters, strict=True):
+            grads = store.get_partitioned_gradients_by_param_id(group_id, id(working))
+            if grads:  # a parameter without gradient (a dropped layer) is not updated, as upstream
+                master.grad = grads[0].to(master.dtype)
+                pairs.append((working, master))
+        live[group_id] = pairs
+        gradients = store.get_working_grads_by_group_id(group_id)
+        norms.append(self._compute_grad_norm(dp_pg=store.torch_pg, gradients=gradients))
+        self.optim.param_groups[group_id]["params"] = [master for _, master in pairs]
+    total = calculate_global_norm_from_list(norm_list=norms)
+    self._current_grad_norm = total
+    self._unscale_and_clip_grads([m.grad for pairs in live.values() for _, m in pairs], total)
+    self.optim.step()
+    with torch.no_grad():
+        for group_id, pairs in live.items():
+            for working, master in pairs:
+                master.grad = None
+                working.data.copy_(master.view_as(working))  # the cast upstream's master.to(dtype) does
+            self.optim.param_groups[group_id]["params"] = self._master_param_groups_of_current_rank[group_id]
+
+
+def single_rank_ddp_plugin(**kwargs: Any) -> Any:
+    """TorchDDPPlugin for one data-parallel rank: the model is not wrapped in ``DistributedDataParallel``.
+
+    At one rank DDP still copies every gradient into its buckets, multiplies them by 1 / 1, all-reduces them
+    over one rank and copies them back (per parameter, every backward): the same values, bit for bit, as
+    leaving the gradients where autograd put them. The boosted model keeps TorchDDPPlugin's interface
+    (``unwrap``, ``no_sync``, its checkpoint IO), so checkpoints are interchangeable with DDP's.
+    """
+    from colossalai.booster.plugin import TorchDDPPlugin
+    from colossalai.booster.plugin.torch_ddp_plugin import TorchDDPModel
+    from colossalai.interface import ModelWrapper, OptimizerWrapper
+
+    class _Local(torch.nn.Module):
+        """Where DDP would sit: ``.module`` is the model, forward is the model's, no_sync has nothing to skip."""
+
+        def __init__(self, module: torch.nn.Module) -> None:
+            super().__init__()
+            self.module = module
+
+        def forward(self, *args: Any, **kw: Any) -> Any:
+            return self.module(*args, **kw)
+
+        def no_sync(self) -> contextlib.AbstractContextManager:
+            return contextlib.nullcontext()
+
+    class _LocalModel(TorchDDPModel):
+        def __init__(self, module: torch.nn.Module) -> None:
+            ModelWrapper.__init__(self, module)
+            self.module = _Local(module)
+
+    class SingleRankDDPPlugin(TorchDDPPlugin):
+        def configure(self, model: Any, optimizer: Any = None, criterion: Any = None, dataloader: Any = None,
+                      lr_scheduler: Any = None) -> tuple:  # fmt: skip
+            from colossalai.accelerator import get_accelerator
+
+            model = _LocalModel(model.to(get_accelerator().get_current_device()))
+            if optimizer is not None and not isinstance(optimizer, OptimizerWrapper):
+                optimizer = OptimizerWrapper(optimizer)
+            return model, optimizer, criterion, dataloader, lr_scheduler
+
+    return SingleRankDDPPlugin(**kwargs)
