@@ -245,7 +245,12 @@ def matrices(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 @pytest.mark.parametrize(("family", "plugin"), CELLS)
 def test_lifecycle(matrices: Any, family: str, plugin: str) -> None:
-    family_runs = matrices(family)
+    check_lifecycle(matrices(family), family, plugin)
+
+
+def check_lifecycle(family_runs: dict[str, Any], family: str, plugin: str) -> None:
+    """A family's lifecycle under ``plugin`` (``_family_matrix`` on every rank): step 0, resume, export. Also the
+    CUDA test's (tests/distributed/test_gpu_path.py)."""
     ranks = [r[plugin] for r in family_runs["ranks"]]
     for r in ranks:
         assert "error" not in r, r.get("error")
