@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 REQ_HASH := $(shell cat requirements/$(PROFILE).txt requirements/common.txt setup.py | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.installed-$(PROFILE)-$(REQ_HASH)
 
-.PHONY: install quickstart test lint format bench gpu-check
+.PHONY: install quickstart test lint format bench gpu-check gpu-wheels
 
 install: $(STAMP)
 
@@ -45,3 +45,7 @@ format: $(STAMP)
 # machine without CUDA the tests skip and the bench runs its CPU smoke (the plumbing; CI runs it in a test).
 gpu-check:
 	bash benchmarks/gpu_check.sh $(GPU_CHECK_ARGS)
+
+# The GPU profile as wheels in .whl/gpu for a GPU machine that reaches no registry (benchmarks/gpu_wheels.sh).
+gpu-wheels: $(STAMP)
+	PY=$(PY) bash benchmarks/gpu_wheels.sh
