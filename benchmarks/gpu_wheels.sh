@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # `make gpu-wheels`: the GPU profile's packages as wheels in .whl/gpu (git-ignored), for a GPU machine that reaches
-# no package registry (a lent device: carry .whl/gpu). benchmarks/gpu_check.sh installs them there into .venv-gpu,
-# a venv on top of the machine's own CUDA torch (--system-site-packages).
+# no package registry (a lent device: carry .whl/gpu). benchmarks/gpu_check.sh installs them there into .gpu-site
+# (pip --target), first on PYTHONPATH before the machine's own CUDA torch.
 # pip resolves requirements/gpu.txt here (torch pinned to what the device carries), then downloads each resolved
 # package without dependencies for that machine (Python 3.12, x86-64 wheels; the sdist where a package has no wheel,
 # as contexttimer and colossalai 0.5.0), except torch and its CUDA libraries and the large packages the device
