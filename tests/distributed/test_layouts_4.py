@@ -2,7 +2,9 @@
 
 The same 3 SGD steps (global batch: 4 micro-batches of test_trainer's steps) on tp 2 x dp 2 (accumulation 2), on
 tp 1 x dp 4 (accumulation 1) and on tp 2 x dp 1 (accumulation 4, 2 processes): the updates agree within bf16
-rounding. 4 processes on 2 cores: tiny model, 3 steps.
+rounding. Resume on tp 2 x dp 2: saved after step 1, resumed, it ends on the uninterrupted run's weights exactly
+(across layouts the epoch is re-planned through MixedLabelBatchSampler: test_resume_layout.py). 4 processes on 2
+cores: tiny model, 3 steps.
 """
 
 from __future__ import annotations
@@ -21,8 +23,11 @@ ZERO2 = {"name": "hybrid_parallel", "zero_stage": 2, "precision": "bf16"}
 LAYOUTS = {"tp2_dp2": (4, 2), "tp1_dp4": (4, 1), "tp2_dp1": (2, 2)}  # name -> (processes, tp_size)
 
 
-def _train(model_dir: str, ref_dir: str, out_dir: str, tp: int) -> dict[str, Any]:
-    """3 SGD steps (lr 1, no clipping) of the global batches, 4 / dp micro-batches per rank per step."""
+def _train(
+    model_dir: str, ref_dir: str, out_dir: str, tp: int, save: bool = False, resume: str | None = None
+) -> dict[str, Any]:
+    """3 SGD steps (lr 1, no clipping) of the global batches, 4 / dp micro-batches per rank per step; ``save``: a
+    checkpoint after every step; ``resume``: from that checkpoint (the trainer skips the micro-batches consumed)."""
     import torch.distributed as dist
 
     dp = dist.get_world_size() // tp
@@ -35,9 +40,12 @@ def _train(model_dir: str, ref_dir: str, out_dir: str, tp: int) -> dict[str, Any
         train={**base.train.model_dump(), "lr": 1.0, "warmup_steps": 0, "max_grad_norm": 0.0},
         kto=base.kto.model_dump(),
     )
+    saving = {"save_dir": str(Path(out_dir) / "checkpoints"), "save_interval": 1, "keep_last": STEPS}
     with sgd():
-        parts, trainer = _build(cfg, total_steps=STEPS)
+        parts, trainer = _build(cfg, total_steps=STEPS, **(saving if save or resume else {}))
     start = full_weights(parts.policy)
+    if resume:
+        trainer.resume(resume)
     dp_rank = parts.layout.dp_rank
     trainer.fit([mb for step in _global_steps()[:STEPS] for mb in step[dp_rank::dp]])
     return {"start": start, "weights": full_weights(parts.policy), "history": trainer.history, "dp": dp}
@@ -71,3 +79,16 @@ def test_layouts_agree_within_bf16(runs: dict[str, Any]) -> None:
     losses = {n: [h["train/loss"] for h in runs[n][0]["history"] if "train/loss" in h] for n in LAYOUTS}
     for name in ("tp1_dp4", "tp2_dp1"):
         assert np.allclose(losses[name], losses["tp2_dp2"], rtol=1e-2), losses
+
+
+def test_resume_is_exact_on_tp2_dp2(tiny_model_dir: Path, reference_dir: Path, tmp_path: Path) -> None:
+    model, ref = str(tiny_model_dir), str(reference_dir)
+    full = run_distributed(_train, 4, model, ref, str(tmp_path / "full"), 2, True)
+    saved = str(tmp_path / "full" / "checkpoints" / "step-1")
+    resumed = run_distributed(_train, 4, model, ref, str(tmp_path / "resumed"), 2, False, saved)
+    losses = [
+        {h["step"]: h["train/loss"] for h in r[0]["history"] if "train/loss" in h} for r in (full, resumed)
+    ]
+    assert list(losses[1]) == [2, 3]  # only the steps after the checkpoint ran
+    assert losses[1] == {step: losses[0][step] for step in (2, 3)}
+    assert all(np.array_equal(r["weights"], full[0]["weights"]) for r in resumed)
