@@ -1,13 +1,15 @@
 # The README's two commands: `make quickstart` and `make test`. Both create .venv in the repo root when it is
 # missing or its pinned requirements changed (a stamp file records the hash), and skip the install otherwise.
+# PROFILE=cpu (default: requirements/cpu.txt) or PROFILE=gpu (requirements/gpu.txt: a CUDA torch in range).
 SHELL := /bin/bash
-PYTHON ?= python3.11
-VENV := .venv
+PYTHON ?= $(if $(filter gpu,$(PROFILE)),python3,python3.11)
+PROFILE ?= cpu
+VENV ?= .venv
 PY := $(VENV)/bin/python
-REQ_HASH := $(shell cat requirements/cpu.txt requirements/common.txt setup.py | sha256sum | cut -c1-16)
-STAMP := $(VENV)/.installed-$(REQ_HASH)
+REQ_HASH := $(shell cat requirements/$(PROFILE).txt requirements/common.txt setup.py | sha256sum | cut -c1-16)
+STAMP := $(VENV)/.installed-$(PROFILE)-$(REQ_HASH)
 
-.PHONY: install quickstart test lint format bench
+.PHONY: install quickstart test lint format bench gpu-check gpu-wheels
 
 install: $(STAMP)
 
@@ -15,7 +17,8 @@ $(STAMP):
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	rm -f $(VENV)/.installed-*
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements/cpu.txt
+	@test -f requirements/$(PROFILE).txt || { echo "PROFILE=$(PROFILE): no requirements/$(PROFILE).txt (cpu or gpu)"; exit 2; }
+	$(PY) -m pip install -q -r requirements/$(PROFILE).txt
 	# colossalai 0.5.0's metadata pins torch<=2.5.1; it runs on torch 2.13 (see docs/installing.md), so no deps here.
 	$(PY) -m pip install -q --no-deps colossalai==0.5.0
 	$(PY) -m pip install -q --no-deps -e .
@@ -37,3 +40,12 @@ lint: $(STAMP)
 
 format: $(STAMP)
 	$(VENV)/bin/ruff format . && $(VENV)/bin/ruff check --fix .
+
+# The GPU path in one command (benchmarks/gpu_check.sh): the `gpu` tests, then the short bench, one table. On a
+# machine without CUDA the tests skip and the bench runs its CPU smoke (the plumbing; CI runs it in a test).
+gpu-check:
+	bash benchmarks/gpu_check.sh $(GPU_CHECK_ARGS)
+
+# The GPU profile as wheels in .whl/gpu for a GPU machine that reaches no registry (benchmarks/gpu_wheels.sh).
+gpu-wheels: $(STAMP)
+	PY=$(PY) bash benchmarks/gpu_wheels.sh

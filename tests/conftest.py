@@ -78,8 +78,13 @@ _FOLDER_MARKERS = {"distributed": "distributed", "regression": "distributed", "e
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    import torch
+
     tests_dir = Path(__file__).resolve().parent
+    no_cuda = pytest.mark.skip(reason="needs CUDA (a `gpu` test: make gpu-check runs them on a GPU)")
     for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_cuda)
         folder = Path(str(item.fspath)).resolve().relative_to(tests_dir).parts[0]
         marker = _FOLDER_MARKERS.get(folder)
         if marker is not None:

@@ -152,11 +152,44 @@ def apply() -> None:
 
 
 def _fix_bugs_on_every_device() -> None:
-    """ColossalAI 0.5.0 bugs fixed on every device: padded vocabularies' save and tensor-parallel partition, and
-    the adapters' lookup of LoRA on parameters."""
+    """ColossalAI 0.5.0 bugs fixed on every device: padded vocabularies' save and tensor-parallel partition, the
+    adapters' lookup of LoRA on parameters, and DDP wrapped under ZeRO on one data-parallel rank."""
     _fix_unpadding_of_detached_copies()
     _fix_tp_partition_of_padded_vocabularies()
     _fix_lora_lookup_of_parameter_adapters()
+    _fix_ddp_under_zero_on_one_data_parallel_rank()
+
+
+def _fix_ddp_under_zero_on_one_data_parallel_rank() -> None:
+    """ColossalAI 0.5.0 bug, on every device: hybrid_parallel with ZeRO on one data-parallel rank (``cpu_offload``,
+    or any ZeRO stage built as written) counts gradients twice under accumulation (README Status, "1.5x norm").
+
+    ``configure`` wraps the module in torch DDP whenever ``dp_size == 1`` (``use_ddp``), ZeRO or not. ZeRO's own
+    hooks move each gradient into its bucket and set ``p.grad = None`` when the bucket fills mid-backward; DDP's
+    end-of-backward callback then writes its own copy of that gradient back into ``p.grad``. The next
+    micro-batch accumulates onto that stale copy, so ZeRO's store holds g1 + (g1 + g2): about 1.5x the norm
+    (and the update) at accumulation 2. It shows only once the model exceeds the reduce bucket (12M elements),
+    hence on the GPU's 551M model and not on the tiny CPU models. With dp_size > 1 upstream already skips DDP
+    under ZeRO; this makes one data-parallel rank do the same (ZeRO reduces, DDP has nothing to add).
+    """
+    from colossalai.booster.plugin import hybrid_parallel_plugin as hpp
+
+    upstream = hpp.HybridParallelPlugin.configure
+    module_class = hpp.HybridParallelModule
+
+    def without_ddp(*args: Any, **kwargs: Any) -> Any:
+        return module_class(*args, **{**kwargs, "use_ddp": False})
+
+    def configure(self: Any, model: Any, optimizer: Any = None, *args: Any, **kwargs: Any) -> Any:
+        if self.zero_stage == 0 or self.dp_size > 1 or optimizer is None:
+            return upstream(self, model, optimizer, *args, **kwargs)
+        hpp.HybridParallelModule = without_ddp  # the name configure looks up when it wraps the model
+        try:
+            return upstream(self, model, optimizer, *args, **kwargs)
+        finally:
+            hpp.HybridParallelModule = module_class
+
+    hpp.HybridParallelPlugin.configure = configure
 
 
 def _fix_lora_lookup_of_parameter_adapters() -> None:

@@ -1,4 +1,5 @@
-"""Run a function on N real gloo processes (tests, benchmarks). Not a mock: each process joins a process group."""
+"""Run a function on N real processes (tests, benchmarks): gloo on the CPU, or NCCL with one GPU per process. Not a
+mock: each process joins a process group."""
 
 from __future__ import annotations
 
@@ -59,14 +60,20 @@ def _next_result(
             raise RuntimeError(f"distributed run timed out after {timeout_s} s")
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` processes joined in one gloo group; return each rank's result.
+def run_distributed(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600, device: str = "cpu"
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` processes joined in one process group; return each rank's result.
 
     ``fn`` must be importable (a module-level function); its return value must be picklable. A failure on
-    any rank raises RuntimeError with that rank's traceback. The workers see no GPU, even on a GPU machine:
-    the CPU path (gloo) everywhere, the same numbers as on CI, and no two ranks on one GPU, which NCCL
-    refuses (the CUDA path is measured by benchmarks/gpu_bench.py).
+    any rank raises RuntimeError with that rank's traceback. ``device="cpu"``: the workers see no GPU, even on
+    a GPU machine: the CPU path (gloo) everywhere, the same numbers as on CI. ``device="cuda"``: rank r takes
+    GPU r on NCCL (the ``gpu`` tests); ``world_size`` must not exceed the GPUs, as NCCL refuses two ranks on one.
     """
+    if device == "cuda" and world_size > torch.cuda.device_count():
+        raise RuntimeError(
+            f"{world_size} CUDA ranks need {world_size} GPUs, {torch.cuda.device_count()} visible"
+        )
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -75,12 +82,15 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         for rank in range(world_size)
     ]
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # spawned children copy the environment at start()
+    if device != "cuda":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # spawned children copy the environment at start()
     try:
         for p in procs:
             p.start()
     finally:
-        if visible is None:
+        if device == "cuda":
+            pass
+        elif visible is None:
             del os.environ["CUDA_VISIBLE_DEVICES"]
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = visible

@@ -104,7 +104,7 @@ def _full_state(model: Any) -> dict[str, torch.Tensor]:
 
 
 def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max())
+    return float((a.float().cpu() - b.float().cpu()).abs().max())  # CUDA runs: a trained, b loaded on the CPU
 
 
 def _step_zero(config: Any, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -139,6 +139,7 @@ def _step_zero(config: Any, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
 
 def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
+    from colossalai.accelerator import get_accelerator
     from transformers import AutoModelForCausalLM
 
     from coati_kto.config.schema import Config
@@ -154,6 +155,7 @@ def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, 
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     batch = KTOCollator(tokenizer.pad_token_id)([data.train[i] for i in range(4)])
+    batch = batch.to(get_accelerator().get_current_device())  # the CUDA run's models are on the GPU
     result: dict[str, Any] = {"step0": _step_zero(config, batch)}
 
     first = train(config)
@@ -177,7 +179,9 @@ def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, 
 
     if dist.get_rank() == 0:
         dtype = second.plan.dtype
-        hf = AutoModelForCausalLM.from_pretrained(root / "run" / "final", dtype=dtype)
+        hf = AutoModelForCausalLM.from_pretrained(root / "run" / "final", dtype=dtype).to(
+            batch.example.input_ids.device
+        )
         with torch.no_grad():
             export_logps = first.passes._sequence_logps(hf, batch.example)
         base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).state_dict()
@@ -245,7 +249,12 @@ def matrices(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 @pytest.mark.parametrize(("family", "plugin"), CELLS)
 def test_lifecycle(matrices: Any, family: str, plugin: str) -> None:
-    family_runs = matrices(family)
+    check_lifecycle(matrices(family), family, plugin)
+
+
+def check_lifecycle(family_runs: dict[str, Any], family: str, plugin: str) -> None:
+    """A family's lifecycle under ``plugin`` (``_family_matrix`` on every rank): step 0, resume, export. Also the
+    CUDA test's (tests/distributed/test_gpu_path.py)."""
     ranks = [r[plugin] for r in family_runs["ranks"]]
     for r in ranks:
         assert "error" not in r, r.get("error")

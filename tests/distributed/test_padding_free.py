@@ -82,7 +82,13 @@ def test_flex_attention_block_mask_equals_padded_passes() -> None:
 
 # ------------------------------------------------------------------------------------------- 2 processes
 def _run(
-    model_dir: str, out_dir: str, padding_free: str | None, pack: bool, tp_size: int = 1
+    model_dir: str,
+    out_dir: str,
+    padding_free: str | None,
+    pack: bool,
+    tp_size: int = 1,
+    model: dict[str, Any] | None = None,
+    precision: str = "fp32",
 ) -> dict[str, Any]:
     """Three steps on hybrid_parallel fp32, 2 processes: online reference (the policy's own start, so step 0's
     rewards are 0), tool-use rows where the policy's folded pass pays; ``pack``: the shared-prompt reference
@@ -95,7 +101,8 @@ def _run(
     cfg = _config(
         model_dir,
         str(Path(out_dir) / f"free-{padding_free}-{pack}"),
-        plugin={"name": "hybrid_parallel", "zero_stage": 0, "precision": "fp32", "tp_size": tp_size},
+        model={"path": model_dir, **(model or {})},  # the CUDA test's attention kernel and dtype
+        plugin={"name": "hybrid_parallel", "zero_stage": 0, "precision": precision, "tp_size": tp_size},
         train={"micro_batch_size": 4},
         kto={"beta": 0.5},
     )

@@ -139,12 +139,12 @@ def sgd() -> Iterator[None]:
 def full_weights(policy: Any) -> np.ndarray:
     """Every weight of the whole model, fp64, by parameter name: tensor-parallel slices gathered (state_dict())."""
     state = policy.unwrap().state_dict()
-    return torch.cat([state[k].detach().double().flatten() for k in sorted(state)]).numpy()
+    return torch.cat([state[k].detach().double().flatten() for k in sorted(state)]).cpu().numpy()
 
 
 def _weights(policy: Any) -> np.ndarray:
     """Flat fp64 copy of the policy's weights; numpy, so it crosses the result queue by value (not a shared fd)."""
-    return torch.cat([p.detach().double().flatten() for p in policy.unwrap().parameters()]).numpy()
+    return torch.cat([p.detach().double().flatten() for p in policy.unwrap().parameters()]).cpu().numpy()
 
 
 def _inject_nan(trainer: Any, at_step: int, rank: int | None = None) -> None:

@@ -216,3 +216,36 @@ def test_padding_bench_smoke() -> None:
             assert 0.0 < padded <= padded64 < 100.0, line  # real padding
             assert bins <= padded and free == 0.0, line  # bins never pad more; one row not at all
         assert fractions[9] <= fractions[8] and fractions[10] == 0.0, line
+
+
+@pytest.mark.slow
+def test_gpu_check_smoke(tmp_path: Path) -> None:
+    """`make gpu-check`'s plumbing without CUDA (benchmarks/gpu_check.sh -> "gpu_check.py"): every `gpu` test is
+    listed as skipped, then the short bench's cases with a finite step time; one table."""
+    env = {
+        **os.environ,
+        "GPU_CHECK_PYTHON": sys.executable,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
+    proc = subprocess.run(
+        ["bash", str(BENCH / "gpu_check.sh"), "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=str(ROOT),
+        timeout=900,
+    )
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    lines = proc.stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("gpu-check on CPU"))
+    bench = next(i for i, line in enumerate(lines) if line.startswith("bench case"))
+    tests = {line.split()[0]: line.split()[1] for line in lines[start + 2 : bench]}
+    lifecycle = {f"test_family_lifecycle_on_cuda[{f}]" for f in ("llama", "qwen3", "gemma3")}
+    assert lifecycle | {"test_gradient_norm_is_the_same_on_every_plugin[cuda]"} <= set(tests), tests
+    assert set(tests.values()) == {"skipped"}, tests  # no CUDA: the gpu tests skip, none fails
+    cases = {line.split()[0]: line.split()[1:] for line in lines[bench + 1 :] if line.startswith("llama/")}
+    for name in ("llama/tool_use/online/hybrid_z2", "llama/tool_use/cached/hybrid_z2"):
+        step_s, mfu, syncs, kernels = cases[name]
+        positive_finite([float(step_s)], name)
+        assert (mfu, syncs, kernels) == ("n/a", "n/a", "n/a"), cases[name]  # no GPU figures on the CPU

@@ -168,6 +168,7 @@ def test_launch_scripts_pass_shellcheck() -> None:
     shellcheck = shutil.which("shellcheck") or str(Path(sys.executable).parent / "shellcheck")
     scripts = sorted(str(p) for p in (REPO / "launch").iterdir() if p.suffix in {".sh", ".sbatch"})
     assert len(scripts) >= 3
+    scripts += sorted(str(p) for p in (REPO / "benchmarks").glob("*.sh"))  # make gpu-check, make gpu-wheels
     proc = subprocess.run([shellcheck, *scripts], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout
 
