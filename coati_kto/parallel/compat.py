@@ -246,19 +246,15 @@ def make_optimizer(
 
 def _route_policies_to_the_project() -> None:
     """Shardformer's automatic policy choice (a plugin built without ``custom_policy``) picks the project's
-    policy (coati_kto.families.shardformer) and refuses, in one line, a class it has none for: ColossalAI 0.5.0's
-    own policies replace forwards with transformers-4.51 code that fails, or computes wrong, under transformers 5.
+    policy (coati_kto.families.shardformer): the family's tensor-parallel one where it has one, else the one that
+    swaps nothing, which refuses tensor parallelism in one line. ColossalAI 0.5.0's own policies replace forwards
+    with transformers-4.51 code that fails, or computes wrong, under transformers 5.
     """
     from colossalai.shardformer.shard import sharder
 
-    from coati_kto.families.shardformer import policy_for, supported_summary
+    from coati_kto.families.shardformer import policy_for
 
     def project_policy(model: torch.nn.Module) -> Any:
-        policy = policy_for(type(model).__name__)
-        if policy is None:
-            raise ValueError(
-                f"{type(model).__name__} has no coati-kto shardformer policy (supported: {supported_summary()})"
-            )
-        return policy
+        return policy_for(type(model).__name__, tp_size=2) or policy_for(type(model).__name__)
 
     sharder.get_autopolicy = project_policy

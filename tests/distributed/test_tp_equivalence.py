@@ -42,7 +42,7 @@ def _tp_vs_tp1(family: str, summed: bool) -> dict[str, Any]:
     tokenizer = build_tokenizer(CORPUS, vocab_size=300, style="chatml")
     model = build_family_model(family, tokenizer, seed=1)
     if not summed:  # the bug this guards against: per-head norms' gradients left per rank
-        type(policy_for(type(model).__name__)).per_head_replicated = ()
+        type(policy_for(type(model).__name__, 2)).per_head_replicated = ()
     single = copy.deepcopy(model)  # tp_size 1: the unsharded model, same batches, same optimizer
     plan = ParallelPlan("hybrid_parallel", "fp32", 0, tp_size=2, model_class=type(model).__name__)
     booster = Booster(plugin=plan.build_plugin())
