@@ -20,9 +20,23 @@ import torch
 SIZES: dict[str, int] = {
     **dict.fromkeys(("hidden_size", "n_embd", "d_model", "embed_dim", "dim", "word_embed_proj_dim"), 32),
     **dict.fromkeys(("intermediate_size", "ffn_dim", "n_inner", "d_ff", "ffn_hidden_size"), 64),
-    **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size"), 32),
-    **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "n_layers", "encoder_layers", "decoder_layers"), 2),
-    **dict.fromkeys(("num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads", "decoder_attention_heads"), 4),
+    **dict.fromkeys(
+        ("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size"), 32
+    ),
+    **dict.fromkeys(
+        ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "encoder_layers", "decoder_layers"), 2
+    ),
+    **dict.fromkeys(
+        (
+            "num_attention_heads",
+            "n_head",
+            "num_heads",
+            "n_heads",
+            "encoder_attention_heads",
+            "decoder_attention_heads",
+        ),
+        4,
+    ),
     **dict.fromkeys(("num_key_value_heads", "n_kv_heads", "num_kv_heads"), 2),
     **dict.fromkeys(("head_dim", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "kv_channels"), 8),
     **dict.fromkeys(("q_lora_rank", "kv_lora_rank"), 16),
@@ -42,7 +56,13 @@ SIZES: dict[str, int] = {
     **dict.fromkeys(("patch_size",), 14),
 }
 # Sub-configs (vision towers, audio encoders) are smaller still.
-SUB_SIZES = {**SIZES, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+SUB_SIZES = {
+    **SIZES,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+}
 TEXT_KEYS = ("text_config", "language_config", "llm_config", "decoder_config")
 
 
@@ -54,7 +74,11 @@ def causal_lm_types() -> list[str]:
 
 
 def _layers(values: dict[str, Any]) -> int:
-    return int(next((values[k] for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers") if k in values), 0))
+    return int(
+        next(
+            (values[k] for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers") if k in values), 0
+        )
+    )
 
 
 def _shrink(values: dict[str, Any], sizes: dict[str, int]) -> dict[str, Any]:
@@ -77,7 +101,10 @@ def _shrink(values: dict[str, Any], sizes: dict[str, int]) -> dict[str, Any]:
             if key in out:
                 out[key] = depth
     new_layers = _layers(out)
-    for key, value in values.items():  # other per-layer lists and {layer index: ...} maps, cut to the new depth
+    for (
+        key,
+        value,
+    ) in values.items():  # other per-layer lists and {layer index: ...} maps, cut to the new depth
         if key != "layer_types" and isinstance(value, list) and old_layers and len(value) == old_layers:
             out[key] = value[:new_layers]
         elif isinstance(value, dict) and value and all(str(k).isdigit() for k in value):

@@ -28,7 +28,8 @@ def supported_summary() -> str:
     """One line: each class admitted under tensor parallelism with its tp sizes, e.g. ``LlamaForCausalLM (tp_size
     2)``."""
     return ", ".join(
-        f"{name} (tp_size {', '.join(map(str, tps))})" for name, (_, _, tps) in TENSOR_PARALLEL_FAMILIES.items()
+        f"{name} (tp_size {', '.join(map(str, tps))})"
+        for name, (_, _, tps) in TENSOR_PARALLEL_FAMILIES.items()
     )
 
 
@@ -39,7 +40,9 @@ def hybrid_refusal(architecture: str, tp_size: int) -> str | None:
         return None
     entry = TENSOR_PARALLEL_FAMILIES.get(architecture)
     if entry is None:
-        return f"{architecture} has no tensor-parallel policy (plugin.name hybrid_parallel at tp_size {tp_size})"
+        return (
+            f"{architecture} has no tensor-parallel policy (plugin.name hybrid_parallel at tp_size {tp_size})"
+        )
     if tp_size not in entry[2]:
         return f"{architecture} is not supported under plugin.name hybrid_parallel at tp_size {tp_size}"
     return None
