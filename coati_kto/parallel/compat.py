@@ -149,6 +149,29 @@ def apply() -> None:
                     raise TypeError(f"ZeRO expects parameters of dtype {self._dtype}, got {param.dtype}")
 
     low_level_optim.LowLevelZeroOptimizer._sanity_checks = _sanity_checks_without_device
+    _gather_fused_projections_on_the_host()
+
+
+def _gather_fused_projections_on_the_host() -> None:
+    """ColossalAI 0.5.0 on CPU: gathering a part-by-part split fused projection (``FusedLinear1D_Col``: Phi-3's
+    qkv_proj and gate_up_proj under tensor parallelism; state_dict, checkpoints, export) calls ``.cuda()``. The
+    same gather where the tensor lies: all-gather [q_r | k_r | v_r] from every rank, then reorder the parts to
+    [q_0 q_1 | k_0 k_1 | v_0 v_1], transformers' layout."""
+    import torch.distributed as dist
+    from colossalai.shardformer.layer import qkv_fused_linear
+
+    def gather(
+        qkv: torch.Tensor, split_sizes: list[int], group: Any, is_transposed: bool = False
+    ) -> torch.Tensor:
+        world = dist.get_world_size(group=group)
+        parts = [torch.empty_like(qkv) for _ in range(world)]
+        dist.all_gather(parts, qkv.contiguous(), group=group)
+        dim = -1 if is_transposed else 0
+        local = [size // world for size in split_sizes]
+        pieces = [part.split(local, dim=dim) for part in parts]  # pieces[rank][part]
+        return torch.cat([pieces[r][i] for i in range(len(split_sizes)) for r in range(world)], dim=dim)
+
+    qkv_fused_linear.gather_fused_qkv_in_gpt2_style = gather
 
 
 def _fix_bugs_on_every_device() -> None:

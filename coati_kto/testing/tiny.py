@@ -202,8 +202,13 @@ FAMILIES: dict[str, tuple[str, str]] = {
     ),
     # transformers 5 only; Llama's module names (families/shardformer/smollm3.py): every plugin.
     "smollm3": ("llama3", "tied embeddings, layers without RoPE (no_rope_layers), grouped-query attention"),
-    # Gemma (1): no project policy, refused under hybrid_parallel (tests/test_plan_config.py).
+    # Gemma (1): no tensor-parallel policy, refused under hybrid_parallel above tp_size 1 (test_plan_config.py).
     "gemma": ("chatml", "tied embeddings, scaled embeddings (no shardformer policy)"),
+    # Phi-3 / Phi-4: fused qkv_proj and gate_up_proj, split part by part under tensor parallelism.
+    "phi3": (
+        "chatml",
+        "fused qkv and gate-up projections (split without mixing heads), grouped-query attention",
+    ),
 }
 
 
@@ -235,6 +240,8 @@ def build_family_model(family: str, tokenizer: PreTrainedTokenizerFast, seed: in
         GemmaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        Phi3Config,
+        Phi3ForCausalLM,
         Qwen2Config,
         Qwen2ForCausalLM,
         Qwen3Config,
@@ -264,6 +271,7 @@ def build_family_model(family: str, tokenizer: PreTrainedTokenizerFast, seed: in
         "qwen2": (Qwen2ForCausalLM, Qwen2Config, dict(tie_word_embeddings=True, use_sliding_window=False)),
         "qwen3": (Qwen3ForCausalLM, Qwen3Config, dict(tie_word_embeddings=True, head_dim=8)),
         "gemma": (GemmaForCausalLM, GemmaConfig, dict(head_dim=8)),
+        "phi3": (Phi3ForCausalLM, Phi3Config, dict(tie_word_embeddings=False)),
         "gemma3": (
             Gemma3ForCausalLM,
             Gemma3TextConfig,

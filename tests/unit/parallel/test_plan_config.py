@@ -113,9 +113,12 @@ def test_output_is_needed_by_train_only(tmp_path: Path, tiny_model_dir: Path) ->
         config.training_output()
 
 
-def test_hybrid_admits_only_the_proven_families(tmp_path: Path) -> None:
-    """hybrid_parallel admits a family at a tp_size only where the lifecycle matrix proves it; anything else is
-    one line at config load naming what is supported. The other plugins take any causal LM."""
+def test_hybrid_admits_every_family_at_tp1_and_only_the_proven_ones_above(tmp_path: Path) -> None:
+    """hybrid_parallel admits every family at tp_size 1 (one policy that swaps nothing: the family sweep proves
+    it), and a family at a tp_size above 1 only where the tp matrix proves it; anything else is one line at config
+    load naming what tensor parallelism supports. The other plugins take any causal LM."""
+    from coati_kto.families.shardformer import policy_for
+    from coati_kto.families.shardformer.unsharded import UnshardedPolicy
     from coati_kto.testing.tiny import save_tiny_family
 
     def load(model_dir: Path, *overrides: str) -> object:
@@ -123,15 +126,17 @@ def test_hybrid_admits_only_the_proven_families(tmp_path: Path) -> None:
         return load_config(write_config(tmp_path, text), list(overrides))
 
     gemma = save_tiny_family(tmp_path / "gemma", "gemma", CORPUS[:20], vocab_size=280)
+    assert load(gemma).plugin.name == "hybrid_parallel"  # the default plugin, tp_size 1
+    assert isinstance(policy_for("GemmaForCausalLM"), UnshardedPolicy)
+    assert isinstance(policy_for("Qwen3ForCausalLM", 1), UnshardedPolicy)  # one path at tp_size 1
+    assert not isinstance(policy_for("Qwen3ForCausalLM", 2), UnshardedPolicy)
     with pytest.raises(ConfigError) as err:
-        load(gemma)
+        load(gemma, "plugin.tp_size=2", "plugin.zero_stage=0")
     message = str(err.value)
     assert "\n" not in message
-    assert (
-        f"model.path {gemma}: GemmaForCausalLM is not supported under plugin.name hybrid_parallel" in message
-    )
-    assert "Qwen3ForCausalLM (tp_size 1, 2)" in message and "Gemma3ForCausalLM (tp_size 1, 2)" in message
-    assert "low_level_zero or ddp needs no policy" in message
+    assert f"model.path {gemma}: GemmaForCausalLM has no tensor-parallel policy" in message
+    assert "Qwen3ForCausalLM (tp_size 2)" in message and "Gemma3ForCausalLM (tp_size 2)" in message
+    assert "plugin.tp_size 1 (every family), low_level_zero or ddp needs no policy" in message
     assert load(gemma, "plugin.name=low_level_zero").plugin.zero_stage == 2
 
     gemma3 = save_tiny_family(tmp_path / "gemma3", "gemma3", CORPUS[:20], vocab_size=280)
