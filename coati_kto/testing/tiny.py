@@ -240,6 +240,8 @@ def build_family_model(family: str, tokenizer: PreTrainedTokenizerFast, seed: in
         GemmaForCausalLM,
         MistralConfig,
         MistralForCausalLM,
+        Olmo3Config,
+        Olmo3ForCausalLM,
         Phi3Config,
         Phi3ForCausalLM,
         Qwen2Config,
@@ -272,6 +274,11 @@ def build_family_model(family: str, tokenizer: PreTrainedTokenizerFast, seed: in
         "qwen3": (Qwen3ForCausalLM, Qwen3Config, dict(tie_word_embeddings=True, head_dim=8)),
         "gemma": (GemmaForCausalLM, GemmaConfig, dict(head_dim=8)),
         "phi3": (Phi3ForCausalLM, Phi3Config, dict(tie_word_embeddings=False)),
+        "olmo3": (
+            Olmo3ForCausalLM,
+            Olmo3Config,
+            dict(num_hidden_layers=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+        ),
         "gemma3": (
             Gemma3ForCausalLM,
             Gemma3TextConfig,

@@ -54,6 +54,7 @@ FAMILY_PLUGINS: dict[str, list[str]] = {
     "gemma3": ALL,
     "smollm3": ALL,
     "phi3": ALL,
+    "olmo3": ALL,
     # hybrid at tp_size 1 through the one policy that swaps nothing (every family: tests/distributed/family_sweep.py)
     "gemma3_vl": ["ddp fp32", "low_level_zero zero2 bf16", "hybrid zero2 bf16"],
 }

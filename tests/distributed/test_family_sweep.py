@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 from family_sweep import PLUGINS, sweep, verdict
 from helpers import CORPUS
 
 REPRESENTATIVE = ["qwen3_5", "gemma4_text", "phi3", "qwen3_moe"]
-TABLE = Path(__file__).resolve().parents[2] / "docs" / "families.md"
+REPO = Path(__file__).resolve().parents[2]
+TABLE = REPO / "docs" / "families.md"
 
 
 def _tokenizer():
@@ -66,3 +68,59 @@ def test_every_family_low_level_zero_trains_trains_under_hybrid_tp1(tmp_path: Pa
     trained = {p: {t for t, cells in results.items() if cells[p] == "trained"} for p in PLUGINS}
     assert trained["hybrid_parallel tp1"] == trained["low_level_zero"], results
     assert len(trained["low_level_zero"]) >= 100
+
+
+def _shipped(config_file: str, model_dir: str, root: str, *extra: str) -> dict[str, Any]:
+    """``configs/<config_file>`` with only model.path changed, and what a CPU run of 2 steps must change besides
+    (data files, no eval set, output dir, step count, batch size, tokenization processes); its plugin section as shipped."""
+    from coati_kto.config.load import load_config
+    from coati_kto.train import train
+
+    overrides = [
+        f"model.path={model_dir}",
+        f"data.train_files=[{root}/train.jsonl]",
+        f"data.prepared_dir={root}/prepared",
+        "data.num_proc=1",
+        "data.eval_files=[]",
+        "data.eval_fraction=0",
+        f"output.dir={root}/out",
+        "train.max_steps=2",
+        "train.micro_batch_size=2",
+        "train.accumulation_steps=1",
+        "logging.tensorboard=false",
+        *extra,
+    ]
+    config = load_config(REPO / "configs" / config_file, overrides)
+    first = train(config).history[0]
+    return {
+        "plugin": config.plugin.model_dump(),
+        "step1": [first["train/rewards/chosen"], first["train/rewards/rejected"], first["train/kl_raw"]],
+    }
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_5", "gemma4"])
+def test_shipped_configs_train_qwen3_5_and_gemma4(tmp_path: Path, model_type: str) -> None:
+    """configs/single_gpu.yaml (1 process: hybrid_parallel runs ZeRO stage 0 there) and node_8gpu_zero2.yaml
+    (ZeRO-2 over 2 processes here; flash-attn absent on CPU, so sdpa) admit and train Qwen 3.5 and Gemma 4."""
+    from family_sweep import records
+
+    from coati_kto.data.files import write_jsonl
+    from coati_kto.testing.distributed import run_distributed
+    from coati_kto.testing.tiny_types import save_tiny_type
+
+    model_dir = str(save_tiny_type(model_type, tmp_path / "model", _tokenizer()))
+    for name in ("single", "node"):
+        write_jsonl(records(12), tmp_path / name / "train.jsonl")
+    single = run_distributed(_shipped, 1, "single_gpu.yaml", model_dir, str(tmp_path / "single"))
+    node = run_distributed(
+        _shipped,
+        2,
+        "node_8gpu_zero2.yaml",
+        model_dir,
+        str(tmp_path / "node"),
+        "model.attn_implementation=sdpa",
+    )
+    for run in single + node:
+        assert run["plugin"]["name"] == "hybrid_parallel" and run["plugin"]["tp_size"] == 1
+        assert run["plugin"]["zero_stage"] == 2 and run["plugin"]["precision"] == "bf16"
+        assert run["step1"] == [0.0, 0.0, 0.0], run

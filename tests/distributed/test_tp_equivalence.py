@@ -51,6 +51,18 @@ def _break(policy_class: type, family: str) -> None:
     if family == "phi3":  # fused projections split contiguously: rank 0 gets all of q, rank 1 k and v
         policy_class.column_parallel = tuple(policy_class.fused_column)
         policy_class.fused_column = {}
+    elif (
+        family == "olmo3"
+    ):  # whole-projection norms without the reduction: each rank normalises its slice alone
+        from coati_kto.families.shardformer.olmo3 import RMSNormAcrossRanks
+
+        def local(self: Any, x: torch.Tensor) -> torch.Tensor:
+            x32 = x.float()
+            return (
+                self.weight * x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            ).to(x.dtype)
+
+        RMSNormAcrossRanks.forward = local
     else:  # per-head norms' gradients left per rank
         policy_class.per_head_replicated = ()
 

@@ -22,6 +22,7 @@ TENSOR_PARALLEL_FAMILIES: dict[str, tuple[str, str, tuple[int, ...]]] = {
     "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLMPolicy", (2,)),
     "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLMPolicy", (2,)),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLMPolicy", (2,)),
+    "Olmo3ForCausalLM": ("olmo3", "Olmo3ForCausalLMPolicy", (2,)),
 }
 
 
