@@ -33,6 +33,7 @@ NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 PER_HEAD = {
     "qwen3": NORMS,
     "gemma3": NORMS,
+    "olmo3": ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "self_attn.q_proj.weight"),
     "phi3": (
         "self_attn.qkv_proj.weight",
         "self_attn.o_proj.weight",
