@@ -25,6 +25,21 @@ TENSOR_PARALLEL_FAMILIES: dict[str, tuple[str, str, tuple[int, ...]]] = {
     "Olmo3ForCausalLM": ("olmo3", "Olmo3ForCausalLMPolicy", (2,)),
 }
 
+# Classes whose tensor-parallel policy splits fused projections part by part (Phi-3's qkv_proj, gate_up_proj):
+# ColossalAI 0.5.0's checkpoint gathers their optimizer moments rank after rank ([q0 k0 v0 | q1 k1 v1]), not in
+# transformers' order, so the moments only fit the tp_size they were saved at.
+FUSED_PROJECTIONS = frozenset({"Phi3ForCausalLM"})
+
+
+def tp_change_refusal(architecture: str, saved_tp: int | None, tp_size: int) -> str | None:
+    """Why a checkpoint saved at ``saved_tp`` cannot resume ``architecture`` at ``tp_size`` (None when it can)."""
+    if saved_tp is None or saved_tp == tp_size or architecture not in FUSED_PROJECTIONS:
+        return None
+    return (
+        f"{architecture}'s fused projections were saved at plugin.tp_size {saved_tp}: their optimizer moments "
+        f"resume at that tp_size only (set plugin.tp_size {saved_tp}, or start a new run from an export)"
+    )
+
 
 def supported_summary() -> str:
     """One line: each class admitted under tensor parallelism with its tp sizes, e.g. ``LlamaForCausalLM (tp_size

@@ -182,3 +182,15 @@ def test_tp_size_must_split_whole_heads(tmp_path: Path) -> None:
     assert "plugin.tp_size 2 must divide num_attention_heads 4 and num_key_value_heads 1" in message
     # ddp and low_level_zero do not split heads: no refusal there.
     assert load("plugin.name=low_level_zero", "plugin.zero_stage=2").plugin.name == "low_level_zero"
+
+
+def test_fused_projections_resume_at_their_tp_size_only() -> None:
+    """Phi-3's fused projections keep their optimizer moments rank after rank in a tp_size 2 checkpoint: resumed
+    at another tp_size they would land on the wrong heads, silently; refused in one line instead."""
+    from coati_kto.families.shardformer import tp_change_refusal
+
+    why = tp_change_refusal("Phi3ForCausalLM", 2, 1)
+    assert why is not None and "\n" not in why and "saved at plugin.tp_size 2" in why
+    assert tp_change_refusal("Phi3ForCausalLM", 2, 2) is None
+    assert tp_change_refusal("Phi3ForCausalLM", None, 2) is None  # a checkpoint from before meta had tp_size
+    assert tp_change_refusal("LlamaForCausalLM", 2, 1) is None  # contiguous splits re-shard exactly
