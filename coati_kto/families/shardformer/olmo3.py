@@ -1,4 +1,4 @@
-"""OLMo 2 / OLMo 3: the project's shardformer policy (transformers 5's own forwards; see
+"""OLMo 3: the project's shardformer policy (transformers 5's own forwards; see
 coati_kto.families.shardformer.base).
 
 OLMo normalises the whole query projection (all heads together: ``q_norm`` has num_heads x head_dim weights, and
@@ -22,7 +22,6 @@ from colossalai.tensor.d_tensor.api import (
     sharded_tensor_to_existing_param,
 )
 from torch import nn
-from transformers.models.olmo2.modeling_olmo2 import Olmo2DecoderLayer, Olmo2ForCausalLM, Olmo2Model
 from transformers.models.olmo3.modeling_olmo3 import Olmo3DecoderLayer, Olmo3ForCausalLM, Olmo3Model
 
 from coati_kto.families.shardformer.base import DecoderPolicy
@@ -74,8 +73,3 @@ class Olmo3ForCausalLMPolicy(_WholeProjectionNorms):
     base_model = Olmo3Model
     decoder_layer = Olmo3DecoderLayer
 
-
-class Olmo2ForCausalLMPolicy(_WholeProjectionNorms):
-    causal_lm = Olmo2ForCausalLM
-    base_model = Olmo2Model
-    decoder_layer = Olmo2DecoderLayer
