@@ -72,4 +72,3 @@ class Olmo3ForCausalLMPolicy(_WholeProjectionNorms):
     causal_lm = Olmo3ForCausalLM
     base_model = Olmo3Model
     decoder_layer = Olmo3DecoderLayer
-
