@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 REQ_HASH := $(shell cat requirements/$(PROFILE).txt requirements/common.txt setup.py | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.installed-$(PROFILE)-$(REQ_HASH)
 
-.PHONY: install quickstart test lint format bench gpu-check gpu-wheels
+.PHONY: install quickstart test test-all lint format bench gpu-check gpu-wheels
 
 install: $(STAMP)
 
@@ -29,6 +29,10 @@ quickstart: $(STAMP)
 	$(PY) applications/quickstart/run.py $(QUICKSTART_ARGS)
 
 test: $(STAMP)
+	$(PY) -m pytest -q tests -m "not sweep"
+
+# Also the whole family sweep (tests/distributed/test_family_sweep.py: every causal-LM type, hours on 2 cores).
+test-all: $(STAMP)
 	$(PY) -m pytest -q tests
 
 # Every benchmark's smoke mode (tiny sizes, CPU), its printed figures checked: tests/e2e/test_benchmarks.py.

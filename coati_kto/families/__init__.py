@@ -102,7 +102,8 @@ def model_class_name(model_dir: str) -> str | None:
 
 def check_model_family(plugin: str, model_dir: str, key: str, tp_size: int = 1) -> None:
     """ConfigError (one line, naming what is supported) when ``plugin`` is hybrid_parallel and the model class at
-    ``model_dir`` is not admitted at ``tp_size`` (``shardformer.HYBRID_FAMILIES``: what the tests prove).
+    ``model_dir`` is not admitted at ``tp_size`` (every class at tp_size 1; above it
+    ``shardformer.TENSOR_PARALLEL_FAMILIES``: what the tests prove).
     Checked from config.json alone; a class it cannot tell (hub id, remote code) is checked at boost."""
     if plugin != "hybrid_parallel":
         return
@@ -141,8 +142,8 @@ def refuse_unadmitted(model_class: str, tp_size: int, prefix: str = "") -> None:
     why = hybrid_refusal(model_class.rsplit(".", 1)[-1], tp_size)
     if why is not None:
         raise ConfigError(
-            f"{prefix}{why} (supported: {supported_summary()}); plugin.name low_level_zero or ddp needs no "
-            "policy"
+            f"{prefix}{why} (tensor parallelism: {supported_summary()}); plugin.tp_size 1 (every family), "
+            "low_level_zero or ddp needs no policy"
         )
 
 

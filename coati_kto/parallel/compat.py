@@ -149,6 +149,29 @@ def apply() -> None:
                     raise TypeError(f"ZeRO expects parameters of dtype {self._dtype}, got {param.dtype}")
 
     low_level_optim.LowLevelZeroOptimizer._sanity_checks = _sanity_checks_without_device
+    _gather_fused_projections_on_the_host()
+
+
+def _gather_fused_projections_on_the_host() -> None:
+    """ColossalAI 0.5.0 on CPU: gathering a part-by-part split fused projection (``FusedLinear1D_Col``: Phi-3's
+    qkv_proj and gate_up_proj under tensor parallelism; state_dict, checkpoints, export) calls ``.cuda()``. The
+    same gather where the tensor lies: all-gather [q_r | k_r | v_r] from every rank, then reorder the parts to
+    [q_0 q_1 | k_0 k_1 | v_0 v_1], transformers' layout."""
+    import torch.distributed as dist
+    from colossalai.shardformer.layer import qkv_fused_linear
+
+    def gather(
+        qkv: torch.Tensor, split_sizes: list[int], group: Any, is_transposed: bool = False
+    ) -> torch.Tensor:
+        world = dist.get_world_size(group=group)
+        parts = [torch.empty_like(qkv) for _ in range(world)]
+        dist.all_gather(parts, qkv.contiguous(), group=group)
+        dim = -1 if is_transposed else 0
+        local = [size // world for size in split_sizes]
+        pieces = [part.split(local, dim=dim) for part in parts]  # pieces[rank][part]
+        return torch.cat([pieces[r][i] for i in range(len(split_sizes)) for r in range(world)], dim=dim)
+
+    qkv_fused_linear.gather_fused_qkv_in_gpt2_style = gather
 
 
 def _fix_bugs_on_every_device() -> None:
@@ -289,19 +312,15 @@ def optimizer_for(params: Any, train: Any) -> torch.optim.Optimizer:
 
 def _route_policies_to_the_project() -> None:
     """Shardformer's automatic policy choice (a plugin built without ``custom_policy``) picks the project's
-    policy (coati_kto.families.shardformer) and refuses, in one line, a class it has none for: ColossalAI 0.5.0's
-    own policies replace forwards with transformers-4.51 code that fails, or computes wrong, under transformers 5.
+    policy (coati_kto.families.shardformer): the family's tensor-parallel one where it has one, else the one that
+    swaps nothing, which refuses tensor parallelism in one line. ColossalAI 0.5.0's own policies replace forwards
+    with transformers-4.51 code that fails, or computes wrong, under transformers 5.
     """
     from colossalai.shardformer.shard import sharder
 
-    from coati_kto.families.shardformer import policy_for, supported_summary
+    from coati_kto.families.shardformer import policy_for
 
     def project_policy(model: torch.nn.Module) -> Any:
-        policy = policy_for(type(model).__name__)
-        if policy is None:
-            raise ValueError(
-                f"{type(model).__name__} has no coati-kto shardformer policy (supported: {supported_summary()})"
-            )
-        return policy
+        return policy_for(type(model).__name__, tp_size=2) or policy_for(type(model).__name__)
 
     sharder.get_autopolicy = project_policy

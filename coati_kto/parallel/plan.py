@@ -83,8 +83,8 @@ class ParallelPlan:
     cpu_offload: bool = False
     max_grad_norm: float = 0.0
     flash_attention: bool = False
-    # Full class name of the policy model (model_class_name), when config.json tells it: picks corrected
-    # shardformer policies (``families.policies.corrected_policy``).
+    # Full class name of the policy model (model_class_name), when config.json tells it: picks the family's
+    # tensor-parallel policy (``families.policies.corrected_policy``; at tp_size 1 one policy swaps nothing).
     model_class: str | None = None
     # The data-parallel size the run has, when known (``from_config(config, dp_size)``); None: not known.
     dp_size: int | None = None
@@ -214,7 +214,7 @@ class ParallelPlan:
                 enable_flash_attention=False,
                 # Full logits on every tensor-parallel rank: the log-prob gather needs the whole vocabulary row.
                 parallel_output=False,
-                custom_policy=corrected_policy(self.model_class),
+                custom_policy=corrected_policy(self.model_class, self.tp_size),
                 **device_kwargs,
             )
         if self.plugin == "low_level_zero":
@@ -245,7 +245,7 @@ class ParallelPlan:
             inner = type(policy.get_base_model() if hasattr(policy, "get_base_model") else policy)
             model_class = f"{inner.__module__}.{inner.__qualname__}"
             refuse_unadmitted(model_class, self.tp_size, "model.path: ")
-            booster.plugin.custom_policy = corrected_policy(model_class)
+            booster.plugin.custom_policy = corrected_policy(model_class, self.tp_size)
         policy, optimizer, _, _, lr_scheduler = booster.boost(policy, optimizer, lr_scheduler=lr_scheduler)
         restore(kept)
         # The project's gradient path after the backward (coati_kto.parallel.optimizer_path): no second norm, no
@@ -281,7 +281,7 @@ class ParallelPlan:
                 use_ddp=False,
                 ddp_config={},
                 # By the reference's own class: model.reference_path may hold another family than the policy.
-                custom_policy=corrected_policy(reference_class),
+                custom_policy=corrected_policy(reference_class, self.tp_size),
             )
         elif self.plugin == "low_level_zero":
             from colossalai.booster.plugin.low_level_zero_plugin import LowLevelZeroModel

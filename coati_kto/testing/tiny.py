@@ -202,8 +202,18 @@ FAMILIES: dict[str, tuple[str, str]] = {
     ),
     # transformers 5 only; Llama's module names (families/shardformer/smollm3.py): every plugin.
     "smollm3": ("llama3", "tied embeddings, layers without RoPE (no_rope_layers), grouped-query attention"),
-    # Gemma (1): no project policy, refused under hybrid_parallel (tests/test_plan_config.py).
+    # Gemma (1): no tensor-parallel policy, refused under hybrid_parallel above tp_size 1 (test_plan_config.py).
     "gemma": ("chatml", "tied embeddings, scaled embeddings (no shardformer policy)"),
+    # Phi-3 / Phi-4: fused qkv_proj and gate_up_proj, split part by part under tensor parallelism.
+    "phi3": (
+        "chatml",
+        "fused qkv and gate-up projections (split without mixing heads), grouped-query attention",
+    ),
+    # OLMo 3: q/k norms over the whole projection (all heads), sliding and full layers mixed.
+    "olmo3": (
+        "chatml",
+        "q/k RMSNorm over all heads (reduced across tensor-parallel ranks), sliding and full layers",
+    ),
 }
 
 
@@ -226,22 +236,50 @@ def random_causal_lm(
     return model_class(config_class(**{**shape, **config}))
 
 
+def _family_shapes(exact: int) -> dict[str, tuple[str, str, dict[str, Any]]]:
+    """family -> (transformers model class, config class, its config keys) for ``build_family_model``."""
+    return {
+        "llama": ("LlamaForCausalLM", "LlamaConfig", dict(tie_word_embeddings=False)),
+        "mistral": (
+            "MistralForCausalLM",
+            "MistralConfig",
+            dict(vocab_size=-(-exact // 64) * 64, sliding_window=8, head_dim=8, tie_word_embeddings=False),
+        ),
+        "qwen2": (
+            "Qwen2ForCausalLM",
+            "Qwen2Config",
+            dict(tie_word_embeddings=True, use_sliding_window=False),
+        ),
+        "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(tie_word_embeddings=True, head_dim=8)),
+        "gemma": ("GemmaForCausalLM", "GemmaConfig", dict(head_dim=8)),
+        "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(tie_word_embeddings=False)),
+        "olmo3": (
+            "Olmo3ForCausalLM",
+            "Olmo3Config",
+            dict(num_hidden_layers=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+        ),
+        "gemma3": (
+            "Gemma3ForCausalLM",
+            "Gemma3TextConfig",
+            dict(
+                head_dim=8,
+                num_hidden_layers=2,
+                sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"],
+                tie_word_embeddings=True,
+            ),
+        ),
+        "smollm3": (
+            "SmolLM3ForCausalLM",
+            "SmolLM3Config",
+            dict(num_hidden_layers=2, no_rope_layers=[1, 0], tie_word_embeddings=True),
+        ),
+    }
+
+
 def build_family_model(family: str, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> PreTrainedModel:
     """A random ``family`` causal LM (FAMILIES) sized for CPU tests, its vocabulary fitted to ``tokenizer``."""
-    from transformers import (
-        Gemma3ForCausalLM,
-        Gemma3TextConfig,
-        GemmaConfig,
-        GemmaForCausalLM,
-        MistralConfig,
-        MistralForCausalLM,
-        Qwen2Config,
-        Qwen2ForCausalLM,
-        Qwen3Config,
-        Qwen3ForCausalLM,
-        SmolLM3Config,
-        SmolLM3ForCausalLM,
-    )
+    import transformers
 
     exact = len(tokenizer)  # odd for the corpus used in tests: padded under HybridParallelPlugin
     if family == "gemma3_vl":
@@ -254,37 +292,16 @@ def build_family_model(family: str, tokenizer: PreTrainedTokenizerFast, seed: in
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    by_family = {
-        "llama": (LlamaForCausalLM, LlamaConfig, dict(tie_word_embeddings=False)),
-        "mistral": (
-            MistralForCausalLM,
-            MistralConfig,
-            dict(vocab_size=-(-exact // 64) * 64, sliding_window=8, head_dim=8, tie_word_embeddings=False),
-        ),
-        "qwen2": (Qwen2ForCausalLM, Qwen2Config, dict(tie_word_embeddings=True, use_sliding_window=False)),
-        "qwen3": (Qwen3ForCausalLM, Qwen3Config, dict(tie_word_embeddings=True, head_dim=8)),
-        "gemma": (GemmaForCausalLM, GemmaConfig, dict(head_dim=8)),
-        "gemma3": (
-            Gemma3ForCausalLM,
-            Gemma3TextConfig,
-            dict(
-                head_dim=8,
-                num_hidden_layers=2,
-                sliding_window=8,
-                layer_types=["sliding_attention", "full_attention"],
-                tie_word_embeddings=True,
-            ),
-        ),
-        "smollm3": (
-            SmolLM3ForCausalLM,
-            SmolLM3Config,
-            dict(num_hidden_layers=2, no_rope_layers=[1, 0], tie_word_embeddings=True),
-        ),
-    }
-    if family not in by_family:
+    shapes = _family_shapes(exact)
+    if family not in shapes:
         raise ValueError(f"unknown tiny family {family!r}; known: {sorted(FAMILIES)}")
-    model_class, config_class, specific = by_family[family]
-    return random_causal_lm(model_class, config_class, seed, **{**common, **specific})
+    model_class, config_class, specific = shapes[family]
+    return random_causal_lm(
+        getattr(transformers, model_class),
+        getattr(transformers, config_class),
+        seed,
+        **{**common, **specific},
+    )
 
 
 def _vision_language_gemma3(text: Any, vocab: int, seed: int) -> PreTrainedModel:

@@ -24,6 +24,7 @@ import torch
 from colossalai.booster import Booster
 
 from coati_kto.errors import UserError
+from coati_kto.families.shardformer import tp_change_refusal
 from coati_kto.models.lora import base_module
 from coati_kto.parallel.distributed import ParallelLayout, barrier, gather_objects, on_rank0
 from coati_kto.parallel.masters import working_to_master
@@ -180,11 +181,14 @@ class CheckpointManager:
         """
         path = Path(path)
         rank = self.layout.rank
+        meta = json.loads((path / "meta.json").read_text())
+        why = tp_change_refusal(type(base_module(model)).__name__, meta.get("tp_size"), self.layout.tp_size)
+        if why is not None:  # every rank reads the same meta.json: every rank raises
+            raise UserError(f"train.resume {path}: {why}")
         save_tied_weights_once(base_module(model))
         self.booster.load_model(model, str(path / "model"))
         self.booster.load_optimizer(optimizer, str(path / "optimizer"))
         self.booster.load_lr_scheduler(lr_scheduler, str(path / "lr_scheduler.pt"))
-        meta = json.loads((path / "meta.json").read_text())
         same_layout = all(meta.get(k) == v for k, v in self._layout_meta().items())
         master_file = path / "master_weights" / f"rank-{rank}.pt"
         if same_layout and master_file.is_file():

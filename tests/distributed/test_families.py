@@ -6,8 +6,8 @@ attention), Mistral ([INST] template, sliding-window attention, GQA), Qwen2 (Cha
 bias, GQA, vocabulary 300), Qwen3 (per-head q/k norms), Gemma 3 (scaled tied embeddings, sliding and full layers
 mixed, soft-capping; its embed_scale kept under tensor parallelism), SmolLM3 (transformers 5 only, layers without RoPE;
 Llama's module names: every plugin), Gemma 3 vision-language (Gemma3ForConditionalGeneration, Gemma 3 4B-27B's shape: ddp and
-low_level_zero; its vision tower frozen and exported as loaded). ``FAMILY_PLUGINS`` is the matrix; it is what coati_kto.families.shardformer.HYBRID_FAMILIES
-admits. Plugins: ddp fp32, low_level_zero ZeRO-2 bf16, hybrid_parallel ZeRO-0 fp32, hybrid_parallel ZeRO-2 bf16 and
+low_level_zero and hybrid tp_size 1; its vision tower frozen and exported as loaded). ``FAMILY_PLUGINS`` is the
+matrix; its tp_size 2 cells are what coati_kto.families.shardformer.TENSOR_PARALLEL_FAMILIES admits. Plugins: ddp fp32, low_level_zero ZeRO-2 bf16, hybrid_parallel ZeRO-0 fp32, hybrid_parallel ZeRO-2 bf16 and
 hybrid_parallel tp_size 2 (bf16, ZeRO-0: with 2 processes the data-parallel size is 1).
 
 One set of 2 processes per family runs, for each plugin in turn, the whole lifecycle through ``train()``:
@@ -53,7 +53,10 @@ FAMILY_PLUGINS: dict[str, list[str]] = {
     "qwen3": ALL,
     "gemma3": ALL,
     "smollm3": ALL,
-    "gemma3_vl": ["ddp fp32", "low_level_zero zero2 bf16"],
+    "phi3": ALL,
+    "olmo3": ALL,
+    # hybrid at tp_size 1 through the one policy that swaps nothing (every family: tests/distributed/family_sweep.py)
+    "gemma3_vl": ["ddp fp32", "low_level_zero zero2 bf16", "hybrid zero2 bf16"],
 }
 CELLS = [(family, plugin) for family, plugins in FAMILY_PLUGINS.items() for plugin in plugins]
 QUESTIONS = ["What is the capital of France?", "Please add 2 and 3.", "Write a function that adds numbers."]
@@ -309,7 +312,8 @@ def test_tp2_reference_is_sharded(matrices: Any, family: str) -> None:
     assert tp_names.keys() == full_names.keys()
     linear = [n for n in full_names if n.endswith("proj.weight")]
     tp_linear, full_linear = sum(tp_names[n] for n in linear), sum(full_names[n] for n in linear)
-    assert len(linear) == 7 * family_runs["config"].num_hidden_layers and 2 * tp_linear == full_linear
+    per_layer = 4 if family == "phi3" else 7  # Phi-3: fused qkv_proj and gate_up_proj
+    assert len(linear) == per_layer * family_runs["config"].num_hidden_layers and 2 * tp_linear == full_linear
     vocab = -(-family_runs["config"].vocab_size // 128) * 128
     hidden = family_runs["config"].hidden_size
     for name in [n for n in full_names if "embed_tokens" in n or "lm_head" in n]:
@@ -321,9 +325,9 @@ def test_tp2_reference_is_sharded(matrices: Any, family: str) -> None:
 
 
 def test_hybrid_admits_what_the_matrix_proves() -> None:
-    """coati_kto.families.shardformer.HYBRID_FAMILIES (what config load admits) names exactly the families and tp
-    sizes this matrix runs under hybrid_parallel."""
-    from coati_kto.families.shardformer import HYBRID_FAMILIES
+    """coati_kto.families.shardformer.TENSOR_PARALLEL_FAMILIES (what config load admits above tp_size 1) names
+    exactly the families and tp sizes this matrix runs under hybrid_parallel with tensor parallelism."""
+    from coati_kto.families.shardformer import TENSOR_PARALLEL_FAMILIES
     from coati_kto.testing.tiny import build_family_model, build_tokenizer
 
     tokenizer = build_tokenizer(CORPUS[:20], vocab_size=280)
@@ -332,6 +336,6 @@ def test_hybrid_admits_what_the_matrix_proves() -> None:
         tps = sorted(
             {PLUGINS[p].get("tp_size", 1) for p in plugins if PLUGINS[p]["name"] == "hybrid_parallel"}
         )
-        if tps:
-            proven[type(build_family_model(family, tokenizer)).__name__] = tuple(tps)
-    assert proven == {name: tps for name, (_, _, tps) in HYBRID_FAMILIES.items()}
+        if [tp for tp in tps if tp > 1]:
+            proven[type(build_family_model(family, tokenizer)).__name__] = tuple(tp for tp in tps if tp > 1)
+    assert proven == {name: tps for name, (_, _, tps) in TENSOR_PARALLEL_FAMILIES.items()}

@@ -19,7 +19,6 @@ from transformers import (
 
 from coati_kto.data.collator import KTOCollator
 from coati_kto.data.packed import shared_prompt_lengths
-from coati_kto.families.shardformer import hybrid_refusal
 from coati_kto.models.lm_head import LMHead, model_sequence_logps
 from coati_kto.models.packing import can_pack, pair_logps
 from coati_kto.testing.tiny import random_causal_lm
@@ -163,8 +162,6 @@ def _through_plugins() -> dict[str, list[float]]:
     out = {}
     for family, (cls, config_cls, config) in FAMILIES.items():
         for plugin, precision in (("hybrid_parallel", "fp32"), ("low_level_zero", "bf16")):
-            if plugin == "hybrid_parallel" and hybrid_refusal(cls.__name__, 1) is not None:
-                continue  # no shardformer policy (SmolLM3): refused under hybrid_parallel at config load
             name = f"{cls.__module__}.{cls.__qualname__}"
             plan = ParallelPlan(plugin, precision, 0 if plugin == "hybrid_parallel" else 2, model_class=name)
             wrapped = plan.build_reference(plan.build_plugin(), _model(cls, config_cls, "sdpa", **config))

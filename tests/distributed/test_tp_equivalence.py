@@ -1,4 +1,4 @@
-"""tp_size 2 equals tp_size 1 (fp32) under the project's shardformer policies, per-head norms included.
+"""tp_size 2 equals tp_size 1 (fp32) under the project's shardformer policies: per-head norms, fused projections.
 
 Qwen3 and Gemma 3 normalise every query / key head with one shared weight (``q_norm``, ``k_norm``). At tp_size 2 each rank
 holds half of the heads, so each rank's gradient of those weights covers only its heads; the policy sums them
@@ -6,6 +6,11 @@ over the tensor-parallel group (coati_kto.families.shardformer.base). Checked on
 steps of the tp_size 2 model against an unsharded copy trained on the same batches (tp_size 1) on each rank:
 the per-head norms' gradients and every weight after the steps agree within fp32 rounding; with the sum turned
 off the same comparison fails (1e-3 or more), so the test sees the bug it guards against.
+
+Phi-3 fuses q/k/v (``qkv_proj``) and gate/up (``gate_up_proj``): split part by part, each rank holds its own
+heads and MLP slice. Checked the same way, with the gradient of every decoder parameter on each rank equal to the
+matching slice of the unsharded gradient, and the export (the gathered weights in a fresh transformers model)
+giving the unsharded model's log-probs; split contiguously instead (the bug: heads mixed), it fails.
 """
 
 from __future__ import annotations
@@ -24,10 +29,61 @@ STEPS = 3
 # one unsharded copy reached 1.1e-4 in the logits after two steps (Qwen3: 4.8e-6). At 0.1 rounding stays rounding.
 LR = 0.1
 NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+# The parameters whose gradients are compared at every step: those that act on a rank's own heads.
+PER_HEAD = {
+    "qwen3": NORMS,
+    "gemma3": NORMS,
+    "olmo3": ("self_attn.q_norm.weight", "self_attn.k_norm.weight", "self_attn.q_proj.weight"),
+    "phi3": (
+        "self_attn.qkv_proj.weight",
+        "self_attn.o_proj.weight",
+        "mlp.gate_up_proj.weight",
+        "mlp.down_proj.weight",
+    ),
+}
 
 
 def _loss(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+
+
+def _break(policy_class: type, family: str) -> None:
+    """The bug each family's check guards against."""
+    if family == "phi3":  # fused projections split contiguously: rank 0 gets all of q, rank 1 k and v
+        policy_class.column_parallel = tuple(policy_class.fused_column)
+        policy_class.fused_column = {}
+    elif (
+        family == "olmo3"
+    ):  # whole-projection norms without the reduction: each rank normalises its slice alone
+        from coati_kto.families.shardformer.olmo3 import RMSNormAcrossRanks
+
+        def local(self: Any, x: torch.Tensor) -> torch.Tensor:
+            x32 = x.float()
+            return (
+                self.weight * x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+            ).to(x.dtype)
+
+        RMSNormAcrossRanks.forward = local
+    else:  # per-head norms' gradients left per rank
+        policy_class.per_head_replicated = ()
+
+
+def _expected_shard(
+    name: str, full: torch.Tensor, shard: torch.Tensor, policy: Any, config: Any
+) -> torch.Tensor:
+    """This rank's slice of the unsharded ``full`` as the policy lays it out (``shard``'s shape)."""
+    import torch.distributed as dist
+    from colossalai.shardformer.layer.qkv_fused_linear import split_fused_qkv_in_gpt2_style
+
+    if full.shape == shard.shape:
+        return full
+    fused = next(
+        (sizes for suffix, sizes in policy.fused_column.items() if name.endswith(f"{suffix}.weight")), None
+    )
+    if fused is not None:
+        return split_fused_qkv_in_gpt2_style(full, fused(config), None)
+    dim = next(d for d in range(full.dim()) if full.shape[d] != shard.shape[d])
+    return full.chunk(dist.get_world_size(), dim=dim)[dist.get_rank()]
 
 
 def _tp_vs_tp1(family: str, summed: bool) -> dict[str, Any]:
@@ -41,8 +97,10 @@ def _tp_vs_tp1(family: str, summed: bool) -> dict[str, Any]:
     compat.apply()
     tokenizer = build_tokenizer(CORPUS, vocab_size=300, style="chatml")
     model = build_family_model(family, tokenizer, seed=1)
-    if not summed:  # the bug this guards against: per-head norms' gradients left per rank
-        type(policy_for(type(model).__name__)).per_head_replicated = ()
+    policy_class = type(policy_for(type(model).__name__, 2))
+    if not summed:
+        _break(policy_class, family)
+    exported = copy.deepcopy(model)  # receives the gathered weights: the export
     single = copy.deepcopy(model)  # tp_size 1: the unsharded model, same batches, same optimizer
     plan = ParallelPlan("hybrid_parallel", "fp32", 0, tp_size=2, model_class=type(model).__name__)
     booster = Booster(plugin=plan.build_plugin())
@@ -50,15 +108,16 @@ def _tp_vs_tp1(family: str, summed: bool) -> dict[str, Any]:
     single_optimizer = torch.optim.SGD(single.parameters(), lr=LR)
     model, optimizer, _ = plan.boost(booster, model, optimizer, None)
     generator = torch.Generator().manual_seed(0)
-    grad_diffs, grad_scale = [], 0.0
+    grad_diffs, grad_scale, per_head = [], 0.0, PER_HEAD[family]
     for _ in range(STEPS):
         ids = torch.randint(0, len(tokenizer), (2, 12), generator=generator)
         booster.backward(_loss(model(input_ids=ids).logits, ids), optimizer)
         _loss(single(input_ids=ids).logits, ids).backward()
         sharded = dict(model.unwrap().named_parameters())
         for name, param in single.named_parameters():
-            if name.endswith(NORMS):
-                grad_diffs.append(float((sharded[name].grad - param.grad).abs().max()))
+            if name.endswith(per_head):
+                expected = _expected_shard(name, param.grad, sharded[name].grad, policy_class, single.config)
+                grad_diffs.append(float((sharded[name].grad - expected).abs().max()))
                 grad_scale = max(grad_scale, float(param.grad.abs().max()))
         optimizer.step()
         optimizer.zero_grad()
@@ -67,17 +126,22 @@ def _tp_vs_tp1(family: str, summed: bool) -> dict[str, Any]:
     trained = model.unwrap().state_dict()  # gathered: a collective under tensor parallelism
     expected = single.state_dict()
     weight_diffs = {k: float((trained[k] - v).abs().max()) for k, v in expected.items() if k in trained}
+    exported.load_state_dict(trained)
+    ids = torch.randint(0, len(tokenizer), (2, 12), generator=generator)
+    with torch.no_grad():
+        logps = [torch.log_softmax(m(input_ids=ids).logits.float(), -1) for m in (exported, single)]
     return {
+        "export_logps_diff": float((logps[0] - logps[1]).abs().max()),
         "grad_diff": max(grad_diffs),
         "grad_scale": grad_scale,
         "weight_diff": max(weight_diffs.values()),
         "worst": max(weight_diffs, key=weight_diffs.get),
-        "norm_weight_diff": max(v for k, v in weight_diffs.items() if k.endswith(NORMS)),
+        "norm_weight_diff": max(v for k, v in weight_diffs.items() if k.endswith(per_head)),
         "missing": sorted(set(expected) - set(trained)),
     }
 
 
-@pytest.fixture(scope="module", params=["qwen3", "gemma3"])
+@pytest.fixture(scope="module", params=list(PER_HEAD))
 def runs(request: pytest.FixtureRequest) -> dict[str, Any]:
     family = request.param
     return {
@@ -96,6 +160,7 @@ def test_tp2_equals_tp1(runs: dict[str, Any]) -> None:
         # SGD (lr 0.1): weight differences are 0.1 x gradient differences, summation order only (measured
         # 7.5e-9 Qwen3, 4.7e-8 Gemma 3); without the sum the norms miss by 3.6e-4 and 4.4e-4.
         assert rank["norm_weight_diff"] <= 1e-6 and rank["weight_diff"] <= 1e-5, rank
+        assert rank["export_logps_diff"] <= 1e-5, rank
 
 
 def test_without_the_sum_tp2_drifts(runs: dict[str, Any]) -> None:

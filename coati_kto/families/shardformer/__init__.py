@@ -1,9 +1,11 @@
-"""Shardformer policies the project owns, one module per family, and the families hybrid_parallel admits.
+"""Shardformer policies the project owns, one module per family, and what hybrid_parallel admits.
 
-``HYBRID_FAMILIES`` is the honest list: a causal-LM class is admitted under ``plugin.name: hybrid_parallel``
-at a tp_size only where tests/test_families.py (the lifecycle: step-0 rewards 0, bit-exact resume, export) and
-tests/test_tp_equivalence.py (tp_size 2 == tp_size 1) prove it. This module imports neither ColossalAI nor
-transformers' model code, so the config check stays fast; ``policy_for`` imports the family's policy.
+At tp_size 1 every family is admitted through one policy that swaps nothing (``unsharded.UnshardedPolicy``: ZeRO
+as under low_level_zero; tests/distributed/test_family_sweep.py runs every causal-LM type transformers builds).
+``TENSOR_PARALLEL_FAMILIES`` is the honest list for tp_size > 1: a class is admitted at a tp_size only where
+tests/distributed/test_families.py (the lifecycle: step-0 rewards 0, bit-exact resume, export) and
+tests/distributed/test_tp_equivalence.py (tp_size 2 == tp_size 1) prove it. This module imports neither ColossalAI
+nor transformers' model code, so the config check stays fast; ``policy_for`` imports the policy.
 """
 
 from __future__ import annotations
@@ -11,38 +13,66 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# Architecture class name -> (policy module under coati_kto.families.shardformer, policy class, proven tp sizes).
-HYBRID_FAMILIES: dict[str, tuple[str, str, tuple[int, ...]]] = {
-    "LlamaForCausalLM": ("llama", "LlamaForCausalLMPolicy", (1, 2)),
-    "MistralForCausalLM": ("mistral", "MistralForCausalLMPolicy", (1, 2)),
-    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLMPolicy", (1, 2)),
-    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLMPolicy", (1, 2)),
-    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLMPolicy", (1, 2)),
-    "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLMPolicy", (1, 2)),
+# Architecture class name -> (policy module under coati_kto.families.shardformer, policy class, proven tp sizes > 1).
+TENSOR_PARALLEL_FAMILIES: dict[str, tuple[str, str, tuple[int, ...]]] = {
+    "LlamaForCausalLM": ("llama", "LlamaForCausalLMPolicy", (2,)),
+    "MistralForCausalLM": ("mistral", "MistralForCausalLMPolicy", (2,)),
+    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLMPolicy", (2,)),
+    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLMPolicy", (2,)),
+    "Gemma3ForCausalLM": ("gemma3", "Gemma3ForCausalLMPolicy", (2,)),
+    "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLMPolicy", (2,)),
+    "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLMPolicy", (2,)),
+    "Olmo3ForCausalLM": ("olmo3", "Olmo3ForCausalLMPolicy", (2,)),
 }
+
+# Classes whose tensor-parallel policy splits fused projections part by part (Phi-3's qkv_proj, gate_up_proj):
+# ColossalAI 0.5.0's checkpoint gathers their optimizer moments rank after rank ([q0 k0 v0 | q1 k1 v1]), not in
+# transformers' order, so the moments only fit the tp_size they were saved at.
+FUSED_PROJECTIONS = frozenset({"Phi3ForCausalLM"})
+
+
+def tp_change_refusal(architecture: str, saved_tp: int | None, tp_size: int) -> str | None:
+    """Why a checkpoint saved at ``saved_tp`` cannot resume ``architecture`` at ``tp_size`` (None when it can)."""
+    if saved_tp is None or saved_tp == tp_size or architecture not in FUSED_PROJECTIONS:
+        return None
+    return (
+        f"{architecture}'s fused projections were saved at plugin.tp_size {saved_tp}: their optimizer moments "
+        f"resume at that tp_size only (set plugin.tp_size {saved_tp}, or start a new run from an export)"
+    )
 
 
 def supported_summary() -> str:
-    """One line: each admitted class with its tp sizes, e.g. ``LlamaForCausalLM (tp_size 1, 2)``."""
+    """One line: each class admitted under tensor parallelism with its tp sizes, e.g. ``LlamaForCausalLM (tp_size
+    2)``."""
     return ", ".join(
-        f"{name} (tp_size {', '.join(map(str, tps))})" for name, (_, _, tps) in HYBRID_FAMILIES.items()
+        f"{name} (tp_size {', '.join(map(str, tps))})"
+        for name, (_, _, tps) in TENSOR_PARALLEL_FAMILIES.items()
     )
 
 
 def hybrid_refusal(architecture: str, tp_size: int) -> str | None:
-    """Why ``architecture`` cannot run under hybrid_parallel at ``tp_size`` (one line), or None when admitted."""
-    entry = HYBRID_FAMILIES.get(architecture)
+    """Why ``architecture`` cannot run under hybrid_parallel at ``tp_size`` (one line), or None when admitted:
+    every class at tp_size 1, the proven ``TENSOR_PARALLEL_FAMILIES`` above it."""
+    if tp_size <= 1:
+        return None
+    entry = TENSOR_PARALLEL_FAMILIES.get(architecture)
     if entry is None:
-        return f"{architecture} is not supported under plugin.name hybrid_parallel"
+        return (
+            f"{architecture} has no tensor-parallel policy (plugin.name hybrid_parallel at tp_size {tp_size})"
+        )
     if tp_size not in entry[2]:
         return f"{architecture} is not supported under plugin.name hybrid_parallel at tp_size {tp_size}"
     return None
 
 
-def policy_for(model_class: str | None) -> Any:
-    """A new instance of the project's policy for ``model_class`` (a class name, bare or with its module), or
-    None when the class is not one of ``HYBRID_FAMILIES``."""
-    entry = HYBRID_FAMILIES.get((model_class or "").rsplit(".", 1)[-1])
+def policy_for(model_class: str | None, tp_size: int = 1) -> Any:
+    """A new instance of the policy for ``model_class`` (a class name, bare or with its module) at ``tp_size``:
+    the one that swaps nothing at tp_size 1 (every class), the family's own above it, None when it has none."""
+    if tp_size <= 1:
+        from coati_kto.families.shardformer.unsharded import UnshardedPolicy
+
+        return UnshardedPolicy()
+    entry = TENSOR_PARALLEL_FAMILIES.get((model_class or "").rsplit(".", 1)[-1])
     if entry is None:
         return None
     module = importlib.import_module(f"{__name__}.{entry[0]}")

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from colossalai.shardformer.layer import (
+    FusedLinear1D_Col,
     Linear1D_Col,
     Linear1D_Row,
     VocabParallelEmbedding1D,
@@ -47,7 +48,9 @@ class DecoderPolicy(Policy):
 
     Subclasses set ``causal_lm`` / ``base_model`` / ``decoder_layer`` (the transformers classes) and may set
     ``per_head_replicated`` (suffixes under a decoder layer whose gradients are summed over the tensor-parallel
-    group) and ``embedding_cls`` (the vocabulary-parallel embedding).
+    group), ``embedding_cls`` (the vocabulary-parallel embedding), ``column_parallel`` / ``row_parallel`` (the
+    projections split by output / input) and ``fused_column`` (fused projections, each split part by part so
+    that every rank holds its own slice of each part: ``{suffix: split_sizes(config)}``).
     """
 
     causal_lm: type[nn.Module]
@@ -55,6 +58,9 @@ class DecoderPolicy(Policy):
     decoder_layer: type[nn.Module]
     per_head_replicated: tuple[str, ...] = ()
     embedding_cls: type[nn.Module] = VocabParallelEmbedding1D
+    column_parallel: tuple[str, ...] = COLUMN_PARALLEL
+    row_parallel: tuple[str, ...] = ROW_PARALLEL
+    fused_column: dict[str, Any] = {}
 
     def config_sanity_check(self) -> None:
         config = self.shard_config
@@ -79,8 +85,14 @@ class DecoderPolicy(Policy):
                 f"tp_size {tp} must divide num_attention_heads {heads} and num_key_value_heads {kv_heads}"
             )
         fp8 = {"fp8_communication": config.fp8_communication}
-        layers = [SubModuleReplacementDescription(s, Linear1D_Col, kwargs=fp8) for s in COLUMN_PARALLEL]
-        layers += [SubModuleReplacementDescription(s, Linear1D_Row, kwargs=fp8) for s in ROW_PARALLEL]
+        layers = [SubModuleReplacementDescription(s, Linear1D_Col, kwargs=fp8) for s in self.column_parallel]
+        layers += [SubModuleReplacementDescription(s, Linear1D_Row, kwargs=fp8) for s in self.row_parallel]
+        layers += [
+            SubModuleReplacementDescription(
+                s, FusedLinear1D_Col, kwargs={"split_sizes": sizes(model_config), **fp8}
+            )
+            for s, sizes in self.fused_column.items()
+        ]
         vocab = {"make_vocab_size_divisible_by": config.make_vocab_size_divisible_by, **fp8}
         return {
             self.decoder_layer: ModulePolicyDescription(sub_module_replacement=layers),

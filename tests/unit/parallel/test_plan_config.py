@@ -113,9 +113,12 @@ def test_output_is_needed_by_train_only(tmp_path: Path, tiny_model_dir: Path) ->
         config.training_output()
 
 
-def test_hybrid_admits_only_the_proven_families(tmp_path: Path) -> None:
-    """hybrid_parallel admits a family at a tp_size only where the lifecycle matrix proves it; anything else is
-    one line at config load naming what is supported. The other plugins take any causal LM."""
+def test_hybrid_admits_every_family_at_tp1_and_only_the_proven_ones_above(tmp_path: Path) -> None:
+    """hybrid_parallel admits every family at tp_size 1 (one policy that swaps nothing: the family sweep proves
+    it), and a family at a tp_size above 1 only where the tp matrix proves it; anything else is one line at config
+    load naming what tensor parallelism supports. The other plugins take any causal LM."""
+    from coati_kto.families.shardformer import policy_for
+    from coati_kto.families.shardformer.unsharded import UnshardedPolicy
     from coati_kto.testing.tiny import save_tiny_family
 
     def load(model_dir: Path, *overrides: str) -> object:
@@ -123,15 +126,17 @@ def test_hybrid_admits_only_the_proven_families(tmp_path: Path) -> None:
         return load_config(write_config(tmp_path, text), list(overrides))
 
     gemma = save_tiny_family(tmp_path / "gemma", "gemma", CORPUS[:20], vocab_size=280)
+    assert load(gemma).plugin.name == "hybrid_parallel"  # the default plugin, tp_size 1
+    assert isinstance(policy_for("GemmaForCausalLM"), UnshardedPolicy)
+    assert isinstance(policy_for("Qwen3ForCausalLM", 1), UnshardedPolicy)  # one path at tp_size 1
+    assert not isinstance(policy_for("Qwen3ForCausalLM", 2), UnshardedPolicy)
     with pytest.raises(ConfigError) as err:
-        load(gemma)
+        load(gemma, "plugin.tp_size=2", "plugin.zero_stage=0")
     message = str(err.value)
     assert "\n" not in message
-    assert (
-        f"model.path {gemma}: GemmaForCausalLM is not supported under plugin.name hybrid_parallel" in message
-    )
-    assert "Qwen3ForCausalLM (tp_size 1, 2)" in message and "Gemma3ForCausalLM (tp_size 1, 2)" in message
-    assert "low_level_zero or ddp needs no policy" in message
+    assert f"model.path {gemma}: GemmaForCausalLM has no tensor-parallel policy" in message
+    assert "Qwen3ForCausalLM (tp_size 2)" in message and "Gemma3ForCausalLM (tp_size 2)" in message
+    assert "plugin.tp_size 1 (every family), low_level_zero or ddp needs no policy" in message
     assert load(gemma, "plugin.name=low_level_zero").plugin.zero_stage == 2
 
     gemma3 = save_tiny_family(tmp_path / "gemma3", "gemma3", CORPUS[:20], vocab_size=280)
@@ -177,3 +182,15 @@ def test_tp_size_must_split_whole_heads(tmp_path: Path) -> None:
     assert "plugin.tp_size 2 must divide num_attention_heads 4 and num_key_value_heads 1" in message
     # ddp and low_level_zero do not split heads: no refusal there.
     assert load("plugin.name=low_level_zero", "plugin.zero_stage=2").plugin.name == "low_level_zero"
+
+
+def test_fused_projections_resume_at_their_tp_size_only() -> None:
+    """Phi-3's fused projections keep their optimizer moments rank after rank in a tp_size 2 checkpoint: resumed
+    at another tp_size they would land on the wrong heads, silently; refused in one line instead."""
+    from coati_kto.families.shardformer import tp_change_refusal
+
+    why = tp_change_refusal("Phi3ForCausalLM", 2, 1)
+    assert why is not None and "\n" not in why and "saved at plugin.tp_size 2" in why
+    assert tp_change_refusal("Phi3ForCausalLM", 2, 2) is None
+    assert tp_change_refusal("Phi3ForCausalLM", None, 2) is None  # a checkpoint from before meta had tp_size
+    assert tp_change_refusal("LlamaForCausalLM", 2, 1) is None  # contiguous splits re-shard exactly

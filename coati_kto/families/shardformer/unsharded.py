@@ -1,0 +1,42 @@
+"""The one policy every family runs under hybrid_parallel at tp_size 1: nothing swapped, transformers' modules and
+forwards as they are, so ZeRO (the plugin's optimizer) is the only thing the plugin adds, as under low_level_zero.
+
+A family needs a policy of its own (``coati_kto.families.shardformer.TENSOR_PARALLEL_FAMILIES``) only to split its
+layers over tensor-parallel ranks. This policy refuses tensor, pipeline and sequence parallelism in one line
+(config load refuses them before, from ``TENSOR_PARALLEL_FAMILIES``; this is the guard for a hub id).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from colossalai.shardformer.policies.base_policy import ModulePolicyDescription, Policy
+from torch import nn
+
+
+class UnshardedPolicy(Policy):
+    """Swaps nothing; admits any ``...ForCausalLM`` (or vision-language) model at tp_size 1."""
+
+    def config_sanity_check(self) -> None:
+        config = self.shard_config
+        if (
+            config.enable_tensor_parallelism
+            or config.pipeline_stage_manager is not None
+            or config.enable_sequence_parallelism
+        ):
+            raise ValueError(
+                f"{type(self.model).__name__} has no coati-kto tensor-parallel policy: it runs under "
+                "hybrid_parallel at tp_size 1 only (no pipeline / sequence parallelism)"
+            )
+
+    def preprocess(self) -> nn.Module:
+        return self.model
+
+    def module_policy(self) -> dict[Any, ModulePolicyDescription]:
+        return {}
+
+    def postprocess(self) -> nn.Module:
+        return self.model
+
+    def get_held_layers(self) -> list[nn.Module]:
+        return [self.model]

@@ -1,0 +1,155 @@
+"""Tiny random models of every causal-LM model type transformers can build, from its own default configs shrunk.
+
+``causal_lm_types()`` lists the model types ``AutoModelForCausalLM`` maps (transformers 5.24: 196);
+``tiny_config(model_type, tokenizer)`` is that type's default config with its sizes shrunk (hidden 32, 2 layers,
+4 heads over 2 key-value heads, 4 experts, a vision tower of one layer...) and every layer type the default mixes
+kept (Qwen 3.5's linear and full attention, Gemma's sliding and full layers); ``save_tiny_type`` builds the model
+with ``coati_kto.families.auto_model_class`` (what training loads) and saves it with ``tokenizer``. The family
+sweep (tests/distributed/family_sweep.py) runs each through the training lifecycle. A type whose config or model
+cannot be built this way raises; the sweep records why.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+# Keys shrunk wherever a config (or one of its sub-configs) has them, to the first value.
+SIZES: dict[str, int] = {
+    **dict.fromkeys(("hidden_size", "n_embd", "d_model", "embed_dim", "dim", "word_embed_proj_dim"), 32),
+    **dict.fromkeys(("intermediate_size", "ffn_dim", "n_inner", "d_ff", "ffn_hidden_size"), 64),
+    **dict.fromkeys(
+        ("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size"), 32
+    ),
+    **dict.fromkeys(
+        ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "encoder_layers", "decoder_layers"), 2
+    ),
+    **dict.fromkeys(
+        (
+            "num_attention_heads",
+            "n_head",
+            "num_heads",
+            "n_heads",
+            "encoder_attention_heads",
+            "decoder_attention_heads",
+        ),
+        4,
+    ),
+    **dict.fromkeys(("num_key_value_heads", "n_kv_heads", "num_kv_heads"), 2),
+    **dict.fromkeys(("head_dim", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "kv_channels"), 8),
+    **dict.fromkeys(("q_lora_rank", "kv_lora_rank"), 16),
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
+    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k"), 2),
+    **dict.fromkeys(("n_group", "num_expert_group"), 2),
+    **dict.fromkeys(("topk_group",), 1),
+    **dict.fromkeys(("first_k_dense_replace",), 1),
+    **dict.fromkeys(("linear_num_key_heads",), 2),
+    **dict.fromkeys(("linear_num_value_heads",), 4),
+    **dict.fromkeys(("linear_key_head_dim", "linear_value_head_dim"), 8),
+    **dict.fromkeys(("max_position_embeddings", "n_positions"), 256),
+    **dict.fromkeys(("sliding_window", "attention_chunk_size"), 8),
+    **dict.fromkeys(("rotary_dim",), 8),
+    **dict.fromkeys(("attention_hidden_size",), 32),
+    **dict.fromkeys(("image_size",), 28),
+    **dict.fromkeys(("patch_size",), 14),
+}
+# Sub-configs (vision towers, audio encoders) are smaller still.
+SUB_SIZES = {
+    **SIZES,
+    "hidden_size": 16,
+    "intermediate_size": 32,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 2,
+}
+TEXT_KEYS = ("text_config", "language_config", "llm_config", "decoder_config")
+
+
+def causal_lm_types() -> list[str]:
+    """Every model type ``AutoModelForCausalLM`` maps, sorted."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _layers(values: dict[str, Any]) -> int:
+    return int(
+        next(
+            (values[k] for k in ("num_hidden_layers", "n_layer", "num_layers", "n_layers") if k in values), 0
+        )
+    )
+
+
+def _shrink(values: dict[str, Any], sizes: dict[str, int]) -> dict[str, Any]:
+    """``values`` (a config's dict) with its sizes shrunk, per-layer lists cut to the new depth keeping each
+    distinct layer type, dropout off; sub-config dicts shrunk with ``SUB_SIZES`` (a text config with ``sizes``)."""
+    old_layers, out = _layers(values), dict(values)
+    for key, value in values.items():
+        if isinstance(value, dict) and "model_type" in value:
+            out[key] = _shrink(value, sizes if key in TEXT_KEYS else SUB_SIZES)
+        elif key in sizes and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            out[key] = min(value, sizes[key])
+        elif "dropout" in key and isinstance(value, float):
+            out[key] = 0.0
+    types = values.get("layer_types")
+    if isinstance(types, list) and types:
+        kinds = list(dict.fromkeys(types))  # each distinct layer type once, in order of first use
+        depth = max(_layers(out), len(kinds))
+        out["layer_types"] = (kinds * depth)[:depth]
+        for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
+            if key in out:
+                out[key] = depth
+    new_layers = _layers(out)
+    for (
+        key,
+        value,
+    ) in values.items():  # other per-layer lists and {layer index: ...} maps, cut to the new depth
+        if key != "layer_types" and isinstance(value, list) and old_layers and len(value) == old_layers:
+            out[key] = value[:new_layers]
+        elif isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
+            out[key] = {k: v for k, v in value.items() if int(k) < new_layers}
+    if "kv_lora_rank" in out and "num_key_value_heads" in out:  # multi-head latent attention: one kv per head
+        out["num_key_value_heads"] = out.get("num_attention_heads", out["num_key_value_heads"])
+    return out
+
+
+def tiny_config(model_type: str, tokenizer: Any) -> Any:
+    """``model_type``'s default config shrunk (``SIZES``), its vocabulary ``len(tokenizer)`` (not a multiple of
+    64: padded under tensor parallelism) and the tokenizer's special ids, in its text config."""
+    from transformers import AutoConfig
+
+    default = AutoConfig.for_model(model_type).to_dict()
+    values = _shrink(default, SIZES)
+    text_key = next((k for k in TEXT_KEYS if isinstance(values.get(k), dict)), None)
+    text = values[text_key] if text_key else values
+    ids = dict(
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    text.update(ids)
+    if text_key:
+        values.update({k: v for k, v in ids.items() if k in default})
+    values.pop("model_type", None)
+    values.pop("transformers_version", None)
+    return AutoConfig.for_model(model_type, **values)
+
+
+def save_tiny_type(model_type: str, out_dir: str | Path, tokenizer: Any, seed: int = 0) -> Path:
+    """Build ``model_type``'s tiny model (``tiny_config``) with the class training loads, run one forward as a
+    check, and save it with ``tokenizer`` in ``out_dir``. Raises whatever building or the forward raises."""
+    from coati_kto.families import auto_model_class
+
+    config = tiny_config(model_type, tokenizer)
+    torch.manual_seed(seed)
+    model = auto_model_class(config).from_config(config)
+    model.eval()
+    with torch.no_grad():
+        ids = torch.tensor([[tokenizer.bos_token_id or 0, 5, 6, 7]])
+        model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    return out_dir
