@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -69,6 +70,30 @@ def preference_records(
 
 
 # A 2-rank CLI run (operations and drills): the data, its config, its environment and its final weights.
+CHAT_QUESTIONS = [
+    "What is the capital of France?",
+    "Please add 2 and 3.",
+    "Write a function that adds numbers.",
+]
+CHAT_ANSWERS = ["The capital of France is Paris.", "The answer is 5.", "def add(a, b): return a + b"]
+
+
+def chat_records(
+    n: int, refusal: str, offset: int = 0, answers: list[str] = CHAT_ANSWERS
+) -> list[dict[str, Any]]:
+    """``n`` two-turn conversations (records ``offset`` to ``offset + n``), two desirable answers to one
+    ``refusal`` (undesirable)."""
+    out = []
+    for i in range(offset, offset + n):
+        desirable = i % 3 != 2
+        messages = [
+            {"role": "user", "content": f"{CHAT_QUESTIONS[i % 3]} ({i})"},
+            {"role": "assistant", "content": answers[i % 3] if desirable else refusal},
+        ]
+        out.append({"messages": messages, "label": desirable})
+    return out
+
+
 GOOD = ["Paris is the capital.", "The answer is 5.", "Here is the result, thank you!"]
 BAD = ["I cannot help with that.", "Sorry, that is not possible."]
 

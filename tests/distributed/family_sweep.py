@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/helpers when run as a script
-from helpers import CORPUS  # noqa: E402
+from helpers import CORPUS, chat_records  # noqa: E402
 
 from coati_kto.data.files import write_jsonl  # noqa: E402
 from coati_kto.testing.distributed import run_distributed  # noqa: E402
@@ -61,22 +61,7 @@ FIRST = (
     "qwen3_5_moe",
     "bloom",
 )
-QUESTIONS = ["What is the capital of France?", "Please add 2 and 3.", "Write a function that adds numbers."]
-ANSWERS = ["The capital of France is Paris.", "The answer is 5.", "def add(a, b): return a + b"]
-
-
-def records(n: int) -> list[dict[str, Any]]:
-    """``n`` ChatML records, two desirable to one undesirable."""
-    out = []
-    for i in range(n):
-        desirable = i % 3 != 2
-        answer = ANSWERS[i % 3] if desirable else "I cannot help with that. Sorry."
-        messages = [
-            {"role": "user", "content": f"{QUESTIONS[i % 3]} ({i})"},
-            {"role": "assistant", "content": answer},
-        ]
-        out.append({"messages": messages, "label": desirable})
-    return out
+REFUSAL = "I cannot help with that. Sorry."
 
 
 def raw_config(model_dir: str, root: Path, plugin: dict[str, Any], out: str) -> dict[str, Any]:
@@ -243,7 +228,7 @@ def admitted_cells(model_types: list[str], root: Path, tokenizer: Any) -> tuple[
             continue
         for name, plugin in PLUGINS.items():
             cell_root = root / model_type / name.replace(" ", "_")
-            write_jsonl(records(12), cell_root / "train.jsonl")
+            write_jsonl(chat_records(12, REFUSAL), cell_root / "train.jsonl")
             why = refusal(model_dir, cell_root, plugin)
             if why is None:
                 cells.append((model_type, model_dir, name))

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from helpers import chat_records
 
 from coati_kto.data.files import write_jsonl
 from coati_kto.testing.distributed import run_distributed
@@ -37,21 +38,7 @@ PLUGINS: dict[str, dict[str, Any]] = {
     "cached": {"name": "ddp"},  # no reference model: no rewards, no reference samples
 }
 WITH_REFERENCE = [name for name in PLUGINS if name != "cached"]
-QUESTIONS = ["What is the capital of France?", "Please add 2 and 3.", "Write a function that adds numbers."]
-ANSWERS = ["The capital of France is Paris.", "The answer is 5.", "def add(a, b): return a + b"]
-
-
-def _records(n: int, offset: int) -> list[dict]:
-    out = []
-    for i in range(offset, offset + n):
-        desirable = i % 3 != 2
-        answer = ANSWERS[i % 3] if desirable else "I cannot help with that."
-        messages = [
-            {"role": "user", "content": f"{QUESTIONS[i % 3]} ({i})"},
-            {"role": "assistant", "content": answer},
-        ]
-        out.append({"messages": messages, "label": desirable})
-    return out
+REFUSAL = "I cannot help with that."
 
 
 def _config(model_dir: str, root: Path, name: str) -> dict[str, Any]:
@@ -107,8 +94,8 @@ def _all_runs(model_dir: str, root: str) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("eval_samples")
-    write_jsonl(_records(24, 0), root / "train.jsonl")
-    write_jsonl(_records(9, 100), root / "eval.jsonl")
+    write_jsonl(chat_records(24, REFUSAL), root / "train.jsonl")
+    write_jsonl(chat_records(9, REFUSAL, offset=100), root / "eval.jsonl")
     started = time.perf_counter()
     ranks = run_distributed(_all_runs, 2, str(tiny_model_dir), str(root), timeout_s=1200)
     print(f"\neval samples: {len(PLUGINS)} runs in {time.perf_counter() - started:.1f} s")

@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import CORPUS
+from helpers import CORPUS, chat_records
 
 from coati_kto.data.files import write_jsonl
 from coati_kto.testing.distributed import run_distributed
@@ -59,25 +59,11 @@ FAMILY_PLUGINS: dict[str, list[str]] = {
     "gemma3_vl": ["ddp fp32", "low_level_zero zero2 bf16", "hybrid zero2 bf16"],
 }
 CELLS = [(family, plugin) for family, plugins in FAMILY_PLUGINS.items() for plugin in plugins]
-QUESTIONS = ["What is the capital of France?", "Please add 2 and 3.", "Write a function that adds numbers."]
 ANSWERS = [
     "The capital of France is Paris.",
     "The answer is 5. Thank you for asking!",
     "def add(a, b): return a + b",
 ]
-
-
-def _records(n: int) -> list[dict]:
-    out = []
-    for i in range(n):
-        desirable = i % 3 != 2
-        answer = ANSWERS[i % 3] if desirable else "I cannot help with that. Sorry, that is not possible."
-        messages = [
-            {"role": "user", "content": f"{QUESTIONS[i % 3]} ({i})"},
-            {"role": "assistant", "content": answer},
-        ]
-        out.append({"messages": messages, "label": desirable})
-    return out
 
 
 def _raw_config(model_dir: str, root: Path, plugin: dict[str, Any], out: str) -> dict[str, Any]:
@@ -240,7 +226,10 @@ def matrices(tmp_path_factory: pytest.TempPathFactory) -> Any:
         model_dir = save_tiny_family(root / "model", family, CORPUS)
         plugins = {name: PLUGINS[name] for name in FAMILY_PLUGINS[family]}
         for name in plugins:
-            write_jsonl(_records(24), root / name.replace(" ", "_") / "train.jsonl")
+            write_jsonl(
+                chat_records(24, "I cannot help with that. Sorry, that is not possible.", answers=ANSWERS),
+                root / name.replace(" ", "_") / "train.jsonl",
+            )
         started = time.perf_counter()
         ranks = run_distributed(_family_matrix, 2, str(model_dir), str(root), plugins, timeout_s=1200)
         print(f"\n{family}: matrix of {len(plugins)} plugins in {time.perf_counter() - started:.1f} s")

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 from family_sweep import PLUGINS, sweep, verdict
-from helpers import CORPUS
+from helpers import CORPUS, chat_records
 
 REPRESENTATIVE = ["qwen3_5", "gemma4_text", "qwen3_moe"]
 REPO = Path(__file__).resolve().parents[2]
@@ -103,7 +103,7 @@ def _shipped(config_file: str, model_dir: str, root: str, *extra: str) -> dict[s
 def test_shipped_configs_train_qwen3_5_and_gemma4(tmp_path: Path, model_type: str) -> None:
     """configs/single_gpu.yaml (1 process: hybrid_parallel runs ZeRO stage 0 there) and node_8gpu_zero2.yaml
     (ZeRO-2 over 2 processes here; flash-attn absent on CPU, so sdpa) admit and train Qwen 3.5 and Gemma 4."""
-    from family_sweep import records
+    from family_sweep import REFUSAL
 
     from coati_kto.data.files import write_jsonl
     from coati_kto.testing.distributed import run_distributed
@@ -111,7 +111,7 @@ def test_shipped_configs_train_qwen3_5_and_gemma4(tmp_path: Path, model_type: st
 
     model_dir = str(save_tiny_type(model_type, tmp_path / "model", _tokenizer()))
     for name in ("single", "node"):
-        write_jsonl(records(12), tmp_path / name / "train.jsonl")
+        write_jsonl(chat_records(12, REFUSAL), tmp_path / name / "train.jsonl")
     single = run_distributed(_shipped, 1, "single_gpu.yaml", model_dir, str(tmp_path / "single"))
     node = run_distributed(
         _shipped,

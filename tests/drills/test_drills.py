@@ -164,6 +164,28 @@ def test_two_nodes_through_colossalai_run_match_one_node(
     assert_same(reference, weights(out))
 
 
+def test_tensor_parallel_inside_each_node_data_parallel_across_nodes(
+    netns_cluster, drill_config, tmp_path
+) -> None:
+    """tp 2 inside each of 2 nodes (ranks 0-1 on node1, 2-3 on node2: ColossalAI's mesh keeps tp innermost, so no
+    tensor-parallel collective crosses a node) and dp 2 across them: the weights of 1 node x 4 processes with the
+    same layout, bit for bit (same ranks, same groups, same collectives)."""
+    layout = ["plugin.tp_size=2", "train.max_steps=8"]
+    one_node = tmp_path / "one_node"
+    cmd = [sys.executable, "-m", "coati_kto", "train", "--nproc-per-node", "4", str(drill_config), *RUN]
+    done = subprocess.run(
+        [*cmd, *layout, f"output.dir={one_node}"], env=env(), capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    two_nodes = tmp_path / "two_nodes"
+    proc = colossalai_run(
+        {**netns_cluster, "NPROC_PER_NODE": "2"}, drill_config, *layout, f"output.dir={two_nodes}"
+    )
+    output, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, output[-3000:]
+    assert_same(weights(one_node), weights(two_nodes))
+
+
 def test_killing_the_rank_on_node2_ends_the_job_and_resume_completes(
     netns_cluster, drill_config, reference, tmp_path
 ) -> None:
