@@ -26,9 +26,9 @@ CAPPED_TO_AVX2 = {
     "ATEN_CPU_CAPABILITY": "avx2",
 }
 CHOSEN = [
-    "regression/test_reference_runs.py::test_run_matches_reference[hybrid_zero2_bf16]",
-    "distributed/test_fp32_routers.py",
-    "distributed/test_precision.py",
+    "tests/regression/test_reference_runs.py::test_run_matches_reference[hybrid_zero2_bf16]",
+    "tests/distributed/test_fp32_routers.py",
+    "tests/distributed/test_precision.py",
 ]
 
 
