@@ -65,6 +65,8 @@ ANSWERS = [
     "def add(a, b): return a + b",
 ]
 
+REFUSAL = "I cannot help with that. Sorry, that is not possible."
+
 
 def _raw_config(model_dir: str, root: Path, plugin: dict[str, Any], out: str) -> dict[str, Any]:
     return {
@@ -227,7 +229,7 @@ def matrices(tmp_path_factory: pytest.TempPathFactory) -> Any:
         plugins = {name: PLUGINS[name] for name in FAMILY_PLUGINS[family]}
         for name in plugins:
             write_jsonl(
-                chat_records(24, "I cannot help with that. Sorry, that is not possible.", answers=ANSWERS),
+                chat_records(24, REFUSAL, answers=ANSWERS),
                 root / name.replace(" ", "_") / "train.jsonl",
             )
         started = time.perf_counter()

@@ -21,8 +21,8 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import CORPUS
-from test_families import PLUGINS, _family_matrix, _records, check_lifecycle
+from helpers import CORPUS, chat_records
+from test_families import ANSWERS, PLUGINS, REFUSAL, _family_matrix, check_lifecycle
 from test_padding_free import _run as padding_free_run
 from test_trainer import _build, _config, _global_steps
 
@@ -129,7 +129,9 @@ def test_family_lifecycle_on_cuda(family: str, tmp_path: Path) -> None:
     model_dir = save_tiny_family(tmp_path / "model", family, CORPUS)
     plugins = {name: PLUGINS[name] for name in GPU_PLUGINS}
     for name in plugins:
-        write_jsonl(_records(24), tmp_path / name.replace(" ", "_") / "train.jsonl")
+        write_jsonl(
+            chat_records(24, REFUSAL, answers=ANSWERS), tmp_path / name.replace(" ", "_") / "train.jsonl"
+        )
     ranks = run_distributed(_family_matrix, 1, str(model_dir), str(tmp_path), plugins, device="cuda")
     runs = {"family": family, "ranks": ranks, "config": AutoConfig.from_pretrained(model_dir)}
     for plugin in GPU_PLUGINS:
