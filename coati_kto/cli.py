@@ -235,6 +235,28 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train" and "RANK" in os.environ:  # a rank: stop cleanly even while still importing
         STOP.install()
     rank = os.environ.get("RANK")
+    code = _main(args, rank)
+    if code in (0, USER_ERROR_EXIT_CODE, STOP_EXIT_CODE):
+        _close_process_groups()
+    return code
+
+
+def _close_process_groups() -> None:
+    """Destroy this process's process groups while the interpreter is whole. Left to interpreter exit, gloo's
+    worker threads can still hold finished work whose tensors are freed during finalization: SIGABRT
+    ("terminate called without an active exception") after a 2-process ddp run had written final/. Called
+    only when the ranks left their collectives together (done, a user error, a clean stop): after a peer
+    failure a worker thread may still wait on the dead peer, and destroying the group would join it."""
+    if "torch.distributed" not in sys.modules:  # `coati-kto config`, prepare: never imported torch's c10d
+        return
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _main(args: argparse.Namespace, rank: str | None) -> int:
+    """``_run`` with every way out turned into an exit code (see ``main``)."""
     try:
         return _run(args)
     except UserError as err:
