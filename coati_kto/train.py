@@ -53,9 +53,9 @@ from coati_kto.runtime.run_dir import (
 from coati_kto.runtime.signals import STOP, StopSignals
 from coati_kto.runtime.watchdog import Heartbeat, new_heartbeat
 from coati_kto.trainer.options import KTOOptions
-from coati_kto.trainer.push import push_final
+from coati_kto.trainer.push import CheckpointUploads, checkpoint_uploads, push_final
 from coati_kto.trainer.schedule import planned_steps, reschedule, schedule_notes, warmup_cosine_schedule
-from coati_kto.trainer.throughput import resolve_peak_flops
+from coati_kto.trainer.throughput import peak_flops_line, resolve_peak_flops
 
 
 @dataclass
@@ -112,8 +112,7 @@ def build_components(
     lr_scheduler = warmup_cosine_schedule(
         optimizer, config.train.warmup_steps, max(1, total_steps), config.train.min_lr_ratio
     )
-    # Every parameter, frozen ones included: ZeRO skips them, and LowLevelZeroPlugin finds the adapters' group
-    # by their base layer's parameter.
+    # Every parameter, frozen ones too: ZeRO skips them; LowLevelZeroPlugin finds adapters by their base layer.
     policy, optimizer, lr_scheduler = plan.boost(booster, policy, optimizer, lr_scheduler)
     if config.model.lora is not None and config.kto.reference == "online":
         reference = AdapterFreeReference(policy)  # the base model: no second copy in memory
@@ -141,27 +140,33 @@ def train(config: Config) -> Any:
     # SIGTERMs the workers still running once one has exited), and that must not kill it mid-teardown.
     stop_signals = STOP.install()
     heartbeat = new_heartbeat(config.train.heartbeat_timeout)
+    uploads = checkpoint_uploads(config)  # global rank 0 with output.push_to_hub.checkpoints, else None
     try:
         # torchrun's store exists before its workers start: watch from here, so a rank that dies before the
         # process group forms is caught too. Elsewhere rank 0 creates the store in init_distributed.
         if heartbeat is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             heartbeat.start()
-        trainer = _train(config, stop_signals, heartbeat)
+        trainer = _train(config, stop_signals, heartbeat, uploads)
     finally:
-        release_output_dir(Path(config.training_output().dir))
         if heartbeat is not None:
             heartbeat.stop()
+        if uploads is not None:  # before the lock goes: the uploads read from output.dir
+            uploads.wait()
+        release_output_dir(Path(config.training_output().dir))
     push_final(config)  # after the heartbeat stopped: an upload of hours keeps no peer waiting
     return trainer
 
 
-def _train(config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | None) -> Any:
+def _train(
+    config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | None, uploads: CheckpointUploads | None
+) -> Any:
     """The recipe: setup, train, save, cleanup. Every rank runs every step."""
     from coati_kto.parallel.compat import quiet_known_warnings
 
     quiet_known_warnings()  # before anything imports colossalai: it warns at import time
     run = _setup(config, heartbeat)
     trainer, frozen_fp32 = _setup_trainer(config, run, stop_signals)
+    trainer.checkpoint_manager.on_complete = uploads
     _resume(config, run, trainer)
     # ---- train (checkpoints every output.save_interval steps and at the end; writers close inside fit)
     trainer.fit(
@@ -281,12 +286,7 @@ def _setup_trainer(
     parts = build_components(config, run.plugin, steps, run.plan)
     peak_flops, peak_source = resolve_peak_flops(config.train.peak_flops, config.plugin.precision)
     if run.layout.is_main:
-        shown = (
-            f"against {peak_flops:.4g} FLOP/s per device ({peak_source})"
-            if peak_flops
-            else f"not logged: peak FLOP/s {peak_source}"
-        )
-        print(f"train/mfu {shown}", flush=True)
+        print(peak_flops_line(peak_flops, peak_source), flush=True)
     output = config.training_output()
     manager = CheckpointManager(run.out_dir / CHECKPOINTS_DIR, parts.booster, run.layout, output.keep_last)
     trainer = KTOTrainer(

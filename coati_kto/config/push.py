@@ -20,6 +20,12 @@ class PushToHubSection(Section):
         True, description="Create the repo private (an existing repo keeps its visibility)."
     )
     revision: str = Field("main", description="Branch to commit to (created from main if missing).")
+    checkpoints: bool = Field(
+        False,
+        description="Also upload each complete checkpoint (model, optimizer and trainer state: resumable after "
+        "`hf download REPO --revision step-N --local-dir DIR` with train.resume=DIR) to a branch named as its "
+        "directory, step-N; in the background on global rank 0, one at a time; the run waits for them at its end.",
+    )
 
     @model_validator(mode="before")
     @classmethod

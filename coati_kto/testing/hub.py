@@ -52,6 +52,7 @@ class StandInHub:
         self.requests: list[tuple[str, str]] = []
         self.unhandled: list[tuple[str, str]] = []
         self.fail_commits = 0  # answer this many commits with 500 (a failed upload)
+        self.fail_branches: set[str] = set()  # and every commit to these branches
         self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
 
@@ -263,8 +264,8 @@ def _validate_yaml(content: str) -> tuple[int, dict, bytes]:
 def _commit(
     hub: StandInHub, kind: str, repo_id: str, repo: Repo, branch: str, body: bytes
 ) -> tuple[int, dict, bytes]:
-    if hub.fail_commits > 0:
-        hub.fail_commits -= 1
+    if hub.fail_commits > 0 or branch in hub.fail_branches:
+        hub.fail_commits = max(0, hub.fail_commits - 1)
         return _error(500, "", "Internal Error (stand-in: a failed commit)")
     if branch not in repo.branches:
         return _error(404, "RevisionNotFound", f"Invalid rev id: {branch}")

@@ -16,6 +16,7 @@ import logging
 import os
 import random
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +60,8 @@ class CheckpointManager:
         self.booster = booster
         self.layout = layout
         self.keep_last = keep_last
+        # Main rank: called with each checkpoint once it is complete, before pruning (output.push_to_hub's uploads).
+        self.on_complete: Callable[[Path], None] | None = None
 
     # ---- save ---------------------------------------------------------------------------------------------
     def save(self, step: int, model: Any, optimizer: Any, lr_scheduler: Any, trainer_state: dict) -> Path:
@@ -111,6 +114,8 @@ class CheckpointManager:
                 shutil.rmtree(final)
             os.replace(tmp, final)
             write_atomic(self.root / LATEST, final.name)
+            if self.on_complete is not None:
+                self.on_complete(final)
             self._prune(keep=final)
         self._agree(step, tmp)
         return final

@@ -8,6 +8,9 @@ every file on disk and says how to retry (``coati-kto export CONFIG --push`` upl
 
 from __future__ import annotations
 
+import os
+import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from coati_kto.config.hub import hub_token
@@ -17,11 +20,15 @@ from coati_kto.parallel.distributed import global_rank
 from coati_kto.runtime.run_dir import FINAL_DIR
 
 RETRY = "coati-kto export CONFIG --push"
+ON_FAILURE = f"everything is on disk: retry with `{RETRY}`"
 
 
-def push_folder(folder: Path, push: PushToHubSection, what: str) -> tuple[bool, str]:
+def push_folder(
+    folder: Path, push: PushToHubSection, what: str, on_failure: str = ON_FAILURE, shown: Path | None = None
+) -> tuple[bool, str]:
     """Upload ``folder`` (every file, as it is on disk) to ``push.repo_id`` on branch ``push.revision``, creating
-    the repo (``push.private``) and the branch (from main) when missing. (uploaded, the one line to print)."""
+    the repo (``push.private``) and the branch (from main) when missing. (uploaded, the one line to print, which
+    names ``shown`` or ``folder`` and, on failure, ends with ``on_failure``)."""
     from huggingface_hub import HfApi, constants
 
     api = HfApi()
@@ -42,10 +49,10 @@ def push_folder(folder: Path, push: PushToHubSection, what: str) -> tuple[bool, 
         if token:
             first = first.replace(token, "***")
         return False, (
-            f"output.push_to_hub: uploading {folder} to {where} on {constants.ENDPOINT} failed "
-            f"({type(err).__name__}: {first}); everything is on disk: retry with `{RETRY}`"
+            f"output.push_to_hub: uploading {shown or folder} to {where} on {constants.ENDPOINT} failed "
+            f"({type(err).__name__}: {first}); {on_failure}"
         )
-    return True, f"pushed {folder} to {where}: commit {commit.oid[:12]} ({commit.commit_url})"
+    return True, f"pushed {shown or folder} to {where}: commit {commit.oid[:12]} ({commit.commit_url})"
 
 
 def push_final(config: Config) -> bool | None:
@@ -59,3 +66,56 @@ def push_final(config: Config) -> bool | None:
     )
     print(line, flush=True)
     return uploaded
+
+
+class CheckpointUploads:
+    """Global rank 0, ``output.push_to_hub.checkpoints``: each complete checkpoint goes to its own branch (named as
+    its directory, ``step-N``), one upload at a time on a background thread, so no step waits for the network
+    (and no peer waits in a collective past train.dist_timeout). The checkpoint's files are hard-linked into
+    ``staging/step-N`` first: ``output.keep_last`` may delete the checkpoint while it is uploading."""
+
+    def __init__(self, push: PushToHubSection, staging: Path) -> None:
+        self.push = push
+        self.staging = staging
+        self._uploads: list[tuple[str, Future]] = []
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hub-checkpoint-upload")
+
+    def __call__(self, checkpoint: Path) -> None:
+        """Called by CheckpointManager once ``checkpoint`` is complete (its COMPLETE marker written)."""
+        staged = self.staging / checkpoint.name
+        shutil.rmtree(staged, ignore_errors=True)
+        shutil.copytree(checkpoint, staged, copy_function=os.link)  # same filesystem: no bytes copied
+        upload = self._thread.submit(self._upload, staged, checkpoint)
+        self._uploads.append((checkpoint.name, upload))
+        print(f"uploading checkpoint {checkpoint.name} to {self.push.repo_id} in the background", flush=True)
+
+    def _upload(self, staged: Path, checkpoint: Path) -> tuple[bool, str]:
+        branch = self.push.model_copy(update={"revision": checkpoint.name})
+        retry = f"hf upload {self.push.repo_id} {checkpoint} --revision {checkpoint.name}"
+        on_failure = f"the run goes on; to retry while output.keep_last keeps the checkpoint: `{retry}`"
+        try:
+            ok, line = push_folder(staged, branch, f"checkpoint {checkpoint.name}", on_failure, checkpoint)
+            print(line, flush=True)
+            return ok, line
+        finally:
+            shutil.rmtree(staged, ignore_errors=True)
+
+    def wait(self) -> bool:
+        """The end of the run (whatever ended it): waits for the uploads still running; True if all went up."""
+        running = [name for name, upload in self._uploads if not upload.done()]
+        if running:
+            print(
+                f"waiting for the upload of checkpoint {', '.join(running)} to {self.push.repo_id}",
+                flush=True,
+            )
+        self._thread.shutdown(wait=True)
+        shutil.rmtree(self.staging, ignore_errors=True)
+        return all(upload.result()[0] for _, upload in self._uploads)
+
+
+def checkpoint_uploads(config: Config) -> CheckpointUploads | None:
+    """The uploader for ``output.push_to_hub.checkpoints`` on global rank 0 (None elsewhere, or when off)."""
+    push = config.training_output().push_to_hub
+    if push is None or not push.checkpoints or global_rank() != 0:
+        return None
+    return CheckpointUploads(push, Path(config.training_output().dir) / ".hub_uploads")

@@ -64,6 +64,16 @@ def resolve_peak_flops(configured: float | None, precision: str) -> tuple[float 
     return (peak, f"table: {name}") if peak else (None, f"unknown device {name!r} (set train.peak_flops)")
 
 
+def peak_flops_line(peak_flops: float | None, source: str) -> str:
+    """The one line rank 0 prints at setup: what train/mfu is measured against, or why it is not logged."""
+    shown = (
+        f"against {peak_flops:.4g} FLOP/s per device ({source})"
+        if peak_flops
+        else f"not logged: peak FLOP/s {source}"
+    )
+    return f"train/mfu {shown}"
+
+
 def flop_params(model: Any) -> int:
     """N of a (possibly boosted, possibly tensor-parallel) causal LM: every parameter but the input embeddings.
 

@@ -14,7 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from helpers import env, preference_records
+from safetensors.torch import load_file
 
 from coati_kto.testing.hub import StandInHub
 
@@ -238,3 +240,51 @@ def test_a_run_on_hub_data_pushes_final_and_a_failed_push_is_retried(
     assert not [text for text in outputs if TOKEN in text]
     written = [p for p in tmp_path.rglob("*") if p.is_file() and "hf-home" not in p.parts]
     assert not [p for p in written if TOKEN.encode() in p.read_bytes()]
+
+
+def test_checkpoints_go_to_branches_in_the_background_and_resume_from_a_download(
+    hub: StandInHub, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    hub.commit("dataset", "org/feedback", {"data/train.jsonl": jsonl(preference_records(24, 0))})
+    push = "  push_to_hub: {repo_id: me/kto-ckpt, checkpoints: true}\n  save_interval: 2\n  keep_last: 1\n"
+    config = write_config(tmp_path, tiny_model_dir, push)
+    environ, checkpoints = hub_env(hub, tmp_path, token=True), tmp_path / "out" / "checkpoints"
+    hub.fail_branches = {"step-4"}  # step-4's upload fails: one line, the run goes on and ends well
+    overrides = ["data.eval_files=[]", "train.max_steps=4"]
+    trained = run(["train", str(config), *overrides], environ)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    step2, step4 = checkpoints / "step-2", checkpoints / "step-4"
+    sha = hub.repos[("model", "me/kto-ckpt")].branches["step-2"]
+    retry = f"hf upload me/kto-ckpt {step4} --revision step-4"
+    assert f"pushed {step2} to me/kto-ckpt (branch step-2): commit {sha[:12]}" in trained.stdout
+    assert (
+        f"output.push_to_hub: uploading {step4} to me/kto-ckpt (branch step-4) on {hub.url} failed (HfHubHTTPError: "
+        f"Server error '500 Internal Server Error' for url '{hub.url}/api/models/me/kto-ckpt/commit/step-4'); the "
+        f"run goes on; to retry while output.keep_last keeps the checkpoint: `{retry}`"
+    ) in trained.stdout.splitlines()
+    assert not step2.exists() and not (tmp_path / "out" / ".hub_uploads").exists()  # pruned; staging gone
+    assert hub.files("model", "me/kto-ckpt", "step-2")["COMPLETE"] == b"step 2\n"  # uploaded before pruned
+
+    hub.fail_branches = set()  # the printed retry line works as printed
+    hf = [str(Path(sys.executable).parent / "hf"), *retry.split()[1:]]
+    retried = subprocess.run(hf, env=environ, capture_output=True, text=True, timeout=300)
+    assert retried.returncode == 0, retried.stderr[-2000:]
+    uploaded = hub.files("model", "me/kto-ckpt", "step-4")
+    assert uploaded == {**tree(step4), ".gitattributes": uploaded[".gitattributes"]}  # byte for byte
+    assert {"COMPLETE", "meta.json", "lr_scheduler.pt", "model/model-00001.safetensors"} <= set(uploaded)
+
+    download = tmp_path / "downloaded-step-2"  # what a user resumes from: the branch, downloaded
+    fetch = "import sys, huggingface_hub as h; h.snapshot_download('me/kto-ckpt', revision='step-2', local_dir=sys.argv[1])"
+    got = subprocess.run(
+        [sys.executable, "-c", fetch, str(download)], env=environ, capture_output=True, text=True
+    )
+    assert got.returncode == 0, got.stderr[-2000:]
+    resumed_out = tmp_path / "resumed"
+    resumed = run(
+        ["train", str(config), *overrides, f"train.resume={download}", f"output.dir={resumed_out}"], environ
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    whole = load_file(tmp_path / "out" / "final" / "model.safetensors")
+    after = load_file(resumed_out / "final" / "model.safetensors")
+    assert whole.keys() == after.keys() and all(torch.equal(whole[k], after[k]) for k in whole)
+    assert TOKEN not in trained.stdout + trained.stderr + resumed.stdout + resumed.stderr

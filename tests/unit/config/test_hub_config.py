@@ -74,12 +74,21 @@ def test_push_to_hub_takes_a_repo_id_or_a_section(tmp_path: Path) -> None:
         "repo_id": "me/kto-model",
         "private": True,
         "revision": "main",
+        "checkpoints": False,
     }
     # No token key (it comes from HF_TOKEN or the token file): config.yaml cannot hold one.
     full = load_config(
-        write_config(tmp_path, MINIMAL + "  push_to_hub: {repo_id: me/m, private: false, revision: dev}\n")
+        write_config(
+            tmp_path,
+            MINIMAL + "  push_to_hub: {repo_id: me/m, private: false, revision: dev, checkpoints: true}\n",
+        )
     )
-    assert full.output.push_to_hub.model_dump() == {"repo_id": "me/m", "private": False, "revision": "dev"}
+    assert full.output.push_to_hub.model_dump() == {
+        "repo_id": "me/m",
+        "private": False,
+        "revision": "dev",
+        "checkpoints": True,
+    }
     with pytest.raises(ConfigError) as err:
         load_config(write_config(tmp_path, MINIMAL + "  push_to_hub: kto-model\n"))
     assert "output.push_to_hub.repo_id: 'kto-model' is no Hub repo id (OWNER/NAME)" in str(err.value)
