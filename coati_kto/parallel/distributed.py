@@ -106,6 +106,11 @@ class ParallelLayout:
     tp_group: ProcessGroup | None = None
 
     @property
+    def tp_rank(self) -> int:
+        """This rank's place in its tensor-parallel group (0 without tensor parallelism)."""
+        return dist.get_rank(self.tp_group) if self.tp_size > 1 else 0
+
+    @property
     def is_main(self) -> bool:
         """Global rank 0: the only writer of shared files (logs, checkpoints' metadata, exports)."""
         return self.rank == 0
@@ -134,30 +139,39 @@ def reduce_sums(
     values: dict[str, float | torch.Tensor],
     group: ProcessGroup | None,
     local: dict[str, torch.Tensor] | None = None,
+    votes: dict[str, float] | None = None,
+    count_values: bool = True,
 ) -> dict[str, float]:
     """Sum each value over ``group`` in one fp64 all-reduce; every rank of the group calls it with the same keys.
-    ``local``: values returned as they are on this rank (not reduced), read back with the sums.
+    ``local``: values returned as they are on this rank (not reduced), read back with the sums. ``votes``: host
+    floats summed alike, also when ``count_values`` is False, which makes this rank add 0 for ``values`` (a
+    tensor-parallel peer whose sums its tp rank 0 adds: one all-reduce over the world for sums and votes).
 
     Use it for exact metrics: reduce sums and counts, divide afterwards (never average per-rank means). One host
     sync: the result's read-back. Device tensors stay on the device until then; floats go over in one
     non-blocking copy (pinned on CUDA): a pageable copy would synchronize the stream.
     """
-    local = local or {}
+    local, votes = local or {}, votes or {}
     device = _comm_device()
     host = sorted(k for k, v in values.items() if not isinstance(v, torch.Tensor))
     on_device = sorted(k for k in values if k not in host)
     parts = []
-    if host:
-        staged = torch.tensor([float(values[k]) for k in host], dtype=torch.float64)
+    if host or votes:
+        floats = [float(values[k]) for k in host] + [float(votes[k]) for k in sorted(votes)]
+        staged = torch.tensor(floats, dtype=torch.float64)
         staged = staged.pin_memory() if device.type == "cuda" else staged
         parts.append(staged.to(device, non_blocking=True))
     parts += [t.detach().reshape(1).to(device, torch.float64) for t in (values[k] for k in on_device)]
     parts += [local[k].detach().reshape(1).to(device, torch.float64) for k in local]
     flat = torch.cat(parts)
-    summed = len(host) + len(on_device)
+    summed = len(host) + len(votes) + len(on_device)
+    if not count_values:
+        flat[: len(host)].zero_()
+        flat[len(host) + len(votes) : summed].zero_()
     if dist.is_initialized() and dist.get_world_size(group) > 1:
         dist.all_reduce(flat[:summed], op=dist.ReduceOp.SUM, group=group)
-    return dict(zip([*host, *on_device, *local], flat.tolist(), strict=True))
+    keys = [*host, *sorted(votes), *on_device, *local]
+    return dict(zip(keys, flat.tolist(), strict=True))
 
 
 def barrier() -> None:

@@ -240,11 +240,11 @@ class KTOTrainer(SLTrainer):
         local, kl_local = sums.local_tensors()
         local[_GRAD_SQ] = self._grad_norm.local_share()
         # The step's one collective and host sync: "nonfinite", the norm and stop keys are the votes; z0 rides along.
-        vote = self.stop_signals.vote()
-        totals = reduce_sums({**local, **vote}, self.layout.dp_group, local=kl_local)
+        # Under tensor parallelism over the world: tp peers share batch and sums, so tp rank 0 alone adds them.
+        tp = self.layout.tp_size > 1
+        group, counted = (None, self.layout.tp_rank == 0) if tp else (self.layout.dp_group, True)
+        totals = reduce_sums(local, group, kl_local, self.stop_signals.vote(), counted)
         kl = {k: totals.pop(k) for k in kl_local} if kl_local else None
-        if self.layout.dp_size < self.layout.world_size:  # tensor-parallel peers vote in other dp groups
-            totals.update(reduce_sums(vote, None))
         self._stop_signal = decide(totals)
         norm = global_norm(totals.pop(_GRAD_SQ))
         bad_grad = not math.isfinite(norm) and not self._grad_norm.loss_scaled

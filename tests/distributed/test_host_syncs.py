@@ -73,6 +73,14 @@ def test_packed_passes_read_nothing_back(padding_free: bool, tiny_model_dir: Pat
     assert counts["total"] == 1, counts
 
 
+# The one place a step reads back: reduce_sums' read-back of the step's all-reduced sums.
+_SOURCE = Path(__file__).parents[2] / "coati_kto" / "parallel" / "distributed.py"
+READ_BACK = next(
+    f"parallel/distributed.py:{n}"
+    for n, line in enumerate(_SOURCE.read_text().splitlines(), 1)
+    if "flat.tolist()" in line
+)
+
 PATHS = {
     "online": {},
     "cached": {"kto": {"reference": "cached"}},
@@ -82,7 +90,7 @@ PATHS = {
 }
 
 
-def _train_counted(root: str, model_dir: str) -> dict:
+def _train_counted(root: str, model_dir: str, paths: dict = PATHS) -> dict:
     """Each path of PATHS trained 3 steps by coati_kto.train.train under the kernel counter: host syncs per
     optimizer step as CUDA counts them (coati_kto.testing.kernels, windows cut at optimizer-step ends)."""
     from coati_kto.config.schema import Config
@@ -98,7 +106,7 @@ def _train_counted(root: str, model_dir: str) -> dict:
     ]
     write_jsonl(records, Path(root) / "train.jsonl")
     out = {}
-    for name, sections in PATHS.items():
+    for name, sections in paths.items():
         raw = {
             "model": {"path": model_dir, "attn_implementation": "sdpa"},
             "data": {"train_files": [f"{root}/train.jsonl"], "prepared_dir": f"{root}/prepared"},
@@ -110,9 +118,10 @@ def _train_counted(root: str, model_dir: str) -> dict:
         for section, values in sections.items():
             raw[section] = {**raw.get(section, {}), **values}
         with KernelCounter(steps=True) as counter:
-            train(Config.model_validate(raw))
+            trainer = train(Config.model_validate(raw))
         steady = counter.windows[:-1]  # the last window: after the last step
         out[name] = [(w.syncs.total, dict(w.syncs.by_place)) for w in steady]
+        out[f"{name} losses"] = [round(r["train/loss"], 6) for r in trainer.history if "train/loss" in r]
     return out
 
 
@@ -131,4 +140,16 @@ def test_one_host_sync_per_step_on_every_path(path: str, counted_paths: dict) ->
     windows = counted_paths[path]
     assert len(windows) == 2, windows
     assert all(total == 1 for total, _ in windows), windows
-    assert all(list(places) == ["parallel/distributed.py:160"] for _, places in windows), windows
+    assert all(list(places) == [READ_BACK] for _, places in windows), windows
+
+
+def test_one_host_sync_per_step_under_tensor_parallelism(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """tp_size 2: the step's sums and the stop vote go in one world all-reduce (tp rank 0 adds the sums its
+    tensor-parallel peer holds too), not one over the data-parallel group and a second for the vote: 2 syncs per
+    step before. Both ranks log the same losses (the peer's come from rank 0's sums)."""
+    tp = {"tp": {"plugin": {"tp_size": 2}}}
+    ranks = run_distributed(_train_counted, 2, str(tmp_path), str(tiny_model_dir), tp)
+    for windows in (r["tp"] for r in ranks):
+        assert len(windows) == 2 and all(total == 1 for total, _ in windows), windows
+        assert all(list(places) == [READ_BACK] for _, places in windows), windows
+    assert ranks[0]["tp losses"] == ranks[1]["tp losses"] and len(ranks[0]["tp losses"]) == 3

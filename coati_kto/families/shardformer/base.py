@@ -32,6 +32,7 @@ from colossalai.shardformer.layer import (
     VocabParallelEmbedding1D,
     VocabParallelLMHead1D,
 )
+from colossalai.shardformer.layer._operation import reduce_forward
 from colossalai.shardformer.policies.base_policy import (
     ModulePolicyDescription,
     Policy,
@@ -41,6 +42,28 @@ from torch import nn
 
 COLUMN_PARALLEL = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
+
+
+class VocabParallelEmbedding(VocabParallelEmbedding1D):
+    """ColossalAI's vocabulary-parallel embedding (each tensor-parallel rank looks up the ids in its slice, zeros
+    the others, the group sums), masking with ``torch.where`` / ``masked_fill`` instead of boolean indexing: the
+    same values and gradients, without the host syncs a boolean index costs on CUDA (2 per forward and 1 per
+    backward: 18 per optimizer step of the tests' tp 2 run, against the step's 1)."""
+
+    @staticmethod
+    def from_native_module(module: nn.Module, process_group: Any, *args: Any, **kwargs: Any) -> Any:
+        parallel = VocabParallelEmbedding1D.from_native_module(module, process_group, *args, **kwargs)
+        parallel.__class__ = VocabParallelEmbedding
+        return parallel
+
+    def forward(self, input_: torch.Tensor) -> torch.Tensor:
+        outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
+        ids = torch.where(outside, 0, input_ - self.vocab_start_index)
+        looked_up = nn.functional.embedding(
+            ids, self.weight, self.padding_idx, *self.embed_args, **self.embed_kwargs
+        )
+        mine = looked_up.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_forward(mine, self.process_group, fp8_communication=self.fp8_communication)
 
 
 class DecoderPolicy(Policy):
@@ -57,7 +80,7 @@ class DecoderPolicy(Policy):
     base_model: type[nn.Module]
     decoder_layer: type[nn.Module]
     per_head_replicated: tuple[str, ...] = ()
-    embedding_cls: type[nn.Module] = VocabParallelEmbedding1D
+    embedding_cls: type[nn.Module] = VocabParallelEmbedding
     column_parallel: tuple[str, ...] = COLUMN_PARALLEL
     row_parallel: tuple[str, ...] = ROW_PARALLEL
     fused_column: dict[str, Any] = {}

@@ -18,10 +18,10 @@ from transformers.models.gemma3.modeling_gemma3 import (
     Gemma3TextModel,
 )
 
-from coati_kto.families.shardformer.base import DecoderPolicy
+from coati_kto.families.shardformer.base import DecoderPolicy, VocabParallelEmbedding
 
 
-class ScaledVocabParallelEmbedding1D(VocabParallelEmbedding1D):
+class ScaledVocabParallelEmbedding1D(VocabParallelEmbedding):
     """Gemma's scaled word embedding sliced over the vocabulary: the gathered lookup times ``embed_scale``."""
 
     @staticmethod
