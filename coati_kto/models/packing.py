@@ -242,12 +242,14 @@ def padding_free_rows(config: Config) -> str | None:
 
 
 def padding_free_notes(config: Config, cuda: bool) -> list[str]:
-    """One line when padding-free rows meet a dense-mask kernel on a GPU: they are packed into bins there, so
-    some padding remains, which flex attention would remove."""
+    """What ``model.attn_implementation: auto`` became here (coati_kto.config.attention), and one line when
+    padding-free rows meet a dense-mask kernel on a GPU: they are packed into bins there, so some padding
+    remains, which flex attention would remove."""
     attention = config.model.attn_implementation or "the model's default"
+    notes = [config.attention_note()] if config.attention_note() else []
     if padding_free_rows(config) != "bins" or not cuda:
-        return []
-    return [
+        return notes
+    return notes + [
         f"note: data.padding_free with attention {attention}: rows are packed into bins as long as the longest "
         "(a dense mask attends across a whole row, so one row per pass would cost more than padding); "
         "model.attn_implementation flex_attention runs each pass as one row, with no padding"
