@@ -267,7 +267,10 @@ def _profile_figures(prof: Any, cuda: bool) -> dict[str, Any]:
     for e in kernels:
         by_name[e.name] = by_name.get(e.name, 0.0) + e.time_range.elapsed_us()
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
+    from busy import busy_by_category
+
     out.update(
+        busy_ms=busy_by_category(inside, lo, hi, steps, busy_us / steps / 1e3),
         top_kernels=[(name[:90], us / steps / 1e3) for name, us in top],
         gpu_busy=busy_us / (hi - lo),
         kernels=len(kernels) / steps,
@@ -694,6 +697,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         for name, ms in r.get("top_kernels", []):
             print(f"  {r['case']}: {ms:8.2f} ms/step  {name}")
+        if r.get("busy_ms"):  # the GPU's kernel time per category (benchmarks/busy.py), beside the counter's
+            shares = ", ".join(f"{c} {ms:.1f}" for c, ms in r["busy_ms"].items())
+            print(f"  {r['case']}: GPU busy ms/step by category: {shares}")
     print("\n" + table(results + trl), flush=True)
     from counts import baseline_results, count_table
 
