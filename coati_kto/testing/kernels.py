@@ -281,7 +281,7 @@ class KernelCounter(Tally):
 
     # ---- context ----------------------------------------------------------------------------------------
     def _enter_module(self, module: torch.nn.Module, _: Any) -> None:
-        if not self._modules:
+        if not self._modules and not isinstance(module, torch.fx.GraphModule):  # FX: flex's backward, no pass
             self.tally.passes.append([])
         self._modules.append(module)
 
