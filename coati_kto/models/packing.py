@@ -267,5 +267,5 @@ def padding_free_notes(config: Config, cuda: bool) -> list[str]:
     return notes + [
         f"note: data.padding_free with attention {attention}: rows are packed into bins as long as the longest "
         "(a dense mask attends across a whole row, so one row per pass would cost more than padding); "
-        "model.attn_implementation flex_attention runs each pass as one row, with no padding"
+        "model.attn_implementation flex_attention (or auto) runs each pass as one row, with no padding"
     ]
