@@ -13,7 +13,8 @@ tokenizer (the byte-level pre-tokenizer splits on spaces, so a text's tokens are
 Cases: model x shape x reference (``online``; ``cached``: the train's own cache step computes the reference
 log-probs once, before the first step) x plugin (hybrid_parallel ZeRO-2 bf16, low_level_zero ZeRO-2 bf16),
 micro-batch 8, ``model.attn_implementation`` sdpa; and the Llama hybrid ZeRO-2 cases again with ``data.padding_free``
-(``.../free``: ``flex_attention`` on a GPU, ``--attn`` on CPU). A model the plugin does not admit (Qwen3 under
+(``.../free``: ``model.attn_implementation: auto`` on a GPU, i.e. ``flex_attention`` with every pass on a block
+mask, ``--attn`` on CPU; ``--attn auto`` runs every case so). A model the plugin does not admit (Qwen3 under
 hybrid_parallel with transformers 4.51: no shardformer policy) is skipped with the config check's reason.
 Each case runs ``coati_kto.train.train(config)`` twice in a fresh process (peak memory is a process figure):
 
@@ -86,7 +87,7 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
 @dataclass(frozen=True)
 class Case:
     """One benchmark run: which model, data shape, reference mode and plugin; ``free``: data.padding_free, with
-    ``flex_attention`` on a GPU (its BlockMask skips what no document reaches) and ``--attn`` on CPU."""
+    ``auto`` (flex_attention: its BlockMask skips what no document reaches) on a GPU and ``--attn`` on CPU."""
 
     model: str
     shape: str
@@ -193,7 +194,9 @@ def case_config(work: Path, case: Case, args: argparse.Namespace, steps: int, ta
     """The run's config as a plain dict (validated by the caller: a refused combination is a skip reason)."""
     import torch
 
-    attn = "flex_attention" if case.free and torch.cuda.is_available() else args.attn
+    # /free on a GPU: model.attn_implementation auto, which is flex_attention with every pass padding-free there
+    # (coati_kto.config.attention); the CPU has no FlexAttention backward.
+    attn = "auto" if case.free and torch.cuda.is_available() else args.attn
     return {
         "model": {"path": str(work / "models" / case.model), "attn_implementation": attn},
         "data": {
@@ -267,7 +270,10 @@ def _profile_figures(prof: Any, cuda: bool) -> dict[str, Any]:
     for e in kernels:
         by_name[e.name] = by_name.get(e.name, 0.0) + e.time_range.elapsed_us()
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
+    from busy import busy_by_category
+
     out.update(
+        busy_ms=busy_by_category(inside, lo, hi, steps, busy_us / steps / 1e3),
         top_kernels=[(name[:90], us / steps / 1e3) for name, us in top],
         gpu_busy=busy_us / (hi - lo),
         kernels=len(kernels) / steps,
@@ -355,7 +361,7 @@ def _counted(work: Path, case: Case, args: argparse.Namespace, params: int) -> d
     )
     try:
         return counted_run(lambda: train(config), params)
-    except Exception as err:  # noqa: BLE001 - e.g. flex attention: torch.compile refuses a dispatch mode
+    except Exception as err:  # noqa: BLE001 - a run the counter cannot follow is a row that says so
         return {"count_error": f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"}
 
 
@@ -387,7 +393,9 @@ def model_ceiling(work: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     if not torch.cuda.is_available():
         return []
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        work / "models" / "llama", dtype=torch.bfloat16, attn_implementation=args.attn
+        work / "models" / "llama",
+        dtype=torch.bfloat16,
+        attn_implementation="sdpa" if args.attn == "auto" else args.attn,
     ).cuda()
     params = sum(p.numel() for p in model.parameters())
     ids = torch.randint(0, VOCAB_SIZE, (MICRO_BATCH, args.max_length), device="cuda")
@@ -548,7 +556,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 2; smoke 1)")
     p.add_argument("--profile-steps", type=int, default=None, help="profiled steps (default 2; smoke 1)")
     p.add_argument("--max-length", type=int, default=None, help="tokens per row at most (1024; smoke 64)")
-    p.add_argument("--attn", default="sdpa", choices=["eager", "sdpa", "flash_attention_2"])
+    p.add_argument("--attn", default="sdpa", choices=["eager", "sdpa", "flash_attention_2", "auto"])
     p.add_argument("--trl-wheels", default=None, help="wheels for TRL's throwaway venv (see docs/gpu.md)")
     p.add_argument("--trl-venv", default=None, help="TRL venv to build or reuse (default: OUT/trl-venv)")
     p.add_argument("--ceiling", action="store_true", help="also time the bare model's passes (GPU only)")
@@ -694,6 +702,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         for name, ms in r.get("top_kernels", []):
             print(f"  {r['case']}: {ms:8.2f} ms/step  {name}")
+        if r.get("busy_ms"):  # the GPU's kernel time per category (benchmarks/busy.py), beside the counter's
+            shares = ", ".join(f"{c} {ms:.1f}" for c, ms in r["busy_ms"].items())
+            print(f"  {r['case']}: GPU busy ms/step by category: {shares}")
     print("\n" + table(results + trl), flush=True)
     from counts import baseline_results, count_table
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, JsonValue, ValidationInfo, field_validator, model_validator
+from pydantic import Field, JsonValue, PrivateAttr, ValidationInfo, field_validator, model_validator
 
+from coati_kto.config.attention import resolve_attention
 from coati_kto.config.evaluation import EvalSection, sample_problems
 from coati_kto.config.hub import is_hub_dataset, parse_hub_dataset
 from coati_kto.config.lora import LoraSection
@@ -31,8 +32,13 @@ class ModelSection(_Section):
     tokenizer: str | None = Field(None, description="Tokenizer directory; defaults to model.path.")
     reference_path: str | None = Field(None, description="Reference model; defaults to model.path.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward: less memory.")
-    attn_implementation: Literal["eager", "sdpa", "flex_attention", "flash_attention_2"] | None = Field(
-        None, description="Attention kernel passed to from_pretrained; None: the model's default."
+    attn_implementation: Literal["eager", "sdpa", "flex_attention", "flash_attention_2", "auto"] | None = (
+        Field(
+            None,
+            description="Attention kernel passed to from_pretrained; None: the model's default. auto: on a GPU "
+            "flex_attention with data.padding_free on (no pass builds a dense mask) where the model packs at tp_size "
+            "1, else the default; decided at load (a note line says which).",
+        )
     )
     trust_remote_code: bool = Field(
         False, description="Allow model/tokenizer code shipped with the checkpoint."
@@ -306,14 +312,32 @@ class Config(_Section):
     output: OutputSection | None = Field(None, description="Required by `train`; `prepare` needs none.")
     logging: LoggingSection = Field(default_factory=LoggingSection)
     eval: EvalSection = Field(default_factory=EvalSection)
+    # model.attn_implementation auto: what it became on this device, and why (coati_kto.config.attention).
+    _attention_note: str | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _combinations(self) -> Config:
+        self._resolve_attention()
         problems = self._family_problems() + self._padding_free_problems()  # every one at once, a line each
         problems += self._export_problems() + self._lora_problems() + sample_problems(self)
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+    def _resolve_attention(self) -> None:
+        """``model.attn_implementation: auto`` replaced by the kernel (and ``data.padding_free``) it becomes."""
+        if self.model.attn_implementation != "auto":
+            return
+        import torch
+
+        attention, free, note = resolve_attention(
+            self.model, self.data, self.plugin.tp_size, torch.cuda.is_available()
+        )
+        self.model.attn_implementation, self.data.padding_free, self._attention_note = attention, free, note
+
+    def attention_note(self) -> str | None:
+        """The line saying what ``model.attn_implementation: auto`` became here (None without auto)."""
+        return self._attention_note
 
     def _family_problems(self) -> list[str]:
         out = [why for why in [router_aux_problem(self.model.path, self.kto.router_aux_loss_coef)] if why]

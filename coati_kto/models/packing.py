@@ -19,7 +19,8 @@ The layout is planned on the host; here the device builds the attention mask fro
 broadcasts alone (no value read back): a 4D additive mask [R, 1, L, L] of the model dtype for ``eager`` and
 ``sdpa`` (transformers applies a 4D mask as given, in every layer, and so do the plugins' wrappers: the
 project's shardformer policies keep transformers' forwards), a flex-attention BlockMask for ``flex_attention``
-(blocks no document reaches are skipped, so one long row costs what its documents cost). Layers that mix
+(blocks no document reaches are skipped, so one long row costs what its documents cost; built compiled on a GPU,
+so no [L, L] mask exists there even for a moment: what ``model.attn_implementation: auto`` runs). Layers that mix
 windows (Gemma 3, Qwen2 with max_window_layers) get one mask per layer type, as the mapping transformers 5
 takes (``coati_kto.families.packed_masks``). Log-probs come through the chunked LM head, or under tensor
 parallelism (each rank holds a vocabulary slice of the head) through the model's logits, gathered whole.
@@ -28,6 +29,7 @@ flash_attention_2, and heads neither covers (soft-capped logits), run the padded
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -77,7 +79,20 @@ def _flex_mask(rows: PackedRows, window: int | None) -> Any:
         return ok & (pos[b, q] - pos[b, k] < window) if window is not None else ok
 
     n, length = doc.shape
-    return create_block_mask(mask_mod, n, None, length, length, device=doc.device)
+    # Eager, create_block_mask evaluates mask_mod over the whole [R, L, L] grid (a dense bool mask, for a moment);
+    # compiled, it reduces to blocks without it, as transformers builds its own BlockMasks. On CPU (forward only:
+    # no flex backward there) the eager build is kept: inductor's CPU compile of it took 37 s here.
+    build = create_block_mask if doc.device.type == "cpu" else _compiled_block_mask()
+    return build(mask_mod, n, None, length, length, device=doc.device)
+
+
+@functools.cache
+def _compiled_block_mask() -> Callable[..., Any]:
+    """``torch.compile(create_block_mask)``, made once per process (dynamo re-specializes on new row widths,
+    then goes dynamic)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask)
 
 
 def padded_attention(model: Any, view: TokenView) -> Any:
@@ -242,13 +257,15 @@ def padding_free_rows(config: Config) -> str | None:
 
 
 def padding_free_notes(config: Config, cuda: bool) -> list[str]:
-    """One line when padding-free rows meet a dense-mask kernel on a GPU: they are packed into bins there, so
-    some padding remains, which flex attention would remove."""
+    """What ``model.attn_implementation: auto`` became here (coati_kto.config.attention), and one line when
+    padding-free rows meet a dense-mask kernel on a GPU: they are packed into bins there, so some padding
+    remains, which flex attention would remove."""
     attention = config.model.attn_implementation or "the model's default"
+    notes = [config.attention_note()] if config.attention_note() else []
     if padding_free_rows(config) != "bins" or not cuda:
-        return []
-    return [
+        return notes
+    return notes + [
         f"note: data.padding_free with attention {attention}: rows are packed into bins as long as the longest "
         "(a dense mask attends across a whole row, so one row per pass would cost more than padding); "
-        "model.attn_implementation flex_attention runs each pass as one row, with no padding"
+        "model.attn_implementation flex_attention (or auto) runs each pass as one row, with no padding"
     ]

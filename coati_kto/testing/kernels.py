@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from coati_kto.testing import attention_paths as paths
 from coati_kto.testing.syncs import SyncRecord, counting_synchronize, dispatch_sync, function_sync
 
 MATMUL, ATTENTION, POINTWISE, COPIES = (
@@ -238,18 +239,6 @@ def _path_summary(paths: list[str]) -> str:
     return ", ".join(f"{p} x{n}" for p, n in Counter(paths).items()) or "none"
 
 
-def attention_path(func: Any, args: tuple, kwargs: dict) -> str | None:
-    """The attention path of a torch-level call: sdpa with a dense mask, sdpa without one (flash-capable),
-    flex, varlen; None for other calls (eager attention is seen at its softmax, :meth:`KernelCounter.record`)."""
-    name = getattr(func, "__name__", "")
-    if name == "scaled_dot_product_attention":
-        mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
-        return "sdpa dense mask" if mask is not None else "sdpa no mask"
-    if name in ("flex_attention", "varlen_attn"):
-        return name.replace("_attn", "").replace("_attention", "")
-    return None
-
-
 class KernelCounter(Tally):
     """``with KernelCounter() as count: ...``; then :meth:`Tally.summary` (per parameter of ``params``).
     ``steps=True``: a new :class:`Tally` starts at the end of every optimizer step (torch's global step hook,
@@ -282,6 +271,7 @@ class KernelCounter(Tally):
 
             hook = register_optimizer_step_post_hook(lambda *_: self.windows.append(Tally()))
             self._stack.callback(hook.remove)
+        self._stack.enter_context(paths.flex_uncompiled())
         self._stack.enter_context(_Functions(self))
         self._stack.enter_context(_Dispatch(self))
         return self
@@ -291,7 +281,7 @@ class KernelCounter(Tally):
 
     # ---- context ----------------------------------------------------------------------------------------
     def _enter_module(self, module: torch.nn.Module, _: Any) -> None:
-        if not self._modules:
+        if not self._modules and not isinstance(module, torch.fx.GraphModule):  # FX: flex's backward, no pass
             self.tally.passes.append([])
         self._modules.append(module)
 
@@ -321,14 +311,17 @@ class KernelCounter(Tally):
         ctx = code_context()
         return (ctx, *self._module_flags()) if ctx == MODEL else (ctx, False, False)
 
+    def record_higher_order(self, func: Any, args: tuple, out: Any) -> None:
+        """A higher-order operator (FlexAttention): one attention kernel reading its tensor arguments."""
+        if (path := paths.higher_order_path(func)) is not None and self.tally.passes:
+            self.tally.passes[-1].append(path)
+        self._add(str(func), ATTENTION, 1, paths.tensor_bytes(args), paths.tensor_bytes(out))
+
     def record(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         kind = dispatch_sync(func, args)
         if kind is not None:
             self._sync(kind)
-        if func.namespace == "c10d":
-            ctx: tuple[str, bool, bool] = (GRADS, False, False)
-        else:
-            ctx = self.context()
+        ctx = (GRADS, False, False) if func.namespace == "c10d" else self.context()
         if ctx[0] == HOST:
             return
         kernels, read, written = op_cost(func, args, kwargs, out)
@@ -337,11 +330,12 @@ class KernelCounter(Tally):
         name = func.overloadpacket.__name__
         category = model_category(name, ctx[1], ctx[2]) if ctx[0] == MODEL else ctx[0]
         if category == ATTENTION and name == "_softmax" and self._modules and self.tally.passes:
-            self.tally.passes[-1].append(
-                "eager"
-            )  # a softmax in an attention module's forward: no fused kernel
+            self.tally.passes[-1].append(paths.EAGER)  # a softmax in an attention module: no fused kernel
+        self._add(str(func), category, kernels, read, written)
+
+    def _add(self, op: str, category: str, kernels: int, read: int, written: int) -> None:
         if self.log is not None:
-            self.log.append((str(func), category, kernels, read, written))
+            self.log.append((op, category, kernels, read, written))
         tally = self.tally
         tally.kernels[category] += kernels
         tally.read[category] += read
@@ -361,7 +355,7 @@ class _Functions(TorchFunctionMode):
         kind = function_sync(func, args, kwargs)
         if kind is not None:
             counter._sync(kind)
-        path = attention_path(func, args, kwargs)
+        path = paths.function_path(func, args, kwargs)
         if path is not None and counter.tally.passes:
             counter.tally.passes[-1].append(path)
         ctx = code_context()
@@ -389,6 +383,9 @@ def _tag_new_nodes(nodes: list[Any], tag: tuple[str, bool, bool]) -> None:
 
 
 class _Dispatch(TorchDispatchMode):
+    # FlexAttention's forward and backward: higher-order operators, run as they are and counted whole.
+    supports_higher_order_operators = True
+
     def __init__(self, counter: KernelCounter) -> None:
         super().__init__()
         self.counter = counter
@@ -396,5 +393,8 @@ class _Dispatch(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.counter.record(func, args, kwargs, out)
+        if paths.is_higher_order(func):
+            self.counter.record_higher_order(func, args, out)
+        else:
+            self.counter.record(func, args, kwargs, out)
         return out

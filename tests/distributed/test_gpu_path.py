@@ -2,12 +2,14 @@
 
 The CPU tests' machinery, run on the device: the family lifecycle of test_families (step-0 log-probs and rewards
 exactly 0, resume bit-exact, export reload) for Llama, Qwen3 (q/k norms) and Gemma 3 (sliding windows) under
-low_level_zero and hybrid_parallel ZeRO-2 bf16 on NCCL; test_padding_free's run (flex_attention padding-free rows
-against padded sdpa, bf16). And, on the CPU and the GPU alike, the gradient norm of one step (accumulation 2) on
-every plugin against a float64 recomputation: hybrid_parallel ZeRO-2 on one data-parallel rank counted gradients
-twice (ColossalAI wrapped the model in DDP under ZeRO: the README's "1.5x norm on CUDA", fixed in
-coati_kto/parallel/compat.py). A reduce bucket smaller than the model makes ZeRO reduce during the backward, as a
-GPU-sized model does with the default 12M-element bucket.
+low_level_zero and hybrid_parallel ZeRO-2 bf16 on NCCL; test_padding_free's run (flex_attention padding-free rows,
+and model.attn_implementation auto, against padded sdpa, bf16); the fused FlexAttention kernel's gradients against
+the padded pass's (Llama, Qwen3, Gemma 3: on CPU only torch's reference operator has a backward). And, on the CPU
+and the GPU alike, the gradient norm of one step (accumulation 2) on every plugin against a float64
+recomputation: hybrid_parallel ZeRO-2 on one data-parallel rank counted gradients twice (ColossalAI wrapped the
+model in DDP under ZeRO: the README's "1.5x norm on CUDA", fixed in coati_kto/parallel/compat.py). A reduce
+bucket smaller than the model makes ZeRO reduce during the backward, as a GPU-sized model does with the default
+12M-element bucket.
 """
 
 from __future__ import annotations
@@ -23,10 +25,15 @@ import pytest
 import torch
 from helpers import CORPUS, chat_records
 from test_families import ANSWERS, PLUGINS, REFUSAL, _family_matrix, check_lifecycle
+from test_packing import _model, _rows
+from test_padding_free import CASES, FLEX_FAMILIES
 from test_padding_free import _run as padding_free_run
 from test_trainer import _build, _config, _global_steps
 
+from coati_kto.data.collator import KTOCollator
 from coati_kto.data.files import write_jsonl
+from coati_kto.models.lm_head import LMHead, model_sequence_logps
+from coati_kto.models.packing import packed_logps, pair_logps
 from coati_kto.testing.distributed import run_distributed
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -139,26 +146,25 @@ def test_family_lifecycle_on_cuda(family: str, tmp_path: Path) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["one", "bins"])
-def test_padding_free_flex_equals_padded_on_cuda(layout: str, tiny_model_dir: Path, tmp_path: Path) -> None:
-    """Padding-free rows through flex_attention's block mask against padded sdpa, bf16, three steps."""
+@pytest.mark.parametrize(
+    "layout,pack,attention",
+    # flex_attention padding-free, every view on its own; and what model.attn_implementation auto picks on a
+    # GPU (flex_attention, one row, the shared-prompt pairs and the folded policy pass on block masks).
+    [("one", False, "flex_attention"), ("bins", False, "flex_attention"), ("one", True, "auto")],
+)
+def test_padding_free_flex_equals_padded_on_cuda(
+    layout: str, pack: bool, attention: str, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Padding-free rows through flex_attention's block mask (the fused kernel's forward and backward) against
+    padded sdpa, bf16, three steps; step-0 rewards exactly 0."""
     model_dir, out = str(tiny_model_dir), str(tmp_path)
-    padded = run_distributed(
-        padding_free_run,
-        1,
-        model_dir,
-        out,
-        None,
-        False,
-        1,
-        {"attn_implementation": "sdpa"},
-        "bf16",
-        device="cuda",
-    )[0]
-    flex = {"attn_implementation": "flex_attention"}
-    free = run_distributed(
-        padding_free_run, 1, model_dir, out, layout, False, 1, flex, "bf16", device="cuda"
-    )[0]
+    sdpa, flex = {"attn_implementation": "sdpa"}, {"attn_implementation": attention}
+    padded = run_distributed(padding_free_run, 1, model_dir, out, None, pack, 1, sdpa, "bf16", device="cuda")[
+        0
+    ]
+    free = run_distributed(padding_free_run, 1, model_dir, out, layout, pack, 1, flex, "bf16", device="cuda")[
+        0
+    ]
     steps = [h for h in padded["history"] if "train/loss" in h]
     free_steps = [h for h in free["history"] if "train/loss" in h]
     assert len(steps) == len(free_steps) == 3
@@ -167,3 +173,35 @@ def test_padding_free_flex_equals_padded_on_cuda(layout: str, tiny_model_dir: Pa
         for key in ("train/loss", "train/rewards/chosen", "train/rewards/rejected", "train/kl"):
             assert abs(a[key] - b[key]) <= 2e-2 * max(1.0, abs(a[key])), (key, a[key], b[key])
     assert abs(padded["weights"] - free["weights"]).max() <= 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", FLEX_FAMILIES)
+def test_flex_gradients_equal_padded_on_cuda(family: str) -> None:
+    """The fused FlexAttention kernel's forward and backward (Triton, compiled by transformers) on one row of
+    examples and on the shared-prompt pairs, fp32, against the padded sdpa pass on the same GPU: what the CPU
+    proves through torch's reference operator (test_padding_free), on the kernel a GPU runs."""
+    cls, config_cls, config = CASES[family]
+    model = _model(cls, config_cls, "sdpa", **config).cuda()
+    padded = copy.deepcopy(model)
+    model.config._attn_implementation = "flex_attention"
+    batch = KTOCollator(0, padding_free="one")(_rows(8, 5)).to("cuda")
+    weights = torch.tensor([0.7, -1.3, 0.4, 2.0, -0.5], device="cuda")
+    view = batch.example
+    reference = model_sequence_logps(
+        padded, view.input_ids, view.attention_mask, view.loss_mask, LMHead.find(padded)
+    )
+    (reference * weights).sum().backward()
+    grads = {name: p.grad for name, p in padded.named_parameters()}
+    rows, _ = packed_logps(model, LMHead.find(model), batch.example_rows, len(batch))
+    (rows * weights).sum().backward()
+    row_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    folded, kl = pair_logps(model, batch)[:2]
+    (folded * weights).sum().backward()
+    assert not kl.requires_grad
+    for logps in (rows, folded):  # fp32 on the GPU: summation order of other kernels, hence 1e-4
+        torch.testing.assert_close(logps, reference, atol=1e-4, rtol=0)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(row_grads[name], grads[name], atol=1e-4, rtol=1e-3, msg=name)
+        torch.testing.assert_close(p.grad, grads[name], atol=1e-4, rtol=1e-3, msg=name)

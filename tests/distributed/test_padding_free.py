@@ -20,6 +20,7 @@ from coati_kto.data.collator import KTOCollator
 from coati_kto.models.lm_head import LMHead, model_sequence_logps
 from coati_kto.models.packing import packed_logps, pair_logps
 from coati_kto.testing.distributed import run_distributed
+from coati_kto.testing.flex import flex_reference
 
 CASES = {**FAMILIES, "qwen3": (Qwen3ForCausalLM, Qwen3Config, {})}
 
@@ -69,15 +70,53 @@ def test_one_row_gradient_equals_padded_gradient() -> None:
         torch.testing.assert_close(p.grad, grads[name].grad, atol=1e-6, rtol=1e-5, msg=name)
 
 
-def test_flex_attention_block_mask_equals_padded_passes() -> None:
-    """flex_attention: the BlockMask (rows padded to its 128-token block) is the 4D mask's rule."""
-    model = _model(LlamaForCausalLM, LlamaConfig, "sdpa")
+FLEX_FAMILIES = ["llama", "qwen3", "gemma3"]  # plain; grouped-query with q/k norms; sliding and full layers
+
+
+@pytest.mark.parametrize("family", FLEX_FAMILIES)
+def test_flex_attention_block_mask_equals_padded_passes(family: str) -> None:
+    """flex_attention as transformers runs it on CPU (compiled by inductor): the BlockMask (rows padded to its
+    128-token block; Gemma 3 one per layer type, windows of 4) is the dense 4D mask's rule, every layout."""
+    cls, config_cls, config = CASES[family]
+    model = _model(cls, config_cls, "sdpa", **config)
     batch = KTOCollator(0, padding_free="one")(_rows(9, 6, mismatched=(1,)))
     ref_example, ref_kl = _separate(model, batch)
     model.config._attn_implementation = "flex_attention"
     for name, (example, kl) in _layouts(model, batch).items():
         torch.testing.assert_close(example, ref_example, atol=1e-5, rtol=0, msg=name)
         torch.testing.assert_close(kl, ref_kl, atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("family", FLEX_FAMILIES)
+def test_flex_attention_gradients_equal_padded_gradients(family: str) -> None:
+    """The policy's gradient passes under flex_attention's block mask (torch's reference operator: no CPU
+    backward otherwise, coati_kto.testing.flex), one row of examples and the shared-prompt pairs (the folded
+    pass: the example's log-probs with gradient, the KL pair's without), against the padded sdpa pass."""
+    cls, config_cls, config = CASES[family]
+    model = _model(cls, config_cls, "sdpa", **config)
+    padded = copy.deepcopy(model)
+    model.config._attn_implementation = "flex_attention"
+    batch = KTOCollator(0, padding_free="one")(_rows(8, 5))
+    weights = torch.tensor([0.7, -1.3, 0.4, 2.0, -0.5])
+    view = batch.example
+    reference = model_sequence_logps(
+        padded, view.input_ids, view.attention_mask, view.loss_mask, LMHead.find(padded)
+    )
+    (reference * weights).sum().backward()
+    grads = {name: p.grad for name, p in padded.named_parameters()}
+    with flex_reference():
+        rows, _ = packed_logps(model, LMHead.find(model), batch.example_rows, len(batch))
+        (rows * weights).sum().backward()
+        row_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        model.zero_grad()
+        folded, kl = pair_logps(model, batch)[:2]
+        (folded * weights).sum().backward()
+    assert not kl.requires_grad
+    for logps in (rows, folded):
+        torch.testing.assert_close(logps, reference, atol=1e-5, rtol=0)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(row_grads[name], grads[name], atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(p.grad, grads[name], atol=1e-5, rtol=1e-5, msg=name)
 
 
 # ------------------------------------------------------------------------------------------- 2 processes
@@ -130,6 +169,33 @@ def _run(
     finally:
         packing.packed_logps = passes.packed_logps = original
     return {"history": trainer.history, "weights": _weights(parts.policy), "rows": rows_per_pass}
+
+
+def _padded_and_flex_runs(model_dir: str, out_dir: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """:func:`_run` padded under sdpa, then padding-free in one row under flex_attention (torch's reference
+    operator: coati_kto.testing.flex), both with the shared-prompt passes, in the same processes."""
+    padded = _run(model_dir, out_dir, None, True)
+    with flex_reference():
+        return padded, _run(model_dir, out_dir, "one", True, 1, {"attn_implementation": "flex_attention"})
+
+
+def test_flex_attention_run_equals_padded_run(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """What model.attn_implementation auto runs on a GPU (flex_attention, every pass padding-free in one row,
+    the shared-prompt reference pass and the policy's folded pass on block masks), 2 processes, against the
+    padded sdpa run: the same steps, step-0 rewards exactly 0 (policy and reference on the same kernel)."""
+    for rank, (padded, free) in enumerate(
+        run_distributed(_padded_and_flex_runs, 2, str(tiny_model_dir), str(tmp_path))
+    ):
+        assert free["rows"] == [1] * 6  # the reference's pairs and the policy's folded pass, per micro-batch
+        steps = [h for h in padded["history"] if "train/loss" in h]
+        free_steps = [h for h in free["history"] if "train/loss" in h]
+        assert len(steps) == len(free_steps) == len(STEPS)
+        assert free_steps[0]["train/rewards/chosen"] == 0.0 and free_steps[0]["train/rewards/rejected"] == 0.0
+        keys = ("train/loss", "train/rewards/chosen", "train/rewards/rejected", "train/kl")
+        diffs = [abs(a[k] - b[k]) for a, b in zip(steps, free_steps, strict=True) for k in keys]
+        weights = float(abs(padded["weights"] - free["weights"]).max())
+        print(f"rank {rank}: flex vs padded, max |step metric| diff {max(diffs):.2e}, weights {weights:.2e}")
+        assert max(diffs) <= 1e-5 and weights <= 1e-5, (diffs, weights)
 
 
 @pytest.mark.parametrize("pack,layout", [(False, "one"), (True, "one"), (True, "bins")])

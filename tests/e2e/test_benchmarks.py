@@ -55,8 +55,9 @@ def positive_finite(values: list[float], what: str) -> None:
         assert math.isfinite(v) and v > 0, f"{what}: {v}"
 
 
-# Modules the scripts import, not scripts: tested through them (counts.py: gpu_bench's and step_bench's counts).
-HELPERS = {"counts.py"}
+# Modules the scripts import, not scripts: tested through them (counts.py: gpu_bench's and step_bench's counts;
+# busy.py: gpu_bench's GPU busy time per category, which only a GPU profile feeds: its own test below).
+HELPERS = {"counts.py", "busy.py"}
 
 
 def test_every_benchmark_has_a_test() -> None:
@@ -64,6 +65,45 @@ def test_every_benchmark_has_a_test() -> None:
     scripts = {p.name for p in BENCH.glob("*.py")} - HELPERS
     tested = {n for n in re.findall(r'"(\w+\.py)"', Path(__file__).read_text()) if (BENCH / n).exists()}
     assert scripts <= tested, f"benchmarks without a smoke test: {sorted(scripts - tested)}"
+
+
+def test_gpu_busy_time_by_category() -> None:
+    """benchmarks/busy.py on profiler events shaped as torch's (a CPU op, its parents, the kernels linked to it):
+    each kernel (names as CUDA traces show them) in the kernel counter's category, through its launching op."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(BENCH))
+    from busy import busy_by_category, kernel_category
+
+    def op(name: str, parent: object | None, start: float = 5.0, kernels: tuple = ()) -> SimpleNamespace:
+        kinds = [SimpleNamespace(name=k, duration=us) for k, us in kernels]
+        return SimpleNamespace(
+            name=name, cpu_parent=parent, time_range=SimpleNamespace(start=start), kernels=kinds
+        )
+
+    step = op("Optimizer.step#AdamW.step", None)
+    linear = op("aten::matmul", op("aten::linear", None))
+    sdpa = op("aten::_scaled_dot_product_efficient_attention", op("aten::scaled_dot_product_attention", None))
+    events = [
+        op("aten::mm", linear, kernels=(("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", 3000),)),
+        op("aten::_efficient_attention_forward", sdpa, kernels=(("fmha_cutlassF_bf16_aligned_64x64_rf_sm80", 800),)),
+        op("CompiledFunction", None, kernels=(("triton_tem_fused_0", 700), ("Memcpy HtoD (Pageable -> Device)", 9))),
+        op("aten::_fused_adam_", step, kernels=(("multi_tensor_apply_kernel<TensorListMetadata<4>, AdamFunctor>", 500),)),
+        op("aten::_foreach_norm", step, kernels=(("multi_tensor_apply_kernel<TensorListMetadata<1>, LpNormFunctor>", 90),)),
+        op("c10d::allreduce_", None, kernels=(("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 60),)),
+        op("aten::copy_", op("aten::_to_copy", None), kernels=(("elementwise_kernel<direct_copy_kernel_cuda>", 40),)),
+        op("aten::_log_softmax", op("aten::log_softmax", None), kernels=(("cunn_SoftMaxForward<LogSoftMaxEpilogue>", 30),)),
+        op("aten::mul", None, kernels=(("vectorized_elementwise_kernel<4, MulFunctor<float>>", 20),)),
+        op("aten::mm", None, start=50.0, kernels=(("sm90_xmma_gemm", 1e6),)),  # after the window: not this step
+    ]  # fmt: skip
+    busy = busy_by_category(events, 0.0, 10.0, 2, busy_ms=2.7)  # 2 steps, 2.7 ms of kernel time per step
+    expected = {
+        "model matmuls": 1.5, "attention": 0.75, "optimizer": 0.25, "gradient norm": 0.045,
+        "gradient buckets and reductions": 0.03, "casts and copies": 0.02, "LM head and log-softmax": 0.015,
+        "norms / rotary / activations": 0.01, "other": 2.7 - 2.62,
+    }  # fmt: skip
+    assert busy.keys() == expected.keys() and all(abs(busy[k] - v) < 1e-9 for k, v in expected.items()), busy
+    assert kernel_category("void gemv2T_kernel", []) == "other"  # no launching op: not attributed
 
 
 def test_gpu_bench_smoke(tmp_path: Path) -> None:

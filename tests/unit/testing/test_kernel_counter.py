@@ -200,7 +200,11 @@ def _llama(attention: str):
 
 @pytest.mark.parametrize(
     ("attention", "padded", "path"),
-    [("eager", False, "eager x2"), ("sdpa", False, "sdpa no mask x2"), ("sdpa", True, "sdpa dense mask x2")],
+    [
+        ("eager", False, "eager x2"),
+        ("sdpa", False, "sdpa causal no mask x2"),
+        ("sdpa", True, "sdpa dense mask x2"),
+    ],
 )
 def test_attention_path_of_a_model_pass(attention: str, padded: bool, path: str) -> None:
     """A Llama pass (2 layers): the path per layer; eager attention's matmuls and softmax count as attention,
@@ -222,6 +226,20 @@ def test_attention_path_of_a_model_pass(attention: str, padded: bool, path: str)
     )
     assert [k for k in kernels if k in ("bmm", "_softmax") or k.startswith("_scaled")] == expected
     assert len(kernels) == 2 if not padded and attention == "sdpa" else len(kernels) > len(expected)
+
+
+def test_flex_attention_pass_is_one_attention_kernel_per_layer() -> None:
+    """flex_attention (transformers compiles it; under the counter its operator runs as it is): the path is the
+    block mask's, one attention kernel per layer reading q, k, v and the block mask, and no dense mask built."""
+    from coati_kto.testing.kernels import ATTENTION
+
+    ids, mask = torch.randint(0, 32, (2, 6)), torch.ones(2, 6, dtype=torch.long)
+    mask[1, 4:] = 0  # a right-padded row: transformers' BlockMask, not a [2, 1, 6, 6] tensor
+    with torch.no_grad(), KernelCounter(log=True) as count:
+        _llama("flex_attention")(input_ids=ids, attention_mask=mask)
+    assert count.summary(1)["attention"] == ["flex block mask x2"]
+    flex = [(op, read) for op, category, _, read, _ in count.log if category == ATTENTION and "flex" in op]
+    assert len(flex) == 2 and all(read >= 3 * 2 * 2 * 6 * 8 * 4 for _, read in flex)  # q, k, v fp32
 
 
 def test_backward_of_a_composite_takes_its_context() -> None:
