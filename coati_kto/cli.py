@@ -13,7 +13,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from coati_kto.errors import USER_ERROR_EXIT_CODE, UserError
+from coati_kto.errors import PUSH_FAILED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError
 from coati_kto.runtime.signals import ABORT_EXIT_CODE, STOP, STOP_EXIT_CODE, TrainingStoppedError
 
 if TYPE_CHECKING:  # the commands import the config on demand (`--help` must not pay for it)
@@ -209,7 +209,7 @@ def _run(args: argparse.Namespace) -> int:
     else:
         from coati_kto.train import train
 
-        train(config)
+        return PUSH_FAILED_EXIT_CODE if getattr(train(config), "pushed", None) is False else 0
     return 0
 
 
@@ -222,21 +222,25 @@ def _export(args: argparse.Namespace, config: Config) -> int:
         final = finished_final(config, args.checkpoint, args.out)
         if final is not None:  # the run finished: upload final/ as it is, nothing to load (one rank uploads)
             main_rank = os.environ.get("RANK", "0") == "0"
-            return 0 if not main_rank or push(config, final, "final/ (coati-kto export --push)") else 1
+            pushed = not main_rank or push(config, final, "final/ (coati-kto export --push)")
+            return 0 if pushed else PUSH_FAILED_EXIT_CODE
     target = export_checkpoint(config, args.checkpoint, args.out)
     if args.push and os.environ.get("RANK", "0") == "0":
-        return 0 if push(config, target, f"{target.name} (coati-kto export --push)") else 1
+        return (
+            0 if push(config, target, f"{target.name} (coati-kto export --push)") else PUSH_FAILED_EXIT_CODE
+        )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``coati-kto``: exit 0 done, 2 a user mistake (one line), 75 a clean stop, 1 a peer gone, 130 aborted."""
+    """``coati-kto``: exit 0 done, 2 a user mistake (one line), 3 done but the Hub upload failed (one line), 75 a
+    clean stop, 1 a peer gone, 130 aborted."""
     args = _parse(argv)
     if args.command == "train" and "RANK" in os.environ:  # a rank: stop cleanly even while still importing
         STOP.install()
     rank = os.environ.get("RANK")
     code = _main(args, rank)
-    if code in (0, USER_ERROR_EXIT_CODE, STOP_EXIT_CODE):
+    if code in (0, USER_ERROR_EXIT_CODE, PUSH_FAILED_EXIT_CODE, STOP_EXIT_CODE):
         _close_process_groups()
     return code
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 USER_ERROR_EXIT_CODE = (
     2  # the CLI's exit status for a UserError; a launcher whose ranks exit so returns it too
 )
+# Trained and saved, but output.push_to_hub's upload failed (everything on disk; the line printed says how to retry).
+PUSH_FAILED_EXIT_CODE = 3
 
 
 class UserError(Exception):

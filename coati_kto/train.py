@@ -153,7 +153,7 @@ def train(config: Config) -> Any:
         if uploads is not None:  # before the lock goes: the uploads read from output.dir
             uploads.wait()
         release_output_dir(Path(config.training_output().dir))
-    push_final(config)  # after the heartbeat stopped: an upload of hours keeps no peer waiting
+    trainer.pushed = push_final(config)  # after the heartbeat stopped: no peer waits for an upload of hours
     return trainer
 
 

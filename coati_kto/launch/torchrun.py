@@ -27,7 +27,7 @@ from types import FrameType
 
 import psutil
 
-from coati_kto.errors import USER_ERROR_EXIT_CODE
+from coati_kto.errors import PUSH_FAILED_EXIT_CODE, USER_ERROR_EXIT_CODE
 from coati_kto.runtime.signals import ABORT_EXIT_CODE, PENDING_STOP_ENV, STOP_EXIT_CODE, STOP_SIGNALS
 
 DEFAULT_RDZV_TIMEOUT_S = 90
@@ -80,6 +80,8 @@ def _failure_lines(err: BaseException) -> tuple[list[str], int]:
     # A user mistake found in the ranks (resume, output.dir in use): they printed its one line and exited 2.
     if USER_ERROR_EXIT_CODE in codes and codes <= {USER_ERROR_EXIT_CODE, -signal.SIGTERM}:
         return [], USER_ERROR_EXIT_CODE
+    if codes == {PUSH_FAILED_EXIT_CODE}:  # rank 0 trained, saved, and printed why its upload failed
+        return [], PUSH_FAILED_EXIT_CODE
     host = socket.gethostname()
     lines = []
     for rank, failure in sorted(failures.items()):

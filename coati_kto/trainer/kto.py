@@ -153,6 +153,9 @@ class KTOTrainer(SLTrainer):
         """Counters, the data position and the writers: what fit advances and a checkpoint records."""
         self.skipped_steps = 0
         self.history: deque[dict[str, float]] = deque(maxlen=HISTORY_LENGTH)  # last logged records, all ranks
+        self.pushed: bool | None = (
+            None  # output.push_to_hub's upload of final/ (set by coati_kto.train.train)
+        )
         self.position = DataPosition(self.accumulation_steps)
         self._last_lr = float("nan")
         self._last_saved_step: int | None = None

@@ -95,3 +95,22 @@ def test_a_second_ctrl_c_that_reaches_a_peer_first_still_aborts_this_rank() -> N
     )
     assert done.returncode == ABORT_EXIT_CODE, done.stderr[-2000:]
     assert done.stderr.strip() == "aborted by a second SIGINT: nothing saved since the last checkpoint"
+
+
+def test_a_failed_upload_on_rank_0_is_its_own_exit_status_with_no_launcher_lines() -> None:
+    """Rank 0 trained, saved and printed why output.push_to_hub's upload failed (exit 3); the launcher adds no
+    "rank 0 failed" line and returns 3, not the 1 of a crashed worker."""
+    from types import SimpleNamespace
+
+    from coati_kto.errors import PUSH_FAILED_EXIT_CODE
+    from coati_kto.launch.torchrun import _failure_lines
+
+    def failed(*codes: int) -> SimpleNamespace:
+        failures = {
+            r: SimpleNamespace(exitcode=c, local_rank=r, signal_name=lambda: "") for r, c in enumerate(codes)
+        }
+        return SimpleNamespace(failures=failures)
+
+    assert _failure_lines(failed(PUSH_FAILED_EXIT_CODE)) == ([], PUSH_FAILED_EXIT_CODE)
+    lines, code = _failure_lines(failed(PUSH_FAILED_EXIT_CODE, 1))  # a worker that crashed is still a crash
+    assert code == 1 and len(lines) == 2
