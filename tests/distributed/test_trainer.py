@@ -37,12 +37,13 @@ STEP_LABELS = [
 
 
 # ------------------------------------------------------------------------------------------- data helpers
-def _row(gen: torch.Generator, label: int) -> dict:
-    """One prepared row: a random prompt, its completion, and the same prompt with another completion (KL)."""
+def _row(gen: torch.Generator, label: int, vocab_hi: int = VOCAB_HI) -> dict:
+    """One prepared row: a random prompt, its completion, and the same prompt with another completion (KL); token
+    ids drawn from [3, ``vocab_hi``)."""
 
     def draw(lo: int, hi: int) -> list[int]:
         n = int(torch.randint(lo, hi, (1,), generator=gen))
-        return torch.randint(3, VOCAB_HI, (n,), generator=gen).tolist()
+        return torch.randint(3, vocab_hi, (n,), generator=gen).tolist()
 
     prompt = draw(3, 7)
     return {
@@ -54,16 +55,18 @@ def _row(gen: torch.Generator, label: int) -> dict:
     }
 
 
-def _batch(seed: int, labels: list[int]) -> dict[str, torch.Tensor]:
+def _batch(seed: int, labels: list[int], vocab_hi: int = VOCAB_HI) -> dict[str, torch.Tensor]:
     from coati_kto.data.collator import KTOCollator
 
     gen = torch.Generator().manual_seed(seed)
-    return KTOCollator(pad_token_id=0)([_row(gen, y) for y in labels])
+    return KTOCollator(pad_token_id=0)([_row(gen, y, vocab_hi) for y in labels])
 
 
-def _global_steps() -> list[list[KTOBatch]]:
+def _global_steps(vocab_hi: int = VOCAB_HI) -> list[list[KTOBatch]]:
+    """Each step's 4 global micro-batches (``STEP_LABELS``), token ids below ``vocab_hi`` (a model's vocabulary)."""
     return [
-        [_batch(100 * s + g, labels) for g, labels in enumerate(step)] for s, step in enumerate(STEP_LABELS)
+        [_batch(100 * s + g, labels, vocab_hi) for g, labels in enumerate(step)]
+        for s, step in enumerate(STEP_LABELS)
     ]
 
 

@@ -4,7 +4,8 @@ At tp_size 1 every family is admitted through one policy that swaps nothing (``u
 as under low_level_zero; tests/distributed/test_family_sweep.py runs every causal-LM type transformers builds).
 ``TENSOR_PARALLEL_FAMILIES`` is the honest list for tp_size > 1: a class is admitted at a tp_size only where
 tests/distributed/test_families.py (the lifecycle: step-0 rewards 0, bit-exact resume, export) and
-tests/distributed/test_tp_equivalence.py (tp_size 2 == tp_size 1) prove it. This module imports neither ColossalAI
+tests/distributed/test_tp_equivalence.py (tp_size 2 == tp_size 1) prove it; tests/distributed/test_layouts_4_families.py
+runs every class admitted at tp_size 2 on tp 2 x dp 2 against tp 1 x dp 4. This module imports neither ColossalAI
 nor transformers' model code, so the config check stays fast; ``policy_for`` imports the policy.
 """
 
