@@ -209,6 +209,18 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "chatml",
         "fused qkv and gate-up projections (split without mixing heads), grouped-query attention",
     ),
+    # Gemma 4 (text): transformers 5.24's defaults shrunk, with every feature a tensor-parallel split must keep.
+    "gemma4": (
+        "chatml",
+        "per-layer inputs, sliding and full layers with their own head_dim and key-value heads, values = keys in "
+        "full layers (attention_k_eq_v), kv-shared layers with a double-wide MLP, soft-capping, tied scaled embeddings",
+    ),
+    # Qwen 3.5 (dense text): Gated DeltaNet linear attention (fused qkv, depthwise conv1d) and gated full attention.
+    "qwen3_5": (
+        "chatml",
+        "linear-attention layers (Gated DeltaNet: fused qkv, conv1d, 2 key heads serving 4 value heads) and gated "
+        "full-attention layers with q/k norms",
+    ),
     # OLMo 3: q/k norms over the whole projection (all heads), sliding and full layers mixed.
     "olmo3": (
         "chatml",
@@ -257,6 +269,40 @@ def _family_shapes(exact: int) -> dict[str, tuple[str, str, dict[str, Any]]]:
             "Olmo3ForCausalLM",
             "Olmo3Config",
             dict(num_hidden_layers=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+        ),
+        "gemma4": (
+            "Gemma4ForCausalLM",
+            "Gemma4TextConfig",
+            dict(
+                num_hidden_layers=4,
+                num_key_value_heads=4,
+                head_dim=8,
+                global_head_dim=16,
+                num_global_key_value_heads=2,
+                attention_k_eq_v=True,
+                num_kv_shared_layers=2,
+                use_double_wide_mlp=True,
+                sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"] * 2,
+                hidden_size_per_layer_input=8,
+                vocab_size_per_layer_input=exact,
+                final_logit_softcapping=30.0,
+                tie_word_embeddings=True,
+            ),
+        ),
+        "qwen3_5": (
+            "Qwen3_5ForCausalLM",
+            "Qwen3_5TextConfig",
+            dict(
+                num_hidden_layers=2,
+                head_dim=8,
+                layer_types=["linear_attention", "full_attention"],
+                linear_num_key_heads=2,
+                linear_num_value_heads=4,
+                linear_key_head_dim=8,
+                linear_value_head_dim=8,
+                tie_word_embeddings=False,
+            ),
         ),
         "gemma3": (
             "Gemma3ForCausalLM",
