@@ -248,28 +248,9 @@ def random_causal_lm(
     return model_class(config_class(**{**shape, **config}))
 
 
-def _family_shapes(exact: int) -> dict[str, tuple[str, str, dict[str, Any]]]:
-    """family -> (transformers model class, config class, its config keys) for ``build_family_model``."""
+def _late_2026_shapes(exact: int) -> dict[str, tuple[str, str, dict[str, Any]]]:
+    """Gemma 4 text and Qwen 3.5 dense text: transformers 5.24's config defaults shrunk, every layer kind kept."""
     return {
-        "llama": ("LlamaForCausalLM", "LlamaConfig", dict(tie_word_embeddings=False)),
-        "mistral": (
-            "MistralForCausalLM",
-            "MistralConfig",
-            dict(vocab_size=-(-exact // 64) * 64, sliding_window=8, head_dim=8, tie_word_embeddings=False),
-        ),
-        "qwen2": (
-            "Qwen2ForCausalLM",
-            "Qwen2Config",
-            dict(tie_word_embeddings=True, use_sliding_window=False),
-        ),
-        "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(tie_word_embeddings=True, head_dim=8)),
-        "gemma": ("GemmaForCausalLM", "GemmaConfig", dict(head_dim=8)),
-        "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(tie_word_embeddings=False)),
-        "olmo3": (
-            "Olmo3ForCausalLM",
-            "Olmo3Config",
-            dict(num_hidden_layers=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
-        ),
         "gemma4": (
             "Gemma4ForCausalLM",
             "Gemma4TextConfig",
@@ -304,6 +285,31 @@ def _family_shapes(exact: int) -> dict[str, tuple[str, str, dict[str, Any]]]:
                 tie_word_embeddings=False,
             ),
         ),
+    }
+
+
+def _family_shapes(exact: int) -> dict[str, tuple[str, str, dict[str, Any]]]:
+    """family -> (transformers model class, config class, its config keys) for ``build_family_model``."""
+    return {
+        "llama": ("LlamaForCausalLM", "LlamaConfig", dict(tie_word_embeddings=False)),
+        "mistral": (
+            "MistralForCausalLM",
+            "MistralConfig",
+            dict(vocab_size=-(-exact // 64) * 64, sliding_window=8, head_dim=8, tie_word_embeddings=False),
+        ),
+        "qwen2": (
+            "Qwen2ForCausalLM",
+            "Qwen2Config",
+            dict(tie_word_embeddings=True, use_sliding_window=False),
+        ),
+        "qwen3": ("Qwen3ForCausalLM", "Qwen3Config", dict(tie_word_embeddings=True, head_dim=8)),
+        "gemma": ("GemmaForCausalLM", "GemmaConfig", dict(head_dim=8)),
+        "phi3": ("Phi3ForCausalLM", "Phi3Config", dict(tie_word_embeddings=False)),
+        "olmo3": (
+            "Olmo3ForCausalLM",
+            "Olmo3Config",
+            dict(num_hidden_layers=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+        ),
         "gemma3": (
             "Gemma3ForCausalLM",
             "Gemma3TextConfig",
@@ -320,6 +326,7 @@ def _family_shapes(exact: int) -> dict[str, tuple[str, str, dict[str, Any]]]:
             "SmolLM3Config",
             dict(num_hidden_layers=2, no_rope_layers=[1, 0], tie_word_embeddings=True),
         ),
+        **_late_2026_shapes(exact),
     }
 
 

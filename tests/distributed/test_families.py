@@ -55,6 +55,8 @@ FAMILY_PLUGINS: dict[str, list[str]] = {
     "smollm3": ALL,
     "phi3": ALL,
     "olmo3": ALL,
+    "gemma4": ALL,
+    "qwen3_5": ALL,
     # hybrid at tp_size 1 through the one policy that swaps nothing (every family: tests/distributed/family_sweep.py)
     "gemma3_vl": ["ddp fp32", "low_level_zero zero2 bf16", "hybrid zero2 bf16"],
 }
@@ -301,13 +303,17 @@ def test_tp2_reference_is_sharded(matrices: Any, family: str) -> None:
         full[0]["step0"]["reference_bytes_by_name"],
     )
     assert tp_names.keys() == full_names.keys()
-    linear = [n for n in full_names if n.endswith("proj.weight")]
+    linear = [n for n in full_names if n.endswith(("proj.weight", "proj_qkv.weight", "proj_z.weight"))]
+    linear += [n for n in full_names if n.endswith(("proj_a.weight", "proj_b.weight", "conv1d.weight"))]
     tp_linear, full_linear = sum(tp_names[n] for n in linear), sum(full_names[n] for n in linear)
-    per_layer = 4 if family == "phi3" else 7  # Phi-3: fused qkv_proj and gate_up_proj
-    assert len(linear) == per_layer * family_runs["config"].num_hidden_layers and 2 * tp_linear == full_linear
+    layers = family_runs["config"].num_hidden_layers
+    # Phi-3: fused qkv_proj and gate_up_proj; Gemma 4: layer 1's values are its keys, layers 2-3 share k/v;
+    # Qwen 3.5: a Gated DeltaNet layer (qkv, z, a, b, conv1d, out) and a full-attention layer.
+    expected = {"phi3": 4 * layers, "gemma4": 7 + 6 + 5 + 5, "qwen3_5": 9 + 7}.get(family, 7 * layers)
+    assert len(linear) == expected and 2 * tp_linear == full_linear
     vocab = -(-family_runs["config"].vocab_size // 128) * 128
     hidden = family_runs["config"].hidden_size
-    for name in [n for n in full_names if "embed_tokens" in n or "lm_head" in n]:
+    for name in [n for n in full_names if n.endswith(("embed_tokens.weight", "lm_head.weight"))]:
         assert tp_names[name] == vocab // 2 * hidden * 2, name  # bf16: 2 bytes
     print(
         f"{family_runs['family']}: reference bytes per rank, tp_size 1 {full_bytes}, tp_size 2 {tp_bytes} "

@@ -39,7 +39,9 @@ LR = 0.1
 # three steps. At lr 0.01 tp_size 2 stays within that rounding floor.
 FAMILY_LR = {"gemma4": 0.01}
 EXPORT_TOLERANCE = {"gemma4": 5e-5}
-GRAD_TOLERANCE = {"gemma4": 5e-5}  # relative to the gradients' scale (measured 1.1e-5 at step 3; 1e-5 elsewhere)
+GRAD_TOLERANCE = {
+    "gemma4": 5e-5
+}  # relative to the gradients' scale (measured 1.1e-5 at step 3; 1e-5 elsewhere)
 NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 # The parameters whose gradients are compared at every step: those that act on a rank's own heads.
 PER_HEAD = {
@@ -116,9 +118,7 @@ def _expected_shard(
     fused_column = {**policy.fused_column}
     if "linear_attn.in_proj_qkv" in fused_column:  # Qwen 3.5's conv1d channels are in_proj_qkv's outputs
         fused_column["linear_attn.conv1d"] = fused_column["linear_attn.in_proj_qkv"]
-    fused = next(
-        (sizes for suffix, sizes in fused_column.items() if name.endswith(f"{suffix}.weight")), None
-    )
+    fused = next((sizes for suffix, sizes in fused_column.items() if name.endswith(f"{suffix}.weight")), None)
     if fused is not None:
         return split_fused_qkv_in_gpt2_style(full, fused(config), None)
     dim = next(d for d in range(full.dim()) if full.shape[d] != shard.shape[d])

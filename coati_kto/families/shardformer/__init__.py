@@ -24,7 +24,7 @@ TENSOR_PARALLEL_FAMILIES: dict[str, tuple[str, str, tuple[int, ...]]] = {
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLMPolicy", (2,)),
     "Olmo3ForCausalLM": ("olmo3", "Olmo3ForCausalLMPolicy", (2,)),
     "Gemma4ForCausalLM": ("gemma4", "Gemma4ForCausalLMPolicy", (2,)),
-    "Qwen3_5ForCausalLM": ("qwen3_5", "Qwen3_5ForCausalLMPolicy", (2,)),
+    "Qwen3_5ForCausalLM": ("qwen3_5", "Qwen35ForCausalLMPolicy", (2,)),
 }
 
 # Classes whose tensor-parallel policy splits fused projections part by part (Phi-3's qkv_proj, gate_up_proj;

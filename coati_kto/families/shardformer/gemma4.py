@@ -33,7 +33,10 @@ from coati_kto.families.shardformer.gemma3 import ScaledVocabParallelEmbedding1D
 
 def gemma4_split_counts(config: Any) -> dict[str, int]:
     """Every head count and MLP width a tensor-parallel split of ``config`` (a Gemma4TextConfig) divides."""
-    counts = {"num_attention_heads": config.num_attention_heads, "intermediate_size": config.intermediate_size}
+    counts = {
+        "num_attention_heads": config.num_attention_heads,
+        "intermediate_size": config.intermediate_size,
+    }
     for layer in range(config.num_hidden_layers):  # per layer type (full layers: num_global_key_value_heads)
         counts[f"layer {layer}'s num_key_value_heads"] = config.per_layer_config[layer].num_key_value_heads
     return counts
@@ -49,8 +52,12 @@ class Gemma4ForCausalLMPolicy(DecoderPolicy):
     column_parallel = COLUMN_PARALLEL
 
     def module_policy(self) -> dict[Any, Any]:
-        if self.shard_config.enable_tensor_parallelism and getattr(self.model.config, "enable_moe_block", False):
-            raise ValueError("Gemma 4 with enable_moe_block (26B-A4B) has no tensor-parallel policy: tp_size 1")
+        if self.shard_config.enable_tensor_parallelism and getattr(
+            self.model.config, "enable_moe_block", False
+        ):
+            raise ValueError(
+                "Gemma 4 with enable_moe_block (26B-A4B) has no tensor-parallel policy: tp_size 1"
+            )
         return super().module_policy()
 
     def split_counts(self, model_config: Any) -> dict[str, int]:

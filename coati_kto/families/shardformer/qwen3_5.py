@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from colossalai.shardformer.layer.parallel_module import ParallelModule
 from colossalai.shardformer.layer.qkv_fused_linear import (
     gather_fused_qkv_in_gpt2_style,
@@ -88,7 +87,9 @@ class FusedChannelConv1D(ParallelModule):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         kernel = self.weight.shape[-1]
-        return F.conv1d(hidden_states, self.weight, self.bias, padding=kernel - 1, groups=self.weight.shape[0])
+        return torch.nn.functional.conv1d(
+            hidden_states, self.weight, self.bias, padding=kernel - 1, groups=self.weight.shape[0]
+        )
 
 
 class GatedDeltaNetHeads(Qwen3_5GatedDeltaNet):
@@ -118,7 +119,7 @@ LINEAR_COLUMN = ("linear_attn.in_proj_z", "linear_attn.in_proj_b", "linear_attn.
 FULL_ATTENTION = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 
 
-class Qwen3_5ForCausalLMPolicy(DecoderPolicy):
+class Qwen35ForCausalLMPolicy(DecoderPolicy):
     causal_lm = Qwen3_5ForCausalLM
     base_model = Qwen3_5TextModel
     decoder_layer = Qwen3_5DecoderLayer
@@ -129,7 +130,12 @@ class Qwen3_5ForCausalLMPolicy(DecoderPolicy):
     optional = FULL_ATTENTION + LINEAR_COLUMN + ("linear_attn.out_proj", "linear_attn.in_proj_qkv")
 
     def split_counts(self, model_config: Any) -> dict[str, int]:
-        names = ("num_attention_heads", "num_key_value_heads", "linear_num_key_heads", "linear_num_value_heads")
+        names = (
+            "num_attention_heads",
+            "num_key_value_heads",
+            "linear_num_key_heads",
+            "linear_num_value_heads",
+        )
         return {name: getattr(model_config, name) for name in names + ("intermediate_size",)}
 
     def module_policy(self) -> dict[Any, Any]:
