@@ -221,6 +221,12 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "linear-attention layers (Gated DeltaNet: fused qkv, conv1d, 2 key heads serving 4 value heads) and gated "
         "full-attention layers with q/k norms",
     ),
+    # The hub checkpoints' classes (Gemma4ForConditionalGeneration, Qwen3_5ForConditionalGeneration) around them.
+    "gemma4_vl": ("chatml", "the gemma4 text model in Gemma4ForConditionalGeneration (no tower by default)"),
+    "qwen3_5_vl": (
+        "chatml",
+        "the qwen3_5 text model behind Qwen 3.5's vision tower (Qwen3_5ForConditionalGeneration)",
+    ),
     # OLMo 3: q/k norms over the whole projection (all heads), sliding and full layers mixed.
     "olmo3": (
         "chatml",
@@ -337,6 +343,8 @@ def build_family_model(family: str, tokenizer: PreTrainedTokenizerFast, seed: in
     exact = len(tokenizer)  # odd for the corpus used in tests: padded under HybridParallelPlugin
     if family == "gemma3_vl":
         return _vision_language_gemma3(build_family_model("gemma3", tokenizer, seed).config, exact, seed)
+    if family in ("gemma4_vl", "qwen3_5_vl"):
+        return _vision_language(family[: -len("_vl")], tokenizer, seed)
     common = dict(
         vocab_size=exact,
         num_hidden_layers=1,
@@ -355,6 +363,18 @@ def build_family_model(family: str, tokenizer: PreTrainedTokenizerFast, seed: in
         seed,
         **{**common, **specific},
     )
+
+
+def _vision_language(family: str, tokenizer: PreTrainedTokenizerFast, seed: int) -> PreTrainedModel:
+    """``family``'s hub class (Gemma 4, Qwen 3.5: ``...ForConditionalGeneration``) around ``family``'s tiny text
+    config, its towers as transformers 5.24's default config shrunk (``tiny_types.tiny_config``)."""
+    from coati_kto.families import auto_model_class
+    from coati_kto.testing.tiny_types import tiny_config
+
+    config = tiny_config(family, tokenizer)
+    config.text_config = build_family_model(family, tokenizer, seed).config
+    torch.manual_seed(seed)
+    return auto_model_class(config).from_config(config)
 
 
 def _vision_language_gemma3(text: Any, vocab: int, seed: int) -> PreTrainedModel:

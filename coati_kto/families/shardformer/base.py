@@ -102,7 +102,7 @@ class DecoderPolicy(Policy):
         config = self.shard_config
         if not config.enable_tensor_parallelism:
             return {}
-        model_config = self.model.config
+        model_config = self.model.config.get_text_config()  # a vision-language model's text model is split
         tp = config.tensor_parallel_size
         uneven = {k: v for k, v in self.split_counts(model_config).items() if v % tp}
         if uneven:

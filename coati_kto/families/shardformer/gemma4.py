@@ -23,6 +23,7 @@ from typing import Any
 
 from transformers.models.gemma4.modeling_gemma4 import (
     Gemma4ForCausalLM,
+    Gemma4ForConditionalGeneration,
     Gemma4TextDecoderLayer,
     Gemma4TextModel,
 )
@@ -62,3 +63,10 @@ class Gemma4ForCausalLMPolicy(DecoderPolicy):
 
     def split_counts(self, model_config: Any) -> dict[str, int]:
         return gemma4_split_counts(model_config)
+
+
+class Gemma4ForConditionalGenerationPolicy(Gemma4ForCausalLMPolicy):
+    """The hub checkpoints' class: its language model split as above, lm_head at the top; the vision (and
+    audio) towers replicated (frozen: the text passes never reach them)."""
+
+    causal_lm = Gemma4ForConditionalGeneration

@@ -36,6 +36,7 @@ from torch import nn
 from transformers.models.qwen3_5.modeling_qwen3_5 import (
     Qwen3_5DecoderLayer,
     Qwen3_5ForCausalLM,
+    Qwen3_5ForConditionalGeneration,
     Qwen3_5GatedDeltaNet,
     Qwen3_5TextModel,
 )
@@ -145,9 +146,16 @@ class Qwen35ForCausalLMPolicy(DecoderPolicy):
                 SubModuleReplacementDescription(
                     "linear_attn.conv1d",
                     FusedChannelConv1D,
-                    kwargs={"split_sizes": qkv_sizes(self.model.config)},
+                    kwargs={"split_sizes": qkv_sizes(self.model.config.get_text_config())},
                     ignore_if_not_exist=True,
                 ),
                 SubModuleReplacementDescription("linear_attn", GatedDeltaNetHeads, ignore_if_not_exist=True),
             ]
         return policy
+
+
+class Qwen35ForConditionalGenerationPolicy(Qwen35ForCausalLMPolicy):
+    """The hub checkpoints' class: its language model split as above, lm_head at the top; the vision tower
+    replicated (frozen: the text passes never reach it)."""
+
+    causal_lm = Qwen3_5ForConditionalGeneration
