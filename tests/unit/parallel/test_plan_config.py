@@ -215,3 +215,6 @@ def test_fused_projections_resume_at_their_tp_size_only() -> None:
     assert tp_change_refusal("Phi3ForCausalLM", 2, 2) is None
     assert tp_change_refusal("Phi3ForCausalLM", None, 2) is None  # a checkpoint from before meta had tp_size
     assert tp_change_refusal("LlamaForCausalLM", 2, 1) is None  # contiguous splits re-shard exactly
+    # Qwen 3.5's linear-attention in_proj_qkv and conv1d are split part by part too (text and hub classes)
+    assert tp_change_refusal("Qwen3_5ForCausalLM", 2, 1) is not None
+    assert tp_change_refusal("Qwen3_5ForConditionalGeneration", 2, 1) is not None
