@@ -17,6 +17,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
+from coati_kto.testing.tiny_types import late_2026_shapes
+
 # ChatML, the template of the seeds' data; add_generation_prompt opens the assistant turn.
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -254,46 +256,6 @@ def random_causal_lm(
     return model_class(config_class(**{**shape, **config}))
 
 
-def _late_2026_shapes(exact: int) -> dict[str, tuple[str, str, dict[str, Any]]]:
-    """Gemma 4 text and Qwen 3.5 dense text: transformers 5.24's config defaults shrunk, every layer kind kept."""
-    return {
-        "gemma4": (
-            "Gemma4ForCausalLM",
-            "Gemma4TextConfig",
-            dict(
-                num_hidden_layers=4,
-                num_key_value_heads=4,
-                head_dim=8,
-                global_head_dim=16,
-                num_global_key_value_heads=2,
-                attention_k_eq_v=True,
-                num_kv_shared_layers=2,
-                use_double_wide_mlp=True,
-                sliding_window=8,
-                layer_types=["sliding_attention", "full_attention"] * 2,
-                hidden_size_per_layer_input=8,
-                vocab_size_per_layer_input=exact,
-                final_logit_softcapping=30.0,
-                tie_word_embeddings=True,
-            ),
-        ),
-        "qwen3_5": (
-            "Qwen3_5ForCausalLM",
-            "Qwen3_5TextConfig",
-            dict(
-                num_hidden_layers=2,
-                head_dim=8,
-                layer_types=["linear_attention", "full_attention"],
-                linear_num_key_heads=2,
-                linear_num_value_heads=4,
-                linear_key_head_dim=8,
-                linear_value_head_dim=8,
-                tie_word_embeddings=False,
-            ),
-        ),
-    }
-
-
 def _family_shapes(exact: int) -> dict[str, tuple[str, str, dict[str, Any]]]:
     """family -> (transformers model class, config class, its config keys) for ``build_family_model``."""
     return {
@@ -332,7 +294,7 @@ def _family_shapes(exact: int) -> dict[str, tuple[str, str, dict[str, Any]]]:
             "SmolLM3Config",
             dict(num_hidden_layers=2, no_rope_layers=[1, 0], tie_word_embeddings=True),
         ),
-        **_late_2026_shapes(exact),
+        **late_2026_shapes(exact),
     }
 
 
