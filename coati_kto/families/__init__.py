@@ -116,6 +116,17 @@ def check_model_family(plugin: str, model_dir: str, key: str, tp_size: int = 1) 
         raise ConfigError(f"{key} {model_dir}: {why}")
 
 
+# Head counts a tensor-parallel split divides (Gemma 4's full layers: num_global_key_value_heads when values are
+# keys; Qwen 3.5's linear-attention layers: linear_num_*_heads).
+SPLIT_HEADS = (
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_global_key_value_heads",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+)
+
+
 def tensor_parallel_shape_refusal(raw: dict[str, Any], tp_size: int) -> str | None:
     """Why a model of config.json ``raw`` cannot be split over ``tp_size`` tensor-parallel ranks (None when it
     can): each rank must hold whole query heads and whole key-value heads (the project's policies split q/k/v
@@ -124,14 +135,20 @@ def tensor_parallel_shape_refusal(raw: dict[str, Any], tp_size: int) -> str | No
     if tp_size <= 1:
         return None
     text = {**raw, **(raw.get("text_config") or {})}
-    heads = text.get("num_attention_heads")
-    kv_heads = text.get("num_key_value_heads") or heads
-    if not isinstance(heads, int) or not isinstance(kv_heads, int):
-        return None
-    if heads % tp_size or kv_heads % tp_size:
+    if text.get("enable_moe_block"):  # Gemma 4 26B-A4B: its experts have no tensor-parallel split
+        return "Gemma 4 with enable_moe_block has no tensor-parallel policy: use plugin.tp_size 1"
+    counts = {name: text.get(name) for name in SPLIT_HEADS}
+    counts["num_key_value_heads"] = counts["num_key_value_heads"] or counts["num_attention_heads"]
+    if not text.get("attention_k_eq_v"):  # Gemma 4 reads num_global_key_value_heads only then
+        counts.pop("num_global_key_value_heads")
+    for layer, overrides in (text.get("per_layer_config") or {}).items():  # Gemma 4's full layers
+        counts[f"layer {layer}'s num_key_value_heads"] = (overrides or {}).get("num_key_value_heads")
+    counts = {k: v for k, v in counts.items() if isinstance(v, int)}
+    if any(v % tp_size for v in counts.values()):
+        named = " and ".join(f"{k} {v}" for k, v in counts.items() if v % tp_size or k in SPLIT_HEADS[:2])
         return (
-            f"plugin.tp_size {tp_size} must divide num_attention_heads {heads} and num_key_value_heads "
-            f"{kv_heads} (each tensor-parallel rank holds whole heads): use plugin.tp_size 1, or low_level_zero"
+            f"plugin.tp_size {tp_size} must divide {named} (each tensor-parallel rank holds whole heads): use "
+            "plugin.tp_size 1, or low_level_zero"
         )
     return None
 

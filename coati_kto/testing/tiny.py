@@ -17,6 +17,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
+from coati_kto.testing.tiny_types import late_2026_shapes
+
 # ChatML, the template of the seeds' data; add_generation_prompt opens the assistant turn.
 CHATML_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -209,6 +211,24 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "chatml",
         "fused qkv and gate-up projections (split without mixing heads), grouped-query attention",
     ),
+    # Gemma 4 (text): transformers 5.24's defaults shrunk, with every feature a tensor-parallel split must keep.
+    "gemma4": (
+        "chatml",
+        "per-layer inputs, sliding and full layers with their own head_dim and key-value heads, values = keys in "
+        "full layers (attention_k_eq_v), kv-shared layers with a double-wide MLP, soft-capping, tied scaled embeddings",
+    ),
+    # Qwen 3.5 (dense text): Gated DeltaNet linear attention (fused qkv, depthwise conv1d) and gated full attention.
+    "qwen3_5": (
+        "chatml",
+        "linear-attention layers (Gated DeltaNet: fused qkv, conv1d, 2 key heads serving 4 value heads) and gated "
+        "full-attention layers with q/k norms",
+    ),
+    # The hub checkpoints' classes (Gemma4ForConditionalGeneration, Qwen3_5ForConditionalGeneration) around them.
+    "gemma4_vl": ("chatml", "the gemma4 text model in Gemma4ForConditionalGeneration (no tower by default)"),
+    "qwen3_5_vl": (
+        "chatml",
+        "the qwen3_5 text model behind Qwen 3.5's vision tower (Qwen3_5ForConditionalGeneration)",
+    ),
     # OLMo 3: q/k norms over the whole projection (all heads), sliding and full layers mixed.
     "olmo3": (
         "chatml",
@@ -274,6 +294,7 @@ def _family_shapes(exact: int) -> dict[str, tuple[str, str, dict[str, Any]]]:
             "SmolLM3Config",
             dict(num_hidden_layers=2, no_rope_layers=[1, 0], tie_word_embeddings=True),
         ),
+        **late_2026_shapes(exact),
     }
 
 
@@ -284,6 +305,8 @@ def build_family_model(family: str, tokenizer: PreTrainedTokenizerFast, seed: in
     exact = len(tokenizer)  # odd for the corpus used in tests: padded under HybridParallelPlugin
     if family == "gemma3_vl":
         return _vision_language_gemma3(build_family_model("gemma3", tokenizer, seed).config, exact, seed)
+    if family in ("gemma4_vl", "qwen3_5_vl"):
+        return _vision_language(family[: -len("_vl")], tokenizer, seed)
     common = dict(
         vocab_size=exact,
         num_hidden_layers=1,
@@ -302,6 +325,18 @@ def build_family_model(family: str, tokenizer: PreTrainedTokenizerFast, seed: in
         seed,
         **{**common, **specific},
     )
+
+
+def _vision_language(family: str, tokenizer: PreTrainedTokenizerFast, seed: int) -> PreTrainedModel:
+    """``family``'s hub class (Gemma 4, Qwen 3.5: ``...ForConditionalGeneration``) around ``family``'s tiny text
+    config, its towers as transformers 5.24's default config shrunk (``tiny_types.tiny_config``)."""
+    from coati_kto.families import auto_model_class
+    from coati_kto.testing.tiny_types import tiny_config
+
+    config = tiny_config(family, tokenizer)
+    config.text_config = build_family_model(family, tokenizer, seed).config
+    torch.manual_seed(seed)
+    return auto_model_class(config).from_config(config)
 
 
 def _vision_language_gemma3(text: Any, vocab: int, seed: int) -> PreTrainedModel:

@@ -153,3 +153,45 @@ def save_tiny_type(model_type: str, out_dir: str | Path, tokenizer: Any, seed: i
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+def late_2026_shapes(exact: int) -> dict[str, tuple[str, str, dict[str, Any]]]:
+    """``coati_kto.testing.tiny``'s Gemma 4 text and Qwen 3.5 dense text families: (model class, config class, keys)
+    over transformers 5.24's config defaults, shrunk, with every layer kind and feature a tensor-parallel split
+    must keep; ``exact`` is the tokenizer's vocabulary."""
+    return {
+        "gemma4": (
+            "Gemma4ForCausalLM",
+            "Gemma4TextConfig",
+            dict(
+                num_hidden_layers=4,
+                num_key_value_heads=4,
+                head_dim=8,
+                global_head_dim=16,
+                num_global_key_value_heads=2,
+                attention_k_eq_v=True,
+                num_kv_shared_layers=2,
+                use_double_wide_mlp=True,
+                sliding_window=8,
+                layer_types=["sliding_attention", "full_attention"] * 2,
+                hidden_size_per_layer_input=8,
+                vocab_size_per_layer_input=exact,
+                final_logit_softcapping=30.0,
+                tie_word_embeddings=True,
+            ),
+        ),
+        "qwen3_5": (
+            "Qwen3_5ForCausalLM",
+            "Qwen3_5TextConfig",
+            dict(
+                num_hidden_layers=2,
+                head_dim=8,
+                layer_types=["linear_attention", "full_attention"],
+                linear_num_key_heads=2,
+                linear_num_value_heads=4,
+                linear_key_head_dim=8,
+                linear_value_head_dim=8,
+                tie_word_embeddings=False,
+            ),
+        ),
+    }

@@ -6,7 +6,10 @@ attention), Mistral ([INST] template, sliding-window attention, GQA), Qwen2 (Cha
 bias, GQA, vocabulary 300), Qwen3 (per-head q/k norms), Gemma 3 (scaled tied embeddings, sliding and full layers
 mixed, soft-capping; its embed_scale kept under tensor parallelism), SmolLM3 (transformers 5 only, layers without RoPE;
 Llama's module names: every plugin), Gemma 3 vision-language (Gemma3ForConditionalGeneration, Gemma 3 4B-27B's shape: ddp and
-low_level_zero and hybrid tp_size 1; its vision tower frozen and exported as loaded). ``FAMILY_PLUGINS`` is the
+low_level_zero and hybrid tp_size 1; its vision tower frozen and exported as loaded), Phi-3, OLMo 3, Gemma 4 text (per-layer
+inputs, per-layer-type head dims and key-value heads, values = keys, kv-shared layers, soft-capping), Qwen 3.5 text
+(Gated DeltaNet and gated full attention), and the hub classes of those two (``...ForConditionalGeneration``: hybrid
+ZeRO-2 and tp_size 2). ``FAMILY_PLUGINS`` is the
 matrix; its tp_size 2 cells are what coati_kto.families.shardformer.TENSOR_PARALLEL_FAMILIES admits. Plugins: ddp fp32, low_level_zero ZeRO-2 bf16, hybrid_parallel ZeRO-0 fp32, hybrid_parallel ZeRO-2 bf16 and
 hybrid_parallel tp_size 2 (bf16, ZeRO-0: with 2 processes the data-parallel size is 1).
 
@@ -55,8 +58,13 @@ FAMILY_PLUGINS: dict[str, list[str]] = {
     "smollm3": ALL,
     "phi3": ALL,
     "olmo3": ALL,
+    "gemma4": ALL,
+    "qwen3_5": ALL,
     # hybrid at tp_size 1 through the one policy that swaps nothing (every family: tests/distributed/family_sweep.py)
     "gemma3_vl": ["ddp fp32", "low_level_zero zero2 bf16", "hybrid zero2 bf16"],
+    # the hub checkpoints' classes of Gemma 4 and Qwen 3.5 (their text models split under tp_size 2)
+    "gemma4_vl": ["hybrid zero2 bf16", "hybrid tp2 bf16"],
+    "qwen3_5_vl": ["hybrid zero2 bf16", "hybrid tp2 bf16"],
 }
 CELLS = [(family, plugin) for family, plugins in FAMILY_PLUGINS.items() for plugin in plugins]
 ANSWERS = [
@@ -131,11 +139,12 @@ def _step_zero(config: Any, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
 def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
     from colossalai.accelerator import get_accelerator
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
     from coati_kto.config.schema import Config
     from coati_kto.data.collator import KTOCollator
     from coati_kto.data.prepared import load_prepared
+    from coati_kto.families import auto_model_class
     from coati_kto.parallel.distributed import barrier
     from coati_kto.train import train
 
@@ -170,16 +179,18 @@ def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, 
 
     if dist.get_rank() == 0:
         dtype = second.plan.dtype
-        hf = AutoModelForCausalLM.from_pretrained(root / "run" / "final", dtype=dtype).to(
-            batch.example.input_ids.device
-        )
+        # the class training loads (a vision-language checkpoint: whole, through AutoModelForImageTextToText)
+        auto = auto_model_class(AutoConfig.from_pretrained(model_dir))
+        hf = auto.from_pretrained(root / "run" / "final", dtype=dtype).to(batch.example.input_ids.device)
         with torch.no_grad():
             export_logps = first.passes._sequence_logps(hf, batch.example)
-        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).state_dict()
+        base = auto.from_pretrained(model_dir, dtype=dtype).state_dict()
         result["export"] = {
             "vocab_size": hf.config.get_text_config().vocab_size,
             # a vision-language model's tower and projector: frozen, exported as loaded
-            "vision_diffs": {k: _max_diff(v, base[k]) for k, v in hf.state_dict().items() if "vision" in k},
+            "vision_diffs": {
+                k: _max_diff(v, base[k]) for k, v in hf.state_dict().items() if "vision" in k or "visual" in k
+            },
             "embedding_rows": hf.get_input_embeddings().weight.shape[0],
             "tied": hf.get_output_embeddings().weight is hf.get_input_embeddings().weight,
             "weight_diffs": {k: _max_diff(v, trained[k]) for k, v in hf.state_dict().items() if k in trained},
@@ -270,7 +281,7 @@ def check_lifecycle(family_runs: dict[str, Any], family: str, plugin: str) -> No
     assert export["vocab_size"] == config.vocab_size == export["embedding_rows"]
     assert export["tied"] == config.tie_word_embeddings
     assert export["missing"] == [] and max(export["weight_diffs"].values()) == 0.0
-    assert (family == "gemma3_vl") == bool(export["vision_diffs"])
+    assert (family in ("gemma3_vl", "qwen3_5_vl")) == bool(export["vision_diffs"])  # tiny Gemma 4: no tower
     assert all(d == 0.0 for d in export["vision_diffs"].values()), export["vision_diffs"]
     assert export["inv_freq_dtypes"] == main["policy_inv_freq_dtypes"]
     bf16 = PLUGINS[plugin].get("precision", "fp32") == "bf16"
@@ -301,13 +312,20 @@ def test_tp2_reference_is_sharded(matrices: Any, family: str) -> None:
         full[0]["step0"]["reference_bytes_by_name"],
     )
     assert tp_names.keys() == full_names.keys()
-    linear = [n for n in full_names if n.endswith("proj.weight")]
+    text = [n for n in full_names if "visual" not in n]  # the vision tower stays whole
+    linear = [n for n in text if n.endswith(("proj.weight", "proj_qkv.weight", "proj_z.weight"))]
+    linear += [n for n in text if n.endswith(("proj_a.weight", "proj_b.weight", "conv1d.weight"))]
     tp_linear, full_linear = sum(tp_names[n] for n in linear), sum(full_names[n] for n in linear)
-    per_layer = 4 if family == "phi3" else 7  # Phi-3: fused qkv_proj and gate_up_proj
-    assert len(linear) == per_layer * family_runs["config"].num_hidden_layers and 2 * tp_linear == full_linear
-    vocab = -(-family_runs["config"].vocab_size // 128) * 128
-    hidden = family_runs["config"].hidden_size
-    for name in [n for n in full_names if "embed_tokens" in n or "lm_head" in n]:
+    text_config = family_runs["config"].get_text_config()
+    layers = text_config.num_hidden_layers
+    # Phi-3: fused qkv_proj and gate_up_proj; Gemma 4: layer 1's values are its keys, layers 2-3 share k/v;
+    # Qwen 3.5: a Gated DeltaNet layer (qkv, z, a, b, conv1d, out) and a full-attention layer.
+    expected = {"phi3": 4 * layers, "gemma4": 7 + 6 + 5 + 5, "qwen3_5": 9 + 7}
+    expected = expected.get(family.removesuffix("_vl"), 7 * layers)
+    assert len(linear) == expected and 2 * tp_linear == full_linear
+    vocab = -(-text_config.vocab_size // 128) * 128
+    hidden = text_config.hidden_size
+    for name in [n for n in full_names if n.endswith(("embed_tokens.weight", "lm_head.weight"))]:
         assert tp_names[name] == vocab // 2 * hidden * 2, name  # bf16: 2 bytes
     print(
         f"{family_runs['family']}: reference bytes per rank, tp_size 1 {full_bytes}, tp_size 2 {tp_bytes} "

@@ -24,12 +24,17 @@ TENSOR_PARALLEL_FAMILIES: dict[str, tuple[str, str, tuple[int, ...]]] = {
     "SmolLM3ForCausalLM": ("smollm3", "SmolLM3ForCausalLMPolicy", (2,)),
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLMPolicy", (2,)),
     "Olmo3ForCausalLM": ("olmo3", "Olmo3ForCausalLMPolicy", (2,)),
+    "Gemma4ForCausalLM": ("gemma4", "Gemma4ForCausalLMPolicy", (2,)),
+    "Qwen3_5ForCausalLM": ("qwen3_5", "Qwen35ForCausalLMPolicy", (2,)),
+    "Gemma4ForConditionalGeneration": ("gemma4", "Gemma4ForConditionalGenerationPolicy", (2,)),
+    "Qwen3_5ForConditionalGeneration": ("qwen3_5", "Qwen35ForConditionalGenerationPolicy", (2,)),
 }
 
-# Classes whose tensor-parallel policy splits fused projections part by part (Phi-3's qkv_proj, gate_up_proj):
+# Classes whose tensor-parallel policy splits fused projections part by part (Phi-3's qkv_proj, gate_up_proj;
+# Qwen 3.5's linear-attention in_proj_qkv and conv1d):
 # ColossalAI 0.5.0's checkpoint gathers their optimizer moments rank after rank ([q0 k0 v0 | q1 k1 v1]), not in
 # transformers' order, so the moments only fit the tp_size they were saved at.
-FUSED_PROJECTIONS = frozenset({"Phi3ForCausalLM"})
+FUSED_PROJECTIONS = frozenset({"Phi3ForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration"})
 
 
 def tp_change_refusal(architecture: str, saved_tp: int | None, tp_size: int) -> str | None:

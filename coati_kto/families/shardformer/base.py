@@ -84,6 +84,9 @@ class DecoderPolicy(Policy):
     column_parallel: tuple[str, ...] = COLUMN_PARALLEL
     row_parallel: tuple[str, ...] = ROW_PARALLEL
     fused_column: dict[str, Any] = {}
+    # Suffixes some layers lack (Gemma 4's v_proj under attention_k_eq_v, k/v in kv-shared layers; Qwen 3.5's
+    # self_attn in linear-attention layers): replaced where present.
+    optional: tuple[str, ...] = ()
 
     def config_sanity_check(self) -> None:
         config = self.shard_config
@@ -99,21 +102,17 @@ class DecoderPolicy(Policy):
         config = self.shard_config
         if not config.enable_tensor_parallelism:
             return {}
-        model_config = self.model.config
+        model_config = self.model.config.get_text_config()  # a vision-language model's text model is split
         tp = config.tensor_parallel_size
-        heads, kv_heads = model_config.num_attention_heads, model_config.num_key_value_heads
-        if heads % tp or kv_heads % tp:
+        uneven = {k: v for k, v in self.split_counts(model_config).items() if v % tp}
+        if uneven:
             # One line for the user: the split must keep whole heads (and whole key-value groups) per rank.
-            raise ValueError(
-                f"tp_size {tp} must divide num_attention_heads {heads} and num_key_value_heads {kv_heads}"
-            )
+            raise ValueError(f"tp_size {tp} must divide {', '.join(f'{k} {v}' for k, v in uneven.items())}")
         fp8 = {"fp8_communication": config.fp8_communication}
-        layers = [SubModuleReplacementDescription(s, Linear1D_Col, kwargs=fp8) for s in self.column_parallel]
-        layers += [SubModuleReplacementDescription(s, Linear1D_Row, kwargs=fp8) for s in self.row_parallel]
+        layers = [self._replace(s, Linear1D_Col, fp8) for s in self.column_parallel]
+        layers += [self._replace(s, Linear1D_Row, fp8) for s in self.row_parallel]
         layers += [
-            SubModuleReplacementDescription(
-                s, FusedLinear1D_Col, kwargs={"split_sizes": sizes(model_config), **fp8}
-            )
+            self._replace(s, FusedLinear1D_Col, {"split_sizes": sizes(model_config), **fp8})
             for s, sizes in self.fused_column.items()
         ]
         vocab = {"make_vocab_size_divisible_by": config.make_vocab_size_divisible_by, **fp8}
@@ -134,6 +133,18 @@ class DecoderPolicy(Policy):
                 ]
             ),
         }
+
+    def split_counts(self, model_config: Any) -> dict[str, int]:
+        """The counts tensor parallelism splits (heads, widths): each must divide by tp_size."""
+        return {
+            "num_attention_heads": model_config.num_attention_heads,
+            "num_key_value_heads": model_config.num_key_value_heads,
+        }
+
+    def _replace(self, suffix: str, layer: type, kwargs: dict[str, Any]) -> SubModuleReplacementDescription:
+        return SubModuleReplacementDescription(
+            suffix, layer, kwargs=kwargs, ignore_if_not_exist=suffix in self.optional
+        )
 
     def postprocess(self) -> nn.Module:
         config = self.shard_config

@@ -184,6 +184,27 @@ def test_tp_size_must_split_whole_heads(tmp_path: Path) -> None:
     assert load("plugin.name=low_level_zero", "plugin.zero_stage=2").plugin.name == "low_level_zero"
 
 
+def test_tp_size_must_split_every_head_count_gemma4_and_qwen3_5_have() -> None:
+    """Gemma 4's full layers (their own key-value heads when values are keys), its MoE variant, and Qwen 3.5's
+    linear-attention heads are checked from config.json at load, in one line each."""
+    from coati_kto.families import tensor_parallel_shape_refusal
+
+    gemma4 = {"num_attention_heads": 8, "num_key_value_heads": 4, "attention_k_eq_v": True}
+    assert tensor_parallel_shape_refusal({**gemma4, "num_global_key_value_heads": 2}, 2) is None
+    why = tensor_parallel_shape_refusal({"text_config": {**gemma4, "num_global_key_value_heads": 1}}, 2)
+    assert why is not None and "num_global_key_value_heads 1" in why and "\n" not in why
+    # transformers 5.24 writes the full layers' overrides as per_layer_config
+    why = tensor_parallel_shape_refusal({**gemma4, "per_layer_config": {"5": {"num_key_value_heads": 1}}}, 2)
+    assert why is not None and "layer 5's num_key_value_heads 1" in why
+    why = tensor_parallel_shape_refusal({**gemma4, "enable_moe_block": True}, 2)
+    assert why is not None and "enable_moe_block" in why
+    assert tensor_parallel_shape_refusal({**gemma4, "enable_moe_block": True}, 1) is None
+    qwen = {"num_attention_heads": 4, "num_key_value_heads": 2, "linear_num_key_heads": 2}
+    assert tensor_parallel_shape_refusal({**qwen, "linear_num_value_heads": 4}, 2) is None
+    why = tensor_parallel_shape_refusal({**qwen, "linear_num_value_heads": 3}, 2)
+    assert why is not None and "linear_num_value_heads 3" in why
+
+
 def test_fused_projections_resume_at_their_tp_size_only() -> None:
     """Phi-3's fused projections keep their optimizer moments rank after rank in a tp_size 2 checkpoint: resumed
     at another tp_size they would land on the wrong heads, silently; refused in one line instead."""
@@ -194,3 +215,6 @@ def test_fused_projections_resume_at_their_tp_size_only() -> None:
     assert tp_change_refusal("Phi3ForCausalLM", 2, 2) is None
     assert tp_change_refusal("Phi3ForCausalLM", None, 2) is None  # a checkpoint from before meta had tp_size
     assert tp_change_refusal("LlamaForCausalLM", 2, 1) is None  # contiguous splits re-shard exactly
+    # Qwen 3.5's linear-attention in_proj_qkv and conv1d are split part by part too (text and hub classes)
+    assert tp_change_refusal("Qwen3_5ForCausalLM", 2, 1) is not None
+    assert tp_change_refusal("Qwen3_5ForConditionalGeneration", 2, 1) is not None
