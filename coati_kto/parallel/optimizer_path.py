@@ -13,6 +13,10 @@ rank and views it back, and after the update casts each fp32 master to a new bf1
 bucket, all-gathers it over one rank and copies it back. Here each gradient goes straight into the ZeRO gradient
 store (the same values: dividing by 1 and reducing over one rank change no bit), and each master is cast once
 into its working parameter. The optimizer's state, its checkpoints and its ``step`` contract are upstream's.
+
+The AMP optimizer (``install_mixed_precision_step``: hybrid ZeRO-0 in bf16 / fp16, which a hybrid run at one
+data-parallel rank uses) and the one-rank ZeRO step cast the working gradients to fp32 and the updated masters
+into the working weights with one ``torch._foreach_copy_`` each, where upstream launches a kernel per parameter.
 """
 
 from __future__ import annotations
