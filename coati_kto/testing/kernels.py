@@ -5,7 +5,7 @@ Every aten op on tensors is one kernel (a ``_foreach_``/``_fused_`` op: the laun
 makes), except views, metadata and allocations (an op whose result aliases its input, ``empty``...). Bytes read:
 the tensor inputs' sizes (a broadcast input counts its memory, not its expanded size; a gather counts its
 indices and what it gathers, not the whole table); bytes written: the outputs' (or the mutated arguments').
-The same ops run on a CPU as on a GPU, except where a library picks per device (CPU AdamW runs per tensor).
+The same ops run on a CPU as on a GPU (the project's AdamW is torch's fused kernel on both).
 
 Categories need context, not op names alone: where in the code an op runs (innermost first: torch.optim and
 ColossalAI's optimizer step, the gradient norm, ZeRO's gradient hooks and buckets, the KTO loss, the chunked LM
@@ -139,14 +139,13 @@ def _launches(args: tuple, fused: bool = False) -> int:
     """CUDA launches of a multi-tensor op (ATen's multi_tensor_apply: a launch when the tensors per launch or
     the chunks per launch are full, an unfinished tensor carried into the next)."""
     lists = [a for a in args if isinstance(a, list | tuple) and a and isinstance(a[0], torch.Tensor)]
-    lists = [a for a in lists if a[0].dim() or not fused]  # fused: 0-dim step counts ride along (depth 4)
+    lists = [a for a in lists if a[0].dim() or not fused]  # fused: 0-dim step counts are no list (depth 4)
     if not lists:
         return 1
     per_launch = _MTA_TENSORS.get(len(lists), 30)
     launches = tensors = chunks = 0
     for t in lists[0]:
-        count = -(-t.numel() // _MTA_CHUNK)
-        if count == 0:
+        if (count := -(-t.numel() // _MTA_CHUNK)) == 0:
             continue
         tensors += 1
         for chunk in range(count):
