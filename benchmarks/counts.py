@@ -17,7 +17,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-COUNTER_FILES = ("coati_kto/testing/kernels.py", "coati_kto/testing/syncs.py")
+COUNTER_FILES = (
+    "coati_kto/testing/kernels.py",
+    "coati_kto/testing/syncs.py",
+    "coati_kto/testing/attention_paths.py",
+)
 
 
 def counted_run(run: Callable[[], Any], params: int) -> dict[str, Any]:

@@ -108,7 +108,7 @@ def build_components(
             config.model.reference_path or config.model.path, config.model, torch.float32
         )
         reference = plan.build_reference(plugin, reference)
-    optimizer = compat.optimizer_for(policy.parameters(), config.train)
+    optimizer = compat.optimizer_for(policy.parameters(), config.train, config.plugin.cpu_offload)
     lr_scheduler = warmup_cosine_schedule(
         optimizer, config.train.warmup_steps, max(1, total_steps), config.train.min_lr_ratio
     )

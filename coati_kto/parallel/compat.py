@@ -176,14 +176,14 @@ def _gather_fused_projections_on_the_host() -> None:
 
 def _fix_bugs_on_every_device() -> None:
     """ColossalAI 0.5.0 bugs fixed on every device: padded vocabularies' save and tensor-parallel partition, the
-    adapters' lookup of LoRA on parameters, and DDP wrapped under ZeRO on one data-parallel rank."""
+    adapters' lookup of LoRA on parameters, and DDP wrapped on one data-parallel rank."""
     _fix_unpadding_of_detached_copies()
     _fix_tp_partition_of_padded_vocabularies()
     _fix_lora_lookup_of_parameter_adapters()
-    _fix_ddp_under_zero_on_one_data_parallel_rank()
+    _fix_ddp_on_one_data_parallel_rank()
 
 
-def _fix_ddp_under_zero_on_one_data_parallel_rank() -> None:
+def _fix_ddp_on_one_data_parallel_rank() -> None:
     """ColossalAI 0.5.0 bug, on every device: hybrid_parallel with ZeRO on one data-parallel rank (``cpu_offload``,
     or any ZeRO stage built as written) counts gradients twice under accumulation (README Status, "1.5x norm").
 
@@ -194,6 +194,11 @@ def _fix_ddp_under_zero_on_one_data_parallel_rank() -> None:
     (and the update) at accumulation 2. It shows only once the model exceeds the reduce bucket (12M elements),
     hence on the GPU's 551M model and not on the tiny CPU models. With dp_size > 1 upstream already skips DDP
     under ZeRO; this makes one data-parallel rank do the same (ZeRO reduces, DDP has nothing to add).
+
+    Without ZeRO (zero 0, the stage a hybrid run on one data-parallel rank runs) DDP at one rank still copies
+    each gradient into its buckets, divides it by 1 and all-reduces it over one rank (4 bytes per parameter
+    each, every backward) and broadcasts the buffers every forward: the same values, bit for bit, as no DDP
+    (``tests/distributed/test_optimizer_path.py``). So one data-parallel rank never gets DDP.
     """
     from colossalai.booster.plugin import hybrid_parallel_plugin as hpp
 
@@ -204,7 +209,7 @@ def _fix_ddp_under_zero_on_one_data_parallel_rank() -> None:
         return module_class(*args, **{**kwargs, "use_ddp": False})
 
     def configure(self: Any, model: Any, optimizer: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if self.zero_stage == 0 or self.dp_size > 1 or optimizer is None:
+        if self.dp_size > 1 or optimizer is None:
             return upstream(self, model, optimizer, *args, **kwargs)
         hpp.HybridParallelModule = without_ddp  # the name configure looks up when it wraps the model
         try:
@@ -290,24 +295,38 @@ def plugin_overrides() -> dict[str, Any]:
 
 
 def make_optimizer(
-    params: Any, lr: float, weight_decay: float, fused_ok: bool = True, state_dtype: str = "fp32"
+    params: Any,
+    lr: float,
+    weight_decay: float,
+    fused_ok: bool = True,
+    state_dtype: str = "fp32",
+    cpu_offload: bool = False,
 ) -> torch.optim.Optimizer:
-    """HybridAdam on CUDA (fused CPU/GPU Adam kernels); torch AdamW on CPU, where HybridAdam has no kernel.
-    ``state_dtype`` bf16: the project's AdamW with bf16 moments on every device (coati_kto.parallel.adamw)."""
+    """The run's AdamW: ``torch.optim.AdamW(fused=True)`` on every device (one ``_fused_adamw_`` kernel per step
+    over each device and dtype group: the same op on CPU and CUDA, so the CPU's kernel count is the GPU's).
+
+    ``cpu_offload`` on CUDA: ColossalAI's HybridAdam (upstream's optimizer for offload: its CPU Adam for the
+    CPU-side masters). ``fused_ok`` False: the single-tensor ``torch.optim.AdamW`` (the reference update).
+    ``state_dtype`` bf16: the project's AdamW with bf16 moments on every device (coati_kto.parallel.adamw).
+    """
     if state_dtype == "bf16":
         from coati_kto.parallel.adamw import AdamWLowPrecisionStates
 
         return AdamWLowPrecisionStates(params, lr=lr, weight_decay=weight_decay)
-    if cuda_available() and fused_ok:
+    if cpu_offload and cuda_available() and fused_ok:
         from colossalai.nn.optimizer import HybridAdam
 
         return HybridAdam(params, lr=lr, weight_decay=weight_decay, adamw_mode=True)
-    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    if fused_ok:
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, fused=True)
+    return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=False)
 
 
-def optimizer_for(params: Any, train: Any) -> torch.optim.Optimizer:
+def optimizer_for(params: Any, train: Any, cpu_offload: bool = False) -> torch.optim.Optimizer:
     """``make_optimizer`` with the ``train`` section's lr, weight_decay and optimizer_state_dtype."""
-    return make_optimizer(params, train.lr, train.weight_decay, state_dtype=train.optimizer_state_dtype)
+    return make_optimizer(
+        params, train.lr, train.weight_decay, state_dtype=train.optimizer_state_dtype, cpu_offload=cpu_offload
+    )
 
 
 def _route_policies_to_the_project() -> None:

@@ -34,6 +34,7 @@ from coati_kto.parallel.optimizer_path import (
     given_norm,
     install_clipping,
     loss_scale,
+    scale_grads,
 )
 
 
@@ -139,10 +140,7 @@ class GradNorm:
             with given_norm(opt, norm):
                 opt.step()
             return
-        coef = clip_coefficient(norm, self.max_norm, None)
-        grads = [g for _, g in self._param_grads()]
-        if coef != 1.0 and grads:
-            torch._foreach_mul_(grads, coef)
+        scale_grads([g for _, g in self._param_grads()], clip_coefficient(norm, self.max_norm, None))
         opt.step()
 
 

@@ -13,6 +13,10 @@ rank and views it back, and after the update casts each fp32 master to a new bf1
 bucket, all-gathers it over one rank and copies it back. Here each gradient goes straight into the ZeRO gradient
 store (the same values: dividing by 1 and reducing over one rank change no bit), and each master is cast once
 into its working parameter. The optimizer's state, its checkpoints and its ``step`` contract are upstream's.
+
+The AMP optimizer (``install_mixed_precision_step``: hybrid ZeRO-0 in bf16 / fp16, which a hybrid run at one
+data-parallel rank uses) and the one-rank ZeRO step cast the working gradients to fp32 and the updated masters
+into the working weights with one ``torch._foreach_copy_`` each, where upstream launches a kernel per parameter.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ def clip_coefficient(norm: float, max_norm: float, loss_scale: float | None) -> 
     return coef
 
 
-def _scale(grads: list[torch.Tensor], coef: float) -> None:
+def scale_grads(grads: list[torch.Tensor], coef: float) -> None:
+    """Multiply ``grads`` in place by ``coef`` (one multi-tensor op), nothing when it is 1."""
     if coef != 1.0 and grads:
         torch._foreach_mul_(grads, coef)
 
@@ -88,7 +93,7 @@ def install_clipping(optimizer: Any) -> None:
     if isinstance(optimizer, LowLevelZeroOptimizer):
 
         def zero_unscale_and_clip(self: Any, grads: list[torch.Tensor], total_norm: float) -> None:
-            _scale(grads, clip_coefficient(total_norm, self._clip_grad_norm, loss_scale(self)))
+            scale_grads(grads, clip_coefficient(total_norm, self._clip_grad_norm, loss_scale(self)))
 
         optimizer._unscale_and_clip_grads = types.MethodType(zero_unscale_and_clip, optimizer)
     elif hasattr(optimizer, "_unscale_and_clip_grads"):  # the AMP optimizer (hybrid zero 0, bf16 / fp16)
@@ -97,14 +102,14 @@ def install_clipping(optimizer: Any) -> None:
             # Upstream passes 0.0 when it does not clip; only the loss scale applies then.
             norm = self._coati_norm if self._coati_norm is not None else total_norm
             grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-            _scale(grads, clip_coefficient(norm, self.max_norm, loss_scale(self)))
+            scale_grads(grads, clip_coefficient(norm, self.max_norm, loss_scale(self)))
 
         optimizer._unscale_and_clip_grads = types.MethodType(amp_unscale_and_clip, optimizer)
     elif hasattr(optimizer, "_clip_grad_norm"):  # the naive optimizer (hybrid zero 0, fp32): called to clip
 
         def naive_clip(self: Any, total_norm: float) -> None:
             grads = [p.grad for g in self.optim.param_groups for p in g["params"] if p.grad is not None]
-            _scale(grads, clip_coefficient(total_norm, self.max_norm, None))
+            scale_grads(grads, clip_coefficient(total_norm, self.max_norm, None))
 
         optimizer._clip_grad_norm = types.MethodType(naive_clip, optimizer)
 
@@ -157,29 +162,85 @@ def _single_rank_step(self: Any, closure: Any = None) -> None:
         return
     store = next(iter(self.pg_to_grad_store.values()))
     live: dict[int, list[tuple[torch.nn.Parameter, torch.Tensor]]] = {}
-    norms = []
+    norms, sources = [], []
     for group_id in range(self.num_param_groups):
         pairs = []
         masters = self._master_param_groups_of_current_rank[group_id]
         for working, master in zip(self._working_param_groups[group_id], masters, strict=True):
             grads = store.get_partitioned_gradients_by_param_id(group_id, id(working))
             if grads:  # a parameter without gradient (a dropped layer) is not updated, as upstream
-                master.grad = grads[0].to(master.dtype)
+                sources.append((master, grads[0]))  # cast below, all at once
                 pairs.append((working, master))
         live[group_id] = pairs
         gradients = store.get_working_grads_by_group_id(group_id)
         norms.append(self._compute_grad_norm(dp_pg=store.torch_pg, gradients=gradients))
         self.optim.param_groups[group_id]["params"] = [master for _, master in pairs]
+    _set_master_grads(sources)
     total = calculate_global_norm_from_list(norm_list=norms)
     self._current_grad_norm = total
     self._unscale_and_clip_grads([m.grad for pairs in live.values() for _, m in pairs], total)
     self.optim.step()
     with torch.no_grad():
+        done = [pair for pairs in live.values() for pair in pairs]
+        # the cast upstream's master.to(dtype) does, as one multi-tensor copy
+        _foreach_copy([w.data for w, _ in done], [m.view_as(w) for w, m in done])
         for group_id, pairs in live.items():
-            for working, master in pairs:
+            for _, master in pairs:
                 master.grad = None
-                working.data.copy_(master.view_as(working))  # the cast upstream's master.to(dtype) does
             self.optim.param_groups[group_id]["params"] = self._master_param_groups_of_current_rank[group_id]
+
+
+def _foreach_copy(targets: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``t.copy_(s)`` for each pair (casting), as one multi-tensor copy (CUDA: one launch per ~64 tensors)."""
+    if targets:
+        torch._foreach_copy_(targets, sources)
+
+
+def _set_master_grads(sources: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``master.grad = grad.to(master.dtype)`` for each (master, working-dtype gradient of the same numel): one
+    multi-tensor copy into new tensors for those that need the cast, the gradient itself for the others."""
+    cast = [(m, g) for m, g in sources if g.dtype != m.dtype]
+    grads = [torch.empty_like(m) for m, _ in cast]
+    _foreach_copy(grads, [g.view_as(m) for m, g in cast])
+    for (master, _), grad in zip(cast, grads, strict=True):
+        master.grad = grad
+    for master, grad in sources:
+        if grad.dtype == master.dtype:
+            master.grad = grad
+
+
+def install_mixed_precision_step(optimizer: Any) -> bool:
+    """Give the AMP optimizer (hybrid zero 0, bf16 / fp16: ``MixedPrecisionOptimizer``) a step whose two casts,
+    working gradients to fp32 and updated masters to working weights, are one multi-tensor copy each instead of
+    one kernel per parameter; the same values, norm and clipping. Returns whether it did. Idempotent."""
+    from colossalai.amp.naive_amp.mixed_precision_optimizer import MixedPrecisionOptimizer
+
+    if not isinstance(optimizer, MixedPrecisionOptimizer):
+        return False
+    optimizer.step = types.MethodType(_mixed_precision_step, optimizer)
+    return True
+
+
+def _mixed_precision_step(self: Any, *args: Any, **kwargs: Any) -> None:
+    """``MixedPrecisionOptimizer.step`` (ColossalAI 0.5.0) with multi-tensor casts."""
+    if self.mixed_precision.should_skip_step():
+        self.zero_grad()
+        return
+    pairs = [(m, self.master_to_working_map[m]) for g in self.optim.param_groups for m in g["params"]]
+    pairs = [(m, w) for m, w in pairs if m is not w]  # fp32 parameters are their own masters
+    sources = [(m, w.grad.data) for m, w in pairs if w.grad is not None]
+    for _, working in pairs:
+        working.grad = None
+    _set_master_grads(sources)
+    total_norm = 0.0
+    if self.max_norm > 0:  # the norm handed over by given_norm (install_clipping), or upstream's
+        grads = [(self.master_to_working_map[p], p.grad) for g in self.param_groups for p in g["params"]]
+        total_norm = self._compute_grad_norm([(w, grad) for w, grad in grads if grad is not None])
+        self._current_grad_norm = total_norm
+    self._unscale_and_clip_grads(total_norm)
+    self.optim.step(*args, **kwargs)
+    with torch.no_grad():
+        _foreach_copy([w.data for _, w in pairs], [m.data for m, _ in pairs])
 
 
 def single_rank_ddp_plugin(**kwargs: Any) -> Any:

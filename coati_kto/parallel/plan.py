@@ -252,6 +252,7 @@ class ParallelPlan:
         # multiply by 1, and at one ZeRO rank no bucket flatten / divide / all-gather.
         optimizer_path.install_clipping(optimizer)
         optimizer_path.install_single_rank_zero(optimizer)
+        optimizer_path.install_mixed_precision_step(optimizer)
         return policy, optimizer, lr_scheduler
 
     def build_reference(self, plugin: Any, model: nn.Module) -> nn.Module:

@@ -5,7 +5,7 @@ Every aten op on tensors is one kernel (a ``_foreach_``/``_fused_`` op: the laun
 makes), except views, metadata and allocations (an op whose result aliases its input, ``empty``...). Bytes read:
 the tensor inputs' sizes (a broadcast input counts its memory, not its expanded size; a gather counts its
 indices and what it gathers, not the whole table); bytes written: the outputs' (or the mutated arguments').
-The same ops run on a CPU as on a GPU, except where a library picks per device (CPU AdamW runs per tensor).
+The same ops run on a CPU as on a GPU (the project's AdamW is torch's fused kernel on both).
 
 Categories need context, not op names alone: where in the code an op runs (innermost first: torch.optim and
 ColossalAI's optimizer step, the gradient norm, ZeRO's gradient hooks and buckets, the KTO loss, the chunked LM
@@ -75,7 +75,9 @@ _MTA_CHUNK, _MTA_BLOCKS = 65536, 320
 _PLACES: tuple[tuple[str, str | None, str], ...] = (
     ("/torch/utils/data/", None, HOST),
     ("coati_kto/data/", None, HOST),
+    ("/torch/autograd/__init__", "_make_grads", LOSS),  # the backward's seed (a ones_like of the loss)
     ("/torch/optim/", None, OPTIMIZER),
+    ("coati_kto/parallel/optimizer_path", None, OPTIMIZER),
     ("/colossalai/nn/optimizer/", None, OPTIMIZER),
     ("/torch/nn/utils/clip_grad", None, NORM),
     ("coati_kto/parallel/grad_norm", None, NORM),
@@ -125,27 +127,25 @@ def code_context() -> str:
 
 def _bytes(t: torch.Tensor) -> int:
     """Memory a kernel touches for ``t``: its elements, a broadcast (stride 0) dimension counted once."""
-    if t.numel() == 0:
-        return 0
     span = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride(), strict=True))
-    return min(t.numel(), span) * t.element_size()
+    return min(t.numel(), span) * t.element_size()  # 0 for an empty tensor
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
     return [x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)]
 
 
-def _launches(args: tuple) -> int:
+def _launches(args: tuple, fused: bool = False) -> int:
     """CUDA launches of a multi-tensor op (ATen's multi_tensor_apply: a launch when the tensors per launch or
     the chunks per launch are full, an unfinished tensor carried into the next)."""
     lists = [a for a in args if isinstance(a, list | tuple) and a and isinstance(a[0], torch.Tensor)]
+    lists = [a for a in lists if a[0].dim() or not fused]  # fused: 0-dim step counts are no list (depth 4)
     if not lists:
         return 1
     per_launch = _MTA_TENSORS.get(len(lists), 30)
     launches = tensors = chunks = 0
     for t in lists[0]:
-        count = -(-t.numel() // _MTA_CHUNK)
-        if count == 0:
+        if (count := -(-t.numel() // _MTA_CHUNK)) == 0:
             continue
         tensors += 1
         for chunk in range(count):
@@ -167,27 +167,27 @@ def op_cost(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[int, int, i
     if name in _NOT_KERNELS or func.namespace == "profiler" or _is_view(func):
         return 0, 0, 0
     inputs = _tensors((args, {k: v for k, v in kwargs.items() if k != "out"}))
-    specs = func._schema.arguments
+    # In place: what it writes (a foreach returns None). Fused optimizers store their (mutable) grads only when
+    # they unscale them (grad_scale: ATen's fused_adam_utils.cuh, FusedAdamKernel.cpp); else grads are read.
+    keep_grads = not name.startswith("_fused_") or kwargs.get("grad_scale") is not None
     mutated = [
         args[i] if i < len(args) else kwargs.get(spec.name)
-        for i, spec in enumerate(specs)
-        if spec.alias_info is not None and spec.alias_info.is_write
+        for i, spec in enumerate(func._schema.arguments)
+        if spec.alias_info is not None and spec.alias_info.is_write and (keep_grads or spec.name != "grads")
     ]
-    outputs = (
-        _tensors(mutated) if mutated else _tensors(out)
-    )  # in place: what it writes (a foreach returns None)
+    outputs = _tensors(mutated) if mutated else _tensors(out)
     if not inputs and not outputs:
         return 0, 0, 0
     written = sum(_bytes(t) for t in outputs)
     if name in _GATHERS:  # reads its indices and the gathered rows, not the whole table
         read = written + sum(_bytes(t) for t in inputs[1:] if not t.is_floating_point())
-    elif name == "copy_":  # reads the source only
-        read = _bytes(inputs[1])
+    elif name in ("copy_", "_foreach_copy_"):  # reads the source(s) only
+        read = sum(_bytes(t) for t in _tensors(args[1]))
     elif name in _WRITE_ONLY:
         read = 0
     else:
         read = sum(_bytes(t) for t in inputs)
-    kernels = _launches(args) if name.startswith(("_foreach_", "_fused_")) else 1
+    kernels = _launches(args, name.startswith("_fused_")) if name.startswith(("_foreach_", "_fused_")) else 1
     return kernels, read, written
 
 

@@ -149,25 +149,42 @@ SINGLE_RANK = {
     "low_level_zero1_bf16": {"name": "low_level_zero", "zero_stage": 1, "precision": "bf16"},
     "low_level_zero2_bf16": {"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"},
     "low_level_zero2_fp32": {"name": "low_level_zero", "zero_stage": 2, "precision": "fp32"},
+    "hybrid_zero0_bf16": {"name": "hybrid_parallel", "zero_stage": 0, "precision": "bf16"},
 }
+
+
+def _upstream_hybrid_configure() -> Any:
+    """HybridParallelPlugin.configure as ColossalAI wrote it (compat's fix wraps it: DDP at one rank)."""
+    from colossalai.booster.plugin.hybrid_parallel_plugin import HybridParallelPlugin
+
+    cells = [c.cell_contents for c in HybridParallelPlugin.configure.__closure__ or ()]
+    return next(c for c in cells if getattr(c, "__name__", "") == "configure")
 
 
 def _single_rank_run(model_dir: str, out_dir: str, plugin: dict, direct: bool) -> dict:
     """3 steps of 2 micro-batches (ZeRO-2 adds the second into its store) with clipping; ops of the third."""
+    from colossalai.booster.plugin.hybrid_parallel_plugin import HybridParallelPlugin
+
     from coati_kto.parallel import optimizer_path
     from coati_kto.parallel.masters import working_to_master
     from coati_kto.parallel.plan import ParallelPlan
 
     install, from_config = optimizer_path.install_single_rank_zero, ParallelPlan.from_config.__func__
+    install_amp, configure = optimizer_path.install_mixed_precision_step, HybridParallelPlugin.configure
     if direct:  # what coati_kto.train builds: the plan knows the data-parallel size
         ParallelPlan.from_config = classmethod(lambda cls, config, dp_size=None: from_config(cls, config, 1))
-    else:  # ColossalAI's own path: DDP's buckets, ZeRO's bucket reduction and all-gather write-back
+    else:  # ColossalAI's own path: DDP's buckets, ZeRO's bucket reduction and all-gather write-back, the AMP
+        # optimizer's per-parameter casts
         optimizer_path.install_single_rank_zero = lambda optimizer: False
+        optimizer_path.install_mixed_precision_step = lambda optimizer: False
+        HybridParallelPlugin.configure = _upstream_hybrid_configure()
     try:
         train = {"accumulation_steps": 2, "micro_batch_size": 4, "max_grad_norm": 0.05}
         parts, trainer = _build(_config(model_dir, out_dir, plugin=plugin, train=train), 3)
     finally:
         optimizer_path.install_single_rank_zero = install
+        optimizer_path.install_mixed_precision_step = install_amp
+        HybridParallelPlugin.configure = configure
         ParallelPlan.from_config = classmethod(from_config)
     batches = _rank_loader(1, 0)
     trainer._train_step(batches[0:2], 0)
@@ -182,8 +199,9 @@ def _single_rank_run(model_dir: str, out_dir: str, plugin: dict, direct: bool) -
         "masters": torch.cat([masters.get(id(p), p).detach().double().flatten() for p in params]).numpy(),
         "history": [{k: v for k, v in h.items() if "per_second" not in k} for h in trainer.history],
         "ops": dict(ops.ops),
+        # ZeRO's or the AMP optimizer's step replaced, or no DDP wrapper
         "direct": type(parts.optimizer).step is not parts.optimizer.step.__func__
-        or type(parts.policy.module).__name__ == "_Local",  # ZeRO's step replaced, or no DDP wrapper
+        or type(parts.policy.module).__name__ == "_Local",
     }
 
 
@@ -211,6 +229,11 @@ def test_zero_at_one_rank_skips_the_buckets_bit_for_bit(single_rank_runs: dict, 
     assert clipped and min(clipped) > 0.05  # clipping was active: its multiply is on both paths
     before, after = upstream["ops"], direct["ops"]
     assert sum(after.values()) < sum(before.values())
+    if plugin.startswith("hybrid"):  # no DDP bucket (all-reduce); the AMP casts: two multi-tensor copies
+        assert before.get("allreduce_", 0) >= 1 and after.get("allreduce_", 0) == 0, (before, after)
+        assert before.get("_to_copy", 0) >= after.get("_to_copy", 0) + 20, (before, after)
+        assert after["_foreach_copy_"] == 2 and after["copy_"] <= before["copy_"] - 20, (before, after)
+        return
     if plugin.startswith(
         "ddp"
     ):  # DDP's bucket: per gradient a multiply by 1 into it and a copy out; all-reduce

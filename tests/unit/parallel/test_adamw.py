@@ -22,13 +22,16 @@ def _run(optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter], ste
         optimizer.step()
 
 
-def test_fp32_states_are_torch_adamw_bit_for_bit() -> None:
-    ours, theirs = _params(), _params()
+def test_fp32_states_are_torch_fused_adamw_bit_for_bit() -> None:
+    ours, theirs, single = _params(), _params(), _params()
     kwargs = {"lr": 1e-2, "weight_decay": 0.1}
     _run(AdamWLowPrecisionStates(ours, state_dtype=torch.float32, **kwargs), ours, range(6))
-    _run(torch.optim.AdamW(theirs, foreach=False, **kwargs), theirs, range(6))
-    for a, b in zip(ours, theirs, strict=True):
-        assert torch.equal(a, b)
+    _run(torch.optim.AdamW(theirs, fused=True, **kwargs), theirs, range(6))
+    _run(torch.optim.AdamW(single, foreach=False, **kwargs), single, range(6))
+    for a, b, c in zip(ours, theirs, single, strict=True):
+        assert torch.equal(a, b)  # the same kernel on the same values
+        # torch's single-tensor AdamW: the same update within fp32 rounding (values of order 1, 6 steps)
+        assert float((a - c).detach().abs().max()) <= 1e-6
 
 
 def test_bf16_states_are_bf16_close_to_fp32_and_resume_exactly() -> None:

@@ -9,6 +9,7 @@ import torch
 
 from coati_kto.testing.kernels import (
     GRADS,
+    LOSS,
     MATMUL,
     NORM,
     OPTIMIZER,
@@ -39,13 +40,15 @@ def test_linear_forward_backward_exact() -> None:
     assert count.read[MATMUL] == (x_b + w_b + b_b) + (y_b + w_b) + (y_b + x_b)
     assert count.written[MATMUL] == y_b + x_b + w_b
     # ReLU forward (model: pointwise), its backward (threshold_backward: gy and y), the bias gradient (sum over
-    # rows of gy); the test's own .sum(), its seed (ones_like, written only) and backward expand (a view): other.
+    # rows of gy); the test's own .sum() and its backward expand (a view): other; the backward's seed (ones_like,
+    # written only): the loss's.
     assert count.kernels[POINTWISE] == 3
     # (the incoming gradient of the .sum() is its 0-dim seed broadcast: read once, 4 bytes)
     assert count.read[POINTWISE] == y_b + (F32 + y_b) + y_b
     assert count.written[POINTWISE] == y_b + y_b + b_b
-    assert count.kernels[OTHER] == 2
-    assert (count.read[OTHER], count.written[OTHER]) == (y_b, F32 + F32)
+    assert count.kernels[OTHER] == 1 and count.kernels[LOSS] == 1
+    assert (count.read[OTHER], count.written[OTHER]) == (y_b, F32)
+    assert (count.read[LOSS], count.written[LOSS]) == (0, F32)
     # first backward: gradients are assigned, not accumulated (no kernel); no other category saw anything
     assert sum(count.kernels.values()) == 8 and count.syncs.total == 0
 
@@ -252,3 +255,25 @@ def test_backward_of_a_composite_takes_its_context() -> None:
     matmuls = [(op, category) for op, category, *_ in count.log if op.startswith("aten.mm")]
     assert matmuls and all(category == MATMUL for _, category in matmuls), matmuls
     assert count.kernels[MATMUL] == 3, count.log
+
+
+def test_fused_adamw_writes_its_gradients_only_when_it_unscales_them() -> None:
+    """torch.optim.AdamW(fused=True), a steady step: the step count's increment and one fused kernel reading the
+    parameter, gradient and moments and writing the parameter and moments (ATen stores the gradients only when
+    it unscales them: grad_scale given)."""
+    param = torch.nn.Parameter(torch.randn(100))
+    param.grad = torch.randn(100)
+    opt = torch.optim.AdamW([param], lr=1e-2, fused=True)
+    opt.step()  # the states' creation
+    with KernelCounter() as count:
+        opt.step()
+    tensor = 100 * F32
+    assert count.kernels[OPTIMIZER] == 2
+    assert count.read[OPTIMIZER] == F32 + 4 * tensor + F32  # step increment; param, grad, moments, step
+    assert count.written[OPTIMIZER] == F32 + 3 * tensor
+    state = opt.state[param]
+    lists = ([param.detach()], [param.grad], [state["exp_avg"]], [state["exp_avg_sq"]], [], [state["step"]])
+    kwargs = {"lr": 1e-2, "beta1": 0.9, "beta2": 0.999, "weight_decay": 0.0, "eps": 1e-8}
+    with KernelCounter() as unscaling:
+        torch._fused_adamw_(*lists, amsgrad=False, maximize=False, grad_scale=torch.tensor(2.0), **kwargs)
+    assert unscaling.written[OTHER] == 4 * tensor  # the gradients too
