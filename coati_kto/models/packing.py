@@ -171,14 +171,18 @@ def can_pack(model: Any) -> bool:
     )
 
 
-def example_tokens(model: Any, rows: PackedRows) -> torch.Tensor:
+def example_tokens(model: Any, rows: PackedRows, valid: torch.Tensor | None = None) -> torch.Tensor:
     """[R, L] long over the rows :func:`packed_logps` runs ``model`` on (flex attention's padding columns
     included): 1 on the tokens of the examples' documents ([x_i, y_i]), 0 on padding (a document of its own,
-    ``-1 - column``) and on a KL pair's own tokens (segment 1). The tokens a padded pass over the examples holds,
-    as its 2D attention mask marks them: the router loss's weights (``coati_kto.models.router``)."""
+    ``-1 - column``), on a KL pair's own tokens (segment 1) and, with ``valid`` [B] bool, on the documents of
+    invalid rows (evaluation padding). The tokens a padded pass over the examples holds, as its 2D attention
+    mask marks them: the router loss's weights (``coati_kto.models.router``)."""
     if getattr(_config(model), "_attn_implementation", None) == "flex_attention":
         rows = _pad_columns(rows, FLEX_BLOCK)
-    return ((rows.document >= 0) & (rows.segment == 0)).long()
+    tokens = (rows.document >= 0) & (rows.segment == 0)
+    if valid is not None:
+        tokens = tokens & valid[rows.document.clamp(min=0)]
+    return tokens.long()
 
 
 def packed_logps(
