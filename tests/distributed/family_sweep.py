@@ -199,9 +199,10 @@ def _record(root: str, rank: int, key: str, value: dict[str, Any]) -> None:
         f.write(json.dumps({key: value}) + "\n")
 
 
-def _same_failure(root: str, rank: int, key: str, error: str, wait_s: float = 120.0) -> bool:
-    """Whether every other rank recorded the same error for cell ``key`` (read from its cells file, no
-    collective: the ranks may disagree on theirs). Waits up to ``wait_s`` for them to finish the cell."""
+def _agree(root: str, rank: int, key: str, mine: dict[str, Any], wait_s: float = 120.0) -> bool:
+    """Whether every other rank ended cell ``key`` as this one did: all without an error, or all with the same
+    one (read from its cells file, no collective: the ranks may disagree on theirs). Waits up to ``wait_s`` for
+    them to finish the cell; a rank that never does (hung) disagrees."""
     deadline = time.monotonic() + wait_s
     others = [r for r in range(2) if r != rank]
     while time.monotonic() < deadline:
@@ -210,8 +211,8 @@ def _same_failure(root: str, rank: int, key: str, error: str, wait_s: float = 12
             for r in others
         ]
         if all(key in s for s in seen):
-            return all(s[key].get("error") == error for s in seen)
-        time.sleep(0.5)
+            return all(s[key].get("error") == mine.get("error") for s in seen)
+        time.sleep(0.2)
     return False
 
 
@@ -222,8 +223,8 @@ def _lines(path: Path) -> list[dict[str, Any]]:
 def run_cells(cells: list[tuple[str, str, str, bool]], root: str) -> dict[str, Any]:
     """Each ``(model type, model dir, plugin, moe)`` cell's lifecycle in turn on this rank, keyed ``type/plugin``,
     each appended to ``root/cells-<rank>.jsonl`` as it completes (a set killed later keeps what it finished).
-    Goes on past a cell every rank failed with the same error; stops at any other failure (the ranks may no
-    longer agree on their collectives), leaving the rest for a fresh set. A cell past ``CELL_TIMEOUT_S`` records
+    Goes on while the ranks end each cell alike (all passed it, or all failed it with the same error); stops
+    otherwise (the ranks may no longer agree on their collectives), leaving the rest for a fresh set. A cell past ``CELL_TIMEOUT_S`` records
     ``hung`` and exits the process."""
     import gc
     import os
@@ -254,7 +255,9 @@ def run_cells(cells: list[tuple[str, str, str, bool]], root: str) -> dict[str, A
             watchdog.cancel()
         _record(root, rank, key, out[key])
         gc.collect()  # the trainers of this cell
-        if "error" in out[key] and not _same_failure(root, rank, key, out[key]["error"]):
+        if not _agree(
+            root, rank, key, out[key]
+        ):  # a rank failed alone, or hung: the collectives may disagree
             break
     return out
 

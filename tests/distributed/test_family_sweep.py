@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from family_sweep import PLUGINS, probe, sweep, verdict
+from family_sweep import PLUGINS, _agree, probe, sweep, verdict
 from helpers import CORPUS, chat_records
 
 REPRESENTATIVE = ["qwen3_5", "gemma4_text", "qwen3_moe"]
@@ -53,6 +53,21 @@ def test_a_cell_is_trained_only_when_its_numbers_hold() -> None:
     assert verdict([good, good], moe=True).startswith("fails: MoE router load-balancing loss not added")
     assert verdict([{**good, "aux_loss": 0.0}] * 2, moe=True).startswith("fails: MoE router")
     assert verdict([{**good, "aux_loss": 0.02}] * 2, moe=True) == "trained (aux loss added)"
+
+
+def test_a_set_goes_on_only_while_its_ranks_end_each_cell_alike(tmp_path: Path) -> None:
+    """One set of processes runs many cells: past a cell both ranks passed or failed with the same error, never
+    past one a rank failed alone (or differently, or never finished: hung), where the collectives may disagree."""
+    import json
+
+    lines = [{"a/p": {"error": "RuntimeError: x (m.py:3)"}}, {"b/p": {"resume_diff": 0.0}}]
+    (tmp_path / "cells-1.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert _agree(str(tmp_path), 0, "a/p", {"error": "RuntimeError: x (m.py:3)"})
+    assert not _agree(str(tmp_path), 0, "a/p", {"error": "RuntimeError: y (m.py:3)"})
+    assert not _agree(str(tmp_path), 0, "a/p", {"resume_diff": 0.0})
+    assert _agree(str(tmp_path), 0, "b/p", {"resume_diff": 0.0})
+    assert not _agree(str(tmp_path), 0, "b/p", {"error": "hung: the cell ran past 600 s"})
+    assert not _agree(str(tmp_path), 0, "c/p", {"resume_diff": 0.0}, wait_s=0.3)
 
 
 def test_probe_classifies_encoders_and_moes_in_process(tmp_path: Path) -> None:
