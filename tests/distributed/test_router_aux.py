@@ -1,7 +1,8 @@
 """The MoE router's load-balancing loss on 2 gloo processes (tiny Qwen3-MoE asking for router logits): the logged
 ``train/aux_loss`` of a step is the mean of transformers' own ``aux_loss`` over the step's micro-batches on every
-rank (2 ranks x 2 accumulation micro-batches, padded rows), and step-1 rewards and KL stay exactly 0 under every
-plugin that admits the family (``hybrid_parallel`` runs here once its admission table takes Qwen3-MoE)."""
+rank (2 ranks x 2 accumulation micro-batches, padded rows), and step-1 rewards and KL stay exactly 0 under ddp,
+low_level_zero and hybrid_parallel; ``eval/aux_loss`` is transformers' over each eval micro-batch's valid rows,
+reduced as sums and counts (padding rows count nowhere)"""
 
 from __future__ import annotations
 
