@@ -102,8 +102,10 @@ def test_every_family_low_level_zero_trains_trains_under_hybrid_tp1(tmp_path: Pa
     from coati_kto.testing.tiny_types import causal_lm_types
 
     results = sweep(causal_lm_types(), tmp_path, _tokenizer())
-    trained = {p: {t for t, cells in results.items() if cells[p] == "trained"} for p in PLUGINS}
-    assert trained["hybrid_parallel tp1"] == trained["low_level_zero"], results
+    trained = {p: {t for t, cells in results.items() if cells[p].startswith("trained")} for p in PLUGINS}
+    # Every type low_level_zero trains, hybrid trains (it also trains the ones whose unused parameters break
+    # low_level_zero's optimizer save: docs/family_sweep.md).
+    assert trained["low_level_zero"] <= trained["hybrid_parallel tp1"], results
     assert len(trained["low_level_zero"]) >= 100
 
 
