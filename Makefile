@@ -31,7 +31,7 @@ quickstart: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests -m "not sweep"
 
-# Also the whole family sweep (tests/distributed/test_family_sweep.py: every causal-LM type, hours on 2 cores).
+# Also the whole family sweep (tests/distributed/test_family_sweep.py: every causal-LM type, about an hour on 2 cores).
 test-all: $(STAMP)
 	$(PY) -m pytest -q tests
 

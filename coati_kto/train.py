@@ -242,8 +242,8 @@ def _setup(config: Config, heartbeat: Heartbeat | None, training: bool = True) -
 
 
 def _loaders(config: Config, data: Any, layout: ParallelLayout, pad: int) -> tuple[Any, Any]:
-    """(train loader, eval loader or None). Batches go by data-parallel rank, not global rank: the
-    tensor-parallel peers of a rank must see the same batches."""
+    """(train loader, eval loader or None), by data-parallel rank (tensor-parallel peers see the same batches), with
+    their own generator: iter() of a loader without one draws from torch's RNG (after a resume restored it)."""
     from torch.utils.data import DataLoader
 
     sampler = MixedLabelBatchSampler(
@@ -257,8 +257,8 @@ def _loaders(config: Config, data: Any, layout: ParallelLayout, pad: int) -> tup
         group_by_length=config.data.group_by_length,
     )
     collator = KTOCollator(pad, config.data.pad_to_multiple_of, padding_free_rows(config))
-    workers = config.train.num_workers
-    train_loader = DataLoader(data.train, batch_sampler=sampler, collate_fn=collator, num_workers=workers)
+    workers = {"num_workers": config.train.num_workers, "generator": torch.Generator()}
+    train_loader = DataLoader(data.train, batch_sampler=sampler, collate_fn=collator, **workers)
     if data.eval is None or len(data.eval) == 0:
         return train_loader, None
     eval_sampler = EvalBatchSampler(
@@ -267,7 +267,7 @@ def _loaders(config: Config, data: Any, layout: ParallelLayout, pad: int) -> tup
         num_replicas=layout.dp_size,
         rank=layout.dp_rank,
     )
-    loader = DataLoader(data.eval, batch_sampler=eval_sampler, collate_fn=collator, num_workers=workers)
+    loader = DataLoader(data.eval, batch_sampler=eval_sampler, collate_fn=collator, **workers)
     return train_loader, ValidMaskLoader(loader, eval_sampler)
 
 

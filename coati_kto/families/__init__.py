@@ -25,6 +25,10 @@ HEAD_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwe
 # Families whose decoder takes ``attention_mask`` as a mapping {layer type: 4D mask} (transformers 5): one packed
 # forward gives their sliding and full layers each its own mask.
 MASK_MAPPING_FAMILIES = frozenset({"gemma3_text", "qwen2", "qwen3", "smollm3"})
+# Families whose model forward derives token positions from the 2D attention mask (its cumsum) when no
+# position_ids are given: handed a 4D mask they fail (OPT: "size of tensor a (2) must match the size of tensor b
+# (43)", modeling_opt.py:375), so their padded passes give them the 2D mask (the packed ones pass positions).
+MASK_POSITION_FAMILIES = frozenset({"opt", "biogpt"})
 
 
 def vision_language(config: Any) -> bool:

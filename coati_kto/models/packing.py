@@ -39,7 +39,7 @@ import torch
 from coati_kto.config.schema import Config
 from coati_kto.data.batch import KTOBatch, PackedRows, Targets, TokenView
 from coati_kto.data.packed import plan_rows
-from coati_kto.families import packed_masks, text_vocab_size
+from coati_kto.families import MASK_POSITION_FAMILIES, packed_masks, text_vocab_size
 from coati_kto.models.lm_head import LMHead, forward_inputs, model_sequence_logps
 from coati_kto.models.logprobs import head_token_logps, logits_token_logps, sum_per_row
 from coati_kto.models.lora import base_module
@@ -103,11 +103,13 @@ def padded_attention(model: Any, view: TokenView) -> Any:
     with no mask), a host sync per pass. Here the collator knows (``TokenView.padded``): without padding, None
     where transformers would skip the mask (no window, or one longer than the rows), else the same 4D bool mask
     it builds (causal, the row's tokens as keys, the layer type's window), by broadcasts: the same kernel on the
-    same mask, bit for bit. Other kernels, an unplanned view, or windows no 4D mask reproduces get the 2D mask.
+    same mask, bit for bit. Other kernels, an unplanned view, windows no 4D mask reproduces, or a family that
+    reads its positions from the 2D mask (``MASK_POSITION_FAMILIES``) get the 2D mask.
     """
     config = _config(model)
     windows = packed_masks(config)
-    if getattr(config, "_attn_implementation", None) != "sdpa" or view.padded is None or windows is None:
+    sdpa = getattr(config, "_attn_implementation", None) == "sdpa"
+    if not sdpa or view.padded is None or windows is None or config.model_type in MASK_POSITION_FAMILIES:
         return view.attention_mask
     seq = view.input_ids.shape[1]
     col = torch.arange(seq, device=view.input_ids.device)
@@ -169,14 +171,18 @@ def can_pack(model: Any) -> bool:
     )
 
 
-def example_tokens(model: Any, rows: PackedRows) -> torch.Tensor:
+def example_tokens(model: Any, rows: PackedRows, valid: torch.Tensor | None = None) -> torch.Tensor:
     """[R, L] long over the rows :func:`packed_logps` runs ``model`` on (flex attention's padding columns
     included): 1 on the tokens of the examples' documents ([x_i, y_i]), 0 on padding (a document of its own,
-    ``-1 - column``) and on a KL pair's own tokens (segment 1). The tokens a padded pass over the examples holds,
-    as its 2D attention mask marks them: the router loss's weights (``coati_kto.models.router``)."""
+    ``-1 - column``), on a KL pair's own tokens (segment 1) and, with ``valid`` [B] bool, on the documents of
+    invalid rows (evaluation padding). The tokens a padded pass over the examples holds, as its 2D attention
+    mask marks them: the router loss's weights (``coati_kto.models.router``)."""
     if getattr(_config(model), "_attn_implementation", None) == "flex_attention":
         rows = _pad_columns(rows, FLEX_BLOCK)
-    return ((rows.document >= 0) & (rows.segment == 0)).long()
+    tokens = (rows.document >= 0) & (rows.segment == 0)
+    if valid is not None:
+        tokens = tokens & valid[rows.document.clamp(min=0)]
+    return tokens.long()
 
 
 def packed_logps(

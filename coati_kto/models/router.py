@@ -71,6 +71,19 @@ def _router_modules(module: torch.nn.Module) -> list[tuple[torch.nn.Module, int]
     return list(found.values())
 
 
+def _adapted_routers(module: torch.nn.Module, routers: list[tuple[torch.nn.Module, int]]) -> list[str]:
+    """The names of the router modules peft put LoRA adapters on, inside or around (target_parameters wraps the
+    router): under ``model.lora`` every router is otherwise a frozen base weight."""
+    names = {id(m): n for n, m in module.named_modules()}
+    tuned = [n for n, m in module.named_modules() if hasattr(m, "lora_A") or hasattr(m, "lora_B")]
+    found = []
+    for router, _ in routers:
+        name = names.get(id(router), "")
+        hit = [t for t in tuned if t == name or name.startswith(t + ".") or t.startswith(name + ".")]
+        found += [name.removesuffix(".base_layer").rsplit(".", 1)[-1]] if hit else []
+    return sorted(set(found))
+
+
 def load_balancing_loss(
     router_logits: list[torch.Tensor], tokens: torch.Tensor, num_experts: int, top_k: int
 ) -> torch.Tensor:
@@ -128,15 +141,25 @@ class RouterLoss:
         loss, module = cls.supported(model), base_module(model)
         if setting == "auto":
             asks = getattr(_text_config(module.config), "output_router_logits", False)
-            return loss if loss is not None and asks and loss.coefficient > 0 else None
-        if float(setting) == 0:
-            return None
-        if loss is None:
+            loss = loss if loss is not None and asks and loss.coefficient > 0 else None
+        elif float(setting) == 0:
+            loss = None
+        elif loss is None:
             raise ConfigError(
                 f"kto.router_aux_loss_coef {setting}: {type(module).__name__} has no router load-balancing loss "
                 "in transformers 5.24 (set it to auto or 0)"
             )
-        loss.coefficient = float(setting)
+        else:
+            loss.coefficient = float(setting)
+        adapted = _adapted_routers(module, loss.modules) if loss is not None else []
+        if (
+            adapted
+        ):  # the hooks would record the base router's logits, or the adapted ones: not tested either way
+            raise ConfigError(
+                f"model.lora.target_modules: adapters on the MoE router ({', '.join(adapted)}) with its "
+                "load-balancing loss are not supported: drop the router from target_modules (it stays frozen, "
+                "and the loss still reaches the adapters before it) or set kto.router_aux_loss_coef=0"
+            )
         return loss
 
     @contextlib.contextmanager

@@ -41,7 +41,7 @@ SIZES: dict[str, int] = {
     **dict.fromkeys(("head_dim", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "kv_channels"), 8),
     **dict.fromkeys(("q_lora_rank", "kv_lora_rank"), 16),
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
-    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k"), 2),
+    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k", "moe_k", "moe_top_k"), 2),
     **dict.fromkeys(("n_group", "num_expert_group"), 2),
     **dict.fromkeys(("topk_group",), 1),
     **dict.fromkeys(("first_k_dense_replace",), 1),

@@ -79,10 +79,14 @@ class StepSums:
         }
         self._sums += torch.stack([parts[k].to(self._sums) for k in SUM_KEYS])
 
-    def add_aux(self, aux: torch.Tensor, rows: int) -> None:
-        """Add one gradient pass's router load-balancing loss (0-dim), weighted by its ``rows`` as the loss weighs
-        them; a non-finite one counts as a non-finite micro-batch."""
+    def add_aux(self, aux: torch.Tensor, rows: int | torch.Tensor) -> None:
+        """Add one pass's router load-balancing loss (0-dim), weighted by its ``rows`` (an int, or a 0-dim device
+        tensor: an evaluation micro-batch's valid rows) as the loss weighs them; a non-finite one counts as a
+        non-finite micro-batch. A pass of 0 rows adds nothing (its loss over no token is 0 / 0)."""
         aux = aux.detach().to(self._sums)
+        if isinstance(rows, torch.Tensor):
+            rows = rows.to(self._sums)
+            aux = torch.where(rows > 0, aux, 0.0)
         self._sums[SUM_KEYS.index("aux_loss")] += aux * rows
         self._sums[SUM_KEYS.index("aux_rows")] += rows
         self._sums[SUM_KEYS.index("nonfinite")] += (~torch.isfinite(aux)).to(self._sums)

@@ -52,6 +52,7 @@ class _NoGradPass:
     reference_kl: torch.Tensor | None
     policy: torch.Tensor | None  # evaluation only: the policy's log-probs, computed without gradient
     folded: bool = False  # the policy's KL pass runs inside its gradient pass (one packed pass)
+    aux: torch.Tensor | None = None  # evaluation only: the router loss over the valid examples' tokens (MoE)
 
 
 class KTOPasses:
@@ -131,6 +132,8 @@ class KTOPasses:
                     )
                     if train:
                         backward(self._train_loss(losses, item, aux, scale, sums))
+                    elif item.aux is not None:  # weighed by the valid rows, as training weighs its rows
+                        sums.add_aux(item.aux, item.valid.sum())
                 item.batch = None
                 grad_flops = (
                     train_flops(self._flop_params(self.policy), item.gradient_tokens) if train else 0.0
@@ -197,12 +200,15 @@ class KTOPasses:
             flops = torch.zeros((), dtype=torch.float64, device=self.device)
             if shared is not None:
                 flops = flops + self._packed_flops(self.reference, batch, shared, valid)
+            routing = self._router.capture() if self._router is not None and not train else None
             if not train and packs:
-                policy, policy_kl, policy_shared = pair_logps(self.policy, batch)
+                with routing or contextlib.nullcontext() as routed:
+                    policy, policy_kl, policy_shared = pair_logps(self.policy, batch)
                 flops = flops + self._packed_flops(self.policy, batch, policy_shared, valid)
             else:
                 if not train:
-                    policy = self._view_logps(self.policy, batch, kl=False)
+                    with routing or contextlib.nullcontext() as routed:
+                        policy = self._view_logps(self.policy, batch, kl=False)
                 if self._needs_kl and not folded:
                     policy_kl = self._view_logps(self.policy, batch, kl=True)
                 none = torch.zeros_like(example_tokens)
@@ -220,7 +226,21 @@ class KTOPasses:
             reference_kl=reference_kl,
             policy=policy,
             folded=folded,
+            aux=self._eval_aux(routed, batch, valid, packs) if routing is not None else None,
         )
+
+    def _eval_aux(
+        self, routed: list[torch.Tensor], batch: KTOBatch, valid: torch.Tensor, packed: bool
+    ) -> torch.Tensor:
+        """The router loss of an evaluation pass of the policy over the examples (``packed``: with their KL pairs,
+        over ``batch.pairs``), over the valid rows' example tokens only (evaluation padding counts nowhere)."""
+        if packed:
+            tokens = example_tokens(self.policy, batch.pairs, valid)
+        else:
+            rows = self._packed_rows(batch, kl=False)
+            mask = batch.example.attention_mask * valid[:, None]
+            tokens = mask if rows is None else example_tokens(self.policy, rows, valid)
+        return self._router.loss(routed, tokens)
 
     def _policy_packs(self) -> bool:
         """Whether the policy's passes pack example and KL pair (``pack_policy``, the loss mask on, and a model

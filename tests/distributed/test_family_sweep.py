@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from family_sweep import PLUGINS, sweep, verdict
+from family_sweep import PLUGINS, _agree, probe, sweep, verdict
 from helpers import CORPUS, chat_records
 
 REPRESENTATIVE = ["qwen3_5", "gemma4_text", "qwen3_moe"]
@@ -29,7 +29,9 @@ def _tokenizer():
 def test_representative_families_train_on_both_plugins(tmp_path: Path) -> None:
     results = sweep(REPRESENTATIVE, tmp_path, _tokenizer())
     print(results)
-    assert results == {t: dict.fromkeys(PLUGINS, "trained") for t in REPRESENTATIVE}
+    expected = {t: dict.fromkeys(PLUGINS, "trained") for t in REPRESENTATIVE}
+    expected["qwen3_moe"] = dict.fromkeys(PLUGINS, "trained (aux loss added)")  # train/aux_loss > 0 checked
+    assert results == expected
 
 
 def test_a_cell_is_trained_only_when_its_numbers_hold() -> None:
@@ -48,6 +50,40 @@ def test_a_cell_is_trained_only_when_its_numbers_hold() -> None:
         verdict([{**good, "export": "exported log-probs differ"}, good]) == "fails: exported log-probs differ"
     )
     assert verdict([{"error": "RuntimeError: x (a.py:3)"}, good]) == "fails: RuntimeError: x (a.py:3)"
+    assert verdict([good, good], moe=True).startswith("fails: MoE router load-balancing loss not added")
+    assert verdict([{**good, "aux_loss": 0.0}] * 2, moe=True).startswith("fails: MoE router")
+    assert verdict([{**good, "aux_loss": 0.02}] * 2, moe=True) == "trained (aux loss added)"
+
+
+def test_a_set_goes_on_only_while_its_ranks_end_each_cell_alike(tmp_path: Path) -> None:
+    """One set of processes runs many cells: past a cell both ranks passed or failed with the same error, never
+    past one a rank failed alone (or differently, or never finished: hung), where the collectives may disagree."""
+    import json
+
+    lines = [{"a/p": {"error": "RuntimeError: x (m.py:3)"}}, {"b/p": {"resume_diff": 0.0}}]
+    (tmp_path / "cells-1.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert _agree(str(tmp_path), 0, "a/p", {"error": "RuntimeError: x (m.py:3)"})
+    assert not _agree(str(tmp_path), 0, "a/p", {"error": "RuntimeError: y (m.py:3)"})
+    assert not _agree(str(tmp_path), 0, "a/p", {"resume_diff": 0.0})
+    assert _agree(str(tmp_path), 0, "b/p", {"resume_diff": 0.0})
+    assert not _agree(str(tmp_path), 0, "b/p", {"error": "hung: the cell ran past 600 s"})
+    assert not _agree(str(tmp_path), 0, "c/p", {"resume_diff": 0.0}, wait_s=0.3)
+
+
+def test_probe_classifies_encoders_and_moes_in_process(tmp_path: Path) -> None:
+    """BERT's causal-LM class without is_decoder attends both ways: recorded ``not causal`` without spawning a
+    process (it "trained" before: KTO on log-probs that see the tokens they score); Llama is causal; a Qwen3-MoE
+    has the Switch loss, its saved config then asks for router logits."""
+    import json
+
+    from coati_kto.testing.tiny_types import save_tiny_type
+
+    dirs = {t: str(save_tiny_type(t, tmp_path / t, _tokenizer())) for t in ("bert", "llama", "qwen3_moe")}
+    why, moe = probe(dirs["bert"])
+    assert why is not None and why.startswith("not causal: its logits move by") and not moe
+    assert probe(dirs["llama"]) == (None, False)
+    assert probe(dirs["qwen3_moe"]) == (None, True)
+    assert json.loads((Path(dirs["qwen3_moe"]) / "config.json").read_text())["output_router_logits"] is True
 
 
 def test_the_committed_table_covers_every_causal_lm_type() -> None:
@@ -66,8 +102,10 @@ def test_every_family_low_level_zero_trains_trains_under_hybrid_tp1(tmp_path: Pa
     from coati_kto.testing.tiny_types import causal_lm_types
 
     results = sweep(causal_lm_types(), tmp_path, _tokenizer())
-    trained = {p: {t for t, cells in results.items() if cells[p] == "trained"} for p in PLUGINS}
-    assert trained["hybrid_parallel tp1"] == trained["low_level_zero"], results
+    trained = {p: {t for t, cells in results.items() if cells[p].startswith("trained")} for p in PLUGINS}
+    # Every type low_level_zero trains, hybrid trains (it also trains the ones whose unused parameters break
+    # low_level_zero's optimizer save: docs/family_sweep.md).
+    assert trained["low_level_zero"] <= trained["hybrid_parallel tp1"], results
     assert len(trained["low_level_zero"]) >= 100
 
 

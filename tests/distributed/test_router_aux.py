@@ -1,7 +1,8 @@
 """The MoE router's load-balancing loss on 2 gloo processes (tiny Qwen3-MoE asking for router logits): the logged
 ``train/aux_loss`` of a step is the mean of transformers' own ``aux_loss`` over the step's micro-batches on every
-rank (2 ranks x 2 accumulation micro-batches, padded rows), and step-1 rewards and KL stay exactly 0 under every
-plugin that admits the family (``hybrid_parallel`` runs here once its admission table takes Qwen3-MoE)."""
+rank (2 ranks x 2 accumulation micro-batches, padded rows), and step-1 rewards and KL stay exactly 0 under ddp,
+low_level_zero and hybrid_parallel; ``eval/aux_loss`` is transformers' over each eval micro-batch's valid rows,
+reduced as sums and counts (padding rows count nowhere)"""
 
 from __future__ import annotations
 
@@ -20,10 +21,9 @@ PLUGINS = {  # plugin: (precision, zero stage, tolerance of aux_loss against tra
 }
 
 
-def _micro_batches() -> list[Any]:
-    """One step's 4 global micro-batches of 3 rows each, of different lengths (padded), both labels."""
-    from coati_kto.data.collator import KTOCollator
-
+def _feature_rows() -> list[list[dict[str, Any]]]:
+    """One step's 4 global micro-batches of 3 rows each (the collator's features), of different lengths, both
+    labels."""
     gen = torch.Generator().manual_seed(11)
     out = []
     for g in range(4):
@@ -40,8 +40,15 @@ def _micro_batches() -> list[Any]:
                     kl_completion_start=len(prompt),
                 )
             )
-        out.append(KTOCollator(pad_token_id=0)(rows))
+        out.append(rows)
     return out
+
+
+def _micro_batches() -> list[Any]:
+    """:func:`_feature_rows` collated (padded)."""
+    from coati_kto.data.collator import KTOCollator
+
+    return [KTOCollator(pad_token_id=0)(rows) for rows in _feature_rows()]
 
 
 def _config(model_dir: str, out_dir: str, plugin: str) -> Any:
@@ -124,3 +131,69 @@ def test_aux_loss_is_transformers_mean_over_the_step(tmp_path: Path, plugin: str
             expected,
         )
     assert ranks[0]["first"]["train/aux_loss"] == ranks[1]["first"]["train/aux_loss"]
+
+
+def _eval_batches(rank: int) -> list[Any]:
+    """This rank's evaluation micro-batches of 2 rows over 5 examples (EvalBatchSampler's layout): rank 0 holds
+    [0, 2] and [4, padding], rank 1 [1, 3] and a micro-batch of padding only."""
+    from coati_kto.data.collator import KTOCollator
+    from coati_kto.data.eval_sampler import EvalBatchSampler
+
+    rows = [row for rows in _feature_rows() for row in rows][:5]
+    sampler = EvalBatchSampler(5, 2, num_replicas=2, rank=rank)
+    return [
+        KTOCollator(pad_token_id=0)([rows[i] for i in idx]).with_valid(torch.arange(2) < sampler.num_valid(k))
+        for k, idx in enumerate(sampler)
+    ]
+
+
+def _eval(model_dir: str, out_dir: str, plugin: str, pack: bool) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from coati_kto.parallel.plan import ParallelPlan
+    from coati_kto.train import build_components
+    from coati_kto.trainer.kto import KTOTrainer
+    from coati_kto.trainer.options import KTOOptions
+
+    cfg = _config(model_dir, out_dir, plugin)
+    cfg.kto.pack_policy = pack
+    plan = ParallelPlan.from_config(cfg)
+    plugin_obj = plan.build_plugin()
+    parts = build_components(cfg, plugin_obj, 1, plan)
+    batches = _eval_batches(dist.get_rank())
+    inner = parts.policy.unwrap()
+    expected = []  # (transformers' aux_loss over the micro-batch's valid rows alone, valid rows)
+    with torch.no_grad():
+        for b in batches:
+            valid = b.valid_rows()
+            if valid.any():
+                out = inner(input_ids=b.example.input_ids[valid], attention_mask=b.example.attention_mask[valid],
+                            output_router_logits=True)  # fmt: skip
+                expected.append((float(out.aux_loss), int(valid.sum())))
+    trainer = KTOTrainer(
+        parts.policy, parts.reference, parts.booster, parts.optimizer, plugin_obj, parts.lr_scheduler, None,
+        accumulation_steps=1, layout=parts.layout, plan=parts.plan, options=KTOOptions.from_config(cfg),
+    )  # fmt: skip
+    trainer._eval_loader = batches
+    metrics = trainer._evaluate()
+    return {"metrics": metrics, "expected": expected}
+
+
+@pytest.mark.parametrize("plugin,pack", [("ddp", False), ("low_level_zero", True)])
+def test_eval_aux_loss_is_exact_over_the_valid_rows_of_every_rank(
+    tmp_path: Path, plugin: str, pack: bool
+) -> None:
+    """Before: no eval/aux_loss. Now the evaluation's router loss: per micro-batch transformers' aux_loss over its
+    valid rows (padding rows, and a rank's all-padding micro-batch, count nowhere), weighed by those rows, summed
+    over micro-batches and ranks and divided by the total (5 examples): sums and counts, not a mean of means.
+    ``pack``: the policy's eval pass packs example and KL pair (its KL tokens left out)."""
+    _tiny_qwen3_moe(tmp_path / "model")
+    ranks = run_distributed(_eval, 2, str(tmp_path / "model"), str(tmp_path / "out"), plugin, pack)
+    pairs = [p for rank in ranks for p in rank["expected"]]
+    assert sum(n for _, n in pairs) == 5 and len(pairs) == 3
+    expected = sum(a * n for a, n in pairs) / 5
+    tolerance = PLUGINS[plugin][2]
+    for rank in ranks:
+        got = rank["metrics"]["eval/aux_loss"]
+        assert abs(got - expected) < tolerance * expected, (got, expected, pairs)
+    assert ranks[0]["metrics"]["eval/aux_loss"] == ranks[1]["metrics"]["eval/aux_loss"]

@@ -193,3 +193,41 @@ def test_vision_language_gemma3_log_probs_keep_the_sliding_window() -> None:
     assert frozen.keys() == loaded.keys() and all(torch.equal(frozen[n], p) for n, p in loaded.items())
     assert tower > 0 and sum(p.numel() for p in model.parameters() if p.requires_grad) == trainable - tower
     assert freeze_vision_tower(model) == {}  # nothing left to freeze, no copy kept
+
+
+def test_opt_padded_pass_takes_the_2d_mask() -> None:
+    """OPT derives its learned positions from the 2D attention mask (cumsum); the padded sdpa pass handed it the
+    planned 4D mask and every padded micro-batch failed ("size of tensor a (2) must match the size of tensor b
+    (43)", modeling_opt.py:375, the family sweep's OPT cells). Now the 2D mask: the log-probs of OPT's own
+    forward on each row alone (no padding)."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    from coati_kto.data.collator import KTOCollator
+    from coati_kto.models.lm_head import LMHead
+    from coati_kto.models.packing import padded_attention
+
+    config = OPTConfig(vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
+                       word_embed_proj_dim=32, max_position_embeddings=64, pad_token_id=1,
+                       attn_implementation="sdpa")  # fmt: skip
+    torch.manual_seed(0)
+    model = OPTForCausalLM(config).eval()
+    rows = [[(5 * i + n) % 60 + 2 for i in range(n)] for n in (12, 9)]  # the shorter row is padded
+    features = [
+        dict(input_ids=r, completion_start=4, label=True, kl_input_ids=r, kl_completion_start=4) for r in rows
+    ]
+    view = KTOCollator(1)(features).example
+    with torch.no_grad():
+        got = model_sequence_logps(
+            model,
+            view.input_ids,
+            padded_attention(model, view),
+            view.loss_mask,
+            LMHead.find(model),
+            view.keep,
+            view.targets(),
+        )
+        expected = []
+        for r in rows:
+            logits = model(input_ids=torch.tensor([r])).logits[0, :-1].float().log_softmax(-1)
+            expected.append(logits.gather(1, torch.tensor(r[1:])[:, None]).squeeze(1)[3:].sum())
+    torch.testing.assert_close(got, torch.stack(expected), atol=1e-5, rtol=1e-5)
