@@ -341,7 +341,10 @@ class Config(_Section):
 
     def _family_problems(self) -> list[str]:
         out = [why for why in [router_aux_problem(self.model.path, self.kto.router_aux_loss_coef)] if why]
-        for key in ("model.path", "model.reference_path"):  # no shardformer policy: no hybrid_parallel
+        for key in (
+            "model.path",
+            "model.reference_path",
+        ):  # encoders; no shardformer policy: no hybrid_parallel
             try:
                 if path := getattr(self.model, key.split(".")[1]):
                     check_model_family(self.plugin.name, path, key, self.plugin.tp_size)

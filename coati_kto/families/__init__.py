@@ -104,11 +104,49 @@ def model_class_name(model_dir: str) -> str | None:
     return f"transformers.models.{module}.modeling_{module}.{architectures[0]}"
 
 
+# Model types whose causal-LM class attends both ways unless config.json makes it a decoder: the family sweep's
+# `not causal` cells (docs/family_sweep.md: at every position the logits move when a later token changes).
+ENCODER_TYPES = frozenset(
+    [
+        "bert",
+        "bert-generation",
+        "big_bird",
+        "camembert",
+        "cpmant",
+        "data2vec-text",
+        "electra",
+        "ernie",
+        "megatron-bert",
+        "rembert",
+        "roberta",
+        "roberta-prelayernorm",
+        "roc_bert",
+        "roformer",
+        "xlm",
+        "xlm-roberta",
+        "xlm-roberta-xl",
+    ]
+)
+
+
+def encoder_refusal(raw: dict[str, Any]) -> str | None:
+    """Why the model of config.json ``raw`` is no causal LM (None when it is, or cannot be told)."""
+    model_type = raw.get("model_type")
+    if model_type not in ENCODER_TYPES or raw.get("is_decoder") or raw.get("causal"):
+        return None
+    return (
+        f"model_type {model_type} without is_decoder: true in config.json is an encoder: each position sees the "
+        "later tokens, so a completion's log-probs would read the completion itself (KTO needs a causal LM)"
+    )
+
+
 def check_model_family(plugin: str, model_dir: str, key: str, tp_size: int = 1) -> None:
-    """ConfigError (one line, naming what is supported) when ``plugin`` is hybrid_parallel and the model class at
-    ``model_dir`` is not admitted at ``tp_size`` (every class at tp_size 1; above it
+    """ConfigError (one line) when the model at ``model_dir`` is an encoder (any plugin), or when ``plugin`` is
+    hybrid_parallel and its class is not admitted at ``tp_size`` (every class at tp_size 1; above it
     ``shardformer.TENSOR_PARALLEL_FAMILIES``: what the tests prove).
     Checked from config.json alone; a class it cannot tell (hub id, remote code) is checked at boost."""
+    if (why := encoder_refusal(_config_json(model_dir) or {})) is not None:
+        raise ConfigError(f"{key} {model_dir}: {why}")
     if plugin != "hybrid_parallel":
         return
     name = model_class_name(model_dir)

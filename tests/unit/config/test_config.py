@@ -262,3 +262,27 @@ def test_padding_free_refused_where_packed_rows_cannot_run(tmp_path: Path) -> No
     assert "\n" not in str(err.value)
     with pytest.raises(ConfigError, match="model_type gemma3_text"):  # the reference is packed too
         load_config(path, on + [f"model.path={llama}", f"model.reference_path={capped}"])
+
+
+def test_an_encoder_is_refused_at_load_on_every_plugin(tmp_path: Path) -> None:
+    """BERT-like models build as AutoModelForCausalLM but attend both ways unless config.json says is_decoder:
+    their completion log-probs would read the completion itself. The family sweep found 17 such types; each is
+    refused in one line (it trained before, silently meaningless), and is_decoder: true admits it."""
+    from transformers import BertConfig
+
+    path = write_config(tmp_path, MINIMAL)
+    encoder, decoder = tmp_path / "bert", tmp_path / "bert-decoder"
+    BertConfig(num_hidden_layers=2).save_pretrained(encoder)
+    BertConfig(num_hidden_layers=2, is_decoder=True).save_pretrained(decoder)
+    for plugin in ("ddp", "low_level_zero", "hybrid_parallel"):
+        zero = ["plugin.zero_stage=0", "plugin.precision=fp32"] if plugin == "ddp" else []
+        with pytest.raises(ConfigError) as err:
+            load_config(path, [f"model.path={encoder}", f"plugin.name={plugin}", *zero])
+        assert (
+            f"model.path {encoder}: model_type bert without is_decoder: true in config.json is an encoder"
+            in str(err.value)
+        )
+        assert "\n" not in str(err.value)
+        assert load_config(path, [f"model.path={decoder}", f"plugin.name={plugin}", *zero]).model.path == str(
+            decoder
+        )
