@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-COUNTER_FILES = ("coati_kto/testing/kernels.py", "coati_kto/testing/syncs.py")
+COUNTER_FILES = tuple(f"coati_kto/testing/{name}.py" for name in ("kernels", "syncs", "compiled", "op_cost"))
 
 
 def counted_run(run: Callable[[], Any], params: int) -> dict[str, Any]:
