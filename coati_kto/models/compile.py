@@ -1,12 +1,12 @@
-"""``model.compile``: regional ``torch.compile`` of each decoder layer (the torchtitan way), policy and reference
-alike.
+"""``model.compile``: regional ``torch.compile`` of each decoder layer (the torchtitan way) and of the LM head's
+vocabulary chunk (``coati_kto.models.logprobs``), policy and reference alike.
 
 Each decoder layer's ``forward`` is replaced, on the instance, by a :class:`CompiledForward` that calls
 ``torch.compile(forward, dynamic=True)``: the module, its hooks, its state-dict keys and activation
 checkpointing (which wraps the layer's ``__call__``) are untouched, and every length and batch size runs one
-graph (a padding-free row of any length, a new micro-batch shape: no recompile; the count of compiled graphs
-is shown on the progress line, ``compiled graphs N``). Called after activation checkpointing is enabled and before boosting
-(shardformer and ZeRO wrap the model around it). The reference is compiled the same way, so at step 0 policy and
+graph (a new length, a new micro-batch shape: no recompile; batch 1 compiles its own once; the count is shown
+on the progress line, ``compiled graphs N``). Called after activation checkpointing is enabled and before
+boosting (shardformer and ZeRO wrap the model around it). The reference is compiled the same way, so at step 0 policy and
 reference run the same kernels on the same inputs and the log-ratios stay exactly 0.
 
 The kernel counter (``coati_kto.testing.kernels``) sees inside a compiled region through ``REGION_HOOKS``.
@@ -99,6 +99,6 @@ def maybe_compile(model: nn.Module, setting: bool | str) -> nn.Module:
 
 
 def compile_metrics(model: nn.Module) -> dict[str, float]:
-    """``compiled_graphs`` (``train/compiled_graphs`` on the progress line: growing = recompiling) when ``model`` runs
-    compiled layers, else {}."""
+    """``compiled_graphs`` (shown on the progress line; a count that grows means recompiles) when ``model``
+    runs compiled layers, else {}."""
     return {"compiled_graphs": float(compiled_graphs())} if compiled_layers(model) else {}
