@@ -108,12 +108,14 @@ class RegionCounting:
         if region.context == "model" and counter.tally.passes:
             counter.tally.passes[-1].append("compiled")
         counter._current.append(tag)
+        counter.in_region += 1
         try:
-            with _python_hooks_set_aside(counter):
+            with _python_hooks_set_aside(counter), _modes_ignore_compile_internals():
                 self.wrap_new_modules()
                 out = compiled(*args, **kwargs)
             self.wrap_new_modules()
         finally:
+            counter.in_region -= 1
             counter._current.pop()
         if torch.is_grad_enabled():
             leaves = torch.utils._pytree.tree_leaves(out)
@@ -144,3 +146,20 @@ def _python_hooks_set_aside(counter: Any) -> Iterator[None]:
     finally:
         for d, items in zip(dicts, saved, strict=True):
             d.update(items)
+
+
+@contextlib.contextmanager
+def _modes_ignore_compile_internals() -> Iterator[None]:
+    """Inside a region the counter's dispatch mode lets dynamo run compiled code (the flag its ``__enter__``
+    set from ``ignore_compile_internals``, False outside regions so that other compiles stay eager under it)."""
+    from torch._C._dynamo.guards import set_is_in_mode_without_ignore_compile_internals
+    from torch.utils import _python_dispatch as dispatch
+
+    was = dispatch._is_in_any_mode_without_ignore_compile_internals
+    dispatch._is_in_any_mode_without_ignore_compile_internals = False
+    set_is_in_mode_without_ignore_compile_internals(False)
+    try:
+        yield
+    finally:
+        dispatch._is_in_any_mode_without_ignore_compile_internals = was
+        set_is_in_mode_without_ignore_compile_internals(was)

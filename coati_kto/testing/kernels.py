@@ -189,9 +189,8 @@ class KernelCounter(Tally):
             nn_module.register_module_forward_pre_hook(self._enter_module),
             nn_module.register_module_forward_hook(self._leave_module, always_call=True),
         )
-        self.hook_ids = {
-            h.id for h in hooks
-        }  # set aside inside compiled regions (coati_kto.testing.compiled)
+        # Set aside inside compiled regions (coati_kto.testing.compiled), which count in_region
+        self.hook_ids, self.in_region = {h.id for h in hooks}, 0
         self._stack.callback(lambda: [h.remove() for h in hooks])
         if self._steps:
             from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -321,9 +320,10 @@ class _Dispatch(TorchDispatchMode):
     # FlexAttention's forward and backward: higher-order operators, run as they are and counted whole.
     supports_higher_order_operators = True
 
-    @classmethod
-    def ignore_compile_internals(cls) -> bool:
-        return True  # compiled regions run compiled under the counter (their fake-tensor tracing is skipped)
+    def ignore_compile_internals(self) -> bool:  # type: ignore[override]
+        # Inside a compiled region (coati_kto.testing.compiled) dynamo runs it compiled under the counter (its
+        # fake-tensor tracing is skipped); elsewhere (flex's own compile) dynamo leaves code eager, as before.
+        return self.counter.in_region > 0
 
     def __init__(self, counter: KernelCounter) -> None:
         super().__init__()
