@@ -322,6 +322,10 @@ def main() -> None:
         "--baseline-rev", default=None, help="with --counts: the before column from this git revision"
     )
     p.add_argument("--skip-100m", action="store_true")
+    p.add_argument("--compile", action="store_true", help="also the fixture's online run with model.compile")
+    p.add_argument(
+        "--compile-only", action="store_true", help="only the fixture's online run, eager vs compiled"
+    )
     p.add_argument("--skip-fixture", action="store_true", help="only the tool-use shape (and the ~100M run)")
     p.add_argument("--skip-tool-use", action="store_true", help="no tool-use shape runs")
     p.add_argument("--repeats", type=int, default=2, help="~100M runs per mode")
@@ -334,6 +338,8 @@ def main() -> None:
     args, rest = p.parse_known_args()
     if args.smoke and not args.child:
         args.examples, args.skip_fixture, args.skip_100m = 32, False, True
+    if args.compile_only:
+        args.compile, args.skip_tool_use, args.skip_100m = True, True, True
     if args.child:
         kind, *params = args.child + rest
         if kind == "setup":
@@ -375,12 +381,24 @@ def _fixture(args: argparse.Namespace, base: Path) -> None:
     if args.baseline:
         runs["online, baseline checkout"] = _train(config, "online", Path(args.baseline))
     runs["online"] = _train(config, "online")
-    runs["online, padding-free"] = _train(config, "online", extra=("data.padding_free=true",))
-    # The cache is deleted first: this process precomputes, then trains (its steps are cached-reference steps).
-    runs["cached"] = _train(config, "cached", fresh_cache=True)
+    if args.compile:  # model.compile: each decoder layer compiled (inductor), policy and reference
+        runs["online, model.compile"] = _train(config, "online", extra=("model.compile=true",))
+    if not args.compile_only:
+        runs["online, padding-free"] = _train(config, "online", extra=("data.padding_free=true",))
+        # The cache is deleted first: this process precomputes, then trains (its steps: cached-reference steps).
+        runs["cached"] = _train(config, "cached", fresh_cache=True)
     _step_table(
         f"fixture, one epoch per run ({args.examples // 8} steps); cached includes its precompute", runs
     )
+    if args.compile:  # the step after the first 3 (compiled then); the epoch's CPU seconds hold the compiling
+        _ratios(runs, "online, model.compile", "online", "online (eager)")
+        (c, c_wall), (o, o_wall) = runs["online, model.compile"], runs["online"]
+        print(
+            f"model.compile: first step CPU {c['step_cpu_seconds'][0]:.1f} s (eager {o['step_cpu_seconds'][0]:.1f} "
+            f"s); the epoch's process CPU {c['cpu_seconds'] - o['cpu_seconds']:+.1f} s, wall {c_wall - o_wall:+.1f} s"
+        )
+    if args.compile_only:
+        return
     _ratios(runs, "cached", "online", "online (target <= 0.65)")
     _ratios(runs, "online, padding-free", "online", "online (padded)")
     if args.baseline:

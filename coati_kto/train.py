@@ -27,6 +27,7 @@ from coati_kto.data.sampler import MixedLabelBatchSampler
 from coati_kto.data.tokenize import load_tokenizer, pad_id
 from coati_kto.data.weights import imbalance, resolve_kto_weights
 from coati_kto.families import model_notes, vocabulary_size
+from coati_kto.models.compile import maybe_compile
 from coati_kto.models.hf import attention_implementation, freeze_vision_tower, load_causal_lm
 from coati_kto.models.lora import AdapterFreeReference, enable_lora
 from coati_kto.models.packing import padding_free_notes, padding_free_rows
@@ -94,10 +95,9 @@ def build_components(
     # A vision-language model's text passes never reach its tower (model_notes says so).
     fp32_export = config.output is not None and config.output.export_dtype == "fp32"
     frozen_fp32 = freeze_vision_tower(policy, keep_fp32=fp32_export and layout.is_main)
-    if config.model.gradient_checkpointing:
-        # Non-reentrant: shardformer's forward requires it, and it works with no_grad passes.
-        # (transformers 5's name: gradient_checkpointing_enable is its deprecated alias, a FutureWarning per rank)
+    if config.model.gradient_checkpointing:  # non-reentrant: shardformer's forward requires it
         policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    policy = maybe_compile(policy, config.model.compile)  # after checkpointing, before boosting
     booster = Booster(plugin=plugin)
     if config.model.lora is not None:  # before boosting: the plugins wrap the PeftModel
         policy = enable_lora(booster, policy, config.model.lora)
@@ -107,7 +107,7 @@ def build_components(
         reference = load_causal_lm(
             config.model.reference_path or config.model.path, config.model, torch.float32
         )
-        reference = plan.build_reference(plugin, reference)
+        reference = plan.build_reference(plugin, maybe_compile(reference, config.model.compile))
     optimizer = compat.optimizer_for(policy.parameters(), config.train, config.plugin.cpu_offload)
     lr_scheduler = warmup_cosine_schedule(
         optimizer, config.train.warmup_steps, max(1, total_steps), config.train.min_lr_ratio

@@ -43,6 +43,11 @@ class LMHead:
         bias = getattr(self.module, "bias", None)
         return None if bias is None else bias[: self.vocab]
 
+    @property
+    def compiled(self) -> bool:
+        """Whether the chunks run compiled (``coati_kto.models.compile.compile_layers`` marks the head)."""
+        return bool(getattr(self.module, "coati_compiled_chunks", False))
+
     @classmethod
     def find(cls, model: torch.nn.Module) -> LMHead | None:
         """The head when the chunked path is exact for ``model``; None (use logits) otherwise.
@@ -130,7 +135,9 @@ def model_sequence_logps(
         return sequence_logps(logits, input_ids, loss_mask, targets=planned)
     hidden = head.capture(model, **inputs)
     planned = targets if hidden.shape[1] == keep else None
-    return hidden_sequence_logps(hidden, head.weight, head.bias, input_ids, loss_mask, targets=planned)
+    return hidden_sequence_logps(
+        hidden, head.weight, head.bias, input_ids, loss_mask, targets=planned, compiled=head.compiled
+    )
 
 
 def forward_inputs(config: Any, **inputs: Any) -> dict[str, Any]:

@@ -85,6 +85,7 @@ def sequence_logps(
     loss_mask: torch.Tensor,
     chunk_size: int | None = None,
     targets: tuple[torch.Tensor, torch.Tensor] | None = None,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """Sum over completion tokens of log p(token), per sequence: Tensor[B], fp32, differentiable in logits.
 
@@ -166,6 +167,42 @@ def _vocab_chunk(positions: int, vocab: int, chunk: int | None, device: torch.de
     return min(vocab, max(_MIN_VOCAB_CHUNK, elements // max(1, positions)))
 
 
+def _chunk_logps(hidden, weight, bias, targets, v0: int, running_max, running_sum, target_logit):
+    """One vocabulary chunk (rows v0.. of the head) of the online log-softmax: its logits (weight dtype), and
+    the running max, sum of exponentials and target logit (fp32 [N]) updated with it."""
+    logits = torch.nn.functional.linear(hidden, weight, bias)
+    v1 = v0 + weight.shape[0]
+    chunk = logits.float()
+    new_max = torch.maximum(running_max, chunk.amax(dim=1))
+    running_sum = running_sum * (running_max - new_max).exp() + (chunk - new_max[:, None]).exp().sum(1)
+    inside = (targets >= v0) & (targets < v1)
+    local = (targets - v0).clamp(0, v1 - v0 - 1)
+    target_logit = torch.where(inside, chunk.gather(1, local[:, None]).squeeze(1), target_logit)
+    return logits, new_max, running_sum, target_logit
+
+
+def _chunk_grad(logits, lse, g, targets, v0: int, dtype: torch.dtype):
+    """d/dlogits (logit[target] - lse) = onehot(target) - softmax(logits), times the upstream gradient ``g``,
+    for one chunk's logits; in ``dtype`` (what autograd feeds the head's matmuls on the logits path). Out of
+    place: a kept fp32 block must survive a second backward with retain_graph."""
+    v1 = v0 + logits.shape[1]
+    grad = logits.float().sub(lse[:, None]).exp_().mul_(-g[:, None])
+    inside = (targets >= v0) & (targets < v1)
+    local = (targets - v0).clamp(0, v1 - v0 - 1)
+    grad.scatter_add_(1, local[:, None], torch.where(inside, g, 0.0)[:, None])
+    return grad.to(dtype)
+
+
+def _chunk_functions(compiled: bool) -> tuple:
+    """(chunk log-probs, chunk gradient): eager, or compiled with torch.compile (model.compile; regions of
+    ``coati_kto.models.compile``, each a few fused kernels instead of a dozen per chunk)."""
+    if not compiled:
+        return _chunk_logps, _chunk_grad
+    from coati_kto.models.compile import compiled_head_chunks
+
+    return compiled_head_chunks(_chunk_logps, _chunk_grad)
+
+
 class _HeadTokenLogps(torch.autograd.Function):
     """log softmax(hidden @ weight.T + bias)[n, targets[n]] per position n, fp32 [N]; grads for hidden, weight, bias.
 
@@ -175,8 +212,9 @@ class _HeadTokenLogps(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, vocab_chunk: int):
+    def forward(ctx, hidden, weight, bias, targets, vocab_chunk: int, compiled: bool):
         n, vocab = hidden.shape[0], weight.shape[0]
+        chunk_logps, _ = _chunk_functions(compiled)
         running_max = torch.full((n,), float("-inf"), dtype=torch.float32, device=hidden.device)
         running_sum = torch.zeros(n, dtype=torch.float32, device=hidden.device)
         target_logit = torch.zeros(n, dtype=torch.float32, device=hidden.device)
@@ -184,21 +222,15 @@ class _HeadTokenLogps(torch.autograd.Function):
         ctx.kept = []
         for v0 in range(0, vocab, vocab_chunk):
             v1 = min(vocab, v0 + vocab_chunk)
-            logits = torch.nn.functional.linear(hidden, weight[v0:v1], None if bias is None else bias[v0:v1])
+            logits, running_max, running_sum, target_logit = chunk_logps(
+                hidden, weight[v0:v1], None if bias is None else bias[v0:v1], targets, v0,
+                running_max, running_sum, target_logit,
+            )  # fmt: skip
             if keep:
                 ctx.kept.append(logits)
-            logits = logits.float()
-            new_max = torch.maximum(running_max, logits.amax(dim=1))
-            running_sum = running_sum * (running_max - new_max).exp() + (logits - new_max[:, None]).exp().sum(
-                1
-            )
-            running_max = new_max
-            inside = (targets >= v0) & (targets < v1)
-            local = (targets - v0).clamp(0, v1 - v0 - 1)
-            target_logit = torch.where(inside, logits.gather(1, local[:, None]).squeeze(1), target_logit)
         lse = running_max + running_sum.log()
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.vocab_chunk = vocab_chunk
+        ctx.vocab_chunk, ctx.compiled = vocab_chunk, compiled
         return target_logit - lse
 
     @staticmethod
@@ -212,6 +244,7 @@ class _HeadTokenLogps(torch.autograd.Function):
         )
         grad_weight = torch.zeros_like(weight) if need_weight else None
         grad_bias = torch.zeros_like(bias) if need_bias and bias is not None else None
+        _, chunk_grad = _chunk_functions(ctx.compiled)
         for i, v0 in enumerate(range(0, vocab, ctx.vocab_chunk)):
             v1 = min(vocab, v0 + ctx.vocab_chunk)
             w = weight[v0:v1]
@@ -219,13 +252,7 @@ class _HeadTokenLogps(torch.autograd.Function):
                 logits = ctx.kept[i]
             else:
                 logits = torch.nn.functional.linear(hidden, w, None if bias is None else bias[v0:v1])
-            # d/dlogits (logit[target] - lse) = onehot(target) - softmax(logits), times the upstream gradient
-            # (out of place: a kept fp32 block must survive a second backward with retain_graph)
-            grad = logits.float().sub(lse[:, None]).exp_().mul_(-g[:, None])
-            inside = (targets >= v0) & (targets < v1)
-            local = (targets - v0).clamp(0, v1 - v0 - 1)
-            grad.scatter_add_(1, local[:, None], torch.where(inside, g, 0.0)[:, None])
-            grad = grad.to(weight.dtype)  # what autograd feeds the head's matmuls on the logits path
+            grad = chunk_grad(logits, lse, g, targets, v0, weight.dtype)
             if grad_hidden is not None:
                 grad_hidden.add_(grad.float() @ w.float() if w.dtype != torch.float32 else grad @ w)
             if grad_weight is not None:
@@ -234,7 +261,7 @@ class _HeadTokenLogps(torch.autograd.Function):
                 grad_bias[v0:v1] = grad.float().sum(0).to(bias.dtype)
         if grad_hidden is not None:
             grad_hidden = grad_hidden.to(hidden.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None
 
 
 def head_token_logps(
@@ -243,8 +270,10 @@ def head_token_logps(
     bias: torch.Tensor | None,
     targets: torch.Tensor,
     vocab_chunk: int | None = None,
+    compiled: bool = False,
 ) -> torch.Tensor:
-    """Per-position log p(target) fp32 [N] from hidden [N, H] and an LM head weight [V, H] (bias [V] or None).
+    """Per-position log p(target) fp32 [N] from hidden [N, H] and an LM head weight [V, H] (bias [V] or None);
+    ``compiled`` (model.compile): each vocabulary chunk's work a compiled function.
 
     Differentiable in hidden, weight and bias; peak extra memory is one [N, vocab_chunk] fp32 block
     (default about 16 MiB) plus an fp32 [N, H] gradient buffer in backward.
@@ -252,7 +281,7 @@ def head_token_logps(
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} do not fit")
     chunk = _vocab_chunk(hidden.shape[0], weight.shape[0], vocab_chunk, hidden.device)
-    return _HeadTokenLogps.apply(hidden, weight, bias, targets.long(), chunk)
+    return _HeadTokenLogps.apply(hidden, weight, bias, targets.long(), chunk, compiled)
 
 
 def sum_per_row(token_logps: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, shape: tuple[int, int]):
@@ -269,6 +298,7 @@ def hidden_sequence_logps(
     loss_mask: torch.Tensor,
     vocab_chunk: int | None = None,
     targets: tuple[torch.Tensor, torch.Tensor] | None = None,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """:func:`sequence_logps` from the last hidden states [B, K, H] (the last K positions) and the LM head.
 
@@ -282,5 +312,5 @@ def hidden_sequence_logps(
     start = seq - keep + 1
     rows, cols = targets if targets is not None else _completion_positions(loss_mask, keep, "hidden states")
     targets = input_ids[:, start:][rows, cols]
-    token_logps = head_token_logps(hidden[rows, cols], weight, bias, targets, vocab_chunk)
+    token_logps = head_token_logps(hidden[rows, cols], weight, bias, targets, vocab_chunk, compiled)
     return sum_per_row(token_logps, rows, cols, (batch, keep))

@@ -223,7 +223,8 @@ def packed_logps(
         h, w, b = hidden[targets.rows, targets.cols], head.weight, head.bias
         if detach:
             h, w, b = h.detach(), w.detach(), None if b is None else b.detach()
-        return sum_per_row(head_token_logps(h, w, b, targets.ids), targets.owner, targets.cols, grid)
+        token_logps = head_token_logps(h, w, b, targets.ids, compiled=head.compiled)
+        return sum_per_row(token_logps, targets.owner, targets.cols, grid)
 
     example = score(rows.example, detach=False)
     with torch.no_grad():  # KTO's reference point is a constant: the KL pair's log-probs never carry gradient

@@ -30,6 +30,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from coati_kto.testing import attention_paths as paths
+from coati_kto.testing.compiled import RegionCounting, kernel_category
+from coati_kto.testing.op_cost import op_cost
 from coati_kto.testing.syncs import SyncRecord, counting_synchronize, dispatch_sync, function_sync
 
 MATMUL, ATTENTION, POINTWISE, COPIES = (
@@ -55,22 +57,6 @@ _MATMUL_OPS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "_addmm_acti
 _SOFTMAX_OPS = {"_softmax", "softmax", "_softmax_backward_data", "_safe_softmax"}
 _ATTENTION_OPS = ("_scaled_dot_product", "_flash_attention", "_efficient_attention", "_cudnn_attention")
 _COPY_OPS = {"_to_copy", "copy_", "clone", "_copy_from", "_copy_from_and_resize", "contiguous"}
-_NOT_KERNELS = {
-    "empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias", "lift_fresh",
-    "set_", "resize_", "_local_scalar_dense", "record_stream", "is_same_size", "_has_compatible_shallow_copy_type",
-    "sym_size", "sym_stride", "sym_numel", "sym_storage_offset", "_resize_output_", "is_nonzero",
-    "_record_function_enter_new", "_record_function_exit", "_unsafe_view", "_reshape_alias", "view",
-}  # fmt: skip
-_GATHERS = {"embedding", "index", "index_select", "gather", "take"}
-_WRITE_ONLY = {
-    "zero_", "fill_", "normal_", "uniform_", "random_", "ones_like", "zeros_like", "full_like", "new_zeros",
-    "new_ones", "new_full",
-}  # fmt: skip
-# CUDA multi-tensor apply: tensors per launch by the number of tensor lists, chunks of 65536 elements, 320
-# chunks per launch (ATen's MultiTensorApply.cuh).
-_MTA_TENSORS = {1: 110, 2: 64, 3: 48, 4: 36, 5: 30}
-_MTA_CHUNK, _MTA_BLOCKS = 65536, 320
-
 # (part of a file path, function name or None) -> context; the innermost frame that matches decides.
 _PLACES: tuple[tuple[str, str | None, str], ...] = (
     ("/torch/utils/data/", None, HOST),
@@ -101,6 +87,7 @@ _PLACES: tuple[tuple[str, str | None, str], ...] = (
     ("coati_kto/models/packing", "score", HEAD),
     ("coati_kto/models/lm_head", None, HEAD),
 )
+_REGION_TAGS = {"model": (MODEL, False, False), "head": (HEAD, False, False)}  # compiled regions' contexts
 _BACKWARD = {"backward", "grad"}  # Tensor.backward, torch.autograd.backward / grad
 _place_cache: dict[Any, str | None] = {}
 
@@ -125,70 +112,8 @@ def code_context() -> str:
     return OTHER
 
 
-def _bytes(t: torch.Tensor) -> int:
-    """Memory a kernel touches for ``t``: its elements, a broadcast (stride 0) dimension counted once."""
-    span = 1 + sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride(), strict=True))
-    return min(t.numel(), span) * t.element_size()  # 0 for an empty tensor
-
-
 def _tensors(tree: Any) -> list[torch.Tensor]:
     return [x for x in tree_leaves(tree) if isinstance(x, torch.Tensor)]
-
-
-def _launches(args: tuple, fused: bool = False) -> int:
-    """CUDA launches of a multi-tensor op (ATen's multi_tensor_apply: a launch when the tensors per launch or
-    the chunks per launch are full, an unfinished tensor carried into the next)."""
-    lists = [a for a in args if isinstance(a, list | tuple) and a and isinstance(a[0], torch.Tensor)]
-    lists = [a for a in lists if a[0].dim() or not fused]  # fused: 0-dim step counts are no list (depth 4)
-    if not lists:
-        return 1
-    per_launch = _MTA_TENSORS.get(len(lists), 30)
-    launches = tensors = chunks = 0
-    for t in lists[0]:
-        if (count := -(-t.numel() // _MTA_CHUNK)) == 0:
-            continue
-        tensors += 1
-        for chunk in range(count):
-            chunks += 1
-            last = chunk == count - 1
-            if chunks == _MTA_BLOCKS or (tensors == per_launch and last):
-                launches, chunks, tensors = launches + 1, 0, 0 if last else 1
-    return launches + (1 if chunks else 0)
-
-
-def _is_view(func: Any) -> bool:
-    returns = func._schema.returns
-    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
-
-
-def op_cost(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[int, int, int]:
-    """(kernels, bytes read, bytes written) of one aten op call; (0, 0, 0) for views and allocations."""
-    name = func.overloadpacket.__name__
-    if name in _NOT_KERNELS or func.namespace == "profiler" or _is_view(func):
-        return 0, 0, 0
-    inputs = _tensors((args, {k: v for k, v in kwargs.items() if k != "out"}))
-    # In place: what it writes (a foreach returns None). Fused optimizers store their (mutable) grads only when
-    # they unscale them (grad_scale: ATen's fused_adam_utils.cuh, FusedAdamKernel.cpp); else grads are read.
-    keep_grads = not name.startswith("_fused_") or kwargs.get("grad_scale") is not None
-    mutated = [
-        args[i] if i < len(args) else kwargs.get(spec.name)
-        for i, spec in enumerate(func._schema.arguments)
-        if spec.alias_info is not None and spec.alias_info.is_write and (keep_grads or spec.name != "grads")
-    ]
-    outputs = _tensors(mutated) if mutated else _tensors(out)
-    if not inputs and not outputs:
-        return 0, 0, 0
-    written = sum(_bytes(t) for t in outputs)
-    if name in _GATHERS:  # reads its indices and the gathered rows, not the whole table
-        read = written + sum(_bytes(t) for t in inputs[1:] if not t.is_floating_point())
-    elif name in ("copy_", "_foreach_copy_"):  # reads the source(s) only
-        read = sum(_bytes(t) for t in _tensors(args[1]))
-    elif name in _WRITE_ONLY:
-        read = 0
-    else:
-        read = sum(_bytes(t) for t in inputs)
-    kernels = _launches(args, name.startswith("_fused_")) if name.startswith(("_foreach_", "_fused_")) else 1
-    return kernels, read, written
 
 
 def model_category(op_name: str, in_attention: bool, in_linear: bool) -> str:
@@ -262,10 +187,13 @@ class KernelCounter(Tally):
 
         self._stack = contextlib.ExitStack()
         self._stack.enter_context(counting_synchronize(self._sync))
-        self._stack.callback(nn_module.register_module_forward_pre_hook(self._enter_module).remove)
-        self._stack.callback(
-            nn_module.register_module_forward_hook(self._leave_module, always_call=True).remove
+        hooks = (
+            nn_module.register_module_forward_pre_hook(self._enter_module),
+            nn_module.register_module_forward_hook(self._leave_module, always_call=True),
         )
+        # Set aside inside compiled regions (coati_kto.testing.compiled), which count in_region
+        self.hook_ids, self.in_region = {h.id for h in hooks}, 0
+        self._stack.callback(lambda: [h.remove() for h in hooks])
         if self._steps:
             from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -274,6 +202,7 @@ class KernelCounter(Tally):
         self._stack.enter_context(paths.flex_uncompiled())
         self._stack.enter_context(_Functions(self))
         self._stack.enter_context(_Dispatch(self))
+        self._stack.enter_context(RegionCounting(self, _REGION_TAGS, _tag_new_nodes))
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -333,6 +262,13 @@ class KernelCounter(Tally):
             self.tally.passes[-1].append(paths.EAGER)  # a softmax in an attention module: no fused kernel
         self._add(str(func), category, kernels, read, written)
 
+    def record_kernel(self, name: str, read: int, written: int) -> None:
+        """One kernel that torch.compile generated (coati_kto.testing.compiled), in the current context."""
+        ctx = self.context()
+        if ctx[0] != HOST:
+            category = kernel_category(name, COPIES, POINTWISE) if ctx[0] == MODEL else ctx[0]
+            self._add(name, category, 1, read, written)
+
     def _add(self, op: str, category: str, kernels: int, read: int, written: int) -> None:
         if self.log is not None:
             self.log.append((op, category, kernels, read, written))
@@ -385,6 +321,11 @@ def _tag_new_nodes(nodes: list[Any], tag: tuple[str, bool, bool]) -> None:
 class _Dispatch(TorchDispatchMode):
     # FlexAttention's forward and backward: higher-order operators, run as they are and counted whole.
     supports_higher_order_operators = True
+
+    def ignore_compile_internals(self) -> bool:  # type: ignore[override]
+        # Inside a compiled region (coati_kto.testing.compiled) dynamo runs it compiled under the counter (its
+        # fake-tensor tracing is skipped); elsewhere (flex's own compile) dynamo leaves code eager, as before.
+        return self.counter.in_region > 0
 
     def __init__(self, counter: KernelCounter) -> None:
         super().__init__()

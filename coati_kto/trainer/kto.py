@@ -48,6 +48,7 @@ from torch import nn
 
 from coati_kto.data.batch import KTOBatch
 from coati_kto.errors import UserError
+from coati_kto.models.compile import compile_metrics
 from coati_kto.models.hf import disable_dropout
 from coati_kto.parallel.distributed import ParallelLayout, reduce_sums
 from coati_kto.parallel.grad_norm import global_norm
@@ -269,14 +270,14 @@ class KTOTrainer(SLTrainer):
         self.global_step = step
         self.position.consumed += len(micro_batches)
 
-        seconds = time.perf_counter() - started
+        seconds, graphs = time.perf_counter() - started, compile_metrics(self.policy)  # model.compile only
         if skipped:
             # A skipped step's sums may be NaN: they stay out of the interval, which counts the step only.
             self._interval.skip(seconds)
             step_metrics: dict[str, float] = {}
         else:
             self._interval.add(totals, kl, seconds, grad_norm)
-            step_metrics = {f"train/{k}": v for k, v in summarize(totals, kl).items()}
+            step_metrics = {f"train/{k}": v for k, v in (summarize(totals, kl) | graphs).items()}
         if self._progress is not None:
             self._progress.update(step_metrics)
         self._last_lr = lr

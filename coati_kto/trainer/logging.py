@@ -125,7 +125,12 @@ def _init_wandb(
     return wandb.init(project=project, mode=mode, dir=str(dir), config=config, name=name)
 
 
-_SHOWN = {"loss": "train/loss", "kl": "train/kl", "margin": "train/rewards/margin"}
+_SHOWN = {
+    "loss": "train/loss",
+    "kl": "train/kl",
+    "margin": "train/rewards/margin",
+    "compiled graphs": "train/compiled_graphs",  # model.compile: a count that grows means recompiles
+}
 
 
 class ProgressBar:
@@ -153,7 +158,9 @@ class ProgressBar:
             self._bar = tqdm(total=total, initial=initial, desc="train", dynamic_ncols=True, mininterval=0.1)
 
     def update(self, metrics: dict[str, float]) -> None:
-        shown = {short: f"{metrics[key]:.4f}" for short, key in _SHOWN.items() if key in metrics}
+        shown = {
+            k: f"{metrics[v]:{'.0f' if 'graphs' in k else '.4f'}}" for k, v in _SHOWN.items() if v in metrics
+        }
         self._step += 1
         if self._bar is not None:
             self._bar.set_postfix(shown, refresh=False)

@@ -286,3 +286,21 @@ def test_an_encoder_is_refused_at_load_on_every_plugin(tmp_path: Path) -> None:
         assert load_config(path, [f"model.path={decoder}", f"plugin.name={plugin}", *zero]).model.path == str(
             decoder
         )
+
+
+def test_model_compile_is_refused_where_it_is_not_proven(tmp_path: Path) -> None:
+    path = write_config(tmp_path, MINIMAL)
+    assert load_config(path, []).model.compile is False
+    assert load_config(path, ["model.compile=auto"]).model.compile == "auto"
+    for plugin in (["plugin.name=low_level_zero"], ["plugin.name=ddp", "plugin.precision=fp32"], []):
+        assert load_config(path, ["model.compile=true", *plugin]).model.compile is True
+    fix = "(set model.compile=false; proven: hybrid_parallel tp_size 1, low_level_zero, ddp)"
+    assert _errors(path, ["model.compile=true", "plugin.tp_size=2", "model.lora={rank: 4}"]) == [
+        f"{path}: model.lora with plugin.tp_size 2: ColossalAI 0.5.0 enables LoRA under hybrid_parallel only "
+        "with tp_size 1 (set plugin.tp_size=1, or use low_level_zero or ddp)",
+        f"{path}: model.compile is not proven with plugin hybrid_parallel tp_size 2 {fix}",
+        f"{path}: model.compile is not proven with model.lora {fix}",
+    ]
+    assert _errors(path, ["model.compile=auto", "model.attn_implementation=flex_attention"]) == [
+        f"{path}: model.compile is not proven with model.attn_implementation flex_attention {fix}"
+    ]

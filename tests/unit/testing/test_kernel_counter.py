@@ -16,8 +16,8 @@ from coati_kto.testing.kernels import (
     OTHER,
     POINTWISE,
     KernelCounter,
-    _launches,
 )
+from coati_kto.testing.op_cost import _launches
 from coati_kto.testing.syncs import HostSyncCounter
 
 F32 = 4
