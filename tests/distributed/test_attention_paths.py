@@ -6,16 +6,14 @@ One process, one optimizer step of two micro-batches, counted after a first step
 from __future__ import annotations
 
 import contextlib
-from dataclasses import replace
 from pathlib import Path
 
-from test_trainer import _build, _config, _rank_loader
+from test_trainer import _build, _config, _rank_loader, one_row
 
 from coati_kto.testing.distributed import run_distributed
 
 
 def _step_paths(model_dir: str, out_dir: str, flex: bool) -> dict:
-    from coati_kto.data.packed import plan_rows
     from coati_kto.testing.flex import flex_reference
     from coati_kto.testing.kernels import KernelCounter
 
@@ -26,15 +24,7 @@ def _step_paths(model_dir: str, out_dir: str, flex: bool) -> dict:
     _, trainer = _build(cfg, 4, pack_reference=True, pack_policy=True)
     batches = _rank_loader(1, 0)
     if flex:  # what KTOCollator(padding_free="one") plans
-        batches = [
-            replace(
-                b,
-                pairs=plan_rows(b.example, b.kl, "one"),
-                example_rows=plan_rows(b.example, None, "one"),
-                kl_rows=plan_rows(None, b.kl, "one"),
-            )
-            for b in batches
-        ]
+        batches = one_row(batches)
     with flex_reference() if flex else contextlib.nullcontext():
         trainer._train_step(batches[0:2], 0)
         with KernelCounter() as count:

@@ -25,15 +25,11 @@ import pytest
 import torch
 from helpers import CORPUS, chat_records
 from test_families import ANSWERS, PLUGINS, REFUSAL, _family_matrix, check_lifecycle
-from test_packing import _model, _rows
-from test_padding_free import CASES, FLEX_FAMILIES
+from test_padding_free import FLEX_FAMILIES, check_flex_gradients
 from test_padding_free import _run as padding_free_run
 from test_trainer import _build, _config, _global_steps
 
-from coati_kto.data.collator import KTOCollator
 from coati_kto.data.files import write_jsonl
-from coati_kto.models.lm_head import LMHead, model_sequence_logps
-from coati_kto.models.packing import packed_logps, pair_logps
 from coati_kto.testing.distributed import run_distributed
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -181,27 +177,5 @@ def test_flex_gradients_equal_padded_on_cuda(family: str) -> None:
     """The fused FlexAttention kernel's forward and backward (Triton, compiled by transformers) on one row of
     examples and on the shared-prompt pairs, fp32, against the padded sdpa pass on the same GPU: what the CPU
     proves through torch's reference operator (test_padding_free), on the kernel a GPU runs."""
-    cls, config_cls, config = CASES[family]
-    model = _model(cls, config_cls, "sdpa", **config).cuda()
-    padded = copy.deepcopy(model)
-    model.config._attn_implementation = "flex_attention"
-    batch = KTOCollator(0, padding_free="one")(_rows(8, 5)).to("cuda")
-    weights = torch.tensor([0.7, -1.3, 0.4, 2.0, -0.5], device="cuda")
-    view = batch.example
-    reference = model_sequence_logps(
-        padded, view.input_ids, view.attention_mask, view.loss_mask, LMHead.find(padded)
-    )
-    (reference * weights).sum().backward()
-    grads = {name: p.grad for name, p in padded.named_parameters()}
-    rows, _ = packed_logps(model, LMHead.find(model), batch.example_rows, len(batch))
-    (rows * weights).sum().backward()
-    row_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
-    model.zero_grad()
-    folded, kl = pair_logps(model, batch)[:2]
-    (folded * weights).sum().backward()
-    assert not kl.requires_grad
-    for logps in (rows, folded):  # fp32 on the GPU: summation order of other kernels, hence 1e-4
-        torch.testing.assert_close(logps, reference, atol=1e-4, rtol=0)
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(row_grads[name], grads[name], atol=1e-4, rtol=1e-3, msg=name)
-        torch.testing.assert_close(p.grad, grads[name], atol=1e-4, rtol=1e-3, msg=name)
+    # fp32 on the GPU: the summation order of other kernels, hence 1e-4
+    check_flex_gradients(family, "cuda", contextlib.nullcontext, atol=1e-4, rtol=1e-3)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_trainer import _build, _config, _rank_loader
+from test_trainer import _build, _config, _rank_loader, one_row
 
 from coati_kto.testing.distributed import run_distributed
 
@@ -29,9 +29,6 @@ MICRO_BATCHES, PASSES = 2, 4  # per step; per micro-batch: policy and reference 
 def _count(
     model_dir: str, out_dir: str, plugin: dict, padding_free: bool = False, pack: bool = False
 ) -> dict:
-    from dataclasses import replace
-
-    from coati_kto.data.packed import plan_rows
     from coati_kto.testing.syncs import HostSyncCounter
 
     train = {"accumulation_steps": MICRO_BATCHES, "micro_batch_size": 4}
@@ -39,15 +36,7 @@ def _count(
     _, trainer = _build(cfg, 4, pack_reference=pack, pack_policy=pack)
     batches = _rank_loader(1, 0)
     if padding_free:  # what KTOCollator(padding_free="one") plans
-        batches = [
-            replace(
-                b,
-                pairs=plan_rows(b.example, b.kl, "one"),
-                example_rows=plan_rows(b.example, None, "one"),
-                kl_rows=plan_rows(None, b.kl, "one"),
-            )
-            for b in batches
-        ]
+        batches = one_row(batches)
     trainer._train_step(batches[0:2], 0)  # the first step builds what later steps reuse
     with HostSyncCounter() as syncs:
         trainer._train_step(batches[2:4], 0)

@@ -92,19 +92,25 @@ def test_flex_attention_gradients_equal_padded_gradients(family: str) -> None:
     """The policy's gradient passes under flex_attention's block mask (torch's reference operator: no CPU
     backward otherwise, coati_kto.testing.flex), one row of examples and the shared-prompt pairs (the folded
     pass: the example's log-probs with gradient, the KL pair's without), against the padded sdpa pass."""
+    check_flex_gradients(family, "cpu", flex_reference, atol=1e-5, rtol=1e-5)
+
+
+def check_flex_gradients(family: str, device: str, flex: Any, atol: float, rtol: float) -> None:
+    """One row of examples and the folded shared-prompt pass under flex_attention (inside ``flex()``) against the
+    padded sdpa pass of the same model on ``device``: log-probs within ``atol``, gradients within atol / rtol."""
     cls, config_cls, config = CASES[family]
-    model = _model(cls, config_cls, "sdpa", **config)
+    model = _model(cls, config_cls, "sdpa", **config).to(device)
     padded = copy.deepcopy(model)
     model.config._attn_implementation = "flex_attention"
-    batch = KTOCollator(0, padding_free="one")(_rows(8, 5))
-    weights = torch.tensor([0.7, -1.3, 0.4, 2.0, -0.5])
+    batch = KTOCollator(0, padding_free="one")(_rows(8, 5)).to(device)
+    weights = torch.tensor([0.7, -1.3, 0.4, 2.0, -0.5], device=device)
     view = batch.example
     reference = model_sequence_logps(
         padded, view.input_ids, view.attention_mask, view.loss_mask, LMHead.find(padded)
     )
     (reference * weights).sum().backward()
     grads = {name: p.grad for name, p in padded.named_parameters()}
-    with flex_reference():
+    with flex():
         rows, _ = packed_logps(model, LMHead.find(model), batch.example_rows, len(batch))
         (rows * weights).sum().backward()
         row_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
@@ -113,10 +119,10 @@ def test_flex_attention_gradients_equal_padded_gradients(family: str) -> None:
         (folded * weights).sum().backward()
     assert not kl.requires_grad
     for logps in (rows, folded):
-        torch.testing.assert_close(logps, reference, atol=1e-5, rtol=0)
+        torch.testing.assert_close(logps, reference, atol=atol, rtol=0)
     for name, p in model.named_parameters():
-        torch.testing.assert_close(row_grads[name], grads[name], atol=1e-5, rtol=1e-5, msg=name)
-        torch.testing.assert_close(p.grad, grads[name], atol=1e-5, rtol=1e-5, msg=name)
+        torch.testing.assert_close(row_grads[name], grads[name], atol=atol, rtol=rtol, msg=name)
+        torch.testing.assert_close(p.grad, grads[name], atol=atol, rtol=rtol, msg=name)
 
 
 # ------------------------------------------------------------------------------------------- 2 processes

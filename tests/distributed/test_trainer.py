@@ -70,6 +70,23 @@ def _global_steps(vocab_hi: int = VOCAB_HI) -> list[list[KTOBatch]]:
     ]
 
 
+def one_row(batches: list[KTOBatch]) -> list[KTOBatch]:
+    """``batches`` with the padding-free layouts ``KTOCollator(padding_free="one")`` plans: every pass one row."""
+    from dataclasses import replace
+
+    from coati_kto.data.packed import plan_rows
+
+    return [
+        replace(
+            b,
+            pairs=plan_rows(b.example, b.kl, "one"),
+            example_rows=plan_rows(b.example, None, "one"),
+            kl_rows=plan_rows(None, b.kl, "one"),
+        )
+        for b in batches
+    ]
+
+
 def _rank_loader(world: int, rank: int) -> list[KTOBatch]:
     """This rank's micro-batches, step after step: global micro-batches rank, rank + world, ... of each step."""
     return [mb for step in _global_steps() for mb in step[rank::world]]
