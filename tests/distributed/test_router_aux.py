@@ -66,32 +66,41 @@ def _config(model_dir: str, out_dir: str, plugin: str) -> Any:
     )
 
 
-def _run(model_dir: str, out_dir: str, plugin: str) -> dict[str, Any]:
-    import torch.distributed as dist
-
+def built(cfg: Any) -> tuple[Any, Any]:
+    """(the components, a KTOTrainer at accumulation 2) for ``cfg``, on every rank."""
     from coati_kto.parallel.plan import ParallelPlan
     from coati_kto.train import build_components
     from coati_kto.trainer.kto import KTOTrainer
     from coati_kto.trainer.options import KTOOptions
 
-    cfg = _config(model_dir, out_dir, plugin)
     plan = ParallelPlan.from_config(cfg)
     plugin_obj = plan.build_plugin()
     parts = build_components(cfg, plugin_obj, 1, plan)
-    batches = _micro_batches()
-    with torch.no_grad():  # transformers' own loss on the same (working-precision) weights, before the step
-        inner = parts.policy.unwrap()
-        expected = [
-            float(inner(input_ids=b.example.input_ids, attention_mask=b.example.attention_mask,
-                        output_router_logits=True).aux_loss)
-            for b in batches
-        ]  # fmt: skip
     trainer = KTOTrainer(
         parts.policy, parts.reference, parts.booster, parts.optimizer, plugin_obj, parts.lr_scheduler, None,
         accumulation_steps=2, layout=parts.layout, plan=parts.plan, options=KTOOptions.from_config(cfg),
     )  # fmt: skip
-    rank = dist.get_rank()
-    trainer.fit(batches[rank::2])
+    return parts, trainer
+
+
+def transformers_aux_losses(model: torch.nn.Module, batches: list[Any]) -> list[float]:
+    """transformers' own ``aux_loss`` of each micro-batch's examples (no gradient)."""
+    with torch.no_grad():
+        return [
+            float(model(input_ids=b.example.input_ids, attention_mask=b.example.attention_mask,
+                        output_router_logits=True).aux_loss)
+            for b in batches
+        ]  # fmt: skip
+
+
+def _run(model_dir: str, out_dir: str, plugin: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    parts, trainer = built(_config(model_dir, out_dir, plugin))
+    batches = _micro_batches()
+    # transformers' own loss on the same (working-precision) weights, before the step
+    expected = transformers_aux_losses(parts.policy.unwrap(), batches)
+    trainer.fit(batches[dist.get_rank() :: 2])
     first = trainer.history[0]
     return {"first": {k: v for k, v in first.items() if k.startswith("train/")}, "expected": expected}
 

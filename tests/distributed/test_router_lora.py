@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_router_aux import _micro_batches, _tiny_qwen3_moe
+from test_router_aux import _micro_batches, _tiny_qwen3_moe, built, transformers_aux_losses
 
 from coati_kto.testing.distributed import run_distributed
 
@@ -20,10 +20,6 @@ def _run(model_dir: str, out_dir: str, coefficient: float | str) -> dict[str, An
 
     from coati_kto.config.schema import Config
     from coati_kto.models.lora import base_module
-    from coati_kto.parallel.plan import ParallelPlan
-    from coati_kto.train import build_components
-    from coati_kto.trainer.kto import KTOTrainer
-    from coati_kto.trainer.options import KTOOptions
 
     cfg = Config.model_validate(
         {
@@ -35,22 +31,11 @@ def _run(model_dir: str, out_dir: str, coefficient: float | str) -> dict[str, An
             "kto": {"router_aux_loss_coef": coefficient},
         }
     )
-    plan = ParallelPlan.from_config(cfg)
-    plugin_obj = plan.build_plugin()
-    parts = build_components(cfg, plugin_obj, 1, plan)
+    parts, trainer = built(cfg)
     model = base_module(parts.policy)  # the adapted model (LoRA layers in place; B = 0: the base function)
     routers = {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")}
     batches = _micro_batches()
-    with torch.no_grad():
-        expected = [
-            float(model(input_ids=b.example.input_ids, attention_mask=b.example.attention_mask,
-                        output_router_logits=True).aux_loss)
-            for b in batches
-        ]  # fmt: skip
-    trainer = KTOTrainer(
-        parts.policy, parts.reference, parts.booster, parts.optimizer, plugin_obj, parts.lr_scheduler, None,
-        accumulation_steps=2, layout=parts.layout, plan=parts.plan, options=KTOOptions.from_config(cfg),
-    )  # fmt: skip
+    expected = transformers_aux_losses(model, batches)
     trainer.fit(batches[dist.get_rank() :: 2])
     params = dict(model.named_parameters())
     return {
