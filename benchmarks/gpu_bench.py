@@ -14,7 +14,9 @@ Cases: model x shape x reference (``online``; ``cached``: the train's own cache 
 log-probs once, before the first step) x plugin (hybrid_parallel ZeRO-2 bf16, low_level_zero ZeRO-2 bf16),
 micro-batch 8, ``model.attn_implementation`` sdpa; and the Llama hybrid ZeRO-2 cases again with ``data.padding_free``
 (``.../free``: ``model.attn_implementation: auto`` on a GPU, i.e. ``flex_attention`` with every pass on a block
-mask, ``--attn`` on CPU; ``--attn auto`` runs every case so). A model the plugin does not admit (Qwen3 under
+mask, ``--attn`` on CPU; ``--attn auto`` runs every case so); and the Llama tool-use online case with ``model.compile:
+true`` (``.../compile``: each decoder layer and the LM head's chunks compiled; off by default until a GPU run shows
+it wins, so the GPU check times it beside the eager case). A model the plugin does not admit (Qwen3 under
 hybrid_parallel with transformers 4.51: no shardformer policy) is skipped with the config check's reason.
 Each case runs ``coati_kto.train.train(config)`` twice in a fresh process (peak memory is a process figure):
 
@@ -87,25 +89,29 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
 @dataclass(frozen=True)
 class Case:
     """One benchmark run: which model, data shape, reference mode and plugin; ``free``: data.padding_free, with
-    ``auto`` (flex_attention: its BlockMask skips what no document reaches) on a GPU and ``--attn`` on CPU."""
+    ``auto`` (flex_attention: its BlockMask skips what no document reaches) on a GPU and ``--attn`` on CPU;
+    ``compiled``: model.compile true."""
 
     model: str
     shape: str
     reference: str
     plugin: str
     free: bool = False
+    compiled: bool = False
 
     @property
     def name(self) -> str:
-        return f"{self.model}/{self.shape}/{self.reference}/{self.plugin}" + ("/free" if self.free else "")
+        suffix = ("/free" if self.free else "") + ("/compile" if self.compiled else "")
+        return f"{self.model}/{self.shape}/{self.reference}/{self.plugin}{suffix}"
 
 
 def all_cases() -> list[Case]:
     """Every case, most wanted first (one GPU call has a time limit): the targets' cases (llama, hybrid ZeRO-2),
-    padded then padding-free, then llama under low_level_zero, then Qwen3."""
+    padded, padding-free, then compiled, then llama under low_level_zero, then Qwen3."""
     cases = [Case(m, s, r, p) for m in MODELS for p in PLUGINS for s in SHAPES for r in REFERENCES]
     cases += [Case("llama", s, r, "hybrid_z2", free=True) for s in SHAPES for r in REFERENCES]
-    return sorted(cases, key=lambda c: (c.model != "llama", c.plugin != "hybrid_z2", c.free))
+    cases.append(Case("llama", "tool_use", "online", "hybrid_z2", compiled=True))
+    return sorted(cases, key=lambda c: (c.model != "llama", c.plugin != "hybrid_z2", c.free, c.compiled))
 
 
 # ------------------------------------------------------------------------------------------------ fixture
@@ -198,7 +204,11 @@ def case_config(work: Path, case: Case, args: argparse.Namespace, steps: int, ta
     # (coati_kto.config.attention); the CPU has no FlexAttention backward.
     attn = "auto" if case.free and torch.cuda.is_available() else args.attn
     return {
-        "model": {"path": str(work / "models" / case.model), "attn_implementation": attn},
+        "model": {
+            "path": str(work / "models" / case.model),
+            "attn_implementation": attn,
+            "compile": case.compiled,
+        },
         "data": {
             "train_files": [str(work / "data" / case.shape / "train.jsonl")],
             # One prepared dir per (model, shape): the reference cache lives there and is reused by later runs.
@@ -534,7 +544,7 @@ def speedups(results: list[dict[str, Any]], trl: list[dict[str, Any]]) -> list[s
         if "step_s" not in t:
             continue
         shape, reference = t["case"].split("/")[1:]
-        for suffix, what in (("", ""), ("/free", ", padding-free")):
+        for suffix, what in (("", ""), ("/free", ", padding-free"), ("/compile", ", compiled")):
             mine = ours.get(f"llama/{shape}/{reference}/hybrid_z2{suffix}")
             if mine:
                 lines.append(

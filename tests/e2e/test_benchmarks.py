@@ -107,7 +107,7 @@ def test_gpu_busy_time_by_category() -> None:
 
 
 def test_gpu_bench_smoke(tmp_path: Path) -> None:
-    """All 16 cases on CPU: each run row has step time, tokens/s, TFLOP/s and host ops per step; the GPU
+    """All 17 cases on CPU: each run row has step time, tokens/s, TFLOP/s and host ops per step; the GPU
     columns say n/a; Qwen3 under hybrid_parallel is skipped with the config check's reason."""
     out = smoke("gpu_bench.py", "--out", str(tmp_path), "--trl-venv", str(tmp_path / "no-trl-venv"))
     lines = out.splitlines()
@@ -144,6 +144,13 @@ def test_gpu_bench_smoke(tmp_path: Path) -> None:
         assert predicted_kernels > 0 and predicted_syncs == 1.0, rows[name]
         ran += 1
     assert ran >= 12, ran
+    # model.compile's case: each compiled region's kernels count once, so it predicts fewer kernels than eager
+    eager, compiled = (
+        rows["llama/tool_use/online/hybrid_z2"].split(),
+        rows["llama/tool_use/online/hybrid_z2/compile"].split(),
+    )
+    k = titles.index("kernels") + 1
+    assert "FAILED" not in compiled and 0 < float(compiled[k]) < float(eager[k]), (compiled, eager)
     # the per-category table: every category listed per case, with bytes per parameter
     assert out.count("gradient norm   ") >= ran and out.count("host syncs (as CUDA counts)") >= ran, out
     assert "TRL" in rows and "skipped:" in rows["TRL"], rows.get("TRL")
