@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed.nn.functional as dist_nn
 from colossalai.shardformer.layer.parallel_module import ParallelModule
 from colossalai.shardformer.policies.base_policy import SubModuleReplacementDescription
 from colossalai.tensor.d_tensor.api import (
@@ -25,6 +24,7 @@ from torch import nn
 from transformers.models.olmo3.modeling_olmo3 import Olmo3DecoderLayer, Olmo3ForCausalLM, Olmo3Model
 
 from coati_kto.families.shardformer.base import DecoderPolicy
+from coati_kto.parallel.distributed import sum_with_gradient
 
 
 class RMSNormAcrossRanks(ParallelModule):
@@ -50,7 +50,7 @@ class RMSNormAcrossRanks(ParallelModule):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         input_dtype = hidden_states.dtype
         hidden_states = hidden_states.to(torch.float32)
-        squares = dist_nn.all_reduce(hidden_states.pow(2).sum(-1, keepdim=True), group=self.process_group)
+        squares = sum_with_gradient(hidden_states.pow(2).sum(-1, keepdim=True), self.process_group)
         hidden_states = hidden_states * torch.rsqrt(squares / self.full_width + self.variance_epsilon)
         return (self.weight * hidden_states).to(input_dtype)
 
