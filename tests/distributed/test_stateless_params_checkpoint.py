@@ -27,11 +27,8 @@ PLUGINS = {
 # Not here: ddp and hybrid_parallel at zero_stage 0 wrap the model in torch DDP, which refuses the second step of
 # a model with a parameter its forward did not use ("Expected to have finished reduction in the prior iteration").
 EXTRA = "model.extra.weight"
-SAVE_AT, FIRST_USED, STEPS = (
-    2,
-    4,
-    5,
-)  # the extra parameter gets its first gradient at step 4, after the resume
+# Saved at step 2; the extra parameter gets its first gradient at step 4, after the resume; 5 steps in all.
+SAVE_AT, FIRST_USED, STEPS = 2, 4, 5
 
 
 def _setup(model_dir: str, plugin_kw: dict, root: str) -> dict[str, Any]:
