@@ -176,11 +176,13 @@ def _gather_fused_projections_on_the_host() -> None:
 
 def _fix_bugs_on_every_device() -> None:
     """ColossalAI 0.5.0 bugs fixed on every device: padded vocabularies' save and tensor-parallel partition, the
-    adapters' lookup of LoRA on parameters, and DDP wrapped on one data-parallel rank."""
+    adapters' lookup of LoRA on parameters, DDP wrapped on one data-parallel rank, and ZeRO's optimizer save of
+    parameters without state."""
     _fix_unpadding_of_detached_copies()
     _fix_tp_partition_of_padded_vocabularies()
     _fix_lora_lookup_of_parameter_adapters()
     _fix_ddp_on_one_data_parallel_rank()
+    _fix_zero_save_of_stateless_params()
 
 
 def _fix_ddp_on_one_data_parallel_rank() -> None:
@@ -218,6 +220,37 @@ def _fix_ddp_on_one_data_parallel_rank() -> None:
             hpp.HybridParallelModule = module_class
 
     hpp.HybridParallelPlugin.configure = configure
+
+
+def _fix_zero_save_of_stateless_params() -> None:
+    """ColossalAI 0.5.0 bug, on every device: low_level_zero's sharded optimizer save raises KeyError
+    (``local_states[param_idx]``, low_level_optim.py:884) when AdamW holds no state for a parameter: one no
+    gradient reached yet (cross-attention without an encoder, a sparse indexer, an expert never routed to).
+
+    Such a parameter is saved with no state, torch's convention (absent from the checkpoint's ``state``; the
+    loader, upstream's, then leaves it stateless and AdamW starts it at its first gradient, as an uninterrupted
+    run does). Upstream's generator reads ``optim.state_dict()`` once: it is given one holding ``{}`` for those
+    parameters (no collective is entered for them, on any rank: they are stateless on every rank, their
+    gradients having been reduced alike), and their entries, and the blocks left empty, are dropped."""
+    from colossalai.zero.low_level.low_level_optim import LowLevelZeroOptimizer
+
+    upstream = LowLevelZeroOptimizer.state_dict_shard
+
+    def state_dict_shard(self: Any, *args: Any, **kwargs: Any) -> Any:
+        packed = self.optim.state_dict()
+        count = sum(len(group["params"]) for group in self.optim.param_groups)
+        stateless = {i for i in range(count) if i not in packed["state"]}
+        packed["state"].update({i: {} for i in stateless})
+        self.optim.state_dict = lambda: packed  # the instance's, over the class's, for upstream's one call
+        try:
+            for block, size in upstream(self, *args, **kwargs):
+                kept = {i: state for i, state in block.items() if i not in stateless}
+                if kept:
+                    yield kept, size
+        finally:
+            del self.optim.state_dict
+
+    LowLevelZeroOptimizer.state_dict_shard = state_dict_shard
 
 
 def _fix_lora_lookup_of_parameter_adapters() -> None:
