@@ -174,29 +174,6 @@ def reduce_sums(
     return dict(zip(keys, flat.tolist(), strict=True))
 
 
-class _SumWithGradient(torch.autograd.Function):
-    """All-reduce (sum) whose backward all-reduces the gradient: each rank's input reaches every rank's output."""
-
-    @staticmethod
-    def forward(ctx: Any, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        out = tensor.clone()
-        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.clone()
-        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
-        return grad, None
-
-
-def sum_with_gradient(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
-    """The sum of ``tensor`` over ``group``, differentiable (torch.distributed.nn's all_reduce without its
-    deprecation warning). Every rank of ``group`` calls it, forward and backward, in the same order."""
-    return _SumWithGradient.apply(tensor, group)
-
-
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()

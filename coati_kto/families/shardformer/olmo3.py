@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from colossalai.shardformer.layer.parallel_module import ParallelModule
 from colossalai.shardformer.policies.base_policy import SubModuleReplacementDescription
 from colossalai.tensor.d_tensor.api import (
@@ -21,10 +22,33 @@ from colossalai.tensor.d_tensor.api import (
     sharded_tensor_to_existing_param,
 )
 from torch import nn
+from torch.distributed import ProcessGroup
 from transformers.models.olmo3.modeling_olmo3 import Olmo3DecoderLayer, Olmo3ForCausalLM, Olmo3Model
 
 from coati_kto.families.shardformer.base import DecoderPolicy
-from coati_kto.parallel.distributed import sum_with_gradient
+
+
+class _SumWithGradient(torch.autograd.Function):
+    """All-reduce (sum) whose backward all-reduces the gradient: each rank's input reaches every rank's output."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        out = tensor.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.clone()
+        dist.all_reduce(grad, op=dist.ReduceOp.SUM, group=ctx.group)
+        return grad, None
+
+
+def sum_with_gradient(tensor: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """The sum of ``tensor`` over ``group``, differentiable (torch.distributed.nn's all_reduce, deprecated, warns
+    on every run). Every rank of ``group`` calls it, forward and backward, in the same order."""
+    return _SumWithGradient.apply(tensor, group)
 
 
 class RMSNormAcrossRanks(ParallelModule):
