@@ -66,6 +66,13 @@ def hub_problems(key: str, repo_id: str) -> list[str]:
             f"({type(err).__name__}): download the model and set {key} to its directory"
         ]
     if response.status_code in (401, 403):
+        # Without a token the Hub answers a missing repo and a private one alike (401 RepoNotFound); a gated
+        # repo's files say GatedRepo.
+        if response.headers.get("X-Error-Code") == "RepoNotFound" and not hub_token():
+            return [
+                f"{key}: {repo_id} is neither a local directory nor a public model on the hub (check the id; a "
+                "private repo needs a token: see docs/operations.md, Credentials)"
+            ]
         return [
             f"{key}: {repo_id} on the hub needs a token (gated or private): see docs/operations.md, Credentials"
         ]

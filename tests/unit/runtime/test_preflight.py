@@ -139,6 +139,11 @@ def test_a_hub_id_is_looked_up_on_the_hub(monkeypatch: pytest.MonkeyPatch) -> No
         assert _hub_problems("model.path", "org/gated") == [
             "model.path: org/gated on the hub needs a token (gated or private): see docs/operations.md, Credentials"
         ]
+        # Without a token a mistyped id answers 401 RepoNotFound, as a private repo does: it was "needs a token".
+        assert _hub_problems("model.path", "org/mistyped") == [
+            "model.path: org/mistyped is neither a local directory nor a public model on the hub (check the id; a "
+            "private repo needs a token: see docs/operations.md, Credentials)"
+        ]
         monkeypatch.setenv("HF_TOKEN", "hf_standin")  # with a token, the Hub says 404 for a missing repo
         assert _hub_problems("model.path", "org/missing") == [
             "model.path: org/missing is neither a local directory nor a model on the hub"
