@@ -5,7 +5,9 @@ the model's logits (``coati_kto.models.logprobs`` holds both computations).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -126,18 +128,62 @@ def model_sequence_logps(
     # Shardformer's tensor-parallel forwards swallow logits_to_keep (Llama) or refuse it (Qwen2, Mistral).
     if _forward_accepts(module, "logits_to_keep"):
         inputs["logits_to_keep"] = keep if keep is not None else completion_logits_to_keep(loss_mask)
-    if head is None:
-        # Log-probs normalise over the real vocabulary only: a shardformer policy that returns the padding
-        # columns of a padded vocabulary as logits (ColossalAI's Qwen2 policy did: coati_kto.families.policies) would
-        # shift every log-prob and train the padding rows. A no-op view when the logits are unpadded.
-        logits = model(**inputs).logits[..., : text_vocab_size(module.config)]
-        planned = targets if logits.shape[1] == keep else None  # a forward that ignored logits_to_keep: all S
-        return sequence_logps(logits, input_ids, loss_mask, targets=planned)
-    hidden = head.capture(model, **inputs)
+    with causal_sdpa_without_checks(module.config, attention_mask):
+        if head is None:
+            return _logits_logps(model, module, inputs, input_ids, loss_mask, keep, targets)
+        hidden = head.capture(model, **inputs)
     planned = targets if hidden.shape[1] == keep else None
     return hidden_sequence_logps(
         hidden, head.weight, head.bias, input_ids, loss_mask, targets=planned, compiled=head.compiled
     )
+
+
+def _logits_logps(
+    model: Any,
+    module: Any,
+    inputs: dict[str, Any],
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    keep: int | None,
+    targets: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """:func:`model_sequence_logps` through the model's logits (no chunked head)."""
+    # Log-probs normalise over the real vocabulary only: a shardformer policy that returns the padding columns of
+    # a padded vocabulary as logits (ColossalAI's Qwen2 policy did: coati_kto.families.policies) would shift every
+    # log-prob and train the padding rows. A no-op view when the logits are unpadded.
+    logits = model(**inputs).logits[..., : text_vocab_size(module.config)]
+    planned = targets if logits.shape[1] == keep else None  # a forward that ignored logits_to_keep: all S
+    return sequence_logps(logits, input_ids, loss_mask, targets=planned)
+
+
+# sdpa under another name, which transformers' mask builder does not know: with no mask given it then hands the
+# layers none (sdpa's is_causal) without first reading the device (see causal_sdpa_without_checks).
+CAUSAL_SDPA = "coati_causal_sdpa"
+
+
+@contextlib.contextmanager
+def causal_sdpa_without_checks(config: Any, attention_mask: Any) -> Iterator[None]:
+    """Within: an sdpa model given no attention mask runs sdpa's causal kernel with no host sync.
+
+    transformers 5, given no mask, looks for packed sequences in the position ids (``(mask[:, -1] == 0).all()``,
+    a host sync per forward on a GPU) and, given a 2D mask, asks whether it is all ones (another). Its mask
+    builder skips both for an attention implementation it has no mask function for: the same
+    ``sdpa_attention_forward``, registered as :data:`CAUSAL_SDPA`, with no mask is sdpa with ``is_causal``, as
+    "sdpa" with no mask is. Layers that recompute under activation checkpointing read "sdpa" again: the same
+    kernel on the same (absent) mask. Anything else (a mask given, another kernel) runs unchanged.
+    """
+    if attention_mask is not None or getattr(config, "_attn_implementation", None) != "sdpa":
+        yield
+        return
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
+    config._attn_implementation = CAUSAL_SDPA
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"
 
 
 def forward_inputs(config: Any, **inputs: Any) -> dict[str, Any]:

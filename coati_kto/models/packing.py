@@ -96,32 +96,31 @@ def _compiled_block_mask() -> Callable[..., Any]:
 
 
 def padded_attention(model: Any, view: TokenView) -> Any:
-    """The attention mask to give ``model`` for the padded ``view``: what transformers would build from
-    ``view.attention_mask``, without the device read behind it.
+    """The attention mask to give ``model`` for the right-padded ``view``: none where the layers attend causally
+    without a window, so sdpa runs its own causal kernel (flash on a GPU) on padded rows too.
 
-    sdpa: transformers first asks the device whether the 2D mask is all ones (then sdpa's own causal kernel runs,
-    with no mask), a host sync per pass. Here the collator knows (``TokenView.padded``): without padding, None
-    where transformers would skip the mask (no window, or one longer than the rows), else the same 4D bool mask
-    it builds (causal, the row's tokens as keys, the layer type's window), by broadcasts: the same kernel on the
-    same mask, bit for bit. Other kernels, an unplanned view, windows no 4D mask reproduces, or a family that
-    reads its positions from the 2D mask (``MASK_POSITION_FAMILIES``) get the 2D mask.
+    Rows are right-padded: a real token's causal keys are all real, so masking the padding keys changes only the
+    padding positions' outputs, which no log-prob, loss or gradient reads (their head positions are dropped, so
+    their gradient is 0). transformers would build a dense [B, 1, L, L] mask from the 2D one as soon as one row is
+    padded (after asking the device whether it is all ones: a host sync per pass), and sdpa takes its slower
+    masked kernel for it. Layers with a sliding window shorter than the row get the window's 4D bool mask, by
+    broadcasts. Other kernels, an unplanned view, windows no 4D mask reproduces, or a family that reads its
+    positions from the 2D mask (``MASK_POSITION_FAMILIES``) get the 2D mask.
     """
     config = _config(model)
     windows = packed_masks(config)
     sdpa = getattr(config, "_attn_implementation", None) == "sdpa"
     if not sdpa or view.padded is None or windows is None or config.model_type in MASK_POSITION_FAMILIES:
         return view.attention_mask
-    seq = view.input_ids.shape[1]
+    rows, seq = view.input_ids.shape
     col = torch.arange(seq, device=view.input_ids.device)
-    keys = view.attention_mask.bool()[:, None, None, :]  # [B, 1, 1, K]
 
     def build(window: int | None) -> torch.Tensor | None:
-        if not view.padded and (window is None or seq < window):
-            return None  # transformers' skip: sdpa's is_causal
-        allowed = col[None, :] <= col[:, None]  # [Q, K] causal
-        if window is not None:  # transformers' sliding window: key > query - window
-            allowed = allowed & (col[None, :] > col[:, None] - window)
-        return allowed[None, None] & keys  # [B, 1, Q, K]
+        if window is None or seq < window:
+            return None  # sdpa's is_causal
+        # transformers' sliding window: causal, and key > query - window
+        allowed = (col[None, :] <= col[:, None]) & (col[None, :] > col[:, None] - window)
+        return allowed[None, None].expand(rows, 1, seq, seq)  # [B, 1, Q, K]
 
     return _by_layer_type(windows, build)
 

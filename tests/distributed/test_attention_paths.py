@@ -1,5 +1,5 @@
 """The attention path every pass of a KTO step takes (coati_kto.testing.kernels, per model pass): padded sdpa
-passes hand the kernel a dense mask; what model.attn_implementation auto runs on a GPU (flex_attention, every
+passes run sdpa's causal kernel with no mask, the shared-prompt passes hand it a dense mask; what model.attn_implementation auto runs on a GPU (flex_attention, every
 pass padding-free, the shared-prompt passes folded) puts every pass on a flex block mask, none on a dense mask.
 One process, one optimizer step of two micro-batches, counted after a first step."""
 
@@ -41,9 +41,11 @@ def test_every_pass_of_a_flex_step_is_on_a_block_mask(tiny_model_dir: Path, tmp_
     padded, flex = run_distributed(_both, 1, str(tiny_model_dir), str(tmp_path))[0]
     print(f"sdpa padded: {padded}\nflex padding-free: {flex}")
     # Per micro-batch: the reference's shared-prompt pass and the policy's KL pass, then its gradient pass
-    # (padded: the shared-prompt pass on the project's 4D mask, the policy's own passes on transformers').
+    # (padded: the shared-prompt pass on the project's 4D mask; the policy's own passes over right-padded rows
+    # on sdpa's causal kernel with no mask: they were on a dense mask too, and took no flash kernel on a GPU).
     layers = 2  # the tiny model's
     assert len(padded["attention"]) == len(flex["attention"]) == 2 * 3
-    assert all(path == f"sdpa dense mask x{layers}" for path in padded["attention"]), padded
+    dense, causal = f"sdpa dense mask x{layers}", f"sdpa causal no mask x{layers}"
+    assert padded["attention"] == [dense, causal, dense, causal, causal, causal], padded
     assert all(path == f"flex block mask x{layers}" for path in flex["attention"]), flex
     assert flex["syncs"] == padded["syncs"] == 1  # the step's one metric read: block masks read nothing back
