@@ -1,8 +1,7 @@
 """The one config schema: every section and key of the YAML file, its type, default and check (pydantic).
 
-Unknown keys are errors (a typo must not silently fall back to a default); cross-key checks are model
-validators, so every mistake is reported at once. Loading, overrides and error text: ``coati_kto.config.load``.
-"""
+Unknown keys are errors (a typo must not silently fall back to a default); cross-key checks are model validators,
+so every mistake is reported at once. Loading, overrides and error text: ``coati_kto.config.load``."""
 
 from __future__ import annotations
 
@@ -205,6 +204,7 @@ class TrainSection(_Section):
     lr: float = Field(5e-7, gt=0.0, description="Peak learning rate (AdamW).")
     weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
     optimizer_state_dtype: Literal["fp32", "bf16"] = Field("fp32", description="dtype of AdamW's moments")
+    fused_optimizer: bool = Field(False, description="bf16: AdamW and its two casts in one compiled pass.")
     warmup_steps: int = Field(
         0, ge=0, description="Linear warmup steps; step k of them uses lr * k / (warmup_steps + 1)."
     )

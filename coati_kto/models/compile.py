@@ -20,24 +20,10 @@ from typing import Any
 import torch
 from torch import nn
 
-# The innermost hook wraps every compiled call: hook(region, args, kwargs) -> output. Testing code only (the
-# kernel counter); empty in training.
-REGION_HOOKS: list[Callable[[CompiledForward, tuple, dict], Any]] = []
+from coati_kto.parallel.compiled import REGION_HOOKS, CompiledForward
 
-
-class CompiledForward:
-    """A function (a layer's bound ``forward``, a head chunk) and its compiled twin; calls the compiled one
-    (through ``REGION_HOOKS``). ``context``: "model" (a decoder layer) or "head" (the LM head's chunks)."""
-
-    def __init__(self, forward: Callable[..., Any], context: str = "model") -> None:
-        self.eager, self.context = forward, context
-        self.compiled = torch.compile(forward, dynamic=True)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if REGION_HOOKS:
-            return REGION_HOOKS[-1](self, args, kwargs)
-        return self.compiled(*args, **kwargs)
-
+# REGION_HOOKS and CompiledForward live one layer down, shared with the optimizer step; importable from here too.
+__all__ = ["REGION_HOOKS", "CompiledForward", "compile_layers", "maybe_compile"]
 
 _HEAD_CHUNKS: dict[Callable[..., Any], CompiledForward] = {}
 

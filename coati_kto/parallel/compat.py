@@ -334,6 +334,7 @@ def make_optimizer(
     fused_ok: bool = True,
     state_dtype: str = "fp32",
     cpu_offload: bool = False,
+    mixed_step: bool = False,
 ) -> torch.optim.Optimizer:
     """The run's AdamW: ``torch.optim.AdamW(fused=True)`` on every device (one ``_fused_adamw_`` kernel per step
     over each device and dtype group: the same op on CPU and CUDA, so the CPU's kernel count is the GPU's).
@@ -341,7 +342,13 @@ def make_optimizer(
     ``cpu_offload`` on CUDA: ColossalAI's HybridAdam (upstream's optimizer for offload: its CPU Adam for the
     CPU-side masters). ``fused_ok`` False: the single-tensor ``torch.optim.AdamW`` (the reference update).
     ``state_dtype`` bf16: the project's AdamW with bf16 moments on every device (coati_kto.parallel.adamw).
+    ``mixed_step`` (``train.fused_optimizer``): ``MixedAdamW``, torch's fused AdamW whose plugin step is one
+    compiled mixed-precision pass (coati_kto.parallel.mixed_adamw).
     """
+    if mixed_step:
+        from coati_kto.parallel.mixed_adamw import MixedAdamW
+
+        return MixedAdamW(params, lr=lr, weight_decay=weight_decay)
     if state_dtype == "bf16":
         from coati_kto.parallel.adamw import AdamWLowPrecisionStates
 
@@ -358,8 +365,9 @@ def make_optimizer(
 def optimizer_for(params: Any, train: Any, cpu_offload: bool = False) -> torch.optim.Optimizer:
     """``make_optimizer`` with the ``train`` section's lr, weight_decay and optimizer_state_dtype."""
     return make_optimizer(
-        params, train.lr, train.weight_decay, state_dtype=train.optimizer_state_dtype, cpu_offload=cpu_offload
-    )
+        params, train.lr, train.weight_decay, state_dtype=train.optimizer_state_dtype, cpu_offload=cpu_offload,
+        mixed_step=train.fused_optimizer,
+    )  # fmt: skip
 
 
 def _route_policies_to_the_project() -> None:

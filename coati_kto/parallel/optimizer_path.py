@@ -209,6 +209,92 @@ def _set_master_grads(sources: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
             master.grad = grad
 
 
+def fused_zero(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is a ZeRO optimizer over ``MixedAdamW`` that ``install_fused_zero`` applies to: one
+    ZeRO group, fp32 masters on the device, no asynchronous all-gather, no fp8 communication."""
+    from colossalai.zero.low_level.low_level_optim import LowLevelZeroOptimizer
+
+    return (
+        isinstance(optimizer, LowLevelZeroOptimizer)
+        and _fused(optimizer)
+        and len(optimizer.pg_to_bucket_store) == 1
+        and not optimizer._cpu_offload
+        and optimizer._master_weights
+        and not optimizer._overlap_allgather
+        and not optimizer._fp8_communication
+    )
+
+
+def install_fused_zero(optimizer: Any) -> bool:
+    """Give this ZeRO optimizer the one-pass mixed-precision step (``_fused_zero_step``) where ``fused_zero``
+    says so; returns whether it did. Every rank calls after ``booster.boost`` (after ``install_single_rank_zero``,
+    whose gradient store it keeps). Idempotent."""
+    if not fused_zero(optimizer):
+        return False
+    optimizer.step = types.MethodType(_fused_zero_step, optimizer)
+    return True
+
+
+def _fused_zero_step(self: Any, closure: Any = None) -> None:
+    """``LowLevelZeroOptimizer.step`` with ``MixedAdamW``: the same gradient partitions, norm and clipping (its
+    coefficient folded into the update); each master updated from its working-dtype gradient in one pass that
+    writes the working weight (one ZeRO rank) or the working-dtype partition upstream all-gathers (several)."""
+    from colossalai.zero.low_level._utils import calculate_global_norm_from_list
+
+    if closure is not None:
+        raise ValueError("closure is not supported by step()")
+    if not self.require_grad_sync:
+        return
+    if self.mixed_precision_mixin is not None and self.mixed_precision_mixin.should_skip_step():
+        self.zero_grad()
+        return
+    store = next(iter(self.pg_to_grad_store.values()))
+    single = store.world_size == 1
+    triples, gathers, norms = [], [], []
+    for group_id in range(self.num_param_groups):
+        masters = self._master_param_groups_of_current_rank[group_id]
+        for working, master in zip(self._working_param_groups[group_id], masters, strict=True):
+            grads = store.get_partitioned_gradients_by_param_id(group_id, id(working))
+            if grads:  # a parameter without gradient (a dropped layer) is not updated, as upstream
+                grad = grads[0 if self._partition_grads else store.local_rank]
+                target = working.data if single else torch.empty_like(master, dtype=self._dtype)
+                triples.append((master, grad, target))
+                gathers.append((working, target))
+        gradients = store.get_working_grads_by_group_id(group_id)
+        norms.append(self._compute_grad_norm(dp_pg=store.torch_pg, gradients=gradients))
+    total = calculate_global_norm_from_list(norm_list=norms)
+    self._current_grad_norm = total
+    with self.optim.mixed(triples, clip_coefficient(total, self._clip_grad_norm, loss_scale(self))):
+        self.optim.step()
+    if not single:
+        _gather_partitions(self, gathers)
+
+
+def _gather_partitions(self: Any, pairs: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
+    """Each (working parameter, this rank's updated working-dtype partition) all-gathered into the parameter
+    through upstream's buckets, in the same order and sizes as ``LowLevelZeroOptimizer.step`` (every rank)."""
+    from colossalai.zero.low_level._utils import all_gather_into_flat_tensor_nd
+    from colossalai.zero.low_level.bookkeeping import TensorBucket
+
+    buckets = {
+        pg: TensorBucket(self.pg_to_bucket_store[pg].reduce_bucket_size) for pg in self.pg_to_param_list
+    }
+    self.pg_to_tensor_bucket = buckets
+    for working, part in pairs:
+        pg = self.param_to_pg[working]
+        if part.numel() > buckets[pg].max_size:
+            all_gather_into_flat_tensor_nd(self._working_param_to_padded_working_param[working], part, pg)
+            continue
+        try:
+            buckets[pg].add_to_bucket(part, write_back_tensor=working)
+        except RuntimeError:  # full: upstream gathers it and starts the next
+            buckets[pg].all_gather(pg, fp8_communication=False)
+            buckets[pg].add_to_bucket(part, write_back_tensor=working)
+    for pg, bucket in buckets.items():
+        if not bucket.is_empty():
+            bucket.all_gather(pg, fp8_communication=False)
+
+
 def install_mixed_precision_step(optimizer: Any) -> bool:
     """Give the AMP optimizer (hybrid zero 0, bf16 / fp16: ``MixedPrecisionOptimizer``) a step whose two casts,
     working gradients to fp32 and updated masters to working weights, are one multi-tensor copy each instead of
@@ -222,25 +308,45 @@ def install_mixed_precision_step(optimizer: Any) -> bool:
 
 
 def _mixed_precision_step(self: Any, *args: Any, **kwargs: Any) -> None:
-    """``MixedPrecisionOptimizer.step`` (ColossalAI 0.5.0) with multi-tensor casts."""
+    """``MixedPrecisionOptimizer.step`` (ColossalAI 0.5.0) with multi-tensor casts; with ``MixedAdamW`` (the
+    project's one-pass mixed-precision AdamW) no cast at all: it reads the working gradients and writes the
+    working weights."""
     if self.mixed_precision.should_skip_step():
         self.zero_grad()
         return
     pairs = [(m, self.master_to_working_map[m]) for g in self.optim.param_groups for m in g["params"]]
-    pairs = [(m, w) for m, w in pairs if m is not w]  # fp32 parameters are their own masters
-    sources = [(m, w.grad.data) for m, w in pairs if w.grad is not None]
-    for _, working in pairs:
-        working.grad = None
-    _set_master_grads(sources)
+    triples = [
+        (m, w.grad.data, w.data) for m, w in pairs if w.grad is not None
+    ]  # fp32 ones: their own masters
+    for master, working in pairs:
+        if master is not working:
+            working.grad = None
+    fused = _fused(self)
+    if not fused:
+        _set_master_grads([(m, g) for m, g, w in triples if m is not w])
     total_norm = 0.0
     if self.max_norm > 0:  # the norm handed over by given_norm (install_clipping), or upstream's
-        grads = [(self.master_to_working_map[p], p.grad) for g in self.param_groups for p in g["params"]]
+        grads = [(self.master_to_working_map[m], g) for m, g, _ in triples] if fused else [
+            (self.master_to_working_map[p], p.grad) for g in self.param_groups for p in g["params"]]  # fmt: skip
         total_norm = self._compute_grad_norm([(w, grad) for w, grad in grads if grad is not None])
         self._current_grad_norm = total_norm
+    if fused:  # the clipping coefficient amp_unscale_and_clip would multiply by, folded into the update
+        norm = self._coati_norm if getattr(self, "_coati_norm", None) is not None else total_norm
+        with self.optim.mixed(triples, clip_coefficient(norm, self.max_norm, loss_scale(self))):
+            self.optim.step(*args, **kwargs)
+        return
     self._unscale_and_clip_grads(total_norm)
     self.optim.step(*args, **kwargs)
     with torch.no_grad():
-        _foreach_copy([w.data for _, w in pairs], [m.data for m, _ in pairs])
+        done = [(w, m) for m, w in pairs if m is not w]
+        _foreach_copy([w.data for w, _ in done], [m.data for _, m in done])
+
+
+def _fused(optimizer: Any) -> bool:
+    """Whether ``optimizer`` (a plugin's) steps with the one-pass mixed-precision AdamW (``train.fused_optimizer``)."""
+    from coati_kto.parallel.mixed_adamw import MixedAdamW
+
+    return isinstance(getattr(optimizer, "optim", None), MixedAdamW)
 
 
 def single_rank_ddp_plugin(**kwargs: Any) -> Any:

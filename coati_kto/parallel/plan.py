@@ -253,6 +253,7 @@ class ParallelPlan:
         optimizer_path.install_clipping(optimizer)
         optimizer_path.install_single_rank_zero(optimizer)
         optimizer_path.install_mixed_precision_step(optimizer)
+        optimizer_path.install_fused_zero(optimizer)  # train.fused_optimizer (MixedAdamW) under ZeRO
         return policy, optimizer, lr_scheduler
 
     def build_reference(self, plugin: Any, model: nn.Module) -> nn.Module:

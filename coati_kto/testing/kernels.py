@@ -87,7 +87,12 @@ _PLACES: tuple[tuple[str, str | None, str], ...] = (
     ("coati_kto/models/packing", "score", HEAD),
     ("coati_kto/models/lm_head", None, HEAD),
 )
-_REGION_TAGS = {"model": (MODEL, False, False), "head": (HEAD, False, False)}  # compiled regions' contexts
+# compiled regions' contexts (coati_kto.parallel.compiled)
+_REGION_TAGS = {
+    "model": (MODEL, False, False),
+    "head": (HEAD, False, False),
+    "optimizer": (OPTIMIZER, False, False),
+}
 _BACKWARD = {"backward", "grad"}  # Tensor.backward, torch.autograd.backward / grad
 _place_cache: dict[Any, str | None] = {}
 

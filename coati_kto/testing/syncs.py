@@ -13,7 +13,8 @@ GPU step pays. Counted:
   ``coati_kto.parallel.compat`` installs, counted all the same), ``torch.cuda.synchronize``, CUDA stream and
   event ``synchronize``.
 
-torch.optim's own ``.item()`` on its step counters is not counted: they live on the host (capturable=False).
+torch.optim's own ``.item()`` on its step counters is not counted: they live on the host (capturable=False);
+nor are dynamo's guards on host scalars (``_reads_host_values``).
 """
 
 from __future__ import annotations
@@ -62,13 +63,16 @@ def _bool_index(func: Any, args: tuple) -> bool:
     return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
 
 
-def _in_torch_optimizer() -> bool:
-    """torch.optim's step counters live on the CPU (capturable=False): their ``.item()`` never waits for a GPU."""
+def _reads_host_values() -> bool:
+    """A read that never waits for a GPU: torch.optim's step counters (on the CPU: capturable=False), and
+    dynamo's guards, which read values only of host scalars (``MixedAdamW``'s lr and coefficients, 0-dim CPU
+    tensors; a device tensor is guarded by its metadata)."""
     frame = sys._getframe(2)
-    for _ in range(8):
+    for _ in range(10):
         if frame is None:
             return False
-        if "torch/optim/" in frame.f_code.co_filename:
+        code = frame.f_code
+        if "torch/optim/" in code.co_filename or (code.co_filename == "<string>" and code.co_name == "guard"):
             return True
         frame = frame.f_back
     return False
@@ -122,7 +126,7 @@ class SyncRecord:
         return sum(self.by_op.values())
 
     def add(self, kind: str) -> None:
-        if _in_torch_optimizer():
+        if _reads_host_values():
             return
         self.by_op[kind] += 1
         self.by_place[_caller()] += 1
