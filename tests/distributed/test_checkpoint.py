@@ -24,7 +24,9 @@ BF16 = {"name": "hybrid_parallel", "zero_stage": 2, "precision": "bf16"}
 PLUGINS = {"fp32": FP32, "bf16": BF16, "bf16_states": BF16}
 
 
-def _setup(model_dir: str, plugin_kw: dict, root: str, state_dtype: str = "fp32") -> dict[str, Any]:
+def _setup(
+    model_dir: str, plugin_kw: dict, root: str, state_dtype: str = "fp32", mixed_step: bool = False
+) -> dict[str, Any]:
     from colossalai.booster import Booster
     from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
 
@@ -37,10 +39,18 @@ def _setup(model_dir: str, plugin_kw: dict, root: str, state_dtype: str = "fp32"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     plugin = ParallelPlan.from_section(PluginSection(**plugin_kw), max_grad_norm=1.0).build_plugin()
     layout = ParallelLayout.from_plugin(plugin)
-    optimizer = compat.make_optimizer(model.parameters(), lr=3e-3, weight_decay=0.01, state_dtype=state_dtype)
+    optimizer = compat.make_optimizer(
+        model.parameters(), lr=3e-3, weight_decay=0.01, state_dtype=state_dtype, mixed_step=mixed_step
+    )
     scheduler = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=1, num_training_steps=10)
     booster = Booster(plugin=plugin)
     model, optimizer, _, _, scheduler = booster.boost(model, optimizer, lr_scheduler=scheduler)
+    if mixed_step:  # what ParallelPlan.boost installs (train.fused_optimizer)
+        from coati_kto.parallel import optimizer_path
+
+        optimizer_path.install_clipping(optimizer)
+        optimizer_path.install_mixed_precision_step(optimizer)
+        optimizer_path.install_fused_zero(optimizer)
     gen = torch.Generator().manual_seed(100 + layout.dp_rank)
     pool = torch.randint(3, model.unwrap().config.vocab_size, (8, 32), generator=gen)
     seed_everything(1234 + layout.rank)  # different RNG streams per rank
