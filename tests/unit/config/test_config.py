@@ -304,3 +304,23 @@ def test_model_compile_is_refused_where_it_is_not_proven(tmp_path: Path) -> None
     assert _errors(path, ["model.compile=auto", "model.attn_implementation=flex_attention"]) == [
         f"{path}: model.compile is not proven with model.attn_implementation flex_attention {fix}"
     ]
+
+
+def test_fused_optimizer_is_refused_where_it_is_not_proven(tmp_path: Path) -> None:
+    path = write_config(tmp_path, MINIMAL)
+    assert load_config(path, []).train.fused_optimizer is False
+    for plugin in (["plugin.name=low_level_zero"], ["plugin.zero_stage=0"], []):  # bf16 by default
+        assert load_config(path, ["train.fused_optimizer=true", *plugin]).train.fused_optimizer is True
+    fix = (
+        "(set train.fused_optimizer=false; proven: bf16 hybrid_parallel tp_size 1 and low_level_zero, fp32 "
+        "states, no LoRA, no cpu_offload)"
+    )
+    on = "train.fused_optimizer=true"
+    assert _errors(path, [on, "plugin.name=ddp", "plugin.precision=fp32", "plugin.zero_stage=0"]) == [
+        f"{path}: train.fused_optimizer is not proven with plugin ddp precision fp32 (it fuses bf16 masters' "
+        f"casts) {fix}"
+    ]
+    assert _errors(path, [on, "plugin.cpu_offload=true", "train.optimizer_state_dtype=bf16"]) == [
+        f"{path}: train.fused_optimizer is not proven with plugin.tp_size 1 cpu_offload True {fix}",
+        f"{path}: train.fused_optimizer is not proven with train.optimizer_state_dtype bf16 or model.lora {fix}",
+    ]
