@@ -64,6 +64,7 @@ _PLACES: tuple[tuple[str, str | None, str], ...] = (
     ("/torch/autograd/__init__", "_make_grads", LOSS),  # the backward's seed (a ones_like of the loss)
     ("/torch/optim/", None, OPTIMIZER),
     ("coati_kto/parallel/optimizer_path", None, OPTIMIZER),
+    ("coati_kto/parallel/mixed_adamw", None, OPTIMIZER),
     ("/colossalai/nn/optimizer/", None, OPTIMIZER),
     ("/torch/nn/utils/clip_grad", None, NORM),
     ("coati_kto/parallel/grad_norm", None, NORM),
