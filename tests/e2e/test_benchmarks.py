@@ -175,6 +175,19 @@ def test_logprobs_bench_head_smoke() -> None:
     assert all(math.isfinite(v) for v in numbers(ratio)), ratio
 
 
+def test_optimizer_bench_smoke() -> None:
+    """The bf16 optimizer step: today's casts around torch's fused AdamW (4 kernels, 40 bytes per parameter)
+    against train.fused_optimizer's one compiled pass (28 bytes; one C++ kernel for the 21 tensors)."""
+    out = smoke("optimizer_bench.py")
+    rows = {
+        line.split()[0]: numbers(line) for line in out.splitlines() if line.startswith(("cast+", "mixed"))
+    }
+    assert set(rows) == {"cast+fused", "mixed"}, out
+    for first_s, step_ms, kernels, per_param in rows.values():
+        positive_finite([first_s, step_ms, kernels, per_param], out)
+    assert rows["cast+fused"][2:] == [4, 40.0] and rows["mixed"][2:] == [1, 28.0], rows
+
+
 def test_prepare_bench_smoke() -> None:
     out = smoke("prepare_bench.py")
     m = re.search(r"cold (\S+) s = (\S+) examples/s \((\S+) tokens/s", out)
