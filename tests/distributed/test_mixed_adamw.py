@@ -22,6 +22,7 @@ from test_trainer import _build, _config, _rank_loader
 
 from coati_kto.testing.distributed import run_distributed
 
+pytestmark = pytest.mark.compile  # inductor builds the step's C++ kernels
 PLUGINS = {  # name -> (plugin section, data-parallel size)
     "hybrid_zero2_dp2": ({"name": "hybrid_parallel", "zero_stage": 2, "precision": "bf16"}, 2),
     "low_level_zero2_dp2": ({"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"}, 2),

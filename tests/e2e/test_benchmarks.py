@@ -175,6 +175,7 @@ def test_logprobs_bench_head_smoke() -> None:
     assert all(math.isfinite(v) for v in numbers(ratio)), ratio
 
 
+@pytest.mark.compile
 def test_optimizer_bench_smoke() -> None:
     """The bf16 optimizer step: today's casts around torch's fused AdamW (4 kernels, 40 bytes per parameter)
     against train.fused_optimizer's one compiled pass (28 bytes; one C++ kernel for the 21 tensors)."""

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from coati_kto.parallel.mixed_adamw import MixedAdamW
 from coati_kto.testing.kernels import KernelCounter
 
+pytestmark = pytest.mark.compile  # inductor builds the step's C++ kernel
 SHAPES = [(64, 32), (32,), (128, 64), (64,)]
 
 
