@@ -125,6 +125,20 @@ def padded_attention(model: Any, view: TokenView) -> Any:
     return _by_layer_type(windows, build)
 
 
+def padded_logps(model: Any, view: TokenView, head: LMHead | None) -> torch.Tensor:
+    """Completion log-probs [B] fp32 of ``model`` on the right-padded ``view``: its planned completion positions,
+    the mask :func:`padded_attention` gives (graph only under grad)."""
+    return model_sequence_logps(
+        model,
+        view.input_ids,
+        padded_attention(model, view),
+        view.loss_mask,
+        head,
+        view.keep,
+        view.targets(),
+    )
+
+
 def _by_layer_type(windows: dict[str, int | None], build: Callable[[int | None], Any]) -> Any:
     """``build(window)`` once per distinct window (:func:`~coati_kto.families.packed_masks`), handed out as the
     model takes masks: one, or a mapping per layer type where layers mix windows."""

@@ -148,17 +148,25 @@ def _store_gradient(self: Any, param: torch.nn.Parameter, group_id: int) -> None
     self._add_grad(grad, 1, group_id, id(param))
 
 
+def _steps(self: Any, closure: Any) -> bool:
+    """Whether a ZeRO ``step`` updates now, as upstream decides: not inside accumulation (no gradient sync), not
+    when the fp16 loss scale skips the step (its gradients are then dropped)."""
+    if closure is not None:
+        raise ValueError("closure is not supported by step()")
+    if not self.require_grad_sync:
+        return False
+    if self.mixed_precision_mixin is not None and self.mixed_precision_mixin.should_skip_step():
+        self.zero_grad()
+        return False
+    return True
+
+
 def _single_rank_step(self: Any, closure: Any = None) -> None:
     """``LowLevelZeroOptimizer.step`` at one rank: the same gradients, norm, clipping and update; each updated fp32
     master cast once into its working parameter instead of through a flattened all-gather bucket."""
     from colossalai.zero.low_level._utils import calculate_global_norm_from_list
 
-    if closure is not None:
-        raise ValueError("closure is not supported by step()")
-    if not self.require_grad_sync:
-        return
-    if self.mixed_precision_mixin is not None and self.mixed_precision_mixin.should_skip_step():
-        self.zero_grad()
+    if not _steps(self, closure):
         return
     store = next(iter(self.pg_to_grad_store.values()))
     live: dict[int, list[tuple[torch.nn.Parameter, torch.Tensor]]] = {}
@@ -241,12 +249,7 @@ def _fused_zero_step(self: Any, closure: Any = None) -> None:
     writes the working weight (one ZeRO rank) or the working-dtype partition upstream all-gathers (several)."""
     from colossalai.zero.low_level._utils import calculate_global_norm_from_list
 
-    if closure is not None:
-        raise ValueError("closure is not supported by step()")
-    if not self.require_grad_sync:
-        return
-    if self.mixed_precision_mixin is not None and self.mixed_precision_mixin.should_skip_step():
-        self.zero_grad()
+    if not _steps(self, closure):
         return
     store = next(iter(self.pg_to_grad_store.values()))
     single = store.world_size == 1

@@ -25,7 +25,7 @@ import torch
 
 from coati_kto.data.batch import KTOBatch, PackedRows, TokenView
 from coati_kto.models.lm_head import LMHead, model_sequence_logps
-from coati_kto.models.packing import can_pack, example_tokens, packed_logps, padded_attention, pair_logps
+from coati_kto.models.packing import can_pack, example_tokens, packed_logps, padded_logps, pair_logps
 from coati_kto.models.router import RouterLoss
 from coati_kto.parallel.plan import ParallelPlan
 from coati_kto.trainer.loss import estimate_kl_raw, preference_loss
@@ -349,15 +349,7 @@ class KTOPasses:
             return model_sequence_logps(
                 model, view.input_ids, view.attention_mask, view.attention_mask, self._lm_head(model)
             )
-        return model_sequence_logps(
-            model,
-            view.input_ids,
-            padded_attention(model, view),
-            view.loss_mask,
-            self._lm_head(model),
-            view.keep,
-            view.targets(),
-        )
+        return padded_logps(model, view, self._lm_head(model))
 
     def _flop_params(self, model: Any) -> int:
         """N of ``model`` for the FLOPs count (coati_kto.trainer.throughput), computed once per model."""

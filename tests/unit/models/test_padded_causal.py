@@ -17,8 +17,8 @@ from torch.overrides import TorchFunctionMode
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 from coati_kto.data.collator import KTOCollator
-from coati_kto.models.lm_head import LMHead, model_sequence_logps
-from coati_kto.models.packing import padded_attention
+from coati_kto.models.lm_head import LMHead
+from coati_kto.models.packing import padded_logps
 from coati_kto.testing.attention_paths import SDPA_CAUSAL, SDPA_DENSE, function_path
 from coati_kto.testing.syncs import HostSyncCounter
 from coati_kto.testing.tiny import random_causal_lm
@@ -54,15 +54,7 @@ def _view(rows: list[list[int]]) -> Any:
 
 
 def _padded_logps(model: Any, view: Any) -> torch.Tensor:
-    return model_sequence_logps(
-        model,
-        view.input_ids,
-        padded_attention(model, view),
-        view.loss_mask,
-        LMHead.find(model),
-        view.keep,
-        view.targets(),
-    )
+    return padded_logps(model, view, LMHead.find(model))
 
 
 def _alone(model: Any, row: list[int]) -> torch.Tensor:

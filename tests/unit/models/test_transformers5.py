@@ -114,7 +114,7 @@ def test_moe_config_asking_for_router_logits_runs_the_passes(tmp_path) -> None:
     from coati_kto.data.collator import KTOCollator
     from coati_kto.families import model_notes
     from coati_kto.models.lm_head import LMHead
-    from coati_kto.models.packing import padded_attention
+    from coati_kto.models.packing import padded_logps
 
     moe = dict(num_local_experts=4, num_experts_per_tok=2, pad_token_id=0)
     asking = random_causal_lm(MixtralForCausalLM, MixtralConfig, output_router_logits=True, **moe).eval()
@@ -125,18 +125,7 @@ def test_moe_config_asking_for_router_logits_runs_the_passes(tmp_path) -> None:
     ]
     view = KTOCollator(0)(features).example
     with torch.no_grad():
-        got, expected = (
-            model_sequence_logps(
-                m,
-                view.input_ids,
-                padded_attention(m, view),
-                view.loss_mask,
-                LMHead.find(m),
-                view.keep,
-                view.targets(),
-            )
-            for m in (asking, plain)
-        )
+        got, expected = (padded_logps(m, view, LMHead.find(m)) for m in (asking, plain))
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
     asking.save_pretrained(tmp_path / "asking")
     plain.save_pretrained(tmp_path / "plain")
@@ -157,7 +146,7 @@ def test_vision_language_gemma3_log_probs_keep_the_sliding_window() -> None:
     from coati_kto.families import vision_language
     from coati_kto.models.hf import freeze_vision_tower
     from coati_kto.models.lm_head import LMHead
-    from coati_kto.models.packing import padded_attention
+    from coati_kto.models.packing import padded_logps
     from coati_kto.testing.tiny import build_family_model, build_tokenizer
 
     tokenizer = build_tokenizer(["The capital of France is Paris. Please add 2 and 3."] * 20, vocab_size=300)
@@ -171,15 +160,7 @@ def test_vision_language_gemma3_log_probs_keep_the_sliding_window() -> None:
     ]
     view = KTOCollator(0)(features).example
     with torch.no_grad():
-        got = model_sequence_logps(
-            model,
-            view.input_ids,
-            padded_attention(model, view),
-            view.loss_mask,
-            None,
-            view.keep,
-            view.targets(),
-        )
+        got = padded_logps(model, view, None)
         logits = model(input_ids=view.input_ids, attention_mask=view.attention_mask).logits.float()
     token = logits[:, :-1].log_softmax(-1).gather(2, view.input_ids[:, 1:, None]).squeeze(2)
     expected = (token * view.loss_mask[:, 1:]).sum(1)
@@ -204,7 +185,7 @@ def test_opt_padded_pass_takes_the_2d_mask() -> None:
 
     from coati_kto.data.collator import KTOCollator
     from coati_kto.models.lm_head import LMHead
-    from coati_kto.models.packing import padded_attention
+    from coati_kto.models.packing import padded_logps
 
     config = OPTConfig(vocab_size=64, hidden_size=32, ffn_dim=64, num_hidden_layers=2, num_attention_heads=4,
                        word_embed_proj_dim=32, max_position_embeddings=64, pad_token_id=1,
@@ -217,15 +198,7 @@ def test_opt_padded_pass_takes_the_2d_mask() -> None:
     ]
     view = KTOCollator(1)(features).example
     with torch.no_grad():
-        got = model_sequence_logps(
-            model,
-            view.input_ids,
-            padded_attention(model, view),
-            view.loss_mask,
-            LMHead.find(model),
-            view.keep,
-            view.targets(),
-        )
+        got = padded_logps(model, view, LMHead.find(model))
         expected = []
         for r in rows:
             logits = model(input_ids=torch.tensor([r])).logits[0, :-1].float().log_softmax(-1)
