@@ -43,6 +43,19 @@ if TYPE_CHECKING:
     from coati_kto.parallel.distributed import ParallelLayout
 
 
+# torch DDP (ddp, hybrid_parallel ZeRO-0, at more than one data-parallel rank) told to expect parameters that get
+# no gradient in a backward: cross-attention without an encoder, sparse indexers (19 transformers types: bart,
+# whisper, git, deepseek_v32, ...), an MoE expert no token of a rank's micro-batch reached. Without it DDP's second
+# step fails ("Expected to have finished reduction in the prior iteration"). Always on rather than probed: which
+# parameters go unused can change from step to step and rank to rank (experts), which neither a probe before
+# boosting nor ``static_graph`` (it refuses a parameter first used later) can know. Globally unused parameters keep
+# ``grad`` None (AdamW skips them, as on one process); ordinary models train the same bit for bit
+# (tests/regression). Cost: one walk of the autograd graph per gradient forward and one all-reduce of a flag per
+# parameter per backward (docs/performance.md). Reentrant activation checkpointing would clash (DDP cannot follow
+# the recomputation), which is why train.py enables the non-reentrant kind. ZeRO (stages 1, 2) never uses DDP.
+FIND_UNUSED_PARAMETERS = True
+
+
 def running_zero_stage(section: PluginSection, dp_size: int | None) -> int:
     """The ZeRO stage the run uses: ``plugin.zero_stage``, except hybrid_parallel on one data-parallel rank.
 
@@ -215,6 +228,8 @@ class ParallelPlan:
                 # Full logits on every tensor-parallel rank: the log-prob gather needs the whole vocabulary row.
                 parallel_output=False,
                 custom_policy=corrected_policy(self.model_class, self.tp_size),
+                # Used only where the model gets torch DDP: zero_stage 0 at more than one data-parallel rank.
+                find_unused_parameters=FIND_UNUSED_PARAMETERS,
                 **device_kwargs,
             )
         if self.plugin == "low_level_zero":
@@ -232,7 +247,7 @@ class ParallelPlan:
             # resumed cached-reference run). The buffers (rotary frequencies, scales) are equal on every rank.
             if self.dp_size == 1:  # nothing to reduce: no DDP buckets (coati_kto.parallel.optimizer_path)
                 return optimizer_path.single_rank_ddp_plugin(broadcast_buffers=False)
-            return TorchDDPPlugin(broadcast_buffers=False)
+            return TorchDDPPlugin(broadcast_buffers=False, find_unused_parameters=FIND_UNUSED_PARAMETERS)
         raise ConfigError(f"plugin.name {self.plugin} cannot be built (the config check refuses it)")
 
     def boost(
