@@ -2,9 +2,10 @@
 
     python benchmarks/ddp_unused_bench.py [--steps 40 --hidden 64 --layers 2 --micro-batch-size 8 --tokens 192]
 
-The project builds DDP (ddp, hybrid_parallel ZeRO-0 at more than one data-parallel rank) with it on
-(``coati_kto.parallel.plan.FIND_UNUSED_PARAMETERS``): one walk of the autograd graph after each gradient forward
-and one all-reduce of a used-flag per parameter after each backward. Both ranks hold two copies of the same
+The project turns it on only for a policy with trainable parameters one forward leaves unreached
+(``coati_kto.parallel.unused``, from ``ParallelPlan.boost``): on, it costs one walk of the autograd graph after each
+gradient forward and one used-flag per parameter, read on the host and all-reduced, after each backward; this
+measures that cost on a model that would not need it. Both ranks hold two copies of the same
 Llama, each boosted by TorchDDPPlugin, one with the flag on and one off, and alternate their steps (forward,
 backward, AdamW step), so a shared machine's load falls on both alike. Figures: median process CPU ms and
 wall ms per step of each, rank 0's, and the difference. A language-model loss step only: a KTO step adds

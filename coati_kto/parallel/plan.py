@@ -7,7 +7,8 @@ questions the rest of the code would otherwise ask the plugin object:
 - ``build_plugin()``: the ColossalAI plugin, with the device-specific settings (coati_kto.parallel.compat);
 - ``zero_stage``: the stage that runs, which is 0 for hybrid_parallel on one data-parallel rank
   (``running_zero_stage``: nothing to shard there, and the updates are the same bit for bit);
-- ``boost(...)``: the policy, optimizer and schedule boosted, what transformers keeps in fp32 kept in fp32;
+- ``boost(...)``: the policy, optimizer and schedule boosted, what transformers keeps in fp32 kept in fp32, torch
+  DDP told to look for unused parameters where the policy has some (``torch_ddp``, ``coati_kto.parallel.unused``);
 - ``build_reference(plugin, model)``: the frozen reference through the same plugin path as the policy (same
   shardformer sharding, same dtype cast, same fp32 tensors), so that at step 0 both give identical log-probs;
 - ``no_sync_accumulation``: whether accumulation micro-batches may skip the gradient reduction;
@@ -37,23 +38,11 @@ from coati_kto.families.policies import corrected_policy
 from coati_kto.parallel import compat, optimizer_path
 from coati_kto.parallel.fp32_kept import fp32_kept, restore
 from coati_kto.parallel.grad_norm import GradNorm
+from coati_kto.parallel.unused import unreached_parameters
 
 if TYPE_CHECKING:
     from coati_kto.config.schema import Config, PluginSection
     from coati_kto.parallel.distributed import ParallelLayout
-
-
-# torch DDP (ddp, hybrid_parallel ZeRO-0, at more than one data-parallel rank) told to expect parameters that get
-# no gradient in a backward: cross-attention without an encoder, sparse indexers (19 transformers types: bart,
-# whisper, git, deepseek_v32, ...), an MoE expert no token of a rank's micro-batch reached. Without it DDP's second
-# step fails ("Expected to have finished reduction in the prior iteration"). Always on rather than probed: which
-# parameters go unused can change from step to step and rank to rank (experts), which neither a probe before
-# boosting nor ``static_graph`` (it refuses a parameter first used later) can know. Globally unused parameters keep
-# ``grad`` None (AdamW skips them, as on one process); ordinary models train the same bit for bit
-# (tests/regression). Cost: one walk of the autograd graph per gradient forward and one all-reduce of a flag per
-# parameter per backward (docs/performance.md). Reentrant activation checkpointing would clash (DDP cannot follow
-# the recomputation), which is why train.py enables the non-reentrant kind. ZeRO (stages 1, 2) never uses DDP.
-FIND_UNUSED_PARAMETERS = True
 
 
 def running_zero_stage(section: PluginSection, dp_size: int | None) -> int:
@@ -174,6 +163,16 @@ class ParallelPlan:
         return self.plugin == "ddp"
 
     @property
+    def torch_ddp(self) -> bool:
+        """Whether the policy gets wrapped in torch DDP: ddp, or hybrid_parallel at ZeRO-0, unless the run has
+        one data-parallel rank (then neither plugin wraps it: ``optimizer_path.single_rank_ddp_plugin``,
+        ``compat._fix_ddp_on_one_data_parallel_rank``). ``boost`` then tells DDP whether to look for parameters a
+        backward does not reach (``coati_kto.parallel.unused``)."""
+        if self.dp_size == 1:
+            return False
+        return self.plugin == "ddp" or (self.plugin == "hybrid_parallel" and self.zero_stage == 0)
+
+    @property
     def no_sync_accumulation(self) -> bool:
         """Whether micro-batches before a step's last may skip the gradient reduction (``booster.no_sync``).
 
@@ -228,8 +227,6 @@ class ParallelPlan:
                 # Full logits on every tensor-parallel rank: the log-prob gather needs the whole vocabulary row.
                 parallel_output=False,
                 custom_policy=corrected_policy(self.model_class, self.tp_size),
-                # Used only where the model gets torch DDP: zero_stage 0 at more than one data-parallel rank.
-                find_unused_parameters=FIND_UNUSED_PARAMETERS,
                 **device_kwargs,
             )
         if self.plugin == "low_level_zero":
@@ -247,7 +244,7 @@ class ParallelPlan:
             # resumed cached-reference run). The buffers (rotary frequencies, scales) are equal on every rank.
             if self.dp_size == 1:  # nothing to reduce: no DDP buckets (coati_kto.parallel.optimizer_path)
                 return optimizer_path.single_rank_ddp_plugin(broadcast_buffers=False)
-            return TorchDDPPlugin(broadcast_buffers=False, find_unused_parameters=FIND_UNUSED_PARAMETERS)
+            return TorchDDPPlugin(broadcast_buffers=False)
         raise ConfigError(f"plugin.name {self.plugin} cannot be built (the config check refuses it)")
 
     def boost(
@@ -261,6 +258,9 @@ class ParallelPlan:
             model_class = f"{inner.__module__}.{inner.__qualname__}"
             refuse_unadmitted(model_class, self.tp_size, "model.path: ")
             booster.plugin.custom_policy = corrected_policy(model_class, self.tp_size)
+        if self.torch_ddp:  # before DDP is built around the policy: it reads the setting once
+            ddp_kwargs = getattr(booster.plugin, "ddp_kwargs", None) or booster.plugin.ddp_config
+            ddp_kwargs["find_unused_parameters"] = unreached_parameters(policy) != []
         policy, optimizer, _, _, lr_scheduler = booster.boost(policy, optimizer, lr_scheduler=lr_scheduler)
         restore(kept)
         # The project's gradient path after the backward (coati_kto.parallel.optimizer_path): no second norm, no
