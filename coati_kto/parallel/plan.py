@@ -36,6 +36,7 @@ from coati_kto.errors import ConfigError
 from coati_kto.families import model_class_name, refuse_unadmitted
 from coati_kto.families.policies import corrected_policy
 from coati_kto.parallel import compat, optimizer_path
+from coati_kto.parallel.distributed import reduce_sums
 from coati_kto.parallel.fp32_kept import fp32_kept, restore
 from coati_kto.parallel.grad_norm import GradNorm
 from coati_kto.parallel.unused import unreached_parameters
@@ -260,7 +261,10 @@ class ParallelPlan:
             booster.plugin.custom_policy = corrected_policy(model_class, self.tp_size)
         if self.torch_ddp:  # before DDP is built around the policy: it reads the setting once
             ddp_kwargs = getattr(booster.plugin, "ddp_kwargs", None) or booster.plugin.ddp_config
-            ddp_kwargs["find_unused_parameters"] = unreached_parameters(policy) != []
+            # Any rank's answer holds on all (one all-reduce, every rank is here): DDP's used-flags are all-reduced
+            # only where it looks for unused parameters, so ranks built apart would hang at the first backward.
+            unused = float(unreached_parameters(policy) != [])
+            ddp_kwargs["find_unused_parameters"] = reduce_sums({"unused": unused}, None)["unused"] > 0
         policy, optimizer, _, _, lr_scheduler = booster.boost(policy, optimizer, lr_scheduler=lr_scheduler)
         restore(kept)
         # The project's gradient path after the backward (coati_kto.parallel.optimizer_path): no second norm, no

@@ -92,6 +92,8 @@ def _boosted(model_dir: str, plugin_kw: dict, checkpointing: bool) -> dict[str, 
     optimizer = compat.make_optimizer(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     policy, optimizer, _ = plan.boost(booster, model, optimizer, scheduler)
+    ddp = getattr(booster.plugin, "ddp_kwargs", None) or booster.plugin.ddp_config
+    assert ddp["find_unused_parameters"]  # the probe before boosting found ``never`` and ``late`` unreached
     for step in range(1, STEPS + 1):
         for micro in range(ACCUMULATION):
             use["late"] = step >= LATE_FROM and micro == 0 and rank == 0

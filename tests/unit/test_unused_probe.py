@@ -38,6 +38,9 @@ def test_a_causal_lm_reaches_every_parameter_and_unused_ones_are_named(tiny_mode
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).train()
     assert unreached_parameters(model) == []
+    # Non-reentrant activation checkpointing (train.py's) keeps the graph whole; the reentrant kind would not.
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    assert unreached_parameters(model) == []
     model.model.extra = nn.Linear(4, 4)  # a cross-attention without an encoder, in miniature
     model.lm_head.weight.requires_grad_(False)  # frozen parameters are not DDP's concern
     assert unreached_parameters(model) == ["model.extra.weight", "model.extra.bias"]
