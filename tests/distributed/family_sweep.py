@@ -48,8 +48,11 @@ PLUGINS: dict[str, dict[str, Any]] = {
     "low_level_zero": {"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"},
     "hybrid_parallel tp1": {"name": "hybrid_parallel", "zero_stage": 2, "precision": "bf16"},
 }
-# Columns the sweep can run instead (``--plugins``), not swept by default: ddp's torch DDP path.
-OTHER_PLUGINS: dict[str, dict[str, Any]] = {"ddp": {"name": "ddp", "precision": "fp32"}}
+# Columns the sweep can run instead (``--plugins``), not swept by default: the torch DDP paths.
+OTHER_PLUGINS: dict[str, dict[str, Any]] = {
+    "ddp": {"name": "ddp", "precision": "fp32"},
+    "hybrid_parallel zero0 fp32": {"name": "hybrid_parallel", "zero_stage": 0, "precision": "fp32"},
+}
 # Swept first (the MoE families, then the families people align today), then every other type in name order.
 FIRST = (
     "gpt_oss",
