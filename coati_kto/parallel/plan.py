@@ -7,7 +7,8 @@ questions the rest of the code would otherwise ask the plugin object:
 - ``build_plugin()``: the ColossalAI plugin, with the device-specific settings (coati_kto.parallel.compat);
 - ``zero_stage``: the stage that runs, which is 0 for hybrid_parallel on one data-parallel rank
   (``running_zero_stage``: nothing to shard there, and the updates are the same bit for bit);
-- ``boost(...)``: the policy, optimizer and schedule boosted, what transformers keeps in fp32 kept in fp32;
+- ``boost(...)``: the policy, optimizer and schedule boosted, what transformers keeps in fp32 kept in fp32, torch
+  DDP told to look for unused parameters where the policy has some (``torch_ddp``, ``coati_kto.parallel.unused``);
 - ``build_reference(plugin, model)``: the frozen reference through the same plugin path as the policy (same
   shardformer sharding, same dtype cast, same fp32 tensors), so that at step 0 both give identical log-probs;
 - ``no_sync_accumulation``: whether accumulation micro-batches may skip the gradient reduction;
@@ -35,8 +36,10 @@ from coati_kto.errors import ConfigError
 from coati_kto.families import model_class_name, refuse_unadmitted
 from coati_kto.families.policies import corrected_policy
 from coati_kto.parallel import compat, optimizer_path
+from coati_kto.parallel.distributed import reduce_sums
 from coati_kto.parallel.fp32_kept import fp32_kept, restore
 from coati_kto.parallel.grad_norm import GradNorm
+from coati_kto.parallel.unused import unreached_parameters
 
 if TYPE_CHECKING:
     from coati_kto.config.schema import Config, PluginSection
@@ -161,6 +164,16 @@ class ParallelPlan:
         return self.plugin == "ddp"
 
     @property
+    def torch_ddp(self) -> bool:
+        """Whether the policy gets wrapped in torch DDP: ddp, or hybrid_parallel at ZeRO-0, unless the run has
+        one data-parallel rank (then neither plugin wraps it: ``optimizer_path.single_rank_ddp_plugin``,
+        ``compat._fix_ddp_on_one_data_parallel_rank``). ``boost`` then tells DDP whether to look for parameters a
+        backward does not reach (``coati_kto.parallel.unused``)."""
+        if self.dp_size == 1:
+            return False
+        return self.plugin == "ddp" or (self.plugin == "hybrid_parallel" and self.zero_stage == 0)
+
+    @property
     def no_sync_accumulation(self) -> bool:
         """Whether micro-batches before a step's last may skip the gradient reduction (``booster.no_sync``).
 
@@ -246,6 +259,12 @@ class ParallelPlan:
             model_class = f"{inner.__module__}.{inner.__qualname__}"
             refuse_unadmitted(model_class, self.tp_size, "model.path: ")
             booster.plugin.custom_policy = corrected_policy(model_class, self.tp_size)
+        if self.torch_ddp:  # before DDP is built around the policy: it reads the setting once
+            ddp_kwargs = getattr(booster.plugin, "ddp_kwargs", None) or booster.plugin.ddp_config
+            # Any rank's answer holds on all (one all-reduce, every rank is here): DDP's used-flags are all-reduced
+            # only where it looks for unused parameters, so ranks built apart would hang at the first backward.
+            unused = float(unreached_parameters(policy) != [])
+            ddp_kwargs["find_unused_parameters"] = reduce_sums({"unused": unused}, None)["unused"] > 0
         policy, optimizer, _, _, lr_scheduler = booster.boost(policy, optimizer, lr_scheduler=lr_scheduler)
         restore(kept)
         # The project's gradient path after the backward (coati_kto.parallel.optimizer_path): no second norm, no

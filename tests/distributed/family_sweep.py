@@ -17,6 +17,7 @@ same point); a cell that fails otherwise, or runs past ``CELL_TIMEOUT_S``, ends 
 
     python tests/distributed/family_sweep.py --write docs/family_sweep.md   # every type
     python tests/distributed/family_sweep.py --types qwen3_moe mixtral      # some, the table printed
+    python tests/distributed/family_sweep.py --types bart git --plugins ddp # on another plugin (OTHER_PLUGINS)
 
 tests/distributed/test_family_sweep.py runs a representative subset in the normal suite and the whole sweep
 under the ``sweep`` marker (``make test-all``).
@@ -46,6 +47,11 @@ from coati_kto.testing.distributed import run_distributed  # noqa: E402
 PLUGINS: dict[str, dict[str, Any]] = {
     "low_level_zero": {"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"},
     "hybrid_parallel tp1": {"name": "hybrid_parallel", "zero_stage": 2, "precision": "bf16"},
+}
+# Columns the sweep can run instead (``--plugins``), not swept by default: the torch DDP paths.
+OTHER_PLUGINS: dict[str, dict[str, Any]] = {
+    "ddp": {"name": "ddp", "precision": "fp32"},
+    "hybrid_parallel zero0 fp32": {"name": "hybrid_parallel", "zero_stage": 0, "precision": "fp32"},
 }
 # Swept first (the MoE families, then the families people align today), then every other type in name order.
 FIRST = (
@@ -220,8 +226,8 @@ def _lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
 
 
-def run_cells(cells: list[tuple[str, str, str, bool]], root: str) -> dict[str, Any]:
-    """Each ``(model type, model dir, plugin, moe)`` cell's lifecycle in turn on this rank, keyed ``type/plugin``,
+def run_cells(cells: list[tuple[str, str, str, bool, dict]], root: str) -> dict[str, Any]:
+    """Each ``(model type, model dir, plugin name, moe, plugin section)`` cell's lifecycle in turn on this rank, keyed ``type/plugin``,
     each appended to ``root/cells-<rank>.jsonl`` as it completes (a set killed later keeps what it finished).
     Goes on while the ranks end each cell alike (all passed it, or all failed it with the same error); stops
     otherwise (the ranks may no longer agree on their collectives), leaving the rest for a fresh set. A cell past ``CELL_TIMEOUT_S`` records
@@ -237,7 +243,7 @@ def run_cells(cells: list[tuple[str, str, str, bool]], root: str) -> dict[str, A
     gc.collect()
     gc.freeze()
     rank, out = dist.get_rank(), {}
-    for model_type, model_dir, name, _ in cells:
+    for model_type, model_dir, name, _, plugin in cells:
         key = f"{model_type}/{name}"
 
         def hung(key: str = key) -> None:
@@ -248,7 +254,7 @@ def run_cells(cells: list[tuple[str, str, str, bool]], root: str) -> dict[str, A
         watchdog.daemon = True
         watchdog.start()
         try:
-            out[key] = lifecycle(model_dir, Path(root) / model_type / name.replace(" ", "_"), PLUGINS[name])
+            out[key] = lifecycle(model_dir, Path(root) / model_type / name.replace(" ", "_"), plugin)
         except Exception as exc:
             out[key] = {"error": _one_line(exc)}
         finally:
@@ -316,7 +322,7 @@ def probe(model_dir: str) -> tuple[str | None, bool]:
 
 def admitted_cells(model_types: list[str], root: Path, tokenizer: Any) -> tuple[dict, list]:
     """Build every type's tiny model under ``root``; the verdicts known without training ("not built tiny",
-    "not causal", "refused") and the ``(type, model dir, plugin, moe)`` cells left to run."""
+    "not causal", "refused") and the ``(type, model dir, plugin name, moe, plugin)`` cells left to run."""
     from coati_kto.testing.tiny_types import save_tiny_type
 
     verdicts: dict[str, dict[str, str]] = {t: {} for t in model_types}
@@ -336,7 +342,7 @@ def admitted_cells(model_types: list[str], root: Path, tokenizer: Any) -> tuple[
             write_jsonl(chat_records(12, REFUSAL), cell_root / "train.jsonl")
             why = refusal(model_dir, cell_root, plugin)
             if why is None:
-                cells.append((model_type, model_dir, name, moe))
+                cells.append((model_type, model_dir, name, moe, plugin))
             else:
                 verdicts[model_type][name] = why
     return verdicts, cells
@@ -357,7 +363,7 @@ def sweep(model_types: list[str], root: Path, tokenizer: Any, log: Any = None) -
             why = str(err).strip().splitlines()[-1][:200]
         ranks = _finished(root)
         while cells:
-            model_type, _, name, moe = cells[0]
+            model_type, _, name, moe, _ = cells[0]
             key = f"{model_type}/{name}"
             finished = key in ranks[0] and key in ranks[1]
             if not finished and why is None:
@@ -425,7 +431,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--previous", help="an earlier run's --json: its verdicts kept for the types not run now"
     )
+    parser.add_argument(
+        "--plugins",
+        nargs="*",
+        choices=[*PLUGINS, *OTHER_PLUGINS],
+        help=f"columns to run (default: {', '.join(PLUGINS)})",
+    )
     args = parser.parse_args(argv)
+    if args.plugins:  # the parent's columns; the ranks get each cell's plugin section with the cell
+        known = {**PLUGINS, **OTHER_PLUGINS}
+        PLUGINS.clear()
+        PLUGINS.update({name: known[name] for name in args.plugins})
     tokenizer = build_tokenizer(CORPUS, vocab_size=300)
     started, done = time.perf_counter(), {}
 

@@ -224,6 +224,15 @@ def test_plugins_bench_smoke() -> None:
 
 
 @pytest.mark.slow
+def test_ddp_unused_bench_smoke() -> None:
+    out = smoke("ddp_unused_bench.py")
+    for mode in ("on", "off"):
+        line = next(line for line in out.splitlines() if line.startswith(f"| {mode} |"))
+        positive_finite(numbers(line), line)
+    assert any(line.startswith("| on - off |") for line in out.splitlines()), out
+
+
+@pytest.mark.slow
 def test_step_bench_smoke(tmp_path: Path) -> None:
     out = smoke("step_bench.py", "--work", str(tmp_path / "work"))
     lines = out.splitlines()
