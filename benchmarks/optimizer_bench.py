@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, step in paths(shapes, device).items():
         row = measure(step, args.repeats, params, cuda)
         print(
-            f"{name:<12}{row['first_s']:>10.2f}{row['step_ms']:>10.2f}{row['kernels']:>9d}"
+            f"{name:<12}{row['first_s']:>10.4f}{row['step_ms']:>10.2f}{row['kernels']:>9d}"
             f"{row['bytes_per_param']:>13.1f}"
         )
     return 0

@@ -185,7 +185,9 @@ def test_optimizer_bench_smoke() -> None:
     }
     assert set(rows) == {"cast+fused", "mixed"}, out
     for first_s, step_ms, kernels, per_param in rows.values():
-        positive_finite([first_s, step_ms, kernels, per_param], out)
+        # the uncompiled path's first call can round to 0 on a fast or idle machine (it read 0.00 in CI)
+        assert math.isfinite(first_s) and first_s >= 0, out
+        positive_finite([step_ms, kernels, per_param], out)
     assert rows["cast+fused"][2:] == [4, 40.0] and rows["mixed"][2:] == [1, 28.0], rows
 
 
