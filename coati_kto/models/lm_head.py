@@ -6,6 +6,7 @@ the model's logits (``coati_kto.models.logprobs`` holds both computations).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Iterator
 from typing import Any
@@ -161,6 +162,15 @@ def _logits_logps(
 CAUSAL_SDPA = "coati_causal_sdpa"
 
 
+@functools.cache
+def _register_causal_sdpa() -> None:
+    """:data:`CAUSAL_SDPA` in transformers' attention functions, once per process."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
+
+
 @contextlib.contextmanager
 def causal_sdpa_without_checks(config: Any, attention_mask: Any) -> Iterator[None]:
     """Within: an sdpa model given no attention mask runs sdpa's causal kernel with no host sync.
@@ -175,10 +185,7 @@ def causal_sdpa_without_checks(config: Any, attention_mask: Any) -> Iterator[Non
     if attention_mask is not None or getattr(config, "_attn_implementation", None) != "sdpa":
         yield
         return
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    AttentionInterface.register(CAUSAL_SDPA, sdpa_attention_forward)
+    _register_causal_sdpa()
     config._attn_implementation = CAUSAL_SDPA
     try:
         yield
