@@ -9,6 +9,7 @@ in one line at the moment of the resume, and the run records the config it actua
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,11 +67,45 @@ def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def config_changes(saved: dict, current: dict) -> list[Change]:
-    """Every leaf key whose value differs between two resolved configs (``Config.model_dump(mode="json")``)."""
+    """Every leaf key whose value differs between two resolved configs (``Config.model_dump(mode="json")``).
+
+    Versions differ in their settings: a key the checkpoint's coati-kto did not have counts as the value this
+    version resolves when it is unset (what the older run did), and a key this version no longer has is no
+    setting to compare. Without that, upgrading coati-kto mid-run reported every new key as a change, and
+    refused the resume for a new data key ("another training set").
+    """
     old, new = _flatten(saved), _flatten(current)
-    return [
-        Change(k, old.get(k), new.get(k)) for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)
-    ]
+    old.update(_unset_values([k for k in new if _absent(k, old)], current))
+    keys = new.keys() | {k for k in old if not _absent(k, new)}
+    return [Change(k, old.get(k), new.get(k)) for k in sorted(keys) if old.get(k) != new.get(k)]
+
+
+def _absent(key: str, leaves: dict[str, Any]) -> bool:
+    """Neither ``key`` nor a section above it is a leaf of ``leaves`` (``model.lora`` None is a leaf: its keys
+    appearing under a LoRA set now are a change, not new settings)."""
+    parts = key.split(".")
+    return not any(".".join(parts[:n]) in leaves for n in range(1, len(parts) + 1))
+
+
+def _unset_values(keys: list[str], current: dict) -> dict[str, Any]:
+    """``keys`` of ``current`` as this version resolves them with none of them set ({} when that is no valid
+    config: they then count as changed from None)."""
+    if not keys:
+        return {}
+    from coati_kto.config.schema import Config
+
+    trimmed = copy.deepcopy(current)
+    for key in keys:
+        *parents, leaf = key.split(".")
+        section = trimmed
+        for part in parents:
+            section = section[part]
+        del section[leaf]
+    try:
+        resolved = _flatten(Config.model_validate(trimmed).model_dump(mode="json"))
+    except ValueError:  # pydantic's ValidationError is a ValueError
+        return {}
+    return {k: resolved[k] for k in keys if k in resolved}
 
 
 def refusal(key: str) -> str:

@@ -88,3 +88,41 @@ def test_the_tokenizer_spelled_out_as_the_model_path_is_no_change(tmp_path: Path
     assert check_resume(_dump(tmp_path, "model.tokenizer=some/model"), saved, "step-2") is None
     with pytest.raises(ConfigError, match="model.tokenizer None -> 'other/tokenizer': cannot change"):
         check_resume(saved, _dump(tmp_path, "model.tokenizer=other/tokenizer"), "step-2")
+
+
+def _without(config: dict, *keys: str) -> dict:
+    """``config`` as a coati-kto without ``keys`` saved it."""
+    config = {
+        section: dict(values) if isinstance(values, dict) else values for section, values in config.items()
+    }
+    for key in keys:
+        section, leaf = key.split(".")
+        del config[section][leaf]
+    return config
+
+
+def test_settings_newer_than_the_checkpoint_count_as_their_default(tmp_path: Path) -> None:
+    """A checkpoint from a coati-kto before a setting existed: the key was reported as changed from None on every
+    resume (`train.fused_optimizer None -> False`), and a new data key refused the resume as "another training
+    set". Unset now, it is no change; set now, it is one from its default (refused under data. as before)."""
+    saved = _without(_dump(tmp_path), "train.fused_optimizer", "data.group_by_length", "model.compile")
+    assert check_resume(saved, _dump(tmp_path), "step-6") is None
+    line = check_resume(saved, _dump(tmp_path, "train.fused_optimizer=true"), "step-6")
+    assert (
+        line
+        == "resume: 1 setting(s) differ from step-6's config, applied: train.fused_optimizer False -> True"
+    )
+    with pytest.raises(ConfigError, match="data.group_by_length False -> True: cannot change on resume"):
+        check_resume(saved, _dump(tmp_path, "data.group_by_length=true"), "step-6")
+
+
+def test_settings_this_version_no_longer_has_are_not_compared(tmp_path: Path) -> None:
+    saved = _dump(tmp_path)
+    saved["data"]["bucket_by_domain"] = True  # a data key of an older coati-kto: not "another training set"
+    saved["train"]["legacy_knob"] = 3
+    assert check_resume(saved, _dump(tmp_path), "step-6") is None
+
+
+def test_a_section_set_now_is_a_change_not_new_settings(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="model.lora"):
+        check_resume(_dump(tmp_path), _dump(tmp_path, "model.lora={rank: 4}"), "step-6")
