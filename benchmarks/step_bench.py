@@ -34,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+import flops  # this directory is on sys.path: the script's own
+
 ROOT = Path(__file__).resolve().parents[1]
 WORDS = 3000
 
@@ -122,8 +124,15 @@ def _child_run(config_path: str, overrides: list[str], command: str) -> None:
         cpu: list[float] = []
         step = KTOTrainer._train_step
         peak_after_steps = [0.0]
+        count_at, calls = flops.flop_step(), [0]
 
         def timed_step(self, *a, **k):
+            calls[0] += 1
+            if calls[0] == count_at:  # counted, not timed: the counting mode slows the step
+                with flops.counter() as mode:
+                    step(self, *a, **k)
+                out["flops"] = flops.counted(mode)
+                return
             t = time.process_time()
             step(self, *a, **k)
             cpu.append(time.process_time() - t)
@@ -136,6 +145,8 @@ def _child_run(config_path: str, overrides: list[str], command: str) -> None:
         out["step_cpu_seconds"] = cpu
         out["peak_rss_steps_mib"] = peak_after_steps[0]
         records = [h for h in trainer.history if "train/examples_per_second" in h]
+        if "flops" in out and len(records) >= count_at:
+            del records[count_at - 1]
         out["step_seconds"] = [8.0 / h["train/examples_per_second"] for h in records]
         out["tokens_per_second"] = [h["train/tokens_per_second"] for h in records]
         out["flops_per_second"] = [h.get("train/model_flops_per_second", float("nan")) for h in records]
@@ -348,6 +359,8 @@ def main() -> None:
             return _child_run(params[0], params[2:], params[1])
         if kind == "count":
             return _child_count(params[0], int(params[1]), params[2:])
+        if kind == "gemm":  # one thread (the parent's _run sets OMP_NUM_THREADS=1)
+            return print(json.dumps({"rate": flops.gemm_rate(int(params[0]), json.loads(params[1]))}))
         return _child_savings(params[0])
 
     base = Path(args.work)

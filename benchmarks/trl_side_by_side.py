@@ -52,8 +52,9 @@ import sys
 import time
 from pathlib import Path
 
-# This file runs as a script, so its directory is on sys.path; step_bench imports only the standard library at
-# module level, so the TRL child (another venv) can import it too.
+# This file runs as a script, so its directory is on sys.path; step_bench and flops import only the standard
+# library at module level, so the TRL child (another venv) can import them too.
+import flops
 import step_bench
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -85,13 +86,23 @@ def _trl_child(options: dict) -> None:
             self.cpu: list[float] = []
             self.loss: list[float] = []
             self.kl: list[float] = []
+            self.counting = None  # flops.counter() of the step being counted
+            self.flops: dict[str, float] | None = None
 
         def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step + 1 == options.get("flop_step"):  # counted, not timed (the mode slows it)
+                self.counting = flops.counter()
+                self.counting.__enter__()
+                return
             if cuda:  # the step's kernels, not the previous step's, end inside its interval
                 torch.cuda.synchronize()
             self._start = (time.perf_counter(), time.process_time())
 
         def on_step_end(self, args, state, control, **kwargs):
+            if self.counting is not None:
+                self.counting.__exit__(None, None, None)
+                self.flops, self.counting = flops.counted(self.counting), None
+                return
             if cuda:
                 torch.cuda.synchronize()
             self.wall.append(time.perf_counter() - self._start[0])
@@ -148,6 +159,7 @@ def _trl_child(options: dict) -> None:
     out = {
         "step_seconds": timer.wall,
         "step_cpu_seconds": timer.cpu,
+        "flops": timer.flops,
         "loss": timer.loss,
         "kl": timer.kl,
         "seconds": time.perf_counter() - start,
@@ -228,6 +240,7 @@ def _run_trl(venv: Path, work: Path, precompute: bool, steps: int) -> dict:
         "bf16": False,
         "use_cpu": True,
         "steps": steps,
+        "flop_step": steps,  # the last step: counted, not timed
     }
     return run_trl(venv, work, precompute, options)
 
@@ -329,8 +342,10 @@ def main() -> None:
 
     trl_online = _run_trl(venv, work, False, args.steps)
     trl_cached = _run_trl(venv, work, True, args.steps)
+    os.environ[flops.FLOP_STEP_ENV] = str(args.steps)  # coati-kto's last step: counted, not timed
     coati_online, _ = step_bench._train(config, "online")
     coati_cached, _ = step_bench._train(config, "cached", fresh_cache=True)
+    del os.environ[flops.FLOP_STEP_ENV]
     print(
         "versions (TRL venv): "
         + ", ".join(f"{k} {v}" for k, v in trl_online["versions"].items())
@@ -376,6 +391,44 @@ def main() -> None:
         "x TRL: against TRL in the same reference mode. Step times: medians after the first 3 steps; "
         "peak RSS and process CPU: the whole process (imports, data, precompute, steps)."
     )
+    tokens = MICRO_BATCH * (shape["prompt_p50"] + shape["completion_p50"])
+    _floor(runs, work / "model" / "config.json", int(tokens))
+
+
+def _floor(runs: list[tuple[str, str, dict, dict]], model_config: Path, tokens: int) -> None:
+    """Each run's matmul-class work (its counted step) against this core's GEMM rate: the floor of its step,
+    and TRL's step over coati-kto's floor, the most any trainer running coati-kto's passes could reach."""
+    config = json.loads(model_config.read_text())
+    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    dims = [(hidden, hidden), (hidden, 3 * hidden), (hidden, inter), (inter, hidden), (hidden, vocab)]
+    rate = step_bench._run(["--child", "gemm", str(tokens), json.dumps(dims)])[0]["rate"]
+    print(
+        f"\nfloor of each step: its matmul-class FLOPs (torch's FLOP counter over its last step, untimed: "
+        f"GEMMs and attention, forward and backward) at this core's best GEMM rate, {rate / 1e9:.1f} GFLOP/s "
+        f"(F.linear, one thread, [{tokens}, k] x [k, n] for (k, n) in {dims}), every other op free"
+    )
+    print(f"{'tool':<11}{'reference':<26}{'GFLOP':>8}{'attention':>10}{'floor s':>9}{'step / floor':>14}")
+    floors = {}
+    for tool, mode, r, _ in runs:
+        work = r.get("flops")
+        if not work:
+            print(f"{tool:<11}{mode:<26}  (not counted)")
+            continue
+        floors[(tool, mode)] = work["total"] / rate
+        cpu = step_bench._median_after_warmup(r["step_cpu_seconds"])
+        print(
+            f"{tool:<11}{mode:<26}{work['total'] / 1e9:>8.1f}{work['attention'] / 1e9:>10.2f}"
+            f"{floors[(tool, mode)]:>9.3f}{cpu / floors[(tool, mode)]:>14.2f}"
+        )
+    for (_, trl_mode, trl, _), (_, coati_mode, _, _) in zip(runs[:2], runs[2:], strict=True):
+        if ("coati-kto", coati_mode) in floors:
+            ceiling = (
+                step_bench._median_after_warmup(trl["step_cpu_seconds"]) / floors[("coati-kto", coati_mode)]
+            )
+            print(
+                f"TRL {trl_mode} step / coati-kto {coati_mode} floor: {ceiling:.2f}x (the ratio coati-kto's passes "
+                "would give with every matmul at the best rate and nothing else)"
+            )
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ def positive_finite(values: list[float], what: str) -> None:
 
 # Modules the scripts import, not scripts: tested through them (counts.py: gpu_bench's and step_bench's counts;
 # busy.py: gpu_bench's GPU busy time per category, which only a GPU profile feeds: its own test below).
-HELPERS = {"counts.py", "busy.py"}
+HELPERS = {"counts.py", "busy.py", "flops.py"}
 
 
 def test_every_benchmark_has_a_test() -> None:
@@ -250,9 +250,36 @@ def test_trl_side_by_side_smoke(tmp_path: Path) -> None:
         pytest.skip(f"no TRL venv at {venv}: TRL is never a dependency (trl_side_by_side.py builds one)")
     out = smoke("trl_side_by_side.py", "--venv", str(venv), "--work", str(tmp_path / "work"), timeout=600)
     rows = [line for line in out.splitlines() if line.startswith(("TRL ", "coati-kto "))]
-    assert len(rows) == 4, out
+    assert len(rows) == 8, out  # the step table, then the floor table
     for row in rows:
-        positive_finite(numbers(row), row)  # step wall/CPU s, RSS, process CPU s, loss, x TRL
+        positive_finite(numbers(row), row)  # step wall/CPU s, RSS, ...; GFLOP, attention, floor s, step / floor
+    for row in rows[4:]:
+        assert numbers(row)[-1] > 1.0, row  # no step beats the floor of its own matmuls
+    assert len(re.findall(rf"step / coati-kto \w+ floor: ({NUMBER})x", out)) == 2, out
+
+
+def test_flop_counter_counts_gemms_and_cpu_attention() -> None:
+    """benchmarks/flops.py: a linear layer's forward and backward are 3 x 2mkn; CPU sdpa (which torch's own
+    counter leaves out) forward 2 x 2 b h s^2 d, backward 2.5x that; the GEMM rate is a rate."""
+    import torch
+
+    sys.path.insert(0, str(BENCH))
+    try:
+        import flops
+    finally:
+        sys.path.remove(str(BENCH))
+    m, k, n = 48, 32, 24
+    x, w = torch.randn(m, k, requires_grad=True), torch.randn(n, k, requires_grad=True)
+    with flops.counter() as mode:
+        torch.nn.functional.linear(x, w).sum().backward()
+    assert flops.counted(mode) == {"matmul": 3 * 2 * m * k * n, "attention": 0.0, "total": 3 * 2 * m * k * n}
+    b, h, s, d = 2, 3, 16, 8
+    q, kk, v = (torch.randn(b, h, s, d, requires_grad=True) for _ in range(3))
+    with flops.counter() as mode:
+        torch.nn.functional.scaled_dot_product_attention(q, kk, v, is_causal=True).sum().backward()
+    forward = 2 * 2 * b * h * s * s * d
+    assert flops.counted(mode) == {"matmul": 0.0, "attention": 3.5 * forward, "total": 3.5 * forward}
+    assert 1e8 < flops.gemm_rate(64, [(32, 32)], repeats=2) < 1e14
 
 
 @pytest.mark.slow
