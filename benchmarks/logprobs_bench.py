@@ -2,10 +2,13 @@
 
     PYTHONPATH=. python benchmarks/logprobs_bench.py [--batch 8 --seq 512 --vocab 32000 --reps 3]
     PYTHONPATH=. python benchmarks/logprobs_bench.py --head [--batch 4 --seq 2048 --vocab 128000 --hidden 1024]
+    PYTHONPATH=. python benchmarks/logprobs_bench.py --head-chunks [--batch 8 --seq 102 --vocab 8192 --hidden 256]
 
 ``--head`` compares, from the last hidden states on, the LM head + logits path (what the trainer did before:
 [B, K, V] logits from ``logits_to_keep``, then sequence_logps) with the chunked head (hidden_sequence_logps: no
 logits tensor), forward + backward (gradients for the hidden states and the head weight), bf16.
+``--head-chunks``: the chunked head alone, fp32, at fp32 blocks of 1 to 16 MiB per vocabulary chunk (what set
+its CPU default: 2 MiB).
 
 (PYTHONPATH not needed once coati_kto is installed.)
 
@@ -137,9 +140,50 @@ def head_main(args: argparse.Namespace) -> None:
     )
 
 
+def head_chunks_main(args: argparse.Namespace) -> None:
+    """The chunked head's time per vocabulary chunk size: forward alone and forward + backward, fp32, on
+    [positions, hidden] x [vocab, hidden], each chunk size set as a block of positions x columns elements."""
+    from coati_kto.models.logprobs import _vocab_chunk, head_token_logps
+
+    torch.manual_seed(0)
+    positions = args.batch * args.seq
+    hidden = torch.randn(positions, args.hidden, requires_grad=True)
+    weight = (torch.randn(args.vocab, args.hidden) * 0.02).requires_grad_()
+    targets = torch.randint(0, args.vocab, (positions,))
+    default = _vocab_chunk(positions, args.vocab, None, hidden.device)
+    blocks = [1 << 18, 1 << 19, 1 << 20, 1 << 22]
+    chunks = {f"{b * 4 // MIB} MiB": max(1, b // positions) for b in blocks}
+
+    def run(chunk: int, grad: bool) -> float:
+        start = time.process_time()
+        if grad:
+            head_token_logps(hidden, weight, None, targets, vocab_chunk=chunk).sum().backward()
+        else:
+            with torch.no_grad():
+                head_token_logps(hidden, weight, None, targets, vocab_chunk=chunk)
+        return time.process_time() - start
+
+    print(
+        f"chunked head, fp32, {positions} positions x hidden {args.hidden} x vocabulary {args.vocab}, "
+        f"{torch.get_num_threads()} thread(s); default chunk on CPU: {default} columns"
+    )
+    print(f"{'fp32 block':<12}{'columns':>8}{'forward ms':>12}{'fwd+bwd ms':>12}")
+    times: dict[str, list[list[float]]] = {name: [[], []] for name in chunks}
+    for _ in range(args.reps):  # interleaved round by round: load from other processes hits them alike
+        for name, chunk in chunks.items():
+            for grad in (False, True):
+                times[name][grad].append(run(chunk, grad))
+    for name, chunk in chunks.items():
+        fwd, both = (sorted(t)[len(t) // 2] * 1e3 for t in times[name])
+        print(f"{name:<12}{min(chunk, args.vocab):>8}{fwd:>12.1f}{both:>12.1f}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--head", action="store_true", help="LM head from hidden states: logits vs chunked")
+    p.add_argument(
+        "--head-chunks", action="store_true", help="the chunked head's time per vocabulary chunk size (fp32)"
+    )
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=512)
@@ -156,6 +200,8 @@ def main() -> None:
     args = p.parse_args()
     if args.smoke:  # tiny tensors
         args.batch, args.seq, args.vocab, args.hidden, args.reps = 2, 32, 512, 32, 1
+    if args.head_chunks:
+        return head_chunks_main(args)
     if args.head:
         if args.variant:
             return head_child(args)

@@ -175,6 +175,14 @@ def test_logprobs_bench_head_smoke() -> None:
     assert all(math.isfinite(v) for v in numbers(ratio)), ratio
 
 
+def test_logprobs_bench_head_chunks_smoke() -> None:
+    out = smoke("logprobs_bench.py", "--head-chunks")
+    rows = [line for line in out.splitlines() if line.split()[1:2] == ["MiB"]]
+    assert [row.split()[0] for row in rows] == ["1", "2", "4", "16"], out
+    for row in rows:
+        positive_finite(numbers(row), row)  # block MiB, columns, forward ms, fwd+bwd ms
+
+
 @pytest.mark.compile
 def test_optimizer_bench_smoke() -> None:
     """The bf16 optimizer step: today's casts around torch's fused AdamW (4 kernels, 40 bytes per parameter)
@@ -252,7 +260,9 @@ def test_trl_side_by_side_smoke(tmp_path: Path) -> None:
     rows = [line for line in out.splitlines() if line.startswith(("TRL ", "coati-kto "))]
     assert len(rows) == 8, out  # the step table, then the floor table
     for row in rows:
-        positive_finite(numbers(row), row)  # step wall/CPU s, RSS, ...; GFLOP, attention, floor s, step / floor
+        positive_finite(
+            numbers(row), row
+        )  # step wall/CPU s, RSS, ...; GFLOP, attention, floor s, step / floor
     for row in rows[4:]:
         assert numbers(row)[-1] > 1.0, row  # no step beats the floor of its own matmuls
     assert len(re.findall(rf"step / coati-kto \w+ floor: ({NUMBER})x", out)) == 2, out
