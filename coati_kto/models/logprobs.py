@@ -13,6 +13,9 @@ vocabulary-parallel heads (tensor parallelism) and Gemini.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 # Default chunk: 2**22 fp32 elements (16 MiB; 131 positions at V=32000) of upcast logits at a time. On CPU
@@ -23,9 +26,27 @@ _CHUNK_ELEMENTS = 1 << 22
 _GPU_SCALE = 16
 
 
+_AS_ACCELERATOR = [False]  # set by accelerator_chunks()
+
+
+@contextlib.contextmanager
+def accelerator_chunks() -> Iterator[None]:
+    """Chunk as on an accelerator on every device: the kernel counter (``coati_kto.testing.kernels``) counts on a
+    CPU what a GPU would launch, and the CPU's smaller chunks are more kernels."""
+    before, _AS_ACCELERATOR[0] = _AS_ACCELERATOR[0], True
+    try:
+        yield
+    finally:
+        _AS_ACCELERATOR[0] = before
+
+
+def _on_cpu(device: torch.device) -> bool:
+    return device.type == "cpu" and not _AS_ACCELERATOR[0]
+
+
 def _budget(elements: int, device: torch.device) -> int:
     """``elements`` on CPU, :data:`_GPU_SCALE` times it on an accelerator."""
-    return elements if device.type == "cpu" else elements * _GPU_SCALE
+    return elements if _on_cpu(device) else elements * _GPU_SCALE
 
 
 class _TokenLogps(torch.autograd.Function):
@@ -153,7 +174,7 @@ def _completion_positions(loss_mask: torch.Tensor, keep: int, what: str) -> tupl
 # faster forward and 7-13% with its backward than with 16 MiB blocks, from 817 x 256 x 8192 to
 # 8192 x 256 x 8192 and 3000 x 512 x 32000 (positions x hidden x vocabulary, one thread). An accelerator:
 # 2**26 (256 MiB): few chunks, so few kernel launches.
-_HEAD_CHUNK_ELEMENTS = {"cpu": 1 << 19}
+_HEAD_CHUNK_ELEMENTS_CPU = 1 << 19
 _HEAD_CHUNK_ELEMENTS_ACCELERATOR = 1 << 26
 # Up to this many [positions x vocabulary] elements, the forward keeps its logits for the backward instead of
 # recomputing them (the recompute is a quarter of the head's FLOPs in a gradient pass); a constant bound
@@ -167,7 +188,7 @@ def _vocab_chunk(positions: int, vocab: int, chunk: int | None, device: torch.de
         if chunk < 1:
             raise ValueError(f"vocab_chunk must be >= 1, got {chunk}")
         return min(chunk, vocab)
-    elements = _HEAD_CHUNK_ELEMENTS.get(device.type, _HEAD_CHUNK_ELEMENTS_ACCELERATOR)
+    elements = _HEAD_CHUNK_ELEMENTS_CPU if _on_cpu(device) else _HEAD_CHUNK_ELEMENTS_ACCELERATOR
     return min(vocab, max(_MIN_VOCAB_CHUNK, elements // max(1, positions)))
 
 

@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from coati_kto.models.logprobs import accelerator_chunks
 from coati_kto.testing import attention_paths as paths
 from coati_kto.testing.compiled import RegionCounting, kernel_category
 from coati_kto.testing.op_cost import op_cost
@@ -206,6 +207,7 @@ class KernelCounter(Tally):
             hook = register_optimizer_step_post_hook(lambda *_: self.windows.append(Tally()))
             self._stack.callback(hook.remove)
         self._stack.enter_context(paths.flex_uncompiled())
+        self._stack.enter_context(accelerator_chunks())  # a GPU's LM-head chunks, not the CPU's smaller ones
         self._stack.enter_context(_Functions(self))
         self._stack.enter_context(_Dispatch(self))
         self._stack.enter_context(RegionCounting(self, _REGION_TAGS, _tag_new_nodes))
