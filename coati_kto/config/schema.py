@@ -14,17 +14,16 @@ from coati_kto.config.attention import resolve_attention
 from coati_kto.config.compile_check import compile_problems
 from coati_kto.config.evaluation import EvalSection, sample_problems
 from coati_kto.config.hub import is_hub_dataset, parse_hub_dataset
+from coati_kto.config.kto import KTOSection
 from coati_kto.config.lora import LoraSection
 from coati_kto.config.output import LoggingSection, OutputSection
 from coati_kto.config.section import Section as _Section
-from coati_kto.config.section import auto_or_number
 from coati_kto.errors import ConfigError
 from coati_kto.families import check_model_family, packing_refusal, router_aux_problem
 
-# The enumerations other layers share (the plan, the loss): one list each, here.
+# The enumerations other layers share (the plan): one list each, here (the loss types: coati_kto.config.kto).
 PluginName = Literal["hybrid_parallel", "low_level_zero", "gemini", "ddp"]
 Precision = Literal["fp32", "bf16", "fp16"]
-LossType = Literal["kto", "apo_zero_unpaired"]
 
 
 class ModelSection(_Section):
@@ -127,67 +126,6 @@ class DataSection(_Section):
                 f"({self.max_length}) to leave room for the completion"
             )
         return self
-
-
-class KTOSection(_Section):
-    loss_type: LossType = Field(
-        "kto", description="kto (Eq. 7, reference point z0) or apo_zero_unpaired (no z0, no KL passes)."
-    )
-    beta: float = Field(
-        0.1, gt=0.0, description="Scale of the log-ratio in the sigmoid (higher: stay closer)."
-    )
-    desirable_weight: float = Field(1.0, gt=0.0, description="lambda_D: weight of desirable examples' loss.")
-    undesirable_weight: float = Field(
-        1.0, gt=0.0, description="lambda_U: weight of undesirable examples' loss."
-    )
-    auto_weights: bool = Field(False, description="Set the weights into the paper's [1, 4/3] guideline.")
-    kl_scope: Literal["step", "micro_batch"] = Field(
-        "step", description="z0 over the optimizer step, or per accumulation micro-batch (all ranks)."
-    )
-    reference: Literal["online", "cached"] = Field(
-        "online",
-        description="online: the reference model scores each batch; cached: its log-probs are computed once "
-        "(coati-kto precompute) and stored with the prepared data, and training never loads it.",
-    )
-    precompute_batch_size: int = Field(16, ge=1, description="Rows per reference forward when precomputing.")
-    pack_reference: bool = Field(
-        False,
-        description="Online reference: one shared-prompt pass per example and KL pair (equal within rounding, "
-        "so step-0 rewards are ~0, not exactly 0).",
-    )
-    pack_policy: bool | Literal["auto"] = Field(
-        "auto",
-        description="The policy's passes share the prompt too: evaluation in one packed pass; training folds the "
-        "KL pass into the gradient pass when a z0 group is one micro-batch and prompts are long (3 x packed "
-        "width <= KL width + 3 x example width). auto: on when the reference is cached or packed (step-0 "
-        "rewards are then within rounding of 0 already).",
-    )
-
-    router_aux_loss_coef: float | Literal["auto"] = Field(
-        "auto",
-        description="MoE: weight of the router load-balancing loss added to the KTO loss (0: off). auto: the "
-        "model's router_aux_loss_coef when its config sets output_router_logits (as transformers and TRL do).",
-    )
-
-    @field_validator("router_aux_loss_coef", mode="before")
-    @classmethod
-    def _auto_or_number(cls, value: Any) -> float | str:
-        return auto_or_number(value)
-
-    @field_validator("pack_policy", mode="before")
-    @classmethod
-    def _true_false_or_auto(cls, value: Any) -> bool | str:
-        # One message for the union (pydantic would report each member's failure on its own line).
-        text = str(value).strip().lower()
-        if isinstance(value, bool) or text in ("true", "false", "auto"):
-            return value if isinstance(value, bool) else {"true": True, "false": False}.get(text, "auto")
-        raise ValueError("must be true, false or auto")
-
-    def policy_packing(self) -> bool:
-        """``pack_policy`` resolved: auto is on with a cached or packed reference."""
-        if self.pack_policy == "auto":
-            return self.reference == "cached" or self.pack_reference
-        return bool(self.pack_policy)
 
 
 class TrainSection(_Section):

@@ -112,14 +112,34 @@ class PackedRows:
 
 
 @dataclass(frozen=True)
+class KLContinuation:
+    """The KL pairs as a continuation of the examples' forward (coati_kto.models.continuation), planned on the
+    host by :func:`coati_kto.data.packed.plan_continuation` where every row's KL pair shares its example's prompt.
+
+    ``view``: [B, W] right-padded rows [x_i's last token, y_j], its loss mask on y_j, completion positions
+    planned; ``position_ids`` [B, W] long: the positions continuing the prompt (|x_i| - 1 ..); ``visible`` [B]
+    long: the examples' cached columns each row attends to (its prompt but the last token, which ``view``
+    recomputes; every column past them holds the example's completion or padding).
+    """
+
+    view: TokenView
+    position_ids: torch.Tensor
+    visible: torch.Tensor
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> KLContinuation:
+        return KLContinuation(self.view.map(fn), fn(self.position_ids), fn(self.visible))
+
+
+@dataclass(frozen=True)
 class KTOBatch:
     """One micro-batch: examples, their KL pairs, labels and optional per-row extras ([B] each).
 
     ``reference_logps`` / ``reference_kl_logps`` (fp32) are present when the reference cache supplies them,
     so no reference model runs. ``valid`` is False on evaluation padding rows, which count nowhere; None means
     every row is real. ``pairs`` / ``example_rows`` / ``kl_rows``: the packed layouts the collator planned on
-    the host (coati_kto.data.packed; the last two with ``padding_free`` only), and ``fold_pays`` whether the
-    policy's folded pass processes fewer tokens than its two.
+    the host (coati_kto.data.packed; the last two with ``padding_free`` only), ``fold_pays`` whether the
+    policy's folded pass processes fewer tokens than its two, and ``kl_continuation`` the KL pairs planned as
+    a continuation of the examples' padded forward (None where a row's prompts differ).
     """
 
     example: TokenView
@@ -133,6 +153,7 @@ class KTOBatch:
     example_rows: PackedRows | None = None
     kl_rows: PackedRows | None = None
     fold_pays: bool = False
+    kl_continuation: KLContinuation | None = None
 
     def __len__(self) -> int:
         return int(self.label.shape[0])
@@ -158,7 +179,7 @@ class KTOBatch:
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
                 value = fn(value)
-            elif hasattr(value, "map"):  # TokenView, PackedRows
+            elif hasattr(value, "map"):  # TokenView, PackedRows, KLContinuation
                 value = value.map(fn)
             out[f.name] = value
         return KTOBatch(**out)

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from coati_kto.data.batch import KTOBatch, TokenView
-from coati_kto.data.packed import fold_pays, plan_rows
+from coati_kto.data.packed import fold_pays, plan_continuation, plan_rows
 
 
 def _pad(
@@ -104,4 +104,6 @@ class KTOCollator:
             example_rows=example_rows,
             kl_rows=kl_rows,
             fold_pays=fold,
+            # Padded rows only: the continuation extends the examples' padded forward.
+            kl_continuation=None if free else plan_continuation(example, kl),
         )

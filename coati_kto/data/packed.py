@@ -26,7 +26,7 @@ import itertools
 
 import torch
 
-from coati_kto.data.batch import PackedRows, Targets, TokenView
+from coati_kto.data.batch import KLContinuation, PackedRows, Targets, TokenView
 
 
 def shared_prompt_lengths(example: TokenView, kl: TokenView) -> torch.Tensor:
@@ -147,3 +147,28 @@ def fold_pays(pairs: PackedRows, example_tokens: int, kl_tokens: int) -> bool:
     if not bool((pairs.shared > 0).all()):
         return False
     return 3 * pairs.tokens() <= kl_tokens + 3 * example_tokens
+
+
+def plan_continuation(example: TokenView, kl: TokenView) -> KLContinuation | None:
+    """The KL pairs as a continuation of the examples' padded forward (:class:`KLContinuation`), or None unless
+    every row's KL pair shares its example's prompt (:func:`shared_prompt_lengths`). Host tensors.
+
+    Row b is [x_b's last token, y_j] at positions |x_b| - 1 .., seeing the example's cached columns below
+    |x_b| - 1 and itself causally; the prompt's last token is recomputed as the first query so that its hidden
+    state predicts y_j's first token. Padding columns repeat the row's last token (never scored nor seen by a
+    real token).
+    """
+    shared = shared_prompt_lengths(example, kl)
+    if not bool((shared > 0).all()):
+        return None
+    start, lengths = shared - 1, kl.lengths()
+    width = int((lengths - start).max())
+    position_ids = start[:, None] + torch.arange(width)[None, :]
+    real = position_ids < lengths[:, None]
+    cols = torch.minimum(position_ids, lengths[:, None] - 1)
+    view = TokenView(
+        kl.input_ids.gather(1, cols),
+        real.long(),
+        kl.loss_mask.gather(1, cols) & real,
+    ).planned()
+    return KLContinuation(view, position_ids, start)

@@ -110,6 +110,8 @@ def model_sequence_logps(
     head: LMHead | None,
     keep: int | None = None,
     targets: tuple[torch.Tensor, torch.Tensor] | None = None,
+    cache: Any = None,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Completion log-probs [B] fp32 of ``model`` on one batch: through ``head`` when given, else the logits.
 
@@ -119,6 +121,9 @@ def model_sequence_logps(
     ``keep`` and ``targets``: the completion positions planned on the host for ``loss_mask``
     (``TokenView.planned``); without them they are read from the mask on its device (host syncs on a GPU).
 
+    ``cache``: a transformers KV cache the forward continues from and fills (``coati_kto.models.continuation``),
+    with ``position_ids`` [B, S] where the rows do not start at 0. Without it, no cache is kept.
+
     Either way only the positions from the first completion token on are projected (``logits_to_keep``).
     Shardformer's tensor-parallel forwards ignore or refuse ``logits_to_keep`` and return all S positions; both
     paths read K from the shape they get.
@@ -126,6 +131,10 @@ def model_sequence_logps(
 
     module = base_module(model)  # under a LoRA PeftModel too (ColossalAI's unwrap() has no forward there)
     inputs = forward_inputs(module.config, input_ids=input_ids, attention_mask=attention_mask)
+    if position_ids is not None:
+        inputs["position_ids"] = position_ids
+    if cache is not None:
+        inputs.update(cache=cache, use_cache=True)
     # Shardformer's tensor-parallel forwards swallow logits_to_keep (Llama) or refuse it (Qwen2, Mistral).
     if _forward_accepts(module, "logits_to_keep"):
         inputs["logits_to_keep"] = keep if keep is not None else completion_logits_to_keep(loss_mask)

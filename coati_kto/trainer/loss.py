@@ -31,7 +31,7 @@ import typing
 import torch
 import torch.distributed as dist
 
-from coati_kto.config.schema import LossType
+from coati_kto.config.kto import LossType
 
 LOSS_TYPES: tuple[str, ...] = typing.get_args(LossType)  # the config's list, not a copy
 

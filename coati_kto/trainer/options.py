@@ -36,6 +36,8 @@ class KTOOptions:
     pack_policy: the policy's passes in one packed row too: in evaluation always; in training where a z0 group
         is one micro-batch and ``models.packing.fold_pays`` (long prompts, short completions), folding its KL
         pass into the gradient pass (never under ddp: ``ParallelPlan.forward_collectives``). Same rounding caveat.
+    kl_continuation: in training where a z0 group is one micro-batch, the policy's KL pass (and the online
+        reference's) continues from its examples' KV cache (``coati_kto.models.continuation``); before folding.
     router_aux_loss_coef: ``kto.router_aux_loss_coef``: "auto" (an MoE's own ``router_aux_loss_coef`` when its config
         asks for router logits) or the coefficient of the router load-balancing loss (0: off;
         ``coati_kto.models.router``).
@@ -57,6 +59,7 @@ class KTOOptions:
     peak_flops: float | None = None
     pack_reference: bool = False
     pack_policy: bool = False
+    kl_continuation: bool = True
     router_aux_loss_coef: float | str = "auto"
     wandb_project: str = "coati-kto"
     wandb_mode: str = "online"
@@ -96,6 +99,7 @@ class KTOOptions:
             peak_flops=peak_flops,
             pack_reference=config.kto.pack_reference,
             pack_policy=config.kto.policy_packing(),
+            kl_continuation=config.kto.kl_continuation,
             router_aux_loss_coef=config.kto.router_aux_loss_coef,
             wandb_project=logging.wandb_project,
             wandb_mode=logging.wandb_mode,

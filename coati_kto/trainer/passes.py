@@ -24,6 +24,12 @@ from typing import Any
 import torch
 
 from coati_kto.data.batch import KTOBatch, PackedRows, TokenView
+from coati_kto.models.continuation import (
+    can_continue,
+    continued_kl_logps,
+    continued_logps,
+    example_logps_with_cache,
+)
 from coati_kto.models.lm_head import LMHead, model_sequence_logps
 from coati_kto.models.packing import can_pack, example_tokens, packed_logps, padded_logps, pair_logps
 from coati_kto.models.router import RouterLoss
@@ -52,7 +58,13 @@ class _NoGradPass:
     reference_kl: torch.Tensor | None
     policy: torch.Tensor | None  # evaluation only: the policy's log-probs, computed without gradient
     folded: bool = False  # the policy's KL pass runs inside its gradient pass (one packed pass)
+    continued: bool = False  # the policy's KL pass continues from its gradient pass's KV cache
     aux: torch.Tensor | None = None  # evaluation only: the router loss over the valid examples' tokens (MoE)
+
+    @property
+    def kl_late(self) -> bool:
+        """Whether the policy's KL log-probs come with its gradient pass (z0 then waits for that forward)."""
+        return self.folded or self.continued
 
 
 class KTOPasses:
@@ -79,6 +91,7 @@ class KTOPasses:
         self.apply_loss_mask = apply_loss_mask
         self._needs_kl = options.needs_kl
         self._policy_packing: bool | None = None
+        self._continuing: bool | None = None
         self._heads: dict[int, LMHead | None] = {}  # per model: its chunked LM head, or None
         self._params: dict[int, int] = {}  # per model: N for the model FLOPs count
         # The policy's router load-balancing loss (MoE, kto.router_aux_loss_coef), or None: nothing added.
@@ -111,14 +124,14 @@ class KTOPasses:
         for group in groups:
             group = list(group)
             passes = [self._no_grad_pass(batch, train, may_fold=len(group) == 1) for batch in group]
-            folded = bool(passes) and passes[0].folded  # only a group of one micro-batch folds
+            folded = bool(passes) and passes[0].kl_late  # only a group of one micro-batch folds or continues
             z0 = self._z0(passes, sums) if self._needs_kl and not folded else None
             for item in passes:
                 done += 1
                 last = done == num_micro_batches
                 with grad_sync(last) if train and grad_sync else contextlib.nullcontext():
                     policy_logps, aux = self._policy_pass(item) if train else (item.policy, None)
-                    if item.folded:
+                    if item.kl_late:
                         z0 = self._z0([item], sums)
                     losses, rewards = preference_loss(
                         self.options.loss_type,
@@ -191,10 +204,12 @@ class KTOPasses:
         if not self._needs_kl:  # apo_zero_unpaired: no pass runs on the KL pairs
             kl_tokens = torch.zeros_like(kl_tokens)
         packs = self._needs_kl and self._policy_packs()
-        folded = train and may_fold and packs and batch.fold_pays and not self.plan.forward_collectives
+        late = train and may_fold and self._needs_kl  # the KL pass may run with the gradient pass
+        continued = late and batch.kl_continuation is not None and self._continues()
+        folded = late and not continued and packs and batch.fold_pays and not self.plan.forward_collectives
         policy = policy_kl = None
         with torch.no_grad():
-            reference, reference_kl, shared = self._reference_pair(batch, kl=self._needs_kl)
+            reference, reference_kl, shared = self._reference_pair(batch, self._needs_kl, continued)
             # Model FLOPs of the passes that run: the reference unless the batch carries its log-probs, and
             # the policy's no-grad passes (a packed pass counts the shared prompt once).
             flops = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -209,10 +224,10 @@ class KTOPasses:
                 if not train:
                     with routing or contextlib.nullcontext() as routed:
                         policy = self._view_logps(self.policy, batch, kl=False)
-                if self._needs_kl and not folded:
+                if self._needs_kl and not (folded or continued):
                     policy_kl = self._view_logps(self.policy, batch, kl=True)
                 none = torch.zeros_like(example_tokens)
-                run = (none if train else example_tokens) + (none if folded else kl_tokens)
+                run = (none if train else example_tokens) + (none if folded or continued else kl_tokens)
                 flops = flops + forward_flops(self._flop_params(self.policy), run)
         return _NoGradPass(
             batch=batch if train else None,
@@ -226,6 +241,7 @@ class KTOPasses:
             reference_kl=reference_kl,
             policy=policy,
             folded=folded,
+            continued=continued,
             aux=self._eval_aux(routed, batch, valid, packs) if routing is not None else None,
         )
 
@@ -248,6 +264,20 @@ class KTOPasses:
         if self._policy_packing is None:
             self._policy_packing = self.options.pack_policy and self.apply_loss_mask and can_pack(self.policy)
         return self._policy_packing
+
+    def _continues(self) -> bool:
+        """Whether the KL passes may continue from the examples' cache (``kto.kl_continuation``, the loss mask
+        on, no collectives inside the forward, policy and reference models that
+        :func:`~coati_kto.models.continuation.can_continue`); decided once."""
+        if self._continuing is None:
+            models = [self.policy] + ([self.reference] if self.reference is not None else [])
+            self._continuing = (
+                self.options.kl_continuation
+                and self.apply_loss_mask
+                and not self.plan.forward_collectives
+                and all(can_continue(model) for model in models)
+            )
+        return self._continuing
 
     def _packed_flops(
         self, model: Any, batch: KTOBatch, shared: torch.Tensor, valid: torch.Tensor
@@ -276,8 +306,16 @@ class KTOPasses:
             if item.folded:
                 policy_logps, item.policy_kl, shared = pair_logps(self.policy, item.batch)
                 item.gradient_tokens = item.gradient_tokens - torch.where(item.valid, shared, 0).sum()
+            elif item.continued:
+                head = self._lm_head(self.policy)
+                policy_logps, cache = example_logps_with_cache(self.policy, item.batch.example, head)
             else:
                 policy_logps = self._policy_logps(item.batch)
+        if item.continued:  # outside the router capture: the KL pass records no router logits
+            continuation, cached = item.batch.kl_continuation, item.batch.example.input_ids.shape[1]
+            item.policy_kl = continued_kl_logps(self.policy, cache, cached, continuation, head)
+            run = torch.where(item.valid, continuation.view.lengths(), 0).sum()
+            item.flops = item.flops + forward_flops(self._flop_params(self.policy), run)
         if routed is None:
             return policy_logps, None
         if item.folded:  # folding needs the collator's pairs (fold_pays is computed from them)
@@ -292,10 +330,11 @@ class KTOPasses:
         return self._view_logps(self.policy, batch, kl=False)
 
     def _reference_pair(
-        self, batch: KTOBatch, kl: bool = True
+        self, batch: KTOBatch, kl: bool = True, continued: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """(reference log-probs [B], on the KL pairs [B] or None when ``kl`` is False, prompt tokens [B] shared
-        by one packed pass or None when nothing ran): precomputed from the batch, else one shared-prompt pass
+        """(reference log-probs [B], on the KL pairs [B] or None when ``kl`` is False, prompt tokens [B] not
+        processed twice, or None when nothing ran): precomputed from the batch, else the KL pass continuing the
+        examples' (``continued``: the policy's path, so step-1 KL is exactly 0), one shared-prompt pass
         (coati_kto.models.packing), or the examples alone without ``kl``."""
         if batch.reference_logps is not None and (not kl or batch.reference_kl_logps is not None):
             reference_kl = batch.reference_kl_logps.float() if kl else None
@@ -305,6 +344,10 @@ class KTOPasses:
         zeros = torch.zeros_like(batch.label, dtype=torch.long)
         if not kl:
             return self._view_logps(self.reference, batch, kl=False), None, zeros
+        if continued:
+            head, continuation = self._lm_head(self.reference), batch.kl_continuation
+            example, kl_logps = continued_logps(self.reference, batch.example, continuation, head)
+            return example, kl_logps, continuation.visible
         if not self.apply_loss_mask or not self.options.pack_reference:  # two passes (or every token scored)
             return (
                 self._view_logps(self.reference, batch, kl=False),

@@ -1,6 +1,8 @@
-"""The policy's shared-prompt passes (``kto.pack_policy``): one packed pass with gradient gives the example's
+"""The policy's shared-prompt passes: one packed pass with gradient (``kto.pack_policy``) gives the example's
 log-probs and gradients of a separate pass and the KL pair's log-probs without gradient; a 2-process run that
-folds its KL passes into its gradient passes trains exactly as the run with separate passes (SGD, fp32)."""
+folds its KL passes into its gradient passes, and one whose KL passes continue from the gradient passes' KV
+cache (``kto.kl_continuation``, the online reference's too), train exactly as the run with separate passes
+(SGD, fp32)."""
 
 from __future__ import annotations
 
@@ -86,21 +88,29 @@ def test_packed_gradient_pass_equals_separate_passes(cls, config_cls, extra) -> 
 STEPS = [[[1, 0, 1, 0], [0, 1, 1, 1]], [[1, 1, 0, 0], [0, 0, 1, 1]], [[1, 0, 0, 1], [1, 0, 1, 0]]]
 
 
-def _record_folds(trainer: Any) -> list[bool]:
-    """The list each micro-batch's fold decision is appended to, as the trainer's passes run."""
-    folded: list[bool] = []
+def _record_folds(trainer: Any) -> list[str]:
+    """The list each micro-batch's KL decision is appended to ("folded", "continued" or "separate"), as the
+    trainer's passes run."""
+    folded: list[str] = []
     no_grad_pass = trainer.passes._no_grad_pass
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         item = no_grad_pass(*args, **kwargs)
-        folded.append(item.folded)
+        folded.append("folded" if item.folded else "continued" if item.continued else "separate")
         return item
 
     trainer.passes._no_grad_pass = counted
     return folded
 
 
-def _run(model_dir: str, ref_dir: str, out_dir: str, pack: bool) -> dict[str, Any]:
+MODES = {  # the KL pass: (pack_policy, kl_continuation)
+    "separate": (False, False),
+    "folded": (True, False),
+    "continued": (False, True),
+}
+
+
+def _run(model_dir: str, ref_dir: str, out_dir: str, mode: str) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.utils.data import DataLoader
 
@@ -109,7 +119,7 @@ def _run(model_dir: str, ref_dir: str, out_dir: str, pack: bool) -> dict[str, An
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = _config(
         model_dir,
-        str(Path(out_dir) / f"pack-{pack}"),
+        str(Path(out_dir) / mode),
         model={"path": model_dir, "reference_path": ref_dir},
         plugin={"name": "hybrid_parallel", "zero_stage": 0, "precision": "fp32"},
         train={"micro_batch_size": 4},
@@ -121,7 +131,14 @@ def _run(model_dir: str, ref_dir: str, out_dir: str, pack: bool) -> dict[str, An
         DataLoader(eval_rows, batch_sampler=sampler, collate_fn=KTOCollator(0)), sampler
     )
     with sgd():
-        parts, trainer = _build(cfg, total_steps=len(STEPS), pack_policy=pack, eval_at_start=True)
+        pack, continuation = MODES[mode]
+        parts, trainer = _build(
+            cfg,
+            total_steps=len(STEPS),
+            pack_policy=pack,
+            kl_continuation=continuation,
+            eval_at_start=True,
+        )
         folded = _record_folds(trainer)
         batches = [
             _long_prompts(10 * s + r, labels) for s, step in enumerate(STEPS) for r, labels in enumerate(step)
@@ -133,21 +150,22 @@ def _run(model_dir: str, ref_dir: str, out_dir: str, pack: bool) -> dict[str, An
 @pytest.fixture(scope="module")
 def runs(
     tiny_model_dir: Path, reference_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> dict[bool, list]:
+) -> dict[str, list]:
     out = tmp_path_factory.mktemp("policy_packing")
     return {
-        pack: run_distributed(_run, 2, str(tiny_model_dir), str(reference_dir), str(out), pack)
-        for pack in (False, True)
+        mode: run_distributed(_run, 2, str(tiny_model_dir), str(reference_dir), str(out), mode)
+        for mode in MODES
     }
 
 
-def test_folded_run_equals_the_run_with_separate_passes(runs: dict[bool, list]) -> None:
+@pytest.mark.parametrize("mode", ["folded", "continued"])
+def test_run_equals_the_run_with_separate_passes(runs: dict[str, list], mode: str) -> None:
     for rank in range(2):
-        plain, packed = runs[False][rank], runs[True][rank]
-        # Evaluation at start and end (2 micro-batches each: packed, no gradient pass to fold into) around 3
-        # training micro-batches per rank, every one folded.
-        assert plain["folded"] == [False] * 7, plain["folded"]
-        assert packed["folded"] == [False] * 2 + [True] * 3 + [False] * 2, packed["folded"]
+        plain, packed = runs["separate"][rank], runs[mode][rank]
+        # Evaluation at start and end (2 micro-batches each: no gradient pass to fold into or continue from)
+        # around 3 training micro-batches per rank, every one folded or continued.
+        assert plain["folded"] == ["separate"] * 7, plain["folded"]
+        assert packed["folded"] == ["separate"] * 2 + [mode] * 3 + ["separate"] * 2, packed["folded"]
         np.testing.assert_allclose(packed["weights"], plain["weights"], rtol=0, atol=1e-6)
         assert len(packed["history"]) == len(plain["history"])
         for got, want in zip(packed["history"], plain["history"], strict=True):
@@ -157,7 +175,7 @@ def test_folded_run_equals_the_run_with_separate_passes(runs: dict[bool, list]) 
                     continue
                 assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), key
     # The reference differs from the policy, so z0 and the rewards are not trivially 0.
-    first = next(h for h in runs[True][0]["history"] if "train/kl_raw" in h)
+    first = next(h for h in runs[mode][0]["history"] if "train/kl_raw" in h)
     assert abs(first["train/kl_raw"]) > 1e-3
 
 
@@ -196,4 +214,4 @@ def test_ddp_never_folds_so_ranks_meet_the_same_collectives(
         _ddp_run, 2, str(tiny_model_dir), str(reference_dir), str(tmp_path), timeout_s=300
     )
     for r in results:
-        assert r["steps"] == 3 and r["folded"] == [False] * 3, r
+        assert r["steps"] == 3 and r["folded"] == ["separate"] * 3, r

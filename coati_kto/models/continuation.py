@@ -1,0 +1,122 @@
+"""The KL pairs scored as a continuation of the examples' forward: the prompt is run once per step, not twice.
+
+An example (x_i, y_i) and its KL pair (x_i, y_j) share the prompt x_i. The examples' padded forward fills a
+transformers KV cache with every layer's keys and values; the KL pass then runs only [x_i's last token, y_j]
+(``coati_kto.data.batch.KLContinuation``) at the positions continuing x_i, each token attending to the cached
+prompt columns of its own row and to the KL tokens before it, never to y_i or padding:
+
+    mask [B, 1, W, S + W]:  cached column c < |x_i| - 1,   or   new column S + u with u <= t (causal)
+
+The log-probs are those of a separate pass over [x_i, y_j] (same positions, same visible keys; fp32
+differences are summation order only). The policy's gradient pass fills the cache with gradient, the
+continuation runs without (KTO's reference point is a constant), and the online reference takes the same path
+(:func:`continued_logps` under no_grad), so the KL estimate is exactly 0 at step 0, as with separate passes.
+
+Only where a cache and a 4D mask reproduce the separate pass (:func:`can_continue`): eager or sdpa attention
+with no sliding window, linear or chunked attention, a forward that takes ``cache``, no recompute of
+activations (checkpointing drops the cache) and no compiled layers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from coati_kto.data.batch import KLContinuation, TokenView
+from coati_kto.families import MASK_POSITION_FAMILIES, packed_masks
+from coati_kto.models.compile import compiled_layers
+from coati_kto.models.lm_head import LMHead, _forward_accepts, model_sequence_logps
+from coati_kto.models.lora import base_module
+from coati_kto.models.packing import padded_attention
+
+CONTINUABLE_ATTENTION = ("eager", "sdpa")
+
+
+def can_continue(model: Any) -> bool:
+    """Whether ``model``'s KL pass can continue from its examples' KV cache and equal a separate pass."""
+    module = base_module(model)
+    config = getattr(module, "config", None)
+    return (
+        getattr(config, "_attn_implementation", None) in CONTINUABLE_ATTENTION
+        and packed_masks(config) == {"": None}  # every layer full causal attention, no window
+        and config.model_type not in MASK_POSITION_FAMILIES
+        and _forward_accepts(module, "cache")
+        and not _recomputes(module)
+        and compiled_layers(module) == 0
+    )
+
+
+def _recomputes(module: torch.nn.Module) -> bool:
+    """Whether activation checkpointing is on (transformers 5 names it ``is_activation_checkpointing``)."""
+    flag = getattr(type(module), "is_activation_checkpointing", None)
+    name = "is_activation_checkpointing" if flag is not None else "is_gradient_checkpointing"
+    return bool(getattr(module, name, False))
+
+
+def continuation_mask(continuation: KLContinuation, cached: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, W, cached + W] additive mask of ``dtype`` (0: attend, the dtype's minimum: not) for the
+    continuation over a cache of ``cached`` columns, built by broadcasts (nothing read back)."""
+    visible = continuation.visible
+    width = continuation.view.input_ids.shape[1]
+    col = torch.arange(cached + width, device=visible.device)
+    query = torch.arange(width, device=visible.device)
+    allowed = torch.where(
+        col[None, None, :] < cached,
+        col[None, None, :] < visible[:, None, None],  # the row's prompt but its last token
+        col[None, None, :] - cached <= query[None, :, None],  # the KL tokens, causally
+    )
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=visible.device)
+    return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+def example_logps_with_cache(model: Any, example: TokenView, head: LMHead | None) -> tuple[torch.Tensor, Any]:
+    """(example log-probs [B] fp32, the KV cache its padded forward filled): with gradient when grad is
+    enabled. Call only where :func:`can_continue` holds."""
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=base_module(model).config)
+    logps = model_sequence_logps(
+        model,
+        example.input_ids,
+        padded_attention(model, example),
+        example.loss_mask,
+        head,
+        example.keep,
+        example.targets(),
+        cache=cache,
+    )
+    return logps, cache
+
+
+def continued_kl_logps(
+    model: Any, cache: Any, cached: int, continuation: KLContinuation, head: LMHead | None
+) -> torch.Tensor:
+    """KL-pair log-probs [B] fp32 of ``model``, never with gradient: ``continuation`` run over ``cache``, which
+    :func:`example_logps_with_cache` filled from ``cached`` columns (the example view's width) and which this
+    extends (use it once)."""
+    view = continuation.view
+    module = base_module(model)
+    dtype = head.weight.dtype if head is not None else module.get_input_embeddings().weight.dtype
+    with torch.no_grad():
+        return model_sequence_logps(
+            model,
+            view.input_ids,
+            continuation_mask(continuation, cached, dtype),
+            view.loss_mask,
+            head,
+            view.keep,
+            view.targets(),
+            cache=cache,
+            position_ids=continuation.position_ids,
+        )
+
+
+def continued_logps(
+    model: Any, example: TokenView, continuation: KLContinuation, head: LMHead | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(example log-probs [B], KL-pair log-probs [B]) fp32 of ``model``: the examples' padded pass (with
+    gradient when grad is enabled), then the KL pairs continuing from its cache, never with gradient. Call only
+    where :func:`can_continue` holds and ``continuation`` was planned for ``example``'s rows."""
+    logps, cache = example_logps_with_cache(model, example, head)
+    return logps, continued_kl_logps(model, cache, example.input_ids.shape[1], continuation, head)
