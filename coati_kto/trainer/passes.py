@@ -7,8 +7,9 @@ policy on the KL pairs; z0 is reduced over the data-parallel group once per grou
 rank enters that collective whatever its labels); phase 2 runs the policy with gradient and the KTO loss, and
 hands the loss to ``backward`` (with an MoE's router load-balancing loss over the examples' tokens of that
 pass, ``coati_kto.models.router``, where ``kto.router_aux_loss_coef`` adds it). A group of one training
-micro-batch may fold the policy's KL pass into its gradient pass (``pack_policy``): one packed row, z0 reduced
-between that forward and its backward.
+micro-batch may instead run the policy's KL pass from its gradient pass, z0 then reduced between that forward
+and its backward: continuing from the forward's KV cache (``kl_continuation``; the online reference continues
+its own examples' pass too, so both score the same way), or folded into it as one packed row (``pack_policy``).
 
 Every rank calls ``forward`` with the same number of groups; per-model facts (the chunked LM head, the FLOPs
 parameter count) are computed once per model.
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,35 +36,9 @@ from coati_kto.models.router import RouterLoss
 from coati_kto.parallel.plan import ParallelPlan
 from coati_kto.trainer.loss import estimate_kl_raw, preference_loss
 from coati_kto.trainer.metrics import StepSums
+from coati_kto.trainer.no_grad_pass import NoGradPass
 from coati_kto.trainer.options import KTOOptions
 from coati_kto.trainer.throughput import flop_params, forward_flops, train_flops
-
-
-@dataclass
-class _NoGradPass:
-    """One micro-batch's no-grad log-probs, [B] fp32 each, and its labels/validity.
-
-    ``batch`` is kept only while its policy pass with gradient is pending (training), then dropped.
-    """
-
-    batch: KTOBatch | None
-    labels: torch.Tensor  # [B] bool
-    valid: torch.Tensor  # [B] bool; False on evaluation padding rows
-    tokens: torch.Tensor  # 0-dim: non-padding tokens of valid examples (and of their KL pairs, when run)
-    gradient_tokens: torch.Tensor  # 0-dim: tokens the gradient pass processes (valid rows; packed if folded)
-    flops: torch.Tensor  # 0-dim float64: model FLOPs of the no-grad passes run here
-    reference: torch.Tensor
-    policy_kl: torch.Tensor | None  # None when the loss has no reference point (no KL passes run)
-    reference_kl: torch.Tensor | None
-    policy: torch.Tensor | None  # evaluation only: the policy's log-probs, computed without gradient
-    folded: bool = False  # the policy's KL pass runs inside its gradient pass (one packed pass)
-    continued: bool = False  # the policy's KL pass continues from its gradient pass's KV cache
-    aux: torch.Tensor | None = None  # evaluation only: the router loss over the valid examples' tokens (MoE)
-
-    @property
-    def kl_late(self) -> bool:
-        """Whether the policy's KL log-probs come with its gradient pass (z0 then waits for that forward)."""
-        return self.folded or self.continued
 
 
 class KTOPasses:
@@ -158,7 +132,7 @@ class KTOPasses:
     def _train_loss(
         self,
         losses: torch.Tensor,
-        item: _NoGradPass,
+        item: NoGradPass,
         aux: torch.Tensor | None,
         scale: torch.Tensor,
         sums: StepSums,
@@ -185,14 +159,14 @@ class KTOPasses:
         dist.all_reduce(rows, op=dist.ReduceOp.SUM, group=self.kl_group)
         return rows / dist.get_world_size(self.kl_group)
 
-    def _z0(self, passes: list[_NoGradPass], sums: StepSums) -> torch.Tensor:
+    def _z0(self, passes: list[NoGradPass], sums: StepSums) -> torch.Tensor:
         """z0 of a group (one collective); recorded with its unclamped value."""
         raw = self._reference_point(passes)
         z0 = raw.clamp(min=0.0)  # the paper's clamp, after averaging; raw is logged beside it
         sums.add_kl(z0, raw)
         return z0
 
-    def _no_grad_pass(self, batch: KTOBatch, train: bool, may_fold: bool = False) -> _NoGradPass:
+    def _no_grad_pass(self, batch: KTOBatch, train: bool, may_fold: bool = False) -> NoGradPass:
         """The reference's log-probs and the policy's without gradient: on the KL pairs (unless the KL pass
         folds into the gradient pass) and, in evaluation, on the examples (one packed pass with
         ``pack_policy``)."""
@@ -229,7 +203,7 @@ class KTOPasses:
                 none = torch.zeros_like(example_tokens)
                 run = (none if train else example_tokens) + (none if folded or continued else kl_tokens)
                 flops = flops + forward_flops(self._flop_params(self.policy), run)
-        return _NoGradPass(
+        return NoGradPass(
             batch=batch if train else None,
             labels=labels,
             valid=valid,
@@ -286,7 +260,7 @@ class KTOPasses:
         run = batch.example.lengths() - shared + (batch.kl.lengths() if self._needs_kl else 0)
         return forward_flops(self._flop_params(model), torch.where(valid, run, 0).sum())
 
-    def _reference_point(self, passes: list[_NoGradPass]) -> torch.Tensor:
+    def _reference_point(self, passes: list[NoGradPass]) -> torch.Tensor:
         """The unclamped KL estimate over the valid KL pairs of ``passes`` on every data-parallel rank (one
         collective); z0 is its max with 0."""
         if not passes:  # still enter the collective: the other ranks do
@@ -297,7 +271,7 @@ class KTOPasses:
         valid = torch.cat([p.valid for p in passes])
         return estimate_kl_raw(policy_kl, reference_kl, group=self.kl_group, valid=valid)
 
-    def _policy_pass(self, item: _NoGradPass) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _policy_pass(self, item: NoGradPass) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The policy's gradient pass: (completion log-probs [B] fp32, its router load-balancing loss, fp32 0-dim
         over the examples' tokens, or None when none is added). Folded: the packed pass also gives the KL
         pairs' log-probs (set on ``item``) and its KL tokens are left out of the router loss."""
@@ -310,7 +284,7 @@ class KTOPasses:
                 head = self._lm_head(self.policy)
                 policy_logps, cache = example_logps_with_cache(self.policy, item.batch.example, head)
             else:
-                policy_logps = self._policy_logps(item.batch)
+                policy_logps = self._view_logps(self.policy, item.batch, kl=False)  # the only graph built
         if item.continued:  # outside the router capture: the KL pass records no router logits
             continuation, cached = item.batch.kl_continuation, item.batch.example.input_ids.shape[1]
             item.policy_kl = continued_kl_logps(self.policy, cache, cached, continuation, head)
@@ -324,10 +298,6 @@ class KTOPasses:
             rows = self._packed_rows(item.batch, kl=False)
             tokens = item.batch.example.attention_mask if rows is None else example_tokens(self.policy, rows)
         return policy_logps, self._router.loss(routed, tokens)
-
-    def _policy_logps(self, batch: KTOBatch) -> torch.Tensor:
-        """The policy's completion log-probs [B] fp32 with gradient (the only pass that builds a graph)."""
-        return self._view_logps(self.policy, batch, kl=False)
 
     def _reference_pair(
         self, batch: KTOBatch, kl: bool = True, continued: bool = False

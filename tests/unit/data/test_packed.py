@@ -211,3 +211,43 @@ def test_pad_fractions_by_hand() -> None:
     assert abs(f["example/bins"] - (1 - 17 / 20)) < 1e-12
     assert f["example/one"] == 0.0 and f["kl/padded"] == 0.0 and f["kl/one"] == 0.0  # KL pairs all 2 long
     assert abs(pad_fractions([[row(4), row(2)]], 8)["example/padded"] - (1 - 6 / 16)) < 1e-12  # to a multiple
+
+
+@settings(max_examples=60, deadline=None)
+@given(micro_batches())
+def test_kl_continuation_holds_the_kl_pair_after_its_shared_prompt(rows: list[dict]) -> None:
+    """The collator plans the KL pairs as a continuation of the examples' forward exactly when every row shares
+    its prompt: row b is [x_b's last token, y_j] at positions |x_b| - 1 .., scores y_j and nothing else, and its
+    mask over (the examples' cached columns, its own) shows each KL token the keys a separate pass over
+    [x_b, y_j] shows it: the prompt and the KL tokens before it."""
+    from coati_kto.models.continuation import continuation_mask
+
+    batch = KTOCollator(0)(rows)
+    shares = all(
+        r["kl_input_ids"][: r["kl_completion_start"]] == r["input_ids"][: r["completion_start"]] for r in rows
+    )
+    assert (batch.kl_continuation is not None) == shares
+    if not shares:
+        return
+    cont, cached = batch.kl_continuation, batch.example.input_ids.shape[1]
+    allowed = continuation_mask(cont, cached, torch.float32)[:, 0] == 0
+    for b, r in enumerate(rows):
+        start, kl_ids = r["kl_completion_start"], r["kl_input_ids"]
+        n = len(kl_ids) - start + 1
+        assert cont.view.input_ids[b, :n].tolist() == kl_ids[start - 1 :]
+        assert cont.view.attention_mask[b].tolist() == [1] * n + [0] * (cont.view.input_ids.shape[1] - n)
+        assert cont.position_ids[b, :n].tolist() == list(range(start - 1, len(kl_ids)))
+        assert int(cont.visible[b]) == start - 1
+        scored = cont.view.input_ids[b][cont.view.loss_mask[b]].tolist()
+        assert scored == kl_ids[start:]
+        for t in range(n):
+            cached_keys = allowed[b, t, :cached].nonzero().flatten().tolist()
+            own_keys = allowed[b, t, cached:].nonzero().flatten().tolist()
+            assert cached_keys == list(range(start - 1)) and own_keys == list(range(t + 1))
+    # the planned completion positions are those of the loss mask (the view's host plan)
+    rows_t, cols_t = cont.view.targets()
+    keep = cont.view.keep
+    width = cont.view.input_ids.shape[1]
+    assert sorted(zip(rows_t.tolist(), (cols_t + width - keep).tolist(), strict=True)) == sorted(
+        (b, c - 1) for b, c in cont.view.loss_mask.nonzero().tolist()
+    )
