@@ -48,10 +48,13 @@ def can_continue(model: Any) -> bool:
 
 
 def _recomputes(module: torch.nn.Module) -> bool:
-    """Whether activation checkpointing is on (transformers 5 names it ``is_activation_checkpointing``)."""
-    flag = getattr(type(module), "is_activation_checkpointing", None)
-    name = "is_activation_checkpointing" if flag is not None else "is_gradient_checkpointing"
-    return bool(getattr(module, name, False))
+    """Whether activation checkpointing is on (transformers 5 names it ``is_activation_checkpointing``; the
+    older name warns)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        flag = getattr(module, name, None)
+        if flag is not None:
+            return bool(flag)
+    return False
 
 
 def continuation_mask(continuation: KLContinuation, cached: int, dtype: torch.dtype) -> torch.Tensor:

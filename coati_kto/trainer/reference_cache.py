@@ -39,7 +39,9 @@ from coati_kto.data.store import fingerprint, read_fingerprint, train_data_diges
 from coati_kto.data.tokenize import load_tokenizer, pad_id
 from coati_kto.errors import ConfigError
 from coati_kto.families import vocabulary_size
+from coati_kto.models.continuation import can_continue, continued_logps
 from coati_kto.models.hf import load_reference
+from coati_kto.models.lm_head import LMHead
 from coati_kto.models.packing import pair_logps
 from coati_kto.parallel.distributed import barrier, init_distributed, on_rank0
 from coati_kto.parallel.plan import ParallelPlan
@@ -241,17 +243,32 @@ def _why_missing(root: Path, key: dict) -> str:
 
 
 # ------------------------------------------------------------------------------------------------ compute
-def score_rows(model: torch.nn.Module, rows: Any, order: np.ndarray, batch_size: int, pad_token_id: int):
-    """Reference (example, KL pair) log-probs of ``rows[order]``: float32 [len(order), 2]. No grad."""
+def score_rows(
+    model: torch.nn.Module,
+    rows: Any,
+    order: np.ndarray,
+    batch_size: int,
+    pad_token_id: int,
+    kl_continuation: bool = False,
+):
+    """Reference (example, KL pair) log-probs of ``rows[order]``: float32 [len(order), 2]. No grad.
 
+    The KL pairs as the policy's training passes will score them where they can: continued from the examples'
+    cache with ``kl_continuation`` (``kto.kl_continuation``) where the model allows it, else one shared-prompt
+    pass (equal within rounding either way; the same path keeps step-1 KL at 0 on these CPUs)."""
     collator = KTOCollator(pad_token_id)
+    head = LMHead.find(model)
+    continues = kl_continuation and can_continue(model)
     device = next(model.parameters()).device
     out = np.zeros((len(order), 2), dtype=np.float32)
     with torch.inference_mode():  # no autograd bookkeeping at all (the trainer's passes need no_grad only)
         for s in range(0, len(order), batch_size):
             batch = collator([rows[int(i)] for i in order[s : s + batch_size]])
             batch = batch.to(device)
-            example, kl, _ = pair_logps(model, batch)
+            if continues and batch.kl_continuation is not None:
+                example, kl = continued_logps(model, batch.example, batch.kl_continuation, head)
+            else:
+                example, kl, _ = pair_logps(model, batch)
             out[s : s + len(example), 0] = example.float().cpu().numpy()
             out[s : s + len(example), 1] = kl.float().cpu().numpy()
     return out
@@ -288,7 +305,14 @@ def _compute(config: Config, splits: dict[str, Any], pad_token_id: int) -> dict[
                 rows["kl_length"], dtype=np.int64
             )
             order = mine[np.argsort(-lengths[mine], kind="stable")]  # similar lengths together: less padding
-            scored = score_rows(model, rows, order, config.kto.precompute_batch_size, pad_token_id)
+            scored = score_rows(
+                model,
+                rows,
+                order,
+                config.kto.precompute_batch_size,
+                pad_token_id,
+                kl_continuation=config.kto.kl_continuation,
+            )
             local = scored[np.argsort(order)]  # back to this rank's row order (rank, rank + world, ...)
             gathered[split] = _gather_to_rank0(local, len(rows), rank, world)
     finally:

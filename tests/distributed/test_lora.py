@@ -189,7 +189,7 @@ def _packed_run(model_dir: str, root: str, pack_policy: bool, padding_free: bool
     raw = _raw_config(model_dir, Path(root), PLUGINS["hybrid_parallel"], f"packed-{pack_policy}")
     raw["data"].pop("eval_files")
     raw["train"]["max_steps"] = 2
-    raw["kto"] = {"pack_reference": True, "pack_policy": pack_policy}
+    raw["kto"] = {"pack_reference": True, "pack_policy": pack_policy, "kl_continuation": False}
     raw["data"]["padding_free"] = padding_free
     raw["output"] = {"dir": str(Path(root) / f"packed-{pack_policy}"), "save_final": False}
     packing.packed_logps = counted
@@ -199,6 +199,52 @@ def _packed_run(model_dir: str, root: str, pack_policy: bool, padding_free: bool
         packing.packed_logps = packed
     first = next(h for h in trainer.history if "train/loss" in h)
     return {"calls": calls, "rewards": (first["train/rewards/chosen"], first["train/rewards/rejected"])}
+
+
+def _continued_run(model_dir: str, root: str) -> dict[str, Any]:
+    """Two steps of LoRA on hybrid_parallel ZeRO-2 bf16 with kto.kl_continuation (the default): the policy's
+    KL passes continue from its gradient passes' cache, the adapter-free reference's from its own."""
+    import coati_kto.trainer.passes as passes
+    from coati_kto.config.schema import Config
+    from coati_kto.train import train
+
+    calls: list[str] = []
+    originals = {name: getattr(passes, name) for name in ("continued_logps", "continued_kl_logps")}
+
+    def counting(name: str) -> Any:
+        def counted(model: Any, *args: Any, **kwargs: Any) -> Any:
+            calls.append(f"{name} {type(model).__name__}")
+            return originals[name](model, *args, **kwargs)
+
+        return counted
+
+    raw = _raw_config(model_dir, Path(root), PLUGINS["hybrid_parallel"], "continued")
+    raw["data"].pop("eval_files")
+    raw["train"]["max_steps"] = 2
+    raw["output"] = {"dir": str(Path(root) / "continued"), "save_final": False}
+    for name in originals:
+        setattr(passes, name, counting(name))
+    try:
+        trainer = train(Config.model_validate(raw))
+    finally:
+        for name, original in originals.items():
+            setattr(passes, name, original)
+    first = next(h for h in trainer.history if "train/loss" in h)
+    return {"calls": calls, "first": first}
+
+
+def test_kl_continuation_through_a_lora_hybrid_policy(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Both models' KL passes continue through the plugin's wrapper and the adapter-free reference; before any
+    update the policy equals its reference on the same path: rewards and KL exactly 0 at step 1."""
+    write_jsonl(preference_records(48, 0), tmp_path / "train.jsonl")
+    for run in run_distributed(_continued_run, 2, str(tiny_model_dir), str(tmp_path)):
+        assert (
+            run["calls"]
+            == ["continued_logps AdapterFreeReference", "continued_kl_logps HybridParallelModule"] * 2
+        )
+        first = run["first"]
+        assert first["train/rewards/chosen"] == 0.0 and first["train/rewards/rejected"] == 0.0, first
+        assert first["train/kl_raw"] == 0.0, first
 
 
 @pytest.mark.parametrize("pack_policy,padding_free", [(False, False), (True, False), (True, True)])
