@@ -241,14 +241,15 @@ class KTOPasses:
 
     def _continues(self) -> bool:
         """Whether the KL passes may continue from the examples' cache (``kto.kl_continuation``, the loss mask
-        on, no collectives inside the forward, policy and reference models that
-        :func:`~coati_kto.models.continuation.can_continue`); decided once."""
+        on, no collectives inside the forward, tp_size 1 (a sharded forward's cache is not tested), policy and
+        reference models that :func:`~coati_kto.models.continuation.can_continue`); decided once."""
         if self._continuing is None:
             models = [self.policy] + ([self.reference] if self.reference is not None else [])
             self._continuing = (
                 self.options.kl_continuation
                 and self.apply_loss_mask
                 and not self.plan.forward_collectives
+                and self.plan.tp_size == 1
                 and all(can_continue(model) for model in models)
             )
         return self._continuing
