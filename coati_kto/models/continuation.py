@@ -25,6 +25,7 @@ import torch
 
 from coati_kto.data.batch import KLContinuation, TokenView
 from coati_kto.families import MASK_POSITION_FAMILIES, packed_masks
+from coati_kto.families.continuation import CONTINUATION_FAMILIES
 from coati_kto.models.compile import compiled_layers
 from coati_kto.models.lm_head import LMHead, _forward_accepts, model_sequence_logps
 from coati_kto.models.lora import base_module
@@ -33,18 +34,33 @@ from coati_kto.models.packing import padded_attention
 CONTINUABLE_ATTENTION = ("eager", "sdpa")
 
 
-def can_continue(model: Any) -> bool:
-    """Whether ``model``'s KL pass can continue from its examples' KV cache and equal a separate pass."""
+def continuation_refusal(model: Any, check_family: bool = True) -> str | None:
+    """Why ``model``'s KL pass cannot continue from its examples' KV cache and equal a separate pass (None: it
+    can). ``check_family``: also require a family the continuation sweep proved
+    (:data:`~coati_kto.families.continuation.CONTINUATION_FAMILIES`); the sweep itself checks without."""
     module = base_module(model)
     config = getattr(module, "config", None)
-    return (
-        getattr(config, "_attn_implementation", None) in CONTINUABLE_ATTENTION
-        and packed_masks(config) == {"": None}  # every layer full causal attention, no window
-        and config.model_type not in MASK_POSITION_FAMILIES
-        and _forward_accepts(module, "cache")
-        and not _recomputes(module)
-        and compiled_layers(module) == 0
-    )
+    attention = getattr(config, "_attn_implementation", None)
+    if attention not in CONTINUABLE_ATTENTION:
+        return f"attention {attention} (eager or sdpa)"
+    if packed_masks(config) != {"": None}:
+        return "layers with windows, chunks or linear attention"
+    if config.model_type in MASK_POSITION_FAMILIES:
+        return "positions read from the 2D mask"
+    if check_family and config.model_type not in CONTINUATION_FAMILIES:
+        return f"model_type {config.model_type} not proven (tests/distributed/continuation_sweep.py)"
+    if not _forward_accepts(module, "cache"):
+        return "a forward without a cache argument"
+    if _recomputes(module):
+        return "activation checkpointing (recomputed layers drop the cache)"
+    if compiled_layers(module):
+        return "compiled layers"
+    return None
+
+
+def can_continue(model: Any) -> bool:
+    """Whether ``model``'s KL pass can continue from its examples' KV cache and equal a separate pass."""
+    return continuation_refusal(model) is None
 
 
 def _recomputes(module: torch.nn.Module) -> bool:
