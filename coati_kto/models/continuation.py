@@ -19,6 +19,7 @@ activations (checkpointing drops the cache) and no compiled layers.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -89,12 +90,40 @@ def continuation_mask(continuation: KLContinuation, cached: int, dtype: torch.dt
     return mask.masked_fill_(~allowed, torch.finfo(dtype).min)[:, None]
 
 
+@functools.cache
+def _kept_layer() -> type:
+    """A transformers DynamicLayer whose first update keeps the forward's keys and values as they are (made once
+    per process: transformers is imported on first use)."""
+    from transformers.cache_utils import DynamicLayer
+
+    class KeptLayer(DynamicLayer):
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+            if self.is_initialized:
+                return super().update(key_states, value_states, *args, **kwargs)
+            self.device, self.keys, self.values = key_states.device, key_states, value_states
+            self.is_initialized = True
+            return key_states, value_states
+
+    return KeptLayer
+
+
+def _example_cache(config: Any) -> Any:
+    """transformers' DynamicCache for ``config`` whose full-attention layers keep the first forward's keys and
+    values as they are (:func:`_kept_layer`): its own layers first concatenate them to an empty tensor built with
+    ``torch.tensor([], device=...)`` (a host-to-device copy per layer, a sync on CUDA, and a copy of every key and
+    value); the continuation's update then concatenates as usual."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    cache = DynamicCache(config=config)
+    cache.layers = [_kept_layer()() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
 def example_logps_with_cache(model: Any, example: TokenView, head: LMHead | None) -> tuple[torch.Tensor, Any]:
     """(example log-probs [B] fp32, the KV cache its padded forward filled): with gradient when grad is
     enabled. Call only where :func:`can_continue` holds."""
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=base_module(model).config)
+    cache = _example_cache(base_module(model).config)
     logps = model_sequence_logps(
         model,
         example.input_ids,

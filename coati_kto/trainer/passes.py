@@ -179,8 +179,10 @@ class KTOPasses:
             kl_tokens = torch.zeros_like(kl_tokens)
         packs = self._needs_kl and self._policy_packs()
         late = train and may_fold and self._needs_kl  # the KL pass may run with the gradient pass
-        continued = late and batch.kl_continuation is not None and self._continues()
-        folded = late and not continued and packs and batch.fold_pays and not self.plan.forward_collectives
+        # Folding first where it pays (long prompts, short completions: one pass, the KL completion's few tokens
+        # through the backward), else continuing (two passes, the prompt once).
+        folded = late and packs and batch.fold_pays and not self.plan.forward_collectives
+        continued = late and not folded and batch.kl_continuation is not None and self._continues()
         policy = policy_kl = None
         with torch.no_grad():
             reference, reference_kl, shared = self._reference_pair(batch, self._needs_kl, continued)

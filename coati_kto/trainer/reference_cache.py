@@ -250,12 +250,14 @@ def score_rows(
     batch_size: int,
     pad_token_id: int,
     kl_continuation: bool = False,
+    folds: bool = False,
 ):
     """Reference (example, KL pair) log-probs of ``rows[order]``: float32 [len(order), 2]. No grad.
 
-    The KL pairs as the policy's training passes will score them where they can: continued from the examples'
-    cache with ``kl_continuation`` (``kto.kl_continuation``) where the model allows it, else one shared-prompt
-    pass (equal within rounding either way; the same path keeps step-1 KL at 0 on these CPUs)."""
+    The KL pairs as the policy's training passes will score them, batch by batch: one shared-prompt pass where
+    the policy folds (``folds``: ``pack_policy``, and the batch's ``fold_pays``), else continued from the
+    examples' cache with ``kl_continuation`` where the model allows it, else one shared-prompt pass. Equal within
+    rounding either way; the same path keeps step-1 KL at 0 where the batches' shapes agree."""
     collator = KTOCollator(pad_token_id)
     head = LMHead.find(model)
     continues = kl_continuation and can_continue(model)
@@ -265,7 +267,8 @@ def score_rows(
         for s in range(0, len(order), batch_size):
             batch = collator([rows[int(i)] for i in order[s : s + batch_size]])
             batch = batch.to(device)
-            if continues and batch.kl_continuation is not None:
+            fold = folds and batch.fold_pays
+            if continues and not fold and batch.kl_continuation is not None:
                 example, kl = continued_logps(model, batch.example, batch.kl_continuation, head)
             else:
                 example, kl, _ = pair_logps(model, batch)
@@ -312,6 +315,7 @@ def _compute(config: Config, splits: dict[str, Any], pad_token_id: int) -> dict[
                 config.kto.precompute_batch_size,
                 pad_token_id,
                 kl_continuation=config.kto.kl_continuation,
+                folds=config.kto.policy_packing(),
             )
             local = scored[np.argsort(order)]  # back to this rank's row order (rank, rank + world, ...)
             gathered[split] = _gather_to_rank0(local, len(rows), rank, world)

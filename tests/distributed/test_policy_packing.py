@@ -107,6 +107,7 @@ MODES = {  # the KL pass: (pack_policy, kl_continuation)
     "separate": (False, False),
     "folded": (True, False),
     "continued": (False, True),
+    "both": (True, True),  # folding first where it pays (these long prompts), as with a cached reference
 }
 
 
@@ -158,14 +159,15 @@ def runs(
     }
 
 
-@pytest.mark.parametrize("mode", ["folded", "continued"])
+@pytest.mark.parametrize("mode", ["folded", "continued", "both"])
 def test_run_equals_the_run_with_separate_passes(runs: dict[str, list], mode: str) -> None:
     for rank in range(2):
         plain, packed = runs["separate"][rank], runs[mode][rank]
         # Evaluation at start and end (2 micro-batches each: no gradient pass to fold into or continue from)
         # around 3 training micro-batches per rank, every one folded or continued.
         assert plain["folded"] == ["separate"] * 7, plain["folded"]
-        assert packed["folded"] == ["separate"] * 2 + [mode] * 3 + ["separate"] * 2, packed["folded"]
+        kind = "folded" if mode == "both" else mode
+        assert packed["folded"] == ["separate"] * 2 + [kind] * 3 + ["separate"] * 2, packed["folded"]
         np.testing.assert_allclose(packed["weights"], plain["weights"], rtol=0, atol=1e-6)
         assert len(packed["history"]) == len(plain["history"])
         for got, want in zip(packed["history"], plain["history"], strict=True):
