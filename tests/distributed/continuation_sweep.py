@@ -24,31 +24,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/helpers when run as a script
 from helpers import CORPUS  # noqa: E402
+from test_packing import _rows  # noqa: E402
 
 TOLERANCE = 1e-4  # fp32 nats per sequence (~20 tokens): summation order only is ~1e-6
-
-
-def random_rows(vocab: int, n: int = 6, seed: int = 0) -> list[dict]:
-    """Rows whose KL pairs share their prompts (a batch the collator plans a continuation for)."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def draw(lo: int, hi: int) -> list[int]:
-        count = int(torch.randint(lo, hi, (1,), generator=gen))
-        return torch.randint(3, vocab, (count,), generator=gen).tolist()
-
-    rows = []
-    for i in range(n):
-        prompt = draw(3, 12)
-        rows.append(
-            {
-                "input_ids": prompt + draw(1, 10),
-                "completion_start": len(prompt),
-                "label": bool(i % 2),
-                "kl_input_ids": prompt + draw(1, 10),
-                "kl_completion_start": len(prompt),
-            }
-        )
-    return rows
 
 
 def continuation_verdict(model: Any, vocab: int) -> tuple[str, float | None]:
@@ -60,7 +38,7 @@ def continuation_verdict(model: Any, vocab: int) -> tuple[str, float | None]:
     why = continuation_refusal(model, check_family=False)
     if why is not None:
         return f"separate: {why}", None
-    batch = KTOCollator(0)(random_rows(vocab))
+    batch = KTOCollator(0)(_rows(0, 6, vocab=vocab))  # every KL pair shares its prompt
     head = LMHead.find(model)
     try:
         with torch.no_grad():

@@ -28,11 +28,12 @@ def _model(cls, config_cls, attn: str, **config):
     return random_causal_lm(cls, config_cls, vocab_size=120, attn_implementation=attn, **config).eval()
 
 
-def _rows(seed: int, n: int, mismatched: tuple[int, ...] = ()) -> list[dict]:
+def _rows(seed: int, n: int, mismatched: tuple[int, ...] = (), vocab: int = 120) -> list[dict]:
+    """``n`` rows of random ids below ``vocab``; the KL prompts of rows ``mismatched`` cut differently."""
     g = torch.Generator().manual_seed(seed)
 
     def draw(lo, hi):
-        return torch.randint(3, 120, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+        return torch.randint(3, vocab, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
 
     rows = []
     for i in range(n):
