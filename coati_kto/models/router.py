@@ -114,6 +114,7 @@ class RouterLoss:
     num_experts: int
     top_k: int
     modules: list[tuple[torch.nn.Module, int]] = field(repr=False)
+    _paused: bool = field(default=False, repr=False)
 
     @classmethod
     def supported(cls, model: Any) -> RouterLoss | None:
@@ -168,7 +169,8 @@ class RouterLoss:
         logits: list[torch.Tensor] = []
 
         def hook(module, args, output, index):
-            logits.append(output[index] if isinstance(output, tuple) else output)
+            if not self._paused:
+                logits.append(output[index] if isinstance(output, tuple) else output)
 
         handles = [m.register_forward_hook(lambda m, a, o, i=i: hook(m, a, o, i)) for m, i in self.modules]
         try:
@@ -176,6 +178,16 @@ class RouterLoss:
         finally:
             for handle in handles:
                 handle.remove()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Within a :meth:`capture`: forwards whose router logits no loss reads (a continued KL pass) record
+        nothing."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
 
     def loss(self, logits: list[torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
         """The unscaled load-balancing loss (fp32 0-dim) of one forward's ``logits`` over ``tokens`` (its [R, L]

@@ -174,6 +174,17 @@ def reduce_sums(
     return dict(zip(keys, flat.tolist(), strict=True))
 
 
+def mean_over_group(value: float, group: Any, device: torch.device) -> torch.Tensor:
+    """0-dim fp32 on ``device``: ``value`` summed over ``group`` (None: this process alone) and divided by its
+    size; one collective, no host sync. The trainer's step rows: every example of a step weighs the same."""
+    # A fill, not torch.tensor(x, device=...): that is a pageable host-to-device copy, a sync on CUDA.
+    total = torch.full((), value, device=device)
+    if group is None:
+        return total
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    return total / dist.get_world_size(group)
+
+
 def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()

@@ -33,6 +33,7 @@ from coati_kto.models.continuation import (
 from coati_kto.models.lm_head import LMHead, model_sequence_logps
 from coati_kto.models.packing import can_pack, example_tokens, packed_logps, padded_logps, pair_logps
 from coati_kto.models.router import RouterLoss
+from coati_kto.parallel.distributed import mean_over_group
 from coati_kto.parallel.plan import ParallelPlan
 from coati_kto.trainer.loss import estimate_kl_raw, preference_loss
 from coati_kto.trainer.metrics import StepSums
@@ -94,7 +95,8 @@ class KTOPasses:
             # Every example of the step weighs the same, 1 / (the step's rows on all data-parallel ranks), also
             # when micro-batches differ in size (a step re-planned after a resume on another layout): the
             # plugins average gradients over the dp ranks, so each rank divides by (global rows / dp size).
-            scale = self._step_rows([batch for group in groups for batch in group])
+            rows = sum(len(batch) for group in groups for batch in group)
+            scale = mean_over_group(float(rows), self.kl_group, self.device)
         for group in groups:
             group = list(group)
             passes = [self._no_grad_pass(batch, train, may_fold=len(group) == 1) for batch in group]
@@ -147,18 +149,6 @@ class KTOPasses:
         sums.add_aux(aux, len(item.batch))
         return loss + self._router.coefficient * aux * (len(item.batch) / scale)
 
-    def _step_rows(self, batches: list[KTOBatch]) -> torch.Tensor:
-        """0-dim fp32 on the device: the step's rows summed over the data-parallel group, divided by its size
-        (one collective, no host sync); equals rows x micro-batches when every micro-batch has the same size."""
-        import torch.distributed as dist
-
-        # A fill, not torch.tensor(x, device=...): that is a pageable host-to-device copy, a sync on CUDA.
-        rows = torch.full((), float(sum(len(batch) for batch in batches)), device=self.device)
-        if self.kl_group is None:
-            return rows
-        dist.all_reduce(rows, op=dist.ReduceOp.SUM, group=self.kl_group)
-        return rows / dist.get_world_size(self.kl_group)
-
     def _z0(self, passes: list[NoGradPass], sums: StepSums) -> torch.Tensor:
         """z0 of a group (one collective); recorded with its unclamped value."""
         raw = self._reference_point(passes)
@@ -182,8 +172,9 @@ class KTOPasses:
         # Folding first where it pays (long prompts, short completions: one pass, the KL completion's few tokens
         # through the backward), else continuing (two passes, the prompt once).
         folded = late and packs and batch.fold_pays and not self.plan.forward_collectives
-        continued = late and not folded and batch.kl_continuation is not None and self._continues()
-        policy = policy_kl = None
+        # Evaluation continues wherever it may (no gradient pass to wait for), unless its passes pack.
+        continues = (late and not folded) or (not train and not packs and self._needs_kl)
+        continued = continues and batch.kl_continuation is not None and self._continues()
         with torch.no_grad():
             reference, reference_kl, shared = self._reference_pair(batch, self._needs_kl, continued)
             # Model FLOPs of the passes that run: the reference unless the batch carries its log-probs, and
@@ -192,19 +183,9 @@ class KTOPasses:
             if shared is not None:
                 flops = flops + self._packed_flops(self.reference, batch, shared, valid)
             routing = self._router.capture() if self._router is not None and not train else None
-            if not train and packs:
-                with routing or contextlib.nullcontext() as routed:
-                    policy, policy_kl, policy_shared = pair_logps(self.policy, batch)
-                flops = flops + self._packed_flops(self.policy, batch, policy_shared, valid)
-            else:
-                if not train:
-                    with routing or contextlib.nullcontext() as routed:
-                        policy = self._view_logps(self.policy, batch, kl=False)
-                if self._needs_kl and not (folded or continued):
-                    policy_kl = self._view_logps(self.policy, batch, kl=True)
-                none = torch.zeros_like(example_tokens)
-                run = (none if train else example_tokens) + (none if folded or continued else kl_tokens)
-                flops = flops + forward_flops(self._flop_params(self.policy), run)
+            with routing or contextlib.nullcontext() as routed:
+                policy, policy_kl, run = self._policy_no_grad(batch, train, packs, folded, continued)
+            flops = flops + forward_flops(self._flop_params(self.policy), torch.where(valid, run, 0).sum())
         return NoGradPass(
             batch=batch if train else None,
             labels=labels,
@@ -217,9 +198,40 @@ class KTOPasses:
             reference_kl=reference_kl,
             policy=policy,
             folded=folded,
-            continued=continued,
+            continued=continued and train,  # evaluation has no gradient pass to continue in
             aux=self._eval_aux(routed, batch, valid, packs) if routing is not None else None,
         )
+
+    def _policy_no_grad(
+        self, batch: KTOBatch, train: bool, packs: bool, folded: bool, continued: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """The policy's no-grad passes: (examples' log-probs [B] in evaluation else None, KL pairs' [B] unless the
+        gradient pass gives them, tokens [B] each row ran); inside the evaluation's router capture."""
+        kl = batch.kl.lengths() if self._needs_kl else torch.zeros_like(batch.kl.lengths())
+        if not train and packs:
+            policy, policy_kl, shared = pair_logps(self.policy, batch)
+            return policy, policy_kl, batch.example.lengths() - shared + kl
+        if train:  # the gradient pass gives the KL pairs' log-probs when folded or continued
+            if folded or continued or not self._needs_kl:
+                return None, None, torch.zeros_like(kl)
+            return None, self._view_logps(self.policy, batch, kl=True), kl
+        if not continued:
+            with self._unrecorded():
+                policy_kl = self._view_logps(self.policy, batch, kl=True) if self._needs_kl else None
+            return self._view_logps(self.policy, batch, kl=False), policy_kl, batch.example.lengths() + kl
+        policy, cache = example_logps_with_cache(self.policy, batch.example, self._lm_head(self.policy))
+        policy_kl = self._continued_kl(batch, cache)
+        return policy, policy_kl, batch.example.lengths() + batch.kl_continuation.view.lengths()
+
+    def _continued_kl(self, batch: KTOBatch, cache: Any) -> torch.Tensor:
+        """The policy's KL log-probs [B] from ``cache`` (its examples' pass), unseen by a router capture."""
+        cached, head = batch.example.input_ids.shape[1], self._lm_head(self.policy)
+        with self._unrecorded():
+            return continued_kl_logps(self.policy, cache, cached, batch.kl_continuation, head)
+
+    def _unrecorded(self) -> contextlib.AbstractContextManager:
+        """Within: the policy's forwards record no router logits (KL passes: no router loss reads them)."""
+        return self._router.paused() if self._router is not None else contextlib.nullcontext()
 
     def _eval_aux(
         self, routed: list[torch.Tensor], batch: KTOBatch, valid: torch.Tensor, packed: bool
@@ -286,13 +298,11 @@ class KTOPasses:
             elif item.continued:
                 head = self._lm_head(self.policy)
                 policy_logps, cache = example_logps_with_cache(self.policy, item.batch.example, head)
+                item.policy_kl = self._continued_kl(item.batch, cache)
+                run = torch.where(item.valid, item.batch.kl_continuation.view.lengths(), 0).sum()
+                item.flops = item.flops + forward_flops(self._flop_params(self.policy), run)
             else:
                 policy_logps = self._view_logps(self.policy, item.batch, kl=False)  # the only graph built
-        if item.continued:  # outside the router capture: the KL pass records no router logits
-            continuation, cached = item.batch.kl_continuation, item.batch.example.input_ids.shape[1]
-            item.policy_kl = continued_kl_logps(self.policy, cache, cached, continuation, head)
-            run = torch.where(item.valid, continuation.view.lengths(), 0).sum()
-            item.flops = item.flops + forward_flops(self._flop_params(self.policy), run)
         if routed is None:
             return policy_logps, None
         if item.folded:  # folding needs the collator's pairs (fold_pays is computed from them)

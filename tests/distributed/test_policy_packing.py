@@ -16,6 +16,7 @@ import torch
 from test_trainer import VOCAB_HI, _build, _config, _weights, sgd
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
+import coati_kto.trainer.passes as passes_module
 from coati_kto.data.collator import KTOCollator
 from coati_kto.models.lm_head import LMHead, model_sequence_logps
 from coati_kto.models.packing import pair_logps
@@ -144,8 +145,24 @@ def _run(model_dir: str, ref_dir: str, out_dir: str, mode: str) -> dict[str, Any
         batches = [
             _long_prompts(10 * s + r, labels) for s, step in enumerate(STEPS) for r, labels in enumerate(step)
         ]
-        trainer.fit(batches[rank::world], eval_loader)
-    return {"history": trainer.history, "weights": _weights(parts.policy), "folded": folded}
+        continued: list[bool] = []  # per policy KL pass continued: in training (grad on) or evaluation
+        original = passes_module.continued_kl_logps
+
+        def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+            continued.append(torch.is_grad_enabled())
+            return original(*args, **kwargs)
+
+        passes_module.continued_kl_logps = counted
+        try:
+            trainer.fit(batches[rank::world], eval_loader)
+        finally:
+            passes_module.continued_kl_logps = original
+    return {
+        "history": trainer.history,
+        "weights": _weights(parts.policy),
+        "folded": folded,
+        "continued": continued,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -168,6 +185,10 @@ def test_run_equals_the_run_with_separate_passes(runs: dict[str, list], mode: st
         assert plain["folded"] == ["separate"] * 7, plain["folded"]
         kind = "folded" if mode == "both" else mode
         assert packed["folded"] == ["separate"] * 2 + [kind] * 3 + ["separate"] * 2, packed["folded"]
+        # Evaluation continues too where it does not pack (2 micro-batches at start and at end).
+        continued_passes = {"folded": 0, "continued": 7, "both": 0}[mode]
+        assert len(packed["continued"]) == continued_passes, packed["continued"]
+        assert packed["continued"].count(True) == (3 if mode == "continued" else 0)  # in the gradient passes
         np.testing.assert_allclose(packed["weights"], plain["weights"], rtol=0, atol=1e-6)
         assert len(packed["history"]) == len(plain["history"])
         for got, want in zip(packed["history"], plain["history"], strict=True):
