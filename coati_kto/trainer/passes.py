@@ -185,7 +185,10 @@ class KTOPasses:
             routing = self._router.capture() if self._router is not None and not train else None
             with routing or contextlib.nullcontext() as routed:
                 policy, policy_kl, run = self._policy_no_grad(batch, train, packs, folded, continued)
-            flops = flops + forward_flops(self._flop_params(self.policy), torch.where(valid, run, 0).sum())
+            if run is not None:
+                flops = flops + forward_flops(
+                    self._flop_params(self.policy), torch.where(valid, run, 0).sum()
+                )
         return NoGradPass(
             batch=batch if train else None,
             labels=labels,
@@ -204,17 +207,17 @@ class KTOPasses:
 
     def _policy_no_grad(
         self, batch: KTOBatch, train: bool, packs: bool, folded: bool, continued: bool
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         """The policy's no-grad passes: (examples' log-probs [B] in evaluation else None, KL pairs' [B] unless the
-        gradient pass gives them, tokens [B] each row ran); inside the evaluation's router capture."""
-        kl = batch.kl.lengths() if self._needs_kl else torch.zeros_like(batch.kl.lengths())
-        if not train and packs:
-            policy, policy_kl, shared = pair_logps(self.policy, batch)
-            return policy, policy_kl, batch.example.lengths() - shared + kl
+        gradient pass gives them, tokens [B] each row ran or None); inside the evaluation's router capture."""
         if train:  # the gradient pass gives the KL pairs' log-probs when folded or continued
             if folded or continued or not self._needs_kl:
-                return None, None, torch.zeros_like(kl)
-            return None, self._view_logps(self.policy, batch, kl=True), kl
+                return None, None, None
+            return None, self._view_logps(self.policy, batch, kl=True), batch.kl.lengths()
+        kl = batch.kl.lengths() if self._needs_kl else torch.zeros_like(batch.kl.lengths())
+        if packs:
+            policy, policy_kl, shared = pair_logps(self.policy, batch)
+            return policy, policy_kl, batch.example.lengths() - shared + kl
         if not continued:
             with self._unrecorded():
                 policy_kl = self._view_logps(self.policy, batch, kl=True) if self._needs_kl else None

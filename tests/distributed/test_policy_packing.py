@@ -238,3 +238,22 @@ def test_ddp_never_folds_so_ranks_meet_the_same_collectives(
     )
     for r in results:
         assert r["steps"] == 3 and r["folded"] == ["separate"] * 3, r
+
+
+def test_continued_run_counts_the_tokens_its_passes_ran(runs: dict[str, list], tiny_model_dir: Path) -> None:
+    """Model FLOPs of a continued step by hand: the policy's gradient pass 6 N per example token and its KL pass
+    2 N per continued token ([last prompt token, y_j]), the online reference 2 N on each."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    n = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
+    train = [h for h in runs["continued"][0]["history"] if "train/model_flops_per_second" in h]
+    assert len(train) == len(STEPS)
+    for s, (record, step) in enumerate(zip(train, STEPS, strict=True)):
+        batches = [_long_prompts(10 * s + r, labels) for r, labels in enumerate(step)]
+        ex = sum(int(b.example.attention_mask.sum()) for b in batches)
+        kl = sum(int(b.kl.attention_mask.sum()) for b in batches)
+        continued = sum(int(b.kl_continuation.view.attention_mask.sum()) for b in batches)
+        assert continued < kl  # the prompts ran once
+        ratio = record["train/model_flops_per_second"] / record["train/tokens_per_second"]
+        assert ratio == pytest.approx(n * (8 * ex + 4 * continued) / (ex + kl), rel=1e-9)

@@ -171,15 +171,15 @@ def _inject_nan(trainer: Any, at_step: int, rank: int | None = None) -> None:
     """Make the policy's log-probs NaN in optimizer step ``at_step`` (on ``rank`` only, or every rank)."""
     import torch.distributed as dist
 
-    original = trainer.passes._policy_logps
+    original = trainer.passes._policy_pass  # the gradient pass, whichever way its KL pass runs
 
-    def patched(batch):
-        logps = original(batch)
+    def patched(item):
+        logps, aux = original(item)
         if trainer.global_step + 1 == at_step and (rank is None or dist.get_rank() == rank):
             logps = logps * float("nan")
-        return logps
+        return logps, aux
 
-    trainer.passes._policy_logps = patched
+    trainer.passes._policy_pass = patched
 
 
 # ------------------------------------------------------------------------------------------- hand computation
