@@ -14,7 +14,8 @@ continuation runs without (KTO's reference point is a constant), and the online 
 
 Only where a cache and a 4D mask reproduce the separate pass (:func:`can_continue`): eager or sdpa attention
 with no sliding window, linear or chunked attention, a forward that takes ``cache``, no recompute of
-activations (checkpointing drops the cache) and no compiled layers.
+activations (checkpointing drops the cache), no compiled layers, and a family the continuation sweep found
+exact (a wrong continuation would not show in training: policy and reference would share it).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from coati_kto.data.batch import KLContinuation, TokenView
 from coati_kto.families import MASK_POSITION_FAMILIES, packed_masks
 from coati_kto.families.continuation import CONTINUATION_FAMILIES
 from coati_kto.models.compile import compiled_layers
-from coati_kto.models.lm_head import LMHead, _forward_accepts, model_sequence_logps
+from coati_kto.models.lm_head import LMHead, forward_accepts, model_sequence_logps
 from coati_kto.models.lora import base_module
 from coati_kto.models.packing import padded_attention
 
@@ -50,7 +51,7 @@ def continuation_refusal(model: Any, check_family: bool = True) -> str | None:
         return "positions read from the 2D mask"
     if check_family and config.model_type not in CONTINUATION_FAMILIES:
         return f"model_type {config.model_type} not proven (tests/distributed/continuation_sweep.py)"
-    if not _forward_accepts(module, "cache"):
+    if not forward_accepts(module, "cache"):
         return "a forward without a cache argument"
     if _recomputes(module):
         return "activation checkpointing (recomputed layers drop the cache)"

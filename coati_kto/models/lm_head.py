@@ -136,7 +136,7 @@ def model_sequence_logps(
     if cache is not None:
         inputs.update(cache=cache, use_cache=True)
     # Shardformer's tensor-parallel forwards swallow logits_to_keep (Llama) or refuse it (Qwen2, Mistral).
-    if _forward_accepts(module, "logits_to_keep"):
+    if forward_accepts(module, "logits_to_keep"):
         inputs["logits_to_keep"] = keep if keep is not None else completion_logits_to_keep(loss_mask)
     with causal_sdpa_without_checks(module.config, attention_mask):
         if head is None:
@@ -212,7 +212,7 @@ def forward_inputs(config: Any, **inputs: Any) -> dict[str, Any]:
     return inputs
 
 
-def _forward_accepts(module: torch.nn.Module, name: str) -> bool:
+def forward_accepts(module: torch.nn.Module, name: str) -> bool:
     """Whether ``module.forward`` names keyword ``name`` in its signature.
 
     A ``**kwargs`` catch-all does not count: transformers 5's forwards take ``**kwargs`` and hand them on to the

@@ -9,7 +9,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 from coati_kto.models.hf import disable_dropout
-from coati_kto.models.lm_head import _forward_accepts, model_sequence_logps
+from coati_kto.models.lm_head import forward_accepts, model_sequence_logps
 from coati_kto.testing.tiny import random_causal_lm
 
 
@@ -32,7 +32,7 @@ def test_a_forward_without_logits_to_keep_gets_full_logits() -> None:
     """Detected by the signature's names, not by a ``**kwargs`` catch-all; the log-probs are the same."""
     inner = random_causal_lm(LlamaForCausalLM, LlamaConfig).eval()
     wrapped = _NoLogitsToKeep(inner)
-    assert _forward_accepts(inner, "logits_to_keep") and not _forward_accepts(wrapped, "logits_to_keep")
+    assert forward_accepts(inner, "logits_to_keep") and not forward_accepts(wrapped, "logits_to_keep")
     ids = torch.randint(0, 200, (2, 10), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     loss_mask = torch.zeros_like(ids)
