@@ -123,7 +123,9 @@ def _run(model_dir: str, ref_dir: str, out_dir: str, mode: str) -> dict[str, Any
         model_dir,
         str(Path(out_dir) / mode),
         model={"path": model_dir, "reference_path": ref_dir},
-        plugin={"name": "hybrid_parallel", "zero_stage": 0, "precision": "fp32"},
+        # ZeRO-2: hybrid_parallel at ZeRO-0 with 2 data-parallel ranks is torch DDP, whose forward holds
+        # collectives, so nothing folds or continues there (test_torch_ddp_never_folds_nor_continues...).
+        plugin={"name": "low_level_zero", "zero_stage": 2, "precision": "fp32"},
         train={"micro_batch_size": 4},
         kto={"beta": 0.5, "desirable_weight": 1.3, "undesirable_weight": 0.7},
     )
@@ -202,39 +204,54 @@ def test_run_equals_the_run_with_separate_passes(runs: dict[str, list], mode: st
     assert abs(first["train/kl_raw"]) > 1e-3
 
 
-def _ddp_run(model_dir: str, ref_dir: str, out_dir: str) -> dict[str, Any]:
+def _ddp_run(model_dir: str, ref_dir: str, out_dir: str, plugin: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     rank = dist.get_rank()
     cfg = _config(
         model_dir,
-        str(Path(out_dir) / "ddp"),
+        str(Path(out_dir) / plugin["name"]),
         model={"path": model_dir, "reference_path": ref_dir},
-        plugin={"name": "ddp", "precision": "fp32"},
+        plugin=plugin,
         train={"micro_batch_size": 4, "dist_timeout": 60},
     )
-    parts, trainer = _build(cfg, total_steps=3, pack_policy=True)
+    parts, trainer = _build(cfg, total_steps=3, pack_policy=True, kl_continuation=True)
     folded = _record_folds(trainer)
-    # Rank 0's micro-batches would fold (long prompts), rank 1's would not (prompt ~ completion).
-    batches = [
-        _long_prompts(s, [1, 0, 1, 0])
-        if rank == 0
-        else KTOCollator(0)(_rows(s, [0, 1, 1, 0], (5, 8), (5, 8)))
-        for s in range(3)
-    ]
+    # Rank 0's micro-batches would fold (long prompts), rank 1's neither fold (prompt ~ completion) nor continue
+    # (one KL prompt cut otherwise by truncation).
+    batches = []
+    for s in range(3):
+        if rank == 0:
+            batches.append(_long_prompts(s, [1, 0, 1, 0]))
+            continue
+        rows = _rows(s, [0, 1, 1, 0], (5, 8), (5, 8))
+        rows[1]["kl_input_ids"] = rows[1]["kl_input_ids"][1:]
+        rows[1]["kl_completion_start"] -= 1
+        batches.append(KTOCollator(0)(rows))
     assert [b.fold_pays for b in batches] == [rank == 0] * 3
+    assert [b.kl_continuation is not None for b in batches] == [rank == 0] * 3
     trainer.fit(batches, None)
     return {"folded": folded, "steps": trainer.global_step}
 
 
-def test_ddp_never_folds_so_ranks_meet_the_same_collectives(
-    tiny_model_dir: Path, reference_dir: Path, tmp_path: Path
+@pytest.mark.parametrize(
+    "plugin",
+    [
+        {"name": "ddp", "precision": "fp32"},
+        {"name": "hybrid_parallel", "zero_stage": 0, "precision": "fp32"},
+    ],
+    ids=["ddp", "hybrid_zero0"],
+)
+def test_torch_ddp_never_folds_nor_continues_so_ranks_meet_the_same_collectives(
+    tiny_model_dir: Path, reference_dir: Path, tmp_path: Path, plugin: dict[str, Any]
 ) -> None:
-    """DDP's gradient forward enters a collective (its bucket rebuild at the second one). A rank folding its KL
-    pass ran that forward before the z0 all-reduce, a rank not folding after it: a cached-reference ddp run hung
-    at step 2, or aborted in gloo after a resume. Under ddp no micro-batch folds; the run ends on every rank."""
+    """torch DDP's forward enters collectives (its bucket rebuild at the second gradient forward, its buffer
+    broadcast). A rank folding or continuing its KL pass ran its forwards before the z0 all-reduce, a rank with
+    separate passes after it: a cached-reference ddp run hung at step 2, and a hybrid ZeRO-0 run (torch DDP at
+    2 data-parallel ranks) hung once the KL pass continued. Under torch DDP no micro-batch folds or continues;
+    the run ends on every rank."""
     results = run_distributed(
-        _ddp_run, 2, str(tiny_model_dir), str(reference_dir), str(tmp_path), timeout_s=300
+        _ddp_run, 2, str(tiny_model_dir), str(reference_dir), str(tmp_path), plugin, timeout_s=300
     )
     for r in results:
         assert r["steps"] == 3 and r["folded"] == ["separate"] * 3, r
