@@ -157,13 +157,12 @@ class ParallelPlan:
 
     @property
     def forward_collectives(self) -> bool:
-        """Whether the policy's forward enters a collective of the data-parallel group: torch DDP's does (its
-        bucket rebuild, at the second gradient forward, and its buffer broadcast), under ddp and under
-        hybrid_parallel at ZeRO-0 with more than one data-parallel rank (``torch_ddp``). There no rank may order
-        its forwards and the z0 all-reduce otherwise than the others, so the KL pass never folds into the gradient
-        pass nor continues from it (each rank decides from its own batch: a row whose KL prompt was cut otherwise
-        keeps that rank's separate pass, z0 before the forward; a hybrid ZeRO-0 run hung so)."""
-        return self.plugin == "ddp" or self.torch_ddp
+        """Whether the policy's gradient forward enters a collective of the data-parallel group: DDP's does (its
+        bucket rebuild, at the second gradient forward). There no rank may order that forward and the z0
+        all-reduce otherwise than the others, so the KL pass never folds into the gradient pass (a fold is each
+        rank's own decision from its batch's lengths: folded, the forward comes before z0). The continued KL pass
+        also stays off wherever the policy is torch DDP (``torch_ddp``: hybrid_parallel ZeRO-0 too)."""
+        return self.plugin == "ddp"
 
     @property
     def torch_ddp(self) -> bool:
