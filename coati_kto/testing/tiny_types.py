@@ -52,6 +52,7 @@ SIZES: dict[str, int] = {
     **dict.fromkeys(("sliding_window", "attention_chunk_size"), 8),
     **dict.fromkeys(("rotary_dim",), 8),
     **dict.fromkeys(("attention_hidden_size",), 32),
+    **dict.fromkeys(("hidden_size_per_layer_input",), 8),
     **dict.fromkeys(("image_size",), 28),
     **dict.fromkeys(("patch_size",), 14),
 }
@@ -129,6 +130,8 @@ def tiny_config(model_type: str, tokenizer: Any) -> Any:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    if "vocab_size_per_layer_input" in text:  # Gemma 3n/4 per-layer embeddings: 262,144 rows by default
+        ids["vocab_size_per_layer_input"] = len(tokenizer)
     text.update(ids)
     if text_key:
         values.update({k: v for k, v in ids.items() if k in default})

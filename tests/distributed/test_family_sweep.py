@@ -34,6 +34,21 @@ def test_representative_families_train_on_both_plugins(tmp_path: Path) -> None:
     assert results == expected
 
 
+@pytest.mark.parametrize("model_type", [*REPRESENTATIVE, "gemma4"])
+def test_tiny_models_stay_tiny(model_type: str) -> None:
+    """Every size a default config holds is shrunk: Gemma 3n/4's per-layer embedding table (262,144 x 256 per
+    layer by default) once made the Gemma 4 tiny model 134M parameters, 537 MB per save, 12 GB per suite run."""
+    import torch
+
+    from coati_kto.families import auto_model_class
+    from coati_kto.testing.tiny_types import tiny_config
+
+    config = tiny_config(model_type, _tokenizer())
+    with torch.device("meta"):
+        model = auto_model_class(config).from_config(config)
+    assert sum(p.numel() for p in model.parameters()) < 1_000_000
+
+
 def test_a_cell_is_trained_only_when_its_numbers_hold() -> None:
     good = {
         "step1": {"rewards/chosen": 0.0, "kl_raw": 0.0},
