@@ -157,12 +157,14 @@ class ParallelPlan:
 
     @property
     def forward_collectives(self) -> bool:
-        """Whether the policy's gradient forward enters a collective of the data-parallel group: DDP's does (its
-        bucket rebuild, at the second gradient forward). There no rank may order that forward and the z0
-        all-reduce otherwise than the others, so the KL pass never folds into the gradient pass (a fold is each
-        rank's own decision from its batch's lengths: folded, the forward comes before z0). The continued KL pass
-        also stays off wherever the policy is torch DDP (``torch_ddp``: hybrid_parallel ZeRO-0 too)."""
-        return self.plugin == "ddp"
+        """Whether the policy's gradient forward enters a collective of the data-parallel group: torch DDP's does
+        (its bucket rebuild at the second gradient forward, its buffer broadcast): ddp, and hybrid_parallel at
+        ZeRO-0, at more than one data-parallel rank (``torch_ddp``). There no rank may order that forward and the
+        z0 all-reduce otherwise than the others, so the KL pass neither folds into the gradient pass nor
+        continues from its cache: both are each rank's own decision from its batch (a fold from its lengths, a
+        continuation from its prompt truncation), and either runs the forward before z0. A tensor-parallel
+        forward's collectives stay inside its tp group, whose ranks see the same batch and so decide alike."""
+        return self.torch_ddp
 
     @property
     def torch_ddp(self) -> bool:

@@ -35,7 +35,7 @@ class KTOOptions:
         longer exactly 0 (the policy's passes are separate).
     pack_policy: the policy's passes in one packed row too: in evaluation always; in training where a z0 group
         is one micro-batch and ``models.packing.fold_pays`` (long prompts, short completions), folding its KL
-        pass into the gradient pass (never under ddp: ``ParallelPlan.forward_collectives``). Same rounding caveat.
+        pass into the gradient pass (never under torch DDP: ``ParallelPlan.forward_collectives``). Same rounding caveat.
     kl_continuation: in training where a z0 group is one micro-batch, the policy's KL pass (and the online
         reference's) continues from its examples' KV cache (``coati_kto.models.continuation``); before folding.
     router_aux_loss_coef: ``kto.router_aux_loss_coef``: "auto" (an MoE's own ``router_aux_loss_coef`` when its config

@@ -265,7 +265,7 @@ class KTOPasses:
             self._continuing = (
                 self.options.kl_continuation
                 and self.apply_loss_mask
-                and not (self.plan.forward_collectives or self.plan.torch_ddp)
+                and not self.plan.forward_collectives
                 and self.plan.tp_size == 1
                 and all(can_continue(model) for model in models)
             )

@@ -135,9 +135,10 @@ def _run(
     model: dict[str, Any] | None = None,
     precision: str = "fp32",
 ) -> dict[str, Any]:
-    """Three steps on hybrid_parallel fp32, 2 processes: online reference (the policy's own start, so step 0's
-    rewards are 0), tool-use rows where the policy's folded pass pays; ``pack``: the shared-prompt reference
-    pass and the policy's folded pass, else every view on its own. ``tp_size`` 2: one data-parallel rank, whose
+    """Three steps, fp32: low_level_zero ZeRO-2 over 2 data-parallel processes, else hybrid ZeRO-0 (one process,
+    or ``tp_size`` 2); online reference (the policy's own start, so step 0's rewards are 0), tool-use rows where
+    the policy's folded pass pays; ``pack``: the shared-prompt reference pass and the policy's folded pass, else
+    every view on its own. ``tp_size`` 2: one data-parallel rank, whose
     two tensor-parallel ranks see every batch (the packed passes then go through the model's logits)."""
     import torch.distributed as dist
 
@@ -147,7 +148,10 @@ def _run(
         model_dir,
         str(Path(out_dir) / f"free-{padding_free}-{pack}"),
         model={"path": model_dir, **(model or {})},  # the CUDA test's attention kernel and dtype
-        plugin={"name": "hybrid_parallel", "zero_stage": 0, "precision": precision, "tp_size": tp_size},
+        # Not hybrid ZeRO-0 at 2 data-parallel ranks: that is torch DDP, where nothing folds (forward_collectives).
+        plugin={"name": "low_level_zero", "zero_stage": 2, "precision": precision}
+        if dp_size > 1
+        else {"name": "hybrid_parallel", "zero_stage": 0, "precision": precision, "tp_size": tp_size},
         train={"micro_batch_size": 4},
         kto={"beta": 0.5},
     )
@@ -170,7 +174,9 @@ def _run(
     packing.packed_logps = passes.packed_logps = counted
     try:
         with sgd():
-            parts, trainer = _build(cfg, total_steps=len(STEPS), pack_reference=pack, pack_policy=pack)
+            parts, trainer = _build(
+                cfg, total_steps=len(STEPS), dp_size=dp_size, pack_reference=pack, pack_policy=pack
+            )
             trainer.fit(batches[dp_rank::dp_size], None)
     finally:
         packing.packed_logps = passes.packed_logps = original

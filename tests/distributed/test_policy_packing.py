@@ -215,10 +215,9 @@ def _ddp_run(model_dir: str, ref_dir: str, out_dir: str, plugin: dict[str, Any])
         plugin=plugin,
         train={"micro_batch_size": 4, "dist_timeout": 60},
     )
-    # hybrid ZeRO-0 still folds per rank (a latent hang where ranks' fold decisions differ: not fixed here), so
-    # there only the continuation is on.
-    pack = plugin["name"] == "ddp"
-    parts, trainer = _build(cfg, total_steps=3, pack_policy=pack, kl_continuation=True)
+    parts, trainer = _build(
+        cfg, total_steps=3, dp_size=dist.get_world_size(), pack_policy=True, kl_continuation=True
+    )
     folded = _record_folds(trainer)
     # Rank 0's micro-batches would fold (long prompts), rank 1's neither fold (prompt ~ completion) nor continue
     # (one KL prompt cut otherwise by truncation).
@@ -251,7 +250,7 @@ def test_torch_ddp_never_folds_nor_continues_so_ranks_meet_the_same_collectives(
     """torch DDP's forward enters collectives (its bucket rebuild at the second gradient forward, its buffer
     broadcast). A rank folding or continuing its KL pass ran its forwards before the z0 all-reduce, a rank with
     separate passes after it: a cached-reference ddp run hung at step 2, and a hybrid ZeRO-0 run (torch DDP at
-    2 data-parallel ranks) hung once the KL pass continued. Under torch DDP no micro-batch folds or continues;
+    2 data-parallel ranks) hung once the KL pass continued, and again here once it folded. Under torch DDP no micro-batch folds or continues;
     the run ends on every rank."""
     results = run_distributed(
         _ddp_run, 2, str(tiny_model_dir), str(reference_dir), str(tmp_path), plugin, timeout_s=300

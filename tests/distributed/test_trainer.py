@@ -106,13 +106,15 @@ def _config(model_dir: str, out_dir: str, **sections: dict) -> Any:
     return Config.model_validate(raw)
 
 
-def _build(cfg: Any, total_steps: int, **trainer_kwargs: Any):
-    """Plugin, boosted policy, reference, trainer, as coati_kto.train builds them (hand-built data instead)."""
+def _build(cfg: Any, total_steps: int, dp_size: int | None = None, **trainer_kwargs: Any):
+    """Plugin, boosted policy, reference, trainer, as coati_kto.train builds them (hand-built data instead).
+    ``dp_size``: the data-parallel size, as train.py gives the plan; None (unknown) plans conservatively
+    (hybrid ZeRO-0 counts as torch DDP: nothing folds)."""
     from coati_kto.parallel.plan import ParallelPlan
     from coati_kto.train import build_components
     from coati_kto.trainer.kto import KTOTrainer
 
-    plan = ParallelPlan.from_config(cfg)
+    plan = ParallelPlan.from_config(cfg, dp_size=dp_size)
     plugin = plan.build_plugin()
     parts = build_components(cfg, plugin, total_steps, plan)
     kwargs = {
