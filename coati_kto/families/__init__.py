@@ -18,6 +18,7 @@ from typing import Any
 
 from coati_kto.errors import ConfigError
 from coati_kto.families.shardformer import hybrid_refusal, supported_summary
+from coati_kto.families.unproven import unproven_refusal
 
 # Families whose causal-LM forward is exactly ``logits = lm_head(final_hidden)`` (no soft-capping or scaling
 # after the head): the chunked head is exact for them. Others keep the logits path.
@@ -141,11 +142,13 @@ def encoder_refusal(raw: dict[str, Any]) -> str | None:
 
 
 def check_model_family(plugin: str, model_dir: str, key: str, tp_size: int = 1) -> None:
-    """ConfigError (one line) when the model at ``model_dir`` is an encoder (any plugin), or when ``plugin`` is
+    """ConfigError (one line) when the model at ``model_dir`` is an encoder or fails the family sweep
+    (``unproven.UNPROVEN_TYPES``; any plugin), or when ``plugin`` is
     hybrid_parallel and its class is not admitted at ``tp_size`` (every class at tp_size 1; above it
     ``shardformer.TENSOR_PARALLEL_FAMILIES``: what the tests prove).
     Checked from config.json alone; a class it cannot tell (hub id, remote code) is checked at boost."""
-    if (why := encoder_refusal(_config_json(model_dir) or {})) is not None:
+    raw = _config_json(model_dir) or {}
+    if (why := encoder_refusal(raw) or unproven_refusal(raw)) is not None:
         raise ConfigError(f"{key} {model_dir}: {why}")
     if plugin != "hybrid_parallel":
         return

@@ -109,6 +109,9 @@ def test_the_committed_table_covers_every_causal_lm_type() -> None:
     rows = {m.group(1) for m in re.finditer(r"^\| ([\w.-]+) \|", text, re.MULTILINE)} - {"model", "---"}
     assert rows == set(causal_lm_types())
     assert re.search(r"on \d{4}-\d{2}-\d{2} \(transformers", text)
+    # A type the sweep found failing is refused at config load (coati_kto/families/unproven.py), not admitted.
+    failing = {m.group(1) for m in re.finditer(r"^\| ([\w.-]+) \|.*\| fails", text, re.MULTILINE)}
+    assert failing == set(), failing
 
 
 @pytest.mark.slow
