@@ -56,6 +56,56 @@ SIZES: dict[str, int] = {
     **dict.fromkeys(("image_size",), 28),
     **dict.fromkeys(("patch_size",), 14),
 }
+# Keys some defaults leave None that their models read as numbers (transformers 5.24: Ministral and HunYuan's
+# head_dim, Nemotron's key-value heads, DeepSeek-V2 and dots1's experts): set, as every real checkpoint sets them.
+FILL_NONE: dict[str, int] = {
+    "head_dim": 8,
+    "num_key_value_heads": 2,
+    "num_experts_per_tok": 2,
+    "n_routed_experts": 4,
+    "n_shared_experts": 1,
+}
+# Keys a type's default config lacks and its model reads, as its hub checkpoints have them.
+TYPE_KEYS: dict[str, dict[str, Any]] = {
+    "dbrx": {"attn_config": {"rope_theta": 500000.0, "clip_qkv": 8.0}},  # DbrxAttention reads both
+    "lfm2_moe": {
+        "layer_types": ["conv", "full_attention"],
+        "num_dense_layers": 1,
+    },  # a dense layer, an MoE one
+    # Mamba-2 mixers: heads x head dim = expand x hidden (2 x 32); small states and chunks.
+    "granitemoehybrid": {
+        "mamba_n_heads": 8,
+        "mamba_d_head": 8,
+        "mamba_d_state": 16,
+        "mamba_chunk_size": 16,
+        "layer_types": ["linear_attention", "full_attention"],  # Granite 4's mix (the default is all Mamba)
+    },  # fmt: skip
+    "bamba": {
+        "mamba_n_heads": 8,
+        "mamba_d_head": 8,
+        "mamba_d_state": 16,
+        "mamba_chunk_size": 16,
+        "attn_layer_indices": [1],  # a Mamba layer, then an attention one
+    },  # fmt: skip
+    "mamba2": {"num_heads": 8, "head_dim": 8, "state_size": 16, "n_groups": 1, "chunk_size": 16},
+    # Multi-head latent attention: the query-key head is the no-rope part and the rope part (8 + 8).
+    "longcat_flash": {"qk_head_dim": 16, "expert_ffn_hidden_size": 32},
+    "kimi_linear": {
+        "qk_head_dim": 16,
+        "num_experts_per_token": 2,
+        "linear_head_dim": 8,
+        "linear_num_heads": 4,
+    },
+    "dots3_note_text": {
+        "head_dim": 16,
+        "index_head_dim": 16,
+        "index_n_heads": 4,
+        "shared_experts_intermediate_size": 32,
+    },  # fmt: skip
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"], "lru_width": 32},
+    # Jamba: an attention and an MoE layer among the two (the defaults put the first at layer 4 and 8).
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "mamba_dt_rank": 8, "use_mamba_kernels": False},
+}
 # Sub-configs (vision towers, audio encoders) are smaller still.
 SUB_SIZES = {
     **SIZES,
@@ -93,6 +143,8 @@ def _shrink(values: dict[str, Any], sizes: dict[str, int]) -> dict[str, Any]:
             out[key] = min(value, sizes[key])
         elif "dropout" in key and isinstance(value, float):
             out[key] = 0.0
+        elif value is None and key in FILL_NONE:
+            out[key] = FILL_NONE[key]
     types = values.get("layer_types")
     if isinstance(types, list) and types:
         kinds = list(dict.fromkeys(types))  # each distinct layer type once, in order of first use
@@ -122,6 +174,8 @@ def tiny_config(model_type: str, tokenizer: Any) -> Any:
 
     default = AutoConfig.for_model(model_type).to_dict()
     values = _shrink(default, SIZES)
+    for key, extra in TYPE_KEYS.get(model_type, {}).items():
+        values[key] = {**values.get(key, {}), **extra} if isinstance(extra, dict) else extra
     text_key = next((k for k in TEXT_KEYS if isinstance(values.get(k), dict)), None)
     text = values[text_key] if text_key else values
     ids = dict(
