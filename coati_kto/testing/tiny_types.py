@@ -104,7 +104,7 @@ TYPE_KEYS: dict[str, dict[str, Any]] = {
     },  # fmt: skip
     "recurrent_gemma": {"block_types": ["recurrent", "attention"], "lru_width": 32},
     # Jamba: an attention and an MoE layer among the two (the defaults put the first at layer 4 and 8).
-    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "mamba_dt_rank": 8, "use_mamba_kernels": False},
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "mamba_dt_rank": 8},
 }
 # Sub-configs (vision towers, audio encoders) are smaller still.
 SUB_SIZES = {
