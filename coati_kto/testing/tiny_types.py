@@ -68,10 +68,7 @@ FILL_NONE: dict[str, int] = {
 # Keys a type's default config lacks and its model reads, as its hub checkpoints have them.
 TYPE_KEYS: dict[str, dict[str, Any]] = {
     "dbrx": {"attn_config": {"rope_theta": 500000.0, "clip_qkv": 8.0}},  # DbrxAttention reads both
-    "lfm2_moe": {
-        "layer_types": ["conv", "full_attention"],
-        "num_dense_layers": 1,
-    },  # a dense layer, an MoE one
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 1},  # dense, then MoE
     # Mamba-2 mixers: heads x head dim = expand x hidden (2 x 32); small states and chunks.
     "granitemoehybrid": {
         "mamba_n_heads": 8,
@@ -79,14 +76,14 @@ TYPE_KEYS: dict[str, dict[str, Any]] = {
         "mamba_d_state": 16,
         "mamba_chunk_size": 16,
         "layer_types": ["linear_attention", "full_attention"],  # Granite 4's mix (the default is all Mamba)
-    },  # fmt: skip
+    },
     "bamba": {
         "mamba_n_heads": 8,
         "mamba_d_head": 8,
         "mamba_d_state": 16,
         "mamba_chunk_size": 16,
         "attn_layer_indices": [1],  # a Mamba layer, then an attention one
-    },  # fmt: skip
+    },
     "mamba2": {"num_heads": 8, "head_dim": 8, "state_size": 16, "n_groups": 1, "chunk_size": 16},
     # Multi-head latent attention: the query-key head is the no-rope part and the rope part (8 + 8).
     "longcat_flash": {"qk_head_dim": 16, "expert_ffn_hidden_size": 32},
@@ -101,7 +98,18 @@ TYPE_KEYS: dict[str, dict[str, Any]] = {
         "index_head_dim": 16,
         "index_n_heads": 4,
         "shared_experts_intermediate_size": 32,
-    },  # fmt: skip
+    },
+    # Zamba 2: a Mamba layer, then a hybrid one (its shared attention reads [hidden, embeddings]: 2 x 32).
+    "zamba2": {
+        "layers_block_type": ["linear_attention", "hybrid"],
+        "hybrid_layer_ids": [1],
+        "attention_hidden_size": 64,
+        "attention_head_dim": 16,
+        "mamba_headdim": 8,
+        "mamba_d_state": 16,
+        "chunk_size": 16,
+        "adapter_rank": 8,
+    },
     "recurrent_gemma": {"block_types": ["recurrent", "attention"], "lru_width": 32},
     # Jamba: an attention and an MoE layer among the two (the defaults put the first at layer 4 and 8).
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "mamba_dt_rank": 8},
