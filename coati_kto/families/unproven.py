@@ -22,10 +22,6 @@ UNPROVEN_TYPES: dict[str, str] = {
         "its first step's rewards are not 0 with the policy equal to the reference (4e-6 apart in the sweep: its "
         "gradient and no-gradient forwards differ), so the KTO reference point is off"
     ),
-    "longcat_flash": (
-        "its training aborts at 2 data-parallel ranks under ZeRO-2 on both plugins (gloo: a gradient collective "
-        "of mismatched sizes in the sweep, after step 1)"
-    ),
 }
 
 

@@ -86,7 +86,9 @@ TYPE_KEYS: dict[str, dict[str, Any]] = {
     },
     "mamba2": {"num_heads": 8, "head_dim": 8, "state_size": 16, "n_groups": 1, "chunk_size": 16},
     # Multi-head latent attention: the query-key head is the no-rope part and the rope part (8 + 8).
-    "longcat_flash": {"qk_head_dim": 16, "expert_ffn_hidden_size": 32},
+    # LongCat-Flash: 2 identity ("zero") experts beside the 4 routed ones, not the default 256, under which a
+    # rank's tokens can all miss the routed experts (their weights then get no gradient on that rank).
+    "longcat_flash": {"qk_head_dim": 16, "expert_ffn_hidden_size": 32, "zero_expert_num": 2},
     "kimi_linear": {
         "qk_head_dim": 16,
         "num_experts_per_token": 2,

@@ -288,7 +288,7 @@ def test_an_encoder_is_refused_at_load_on_every_plugin(tmp_path: Path) -> None:
         )
 
 
-@pytest.mark.parametrize("model_type", ["youtu", "doge", "inkling_text", "longcat_flash"])
+@pytest.mark.parametrize("model_type", ["youtu", "doge", "inkling_text"])
 def test_a_type_failing_the_family_sweep_is_refused_at_load_on_every_plugin(
     tmp_path: Path, model_type: str
 ) -> None:
