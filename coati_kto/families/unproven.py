@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
+_STEP1_NOT_ZERO = (
+    "its first step's rewards are not 0 with the policy equal to the reference ({} apart in the sweep: its "
+    "gradient and no-gradient forwards differ), so the KTO reference point is off"
+)
 # model_type -> what fails (transformers 5.24, both plugins, ZeRO-2 bf16 and fp32 alike).
 UNPROVEN_TYPES: dict[str, str] = {
     "youtu": (
@@ -14,14 +18,8 @@ UNPROVEN_TYPES: dict[str, str] = {
         "(YoutuPreTrainedModel._init_weights writes through .data), so an exported model does not reload as "
         "trained (0.03 apart in the sweep)"
     ),
-    "doge": (
-        "its first step's rewards are not 0 with the policy equal to the reference (1e-4 apart in the sweep: its "
-        "gradient and no-gradient forwards differ), so the KTO reference point is off"
-    ),
-    "inkling_text": (
-        "its first step's rewards are not 0 with the policy equal to the reference (4e-6 apart in the sweep: its "
-        "gradient and no-gradient forwards differ), so the KTO reference point is off"
-    ),
+    "doge": _STEP1_NOT_ZERO.format("1e-4"),
+    "inkling_text": _STEP1_NOT_ZERO.format("4e-6"),
 }
 
 

@@ -59,10 +59,8 @@ SIZES: dict[str, int] = {
 # Keys some defaults leave None that their models read as numbers (transformers 5.24: Ministral and HunYuan's
 # head_dim, Nemotron's key-value heads, DeepSeek-V2 and dots1's experts): set, as every real checkpoint sets them.
 FILL_NONE: dict[str, int] = {
-    "head_dim": 8,
-    "num_key_value_heads": 2,
-    "num_experts_per_tok": 2,
-    "n_routed_experts": 4,
+    **{key: SIZES[key] for key in ("head_dim", "num_key_value_heads", "num_experts_per_tok")},
+    "n_routed_experts": SIZES["num_experts"],
     "n_shared_experts": 1,
 }
 # Keys a type's default config lacks and its model reads, as its hub checkpoints have them.
