@@ -39,6 +39,7 @@ from coati_kto.parallel import compat, optimizer_path
 from coati_kto.parallel.distributed import reduce_sums
 from coati_kto.parallel.fp32_kept import fp32_kept, restore
 from coati_kto.parallel.grad_norm import GradNorm
+from coati_kto.parallel.ordered_grads import data_dependent_graph, install_ordered_reduction
 from coati_kto.parallel.unused import unreached_parameters
 
 if TYPE_CHECKING:
@@ -276,6 +277,8 @@ class ParallelPlan:
         optimizer_path.install_single_rank_zero(optimizer)
         optimizer_path.install_mixed_precision_step(optimizer)
         optimizer_path.install_fused_zero(optimizer)  # train.fused_optimizer (MixedAdamW) under ZeRO
+        if data_dependent_graph(policy):  # identity experts: ranks may reach different parameters
+            install_ordered_reduction(optimizer)
         return policy, optimizer, lr_scheduler
 
     def build_reference(self, plugin: Any, model: nn.Module) -> nn.Module:

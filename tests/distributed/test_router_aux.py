@@ -66,8 +66,8 @@ def _config(model_dir: str, out_dir: str, plugin: str) -> Any:
     )
 
 
-def built(cfg: Any) -> tuple[Any, Any]:
-    """(the components, a KTOTrainer at accumulation 2) for ``cfg``, on every rank."""
+def built(cfg: Any, accumulation_steps: int = 2) -> tuple[Any, Any]:
+    """(the components, a KTOTrainer at ``accumulation_steps``) for ``cfg``, on every rank."""
     from coati_kto.parallel.plan import ParallelPlan
     from coati_kto.train import build_components
     from coati_kto.trainer.kto import KTOTrainer
@@ -78,7 +78,7 @@ def built(cfg: Any) -> tuple[Any, Any]:
     parts = build_components(cfg, plugin_obj, 1, plan)
     trainer = KTOTrainer(
         parts.policy, parts.reference, parts.booster, parts.optimizer, plugin_obj, parts.lr_scheduler, None,
-        accumulation_steps=2, layout=parts.layout, plan=parts.plan, options=KTOOptions.from_config(cfg),
+        accumulation_steps=accumulation_steps, layout=parts.layout, plan=parts.plan, options=KTOOptions.from_config(cfg),
     )  # fmt: skip
     return parts, trainer
 
