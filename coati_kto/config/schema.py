@@ -37,6 +37,11 @@ class ModelSection(_Section):
         "CUDA only). Off by default: on the CPU the 7.4M fixture's step is 0.94x and compiling costs seconds to "
         "minutes (docs/performance.md).",
     )
+    fused_norms: bool = Field(
+        True,
+        description="Llama-style RMSNorms (checked per class) as one kernel forward and one backward "
+        "(torch's _fused_rms_norm) instead of 7-9 and about 20; off under model.compile (inductor fuses them).",
+    )
     attn_implementation: Literal["eager", "sdpa", "flex_attention", "flash_attention_2", "auto"] | None = (
         Field(
             None,

@@ -1,7 +1,8 @@
 """Loading Hugging Face causal LMs: the policy, and the reference where no plugin runs it.
 
 Every model the project trains or scores is built here, so a load option (attention implementation, remote
-code, dtype) is decided once. May import: config, errors, parallel.fp32_kept (and transformers / colossalai).
+code, dtype, fused norms) is decided once. May import: config, errors, parallel.fp32_kept, models.compile and
+models.norms (and transformers / colossalai).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from torch import nn
 from coati_kto.config.schema import ModelSection
 from coati_kto.errors import ConfigError
 from coati_kto.families import auto_model_class, eager_attention_reason, vision_language
+from coati_kto.models.compile import wants_compile
+from coati_kto.models.norms import fuse_rms_norms
 from coati_kto.parallel.fp32_kept import round_trainable
 
 
@@ -54,6 +57,8 @@ def load_causal_lm(path: str, model_cfg: ModelSection, dtype: torch.dtype) -> to
         path, dtype=dtype, trust_remote_code=model_cfg.trust_remote_code, **extra
     )
     _restore_frozen(model)
+    if model_cfg.fused_norms and not wants_compile(model_cfg.compile):  # compiled layers fuse them already
+        fuse_rms_norms(model)
     return model
 
 

@@ -83,6 +83,7 @@ _PLACES: tuple[tuple[str, str | None, str], ...] = (
     ("/peft/", None, MODEL),
     ("/colossalai/shardformer/", None, MODEL),
     ("coati_kto/families/", None, MODEL),
+    ("coati_kto/models/norms", None, MODEL),
     ("/torch/nn/modules/", None, MODEL),
     ("coati_kto/trainer/loss", None, LOSS),
     ("coati_kto/models/logprobs", None, HEAD),
