@@ -119,15 +119,17 @@ class KLContinuation:
     ``view``: [B, W] right-padded rows [x_i's last token, y_j], its loss mask on y_j, completion positions
     planned; ``position_ids`` [B, W] long: the positions continuing the prompt (|x_i| - 1 ..); ``visible`` [B]
     long: the examples' cached columns each row attends to (its prompt but the last token, which ``view``
-    recomputes; every column past them holds the example's completion or padding).
+    recomputes; every column past them holds the example's completion or padding); ``visible_width`` (a host
+    int, at least 1): the largest of them, so the continuation attends to no cached column past it.
     """
 
     view: TokenView
     position_ids: torch.Tensor
     visible: torch.Tensor
+    visible_width: int = 1
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> KLContinuation:
-        return KLContinuation(self.view.map(fn), fn(self.position_ids), fn(self.visible))
+        return KLContinuation(self.view.map(fn), fn(self.position_ids), fn(self.visible), self.visible_width)
 
 
 @dataclass(frozen=True)

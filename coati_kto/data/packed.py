@@ -171,4 +171,4 @@ def plan_continuation(example: TokenView, kl: TokenView) -> KLContinuation | Non
         real.long(),
         kl.loss_mask.gather(1, cols) & real,
     ).planned()
-    return KLContinuation(view, position_ids, start)
+    return KLContinuation(view, position_ids, start, max(1, int(start.max())))

@@ -138,6 +138,13 @@ def example_logps_with_cache(model: Any, example: TokenView, head: LMHead | None
     return logps, cache
 
 
+def _keep_columns(cache: Any, width: int) -> int:
+    """Keep the first ``width`` cached positions of every layer (views, no copy); returns ``width``."""
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[..., :width, :], layer.values[..., :width, :]
+    return width
+
+
 def continued_kl_logps(
     model: Any, cache: Any, cached: int, continuation: KLContinuation, head: LMHead | None
 ) -> torch.Tensor:
@@ -147,6 +154,9 @@ def continued_kl_logps(
     view = continuation.view
     module = base_module(model)
     dtype = head.weight.dtype if head is not None else module.get_input_embeddings().weight.dtype
+    # No row sees a cached column past the longest prompt: the rest (completions, padding) leaves the cache,
+    # so the continuation's attention reads only the prompts' columns.
+    cached = _keep_columns(cache, min(cached, continuation.visible_width))
     with torch.no_grad():
         return model_sequence_logps(
             model,

@@ -244,6 +244,13 @@ def test_kl_continuation_holds_the_kl_pair_after_its_shared_prompt(rows: list[di
             cached_keys = allowed[b, t, :cached].nonzero().flatten().tolist()
             own_keys = allowed[b, t, cached:].nonzero().flatten().tolist()
             assert cached_keys == list(range(start - 1)) and own_keys == list(range(t + 1))
+    # the continuation keeps only the cached columns some row sees (the longest prompt but its last token): the
+    # mask over them is the full mask without the columns no row sees
+    assert cont.visible_width == max(1, max(r["kl_completion_start"] - 1 for r in rows))
+    kept = cont.visible_width
+    assert not allowed[:, :, kept:cached].any()
+    narrow = continuation_mask(cont, kept, torch.float32)[:, 0] == 0
+    assert torch.equal(narrow, torch.cat([allowed[:, :, :kept], allowed[:, :, cached:]], dim=2))
     # the planned completion positions are those of the loss mask (the view's host plan)
     rows_t, cols_t = cont.view.targets()
     keep = cont.view.keep
