@@ -267,8 +267,10 @@ class _HeadTokenLogps(torch.autograd.Function):
         grad_hidden = (
             torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) if need_hidden else None
         )
-        grad_weight = torch.zeros_like(weight) if need_weight else None
-        grad_bias = torch.zeros_like(bias) if need_bias and bias is not None else None
+        # Every row block of the weight's (and bias') gradient is written once below: no zero fill.
+        grad_weight = torch.empty_like(weight) if need_weight else None
+        grad_bias = torch.empty_like(bias) if need_bias and bias is not None else None
+        hidden_w = hidden.to(weight.dtype) if need_weight else None
         _, chunk_grad = _chunk_functions(ctx.compiled)
         for i, v0 in enumerate(range(0, vocab, ctx.vocab_chunk)):
             v1 = min(vocab, v0 + ctx.vocab_chunk)
@@ -280,8 +282,8 @@ class _HeadTokenLogps(torch.autograd.Function):
             grad = chunk_grad(logits, lse, g, targets, v0, weight.dtype)
             if grad_hidden is not None:
                 grad_hidden.add_(grad.float() @ w.float() if w.dtype != torch.float32 else grad @ w)
-            if grad_weight is not None:
-                grad_weight[v0:v1] = grad.t() @ hidden.to(weight.dtype)  # one matmul per row block: exact
+            if grad_weight is not None:  # one matmul per row block, into it (a contiguous row slice): exact
+                torch.mm(grad.t(), hidden_w, out=grad_weight[v0:v1])
             if grad_bias is not None:
                 grad_bias[v0:v1] = grad.float().sum(0).to(bias.dtype)
         if grad_hidden is not None:
