@@ -179,3 +179,37 @@ def test_flex_gradients_equal_padded_on_cuda(family: str) -> None:
     proves through torch's reference operator (test_padding_free), on the kernel a GPU runs."""
     # fp32 on the GPU: the summation order of other kernels, hence 1e-4
     check_flex_gradients(family, "cuda", contextlib.nullcontext, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.gpu
+def test_fused_rms_norm_runs_torch_cuda_kernels_within_bf16_rounding() -> None:
+    """On CUDA the two ops are torch's fused kernels (one launch each way in the CUDA profile), and the values
+    stay within the CPU tests' bounds of transformers' eager norm."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from coati_kto.models.norms import fused_rms_norm
+
+    def norm(dtype: torch.dtype) -> torch.nn.Module:
+        module = LlamaRMSNorm(64, eps=1e-6).to(dtype).cuda()
+        with torch.no_grad():
+            module.weight.copy_(1 + 0.5 * torch.randn(64, generator=torch.Generator().manual_seed(0)))
+        return module
+
+    def grads(module: torch.nn.Module, x: torch.Tensor, grad: torch.Tensor, fused: bool) -> tuple:
+        x = x.detach().clone().requires_grad_()
+        y = fused_rms_norm(x, module.weight, module.variance_epsilon) if fused else module(x)
+        y.backward(grad)
+        return y.detach(), x.grad, module.weight.grad
+
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(4, 8, 64, generator=gen) * 2).bfloat16().cuda()
+    grad = torch.randn(4, 8, 64, generator=gen).bfloat16().cuda()
+    eager = grads(norm(torch.bfloat16), x, grad, False)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fused = grads(norm(torch.bfloat16), x, grad, True)
+        torch.cuda.synchronize()
+    truth = grads(norm(torch.float32), x.float(), grad.float(), False)
+    for e, f, t in zip(eager, fused, truth, strict=True):
+        assert (f.float() - t).abs().mean() <= (e.float() - t).abs().mean() * 1.05
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert sum("rms" in name.lower() for name in kernels) >= 2, kernels  # forward and backward kernels
