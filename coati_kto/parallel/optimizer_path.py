@@ -114,16 +114,23 @@ def install_clipping(optimizer: Any) -> None:
         optimizer._clip_grad_norm = types.MethodType(naive_clip, optimizer)
 
 
-def single_rank_zero(optimizer: Any) -> bool:
-    """Whether ``optimizer`` is a ZeRO optimizer whose one ZeRO group has a single rank, with masters on the device
-    (no cpu_offload), fp32 masters and no asynchronous all-gather: where ``install_single_rank_zero`` applies."""
+def zero_bucket_store(optimizer: Any) -> Any | None:
+    """The bucket store of a ZeRO optimizer with one ZeRO group (its ``world_size``: the group's ranks); None for
+    any other optimizer (DDP's, AMP's, several groups)."""
     from colossalai.zero.low_level.low_level_optim import LowLevelZeroOptimizer
 
     if not isinstance(optimizer, LowLevelZeroOptimizer) or len(optimizer.pg_to_bucket_store) != 1:
-        return False
-    store = next(iter(optimizer.pg_to_bucket_store.values()))
+        return None
+    return next(iter(optimizer.pg_to_bucket_store.values()))
+
+
+def single_rank_zero(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is a ZeRO optimizer whose one ZeRO group has a single rank, with masters on the device
+    (no cpu_offload), fp32 masters and no asynchronous all-gather: where ``install_single_rank_zero`` applies."""
+    store = zero_bucket_store(optimizer)
     return (
-        store.world_size == 1
+        store is not None
+        and store.world_size == 1
         and not optimizer._cpu_offload
         and optimizer._master_weights
         and not optimizer._overlap_allgather
@@ -220,12 +227,9 @@ def _set_master_grads(sources: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 def fused_zero(optimizer: Any) -> bool:
     """Whether ``optimizer`` is a ZeRO optimizer over ``MixedAdamW`` that ``install_fused_zero`` applies to: one
     ZeRO group, fp32 masters on the device, no asynchronous all-gather, no fp8 communication."""
-    from colossalai.zero.low_level.low_level_optim import LowLevelZeroOptimizer
-
     return (
-        isinstance(optimizer, LowLevelZeroOptimizer)
+        zero_bucket_store(optimizer) is not None
         and _fused(optimizer)
-        and len(optimizer.pg_to_bucket_store) == 1
         and not optimizer._cpu_offload
         and optimizer._master_weights
         and not optimizer._overlap_allgather

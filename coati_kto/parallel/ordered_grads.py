@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from coati_kto.parallel.optimizer_path import zero_bucket_store
+
 
 def data_dependent_graph(model: nn.Module) -> bool:
     """Whether a rank's backward may leave a trainable parameter without a gradient depending on its tokens:
@@ -41,19 +43,12 @@ def data_dependent_graph(model: nn.Module) -> bool:
     return False
 
 
-def ordered_reduction_applies(optimizer: Any) -> bool:
-    """Whether ``optimizer`` is a ZeRO optimizer of one data-parallel group of more than one rank."""
-    from colossalai.zero.low_level.low_level_optim import LowLevelZeroOptimizer
-
-    if not isinstance(optimizer, LowLevelZeroOptimizer) or len(optimizer.pg_to_bucket_store) != 1:
-        return False
-    return next(iter(optimizer.pg_to_bucket_store.values())).world_size > 1
-
-
 def install_ordered_reduction(optimizer: Any) -> bool:
     """Reduce ``optimizer``'s gradients after each synchronized backward, in parameter order, zeros for the
-    missing ones (see the module). Every rank calls after ``booster.boost``, alike. Returns whether it did."""
-    if not ordered_reduction_applies(optimizer):
+    missing ones (see the module), where it is a ZeRO optimizer of one group of more than one rank. Every rank
+    calls after ``booster.boost``, alike. Returns whether it did."""
+    store = zero_bucket_store(optimizer)
+    if store is None or store.world_size == 1:
         return False
     for handle in optimizer.grad_handles:
         handle.remove()
