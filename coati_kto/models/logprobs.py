@@ -192,26 +192,37 @@ def _vocab_chunk(positions: int, vocab: int, chunk: int | None, device: torch.de
     return min(vocab, max(_MIN_VOCAB_CHUNK, elements // max(1, positions)))
 
 
-def _chunk_logps(hidden, weight, bias, targets, v0: int, running_max, running_sum, target_logit):
+def _chunk_logps(hidden, weight, bias, targets, v0: int, vocab: int, running_max, running_sum, target_logit):
     """One vocabulary chunk (rows v0.. of the head) of the online log-softmax: its logits (weight dtype), and
-    the running max, sum of exponentials and target logit (fp32 [N]) updated with it."""
+    the running max, sum of exponentials and target logit (fp32 [N]) updated with it. The first chunk takes
+    None for the three (nothing to rescale yet: the same values as updating from -inf, 0 and 0)."""
     logits = torch.nn.functional.linear(hidden, weight, bias)
     v1 = v0 + weight.shape[0]
     chunk = logits.float()
-    new_max = torch.maximum(running_max, chunk.amax(dim=1))
-    running_sum = running_sum * (running_max - new_max).exp() + (chunk - new_max[:, None]).exp().sum(1)
+    if running_max is None:
+        new_max = chunk.amax(dim=1)
+        running_sum = (chunk - new_max[:, None]).exp().sum(1)
+    else:
+        new_max = torch.maximum(running_max, chunk.amax(dim=1))
+        running_sum = running_sum * (running_max - new_max).exp() + (chunk - new_max[:, None]).exp().sum(1)
+    if v0 == 0 and v1 == vocab:  # one chunk holds every target: no range test
+        return logits, new_max, running_sum, chunk.gather(1, targets[:, None]).squeeze(1)
     inside = (targets >= v0) & (targets < v1)
     local = (targets - v0).clamp(0, v1 - v0 - 1)
-    target_logit = torch.where(inside, chunk.gather(1, local[:, None]).squeeze(1), target_logit)
+    picked = chunk.gather(1, local[:, None]).squeeze(1)
+    target_logit = torch.where(inside, picked, 0.0 if target_logit is None else target_logit)
     return logits, new_max, running_sum, target_logit
 
 
-def _chunk_grad(logits, lse, g, targets, v0: int, dtype: torch.dtype):
+def _chunk_grad(logits, lse, g, targets, v0: int, vocab: int, dtype: torch.dtype):
     """d/dlogits (logit[target] - lse) = onehot(target) - softmax(logits), times the upstream gradient ``g``,
     for one chunk's logits; in ``dtype`` (what autograd feeds the head's matmuls on the logits path). Out of
     place: a kept fp32 block must survive a second backward with retain_graph."""
     v1 = v0 + logits.shape[1]
     grad = logits.float().sub(lse[:, None]).exp_().mul_(-g[:, None])
+    if v0 == 0 and v1 == vocab:  # one chunk holds every target
+        grad.scatter_add_(1, targets[:, None], g[:, None])
+        return grad.to(dtype)
     inside = (targets >= v0) & (targets < v1)
     local = (targets - v0).clamp(0, v1 - v0 - 1)
     grad.scatter_add_(1, local[:, None], torch.where(inside, g, 0.0)[:, None])
@@ -240,15 +251,13 @@ class _HeadTokenLogps(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, targets, vocab_chunk: int, compiled: bool):
         n, vocab = hidden.shape[0], weight.shape[0]
         chunk_logps, _ = _chunk_functions(compiled)
-        running_max = torch.full((n,), float("-inf"), dtype=torch.float32, device=hidden.device)
-        running_sum = torch.zeros(n, dtype=torch.float32, device=hidden.device)
-        target_logit = torch.zeros(n, dtype=torch.float32, device=hidden.device)
+        running_max = running_sum = target_logit = None  # the first chunk starts them
         keep = any(ctx.needs_input_grad[:3]) and n * vocab <= _budget(_KEEP_LOGITS_ELEMENTS, hidden.device)
         ctx.kept = []
         for v0 in range(0, vocab, vocab_chunk):
             v1 = min(vocab, v0 + vocab_chunk)
             logits, running_max, running_sum, target_logit = chunk_logps(
-                hidden, weight[v0:v1], None if bias is None else bias[v0:v1], targets, v0,
+                hidden, weight[v0:v1], None if bias is None else bias[v0:v1], targets, v0, vocab,
                 running_max, running_sum, target_logit,
             )  # fmt: skip
             if keep:
@@ -279,7 +288,7 @@ class _HeadTokenLogps(torch.autograd.Function):
                 logits = ctx.kept[i]
             else:
                 logits = torch.nn.functional.linear(hidden, w, None if bias is None else bias[v0:v1])
-            grad = chunk_grad(logits, lse, g, targets, v0, weight.dtype)
+            grad = chunk_grad(logits, lse, g, targets, v0, vocab, weight.dtype)
             if grad_hidden is not None:
                 grad_hidden.add_(grad.float() @ w.float() if w.dtype != torch.float32 else grad @ w)
             if grad_weight is not None:  # one matmul per row block, into it (a contiguous row slice): exact

@@ -186,3 +186,41 @@ def test_vocabulary_chunks_few_on_a_gpu_cache_sized_on_cpu() -> None:
     assert _vocab_chunk(8 * 40, 32000, None, gpu) == 32000  # tool_use: 8 rows x ~40 completion tokens
     assert -(-32000 // _vocab_chunk(8 * 400, 32000, None, gpu)) == 2  # half: 8 x ~400
     assert _vocab_chunk(8 * 40, 32000, None, cpu) == (1 << 19) // 320
+
+
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_first_and_only_chunk_shortcuts_are_bit_exact(chunks: int) -> None:
+    """The first chunk starts the running max, sum and target logit instead of updating them from (-inf, 0, 0),
+    and a chunk holding the whole vocabulary gathers without a range test: the same bits as the general
+    update, forward and gradient."""
+    from coati_kto.models import logprobs
+
+    g = torch.Generator().manual_seed(11)
+    n, hid, vocab = 23, 8, 30
+    hidden, weight = torch.randn(n, hid, generator=g), torch.randn(vocab, hid, generator=g)
+    targets = torch.randint(0, vocab, (n,), generator=g)
+    size = vocab // chunks
+    w = weight[:size]
+    start = (torch.full((n,), float("-inf")), torch.zeros(n), torch.zeros(n))
+    general = logprobs._chunk_logps(hidden, w, None, targets, 0, vocab + 1, *start)  # never "the only chunk"
+    shortcut = logprobs._chunk_logps(hidden, w, None, targets, 0, vocab, None, None, None)
+    assert all(torch.equal(a, b) for a, b in zip(general, shortcut, strict=True))
+    lse, up = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    logits = general[0]
+    assert torch.equal(
+        logprobs._chunk_grad(logits, lse, up, targets, 0, vocab + 1, torch.float32),
+        logprobs._chunk_grad(logits, lse, up, targets, 0, vocab, torch.float32),
+    )
+
+
+def test_a_one_chunk_head_is_nine_kernels_forward_in_fp32() -> None:
+    """The head over one vocabulary chunk (most micro-batches on a GPU): matmul, max, shift, exp, sum, gather,
+    log, add, subtract (and an upcast in bf16); no running-state fills, no rescale of an empty sum, no range
+    test (20 kernels before)."""
+    from coati_kto.testing.kernels import KernelCounter
+
+    hidden, weight = torch.randn(40, 8), torch.randn(64, 8)
+    targets = torch.randint(0, 64, (40,))
+    with KernelCounter(log=True) as counter:
+        head_token_logps(hidden, weight, None, targets, vocab_chunk=64)
+    assert sum(k for _, _, k, _, _ in counter.log) == 9, counter.log  # fp32: no upcast
