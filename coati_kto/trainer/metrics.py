@@ -10,22 +10,22 @@ from __future__ import annotations
 
 import torch
 
-# Keys summed over micro-batches and data-parallel ranks; "nonfinite" counts micro-batches whose loss is NaN/inf.
+# Keys summed over micro-batches and data-parallel ranks. The first twelve are one [3, 4] table, row-major: rows
+# all valid examples / chosen / rejected, columns loss, reward, policy log-prob, count (StepSums.add: one matmul).
+_TABLE = (
+    *("loss", "rewards", "logps", "examples"),
+    *("loss/chosen", "rewards/chosen", "logps/chosen", "count/chosen"),
+    *("loss/rejected", "rewards/rejected", "logps/rejected", "count/rejected"),
+)
 SUM_KEYS = (
-    "examples",
-    "loss",
-    "count/chosen",
-    "count/rejected",
-    "rewards/chosen",
-    "rewards/rejected",
-    "logps/chosen",
-    "logps/rejected",
+    *_TABLE,
     "tokens",
-    "nonfinite",
+    "nonfinite",  # micro-batches whose loss or rewards are NaN/inf
     "model_flops",
     "aux_loss",  # the router load-balancing loss of each gradient pass x its rows (MoE; 0 when none is added)
     "aux_rows",
 )
+_INDEX = {key: i for i, key in enumerate(SUM_KEYS)}
 
 
 class StepSums:
@@ -54,30 +54,19 @@ class StepSums:
 
         Rows with ``valid`` False (evaluation padding) contribute nothing, even when their values are NaN.
         """
-        chosen, rejected = labels & valid, ~labels & valid
-
-        def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-            return torch.where(mask, values.detach().double(), 0.0).sum()
-
-        loss = masked_sum(losses, valid)
+        # One matmul sums every (rows, value) pair: masks [B, 3] (valid, chosen, rejected) x values [B, 4] (loss,
+        # reward, log-prob, valid), fp64 (stack promotes to the masks' dtype). Invalid rows are zeroed first: a
+        # NaN survives a weight of 0.
+        chosen = labels & valid
+        masks = torch.stack([valid, chosen, valid ^ chosen], dim=1).double()
+        values = torch.stack([losses.detach(), rewards.detach(), policy_logps.detach(), masks[:, 0]], dim=1)
+        table = masks.T @ torch.where(valid[:, None], values, 0.0)
+        self._sums[: len(_TABLE)].add_(table.flatten())
+        self._sums[_INDEX["tokens"]].add_(tokens)
         # A NaN/inf reward (e.g. a -inf log-prob) can hide behind a finite loss (sigmoid saturates): flag both.
-        finite = torch.isfinite(loss + masked_sum(rewards, valid))
-        parts = {
-            "examples": valid.sum(),
-            "loss": loss,
-            "count/chosen": chosen.sum(),
-            "count/rejected": rejected.sum(),
-            "rewards/chosen": masked_sum(rewards, chosen),
-            "rewards/rejected": masked_sum(rewards, rejected),
-            "logps/chosen": masked_sum(policy_logps, chosen),
-            "logps/rejected": masked_sum(policy_logps, rejected),
-            "tokens": tokens,
-            "nonfinite": ~finite,
-            "model_flops": torch.zeros((), device=self._sums.device),
-            "aux_loss": torch.zeros((), device=self._sums.device),
-            "aux_rows": torch.zeros((), device=self._sums.device),
-        }
-        self._sums += torch.stack([parts[k].to(self._sums) for k in SUM_KEYS])
+        # x - x is 0 for every finite x and NaN for inf and NaN.
+        total = table[0, :2].sum()
+        self._sums[_INDEX["nonfinite"]].add_((total - total).ne(0))
 
     def add_aux(self, aux: torch.Tensor, rows: int | torch.Tensor) -> None:
         """Add one pass's router load-balancing loss (0-dim), weighted by its ``rows`` (an int, or a 0-dim device
@@ -87,13 +76,13 @@ class StepSums:
         if isinstance(rows, torch.Tensor):
             rows = rows.to(self._sums)
             aux = torch.where(rows > 0, aux, 0.0)
-        self._sums[SUM_KEYS.index("aux_loss")] += aux * rows
-        self._sums[SUM_KEYS.index("aux_rows")] += rows
-        self._sums[SUM_KEYS.index("nonfinite")] += (~torch.isfinite(aux)).to(self._sums)
+        self._sums[_INDEX["aux_loss"]].add_(aux * rows)
+        self._sums[_INDEX["aux_rows"]].add_(rows)
+        self._sums[_INDEX["nonfinite"]].add_(~torch.isfinite(aux))
 
     def add_flops(self, flops: torch.Tensor) -> None:
         """Add model FLOPs of passes run (0-dim; coati_kto.trainer.throughput counts them)."""
-        self._sums[SUM_KEYS.index("model_flops")] += flops.to(self._sums)
+        self._sums[_INDEX["model_flops"]].add_(flops)
 
     def add_kl(self, z0: torch.Tensor, raw: torch.Tensor) -> None:
         """One reference point z0 = max(0, raw) and its unclamped estimate ``raw`` (0-dim each)."""
@@ -126,7 +115,8 @@ def add_totals(into: dict[str, float], totals: dict[str, float]) -> None:
 
 
 def summarize(totals: dict[str, float], kl: dict[str, float] | None) -> dict[str, float]:
-    """Means from global sums: loss per example, rewards and log-probs per label, margin when both labels exist.
+    """Means from global sums: loss per example, rewards and log-probs per label, margin when both labels exist;
+    none of them from a step or evaluation with a non-finite micro-batch (its counts only).
 
     ``totals`` holds SUM_KEYS reduced over the data-parallel group; ``kl`` the global {"kl", "kl_raw"} (z0
     and the unclamped estimate) or None (no reference point). Keys whose count is 0 are omitted.
@@ -142,7 +132,9 @@ def summarize(totals: dict[str, float], kl: dict[str, float] | None) -> dict[str
     for side in ("chosen", "rejected"):
         count = totals[f"count/{side}"]
         out[f"count/{side}"] = count
-        if count > 0:
+        # Non-finite sums (one inf row turns its label's and, through the table's 0 weights, the other's) are
+        # no measurement: no mean is logged from them, as no loss is.
+        if count > 0 and totals["nonfinite"] == 0:
             means[side] = totals[f"rewards/{side}"] / count
             out[f"rewards/{side}"] = means[side]
             out[f"logps/{side}"] = totals[f"logps/{side}"] / count
