@@ -56,14 +56,18 @@ def counted_run(run: Callable[[], Any], params: int) -> dict[str, Any]:
 
 
 def baseline_results(rev: str, argv: list[str]) -> list[dict[str, Any]]:
-    """The RESULT lines of ``python <this bench> *argv`` run on git revision ``rev`` of this checkout: a
-    temporary worktree holding ``rev`` with this tree's counter files (testing code only) copied in."""
+    """The RESULT lines of ``python *argv`` run on git revision ``rev`` of this checkout: a temporary worktree
+    holding ``rev`` with this tree's counter files (testing code only) copied in; a script of this checkout
+    (``argv[0]``) runs as that revision has it."""
     tmp = Path(tempfile.mkdtemp(prefix="coati_baseline_"))
     tree = tmp / "tree"
     subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(tree), rev], check=True)
     try:
         for name in COUNTER_FILES:
             shutil.copyfile(ROOT / name, tree / name)
+        script = Path(argv[0]).resolve()
+        if script.is_relative_to(ROOT):  # the bench as it was at ``rev`` (its cases, its config keys)
+            argv = [str(tree / script.relative_to(ROOT)), *argv[1:]]
         # The caller's process group (gpu_bench --smoke runs its cases in-process) holds its port: a fresh one.
         dist_env = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
         env = {k: v for k, v in os.environ.items() if k not in dist_env}

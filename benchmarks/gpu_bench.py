@@ -726,8 +726,11 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work / "runs", ignore_errors=True)  # the same run directories, on the other revision
         before = {r["case"]: r for r in baseline_results(args.baseline_rev, argv_base)}
         for r in before.values():
-            if "error" in r:
-                print(f"before ({args.baseline_rev}) {r['case']}: {r['error']}", flush=True)
+            if "error" in r or "count_error" in r:
+                print(
+                    f"before ({args.baseline_rev}) {r['case']}: {r.get('error') or r['count_error']}",
+                    flush=True,
+                )
     print("\n" + count_table(results, before), flush=True)
     for line in speedups(results, trl):
         print(line)

@@ -133,6 +133,20 @@ class KLContinuation:
 
 
 @dataclass(frozen=True)
+class TokenCounts:
+    """Non-padding tokens of a micro-batch's valid rows, as host ints: the examples, the KL pairs, the prompt
+    tokens the shared-prompt layout processes once, and the KL continuation's cached columns and its own rows
+    (0 without one). Counted by the collator (coati_kto.data.packed.count_tokens), so the step's token and
+    FLOP figures read nothing back from the device."""
+
+    example: int
+    kl: int
+    pairs_shared: int = 0
+    continuation_visible: int = 0
+    continuation: int = 0
+
+
+@dataclass(frozen=True)
 class KTOBatch:
     """One micro-batch: examples, their KL pairs, labels and optional per-row extras ([B] each).
 
@@ -141,7 +155,8 @@ class KTOBatch:
     every row is real. ``pairs`` / ``example_rows`` / ``kl_rows``: the packed layouts the collator planned on
     the host (coati_kto.data.packed; the last two with ``padding_free`` only), ``fold_pays`` whether the
     policy's folded pass processes fewer tokens than its two, and ``kl_continuation`` the KL pairs planned as
-    a continuation of the examples' padded forward (None where a row's prompts differ).
+    a continuation of the examples' padded forward (None where a row's prompts differ), ``counts`` its valid
+    rows' tokens, counted on the host.
     """
 
     example: TokenView
@@ -156,6 +171,7 @@ class KTOBatch:
     kl_rows: PackedRows | None = None
     fold_pays: bool = False
     kl_continuation: KLContinuation | None = None
+    counts: TokenCounts | None = None  # host ints: not moved with the tensors
 
     def __len__(self) -> int:
         return int(self.label.shape[0])
@@ -165,7 +181,8 @@ class KTOBatch:
         return self.valid.bool() if self.valid is not None else torch.ones_like(self.label, dtype=torch.bool)
 
     def with_valid(self, valid: torch.Tensor) -> KTOBatch:
-        return replace(self, valid=valid)
+        """The batch with ``valid`` rows (its counts dropped: they count valid rows)."""
+        return replace(self, valid=valid, counts=None)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> KTOBatch:
         return self.map(lambda t: t.to(device, non_blocking=non_blocking))

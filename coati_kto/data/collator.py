@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from coati_kto.data.batch import KTOBatch, TokenView
-from coati_kto.data.packed import fold_pays, plan_continuation, plan_rows
+from coati_kto.data.packed import counted, fold_pays, plan_continuation, plan_rows
 
 
 def _pad(
@@ -91,7 +91,7 @@ class KTOCollator:
             fold = fold_pays(pairs, example_rows.tokens(), kl_rows.tokens())
         else:
             fold = fold_pays(pairs, example.input_ids.numel(), kl.input_ids.numel())
-        return KTOBatch(
+        batch = KTOBatch(
             example=example,
             kl=kl,
             label=torch.tensor([bool(f["label"]) for f in features], dtype=torch.bool),
@@ -107,3 +107,4 @@ class KTOCollator:
             # Padded rows only: the continuation extends the examples' padded forward.
             kl_continuation=None if free else plan_continuation(example, kl),
         )
+        return counted(batch)

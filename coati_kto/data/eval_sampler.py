@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator
 import torch
 
 from coati_kto.data.batch import KTOBatch
+from coati_kto.data.packed import counted
 
 
 class EvalBatchSampler:
@@ -75,4 +76,4 @@ class ValidMaskLoader:
 
     def __iter__(self) -> Iterator[KTOBatch]:
         for k, batch in enumerate(self.loader):
-            yield batch.with_valid(torch.arange(len(batch)) < self.sampler.num_valid(k))
+            yield counted(batch.with_valid(torch.arange(len(batch)) < self.sampler.num_valid(k)))

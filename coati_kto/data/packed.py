@@ -23,10 +23,11 @@ Everything here runs on CPU tensors; the batch then moves to the device whole (`
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import torch
 
-from coati_kto.data.batch import KLContinuation, PackedRows, Targets, TokenView
+from coati_kto.data.batch import KLContinuation, KTOBatch, PackedRows, Targets, TokenCounts, TokenView
 
 
 def shared_prompt_lengths(example: TokenView, kl: TokenView) -> torch.Tensor:
@@ -172,3 +173,29 @@ def plan_continuation(example: TokenView, kl: TokenView) -> KLContinuation | Non
         kl.loss_mask.gather(1, cols) & real,
     ).planned()
     return KLContinuation(view, position_ids, start, max(1, int(start.max())))
+
+
+def count_tokens(batch: KTOBatch) -> TokenCounts:
+    """The tokens of ``batch``'s valid rows (:class:`~coati_kto.data.batch.TokenCounts`), from host tensors (a
+    device batch would be read back)."""
+    valid = batch.valid_rows()
+
+    def total(per_row: torch.Tensor) -> int:
+        return int(per_row[valid].sum())
+
+    # Without the collator's pairs: what coati_kto.models.packing.pair_logps plans for the batch.
+    shared = batch.pairs.shared if batch.pairs is not None else shared_prompt_lengths(batch.example, batch.kl)
+    continuation = batch.kl_continuation
+    return TokenCounts(
+        example=total(batch.example.lengths()),
+        kl=total(batch.kl.lengths()),
+        pairs_shared=total(shared),
+        continuation_visible=0 if continuation is None else total(continuation.visible),
+        continuation=0 if continuation is None else total(continuation.view.lengths()),
+    )
+
+
+def counted(batch: KTOBatch) -> KTOBatch:
+    """``batch`` with its :func:`count_tokens` (the collator's, and the evaluation sampler's once it marks
+    padding rows)."""
+    return replace(batch, counts=count_tokens(batch))

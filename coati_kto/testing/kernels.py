@@ -29,11 +29,15 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from coati_kto.models.logprobs import accelerator_chunks
 from coati_kto.testing import attention_paths as paths
 from coati_kto.testing.compiled import RegionCounting, kernel_category
 from coati_kto.testing.op_cost import op_cost
 from coati_kto.testing.syncs import SyncRecord, counting_synchronize, dispatch_sync, function_sync
+
+try:
+    from coati_kto.models.logprobs import accelerator_chunks
+except ImportError:  # a revision from before GPU-sized head chunks (benchmarks/counts.py's before column)
+    accelerator_chunks = contextlib.nullcontext
 
 MATMUL, ATTENTION, POINTWISE, COPIES = (
     "model matmuls",

@@ -40,6 +40,7 @@ class StepSums:
         self._sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64, device=device)
         self._kl: list[torch.Tensor] = []
         self._kl_raw: list[torch.Tensor] = []
+        self._tokens, self._flops = 0, 0.0
 
     def add(
         self,
@@ -48,9 +49,8 @@ class StepSums:
         policy_logps: torch.Tensor,
         labels: torch.Tensor,
         valid: torch.Tensor,
-        tokens: torch.Tensor,
     ) -> None:
-        """Add one micro-batch: losses, rewards, policy_logps [B] float; labels, valid [B] bool; tokens 0-dim.
+        """Add one micro-batch: losses, rewards, policy_logps [B] float; labels, valid [B] bool.
 
         Rows with ``valid`` False (evaluation padding) contribute nothing, even when their values are NaN.
         """
@@ -62,7 +62,6 @@ class StepSums:
         values = torch.stack([losses.detach(), rewards.detach(), policy_logps.detach(), masks[:, 0]], dim=1)
         table = masks.T @ torch.where(valid[:, None], values, 0.0)
         self._sums[: len(_TABLE)].add_(table.flatten())
-        self._sums[_INDEX["tokens"]].add_(tokens)
         # A NaN/inf reward (e.g. a -inf log-prob) can hide behind a finite loss (sigmoid saturates): flag both.
         # x - x is 0 for every finite x and NaN for inf and NaN.
         total = table[0, :2].sum()
@@ -80,9 +79,11 @@ class StepSums:
         self._sums[_INDEX["aux_rows"]].add_(rows)
         self._sums[_INDEX["nonfinite"]].add_(~torch.isfinite(aux))
 
-    def add_flops(self, flops: torch.Tensor) -> None:
-        """Add model FLOPs of passes run (0-dim; coati_kto.trainer.throughput counts them)."""
-        self._sums[_INDEX["model_flops"]].add_(flops)
+    def add_host(self, tokens: int, flops: float) -> None:
+        """Add one micro-batch's tokens and the model FLOPs of its passes (coati_kto.trainer.throughput), both
+        counted on the host (coati_kto.data.batch.TokenCounts): kept here, no kernel per micro-batch."""
+        self._tokens += tokens
+        self._flops += flops
 
     def add_kl(self, z0: torch.Tensor, raw: torch.Tensor) -> None:
         """One reference point z0 = max(0, raw) and its unclamped estimate ``raw`` (0-dim each)."""
@@ -96,7 +97,11 @@ class StepSums:
             kl = torch.stack([torch.stack(self._kl).mean(), torch.stack(self._kl_raw).mean()])
         else:
             kl = self._sums.new_full((2,), float("nan"))
-        values = torch.cat([self._sums, kl]).unbind()
+        values = torch.cat([self._sums, kl])
+        # The host counts ride as kernel arguments (a scalar add), not as a host-to-device copy.
+        values[_INDEX["tokens"]].add_(self._tokens)
+        values[_INDEX["model_flops"]].add_(self._flops)
+        values = values.unbind()
         sums = dict(zip(SUM_KEYS, values[:-2], strict=True))
         return sums, ({"kl": values[-2], "kl_raw": values[-1]} if self._kl else None)
 

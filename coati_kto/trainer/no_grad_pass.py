@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from coati_kto.data.batch import KTOBatch
+from coati_kto.data.batch import KTOBatch, TokenCounts
 
 
 @dataclass
@@ -19,11 +19,12 @@ class NoGradPass:
     """
 
     batch: KTOBatch | None
+    counts: TokenCounts  # the batch's tokens, counted on the host
     labels: torch.Tensor  # [B] bool
     valid: torch.Tensor  # [B] bool; False on evaluation padding rows
-    tokens: torch.Tensor  # 0-dim: non-padding tokens of valid examples (and of their KL pairs, when run)
-    gradient_tokens: torch.Tensor  # 0-dim: tokens the gradient pass processes (valid rows; packed if folded)
-    flops: torch.Tensor  # 0-dim float64: model FLOPs of the no-grad passes run here
+    tokens: int  # non-padding tokens of valid examples (and of their KL pairs, when run)
+    gradient_tokens: int  # tokens the gradient pass processes (valid rows; packed if folded)
+    flops: float  # model FLOPs of the no-grad passes run here (the continued KL pass's added with it)
     reference: torch.Tensor
     policy_kl: torch.Tensor | None  # None when the loss has no reference point (no KL passes run)
     reference_kl: torch.Tensor | None

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from coati_kto.data.batch import KTOBatch, PackedRows, TokenView
+from coati_kto.data.batch import KTOBatch, PackedRows, TokenCounts, TokenView
+from coati_kto.data.packed import count_tokens
 from coati_kto.models.continuation import (
     can_continue,
     continued_kl_logps,
@@ -124,11 +125,9 @@ class KTOPasses:
                     elif item.aux is not None:  # weighed by the valid rows, as training weighs its rows
                         sums.add_aux(item.aux, item.valid.sum())
                 item.batch = None
-                grad_flops = (
-                    train_flops(self._flop_params(self.policy), item.gradient_tokens) if train else 0.0
-                )
-                sums.add_flops(item.flops + grad_flops)
-                sums.add(losses, rewards, policy_logps, item.labels, item.valid, item.tokens)
+                grad_flops = train_flops(self._flop_params(self.policy), item.gradient_tokens) if train else 0
+                sums.add_host(tokens=item.tokens, flops=item.flops + grad_flops)
+                sums.add(losses, rewards, policy_logps, item.labels, item.valid)
         return sums
 
     def _train_loss(
@@ -160,13 +159,11 @@ class KTOPasses:
         """The reference's log-probs and the policy's without gradient: on the KL pairs (unless the KL pass
         folds into the gradient pass) and, in evaluation, on the examples (one packed pass with
         ``pack_policy``)."""
+        counts = batch.counts or count_tokens(batch)  # a batch built without the collator: counted here
         batch = batch.to(self.device, non_blocking=True)
         labels = batch.label.bool()
         valid = batch.valid_rows()
-        example_tokens = torch.where(valid, batch.example.lengths(), 0).sum()
-        kl_tokens = torch.where(valid, batch.kl.lengths(), 0).sum()
-        if not self._needs_kl:  # apo_zero_unpaired: no pass runs on the KL pairs
-            kl_tokens = torch.zeros_like(kl_tokens)
+        kl_tokens = counts.kl if self._needs_kl else 0  # apo_zero_unpaired: no pass runs on the KL pairs
         packs = self._needs_kl and self._policy_packs()
         late = train and may_fold and self._needs_kl  # the KL pass may run with the gradient pass
         # Folding first where it pays (long prompts, short completions: one pass, the KL completion's few tokens
@@ -176,25 +173,21 @@ class KTOPasses:
         continues = (late and not folded) or (not train and not packs and self._needs_kl)
         continued = continues and batch.kl_continuation is not None and self._continues()
         with torch.no_grad():
-            reference, reference_kl, shared = self._reference_pair(batch, self._needs_kl, continued)
+            reference, reference_kl, ran = self._reference_pair(batch, counts, self._needs_kl, continued)
             # Model FLOPs of the passes that run: the reference unless the batch carries its log-probs, and
             # the policy's no-grad passes (a packed pass counts the shared prompt once).
-            flops = torch.zeros((), dtype=torch.float64, device=self.device)
-            if shared is not None:
-                flops = flops + self._packed_flops(self.reference, batch, shared, valid)
+            flops = forward_flops(self._flop_params(self.reference), ran) if ran else 0.0
             routing = self._router.capture() if self._router is not None and not train else None
             with routing or contextlib.nullcontext() as routed:
-                policy, policy_kl, run = self._policy_no_grad(batch, train, packs, folded, continued)
-            if run is not None:
-                flops = flops + forward_flops(
-                    self._flop_params(self.policy), torch.where(valid, run, 0).sum()
-                )
+                policy, policy_kl, run = self._policy_no_grad(batch, counts, train, packs, folded, continued)
+            flops += forward_flops(self._flop_params(self.policy), run) if run else 0.0
         return NoGradPass(
             batch=batch if train else None,
+            counts=counts,
             labels=labels,
             valid=valid,
-            tokens=example_tokens + kl_tokens,
-            gradient_tokens=example_tokens + kl_tokens if folded else example_tokens,
+            tokens=counts.example + kl_tokens,
+            gradient_tokens=counts.example + kl_tokens if folded else counts.example,
             flops=flops,
             reference=reference,
             policy_kl=policy_kl,
@@ -206,25 +199,25 @@ class KTOPasses:
         )
 
     def _policy_no_grad(
-        self, batch: KTOBatch, train: bool, packs: bool, folded: bool, continued: bool
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        self, batch: KTOBatch, counts: TokenCounts, train: bool, packs: bool, folded: bool, continued: bool
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
         """The policy's no-grad passes: (examples' log-probs [B] in evaluation else None, KL pairs' [B] unless the
-        gradient pass gives them, tokens [B] each row ran or None); inside the evaluation's router capture."""
+        gradient pass gives them, tokens the valid rows ran); inside the evaluation's router capture."""
         if train:  # the gradient pass gives the KL pairs' log-probs when folded or continued
             if folded or continued or not self._needs_kl:
-                return None, None, None
-            return None, self._view_logps(self.policy, batch, kl=True), batch.kl.lengths()
-        kl = batch.kl.lengths() if self._needs_kl else torch.zeros_like(batch.kl.lengths())
+                return None, None, 0
+            return None, self._view_logps(self.policy, batch, kl=True), counts.kl
+        kl = counts.kl if self._needs_kl else 0
         if packs:
-            policy, policy_kl, shared = pair_logps(self.policy, batch)
-            return policy, policy_kl, batch.example.lengths() - shared + kl
+            policy, policy_kl, _ = pair_logps(self.policy, batch)
+            return policy, policy_kl, counts.example - counts.pairs_shared + kl
         if not continued:
             with self._unrecorded():
                 policy_kl = self._view_logps(self.policy, batch, kl=True) if self._needs_kl else None
-            return self._view_logps(self.policy, batch, kl=False), policy_kl, batch.example.lengths() + kl
+            return self._view_logps(self.policy, batch, kl=False), policy_kl, counts.example + kl
         policy, cache = example_logps_with_cache(self.policy, batch.example, self._lm_head(self.policy))
         policy_kl = self._continued_kl(batch, cache)
-        return policy, policy_kl, batch.example.lengths() + batch.kl_continuation.view.lengths()
+        return policy, policy_kl, counts.example + counts.continuation
 
     def _continued_kl(self, batch: KTOBatch, cache: Any) -> torch.Tensor:
         """The policy's KL log-probs [B] from ``cache`` (its examples' pass), unseen by a router capture."""
@@ -271,13 +264,6 @@ class KTOPasses:
             )
         return self._continuing
 
-    def _packed_flops(
-        self, model: Any, batch: KTOBatch, shared: torch.Tensor, valid: torch.Tensor
-    ) -> torch.Tensor:
-        """Forward FLOPs of one pass over examples and KL pairs that processed ``shared`` prompt tokens once."""
-        run = batch.example.lengths() - shared + (batch.kl.lengths() if self._needs_kl else 0)
-        return forward_flops(self._flop_params(model), torch.where(valid, run, 0).sum())
-
     def _reference_point(self, passes: list[NoGradPass]) -> torch.Tensor:
         """The unclamped KL estimate over the valid KL pairs of ``passes`` on every data-parallel rank (one
         collective); z0 is its max with 0."""
@@ -296,14 +282,13 @@ class KTOPasses:
         routing = self._router.capture() if self._router is not None else contextlib.nullcontext()
         with routing as routed:
             if item.folded:
-                policy_logps, item.policy_kl, shared = pair_logps(self.policy, item.batch)
-                item.gradient_tokens = item.gradient_tokens - torch.where(item.valid, shared, 0).sum()
+                policy_logps, item.policy_kl, _ = pair_logps(self.policy, item.batch)
+                item.gradient_tokens -= item.counts.pairs_shared
             elif item.continued:
                 head = self._lm_head(self.policy)
                 policy_logps, cache = example_logps_with_cache(self.policy, item.batch.example, head)
                 item.policy_kl = self._continued_kl(item.batch, cache)
-                run = torch.where(item.valid, item.batch.kl_continuation.view.lengths(), 0).sum()
-                item.flops = item.flops + forward_flops(self._flop_params(self.policy), run)
+                item.flops += forward_flops(self._flop_params(self.policy), item.counts.continuation)
             else:
                 policy_logps = self._view_logps(self.policy, item.batch, kl=False)  # the only graph built
         if routed is None:
@@ -316,31 +301,29 @@ class KTOPasses:
         return policy_logps, self._router.loss(routed, tokens)
 
     def _reference_pair(
-        self, batch: KTOBatch, kl: bool = True, continued: bool = False
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """(reference log-probs [B], on the KL pairs [B] or None when ``kl`` is False, prompt tokens [B] not
-        processed twice, or None when nothing ran): precomputed from the batch, else the KL pass continuing the
+        self, batch: KTOBatch, counts: TokenCounts, kl: bool = True, continued: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """(reference log-probs [B], on the KL pairs [B] or None when ``kl`` is False, tokens of the valid rows
+        the reference processed): precomputed from the batch (0 tokens), else the KL pass continuing the
         examples' (``continued``: the policy's path, so step-1 KL is exactly 0), one shared-prompt pass
-        (coati_kto.models.packing), or the examples alone without ``kl``."""
+        (coati_kto.models.packing: the shared prompt once), or the examples alone without ``kl``."""
         if batch.reference_logps is not None and (not kl or batch.reference_kl_logps is not None):
             reference_kl = batch.reference_kl_logps.float() if kl else None
-            return batch.reference_logps.float(), reference_kl, None
+            return batch.reference_logps.float(), reference_kl, 0
         if self.reference is None:
             raise ValueError("no reference model and the batch has no precomputed reference_logps")
-        zeros = torch.zeros_like(batch.label, dtype=torch.long)
         if not kl:
-            return self._view_logps(self.reference, batch, kl=False), None, zeros
+            return self._view_logps(self.reference, batch, kl=False), None, counts.example
+        both = counts.example + counts.kl
         if continued:
             head, continuation = self._lm_head(self.reference), batch.kl_continuation
             example, kl_logps = continued_logps(self.reference, batch.example, continuation, head)
-            return example, kl_logps, continuation.visible
+            return example, kl_logps, both - counts.continuation_visible
         if not self.apply_loss_mask or not self.options.pack_reference:  # two passes (or every token scored)
-            return (
-                self._view_logps(self.reference, batch, kl=False),
-                self._view_logps(self.reference, batch, kl=True),
-                zeros,
-            )
-        return pair_logps(self.reference, batch)
+            example, kl_logps = (self._view_logps(self.reference, batch, kl=view) for view in (False, True))
+            return example, kl_logps, both
+        example, kl_logps, _ = pair_logps(self.reference, batch)
+        return example, kl_logps, both - (counts.pairs_shared if can_pack(self.reference) else 0)
 
     def _view_logps(self, model: Any, batch: KTOBatch, kl: bool) -> torch.Tensor:
         """Completion log-probs [B] fp32 of ``model`` on the examples or (``kl``) the KL pairs: from the

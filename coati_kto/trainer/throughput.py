@@ -102,14 +102,14 @@ def flop_params(model: Any) -> int:
     return total
 
 
-def forward_flops(params: int, tokens: torch.Tensor) -> torch.Tensor:
-    """2 N per token of a forward pass (no gradient): float64 on ``tokens``'s device."""
-    return 2.0 * params * tokens.double()
+def forward_flops(params: int, tokens: int) -> float:
+    """2 N per token of a forward pass (no gradient)."""
+    return 2.0 * params * tokens
 
 
-def train_flops(params: int, tokens: torch.Tensor) -> torch.Tensor:
+def train_flops(params: int, tokens: int) -> float:
     """6 N per token of a forward + backward pass."""
-    return 6.0 * params * tokens.double()
+    return 6.0 * params * tokens
 
 
 def mfu(flops_per_second: float, peak_per_device: float | None, devices: int) -> float | None:

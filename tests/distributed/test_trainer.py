@@ -647,7 +647,6 @@ def test_summarize_leaves_out_means_of_absent_labels() -> None:
         torch.tensor([-5.0, -7.0]),
         labels,
         torch.tensor([True, True]),
-        torch.tensor(9),
     )
     local, _ = sums.local()
     out = summarize(local, None)
@@ -665,7 +664,6 @@ def test_padding_rows_count_nowhere_even_when_nan() -> None:
         torch.tensor([-3.0, nan]),
         torch.tensor([True, False]),
         torch.tensor([True, False]),
-        torch.tensor(4),
     )
     local, _ = sums.local()
     assert local["nonfinite"] == 0 and local["examples"] == 1 and local["count/rejected"] == 0

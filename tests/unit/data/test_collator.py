@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from helpers import CORPUS
 
 from coati_kto.data.collator import KTOCollator
@@ -113,3 +115,41 @@ def test_tokenizer_without_pad_token_collates_to_the_same_logprobs() -> None:
     assert by_eos[0].isfinite().all() and not torch.equal(by_eos[0], by_eos[1])
     torch.testing.assert_close(by_eos[0], by_other[0], rtol=0, atol=1e-6)
     torch.testing.assert_close(by_eos[1], by_other[1], rtol=0, atol=1e-6)
+
+
+_TOKENS = st.lists(st.integers(1, 50), min_size=1, max_size=6)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    st.lists(st.tuples(_TOKENS, _TOKENS, _TOKENS, st.booleans(), st.booleans()), min_size=1, max_size=6),
+    st.sampled_from([None, "one", "bins"]),
+)
+def test_token_counts_equal_the_rows_by_hand(rows: list[tuple], padding_free: str | None) -> None:
+    """The collator's host counts (what the step's tokens and FLOPs come from, nothing read back) against the
+    feature lists: every valid row's example and KL tokens, the prompt tokens a shared-prompt pass and the KL
+    continuation process once, and the continuation's own rows (a KL pair with a prompt of its own shares
+    none of it)."""
+    from coati_kto.data.packed import counted
+
+    features = []
+    for i, (prompt, completion, kl_completion, label, own_prompt) in enumerate(rows):
+        feature = row(prompt, completion, kl_completion, label, i)
+        if own_prompt:  # a KL pair whose prompt differs from its example's: no shared prompt
+            feature["kl_input_ids"] = [51, *prompt] + kl_completion
+            feature["kl_completion_start"] = len(prompt) + 1
+        features.append(feature)
+    valid = torch.tensor([i % 3 != 2 for i in range(len(rows))])  # evaluation padding rows count nowhere
+    batch = counted(KTOCollator(0, padding_free=padding_free)(features).with_valid(valid))
+    real = [(f, r) for f, r, ok in zip(features, rows, valid.tolist(), strict=True) if ok]
+    shared = [0 if r[4] else len(r[0]) for _, r in real]
+    counts = batch.counts
+    assert counts.example == sum(len(f["input_ids"]) for f, _ in real)
+    assert counts.kl == sum(len(f["kl_input_ids"]) for f, _ in real)
+    assert counts.pairs_shared == sum(shared)
+    if batch.kl_continuation is None:  # padding-free rows, or a row whose prompts differ
+        assert padding_free or any(r[4] for _, r in zip(features, rows, strict=True))
+        assert counts.continuation == counts.continuation_visible == 0
+    else:  # each row: its prompt but the last token cached; that token and the KL completion run
+        assert counts.continuation_visible == sum(len(r[0]) - 1 for _, r in real)
+        assert counts.continuation == sum(1 + len(r[2]) for _, r in real)

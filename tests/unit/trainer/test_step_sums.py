@@ -22,11 +22,12 @@ _ROW = st.tuples(
 
 def _reference(batches: list[list[tuple]]) -> dict[str, float]:
     """Row by row in Python floats: what every key must hold."""
-    out = dict.fromkeys(["examples", "loss", "tokens", "nonfinite"], 0.0)
+    out = dict.fromkeys(["examples", "loss", "tokens", "model_flops", "nonfinite"], 0.0)
     for side in ("chosen", "rejected"):
         out.update({f"count/{side}": 0.0, f"rewards/{side}": 0.0, f"logps/{side}": 0.0, f"loss/{side}": 0.0})
     for rows in batches:
         out["tokens"] += 3 * len(rows)
+        out["model_flops"] += 0.5 * len(rows)
         for loss, reward, logp, label, valid in rows:
             if not valid:
                 continue
@@ -44,11 +45,12 @@ def _arguments(rows: list[tuple], nan_padding: bool = True) -> list[torch.Tensor
     loss, reward, logp, label, valid = (list(c) for c in zip(*rows, strict=True))
     if nan_padding:  # what evaluation padding may hold: nothing of it may reach a sum
         loss = [v if ok else math.nan for v, ok in zip(loss, valid, strict=True)]
-    return [torch.tensor(c) for c in (loss, reward, logp, label, valid, 3 * len(rows))]
+    return [torch.tensor(c) for c in (loss, reward, logp, label, valid)]
 
 
 def _add(sums: StepSums, rows: list[tuple], nan_padding: bool = True) -> None:
     sums.add(*_arguments(rows, nan_padding))
+    sums.add_host(tokens=3 * len(rows), flops=0.5 * len(rows))  # host counts: added once, when read
 
 
 @settings(max_examples=60, deadline=None)
@@ -75,10 +77,10 @@ def test_an_infinite_reward_is_flagged_and_gives_no_means() -> None:
 
 
 def test_one_micro_batch_costs_a_few_kernels() -> None:
-    """The sums of a micro-batch: fourteen small kernels (one matmul for the twelve label sums), where a masked
-    sum per key took about fifty."""
+    """The sums of a micro-batch: thirteen small kernels (one matmul for the twelve label sums; its tokens and
+    FLOPs counted on the host), where a masked sum per key took about fifty."""
     sums = StepSums(torch.device("cpu"))
     arguments = _arguments([(0.5, 0.2, -3.0, True, True), (0.7, -0.1, -4.0, False, True)])
     with KernelCounter(log=True) as counter:
         sums.add(*arguments)
-    assert sum(counter.kernels.values()) <= 14, counter.log
+    assert sum(counter.kernels.values()) <= 13, counter.log
