@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from helpers import CORPUS
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from helpers import CORPUS
 
 from coati_kto.data.collator import KTOCollator
 from coati_kto.data.tokenize import encode
