@@ -229,6 +229,20 @@ def _chunk_grad(logits, lse, g, targets, v0: int, vocab: int, dtype: torch.dtype
     return grad.to(dtype)
 
 
+def _whole_log_softmax(hidden, weight, bias) -> torch.Tensor:
+    """fp32 log-probs [N, V] over a whole vocabulary: the logits (weight dtype) through torch's log-softmax, one
+    pass over them (the online chunks' max, shift, exp and sum are four)."""
+    return torch.log_softmax(torch.nn.functional.linear(hidden, weight, bias), dim=1, dtype=torch.float32)
+
+
+def _whole_grad(logp, g, targets, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`_chunk_grad` from the fp32 log-probs of the whole vocabulary: (onehot(target) - exp(logp)) x g.
+    Out of place: kept log-probs must survive a second backward with retain_graph."""
+    grad = logp.exp().mul_(-g[:, None])
+    grad.scatter_add_(1, targets[:, None], g[:, None])
+    return grad.to(dtype)
+
+
 def _chunk_functions(compiled: bool) -> tuple:
     """(chunk log-probs, chunk gradient): eager, or compiled with torch.compile (model.compile; regions of
     ``coati_kto.models.compile``, each a few fused kernels instead of a dozen per chunk)."""
@@ -253,6 +267,16 @@ class _HeadTokenLogps(torch.autograd.Function):
         chunk_logps, _ = _chunk_functions(compiled)
         running_max = running_sum = target_logit = None  # the first chunk starts them
         keep = any(ctx.needs_input_grad[:3]) and n * vocab <= _budget(_KEEP_LOGITS_ELEMENTS, hidden.device)
+        ctx.vocab_chunk, ctx.compiled, ctx.whole = (
+            vocab_chunk,
+            compiled,
+            vocab_chunk >= vocab and not compiled,
+        )
+        if ctx.whole:  # one chunk holds the vocabulary (most micro-batches on a GPU): torch's log-softmax
+            logp = _whole_log_softmax(hidden, weight, bias)
+            ctx.kept = [logp] if keep else []
+            ctx.save_for_backward(hidden, weight, bias, targets, None)
+            return logp.gather(1, targets[:, None]).squeeze(1)
         ctx.kept = []
         for v0 in range(0, vocab, vocab_chunk):
             v1 = min(vocab, v0 + vocab_chunk)
@@ -264,7 +288,6 @@ class _HeadTokenLogps(torch.autograd.Function):
                 ctx.kept.append(logits)
         lse = running_max + running_sum.log()
         ctx.save_for_backward(hidden, weight, bias, targets, lse)
-        ctx.vocab_chunk, ctx.compiled = vocab_chunk, compiled
         return target_logit - lse
 
     @staticmethod
@@ -284,11 +307,13 @@ class _HeadTokenLogps(torch.autograd.Function):
         for i, v0 in enumerate(range(0, vocab, ctx.vocab_chunk)):
             v1 = min(vocab, v0 + ctx.vocab_chunk)
             w = weight[v0:v1]
-            if ctx.kept:
-                logits = ctx.kept[i]
+            if ctx.whole:  # the kept fp32 log-probs, or the same values again
+                logp = ctx.kept[0] if ctx.kept else _whole_log_softmax(hidden, weight, bias)
+                grad = _whole_grad(logp, g, targets, weight.dtype)
             else:
-                logits = torch.nn.functional.linear(hidden, w, None if bias is None else bias[v0:v1])
-            grad = chunk_grad(logits, lse, g, targets, v0, vocab, weight.dtype)
+                b = None if bias is None else bias[v0:v1]
+                logits = ctx.kept[i] if ctx.kept else torch.nn.functional.linear(hidden, w, b)
+                grad = chunk_grad(logits, lse, g, targets, v0, vocab, weight.dtype)
             if grad_hidden is not None:
                 grad_hidden.add_(grad.float() @ w.float() if w.dtype != torch.float32 else grad @ w)
             if grad_weight is not None:  # one matmul per row block, into it (a contiguous row slice): exact

@@ -136,17 +136,19 @@ def estimate_kl_raw(
         0-dim fp32 tensor, detached; 0 when no rank holds any pair.
 
     The mean is sum / count over all ranks, not the mean of per-rank means (wrong with uneven batches);
-    :func:`estimate_kl` clamps it after averaging, as in the paper. One all_reduce of a [sum, count] fp32 tensor:
+    :func:`estimate_kl` clamps it after averaging, as in the paper. One all_reduce of a [sum, count] fp64 tensor:
     the same shape and dtype on every rank whatever its batch, so no rank can desynchronise the collective.
     """
     diff = policy_kl_logps.detach().float() - reference_kl_logps.detach().to(policy_kl_logps.device).float()
     if valid is None:
-        count = torch.tensor(float(diff.numel()), device=diff.device)
+        count = torch.tensor(float(diff.numel()), dtype=torch.float64, device=diff.device)
     else:  # masked sums, not boolean indexing: no data-dependent shape, so no host sync on a GPU
         diff = torch.where(valid, diff, 0.0)
-        count = valid.sum(dtype=torch.float32)
-    stats = torch.stack([diff.sum(), count])
+        count = valid.sum(dtype=torch.float64)
+    # Summed in fp64: an fp32 sum's last bit depends on how the pairs split over ranks and micro-batches, and
+    # z0 enters every example's loss (Adam then makes that bit visible in the weights).
+    stats = torch.stack([diff.sum(dtype=torch.float64), count])
     if group is not None:
         dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
     # With count 0 the sum is 0 too, so clamping the divisor at 1 returns 0 without a branch (no sync).
-    return stats[0] / stats[1].clamp(min=1.0)
+    return (stats[0] / stats[1].clamp(min=1.0)).float()

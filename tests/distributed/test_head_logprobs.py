@@ -44,8 +44,9 @@ def test_hidden_path_equals_logits_path_fp32(vocab_chunk, with_bias):
         torch.testing.assert_close(a.grad, b.grad, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("chunk", [7, 61])  # online chunks; the whole vocabulary (kept log-probs)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_kept_logits_give_the_recomputed_gradients_bit_for_bit(monkeypatch, dtype):
+def test_kept_logits_give_the_recomputed_gradients_bit_for_bit(monkeypatch, dtype, chunk):
     """Small heads keep their logits for backward instead of recomputing them: same values, same grads."""
     import coati_kto.models.logprobs as logprobs
 
@@ -59,7 +60,7 @@ def test_kept_logits_give_the_recomputed_gradients_bit_for_bit(monkeypatch, dtyp
     for budget in (0, 1 << 24):  # recompute, keep
         monkeypatch.setattr(logprobs, "_KEEP_LOGITS_ELEMENTS", budget)
         leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
-        out = head_token_logps(*leaves, targets, vocab_chunk=7)
+        out = head_token_logps(*leaves, targets, vocab_chunk=chunk)
         (out * upstream).sum().backward(retain_graph=True)
         first = [t.grad.clone() for t in leaves]
         (out * upstream).sum().backward()  # a second backward (retain_graph) sees the same kept logits
@@ -213,14 +214,25 @@ def test_first_and_only_chunk_shortcuts_are_bit_exact(chunks: int) -> None:
     )
 
 
-def test_a_one_chunk_head_is_nine_kernels_forward_in_fp32() -> None:
-    """The head over one vocabulary chunk (most micro-batches on a GPU): matmul, max, shift, exp, sum, gather,
-    log, add, subtract (and an upcast in bf16); no running-state fills, no rescale of an empty sum, no range
-    test (20 kernels before)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_one_chunk_head_is_torchs_log_softmax(dtype: torch.dtype) -> None:
+    """The head over one vocabulary chunk (most micro-batches on a GPU): matmul, log-softmax, gather forward
+    (and an upcast in bf16 on the CPU), 20 kernels before; values and gradients as the online chunks give
+    them."""
     from coati_kto.testing.kernels import KernelCounter
 
-    hidden, weight = torch.randn(40, 8), torch.randn(64, 8)
-    targets = torch.randint(0, 64, (40,))
+    g = torch.Generator().manual_seed(4)
+    hidden, weight = torch.randn(40, 8, generator=g).to(dtype), torch.randn(64, 8, generator=g).to(dtype)
+    targets, upstream = torch.randint(0, 64, (40,), generator=g), torch.randn(40, generator=g)
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight)]
     with KernelCounter(log=True) as counter:
-        head_token_logps(hidden, weight, None, targets, vocab_chunk=64)
-    assert sum(k for _, _, k, _, _ in counter.log) == 9, counter.log  # fp32: no upcast
+        out = head_token_logps(*leaves, None, targets, vocab_chunk=64)
+    assert sum(k for _, _, k, _, _ in counter.log) == (3 if dtype == torch.float32 else 4), counter.log
+    (out * upstream).sum().backward()
+    chunked = [t.clone().requires_grad_() for t in (hidden, weight)]
+    ref = head_token_logps(*chunked, None, targets, vocab_chunk=24)  # three online chunks
+    (ref * upstream).sum().backward()
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 2e-2}
+    torch.testing.assert_close(out, ref, **tol)
+    for a, b in zip(leaves, chunked, strict=True):
+        torch.testing.assert_close(a.grad, b.grad, **tol)

@@ -126,4 +126,6 @@ def test_counter_counts_the_generated_kernels_not_the_eager_ops() -> None:
     head = [(op, k) for op, cat, k, *_ in head_count.log if cat == HEAD]
     eager_head = [(op, k) for op, cat, k, *_ in eager_count.log if cat == HEAD]
     assert any(op.startswith("cpp_fused_") for op, _ in head)
-    assert sum(k for _, k in head) < sum(k for _, k in eager_head)
+    # No more kernels than eager, whose one-chunk head is already torch's log-softmax (matmul, log-softmax,
+    # gather); the fusion shows in the multi-chunk heads
+    assert sum(k for _, k in head) <= sum(k for _, k in eager_head)
