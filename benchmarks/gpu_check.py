@@ -6,7 +6,8 @@
    norm on ddp, low_level_zero and hybrid_parallel against a float64 recomputation; the family lifecycle (step-0
    log-probs equal and rewards exactly 0, resume bit-exact, export reload) of Llama, Qwen3 (q/k norms) and Gemma 3
    (sliding windows) under low_level_zero and hybrid_parallel ZeRO-2 bf16; padding-free flex_attention rows
-   against padded sdpa in bf16; the fused RMSNorm (``model.fused_norms``) on torch's CUDA kernels.
+   against padded sdpa in bf16; the fused RMSNorm (``model.fused_norms``) on torch's CUDA kernels; the one-chunk
+   LM head (torch's log-softmax) against the online chunks in bf16.
 2. The short bench (benchmarks/gpu_bench.py, unchanged): Llama, hybrid ZeRO-2, tool-use rows, online and cached
    reference (then the padding-free pair while the budget lasts); TRL side by side when ``.whl/trl`` is there.
 3. One table: each test's outcome and seconds, then per bench case step time, MFU, host syncs and kernels.

@@ -4,7 +4,8 @@ The CPU tests' machinery, run on the device: the family lifecycle of test_famili
 exactly 0, resume bit-exact, export reload) for Llama, Qwen3 (q/k norms) and Gemma 3 (sliding windows) under
 low_level_zero and hybrid_parallel ZeRO-2 bf16 on NCCL; test_padding_free's run (flex_attention padding-free rows,
 and model.attn_implementation auto, against padded sdpa, bf16); the fused FlexAttention kernel's gradients against
-the padded pass's (Llama, Qwen3, Gemma 3: on CPU only torch's reference operator has a backward). And, on the CPU
+the padded pass's (Llama, Qwen3, Gemma 3: on CPU only torch's reference operator has a backward); the fused RMSNorm
+and the one-chunk LM head on CUDA. And, on the CPU
 and the GPU alike, the gradient norm of one step (accumulation 2) on every plugin against a float64
 recomputation: hybrid_parallel ZeRO-2 on one data-parallel rank counted gradients twice (ColossalAI wrapped the
 model in DDP under ZeRO: the README's "1.5x norm on CUDA", fixed in coati_kto/parallel/compat.py). A reduce
@@ -213,3 +214,29 @@ def test_fused_rms_norm_runs_torch_cuda_kernels_within_bf16_rounding() -> None:
         assert (f.float() - t).abs().mean() <= (e.float() - t).abs().mean() * 1.05
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     assert sum("rms" in name.lower() for name in kernels) >= 2, kernels  # forward and backward kernels
+
+
+@pytest.mark.gpu
+def test_one_chunk_head_on_cuda_equals_the_online_chunks() -> None:
+    """The LM head over one vocabulary chunk (torch's log-softmax on the bf16 logits, the kept fp32 log-probs in
+    backward) against the online chunks on CUDA: log-probs and gradients within bf16 rounding of each other and
+    of an fp32 computation."""
+    from coati_kto.models.logprobs import head_token_logps
+
+    gen = torch.Generator().manual_seed(2)
+    hidden, weight = torch.randn(300, 64, generator=gen), torch.randn(1000, 64, generator=gen) / 4
+    targets, upstream = (
+        torch.randint(0, 1000, (300,), generator=gen).cuda(),
+        torch.randn(300, generator=gen).cuda(),
+    )
+
+    def run(dtype: torch.dtype, chunk: int) -> list[torch.Tensor]:
+        leaves = [t.to(dtype).cuda().requires_grad_() for t in (hidden, weight)]
+        out = head_token_logps(*leaves, None, targets, vocab_chunk=chunk)
+        (out * upstream).sum().backward()
+        return [out.float(), *(t.grad.float() for t in leaves)]
+
+    whole, chunked, truth = run(torch.bfloat16, 1000), run(torch.bfloat16, 300), run(torch.float32, 1000)
+    for w, c, t in zip(whole, chunked, truth, strict=True):
+        torch.testing.assert_close(w, c, atol=3e-2, rtol=3e-2)
+        assert (w - t).abs().mean() <= (c - t).abs().mean() * 1.5 + 1e-6
