@@ -232,13 +232,19 @@ def test_zero_at_one_rank_skips_the_buckets_bit_for_bit(single_rank_runs: dict, 
     if plugin.startswith("hybrid"):  # no DDP bucket (all-reduce); the AMP casts: two multi-tensor copies
         assert before.get("allreduce_", 0) >= 1 and after.get("allreduce_", 0) == 0, (before, after)
         assert before.get("_to_copy", 0) >= after.get("_to_copy", 0) + 20, (before, after)
-        assert after["_foreach_copy_"] == 2 and after["copy_"] <= before["copy_"] - 20, (before, after)
+        assert after["_foreach_copy_"] == 2 and after.get("copy_", 0) <= before.get("copy_", 0) - 20, (
+            before,
+            after,
+        )
         return
     if plugin.startswith(
         "ddp"
     ):  # DDP's bucket: per gradient a multiply by 1 into it and a copy out; all-reduce
         assert before.get("allreduce_", 0) >= 1 and after.get("allreduce_", 0) == 0, (before, after)
-        assert after["copy_"] <= before["copy_"] - 20 and after["mul"] <= before["mul"] - 20, (before, after)
+        assert after.get("copy_", 0) <= before.get("copy_", 0) - 20 and after["mul"] <= before["mul"] - 20, (
+            before,
+            after,
+        )
         return
     # The bucket's flatten (cat) and division by 1 are gone, so is the all-gather's flatten and copy back.
     assert before.get("cat", 0) >= 2 and after.get("cat", 0) < before["cat"], (before, after)
