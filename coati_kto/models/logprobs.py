@@ -267,11 +267,8 @@ class _HeadTokenLogps(torch.autograd.Function):
         chunk_logps, _ = _chunk_functions(compiled)
         running_max = running_sum = target_logit = None  # the first chunk starts them
         keep = any(ctx.needs_input_grad[:3]) and n * vocab <= _budget(_KEEP_LOGITS_ELEMENTS, hidden.device)
-        ctx.vocab_chunk, ctx.compiled, ctx.whole = (
-            vocab_chunk,
-            compiled,
-            vocab_chunk >= vocab and not compiled,
-        )
+        ctx.vocab_chunk, ctx.compiled = vocab_chunk, compiled
+        ctx.whole = vocab_chunk >= vocab and not compiled
         if ctx.whole:  # one chunk holds the vocabulary (most micro-batches on a GPU): torch's log-softmax
             logp = _whole_log_softmax(hidden, weight, bias)
             ctx.kept = [logp] if keep else []
