@@ -243,6 +243,28 @@ def _whole_grad(logp, g, targets, dtype: torch.dtype) -> torch.Tensor:
     return grad.to(dtype)
 
 
+def _whole_backward(ctx, hidden, weight, bias, targets, g) -> tuple:
+    """(grad hidden, grad weight, grad bias) of the one-chunk head (``ctx.whole``), each None where not needed.
+
+    The logits' gradient is formed in fp32 from the kept log-probs (or the same values again) and rounded once
+    to the weight's dtype; both matmuls then run in that dtype, as the model's own head backward does (fp32
+    accumulation inside the matmul): no fp32 copies of the gradient or the weight, no fp32 accumulator. A hidden
+    state of another dtype than the weight still gets its gradient from fp32 operands."""
+    need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+    logp = ctx.kept[0] if ctx.kept else _whole_log_softmax(hidden, weight, bias)
+    grad = _whole_grad(logp, g, targets, weight.dtype)
+    grad_hidden = grad_weight = grad_bias = None
+    if need_hidden and hidden.dtype == weight.dtype:
+        grad_hidden = grad @ weight
+    elif need_hidden:
+        grad_hidden = (grad.float() @ weight.float()).to(hidden.dtype)
+    if need_weight:
+        grad_weight = grad.t() @ hidden.to(weight.dtype)
+    if need_bias and bias is not None:
+        grad_bias = grad.float().sum(0).to(bias.dtype)
+    return grad_hidden, grad_weight, grad_bias
+
+
 def _chunk_functions(compiled: bool) -> tuple:
     """(chunk log-probs, chunk gradient): eager, or compiled with torch.compile (model.compile; regions of
     ``coati_kto.models.compile``, each a few fused kernels instead of a dozen per chunk)."""
@@ -291,6 +313,8 @@ class _HeadTokenLogps(torch.autograd.Function):
     def backward(ctx, grad_out):
         hidden, weight, bias, targets, lse = ctx.saved_tensors
         g = grad_out.float()
+        if ctx.whole:
+            return (*_whole_backward(ctx, hidden, weight, bias, targets, g), None, None, None)
         vocab = weight.shape[0]
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = (
@@ -304,13 +328,9 @@ class _HeadTokenLogps(torch.autograd.Function):
         for i, v0 in enumerate(range(0, vocab, ctx.vocab_chunk)):
             v1 = min(vocab, v0 + ctx.vocab_chunk)
             w = weight[v0:v1]
-            if ctx.whole:  # the kept fp32 log-probs, or the same values again
-                logp = ctx.kept[0] if ctx.kept else _whole_log_softmax(hidden, weight, bias)
-                grad = _whole_grad(logp, g, targets, weight.dtype)
-            else:
-                b = None if bias is None else bias[v0:v1]
-                logits = ctx.kept[i] if ctx.kept else torch.nn.functional.linear(hidden, w, b)
-                grad = chunk_grad(logits, lse, g, targets, v0, vocab, weight.dtype)
+            b = None if bias is None else bias[v0:v1]
+            logits = ctx.kept[i] if ctx.kept else torch.nn.functional.linear(hidden, w, b)
+            grad = chunk_grad(logits, lse, g, targets, v0, vocab, weight.dtype)
             if grad_hidden is not None:
                 grad_hidden.add_(grad.float() @ w.float() if w.dtype != torch.float32 else grad @ w)
             if grad_weight is not None:  # one matmul per row block, into it (a contiguous row slice): exact
