@@ -41,6 +41,7 @@ from coati_kto.parallel.distributed import (
 )
 from coati_kto.parallel.masters import gathered_masters
 from coati_kto.parallel.plan import ParallelPlan, check_tp_divides_world
+from coati_kto.runtime.host_memory import keep_freed_memory
 from coati_kto.runtime.preflight import check_training
 from coati_kto.runtime.run_dir import (
     CHECKPOINTS_DIR,
@@ -233,12 +234,13 @@ def _setup(config: Config, heartbeat: Heartbeat | None, training: bool = True) -
     data.stats["imbalance"] = imbalance(config, data.stats, layout.dp_size)
     attention_note = attention_implementation(config.model.path, config.model)[1]
     zero_note = _zero_note(config, plan) if training else None  # the export's own layout is not the run's
-    notes = [note for note in (lock_note, pad_note, attention_note, zero_note) if note]
+    memory_note = keep_freed_memory() if training and not compat.cuda_available() else None  # CPU steps
+    notes = [n for n in (lock_note, pad_note, attention_note, zero_note, memory_note) if n]
     notes += model_notes(config.model.path, config.kto.router_aux_loss_coef)
     if layout.is_main:
         print("\n".join([report, *notes]), flush=True)
-    weights = (desirable, undesirable)
-    return _Run(out_dir, data, tokenizer, plan, plugin, layout, train_loader, eval_loader, weights, notes)
+    loaders, weights = (train_loader, eval_loader), (desirable, undesirable)
+    return _Run(out_dir, data, tokenizer, plan, plugin, layout, *loaders, weights, notes)
 
 
 def _loaders(config: Config, data: Any, layout: ParallelLayout, pad: int) -> tuple[Any, Any]:
@@ -271,9 +273,7 @@ def _loaders(config: Config, data: Any, layout: ParallelLayout, pad: int) -> tup
     return train_loader, ValidMaskLoader(loader, eval_sampler)
 
 
-def _setup_trainer(
-    config: Config, run: _Run, stop_signals: StopSignals
-) -> tuple[Any, dict[str, torch.Tensor]]:
+def _setup_trainer(config: Config, run: _Run, stop: StopSignals) -> tuple[Any, dict[str, torch.Tensor]]:
     """Models, optimizer, schedule and the KTOTrainer (every rank); with it ``Components.frozen_fp32``."""
     from coati_kto.trainer.checkpoint import CheckpointManager  # after quiet_known_warnings (see _train)
     from coati_kto.trainer.kto import KTOTrainer
@@ -309,7 +309,7 @@ def _setup_trainer(
         checkpoint_manager=manager,
         run_config=config.model_dump(mode="json"),
         data_stats={**run.data.stats, "reference_weights": reference_weights_digest(config)},  # checkpointed
-        stop_signals=stop_signals,
+        stop_signals=stop,
     )
     return trainer, parts.frozen_fp32
 

@@ -290,8 +290,10 @@ class _HeadTokenLogps(torch.autograd.Function):
         running_max = running_sum = target_logit = None  # the first chunk starts them
         keep = any(ctx.needs_input_grad[:3]) and n * vocab <= _budget(_KEEP_LOGITS_ELEMENTS, hidden.device)
         ctx.vocab_chunk, ctx.compiled = vocab_chunk, compiled
-        ctx.whole = vocab_chunk >= vocab and not compiled
-        if ctx.whole:  # one chunk holds the vocabulary (most micro-batches on a GPU): torch's log-softmax
+        # One chunk holds the vocabulary (most micro-batches on a GPU): torch's log-softmax, compiled or not (one
+        # kernel already; the compiled chunk adds the lse arithmetic and an fp32 accumulator: 28 vs 26 kernels).
+        ctx.whole = vocab_chunk >= vocab
+        if ctx.whole:
             logp = _whole_log_softmax(hidden, weight, bias)
             ctx.kept = [logp] if keep else []
             ctx.save_for_backward(hidden, weight, bias, targets, None)

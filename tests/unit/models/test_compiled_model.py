@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from coati_kto.models import logprobs
 from coati_kto.models.compile import CompiledForward, compile_layers, compiled_graphs, compiled_layers
 from coati_kto.models.lm_head import LMHead, model_sequence_logps
 from coati_kto.testing.kernels import COPIES, HEAD, MATMUL, POINTWISE, KernelCounter
@@ -90,7 +91,7 @@ def _call_sites(source: str) -> Counter:
     return Counter(re.findall(r"^\s+(cpp_fused_\w+)\(", body, re.M))
 
 
-def test_counter_counts_the_generated_kernels_not_the_eager_ops() -> None:
+def test_counter_counts_the_generated_kernels_not_the_eager_ops(monkeypatch: pytest.MonkeyPatch) -> None:
     from torch._inductor.codecache import PyCodeCache
 
     model = _model()
@@ -118,14 +119,18 @@ def test_counter_counts_the_generated_kernels_not_the_eager_ops() -> None:
     # Fewer kernels than eager: the layers' pointwise work is fused, not counted op by op
     assert count.summary(1)["kernels"] < eager_count.summary(1)["kernels"]
     assert count.summary(1)["attention"] == ["compiled x2"]
-    # The LM head's chunk (one here: vocabulary 96) compiled: its log-softmax and gradient fused, as HEAD
-    model.lm_head.coati_compiled_chunks = True
-    _logps_and_grads(model, batch)
-    with KernelCounter(log=True) as head_count:
-        _logps_and_grads(model, _batch(3, 19, 1))
-    head = [(op, k) for op, cat, k, *_ in head_count.log if cat == HEAD]
-    eager_head = [(op, k) for op, cat, k, *_ in eager_count.log if cat == HEAD]
+    # The LM head over several vocabulary chunks (a large vocabulary's; 3 of 32 here) compiled: each chunk's
+    # log-softmax and gradient fused, as HEAD, fewer kernels than the eager chunks. One chunk takes torch's
+    # log-softmax compiled or not (one kernel already; test_head_logprobs counts it).
+    monkeypatch.setattr(logprobs, "_vocab_chunk", lambda positions, vocab, chunk, device: 32)
+    heads = []
+    for compiled in (False, True):
+        model.lm_head.coati_compiled_chunks = compiled
+        _logps_and_grads(model, batch)
+        with KernelCounter(log=True) as head_count:
+            _logps_and_grads(model, _batch(3, 19, 1))
+        heads.append([(op, k) for op, cat, k, *_ in head_count.log if cat == HEAD])
+    eager_head, head = heads
     assert any(op.startswith("cpp_fused_") for op, _ in head)
-    # No more kernels than eager, whose one-chunk head is already torch's log-softmax (matmul, log-softmax,
-    # gather); the fusion shows in the multi-chunk heads
-    assert sum(k for _, k in head) <= sum(k for _, k in eager_head)
+    assert not any(op.startswith("cpp_fused_") for op, _ in eager_head)
+    assert sum(k for _, k in head) < sum(k for _, k in eager_head)
