@@ -205,6 +205,7 @@ def _setup(config: Config, heartbeat: Heartbeat | None, training: bool = True) -
     from coati_kto.trainer.reference_cache import refuse_changed_contents, with_reference_logps
 
     init_distributed(timeout_s=config.train.dist_timeout)
+    memory_note = keep_freed_memory() if training and not compat.cuda_available() else None
     check_tp_divides_world(config.plugin.tp_size, dist.get_world_size())  # before the data and the model
     if heartbeat is not None and not heartbeat.is_alive():
         heartbeat.start()
@@ -234,7 +235,6 @@ def _setup(config: Config, heartbeat: Heartbeat | None, training: bool = True) -
     data.stats["imbalance"] = imbalance(config, data.stats, layout.dp_size)
     attention_note = attention_implementation(config.model.path, config.model)[1]
     zero_note = _zero_note(config, plan) if training else None  # the export's own layout is not the run's
-    memory_note = keep_freed_memory() if training and not compat.cuda_available() else None  # CPU steps
     notes = [n for n in (lock_note, pad_note, attention_note, zero_note, memory_note) if n]
     notes += model_notes(config.model.path, config.kto.router_aux_loss_coef)
     if layout.is_main:
