@@ -340,12 +340,12 @@ def main() -> None:
         f"{MICRO_BATCH}, fp32, 1 process, OMP_NUM_THREADS=1 in every run; {os.cpu_count()} CPUs, shared"
     )
 
+    # Each pair back to back (TRL, then coati-kto, per reference mode): the machine's speed drifts by 10-20%
+    # over minutes, and two runs far apart in time compare that drift too.
     trl_online = _run_trl(venv, work, False, args.steps)
+    coati_online = _coati_run(config, "online", args.steps)
     trl_cached = _run_trl(venv, work, True, args.steps)
-    os.environ[flops.FLOP_STEP_ENV] = str(args.steps)  # coati-kto's last step: counted, not timed
-    coati_online, _ = step_bench._train(config, "online")
-    coati_cached, _ = step_bench._train(config, "cached", fresh_cache=True)
-    del os.environ[flops.FLOP_STEP_ENV]
+    coati_cached = _coati_run(config, "cached", args.steps)
     print(
         "versions (TRL venv): "
         + ", ".join(f"{k} {v}" for k, v in trl_online["versions"].items())
@@ -393,6 +393,16 @@ def main() -> None:
     )
     tokens = MICRO_BATCH * (shape["prompt_p50"] + shape["completion_p50"])
     _floor(runs, work / "model" / "config.json", int(tokens))
+
+
+def _coati_run(config: Path, mode: str, steps: int) -> dict:
+    """coati-kto on the fixture with ``kto.reference`` = ``mode`` (cached: a fresh cache); its last step counted
+    for the floor, not timed."""
+    os.environ[flops.FLOP_STEP_ENV] = str(steps)
+    try:
+        return step_bench._train(config, mode, fresh_cache=mode == "cached")[0]
+    finally:
+        del os.environ[flops.FLOP_STEP_ENV]
 
 
 def _floor(runs: list[tuple[str, str, dict, dict]], model_config: Path, tokens: int) -> None:
