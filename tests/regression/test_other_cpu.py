@@ -27,6 +27,9 @@ CAPPED_TO_AVX2 = {
 }
 CHOSEN = [
     "tests/regression/test_reference_runs.py::test_run_matches_reference[hybrid_zero2_bf16]",
+    # Its step-0 rewards and step-1 KL are 0 up to rounding (the cache is scored in its own passes): they must
+    # compare at the log-probs' rounding (failed at 1.9e-7 against 0 before)
+    "tests/regression/test_reference_runs.py::test_run_matches_reference[cached_reference]",
     "tests/distributed/test_fp32_routers.py",
     "tests/distributed/test_precision.py",
 ]
@@ -43,4 +46,4 @@ def test_exact_tests_pass_on_avx2_kernels(tmp_path: Path) -> None:
     assert done.returncode == 0, out[-4000:]
     assert "within rounding: kernel key differs" in out and "ONEDNN_MAX_CPU_ISA" in out, out[-4000:]
     passed = re.search(r"(\d+) passed", out)
-    assert passed and int(passed.group(1)) >= 4 and " failed" not in out, out[-2000:]
+    assert passed and int(passed.group(1)) >= 5 and " failed" not in out, out[-2000:]
