@@ -205,7 +205,7 @@ def _setup(config: Config, heartbeat: Heartbeat | None, training: bool = True) -
     from coati_kto.trainer.reference_cache import refuse_changed_contents, with_reference_logps
 
     init_distributed(timeout_s=config.train.dist_timeout)
-    memory_note = keep_freed_memory() if training and not compat.cuda_available() else None
+    memory_note = keep_freed_memory() if training else None  # CPU runs only
     check_tp_divides_world(config.plugin.tp_size, dist.get_world_size())  # before the data and the model
     if heartbeat is not None and not heartbeat.is_alive():
         heartbeat.start()

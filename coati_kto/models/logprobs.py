@@ -286,7 +286,6 @@ class _HeadTokenLogps(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, vocab_chunk: int, compiled: bool):
         n, vocab = hidden.shape[0], weight.shape[0]
-        chunk_logps, _ = _chunk_functions(compiled)
         running_max = running_sum = target_logit = None  # the first chunk starts them
         keep = any(ctx.needs_input_grad[:3]) and n * vocab <= _budget(_KEEP_LOGITS_ELEMENTS, hidden.device)
         ctx.vocab_chunk, ctx.compiled = vocab_chunk, compiled
@@ -299,6 +298,7 @@ class _HeadTokenLogps(torch.autograd.Function):
             ctx.save_for_backward(hidden, weight, bias, targets, None)
             return logp.gather(1, targets[:, None]).squeeze(1)
         ctx.kept = []
+        chunk_logps, _ = _chunk_functions(compiled)
         for v0 in range(0, vocab, vocab_chunk):
             v1 = min(vocab, v0 + vocab_chunk)
             logits, running_max, running_sum, target_logit = chunk_logps(

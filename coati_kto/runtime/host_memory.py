@@ -6,8 +6,8 @@ allocates them again in the next step: every page of every such tensor is faulte
 once per step. On the 7.4M-parameter fixture of benchmarks/step_bench.py that is about 25,000 page faults per
 step, and the step runs about 5% faster without them (docs/performance.md). A fixed threshold of 32 MiB (glibc's
 largest) serves those blocks from the heap, and a trim threshold of 2 GiB (mallopt takes an int) keeps what is
-freed there for the next step: the process's resident memory stays at its peak instead of falling back between steps; the peak
-itself is the same. Tensors above 32 MiB are still mapped per allocation.
+freed there for the next step: the process's resident memory stays at its peak instead of falling back between
+steps; the peak itself is the same. Tensors above 32 MiB are still mapped per allocation.
 
 On a GPU the device's caching allocator already keeps its memory, and host memory is not the step's cost:
 nothing is changed there. Elsewhere than Linux with glibc: nothing either.
@@ -19,6 +19,8 @@ import ctypes
 import ctypes.util
 import functools
 
+from coati_kto.parallel import compat
+
 # glibc's malloc.h
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 MMAP_THRESHOLD = 32 << 20  # glibc refuses more (HEAP_MAX_SIZE / 2 on 64-bit)
@@ -28,7 +30,9 @@ TRIM_THRESHOLD = (1 << 31) - 1  # mallopt's value is a C int
 @functools.cache
 def keep_freed_memory() -> str | None:
     """Set glibc's thresholds for this process (once; every rank calls for itself) and return the one-line note
-    the run prints, or None where the C library is not glibc or refused a setting."""
+    the run prints, or None where CUDA is available, the C library is not glibc or it refused a setting."""
+    if compat.cuda_available():
+        return None
     name = ctypes.util.find_library("c")
     try:
         libc = ctypes.CDLL(name)

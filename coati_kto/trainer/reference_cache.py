@@ -43,7 +43,6 @@ from coati_kto.models.continuation import can_continue, continued_logps
 from coati_kto.models.hf import load_reference
 from coati_kto.models.lm_head import LMHead
 from coati_kto.models.packing import pair_logps
-from coati_kto.parallel import compat
 from coati_kto.parallel.distributed import barrier, init_distributed, on_rank0
 from coati_kto.parallel.plan import ParallelPlan
 from coati_kto.runtime.host_memory import keep_freed_memory
@@ -388,8 +387,7 @@ def precompute(config: Config) -> None:
     """``coati-kto precompute``: prepare the data if needed, then make sure the reference cache matches."""
 
     init_distributed(timeout_s=config.train.dist_timeout)
-    if not compat.cuda_available():  # scoring on the CPU: freed memory kept for the next batch
-        keep_freed_memory()
+    keep_freed_memory()  # scoring on the CPU: freed memory kept for the next batch
     data = load_prepared(config)
     pad = pad_id(load_tokenizer(config), vocabulary_size(config.model.path, config.model.reference_path))[0]
     ensure_reference_cache(config, data, pad)
