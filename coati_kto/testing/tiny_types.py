@@ -63,6 +63,20 @@ FILL_NONE: dict[str, int] = {
     "n_routed_experts": SIZES["num_experts"],
     "n_shared_experts": 1,
 }
+DOTS3_NOTE_TEXT: dict[str, Any] = {
+    "head_dim": 16,
+    "index_head_dim": 16,
+    "index_n_heads": 4,
+    "shared_experts_intermediate_size": 32,
+}
+QWEN4_EXP_INDEXER: dict[str, Any] = {
+    "indexer_n_heads": 4,
+    "indexer_kv_heads": 1,
+    "indexer_head_dim": 8,
+    "indexer_budget": 16,
+    "indexer_compress_ratio": 4,
+    "hc_lowrank": 16,
+}
 # Keys a type's default config lacks and its model reads, as its hub checkpoints have them.
 TYPE_KEYS: dict[str, dict[str, Any]] = {
     "dbrx": {"attn_config": {"rope_theta": 500000.0, "clip_qkv": 8.0}},  # DbrxAttention reads both
@@ -93,12 +107,6 @@ TYPE_KEYS: dict[str, dict[str, Any]] = {
         "linear_head_dim": 8,
         "linear_num_heads": 4,
     },
-    "dots3_note_text": {
-        "head_dim": 16,
-        "index_head_dim": 16,
-        "index_n_heads": 4,
-        "shared_experts_intermediate_size": 32,
-    },
     # Zamba 2: a Mamba layer, then a hybrid one (its shared attention reads [hidden, embeddings]: 2 x 32).
     "zamba2": {
         "layers_block_type": ["linear_attention", "hybrid"],
@@ -113,7 +121,73 @@ TYPE_KEYS: dict[str, dict[str, Any]] = {
     "recurrent_gemma": {"block_types": ["recurrent", "attention"], "lru_width": 32},
     # Jamba: an attention and an MoE layer among the two (the defaults put the first at layer 4 and 8).
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "mamba_dt_rank": 8},
+    # Zamba: Mamba and hybrid layers in turn; two hybrid layers, which share one attention block (tied weights)
+    # reading [hidden, embeddings] (2 x 32), as Zamba 2's.
+    "zamba": {
+        "num_hidden_layers": 4,
+        "layers_block_type": ["linear_attention", "hybrid"] * 2,
+        "attention_hidden_size": 64,
+        "attention_head_dim": 16,
+    },
+    # Dory: input, recurrent and output layers, stored as released checkpoints store them (an attention block
+    # and an mlp block per layer: the config halves every count).
+    "dory": {
+        "layer_types": ["sliding_attention", "mlp", "full_attention", "mlp", "sliding_attention", "mlp"],
+        "num_hidden_layers": 6,
+        "n_input_layers": 2,
+        "n_recurrent_layers": 2,
+        "n_output_layers": 2,
+    },
+    "xlnet": {"d_head": 8},  # d_model // n_head, which the config checks
+    # xLSTM: its cache rounds the query-key and value widths (hidden x 0.5, x 1) up to multiples of 64, its
+    # blocks do not: 128 wide, as 4,096 is, they agree. The default's embedding_dim and num_blocks follow.
+    "xlstm": {"hidden_size": 128, "embedding_dim": 128, "num_blocks": 2},
+    # HRM: one layer per stack, H_cycles x (L_cycles + 1) = 8 slots (the config stores the product).
+    "hrm_text": {"num_layers_per_stack": 1, "num_hidden_layers": 8},
+    # Its rotary embedding reads rope_parameters per layer type (the default leaves them empty); 3D positions
+    # (text, height, width) over the 4 frequencies of an 8-wide head.
+    "cohere_compass_text": {
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1]}
+        }
+    },
+    # BLT: its local encoder as wide as its local decoder (a text config: 32), as in BLT 1B; both read the
+    # global transformer's width (16, a sub-config's); hashed byte-group embeddings of 64 rows, not 500,002.
+    "blt": {
+        "encoder_config": {
+            "hidden_size_global": 16,
+            **{k: SIZES[k] for k in ("hidden_size", "intermediate_size", "num_attention_heads")},
+            "num_key_value_heads": SIZES["num_key_value_heads"],
+        },
+        "decoder_config": {"hidden_size_global": 16},
+        "encoder_hash_byte_group_vocab": 64,
+    },
+    # Qwen4-Exp's indexed-attention layers select blocks with a QSA indexer, which the checkpoint configures.
+    "qwen4_exp_text": QWEN4_EXP_INDEXER,
+    "qwen4_exp": {"text_config": QWEN4_EXP_INDEXER},
+    # dots3 note's vision and audio adapters project from their tower's width into the text model's.
+    "dots3_note": {
+        "text_config": DOTS3_NOTE_TEXT,
+        "vision_config": {"adapter_in_dim": 16, "adapter_out_dim": SIZES["hidden_size"]},
+        "audio_config": {  # a 16-channel conv stem, not 480 (4M parameters)
+            "adapter_input_size": 16,
+            "adapter_out_dim": SIZES["hidden_size"],
+            "downsample_hidden_size": 16,
+        },
+    },
+    "dots3_note_text": DOTS3_NOTE_TEXT,
+    # Gemma 3n: the last 2 of 4 layers reuse the key-value states of the last sliding and full layer before them.
+    "gemma3n_text": {
+        "num_hidden_layers": 4,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "num_kv_shared_layers": 2,
+        "intermediate_size": [SIZES["intermediate_size"]] * 4,  # one per layer, as checkpoints list them
+        "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0],
+        "laurel_rank": 8,
+    },
 }
+# Sub-configs that embed the text model's tokens too (BLT's byte encoder and entropy patcher): its vocabulary.
+SHARED_VOCABULARY: dict[str, tuple[str, ...]] = {"blt": ("encoder_config", "patcher_config")}
 # Sub-configs (vision towers, audio encoders) are smaller still.
 SUB_SIZES = {
     **SIZES,
@@ -194,9 +268,13 @@ def tiny_config(model_type: str, tokenizer: Any) -> Any:
     )
     if "vocab_size_per_layer_input" in text:  # Gemma 3n/4 per-layer embeddings: 262,144 rows by default
         ids["vocab_size_per_layer_input"] = len(tokenizer)
+    if "unpadded_vocab_size" in text:  # Inkling 2: the rows it keeps of vocab_size (saved padded to it)
+        ids["unpadded_vocab_size"] = len(tokenizer)
     text.update(ids)
     if text_key:
         values.update({k: v for k, v in ids.items() if k in default})
+    for key in SHARED_VOCABULARY.get(model_type, ()):
+        values[key]["vocab_size"] = len(tokenizer)
     values.pop("model_type", None)
     values.pop("transformers_version", None)
     return AutoConfig.for_model(model_type, **values)
@@ -213,7 +291,8 @@ def save_tiny_type(model_type: str, out_dir: str | Path, tokenizer: Any, seed: i
     model.eval()
     with torch.no_grad():
         ids = torch.tensor([[tokenizer.bos_token_id or 0, 5, 6, 7]])
-        model(input_ids=ids, attention_mask=torch.ones_like(ids))
+        # As training runs it (coati_kto.models.lm_head.forward_inputs): no KV cache, which BLT cannot build.
+        model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False)
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)

@@ -331,7 +331,16 @@ def admitted_cells(model_types: list[str], root: Path, tokenizer: Any) -> tuple[
         try:
             model_dir = str(save_tiny_type(model_type, root / model_type / "model", tokenizer))
         except Exception as exc:
-            verdicts[model_type] = dict.fromkeys(PLUGINS, "not built tiny: " + _one_line(exc))
+            # Config load reads only config.json's model_type to refuse a type it does not admit: that line is
+            # what a user of the type gets, so it is the cell; a type still admitted is "not built tiny".
+            write_jsonl(chat_records(12, REFUSAL), root / model_type / "train.jsonl")
+            (root / model_type / "refused").mkdir(parents=True, exist_ok=True)
+            (root / model_type / "refused" / "config.json").write_text(json.dumps({"model_type": model_type}))
+            built = "not built tiny: " + _one_line(exc)
+            verdicts[model_type] = {
+                name: refusal(str(root / model_type / "refused"), root / model_type, plugin) or built
+                for name, plugin in PLUGINS.items()
+            }
             continue
         not_causal, moe = probe(model_dir)
         if not_causal:
