@@ -7,8 +7,10 @@
 ``--head`` compares, from the last hidden states on, the LM head + logits path (what the trainer did before:
 [B, K, V] logits from ``logits_to_keep``, then sequence_logps) with the chunked head (hidden_sequence_logps: no
 logits tensor), forward + backward (gradients for the hidden states and the head weight), bf16.
-``--head-chunks``: the chunked head alone, fp32, at fp32 blocks of 1 to 16 MiB per vocabulary chunk (what set
-its CPU default: 2 MiB).
+``--head-chunks``: the chunked head alone, fp32, at fp32 blocks of 1 to 32 MiB per vocabulary chunk (what set
+its CPU default: 16 MiB), with freed host memory kept as ``coati-kto train`` keeps it
+(``coati_kto.runtime.host_memory``); ``--glibc-default`` leaves glibc's settings, under which every block above
+its mmap threshold is faulted in afresh each time (what had set the default to 2 MiB before).
 
 (PYTHONPATH not needed once coati_kto is installed.)
 
@@ -144,14 +146,16 @@ def head_chunks_main(args: argparse.Namespace) -> None:
     """The chunked head's time per vocabulary chunk size: forward alone and forward + backward, fp32, on
     [positions, hidden] x [vocab, hidden], each chunk size set as a block of positions x columns elements."""
     from coati_kto.models.logprobs import _vocab_chunk, head_token_logps
+    from coati_kto.runtime.host_memory import keep_freed_memory
 
+    kept = None if args.glibc_default else keep_freed_memory()
     torch.manual_seed(0)
     positions = args.batch * args.seq
     hidden = torch.randn(positions, args.hidden, requires_grad=True)
     weight = (torch.randn(args.vocab, args.hidden) * 0.02).requires_grad_()
     targets = torch.randint(0, args.vocab, (positions,))
     default = _vocab_chunk(positions, args.vocab, None, hidden.device)
-    blocks = [1 << 18, 1 << 19, 1 << 20, 1 << 22]
+    blocks = [1 << 18, 1 << 19, 1 << 20, 1 << 21, 1 << 22, 1 << 23]
     chunks = {f"{b * 4 // MIB} MiB": max(1, b // positions) for b in blocks}
 
     def run(chunk: int, grad: bool) -> float:
@@ -165,7 +169,8 @@ def head_chunks_main(args: argparse.Namespace) -> None:
 
     print(
         f"chunked head, fp32, {positions} positions x hidden {args.hidden} x vocabulary {args.vocab}, "
-        f"{torch.get_num_threads()} thread(s); default chunk on CPU: {default} columns"
+        f"{torch.get_num_threads()} thread(s); default chunk on CPU: {default} columns; "
+        f"{'freed memory kept' if kept else 'glibc default malloc settings'}"
     )
     print(f"{'fp32 block':<12}{'columns':>8}{'forward ms':>12}{'fwd+bwd ms':>12}")
     times: dict[str, list[list[float]]] = {name: [[], []] for name in chunks}
@@ -183,6 +188,11 @@ def main() -> None:
     p.add_argument("--head", action="store_true", help="LM head from hidden states: logits vs chunked")
     p.add_argument(
         "--head-chunks", action="store_true", help="the chunked head's time per vocabulary chunk size (fp32)"
+    )
+    p.add_argument(
+        "--glibc-default",
+        action="store_true",
+        help="with --head-chunks: glibc's malloc settings, not train's",
     )
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--batch", type=int, default=8)

@@ -169,12 +169,13 @@ def _completion_positions(loss_mask: torch.Tensor, keep: int, what: str) -> tupl
 # a time. Forward keeps a running log-sum-exp per position; backward recomputes each chunk's logits from the
 # saved hidden states and weight, so nothing of size positions x vocabulary outlives one chunk.
 
-# Elements of one [positions, vocabulary-chunk] fp32 logits block (a few live at once). CPU: 2**19 (2 MiB), a
-# block the core's caches hold from the matmul that writes it to the exp that reads it: the head ran 20-35%
-# faster forward and 7-13% with its backward than with 16 MiB blocks, from 817 x 256 x 8192 to
-# 8192 x 256 x 8192 and 3000 x 512 x 32000 (positions x hidden x vocabulary, one thread). An accelerator:
-# 2**26 (256 MiB): few chunks, so few kernel launches.
-_HEAD_CHUNK_ELEMENTS_CPU = 1 << 19
+# Elements of one [positions, vocabulary-chunk] fp32 logits block (a few live at once). CPU: 2**23 (32 MiB).
+# Cache-sized 2 MiB blocks had won while every larger block was page-faulted in afresh; with freed memory kept
+# (runtime/host_memory.py, as train runs), 32 MiB ran the head's forward 4-19% faster than 2 MiB and its
+# forward + backward from as fast (within the machine's 5% noise) to 17% faster, from 816 x 256 x 8192 (one chunk) to 8192 x 256 x 8192 and
+# 3000 x 512 x 32000 (positions x hidden x vocabulary, one thread; benchmarks/logprobs_bench.py --head-chunks).
+# An accelerator: 2**26 (256 MiB): few chunks, so few kernel launches.
+_HEAD_CHUNK_ELEMENTS_CPU = 1 << 23
 _HEAD_CHUNK_ELEMENTS_ACCELERATOR = 1 << 26
 # Up to this many [positions x vocabulary] elements, the forward keeps its logits for the backward instead of
 # recomputing them (the recompute is a quarter of the head's FLOPs in a gradient pass); a constant bound
@@ -356,7 +357,7 @@ def head_token_logps(
     ``compiled`` (model.compile): each vocabulary chunk's work a compiled function.
 
     Differentiable in hidden, weight and bias; peak extra memory is one [N, vocab_chunk] fp32 block
-    (2 MiB by default on CPU, 256 MiB on an accelerator) plus an fp32 [N, H] gradient buffer in backward.
+    (32 MiB by default on CPU, 256 MiB on an accelerator) plus an fp32 [N, H] gradient buffer in backward.
     """
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} do not fit")

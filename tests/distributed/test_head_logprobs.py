@@ -179,14 +179,14 @@ def test_head_path_equals_logits_path_under_plugins_two_processes():
 
 def test_vocabulary_chunks_few_on_a_gpu_cache_sized_on_cpu() -> None:
     """A GPU issues each chunk's kernels from the host: a micro-batch's positions take one or two chunks there
-    (the bench's shapes, vocabulary 32000), while CPU keeps 2 MiB fp32 blocks, cache-resident
+    (the bench's shapes, vocabulary 32000), while CPU keeps 32 MiB fp32 blocks
     (benchmarks/logprobs_bench.py --head-chunks)."""
     from coati_kto.models.logprobs import _vocab_chunk
 
     gpu, cpu = torch.device("cuda"), torch.device("cpu")
     assert _vocab_chunk(8 * 40, 32000, None, gpu) == 32000  # tool_use: 8 rows x ~40 completion tokens
     assert -(-32000 // _vocab_chunk(8 * 400, 32000, None, gpu)) == 2  # half: 8 x ~400
-    assert _vocab_chunk(8 * 40, 32000, None, cpu) == (1 << 19) // 320
+    assert _vocab_chunk(8 * 400, 32000, None, cpu) == (1 << 23) // 3200
 
 
 @pytest.mark.parametrize("chunks", [1, 3])

@@ -285,18 +285,18 @@ def test_fused_adamw_writes_its_gradients_only_when_it_unscales_them() -> None:
 
 
 def test_the_lm_head_is_counted_in_a_gpus_chunks_on_a_cpu() -> None:
-    """The CPU runs the chunked LM head in 2 MiB blocks (cache-resident), a GPU in 256 MiB ones: counted on a
-    CPU, the head's kernels are the GPU's (one chunk here), not the CPU's 16."""
+    """The CPU runs the chunked LM head in 32 MiB blocks, a GPU in 256 MiB ones: counted on a CPU, the head's
+    kernels are the GPU's (one chunk here), not the CPU's 2."""
     from coati_kto.models.logprobs import _vocab_chunk, head_token_logps
 
     cpu = torch.device("cpu")
-    positions, vocab = 2048, 4096
-    assert _vocab_chunk(positions, vocab, None, cpu) == 256
+    positions, vocab = 4096, 4096
+    assert _vocab_chunk(positions, vocab, None, cpu) == 2048
     hidden, weight = torch.randn(positions, 8), torch.randn(vocab, 8)
     targets = torch.randint(0, vocab, (positions,))
     with KernelCounter(log=True) as counter:
         assert _vocab_chunk(positions, vocab, None, cpu) == vocab
         head_token_logps(hidden, weight, None, targets)
-    assert _vocab_chunk(positions, vocab, None, cpu) == 256  # restored on exit
+    assert _vocab_chunk(positions, vocab, None, cpu) == 2048  # restored on exit
     matmuls = [op for op, *_ in counter.log if op.split(".")[1] in ("mm", "addmm")]
     assert len(matmuls) == 1, counter.log
