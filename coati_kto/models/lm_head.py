@@ -26,6 +26,13 @@ def _is_distributed(weight: torch.Tensor) -> bool:
     return is_distributed_tensor(weight)
 
 
+def _real_rows(tensor: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``tensor``'s first ``vocab`` rows; the tensor itself when it has no others: a slice, even a whole one, has
+    a backward that zero-fills a gradient of the full shape and copies into it (two passes over the head's size
+    per gradient pass)."""
+    return tensor if tensor.shape[0] == vocab else tensor[:vocab]
+
+
 class LMHead:
     """The output projection of a causal LM, found through any ColossalAI wrapper, for the chunked path.
 
@@ -39,12 +46,12 @@ class LMHead:
 
     @property
     def weight(self) -> torch.Tensor:
-        return self.module.weight[: self.vocab]
+        return _real_rows(self.module.weight, self.vocab)
 
     @property
     def bias(self) -> torch.Tensor | None:
         bias = getattr(self.module, "bias", None)
-        return None if bias is None else bias[: self.vocab]
+        return None if bias is None else _real_rows(bias, self.vocab)
 
     @property
     def compiled(self) -> bool:

@@ -112,6 +112,23 @@ def test_model_path_equals_logits_path_with_parameter_grads(cls, config_cls, tie
         torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
+@pytest.mark.parametrize("padded_rows", [0, 56])
+def test_the_heads_weight_is_sliced_only_past_the_vocabulary(padded_rows: int) -> None:
+    """A head whose rows are the vocabulary hands out its weight itself: a slice of all rows still had a backward
+    that zero-filled a weight-sized gradient and copied into it, every gradient pass. Padded rows (shardformer's
+    PaddingLMHead) are cut off, and their gradient is 0."""
+    vocab, hidden = 200, 16
+    module = torch.nn.Linear(hidden, vocab + padded_rows, bias=True)
+    head = LMHead(module, vocab)
+    assert head.weight.shape == (vocab, hidden) and head.bias.shape == (vocab,)
+    assert (head.weight is module.weight) == (padded_rows == 0)
+    assert (head.bias is module.bias) == (padded_rows == 0)
+    targets = torch.randint(0, vocab, (24,))
+    head_token_logps(torch.randn(24, hidden), head.weight, head.bias, targets).sum().backward()
+    assert module.weight.grad.shape == (vocab + padded_rows, hidden)
+    assert module.weight.grad[vocab:].eq(0).all() and module.weight.grad[:vocab].ne(0).any()
+
+
 def test_unknown_family_keeps_the_logits_path():
     from transformers import GPT2Config, GPT2LMHeadModel
 
