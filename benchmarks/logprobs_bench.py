@@ -170,7 +170,7 @@ def head_chunks_main(args: argparse.Namespace) -> None:
     print(
         f"chunked head, fp32, {positions} positions x hidden {args.hidden} x vocabulary {args.vocab}, "
         f"{torch.get_num_threads()} thread(s); default chunk on CPU: {default} columns; "
-        f"{'freed memory kept' if kept else 'glibc default malloc settings'}"
+        f"{'glibc default malloc settings' if args.glibc_default else 'freed memory kept' if kept else 'not glibc'}"
     )
     print(f"{'fp32 block':<12}{'columns':>8}{'forward ms':>12}{'fwd+bwd ms':>12}")
     times: dict[str, list[list[float]]] = {name: [[], []] for name in chunks}

@@ -175,10 +175,18 @@ def test_logprobs_bench_head_smoke() -> None:
     assert all(math.isfinite(v) for v in numbers(ratio)), ratio
 
 
-def test_logprobs_bench_head_chunks_smoke() -> None:
-    out = smoke("logprobs_bench.py", "--head-chunks")
+@pytest.mark.parametrize("malloc", ["kept", "glibc-default"])
+def test_logprobs_bench_head_chunks_smoke(malloc: str) -> None:
+    """Each block size's head times, with freed memory kept as train keeps it (coati_kto.runtime.host_memory) or
+    under glibc's default settings (--glibc-default, what had set the old 2 MiB blocks)."""
+    out = smoke("logprobs_bench.py", "--head-chunks", *(["--glibc-default"] if malloc != "kept" else []))
     rows = [line for line in out.splitlines() if line.split()[1:2] == ["MiB"]]
-    assert [row.split()[0] for row in rows] == ["1", "2", "4", "16"], out
+    assert [row.split()[0] for row in rows] == ["1", "2", "4", "8", "16", "32"], out
+    header = out.splitlines()[0]
+    if malloc == "kept":  # keep_freed_memory sets glibc's malloc; another C library is left as it is
+        assert header.endswith(("freed memory kept", "not glibc")), out
+    else:
+        assert header.endswith("glibc default malloc settings"), out
     for row in rows:
         positive_finite(numbers(row), row)  # block MiB, columns, forward ms, fwd+bwd ms
 
