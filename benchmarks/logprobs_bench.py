@@ -8,7 +8,7 @@
 [B, K, V] logits from ``logits_to_keep``, then sequence_logps) with the chunked head (hidden_sequence_logps: no
 logits tensor), forward + backward (gradients for the hidden states and the head weight), bf16.
 ``--head-chunks``: the chunked head alone, fp32, at fp32 blocks of 1 to 32 MiB per vocabulary chunk (what set
-its CPU default: 16 MiB), with freed host memory kept as ``coati-kto train`` keeps it
+its CPU default: 32 MiB), with freed host memory kept as ``coati-kto train`` keeps it
 (``coati_kto.runtime.host_memory``); ``--glibc-default`` leaves glibc's settings, under which every block above
 its mmap threshold is faulted in afresh each time (what had set the default to 2 MiB before).
 
@@ -148,7 +148,10 @@ def head_chunks_main(args: argparse.Namespace) -> None:
     from coati_kto.models.logprobs import _vocab_chunk, head_token_logps
     from coati_kto.runtime.host_memory import keep_freed_memory
 
-    kept = None if args.glibc_default else keep_freed_memory()
+    if args.glibc_default:
+        malloc = "glibc default malloc settings"
+    else:  # as train runs; None where the C library is not glibc
+        malloc = "freed memory kept" if keep_freed_memory() else "not glibc"
     torch.manual_seed(0)
     positions = args.batch * args.seq
     hidden = torch.randn(positions, args.hidden, requires_grad=True)
@@ -169,8 +172,7 @@ def head_chunks_main(args: argparse.Namespace) -> None:
 
     print(
         f"chunked head, fp32, {positions} positions x hidden {args.hidden} x vocabulary {args.vocab}, "
-        f"{torch.get_num_threads()} thread(s); default chunk on CPU: {default} columns; "
-        f"{'glibc default malloc settings' if args.glibc_default else 'freed memory kept' if kept else 'not glibc'}"
+        f"{torch.get_num_threads()} thread(s); default chunk on CPU: {default} columns; {malloc}"
     )
     print(f"{'fp32 block':<12}{'columns':>8}{'forward ms':>12}{'fwd+bwd ms':>12}")
     times: dict[str, list[list[float]]] = {name: [[], []] for name in chunks}

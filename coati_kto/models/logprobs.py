@@ -172,8 +172,9 @@ def _completion_positions(loss_mask: torch.Tensor, keep: int, what: str) -> tupl
 # Elements of one [positions, vocabulary-chunk] fp32 logits block (a few live at once). CPU: 2**23 (32 MiB).
 # Cache-sized 2 MiB blocks had won while every larger block was page-faulted in afresh; with freed memory kept
 # (runtime/host_memory.py, as train runs), 32 MiB ran the head's forward 4-19% faster than 2 MiB and its
-# forward + backward from as fast (within the machine's 5% noise) to 17% faster, from 816 x 256 x 8192 (one chunk) to 8192 x 256 x 8192 and
-# 3000 x 512 x 32000 (positions x hidden x vocabulary, one thread; benchmarks/logprobs_bench.py --head-chunks).
+# forward + backward from as fast (within the machine's 5% noise) to 17% faster, from 816 x 256 x 8192 (one
+# chunk) to 8192 x 256 x 8192 and 3000 x 512 x 32000 (positions x hidden x vocabulary, one thread;
+# benchmarks/logprobs_bench.py --head-chunks).
 # An accelerator: 2**26 (256 MiB): few chunks, so few kernel launches.
 _HEAD_CHUNK_ELEMENTS_CPU = 1 << 23
 _HEAD_CHUNK_ELEMENTS_ACCELERATOR = 1 << 26
