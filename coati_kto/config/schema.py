@@ -42,6 +42,11 @@ class ModelSection(_Section):
         description="Llama-style RMSNorms (checked per class) as one kernel forward and one backward "
         "(torch's _fused_rms_norm) instead of 7-9 and about 20; off under model.compile (inductor fuses them).",
     )
+    fused_rotary: bool = Field(
+        True,
+        description="Llama-style rotary embeddings (checked per family) as 4 kernels per tensor each way instead "
+        "of 5 forward and about 10 backward; off under model.compile (inductor fuses them).",
+    )
     attn_implementation: Literal["eager", "sdpa", "flex_attention", "flash_attention_2", "auto"] | None = (
         Field(
             None,

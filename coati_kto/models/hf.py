@@ -17,6 +17,7 @@ from coati_kto.errors import ConfigError
 from coati_kto.families import auto_model_class, eager_attention_reason, vision_language
 from coati_kto.models.compile import wants_compile
 from coati_kto.models.norms import fuse_rms_norms
+from coati_kto.models.rotary import fuse_rotary
 from coati_kto.parallel.fp32_kept import round_trainable
 
 
@@ -57,8 +58,11 @@ def load_causal_lm(path: str, model_cfg: ModelSection, dtype: torch.dtype) -> to
         path, dtype=dtype, trust_remote_code=model_cfg.trust_remote_code, **extra
     )
     _restore_frozen(model)
-    if model_cfg.fused_norms and not wants_compile(model_cfg.compile):  # compiled layers fuse them already
-        fuse_rms_norms(model)
+    if not wants_compile(model_cfg.compile):  # compiled layers fuse these ops already
+        if model_cfg.fused_norms:
+            fuse_rms_norms(model)
+        if model_cfg.fused_rotary:
+            fuse_rotary(model)
     return model
 
 

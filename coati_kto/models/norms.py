@@ -5,8 +5,8 @@ multiplies and a cast back (7-9 kernels forward, about 20 backward, each a pass 
 ``aten::_fused_rms_norm`` computes the same ``weight * x / sqrt(mean(x^2) + eps)`` in one kernel (fp32
 accumulation, the output in the input's dtype), and its autograd formula calls ``aten::_fused_rms_norm_backward``,
 one kernel on CUDA. Here both are two custom ops (``coati_kto::rms_norm`` and its backward): torch's fused
-kernels on CUDA; on the CPU, where torch 2.13 decomposes the forward and has no backward, the same formulas. The
-kernel counter sees one op each way on any device, as CUDA runs one.
+kernels on CUDA; on the CPU, where torch 2.13 decomposes the forward and has no backward, the same formulas in
+fewer passes (four forward, five backward). The kernel counter sees one op each way on any device, as CUDA runs one.
 
 Which modules: :func:`fuse_rms_norms` checks each norm class once, numerically (:func:`_computes_llama_rms_norm`:
 its forward against the fused op on a random input and a random weight, fp32), so a family whose norm differs
@@ -30,9 +30,13 @@ _aten = torch.ops.aten
 
 @torch.library.custom_op("coati_kto::rms_norm", mutates_args=())
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(y in x's dtype, rstd fp32 [..., 1]): torch's fused kernel on CUDA (its composite on the CPU)."""
-    y, rstd = _aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
-    return y, rstd
+    """(y in x's dtype, rstd fp32 [..., 1]): torch's fused kernel on CUDA and for low precision; fp32 on the CPU
+    the same formula in four passes (torch's composite there takes six: two more multiplies and casts)."""
+    if x.is_cuda or x.dtype != torch.float32 or weight.dtype != torch.float32:
+        y, rstd = _aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+        return y, rstd
+    rstd = x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
+    return torch.mul(x, rstd).mul_(weight), rstd
 
 
 @_rms_norm.register_fake
@@ -45,19 +49,23 @@ def _rms_norm_backward(
     grad: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, weight_grad: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(d/dx in x's dtype, d/dweight in weight's, empty unless ``weight_grad``) of ``weight * x * rstd``: torch's
-    fused kernel on CUDA; on the CPU (torch 2.13 has none there) its formula in fp32, with xhat = x * rstd and
-    g = grad * weight: dx = rstd * (g - xhat * mean(g * xhat, -1)), dweight = sum of grad * xhat over the
-    leading dims."""
+    fused kernel on CUDA; on the CPU (torch 2.13 has none there) its formula in fp32, rearranged for fewer passes:
+    with d = sum over H of grad * weight * x (a matrix-vector product of grad * x and the weight),
+    dx = rstd * grad * weight - x * rstd^3 * d / H and dweight = sum over rows of rstd * grad * x (a
+    vector-matrix product): five passes over the activations where the textbook form takes nine."""
     if grad.is_cuda:
         mask = [True, weight_grad]
         dx, dw = _aten._fused_rms_norm_backward(grad, x, [x.shape[-1]], rstd, weight, mask)
         return dx, dw if weight_grad else weight.new_empty(0)
-    xhat = x.float() * rstd
-    g = grad.float() * weight.float()
-    dx = (rstd * (g - xhat * (g * xhat).mean(-1, keepdim=True))).to(x.dtype)
+    size = x.shape[-1]
+    xf, gf, wf = x.float(), grad.float(), weight.float()  # no copies in fp32
+    grad_x = (gf * xf).reshape(-1, size)  # [N, H]
+    rows = rstd.reshape(-1)  # [N]
+    coef = (grad_x @ wf).mul_(rows.pow(3)).div_(size).reshape(rstd.shape)
+    dx = (gf * wf).mul_(rstd).addcmul_(xf, coef, value=-1).to(x.dtype)
     if not weight_grad:
         return dx, weight.new_empty(0)
-    return dx, (grad.float() * xhat).reshape(-1, x.shape[-1]).sum(0).to(weight.dtype)
+    return dx, (rows @ grad_x).to(weight.dtype)
 
 
 @_rms_norm_backward.register_fake

@@ -44,7 +44,8 @@ def test_softcapped_attention_loads_eager_unless_told(tmp_path: Path) -> None:
     )
     torch.manual_seed(0)
     Gemma2ForCausalLM(config).save_pretrained(tmp_path / "gemma2")
-    section = ModelSection(path=str(tmp_path / "gemma2"))
+    # Rotary as transformers computes it (model.fused_rotary off): the loaded model must equal eager bit for bit.
+    section = ModelSection(path=str(tmp_path / "gemma2"), fused_rotary=False)
     kernel, note = attention_implementation(section.path, section)
     assert kernel == "eager" and note == (
         f"model.attn_implementation: eager for {section.path} (its attention soft-capping "
