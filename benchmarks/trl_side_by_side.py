@@ -301,6 +301,13 @@ def main() -> None:
     p.add_argument("--trl-spec", default="trl==1.16.0", help="what pip installs into --venv")
     p.add_argument("--work", default="/tmp/coati_trl_side_by_side")
     p.add_argument(
+        "--pairs",
+        type=int,
+        default=1,
+        help="pairs of runs per reference mode, in alternating order (TRL first, then coati-kto first, ...); "
+        "each pair's ratio is printed and their median: the machine's drift between runs moves single pairs",
+    )
+    p.add_argument(
         "--smoke",
         action="store_true",
         help="tiny and fast (4 steps, hidden 64, 2 layers); reuses --venv only, never installs: without it, "
@@ -340,12 +347,13 @@ def main() -> None:
         f"{MICRO_BATCH}, fp32, 1 process, OMP_NUM_THREADS=1 in every run; {os.cpu_count()} CPUs, shared"
     )
 
-    # Each pair back to back (TRL, then coati-kto, per reference mode): the machine's speed drifts by 10-20%
-    # over minutes, and two runs far apart in time compare that drift too.
-    trl_online = _run_trl(venv, work, False, args.steps)
-    coati_online = _coati_run(config, "online", args.steps)
-    trl_cached = _run_trl(venv, work, True, args.steps)
-    coati_cached = _coati_run(config, "cached", args.steps)
+    # Each pair back to back (TRL and coati-kto, per reference mode): the machine's speed drifts by 10-20%
+    # over minutes, and two runs far apart in time compare that drift too. Further pairs alternate which tool
+    # runs first, so a steady drift favours neither.
+    pairs = {
+        mode: [_pair(venv, work, config, mode, args.steps, i) for i in range(args.pairs)] for mode in MODES
+    }
+    (trl_online, coati_online), (trl_cached, coati_cached) = pairs["online"][0], pairs["cached"][0]
     print(
         "versions (TRL venv): "
         + ", ".join(f"{k} {v}" for k, v in trl_online["versions"].items())
@@ -391,8 +399,34 @@ def main() -> None:
         "x TRL: against TRL in the same reference mode. Step times: medians after the first 3 steps; "
         "peak RSS and process CPU: the whole process (imports, data, precompute, steps)."
     )
+    if args.pairs > 1:
+        _pair_ratios(pairs)
     tokens = MICRO_BATCH * (shape["prompt_p50"] + shape["completion_p50"])
     _floor(runs, work / "model" / "config.json", int(tokens))
+
+
+MODES = ("online", "cached")
+
+
+def _pair(venv: Path, work: Path, config: Path, mode: str, steps: int, index: int) -> tuple[dict, dict]:
+    """(TRL's run, coati-kto's run) in ``mode``, TRL first in even pairs and coati-kto first in odd ones."""
+    trl_first = index % 2 == 0
+    first = _run_trl(venv, work, mode == "cached", steps) if trl_first else _coati_run(config, mode, steps)
+    second = _coati_run(config, mode, steps) if trl_first else _run_trl(venv, work, mode == "cached", steps)
+    return (first, second) if trl_first else (second, first)
+
+
+def _pair_ratios(pairs: dict[str, list[tuple[dict, dict]]]) -> None:
+    """Each pair's step CPU ratio TRL / coati-kto per mode, and their median."""
+    print("\nTRL / coati-kto step CPU time, pair by pair (alternating which tool ran first):")
+    for mode, runs in pairs.items():
+        ratios = [
+            step_bench._median_after_warmup(trl["step_cpu_seconds"])
+            / step_bench._median_after_warmup(coati["step_cpu_seconds"])
+            for trl, coati in runs
+        ]
+        listed = ", ".join(f"{r:.2f}x" for r in ratios)
+        print(f"  {mode:<7} {listed}; median {statistics.median(ratios):.2f}x")
 
 
 def _coati_run(config: Path, mode: str, steps: int) -> dict:

@@ -264,7 +264,23 @@ def test_trl_side_by_side_smoke(tmp_path: Path) -> None:
     venv = ROOT / ".trl-venv"
     if not (venv / "coati-bench-spec.txt").exists():
         pytest.skip(f"no TRL venv at {venv}: TRL is never a dependency (trl_side_by_side.py builds one)")
-    out = smoke("trl_side_by_side.py", "--venv", str(venv), "--work", str(tmp_path / "work"), timeout=600)
+    out = smoke(
+        "trl_side_by_side.py",
+        "--venv",
+        str(venv),
+        "--work",
+        str(tmp_path / "work"),
+        "--pairs",
+        "2",
+        timeout=900,
+    )
+    for mode in ("online", "cached"):  # two pairs per mode, each a positive ratio, and their median
+        pair_line = re.search(
+            rf"^  {mode}\s+({NUMBER})x, ({NUMBER})x; median ({NUMBER})x$", out, re.MULTILINE
+        )
+        assert pair_line, out
+        first, second, median = (float(v) for v in pair_line.groups())
+        assert min(first, second) > 0 and median == pytest.approx((first + second) / 2, abs=0.006), out
     table_row = re.compile(r"^(TRL|coati-kto)\s+(online|precompute_ref_log_probs|cached)\b")
     rows = [line for line in out.splitlines() if table_row.match(line) and "floor:" not in line]
     assert len(rows) == 8, out  # the step table, then the floor table
