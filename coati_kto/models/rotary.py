@@ -103,7 +103,8 @@ def _dispatcher(original: Callable) -> Callable:
 
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-        if _INSIDE_FUSED_ATTENTION.get() and _covered(q, k, cos, sin):
+        # A compiled layer (model.compile: never fused) traces the original, not the context variable.
+        if not torch.compiler.is_compiling() and _INSIDE_FUSED_ATTENTION.get() and _covered(q, k, cos, sin):
             unsqueeze_dim = _unsqueeze_dim(args, kwargs)
             if unsqueeze_dim is not None:
                 return fused_rotary(q, k, cos, sin, unsqueeze_dim)

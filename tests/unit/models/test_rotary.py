@@ -142,3 +142,22 @@ def test_a_model_loads_with_fused_rotary_and_other_models_keep_transformers(tiny
     for (name, a), b in zip(fused.named_parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6, msg=name)
     assert fuse_rotary(fused) == 2  # idempotent: the family's dispatcher is installed once
+
+
+def test_a_compiled_layer_traces_the_dispatcher_without_a_graph_break(tiny_model_dir: Path) -> None:
+    """Once a fused load installed the dispatcher, a compiled model of the same family (model.compile: never
+    fused) still traces it as one graph, to transformers' function (a context-variable read broke the graph)."""
+    from transformers.models.llama import modeling_llama
+
+    from coati_kto.config.schema import ModelSection
+    from coati_kto.models.hf import load_causal_lm
+
+    load_causal_lm(str(tiny_model_dir), ModelSection(path=str(tiny_model_dir)), torch.float32)
+    dispatcher = modeling_llama.apply_rotary_pos_emb
+    assert getattr(dispatcher, "coati_fused_rotary_dispatcher", False)
+    q, k, cos, sin = _inputs("bhsd")
+    compiled = torch.compile(
+        lambda *a: modeling_llama.apply_rotary_pos_emb(*a), fullgraph=True, backend="eager"
+    )
+    for got, expected in zip(compiled(q, k, cos, sin), dispatcher.__wrapped__(q, k, cos, sin), strict=True):
+        assert torch.equal(got, expected)
