@@ -165,18 +165,20 @@ def test_seeded_prompts_and_greedy_decoding_repeat_in_a_second_run(runs: dict[st
 @pytest.mark.parametrize("name", WITH_REFERENCE)
 def test_rewards_equal_a_recomputation(runs: dict[str, Any], name: str) -> None:
     """beta * (log pi(y|x) - log pi_ref(y|x)) on the run's tokens, with final/ and the starting model loaded by
-    transformers in the run's dtype (with the run's fused norms), log-probs in fp32: the run's reward within
+    transformers in the run's dtype (with the run's fused norms and rotary), log-probs in fp32: the run's reward within
     rounding of its dtype."""
     from transformers import AutoModelForCausalLM
 
     dtype = torch.bfloat16 if PLUGINS[name].get("precision") == "bf16" else torch.float32
     final = runs["root"] / name / "final" / ("merged" if name == "lora" else "")
     from coati_kto.models.norms import fuse_rms_norms
+    from coati_kto.models.rotary import fuse_rotary
 
     policy = AutoModelForCausalLM.from_pretrained(final, dtype=dtype).eval()
     reference = AutoModelForCausalLM.from_pretrained(runs["model_dir"], dtype=dtype).eval()
-    for model in (policy, reference):  # the run's norms (model.fused_norms, on by default): bf16 rounds alike
+    for model in (policy, reference):  # the run's norms and rotary (on by default): bf16 rounds alike
         fuse_rms_norms(model)
+        fuse_rotary(model)
     rows = _samples(runs, name)["policy"][2]
     recomputed = [
         BETA * (_logp(policy, prompt, completion) - _logp(reference, prompt, completion))
