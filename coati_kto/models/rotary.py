@@ -73,17 +73,22 @@ def fused_rotary(
     return _Rotary.apply(q, k, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim))
 
 
-def _covered(q: Any, k: Any, cos: Any, sin: Any) -> bool:
-    """Whether :func:`fused_rotary` computes what Llama's formula computes for these arguments."""
+def _covered(q: Any, k: Any, cos: Any, sin: Any, unsqueeze_dim: int | None) -> bool:
+    """Whether :func:`fused_rotary` computes what Llama's formula computes for these arguments: tensors of one
+    dtype and one even last dimension, constant cos/sin of one shape that broadcast into q's and k's shapes."""
     tensors = (q, k, cos, sin)
-    if not all(isinstance(t, torch.Tensor) for t in tensors):
+    if unsqueeze_dim is None or not all(isinstance(t, torch.Tensor) for t in tensors):
         return False
     dim = q.shape[-1]
-    return (
-        dim % 2 == 0
-        and all(t.shape[-1] == dim and t.dtype == q.dtype for t in tensors)
-        and not (cos.requires_grad or sin.requires_grad)
-    )
+    if dim % 2 or any(t.shape[-1] != dim or t.dtype != q.dtype for t in tensors) or cos.shape != sin.shape:
+        return False
+    if cos.requires_grad or sin.requires_grad:
+        return False
+    try:
+        shape = cos.unsqueeze(unsqueeze_dim).shape
+        return all(torch.broadcast_shapes(t.shape, shape) == t.shape for t in (q, k))
+    except (IndexError, RuntimeError):  # no such dimension, or shapes that do not broadcast
+        return False
 
 
 def _unsqueeze_dim(args: tuple, kwargs: dict) -> int | None:
@@ -104,9 +109,9 @@ def _dispatcher(original: Callable) -> Callable:
     @functools.wraps(original)
     def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
         # A compiled layer (model.compile: never fused) traces the original, not the context variable.
-        if not torch.compiler.is_compiling() and _INSIDE_FUSED_ATTENTION.get() and _covered(q, k, cos, sin):
+        if not torch.compiler.is_compiling() and _INSIDE_FUSED_ATTENTION.get():
             unsqueeze_dim = _unsqueeze_dim(args, kwargs)
-            if unsqueeze_dim is not None:
+            if _covered(q, k, cos, sin, unsqueeze_dim):
                 return fused_rotary(q, k, cos, sin, unsqueeze_dim)
         return original(q, k, cos, sin, *args, **kwargs)
 

@@ -90,6 +90,8 @@ def test_the_dispatcher_leaves_uncovered_calls_to_the_original(monkeypatch: pyte
         ((q, k, cos.clone().requires_grad_(), sin), {}),
         ((q, k, cos, sin, torch.arange(7)), {}),
         ((q, k, cos, sin), {"unsqueeze_dim": 1, "position_ids": None}),
+        ((q, k, cos, sin), {"unsqueeze_dim": 2}),  # cos [2, 7, 1, 16] against q [2, 4, 7, 16]: no broadcast
+        ((q[:1], k[:1], cos, sin), {}),  # q and k of batch 1: the result would be larger than q
     ]
     for args, kwargs in uncovered:
         with contextlib.suppress(
