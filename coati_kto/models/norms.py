@@ -32,7 +32,7 @@ _aten = torch.ops.aten
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(y in x's dtype, rstd fp32 [..., 1]): torch's fused kernel on CUDA and for low precision; fp32 on the CPU
     the same formula in four passes (torch's composite there takes six: two more multiplies and casts)."""
-    if x.is_cuda or x.dtype != torch.float32 or weight.dtype != torch.float32:
+    if x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32:
         y, rstd = _aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
         return y, rstd
     rstd = x.pow(2).mean(-1, keepdim=True).add_(eps).rsqrt_()
