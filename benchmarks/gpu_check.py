@@ -2,12 +2,13 @@
 
     PYTHONPATH=. python benchmarks/gpu_check.py [--out DIR] [--budget 480] [--skip-bench]
 
-1. The ``gpu`` tests (``pytest -m gpu tests/distributed/test_gpu_path.py``, one GPU, NCCL): the step's gradient
+1. The ``gpu`` tests (``pytest -m gpu`` over :data:`TESTS`, one GPU, NCCL): the step's gradient
    norm on ddp, low_level_zero and hybrid_parallel against a float64 recomputation; the family lifecycle (step-0
    log-probs equal and rewards exactly 0, resume bit-exact, export reload) of Llama, Qwen3 (q/k norms) and Gemma 3
    (sliding windows) under low_level_zero and hybrid_parallel ZeRO-2 bf16; padding-free flex_attention rows
-   against padded sdpa in bf16; the fused RMSNorm (``model.fused_norms``) on torch's CUDA kernels; the one-chunk
-   LM head (torch's log-softmax) against the online chunks in bf16.
+   against padded sdpa in bf16; the fused RMSNorm (``model.fused_norms``) on torch's CUDA kernels; the fused
+   rotary embedding (``model.fused_rotary``) in bf16 against transformers' and float64; the one-chunk LM head
+   (torch's log-softmax) against the online chunks in bf16.
 2. The short bench (benchmarks/gpu_bench.py, unchanged): Llama, hybrid ZeRO-2, tool-use rows, online and cached
    reference (then the padding-free pair while the budget lasts); TRL side by side when ``.whl/trl`` is there.
 3. One table: each test's outcome and seconds, then per bench case step time, MFU, host syncs and kernels.
@@ -31,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-TESTS = "tests/distributed/test_gpu_path.py"
+TESTS = ("tests/distributed/test_gpu_path.py", "tests/unit/models/test_rotary.py")
 BENCH_CASES = "llama/tool_use/online/hybrid_z2,llama/tool_use/cached/hybrid_z2"
 BENCH_FLOOR_S = 90  # less than this left after the tests: no bench
 
@@ -46,7 +47,7 @@ def run_tests(out: Path, timeout: float) -> tuple[list[dict[str, Any]], float]:
         "-q",
         "-m",
         "gpu",
-        TESTS,
+        *TESTS,
         f"--junitxml={report}",
         "-p",
         "no:cacheprovider",
