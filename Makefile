@@ -28,8 +28,9 @@ $(STAMP):
 quickstart: $(STAMP)
 	$(PY) applications/quickstart/run.py $(QUICKSTART_ARGS)
 
+# The 25 slowest tests close the log, so a CI run shows where its time went.
 test: $(STAMP)
-	$(PY) -m pytest -q tests -m "not sweep"
+	$(PY) -m pytest -q --durations=25 tests -m "not sweep"
 
 # Also the whole family sweep (tests/distributed/test_family_sweep.py: every causal-LM type, about an hour on 2 cores).
 test-all: $(STAMP)

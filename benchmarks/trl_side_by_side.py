@@ -29,16 +29,14 @@ CPU seconds of a step (one thread per process) are the comparable figure, wall s
 whatever else runs.
 
 TRL environment (TRL is never a dependency of coati_kto): ``python -m venv`` with this interpreter, then a
-``.pth`` file that appends the main venv's site-packages (torch 2.13 CPU, transformers 4.51.3, accelerate,
-datasets ...) to the new venv's path, then ``pip install --trl-spec`` into the new venv. pip sees the main
-venv's packages as installed, so it installs only what they do not satisfy: for ``trl==0.19.1`` (the newest
-TRL that accepts transformers 4.51.3: 0.20 needs >= 4.53.2) that is trl itself (and setuptools), a few seconds
-from PyPI and no second torch (PyPI's torch wheel for Linux would pull gigabytes of CUDA libraries). Both
-tools then run the same torch and the same transformers model code: the difference is the trainer. A newer TRL
-(``--trl-spec trl==1.16.0 --venv .trl-venv-1.16``, the current release) installs its own transformers 5.23.0,
-huggingface_hub 1.33.0 and tokenizers 0.23.3 into its venv (about 30 s), which shadow the main venv's; pip
-never writes to the main venv. TRL 1.x has no ``max_prompt_length`` (nothing is cut at 256 anyway). The venv
-is reused while its recorded spec matches.
+``.pth`` file that appends the main venv's site-packages (torch 2.13 CPU, transformers 5.24, accelerate,
+datasets ...) to the new venv's path, then ``pip install --trl-spec`` (default ``trl==1.16.0``) into the new
+venv. pip sees the main venv's packages as installed, so it installs only what they do not satisfy: for TRL
+1.16 that is trl itself, a few seconds from PyPI and no second torch (PyPI's torch wheel for Linux would pull
+gigabytes of CUDA libraries) nor transformers. Both tools then run the same torch and the same transformers
+model code: the difference is the trainer. Whatever another ``--trl-spec`` needs goes into its own venv and
+shadows the main venv's; pip never writes to the main venv. TRL 1.x has no ``max_prompt_length`` (nothing is
+cut at 256 anyway). The venv is reused while its recorded spec matches.
 """
 
 from __future__ import annotations

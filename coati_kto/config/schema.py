@@ -47,6 +47,13 @@ class ModelSection(_Section):
         description="Llama-style rotary embeddings (checked per family) as 4 kernels per tensor each way instead "
         "of 5 forward and about 10 backward; off under model.compile (inductor fuses them).",
     )
+    skip_unread_mlp: bool = Field(
+        True,
+        description="In log-prob passes the last decoder layer's MLP runs only at the completion positions the "
+        "LM head reads, not at prompt and padding positions nothing reads (families checked per type, dense "
+        "MLPs); off under model.compile and activation checkpointing. Same log-probs, 4.7% fewer FLOPs on the "
+        "step fixture.",
+    )
     attn_implementation: Literal["eager", "sdpa", "flex_attention", "flash_attention_2", "auto"] | None = (
         Field(
             None,

@@ -29,6 +29,7 @@ from coati_kto.data.batch import KLContinuation, TokenView
 from coati_kto.families import MASK_POSITION_FAMILIES, packed_masks
 from coati_kto.families.continuation import CONTINUATION_FAMILIES
 from coati_kto.models.compile import compiled_layers
+from coati_kto.models.last_mlp import recomputes
 from coati_kto.models.lm_head import LMHead, forward_accepts, model_sequence_logps
 from coati_kto.models.lora import base_module
 from coati_kto.models.packing import padded_attention
@@ -53,7 +54,7 @@ def continuation_refusal(model: Any, check_family: bool = True) -> str | None:
         return f"model_type {config.model_type} not proven (tests/distributed/continuation_sweep.py)"
     if not forward_accepts(module, "cache"):
         return "a forward without a cache argument"
-    if _recomputes(module):
+    if recomputes(module):
         return "activation checkpointing (recomputed layers drop the cache)"
     if compiled_layers(module):
         return "compiled layers"
@@ -63,16 +64,6 @@ def continuation_refusal(model: Any, check_family: bool = True) -> str | None:
 def can_continue(model: Any) -> bool:
     """Whether ``model``'s KL pass can continue from its examples' KV cache and equal a separate pass."""
     return continuation_refusal(model) is None
-
-
-def _recomputes(module: torch.nn.Module) -> bool:
-    """Whether activation checkpointing is on (transformers 5 names it ``is_activation_checkpointing``; the
-    older name warns)."""
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        flag = getattr(module, name, None)
-        if flag is not None:
-            return bool(flag)
-    return False
 
 
 def continuation_mask(continuation: KLContinuation, cached: int, dtype: torch.dtype) -> torch.Tensor:

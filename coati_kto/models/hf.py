@@ -16,6 +16,7 @@ from coati_kto.config.schema import ModelSection
 from coati_kto.errors import ConfigError
 from coati_kto.families import auto_model_class, eager_attention_reason, vision_language
 from coati_kto.models.compile import wants_compile
+from coati_kto.models.last_mlp import skip_unread_mlp
 from coati_kto.models.norms import fuse_rms_norms
 from coati_kto.models.rotary import fuse_rotary
 from coati_kto.parallel.fp32_kept import round_trainable
@@ -58,11 +59,14 @@ def load_causal_lm(path: str, model_cfg: ModelSection, dtype: torch.dtype) -> to
         path, dtype=dtype, trust_remote_code=model_cfg.trust_remote_code, **extra
     )
     _restore_frozen(model)
-    if not wants_compile(model_cfg.compile):  # compiled layers fuse these ops already
+    # Compiled layers fuse these ops already (and would break their graph at the last MLP's context variable).
+    if not wants_compile(model_cfg.compile):
         if model_cfg.fused_norms:
             fuse_rms_norms(model)
         if model_cfg.fused_rotary:
             fuse_rotary(model)
+        if model_cfg.skip_unread_mlp:
+            skip_unread_mlp(model)
     return model
 
 

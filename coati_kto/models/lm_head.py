@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from coati_kto.families import plain_head, text_vocab_size
+from coati_kto.models.last_mlp import reading, skips_unread_mlp
 from coati_kto.models.logprobs import completion_logits_to_keep, hidden_sequence_logps, sequence_logps
 from coati_kto.models.lora import base_module
 
@@ -145,7 +146,10 @@ def model_sequence_logps(
     # Shardformer's tensor-parallel forwards swallow logits_to_keep (Llama) or refuse it (Qwen2, Mistral).
     if forward_accepts(module, "logits_to_keep"):
         inputs["logits_to_keep"] = keep if keep is not None else completion_logits_to_keep(loss_mask)
-    with causal_sdpa_without_checks(module.config, attention_mask):
+    read = contextlib.nullcontext()
+    if keep is not None and targets is not None and skips_unread_mlp(module):
+        read = reading(*targets, tuple(input_ids.shape), keep)
+    with causal_sdpa_without_checks(module.config, attention_mask), read:
         if head is None:
             return _logits_logps(model, module, inputs, input_ids, loss_mask, keep, targets)
         hidden = head.capture(model, **inputs)
