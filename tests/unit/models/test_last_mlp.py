@@ -41,7 +41,7 @@ def _logps_and_grads(
 
 
 def _rows_seen(mlp: nn.Module) -> list[int]:
-    """Record the row count of every linear input inside ``mlp`` (hook handles removed by the caller's model)."""
+    """The row counts of every linear input inside ``mlp`` from now on (the hooks stay on this test's model)."""
     seen: list[int] = []
     for module in mlp.modules():
         if isinstance(module, nn.Linear):
