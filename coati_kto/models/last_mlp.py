@@ -42,8 +42,9 @@ PROVEN_TYPES = frozenset(
 @dataclass(frozen=True)
 class ReadPositions:
     """The positions a pass reads: ``rows`` and ``cols`` (long [N], on the device) of the kept grid, the
-    last ``keep`` of an input of ``shape`` (B, S). The last layer sees all S positions, or the kept ones alone
-    where the model slices to ``logits_to_keep`` before its last layers (Gemma 4's key-value-sharing layers)."""
+    last ``keep`` of an input of ``shape`` (B, S). The last layer sees all S positions, or the kept ones
+    alone where the model slices to ``logits_to_keep`` before its last layers (Gemma 4's key-value-sharing
+    layers)."""
 
     rows: torch.Tensor
     cols: torch.Tensor

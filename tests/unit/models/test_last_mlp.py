@@ -1,8 +1,8 @@
-"""The last decoder layer's MLP at the read positions only (coati_kto.models.last_mlp, ``model.skip_unread_mlp``):
-the same completion log-probs and gradients as the whole MLP for every tiny family (the proof behind
-PROVEN_TYPES), the MLP really fed only the N read rows, the padded KL continuation too; refused for MoE and
+"""The last decoder layer's MLP at the read positions only (coati_kto.models.last_mlp,
+``model.skip_unread_mlp``): the same completion log-probs and gradients as the whole MLP for every tiny family
+(the proof behind PROVEN_TYPES), the MLP really fed only the N read rows; refused for MoE, unproven types and
 non-dense MLPs; off with the config key, under compile and under activation checkpointing (whose recompute
-would otherwise run another path)."""
+would otherwise run another path). The KL continuation with it on: tests/distributed/test_kl_continuation.py."""
 
 from __future__ import annotations
 
@@ -41,7 +41,8 @@ def _logps_and_grads(
 
 
 def _rows_seen(mlp: nn.Module) -> list[int]:
-    """The row counts of every linear input inside ``mlp`` from now on (the hooks stay on this test's model)."""
+    """The row counts of every linear input inside ``mlp`` from now on (the hooks stay on this test's
+    model)."""
     seen: list[int] = []
     for module in mlp.modules():
         if isinstance(module, nn.Linear):
@@ -104,8 +105,8 @@ def test_loaded_by_default_off_by_config_and_under_compile(tiny_model_dir: Path)
 
 
 def test_activation_checkpointing_runs_the_mlp_whole(tiny_model_dir: Path) -> None:
-    """A checkpointed layer recomputes in backward, outside the pass: the pass runs the MLP whole too (else the
-    recompute would save other tensors than the forward and autograd would refuse it)."""
+    """A checkpointed layer recomputes in backward, outside the pass: the pass runs the MLP whole too (else
+    the recompute would save other tensors than the forward and autograd would refuse it)."""
     from coati_kto.config.schema import ModelSection
     from coati_kto.models.hf import load_causal_lm
 
