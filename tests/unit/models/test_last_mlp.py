@@ -2,7 +2,7 @@
 ``model.skip_unread_mlp``): the same completion log-probs and gradients as the whole MLP for every tiny family
 (the proof behind PROVEN_TYPES), the MLP really fed only the N read rows; refused for MoE, unproven types and
 non-dense MLPs; off with the config key, under compile and under activation checkpointing (whose recompute
-would otherwise run another path). The KL continuation with it on: tests/distributed/test_kl_continuation.py."""
+would otherwise run another path). The KL continuation with it: tests/distributed/test_kl_continuation.py."""
 
 from __future__ import annotations
 
