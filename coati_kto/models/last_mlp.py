@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -87,28 +88,32 @@ def _last_mlp(model: nn.Module) -> nn.Module | None:
     return mlp if isinstance(mlp, nn.Module) and _dense(mlp) else None
 
 
+def _read_rows_forward(
+    self: nn.Module, hidden_states: torch.Tensor, *args: Any, **kwargs: Any
+) -> torch.Tensor:
+    """The MLP's own forward, within :func:`reading` on the read rows alone (zeros elsewhere). Bound to the
+    module (``types.MethodType``), so a deep copy of the model binds its copy, not this module."""
+    whole = type(self).forward
+    read = None if args or kwargs or torch.compiler.is_compiling() else _READ.get()
+    where = None
+    if read is not None and hidden_states.dim() == 3 and hidden_states.shape[0] == read.shape[0]:
+        where = read.at(hidden_states.shape[1])
+    if where is None:
+        return whole(self, hidden_states, *args, **kwargs)
+    rows = whole(self, hidden_states[where])  # [N, H]
+    return hidden_states.new_zeros(hidden_states.shape).index_put(where, rows)
+
+
 def skip_unread_mlp(model: nn.Module) -> bool:
     """Make ``model``'s last MLP run on the read positions within :func:`reading`; returns whether it does.
     Call on the model as loaded, before LoRA, checkpointing, compile and boosting; every rank."""
     mlp = _last_mlp(model)
     if mlp is None:
         return False
-    if getattr(mlp.forward, "coati_read_positions_only", False):
-        return True  # prepared already (the same module loaded twice: nothing to wrap again)
-    whole = mlp.forward
-
-    def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        read = None if args or kwargs or torch.compiler.is_compiling() else _READ.get()
-        where = None
-        if read is not None and hidden_states.dim() == 3 and hidden_states.shape[0] == read.shape[0]:
-            where = read.at(hidden_states.shape[1])
-        if where is None:
-            return whole(hidden_states, *args, **kwargs)
-        rows = whole(hidden_states[where])  # [N, H]
-        return hidden_states.new_zeros(hidden_states.shape).index_put(where, rows)
-
-    forward.coati_read_positions_only = True  # type: ignore[attr-defined]
-    mlp.forward = forward
+    current = mlp.__dict__.get("forward")
+    if current is not None and getattr(current, "__func__", None) is not _read_rows_forward:
+        return False  # another wrapper already replaced this module's forward: leave it as it is
+    mlp.forward = types.MethodType(_read_rows_forward, mlp)
     model.coati_skips_unread_mlp = True
     return True
 

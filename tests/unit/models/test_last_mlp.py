@@ -122,3 +122,22 @@ def test_activation_checkpointing_runs_the_mlp_whole(tiny_model_dir: Path) -> No
     torch.testing.assert_close(recomputed_logps, logps, rtol=0, atol=1e-6)
     for name, grad in grads.items():
         assert float((recomputed_grads[name] - grad).abs().max()) <= 1e-6 * float(grad.abs().max()) + 1e-12
+
+
+def test_a_deep_copy_runs_its_own_weights(tiny_tokenizer) -> None:
+    """LoRA's export merges a deep copy: its last MLP must compute with the copy's weights, not the original's."""
+    import copy
+
+    model = build_family_model("llama", tiny_tokenizer).float()
+    assert skip_unread_mlp(model)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.get_decoder().layers[-1].mlp.parameters():
+            p.mul_(2.0)
+    ids, attention, loss_mask = _batch(len(tiny_tokenizer))
+    twin_logps, _ = _logps_and_grads(twin, ids, attention, loss_mask)
+    plain = build_family_model("llama", tiny_tokenizer).float()
+    plain.load_state_dict(twin.state_dict())
+    plain_logps, _ = _logps_and_grads(plain, ids, attention, loss_mask)  # the whole MLP, the copy's weights
+    assert skips_unread_mlp(twin) and not skips_unread_mlp(plain)
+    torch.testing.assert_close(twin_logps, plain_logps, rtol=0, atol=1e-6)
