@@ -22,6 +22,45 @@ settings.load_profile("coati")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# run_distributed's calls run on one persistent set of ranks per world size (docs/testing.md, "The worker pool"),
+# which import the whole package once; COATI_KTO_FRESH_PROCESSES=1 gives every call fresh processes instead.
+POOL_PRELOAD = ("coati_kto.*",)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    from coati_kto.testing.distributed import enable_pool
+
+    enable_pool(POOL_PRELOAD)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    from coati_kto.testing.distributed import shutdown_pool
+
+    shutdown_pool()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    """A test marked ``fresh_process`` (or in a module marked so) gets fresh processes for every
+    run_distributed call of its setup, call and teardown, module-scoped fixtures it sets up included."""
+    if item.get_closest_marker("fresh_process") is None:
+        yield
+        return
+    from coati_kto.testing.distributed import fresh_processes
+
+    with fresh_processes():
+        yield
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    from coati_kto.testing.distributed import pool_stats
+
+    calls = pool_stats()
+    if calls:
+        terminalreporter.write_line(
+            "run_distributed calls: " + ", ".join(f"{n} {where}" for where, n in sorted(calls.items()))
+        )
+
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
     """The CPU kernels this run gets (coati_kto.testing.machine), so a failure can be tied to a machine."""

@@ -1,75 +1,154 @@
 """Run a function on N real processes (tests, benchmarks): gloo on the CPU, or NCCL with one GPU per process. Not a
-mock: each process joins a process group."""
+mock: each process joins a process group.
+
+By default each call starts ``world_size`` fresh processes (interpreter, imports, process group: ~10 s on 2
+cores, ~30 s on a loaded machine). Under pytest, ``enable_pool()`` (tests/conftest.py) makes CPU calls run on a
+persistent pool of ranks per world size instead (coati_kto.testing.worker_pool), reset between calls to what a
+fresh process would see (coati_kto.testing.isolation). A call still gets fresh processes when it asks
+(``fresh=True``), inside ``fresh_processes()`` (the ``fresh_process`` marker), with ``device="cuda"``, or when
+this process's environment differs from the one the pool started with (libraries read some variables at import:
+``tests/regression/test_other_cpu.py``'s ISA caps).
+"""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
-import queue
 import time
 import traceback
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
 from coati_kto.parallel.distributed import free_port, init_distributed
+from coati_kto.testing.worker_pool import WorkerPool, next_result, rank_env
+
+# Variables pytest and the runner change between calls, which no library reads at import time.
+VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST", "CUDA_VISIBLE_DEVICES"})
+FRESH_ENV = "COATI_KTO_FRESH_PROCESSES"  # =1: enable_pool() does nothing, every call starts fresh processes
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any) -> None:
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world_size),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
+class _Pools:
+    """The enabled pool's settings, its ranks per world size, and why calls went where they went."""
+
+    def __init__(self) -> None:
+        self.enabled = False
+        self.env: dict[str, str] = {}
+        self.preload: tuple[str, ...] = ()
+        self.by_size: dict[int, WorkerPool] = {}
+        self.fresh_depth = 0
+        self.calls: Counter[str] = Counter()
+
+
+_POOLS = _Pools()
+
+
+def enable_pool(preload: Sequence[str] = ()) -> bool:
+    """Run later CPU calls on persistent ranks (started at the first call of each world size, with this
+    process's environment as it is now); ``preload``: modules each rank imports once (``pkg.*``: every
+    submodule). False, and nothing changes, when ``COATI_KTO_FRESH_PROCESSES=1``."""
+    if os.environ.get(FRESH_ENV, "") not in ("", "0"):
+        return False
+    _POOLS.enabled, _POOLS.preload = True, tuple(preload)
+    _POOLS.env = _stable(os.environ)
+    atexit.register(shutdown_pool)
+    return True
+
+
+def shutdown_pool() -> None:
+    """End every pool's ranks and go back to fresh processes for each call. Idempotent."""
+    _POOLS.enabled = False
+    for pool in _POOLS.by_size.values():
+        pool.close()
+    _POOLS.by_size.clear()
+
+
+@contextlib.contextmanager
+def fresh_processes() -> Iterator[None]:
+    """Calls inside start fresh processes, pool or not (a test marked ``fresh_process``)."""
+    _POOLS.fresh_depth += 1
+    try:
+        yield
+    finally:
+        _POOLS.fresh_depth -= 1
+
+
+def pool_stats() -> dict[str, int]:
+    """How many calls ran where: ``pool``, ``pool start`` (a pool started for it), ``fresh: <why>``."""
+    return dict(_POOLS.calls)
+
+
+def _stable(env: Any) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k not in VOLATILE_ENV}
+
+
+def _why_fresh(device: str, fresh: bool) -> str | None:
+    """Why this call starts fresh processes (None: it runs on the pool)."""
+    if not _POOLS.enabled:
+        return "no pool"
+    if device != "cpu":
+        return "device"
+    if fresh or _POOLS.fresh_depth:
+        return "asked"
+    env = _stable(os.environ)
+    if env != _POOLS.env:
+        changed = sorted(k for k in env.keys() | _POOLS.env.keys() if env.get(k) != _POOLS.env.get(k))
+        return "environment differs (" + ", ".join(changed[:3]) + (", ..." if len(changed) > 3 else "") + ")"
+    return None
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout_s: float = 600,
+    device: str = "cpu",
+    fresh: bool = False,
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` processes joined in one process group; return each rank's result.
+
+    ``fn`` must be importable (a module-level function); its arguments and return value must be picklable. A
+    failure on any rank raises RuntimeError with that rank's traceback; so does a rank that exits without a
+    result, and a call past ``timeout_s``. ``device="cpu"``: the workers see no GPU, even on a GPU machine: the
+    CPU path (gloo) everywhere, the same numbers as on CI. ``device="cuda"``: rank r takes GPU r on NCCL (the
+    ``gpu`` tests); ``world_size`` must not exceed the GPUs, as NCCL refuses two ranks on one. ``fresh``: new
+    processes even where the pool is enabled (module docstring).
+    """
+    why = _why_fresh(device, fresh)
+    if why is not None:
+        _POOLS.calls["fresh: " + why] += 1
+        return _run_fresh(fn, world_size, args, timeout_s, device)
+    pool = _POOLS.by_size.get(world_size)
+    if pool is None or not pool.alive:
+        _POOLS.calls["pool start"] += 1
+        pool = _POOLS.by_size[world_size] = WorkerPool(world_size, dict(os.environ), _POOLS.preload)
+    else:
+        _POOLS.calls["pool"] += 1
+    return pool.run(fn, args, timeout_s)
+
+
+def _worker(
+    rank: int, world_size: int, port: int, fn: Callable, args: tuple, results: Any, device: str
+) -> None:
+    os.environ.update(rank_env(dict(os.environ), rank, world_size, port, cpu=device != "cuda"))
     torch.set_num_threads(1)
     try:
         init_distributed(timeout_s=120)
-        results.put((rank, True, fn(*args)))
+        results.put((0, rank, True, fn(*args)))
     except BaseException:  # report every failure to the parent, then exit non-zero
-        results.put((rank, False, traceback.format_exc()))
+        results.put((0, rank, False, traceback.format_exc()))
         raise
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
 
-def _next_result(
-    results: Any, procs: list[Any], reported: dict[int, Any], deadline: float, timeout_s: float
-) -> tuple[int, bool, Any]:
-    """The next (rank, ok, value) from the workers; RuntimeError when a worker died without reporting (a
-    signal, os._exit, the OOM killer) or the run passed its deadline, instead of waiting out the timeout."""
-    while True:
-        try:
-            return results.get(timeout=1.0)
-        except queue.Empty:
-            pass
-        dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode is not None]
-        if dead:
-            try:  # a worker's result is flushed before it exits: give the queue a moment
-                return results.get(timeout=5.0)
-            except queue.Empty:
-                rank = dead[0]
-                raise RuntimeError(
-                    f"rank {rank} exited with code {procs[rank].exitcode} without reporting a result"
-                ) from None
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"distributed run timed out after {timeout_s} s")
-
-
-def run_distributed(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 600, device: str = "cpu"
-) -> list[Any]:
-    """Run ``fn(*args)`` on ``world_size`` processes joined in one process group; return each rank's result.
-
-    ``fn`` must be importable (a module-level function); its return value must be picklable. A failure on
-    any rank raises RuntimeError with that rank's traceback. ``device="cpu"``: the workers see no GPU, even on
-    a GPU machine: the CPU path (gloo) everywhere, the same numbers as on CI. ``device="cuda"``: rank r takes
-    GPU r on NCCL (the ``gpu`` tests); ``world_size`` must not exceed the GPUs, as NCCL refuses two ranks on one.
-    """
+def _run_fresh(fn: Callable, world_size: int, args: tuple, timeout_s: float, device: str) -> list[Any]:
+    """``run_distributed`` on ``world_size`` new processes, ended when the call ends."""
     if device == "cuda" and world_size > torch.cuda.device_count():
         raise RuntimeError(
             f"{world_size} CUDA ranks need {world_size} GPUs, {torch.cuda.device_count()} visible"
@@ -78,28 +157,24 @@ def run_distributed(
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, results), daemon=False)
+        ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, results, device), daemon=False)
         for rank in range(world_size)
     ]
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    saved = dict(os.environ)
     if device != "cuda":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # spawned children copy the environment at start()
     try:
         for p in procs:
             p.start()
     finally:
-        if device == "cuda":
-            pass
-        elif visible is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        os.environ.clear()
+        os.environ.update(saved)
     outputs: dict[int, Any] = {}
     finished = False
     try:
         deadline = time.monotonic() + timeout_s
         while len(outputs) < world_size:
-            rank, ok, value = _next_result(results, procs, outputs, deadline, timeout_s)
+            _, rank, ok, value = next_result(results, procs, outputs, deadline, timeout_s)
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             outputs[rank] = value

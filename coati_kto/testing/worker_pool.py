@@ -1,0 +1,228 @@
+"""A persistent set of gloo ranks that runs test functions one after another (``run_distributed``'s pool).
+
+``WorkerPool(world_size)`` starts ``world_size`` spawned processes that import once (torch, ColossalAI, the
+``preload`` modules), join one default process group and then serve tasks: each task is a module-level function
+and its arguments, run on every rank with the caller's environment, working directory and ``sys.path``, in a
+fresh ``contextvars`` context, and followed by ``FreshState.restore()`` (coati_kto.testing.isolation). A task that
+fails on any rank, a rank that dies, or a call past its timeout fails the call with the failing rank's traceback,
+and the pool kills its processes: ``alive`` turns False and the caller starts a new pool for the next call (the
+other ranks may be stuck in a collective the failed one never reached).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import gc
+import importlib
+import itertools
+import os
+import pkgutil
+import queue
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from coati_kto.parallel.distributed import free_port, init_distributed
+
+READY = -1  # the task id of a worker's start-up report
+STARTUP_TIMEOUT_S = 600.0  # imports and the first process group on a loaded 2-core machine
+_IDLE_POLL_S = 1.0  # how often an idle worker checks that its parent is alive
+
+
+def rank_env(env: dict[str, str], rank: int, world_size: int, port: int, cpu: bool = True) -> dict[str, str]:
+    """``env`` with the launcher variables of ``rank``; ``cpu``: no GPU visible (the CPU path)."""
+    gpus = {"CUDA_VISIBLE_DEVICES": ""} if cpu else {}
+    return {
+        **env,
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        **gpus,
+    }
+
+
+def next_result(
+    results: Any, procs: list[Any], reported: dict[int, Any], deadline: float, timeout_s: float
+) -> tuple[int, int, bool, Any]:
+    """The next (task id, rank, ok, value) from the workers; RuntimeError when a worker died without reporting
+    (a signal, os._exit, the OOM killer) or the call passed its deadline, instead of waiting out the timeout."""
+    while True:
+        try:
+            return results.get(timeout=1.0)
+        except queue.Empty:
+            pass
+        dead = [r for r, p in enumerate(procs) if r not in reported and p.exitcode is not None]
+        if dead:
+            try:  # a worker's result is flushed before it exits: give the queue a moment
+                return results.get(timeout=5.0)
+            except queue.Empty:
+                rank = dead[0]
+                raise RuntimeError(
+                    f"rank {rank} exited with code {procs[rank].exitcode} without reporting a result"
+                ) from None
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"distributed run timed out after {timeout_s} s")
+
+
+class WorkerPool:
+    """``world_size`` ranks that import once and run one task at a time on all of them (see the module)."""
+
+    def __init__(self, world_size: int, env: dict[str, str], preload: Sequence[str] = ()) -> None:
+        """Start the ranks with ``env`` as their whole environment (read at import time by some libraries) and
+        wait until each has imported ``preload`` (a name ending in ``.*``: the package and every submodule) and
+        joined the process group; RuntimeError with a rank's traceback when one cannot."""
+        self.world_size, self.alive = world_size, False
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.SimpleQueue() for _ in range(world_size)]
+        self._port = free_port()
+        self._ids = itertools.count()
+        saved = dict(os.environ)
+        os.environ.clear()
+        os.environ.update(env, CUDA_VISIBLE_DEVICES="")  # spawned children copy it at start()
+        try:
+            self._procs = [
+                ctx.Process(
+                    target=serve,
+                    args=(rank, world_size, self._port, self._tasks[rank], self._results, tuple(preload)),
+                )
+                for rank in range(world_size)
+            ]
+            for p in self._procs:
+                p.start()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        self.pids = [p.pid for p in self._procs]
+        self.alive = True
+        self._collect(READY, STARTUP_TIMEOUT_S)
+
+    def run(self, fn: Callable[..., Any], args: tuple, timeout_s: float) -> list[Any]:
+        """``fn(*args)`` on every rank with this process's environment, cwd and sys.path; each rank's result.
+        Any failure kills the pool (``alive`` False) and raises RuntimeError with the failing rank's traceback."""
+        task_id = next(self._ids)
+        env, cwd, path = dict(os.environ), os.getcwd(), list(sys.path)
+        try:
+            for rank, tasks in enumerate(self._tasks):
+                # Pickled once per rank: a tensor argument travels as a file descriptor each rank takes once.
+                payload = bytes(ForkingPickler.dumps((fn, args)))
+                tasks.put((task_id, payload, rank_env(env, rank, self.world_size, self._port), cwd, path))
+        except BaseException:
+            self.close(kill=True)
+            raise
+        return self._collect(task_id, timeout_s)
+
+    def _collect(self, task_id: int, timeout_s: float) -> list[Any]:
+        outputs: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        try:
+            while len(outputs) < self.world_size:
+                got, rank, ok, payload = next_result(self._results, self._procs, outputs, deadline, timeout_s)
+                if got != task_id:
+                    continue  # cannot happen while every failure ends the pool; never mix tasks
+                value = ForkingPickler.loads(payload)
+                if not ok:
+                    raise RuntimeError(f"rank {rank} failed:\n{value}")
+                outputs[rank] = value
+        except BaseException:
+            self.close(kill=True)
+            raise
+        return [outputs[r] for r in range(self.world_size)]
+
+    def close(self, kill: bool = False) -> None:
+        """End the ranks: ``kill`` at once (a failed or hung task), else ask them to exit and kill what is left
+        after a grace period. Idempotent."""
+        if not self.alive and all(p.exitcode is not None for p in self._procs):
+            return
+        self.alive = False
+        for p, tasks in zip(self._procs, self._tasks, strict=True):
+            if kill:
+                p.kill()
+            else:
+                with contextlib.suppress(OSError, ValueError):  # a rank already gone
+                    tasks.put(None)
+        for p in self._procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=10)
+        self._results.cancel_join_thread()
+        self._results.close()
+        for tasks in self._tasks:
+            tasks.close()
+
+
+def _preload(names: Sequence[str]) -> None:
+    for name in names:
+        package = importlib.import_module(name.removesuffix(".*"))
+        if name.endswith(".*"):
+            for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+                if not info.name.endswith("__main__"):  # a package's __main__ runs its command when imported
+                    importlib.import_module(info.name)
+
+
+def serve(rank: int, world_size: int, port: int, tasks: Any, results: Any, preload: tuple[str, ...]) -> None:
+    """A worker's life: imports, the default process group, then each task from ``tasks`` until None arrives or
+    the parent process is gone."""
+    from coati_kto.testing.isolation import FreshState
+
+    parent = os.getppid()
+    os.environ.update(rank_env({}, rank, world_size, port))
+    torch.set_num_threads(1)
+    try:
+        _preload(preload)
+        init_distributed(timeout_s=120)
+        gc.collect()
+        state = FreshState.take()
+        gc.freeze()  # the imports' objects: every gc.collect after a task (ColossalAI's teardown) skips them
+    except BaseException:
+        results.put((READY, rank, False, bytes(ForkingPickler.dumps(traceback.format_exc()))))
+        raise
+    results.put((READY, rank, True, bytes(ForkingPickler.dumps(os.getpid()))))
+    try:
+        while True:
+            while not tasks._reader.poll(_IDLE_POLL_S):
+                if os.getppid() != parent:
+                    return  # the parent died without closing the pool: do not outlive it
+            message = tasks.get()
+            if message is None:
+                break
+            task_id, payload, env, cwd, path = message
+            ok, value = _run_task(payload, env, cwd, path)
+            results.put((task_id, rank, ok, value))
+            state.restore()
+    except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; the parent reports it
+        return
+    finally:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run_task(payload: bytes, env: dict[str, str], cwd: str, path: list[str]) -> tuple[bool, bytes]:
+    """(ok, the pickled result or the traceback) of one task, in the caller's environment, cwd and sys.path."""
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path[:] = path
+    try:
+        os.chdir(cwd)
+        fn, args = ForkingPickler.loads(payload)
+        value = contextvars.copy_context().run(fn, *args)
+        return True, bytes(ForkingPickler.dumps(value))
+    except BaseException:  # every failure (SystemExit too) goes back to the caller as this rank's traceback
+        return False, bytes(ForkingPickler.dumps(traceback.format_exc()))
+    finally:  # what the task printed lands in its own test's captured output
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
