@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 USER_ERROR_EXIT_CODE = (
     2  # the CLI's exit status for a UserError; a launcher whose ranks exit so returns it too
 )
@@ -18,6 +20,20 @@ class UserError(Exception):
 
     # True when every rank raises the same error (config, checkpoint agreement): only rank 0 prints it.
     same_on_every_rank = False
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled as (class, message, attributes), never by calling the constructor again: a subclass's
+        ``__init__`` may take other arguments than the message (RecordError's), and ``on_rank0`` sends rank 0's
+        error to the other ranks whatever its class."""
+        return (rebuild_user_error, (type(self), str(self), dict(self.__dict__)))
+
+
+def rebuild_user_error(cls: type[UserError], message: str, state: dict[str, Any]) -> UserError:
+    """A ``cls`` holding ``message`` and ``state`` (its attributes), made without calling ``cls.__init__``."""
+    err = cls.__new__(cls)
+    err.args = (message,)
+    err.__dict__.update(state)
+    return err
 
 
 class ConfigError(UserError):

@@ -9,6 +9,7 @@ error, never skipped in silence; a ``ClassLabel`` label column maps by its class
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -118,6 +119,9 @@ def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
 def _table_rows(path: Path, cache_dir: str | None) -> Iterator[tuple[str, Any]]:
     import datasets
 
+    # datasets' parquet reader logs a corrupt file's error before raising it: the one line below says it.
+    parquet_log = logging.getLogger("datasets.packaged_modules.parquet.parquet")
+    was_disabled, parquet_log.disabled = parquet_log.disabled, True
     try:
         if path.is_dir():
             ds = datasets.load_from_disk(str(path))
@@ -128,6 +132,8 @@ def _table_rows(path: Path, cache_dir: str | None) -> Iterator[tuple[str, Any]]:
         raise DataError(
             f"{path}: cannot read it with datasets ({type(err).__name__}: {first[:200]})"
         ) from None
+    finally:
+        parquet_log.disabled = was_disabled
     if isinstance(ds, datasets.DatasetDict):
         if len(ds) != 1:
             raise DataError(

@@ -104,6 +104,16 @@ def _message(raw: Any, source: str, where: str) -> dict[str, Any]:
     # OpenAI-style tool calls carry no text; the template renders tool_calls instead.
     if content is None and raw.get("tool_calls"):
         content = ""
+    if isinstance(content, list) and content and all(isinstance(p, dict) and "type" in p for p in content):
+        # TRL's vision format: {"type": "image"} / {"type": "text", "text": ...} parts, for vision-language models.
+        kinds = ", ".join(sorted({str(p["type"]) for p in content}))
+        raise RecordError(
+            source,
+            f"{where}.{key}",
+            f"a list of content parts ({kinds}: TRL's vision-language format); coati-kto trains text-only "
+            "models: give the content as one string",
+            "non_string_content",
+        )
     if not isinstance(content, str):
         problem = "missing" if content is None else f"expected a string, got {show_value(content)}"
         raise RecordError(source, f"{where}.{key}", problem, "non_string_content")

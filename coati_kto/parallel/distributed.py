@@ -9,6 +9,7 @@ as a single process with no launcher. The loss and model code get their groups f
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import re
 import socket
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from coati_kto.errors import UserError
+from coati_kto.errors import UserError, rebuild_user_error
 from coati_kto.parallel import compat
 
 T = TypeVar("T")
@@ -216,9 +217,10 @@ def global_rank() -> int:
 def on_rank0(compute: Callable[[], T], what: str) -> T:
     """Rank 0 decides, every rank follows: ``compute()`` runs on global rank 0 only, and its result is returned
     on every rank. Every rank calls, and enters exactly one broadcast whatever happens on rank 0, so nobody is
-    left waiting in a collective. A UserError on rank 0 is raised on every rank (same class, same one-line
-    message); any other exception is re-raised on rank 0 and raised on the others as a RuntimeError naming
-    ``what`` ("prepare the data").
+    left waiting in a collective. A UserError on rank 0 is raised on every rank with the same one-line message
+    (rank 0 raises its own; the others a copy of the same class and attributes, or a plain UserError where the
+    class cannot be sent), marked ``same_on_every_rank`` so that only rank 0 prints it. Any other exception is
+    re-raised on rank 0 and raised on the others as a RuntimeError naming ``what`` ("prepare the data").
     """
     outcome: tuple[str, Any, Any] = ("ok", None, None)
     failure: BaseException | None = None
@@ -226,19 +228,46 @@ def on_rank0(compute: Callable[[], T], what: str) -> T:
         try:
             outcome = ("ok", compute(), None)
         except UserError as err:
-            outcome = ("user", type(err), str(err))
+            err.same_on_every_rank = True  # raised on every rank: printed once (cli.main)
+            outcome, failure = ("user", _portable(err), str(err)), err
         except Exception as err:
             outcome, failure = ("internal", None, f"{type(err).__name__}: {err}"), err
     kind, value, message = broadcast_object(outcome)
     if failure is not None:
         raise failure
     if kind == "user":
-        err = value(message)
-        err.same_on_every_rank = True  # rank 0's own error, raised on every rank: printed once (cli.main)
-        raise err
+        raise _received(value, message)
     if kind == "internal":
         raise RuntimeError(f"global rank 0 failed to {what}: {message}")
     return value
+
+
+def _portable(err: UserError) -> bytes | None:
+    """``err`` pickled for the other ranks, if it survives the round trip here (a class defined in a function,
+    an attribute that cannot be pickled do not); else the class alone; else None. Checked before the broadcast:
+    pickling inside it would fail on rank 0 alone and leave the others waiting."""
+    for state in (err.__dict__, {}):
+        try:
+            data = pickle.dumps((type(err), str(err), dict(state)))
+            pickle.loads(data)
+            return data
+        except Exception:  # noqa: BLE001 - any pickling failure: try the next, simpler form
+            continue
+    return None
+
+
+def _received(data: bytes | None, message: str) -> UserError:
+    """Rank 0's UserError on another rank: its class and attributes when they arrived, and always its message."""
+    err: UserError = UserError(message)
+    try:
+        cls, sent, state = pickle.loads(data) if data is not None else (UserError, message, {})
+        err = rebuild_user_error(cls, sent, state)
+    except Exception:  # noqa: BLE001 - a class this rank cannot import: the message still arrives
+        pass
+    if not isinstance(err, UserError) or str(err) != message:
+        err = UserError(message)
+    err.same_on_every_rank = True
+    return err
 
 
 _PEER_ADDRESS = re.compile(r"\[([0-9a-fA-F.:]+)\]:\d+")

@@ -110,6 +110,20 @@ BAD = [
         "field 'messages[1].content': expected a string",
         "non_string_content",
     ),
+    # TRL's vision-language format (content parts) was "expected a string, got [{...": now it says what it is.
+    (
+        {
+            "prompt": [
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}
+            ],
+            "completion": [ASSISTANT],
+            "label": True,
+            "images": ["cat.png"],
+        },
+        "field 'prompt[0].content': a list of content parts (image, text: TRL's vision-language format); "
+        "coati-kto trains text-only models: give the content as one string",
+        "non_string_content",
+    ),
     ({"text": "hello", "label": True}, "unknown record format (keys: label, text)", "unknown_format"),
     ({"prompt": "a", "completion": [ASSISTANT], "label": True}, "field 'completion'", "mixed"),
     ({"messages": [{"content": "hi"}, ASSISTANT], "label": True}, "field 'messages[0]'", "bad_message"),

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch.distributed as dist
 
 import coati_kto.parallel.distributed as cd
-from coati_kto.errors import ConfigError
+from coati_kto.data.formats import RecordError
+from coati_kto.errors import ConfigError, DataError, UserError
 
 
 class OneCollective:
@@ -41,10 +44,76 @@ def test_user_error_on_rank0_is_raised_everywhere_with_its_class(monkeypatch: py
     rank0 = OneCollective(monkeypatch, 0)
     with pytest.raises(ConfigError, match="^cfg.yaml: model.path: not found$"):
         cd.on_rank0(fail, "x")
-    assert rank0.calls == [("user", ConfigError, "cfg.yaml: model.path: not found")]
+    assert [(kind, message) for kind, _, message in rank0.calls] == [
+        ("user", "cfg.yaml: model.path: not found")
+    ]
     OneCollective(monkeypatch, 1, sent=rank0.calls[0])
     with pytest.raises(ConfigError, match="^cfg.yaml: model.path: not found$"):
         cd.on_rank0(lambda: None, "x")
+
+
+def _raised_on_both(monkeypatch: pytest.MonkeyPatch, err: UserError) -> tuple[UserError, UserError]:
+    """``err`` raised inside ``on_rank0`` on rank 0, and what rank 1 raises from rank 0's broadcast."""
+
+    def fail() -> None:
+        raise err
+
+    rank0 = OneCollective(monkeypatch, 0)
+    with pytest.raises(UserError) as on_rank0:
+        cd.on_rank0(fail, "prepare the data")
+    OneCollective(monkeypatch, 1, sent=rank0.calls[0])
+    with pytest.raises(UserError) as on_rank1:
+        cd.on_rank0(lambda: None, "prepare the data")
+    return on_rank0.value, on_rank1.value
+
+
+def test_an_error_whose_constructor_takes_other_arguments_reaches_every_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """RecordError(source, field, problem, reason) was rebuilt as RecordError(message) on every rank: a TypeError
+    traceback instead of the record's one line (`coati-kto train` on a bad record, 1 process or 2)."""
+    bad = RecordError(
+        "bad.jsonl:41", "label", 'expected true/false or 0/1 (1.0/0.0), got "maybe"', "bad_label"
+    )
+    mine, theirs = _raised_on_both(monkeypatch, bad)
+    assert mine is bad and mine.same_on_every_rank  # rank 0 raises its own, traceback and all; prints it once
+    assert type(theirs) is RecordError and theirs.same_on_every_rank  # the others stay quiet (cli.main)
+    line = "bad.jsonl:41: field 'label': expected true/false or 0/1 (1.0/0.0), got \"maybe\""
+    assert str(mine) == str(theirs) == line
+    assert (theirs.reason, theirs.source) == ("bad_label", "bad.jsonl:41")
+
+
+class _UnpicklableError(UserError):
+    def __init__(self, message: str, handle: object) -> None:
+        super().__init__(message)
+        self.handle = handle
+
+
+def test_an_error_that_cannot_travel_whole_still_gives_its_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An attribute that cannot be pickled: its class alone travels. A class rank 1 cannot import (defined in a
+    function): a plain UserError with the same message. Rank 0's broadcast never fails on rank 0 alone."""
+    mine, theirs = _raised_on_both(monkeypatch, _UnpicklableError("a.yaml: x: no", handle=lambda: None))
+    assert type(theirs) is _UnpicklableError and str(theirs) == str(mine) == "a.yaml: x: no"
+    assert not hasattr(theirs, "handle") and theirs.same_on_every_rank
+
+    class LocalError(DataError):
+        def __init__(self, path: str) -> None:
+            super().__init__(f"{path}: unreadable")
+
+    mine, theirs = _raised_on_both(monkeypatch, LocalError("d.jsonl"))
+    assert type(mine) is LocalError and type(theirs) is UserError
+    assert str(theirs) == "d.jsonl: unreadable" and theirs.same_on_every_rank
+
+
+def test_every_user_error_pickles_whatever_its_constructor() -> None:
+    bad = RecordError("t.jsonl:3", "tools", "expected a list", "bad_tools")
+    again = pickle.loads(pickle.dumps(bad))
+    assert (type(again), str(again), again.reason, again.source) == (
+        RecordError,
+        str(bad),
+        "bad_tools",
+        "t.jsonl:3",
+    )
 
 
 def test_internal_error_reraised_on_rank0_named_on_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
