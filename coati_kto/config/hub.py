@@ -102,7 +102,7 @@ def hub_token() -> str | None:
 
 # ------------------------------------------------------------------------------------------ Hub datasets
 DATASET_PREFIX = "hf://datasets/"
-DATASET_KEYS = ("config", "split", "revision")
+DATASET_KEYS = ("config", "data_files", "split", "revision")
 # The split when none is named: TRL's defaults (--dataset_train_split train, --dataset_test_split test).
 DEFAULT_SPLIT = {"data.train_files": "train", "data.eval_files": "test"}
 # datasets' split syntax: names joined by "+", each optionally sliced ("train[:1000]", "train[10%:]").
@@ -111,18 +111,21 @@ SPLIT = re.compile(r"[\w.-]+(\[[^\]]*\])?(\+[\w.-]+(\[[^\]]*\])?)*")
 
 @dataclass(frozen=True)
 class HubDataset:
-    """A Hub dataset in ``data.*_files``: ``load_dataset(repo_id, name=config, split=split, revision=revision)``."""
+    """A Hub dataset in ``data.*_files``: ``load_dataset(repo_id, name=config, data_files=data_files, split=split,
+    revision=revision)``; ``data_files`` is one path or glob inside the repo (its files form the split ``train``)."""
 
     repo_id: str
     config: str | None
     split: str
     revision: str
+    data_files: str | None = None
 
     @property
     def source(self) -> str:
         """The entry as written back (every part explicit): what stats.json and the card name."""
         config = f"config={self.config}&" if self.config else ""
-        return f"{DATASET_PREFIX}{self.repo_id}?{config}split={self.split}&revision={self.revision}"
+        files = f"data_files={self.data_files}&" if self.data_files else ""
+        return f"{DATASET_PREFIX}{self.repo_id}?{config}{files}split={self.split}&revision={self.revision}"
 
     @property
     def split_names(self) -> list[str]:
@@ -135,13 +138,13 @@ def is_hub_dataset(value: str) -> bool:
 
 
 def parse_hub_dataset(value: str, key: str) -> HubDataset:
-    """``hf://datasets/OWNER/NAME[?config=C][&split=S][&revision=R]`` (values taken literally, not URL-decoded).
-    Raises ValueError with the one line that says what is wrong."""
+    """``hf://datasets/OWNER/NAME[?config=C][&data_files=F][&split=S][&revision=R]`` (values taken literally, not
+    URL-decoded). Raises ValueError with the one line that says what is wrong."""
     repo_id, _, query = value[len(DATASET_PREFIX) :].partition("?")
     where = f"{key}: {value}"
     if "/" not in repo_id or not looks_like_hub_id(repo_id):
         raise ValueError(
-            f"{where}: expected hf://datasets/OWNER/NAME, then ?config=...&split=...&revision=..."
+            f"{where}: expected hf://datasets/OWNER/NAME, then ?config=...&data_files=...&split=...&revision=..."
         )
     options: dict[str, str] = {}
     for item in filter(None, query.split("&")):
@@ -152,9 +155,11 @@ def parse_hub_dataset(value: str, key: str) -> HubDataset:
                 f"{where}: {item!r} is not one of {', '.join(k + '=...' for k in DATASET_KEYS)}{hint}"
             )
         options[name] = text
-    split = options.get("split", DEFAULT_SPLIT.get(key, "train"))
+    # data_files' files are datasets' split "train" (in eval files too), so that is the default split there.
+    split = options.get("split", "train" if "data_files" in options else DEFAULT_SPLIT.get(key, "train"))
     if not SPLIT.fullmatch(split):
         raise ValueError(
             f"{where}: split {split!r} is no split expression (e.g. train, train[:1000], train+test)"
         )
-    return HubDataset(repo_id, options.get("config"), split, options.get("revision", "main"))
+    revision = options.get("revision", "main")
+    return HubDataset(repo_id, options.get("config"), split, revision, options.get("data_files"))

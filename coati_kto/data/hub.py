@@ -1,26 +1,30 @@
 """Feedback data from the Hugging Face Hub: the ``hf://datasets/OWNER/NAME?config=C&split=S&revision=R`` entries
-of ``data.train_files`` / ``data.eval_files`` (syntax: :mod:`coati_kto.config.hub`), read through ``datasets`` and
-its cache (HF_HOME / HF_DATASETS_CACHE).
+of ``data.train_files`` / ``data.eval_files`` (syntax: :mod:`coati_kto.config.hub`), read through ``datasets``.
 
 :func:`check` resolves the revision to its commit sha and checks the dataset, config, split and access before
 anything is downloaded (one line each: preflight and the prepared data's fingerprint call it); :func:`open_split`
 then loads exactly that commit. Online, both ask the Hub (one repo-info request, the card and file listing, one
-HEAD of a data file); under HF_HUB_OFFLINE they read only the caches: the sha a branch or tag pointed at when it
-was last loaded (huggingface_hub's refs), and the split ``datasets`` prepared for that sha.
+HEAD of a data file). Under HF_HUB_OFFLINE they read huggingface_hub's cache only, as ``hf download --repo-type
+dataset`` or an online run filled it (:mod:`coati_kto.data.hub_cache`).
 A token is passed on by huggingface_hub (HF_TOKEN or the token file); messages say whether one is set, never it.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from coati_kto.config.hub import HubDataset, hub_offline, hub_token
+from coati_kto.data.hub_cache import (
+    cached_snapshot,
+    cached_splits,
+    config_problem,
+    fill_command,
+    load_cached,
+)
 from coati_kto.errors import DataError
 
-SHA = re.compile(r"[0-9a-f]{40}")
 _LOGIN = "HF_TOKEN, or `hf auth login`"
 
 
@@ -33,15 +37,12 @@ def check(spec: HubDataset, key: str) -> str:
     """The commit sha ``spec.revision`` names, once the dataset, its config and split exist and are readable.
     Raises DataError (one line) otherwise. Downloads no data (the card and listings only)."""
     where = f"{key}: {spec.source}"
-    sha = _cached_sha(spec) if hub_offline() else _hub_sha(spec, where)
-    if sha is None:
-        raise DataError(
-            f"{where}: revision {spec.revision} is not in the Hugging Face cache and HF_HUB_OFFLINE is set "
-            "(load it once online, or pin a cached commit sha)"
-        )
     if hub_offline():
-        splits = _cached_splits(spec, sha, where)
+        folder = cached_snapshot(spec, spec.revision, where)
+        sha, splits = folder.name, cached_splits(spec, folder, where)
     else:
+        sha, files = _hub_sha(spec, where)
+        _match_data_files(spec, sha, files, where)
         splits, first_file = _hub_splits(spec, sha, where)
         _check_access(spec, first_file, where)
     missing = [name for name in spec.split_names if name not in splits]
@@ -52,36 +53,48 @@ def check(spec: HubDataset, key: str) -> str:
 
 def open_split(spec: HubDataset, sha: str) -> Any:
     """The split (``datasets.Dataset``) at commit ``sha``: downloaded and prepared into the datasets cache once,
-    reused from it after (offline: from it only)."""
+    reused from it after; offline, read from the hub cache's snapshot of ``sha``."""
     import datasets
 
     if hub_offline():
-        return _cache_builder(spec, sha, _cached_config(spec, sha)).as_dataset(split=spec.split)
-    return datasets.load_dataset(spec.repo_id, name=spec.config, split=spec.split, revision=sha)
+        return load_cached(spec, cached_snapshot(spec, sha, spec.source))
+    return datasets.load_dataset(
+        spec.repo_id, name=spec.config, data_files=spec.data_files, split=spec.split, revision=sha
+    )
 
 
 # ---------------------------------------------------------------------------------------------- online
-def _hub_sha(spec: HubDataset, where: str) -> str:
+def _hub_sha(spec: HubDataset, where: str) -> tuple[str, list[str]]:
+    """(the commit sha the revision names, the repo's file names at it), from one repo-info request."""
     from huggingface_hub import HfApi
 
     try:
-        sha = HfApi().dataset_info(spec.repo_id, revision=spec.revision).sha
+        info = HfApi().dataset_info(spec.repo_id, revision=spec.revision)
     except Exception as err:  # noqa: BLE001 (mapped to one line, or raised as it is)
         raise _hub_error(err, spec, where) from None
-    _remember_ref(spec, sha)
-    return sha
+    _remember_ref(spec, info.sha)
+    return info.sha, [s.rfilename for s in info.siblings or []]
+
+
+def _match_data_files(spec: HubDataset, sha: str, files: list[str], where: str) -> None:
+    """Refuse a ``data_files`` glob that matches no file of the repo. (fnmatch's ``*`` also crosses "/", so
+    whatever ``datasets`` would match is matched here: nothing is refused that ``datasets`` would read.)"""
+    from huggingface_hub.utils import filter_repo_objects
+
+    if spec.data_files and not list(filter_repo_objects(files, allow_patterns=[spec.data_files])):
+        raise DataError(f"{where}: no file of the dataset at {sha[:12]} matches data_files={spec.data_files}")
 
 
 def _remember_ref(spec: HubDataset, sha: str) -> None:
     """Record branch/tag -> sha in huggingface_hub's cache (``refs/<revision>``, the file hf_hub_download writes):
     the data is then loaded at the sha, which writes no ref, and HF_HUB_OFFLINE reads this one."""
     from huggingface_hub import constants
+    from huggingface_hub.file_download import repo_folder_name
 
     if spec.revision == sha:
         return
-    ref = (
-        Path(constants.HF_HUB_CACHE) / f"datasets--{spec.repo_id.replace('/', '--')}" / "refs" / spec.revision
-    )
+    repo = repo_folder_name(repo_id=spec.repo_id, repo_type="dataset")
+    ref = Path(constants.HF_HUB_CACHE) / repo / "refs" / spec.revision
     ref.parent.mkdir(parents=True, exist_ok=True)
     if not ref.is_file() or ref.read_text() != sha:
         ref.write_text(sha)
@@ -109,10 +122,21 @@ def _hub_error(err: Exception, spec: HubDataset, where: str) -> Exception:
         return DataError(f"{where}: no such dataset on the Hub ({constants.ENDPOINT}), {why}")
     if isinstance(err, httpx.HTTPError | OSError):
         return DataError(
-            f"{where}: the Hub ({constants.ENDPOINT}) cannot be reached ({type(err).__name__}); a dataset loaded "
-            "before is read from the cache with HF_HUB_OFFLINE=1"
+            f"{where}: the Hub ({constants.ENDPOINT}) cannot be reached ({type(err).__name__}){_cached(spec)}"
         )
     return err
+
+
+def _cached(spec: HubDataset) -> str:
+    """What the cache offers when the Hub cannot be reached: the way to read it offline, or to fill it."""
+    try:
+        cached_snapshot(spec, spec.revision, spec.source)
+    except DataError:
+        return (
+            f" and the Hugging Face cache holds no copy of it: fill the cache with `{fill_command(spec)}` where "
+            "the Hub can be reached, then set HF_HUB_OFFLINE=1"
+        )
+    return "; the Hugging Face cache holds it: set HF_HUB_OFFLINE=1 to read it from there"
 
 
 def _hub_splits(spec: HubDataset, sha: str, where: str) -> tuple[list[str], str | None]:
@@ -120,9 +144,11 @@ def _hub_splits(spec: HubDataset, sha: str, where: str) -> tuple[list[str], str 
     import datasets
 
     try:
-        builder = datasets.load_dataset_builder(spec.repo_id, name=spec.config, revision=sha)
+        builder = datasets.load_dataset_builder(
+            spec.repo_id, name=spec.config, data_files=spec.data_files, revision=sha
+        )
     except ValueError as err:  # an unknown config, or none named where several exist: datasets lists them
-        raise DataError(f"{where}: {str(err).strip().splitlines()[0]}") from None
+        raise DataError(f"{where}: {config_problem(err)}") from None
     except Exception as err:  # noqa: BLE001
         cause = err.__cause__ if isinstance(err.__cause__, Exception) else err
         raise _hub_error(cause, spec, where) from None
@@ -144,54 +170,3 @@ def _check_access(spec: HubDataset, data_file: str | None, where: str) -> None:
         get_hf_file_metadata(hf_hub_url(spec.repo_id, path, repo_type="dataset", revision=sha))
     except Exception as err:  # noqa: BLE001
         raise _hub_error(err, spec, where) from None
-
-
-# ---------------------------------------------------------------------------------------------- offline
-def _cached_sha(spec: HubDataset) -> str | None:
-    """The commit a revision names in the caches: a sha as given; a branch or tag by huggingface_hub's refs."""
-    import datasets
-    from huggingface_hub import constants
-
-    if SHA.fullmatch(spec.revision):
-        return spec.revision
-    repo = Path(constants.HF_HUB_CACHE) / f"datasets--{spec.repo_id.replace('/', '--')}"
-    try:
-        sha = (repo / "refs" / spec.revision).read_text().strip()
-    except OSError:
-        return None
-    return sha if any(_cache_root(spec, datasets.config.HF_DATASETS_CACHE).glob(f"*/*/{sha}")) else None
-
-
-def _cache_root(spec: HubDataset, cache: Any) -> Path:
-    from datasets.naming import camelcase_to_snakecase
-
-    owner, name = spec.repo_id.split("/")
-    return Path(cache).expanduser() / f"{owner}___{camelcase_to_snakecase(name)}"
-
-
-def _cached_config(spec: HubDataset, sha: str) -> str:
-    """The config's directory name in the datasets cache for ``sha``: the one named, or the only one cached."""
-    import datasets
-
-    found = sorted(
-        p.parts[-3] for p in _cache_root(spec, datasets.config.HF_DATASETS_CACHE).glob(f"*/*/{sha}")
-    )
-    if spec.config is not None:
-        return spec.config if spec.config in found else ""
-    return found[0] if len(found) == 1 else ("default" if "default" in found else "")
-
-
-def _cache_builder(spec: HubDataset, sha: str, config: str) -> Any:
-    from datasets.packaged_modules.cache.cache import Cache
-
-    return Cache(repo_id=spec.repo_id, dataset_name=spec.repo_id.split("/")[-1], config_name=config, hash=sha)
-
-
-def _cached_splits(spec: HubDataset, sha: str, where: str) -> list[str]:
-    config = _cached_config(spec, sha)
-    if not config:
-        named = f"config {spec.config}" if spec.config else "one config (name it: config=...)"
-        raise DataError(
-            f"{where}: {named} of commit {sha[:12]} is not in the datasets cache and HF_HUB_OFFLINE is set"
-        )
-    return [str(name) for name in _cache_builder(spec, sha, config).info.splits or {}]

@@ -19,6 +19,7 @@ import json
 import threading
 import urllib.parse
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -88,6 +89,30 @@ class StandInHub:
     def find(self, kind: str, repo_id: str, headers: Any) -> Repo | None:
         repo = self.repos.get((kind, repo_id))
         return None if repo is None or (repo.private and not self.authorized(headers)) else repo
+
+
+def hf_download(
+    hub: StandInHub,
+    repo_id: str,
+    cache_dir: Path,
+    revision: str | None = None,
+    include: list[str] | None = None,
+) -> Path:
+    """What ``hf download --repo-type dataset REPO [--revision R] [--include P ...]`` writes into the hub cache
+    ``cache_dir`` (HF_HOME/hub), from the stand-in: the CLI's own call (snapshot_download), at ``hub.url``.
+    Returns the snapshot folder."""
+    from huggingface_hub import snapshot_download
+
+    folder = snapshot_download(
+        repo_id,
+        repo_type="dataset",
+        revision=revision,
+        allow_patterns=include,
+        cache_dir=cache_dir,
+        endpoint=hub.url,
+        library_name="huggingface-cli",
+    )
+    return Path(folder)
 
 
 def _error(status: int, code: str, message: str) -> tuple[int, dict, bytes]:

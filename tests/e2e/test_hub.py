@@ -116,6 +116,51 @@ def test_a_hub_dataset_is_prepared_at_its_commit_and_offline_from_the_cache(
     assert len(hub.requests) == asked  # offline: not one request
 
 
+def test_hf_download_then_train_offline_with_no_datasets_cache(
+    hub: StandInHub, tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """docs/usage.md's offline recipe as printed: `hf download --repo-type dataset OWNER/NAME` where the Hub is
+    reached, then `train` under HF_HUB_OFFLINE=1 from that cache alone (no HF_HOME/datasets). Before: "revision
+    main is not in the Hugging Face cache and HF_HUB_OFFLINE is set", for it and for a dataset cached nowhere."""
+    sha = hub.commit(
+        "dataset",
+        "org/feedback",
+        {
+            "data/train.jsonl": jsonl(preference_records(24, 0)),
+            "data/test.jsonl": jsonl(preference_records(9, 100)),
+        },
+    )
+    hf = [str(Path(sys.executable).parent / "hf"), "download", "--repo-type", "dataset", "org/feedback"]
+    got = subprocess.run(hf, env=hub_env(hub, tmp_path), capture_output=True, text=True, timeout=300)
+    assert got.returncode == 0, got.stderr[-2000:]
+    cache = tmp_path / "hf-home" / "hub"
+    assert (cache / "datasets--org--feedback" / "refs" / "main").read_text() == sha
+    assert not (tmp_path / "hf-home" / "datasets").exists()
+
+    config, environ, asked = (
+        write_config(tmp_path, tiny_model_dir),
+        hub_env(hub, tmp_path, offline=True),
+        len(hub.requests),
+    )
+    missing = run(["train", str(config), "data.eval_files=hf://datasets/org/elsewhere"], environ)
+    assert missing.returncode == 2
+    assert missing.stderr.splitlines() == [
+        f"error: data.eval_files: hf://datasets/org/elsewhere?split=test&revision=main: not in the Hugging Face "
+        f"cache ({cache}) and HF_HUB_OFFLINE is set: fill it with `hf download --repo-type dataset org/elsewhere` "
+        "where the Hub can be reached"
+    ]
+    trained = run(["train", str(config)], environ)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    stats = json.loads((tmp_path / "prepared" / "stats.json").read_text())
+    assert stats["files"] == {
+        "train": [f"hf://datasets/org/feedback?split=train&revision={sha}"],
+        "eval": [f"hf://datasets/org/feedback?split=test&revision={sha}"],
+    }
+    assert (stats["train"]["examples"], stats["eval"]["examples"]) == (24, 9)
+    assert (tmp_path / "out" / "final" / "model.safetensors").is_file()
+    assert len(hub.requests) == asked  # offline: not one request
+
+
 CHECK = """
 import sys
 from coati_kto.config.hub import parse_hub_dataset
@@ -146,6 +191,8 @@ def test_hub_dataset_mistakes_are_one_line_each(
         "hf://datasets/org/feedback?revision=v9",
         "hf://datasets/org/feedback?split=validation",
         "hf://datasets/org/configs?config=fr",
+        "hf://datasets/org/feedback?data_files=data/*.jsonl",
+        "hf://datasets/org/feedback?data_files=data/*.csv",
     ]
     no_token = subprocess.run(
         [sys.executable, "-c", CHECK, *values], env=hub_env(hub, tmp_path), capture_output=True, text=True
@@ -163,6 +210,9 @@ def test_hub_dataset_mistakes_are_one_line_each(
         f"{where}/feedback?split=train&revision=v9: the dataset has no revision v9 on the Hub",
         f"{where}/feedback?split=validation&revision=main: no split validation (its splits: train)",
         f"{where}/configs?config=fr&split=train&revision=main: BuilderConfig 'fr' not found. Available: ['en']",
+        public,
+        f"{where}/feedback?data_files=data/*.csv&split=train&revision=main: no file of the dataset at "
+        f"{public[:12]} matches data_files=data/*.csv",
     ], no_token.stderr[-2000:]
     with_token = subprocess.run(
         [sys.executable, "-c", CHECK, *values[:4]],

@@ -30,6 +30,11 @@ from coati_kto.errors import ConfigError
             "data.train_files",
             HubDataset("o/n", "en", "train[:10%]+validation", "v1.0"),
         ),
+        (  # data_files' files are datasets' split "train", in eval files too
+            "hf://datasets/o/n?data_files=en/*.parquet",
+            "data.eval_files",
+            HubDataset("o/n", None, "train", "main", "en/*.parquet"),
+        ),
     ],
 )
 def test_a_hub_dataset_reads_as_load_dataset_arguments(value: str, key: str, expected: HubDataset) -> None:
@@ -44,16 +49,16 @@ def test_a_hub_dataset_reads_as_load_dataset_arguments(value: str, key: str, exp
     [
         (
             "hf://datasets/kto-mix-14k",
-            "expected hf://datasets/OWNER/NAME, then ?config=...&split=...&revision=...",
+            "expected hf://datasets/OWNER/NAME, then ?config=...&data_files=...&split=...&revision=...",
         ),
         (
             "hf://datasets/o/n?name=en",
-            "'name=en' is not one of config=..., split=..., revision=... (the config is config=, as TRL's "
-            "--dataset_config)",
+            "'name=en' is not one of config=..., data_files=..., split=..., revision=... (the config is config=, "
+            "as TRL's --dataset_config)",
         ),
         (
             "hf://datasets/o/n?split=train&split=test",
-            "'split=test' is not one of config=..., split=..., revision=...",
+            "'split=test' is not one of config=..., data_files=..., split=..., revision=...",
         ),
         (
             "hf://datasets/o/n?split=train[:5",
