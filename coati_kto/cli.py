@@ -1,5 +1,5 @@
-"""``coati-kto`` (also ``python -m coati_kto``): prepare | inspect | train | precompute | export | config;
-``--version``.
+"""``coati-kto`` (also ``python -m coati_kto``): prepare | inspect | train | precompute | export | config |
+tiny-model; ``--version``.
 
 User mistakes (UserError) print one ``error:`` line and exit 2, with no traceback.
 """
@@ -71,6 +71,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("config", nargs="?", help="YAML config file")
     p.add_argument("overrides", nargs="*", help="section.key=value")
     p.add_argument("--schema", action="store_true", help="list every key: type, default, help")
+    p = sub.add_parser(
+        "tiny-model",
+        help="Write a tiny random Llama with a ChatML tokenizer into DIR (to try the commands on a CPU).",
+        description="Write a tiny random Llama with a ChatML tokenizer into DIR, Hugging Face format: a model "
+        "that knows nothing, to try the commands on a CPU in seconds (model.path=DIR).",
+    )
+    p.add_argument("dir", help="the folder to write (new, or one an earlier tiny-model wrote)")
+    p.add_argument("--seed", type=int, default=0, help="the weights' seed")
+    p.add_argument("--hidden-size", type=int, default=64, help="a multiple of 4 (4 attention heads)")
+    p.add_argument("--layers", type=int, default=2, help="decoder layers")
+    p.set_defaults(overrides=[])
     return parser
 
 
@@ -180,6 +191,13 @@ def _run(args: argparse.Namespace) -> int:
     """The command itself; user mistakes raise UserError (``main`` turns them into one line and exit 2)."""
     if args.command == "config":
         _config_command(args)
+        return 0
+    if args.command == "tiny-model":
+        from coati_kto.models.tiny import write_tiny_model
+
+        if args.overrides:
+            raise UserError(f"coati-kto tiny-model takes no overrides, got {' '.join(args.overrides)}")
+        print(write_tiny_model(args.dir, args.seed, args.hidden_size, args.layers))
         return 0
     # The commands' modules are imported on demand: `coati-kto config` and `--help` must not pay for torch.
     from coati_kto.config.load import load_config

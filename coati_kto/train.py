@@ -220,9 +220,7 @@ def _setup(config: Config, heartbeat: Heartbeat | None, training: bool = True) -
     data = load_prepared(config)
     tokenizer = load_tokenizer(config)
     pad, pad_note = pad_id(tokenizer, vocabulary_size(config.model.path, config.model.reference_path))
-    if (
-        training and config.kto.reference == "cached"
-    ):  # computed once (all ranks) unless a matching cache exists
+    if training and config.kto.reference == "cached":  # once (all ranks) unless a matching cache exists
         data = with_reference_logps(config, data, pad)
     plan = ParallelPlan.from_config(config, dp_size=dist.get_world_size() // config.plugin.tp_size)
     plugin = plan.build_plugin()
@@ -235,7 +233,8 @@ def _setup(config: Config, heartbeat: Heartbeat | None, training: bool = True) -
     data.stats["imbalance"] = imbalance(config, data.stats, layout.dp_size)
     attention_note = attention_implementation(config.model.path, config.model)[1]
     zero_note = _zero_note(config, plan) if training else None  # the export's own layout is not the run's
-    notes = [n for n in (lock_note, pad_note, attention_note, zero_note, memory_note) if n]
+    epoch_note = train_loader.batch_sampler.stats.epoch_note() if training else None  # examples left out
+    notes = [n for n in (epoch_note, lock_note, pad_note, attention_note, zero_note, memory_note) if n]
     notes += model_notes(config.model.path, config.kto.router_aux_loss_coef)
     if layout.is_main:
         print("\n".join([report, *notes]), flush=True)

@@ -39,6 +39,34 @@ class SamplerStats:
         """Whether the minority label had to be repeated to mix every micro-batch."""
         return self.minority_repeats > 0
 
+    def epoch_note(self) -> str:
+        """One line: the micro-batches of an epoch, the examples it leaves out (of each label) and why, or that
+        it uses every example (and how often a repeated minority)."""
+        n, m, r = self.n_desirable + self.n_undesirable, self.micro_batch_size, self.num_replicas
+        ranks = f"{r} rank{'s' * (r > 1)}"
+        k = self.micro_batches_per_rank
+        head = f"per epoch: {k} micro-batch{'es' * (k > 1)} per rank ({ranks} x train.micro_batch_size {m})"
+        minority, majority = ("desirable", "undesirable")[:: 1 if self.minority_label else -1]
+        if not self.left_out:
+            uses = "-".join(str(u) for u in sorted(set(self.minority_uses)))
+            n_minor = min(self.n_desirable, self.n_undesirable)
+            repeats = f" (the {n_minor} {minority} ones {uses} times each)" if self.repeats_minority else ""
+            return f"{head}, every one of the {n} train examples used{repeats}"
+        left_d = max(0, self.n_desirable - self.effective_desirable)
+        left_u = max(0, self.n_undesirable - self.effective_undesirable)
+        why = f"an epoch is whole rounds of {ranks} x {m} = {r * m} examples"
+        if (
+            self.repeats_minority
+        ):  # one minority example (repeated) in every micro-batch: the majority sets the size
+            why = (
+                f"every micro-batch holds 1 {minority} example (too few for one each: they repeat) and {m - 1} "
+                f"{majority}, and an epoch is whole rounds of {ranks} x {m - 1} = {r * (m - 1)} {majority} examples"
+            )
+        return (
+            f"{head}: {self.left_out} of the {n} train examples left out ({left_d} desirable, {left_u} "
+            f"undesirable; a different random set each epoch): {why}"
+        )
+
 
 def check_counts(n_desirable: int, n_undesirable: int, micro_batch_size: int, num_replicas: int) -> None:
     if micro_batch_size < 2:

@@ -1,4 +1,4 @@
-"""MixedLabelBatchSampler: every micro-batch on every rank holds both KTO labels, with all data used.
+"""MixedLabelBatchSampler: every micro-batch on every rank holds both KTO labels; no data dropped to mix them.
 
 Contract (micro_batch_size m >= 2, R = num_replicas, both labels present):
 

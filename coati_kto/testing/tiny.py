@@ -1,6 +1,7 @@
 """Tiny models and byte-level BPE tokenizers built offline (no hub): for tests and the CPU quickstart.
 
-``build_llama`` / ``save_tiny_model``: the suite's default tiny Llama with a ChatML tokenizer.
+``build_llama`` / ``save_tiny_model``: the suite's default tiny Llama with a ChatML tokenizer (the builder of
+``coati-kto tiny-model``: ``coati_kto.models.tiny``).
 ``save_tiny_family``: one tiny random model per supported family (Llama, Mistral, Qwen2; Qwen3 and Gemma for the
 families shardformer lacks), each with its family's chat-template style and the shape features that broke real
 runs (a vocabulary that is not a multiple of 64, tied embeddings, attention bias, grouped-query and
@@ -15,16 +16,11 @@ from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
+# The ChatML template and the Llama builder live with the user-facing `coati-kto tiny-model` (one builder).
+from coati_kto.models.tiny import CHATML_TEMPLATE, SPECIAL_TOKENS, bpe_tokenizer, build_llama
 from coati_kto.testing.tiny_types import late_2026_shapes
-
-# ChatML, the template of the seeds' data; add_generation_prompt opens the assistant turn.
-CHATML_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 # Llama-3 style: header tokens around the role, <|eot_id|> ends a turn.
 LLAMA3_TEMPLATE = (
@@ -87,25 +83,7 @@ def build_tokenizer(
     """
     special, bos, eos, pad, template = TOKENIZER_STYLES[style]
     eos = eos_token or eos
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=special,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(corpus, trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token=bos,
-        eos_token=eos,
-        pad_token=eos if pad_is_eos else pad,
-        unk_token=None,
-        chat_template=template,
-        padding_side="right",
-    )
+    return bpe_tokenizer(corpus, vocab_size, special, bos, eos, eos if pad_is_eos else pad, template)
 
 
 def build_sentencepiece_tokenizer(corpus: list[str], vocab_size: int = 400) -> PreTrainedTokenizerFast:
@@ -134,35 +112,6 @@ def build_sentencepiece_tokenizer(corpus: list[str], vocab_size: int = 400) -> P
         chat_template=GEMMA_TEMPLATE,
         padding_side="right",
     )
-
-
-def build_llama(
-    tokenizer: PreTrainedTokenizerFast,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    max_positions: int = 1024,
-    seed: int = 0,
-) -> LlamaForCausalLM:
-    """A randomly initialised Llama sized for CPU tests; heads divide by 2 so tp_size=2 works."""
-    config = LlamaConfig(
-        # A multiple of 128, so shardformer's padding (to 64 x tp_size) is a no-op here; padded vocabularies
-        # are covered by save_tiny_family's models (tests/distributed/test_families.py).
-        vocab_size=-(-len(tokenizer) // 128) * 128,
-        hidden_size=hidden_size,
-        intermediate_size=hidden_size * 2,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        max_position_embeddings=max_positions,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
-        attention_dropout=0.0,
-    )
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config)
 
 
 def save_tiny_model(
