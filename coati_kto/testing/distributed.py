@@ -27,8 +27,9 @@ import torch.multiprocessing as mp
 from coati_kto.parallel.distributed import free_port, init_distributed
 from coati_kto.testing.worker_pool import WorkerPool, next_result, rank_env
 
-# Variables pytest and the runner change between calls, which no library reads at import time.
-VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST", "CUDA_VISIBLE_DEVICES"})
+# Variables that change between calls and that no library reads at import time: pytest's current test, the
+# runner's own GPU hiding, and inductor's cache directory (torch sets it in os.environ when it first computes it).
+VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST", "CUDA_VISIBLE_DEVICES", "TORCHINDUCTOR_CACHE_DIR"})
 FRESH_ENV = "COATI_KTO_FRESH_PROCESSES"  # =1: enable_pool() does nothing, every call starts fresh processes
 
 
@@ -138,9 +139,9 @@ def _worker(
     torch.set_num_threads(1)
     try:
         init_distributed(timeout_s=120)
-        results.put((0, rank, True, fn(*args)))
+        results.put((0, rank, True, fn(*args), False))
     except BaseException:  # report every failure to the parent, then exit non-zero
-        results.put((0, rank, False, traceback.format_exc()))
+        results.put((0, rank, False, traceback.format_exc(), False))
         raise
     finally:
         if torch.distributed.is_initialized():
@@ -174,7 +175,7 @@ def _run_fresh(fn: Callable, world_size: int, args: tuple, timeout_s: float, dev
     try:
         deadline = time.monotonic() + timeout_s
         while len(outputs) < world_size:
-            _, rank, ok, value = next_result(results, procs, outputs, deadline, timeout_s)
+            _, rank, ok, value, _ = next_result(results, procs, outputs, deadline, timeout_s)
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
             outputs[rank] = value

@@ -32,6 +32,9 @@ import torch.multiprocessing as mp
 from coati_kto.parallel.distributed import free_port, init_distributed
 
 READY = -1  # the task id of a worker's start-up report
+MAX_RSS_MB = (
+    4096  # a rank holding more after a task's reset retires its pool (the next call starts a new one)
+)
 STARTUP_TIMEOUT_S = 600.0  # imports and the first process group on a loaded 2-core machine
 _IDLE_POLL_S = 1.0  # how often an idle worker checks that its parent is alive
 
@@ -53,8 +56,8 @@ def rank_env(env: dict[str, str], rank: int, world_size: int, port: int, cpu: bo
 
 def next_result(
     results: Any, procs: list[Any], reported: dict[int, Any], deadline: float, timeout_s: float
-) -> tuple[int, int, bool, Any]:
-    """The next (task id, rank, ok, value) from the workers; RuntimeError when a worker died without reporting
+) -> tuple[int, int, bool, Any, bool]:
+    """The next (task id, rank, ok, value, whether the rank can take another task) from the workers; RuntimeError when a worker died without reporting
     (a signal, os._exit, the OOM killer) or the call passed its deadline, instead of waiting out the timeout."""
     while True:
         try:
@@ -124,19 +127,23 @@ class WorkerPool:
 
     def _collect(self, task_id: int, timeout_s: float) -> list[Any]:
         outputs: dict[int, Any] = {}
-        deadline = time.monotonic() + timeout_s
+        deadline, keep = time.monotonic() + timeout_s, True
         try:
             while len(outputs) < self.world_size:
-                got, rank, ok, payload = next_result(self._results, self._procs, outputs, deadline, timeout_s)
+                got, rank, ok, payload, kept = next_result(
+                    self._results, self._procs, outputs, deadline, timeout_s
+                )
                 if got != task_id:
                     continue  # cannot happen while every failure ends the pool; never mix tasks
                 value = ForkingPickler.loads(payload)
                 if not ok:
                     raise RuntimeError(f"rank {rank} failed:\n{value}")
-                outputs[rank] = value
+                outputs[rank], keep = value, keep and kept
         except BaseException:
             self.close(kill=True)
             raise
+        if not keep:  # a rank lost its process group or grew past MAX_RSS_MB: the next call starts anew
+            self.close()
         return [outputs[r] for r in range(self.world_size)]
 
     def close(self, kill: bool = False) -> None:
@@ -163,11 +170,15 @@ class WorkerPool:
 
 
 def _preload(names: Sequence[str]) -> None:
+    """Import ``names``; for ``pkg.*`` every submodule too, skipping one that fails to import (the task that
+    imports it reports the error itself, as in a fresh process)."""
     for name in names:
         package = importlib.import_module(name.removesuffix(".*"))
-        if name.endswith(".*"):
-            for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
-                if not info.name.endswith("__main__"):  # a package's __main__ runs its command when imported
+        if not name.endswith(".*"):
+            continue
+        for info in pkgutil.walk_packages(package.__path__, package.__name__ + ".", onerror=lambda _: None):
+            if not info.name.endswith("__main__"):  # a package's __main__ runs its command when imported
+                with contextlib.suppress(Exception):
                     importlib.import_module(info.name)
 
 
@@ -186,9 +197,9 @@ def serve(rank: int, world_size: int, port: int, tasks: Any, results: Any, prelo
         state = FreshState.take()
         gc.freeze()  # the imports' objects: every gc.collect after a task (ColossalAI's teardown) skips them
     except BaseException:
-        results.put((READY, rank, False, bytes(ForkingPickler.dumps(traceback.format_exc()))))
+        results.put((READY, rank, False, bytes(ForkingPickler.dumps(traceback.format_exc())), False))
         raise
-    results.put((READY, rank, True, bytes(ForkingPickler.dumps(os.getpid()))))
+    results.put((READY, rank, True, bytes(ForkingPickler.dumps(os.getpid())), True))
     try:
         while True:
             while not tasks._reader.poll(_IDLE_POLL_S):
@@ -199,8 +210,10 @@ def serve(rank: int, world_size: int, port: int, tasks: Any, results: Any, prelo
                 break
             task_id, payload, env, cwd, path = message
             ok, value = _run_task(payload, env, cwd, path)
-            results.put((task_id, rank, ok, value))
-            state.restore()
+            keep = _reset(state)
+            results.put((task_id, rank, ok, value, keep))
+            if not keep:
+                break
     except KeyboardInterrupt:  # Ctrl-C reaches the whole process group; the parent reports it
         return
     finally:
@@ -208,6 +221,22 @@ def serve(rank: int, world_size: int, port: int, tasks: Any, results: Any, prelo
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _reset(state: Any) -> bool:
+    """``state.restore()``; whether this rank can serve another task: not when the reset failed, the task
+    destroyed the default process group (``coati-kto``'s main does, at its end) or the rank holds more than
+    MAX_RSS_MB."""
+    import torch.distributed as dist
+
+    try:
+        state.restore()
+    except Exception:  # the task's result stands; this rank retires
+        traceback.print_exc()
+        return False
+    with open("/proc/self/statm") as f:
+        rss_mb = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    return dist.is_initialized() and rss_mb < MAX_RSS_MB
 
 
 def _run_task(payload: bytes, env: dict[str, str], cwd: str, path: list[str]) -> tuple[bool, bytes]:

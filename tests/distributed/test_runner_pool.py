@@ -63,6 +63,14 @@ def _hang() -> int:
     return 0
 
 
+def _end_the_process_group() -> int:
+    """What ``coati-kto``'s main does at its end (a CLI run in a worker: tests/e2e/test_train_e2e.py)."""
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+    return os.getpid()
+
+
 def test_a_failed_dead_or_hung_call_fails_alone_and_the_next_gets_new_ranks(pool: None) -> None:
     first = run_distributed(_pid, 2)
     assert run_distributed(_pid, 2) == first  # the same ranks serve the next call
@@ -83,7 +91,10 @@ def test_a_failed_dead_or_hung_call_fails_alone_and_the_next_gets_new_ranks(pool
     with pytest.raises(RuntimeError, match="^distributed run timed out after 3 s$"):
         run_distributed(_hang, 2, timeout_s=3)
     assert time.monotonic() - started < 60  # not the task's 300 s
-    assert not set(run_distributed(_pid, 2)) & set(third)
+    fourth = run_distributed(_pid, 2)
+    assert not set(fourth) & set(third)
+    assert run_distributed(_end_the_process_group, 2) == fourth  # its result stands; its ranks retire
+    assert not set(run_distributed(_pid, 2)) & set(fourth)
 
 
 def _leave_state_behind() -> None:
