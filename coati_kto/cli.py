@@ -152,8 +152,16 @@ def _launch_local(args: argparse.Namespace) -> int:
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    """argparse cannot take positional overrides after options (``--ranks 2 train.seed=1``): collect them."""
+    """argparse cannot take positional overrides after options (``--ranks 2 train.seed=1``): collect them. TRL's
+    flags (``--model_name_or_path M``) are one line naming the overrides they mean, before argparse reads them
+    (it would take M for the config file)."""
     parser = _parser()
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a.startswith("--") and a not in ("--help", "--version") for a in argv):  # --help: no config import
+        from coati_kto.config.trl_flags import trl_flags_line
+
+        if (line := trl_flags_line(argv)) is not None:
+            parser.exit(USER_ERROR_EXIT_CODE, f"error: {line}\n")
     args, extra = parser.parse_known_args(argv)
     unknown = [item for item in extra if item.startswith("-") or "=" not in item]
     if unknown:

@@ -1,12 +1,15 @@
 """Loading a config: the YAML file, ``section.key=value`` overrides, and one error line per mistake.
 
-Every mistake is reported at once, one line each, naming the file and the key (with a "did you mean" for an
-unknown key).
+Every mistake is reported at once, one line each, naming where the value came from (``file:line``, or the
+command-line override as given) and the key (with a "did you mean" for an unknown key).
 """
 
 from __future__ import annotations
 
+import json
 import os
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,18 +38,67 @@ def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key or any(not part for part in key.split(".")):
-            raise ConfigError(f"override {item!r}: expected section.key=value")
+            raise ConfigError(f"override {item}: expected section.key=value")
         try:
             value = yaml.safe_load(raw) if raw != "" else ""
         except yaml.YAMLError as err:
             raise ConfigError(
-                f"override {item!r}: value is not valid YAML ({err.__class__.__name__})"
+                f"override {item}: value is not valid YAML ({err.__class__.__name__}); to pass it as text, "
+                f"quote it: {_quoted(key, raw)}"
             ) from None
         parsed.append((key.strip(), value))
     return parsed
 
 
-def _format_errors(err: ValidationError, source: str) -> str:
+def _quoted(key: str, raw: str) -> str:
+    """The override with its value as YAML double-quoted text (each item of a ``[...]`` list), in shell quotes."""
+    if raw.startswith("[") and raw.endswith("]"):
+        value = "[" + ", ".join(json.dumps(item.strip()) for item in raw[1:-1].split(",")) + "]"
+    else:
+        value = json.dumps(raw)
+    return f"{key}={value}" if "'" in value else f"'{key}={value}'"
+
+
+_SECTIONS = "model|data|kto|train|plugin|output|logging|eval"
+_KEY_MENTION = re.compile(rf"(?<![\w./-])((?:{_SECTIONS})(?:\.[A-Za-z_]\w*)+)")
+
+
+@dataclass
+class _Origins:
+    """Where each value came from: a line of the YAML file, or a command-line override."""
+
+    path: Path
+    lines: dict[str, int]  # dotted key -> the line it is on in the file
+    overrides: dict[str, str] = field(default_factory=dict)  # dotted key -> the override as given
+
+    def override_of(self, key: str) -> str | None:
+        """The override that set ``key`` itself (or a section above it), as given; None if none did."""
+        return next((item for k, item in self.overrides.items() if key == k or key.startswith(k + ".")), None)
+
+    def where(self, keys: list[str]) -> str:
+        """``override K=V[, ...]`` for the overrides that set any of ``keys`` (with ``and file:line`` for one of
+        the others the file sets); else ``file:line`` of the first of them the file sets; else the file."""
+        given = list(dict.fromkeys(o for o in map(self.override_of, keys) if o))
+        from_file = [self.lines[k] for k in keys if k in self.lines and not self.override_of(k)]
+        if given:
+            also = f" and {self.path}:{from_file[0]}" if from_file else ""
+            return "override " + ", ".join(given) + also
+        # A list item's error (data.train_files.0) is on its key's line; a key the file leaves out has none.
+        candidates = [re.sub(r"(\.\d+)+$", "", k) for k in keys]
+        line = next((self.lines[k] for k in candidates if k in self.lines), None)
+        return f"{self.path}:{line}" if line else str(self.path)
+
+    def line(self, key: str, problem: str) -> str:
+        """One error line for ``problem`` with ``key`` (a key or a section, "" for the whole config): a problem
+        naming keys itself (a cross-key check) is blamed on them, otherwise on ``key``."""
+        named = [k for k in _KEY_MENTION.findall(problem) if not key or k == key or k.startswith(key + ".")]
+        where = self.where(named or [key])
+        if not key or problem.startswith(key) or where == f"override {self.overrides.get(key)}":
+            return f"{where}: {problem}"
+        return f"{where}: {key}: {problem}"
+
+
+def _format_errors(err: ValidationError, origins: _Origins) -> str:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
@@ -58,8 +110,19 @@ def _format_errors(err: ValidationError, source: str) -> str:
             msg = "required key is missing"
         elif "input" in e and not isinstance(e["input"], dict):
             msg = f"{msg} (got {e['input']!r})"
-        lines += [f"{source}: {key}: {part}" if key else f"{source}: {part}" for part in msg.split("\n")]
+        lines += [origins.line(key, part) for part in msg.split("\n")]
     return "\n".join(lines)
+
+
+def _key_lines(node: yaml.Node, prefix: str = "") -> dict[str, int]:
+    """Dotted key -> the 1-based line of the key, for every key of the YAML mapping ``node``."""
+    lines: dict[str, int] = {}
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            dotted = f"{prefix}{key_node.value}"
+            lines[dotted] = key_node.start_mark.line + 1
+            lines.update(_key_lines(value_node, dotted + "."))
+    return lines
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
@@ -82,11 +145,13 @@ class _DuplicateKeyError(Exception):
         self.key, self.first_line, self.line = key, first_line, line
 
 
-def _read_yaml(path: Path) -> Any:
-    """The parsed file; ConfigError naming file and line for a missing file, a directory, bad YAML or a key
-    given twice."""
+def _read_yaml(path: Path) -> tuple[Any, dict[str, int]]:
+    """The parsed file and the line of each of its keys; ConfigError naming file and line for a missing file, a
+    directory, bad YAML or a key given twice."""
     try:
-        return yaml.load(path.read_text(), Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+        text = path.read_text()
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
+        return data, _key_lines(yaml.compose(text, Loader=yaml.SafeLoader))
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
     except IsADirectoryError:
@@ -105,12 +170,12 @@ def _read_yaml(path: Path) -> Any:
         raise ConfigError(f"{where}: not valid YAML ({getattr(err, 'problem', err)})") from None
 
 
-def _refuse_ignored_settings(config: Config, path: Path) -> None:
+def _refuse_ignored_settings(config: Config, origins: _Origins) -> None:
     """Settings that another one would override in silence: one line per pair, all at once."""
     problems = []
     if config.data.eval_files and config.data.eval_fraction > 0:
         problems.append(
-            f"{path}: data.eval_fraction {config.data.eval_fraction} with data.eval_files: the fraction is "
+            f"data.eval_fraction {config.data.eval_fraction} with data.eval_files: the fraction is "
             "held out only when data.eval_files is empty; set one of them"
         )
     kto = config.kto
@@ -118,29 +183,33 @@ def _refuse_ignored_settings(config: Config, path: Path) -> None:
     if kto.auto_weights and any(value != 1.0 for value in weights.values()):
         given = ", ".join(f"kto.{key} {value:g}" for key, value in weights.items() if value != 1.0)
         problems.append(
-            f"{path}: {given} with kto.auto_weights: the weights are computed from the data and yours would be "
+            f"{given} with kto.auto_weights: the weights are computed from the data and yours would be "
             "ignored; set kto.auto_weights=false to use them, or leave them at 1"
         )
     if problems:
-        raise ConfigError("\n".join(problems))
+        raise ConfigError("\n".join(origins.line("", problem) for problem in problems))
 
 
 def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None) -> Config:
-    """Read ``path``, apply ``overrides``, validate; raises ConfigError listing every problem."""
+    """Read ``path``, apply ``overrides``, validate; raises ConfigError listing every problem, each blamed on
+    the override that set the value or on the file's line."""
     path = Path(path)
-    raw = _read_yaml(path) or {}
+    raw, lines = _read_yaml(path)
+    raw = raw or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections (model, data, ...)")
     for name in ("kto", "train", "plugin", "logging"):  # a section whose keys are all commented out: defaults
         if name in raw and raw[name] is None:
             raw[name] = {}
-    for key, value in parse_overrides(overrides or []):
-        _set_dotted(raw, key, value, f"{path} (override {key})")
+    origins = _Origins(path, lines)
+    for item, (key, value) in zip(overrides or [], parse_overrides(overrides or []), strict=True):
+        _set_dotted(raw, key, value, f"override {item}")
+        origins.overrides[key] = item
     try:
         config = Config.model_validate(raw)
     except ValidationError as err:
-        raise ConfigError(_format_errors(err, str(path))) from None
-    _refuse_ignored_settings(config, path)
+        raise ConfigError(_format_errors(err, origins)) from None
+    _refuse_ignored_settings(config, origins)
     return config
 
 

@@ -34,7 +34,8 @@ def test_weights_given_with_auto_weights_are_refused(tmp_path: Path) -> None:
     and desirable_weight just below it); like eval_fraction with eval_files, the pair is one line."""
     path = write_config(tmp_path, MINIMAL)
     assert _errors(path, ["kto.auto_weights=true", "kto.desirable_weight=1.33"]) == [
-        f"{path}: kto.desirable_weight 1.33 with kto.auto_weights: the weights are computed from the data and "
+        "override kto.desirable_weight=1.33, kto.auto_weights=true: kto.desirable_weight 1.33 with "
+        "kto.auto_weights: the weights are computed from the data and "
         "yours would be ignored; set kto.auto_weights=false to use them, or leave them at 1"
     ]
     assert load_config(path, ["kto.auto_weights=true"]).kto.desirable_weight == 1.0
@@ -66,26 +67,30 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
     # Every plugin problem at once (the checks stopped at the first), and the trainer names users bring from
     # TRL / transformers get this project's key.
     assert _errors(path, ["plugin.name=ddp", "plugin.precision=bf16", "plugin.tp_size=2"]) == [
-        f"{path}: plugin: plugin.tp_size 2 needs hybrid_parallel, not ddp",
-        f"{path}: plugin: plugin.name ddp trains in fp32 here (got plugin.precision bf16): set "
+        "override plugin.tp_size=2: plugin.tp_size 2 needs hybrid_parallel, not ddp",
+        "override plugin.name=ddp, plugin.precision=bf16: plugin.name ddp trains in fp32 here (got plugin.precision "
+        "bf16): set "
         "plugin.precision=fp32, or use low_level_zero / hybrid_parallel for bf16",
     ]
     assert sorted(_errors(path, ["train.learning_rate=1e-5", "train.gradient_accumulation_steps=4"])) == [
-        f"{path}: train.gradient_accumulation_steps: unknown key (did you mean train.accumulation_steps?)",
-        f"{path}: train.learning_rate: unknown key (did you mean train.lr?)",
+        "override train.gradient_accumulation_steps=4: unknown key (did you mean train.accumulation_steps?)",
+        "override train.learning_rate=1e-5: unknown key (did you mean train.lr?)",
     ]
     # The cross-key checks too: each stopped the others (LoRA, tp 2 and an fp32 export break three rules).
     assert _errors(path, ["model.lora={rank: 4}", "plugin.tp_size=2", "output.export_dtype=fp32"]) == [
-        f"{path}: output.export_dtype fp32 with model.lora: the adapters are exported as trained",
-        f"{path}: output.export_dtype fp32 with plugin.tp_size 2: the fp32 masters are gathered for "
-        "tensor-parallel size 1 only (export the training dtype, or train with tp_size 1)",
-        f"{path}: model.lora with plugin.tp_size 2: ColossalAI 0.5.0 enables LoRA under hybrid_parallel only "
+        "override output.export_dtype=fp32, model.lora={rank: 4}: output.export_dtype fp32 with model.lora: the "
+        "adapters are exported as trained",
+        "override output.export_dtype=fp32, plugin.tp_size=2: output.export_dtype fp32 with plugin.tp_size 2: the "
+        "fp32 masters are gathered for tensor-parallel size 1 only (export the training dtype, or train with "
+        "tp_size 1)",
+        "override model.lora={rank: 4}, plugin.tp_size=2: model.lora with plugin.tp_size 2: ColossalAI 0.5.0 "
+        "enables LoRA under hybrid_parallel only "
         "with tp_size 1 (set plugin.tp_size=1, or use low_level_zero or ddp)",
     ]
     # An infinite lr or a NaN beta passed validation (and trained to NaN).
     assert _errors(path, ["train.lr=.inf", "kto.beta=nan"]) == [
-        f"{path}: kto.beta: Input should be a finite number (got 'nan')",
-        f"{path}: train.lr: Input should be a finite number (got inf)",
+        "override kto.beta=nan: Input should be a finite number (got 'nan')",
+        "override train.lr=.inf: Input should be a finite number (got inf)",
     ]
 
 
@@ -94,7 +99,8 @@ def test_unknown_key_is_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(path)
     assert (
-        str(err.value) == f"{path}: train.micro_batchsize: unknown key (did you mean train.micro_batch_size?)"
+        str(err.value)
+        == f"{path}:9: train.micro_batchsize: unknown key (did you mean train.micro_batch_size?)"
     )
 
 
@@ -102,7 +108,7 @@ def test_wrong_type_is_named(tmp_path: Path) -> None:
     path = write_config(tmp_path, MINIMAL + "train:\n  lr: fast\n")
     with pytest.raises(ConfigError) as err:
         load_config(path)
-    assert str(err.value).startswith(f"{path}: train.lr: Input should be a valid number")
+    assert str(err.value).startswith(f"{path}:9: train.lr: Input should be a valid number")
     assert "'fast'" in str(err.value)
 
 
@@ -159,7 +165,7 @@ def test_cli_prints_one_line_and_exits_2(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert (
         proc.stderr.strip()
-        == f"error: {path}: train.micro_batchsize: unknown key (did you mean train.micro_batch_size?)"
+        == f"error: {path}:9: train.micro_batchsize: unknown key (did you mean train.micro_batch_size?)"
     )
     assert "Traceback" not in proc.stderr
 
@@ -194,7 +200,7 @@ def test_pack_policy_true_false_or_auto_and_what_auto_means(tmp_path: Path) -> N
         load_config(path, ["kto.pack_policy=maybe"])
     assert str(err.value).count(
         "\n"
-    ) == 0 and "kto.pack_policy: must be true, false or auto (got 'maybe')" in str(err.value)
+    ) == 0 and "override kto.pack_policy=maybe: must be true, false or auto (got 'maybe')" in str(err.value)
 
 
 def test_a_key_given_twice_is_an_error_naming_file_and_line(tmp_path: Path) -> None:
@@ -358,13 +364,15 @@ def test_model_compile_is_refused_where_it_is_not_proven(tmp_path: Path) -> None
         assert load_config(path, ["model.compile=true", *plugin]).model.compile is True
     fix = "(set model.compile=false; proven: hybrid_parallel tp_size 1, low_level_zero, ddp)"
     assert _errors(path, ["model.compile=true", "plugin.tp_size=2", "model.lora={rank: 4}"]) == [
-        f"{path}: model.lora with plugin.tp_size 2: ColossalAI 0.5.0 enables LoRA under hybrid_parallel only "
-        "with tp_size 1 (set plugin.tp_size=1, or use low_level_zero or ddp)",
-        f"{path}: model.compile is not proven with plugin hybrid_parallel tp_size 2 {fix}",
-        f"{path}: model.compile is not proven with model.lora {fix}",
+        "override model.lora={rank: 4}, plugin.tp_size=2: model.lora with plugin.tp_size 2: ColossalAI 0.5.0 "
+        "enables LoRA under hybrid_parallel only with tp_size 1 (set plugin.tp_size=1, or use low_level_zero or "
+        "ddp)",
+        f"override model.compile=true: model.compile is not proven with plugin hybrid_parallel tp_size 2 {fix}",
+        f"override model.compile=true, model.lora={{rank: 4}}: model.compile is not proven with model.lora {fix}",
     ]
     assert _errors(path, ["model.compile=auto", "model.attn_implementation=flex_attention"]) == [
-        f"{path}: model.compile is not proven with model.attn_implementation flex_attention {fix}"
+        "override model.compile=auto, model.attn_implementation=flex_attention: model.compile is not proven "
+        f"with model.attn_implementation flex_attention {fix}"
     ]
 
 
@@ -379,10 +387,11 @@ def test_fused_optimizer_is_refused_where_it_is_not_proven(tmp_path: Path) -> No
     )
     on = "train.fused_optimizer=true"
     assert _errors(path, [on, "plugin.name=ddp", "plugin.precision=fp32", "plugin.zero_stage=0"]) == [
-        f"{path}: train.fused_optimizer is not proven with plugin ddp precision fp32 (it fuses bf16 masters' "
+        f"override {on}: train.fused_optimizer is not proven with plugin ddp precision fp32 (it fuses bf16 masters' "
         f"casts) {fix}"
     ]
     assert _errors(path, [on, "plugin.cpu_offload=true", "train.optimizer_state_dtype=bf16"]) == [
-        f"{path}: train.fused_optimizer is not proven with plugin.tp_size 1 cpu_offload True {fix}",
-        f"{path}: train.fused_optimizer is not proven with train.optimizer_state_dtype bf16 or model.lora {fix}",
+        f"override {on}: train.fused_optimizer is not proven with plugin.tp_size 1 cpu_offload True {fix}",
+        f"override {on}, train.optimizer_state_dtype=bf16: train.fused_optimizer is not proven with "
+        f"train.optimizer_state_dtype bf16 or model.lora {fix}",
     ]

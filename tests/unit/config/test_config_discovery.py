@@ -113,21 +113,21 @@ def test_schema_lists_the_keys_of_a_nested_section(capsys: pytest.CaptureFixture
 
 @pytest.mark.parametrize(
     "text,message",
-    [
-        ("train:\n  lrr: 1.0\n", "train.lrr: unknown key (did you mean train.lr?)"),
-        ("trian:\n  lr: 1.0\n", "trian: unknown key (did you mean train?)"),
-        ("train:\n  beta: 0.2\n", "train.beta: unknown key (did you mean kto.beta?)"),
-        ("kto:\n  loss: kto\n", "kto.loss: unknown key (did you mean kto.loss_type?)"),
-        ("kto:\n  zzz: 1\n", "kto.zzz: unknown key"),
-        ("max_steps: 3\n", "max_steps: unknown key (did you mean train.max_steps?)"),  # lost indentation
-        ("lr: 1.0e-6\n", "lr: unknown key (did you mean train.lr?)"),
+    [  # MINIMAL is 7 lines: the text starts on line 8
+        ("train:\n  lrr: 1.0\n", "9: train.lrr: unknown key (did you mean train.lr?)"),
+        ("trian:\n  lr: 1.0\n", "8: trian: unknown key (did you mean train?)"),
+        ("train:\n  beta: 0.2\n", "9: train.beta: unknown key (did you mean kto.beta?)"),
+        ("kto:\n  loss: kto\n", "9: kto.loss: unknown key (did you mean kto.loss_type?)"),
+        ("kto:\n  zzz: 1\n", "9: kto.zzz: unknown key"),
+        ("max_steps: 3\n", "8: max_steps: unknown key (did you mean train.max_steps?)"),  # lost indentation
+        ("lr: 1.0e-6\n", "8: lr: unknown key (did you mean train.lr?)"),
     ],
 )
 def test_unknown_key_suggests_a_close_one(tmp_path: Path, text: str, message: str) -> None:
     path = write_config(tmp_path, MINIMAL + text)
     with pytest.raises(ConfigError) as err:
         load_config(path)
-    assert str(err.value) == f"{path}: {message}"
+    assert str(err.value) == f"{path}:{message}"
 
 
 def test_did_you_mean_on_overrides_and_far_keys() -> None:

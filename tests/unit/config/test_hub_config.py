@@ -70,7 +70,7 @@ def test_a_malformed_hub_dataset_is_one_line_at_config_load(tmp_path: Path, valu
     path = write_config(tmp_path, MINIMAL.replace("train_files: data.jsonl", f"train_files: ['{value}']"))
     with pytest.raises(ConfigError) as err:
         load_config(path)
-    assert str(err.value) == f"{path}: data.train_files: {message} (got ['{value}'])"
+    assert str(err.value) == f"{path}:4: data.train_files: {message} (got ['{value}'])"
 
 
 def test_push_to_hub_takes_a_repo_id_or_a_section(tmp_path: Path) -> None:

@@ -209,7 +209,9 @@ def test_a_number_for_a_family_without_the_loss_is_refused_at_config_load(tmp_pa
         "kto.router_aux_loss_coef 0.01: LlamaForCausalLM" in line
         and "has no router load-balancing loss" in line
     )
-    with pytest.raises(ConfigError, match="kto.router_aux_loss_coef: must be auto or a number >= 0"):
+    with pytest.raises(
+        ConfigError, match=r"^override kto.router_aux_loss_coef=-1: must be auto or a number >= 0"
+    ):
         load_config(path, ["kto.router_aux_loss_coef=-1"])
 
 

@@ -32,11 +32,15 @@ def test_off_by_default_and_refused_without_eval_data(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         load_config(path, ["eval.samples=4"])
     assert str(info.value) == (
-        f"{path}: eval.samples 4 needs evaluation data: set data.eval_files or data.eval_fraction, or eval.samples=0"
+        "override eval.samples=4: eval.samples 4 needs evaluation data: set data.eval_files or data.eval_fraction, "
+        "or eval.samples=0"
     )
     with pytest.raises(ConfigError) as info:  # TRL's KTOConfig name for it
         load_config(path, ["train.generate_during_eval=true"])
-    assert str(info.value).endswith("train.generate_during_eval: unknown key (did you mean eval.samples?)")
+    assert (
+        str(info.value)
+        == "override train.generate_during_eval=true: unknown key (did you mean eval.samples?)"
+    )
 
 
 def test_the_choice_is_seeded() -> None:
