@@ -31,13 +31,13 @@ def _bench(model_dir: str, steps: int, warmup: int, batch: int, tokens: int) -> 
     from colossalai.booster.plugin import TorchDDPPlugin
     from transformers import AutoModelForCausalLM
 
-    from coati_kto.parallel import compat
+    from coati_kto.parallel import optimizers
 
     runs = {}
     for flag in (True, False):
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         booster = Booster(plugin=TorchDDPPlugin(broadcast_buffers=False, find_unused_parameters=flag))
-        optimizer = compat.make_optimizer(model.parameters(), lr=1e-4, weight_decay=0.0)
+        optimizer = optimizers.make_optimizer(model.parameters(), lr=1e-4, weight_decay=0.0)
         model, optimizer, *_ = booster.boost(model, optimizer)
         runs[flag] = (model, optimizer, booster, {"cpu": [], "wall": []})
     gen = torch.Generator().manual_seed(torch.distributed.get_rank())

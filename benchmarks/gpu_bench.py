@@ -654,7 +654,7 @@ def main(argv: list[str] | None = None) -> int:
         run_cases_here(args.out, args.run_cases.split(","), args)
         return 0
 
-    from coati_kto.parallel.compat import quiet_known_warnings
+    from coati_kto.parallel.upstream.noise import quiet_known_warnings
 
     quiet_known_warnings()
     import torch

@@ -67,7 +67,7 @@ def export_checkpoint(config: Config, checkpoint: str = "auto", out: str | None 
     """Write ``checkpoint`` (``auto``: the latest complete one under output.dir/checkpoints; or a step-N
     directory) as a Hugging Face model into ``out`` (default output.dir/exports/step-N), which must not exist
     yet. Returns the export's path. Every rank calls; user mistakes raise UserError (one line)."""
-    from coati_kto.parallel.compat import quiet_known_warnings
+    from coati_kto.parallel.upstream.noise import quiet_known_warnings
 
     quiet_known_warnings()  # before anything imports colossalai: it warns at import time
     out_dir = Path(config.training_output().dir)

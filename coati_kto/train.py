@@ -31,7 +31,6 @@ from coati_kto.models.compile import maybe_compile
 from coati_kto.models.hf import attention_implementation, freeze_vision_tower, load_causal_lm
 from coati_kto.models.lora import AdapterFreeReference, enable_lora
 from coati_kto.models.packing import padding_free_notes, padding_free_rows
-from coati_kto.parallel import compat
 from coati_kto.parallel.distributed import (
     ParallelLayout,
     barrier,
@@ -40,6 +39,7 @@ from coati_kto.parallel.distributed import (
     seed_everything,
 )
 from coati_kto.parallel.masters import gathered_masters
+from coati_kto.parallel.optimizers import optimizer_for
 from coati_kto.parallel.plan import ParallelPlan, check_tp_divides_world
 from coati_kto.runtime.host_memory import keep_freed_memory
 from coati_kto.runtime.preflight import check_training
@@ -109,7 +109,7 @@ def build_components(
             config.model.reference_path or config.model.path, config.model, torch.float32
         )
         reference = plan.build_reference(plugin, maybe_compile(reference, config.model.compile))
-    optimizer = compat.optimizer_for(policy.parameters(), config.train, config.plugin.cpu_offload)
+    optimizer = optimizer_for(policy.parameters(), config.train, config.plugin.cpu_offload)
     lr_scheduler = warmup_cosine_schedule(
         optimizer, config.train.warmup_steps, max(1, total_steps), config.train.min_lr_ratio
     )
@@ -162,7 +162,7 @@ def _train(
     config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | None, uploads: CheckpointUploads | None
 ) -> Any:
     """The recipe: setup, train, save, cleanup. Every rank runs every step."""
-    from coati_kto.parallel.compat import quiet_known_warnings
+    from coati_kto.parallel.upstream.noise import quiet_known_warnings
 
     quiet_known_warnings()  # before anything imports colossalai: it warns at import time
     run = _setup(config, heartbeat)

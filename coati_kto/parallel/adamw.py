@@ -12,7 +12,7 @@ fused step's 28). What is lost is the moments' precision between steps (8 bits o
 Checkpoints hold the bf16 moments; a loader that casts them to the parameter's dtype (ColossalAI's hybrid
 checkpoint IO, ``torch.optim.Optimizer.load_state_dict``) changes no value, and the next step stores them in
 bf16 again: a resumed run continues bit for bit. The default (fp32 states) is ``torch.optim.AdamW(fused=True)``
-/ HybridAdam, untouched (``coati_kto.parallel.compat.make_optimizer``).
+/ HybridAdam, untouched (``coati_kto.parallel.optimizers.make_optimizer``).
 """
 
 from __future__ import annotations

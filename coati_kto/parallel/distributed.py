@@ -24,7 +24,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from coati_kto.errors import UserError, rebuild_user_error
-from coati_kto.parallel import compat
+from coati_kto.parallel import upstream
+from coati_kto.parallel.upstream.cpu import cuda_available
 
 T = TypeVar("T")
 
@@ -70,13 +71,13 @@ def init_distributed(timeout_s: float = 600.0) -> None:
     gloo on CPU, nccl on CUDA. ``timeout_s`` bounds how long a rank waits for a peer that died, instead of
     torch's 30-minute default. Without launcher variables this starts a world of one.
     """
-    compat.apply()
+    upstream.apply()
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
-    backend = "nccl" if compat.cuda_available() else "gloo"
+    backend = "nccl" if cuda_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
@@ -308,6 +309,4 @@ def peer_failure(err: BaseException) -> str | None:
 
 def _comm_device() -> torch.device:
     # NCCL reduces only CUDA tensors; gloo only CPU ones.
-    return (
-        torch.device("cuda", torch.cuda.current_device()) if compat.cuda_available() else torch.device("cpu")
-    )
+    return torch.device("cuda", torch.cuda.current_device()) if cuda_available() else torch.device("cpu")

@@ -4,7 +4,7 @@
 the model family under ``hybrid_parallel`` via ``check_model_family``, are checked at config load), and answers the
 questions the rest of the code would otherwise ask the plugin object:
 
-- ``build_plugin()``: the ColossalAI plugin, with the device-specific settings (coati_kto.parallel.compat);
+- ``build_plugin()``: the ColossalAI plugin, with the device-specific settings (coati_kto.parallel.upstream.cpu);
 - ``zero_stage``: the stage that runs, which is 0 for hybrid_parallel on one data-parallel rank
   (``running_zero_stage``: nothing to shard there, and the updates are the same bit for bit);
 - ``boost(...)``: the policy, optimizer and schedule boosted, what transformers keeps in fp32 kept in fp32, torch
@@ -35,12 +35,13 @@ from coati_kto.config.schema import PluginName, Precision
 from coati_kto.errors import ConfigError
 from coati_kto.families import model_class_name, refuse_unadmitted
 from coati_kto.families.policies import corrected_policy
-from coati_kto.parallel import compat, optimizer_path
+from coati_kto.parallel import optimizer_path
 from coati_kto.parallel.distributed import reduce_sums
 from coati_kto.parallel.fp32_kept import fp32_kept, restore
 from coati_kto.parallel.grad_norm import GradNorm
 from coati_kto.parallel.ordered_grads import data_dependent_graph, install_ordered_reduction
 from coati_kto.parallel.unused import unreached_parameters
+from coati_kto.parallel.upstream.cpu import plugin_overrides
 
 if TYPE_CHECKING:
     from coati_kto.config.schema import Config, PluginSection
@@ -171,7 +172,7 @@ class ParallelPlan:
     def torch_ddp(self) -> bool:
         """Whether the policy gets wrapped in torch DDP: ddp, or hybrid_parallel at ZeRO-0, unless the run has
         one data-parallel rank (then neither plugin wraps it: ``optimizer_path.single_rank_ddp_plugin``,
-        ``compat._fix_ddp_on_one_data_parallel_rank``). ``boost`` then tells DDP whether to look for parameters a
+        ``upstream.fixes._fix_ddp_on_one_data_parallel_rank``). ``boost`` then tells DDP whether to look for parameters a
         backward does not reach (``coati_kto.parallel.unused``)."""
         if self.dp_size == 1:
             return False
@@ -217,7 +218,7 @@ class ParallelPlan:
         """
         from colossalai.booster.plugin import HybridParallelPlugin, LowLevelZeroPlugin, TorchDDPPlugin
 
-        device_kwargs = compat.plugin_overrides()
+        device_kwargs = plugin_overrides()
         if self.plugin == "hybrid_parallel":
             return HybridParallelPlugin(
                 tp_size=self.tp_size,

@@ -19,7 +19,7 @@ import ctypes
 import ctypes.util
 import functools
 
-from coati_kto.parallel import compat
+from coati_kto.parallel.upstream.cpu import cuda_available
 
 # glibc's malloc.h
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
@@ -31,7 +31,7 @@ TRIM_THRESHOLD = (1 << 31) - 1  # mallopt's value is a C int
 def keep_freed_memory() -> str | None:
     """Set glibc's thresholds for this process (once; every rank calls for itself) and return the one-line note
     the run prints, or None where CUDA is available, the C library is not glibc or it refused a setting."""
-    if compat.cuda_available():
+    if cuda_available():
         return None
     name = ctypes.util.find_library("c")
     try:

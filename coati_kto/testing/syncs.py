@@ -10,7 +10,7 @@ GPU step pays. Counted:
 - a pageable host-to-device copy: ``torch.tensor``/``as_tensor`` of Python data with a ``device`` other than
   the string ``"cpu"`` (CUDA copies it and synchronizes the stream);
 - explicit synchronization: ColossalAI's accelerator ``synchronize`` (a no-op on the CPU accelerator that
-  ``coati_kto.parallel.compat`` installs, counted all the same), ``torch.cuda.synchronize``, CUDA stream and
+  ``coati_kto.parallel.upstream.cpu`` installs, counted all the same), ``torch.cuda.synchronize``, CUDA stream and
   event ``synchronize``.
 
 torch.optim's own ``.item()`` on its step counters is not counted: they live on the host (capturable=False);

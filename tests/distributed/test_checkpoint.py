@@ -31,7 +31,7 @@ def _setup(
     from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
 
     from coati_kto.config.schema import PluginSection
-    from coati_kto.parallel import compat
+    from coati_kto.parallel import optimizers
     from coati_kto.parallel.distributed import ParallelLayout, seed_everything
     from coati_kto.parallel.plan import ParallelPlan
     from coati_kto.trainer.checkpoint import CheckpointManager
@@ -39,7 +39,7 @@ def _setup(
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     plugin = ParallelPlan.from_section(PluginSection(**plugin_kw), max_grad_norm=1.0).build_plugin()
     layout = ParallelLayout.from_plugin(plugin)
-    optimizer = compat.make_optimizer(
+    optimizer = optimizers.make_optimizer(
         model.parameters(), lr=3e-3, weight_decay=0.01, state_dtype=state_dtype, mixed_step=mixed_step
     )
     scheduler = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=1, num_training_steps=10)

@@ -18,7 +18,7 @@ def _train_zero2_bf16(model_dir: str, steps: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     from coati_kto.config.schema import PluginSection
-    from coati_kto.parallel import compat
+    from coati_kto.parallel import optimizers
     from coati_kto.parallel.distributed import ParallelLayout
     from coati_kto.parallel.plan import ParallelPlan
 
@@ -27,7 +27,7 @@ def _train_zero2_bf16(model_dir: str, steps: int) -> dict:
     section = PluginSection(name="hybrid_parallel", zero_stage=2, precision="bf16")
     plugin = ParallelPlan.from_section(section, max_grad_norm=1.0).build_plugin()
     layout = ParallelLayout.from_plugin(plugin)
-    optimizer = compat.make_optimizer(model.parameters(), lr=3e-3, weight_decay=0.0)
+    optimizer = optimizers.make_optimizer(model.parameters(), lr=3e-3, weight_decay=0.0)
     model, optimizer, *_ = Booster(plugin=plugin).boost(model, optimizer)
     # Each data-parallel rank trains on its own fixed token sequences (a memorisation task).
     gen = torch.Generator().manual_seed(100 + layout.dp_rank)

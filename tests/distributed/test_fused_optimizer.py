@@ -1,4 +1,4 @@
-"""The default optimizer, torch's fused AdamW (coati_kto.parallel.compat.make_optimizer), and what its step costs.
+"""The default optimizer, torch's fused AdamW (coati_kto.parallel.optimizers.make_optimizer), and what its step costs.
 
 - Against torch.optim.AdamW's single-tensor update on every plugin (2 real gloo processes): in a 3-step run with
   weight decay and clipping active, each step's optimizer inputs (its fp32 parameters, i.e. the masters or their

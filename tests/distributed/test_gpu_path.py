@@ -8,7 +8,7 @@ the padded pass's (Llama, Qwen3, Gemma 3: on CPU only torch's reference operator
 and the one-chunk LM head on CUDA. And, on the CPU
 and the GPU alike, the gradient norm of one step (accumulation 2) on every plugin against a float64
 recomputation: hybrid_parallel ZeRO-2 on one data-parallel rank counted gradients twice (ColossalAI wrapped the
-model in DDP under ZeRO: the README's "1.5x norm on CUDA", fixed in coati_kto/parallel/compat.py). A reduce
+model in DDP under ZeRO: the README's "1.5x norm on CUDA", fixed in coati_kto/parallel/upstream/fixes.py). A reduce
 bucket smaller than the model makes ZeRO reduce during the backward, as a GPU-sized model does with the default
 12M-element bucket.
 """

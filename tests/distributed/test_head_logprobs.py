@@ -142,9 +142,9 @@ def _plugin_step(plugin_name: str, use_head: bool) -> dict:
     from colossalai.booster import Booster
     from colossalai.booster.plugin import HybridParallelPlugin, LowLevelZeroPlugin, TorchDDPPlugin
 
-    from coati_kto.parallel import compat
+    from coati_kto.parallel.upstream.cpu import plugin_overrides
 
-    extra = compat.plugin_overrides()
+    extra = plugin_overrides()
     plugin = {
         "hybrid_parallel": lambda: HybridParallelPlugin(
             tp_size=1, pp_size=1, precision="fp32", zero_stage=0, **extra

@@ -311,7 +311,7 @@ def _moe_experts_run(model_dir: str, root: str) -> dict[str, Any]:
 
 def test_lora_on_moe_experts_under_zero2(tmp_path: Path) -> None:
     """ColossalAI 0.5.0's LowLevelZeroPlugin looked each adapter's base up as '<module>.base_layer.weight' and
-    raised KeyError for peft's ParamWrapper (coati_kto.parallel.compat fixes the lookup)."""
+    raised KeyError for peft's ParamWrapper (coati_kto.parallel.upstream.fixes fixes the lookup)."""
     from helpers import CORPUS
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 

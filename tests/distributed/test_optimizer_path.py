@@ -154,7 +154,7 @@ SINGLE_RANK = {
 
 
 def _upstream_hybrid_configure() -> Any:
-    """HybridParallelPlugin.configure as ColossalAI wrote it (compat's fix wraps it: DDP at one rank)."""
+    """HybridParallelPlugin.configure as ColossalAI wrote it (upstream.fixes wraps it: DDP at one rank)."""
     from colossalai.booster.plugin.hybrid_parallel_plugin import HybridParallelPlugin
 
     cells = [c.cell_contents for c in HybridParallelPlugin.configure.__closure__ or ()]

@@ -56,16 +56,18 @@ def _worker(stage: int, ordered: bool, second_on: str) -> dict:
     from colossalai.booster import Booster
     from colossalai.booster.plugin import LowLevelZeroPlugin
 
-    from coati_kto.parallel import compat
+    from coati_kto.parallel import upstream
     from coati_kto.parallel.ordered_grads import install_ordered_reduction
 
-    compat.apply()
+    upstream.apply()
     rank = dist.get_rank()
     x = [torch.linspace(-1, 1, SIZE) * (r + 1) for r in range(2)]
     used_second = [second_on == "both", second_on in ("both", "rank1")]
     model = RankDependent()
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-    booster = Booster(plugin=LowLevelZeroPlugin(stage=stage, precision="fp32", **compat.plugin_overrides()))
+    booster = Booster(
+        plugin=LowLevelZeroPlugin(stage=stage, precision="fp32", **upstream.cpu.plugin_overrides())
+    )
     model, optimizer, *_ = booster.boost(model, optimizer)
     installed = install_ordered_reduction(optimizer) if ordered else False
     before = {n: p.detach().clone() for n, p in model.unwrap().named_parameters()}

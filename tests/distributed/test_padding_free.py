@@ -266,11 +266,11 @@ def _tp2_packed(family: str, attn: str) -> dict[str, float]:
     """Max |packed at tp_size 2 - padded at tp_size 1| per layout and view, fp32 (2 processes)."""
     from helpers import CORPUS
 
-    from coati_kto.parallel import compat
+    from coati_kto.parallel import upstream
     from coati_kto.parallel.plan import ParallelPlan
     from coati_kto.testing.tiny import build_family_model, build_tokenizer
 
-    compat.apply()
+    upstream.apply()
     tokenizer = build_tokenizer(CORPUS, vocab_size=300, style="chatml")
     model = build_family_model(family, tokenizer, seed=1).eval()
     single = copy.deepcopy(model)

@@ -38,7 +38,7 @@ def _setup(model_dir: str, plugin_kw: dict, root: str) -> dict[str, Any]:
     from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
 
     from coati_kto.config.schema import PluginSection
-    from coati_kto.parallel import compat
+    from coati_kto.parallel import optimizers
     from coati_kto.parallel.distributed import ParallelLayout
     from coati_kto.parallel.plan import ParallelPlan
     from coati_kto.trainer.checkpoint import CheckpointManager
@@ -53,7 +53,7 @@ def _setup(model_dir: str, plugin_kw: dict, root: str) -> dict[str, Any]:
     model.model.norm.register_forward_hook(lambda _m, _a, out: out + extra(out) if extra.used else out)
     plugin = ParallelPlan.from_section(PluginSection(**plugin_kw), max_grad_norm=1.0).build_plugin()
     layout = ParallelLayout.from_plugin(plugin)
-    optimizer = compat.make_optimizer(model.parameters(), lr=3e-3, weight_decay=0.01)
+    optimizer = optimizers.make_optimizer(model.parameters(), lr=3e-3, weight_decay=0.01)
     scheduler = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=1, num_training_steps=10)
     booster = Booster(plugin=plugin)
     model, optimizer, _, _, scheduler = booster.boost(model, optimizer, lr_scheduler=scheduler)

@@ -138,11 +138,11 @@ def _tp_vs_tp1(family: str, summed: bool) -> dict[str, Any]:
 
     from coati_kto.families.shardformer import policy_for
     from coati_kto.models.hf import freeze_vision_tower
-    from coati_kto.parallel import compat
+    from coati_kto.parallel import upstream
     from coati_kto.parallel.plan import ParallelPlan
     from coati_kto.testing.tiny import build_family_model, build_tokenizer
 
-    compat.apply()
+    upstream.apply()
     tokenizer = build_tokenizer(CORPUS, vocab_size=300, style="chatml")
     model = build_family_model(family, tokenizer, seed=1)
     freeze_vision_tower(model)  # as training does: the text passes never reach it

@@ -148,14 +148,14 @@ def sgd() -> Iterator[None]:
 
     Adam divides out any constant factor of the gradient; SGD shows it (layout invariance, clipping).
     """
-    from coati_kto.parallel import compat
+    from coati_kto.parallel import optimizers
 
-    original = compat.make_optimizer
-    compat.make_optimizer = lambda params, lr, weight_decay, **kwargs: torch.optim.SGD(params, lr=lr)
+    original = optimizers.make_optimizer
+    optimizers.make_optimizer = lambda params, lr, weight_decay, **kwargs: torch.optim.SGD(params, lr=lr)
     try:
         yield
     finally:
-        compat.make_optimizer = original
+        optimizers.make_optimizer = original
 
 
 def full_weights(policy: Any) -> np.ndarray:

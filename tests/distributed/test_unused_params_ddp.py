@@ -81,7 +81,7 @@ def _boosted(model_dir: str, plugin_kw: dict, checkpointing: bool) -> dict[str, 
     from colossalai.booster import Booster
 
     from coati_kto.config.schema import PluginSection
-    from coati_kto.parallel import compat
+    from coati_kto.parallel import optimizers
     from coati_kto.parallel.plan import ParallelPlan
 
     rank = torch.distributed.get_rank()
@@ -89,7 +89,7 @@ def _boosted(model_dir: str, plugin_kw: dict, checkpointing: bool) -> dict[str, 
     plan = ParallelPlan.from_section(PluginSection(**plugin_kw), dp_size=2)
     assert plan.no_sync_accumulation
     booster = Booster(plugin=plan.build_plugin())
-    optimizer = compat.make_optimizer(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    optimizer = optimizers.make_optimizer(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     policy, optimizer, _ = plan.boost(booster, model, optimizer, scheduler)
     ddp = getattr(booster.plugin, "ddp_kwargs", None) or booster.plugin.ddp_config
@@ -110,10 +110,10 @@ def _boosted(model_dir: str, plugin_kw: dict, checkpointing: bool) -> dict[str, 
 def _one_process(model_dir: str) -> dict[str, np.ndarray]:
     """The same steps on one process, no DDP, in DDP's order: each rank's gradient accumulated over its
     micro-batches, then divided by 2 and summed (an exact halving; a sum of two is the same in any order)."""
-    from coati_kto.parallel import compat
+    from coati_kto.parallel import optimizers
 
     model, use = _model(model_dir, checkpointing=False)
-    optimizer = compat.make_optimizer(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    optimizer = optimizers.make_optimizer(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     params = list(model.parameters())
     for step in range(1, STEPS + 1):
         per_rank = []

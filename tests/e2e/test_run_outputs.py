@@ -139,7 +139,7 @@ def test_only_the_dp1_zero_warning_is_dropped() -> None:
 
     from colossalai.logging import get_dist_logger
 
-    from coati_kto.parallel.compat import quiet_known_logs
+    from coati_kto.parallel.upstream.noise import quiet_known_logs
 
     class Records(logging.Handler):
         def __init__(self) -> None:

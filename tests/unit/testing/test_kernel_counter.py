@@ -164,9 +164,9 @@ NOT_SYNCS = {
 def _accelerator():
     from colossalai.accelerator import get_accelerator
 
-    from coati_kto.parallel import compat
+    from coati_kto.parallel import upstream
 
-    compat.apply()  # the CPU accelerator: synchronize is a no-op there, yet CUDA's would wait
+    upstream.apply()  # the CPU accelerator: synchronize is a no-op there, yet CUDA's would wait
     return get_accelerator()
 
 
