@@ -18,6 +18,8 @@ from collections.abc import Iterator
 
 import torch
 
+from coati_kto.models.logit_means import record_head, record_logits, sum_per_row
+
 # Default chunk: 2**22 fp32 elements (16 MiB; 131 positions at V=32000) of upcast logits at a time. On CPU
 # 64-128 positions ran ~2x faster than 2048 (cache-resident chunks): benchmarks/logprobs_bench.py. On a GPU
 # each chunk is a handful of kernel launches and Python ops for the host to issue, so chunks are 16x larger
@@ -132,6 +134,7 @@ def sequence_logps(
     start = seq - keep + 1  # first token predicted by the kept logits
     rows, cols = targets if targets is not None else _completion_positions(loss_mask, keep, "logits")
     token_logps = logits_token_logps(logits, rows, cols, input_ids[:, start:][rows, cols], chunk_size)
+    record_logits(logits, (rows, cols), rows, (batch, keep))  # the trainer's logits/ metrics, if recording
     # Scatter into [B, K] and sum rows, rather than index_add_: deterministic on every device.
     return sum_per_row(token_logps, rows, cols, (batch, keep))
 
@@ -366,12 +369,6 @@ def head_token_logps(
     return _HeadTokenLogps.apply(hidden, weight, bias, targets.long(), chunk, compiled)
 
 
-def sum_per_row(token_logps: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, shape: tuple[int, int]):
-    """Sum per row b of the values at (rows, cols) of a [B, T] grid: Tensor[B] (scatter then sum, deterministic)."""
-    grid = torch.zeros(shape, dtype=token_logps.dtype, device=token_logps.device)
-    return grid.index_put((rows, cols), token_logps).sum(dim=1)
-
-
 def hidden_sequence_logps(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -393,6 +390,8 @@ def hidden_sequence_logps(
     keep = hidden.shape[1]
     start = seq - keep + 1
     rows, cols = targets if targets is not None else _completion_positions(loss_mask, keep, "hidden states")
-    targets = input_ids[:, start:][rows, cols]
-    token_logps = head_token_logps(hidden[rows, cols], weight, bias, targets, vocab_chunk, compiled)
+    scored, targets = hidden[rows, cols], input_ids[:, start:][rows, cols]
+    # The trainer's logits/ metrics, while it records (coati_kto.models.logit_means).
+    record_head(scored, weight, bias, rows, cols, (batch, keep))
+    token_logps = head_token_logps(scored, weight, bias, targets, vocab_chunk, compiled)
     return sum_per_row(token_logps, rows, cols, (batch, keep))

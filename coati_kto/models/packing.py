@@ -41,6 +41,7 @@ from coati_kto.data.batch import KTOBatch, PackedRows, Targets, TokenView
 from coati_kto.data.packed import plan_rows
 from coati_kto.families import MASK_POSITION_FAMILIES, packed_masks, text_vocab_size
 from coati_kto.models.lm_head import LMHead, forward_inputs, model_sequence_logps
+from coati_kto.models.logit_means import record_head, record_logits, recording
 from coati_kto.models.logprobs import head_token_logps, logits_token_logps, sum_per_row
 from coati_kto.models.lora import base_module
 
@@ -232,15 +233,18 @@ def packed_logps(
         if head is None:
             source = logits.detach() if detach else logits
             token_logps = logits_token_logps(source, targets.rows, targets.cols, targets.ids)
+            record_logits(source, (targets.rows, targets.cols), targets.owner, grid)  # if recording
             return sum_per_row(token_logps, targets.owner, targets.cols, grid)
         h, w, b = hidden[targets.rows, targets.cols], head.weight, head.bias
         if detach:
             h, w, b = h.detach(), w.detach(), None if b is None else b.detach()
+        record_head(h, w, b, targets.owner, targets.cols, grid)  # the trainer's logits/ metrics, if recording
         token_logps = head_token_logps(h, w, b, targets.ids, compiled=head.compiled)
         return sum_per_row(token_logps, targets.owner, targets.cols, grid)
 
     example = score(rows.example, detach=False)
-    with torch.no_grad():  # KTO's reference point is a constant: the KL pair's log-probs never carry gradient
+    # KTO's reference point is a constant: the KL pair's log-probs never carry gradient (nor logits/ metrics).
+    with torch.no_grad(), recording(None):
         kl = score(rows.kl, detach=True)
     return example, kl
 
@@ -260,11 +264,12 @@ def pair_logps(model: Any, batch: KTOBatch) -> tuple[torch.Tensor, torch.Tensor,
         example, kl = packed_logps(model, head, pairs, len(batch))
         return example, kl, pairs.shared
     example, kl = batch.example, batch.kl
-    return (
-        model_sequence_logps(model, example.input_ids, example.attention_mask, example.loss_mask, head),
-        model_sequence_logps(model, kl.input_ids, kl.attention_mask, kl.loss_mask, head),
-        torch.zeros(len(batch), dtype=torch.long, device=example.input_ids.device),
+    example_logps = model_sequence_logps(
+        model, example.input_ids, example.attention_mask, example.loss_mask, head
     )
+    with recording(None):  # the examples' pass alone feeds the trainer's logits/ metrics
+        kl_logps = model_sequence_logps(model, kl.input_ids, kl.attention_mask, kl.loss_mask, head)
+    return example_logps, kl_logps, torch.zeros(len(batch), dtype=torch.long, device=example.input_ids.device)
 
 
 def padding_free_rows(config: Config) -> str | None:

@@ -17,7 +17,8 @@ def read_scalars(log_dir: str | os.PathLike[str]) -> dict[str, list[tuple[int, f
 def read_texts(log_dir: str | os.PathLike[str]) -> dict[str, list[tuple[int, str]]]:
     """Every TEXT entry of the TensorBoard event files in ``log_dir``: {tag: [(step, markdown), ...]}.
 
-    Tags are the writer's (``run/config``), without the ``/text_summary`` suffix the text plugin adds.
+    Tags as written (``run/config``; torch's ``add_text`` would have added ``/text_summary``, the trainer's writer
+    does not).
     """
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
     from tensorboard.util import tensor_util
@@ -31,7 +32,7 @@ def read_texts(log_dir: str | os.PathLike[str]) -> dict[str, list[tuple[int, str
         values = [
             (e.step, tensor_util.make_ndarray(e.tensor_proto).item().decode()) for e in acc.Tensors(tag)
         ]
-        texts[tag.removesuffix("/text_summary")] = values
+        texts[tag] = values
     return texts
 
 

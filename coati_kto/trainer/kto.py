@@ -154,9 +154,7 @@ class KTOTrainer(SLTrainer):
         """Counters, the data position and the writers: what fit advances and a checkpoint records."""
         self.skipped_steps = 0
         self.history: deque[dict[str, float]] = deque(maxlen=HISTORY_LENGTH)  # last logged records, all ranks
-        self.pushed: bool | None = (
-            None  # output.push_to_hub's upload of final/ (set by coati_kto.train.train)
-        )
+        self.pushed: bool | None = None  # output.push_to_hub's upload of final/ (set by coati_kto.train)
         self.position = DataPosition(self.accumulation_steps)
         self._last_lr = float("nan")
         self._last_saved_step: int | None = None
@@ -287,6 +285,8 @@ class KTOTrainer(SLTrainer):
     def _log_interval(self) -> None:
         metrics = {f"train/{k}": v for k, v in self._interval.summary().items()}
         metrics.update({"train/lr": self._last_lr, "train/skipped_steps": float(self.skipped_steps)})
+        if (epochs := self.position.epochs()) is not None:  # TRL's fractional epoch, at the interval's end
+            metrics["train/epoch"] = epochs
         devices = self.layout.world_size
         utilisation = mfu(metrics.get("train/model_flops_per_second", 0.0), self.options.peak_flops, devices)
         if utilisation is not None:

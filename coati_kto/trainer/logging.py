@@ -53,14 +53,21 @@ class MetricWriter:
             self._wandb.log(finite, step=step)
 
     def text(self, tag: str, markdown: str, step: int) -> None:
-        """A TensorBoard TEXT entry (rendered as markdown) under ``tag``."""
-        self._to_tensorboard(lambda tb: tb.add_text(tag, markdown, global_step=step))
+        """A TensorBoard TEXT entry (rendered as markdown) under ``tag`` itself: ``SummaryWriter.add_text`` would
+        write it as ``tag/text_summary`` (the text plugin reads any tag; the suffix is only torch's naming)."""
+        if self._tb is None:
+            return
+        from torch.utils.tensorboard.summary import text
+
+        summary = text(tag, markdown)
+        summary.value[0].tag = tag
+        self._to_tensorboard(lambda tb: tb.file_writer.add_summary(summary, step))
 
     def run_summary(self, run_config: dict | None, data_stats: dict | None, step: int) -> None:
         """The resolved config and the data statistics as TEXT (the config also as hparams), at the start step."""
         if run_config is not None:
             self.text("run/config", config_markdown(run_config), step)
-            self.hparams(flat_hparams(run_config), ("eval/loss", "eval/rewards/margin"))
+            self.hparams(flat_hparams(run_config), ("eval/loss", "eval/rewards/margins"))
         if data_stats is not None:
             self.text("run/data", data_stats_markdown(data_stats), step)
         self.flush()
@@ -128,7 +135,7 @@ def _init_wandb(
 _SHOWN = {
     "loss": "train/loss",
     "kl": "train/kl",
-    "margin": "train/rewards/margin",
+    "margin": "train/rewards/margins",
     "compiled graphs": "train/compiled_graphs",  # model.compile: a count that grows means recompiles
 }
 

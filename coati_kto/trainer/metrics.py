@@ -10,12 +10,18 @@ from __future__ import annotations
 
 import torch
 
-# Keys summed over micro-batches and data-parallel ranks. The first twelve are one [3, 4] table, row-major: rows
-# all valid examples / chosen / rejected, columns loss, reward, policy log-prob, count (StepSums.add: one matmul).
+from coati_kto.models.logit_means import LogitMeans
+
+# Keys summed over micro-batches and data-parallel ranks. The first eighteen are one [3, 6] table, row-major: rows
+# all valid examples / chosen / rejected, columns loss, reward, policy log-prob, count, and the policy's mean logit
+# over the vocabulary summed over completion tokens with those tokens' count (TRL's logits/chosen|rejected:
+# coati_kto.models.logit_means) (StepSums.add: one matmul).
 _TABLE = (
-    *("loss", "rewards", "logps", "examples"),
+    *("loss", "rewards", "logps", "examples", "logits", "completion_tokens"),
     *("loss/chosen", "rewards/chosen", "logps/chosen", "count/chosen"),
+    *("logits/chosen", "completion_tokens/chosen"),
     *("loss/rejected", "rewards/rejected", "logps/rejected", "count/rejected"),
+    *("logits/rejected", "completion_tokens/rejected"),
 )
 SUM_KEYS = (
     *_TABLE,
@@ -49,17 +55,24 @@ class StepSums:
         policy_logps: torch.Tensor,
         labels: torch.Tensor,
         valid: torch.Tensor,
+        logits: LogitMeans | None = None,
     ) -> None:
-        """Add one micro-batch: losses, rewards, policy_logps [B] float; labels, valid [B] bool.
+        """Add one micro-batch: losses, rewards, policy_logps [B] float; labels, valid [B] bool; ``logits``: what
+        the policy's pass over the examples recorded (None or empty: adds no token).
 
         Rows with ``valid`` False (evaluation padding) contribute nothing, even when their values are NaN.
         """
-        # One matmul sums every (rows, value) pair: masks [B, 3] (valid, chosen, rejected) x values [B, 4] (loss,
-        # reward, log-prob, valid), fp64 (stack promotes to the masks' dtype). Invalid rows are zeroed first: a
-        # NaN survives a weight of 0.
+        # One matmul sums every (rows, value) pair: masks [B, 3] (valid, chosen, rejected) x values [B, 6] (loss,
+        # reward, log-prob, valid, logit-mean sum, completion tokens), fp64 (stack promotes to the masks' dtype).
+        # Invalid rows are zeroed first: a NaN survives a weight of 0.
         chosen = labels & valid
         masks = torch.stack([valid, chosen, valid ^ chosen], dim=1).double()
-        values = torch.stack([losses.detach(), rewards.detach(), policy_logps.detach(), masks[:, 0]], dim=1)
+        if logits is not None and logits.sums is not None:
+            recorded = [logits.sums, logits.tokens]
+        else:
+            recorded = [losses.new_zeros(()).expand_as(losses)] * 2
+        values = [losses.detach(), rewards.detach(), policy_logps.detach(), masks[:, 0], *recorded]
+        values = torch.stack(values, dim=1)
         table = masks.T @ torch.where(valid[:, None], values, 0.0)
         self._sums[: len(_TABLE)].add_(table.flatten())
         # A NaN/inf reward (e.g. a -inf log-prob) can hide behind a finite loss (sigmoid saturates): flag both.
@@ -120,8 +133,9 @@ def add_totals(into: dict[str, float], totals: dict[str, float]) -> None:
 
 
 def summarize(totals: dict[str, float], kl: dict[str, float] | None) -> dict[str, float]:
-    """Means from global sums: loss per example, rewards and log-probs per label, margin when both labels exist;
-    none of them from a step or evaluation with a non-finite micro-batch (its counts only).
+    """Means from global sums: loss per example, rewards and log-probs per label, the policy's mean logit per
+    completion token of each label, margins when both labels exist (TRL's names); none of them from a step or
+    evaluation with a non-finite micro-batch (its counts only).
 
     ``totals`` holds SUM_KEYS reduced over the data-parallel group; ``kl`` the global {"kl", "kl_raw"} (z0
     and the unclamped estimate) or None (no reference point). Keys whose count is 0 are omitted.
@@ -143,8 +157,11 @@ def summarize(totals: dict[str, float], kl: dict[str, float] | None) -> dict[str
             means[side] = totals[f"rewards/{side}"] / count
             out[f"rewards/{side}"] = means[side]
             out[f"logps/{side}"] = totals[f"logps/{side}"] / count
+        tokens = totals.get(f"completion_tokens/{side}", 0.0)
+        if tokens > 0 and totals["nonfinite"] == 0:  # TRL's: per completion token, never a mean of means
+            out[f"logits/{side}"] = totals[f"logits/{side}"] / tokens
     if len(means) == 2:
-        out["rewards/margin"] = means["chosen"] - means["rejected"]
+        out["rewards/margins"] = means["chosen"] - means["rejected"]
     return out
 
 

@@ -20,7 +20,7 @@ EVAL_KEYS = (
     "eval/loss",
     "eval/rewards/chosen",
     "eval/rewards/rejected",
-    "eval/rewards/margin",
+    "eval/rewards/margins",
     "eval/logps/chosen",
     "eval/logps/rejected",
     "eval/kl",

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from coati_kto.data.batch import KTOBatch, TokenCounts
+from coati_kto.models.logit_means import LogitMeans
 
 
 @dataclass
@@ -32,6 +33,7 @@ class NoGradPass:
     folded: bool = False  # the policy's KL pass runs inside its gradient pass (one packed pass)
     continued: bool = False  # the policy's KL pass continues from its gradient pass's KV cache
     aux: torch.Tensor | None = None  # evaluation only: the router loss over the valid examples' tokens (MoE)
+    logits: LogitMeans | None = None  # what the policy's pass over the examples recorded (logits/ metrics)
 
     @property
     def kl_late(self) -> bool:

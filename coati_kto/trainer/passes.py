@@ -18,7 +18,7 @@ parameter count) are computed once per model.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from coati_kto.models.continuation import (
     example_logps_with_cache,
 )
 from coati_kto.models.lm_head import LMHead, model_sequence_logps
+from coati_kto.models.logit_means import LogitMeans, recording
 from coati_kto.models.packing import can_pack, example_tokens, packed_logps, padded_logps, pair_logps
 from coati_kto.models.router import RouterLoss
 from coati_kto.parallel.distributed import mean_over_group
@@ -127,7 +128,7 @@ class KTOPasses:
                 item.batch = None
                 grad_flops = train_flops(self._flop_params(self.policy), item.gradient_tokens) if train else 0
                 sums.add_host(tokens=item.tokens, flops=item.flops + grad_flops)
-                sums.add(losses, rewards, policy_logps, item.labels, item.valid)
+                sums.add(losses, rewards, policy_logps, item.labels, item.valid, item.logits)
         return sums
 
     def _train_loss(
@@ -178,7 +179,11 @@ class KTOPasses:
             # the policy's no-grad passes (a packed pass counts the shared prompt once).
             flops = forward_flops(self._flop_params(self.reference), ran) if ran else 0.0
             routing = self._router.capture() if self._router is not None and not train else None
-            with routing or contextlib.nullcontext() as routed:
+            # Evaluation's pass over the examples records the policy's logit means (training's gradient pass does).
+            with (
+                routing or contextlib.nullcontext() as routed,
+                recording(None if train else LogitMeans()) as means,
+            ):
                 policy, policy_kl, run = self._policy_no_grad(batch, counts, train, packs, folded, continued)
             flops += forward_flops(self._flop_params(self.policy), run) if run else 0.0
         return NoGradPass(
@@ -196,6 +201,7 @@ class KTOPasses:
             folded=folded,
             continued=continued and train,  # evaluation has no gradient pass to continue in
             aux=self._eval_aux(routed, batch, valid, packs) if routing is not None else None,
+            logits=means,
         )
 
     def _policy_no_grad(
@@ -225,9 +231,12 @@ class KTOPasses:
         with self._unrecorded():
             return continued_kl_logps(self.policy, cache, cached, batch.kl_continuation, head)
 
-    def _unrecorded(self) -> contextlib.AbstractContextManager:
-        """Within: the policy's forwards record no router logits (KL passes: no router loss reads them)."""
-        return self._router.paused() if self._router is not None else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def _unrecorded(self) -> Iterator[None]:
+        """Within: the policy's forwards record no router logits and no logit means (KL passes: no router loss
+        and no logits/ metric reads them)."""
+        with recording(None), self._router.paused() if self._router is not None else contextlib.nullcontext():
+            yield
 
     def _eval_aux(
         self, routed: list[torch.Tensor], batch: KTOBatch, valid: torch.Tensor, packed: bool
@@ -280,7 +289,7 @@ class KTOPasses:
         over the examples' tokens, or None when none is added). Folded: the packed pass also gives the KL
         pairs' log-probs (set on ``item``) and its KL tokens are left out of the router loss."""
         routing = self._router.capture() if self._router is not None else contextlib.nullcontext()
-        with routing as routed:
+        with routing as routed, recording(LogitMeans()) as item.logits:  # its KL passes record nothing
             if item.folded:
                 policy_logps, item.policy_kl, _ = pair_logps(self.policy, item.batch)
                 item.gradient_tokens -= item.counts.pairs_shared
@@ -372,7 +381,7 @@ class KTOPasses:
     def _lm_head(self, model: Any) -> LMHead | None:
         """The model's LM head for the chunked path (no [B, S, V] logits), or None: the logits path.
 
-        Gemini keeps parameters in chunks released outside the forward, so its head is used through logits.
+        A backend whose parameters are not resident in the forward uses the head through logits.
         """
         if id(model) not in self._heads:
             gemini = self.plan.plugin == "gemini"

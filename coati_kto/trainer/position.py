@@ -22,6 +22,17 @@ class DataPosition:
         self.epoch: int | None = None
         self.consumed = 0
         self._resume: dict[str, Any] | None = None
+        # The running epoch at its start in this run: (fraction done before, consumed then, micro-batches in all).
+        self._start: tuple[float, int, int] | None = None
+
+    def epochs(self) -> float | None:
+        """Epochs done, fractional (TRL's ``epoch``): the running epoch plus the fraction of its micro-batches
+        consumed; a resume on another layout continues from the saved fraction over the re-planned rest. None
+        before the first epoch starts or for a loader without a length."""
+        if self.epoch is None or self._start is None:
+            return None
+        before, at, length = self._start
+        return self.epoch + before + (1.0 - before) * (self.consumed - at) / max(1, length - at)
 
     @property
     def resuming(self) -> bool:
@@ -39,7 +50,9 @@ class DataPosition:
         if hasattr(sampler, "state_dict"):
             # The consumed count, not the sampler's own position: a DataLoader may have prefetched further.
             sampler_state = {**sampler.state_dict(), "epoch": epoch, "position": self.consumed}
-        return {"epoch": epoch, "consumed": self.consumed, "sampler": sampler_state}
+        state = {"epoch": epoch, "consumed": self.consumed, "sampler": sampler_state}
+        done = self.epochs()  # the epoch's fraction done: where a resume that re-plans the rest starts from
+        return {**state, "epoch_progress": None if done is None else done - epoch}
 
     def steps(self, loader: Any, epoch: int) -> Iterator[list[Any]]:
         """This rank's micro-batches of ``epoch`` in groups of ``accumulation_steps`` (the last may be shorter).
@@ -55,7 +68,10 @@ class DataPosition:
         skip = consumed = 0
         if resume is not None and int(resume["epoch"]) == epoch:
             skip, consumed = _position(sampler, resume, epoch)
+        else:
+            resume = None
         self.consumed = consumed
+        self._start = _epoch_start(loader, skip, consumed, resume)
         batches = itertools.islice(iter(loader), skip, None)
         while chunk := list(itertools.islice(batches, self.accumulation_steps)):
             yield chunk
@@ -72,6 +88,21 @@ class DataPosition:
         sampler.set_epoch(epoch)
         skip, _ = _position(sampler, self._resume, epoch)
         return epoch, max(0, len(sampler) - skip)
+
+
+def _epoch_start(
+    loader: Any, skip: int, consumed: int, resume: dict[str, Any] | None
+) -> tuple[float, int, int] | None:
+    """(fraction of the epoch done before, micro-batches consumed then, micro-batches of the epoch in all) for
+    :meth:`DataPosition.epochs`, from the positioned loader (whose length counts what it still yields, plus the
+    ``skip`` its iterator skips); None for a loader without a length."""
+    try:
+        length = len(loader) + consumed - skip
+    except TypeError:
+        return None
+    saved = (resume or {}).get("epoch_progress")
+    before = float(saved) if saved is not None and not consumed else consumed / max(1, length)
+    return before, consumed, length
 
 
 def _position(sampler: Any, resume: dict[str, Any], epoch: int) -> tuple[int, int]:

@@ -104,7 +104,7 @@ def test_step_zero_baseline_and_raw_kl(runs: list[dict]) -> None:
     assert [int(h["step"]) for h in evals] == [0, 3]  # the baseline, then the epoch end
     baseline = evals[0]
     # Before any update the policy is the reference: rewards 0, loss 0.5 (the weights are 1), raw KL 0.
-    assert baseline["eval/rewards/margin"] == pytest.approx(0.0, abs=1e-6)
+    assert baseline["eval/rewards/margins"] == pytest.approx(0.0, abs=1e-6)
     assert baseline["eval/loss"] == pytest.approx(0.5, abs=1e-6)
     assert baseline["eval/kl_raw"] == pytest.approx(0.0, abs=1e-6)
     assert baseline["eval/count/chosen"] + baseline["eval/count/rejected"] == 7

@@ -24,7 +24,7 @@ PLUGINS = {
     "low_level_zero_z2_bf16": {"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"},
     "ddp_fp32": {"name": "ddp", "precision": "fp32"},
 }
-STEP_ONE = ("train/rewards/chosen", "train/rewards/rejected", "train/kl", "train/rewards/margin")
+STEP_ONE = ("train/rewards/chosen", "train/rewards/rejected", "train/kl", "train/rewards/margins")
 
 
 def _first_step(model_dir: str, out_dir: str, plugin: dict, rank: int) -> dict:

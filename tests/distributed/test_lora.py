@@ -69,11 +69,11 @@ def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, 
     result: dict[str, Any] = {}
     train_records = [h for h in first.history if "train/loss" in h]
     result["rewards"] = [
-        (h["train/rewards/chosen"], h["train/rewards/rejected"], h["train/rewards/margin"])
+        (h["train/rewards/chosen"], h["train/rewards/rejected"], h["train/rewards/margins"])
         for h in train_records
     ]
     result["eval_margins"] = {
-        int(h["step"]): h["eval/rewards/margin"] for h in first.history if "eval/loss" in h
+        int(h["step"]): h["eval/rewards/margins"] for h in first.history if "eval/loss" in h
     }
     peft = peft_model(first.policy)
     result["trainable"] = sorted(n for n, p in peft.named_parameters() if p.requires_grad)

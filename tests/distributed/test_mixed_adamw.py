@@ -30,7 +30,7 @@ PLUGINS = {  # name -> (plugin section, data-parallel size)
     "low_level_zero2_dp1": ({"name": "low_level_zero", "zero_stage": 2, "precision": "bf16"}, 1),
     "hybrid_zero0_dp1": ({"name": "hybrid_parallel", "zero_stage": 0, "precision": "bf16"}, 1),
 }
-STEP_ONE = ("train/rewards/chosen", "train/rewards/rejected", "train/kl", "train/rewards/margin")
+STEP_ONE = ("train/rewards/chosen", "train/rewards/rejected", "train/kl", "train/rewards/margins")
 MAX_NORM = 0.05  # below the tiny Llama's gradient norms: every step clips
 
 

@@ -195,16 +195,28 @@ def _hand_logps(
     return (logp * mask[:, 1:].double()).sum(1)
 
 
+def _hand_logit_means(model: torch.nn.Module, view: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """TRL's logits/ numerator and denominator per row, fp64 from transformers' full logits: the sum over the
+    completion tokens of the logits' mean over the vocabulary at the position predicting each, and their count."""
+    with torch.no_grad():
+        logits = model(input_ids=view.input_ids, attention_mask=view.attention_mask).logits.double()
+    mask = view.loss_mask[:, 1:].double()
+    return (logits[:, :-1].mean(-1) * mask).sum(1), mask.sum(1)
+
+
 def _hand_step(
     policy: torch.nn.Module, reference: torch.nn.Module, groups: list[list[KTOBatch]], beta, wd, wu
 ) -> dict:
-    """Eq. 7 over one optimizer step in fp64: one z0 per group of micro-batches, means per label over all."""
+    """Eq. 7 over one optimizer step in fp64: one z0 per group of micro-batches, means per label over all; the
+    logits/ means per completion token of a label over the whole step (never a mean of per-batch means)."""
     policy, reference = copy.deepcopy(policy).double(), copy.deepcopy(reference).double()
-    losses, rewards, logps, labels, z0s, raw = [], [], [], [], [], []
+    losses, rewards, logps, labels, z0s, raw, logit_sums, tokens = ([] for _ in range(8))
     for group in groups:
         p, r, pkl, rkl = ([] for _ in range(4))
         for b in group:
             p.append(_hand_logps(policy, b.example.input_ids, b.example.attention_mask, b.example.loss_mask))
+            for into, value in zip((logit_sums, tokens), _hand_logit_means(policy, b.example), strict=True):
+                into.append(value)
             r.append(
                 _hand_logps(reference, b.example.input_ids, b.example.attention_mask, b.example.loss_mask)
             )
@@ -221,7 +233,10 @@ def _hand_step(
         rewards.append(beta * (p - r))
         logps.append(p)
     y, rewards, logps = torch.cat(labels), torch.cat(rewards), torch.cat(logps)
+    logit_sums, tokens = torch.cat(logit_sums), torch.cat(tokens)
     return {
+        "train/logits/chosen": float(logit_sums[y].sum() / tokens[y].sum()),
+        "train/logits/rejected": float(logit_sums[~y].sum() / tokens[~y].sum()),
         "train/loss": sum(losses) / len(losses),
         "train/kl": sum(z0s) / len(z0s),
         "kl_raw": raw,
@@ -486,6 +501,8 @@ _CHECKED = (
     "train/logps/rejected",
     "train/count/chosen",
     "train/count/rejected",
+    "train/logits/chosen",
+    "train/logits/rejected",
 )
 
 
@@ -493,13 +510,16 @@ def _assert_matches_hand(record: dict, hand: dict) -> None:
     for key in _CHECKED:
         assert record[key] == pytest.approx(hand[key], rel=1e-5, abs=1e-6), key
     margin = hand["train/rewards/chosen"] - hand["train/rewards/rejected"]
-    assert record["train/rewards/margin"] == pytest.approx(margin, rel=1e-5, abs=1e-6)
+    assert record["train/rewards/margins"] == pytest.approx(margin, rel=1e-5, abs=1e-6)
 
 
 def test_step_loss_and_rewards_match_hand_computation(one_proc: dict) -> None:
     hand = one_proc["layout"]["hand"]
     assert hand["kl_raw"][0] > 0.0  # the perturbed reference makes z0 non-trivial (and unclamped)
-    _assert_matches_hand(_records(one_proc["layout"]["history"])[1], hand)
+    records = _records(one_proc["layout"]["history"])
+    _assert_matches_hand(records[1], hand)
+    # TRL's fractional epoch: 4 of the epoch's 12 micro-batches per step.
+    assert [records[step]["train/epoch"] for step in (1, 2, 3)] == pytest.approx([1 / 3, 2 / 3, 1.0])
 
 
 def test_micro_batch_kl_scope_matches_hand_computation(one_proc: dict) -> None:
@@ -651,7 +671,7 @@ def test_summarize_leaves_out_means_of_absent_labels() -> None:
     local, _ = sums.local()
     out = summarize(local, None)
     assert out["loss"] == pytest.approx(0.3) and out["count/rejected"] == 0
-    assert "rewards/rejected" not in out and "rewards/margin" not in out and "logps/rejected" not in out
+    assert "rewards/rejected" not in out and "rewards/margins" not in out and "logps/rejected" not in out
     assert all(math.isfinite(v) for v in out.values())
 
 
@@ -739,7 +759,7 @@ def test_a_skipped_step_leaves_its_logging_interval_finite() -> None:
     meter.skip(1.0)  # its totals (NaN rewards) never reach the meter
     meter.add(totals(0.4, 0.4), {"kl": 0.3, "kl_raw": 0.3}, 1.0, 1.5)
     summary = meter.summary()
-    assert summary["loss"] == pytest.approx(0.3) and summary["rewards/margin"] == pytest.approx(0.6)
+    assert summary["loss"] == pytest.approx(0.3) and summary["rewards/margins"] == pytest.approx(0.6)
     assert summary["kl"] == pytest.approx(0.2) and summary["kl_raw"] == pytest.approx(0.1)
     assert summary["grad_norm"] == pytest.approx(1.0)
     assert summary["skipped_in_interval"] == 1 and summary["examples_per_second"] == pytest.approx(4 / 3)

@@ -170,13 +170,15 @@ TAGS = {
         "kl_raw",
         "rewards/chosen",
         "rewards/rejected",
-        "rewards/margin",
+        "rewards/margins",
+        "logits/chosen",
+        "logits/rejected",
         "logps/chosen",
         "logps/rejected",
         "count/chosen",
         "count/rejected",
     )
-} | {f"train/{name}" for name in ("grad_norm", "lr", "examples_per_second", "tokens_per_second")}
+} | {f"train/{name}" for name in ("grad_norm", "lr", "epoch", "examples_per_second", "tokens_per_second")}
 
 
 def test_launcher_env_leaves_out_what_colossalai_run_cannot_quote(monkeypatch: pytest.MonkeyPatch) -> None:

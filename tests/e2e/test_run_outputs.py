@@ -70,7 +70,7 @@ def test_baseline_explicit_epoch_end_raw_kl_and_first_lr(run: dict) -> None:
     assert [s for s, _ in tb["train/loss"]] == [1, 2, 3, 4]
     # Policy == reference before the first update: the baseline's rewards are 0, up to bf16 rounding (the
     # boosted policy and the plain reference run different bf16 kernels: about 3e-4 measured here).
-    assert dict(tb["eval/rewards/margin"])[0] == pytest.approx(0.0, abs=5e-3)
+    assert dict(tb["eval/rewards/margins"])[0] == pytest.approx(0.0, abs=5e-3)
     # z0 = max(0, raw KL): the raw estimate is logged beside it at every step.
     for (step, z0), (step_raw, raw) in zip(tb["train/kl"], tb["train/kl_raw"], strict=True):
         assert step == step_raw and z0 == pytest.approx(max(0.0, raw), abs=1e-6)
@@ -114,7 +114,7 @@ def test_model_card_parses_and_holds_the_final_eval_metrics(run: dict) -> None:
     match = re.search(r"at optimizer step (\d+):", card.text)
     assert match and int(match[1]) == 3  # the last evaluation of the run
     table = dict(re.findall(r"^\| (eval/[\w/]+) \| (\S+) \|$", card.text, flags=re.M))
-    assert {"eval/loss", "eval/rewards/margin", "eval/kl", "eval/count/chosen"} <= set(table)
+    assert {"eval/loss", "eval/rewards/margins", "eval/kl", "eval/count/chosen"} <= set(table)
     for key, value in table.items():
         assert float(value) == pytest.approx(dict(run["tb"][key])[3], rel=1e-6, abs=1e-7), key
     stats = json.loads((Path(run["config"]["data"]["prepared_dir"]) / "stats.json").read_text())

@@ -90,19 +90,19 @@ def test_zero2_bf16_two_processes_learns_preferences(run: dict) -> None:
     assert (
         lrs[0] == pytest.approx(5e-3 / 2) and lrs[1] == pytest.approx(5e-3) and lrs[1] > lrs[2] > lrs[-1] > 0
     )
-    margins = [h["train/rewards/margin"] for h in train]
+    margins = [h["train/rewards/margins"] for h in train]
     assert sum(margins[-3:]) / 3 > margins[0] + 0.05, margins
     evals = [h for h in history if "eval/loss" in h]
     assert [int(h["step"]) for h in evals] == [0, 3, 6, 9]  # the step-0 baseline, then every 3 steps
     assert all(h["eval/count/chosen"] + h["eval/count/rejected"] == 9 for h in evals)
-    assert evals[-1]["eval/rewards/margin"] > evals[0]["eval/rewards/margin"]
+    assert evals[-1]["eval/rewards/margins"] > evals[0]["eval/rewards/margins"]
 
 
 def test_outputs_tensorboard_wandb_config_and_final_model(run: dict) -> None:
     out = run["root"] / "out"
     tb = run["tb_first"]
     assert [s for s, _ in tb["train/loss"]] == list(range(1, 10))
-    assert {"train/kl", "train/rewards/margin", "train/count/rejected", "eval/loss", "train/lr"} <= set(tb)
+    assert {"train/kl", "train/rewards/margins", "train/count/rejected", "eval/loss", "train/lr"} <= set(tb)
     assert list((out / "wandb").glob("offline-run-*")), "W&B offline run directory missing"
     saved = yaml.safe_load((out / "config.yaml").read_text())
     assert saved["plugin"]["zero_stage"] == 2 and saved["train"]["lr"] == 5e-3

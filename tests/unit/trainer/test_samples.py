@@ -65,17 +65,23 @@ def test_the_data_parallel_ranks_share_the_set_and_run_alike(count: int, dp_size
 
 
 def test_the_table_reads_back_exactly(tmp_path: Path) -> None:
-    from torch.utils.tensorboard import SummaryWriter
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from coati_kto.testing.tensorboard import read_samples
+    from coati_kto.trainer.logging import MetricWriter
 
     texts = ["a|b\\c\n<|im_start|>user\nhi &lt; `x` *y* _z_ <br> \\|", "", " lead ", "\n\n"]
     written = [
         Sample(k, k, k % 2 == 0, text, text + "!", None if k else 0.25) for k, text in enumerate(texts)
     ]
-    writer = SummaryWriter(str(tmp_path))
-    writer.add_text("eval/samples/policy", samples_markdown(written), 3)
+    writer = MetricWriter(True, tmp_path)
+    writer.text("eval/samples/policy", samples_markdown(written), 3)
     writer.close()
+    # The tag as the docs name it: torch's add_text wrote eval/samples/policy/text_summary.
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert events.Tags()["tensors"] == ["eval/samples/policy"]
+    assert events.SummaryMetadata("eval/samples/policy").plugin_data.plugin_name == "text"
     rows = read_samples(tmp_path)["policy"][3]
     assert [(r["prompt"], r["completion"]) for r in rows] == [(t, t + "!") for t in texts]
     assert [(r["sample"], r["label"], r["reward"]) for r in rows][:2] == [

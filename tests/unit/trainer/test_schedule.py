@@ -45,7 +45,7 @@ def test_progress_lines_in_a_log_are_whole_lines(capsys: pytest.CaptureFixture[s
 
     bar = ProgressBar(True, total=3, interactive=False, log_every_s=3600)
     for loss in (0.7, 0.6, 0.5):
-        bar.update({"train/loss": loss, "train/kl": 0.0, "train/rewards/margin": 0.1})
+        bar.update({"train/loss": loss, "train/kl": 0.0, "train/rewards/margins": 0.1})
         if loss == 0.6:
             bar.write("step 2: eval loss 0.6500")
     bar.close()

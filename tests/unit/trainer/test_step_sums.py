@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from coati_kto.models.logit_means import LogitMeans
 from coati_kto.testing.kernels import KernelCounter
 from coati_kto.trainer.metrics import StepSums, summarize
 
@@ -77,10 +78,40 @@ def test_an_infinite_reward_is_flagged_and_gives_no_means() -> None:
 
 
 def test_one_micro_batch_costs_a_few_kernels() -> None:
-    """The sums of a micro-batch: thirteen small kernels (one matmul for the twelve label sums; its tokens and
-    FLOPs counted on the host), where a masked sum per key took about fifty."""
+    """The sums of a micro-batch with its recorded logit means, as the trainer adds them: thirteen small kernels
+    (one matmul for the eighteen label sums; its tokens and FLOPs counted on the host), where a masked sum per key
+    took about fifty."""
     sums = StepSums(torch.device("cpu"))
     arguments = _arguments([(0.5, 0.2, -3.0, True, True), (0.7, -0.1, -4.0, False, True)])
+    means = LogitMeans()
+    means.add(torch.tensor([1.5, -2.0]), torch.tensor([3.0, 2.0]))
     with KernelCounter(log=True) as counter:
-        sums.add(*arguments)
+        sums.add(*arguments, means)
     assert sum(counter.kernels.values()) <= 13, counter.log
+
+
+def test_logit_means_are_summed_per_label_and_divided_per_token() -> None:
+    """TRL's logits/chosen|rejected: the step's sums over every micro-batch divided by its completion tokens (not
+    a mean of per-batch means); padding rows (NaN) add nothing, a micro-batch that recorded none adds no token."""
+    sums = StepSums(torch.device("cpu"))
+    first = LogitMeans()
+    first.add(torch.tensor([6.0, -4.0, math.nan]), torch.tensor([3.0, 2.0, 5.0]))
+    labels, valid = torch.tensor([True, False, True]), torch.tensor([True, True, False])
+    sums.add(torch.zeros(3), torch.zeros(3), torch.zeros(3), labels, valid, first)
+    second = LogitMeans()
+    second.add(torch.tensor([1.0, 9.0]), torch.tensor([1.0, 1.0]))
+    sums.add(
+        torch.zeros(2),
+        torch.zeros(2),
+        torch.zeros(2),
+        torch.tensor([True, True]),
+        torch.ones(2).bool(),
+        second,
+    )
+    sums.add(torch.zeros(1), torch.zeros(1), torch.zeros(1), torch.tensor([False]), torch.tensor([True]))
+    local, _ = sums.local()
+    assert (local["logits/chosen"], local["completion_tokens/chosen"]) == (16.0, 5.0)
+    assert (local["logits/rejected"], local["completion_tokens/rejected"]) == (-4.0, 2.0)
+    out = summarize(local, None)
+    # Per token 16 / 5 = 3.2, where the mean of the two batches' means is (6 / 3 + 10 / 2) / 2 = 3.5.
+    assert out["logits/chosen"] == 16.0 / 5.0 and out["logits/rejected"] == -2.0
