@@ -186,9 +186,10 @@ def _check_before_launch(args: argparse.Namespace) -> None:
 
     config = load_config(args.config, args.overrides)
     if args.command == "train":
-        from coati_kto.runtime.preflight import check_training
+        from coati_kto.runtime.preflight import announce_resume, check_training
 
         check_training(config)
+        announce_resume(config, launcher=True)  # first, before torchrun's workers start
     if args.command == "export" and args.push:
         from coati_kto.export import check_push
 

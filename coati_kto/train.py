@@ -42,7 +42,7 @@ from coati_kto.parallel.masters import gathered_masters
 from coati_kto.parallel.optimizers import optimizer_for
 from coati_kto.parallel.plan import ParallelPlan, check_tp_divides_world
 from coati_kto.runtime.host_memory import keep_freed_memory
-from coati_kto.runtime.preflight import check_training
+from coati_kto.runtime.preflight import announce_resume, check_training
 from coati_kto.runtime.run_dir import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
@@ -137,6 +137,7 @@ def train(config: Config) -> Any:
     SIGINT or SIGUSR1 end the run after a checkpoint, raising TrainingStoppedError (coati_kto.runtime.signals).
     """
     check_training(config)  # before anything heavy: every problem at once
+    announce_resume(config)  # a run that continues a checkpoint says so first (unless its launcher did)
     # Installed for the rest of the process: a launcher may repeat the signal while this rank exits (torchrun
     # SIGTERMs the workers still running once one has exited), and that must not kill it mid-teardown.
     stop_signals = STOP.install()

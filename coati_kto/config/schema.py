@@ -5,6 +5,7 @@ so every mistake is reported at once. Loading, overrides and error text: ``coati
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 import yaml
@@ -84,8 +85,10 @@ class DataSection(_Section):
     eval_fraction: float = Field(
         0.0, ge=0.0, lt=1.0, description="Fraction of train held out for evaluation when eval_files is empty."
     )
-    prepared_dir: str = Field(
-        description="Where `prepare` writes the tokenized, KL-paired data and stats.json."
+    prepared_dir: str | None = Field(
+        None,
+        description="Where `prepare` writes the tokenized, KL-paired data and stats.json. Default: "
+        "output.dir/prepared (a run with another output.dir never rebuilds this one's).",
     )
     max_length: int = Field(
         1024, ge=8, description="Tokens per example (prompt + completion) after truncation."
@@ -280,7 +283,8 @@ class Config(_Section):
     @model_validator(mode="after")
     def _combinations(self) -> Config:
         self._resolve_attention()
-        found = self._family_problems() + self._padding_free_problems() + self._export_problems()
+        found = self._prepared_dir_problems() + self._family_problems() + self._padding_free_problems()
+        found += self._export_problems()
         problems = found + self._lora_problems() + sample_problems(self) + compile_problems(self)
         if problems:
             raise ValueError("\n".join(problems))
@@ -294,6 +298,18 @@ class Config(_Section):
 
         resolved = resolve_attention(self.model, self.data, self.plugin.tp_size, torch.cuda.is_available())
         self.model.attn_implementation, self.data.padding_free, self._attention_note = resolved
+
+    def _prepared_dir_problems(self) -> list[str]:
+        """``data.prepared_dir`` unset: ``output.dir/prepared``, so runs told apart by their output.dir (overrides of
+        one config) keep their prepared data apart; with no output.dir either, a problem."""
+        if self.data.prepared_dir is not None:
+            return []
+        if self.output is None:
+            return [
+                "data.prepared_dir: required key is missing (its default, output.dir/prepared, needs output.dir)"
+            ]
+        self.data.prepared_dir = str(Path(self.output.dir) / "prepared")
+        return []
 
     def attention_note(self) -> str | None:
         """The line saying what ``model.attn_implementation: auto`` became here (None without auto)."""

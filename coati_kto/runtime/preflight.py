@@ -271,6 +271,44 @@ def _resume_problems(config: Config) -> list[str]:
     return []
 
 
+# Set by the ``--nproc-per-node`` launcher once it printed the resume line: its workers inherit it and stay quiet.
+RESUME_SAID_ENV = "COATI_KTO_RESUME_SAID"
+
+
+def resume_notice(config: Config) -> str | None:
+    """The line a run that continues a checkpoint starts with: which one, and how to start over instead (TRL starts
+    anew unless told to resume; the shipped configs' ``train.resume: auto`` continues). None when the run starts
+    from step 0, or when the checkpoint named is no checkpoint (:func:`check_training` says so)."""
+    output, resume = config.training_output(), config.train.resume
+    if resume is None or (resume == "auto" and output.overwrite):
+        return None
+    try:
+        checkpoint = resolve_checkpoint(Path(output.dir) / CHECKPOINTS_DIR, resume)
+    except UserError:
+        return None
+    if checkpoint is None:
+        return None
+    if resume == "auto":
+        how = (
+            "to start over instead, add output.overwrite=true (deletes its checkpoints, events and final model) "
+            "or choose another output.dir"
+        )
+        return f"resuming the run in {output.dir} from {checkpoint.name} (train.resume=auto); {how}"
+    return f"resuming from {checkpoint} (train.resume); to start over instead, leave train.resume unset"
+
+
+def announce_resume(config: Config, launcher: bool = False) -> None:
+    """Print :func:`resume_notice`, the run's first line, once: by the ``launcher`` (which marks it said for its
+    workers), else by global rank 0."""
+    if os.environ.get(RESUME_SAID_ENV) or os.environ.get("RANK", "0") != "0":
+        return
+    line = resume_notice(config)
+    if line is not None:
+        print(line, flush=True)
+    if launcher:
+        os.environ[RESUME_SAID_ENV] = "1"
+
+
 def _output_problems(config: Config) -> list[str]:
     out_dir = Path(config.output.dir)
     existing = out_dir

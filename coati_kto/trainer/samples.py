@@ -1,13 +1,14 @@
 """Samples during evaluation (``eval.samples``): a fixed, seeded set of eval prompts decoded greedily by the
 policy, and at step 0 also by the reference, each with the policy's implied reward, to TensorBoard and W&B.
 
-Every rank picks the same N rows of the eval set (a permutation seeded by ``eval.sample_seed``). Data-parallel
-rank d decodes rows d, d + D, ..., padded to ceil(N / D) rows by repeating one of them, so that every rank runs
-the same passes (DDP's forward and the tensor-parallel layers hold collectives); its tensor-parallel peers
-decode the same rows in lockstep (``coati_kto.models.generate``). Each rank scores its completions with the
-trainer's own passes (fp32 log-probs of the policy and the reference), and global rank 0 gathers the rows and
-writes them. The implied reward of a completion y is beta * (log pi(y|x) - log pi_ref(y|x)), the reward the
-loss pushes up for desirable completions: exactly 0 at step 0, where policy and reference are the same weights.
+Every rank picks the same N rows of the eval set, each with a prompt of its own (the first rows of a
+permutation seeded by ``eval.sample_seed`` whose prompts were not picked yet). Data-parallel rank d decodes
+rows d, d + D, ..., padded to ceil(N / D) rows by repeating one of them, so that every rank runs the same
+passes (DDP's forward and the tensor-parallel layers hold collectives); its tensor-parallel peers decode the
+same rows in lockstep (``coati_kto.models.generate``). Each rank scores its completions with the trainer's own
+passes (fp32 log-probs of the policy and the reference), and global rank 0 gathers the rows and writes them.
+The implied reward of a completion y is beta * (log pi(y|x) - log pi_ref(y|x)), the reward the loss pushes up
+for desirable completions: exactly 0 at step 0, where policy and reference are the same weights.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class EvalSamples:
     ) -> None:
         if tokenizer is None:
             raise ValueError("eval samples need the tokenizer (KTOTrainer's tokenizer argument)")
-        chosen = [int(i) for i in np.random.default_rng(seed).permutation(len(rows))[:count]]
+        chosen = _distinct_prompts(rows, np.random.default_rng(seed).permutation(len(rows)), count)
         # (place in the set, row); None marks this rank's padding rows, decoded and dropped
         mine: list[tuple[int | None, int]] = list(enumerate(chosen))[layout.dp_rank :: layout.dp_size]
         per_rank = math.ceil(len(chosen) / layout.dp_size)
@@ -148,6 +149,23 @@ class EvalSamples:
             line = f"step {step}: {len(decoded['policy'])} eval samples ({' and '.join(decoded)}) in {seconds:.2f} s"
             (self.progress.write if self.progress is not None else print)(line)
         return {"eval/samples_seconds": seconds}
+
+
+def _distinct_prompts(rows: Any, order: np.ndarray, count: int) -> list[int]:
+    """The first ``count`` rows in ``order`` whose prompt no earlier pick has: a desirable and an undesirable record
+    of one prompt decode to the same greedy text, so two samples on it would show one completion twice. Fewer when
+    the rows hold fewer distinct prompts (the printed count says how many)."""
+    seen: set[tuple[int, ...]] = set()
+    chosen: list[int] = []
+    for index in order.tolist():
+        if len(chosen) == count:
+            break
+        row = rows[index]
+        prompt = tuple(int(t) for t in row["input_ids"][: int(row["completion_start"])])
+        if prompt not in seen:
+            seen.add(prompt)
+            chosen.append(index)
+    return chosen
 
 
 def _cell(value: Any) -> Any:

@@ -74,6 +74,9 @@ def test_a_changed_micro_batch_size_replans_the_epoch_in_progress(first_run: Pat
     overrides = (f"output.dir={out}", "train.micro_batch_size=8", "train.max_epochs=2", "train.max_steps=100")
     done = _train(first_run, f"train.resume={checkpoint}", *overrides)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[0] == (
+        f"resuming from {checkpoint} (train.resume); to start over instead, leave train.resume unset"
+    )
     assert (
         "resume: 3 setting(s) differ from step-4's config, applied: train.max_epochs 1 -> 2, "
         "train.max_steps 4 -> 100, train.micro_batch_size 4 -> 8"
@@ -97,12 +100,17 @@ def test_a_changed_micro_batch_size_replans_the_epoch_in_progress(first_run: Pat
 def test_changed_lr_is_applied_named_and_recorded(first_run: Path) -> None:
     done = _train(first_run, "train.resume=auto", "train.max_steps=6", "train.lr=5e-4")
     assert done.returncode == 0, done.stderr[-3000:]
+    out = first_run.parent / "out"
+    # The rerun of a config that continues its run says so first, and how to start over (it was silent).
+    assert done.stdout.splitlines()[0] == (
+        f"resuming the run in {out} from step-4 (train.resume=auto); to start over instead, add "
+        "output.overwrite=true (deletes its checkpoints, events and final model) or choose another output.dir"
+    )
     line = (
         "resume: 2 setting(s) differ from step-4's config, applied: train.lr 0.001 -> 0.0005, "
         "train.max_steps 4 -> 6"
     )
     assert line in done.stdout.splitlines()
-    out = first_run.parent / "out"
     lrs = dict(read_scalars(out / "tensorboard")["train/lr"])
     # Steps 1-4 at the old peak over 4 steps; steps 5-6 at the new peak over the new length (6 steps).
     assert lrs[4] == pytest.approx(1e-3 * lr_factor(3, WARMUP, 4, MIN_LR_RATIO), rel=1e-6)

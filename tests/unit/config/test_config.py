@@ -29,6 +29,27 @@ def test_shipped_configs_exist() -> None:
     assert {"single_gpu.yaml", "node_8gpu_zero2.yaml", "multinode_zero2.yaml", "tp2_zero1.yaml"} <= names
 
 
+def test_prepared_dir_follows_output_dir(tmp_path: Path) -> None:
+    """Unset, data.prepared_dir is output.dir/prepared: two runs of one config with other output.dir overrides
+    each keep their prepared data (they rebuilt one shared directory for each other); the shipped configs leave it
+    unset. Set, it is used as given; unset without output.dir (``prepare`` needs no output section), one line."""
+    path = write_config(tmp_path, MINIMAL.replace("  prepared_dir: prepared\n", ""))
+    assert load_config(path).data.prepared_dir == str(Path("out") / "prepared")
+    assert load_config(path, ["output.dir=runs/b"]).data.prepared_dir == str(Path("runs/b") / "prepared")
+    assert load_config(path, ["data.prepared_dir=/scratch/p"]).data.prepared_dir == "/scratch/p"
+    (tmp_path / "no_output").mkdir()
+    no_output = write_config(
+        tmp_path / "no_output", MINIMAL.replace("  prepared_dir: prepared\n", "").split("output:")[0]
+    )
+    assert _errors(no_output, []) == [
+        f"{no_output}: data.prepared_dir: required key is missing (its default, output.dir/prepared, needs "
+        "output.dir)"
+    ]
+    for shipped in sorted((REPO / "configs").glob("*.yaml")):
+        config = load_config(shipped, ["output.dir=elsewhere"])
+        assert config.data.prepared_dir == str(Path("elsewhere") / "prepared"), shipped.name
+
+
 def test_weights_given_with_auto_weights_are_refused(tmp_path: Path) -> None:
     """auto_weights replaced a configured lambda_D / lambda_U without a word (single_gpu.yaml has auto_weights on
     and desirable_weight just below it); like eval_fraction with eval_files, the pair is one line."""

@@ -276,3 +276,42 @@ def test_a_push_that_cannot_succeed_is_refused_before_training(
     assert push_problems(load_config(write_config(tmp_path, MINIMAL)), exporting=True) == [
         "coati-kto export --push needs output.push_to_hub (the repo id)"
     ]
+
+
+def test_a_run_that_resumes_says_so_once_and_how_to_start_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A rerun of a config with train.resume=auto continued the old run in silence (TRL starts anew unless told to
+    resume). The line is said once per launch: by the --nproc-per-node launcher (its workers then stay quiet), else
+    by global rank 0; never by the other ranks, never for a run that starts from step 0."""
+    from coati_kto.runtime.preflight import RESUME_SAID_ENV, announce_resume, resume_notice
+
+    monkeypatch.setenv(RESUME_SAID_ENV, "")  # unset (and restored after the launcher sets it)
+    monkeypatch.delenv("RANK", raising=False)
+    out = tmp_path / "out"
+    path = write_config(tmp_path, MINIMAL.replace("dir: out", f"dir: {out}"))
+    auto = load_config(path, ["train.resume=auto"])
+    assert resume_notice(auto) is None  # no checkpoint yet: a new run
+    step = out / "checkpoints" / "step-4"
+    step.mkdir(parents=True)
+    (step / "COMPLETE").write_text("step 4\n")
+    said = (
+        f"resuming the run in {out} from step-4 (train.resume=auto); to start over instead, add "
+        "output.overwrite=true (deletes its checkpoints, events and final model) or choose another output.dir"
+    )
+    assert resume_notice(auto) == said
+    assert resume_notice(load_config(path, [f"train.resume={step}"])) == (
+        f"resuming from {step} (train.resume); to start over instead, leave train.resume unset"
+    )
+    assert resume_notice(load_config(path, ["train.resume=auto", "output.overwrite=true"])) is None
+    assert resume_notice(load_config(path)) is None
+    monkeypatch.setenv("RANK", "1")
+    announce_resume(auto)
+    monkeypatch.setenv("RANK", "0")
+    announce_resume(auto)
+    assert capsys.readouterr().out == said + "\n"
+    monkeypatch.delenv("RANK")
+    announce_resume(auto, launcher=True)  # the launcher says it; its workers (RANK 0 included) do not again
+    monkeypatch.setenv("RANK", "0")
+    announce_resume(auto)
+    assert capsys.readouterr().out == said + "\n"

@@ -53,6 +53,20 @@ def test_the_choice_is_seeded() -> None:
     assert _samples(50, seed=1).places == list(range(10))  # never more than the eval set
 
 
+def test_each_sample_has_a_prompt_of_its_own() -> None:
+    """Paired records (a desirable and an undesirable completion of each of 5 prompts): greedy decoding gives one
+    text per prompt, so the samples take 5 distinct prompts at most, never one twice."""
+    paired = [
+        {"input_ids": [1, 2, 3 + i // 2, 9 + i % 2], "completion_start": 3, "label": i % 2 == 0}
+        for i in range(10)
+    ]
+    for seed in range(20):
+        samples = EvalSamples(paired, 4, 4, seed, object(), _layout(0, 1), torch.device("cpu"))
+        assert len({tuple(p) for p in samples.prompts}) == 4, (seed, samples.row_ids)
+    every = EvalSamples(paired, 50, 4, 0, object(), _layout(0, 1), torch.device("cpu"))
+    assert sorted(tuple(p) for p in every.prompts) == [(1, 2, 3 + k) for k in range(5)]
+
+
 @pytest.mark.parametrize(("count", "dp_size"), [(5, 2), (3, 4), (4, 2), (1, 3)])
 def test_the_data_parallel_ranks_share_the_set_and_run_alike(count: int, dp_size: int) -> None:
     """Every place decoded once over the ranks; every rank the same number of rows (its padding marked None),
