@@ -55,5 +55,11 @@ def test_cached_reference_under_ddp_runs_and_resumes_exactly(tmp_path: Path, tin
         f"train.resume={tmp_path / 'out' / 'checkpoints' / 'step-3'}",
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    # The launcher says it first, before its workers start; rank 0 does not say it again.
+    said = (
+        f"resuming from {tmp_path / 'out' / 'checkpoints' / 'step-3'} (train.resume); to start over instead"
+    )
+    assert resumed.stdout.splitlines()[0].startswith(said), resumed.stdout[:500]
+    assert resumed.stdout.count("resuming from") == 1
     after = load_file(resumed_dir / "final" / "model.safetensors")
     assert whole.keys() == after.keys() and all(torch.equal(whole[k], after[k]) for k in whole)
