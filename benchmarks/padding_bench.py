@@ -64,7 +64,7 @@ def prepared_rows(config_path: str) -> list[dict] | None:
     config = load_config(config_path)
     if not (Path(config.data.prepared_dir) / "stats.json").is_file():
         return None
-    train = read_prepared(config).train
+    train = read_prepared(config.data.prepared_dir).train
     keys = ["input_ids", "completion_start", "label", "kl_input_ids", "kl_completion_start"]
     return [dict(zip(keys, values, strict=True)) for values in zip(*(train[k] for k in keys), strict=True)]
 

@@ -24,6 +24,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 from coati_kto.config.schema import Config  # noqa: E402
 from coati_kto.data.prepared import prepare  # noqa: E402
+from coati_kto.data.settings import PrepareSettings  # noqa: E402
+from coati_kto.data.weights import WeightSettings  # noqa: E402
 from coati_kto.testing.tiny import build_tokenizer  # noqa: E402
 
 TOOLS = [
@@ -96,12 +98,14 @@ def main() -> None:
                 "output": {"dir": str(root / "out")},
             }
         )
+        settings = PrepareSettings(config.data, config.model, config.train.seed)
+        weights = WeightSettings(config.kto, config.train.micro_batch_size)
         start, cpu_start = time.perf_counter(), _cpu_seconds()
-        out = prepare(config)
+        out = prepare(settings, weights)
         cold, cpu = time.perf_counter() - start, _cpu_seconds() - cpu_start
         tokens = int(np.asarray(out.train["length"]).sum() + np.asarray(out.train["kl_length"]).sum())
         start = time.perf_counter()
-        prepare(config)
+        prepare(settings, weights)
         warm = time.perf_counter() - start
         print(
             f"\nprepare_bench: {args.records} records, num_proc {args.num_proc}, {os.cpu_count()} CPUs: "

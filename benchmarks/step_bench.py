@@ -211,11 +211,14 @@ def _child_savings(config_path: str) -> None:
 
     from coati_kto.config.load import load_config
     from coati_kto.data.prepared import load_prepared
+    from coati_kto.data.settings import PrepareSettings
+    from coati_kto.data.weights import WeightSettings
     from coati_kto.parallel.distributed import init_distributed
 
     config = load_config(config_path, [])
     init_distributed()
-    ds = load_prepared(config).train
+    settings = PrepareSettings(config.data, config.model, config.train.seed)
+    ds = load_prepared(settings, WeightSettings(config.kto, config.train.micro_batch_size)).train
     starts, kl_starts = np.asarray(ds["completion_start"]), np.asarray(ds["kl_completion_start"])
     lengths, kl_lengths = np.asarray(ds["length"]), np.asarray(ds["kl_length"])
     shared = np.array(

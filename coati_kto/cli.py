@@ -219,14 +219,21 @@ def _run(args: argparse.Namespace) -> int:
         stopped = before_workers(lambda: _check_before_launch(args))
         return stopped if stopped is not None else _launch_local(args)
     config = load_config(args.config, args.overrides)
-    if args.command == "prepare":
-        from coati_kto.data.prepared import prepare
+    if args.command in ("prepare", "inspect"):
+        from coati_kto.data.settings import PrepareSettings
+        from coati_kto.data.weights import WeightSettings
 
-        prepare(config)
-    elif args.command == "inspect":
-        from coati_kto.data.inspect import inspect_batches
+        settings = PrepareSettings(config.data, config.model, config.train.seed)
+        weights = WeightSettings(config.kto, config.train.micro_batch_size)
+        if args.command == "prepare":
+            from coati_kto.data.prepared import prepare
 
-        inspect_batches(config, num_ranks=args.ranks, num_batches=args.batches, num_examples=args.examples)
+            prepare(settings, weights)
+        else:
+            from coati_kto.data.inspect import inspect_batches
+
+            counts = {"num_ranks": args.ranks, "num_batches": args.batches, "num_examples": args.examples}
+            inspect_batches(settings, weights, **counts)
     elif args.command == "precompute":
         from coati_kto.trainer.reference_cache import precompute
 

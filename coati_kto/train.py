@@ -22,15 +22,15 @@ from coati_kto.config.load import save_config
 from coati_kto.config.resume import check_contents, check_resume
 from coati_kto.config.schema import Config
 from coati_kto.data.collator import KTOCollator
-from coati_kto.data.eval_sampler import EvalBatchSampler, ValidMaskLoader
-from coati_kto.data.sampler import MixedLabelBatchSampler
+from coati_kto.data.loaders import build_loaders
+from coati_kto.data.settings import PrepareSettings
 from coati_kto.data.tokenize import load_tokenizer, pad_id
-from coati_kto.data.weights import imbalance, resolve_kto_weights
+from coati_kto.data.weights import WeightSettings, imbalance, resolve_kto_weights
 from coati_kto.families import model_notes, vocabulary_size
 from coati_kto.models.compile import maybe_compile
 from coati_kto.models.hf import attention_implementation, freeze_vision_tower, load_causal_lm
 from coati_kto.models.lora import AdapterFreeReference, enable_lora
-from coati_kto.models.packing import padding_free_notes, padding_free_rows
+from coati_kto.models.packing import padding_free_note, padding_free_rows
 from coati_kto.parallel.distributed import (
     ParallelLayout,
     barrier,
@@ -85,7 +85,7 @@ def build_components(
 
     Both models load in fp32: the policy is boosted (ZeRO and the AMP optimizers keep fp32 masters; the plugin
     casts the working copy), the reference goes through the same plugin path without an optimizer
-    (``ParallelPlan.build_reference``: same sharding, same cast, same fp32 rotary buffers), so at step 0 both
+    (``ParallelBackend.build_reference``: same sharding, same cast, same fp32 rotary buffers), so at step 0 both
     give identical log-probs and the log-ratios start at exactly 0.
     """
     from colossalai.booster import Booster
@@ -218,8 +218,9 @@ def _setup(config: Config, heartbeat: Heartbeat | None, training: bool = True) -
         clear_previous_run(out_dir)  # rank 0 deletes, the others wait
     if training:  # a refused resume: before prepare rebuilds data.prepared_dir and the reference scores
         refuse_changed_contents(config, out_dir / CHECKPOINTS_DIR)
-    data = load_prepared(config)
-    tokenizer = load_tokenizer(config)
+    weight_settings = WeightSettings(config.kto, config.train.micro_batch_size)
+    data = load_prepared(PrepareSettings(config.data, config.model, config.train.seed), weight_settings)
+    tokenizer = load_tokenizer(config.model)
     pad, pad_note = pad_id(tokenizer, vocabulary_size(config.model.path, config.model.reference_path))
     if training and config.kto.reference == "cached":  # once (all ranks) unless a matching cache exists
         data = with_reference_logps(config, data, pad)
@@ -228,10 +229,15 @@ def _setup(config: Config, heartbeat: Heartbeat | None, training: bool = True) -
     layout = ParallelLayout.from_plugin(plugin)
     if layout.is_main and training:
         save_config(config, out_dir / CONFIG_FILE)
-    train_loader, eval_loader = _loaders(config, data, layout, pad)
-    desirable, undesirable, report = resolve_kto_weights(config, data.stats, layout.dp_size)
+    collator = KTOCollator(pad, config.data.pad_to_multiple_of, padding_free_rows(config.data, config.model))
+    train_loader, eval_loader = build_loaders(
+        data, config.train, config.data.group_by_length, layout, collator
+    )
+    desirable, undesirable, report = resolve_kto_weights(
+        weight_settings, data.stats, layout.dp_size, config.data.prepared_dir
+    )
     # The run card shows the report of this layout, not prepare's one-replica view.
-    data.stats["imbalance"] = imbalance(config, data.stats, layout.dp_size)
+    data.stats["imbalance"] = imbalance(weight_settings, data.stats, layout.dp_size)
     attention_note = attention_implementation(config.model.path, config.model)[1]
     zero_note = _zero_note(config, plan) if training else None  # the export's own layout is not the run's
     epoch_note = train_loader.batch_sampler.stats.epoch_note() if training else None  # examples left out
@@ -243,36 +249,6 @@ def _setup(config: Config, heartbeat: Heartbeat | None, training: bool = True) -
     return _Run(out_dir, data, tokenizer, plan, plugin, layout, *loaders, weights, notes)
 
 
-def _loaders(config: Config, data: Any, layout: ParallelLayout, pad: int) -> tuple[Any, Any]:
-    """(train loader, eval loader or None), by data-parallel rank (tensor-parallel peers see the same batches), with
-    their own generator: iter() of a loader without one draws from torch's RNG (after a resume restored it)."""
-    from torch.utils.data import DataLoader
-
-    sampler = MixedLabelBatchSampler(
-        data.train["label"],
-        config.train.micro_batch_size,
-        num_replicas=layout.dp_size,
-        rank=layout.dp_rank,
-        seed=config.train.seed,
-        drop_last=True,
-        lengths=data.train["length"] if config.data.group_by_length else None,
-        group_by_length=config.data.group_by_length,
-    )
-    collator = KTOCollator(pad, config.data.pad_to_multiple_of, padding_free_rows(config))
-    workers = {"num_workers": config.train.num_workers, "generator": torch.Generator()}
-    train_loader = DataLoader(data.train, batch_sampler=sampler, collate_fn=collator, **workers)
-    if data.eval is None or len(data.eval) == 0:
-        return train_loader, None
-    eval_sampler = EvalBatchSampler(
-        len(data.eval),
-        config.train.eval_micro_batch_size or config.train.micro_batch_size,
-        num_replicas=layout.dp_size,
-        rank=layout.dp_rank,
-    )
-    loader = DataLoader(data.eval, batch_sampler=eval_sampler, collate_fn=collator, **workers)
-    return train_loader, ValidMaskLoader(loader, eval_sampler)
-
-
 def _setup_trainer(config: Config, run: _Run, stop: StopSignals) -> tuple[Any, dict[str, torch.Tensor]]:
     """Models, optimizer, schedule and the KTOTrainer (every rank); with it ``Components.frozen_fp32``."""
     from coati_kto.trainer.checkpoint import CheckpointManager  # after quiet_known_warnings (see _train)
@@ -281,7 +257,10 @@ def _setup_trainer(config: Config, run: _Run, stop: StopSignals) -> tuple[Any, d
 
     steps = total_optimizer_steps(config, len(run.train_loader.batch_sampler))
     if run.layout.is_main:
-        for line in padding_free_notes(config, torch.cuda.is_available()):
+        # What model.attn_implementation auto became here (coati_kto.config.attention), then the rows' layout.
+        cuda = torch.cuda.is_available()
+        notes = (config.attention_note(), padding_free_note(config.data, config.model, cuda))
+        for line in filter(None, notes):
             print(line, flush=True)
     parts = build_components(config, run.plugin, steps, run.plan)
     peak_flops, peak_source = resolve_peak_flops(config.train.peak_flops, config.plugin.precision)
@@ -347,7 +326,7 @@ def _resume(config: Config, run: _Run, trainer: Any) -> None:
     if run.layout.is_main:
         said = [f"resumed from {checkpoint} at optimizer step {trainer.global_step}"] if checkpoint else []
         said += [line] if line is not None else []
-        for text in said + schedule_notes(config, steps):
+        for text in said + schedule_notes(config.train, steps):
             print(text, flush=True)
 
 

@@ -151,3 +151,15 @@ def env() -> dict[str, str]:
 
 def weights(out_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(out_dir / "final" / "model.safetensors")
+
+
+def data_settings(config: Any) -> tuple[Any, Any]:
+    """What the CLI and the recipe hand the data package for ``config`` (a ``Config``): its
+    ``PrepareSettings`` and ``WeightSettings``, as ``prepare(*data_settings(config))`` takes them."""
+    from coati_kto.data.settings import PrepareSettings
+    from coati_kto.data.weights import WeightSettings
+
+    return (
+        PrepareSettings(config.data, config.model, config.train.seed),
+        WeightSettings(config.kto, config.train.micro_batch_size),
+    )

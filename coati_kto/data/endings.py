@@ -20,18 +20,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-if TYPE_CHECKING:
-    from coati_kto.config.schema import Config
 
-
-def generation_eos_ids(config: Config) -> list[int]:
-    """The ``eos_token_id`` ids (one or a list) of ``model.path``'s ``generation_config.json``, sorted; [] when the
-    checkpoint has none or is not a local directory (prepare reads no hub file for this)."""
-    path = Path(config.model.path).expanduser() / "generation_config.json"
+def generation_eos_ids(model_path: str | Path) -> list[int]:
+    """The ``eos_token_id`` ids (one or a list) of ``model_path``'s ``generation_config.json`` (``model.path``),
+    sorted; [] when the checkpoint has none or is not a local directory (prepare reads no hub file for this)."""
+    path = Path(model_path).expanduser() / "generation_config.json"
     try:
         found = json.loads(path.read_text()).get("eos_token_id")
     except (OSError, ValueError, AttributeError):

@@ -13,12 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from coati_kto.config.schema import Config
 from coati_kto.data.collator import KTOCollator
 from coati_kto.data.prepared import load_prepared
 from coati_kto.data.sampler import MixedLabelBatchSampler
+from coati_kto.data.settings import PrepareSettings
 from coati_kto.data.tokenize import load_tokenizer
-from coati_kto.data.weights import resolve_kto_weights
+from coati_kto.data.weights import WeightSettings, resolve_kto_weights
 from coati_kto.errors import DataError
 
 
@@ -31,24 +31,29 @@ def _clip(text: str, limit: int = 160, keep_end: bool = False) -> str:
 
 
 def inspect_batches(
-    config: Config, num_ranks: int | None = None, num_batches: int = 4, num_examples: int = 3
+    settings: PrepareSettings,
+    weights: WeightSettings,
+    num_ranks: int | None = None,
+    num_batches: int = 4,
+    num_examples: int = 3,
 ) -> None:
-    """Print the micro-batch layout of epoch 0 for ``num_ranks`` data-parallel ranks (default 1)."""
-    ranks = num_ranks or 1
-    data = load_prepared(config)
+    """Print the micro-batch layout of epoch 0 for ``num_ranks`` data-parallel ranks (default 1): the batches
+    :func:`~coati_kto.data.prepared.load_prepared`'s data gives at ``weights.micro_batch_size``."""
+    ranks, d = num_ranks or 1, settings.data
+    data = load_prepared(settings, weights)
     train = data.train
     labels = np.asarray(train["label"], dtype=bool)
     lengths = np.asarray(train["length"], dtype=np.int64)
-    mbs, seed = config.train.micro_batch_size, config.train.seed
+    mbs, seed = weights.micro_batch_size, settings.seed
     try:
         samplers = [
             MixedLabelBatchSampler(
-                labels, mbs, ranks, rank, seed, lengths=lengths, group_by_length=config.data.group_by_length
+                labels, mbs, ranks, rank, seed, lengths=lengths, group_by_length=d.group_by_length
             )
             for rank in range(ranks)
         ]
     except ValueError as err:
-        raise DataError(f"data.prepared_dir {config.data.prepared_dir}: {err}") from None
+        raise DataError(f"data.prepared_dir {d.prepared_dir}: {err}") from None
 
     print(
         f"{len(labels)} train examples ({int(labels.sum())} desirable, {int((~labels).sum())} undesirable); "
@@ -74,11 +79,11 @@ def inspect_batches(
         f"desirable / {s.effective_undesirable} undesirable; minority ({minority}) repeats {s.minority_repeats} "
         f"(each used {s.minority_uses[0]}-{s.minority_uses[1]} times); {s.left_out} examples left out"
     )
-    print(resolve_kto_weights(config, data.stats, ranks)[2])
-    print(_padding_line(config, train, batches_of_rank0=list(samplers[0])[:PADDING_BATCHES]))
+    print(resolve_kto_weights(weights, data.stats, ranks, d.prepared_dir)[2])
+    print(_padding_line(d.pad_to_multiple_of, train, batches_of_rank0=list(samplers[0])[:PADDING_BATCHES]))
 
     if num_examples > 0:
-        _print_examples(config, train, first_batch[:num_examples])
+        _print_examples(load_tokenizer(settings.model), train, first_batch[:num_examples])
 
 
 PADDING_BATCHES = 256  # micro-batches of rank 0 whose padding inspect measures (collating each takes ms)
@@ -117,10 +122,11 @@ def pad_fractions(batches: list[list[dict]], pad_to_multiple_of: int | None = No
     return {key: 1.0 - data[key.split("/")[0]] / tokens for key, tokens in processed.items()}
 
 
-def _padding_line(config: Config, train: Any, batches_of_rank0: list[list[int]]) -> str:
-    """One line: the padding of these micro-batches as configured, and with data.padding_free."""
+def _padding_line(pad_to_multiple_of: int | None, train: Any, batches_of_rank0: list[list[int]]) -> str:
+    """One line: the padding of these micro-batches as configured (``data.pad_to_multiple_of``), and with
+    data.padding_free."""
     batches = [[{k: train[int(i)][k] for k in FEATURES} for i in batch] for batch in batches_of_rank0]
-    f = pad_fractions(batches, config.data.pad_to_multiple_of)
+    f = pad_fractions(batches, pad_to_multiple_of)
     shares = ", ".join(f"{what} {f[name + '/padded']:.1%}" for name, what in PASSES.items())
     bins = ", ".join(f"{f[name + '/bins']:.1%}" for name in PASSES)
     return (
@@ -129,9 +135,9 @@ def _padding_line(config: Config, train: Any, batches_of_rank0: list[list[int]])
     )
 
 
-def _print_examples(config: Config, train: Any, indices: list[int]) -> None:
-    """Decode rows ``indices`` of the train split: prompt, completion and KL completion, clipped."""
-    tokenizer = load_tokenizer(config)
+def _print_examples(tokenizer: Any, train: Any, indices: list[int]) -> None:
+    """Decode rows ``indices`` of the train split with ``tokenizer``: prompt, completion and KL completion,
+    clipped."""
     print("\nexamples from rank 0's first micro-batch (prompt | completion | KL completion):")
     for i in indices:
         row = train[int(i)]

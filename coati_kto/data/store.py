@@ -32,11 +32,12 @@ import datasets
 import numpy as np
 
 from coati_kto.config.hub import HubDataset, is_hub_dataset
-from coati_kto.config.schema import Config
+from coati_kto.config.schema import DataSection
 from coati_kto.data.endings import completion_end_line, generation_eos_ids
 from coati_kto.data.files import load_records, resolve_files
 from coati_kto.data.formats import Record, RecordError
 from coati_kto.data.hub import check as hub_check
+from coati_kto.data.settings import PrepareSettings
 from coati_kto.data.tables import (
     build_split,
     duplicates,
@@ -109,23 +110,25 @@ def _file_entries(paths: list[str], key: str) -> list[list]:
     return out
 
 
-def fingerprint(config: Config, tokenizer) -> dict[str, Any]:
+def fingerprint(settings: PrepareSettings, tokenizer) -> dict[str, Any]:
     """What the prepared rows depend on, with ``digest`` (16 hex digits) over all of it."""
-    d = config.data
+    d = settings.data
     parts = {
         "version": PIPELINE_VERSION,
         "train_files": _file_entries(d.train_files, "data.train_files"),
         "eval_files": _file_entries(d.eval_files, "data.eval_files"),
         "tokenizer": tokenizer_hash(tokenizer),
-        "settings": _settings(config),
-        "generation_eos_ids": generation_eos_ids(config),  # chat completions ending with one get no EOS
+        "settings": _settings(settings),
+        # chat completions ending with one get no EOS
+        "generation_eos_ids": generation_eos_ids(settings.model.path),
     }
     parts["digest"] = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
     return parts
 
 
-def _settings(config: Config) -> dict[str, Any]:
-    d = config.data
+def _settings(settings: PrepareSettings) -> dict[str, Any]:
+    """The settings that change the rows (fingerprinted, and recorded in stats.json)."""
+    d = settings.data
     return {
         "max_length": d.max_length,
         "max_prompt_length": d.max_prompt_length,
@@ -133,7 +136,7 @@ def _settings(config: Config) -> dict[str, Any]:
         "on_too_long": d.on_too_long,
         "chat_template_kwargs": d.chat_template_kwargs,
         "eval_fraction": d.eval_fraction if not d.eval_files else 0.0,
-        "seed": config.train.seed,
+        "seed": settings.seed,
     }
 
 
@@ -189,12 +192,12 @@ def read_fingerprint(target: Path) -> dict | None:
 
 
 def _read_inputs(
-    config: Config, cache: str, fp: dict
+    settings: PrepareSettings, cache: str, fp: dict
 ) -> tuple[list[Record], list[Record], dict, list[RecordError], dict[str, int]]:
     """(train records, eval records, files per split, bad records skipped, fields that records hold but no
     record shape reads: field -> records); eval from files or a fraction. Hub datasets at the commits ``fp``
     resolved (what the fingerprint names is what is read)."""
-    d = config.data
+    d = settings.data
     shas = {e[0]: e[1] for e in fp["train_files"] + fp["eval_files"] if is_hub_dataset(e[0])}
     with progress_bars(False):
         train_in = load_records(d.train_files, "data.train_files", d.on_bad_record, cache, shas)
@@ -217,7 +220,7 @@ def _read_inputs(
     if d.eval_fraction == 0:
         return train_in.records, [], files, train_in.skipped, unread
     groups = np.array([prompt_key(r) for r in train_in.records], dtype=object)
-    tr, ev = group_split(groups, labels, d.eval_fraction, config.train.seed)
+    tr, ev = group_split(groups, labels, d.eval_fraction, settings.seed)
     return (
         [train_in.records[i] for i in tr],
         [train_in.records[i] for i in ev],
@@ -227,7 +230,7 @@ def _read_inputs(
     )
 
 
-def _build(config: Config, tokenizer, fp: dict, target: Path) -> None:
+def _build(settings: PrepareSettings, tokenizer, fp: dict, target: Path) -> None:
     """Build everything in a temporary sibling of ``target``, then rename it into place."""
     work = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
@@ -235,17 +238,19 @@ def _build(config: Config, tokenizer, fp: dict, target: Path) -> None:
     except OSError as err:  # a parent that is a file, a read-only or missing mount: one line, no traceback
         raise DataError(f"data.prepared_dir {target}: cannot write there ({err.strerror})") from None
     try:
-        train_records, eval_records, files, skipped, unread = _read_inputs(config, str(work / "hf-cache"), fp)
+        train_records, eval_records, files, skipped, unread = _read_inputs(
+            settings, str(work / "hf-cache"), fp
+        )
         repeats, repeat_examples = duplicates(train_records + eval_records)
         pad, pad_note = pad_id(tokenizer)
         stats: dict[str, Any] = {
             "version": PIPELINE_VERSION,
             "fingerprint": fp["digest"],
             "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "settings": _settings(config),
+            "settings": _settings(settings),
             "files": files,
             "unread_fields": unread,
-            "tokenizer": config.model.tokenizer or config.model.path,
+            "tokenizer": settings.model.tokenizer or settings.model.path,
             "duplicates": {"records": repeats, "examples": repeat_examples},
             "padding": {"pad_id": pad, "note": pad_note},
         }
@@ -253,7 +258,7 @@ def _build(config: Config, tokenizer, fp: dict, target: Path) -> None:
             stats[name] = None
             if records:
                 split_files = files[name] or files["train"]  # eval_fraction: held out of the train files
-                ds, stats[name], bad = build_split(records, tokenizer, config, work, name, split_files)
+                ds, stats[name], bad = build_split(records, tokenizer, settings, work, name, split_files)
                 skipped += bad
                 with progress_bars(False):
                     ds.save_to_disk(str(work / name))
@@ -285,14 +290,14 @@ def _build(config: Config, tokenizer, fp: dict, target: Path) -> None:
 # ------------------------------------------------------------------------------------------- public API
 
 
-def ensure(config: Config, tokenizer) -> tuple[dict, bool, str]:
+def ensure(settings: PrepareSettings, tokenizer) -> tuple[dict, bool, str]:
     """Build ``data.prepared_dir`` unless its fingerprint matches: (fingerprint, built, why, for the summary).
 
     One process at a time per directory. Raises DataError for bad data, or when the directory exists, is not
     empty and is no coati-kto build (never overwritten).
     """
-    target = Path(config.data.prepared_dir)
-    fp = fingerprint(config, tokenizer)
+    target = Path(settings.data.prepared_dir)
+    fp = fingerprint(settings, tokenizer)
     old = read_fingerprint(target)
     if old and old.get("digest") == fp["digest"] and (target / "train").is_dir():
         return fp, False, "inputs, tokenizer and settings unchanged"
@@ -304,22 +309,22 @@ def ensure(config: Config, tokenizer) -> tuple[dict, bool, str]:
             "refusing to overwrite it: choose another directory or empty it"
         )
     why = f"changed: {_changed(old, fp)}" if old else "no prepared data yet"
-    _build(config, tokenizer, fp, target)
+    _build(settings, tokenizer, fp, target)
     return fp, True, why
 
 
-def read_prepared(config: Config) -> PreparedData:
-    """Open the splits and stats.json of a complete build of ``data.prepared_dir`` (memory-mapped arrow)."""
-    target = Path(config.data.prepared_dir)
+def read_prepared(prepared_dir: str | Path) -> PreparedData:
+    """Open the splits and stats.json of a complete build in ``prepared_dir`` (memory-mapped arrow)."""
+    target = Path(prepared_dir)
     stats = json.loads((target / "stats.json").read_text())
     train = datasets.load_from_disk(str(target / "train"))
     evaluation = datasets.load_from_disk(str(target / "eval")) if (target / "eval").is_dir() else None
     return PreparedData(train=train, eval=evaluation, stats=stats)
 
 
-def summary(stats: dict, config: Config, built: bool, why: str, seconds: float) -> str:
+def summary(stats: dict, data: DataSection, built: bool, why: str, seconds: float) -> str:
     """A short human summary of stats.json: built or reused, then counts, lengths and drops per split."""
-    target = config.data.prepared_dir
+    target = data.prepared_dir
     lines = []
     if built:
         n = sum((stats[s] or {}).get("examples", 0) for s in ("train", "eval"))
@@ -338,7 +343,7 @@ def summary(stats: dict, config: Config, built: bool, why: str, seconds: float) 
             f"max {tot['max']}; after p50 {cut['p50']:.0f}, p99 {cut['p99']:.0f}, max {cut['max']}"
         )
         lines.append(
-            f"    truncated to data.max_length {config.data.max_length}: {tr.get('prompt', 0)} prompts, "
+            f"    truncated to data.max_length {data.max_length}: {tr.get('prompt', 0)} prompts, "
             f"{tr.get('completion', 0)} completions; dropped: {s['dropped'] or 'none'}; "
             f"KL pairs: {s['kl_pairs']['self_pairs']} self, {s['kl_pairs']['same_prompt_pairs']} same-prompt "
             f"(minimum possible {s['kl_pairs']['min_same_prompt_pairs']})"

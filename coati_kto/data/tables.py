@@ -22,10 +22,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from datasets.table import InMemoryTable
 
-from coati_kto.config.schema import Config
+from coati_kto.config.schema import DataSection
 from coati_kto.data.endings import generation_eos_ids
 from coati_kto.data.formats import Record, RecordError
 from coati_kto.data.kl_pairs import derangement, pair_stats
+from coati_kto.data.settings import PrepareSettings
 from coati_kto.data.tokenize import Encoder, join_truncated, truncation
 from coati_kto.errors import DataError
 
@@ -140,9 +141,10 @@ def _percentiles(x: np.ndarray) -> dict[str, float]:
     }
 
 
-def _encode(records: list[Record], tokenizer, config: Config, work: Path, name: str) -> pa.Table:
+def _encode(records: list[Record], tokenizer, settings: PrepareSettings, work: Path, name: str) -> pa.Table:
     """Render and tokenize in ``data.num_proc`` worker processes (datasets.map); one arrow row per record."""
-    procs = min(config.data.num_proc, max(1, len(records) // MIN_ROWS_PER_PROC))
+    data = settings.data
+    procs = min(data.num_proc, max(1, len(records) // MIN_ROWS_PER_PROC))
     features = datasets.Features(
         {
             "label": datasets.Value("bool"),
@@ -168,7 +170,7 @@ def _encode(records: list[Record], tokenizer, config: Config, work: Path, name: 
     )
     with progress_bars(len(records) >= PROGRESS_MIN_ROWS):
         encoded = records_ds.map(
-            Encoder(tokenizer, config.data.chat_template_kwargs, generation_eos_ids(config)),
+            Encoder(tokenizer, data.chat_template_kwargs, generation_eos_ids(settings.model.path)),
             batched=True,
             num_proc=procs if procs > 1 else None,
             remove_columns=["prompt", "completion", "chat", "tools"],
@@ -210,11 +212,10 @@ class _Fitted:
 DROP_REASON = {"skip": "too_long", "truncate": "no_room_for_completion"}  # stats.json's "dropped" key
 
 
-def _fit(table: pa.Table, errors: np.ndarray, config: Config) -> _Fitted:
+def _fit(table: pa.Table, errors: np.ndarray, d: DataSection) -> _Fitted:
     """Fit every usable row to ``data.max_length`` as ``data.on_too_long`` says: truncate it (a row with no room
     for a completion token, reachable only when the prompt limit is not below max_length, is dropped), skip it
     (counted), or raise DataError naming the first one."""
-    d = config.data
     p_len = pc.list_value_length(table.column("prompt_ids")).to_numpy()
     c_len = pc.list_value_length(table.column("completion_ids")).to_numpy()
     keep_p, keep_c = truncation(p_len, c_len, d.max_length, d.max_prompt_length)
@@ -231,9 +232,8 @@ def _fit(table: pa.Table, errors: np.ndarray, config: Config) -> _Fitted:
     return _Fitted(rows, int(drop.sum()), p_len[rows], c_len[rows], keep_p[rows], keep_c[rows])
 
 
-def _split_stats(table: pa.Table, fit: _Fitted, labels: np.ndarray, pi: np.ndarray, config: Config) -> dict:
+def _split_stats(table: pa.Table, fit: _Fitted, labels: np.ndarray, pi: np.ndarray, d: DataSection) -> dict:
     """stats.json's entry for one split (``table``: the kept rows; ``pi``: each row's KL partner)."""
-    d = config.data
     p_len, c_len, keep_p, keep_c = fit.p_len, fit.c_len, fit.keep_p, fit.keep_c
     kl_keep_p, kl_keep_c = truncation(p_len, c_len[pi], d.max_length, d.max_prompt_length)
     return {
@@ -275,11 +275,10 @@ def _split_stats(table: pa.Table, fit: _Fitted, labels: np.ndarray, pi: np.ndarr
 
 
 def _rows(
-    table: pa.Table, fit: _Fitted, labels: np.ndarray, pi: np.ndarray, config: Config, bos_id: int | None
+    table: pa.Table, fit: _Fitted, labels: np.ndarray, pi: np.ndarray, d: DataSection, bos_id: int | None
 ) -> pa.Table:
     """The prepared rows (module docstring): truncated sequences and their KL pairs; a cut prompt keeps its
     leading ``bos_id``."""
-    d = config.data
     keep_p, keep_c = fit.keep_p, fit.keep_c
     kl_keep_p, kl_keep_c = truncation(fit.p_len, fit.c_len[pi], d.max_length, d.max_prompt_length)
     prompts = table.column("prompt_ids").combine_chunks()
@@ -306,7 +305,7 @@ def _rows(
 
 
 def build_split(
-    records: list[Record], tokenizer, config: Config, work: Path, name: str, files: list[str]
+    records: list[Record], tokenizer, settings: PrepareSettings, work: Path, name: str, files: list[str]
 ) -> tuple[datasets.Dataset, dict, list[RecordError]]:
     """One split (``name``: "train" or "eval", which also seeds its KL pairing): tokenize, drop what cannot fit,
     pair, truncate. Returns (in-memory rows, the split's stats, records skipped here). ``work``: a scratch
@@ -315,13 +314,13 @@ def build_split(
     Raises the first bad record (``data.on_bad_record: error``), a too-long example (``data.on_too_long:
     error``) or a split left without both labels, as DataError.
     """
-    table = _encode(records, tokenizer, config, work, name)
-    errors, skipped = _skipped_records(table, config.data.on_bad_record)
-    fit = _fit(table, errors, config)
+    table = _encode(records, tokenizer, settings, work, name)
+    errors, skipped = _skipped_records(table, settings.data.on_bad_record)
+    fit = _fit(table, errors, settings.data)
     table = table.take(fit.rows)
     labels = table.column("label").to_numpy(zero_copy_only=False).astype(bool)
     require_both_labels(label_counts(labels), files, f"the {name} split", len(skipped))
-    pi = derangement(table.column("prompt_hash").to_numpy(), [config.train.seed, int(name == "eval")])
-    stats = _split_stats(table, fit, labels, pi, config)
-    rows = _rows(table, fit, labels, pi, config, tokenizer.bos_token_id)
+    pi = derangement(table.column("prompt_hash").to_numpy(), [settings.seed, int(name == "eval")])
+    stats = _split_stats(table, fit, labels, pi, settings.data)
+    rows = _rows(table, fit, labels, pi, settings.data, tokenizer.bos_token_id)
     return datasets.Dataset(InMemoryTable(rows)), stats, skipped

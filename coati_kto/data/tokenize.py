@@ -52,20 +52,20 @@ from coati_kto.data.formats import RecordError
 from coati_kto.errors import ConfigError
 
 if TYPE_CHECKING:
-    from coati_kto.config.schema import Config
+    from coati_kto.config.schema import ModelSection
 
 
-def load_tokenizer(config: Config) -> PreTrainedTokenizerBase:
+def load_tokenizer(model: ModelSection) -> PreTrainedTokenizerBase:
     """``model.tokenizer`` (default ``model.path``); ConfigError naming both keys when it cannot be loaded."""
-    name = config.model.tokenizer or config.model.path
+    name = model.tokenizer or model.path
     if not Path(name).expanduser().exists():  # one line now, not a minute of hub retries and a repo-id error
-        key = "model.tokenizer" if config.model.tokenizer else "model.path"
+        key = "model.tokenizer" if model.tokenizer else "model.path"
         if looks_like_path(name):
             raise ConfigError(missing_path(key, name))
         if key == "model.path" and (problems := hub_problems(key, name)):  # a model repo holds config.json
             raise ConfigError(problems[0])
     try:
-        return AutoTokenizer.from_pretrained(name, trust_remote_code=config.model.trust_remote_code)
+        return AutoTokenizer.from_pretrained(name, trust_remote_code=model.trust_remote_code)
     except (OSError, ValueError, ImportError) as err:  # ImportError: a backend package it needs is missing
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(f"model.tokenizer / model.path {name}: cannot load a tokenizer ({first})") from None

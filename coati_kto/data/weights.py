@@ -9,9 +9,10 @@ report is therefore computed for a given layout and config, never stored with th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-from coati_kto.config.schema import Config
+from coati_kto.config.kto import KTOSection
 from coati_kto.data.sampler import MixedLabelBatchSampler
 from coati_kto.errors import DataError
 
@@ -33,14 +34,23 @@ def auto_weights(n_desirable: int, n_undesirable: int) -> tuple[float, float]:
     return (scale, 1.0) if scale < 1 else (1.0, 1.0 / scale)
 
 
-def imbalance(config: Config, stats: dict, num_replicas: int) -> dict[str, Any]:
+@dataclass(frozen=True)
+class WeightSettings:
+    """What the weight report reads of the config: the ``kto`` section (``desirable_weight``,
+    ``undesirable_weight``, ``auto_weights``) and ``train.micro_batch_size``, which sets the effective counts."""
+
+    kto: KTOSection
+    micro_batch_size: int
+
+
+def imbalance(settings: WeightSettings, stats: dict, num_replicas: int) -> dict[str, Any]:
     """The imbalance report for ``num_replicas`` data-parallel ranks (effective counts from the sampler).
 
     ``stats``: the prepared data's stats (only ``stats["train"]["labels"]`` is read). A layout the sampler
     refuses gives ``{"error": ..., "report": ...}`` instead of weights.
     """
     n_d, n_u = stats["train"]["labels"]["desirable"], stats["train"]["labels"]["undesirable"]
-    mbs = config.train.micro_batch_size
+    kto, mbs = settings.kto, settings.micro_batch_size
     out: dict[str, Any] = {
         "n_desirable": n_d,
         "n_undesirable": n_u,
@@ -52,13 +62,13 @@ def imbalance(config: Config, stats: dict, num_replicas: int) -> dict[str, Any]:
     except ValueError as err:
         return {**out, "error": str(err), "report": f"imbalance: cannot lay out micro-batches: {err}"}
     e_d, e_u = s.effective_desirable, s.effective_undesirable
-    if config.kto.auto_weights:
+    if kto.auto_weights:
         w_d, w_u = auto_weights(e_d, e_u)
     else:
-        w_d, w_u = config.kto.desirable_weight, config.kto.undesirable_weight
+        w_d, w_u = kto.desirable_weight, kto.undesirable_weight
     ratio = (w_d * e_d) / (w_u * e_u)
     inside = GUIDELINE[0] - 1e-9 <= ratio <= GUIDELINE[1] + 1e-9
-    how = "auto" if config.kto.auto_weights else "configured"
+    how = "auto" if kto.auto_weights else "configured"
     report = (
         f"kto weights ({how}): desirable {w_d:.4g}, undesirable {w_u:.4g}; (lambda_D n_D)/(lambda_U n_U) = "
         f"({w_d:.4g} x {e_d})/({w_u:.4g} x {e_u}) = {ratio:.3f} "
@@ -79,7 +89,7 @@ def imbalance(config: Config, stats: dict, num_replicas: int) -> dict[str, Any]:
         "left_out": s.left_out,
         "desirable_weight": w_d,
         "undesirable_weight": w_u,
-        "auto_weights": config.kto.auto_weights,
+        "auto_weights": kto.auto_weights,
         "ratio": ratio,
         "guideline": list(GUIDELINE),
         "inside_guideline": inside,
@@ -87,14 +97,17 @@ def imbalance(config: Config, stats: dict, num_replicas: int) -> dict[str, Any]:
     }
 
 
-def resolve_kto_weights(config: Config, stats: dict, num_replicas: int) -> tuple[float, float, str]:
+def resolve_kto_weights(
+    settings: WeightSettings, stats: dict, num_replicas: int, prepared_dir: str
+) -> tuple[float, float, str]:
     """(desirable_weight, undesirable_weight, one-line report) for ``num_replicas`` data-parallel ranks.
 
     Uses the sampler's effective counts per epoch (minority repeats included). ``kto.auto_weights``: see
     :func:`auto_weights`; otherwise the configured weights, and the report warns when outside [1, 4/3].
-    Raises DataError when the sampler cannot lay out micro-batches for this layout.
+    Raises DataError naming ``prepared_dir`` (``data.prepared_dir``, the data's home) when the sampler cannot lay
+    out micro-batches for this layout.
     """
-    info = imbalance(config, stats, num_replicas)
+    info = imbalance(settings, stats, num_replicas)
     if "error" in info:
-        raise DataError(f"data.prepared_dir {config.data.prepared_dir}: {info['error']}")
+        raise DataError(f"data.prepared_dir {prepared_dir}: {info['error']}")
     return info["desirable_weight"], info["undesirable_weight"], info["report"]

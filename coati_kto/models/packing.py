@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from coati_kto.config.schema import Config
+from coati_kto.config.schema import DataSection, ModelSection
 from coati_kto.data.batch import KTOBatch, PackedRows, Targets, TokenView
 from coati_kto.data.packed import plan_rows
 from coati_kto.families import MASK_POSITION_FAMILIES, packed_masks, text_vocab_size
@@ -272,25 +272,23 @@ def pair_logps(model: Any, batch: KTOBatch) -> tuple[torch.Tensor, torch.Tensor,
     return example_logps, kl_logps, torch.zeros(len(batch), dtype=torch.long, device=example.input_ids.device)
 
 
-def padding_free_rows(config: Config) -> str | None:
-    """The collator's ``padding_free`` mode: one row per pass where flex attention skips what no document
-    reaches; bins as long as the longest row for dense-mask kernels (eager, sdpa), whose attention then costs no
-    more than the padded rows'; None when off."""
-    if not config.data.padding_free:
+def padding_free_rows(data: DataSection, model: ModelSection) -> str | None:
+    """The collator's ``padding_free`` mode (``data.padding_free``, by ``model.attn_implementation``): one row per
+    pass where flex attention skips what no document reaches; bins as long as the longest row for dense-mask
+    kernels (eager, sdpa), whose attention then costs no more than the padded rows'; None when off."""
+    if not data.padding_free:
         return None
-    return "one" if config.model.attn_implementation == "flex_attention" else "bins"
+    return "one" if model.attn_implementation == "flex_attention" else "bins"
 
 
-def padding_free_notes(config: Config, cuda: bool) -> list[str]:
-    """What ``model.attn_implementation: auto`` became here (coati_kto.config.attention), and one line when
-    padding-free rows meet a dense-mask kernel on a GPU: they are packed into bins there, so some padding
-    remains, which flex attention would remove."""
-    attention = config.model.attn_implementation or "the model's default"
-    notes = [config.attention_note()] if config.attention_note() else []
-    if padding_free_rows(config) != "bins" or not cuda:
-        return notes
-    return notes + [
+def padding_free_note(data: DataSection, model: ModelSection, cuda: bool) -> str | None:
+    """One line when padding-free rows meet a dense-mask kernel on a GPU: they are packed into bins there, so some
+    padding remains, which flex attention would remove. None otherwise."""
+    if padding_free_rows(data, model) != "bins" or not cuda:
+        return None
+    attention = model.attn_implementation or "the model's default"
+    return (
         f"note: data.padding_free with attention {attention}: rows are packed into bins as long as the longest "
         "(a dense mask attends across a whole row, so one row per pass would cost more than padding); "
         "model.attn_implementation flex_attention (or auto) runs each pass as one row, with no padding"
-    ]
+    )

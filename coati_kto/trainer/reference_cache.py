@@ -35,8 +35,10 @@ from coati_kto.config.resume import check_contents
 from coati_kto.config.schema import Config
 from coati_kto.data.collator import KTOCollator
 from coati_kto.data.prepared import load_prepared
+from coati_kto.data.settings import PrepareSettings
 from coati_kto.data.store import fingerprint, read_fingerprint, train_data_digest
 from coati_kto.data.tokenize import load_tokenizer, pad_id
+from coati_kto.data.weights import WeightSettings
 from coati_kto.errors import ConfigError
 from coati_kto.families import vocabulary_size
 from coati_kto.models.continuation import can_continue, continued_logps
@@ -161,7 +163,10 @@ def refuse_changed_contents(config: Config, checkpoints: Path) -> None:
         state = saved_trainer_state(checkpoint)["trainer_state"]
     except FileNotFoundError:
         return
-    data = on_rank0(lambda: train_data_digest(fingerprint(config, load_tokenizer(config))), "hash the data")
+    inputs = PrepareSettings(config.data, config.model, config.train.seed)
+    data = on_rank0(
+        lambda: train_data_digest(fingerprint(inputs, load_tokenizer(inputs.model))), "hash the data"
+    )
     check_contents(
         state, {"train_data": data, "reference_weights": reference_weights_digest(config)}, checkpoint.name
     )
@@ -388,6 +393,7 @@ def precompute(config: Config) -> None:
 
     init_distributed(timeout_s=config.train.dist_timeout)
     keep_freed_memory()  # scoring on the CPU: freed memory kept for the next batch
-    data = load_prepared(config)
-    pad = pad_id(load_tokenizer(config), vocabulary_size(config.model.path, config.model.reference_path))[0]
-    ensure_reference_cache(config, data, pad)
+    inputs = PrepareSettings(config.data, config.model, config.train.seed)
+    data = load_prepared(inputs, WeightSettings(config.kto, config.train.micro_batch_size))
+    vocabulary = vocabulary_size(config.model.path, config.model.reference_path)
+    ensure_reference_cache(config, data, pad_id(load_tokenizer(config.model), vocabulary)[0])

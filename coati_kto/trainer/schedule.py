@@ -13,7 +13,7 @@ import math
 import torch
 from torch.optim.lr_scheduler import LambdaLR
 
-from coati_kto.config.schema import Config
+from coati_kto.config.schema import TrainSection
 
 
 def lr_factor(scheduler_step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
@@ -77,9 +77,10 @@ def reschedule(
     rebase_lr(scheduler, lr)
 
 
-def schedule_notes(config: Config, steps: int) -> list[str]:
-    """One line each for a schedule that will not run as the config reads."""
-    train, notes = config.train, []
+def schedule_notes(train: TrainSection, steps: int) -> list[str]:
+    """One line each for a schedule of ``steps`` optimizer steps that will not run as the ``train`` section
+    reads."""
+    notes: list[str] = []
     if train.max_steps and steps < train.max_steps:
         notes.append(
             f"note: train.max_epochs {train.max_epochs} holds {steps} optimizer steps, fewer than "

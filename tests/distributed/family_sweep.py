@@ -140,6 +140,7 @@ def _export_check(
 def lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, Any]:
     """Train, resume, export and reload on every rank; the numbers of each, and the first failed check."""
     import torch.distributed as dist
+    from helpers import data_settings
     from transformers import AutoTokenizer
 
     from coati_kto.config.schema import Config
@@ -149,7 +150,7 @@ def lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, A
     from coati_kto.train import train
 
     config = Config.model_validate(raw_config(model_dir, root, plugin, "run"))
-    data = load_prepared(config)
+    data = load_prepared(*data_settings(config))
     batch = KTOCollator(AutoTokenizer.from_pretrained(model_dir).pad_token_id)(
         [data.train[i] for i in range(4)]
     )

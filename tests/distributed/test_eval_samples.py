@@ -106,13 +106,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> dict
 
 def _expected_prompts(runs: dict[str, Any]) -> list[str]:
     """The prompts of the rows the seeded choice names: the first N of a permutation of the eval rows."""
+    from helpers import data_settings
     from transformers import AutoTokenizer
 
     from coati_kto.config.schema import Config
     from coati_kto.data.prepared import load_prepared
 
     config = Config.model_validate(_config(str(runs["model_dir"]), runs["root"], "ddp"))
-    rows = load_prepared(config).eval
+    rows = load_prepared(*data_settings(config)).eval
     tokenizer = AutoTokenizer.from_pretrained(runs["model_dir"])
     chosen = np.random.default_rng(SEED).permutation(len(rows))[:N]
     return [tokenizer.decode(rows[int(i)]["input_ids"][: rows[int(i)]["completion_start"]]) for i in chosen]

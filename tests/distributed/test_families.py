@@ -139,6 +139,7 @@ def _step_zero(config: Any, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
 def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
     from colossalai.accelerator import get_accelerator
+    from helpers import data_settings
     from transformers import AutoConfig
 
     from coati_kto.config.schema import Config
@@ -150,7 +151,7 @@ def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, 
 
     started = time.perf_counter()
     config = Config.model_validate(_raw_config(model_dir, root, plugin, "run"))
-    data = load_prepared(config)
+    data = load_prepared(*data_settings(config))
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -54,6 +54,7 @@ def _adapters(policy: Any) -> dict[str, torch.Tensor]:
 
 def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
+    from helpers import data_settings
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -84,7 +85,7 @@ def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, 
     # The chunked LM head path (no [B, S, V] logits) finds the head through the PeftModel.
     result["chunked_head"] = first.passes._lm_head(first.policy) is not None
     trained = _adapters(first.policy)
-    data = load_prepared(config)
+    data = load_prepared(*data_settings(config))
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     batch = KTOCollator(tokenizer.pad_token_id)([data.train[i] for i in range(4)])
     with torch.no_grad():

@@ -79,6 +79,7 @@ def _ensure(config, data) -> tuple[dict, str]:
 
 def _worker(root: str, model_dir: str, reference_dir: str) -> dict:
     import torch.distributed as dist
+    from helpers import data_settings
 
     from coati_kto.data.collator import KTOCollator
     from coati_kto.data.prepared import load_prepared
@@ -91,7 +92,7 @@ def _worker(root: str, model_dir: str, reference_dir: str) -> dict:
     online = train(_config(root_p, Path(model_dir), Path(reference_dir), "online"))
     cached = train(_config(root_p, Path(model_dir), Path(reference_dir), "cached"))
     config = _config(root_p, Path(model_dir), Path(reference_dir), "cached")
-    data = load_prepared(config)
+    data = load_prepared(*data_settings(config))
     values, reuse_line = _ensure(config, data)
 
     # Online scoring, one row at a time in separate passes: what the cache must equal.

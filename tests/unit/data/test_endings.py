@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers import CORPUS
+from helpers import CORPUS, data_settings
 from test_prepare import make_config
 from test_tokenize import CONVERSATIONS, sentencepiece_tokenizer
 
@@ -84,8 +84,9 @@ def test_a_turn_ending_in_text_gets_eos_unless_the_generation_config_stops_there
     last = Endings(tok).last_token(c_ids[:-1])
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_token_id, last]}))
     config = make_config(tmp_path, tmp_path, ["x.jsonl"])
-    assert generation_eos_ids(config) == sorted([tok.eos_token_id, last])
-    _, stopped = encode(tok, conversation[:-1], conversation[-1:], True, stop_ids=generation_eos_ids(config))
+    assert generation_eos_ids(config.model.path) == sorted([tok.eos_token_id, last])
+    stop_ids = generation_eos_ids(config.model.path)
+    _, stopped = encode(tok, conversation[:-1], conversation[-1:], True, stop_ids=stop_ids)
     assert stopped == c_ids[:-1]
 
 
@@ -130,7 +131,7 @@ def test_prepare_says_how_completions_end(tmp_path: Path, capsys) -> None:
     lines = {}
     for name, rows in (("chat", chat), ("plain", plain)):
         data = write_jsonl(rows, tmp_path / name / "data.jsonl")
-        out = prepare(make_config(tmp_path / name, model, [str(data)]))
+        out = prepare(*data_settings(make_config(tmp_path / name, model, [str(data)])))
         printed = capsys.readouterr().out
         lines[name] = out.stats["completion_end"]
         assert f"  {lines[name]}\n" in printed

@@ -8,18 +8,20 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import data_settings
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_data_formats import write_jsonl
 from test_tokenize import LLAMA2_TEMPLATE
 
+from coati_kto.config.kto import KTOSection
 from coati_kto.config.schema import Config
 from coati_kto.data import store, tables
 from coati_kto.data.collator import KTOCollator
 from coati_kto.data.prepared import load_prepared, prepare
 from coati_kto.data.sampler import MixedLabelBatchSampler
 from coati_kto.data.tokenize import encode, truncation
-from coati_kto.data.weights import GUIDELINE, resolve_kto_weights
+from coati_kto.data.weights import GUIDELINE, WeightSettings, resolve_kto_weights
 from coati_kto.errors import ConfigError, DataError
 
 SYSTEM = "You can call the tool search(query). Answer briefly."
@@ -62,7 +64,11 @@ def test_rows_masks_pairs_and_stats(tmp_path: Path, tiny_model_dir: Path, tiny_t
         {"prompt": "ca", "completion": "pital", "label": False},
     ]
     data = write_jsonl(tmp_path / "t.jsonl", rows(12, 6) + plain)
-    out = prepare(make_config(tmp_path, tiny_model_dir, [str(data)], max_length=256, max_prompt_length=128))
+    out = prepare(
+        *data_settings(
+            make_config(tmp_path, tiny_model_dir, [str(data)], max_length=256, max_prompt_length=128)
+        )
+    )
     train, stats = out.train, out.stats
     assert out.eval is None and len(train) == 20
     assert {
@@ -110,7 +116,9 @@ def test_duplicate_prompts_reported(tmp_path: Path, tiny_model_dir: Path) -> Non
     # 7 of 10 examples share one prompt: at least 2*7-10 = 4 pairs must share a prompt, and no more do.
     data = [chat_row(i, i % 2 == 0, prompt_id=0 if i < 7 else i) for i in range(10)]
     path = write_jsonl(tmp_path / "dup.jsonl", data)
-    kl = prepare(make_config(tmp_path, tiny_model_dir, [str(path)])).stats["train"]["kl_pairs"]
+    kl = prepare(*data_settings(make_config(tmp_path, tiny_model_dir, [str(path)]))).stats["train"][
+        "kl_pairs"
+    ]
     assert kl == {
         **kl,
         "self_pairs": 0,
@@ -127,7 +135,11 @@ def test_truncation_is_counted(tmp_path: Path, tiny_model_dir: Path, tiny_tokeni
     ]
     short = [{"prompt": "Q:", "completion": " fine", "label": i % 2 == 0} for i in range(4)]
     path = write_jsonl(tmp_path / "t.jsonl", long_prompt + long_completion + short)
-    out = prepare(make_config(tmp_path, tiny_model_dir, [str(path)], max_length=24, max_prompt_length=16))
+    out = prepare(
+        *data_settings(
+            make_config(tmp_path, tiny_model_dir, [str(path)], max_length=24, max_prompt_length=16)
+        )
+    )
     lens = np.array(
         [
             [len(x) for x in encode(tiny_tokenizer, r["prompt"], r["completion"], False)]
@@ -150,19 +162,52 @@ def test_truncation_is_counted(tmp_path: Path, tiny_model_dir: Path, tiny_tokeni
             assert completion.startswith(" yes yes")  # the completion keeps its START
 
 
+# Digests of the two configs below (input files and tokenizer hash held fixed), computed by
+# store.fingerprint(config, tokenizer) at dc21b1c, before the data package took PrepareSettings instead of the
+# whole Config (issue 45 part 3): a digest that moves rebuilds every user's prepared data.
+FINGERPRINTS_BEFORE_SETTINGS = {"eval_fraction": "ab70f6b0333af7d6", "eval_files": "85913658aceda49c"}
+
+
+def test_fingerprint_of_a_fixed_config_is_unchanged(tmp_path: Path, monkeypatch) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 2]}))
+    data = {
+        "train_files": ["/data/train.jsonl"],
+        "prepared_dir": "/data/prepared",
+        "max_length": 96,
+        "max_prompt_length": 40,
+        "on_bad_record": "skip",
+        "on_too_long": "skip",
+        "eval_fraction": 0.25,
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
+    monkeypatch.setattr(store, "_file_entries", lambda paths, key: [[p, 123, "ab" * 32] for p in paths])
+    monkeypatch.setattr(store, "tokenizer_hash", lambda tokenizer: "cd" * 32)
+    digests = {}
+    for name, extra in (("eval_fraction", {}), ("eval_files", {"eval_files": ["/data/eval.jsonl"]})):
+        config = Config.model_validate(
+            {"model": {"path": str(model)}, "data": {**data, **extra}, "train": {"seed": 3}}
+        )
+        fp = store.fingerprint(data_settings(config)[0], tokenizer=None)
+        assert fp["generation_eos_ids"] == [2, 7] and fp["settings"]["seed"] == 3
+        digests[name] = fp["digest"]
+    assert digests == FINGERPRINTS_BEFORE_SETTINGS
+
+
 def test_cache_reuse_and_invalidation(tmp_path: Path, tiny_model_dir: Path, tiny_tokenizer, capsys) -> None:
     path = write_jsonl(tmp_path / "t.jsonl", rows(6, 4))
     cfg = make_config(tmp_path, tiny_model_dir, [str(path)])
     marker = tmp_path / "prepared" / "fingerprint.json"
-    prepare(cfg)
+    prepare(*data_settings(cfg))
     first = marker.stat().st_mtime_ns
     capsys.readouterr()
-    prepare(cfg)
+    prepare(*data_settings(cfg))
     assert marker.stat().st_mtime_ns == first and "reusing" in capsys.readouterr().out
 
     def rebuilt(config: Config) -> bool:
         before = marker.stat().st_mtime_ns
-        prepare(config)
+        prepare(*data_settings(config))
         return marker.stat().st_mtime_ns != before
 
     assert rebuilt(cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_length": 512})}))
@@ -194,7 +239,7 @@ def test_cache_reuse_and_invalidation(tmp_path: Path, tiny_model_dir: Path, tiny
 def test_crash_never_leaves_a_valid_looking_cache(tmp_path: Path, tiny_model_dir: Path, monkeypatch) -> None:
     path = write_jsonl(tmp_path / "t.jsonl", rows(6, 4))
     cfg = make_config(tmp_path, tiny_model_dir, [str(path)])
-    prepare(cfg)
+    prepare(*data_settings(cfg))
     good = json.loads((tmp_path / "prepared" / "fingerprint.json").read_text())
 
     def boom(*args, **kwargs):
@@ -202,12 +247,14 @@ def test_crash_never_leaves_a_valid_looking_cache(tmp_path: Path, tiny_model_dir
 
     monkeypatch.setattr(store, "build_split", boom)
     with pytest.raises(KeyboardInterrupt):
-        prepare(cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_length": 300})}))
+        prepare(
+            *data_settings(cfg.model_copy(update={"data": cfg.data.model_copy(update={"max_length": 300})}))
+        )
     # The old cache is intact and still matches its own inputs; no half-built directory anywhere.
     assert json.loads((tmp_path / "prepared" / "fingerprint.json").read_text()) == good
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
     monkeypatch.undo()
-    assert len(prepare(cfg).train) == 10
+    assert len(prepare(*data_settings(cfg)).train) == 10
 
 
 def test_refuses_to_overwrite_a_foreign_directory(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -215,33 +262,35 @@ def test_refuses_to_overwrite_a_foreign_directory(tmp_path: Path, tiny_model_dir
     (tmp_path / "prepared").mkdir()
     (tmp_path / "prepared" / "precious.txt").write_text("keep me")
     with pytest.raises(DataError, match="refusing to overwrite"):
-        prepare(make_config(tmp_path, tiny_model_dir, [str(path)]))
+        prepare(*data_settings(make_config(tmp_path, tiny_model_dir, [str(path)])))
 
 
 def test_eval_fraction_is_stratified_and_seeded(tmp_path: Path, tiny_model_dir: Path) -> None:
     path = write_jsonl(tmp_path / "t.jsonl", rows(40, 12))
-    out = prepare(make_config(tmp_path, tiny_model_dir, [str(path)], eval_fraction=0.25))
+    out = prepare(*data_settings(make_config(tmp_path, tiny_model_dir, [str(path)], eval_fraction=0.25)))
     assert out.stats["train"]["labels"] == {"desirable": 30, "undesirable": 9}
     assert out.stats["eval"]["labels"] == {"desirable": 10, "undesirable": 3}
     assert set(out.train["source"]).isdisjoint(out.eval["source"])
     assert len(set(out.train["source"]) | set(out.eval["source"])) == 52
     assert out.stats["eval"]["kl_pairs"]["self_pairs"] == 0
     assert max(out.eval["kl_index"]) < len(out.eval)  # KL pairs built within each split
-    again = prepare(make_config(tmp_path / "b", tiny_model_dir, [str(path)], eval_fraction=0.25))
+    again = prepare(
+        *data_settings(make_config(tmp_path / "b", tiny_model_dir, [str(path)], eval_fraction=0.25))
+    )
     assert again.eval["source"] == out.eval["source"]
 
 
 def test_eval_files(tmp_path: Path, tiny_model_dir: Path) -> None:
     train = write_jsonl(tmp_path / "t.jsonl", rows(6, 4))
     ev = write_jsonl(tmp_path / "e.jsonl", rows(2, 2))
-    out = prepare(make_config(tmp_path, tiny_model_dir, [str(train)], eval_files=[str(ev)]))
+    out = prepare(*data_settings(make_config(tmp_path, tiny_model_dir, [str(train)], eval_files=[str(ev)])))
     assert len(out.train) == 10 and len(out.eval) == 4 and out.stats["files"]["eval"] == [str(ev)]
 
 
 def test_single_label_is_a_clear_error(tmp_path: Path, tiny_model_dir: Path) -> None:
     path = write_jsonl(tmp_path / "t.jsonl", rows(8, 0))
     with pytest.raises(DataError) as info:
-        prepare(make_config(tmp_path, tiny_model_dir, [str(path)]))
+        prepare(*data_settings(make_config(tmp_path, tiny_model_dir, [str(path)])))
     msg = str(info.value)
     assert "8 desirable and 0 undesirable" in msg and str(path) in msg and "KTO needs both labels" in msg
 
@@ -249,7 +298,7 @@ def test_single_label_is_a_clear_error(tmp_path: Path, tiny_model_dir: Path) -> 
 def test_skip_mode_counts_bad_records(tmp_path: Path, tiny_model_dir: Path) -> None:
     bad = ["{not json", {"prompt": "a", "completion": "b", "label": "yes"}, {"messages": [], "label": True}]
     path = write_jsonl(tmp_path / "t.jsonl", rows(5, 5) + bad)
-    out = prepare(make_config(tmp_path, tiny_model_dir, [str(path)], on_bad_record="skip"))
+    out = prepare(*data_settings(make_config(tmp_path, tiny_model_dir, [str(path)], on_bad_record="skip")))
     assert len(out.train) == 10
     assert out.stats["bad_records"]["skipped"] == 3
     assert out.stats["bad_records"]["by_reason"] == {
@@ -263,9 +312,9 @@ def test_skip_mode_counts_bad_records(tmp_path: Path, tiny_model_dir: Path) -> N
 
 def test_num_proc_gives_identical_rows(tmp_path: Path, tiny_model_dir: Path, monkeypatch) -> None:
     path = write_jsonl(tmp_path / "t.jsonl", rows(30, 20))
-    one = prepare(make_config(tmp_path / "one", tiny_model_dir, [str(path)]))
+    one = prepare(*data_settings(make_config(tmp_path / "one", tiny_model_dir, [str(path)])))
     monkeypatch.setattr(tables, "MIN_ROWS_PER_PROC", 10)
-    two = prepare(make_config(tmp_path / "two", tiny_model_dir, [str(path)], num_proc=2))
+    two = prepare(*data_settings(make_config(tmp_path / "two", tiny_model_dir, [str(path)], num_proc=2)))
     assert one.train.to_dict() == two.train.to_dict()
 
 
@@ -282,18 +331,16 @@ def test_num_proc_gives_identical_rows(tmp_path: Path, tiny_model_dir: Path, mon
     ],
 )
 def test_auto_weights_land_in_guideline(tmp_path: Path, n_d: int, n_u: int, mbs: int, replicas: int) -> None:
-    cfg = make_config(tmp_path, tmp_path, ["x.jsonl"])
-    cfg.train.micro_batch_size = mbs
-    cfg.kto.auto_weights = True
     stats = {"train": {"labels": {"desirable": n_d, "undesirable": n_u}}}
-    w_d, w_u, report = resolve_kto_weights(cfg, stats, replicas)
+    auto = WeightSettings(KTOSection(auto_weights=True), micro_batch_size=mbs)
+    w_d, w_u, report = resolve_kto_weights(auto, stats, replicas, str(tmp_path))
     s = MixedLabelBatchSampler.compute_stats(n_d, n_u, mbs, replicas)
     ratio = w_d * s.effective_desirable / (w_u * s.effective_undesirable)
     assert GUIDELINE[0] <= ratio <= GUIDELINE[1] and max(w_d, w_u) == 1.0
     assert "inside" in report and not report.startswith("warning")
 
-    cfg.kto.auto_weights = False
-    w_d, w_u, report = resolve_kto_weights(cfg, stats, replicas)
+    configured = WeightSettings(KTOSection(auto_weights=False), micro_batch_size=mbs)
+    w_d, w_u, report = resolve_kto_weights(configured, stats, replicas, str(tmp_path))
     assert (w_d, w_u) == (1.0, 1.0)
     inside = GUIDELINE[0] <= s.effective_desirable / s.effective_undesirable <= GUIDELINE[1]
     assert report.startswith("warning") != inside
@@ -303,9 +350,8 @@ def test_inspect_shows_mixed_batches(tmp_path: Path, tiny_model_dir: Path, capsy
     from coati_kto.data.inspect import inspect_batches
 
     path = write_jsonl(tmp_path / "t.jsonl", rows(15, 5))
-    inspect_batches(
-        make_config(tmp_path, tiny_model_dir, [str(path)]), num_ranks=2, num_batches=2, num_examples=2
-    )
+    inputs = data_settings(make_config(tmp_path, tiny_model_dir, [str(path)]))
+    inspect_batches(*inputs, num_ranks=2, num_batches=2, num_examples=2)
     out = capsys.readouterr().out
     for rank in (0, 1):
         for b in (0, 1):
@@ -344,29 +390,31 @@ def test_load_prepared_protocol(tmp_path: Path, tiny_model_dir: Path, monkeypatc
     path = write_jsonl(tmp_path / "t.jsonl", rows(6, 4))
     cfg = make_config(tmp_path, tiny_model_dir, [str(path)])
     rank0 = FakeCollectives(monkeypatch, 0)
-    assert len(load_prepared(cfg).train) == 10 and rank0.calls == ["broadcast"]
+    assert len(load_prepared(*data_settings(cfg)).train) == 10 and rank0.calls == ["broadcast"]
     digest = json.loads((tmp_path / "prepared" / "fingerprint.json").read_text())["digest"]
 
     rank1 = FakeCollectives(monkeypatch, 1, rank0_outcome=("ok", digest, None))
-    assert len(load_prepared(cfg).train) == 10 and rank1.calls == ["broadcast"]
+    assert len(load_prepared(*data_settings(cfg)).train) == 10 and rank1.calls == ["broadcast"]
 
-    # Rank 0 failed: every rank raises its one-line error after the same collectives.
-    rank1 = FakeCollectives(
-        monkeypatch, 1, rank0_outcome=("user", DataError, "t.jsonl:3: field 'label': ...")
-    )
+    # Rank 0 failed: every rank raises its one-line error after the same collectives (rank 0 sends the error
+    # as on_rank0 does since 2d09d46: pickled by _portable; this test sent the bare class and failed since).
+    from coati_kto.parallel.distributed import _portable
+
+    message = "t.jsonl:3: field 'label': ..."
+    rank1 = FakeCollectives(monkeypatch, 1, rank0_outcome=("user", _portable(DataError(message)), message))
     with pytest.raises(DataError, match="t.jsonl:3: field 'label'"):
-        load_prepared(cfg)
+        load_prepared(*data_settings(cfg))
     assert rank1.calls == ["broadcast"]
     bad = make_config(tmp_path, tiny_model_dir, [str(write_jsonl(tmp_path / "one.jsonl", rows(4, 0)))])
     rank0 = FakeCollectives(monkeypatch, 0)
     with pytest.raises(DataError, match="KTO needs both labels"):
-        load_prepared(bad)
+        load_prepared(*data_settings(bad))
     assert rank0.calls == ["broadcast"]
 
     # A rank that cannot see rank 0's build (prepared_dir not shared across nodes) says so.
     FakeCollectives(monkeypatch, 1, rank0_outcome=("ok", "0123456789abcdef", None))
     with pytest.raises(DataError, match="shared filesystem"):
-        load_prepared(cfg)
+        load_prepared(*data_settings(cfg))
 
 
 def test_examples_that_cannot_fit_are_dropped_and_counted(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -378,9 +426,9 @@ def test_examples_that_cannot_fit_are_dropped_and_counted(tmp_path: Path, tiny_m
     # Bypass the schema (validate_assignment refuses it), as a config object built in code could.
     data = {**cfg.data.model_dump(), "max_length": 16, "max_prompt_length": 16}
     object.__setattr__(cfg, "data", cfg.data.model_construct(**data))
-    out = prepare(cfg)
+    out = prepare(*data_settings(cfg))
     assert out.stats["train"]["dropped"] == {"no_room_for_completion": 3} and len(out.train) == 4
-    assert "dropped: {'no_room_for_completion': 3}" in store.summary(out.stats, cfg, True, "", 1.0)
+    assert "dropped: {'no_room_for_completion': 3}" in store.summary(out.stats, cfg.data, True, "", 1.0)
 
 
 def test_on_too_long_truncates_skips_or_stops(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -389,16 +437,22 @@ def test_on_too_long_truncates_skips_or_stops(tmp_path: Path, tiny_model_dir: Pa
     rows_ = [{"prompt": "Q:", "completion": " ok" * 40, "label": i % 2 == 0} for i in range(3)]
     rows_ += [{"prompt": "Q:", "completion": " ok", "label": i % 2 == 0} for i in range(4)]
     path = write_jsonl(tmp_path / "t.jsonl", rows_)
-    truncated = prepare(make_config(tmp_path, tiny_model_dir, [str(path)], max_length=24))
+    truncated = prepare(*data_settings(make_config(tmp_path, tiny_model_dir, [str(path)], max_length=24)))
     assert len(truncated.train) == 7 and truncated.stats["train"]["truncated"]["completion"] == 3
     assert max(len(r["input_ids"]) for r in truncated.train) == 24
-    skipped = prepare(make_config(tmp_path, tiny_model_dir, [str(path)], max_length=24, on_too_long="skip"))
+    skipped = prepare(
+        *data_settings(make_config(tmp_path, tiny_model_dir, [str(path)], max_length=24, on_too_long="skip"))
+    )
     assert len(skipped.train) == 4 and skipped.stats["train"]["dropped"] == {"too_long": 3}
     assert skipped.stats["train"]["truncated"]["completion"] == 0
     with pytest.raises(
         DataError, match=rf"^{path}:1: \d+ prompt \+ \d+ completion tokens, longer than data.max"
     ):
-        prepare(make_config(tmp_path, tiny_model_dir, [str(path)], max_length=24, on_too_long="error"))
+        prepare(
+            *data_settings(
+                make_config(tmp_path, tiny_model_dir, [str(path)], max_length=24, on_too_long="error")
+            )
+        )
     with pytest.raises(Exception, match="on_too_long"):
         make_config(tmp_path, tiny_model_dir, [str(path)], on_too_long="drop")
 
@@ -433,7 +487,9 @@ def test_sentencepiece_rows_are_the_conversation_tokenized_whole(tmp_path: Path)
     tok = AutoTokenizer.from_pretrained(model_dir)
     data = [qa_row(i, i % 3 != 0) for i in range(60)]
     path = write_jsonl(tmp_path / "t.jsonl", data)
-    out = prepare(make_config(tmp_path, model_dir, [str(path)], max_length=512, max_prompt_length=256))
+    out = prepare(
+        *data_settings(make_config(tmp_path, model_dir, [str(path)], max_length=512, max_prompt_length=256))
+    )
     assert out.stats["train"]["boundary_inside_token"] == 0 and len(out.train) == 60
     for r in out.train:
         raw = data[int(r["source"].rsplit(":", 1)[1]) - 1]
@@ -447,7 +503,11 @@ def test_sentencepiece_rows_are_the_conversation_tokenized_whole(tmp_path: Path)
 
     # Truncation on the same rows: the prompt keeps its BOS and its END, the completion its START, its end of
     # turn only if it fits. (Before: the cut removed the BOS, and a Gemma model read every truncated row without it.)
-    cut = prepare(make_config(tmp_path / "cut", model_dir, [str(path)], max_length=16, max_prompt_length=8))
+    cut = prepare(
+        *data_settings(
+            make_config(tmp_path / "cut", model_dir, [str(path)], max_length=16, max_prompt_length=8)
+        )
+    )
     whole = {r["source"]: r for r in out.train}
     for rows, ids in ((cut.train, "input_ids"), (cut.train, "kl_input_ids")):
         for r in rows:
@@ -466,7 +526,7 @@ def test_sentencepiece_rows_are_the_conversation_tokenized_whole(tmp_path: Path)
 def test_no_pad_token_is_one_line_then_pads_with_eos(tmp_path: Path, capsys) -> None:
     model_dir = sp_model_dir(tmp_path, "legacy-prepend")  # Llama-2 style: no pad token
     path = write_jsonl(tmp_path / "t.jsonl", [qa_row(i, i % 2 == 0) for i in range(8)])
-    out = prepare(make_config(tmp_path, model_dir, [str(path)]))
+    out = prepare(*data_settings(make_config(tmp_path, model_dir, [str(path)])))
     printed = capsys.readouterr().out
     eos = out.stats["padding"]["pad_id"]
     assert f"  {out.stats['padding']['note']}" in printed.splitlines()
@@ -474,7 +534,7 @@ def test_no_pad_token_is_one_line_then_pads_with_eos(tmp_path: Path, capsys) -> 
     batch = KTOCollator(eos)(list(out.train))
     assert (batch.example.input_ids[batch.example.attention_mask == 0] == eos).all()
     load_prepared(
-        make_config(tmp_path, model_dir, [str(path)])
+        *data_settings(make_config(tmp_path, model_dir, [str(path)]))
     )  # what train's rank 0 runs: reused, said once
     assert capsys.readouterr().out == out.stats["padding"]["note"] + "\n"
 
@@ -483,10 +543,10 @@ def test_summary_says_lengths_before_and_after_truncation(tmp_path: Path, tiny_m
     long = [{"prompt": "Q:", "completion": " yes" * (20 + i), "label": i % 2 == 0} for i in range(4)]
     path = write_jsonl(tmp_path / "t.jsonl", long)
     cfg = make_config(tmp_path, tiny_model_dir, [str(path)], max_length=16, max_prompt_length=8)
-    out = prepare(cfg)
+    out = prepare(*data_settings(cfg))
     before = out.stats["train"]["lengths"]["total"]
     assert before["max"] > 16 and out.stats["train"]["lengths_truncated"]["total"]["max"] == 16
-    text = store.summary(out.stats, cfg, True, "x", 1.0)
+    text = store.summary(out.stats, cfg.data, True, "x", 1.0)
     assert (
         f"tokens per example before truncation p50 {before['p50']:.0f}, p99 {before['p99']:.0f}, max "
         f"{before['max']}; after p50 16, p99 16, max 16" in text
@@ -496,7 +556,7 @@ def test_summary_says_lengths_before_and_after_truncation(tmp_path: Path, tiny_m
 def test_exact_duplicates_are_counted_and_kept(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
     data = rows(5, 5)
     path = write_jsonl(tmp_path / "t.jsonl", data + [data[0], data[0], data[3]])
-    out = prepare(make_config(tmp_path, tiny_model_dir, [str(path)]))
+    out = prepare(*data_settings(make_config(tmp_path, tiny_model_dir, [str(path)])))
     assert len(out.train) == 13  # kept: the user may mean them
     assert out.stats["duplicates"] == {
         "records": 3,
@@ -511,7 +571,10 @@ def test_exact_duplicates_are_counted_and_kept(tmp_path: Path, tiny_model_dir: P
     flipped = {**data[0], "label": not data[0]["label"]}
     path2 = write_jsonl(tmp_path / "u.jsonl", [*data, flipped])
     assert (
-        prepare(make_config(tmp_path / "u", tiny_model_dir, [str(path2)])).stats["duplicates"]["records"] == 0
+        prepare(*data_settings(make_config(tmp_path / "u", tiny_model_dir, [str(path2)]))).stats[
+            "duplicates"
+        ]["records"]
+        == 0
     )
 
 
@@ -522,7 +585,7 @@ def test_eval_fraction_keeps_each_prompt_on_one_side(tmp_path: Path, tiny_model_
         for i in range(20)
     ]
     path = write_jsonl(tmp_path / "p.jsonl", pairs + pairs[:3])  # 3 duplicated pairs
-    out = prepare(make_config(tmp_path, tiny_model_dir, [str(path)], eval_fraction=0.25))
+    out = prepare(*data_settings(make_config(tmp_path, tiny_model_dir, [str(path)], eval_fraction=0.25)))
 
     def prompts(ds) -> set[tuple[int, ...]]:
         return {tuple(r["input_ids"][: r["completion_start"]]) for r in ds}
@@ -538,14 +601,14 @@ def test_content_change_with_same_size_and_mtime_rebuilds(
     """Issue 17: cp -p / rsync -t keep size and mtime; the fingerprint hashes the content."""
     path = write_jsonl(tmp_path / "t.jsonl", [{**r, "label": int(r["label"])} for r in rows(6, 4)])
     cfg = make_config(tmp_path, tiny_model_dir, [str(path)])
-    first = prepare(cfg)
+    first = prepare(*data_settings(cfg))
     st = path.stat()
     flipped = path.read_text().translate(str.maketrans({"0": "1", "1": "0"}))  # labels (and numbers) flipped
     path.write_text(flipped)
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     assert path.stat().st_size == st.st_size and path.stat().st_mtime_ns == st.st_mtime_ns
     capsys.readouterr()
-    again = prepare(cfg)
+    again = prepare(*data_settings(cfg))
     assert f"(changed: train_files (content of {path.name}))" in capsys.readouterr().out
     assert again.stats["train"]["labels"] == {"desirable": 4, "undesirable": 6}
     assert first.stats["train"]["labels"] == {"desirable": 6, "undesirable": 4}
@@ -557,9 +620,9 @@ def test_empty_prompt_is_refused_or_counted(tmp_path: Path, tiny_model_dir: Path
         tmp_path / "t.jsonl", [*rows(3, 3), {"prompt": "", "completion": " yes", "label": True}]
     )
     with pytest.raises(DataError) as info:
-        prepare(make_config(tmp_path, tiny_model_dir, [str(path)]))
+        prepare(*data_settings(make_config(tmp_path, tiny_model_dir, [str(path)])))
     assert str(info.value).startswith(f"{path}:7: field 'prompt': no prompt tokens (the prompt is empty")
-    out = prepare(make_config(tmp_path, tiny_model_dir, [str(path)], on_bad_record="skip"))
+    out = prepare(*data_settings(make_config(tmp_path, tiny_model_dir, [str(path)], on_bad_record="skip")))
     assert len(out.train) == 6 and out.stats["bad_records"]["by_reason"] == {"no_prompt_tokens": 1}
 
 
@@ -622,7 +685,11 @@ def test_record_tools_and_template_variables_reach_the_template(tmp_path: Path, 
     ]
     records[1]["tools"] = json.dumps(records[1]["tools"])  # as some datasets store it: a JSON string
     path = write_jsonl(tmp_path / "t.jsonl", records)
-    out = prepare(make_config(tmp_path, model_dir, [str(path)], chat_template_kwargs={"thinking": False}))
+    out = prepare(
+        *data_settings(
+            make_config(tmp_path, model_dir, [str(path)], chat_template_kwargs={"thinking": False})
+        )
+    )
     assert len(out.train) == 12
     for r in out.train:
         i = int(r["source"].rsplit(":", 1)[1]) - 1
@@ -636,7 +703,9 @@ def test_record_tools_and_template_variables_reach_the_template(tmp_path: Path, 
         )
         assert tok.decode(r["input_ids"][r["completion_start"] :]) == "Paris.<|im_end|>\n"
     thinking = prepare(
-        make_config(tmp_path / "t", model_dir, [str(path)], chat_template_kwargs={"thinking": True})
+        *data_settings(
+            make_config(tmp_path / "t", model_dir, [str(path)], chat_template_kwargs={"thinking": True})
+        )
     )
     assert "no think" not in tok.decode(thinking.train[0]["input_ids"])
 
@@ -662,7 +731,7 @@ def test_a_prompt_the_template_rewrites_names_where_it_differs(tmp_path: Path, t
     }
     path = write_jsonl(tmp_path / "t.jsonl", [{**record, "label": True}, {**record, "label": False}])
     with pytest.raises(DataError) as info:
-        prepare(make_config(tmp_path, model_dir, [str(path)]))
+        prepare(*data_settings(make_config(tmp_path, model_dir, [str(path)])))
     message = str(info.value)
     assert (
         message.startswith(f"{path}:1: field 'messages': the chat template renders the prompt")
@@ -704,7 +773,9 @@ def test_a_sentencepiece_model_file_alone_prepares(tmp_path: Path, tiny_model_di
     (model_dir / "config.json").write_text((tiny_model_dir / "config.json").read_text())
     tok = AutoTokenizer.from_pretrained(model_dir)
     data = [qa_row(i, i % 2 == 0) for i in range(8)]
-    out = prepare(make_config(tmp_path, model_dir, [str(write_jsonl(tmp_path / "t.jsonl", data))]))
+    out = prepare(
+        *data_settings(make_config(tmp_path, model_dir, [str(write_jsonl(tmp_path / "t.jsonl", data))]))
+    )
     assert len(out.train) == 8
     for r in out.train:
         messages = data[int(r["source"].rsplit(":", 1)[1]) - 1]["messages"]
@@ -727,7 +798,7 @@ def test_a_tokenizer_backend_missing_is_one_line(tmp_path: Path, tiny_model_dir:
 
     monkeypatch.setattr(AutoTokenizer, "from_pretrained", missing)
     with pytest.raises(ConfigError) as info:
-        load_tokenizer(make_config(tmp_path, tiny_model_dir, ["t.jsonl"]))
+        load_tokenizer(make_config(tmp_path, tiny_model_dir, ["t.jsonl"]).model)
     assert str(info.value) == (
         f"model.tokenizer / model.path {tiny_model_dir}: cannot load a tokenizer (SentencePieceBackend requires "
         "the SentencePiece library but it was not found.)"
@@ -743,14 +814,14 @@ def test_token_ids_past_the_model_vocabulary_are_one_line(tmp_path: Path, tiny_m
     shutil.copytree(tiny_model_dir, model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     path = write_jsonl(tmp_path / "t.jsonl", rows(6, 3))
-    out = prepare(make_config(tmp_path, model_dir, [str(path)]))
+    out = prepare(*data_settings(make_config(tmp_path, model_dir, [str(path)])))
     top = out.stats["train"]["max_token_id"]
     assert (
         top == max(max(r["input_ids"] + r["kl_input_ids"]) for r in out.train) and top < config["vocab_size"]
     )
     (model_dir / "config.json").write_text(json.dumps({**config, "vocab_size": top}))
     with pytest.raises(ConfigError) as info:
-        prepare(make_config(tmp_path, model_dir, [str(path)]))
+        prepare(*data_settings(make_config(tmp_path, model_dir, [str(path)])))
     assert str(info.value) == (
         f"model.path {model_dir} has {top} token embeddings, but the prepared data holds token id {top}: the "
         "tokenizer has tokens the model cannot embed (resize its embeddings to the tokenizer with "
@@ -769,24 +840,24 @@ def test_rows_past_a_learned_position_table_are_one_line(tmp_path: Path, tiny_mo
     from coati_kto.data.prepared import _longest
 
     path = write_jsonl(tmp_path / "t.jsonl", rows(6, 3))
-    out = prepare(make_config(tmp_path, tiny_model_dir, [str(path)]))
-    config = make_config(tmp_path, tiny_model_dir, [str(path)])
+    out = prepare(*data_settings(make_config(tmp_path, tiny_model_dir, [str(path)])))
+    max_length = make_config(tmp_path, tiny_model_dir, [str(path)]).data.max_length
     longest = max(len(r[key]) for r in out.train for key in ("input_ids", "kl_input_ids"))
-    assert longest <= _longest(config, out) <= config.data.max_length
+    assert longest <= _longest(max_length, out) <= max_length
     model_dir = tmp_path / "gpt2"
     shutil.copytree(tiny_model_dir, model_dir)
-    GPT2Config(n_positions=_longest(config, out) - 1, vocab_size=1000).save_pretrained(model_dir)
+    GPT2Config(n_positions=_longest(max_length, out) - 1, vocab_size=1000).save_pretrained(model_dir)
     with pytest.raises(ConfigError) as info:
-        prepare(make_config(tmp_path, model_dir, [str(path)]))
+        prepare(*data_settings(make_config(tmp_path, model_dir, [str(path)])))
     assert str(info.value) == (
-        f"model.path {model_dir} has {_longest(config, out) - 1} learned positions, but the prepared rows reach "
-        f"{_longest(config, out)} tokens: set data.max_length to at most {_longest(config, out) - 1}"
+        f"model.path {model_dir} has {_longest(max_length, out) - 1} learned positions, but the prepared rows reach "
+        f"{_longest(max_length, out)} tokens: set data.max_length to at most {_longest(max_length, out) - 1}"
     )
-    GPT2Config(n_positions=_longest(config, out), vocab_size=1000).save_pretrained(model_dir)
-    prepare(make_config(tmp_path, model_dir, [str(path)]))
+    GPT2Config(n_positions=_longest(max_length, out), vocab_size=1000).save_pretrained(model_dir)
+    prepare(*data_settings(make_config(tmp_path, model_dir, [str(path)])))
     rotary = json.loads((tiny_model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps({**rotary, "max_position_embeddings": 4}))
-    prepare(make_config(tmp_path, model_dir, [str(path)]))
+    prepare(*data_settings(make_config(tmp_path, model_dir, [str(path)])))
 
 
 def test_fields_no_record_shape_reads_are_counted_and_said(
@@ -796,7 +867,7 @@ def test_fields_no_record_shape_reads_are_counted_and_said(
     reached the chat template). Now every field no record shape reads is counted, in the stats and the summary."""
     data = [{**r, "system": "Be brief.", **({"id": i} if i % 2 else {})} for i, r in enumerate(rows(5, 5))]
     path = write_jsonl(tmp_path / "t.jsonl", data)
-    out = prepare(make_config(tmp_path, tiny_model_dir, [str(path)]))
+    out = prepare(*data_settings(make_config(tmp_path, tiny_model_dir, [str(path)])))
     assert out.stats["unread_fields"] == {"id": 5, "system": 10}
     assert (
         "  fields not read: id (5 records), system (10 records); only prompt, completion, label, "
@@ -813,10 +884,10 @@ def test_fields_no_record_shape_reads_are_counted_and_said(
         for i in range(4)
     ]
     path = write_jsonl(tmp_path / "m.jsonl", both)
-    out = prepare(make_config(tmp_path / "m", tiny_model_dir, [str(path)]))
+    out = prepare(*data_settings(make_config(tmp_path / "m", tiny_model_dir, [str(path)])))
     assert out.stats["unread_fields"] == {"completion": 4, "prompt": 4}  # messages wins: said, not silent
     capsys.readouterr()
     clean = write_jsonl(tmp_path / "u.jsonl", rows(5, 5))
-    out = prepare(make_config(tmp_path / "u", tiny_model_dir, [str(clean)]))
+    out = prepare(*data_settings(make_config(tmp_path / "u", tiny_model_dir, [str(clean)])))
     assert out.stats["unread_fields"] == {}
     assert "fields not read" not in capsys.readouterr().out

@@ -88,6 +88,7 @@ def test_config_values(tmp_path: Path) -> None:
 
 def test_prepared_dir_that_is_a_file_is_one_line(tmp_path: Path, tiny_model_dir: Path) -> None:
     """A data.prepared_dir that names a file was a NotADirectoryError traceback from the store."""
+    from helpers import data_settings
     from test_prepare import make_config, rows
 
     from coati_kto.data.files import write_jsonl
@@ -96,5 +97,5 @@ def test_prepared_dir_that_is_a_file_is_one_line(tmp_path: Path, tiny_model_dir:
     path = write_jsonl(rows(4, 2), tmp_path / "t.jsonl")
     (tmp_path / "prepared").write_text("not a directory")
     with pytest.raises(DataError) as info:
-        prepare(make_config(tmp_path, tiny_model_dir, [str(path)]))
+        prepare(*data_settings(make_config(tmp_path, tiny_model_dir, [str(path)])))
     assert str(info.value) == f"data.prepared_dir {tmp_path / 'prepared'}: is a file, not a directory"

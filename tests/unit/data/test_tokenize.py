@@ -548,14 +548,14 @@ def test_a_missing_tokenizer_source_is_one_line_without_hub_retries(
     monkeypatch.chdir(tmp_path)
     path = write_config(tmp_path, MINIMAL)
     with pytest.raises(ConfigError) as err:
-        load_tokenizer(load_config(path, ["model.path=./modle"]))
+        load_tokenizer(load_config(path, ["model.path=./modle"]).model)
     assert str(err.value) == (
         f"model.path: ./modle does not exist (a local path, read from {tmp_path}; a hub id looks like org/name)"
     )
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     start = time.perf_counter()
     with pytest.raises(ConfigError) as err:
-        load_tokenizer(load_config(path, ["model.path=org/not-cached-here"]))
+        load_tokenizer(load_config(path, ["model.path=org/not-cached-here"]).model)
     assert str(err.value) == (
         "model.path: org/not-cached-here is not a local directory and not in the hub cache, and HF_HUB_OFFLINE "
         "is set"

@@ -94,6 +94,8 @@ def test_gemini_is_refused_at_load_with_the_reason(tmp_path: Path) -> None:
 
 
 def test_output_is_needed_by_train_only(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from helpers import data_settings
+
     from coati_kto.data.files import write_jsonl
     from coati_kto.data.prepared import prepare
 
@@ -108,7 +110,7 @@ def test_output_is_needed_by_train_only(tmp_path: Path, tiny_model_dir: Path) ->
         }
     )
     assert config.output is None
-    assert len(prepare(config).train) == 8  # prepare needs no output section
+    assert len(prepare(*data_settings(config)).train) == 8  # prepare needs no output section
     with pytest.raises(ConfigError, match="output.dir: required key is missing"):
         config.training_output()
 

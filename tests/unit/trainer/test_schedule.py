@@ -95,27 +95,30 @@ def test_warmup_longer_than_the_run_is_said(tmp_path) -> None:
     from coati_kto.trainer.schedule import schedule_notes
 
     config = load_config(write_config(tmp_path, MINIMAL), ["train.warmup_steps=10", "train.lr=1e-3"])
-    assert schedule_notes(config, 4) == [
+    assert schedule_notes(config.train, 4) == [
         "warning: train.warmup_steps 10 is not shorter than the run (4 optimizer steps): the learning rate "
         "never reaches train.lr 0.001 (peak 0.000364)"
     ]
-    assert schedule_notes(load_config(write_config(tmp_path, MINIMAL), ["train.warmup_steps=3"]), 4) == []
+    shorter = load_config(write_config(tmp_path, MINIMAL), ["train.warmup_steps=3"])
+    assert schedule_notes(shorter.train, 4) == []
 
 
 def test_padding_free_with_a_dense_mask_on_a_gpu_is_said(tmp_path) -> None:
     from helpers import MINIMAL, write_config
 
     from coati_kto.config.load import load_config
-    from coati_kto.models.packing import padding_free_notes
+    from coati_kto.models.packing import padding_free_note
 
     path = write_config(tmp_path, MINIMAL)
     free = load_config(path, ["data.padding_free=true", "model.attn_implementation=sdpa"])
-    (note,) = padding_free_notes(free, cuda=True)
+    note = padding_free_note(free.data, free.model, cuda=True)
     assert note.startswith("note: data.padding_free with attention sdpa: ") and "flex_attention" in note
-    assert padding_free_notes(free, cuda=False) == []  # CPU: the dense mask is what runs, nothing to choose
+    # CPU: the dense mask is what runs, nothing to choose
+    assert padding_free_note(free.data, free.model, cuda=False) is None
     flex = load_config(path, ["data.padding_free=true", "model.attn_implementation=flex_attention"])
-    assert padding_free_notes(flex, cuda=True) == []
-    assert padding_free_notes(load_config(path), cuda=True) == []
+    assert padding_free_note(flex.data, flex.model, cuda=True) is None
+    plain = load_config(path)
+    assert padding_free_note(plain.data, plain.model, cuda=True) is None
 
 
 def test_a_tensorboard_write_that_fails_stops_tensorboard_not_the_run(
