@@ -189,7 +189,7 @@ def _check_before_launch(args: argparse.Namespace) -> None:
         from coati_kto.runtime.preflight import announce_resume, check_training
 
         check_training(config)
-        announce_resume(config, launcher=True)  # first, before torchrun's workers start
+        announce_resume(config.train, config.training_output(), launcher=True)  # before torchrun's workers
     if args.command == "export" and args.push:
         from coati_kto.export import check_push
 

@@ -51,7 +51,7 @@ def finished_final(config: Config, checkpoint: str, out: str | None) -> Path | N
 
 def check_push(config: Config) -> None:
     """``export --push``: a repo id and a token, before anything is loaded (UserError, one line each)."""
-    problems = push_problems(config, exporting=True)
+    problems = push_problems(config.training_output(), exporting=True)
     if problems:
         raise UserError("\n".join(problems))
 

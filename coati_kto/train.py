@@ -137,7 +137,8 @@ def train(config: Config) -> Any:
     SIGINT or SIGUSR1 end the run after a checkpoint, raising TrainingStoppedError (coati_kto.runtime.signals).
     """
     check_training(config)  # before anything heavy: every problem at once
-    announce_resume(config)  # a run that continues a checkpoint says so first (unless its launcher did)
+    # A run that continues a checkpoint says so first (unless its launcher did).
+    announce_resume(config.train, config.training_output())
     # Installed for the rest of the process: a launcher may repeat the signal while this rank exits (torchrun
     # SIGTERMs the workers still running once one has exited), and that must not kill it mid-teardown.
     stop_signals = STOP.install()

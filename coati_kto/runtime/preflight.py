@@ -22,8 +22,9 @@ from coati_kto.config.hub import HubDataset, hub_offline, hub_token, missing_pat
 from coati_kto.config.hub import hub_problems as _hub_problems
 from coati_kto.config.hub import looks_like_path as _looks_like_path
 from coati_kto.config.lora import peft_config
+from coati_kto.config.output import OutputSection
 from coati_kto.config.resume import check_resume
-from coati_kto.config.schema import Config
+from coati_kto.config.schema import Config, ModelSection, PluginSection, TrainSection
 from coati_kto.data.files import resolve_files
 from coati_kto.data.hub import check as hub_check
 from coati_kto.errors import ConfigError, DataError, UserError
@@ -48,8 +49,10 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def check_training(config: Config) -> None:
-    """Raise ConfigError naming every problem found (one line each); return quietly when there is none."""
-    config.training_output()  # training needs an output section (prepare does not)
+    """Raise ConfigError naming every problem found (one line each); return quietly when there is none.
+
+    The one check that reads the whole config: each part below gets the sections it checks."""
+    output = config.training_output()  # training needs an output section (prepare does not)
     problems: list[str] = []
     model = config.model
     problems += _source_problems("model.path", model.path, model.trust_remote_code, need_weights=True)
@@ -77,11 +80,11 @@ def check_training(config: Config) -> None:
         except DataError as err:
             problems.append(str(err))
     problems += [f"model.path {why}" for why in [vision_language_refusal(model.path)] if why]
-    problems += _lora_problems(config)
-    problems += _attention_problems(config)
-    problems += _resume_problems(config)
-    problems += _output_problems(config)
-    problems += push_problems(config)
+    problems += _lora_problems(model)
+    problems += _attention_problems(model, config.plugin)
+    problems += _resume_problems(config.train, output, config.model_dump(mode="json"))
+    problems += _output_problems(config.train, output)
+    problems += push_problems(output)
     if config.logging.wandb and importlib.util.find_spec("wandb") is None:
         problems.append(
             "logging.wandb: true, but the wandb package is not installed: pip install wandb, "
@@ -130,15 +133,15 @@ def _directory_problems(key: str, path: Path, trust_remote_code: bool, need_weig
     return problems
 
 
-def _lora_problems(config: Config) -> list[str]:
+def _lora_problems(model_section: ModelSection) -> list[str]:
     """model.lora.target_modules that match no module of the model, or name one peft cannot adapt, and any other
     refusal of peft's (each would fail in peft after the model loaded on every rank).
 
     The model is built on the meta device from its config.json (no weights read, no memory): only for a local
     directory without remote code; anything else is left to peft.
     """
-    lora, path = config.model.lora, Path(config.model.path).expanduser()
-    if lora is None or config.model.trust_remote_code or not (path / "config.json").is_file():
+    lora, path = model_section.lora, Path(model_section.path).expanduser()
+    if lora is None or model_section.trust_remote_code or not (path / "config.json").is_file():
         return []
     # Imported here: torch and transformers cost seconds, and only a LoRA run pays them in preflight.
     import torch
@@ -212,7 +215,7 @@ def _known_model_type(model_type: object) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- run state
-def _attention_problems(config: Config) -> list[str]:
+def _attention_problems(model: ModelSection, plugin: PluginSection) -> list[str]:
     """flash_attention_2 without flash-attn; GPU-only settings on CPU: flex_attention trains only where torch
     has its backward (the policy's first backward raised NotImplementedError on CPU, after the models had
     loaded; no-grad passes run there); fp16's dynamic loss scaler asks ColossalAI's CPU accelerator for a device
@@ -220,42 +223,40 @@ def _attention_problems(config: Config) -> list[str]:
     import torch
 
     out = []
-    if (
-        config.model.attn_implementation == "flash_attention_2"
-        and importlib.util.find_spec("flash_attn") is None
-    ):
+    if model.attn_implementation == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
         out.append(  # models/hf.py says the same at load, after prepare (minutes on a large data set)
             "model.attn_implementation flash_attention_2 needs the flash-attn package, which is not installed: "
             "pip install flash-attn --no-build-isolation, or set model.attn_implementation=sdpa"
         )
     if torch.cuda.is_available():
         return out
-    if config.model.attn_implementation == "flex_attention":
+    if model.attn_implementation == "flex_attention":
         out.append(
             f"model.attn_implementation flex_attention: torch {torch.__version__} has no FlexAttention backward "
             "on CPU, so the policy cannot train here; use sdpa (or eager) on CPU, flex_attention on GPUs"
         )
-    if config.plugin.precision == "fp16":  # ColossalAI's fp16 loss scaler counts CUDA devices: a traceback
+    if plugin.precision == "fp16":  # ColossalAI's fp16 loss scaler counts CUDA devices: a traceback
         out.append("plugin.precision fp16 needs a GPU (ColossalAI's loss scaler); use bf16 or fp32 on CPU")
     return out
 
 
-def _starts_from_zero(config: Config) -> bool:
+def _starts_from_zero(train: TrainSection, output: OutputSection) -> bool:
     """No resume, or train.resume=auto with no complete checkpoint to resume from."""
-    if config.train.resume is None:
+    if train.resume is None:
         return True
-    checkpoints = Path(config.output.dir) / CHECKPOINTS_DIR
-    return config.train.resume == "auto" and not complete_checkpoints(checkpoints)
+    checkpoints = Path(output.dir) / CHECKPOINTS_DIR
+    return train.resume == "auto" and not complete_checkpoints(checkpoints)
 
 
-def _resume_problems(config: Config) -> list[str]:
-    """A checkpoint train.resume names that is not one, or config changes a resume from it refuses: said before
-    the data is prepared and the cached reference computed (a refused resume used to rebuild data.prepared_dir,
-    deleting the reference cache the old config needs, and score the data with the reference, then refuse)."""
-    if config.train.resume is None or (config.train.resume == "auto" and config.output.overwrite):
+def _resume_problems(train: TrainSection, output: OutputSection, current: dict) -> list[str]:
+    """A checkpoint train.resume names that is not one, or changes from its config to ``current`` (this run's
+    whole config as JSON) a resume refuses: said before the data is prepared and the cached reference computed
+    (a refused resume used to rebuild data.prepared_dir, deleting the reference cache the old config needs, and
+    score the data with the reference, then refuse)."""
+    if train.resume is None or (train.resume == "auto" and output.overwrite):
         return []  # overwrite: the run's checkpoints are deleted before auto looks for one
     try:
-        checkpoint = resolve_checkpoint(Path(config.output.dir) / CHECKPOINTS_DIR, config.train.resume)
+        checkpoint = resolve_checkpoint(Path(output.dir) / CHECKPOINTS_DIR, train.resume)
     except UserError as err:
         return [str(err)]
     if checkpoint is None:
@@ -265,7 +266,7 @@ def _resume_problems(config: Config) -> list[str]:
     except OSError:  # none saved, or pruned by a run still saving there (keep_last): the lock check says so
         return []
     try:
-        check_resume(saved, config.model_dump(mode="json"), checkpoint.name) if saved is not None else None
+        check_resume(saved, current, checkpoint.name) if saved is not None else None
     except ConfigError as err:
         return str(err).splitlines()
     return []
@@ -275,11 +276,11 @@ def _resume_problems(config: Config) -> list[str]:
 RESUME_SAID_ENV = "COATI_KTO_RESUME_SAID"
 
 
-def resume_notice(config: Config) -> str | None:
+def resume_notice(train: TrainSection, output: OutputSection) -> str | None:
     """The line a run that continues a checkpoint starts with: which one, and how to start over instead (TRL starts
     anew unless told to resume; the shipped configs' ``train.resume: auto`` continues). None when the run starts
     from step 0, or when the checkpoint named is no checkpoint (:func:`check_training` says so)."""
-    output, resume = config.training_output(), config.train.resume
+    resume = train.resume
     if resume is None or (resume == "auto" and output.overwrite):
         return None
     try:
@@ -297,20 +298,20 @@ def resume_notice(config: Config) -> str | None:
     return f"resuming from {checkpoint} (train.resume); to start over instead, leave train.resume unset"
 
 
-def announce_resume(config: Config, launcher: bool = False) -> None:
+def announce_resume(train: TrainSection, output: OutputSection, launcher: bool = False) -> None:
     """Print :func:`resume_notice`, the run's first line, once: by the ``launcher`` (which marks it said for its
     workers), else by global rank 0."""
     if os.environ.get(RESUME_SAID_ENV) or os.environ.get("RANK", "0") != "0":
         return
-    line = resume_notice(config)
+    line = resume_notice(train, output)
     if line is not None:
         print(line, flush=True)
     if launcher:
         os.environ[RESUME_SAID_ENV] = "1"
 
 
-def _output_problems(config: Config) -> list[str]:
-    out_dir = Path(config.output.dir)
+def _output_problems(train: TrainSection, output: OutputSection) -> list[str]:
+    out_dir = Path(output.dir)
     existing = out_dir
     while not existing.exists() and existing != existing.parent:
         existing = existing.parent
@@ -326,11 +327,9 @@ def _output_problems(config: Config) -> list[str]:
     holder = lock_holder(out_dir) if "RANK" not in os.environ else None
     if holder is not None:
         return [in_use(out_dir, holder)]
-    if _starts_from_zero(config) and not config.output.overwrite and previous_run(out_dir):
+    if _starts_from_zero(train, output) and not output.overwrite and previous_run(out_dir):
         found = ", ".join(previous_run(out_dir)[-3:])
-        if (
-            config.train.resume == "auto"
-        ):  # asked to continue, but that run left no checkpoint to continue from
+        if train.resume == "auto":  # asked to continue, but that run left no checkpoint to continue from
             return [
                 f"output.dir: {out_dir} holds a run ({found}) with no complete checkpoint, so train.resume=auto "
                 "has nothing to continue: start over with output.overwrite=true (deletes its events and final "
@@ -343,10 +342,9 @@ def _output_problems(config: Config) -> list[str]:
     return []
 
 
-def push_problems(config: Config, exporting: bool = False) -> list[str]:
+def push_problems(output: OutputSection, exporting: bool = False) -> list[str]:
     """output.push_to_hub that cannot succeed at the end of the run: said now, not after hours of training
     (``exporting``: for ``coati-kto export --push``, which writes its own directory)."""
-    output = config.training_output()
     push = output.push_to_hub
     if push is None:
         return ["coati-kto export --push needs output.push_to_hub (the repo id)"] if exporting else []

@@ -115,7 +115,7 @@ def test_vision_language_refusals_at_preflight(tmp_path: Path) -> None:
             "output": {"dir": str(tmp_path / "o")},
         }
     )
-    assert _lora_problems(config) == [
+    assert _lora_problems(config.model) == [
         f"model.lora with {tmp_path / 'qwen25'}, a vision-language model (qwen2_5_vl): train it in full"
     ]
     tf.Llama4Config(text_config={**TEXT, "head_dim": 8}).save_pretrained(tmp_path / "llama4")

@@ -24,16 +24,31 @@ def _lora_config(tmp_path: Path, model_dir: Path, targets: str | None = None):
     return load_config(write_config(tmp_path, text))
 
 
+def _attention(config) -> list[str]:
+    return _attention_problems(config.model, config.plugin)
+
+
+def _resume(config) -> list[str]:
+    from coati_kto.runtime.preflight import _resume_problems
+
+    return _resume_problems(config.train, config.output, config.model_dump(mode="json"))
+
+
+def _resume_sections(config) -> tuple:
+    """What resume_notice and announce_resume read: the train and output sections."""
+    return config.train, config.output
+
+
 def test_lora_targets_missing_from_the_model_are_named_with_its_linear_layers(tmp_path: Path) -> None:
     """GPT-2 has no q_proj: the default targets failed in peft after the model loaded (issue 17)."""
     from transformers import GPT2Config
 
     model_dir = _model_dir(tmp_path, GPT2Config(n_layer=1, n_embd=32, n_head=4, vocab_size=64))
-    assert _lora_problems(_lora_config(tmp_path, model_dir)) == [
+    assert _lora_problems(_lora_config(tmp_path, model_dir).model) == [
         f"model.lora.target_modules: q_proj, k_proj, v_proj, o_proj match no module of GPT2LMHeadModel "
         f"({model_dir}); its linear layers: c_attn, c_fc, c_proj"
     ]
-    assert _lora_problems(_lora_config(tmp_path, model_dir, "[c_attn, attn.c_proj]")) == []
+    assert _lora_problems(_lora_config(tmp_path, model_dir, "[c_attn, attn.c_proj]").model) == []
 
 
 def test_lora_on_a_vision_language_model_is_refused(tmp_path: Path) -> None:
@@ -42,7 +57,7 @@ def test_lora_on_a_vision_language_model_is_refused(tmp_path: Path) -> None:
 
     model = build_family_model("gemma3_vl", build_tokenizer(["a b c d"] * 5, vocab_size=280))
     model_dir = _model_dir(tmp_path, model.config)
-    assert _lora_problems(_lora_config(tmp_path, model_dir)) == [
+    assert _lora_problems(_lora_config(tmp_path, model_dir).model) == [
         f"model.lora with {model_dir}, a vision-language model (gemma3): train it in full"
     ]
 
@@ -52,7 +67,7 @@ def test_lora_targets_of_a_llama_pass(tmp_path: Path, targets: str | None) -> No
     from transformers import LlamaConfig
 
     config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
-    assert _lora_problems(_lora_config(tmp_path, _model_dir(tmp_path, config), targets)) == []
+    assert _lora_problems(_lora_config(tmp_path, _model_dir(tmp_path, config), targets).model) == []
 
 
 def test_flex_attention_is_refused_for_training_on_cpu(tmp_path: Path) -> None:
@@ -62,9 +77,9 @@ def test_flex_attention_is_refused_for_training_on_cpu(tmp_path: Path) -> None:
     if torch.cuda.is_available():
         pytest.skip("a GPU trains with flex_attention")
     path = write_config(tmp_path, MINIMAL)
-    (line,) = _attention_problems(load_config(path, ["model.attn_implementation=flex_attention"]))
+    (line,) = _attention(load_config(path, ["model.attn_implementation=flex_attention"]))
     assert line.startswith("model.attn_implementation flex_attention: torch ") and "use sdpa" in line
-    assert _attention_problems(load_config(path, ["model.attn_implementation=sdpa"])) == []
+    assert _attention(load_config(path, ["model.attn_implementation=sdpa"])) == []
 
 
 def test_fp16_is_refused_for_training_on_cpu(tmp_path: Path) -> None:
@@ -76,10 +91,10 @@ def test_fp16_is_refused_for_training_on_cpu(tmp_path: Path) -> None:
         pytest.skip("a GPU trains in fp16")
     path = write_config(tmp_path, MINIMAL)
     for plugin in (["plugin.name=hybrid_parallel"], ["plugin.name=low_level_zero", "plugin.zero_stage=2"]):
-        assert _attention_problems(load_config(path, [*plugin, "plugin.precision=fp16"])) == [
+        assert _attention(load_config(path, [*plugin, "plugin.precision=fp16"])) == [
             "plugin.precision fp16 needs a GPU (ColossalAI's loss scaler); use bf16 or fp32 on CPU"
         ]
-    assert _attention_problems(load_config(path, ["plugin.precision=bf16"])) == []
+    assert _attention(load_config(path, ["plugin.precision=bf16"])) == []
 
 
 def test_flash_attention_without_flash_attn_is_refused_before_prepare(tmp_path: Path) -> None:
@@ -90,7 +105,7 @@ def test_flash_attention_without_flash_attn_is_refused_before_prepare(tmp_path: 
     if importlib.util.find_spec("flash_attn") is not None:
         pytest.skip("flash-attn is installed")
     path = write_config(tmp_path, MINIMAL)
-    assert _attention_problems(load_config(path, ["model.attn_implementation=flash_attention_2"])) == [
+    assert _attention(load_config(path, ["model.attn_implementation=flash_attention_2"])) == [
         "model.attn_implementation flash_attention_2 needs the flash-attn package, which is not installed: "
         "pip install flash-attn --no-build-isolation, or set model.attn_implementation=sdpa"
     ]
@@ -106,12 +121,12 @@ def test_resume_auto_over_a_run_without_checkpoints_says_what_to_do(tmp_path: Pa
     (out / "tensorboard" / "events.out.tfevents.1.host").write_bytes(b"")
     text = MINIMAL.replace("dir: out", f"dir: {out}")
     fresh = load_config(write_config(tmp_path, text))
-    assert _output_problems(fresh) == [
+    assert _output_problems(fresh.train, fresh.output) == [
         f"output.dir: {out} already holds a run (tensorboard/ events): continue it with train.resume=auto, or "
         "start over with output.overwrite=true (deletes its checkpoints, events and final model)"
     ]
     auto = load_config(write_config(tmp_path, text + "train:\n  resume: auto\n"))
-    assert _output_problems(auto) == [
+    assert _output_problems(auto.train, auto.output) == [
         f"output.dir: {out} holds a run (tensorboard/ events) with no complete checkpoint, so train.resume=auto "
         "has nothing to continue: start over with output.overwrite=true (deletes its events and final model), or "
         "use another output.dir"
@@ -161,8 +176,6 @@ def test_a_refused_resume_is_said_before_the_data_is_prepared(tmp_path: Path) ->
     scored with the reference, all of which a resume unchanged then had to do again."""
     import torch
 
-    from coati_kto.runtime.preflight import _resume_problems
-
     out = tmp_path / "out"
     text = MINIMAL.replace("dir: out", f"dir: {out}").replace(
         "prepared_dir: prepared", "prepared_dir: p\n  max_length: 48\n  max_prompt_length: 16"
@@ -173,22 +186,20 @@ def test_a_refused_resume_is_said_before_the_data_is_prepared(tmp_path: Path) ->
     torch.save({"trainer_state": {"config": saved}, "rng": None}, step / "trainer_state" / "rank-0.pt")
     (step / "COMPLETE").write_text("step 4\n")
     unchanged = load_config(write_config(tmp_path, text), ["train.resume=auto", "train.max_steps=6"])
-    assert _resume_problems(unchanged) == []
+    assert _resume(unchanged) == []
     changed = load_config(write_config(tmp_path, text), ["train.resume=auto", "data.max_length=40"])
-    assert _resume_problems(changed) == [
+    assert _resume(changed) == [
         "train.resume step-4: data.max_length 48 -> 40: cannot change on resume (the data position of the epoch "
         "in progress belongs to the old training set)",
         "(start a new run in another output.dir, or resume unchanged)",
     ]
-    assert _resume_problems(
-        load_config(write_config(tmp_path, text), [f"train.resume={step}", "data.max_length=40"])
-    )
+    assert _resume(load_config(write_config(tmp_path, text), [f"train.resume={step}", "data.max_length=40"]))
     overwrite = [
         "train.resume=auto",
         "output.overwrite=true",
         "data.max_length=40",
     ]  # a new run: deletes step-4
-    assert _resume_problems(load_config(write_config(tmp_path, text), overwrite)) == []
+    assert _resume(load_config(write_config(tmp_path, text), overwrite)) == []
     assert not (tmp_path / "p").exists()
 
 
@@ -213,7 +224,7 @@ def _qwen3_moe_dir(tmp_path: Path) -> Path:
 def test_lora_targets_peft_maps_onto_fused_moe_experts_pass(tmp_path: Path, targets: str) -> None:
     """transformers 5 fuses an MoE's experts into 3D parameters and makes the router a custom module: peft maps
     the v4 names (gate_proj, up_proj, down_proj; gate) onto them (target_parameters), so preflight must too."""
-    assert _lora_problems(_lora_config(tmp_path, _qwen3_moe_dir(tmp_path), targets)) == []
+    assert _lora_problems(_lora_config(tmp_path, _qwen3_moe_dir(tmp_path), targets).model) == []
 
 
 @pytest.mark.parametrize(
@@ -222,7 +233,7 @@ def test_lora_targets_peft_maps_onto_fused_moe_experts_pass(tmp_path: Path, targ
 def test_lora_targets_peft_cannot_adapt_are_named(tmp_path: Path, targets: str, kind: str) -> None:
     """A name that exists but is no layer peft wraps failed in peft after every rank loaded the model."""
     model_dir = _qwen3_moe_dir(tmp_path)
-    assert _lora_problems(_lora_config(tmp_path, model_dir, targets)) == [
+    assert _lora_problems(_lora_config(tmp_path, model_dir, targets).model) == [
         f"model.lora.target_modules: peft cannot put adapters on {kind} (not a linear layer) of "
         f"Qwen3MoeForCausalLM ({model_dir}); its linear layers: k_proj, o_proj, q_proj, v_proj"
     ]
@@ -232,7 +243,7 @@ def test_lora_dropout_on_moe_parameters_is_named_before_loading(tmp_path: Path) 
     """peft's ParamWrapper (the experts' and router's fused parameters) refuses lora_dropout != 0."""
     model_dir = _qwen3_moe_dir(tmp_path)
     config = _lora_config(tmp_path, model_dir, "[q_proj, gate]\n    dropout: 0.1")
-    assert _lora_problems(config) == [
+    assert _lora_problems(config.model) == [
         f"model.lora: peft refuses it for Qwen3MoeForCausalLM ({model_dir}): lora.ParamWrapper does not work "
         "with lora_dropout != 0."
     ]
@@ -258,22 +269,22 @@ def test_a_push_that_cannot_succeed_is_refused_before_training(
         "output.push_to_hub me/kto: no Hugging Face token (set HF_TOKEN, or run `hf auth login`): the upload at "
         "the end of the run would fail"
     )
-    assert push_problems(config) == [no_token]
+    assert push_problems(config.output) == [no_token]
     monkeypatch.setenv("RANK", "1")
-    assert push_problems(config) == []
+    assert push_problems(config.output) == []
     monkeypatch.setenv("RANK", "0")
     (tmp_path / "no-token").write_text("hf_from_the_token_file\n")  # what `hf auth login` writes
-    assert push_problems(config) == []
+    assert push_problems(config.output) == []
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert push_problems(config) == [
+    assert push_problems(config.output) == [
         "output.push_to_hub me/kto: HF_HUB_OFFLINE is set, so nothing can be uploaded"
     ]
     monkeypatch.delenv("HF_HUB_OFFLINE")
     unsaved = load_config(write_config(tmp_path, MINIMAL + "  push_to_hub: me/kto\n  save_final: false\n"))
-    assert push_problems(unsaved) == [
+    assert push_problems(unsaved.output) == [
         "output.push_to_hub me/kto with output.save_final false: there is no final/ to upload"
     ]
-    assert push_problems(load_config(write_config(tmp_path, MINIMAL)), exporting=True) == [
+    assert push_problems(load_config(write_config(tmp_path, MINIMAL)).output, exporting=True) == [
         "coati-kto export --push needs output.push_to_hub (the repo id)"
     ]
 
@@ -291,7 +302,7 @@ def test_a_run_that_resumes_says_so_once_and_how_to_start_over(
     out = tmp_path / "out"
     path = write_config(tmp_path, MINIMAL.replace("dir: out", f"dir: {out}"))
     auto = load_config(path, ["train.resume=auto"])
-    assert resume_notice(auto) is None  # no checkpoint yet: a new run
+    assert resume_notice(*_resume_sections(auto)) is None  # no checkpoint yet: a new run
     step = out / "checkpoints" / "step-4"
     step.mkdir(parents=True)
     (step / "COMPLETE").write_text("step 4\n")
@@ -299,19 +310,23 @@ def test_a_run_that_resumes_says_so_once_and_how_to_start_over(
         f"resuming the run in {out} from step-4 (train.resume=auto); to start over instead, add "
         "output.overwrite=true (deletes its checkpoints, events and final model) or choose another output.dir"
     )
-    assert resume_notice(auto) == said
-    assert resume_notice(load_config(path, [f"train.resume={step}"])) == (
+    assert resume_notice(*_resume_sections(auto)) == said
+    assert resume_notice(*_resume_sections(load_config(path, [f"train.resume={step}"]))) == (
         f"resuming from {step} (train.resume); to start over instead, leave train.resume unset"
     )
-    assert resume_notice(load_config(path, ["train.resume=auto", "output.overwrite=true"])) is None
-    assert resume_notice(load_config(path)) is None
+    assert (
+        resume_notice(*_resume_sections(load_config(path, ["train.resume=auto", "output.overwrite=true"])))
+        is None
+    )
+    assert resume_notice(*_resume_sections(load_config(path))) is None
     monkeypatch.setenv("RANK", "1")
-    announce_resume(auto)
+    announce_resume(*_resume_sections(auto))
     monkeypatch.setenv("RANK", "0")
-    announce_resume(auto)
+    announce_resume(*_resume_sections(auto))
     assert capsys.readouterr().out == said + "\n"
     monkeypatch.delenv("RANK")
-    announce_resume(auto, launcher=True)  # the launcher says it; its workers (RANK 0 included) do not again
+    # the launcher says it; its workers (RANK 0 included) do not again
+    announce_resume(*_resume_sections(auto), launcher=True)
     monkeypatch.setenv("RANK", "0")
-    announce_resume(auto)
+    announce_resume(*_resume_sections(auto))
     assert capsys.readouterr().out == said + "\n"
