@@ -27,9 +27,19 @@ import torch.multiprocessing as mp
 from coati_kto.parallel.distributed import free_port, init_distributed
 from coati_kto.testing.worker_pool import WorkerPool, next_result, rank_env
 
-# Variables that change between calls and that no library reads at import time: pytest's current test, the
-# runner's own GPU hiding, and inductor's cache directory (torch sets it in os.environ when it first computes it).
-VOLATILE_ENV = frozenset({"PYTEST_CURRENT_TEST", "CUDA_VISIBLE_DEVICES", "TORCHINDUCTOR_CACHE_DIR"})
+# Variables that differ between calls without changing how a rank starts: pytest's current test, the runner's own
+# GPU hiding, and those libraries set in os.environ as they are imported or run (inductor's cache directory and
+# its per-process pointer, ColossalAI's CUDA_DEVICE_MAX_CONNECTIONS; a started pool adds what its ranks' imports
+# set: WorkerPool.import_env).
+VOLATILE_ENV = frozenset(
+    {
+        "PYTEST_CURRENT_TEST",
+        "CUDA_VISIBLE_DEVICES",
+        "TORCHINDUCTOR_CACHE_DIR",
+        "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR",
+        "CUDA_DEVICE_MAX_CONNECTIONS",
+    }
+)
 FRESH_ENV = "COATI_KTO_FRESH_PROCESSES"  # =1: enable_pool() does nothing, every call starts fresh processes
 
 
@@ -43,6 +53,7 @@ class _Pools:
         self.by_size: dict[int, WorkerPool] = {}
         self.fresh_depth = 0
         self.calls: Counter[str] = Counter()
+        self.import_env: frozenset[str] = frozenset()
 
 
 _POOLS = _Pools()
@@ -84,7 +95,7 @@ def pool_stats() -> dict[str, int]:
 
 
 def _stable(env: Any) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k not in VOLATILE_ENV}
+    return {k: v for k, v in env.items() if k not in VOLATILE_ENV and k not in _POOLS.import_env}
 
 
 def _why_fresh(device: str, fresh: bool) -> str | None:
@@ -95,9 +106,9 @@ def _why_fresh(device: str, fresh: bool) -> str | None:
         return "device"
     if fresh or _POOLS.fresh_depth:
         return "asked"
-    env = _stable(os.environ)
-    if env != _POOLS.env:
-        changed = sorted(k for k in env.keys() | _POOLS.env.keys() if env.get(k) != _POOLS.env.get(k))
+    env, start = _stable(os.environ), _stable(_POOLS.env)
+    if env != start:
+        changed = sorted(k for k in env.keys() | start.keys() if env.get(k) != start.get(k))
         return "environment differs (" + ", ".join(changed[:3]) + (", ..." if len(changed) > 3 else "") + ")"
     return None
 
@@ -127,6 +138,7 @@ def run_distributed(
     if pool is None or not pool.alive:
         _POOLS.calls["pool start"] += 1
         pool = _POOLS.by_size[world_size] = WorkerPool(world_size, dict(os.environ), _POOLS.preload)
+        _POOLS.import_env |= pool.import_env
     else:
         _POOLS.calls["pool"] += 1
     return pool.run(fn, args, timeout_s)

@@ -106,9 +106,13 @@ class WorkerPool:
         finally:
             os.environ.clear()
             os.environ.update(saved)
-        self.pids = [p.pid for p in self._procs]
         self.alive = True
-        self._collect(READY, STARTUP_TIMEOUT_S)
+        ready = self._collect(READY, STARTUP_TIMEOUT_S)
+        self.pids = [pid for pid, _ in ready]
+        # Variables the ranks' imports set themselves (ColossalAI's CUDA_DEVICE_MAX_CONNECTIONS): a caller that
+        # imported the same libraries holds them too, and a difference there is no different start.
+        start = rank_env(env, 0, world_size, self._port)
+        self.import_env = frozenset(k for k, v in ready[0][1].items() if start.get(k) != v)
 
     def run(self, fn: Callable[..., Any], args: tuple, timeout_s: float) -> list[Any]:
         """``fn(*args)`` on every rank with this process's environment, cwd and sys.path; each rank's result.
@@ -191,15 +195,17 @@ def serve(rank: int, world_size: int, port: int, tasks: Any, results: Any, prelo
     os.environ.update(rank_env({}, rank, world_size, port))
     torch.set_num_threads(1)
     try:
-        _preload(preload)
+        # The group first: it applies the project's ColossalAI patches (parallel.upstream) before any preloaded
+        # module binds a patched function by name, as in a fresh process, where the task's imports come after.
         init_distributed(timeout_s=120)
+        _preload(preload)
         gc.collect()
         state = FreshState.take()
         gc.freeze()  # the imports' objects: every gc.collect after a task (ColossalAI's teardown) skips them
     except BaseException:
         results.put((READY, rank, False, bytes(ForkingPickler.dumps(traceback.format_exc())), False))
         raise
-    results.put((READY, rank, True, bytes(ForkingPickler.dumps(os.getpid())), True))
+    results.put((READY, rank, True, bytes(ForkingPickler.dumps((os.getpid(), dict(os.environ)))), True))
     try:
         while True:
             while not tasks._reader.poll(_IDLE_POLL_S):
