@@ -177,6 +177,7 @@ def _packed_run(model_dir: str, root: str, pack_policy: bool, padding_free: bool
     """Two steps of LoRA on hybrid_parallel ZeRO-2 bf16 with kto.pack_reference: the adapter-free reference
     runs its shared-prompt pass through the plugin's wrapper; with pack_policy the policy folds too."""
     import coati_kto.models.packing as packing
+    import coati_kto.trainer.passes as passes
     from coati_kto.config.schema import Config
     from coati_kto.train import train
 
@@ -193,11 +194,13 @@ def _packed_run(model_dir: str, root: str, pack_policy: bool, padding_free: bool
     raw["kto"] = {"pack_reference": True, "pack_policy": pack_policy, "kl_continuation": False}
     raw["data"]["padding_free"] = padding_free
     raw["output"] = {"dir": str(Path(root) / f"packed-{pack_policy}"), "save_final": False}
-    packing.packed_logps = counted
+    # Counted where the trainer looks it up too: passes binds it at import, which comes before this task in a
+    # worker that imported the package already (the worker pool's ranks preload it).
+    packing.packed_logps = passes.packed_logps = counted
     try:
         trainer = train(Config.model_validate(raw))
     finally:
-        packing.packed_logps = packed
+        packing.packed_logps = passes.packed_logps = packed
     first = next(h for h in trainer.history if "train/loss" in h)
     return {"calls": calls, "rewards": (first["train/rewards/chosen"], first["train/rewards/rejected"])}
 
