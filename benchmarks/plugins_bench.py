@@ -82,7 +82,7 @@ def _worker(model_dir: str, plugin: dict, args: dict) -> dict:
     )
     total = args["steps"] + args["warmup"]
     plan = ParallelPlan.from_config(cfg)
-    built = plan.build_plugin()
+    built = plan.backend.build_plugin()
     parts = build_components(cfg, built, total, plan)
     trainer = TimedTrainer(
         parts.policy, parts.reference, parts.booster, parts.optimizer, built, parts.lr_scheduler, None,

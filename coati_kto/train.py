@@ -68,7 +68,7 @@ class Components:
     booster: Any
     layout: ParallelLayout
     policy: Any  # boosted
-    # frozen, eval mode, built by plan.build_reference (same path as the policy); with model.lora the policy
+    # frozen, eval mode, built by plan.backend.build_reference (same path as the policy); with model.lora the policy
     # with its adapters disabled (coati_kto.models.lora.AdapterFreeReference); None with kto.reference cached
     reference: Any
     optimizer: Any  # boosted
@@ -81,7 +81,7 @@ class Components:
 def build_components(
     config: Config, plugin: Any, total_steps: int, plan: ParallelPlan | None = None
 ) -> Components:
-    """Models, optimizer, cosine schedule with warmup, boosted. Every rank calls, after ``plan.build_plugin``.
+    """Models, optimizer, cosine schedule with warmup, boosted. Every rank calls, after ``plan.backend.build_plugin``.
 
     Both models load in fp32: the policy is boosted (ZeRO and the AMP optimizers keep fp32 masters; the plugin
     casts the working copy), the reference goes through the same plugin path without an optimizer
@@ -108,13 +108,13 @@ def build_components(
         reference = load_causal_lm(
             config.model.reference_path or config.model.path, config.model, torch.float32
         )
-        reference = plan.build_reference(plugin, maybe_compile(reference, config.model.compile))
+        reference = plan.backend.build_reference(plugin, maybe_compile(reference, config.model.compile))
     optimizer = optimizer_for(policy.parameters(), config.train, config.plugin.cpu_offload)
     lr_scheduler = warmup_cosine_schedule(
         optimizer, config.train.warmup_steps, max(1, total_steps), config.train.min_lr_ratio
     )
-    # Every parameter, frozen ones too: ZeRO skips them; LowLevelZeroPlugin finds adapters by their base layer.
-    policy, optimizer, lr_scheduler = plan.boost(booster, policy, optimizer, lr_scheduler)
+    # Every parameter, frozen ones too: ZeRO skips them; a ZeRO plugin finds adapters by their base layer.
+    policy, optimizer, lr_scheduler = plan.backend.boost(booster, policy, optimizer, lr_scheduler)
     if config.model.lora is not None and config.kto.reference == "online":
         reference = AdapterFreeReference(policy)  # the base model: no second copy in memory
     return Components(plugin, booster, layout, policy, reference, optimizer, lr_scheduler, plan, frozen_fp32)
@@ -226,7 +226,7 @@ def _setup(config: Config, heartbeat: Heartbeat | None, training: bool = True) -
     if training and config.kto.reference == "cached":  # once (all ranks) unless a matching cache exists
         data = with_reference_logps(config, data, pad)
     plan = ParallelPlan.from_config(config, dp_size=dist.get_world_size() // config.plugin.tp_size)
-    plugin = plan.build_plugin()
+    plugin = plan.backend.build_plugin()
     layout = ParallelLayout.from_plugin(plugin)
     if layout.is_main and training:
         save_config(config, out_dir / CONFIG_FILE)

@@ -24,6 +24,12 @@ from coati_kto.families import check_model_family, packing_refusal, router_aux_p
 
 # The enumerations other layers share (the plan): one list each, here (the loss types: coati_kto.config.kto).
 PluginName = Literal["hybrid_parallel", "low_level_zero", "gemini", "ddp"]
+# Why plugin.name gemini is refused (here at load, and by coati_kto.parallel.backends.gemini for a plugin built by hand).
+GEMINI_REFUSAL = (
+    "plugin.name gemini is not supported: it needs CUDA and is unverified here (the no-grad policy forward before "
+    "the first backward trips GeminiDDP's placement assertion, and gradient accumulation needs "
+    "enable_gradient_accumulation); use hybrid_parallel with zero_stage 2, or low_level_zero"
+)
 Precision = Literal["fp32", "bf16", "fp16"]
 
 
@@ -241,12 +247,7 @@ class PluginSection(_Section):
     def _combinations(self) -> PluginSection:
         problems = []  # every one at once, a line each
         if self.name == "gemini":
-            problems.append(
-                "plugin.name gemini is not supported: it needs CUDA and is unverified here (the no-grad policy "
-                "forward before the first backward trips GeminiDDP's placement assertion, and gradient "
-                "accumulation needs enable_gradient_accumulation); use hybrid_parallel with zero_stage 2, or "
-                "low_level_zero"
-            )
+            problems.append(GEMINI_REFUSAL)
         if self.name == "hybrid_parallel" and self.zero_stage >= 1 and self.precision == "fp32":
             problems.append(
                 f"plugin.name hybrid_parallel with plugin.zero_stage {self.zero_stage} needs "
@@ -320,10 +321,10 @@ class Config(_Section):
         for key in (
             "model.path",
             "model.reference_path",
-        ):  # encoders; no shardformer policy: no hybrid_parallel
+        ):  # encoders; no tensor-parallel policy: no plugin.tp_size above 1
             try:
                 if path := getattr(self.model, key.split(".")[1]):
-                    check_model_family(self.plugin.name, path, key, self.plugin.tp_size)
+                    check_model_family(path, key, self.plugin.tp_size)
             except ConfigError as err:
                 out.append(str(err))
         return out

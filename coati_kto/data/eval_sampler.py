@@ -1,7 +1,7 @@
 """Evaluation batches: every example exactly once over the data-parallel ranks, the same number of micro-batches
 on every rank, padding rows marked invalid so exact metrics ignore them.
 
-Why equal counts: evaluation forward passes may hold collectives (ZeRO-3/Gemini gather weights, and the eval
+Why equal counts: evaluation forward passes may hold collectives (a sharded forward gathers weights, and the eval
 reduction itself), so a rank with one micro-batch fewer would hang the others. Why padding instead of a
 shorter last batch: a rank may have no example left at all for its last micro-batch.
 

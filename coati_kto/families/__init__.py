@@ -1,9 +1,10 @@
 """Model-family facts: the one place that knows how a family's model behaves under our passes and plugins.
 
 What lives here: which model class a checkpoint builds (from config.json alone), which classes shardformer can
-shard, the check that refuses a family a plugin cannot run (called by the config schema at load), which heads
-are exactly ``lm_head(hidden)`` (the chunked head is exact for them), the attention window a packed mask must
-apply, and, in ``policies``, the shardformer policies the project corrects. A new family's facts go here and in
+shard, the check that refuses a family a tensor-parallel size cannot split (called by the config schema at load,
+and by the tensor-parallel backend for a class only loading tells), which heads are exactly ``lm_head(hidden)``
+(the chunked head is exact for them), the attention window a packed mask must apply, and, in ``policies``, the
+shardformer policies the project corrects. A new family's facts go here and in
 ``coati_kto.testing.tiny`` (its tiny builder), nowhere else.
 
 May import: ``coati_kto.errors`` only (a leaf: the config schema imports it). ColossalAI is never imported at
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from coati_kto.errors import ConfigError
-from coati_kto.families.shardformer import hybrid_refusal, supported_summary
+from coati_kto.families.shardformer import supported_summary, tensor_parallel_refusal
 from coati_kto.families.unproven import unproven_refusal
 
 # Families whose causal-LM forward is exactly ``logits = lm_head(final_hidden)`` (no soft-capping or scaling
@@ -141,16 +142,15 @@ def encoder_refusal(raw: dict[str, Any]) -> str | None:
     )
 
 
-def check_model_family(plugin: str, model_dir: str, key: str, tp_size: int = 1) -> None:
+def check_model_family(model_dir: str, key: str, tp_size: int = 1) -> None:
     """ConfigError (one line) when the model at ``model_dir`` is an encoder or fails the family sweep
-    (``unproven.UNPROVEN_TYPES``; any plugin), or when ``plugin`` is
-    hybrid_parallel and its class is not admitted at ``tp_size`` (every class at tp_size 1; above it
-    ``shardformer.TENSOR_PARALLEL_FAMILIES``: what the tests prove).
+    (``unproven.UNPROVEN_TYPES``; any plugin), or when its class is not admitted at ``tp_size`` tensor-parallel
+    ranks (every class at tp_size 1; above it ``shardformer.TENSOR_PARALLEL_FAMILIES``: what the tests prove).
     Checked from config.json alone; a class it cannot tell (hub id, remote code) is checked at boost."""
     raw = _config_json(model_dir) or {}
     if (why := encoder_refusal(raw) or unproven_refusal(raw)) is not None:
         raise ConfigError(f"{key} {model_dir}: {why}")
-    if plugin != "hybrid_parallel":
+    if tp_size <= 1:
         return
     name = model_class_name(model_dir)
     if name is None:
@@ -193,19 +193,19 @@ def tensor_parallel_shape_refusal(raw: dict[str, Any], tp_size: int) -> str | No
         named = " and ".join(f"{k} {v}" for k, v in counts.items() if v % tp_size or k in SPLIT_HEADS[:2])
         return (
             f"plugin.tp_size {tp_size} must divide {named} (each tensor-parallel rank holds whole heads): use "
-            "plugin.tp_size 1, or low_level_zero"
+            "plugin.tp_size 1"
         )
     return None
 
 
 def refuse_unadmitted(model_class: str, tp_size: int, prefix: str = "") -> None:
-    """ConfigError unless ``model_class`` (a class name, bare or with its module) is admitted under
-    hybrid_parallel at ``tp_size``."""
-    why = hybrid_refusal(model_class.rsplit(".", 1)[-1], tp_size)
+    """ConfigError unless ``model_class`` (a class name, bare or with its module) is admitted at ``tp_size``
+    tensor-parallel ranks."""
+    why = tensor_parallel_refusal(model_class.rsplit(".", 1)[-1], tp_size)
     if why is not None:
         raise ConfigError(
-            f"{prefix}{why} (tensor parallelism: {supported_summary()}); plugin.tp_size 1 (every family), "
-            "low_level_zero or ddp needs no policy"
+            f"{prefix}{why} (tensor parallelism: {supported_summary()}); plugin.tp_size 1 runs every family "
+            "without a tensor-parallel policy"
         )
 
 

@@ -1,8 +1,8 @@
 """Greedy decoding with the boosted policy or the reference, under every plugin (the evaluation's samples).
 
 Decoding runs the Hugging Face model inside the ColossalAI wrapper (``base_module``): transformers' own generate
-loop with its KV cache, never the wrapper's forward (DDP's enters a collective). Under ZeRO (low_level_zero,
-hybrid_parallel at tp_size 1) the working parameters are whole on every rank, so each rank decodes its own
+loop with its KV cache, never the wrapper's forward (DDP's enters a collective). Under ZeRO without tensor
+parallelism (tp_size 1) the working parameters are whole on every rank, so each rank decodes its own
 prompts. Under tensor parallelism the model's sharded layers hold collectives of their tensor-parallel group
 (the vocabulary-parallel embedding's all-reduce, the row-parallel projections', the LM head's all-gather that
 gives every rank the whole vocabulary's logits), so the ranks of a group must run the same forwards in the same

@@ -105,7 +105,7 @@ def freeze_vision_tower(model: torch.nn.Module, keep_fp32: bool = False) -> dict
 def load_reference(model_cfg: ModelSection, dtype: torch.dtype) -> torch.nn.Module:
     """The reference model (``model.reference_path``, default ``model.path``) in ``dtype`` on the device, eval,
     frozen: its log-probs equal those of the reference ``train`` builds through the plugin
-    (``ParallelPlan.build_reference`` keeps in fp32 what ``from_pretrained`` in the training dtype keeps, except
+    (``ParallelBackend.build_reference`` keeps in fp32 what ``from_pretrained`` in the training dtype keeps, except
     trainable parameters, rounded here as the policy trains them: ``coati_kto.parallel.fp32_kept``). Used where no
     plugin runs the reference (precomputing the reference cache)."""
     from colossalai.accelerator import (

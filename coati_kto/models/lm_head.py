@@ -64,7 +64,7 @@ class LMHead:
         """The head when the chunked path is exact for ``model``; None (use logits) otherwise.
 
         None for: heads that are not plain (``coati_kto.families.plain_head``), a vocabulary-parallel head (tensor parallelism: each
-        rank holds a slice), and parameters not resident (Gemini keeps them in chunks outside the forward).
+        rank holds a slice), and parameters not resident (a backend that keeps them in chunks outside the forward).
         """
         inner = model.unwrap(unwrap_peft=False) if hasattr(model, "unwrap") else model
         config = getattr(inner, "config", None)
@@ -76,7 +76,7 @@ class LMHead:
         weight = getattr(head, "weight", None)
         vocab = int(getattr(head, "old_num_embeddings", None) or config.vocab_size)
         if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] < vocab:
-            return None  # Gemini's released parameters (empty), or a vocabulary slice
+            return None  # parameters released outside the forward (empty), or a vocabulary slice
         if _is_distributed(weight):
             return None  # tensor parallelism: each rank holds a vocabulary slice
         return cls(head, vocab)

@@ -8,8 +8,8 @@ both over its micro-batches and data-parallel ranks before dividing (``coati_kto
 The chunked LM head forms no logits, but their sum over the vocabulary is linear in the hidden state:
 sum_v (h . w_v + b_v) = h . (sum_v w_v) + sum_v b_v, so one column sum of the head's weight and one
 [N, H] x [H] product per pass give it, with no [N, V] block: 1-2% of the head's forward on a CPU (fp32 and bf16,
-V 32k-152k, H 512-1024), under 1% of its forward and backward. The logits path (tensor parallelism, Gemini,
-soft-capped heads) sums the logits it holds in one reduction. Both are fp32 and carry no gradient; TRL averages
+V 32k-152k, H 512-1024), under 1% of its forward and backward. The logits path (tensor parallelism, parameters
+not resident in the forward, soft-capped heads) sums the logits it holds in one reduction. Both are fp32 and carry no gradient; TRL averages
 its logits in the model's dtype, so a bf16 run's values agree with TRL's to bf16's rounding.
 
 Only passes inside :func:`recording` add anything: the trainer records the policy's pass over the examples, and

@@ -8,7 +8,7 @@ softmax from the saved logits and one fp32 log-sum-exp per position.
 The trainer goes further where it can (:func:`head_token_logps`, through ``coati_kto.models.lm_head``): no
 logits tensor at all, the completion positions' hidden states through the LM head a vocabulary chunk at a
 time, forward and backward. :func:`sequence_logps` (and :func:`logits_token_logps` for packed rows) remains the path for
-vocabulary-parallel heads (tensor parallelism) and Gemini.
+vocabulary-parallel heads (tensor parallelism) and for parameters not resident in the forward.
 """
 
 from __future__ import annotations

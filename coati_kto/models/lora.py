@@ -4,8 +4,8 @@ The reference is the policy itself with its adapters disabled (:class:`AdapterFr
 the model in memory. B starts at zero, so at step 0 the policy and the reference are the same function and
 every reward is exactly 0.
 
-Supported here: ``ddp``, ``low_level_zero`` and ``hybrid_parallel`` with ``tp_size`` 1 (ColossalAI asserts
-``tp_size == 1`` in ``HybridParallelPlugin.enable_lora``); the config check refuses the rest at load.
+Supported by every backend at ``plugin.tp_size`` 1 (ColossalAI 0.5.0 asserts ``tp_size == 1`` where it enables
+LoRA under tensor parallelism); the config check refuses the rest at load.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def export_lora(model: Any, tokenizer: Any, out_dir: str | Path, is_main: bool, 
     ``out_dir/merged``: the adapters folded into a copy of the base weights (loads with transformers alone).
 
     Every rank calls; the main rank writes, the others wait. Adapters are replicated on every rank (ddp, ZeRO
-    gathers its working parameters, hybrid_parallel runs tp_size 1), so the main rank's copy is the model.
+    gathers its working parameters, LoRA runs at tp_size 1 only), so the main rank's copy is the model.
     """
     out = Path(out_dir)
     peft = peft_model(model)

@@ -41,17 +41,24 @@ from coati_kto.parallel.optimizer_path import (
 class GradNorm:
     """The global gradient norm of the step and the clipped step, for one boosted optimizer. Every rank builds one.
 
-    ``max_norm`` 0 disables clipping (the norm is still taken: it is logged and votes).
+    ``max_norm`` 0 disables clipping (the norm is still taken: it is logged and votes). ``zero_store``: where the
+    backend says the gradients are (``ParallelBackend.gradients_in_zero_store``); ValueError when the optimizer
+    keeps them elsewhere (a norm read from the wrong place would be 0 and vote nothing). None: the optimizer's.
     """
 
-    def __init__(self, optimizer: Any, max_norm: float, layout: ParallelLayout) -> None:
+    def __init__(
+        self, optimizer: Any, max_norm: float, layout: ParallelLayout, zero_store: bool | None = None
+    ) -> None:
         self.optimizer = optimizer
         self.max_norm = max_norm
         self.layout = layout
         self._zero = _is_zero(optimizer)
-        if type(optimizer).__name__ == "GeminiOptimizer":
-            # Gemini keeps gradients in chunks; p.grad is empty, so a norm from p.grad would be 0 and vote nothing.
-            raise NotImplementedError("the gradient-norm vote does not read Gemini's chunked gradients")
+        if zero_store is not None and zero_store != self._zero:
+            where = {True: "ZeRO's gradient store", False: "p.grad"}
+            raise ValueError(
+                f"the backend reads gradients from {where[zero_store]}, but {type(optimizer).__name__} keeps "
+                f"them in {where[self._zero]}"
+            )
         if self._zero and len(optimizer.pg_to_grad_store) != 1:
             raise NotImplementedError(
                 "ZeRO with several data-parallel groups (MoE) is not supported by the gradient-norm vote"

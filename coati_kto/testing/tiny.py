@@ -145,7 +145,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "chatml",
         "tied scaled embeddings, (1 + w) norms, q/k norms, soft-capping, sliding and full layers mixed (window 8)",
     ),
-    # ddp / low_level_zero (no hybrid_parallel policy): Gemma 3 4B-27B's composite shape.
+    # No tensor-parallel policy (plugin.tp_size 1 only): Gemma 3 4B-27B's composite shape.
     "gemma3_vl": (
         "chatml",
         "the gemma3 text model behind a SigLIP vision tower (Gemma3ForConditionalGeneration: text config nested, "
@@ -153,7 +153,7 @@ FAMILIES: dict[str, tuple[str, str]] = {
     ),
     # transformers 5 only; Llama's module names (families/shardformer/smollm3.py): every plugin.
     "smollm3": ("llama3", "tied embeddings, layers without RoPE (no_rope_layers), grouped-query attention"),
-    # Gemma (1): no tensor-parallel policy, refused under hybrid_parallel above tp_size 1 (test_plan_config.py).
+    # Gemma (1): no tensor-parallel policy, refused above plugin.tp_size 1 (test_plan_config.py).
     "gemma": ("chatml", "tied embeddings, scaled embeddings (no shardformer policy)"),
     # Phi-3 / Phi-4: fused qkv_proj and gate_up_proj, split part by part under tensor parallelism.
     "phi3": (
@@ -251,7 +251,7 @@ def build_family_model(family: str, tokenizer: PreTrainedTokenizerFast, seed: in
     """A random ``family`` causal LM (FAMILIES) sized for CPU tests, its vocabulary fitted to ``tokenizer``."""
     import transformers
 
-    exact = len(tokenizer)  # odd for the corpus used in tests: padded under HybridParallelPlugin
+    exact = len(tokenizer)  # odd for the corpus used in tests: padded by shardformer
     if family == "gemma3_vl":
         return _vision_language_gemma3(build_family_model("gemma3", tokenizer, seed).config, exact, seed)
     if family in ("gemma4_vl", "qwen3_5_vl"):

@@ -308,8 +308,8 @@ def save_tied_weights_once(module: torch.nn.Module) -> None:
     """Make ``module``'s state dict hold a weight shared by several names (tied input/output embeddings) once,
     the way ``save_pretrained`` does; loading fills the other names from it. Idempotent.
 
-    safetensors refuses tensors that share memory, and the ddp / low_level_zero checkpoint IO saves
-    ``state_dict()`` as it is. The first name in ``named_parameters`` order is kept (``model.embed_tokens.weight``
+    safetensors refuses tensors that share memory, and the checkpoint IO of the backends without tensor
+    parallelism saves ``state_dict()`` as it is. The first name in ``named_parameters`` order is kept (``model.embed_tokens.weight``
     before ``lm_head.weight``, as in transformers' exports); the tie itself lives in the module (one Parameter
     under both names), so a resumed model stays tied.
     """
@@ -361,7 +361,7 @@ def _restore_masters(
 
     ``whole``: one data-parallel rank, where every master holds its whole parameter whatever the optimizer, as
     ZeRO's flat copy or the AMP optimizer's shaped one: a checkpoint of either restores into the other exactly
-    (hybrid_parallel's running stage at dp 1 changed from 2 to 0: ``parallel.plan.running_zero_stage``).
+    (a backend's running stage at dp 1 may differ from the configured one: ``ParallelBackend.running_zero_stage``).
     """
     mapping = working_to_master(optimizer)
     params = dict(model.unwrap().named_parameters())

@@ -28,9 +28,9 @@ Dropout: KTO's log-ratios compare the policy with the reference, so both must be
 stays in train mode (gradient checkpointing needs it) with every dropout probability set to 0 here; the
 reference model is in eval mode. The model configs are left untouched, so the exported model keeps them.
 
-Gradient accumulation uses the plugin's no-sync context where it has one (DDP, hybrid zero 0/1, low-level
-ZeRO-1): only the last micro-batch of a step reduces gradients. ZeRO-2 (hybrid or low-level) asserts against
-no_sync, so there every backward reduce-scatters and gradients accumulate in the ZeRO buffers.
+Gradient accumulation uses the plugin's no-sync context where the backend allows it (torch DDP, ZeRO-0 and
+ZeRO-1: ``ParallelBackend.no_sync_accumulation``): only the last micro-batch of a step reduces gradients. ZeRO-2
+asserts against no_sync, so there every backward reduce-scatters and gradients accumulate in the ZeRO buffers.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class KTOTrainer(SLTrainer):
     pairs as two token views, labels, and optionally precomputed reference log-probs (the reference model may
     then be None) and ``valid`` (evaluation padding rows are False and count nowhere).
 
-    Collaborators: ``layout`` and ``plan`` (default: from ``plugin``; the plan answers every plugin question),
+    Collaborators: ``layout`` and ``plan`` (default: from ``plugin``; its backend answers every plugin question),
     ``checkpoint_manager`` (default: one under ``save_dir``), ``run_config`` (the resolved config as a dict:
     stored in checkpoints, sent to W&B, written to TensorBoard), ``data_stats`` (stats.json, TensorBoard text),
     ``stop_signals`` (a voted stop checkpoints and raises TrainingStoppedError on every rank).
@@ -129,7 +129,7 @@ class KTOTrainer(SLTrainer):
         self.lr_scheduler, self.tokenizer = actor_lr_scheduler, tokenizer
         self.accumulation_steps, self.save_interval = accumulation_steps, save_interval
         self.layout = layout or ParallelLayout.from_plugin(plugin)
-        self.plan = plan or ParallelPlan.from_plugin(plugin)  # everything plugin-specific is asked of it
+        self.plan = plan or ParallelPlan.from_plugin(plugin)  # everything plugin-specific: plan.backend
         if checkpoint_manager is None and save_dir is not None:
             checkpoint_manager = CheckpointManager(
                 Path(save_dir), booster, self.layout, self.options.keep_last
@@ -145,8 +145,8 @@ class KTOTrainer(SLTrainer):
         self.passes = KTOPasses(
             actor, ref_model, self.plan, self.options, kl_group, self.device, weights, apply_loss_mask
         )
-        self._use_no_sync = plugin is not None and self.plan.no_sync_accumulation
-        self._grad_norm = self.plan.gradient_norm(actor_optim, self.layout, self.options.max_grad_norm)
+        self._use_no_sync = plugin is not None and self.plan.backend.no_sync_accumulation
+        self._grad_norm = self.plan.backend.grad_norm(actor_optim, self.layout, self.options.max_grad_norm)
         self._init_run_state()
         self._make_deterministic()
 

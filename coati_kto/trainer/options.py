@@ -27,15 +27,15 @@ class KTOOptions:
     log_interval: write train metrics every N steps, exact over the interval.
     on_nonfinite: "stop" (raise NonFiniteLossError) or "skip" (zero the gradients, no update, counted), when the
         loss or the global gradient norm is NaN/inf on any rank.
-    max_grad_norm: clip the global gradient norm to this (0: off) where the plugin does not clip (ddp); ZeRO and
-        hybrid optimizers clip with the plugin's own max_norm (build_plugin gives them the same).
+    max_grad_norm: clip the global gradient norm to this (0: off) where the plugin does not clip (torch DDP); the
+        other plugins' optimizers clip with their own max_norm (``ParallelBackend.build_plugin`` sets it alike).
     peak_flops: peak FLOP/s per device; when set, ``train/mfu`` is logged (coati_kto.trainer.throughput).
     pack_reference: score an example and its KL pair in one shared-prompt reference pass where the model allows
         it. Equal to two passes only within rounding (fp32 ~1e-7, bf16 ~1e-3 nats), so step-0 rewards are no
         longer exactly 0 (the policy's passes are separate).
     pack_policy: the policy's passes in one packed row too: in evaluation always; in training where a z0 group
         is one micro-batch and ``models.packing.fold_pays`` (long prompts, short completions), folding its KL
-        pass into the gradient pass (never under torch DDP: ``ParallelPlan.forward_collectives``). Same rounding caveat.
+        pass into the gradient pass (never under torch DDP: ``ParallelBackend.forward_collectives``). Same rounding caveat.
     kl_continuation: in training where a z0 group is one micro-batch, the policy's KL pass (and the online
         reference's) continues from its examples' KV cache (``coati_kto.models.continuation``); before folding.
     router_aux_loss_coef: ``kto.router_aux_loss_coef``: "auto" (an MoE's own ``router_aux_loss_coef`` when its config

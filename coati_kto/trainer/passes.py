@@ -169,7 +169,7 @@ class KTOPasses:
         late = train and may_fold and self._needs_kl  # the KL pass may run with the gradient pass
         # Folding first where it pays (long prompts, short completions: one pass, the KL completion's few tokens
         # through the backward), else continuing (two passes, the prompt once).
-        folded = late and packs and batch.fold_pays and not self.plan.forward_collectives
+        folded = late and packs and batch.fold_pays and not self.plan.backend.forward_collectives
         # Evaluation continues wherever it may (no gradient pass to wait for), unless its passes pack.
         continues = (late and not folded) or (not train and not packs and self._needs_kl)
         continued = continues and batch.kl_continuation is not None and self._continues()
@@ -267,7 +267,7 @@ class KTOPasses:
             self._continuing = (
                 self.options.kl_continuation
                 and self.apply_loss_mask
-                and not self.plan.forward_collectives
+                and not self.plan.backend.forward_collectives
                 and self.plan.tp_size == 1
                 and all(can_continue(model) for model in models)
             )
@@ -384,6 +384,6 @@ class KTOPasses:
         A backend whose parameters are not resident in the forward uses the head through logits.
         """
         if id(model) not in self._heads:
-            gemini = self.plan.plugin == "gemini"
-            self._heads[id(model)] = None if gemini else LMHead.find(model)
+            resident = self.plan.backend.chunked_head
+            self._heads[id(model)] = LMHead.find(model) if resident else None
         return self._heads[id(model)]

@@ -37,7 +37,7 @@ def _setup(
     from coati_kto.trainer.checkpoint import CheckpointManager
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    plugin = ParallelPlan.from_section(PluginSection(**plugin_kw), max_grad_norm=1.0).build_plugin()
+    plugin = ParallelPlan.from_section(PluginSection(**plugin_kw), max_grad_norm=1.0).backend.build_plugin()
     layout = ParallelLayout.from_plugin(plugin)
     optimizer = optimizers.make_optimizer(
         model.parameters(), lr=3e-3, weight_decay=0.01, state_dtype=state_dtype, mixed_step=mixed_step

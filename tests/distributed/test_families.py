@@ -113,7 +113,7 @@ def _step_zero(config: Any, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
     from coati_kto.trainer.kto import KTOTrainer
 
     plan = ParallelPlan.from_config(config)
-    plugin = plan.build_plugin()
+    plugin = plan.backend.build_plugin()
     parts = build_components(config, plugin, 3, plan)
     trainer = KTOTrainer(
         parts.policy, parts.reference, parts.booster, parts.optimizer, plugin, None, None, plan=plan

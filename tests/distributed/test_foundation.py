@@ -25,7 +25,7 @@ def _train_zero2_bf16(model_dir: str, steps: int) -> dict:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     section = PluginSection(name="hybrid_parallel", zero_stage=2, precision="bf16")
-    plugin = ParallelPlan.from_section(section, max_grad_norm=1.0).build_plugin()
+    plugin = ParallelPlan.from_section(section, max_grad_norm=1.0).backend.build_plugin()
     layout = ParallelLayout.from_plugin(plugin)
     optimizer = optimizers.make_optimizer(model.parameters(), lr=3e-3, weight_decay=0.0)
     model, optimizer, *_ = Booster(plugin=plugin).boost(model, optimizer)

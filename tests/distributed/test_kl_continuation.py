@@ -101,7 +101,10 @@ def _through_plugins() -> dict[str, float]:
         for plugin, precision in (("hybrid_parallel", "fp32"), ("low_level_zero", "bf16")):
             name = f"{cls.__module__}.{cls.__qualname__}"
             plan = ParallelPlan(plugin, precision, 0 if plugin == "hybrid_parallel" else 2, model_class=name)
-            wrapped = plan.build_reference(plan.build_plugin(), _model(cls, config_cls, "sdpa", **config))
+            backend = plan.backend
+            wrapped = backend.build_reference(
+                backend.build_plugin(), _model(cls, config_cls, "sdpa", **config)
+            )
             assert hasattr(wrapped, "unwrap") and can_continue(wrapped)
             batch = KTOCollator(0)(_rows(4, 6))
             _, kl = _continued(wrapped, batch)

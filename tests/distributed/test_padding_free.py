@@ -276,7 +276,7 @@ def _tp2_packed(family: str, attn: str) -> dict[str, float]:
     single = copy.deepcopy(model)
     model.config._attn_implementation = attn
     plan = ParallelPlan("hybrid_parallel", "fp32", 0, tp_size=2, model_class=type(model).__name__)
-    sharded = plan.build_reference(plan.build_plugin(), model)
+    sharded = plan.backend.build_reference(plan.backend.build_plugin(), model)
     assert LMHead.find(sharded) is None and LMHead.vocab_parallel(sharded)  # the logits path
     diffs = {}
     for layout in ("one", "bins"):

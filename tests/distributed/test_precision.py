@@ -28,7 +28,7 @@ def _policy_vs_reference(model_dir: str, out_dir: str, plugin_name: str) -> dict
         }
     )
     plan = ParallelPlan.from_config(cfg)
-    parts = build_components(cfg, plan.build_plugin(), total_steps=1, plan=plan)
+    parts = build_components(cfg, plan.backend.build_plugin(), total_steps=1, plan=plan)
     gen = torch.Generator().manual_seed(0)
     input_ids = torch.randint(3, 390, (2, SEQ_LEN), generator=gen)
     mask = torch.ones_like(input_ids)

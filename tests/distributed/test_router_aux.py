@@ -74,7 +74,7 @@ def built(cfg: Any, accumulation_steps: int = 2) -> tuple[Any, Any]:
     from coati_kto.trainer.options import KTOOptions
 
     plan = ParallelPlan.from_config(cfg)
-    plugin_obj = plan.build_plugin()
+    plugin_obj = plan.backend.build_plugin()
     parts = build_components(cfg, plugin_obj, 1, plan)
     trainer = KTOTrainer(
         parts.policy, parts.reference, parts.booster, parts.optimizer, plugin_obj, parts.lr_scheduler, None,
@@ -167,7 +167,7 @@ def _eval(model_dir: str, out_dir: str, plugin: str, pack: bool) -> dict[str, An
     cfg = _config(model_dir, out_dir, plugin)
     cfg.kto.pack_policy = pack
     plan = ParallelPlan.from_config(cfg)
-    plugin_obj = plan.build_plugin()
+    plugin_obj = plan.backend.build_plugin()
     parts = build_components(cfg, plugin_obj, 1, plan)
     batches = _eval_batches(dist.get_rank())
     inner = parts.policy.unwrap()

@@ -51,7 +51,7 @@ def _setup(model_dir: str, plugin_kw: dict, root: str) -> dict[str, Any]:
     extra.used = False
     model.model.extra = extra
     model.model.norm.register_forward_hook(lambda _m, _a, out: out + extra(out) if extra.used else out)
-    plugin = ParallelPlan.from_section(PluginSection(**plugin_kw), max_grad_norm=1.0).build_plugin()
+    plugin = ParallelPlan.from_section(PluginSection(**plugin_kw), max_grad_norm=1.0).backend.build_plugin()
     layout = ParallelLayout.from_plugin(plugin)
     optimizer = optimizers.make_optimizer(model.parameters(), lr=3e-3, weight_decay=0.01)
     scheduler = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=1, num_training_steps=10)

@@ -152,11 +152,11 @@ def _tp_vs_tp1(family: str, summed: bool) -> dict[str, Any]:
     exported = copy.deepcopy(model)  # receives the gathered weights: the export
     single = copy.deepcopy(model)  # tp_size 1: the unsharded model, same batches, same optimizer
     plan = ParallelPlan("hybrid_parallel", "fp32", 0, tp_size=2, model_class=type(model).__name__)
-    booster = Booster(plugin=plan.build_plugin())
+    booster = Booster(plugin=plan.backend.build_plugin())
     lr = FAMILY_LR.get(family, LR)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     single_optimizer = torch.optim.SGD(single.parameters(), lr=lr)
-    model, optimizer, _ = plan.boost(booster, model, optimizer, None)
+    model, optimizer, _ = plan.backend.boost(booster, model, optimizer, None)
     generator = torch.Generator().manual_seed(0)
     grad_diffs, grad_scale, per_head = [], 0.0, PER_HEAD[family]
     for _ in range(STEPS):

@@ -115,7 +115,7 @@ def _build(cfg: Any, total_steps: int, dp_size: int | None = None, **trainer_kwa
     from coati_kto.trainer.kto import KTOTrainer
 
     plan = ParallelPlan.from_config(cfg, dp_size=dp_size)
-    plugin = plan.build_plugin()
+    plugin = plan.backend.build_plugin()
     parts = build_components(cfg, plugin, total_steps, plan)
     kwargs = {
         "max_epochs": 1,

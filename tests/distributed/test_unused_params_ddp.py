@@ -87,11 +87,11 @@ def _boosted(model_dir: str, plugin_kw: dict, checkpointing: bool) -> dict[str, 
     rank = torch.distributed.get_rank()
     model, use = _model(model_dir, checkpointing)
     plan = ParallelPlan.from_section(PluginSection(**plugin_kw), dp_size=2)
-    assert plan.no_sync_accumulation
-    booster = Booster(plugin=plan.build_plugin())
+    assert plan.backend.no_sync_accumulation
+    booster = Booster(plugin=plan.backend.build_plugin())
     optimizer = optimizers.make_optimizer(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    policy, optimizer, _ = plan.boost(booster, model, optimizer, scheduler)
+    policy, optimizer, _ = plan.backend.boost(booster, model, optimizer, scheduler)
     ddp = getattr(booster.plugin, "ddp_kwargs", None) or booster.plugin.ddp_config
     assert ddp["find_unused_parameters"]  # the probe before boosting found ``never`` and ``late`` unreached
     for step in range(1, STEPS + 1):

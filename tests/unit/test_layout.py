@@ -9,6 +9,7 @@ still an edge). Layers, bottom to top; a module may import its own subpackage an
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,11 @@ LAYERS = {
 }
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
+# A ColossalAI plugin by name: only parallel/ (a backend per plugin) and config/ (what a config may combine) say one.
+PLUGIN_NAME = re.compile(
+    r"hybrid_parallel|low_level_zero|LowLevelZero|HybridParallel|[Gg]emini|['\"]ddp['\"]"
+)
+PLUGIN_ROOMS = ("parallel", "config")
 
 
 def _modules() -> dict[str, Path]:
@@ -113,3 +119,16 @@ def test_modules_and_functions_stay_short() -> None:
                 if length > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}: {length} lines")
     assert not long, long
+
+
+def test_only_the_parallel_backends_and_the_config_name_a_plugin() -> None:
+    """Every other module asks the run's backend (``coati_kto.parallel.backends``) a question instead of comparing
+    plugin names, so a new plugin or parallel axis is one backend's concern plus its name in the config."""
+    named = [
+        f"{path.relative_to(PACKAGE.parent)}:{number}: {line.strip()}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path.relative_to(PACKAGE).parts[0] not in PLUGIN_ROOMS
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if PLUGIN_NAME.search(line)
+    ]
+    assert named == [], "\n".join(named)

@@ -1,7 +1,7 @@
-"""Shardformer policies the project owns, one module per family, and what hybrid_parallel admits.
+"""Shardformer policies the project owns, one module per family, and which classes tensor parallelism admits.
 
 At tp_size 1 every family is admitted through one policy that swaps nothing (``unsharded.UnshardedPolicy``: ZeRO
-as under low_level_zero; tests/distributed/test_family_sweep.py runs every causal-LM type transformers builds).
+alone, as without shardformer; tests/distributed/test_family_sweep.py runs every causal-LM type transformers builds).
 ``TENSOR_PARALLEL_FAMILIES`` is the honest list for tp_size > 1: a class is admitted at a tp_size only where
 tests/distributed/test_families.py (the lifecycle: step-0 rewards 0, bit-exact resume, export) and
 tests/distributed/test_tp_equivalence.py (tp_size 2 == tp_size 1) prove it; tests/distributed/test_layouts_4_families.py
@@ -56,18 +56,16 @@ def supported_summary() -> str:
     )
 
 
-def hybrid_refusal(architecture: str, tp_size: int) -> str | None:
-    """Why ``architecture`` cannot run under hybrid_parallel at ``tp_size`` (one line), or None when admitted:
+def tensor_parallel_refusal(architecture: str, tp_size: int) -> str | None:
+    """Why ``architecture`` cannot be split over ``tp_size`` tensor-parallel ranks (one line), or None when admitted:
     every class at tp_size 1, the proven ``TENSOR_PARALLEL_FAMILIES`` above it."""
     if tp_size <= 1:
         return None
     entry = TENSOR_PARALLEL_FAMILIES.get(architecture)
     if entry is None:
-        return (
-            f"{architecture} has no tensor-parallel policy (plugin.name hybrid_parallel at tp_size {tp_size})"
-        )
+        return f"{architecture} has no tensor-parallel policy (plugin.tp_size {tp_size})"
     if tp_size not in entry[2]:
-        return f"{architecture} is not supported under plugin.name hybrid_parallel at tp_size {tp_size}"
+        return f"{architecture} is not supported at plugin.tp_size {tp_size}"
     return None
 
 

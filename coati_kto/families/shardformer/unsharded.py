@@ -1,5 +1,5 @@
-"""The one policy every family runs under hybrid_parallel at tp_size 1: nothing swapped, transformers' modules and
-forwards as they are, so ZeRO (the plugin's optimizer) is the only thing the plugin adds, as under low_level_zero.
+"""The one policy every family runs through shardformer at tp_size 1: nothing swapped, transformers' modules and
+forwards as they are, so ZeRO (the plugin's optimizer) is the only thing the plugin adds, as without shardformer.
 
 A family needs a policy of its own (``coati_kto.families.shardformer.TENSOR_PARALLEL_FAMILIES``) only to split its
 layers over tensor-parallel ranks. This policy refuses tensor, pipeline and sequence parallelism in one line
@@ -25,8 +25,8 @@ class UnshardedPolicy(Policy):
             or config.enable_sequence_parallelism
         ):
             raise ValueError(
-                f"{type(self.model).__name__} has no coati-kto tensor-parallel policy: it runs under "
-                "hybrid_parallel at tp_size 1 only (no pipeline / sequence parallelism)"
+                f"{type(self.model).__name__} has no coati-kto tensor-parallel policy: it runs at plugin.tp_size "
+                "1 only (no pipeline / sequence parallelism)"
             )
 
     def preprocess(self) -> nn.Module:

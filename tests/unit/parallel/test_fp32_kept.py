@@ -87,7 +87,7 @@ def test_frozen_reference_is_transformers_bf16(tmp_path: Path, family: str) -> N
     # transformers' rotary (model.fused_rotary off: its rounding is tested against transformers' in test_rotary.py)
     section = ModelSection(path=path, fused_rotary=False)
     frozen = load_causal_lm(path, section, torch.float32).requires_grad_(False)
-    run = _logprobs(PLAN.build_reference(None, frozen), ids)
+    run = _logprobs(PLAN.backend.build_reference(None, frozen), ids)
     hf = _logprobs(tf.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16), ids)
     assert (run - hf).abs().max().item() == 0.0
 
@@ -99,7 +99,7 @@ def test_cached_reference_is_the_online_reference(tmp_path: Path, family: str) -
     per token: 2e-3 for Falcon-H1 (mup_vector) and DeepSeek-V3, 8e-3 for Ernie-4.5-MoE (routers)."""
     path = _saved(FAMILIES[family], tmp_path / family)
     ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(0))
-    online = PLAN.build_reference(None, load_causal_lm(path, ModelSection(path=path), torch.float32))
+    online = PLAN.backend.build_reference(None, load_causal_lm(path, ModelSection(path=path), torch.float32))
     cached = load_reference(ModelSection(path=path), PLAN.dtype)
     assert (_logprobs(online, ids) - _logprobs(cached, ids)).abs().max().item() == 0.0
 

@@ -118,7 +118,8 @@ def test_output_is_needed_by_train_only(tmp_path: Path, tiny_model_dir: Path) ->
 def test_hybrid_admits_every_family_at_tp1_and_only_the_proven_ones_above(tmp_path: Path) -> None:
     """hybrid_parallel admits every family at tp_size 1 (one policy that swaps nothing: the family sweep proves
     it), and a family at a tp_size above 1 only where the tp matrix proves it; anything else is one line at config
-    load naming what tensor parallelism supports. The other plugins take any causal LM."""
+    load naming what tensor parallelism supports and that tp_size 1 runs every family. The other plugins take any
+    causal LM."""
     from coati_kto.families.shardformer import policy_for
     from coati_kto.families.shardformer.unsharded import UnshardedPolicy
     from coati_kto.testing.tiny import save_tiny_family
@@ -138,14 +139,12 @@ def test_hybrid_admits_every_family_at_tp1_and_only_the_proven_ones_above(tmp_pa
     assert "\n" not in message
     assert f"model.path {gemma}: GemmaForCausalLM has no tensor-parallel policy" in message
     assert "Qwen3ForCausalLM (tp_size 2)" in message and "Gemma3ForCausalLM (tp_size 2)" in message
-    assert "plugin.tp_size 1 (every family), low_level_zero or ddp needs no policy" in message
+    assert "plugin.tp_size 1 runs every family without a tensor-parallel policy" in message
     assert load(gemma, "plugin.name=low_level_zero").plugin.zero_stage == 2
 
     gemma3 = save_tiny_family(tmp_path / "gemma3", "gemma3", CORPUS[:20], vocab_size=280)
     assert load(gemma3, "plugin.tp_size=2", "plugin.zero_stage=0").plugin.tp_size == 2
-    with pytest.raises(
-        ConfigError, match="Gemma3ForCausalLM is not supported under plugin.name hybrid_parallel at tp_size 4"
-    ):
+    with pytest.raises(ConfigError, match="Gemma3ForCausalLM is not supported at plugin.tp_size 4"):
         load(gemma3, "plugin.tp_size=4", "plugin.zero_stage=0")
     qwen3 = save_tiny_family(tmp_path / "qwen3", "qwen3", CORPUS[:20], vocab_size=280)
     assert load(qwen3, "plugin.tp_size=2", "plugin.zero_stage=0").plugin.tp_size == 2
@@ -153,8 +152,8 @@ def test_hybrid_admits_every_family_at_tp1_and_only_the_proven_ones_above(tmp_pa
 
 def test_plan_answers() -> None:
     plan = ParallelPlan("hybrid_parallel", "bf16", 2, tp_size=2, max_grad_norm=1.0)
-    assert not plan.no_sync_accumulation and plan.max_grad_norm == 1.0
-    assert ParallelPlan("low_level_zero", "bf16", 1).no_sync_accumulation
+    assert not plan.backend.no_sync_accumulation and plan.max_grad_norm == 1.0
+    assert ParallelPlan("low_level_zero", "bf16", 1).backend.no_sync_accumulation
     assert str(ParallelPlan("low_level_zero", "bf16", 1).dtype) == "torch.bfloat16"
 
 

@@ -37,7 +37,8 @@ def _rows(n: int) -> list[dict]:
 def _gradient(policy: torch.nn.Module, reference: torch.nn.Module, micro_batches: list[list[dict]]):
     """The policy's gradient and the logged mean loss of one step over ``micro_batches`` (one process)."""
     collate = KTOCollator(pad_token_id=0)
-    plan = types.SimpleNamespace(plugin="ddp", forward_collectives=True, tp_size=1)
+    backend = types.SimpleNamespace(forward_collectives=True, chunked_head=True)
+    plan = types.SimpleNamespace(plugin="ddp", backend=backend, tp_size=1)
     passes = KTOPasses(policy, reference, plan, KTOOptions(), None, torch.device("cpu"), (0.3, 1.0, 1.0))
     policy.zero_grad()
     sums = passes.forward(

@@ -76,9 +76,8 @@ def _step(policy, batch, coefficient: float | str = "auto", **options) -> tuple[
     process, reference = policy: (logged aux_loss or None, the sum of the losses handed to backward, whose
     gradient is left on ``policy``)."""
     batches = batch if isinstance(batch, list) else [batch]
-    plan = types.SimpleNamespace(
-        plugin="low_level_zero", forward_collectives=False, torch_ddp=False, tp_size=1
-    )
+    backend = types.SimpleNamespace(forward_collectives=False, torch_ddp=False, chunked_head=True)
+    plan = types.SimpleNamespace(plugin="low_level_zero", backend=backend, tp_size=1)
     opts = KTOOptions(router_aux_loss_coef=coefficient, **options)
     passes = KTOPasses(policy, policy, plan, opts, None, torch.device("cpu"), (0.1, 1.0, 1.0))
     handed: list[float] = []
