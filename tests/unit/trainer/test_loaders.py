@@ -15,8 +15,9 @@ def test_iterating_the_loaders_draws_nothing_from_torch_rng(tmp_path: Path) -> N
     from datasets import Dataset
 
     from coati_kto.config.schema import Config
+    from coati_kto.data.collator import KTOCollator
+    from coati_kto.data.loaders import build_loaders
     from coati_kto.parallel.distributed import ParallelLayout
-    from coati_kto.train import _loaders
 
     config = Config.model_validate(
         {
@@ -29,7 +30,10 @@ def test_iterating_the_loaders_draws_nothing_from_torch_rng(tmp_path: Path) -> N
     rows = {"label": [True, False] * 4, "length": [5] * 8}
     data = SimpleNamespace(train=Dataset.from_dict(rows), eval=Dataset.from_dict(rows))
     layout = ParallelLayout(rank=0, world_size=1, local_rank=0, dp_rank=0, dp_size=1, dp_group=None)
-    train_loader, eval_loader = _loaders(config, data, layout, pad=0)
+    collator = KTOCollator(pad_token_id=0)
+    train_loader, eval_loader = build_loaders(
+        data, config.train, config.data.group_by_length, layout, collator
+    )
     torch.manual_seed(5)
     before = torch.get_rng_state()
     iter(train_loader), iter(eval_loader.loader)
