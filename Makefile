@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 REQ_HASH := $(shell cat requirements/$(PROFILE).txt requirements/common.txt setup.py | sha256sum | cut -c1-16)
 STAMP := $(VENV)/.installed-$(PROFILE)-$(REQ_HASH)
 
-.PHONY: install quickstart test test-all lint format bench gpu-check gpu-wheels
+.PHONY: install quickstart test test-fast test-all lint format bench gpu-check gpu-wheels
 
 install: $(STAMP)
 
@@ -31,6 +31,11 @@ quickstart: $(STAMP)
 # The 25 slowest tests close the log, so a CI run shows where its time went.
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=25 tests -m "not sweep"
+
+# The inner loop, under 5 minutes on 2 cores: tests/unit and the `smoke` tests (one or two per area of the
+# distributed, regression and e2e folders; docs/testing.md lists them).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q --durations=10 tests -m "(smoke or not (distributed or e2e or drill)) and not sweep"
 
 # Also the whole family sweep (tests/distributed/test_family_sweep.py: every causal-LM type, about an hour on 2 cores).
 test-all: $(STAMP)

@@ -116,15 +116,54 @@ def reference_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 _FOLDER_MARKERS = {"distributed": "distributed", "regression": "distributed", "e2e": "e2e", "drills": "drill"}
 
 
+# `make test-fast` (marker `smoke`): tests/unit and these, one or two per area of the costly folders, each the
+# cheapest test that still runs the area's whole path (docs/testing.md). A module-scoped fixture runs whole: a
+# test listed here costs its fixture's batch.
+SMOKE = (
+    # ColossalAI trains on 2 CPU processes (hybrid ZeRO-2 bf16) and the ranks stay in sync
+    "distributed/test_foundation.py::test_hybrid_parallel_zero2_bf16_two_processes_learns_and_stays_in_sync",
+    # the trainer on 2 ranks under tensor parallelism: learns, ranks agree
+    "distributed/test_trainer.py::test_tensor_parallel_two_ranks_learns_and_agrees",
+    # save and resume bit for bit
+    "distributed/test_checkpoint.py::test_fp32_resume_is_bit_identical",
+    # one family's lifecycle on each plugin: train, step-1 parity, resume, export
+    "distributed/test_families.py::test_lifecycle[llama-ddp fp32]",
+    # LoRA: train, resume, export merged
+    "distributed/test_lora.py::test_lora_lifecycle[ddp]",
+    # bf16 step-0 parity of policy and reference
+    "distributed/test_precision.py::test_bf16_policy_matches_reference_at_long_positions[low_level_zero]",
+    # a fixed-seed run reproduces its recorded metrics and weights
+    "regression/test_reference_runs.py::test_run_matches_reference[ddp_fp32]",
+    # the CLI trains, logs and resumes (train, then `coati-kto train ... resume=auto`)
+    "e2e/test_train_e2e.py::test_zero2_bf16_two_processes_learns_preferences",
+    # a real launcher: launch/torchrun.sh starts 2 processes that train
+    "e2e/test_launch.py::test_torchrun_script_reads_a_config_relative_to_where_it_is_run",
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 
     tests_dir = Path(__file__).resolve().parent
     no_cuda = pytest.mark.skip(reason="needs CUDA (a `gpu` test: make gpu-check runs them on a GPU)")
+    smoke = set(SMOKE)
     for item in items:
         if "gpu" in item.keywords and not torch.cuda.is_available():
             item.add_marker(no_cuda)
-        folder = Path(str(item.fspath)).resolve().relative_to(tests_dir).parts[0]
-        marker = _FOLDER_MARKERS.get(folder)
+        path = Path(str(item.fspath)).resolve().relative_to(tests_dir)
+        marker = _FOLDER_MARKERS.get(path.parts[0])
         if marker is not None:
             item.add_marker(marker)
+        if f"{path.as_posix()}::{item.name}" in smoke:
+            item.add_marker(pytest.mark.smoke)
+            smoke.discard(f"{path.as_posix()}::{item.name}")
+    _check_smoke_found(smoke, items, tests_dir)
+
+
+def _check_smoke_found(missing: set[str], items: list[pytest.Item], tests_dir: Path) -> None:
+    """A SMOKE entry whose file was collected but which matched no test (renamed, reparametrized) is an error,
+    not a smoke set that silently shrinks."""
+    collected = {Path(str(item.fspath)).resolve().relative_to(tests_dir).as_posix() for item in items}
+    lost = sorted(name for name in missing if name.partition("::")[0] in collected)
+    if lost:
+        raise pytest.UsageError(f"tests/conftest.py SMOKE names tests that do not exist: {', '.join(lost)}")

@@ -90,7 +90,8 @@ def fresh_processes() -> Iterator[None]:
 
 
 def pool_stats() -> dict[str, int]:
-    """How many calls ran where: ``pool``, ``pool start`` (a pool started for it), ``fresh: <why>``."""
+    """How many calls ran where: ``pool``, ``pool start`` (a pool started for it), ``fresh: <why>``; and ``pool
+    retired``: calls after which a pool ended without failing (a rank lost its process group, or memory)."""
     return dict(_POOLS.calls)
 
 
@@ -141,7 +142,10 @@ def run_distributed(
         _POOLS.import_env |= pool.import_env
     else:
         _POOLS.calls["pool"] += 1
-    return pool.run(fn, args, timeout_s)
+    results = pool.run(fn, args, timeout_s)
+    if not pool.alive:  # a rank lost its process group or grew past MAX_RSS_MB: the next call starts anew
+        _POOLS.calls["pool retired"] += 1
+    return results
 
 
 def _worker(

@@ -65,10 +65,11 @@ def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     config_path.write_text(yaml.safe_dump(config))
     first = run_distributed(_train_worker, 2, str(config_path), [])
     tb_first = read_scalars(root / "out" / "tensorboard")
-    # Continue from the last checkpoint (step 9) to step 12 through the CLI, in a fresh set of processes
-    # (W&B off: its service costs ~10 s per run and was checked above).
+    # Continue from the last checkpoint (step 9) to step 12 through the CLI, in a fresh set of processes: the
+    # resume reads everything from disk, nothing from the first run's processes (so not on the worker pool's
+    # ranks). W&B off: its service costs ~10 s per run and was checked above.
     argv = ["train", str(config_path), "train.max_steps=12", "train.resume=auto", "logging.wandb=false"]
-    codes = run_distributed(_cli_worker, 2, argv)
+    codes = run_distributed(_cli_worker, 2, argv, fresh=True)
     return {"root": root, "first": first, "tb_first": tb_first, "codes": codes}
 
 
