@@ -40,6 +40,7 @@ VOLATILE_ENV = frozenset(
         "CUDA_DEVICE_MAX_CONNECTIONS",
     }
 )
+MAX_LIVE_RANKS = 4  # the pools' processes at once: no more than a fresh 4-process call holds
 FRESH_ENV = "COATI_KTO_FRESH_PROCESSES"  # =1: enable_pool() does nothing, every call starts fresh processes
 
 
@@ -135,17 +136,26 @@ def run_distributed(
     if why is not None:
         _POOLS.calls["fresh: " + why] += 1
         return _run_fresh(fn, world_size, args, timeout_s, device)
-    pool = _POOLS.by_size.get(world_size)
+    pool = _POOLS.by_size.pop(world_size, None)  # put back last: the dict runs from least to most recent
     if pool is None or not pool.alive:
         _POOLS.calls["pool start"] += 1
-        pool = _POOLS.by_size[world_size] = WorkerPool(world_size, dict(os.environ), _POOLS.preload)
+        _make_room(world_size)
+        pool = WorkerPool(world_size, dict(os.environ), _POOLS.preload)
         _POOLS.import_env |= pool.import_env
     else:
         _POOLS.calls["pool"] += 1
+    _POOLS.by_size[world_size] = pool
     results = pool.run(fn, args, timeout_s)
     if not pool.alive:  # a rank lost its process group or grew past MAX_RSS_MB: the next call starts anew
         _POOLS.calls["pool retired"] += 1
     return results
+
+
+def _make_room(world_size: int) -> None:
+    """Close the least recently used pools until ``world_size`` more ranks fit in MAX_LIVE_RANKS (each holds
+    ~0.7 GiB): the 1- and 2-rank pools live side by side, a 4-rank pool alone."""
+    while _POOLS.by_size and sum(p.world_size for p in _POOLS.by_size.values()) + world_size > MAX_LIVE_RANKS:
+        _POOLS.by_size.pop(next(iter(_POOLS.by_size))).close()
 
 
 def _worker(
