@@ -62,7 +62,7 @@ def _worker(model_dir: str, plugin: dict, args: dict) -> dict:
 
     from coati_kto.config.schema import Config
     from coati_kto.parallel.plan import ParallelPlan
-    from coati_kto.train import build_components
+    from coati_kto.recipe.components import build_components
     from coati_kto.trainer.kto import KTOTrainer
 
     class TimedTrainer(KTOTrainer):

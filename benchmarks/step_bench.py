@@ -112,7 +112,7 @@ def _child_run(config_path: str, overrides: list[str], command: str) -> None:
     config = load_config(config_path, overrides)
     out: dict = {}
     if command == "precompute":
-        from coati_kto.trainer.reference_cache import precompute
+        from coati_kto.recipe.precompute import precompute
 
         precompute(config)
     else:

@@ -45,7 +45,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--nproc-per-node", type=int, default=None, help="launch this many local processes with torchrun"
     )
-    # ---- precompute (reference log-probs cache; coati_kto.trainer.reference_cache)
+    # ---- precompute (reference log-probs cache; coati_kto.recipe.precompute)
     p = command(
         "precompute",
         "Score every example and KL pair with the reference model once; store with the prepared data "
@@ -191,9 +191,9 @@ def _check_before_launch(args: argparse.Namespace) -> None:
         check_training(config)
         announce_resume(config.train, config.training_output(), launcher=True)  # before torchrun's workers
     if args.command == "export" and args.push:
-        from coati_kto.export import check_push
+        from coati_kto.outputs.export import check_push
 
-        check_push(config)
+        check_push(config.training_output())
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -235,13 +235,13 @@ def _run(args: argparse.Namespace) -> int:
             counts = {"num_ranks": args.ranks, "num_batches": args.batches, "num_examples": args.examples}
             inspect_batches(settings, weights, **counts)
     elif args.command == "precompute":
-        from coati_kto.trainer.reference_cache import precompute
+        from coati_kto.recipe.precompute import precompute
 
         precompute(config)
     elif args.command == "export":
         return _export(args, config)
     else:
-        from coati_kto.train import train
+        from coati_kto.recipe.train import train
 
         return PUSH_FAILED_EXIT_CODE if getattr(train(config), "pushed", None) is False else 0
     return 0
@@ -249,20 +249,22 @@ def _run(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace, config: Config) -> int:
     """``coati-kto export``; with ``--push`` the upload (exit 1 when it failed: the files stay on disk)."""
-    from coati_kto.export import check_push, export_checkpoint, finished_final, push
+    from coati_kto.outputs.export import check_push, finished_final
+    from coati_kto.outputs.push import upload
+    from coati_kto.recipe.export import export_checkpoint
 
+    output = config.training_output()
     if args.push:
-        check_push(config)
-        final = finished_final(config, args.checkpoint, args.out)
+        check_push(output)
+        final = finished_final(output, args.checkpoint, args.out)
         if final is not None:  # the run finished: upload final/ as it is, nothing to load (one rank uploads)
             main_rank = os.environ.get("RANK", "0") == "0"
-            pushed = not main_rank or push(config, final, "final/ (coati-kto export --push)")
+            pushed = not main_rank or upload(output.push_to_hub, final, "final/ (coati-kto export --push)")
             return 0 if pushed else PUSH_FAILED_EXIT_CODE
     target = export_checkpoint(config, args.checkpoint, args.out)
     if args.push and os.environ.get("RANK", "0") == "0":
-        return (
-            0 if push(config, target, f"{target.name} (coati-kto export --push)") else PUSH_FAILED_EXIT_CODE
-        )
+        pushed = upload(output.push_to_hub, target, f"{target.name} (coati-kto export --push)")
+        return 0 if pushed else PUSH_FAILED_EXIT_CODE
     return 0
 
 

@@ -109,7 +109,7 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 def _step_zero(config: Any, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
     """Policy and reference as train() builds them, before any update."""
     from coati_kto.parallel.plan import ParallelPlan
-    from coati_kto.train import build_components
+    from coati_kto.recipe.components import build_components
     from coati_kto.trainer.kto import KTOTrainer
 
     plan = ParallelPlan.from_config(config)

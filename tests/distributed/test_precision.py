@@ -17,7 +17,7 @@ def _policy_vs_reference(model_dir: str, out_dir: str, plugin_name: str) -> dict
     from coati_kto.config.schema import Config
     from coati_kto.models.logprobs import sequence_logps
     from coati_kto.parallel.plan import ParallelPlan
-    from coati_kto.train import build_components
+    from coati_kto.recipe.components import build_components
 
     cfg = Config.model_validate(
         {

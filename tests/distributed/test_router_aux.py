@@ -69,7 +69,7 @@ def _config(model_dir: str, out_dir: str, plugin: str) -> Any:
 def built(cfg: Any, accumulation_steps: int = 2) -> tuple[Any, Any]:
     """(the components, a KTOTrainer at ``accumulation_steps``) for ``cfg``, on every rank."""
     from coati_kto.parallel.plan import ParallelPlan
-    from coati_kto.train import build_components
+    from coati_kto.recipe.components import build_components
     from coati_kto.trainer.kto import KTOTrainer
     from coati_kto.trainer.options import KTOOptions
 
@@ -160,7 +160,7 @@ def _eval(model_dir: str, out_dir: str, plugin: str, pack: bool) -> dict[str, An
     import torch.distributed as dist
 
     from coati_kto.parallel.plan import ParallelPlan
-    from coati_kto.train import build_components
+    from coati_kto.recipe.components import build_components
     from coati_kto.trainer.kto import KTOTrainer
     from coati_kto.trainer.options import KTOOptions
 

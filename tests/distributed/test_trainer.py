@@ -111,7 +111,7 @@ def _build(cfg: Any, total_steps: int, dp_size: int | None = None, **trainer_kwa
     ``dp_size``: the data-parallel size, as train.py gives the plan; None (unknown) plans conservatively
     (hybrid ZeRO-0 counts as torch DDP: nothing folds)."""
     from coati_kto.parallel.plan import ParallelPlan
-    from coati_kto.train import build_components
+    from coati_kto.recipe.components import build_components
     from coati_kto.trainer.kto import KTOTrainer
 
     plan = ParallelPlan.from_config(cfg, dp_size=dp_size)
@@ -717,7 +717,7 @@ def test_dropout_is_off_in_train_mode_and_model_config_is_kept(tiny_model_dir: P
 
 def test_schedule_length_is_capped_by_the_epochs(tmp_path: Path) -> None:
     from coati_kto.config.load import load_config
-    from coati_kto.train import total_optimizer_steps
+    from coati_kto.recipe.components import total_optimizer_steps
 
     path = tmp_path / "cfg.yaml"
     path.write_text("model: {path: m}\ndata: {train_files: [d.jsonl], prepared_dir: p}\noutput: {dir: o}\n")

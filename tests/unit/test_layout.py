@@ -3,7 +3,14 @@
 Every import statement between the package's modules counts, at any depth (an import inside a function is
 still an edge). Layers, bottom to top; a module may import its own subpackage and any lower layer:
 
-    errors, families < config < parallel < data < models, runtime < trainer, launch < train, testing < export < cli
+    errors, families < config < parallel < data < models, runtime < trainer, launch < outputs
+    < recipe < train, testing < cli
+
+``trainer/`` holds the step and the loop; ``outputs/`` what a run leaves (the exported model, its card, the
+upload); ``recipe/`` the commands' recipes and the setup they share; ``train.py`` the recipe's public entry.
+
+A module over MAX_MODULE_LINES is a prompt to look at what it holds: split it by responsibility (a part a reader
+would look for by name), not by line count.
 """
 
 from __future__ import annotations
@@ -26,12 +33,13 @@ LAYERS = {
     "runtime": 5,
     "trainer": 6,
     "launch": 6,
-    "train": 7,
-    "testing": 7,
-    "colossalai_launch": 7,
-    "export": 8,
-    "cli": 9,
-    "__main__": 10,
+    "outputs": 7,
+    "recipe": 8,
+    "train": 9,
+    "testing": 9,
+    "colossalai_launch": 9,
+    "cli": 10,
+    "__main__": 11,
 }
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
@@ -107,18 +115,30 @@ def test_no_import_circles() -> None:
             visit(module, [module])
 
 
-def test_modules_and_functions_stay_short() -> None:
+def test_functions_stay_short() -> None:
     long = []
     for path in PACKAGE.rglob("*.py"):
-        source = path.read_text()
-        if source.count("\n") > MAX_MODULE_LINES:
-            long.append(f"{path.relative_to(PACKAGE)}: {source.count(chr(10))} lines")
-        for node in ast.walk(ast.parse(source)):
+        for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 length = node.end_lineno - node.lineno + 1
                 if length > MAX_FUNCTION_LINES:
                     long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name}: {length} lines")
     assert not long, long
+
+
+def test_a_long_module_is_split_by_responsibility() -> None:
+    """A module past the cap holds more than one concern, or one that grew: find the part a reader would look for
+    by name and give it its own module. Moving lines to a sibling to get under the number is not the fix."""
+    long = [
+        f"{path.relative_to(PACKAGE)}: {lines} lines"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (lines := path.read_text().count("\n")) > MAX_MODULE_LINES
+    ]
+    assert not long, (
+        f"over {MAX_MODULE_LINES} lines: {', '.join(long)}. Split by responsibility, not by line count: name what "
+        "each part of the module is for and move the part that stands on its own (docs/architecture.md lists "
+        "where each concern lives)."
+    )
 
 
 def test_only_the_parallel_backends_and_the_config_name_a_plugin() -> None:

@@ -58,12 +58,12 @@ def test_plugin_defaults_follow_the_plugin(tmp_path: Path, overrides: list[str],
 def test_zero_stage_that_runs(
     tmp_path: Path, overrides: list[str], dp_size: int | None, running: int
 ) -> None:
-    from coati_kto.train import _zero_note
+    from coati_kto.recipe.setup import zero_note
 
     config = load_config(write_config(tmp_path, MINIMAL), overrides)
     plan = ParallelPlan.from_config(config, dp_size=dp_size)
     assert plan.zero_stage == running
-    note = _zero_note(config, plan)
+    note = zero_note(config.plugin, plan)
     assert (note is None) == (running == config.plugin.zero_stage)
     if note is not None:
         assert note.startswith(f"plugin.zero_stage {config.plugin.zero_stage} runs as 0 on one data-parallel")

@@ -8,7 +8,7 @@ import yaml
 from helpers import MINIMAL, write_config
 
 from coati_kto.config.load import load_config
-from coati_kto.trainer.model_card import render
+from coati_kto.outputs.model_card import render
 
 
 def test_card_embeds_the_config_and_the_run_notes(tmp_path: Path) -> None:
@@ -23,16 +23,18 @@ def test_card_embeds_the_config_and_the_run_notes(tmp_path: Path) -> None:
 
 def test_export_note_says_what_final_holds(tmp_path: Path) -> None:
     """final/ was written in bf16 after bf16 training from an fp32 base without a word (issue 17)."""
-    from coati_kto.train import _export_note
+    from coati_kto.outputs.weights import export_note
 
     bf16 = ["plugin.precision=bf16", "plugin.zero_stage=2"]
     config = load_config(write_config(tmp_path, MINIMAL), bf16)
-    assert _export_note(config) == (
+    assert export_note(config.plugin.precision, config.training_output().export_dtype) == (
         "final/ holds the bf16 weights the run trained (its base was loaded in fp32 and cast); "
         "output.export_dtype=fp32 writes the fp32 master weights instead"
     )
     fp32 = load_config(write_config(tmp_path, MINIMAL), [*bf16, "output.export_dtype=fp32"])
-    assert "fp32 master weights (trained in bf16" in _export_note(fp32)
+    assert "fp32 master weights (trained in bf16" in export_note(
+        fp32.plugin.precision, fp32.output.export_dtype
+    )
 
 
 def test_card_of_a_held_out_split_and_of_a_resume_after_the_last_evaluation(tmp_path: Path) -> None:

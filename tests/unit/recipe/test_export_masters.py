@@ -26,7 +26,7 @@ def test_fp32_masters_on_another_layout_are_refused_before_anything_heavy(
 ) -> None:
     """The masters are per rank: on 1 process they were rebuilt from the bf16 weights, and the export (its card,
     its printed line) called bf16 weights cast to fp32 "the optimizer's fp32 master weights" (0.0037 off)."""
-    from coati_kto.export import export_checkpoint
+    from coati_kto.recipe.export import export_checkpoint
 
     out = tmp_path / "out"
     _checkpoint(out, world=2, tp=1)

@@ -14,8 +14,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from coati_kto.config.hub import hub_token
+from coati_kto.config.output import OutputSection
 from coati_kto.config.push import PushToHubSection
-from coati_kto.config.schema import Config
 from coati_kto.parallel.distributed import global_rank
 from coati_kto.runtime.run_dir import FINAL_DIR
 
@@ -55,17 +55,20 @@ def push_folder(
     return True, f"pushed {shown or folder} to {where}: commit {commit.oid[:12]} ({commit.commit_url})"
 
 
-def push_final(config: Config) -> bool | None:
-    """The end of a run: global rank 0 uploads output.dir/final (None: no output.push_to_hub, or another rank).
-    Called once the run is over (its peers gone, its heartbeat stopped): an upload may take hours."""
-    push = config.training_output().push_to_hub
-    if push is None or global_rank() != 0:
-        return None
-    uploaded, line = push_folder(
-        Path(config.training_output().dir) / FINAL_DIR, push, "final/ at the end of the run"
-    )
+def upload(push: PushToHubSection, folder: Path, what: str) -> bool:
+    """Upload ``folder`` to ``push`` and print the line saying how it went (one process): True when it went up."""
+    uploaded, line = push_folder(folder, push, what)
     print(line, flush=True)
     return uploaded
+
+
+def push_final(output: OutputSection) -> bool | None:
+    """The end of a run: global rank 0 uploads output.dir/final (None: no output.push_to_hub, or another rank).
+    Called once the run is over (its peers gone, its heartbeat stopped): an upload may take hours."""
+    push = output.push_to_hub
+    if push is None or global_rank() != 0:
+        return None
+    return upload(push, Path(output.dir) / FINAL_DIR, "final/ at the end of the run")
 
 
 class CheckpointUploads:
@@ -113,9 +116,9 @@ class CheckpointUploads:
         return all(upload.result()[0] for _, upload in self._uploads)
 
 
-def checkpoint_uploads(config: Config) -> CheckpointUploads | None:
+def checkpoint_uploads(output: OutputSection) -> CheckpointUploads | None:
     """The uploader for ``output.push_to_hub.checkpoints`` on global rank 0 (None elsewhere, or when off)."""
-    push = config.training_output().push_to_hub
+    push = output.push_to_hub
     if push is None or not push.checkpoints or global_rank() != 0:
         return None
-    return CheckpointUploads(push, Path(config.training_output().dir) / ".hub_uploads")
+    return CheckpointUploads(push, Path(output.dir) / ".hub_uploads")

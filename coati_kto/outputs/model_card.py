@@ -2,7 +2,8 @@
 
 YAML front matter (library_name, base_model when it is a Hub id, tags, datasets when they are Hub ids), then
 the base model, the data (files, counts per label, truncation), the KTO and training settings and the final
-evaluation metrics. Written by the main rank only (``write_model_card`` is no collective).
+evaluation metrics. ``render`` is the one entry point that reads the whole config (the card embeds it); each
+section of the card reads the config sections it shows. No collective, no I/O but the base model's config.json.
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from coati_kto.config.hub import hub_id, is_hub_dataset
-from coati_kto.config.schema import Config
+from coati_kto.config.kto import KTOSection
+from coati_kto.config.output import OutputSection
+from coati_kto.config.schema import Config, DataSection, ModelSection, PluginSection, TrainSection
 from coati_kto.trainer.loss import needs_kl
 from coati_kto.trainer.run_summary import data_stats_table, split_rows
 
+CARD = "README.md"  # the card's file name in an export directory
 EVAL_KEYS = (
     "eval/loss",
     "eval/rewards/chosen",
@@ -36,11 +40,11 @@ def last_eval(history: Any) -> dict[str, float] | None:
     return dict(records[-1]) if records else None
 
 
-def base_model_id(config: Config) -> str | None:
+def base_model_id(model: ModelSection) -> str | None:
     """The base model's Hub id: model.path itself, or for a local directory its config's ``_name_or_path``."""
-    found = hub_id(config.model.path)
+    found = hub_id(model.path)
     if found is None:
-        cfg = Path(config.model.path) / "config.json"
+        cfg = Path(model.path) / "config.json"
         if cfg.is_file():
             found = hub_id(json.loads(cfg.read_text()).get("_name_or_path"))
     return found
@@ -63,24 +67,25 @@ def render(
     """The card's text (front matter + markdown). ``weights``: the (lambda_D, lambda_U) the run used;
     ``notes``: the one-line facts the run printed about choices made for the user (the attention kernel, the
     pad token, settings changed on resume, the exported dtype), repeated here so the card says what was used."""
+    model, data = config.model, config.data
     lines = [
-        *_front_matter(config),
-        *_data_section(config, data_stats),
-        *_settings_section(config, weights),
-        *_training_section(config, steps, world_size, notes or []),
+        *_front_matter(model, data, config.kto.loss_type, Path(config.training_output().dir).name),
+        *_data_section(data, data_stats),
+        *_settings_section(config.kto, weights),
+        *_training_section(config.train, config.plugin, steps, world_size, notes or []),
         *_evaluation_section(eval_record, bool(data_stats and data_stats.get("eval"))),
-        *_use_section(config),
-        *_config_section(config),
+        *_use_section(model, config.training_output()),
+        *_config_section(config.to_yaml()),
     ]
     return "\n".join(lines)
 
 
-def _front_matter(config: Config) -> list[str]:
+def _front_matter(model: ModelSection, data: DataSection, loss_type: str, title: str) -> list[str]:
     from huggingface_hub import ModelCardData  # imported by the one rank that writes the card
 
-    base = base_model_id(config)
-    datasets = sorted({d for f in config.data.train_files + config.data.eval_files if (d := _dataset_id(f))})
-    tags = ["kto", "coati-kto", "colossalai", config.kto.loss_type.replace("_", "-")]
+    base = base_model_id(model)
+    datasets = sorted({d for f in data.train_files + data.eval_files if (d := _dataset_id(f))})
+    tags = ["kto", "coati-kto", "colossalai", loss_type.replace("_", "-")]
     meta = ModelCardData(
         library_name="transformers",
         base_model=base,
@@ -93,39 +98,37 @@ def _front_matter(config: Config) -> list[str]:
         meta.to_yaml(),
         "---",
         "",
-        f"# {Path(config.output.dir).name}",
+        f"# {title}",
         "",
-        f"Aligned from binary feedback with coati-kto (loss `{config.kto.loss_type}`) on ColossalAI.",
+        f"Aligned from binary feedback with coati-kto (loss `{loss_type}`) on ColossalAI.",
         "",
         "## Base model",
         "",
-        f"`{config.model.path}`" + (f" (Hub id `{base}`)" if base and base != config.model.path else ""),
+        f"`{model.path}`" + (f" (Hub id `{base}`)" if base and base != model.path else ""),
         "",
     ]
 
 
-def _data_section(config: Config, data_stats: dict[str, Any] | None) -> list[str]:
+def _data_section(data: DataSection, data_stats: dict[str, Any] | None) -> list[str]:
     lines = ["## Data", ""]
     if data_stats is None:
-        return [*lines, "- train files: " + ", ".join(f"`{f}`" for f in config.data.train_files), ""]
+        return [*lines, "- train files: " + ", ".join(f"`{f}`" for f in data.train_files), ""]
     for row in split_rows(data_stats):
         files = ", ".join(f"`{f}`" for f in row["files"])
-        held_out = f"held out of the train files by prompt (data.eval_fraction {config.data.eval_fraction})"
+        held_out = f"held out of the train files by prompt (data.eval_fraction {data.eval_fraction})"
         lines.append(f"- {row['split']} files: {files or held_out}")
     return [
         *lines,
         "",
         data_stats_table(data_stats),
         "",
-        f"Truncation: data.max_length {config.data.max_length}, "
-        f"data.max_prompt_length {config.data.max_prompt_length}.",
+        f"Truncation: data.max_length {data.max_length}, data.max_prompt_length {data.max_prompt_length}.",
         "",
         *([f"Completions: {data_stats['completion_end']}.", ""] if data_stats.get("completion_end") else []),
     ]
 
 
-def _settings_section(config: Config, weights: tuple[float, float]) -> list[str]:
-    kto = config.kto
+def _settings_section(kto: KTOSection, weights: tuple[float, float]) -> list[str]:
     return [
         "## KTO settings",
         "",
@@ -140,8 +143,9 @@ def _settings_section(config: Config, weights: tuple[float, float]) -> list[str]
     ]
 
 
-def _training_section(config: Config, steps: int, world_size: int, notes: list[str]) -> list[str]:
-    train, plugin = config.train, config.plugin
+def _training_section(
+    train: TrainSection, plugin: PluginSection, steps: int, world_size: int, notes: list[str]
+) -> list[str]:
     return [
         "## Training",
         "",
@@ -177,43 +181,43 @@ def _evaluation_section(eval_record: dict[str, float] | None, has_eval_split: bo
     ]
 
 
-def _auto_class_name(config: Config) -> str:
+def _auto_class_name(model: ModelSection) -> str:
     """The Auto class that reloads the export: image-text-to-text for a vision-language base model (read from a
     local model directory; a hub id gets the causal-LM class)."""
-    if not (Path(config.model.path) / "config.json").is_file():
+    if not (Path(model.path) / "config.json").is_file():
         return "AutoModelForCausalLM"
     from transformers import AutoConfig
 
     from coati_kto.families import auto_model_class
 
-    base = AutoConfig.from_pretrained(config.model.path, trust_remote_code=config.model.trust_remote_code)
+    base = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
     return auto_model_class(base).__name__
 
 
-def _use_section(config: Config) -> list[str]:
-    auto = _auto_class_name(config)
+def _use_section(model: ModelSection, output: OutputSection) -> list[str]:
+    auto = _auto_class_name(model)
     lines = ["## Use", "", "```python", f"from transformers import {auto}, AutoTokenizer", ""]
-    if config.model.lora is None:
+    if model.lora is None:
         lines += [
             f'model = {auto}.from_pretrained("path/to/final")',
             'tokenizer = AutoTokenizer.from_pretrained("path/to/final")',
         ]
     else:  # coati_kto.models.lora.export_lora: final/adapter (peft) and, with output.merge_lora, final/merged
-        lora = config.model.lora
+        lora = model.lora
         lines += [
             "from peft import PeftModel",
             "",
             f"# LoRA adapters (rank {lora.rank}, alpha {lora.alpha:g}) on {', '.join(lora.target_modules)}",
-            f'model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{config.model.path}"), '
+            f'model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{model.path}"), '
             '"path/to/final/adapter")',
             'tokenizer = AutoTokenizer.from_pretrained("path/to/final/adapter")',
         ]
-        if config.output is not None and config.output.merge_lora:
+        if output.merge_lora:
             lines += ['# or, merged: AutoModelForCausalLM.from_pretrained("path/to/final/merged")']
     return [*lines, "```", ""]
 
 
-def _config_section(config: Config) -> list[str]:
+def _config_section(config_yaml: str) -> list[str]:
     # Embedded, not linked: the card travels with final/ (uploaded alone), the run's config.yaml does not.
     return [
         "## Configuration",
@@ -221,29 +225,12 @@ def _config_section(config: Config) -> list[str]:
         "<details><summary>The resolved config of the run (every default filled in)</summary>",
         "",
         "```yaml",
-        config.to_yaml().rstrip(),
+        config_yaml.rstrip(),
         "```",
         "",
         "</details>",
         "",
     ]
-
-
-def write_model_card(
-    out_dir: str | Path,
-    config: Config,
-    data_stats: dict[str, Any] | None,
-    history: Any,
-    steps: int,
-    weights: tuple[float, float],
-    world_size: int,
-    notes: list[str] | None = None,
-) -> Path:
-    """Write ``out_dir/README.md`` from the run's config, data stats and last eval record. Main rank only."""
-    path = Path(out_dir) / "README.md"
-    text = render(config, data_stats, last_eval(history), steps, weights, world_size, notes)
-    path.write_text(text)
-    return path
 
 
 def _dataset_id(entry: str) -> str | None:

@@ -1,0 +1,76 @@
+"""What ``coati-kto export`` checks and where it writes, before anything is loaded (filesystem only).
+
+The export itself is a recipe (``coati_kto.recipe.export``): set up as the run did, load the checkpoint, write
+the weights and the card as the end of training does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from coati_kto.config.lora import LoraSection
+from coati_kto.config.output import OutputSection
+from coati_kto.config.schema import PluginSection
+from coati_kto.errors import UserError
+from coati_kto.outputs.model_card import CARD
+from coati_kto.runtime.preflight import push_problems
+from coati_kto.runtime.run_dir import COMPLETE, FINAL_DIR, resolve_checkpoint
+
+EXPORTS_DIR = "exports"
+
+
+def finished_final(output: OutputSection, checkpoint: str, out: str | None) -> Path | None:
+    """output.dir/final when ``export --push`` should upload it as it is: no checkpoint or --out named, and its
+    model card written (the card is written last: the end of a finished run). None: export a checkpoint first."""
+    final = Path(output.dir) / FINAL_DIR
+    return final if checkpoint == "auto" and out is None and (final / CARD).is_file() else None
+
+
+def check_push(output: OutputSection) -> None:
+    """``export --push``: a repo id and a token, before anything is loaded (UserError, one line each)."""
+    problems = push_problems(output, exporting=True)
+    if problems:
+        raise UserError("\n".join(problems))
+
+
+def check_masters_layout(
+    output: OutputSection, lora: LoraSection | None, plugin: PluginSection, path: Path
+) -> None:
+    """UserError (one line) for output.export_dtype fp32 of a bf16/fp16 checkpoint (``path``) on another layout
+    than it was saved on: its fp32 masters are per rank and would be rebuilt from the working weights, so the
+    export would hold the working weights cast to fp32 under a card and a line that call them the fp32 masters."""
+    if output.export_dtype != "fp32" or lora is not None:
+        return
+    if plugin.precision == "fp32" or not (path / "meta.json").is_file():
+        return
+    meta = json.loads((path / "meta.json").read_text())
+    world, tp = int(os.environ.get("WORLD_SIZE", "1")), plugin.tp_size
+    saved_world, saved_tp = meta.get("world_size"), meta.get("tp_size", 1)
+    if (world, tp) != (saved_world, saved_tp):
+        raise UserError(
+            f"coati-kto export: output.export_dtype fp32 writes the fp32 master weights, which {path.name} holds "
+            f"per rank for {saved_world} process(es) at plugin.tp_size {saved_tp}, not {world} at {tp} (they would "
+            f"be rebuilt from the {plugin.precision} weights): run it with --nproc-per-node {saved_world} "
+            f"and plugin.tp_size={saved_tp}, or output.export_dtype=training"
+        )
+
+
+def export_target(root: Path, checkpoint: str, out: str | None) -> tuple[Path, Path]:
+    """(the checkpoint to export, the directory to write) under the run's checkpoints directory ``root``; raises
+    UserError (one line) when there is no such checkpoint or the directory exists. Creates the directory's
+    parent."""
+    if checkpoint != "auto" and not (Path(checkpoint) / COMPLETE).is_file():
+        raise UserError(
+            f"coati-kto export --checkpoint: {checkpoint} is not a complete checkpoint (a checkpoints/step-N "
+            f"directory with its {COMPLETE} marker)"
+        )
+    path = resolve_checkpoint(root, checkpoint)
+    if path is None:
+        raise UserError(f"coati-kto export: no complete checkpoint under {root}")
+    target = Path(out) if out else root.parent / EXPORTS_DIR / path.name
+    if target.exists():
+        raise UserError(f"coati-kto export: {target} exists; remove it or name another with --out")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    return path, target

@@ -1,0 +1,52 @@
+"""The trained model in Hugging Face format: what ``final/`` (the end of training) and ``coati-kto export`` hold.
+
+Full weights (``output.export_dtype``: the working weights, or the optimizer's fp32 masters) through the run's
+checkpoint IO, or with ``model.lora`` the adapters (``adapter/``) and, with ``output.merge_lora``, the merged
+model (``merged/``). Every rank calls (gathers are collectives); the main rank writes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from coati_kto.config.output import OutputSection
+from coati_kto.parallel.masters import gathered_masters
+
+
+def write_weights(
+    trainer: Any,
+    tokenizer: Any,
+    target: Path,
+    output: OutputSection,
+    lora: bool,
+    is_main: bool,
+    frozen_fp32: dict[str, torch.Tensor],
+) -> Path:
+    """Write ``trainer``'s policy (with ``tokenizer``) under ``target``; returns the directory that holds the model
+    (``target``, or with ``lora`` the adapters' parent). ``frozen_fp32``: weights no optimizer master holds (a
+    vision-language model's frozen tower), added to an fp32 export."""
+    from coati_kto.models.lora import export_lora  # after quiet_known_warnings (coati_kto.recipe.train)
+
+    if lora:  # target/adapter (peft) and, with output.merge_lora, target/merged
+        return export_lora(trainer.policy, tokenizer, target, is_main, output.merge_lora)
+    masters = None
+    if output.export_dtype == "fp32":
+        masters = gathered_masters(trainer.policy, trainer.optimizer)  # a collective: every rank
+        masters.update(frozen_fp32)
+    return trainer.checkpoint_manager.export_hf(trainer.policy, tokenizer, target, masters)
+
+
+def export_note(precision: str, export_dtype: str, where: str = "final/") -> str:
+    """What the export's full weights are, in one line (the card repeats it). ``precision``: plugin.precision;
+    ``export_dtype``: output.export_dtype; ``where``: final/, or step-N/ for coati-kto export."""
+    if export_dtype == "fp32":
+        return f"{where} holds the optimizer's fp32 master weights (trained in {precision}; output.export_dtype fp32)"
+    if precision == "fp32":
+        return f"{where} holds the fp32 weights the run trained"
+    return (
+        f"{where} holds the {precision} weights the run trained (its base was loaded in fp32 and cast); "
+        "output.export_dtype=fp32 writes the fp32 master weights instead"
+    )

@@ -1,0 +1,144 @@
+"""The models, optimizer and schedule of a run, boosted, and the KTOTrainer that steps them (every rank).
+
+``build_components`` loads the policy (and the online reference), builds the optimizer and the warmup-cosine
+schedule and boosts them through the run's backend. ``build_trainer`` builds those for a ``Run`` and hands them to
+a KTOTrainer with its checkpoint manager and one ``KTOOptions``: what both ``coati-kto train`` and ``coati-kto
+export`` step or load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from coati_kto.config.schema import Config
+from coati_kto.models.compile import maybe_compile
+from coati_kto.models.hf import freeze_vision_tower, load_causal_lm
+from coati_kto.models.lora import AdapterFreeReference, enable_lora
+from coati_kto.models.packing import padding_free_note
+from coati_kto.parallel.distributed import ParallelLayout
+from coati_kto.parallel.optimizers import optimizer_for
+from coati_kto.parallel.plan import ParallelPlan
+from coati_kto.recipe.setup import Run
+from coati_kto.runtime.run_dir import CHECKPOINTS_DIR
+from coati_kto.runtime.signals import StopSignals
+from coati_kto.trainer.options import KTOOptions
+from coati_kto.trainer.schedule import planned_steps, warmup_cosine_schedule
+from coati_kto.trainer.throughput import peak_flops_line, resolve_peak_flops
+
+
+@dataclass
+class Components:
+    """Everything ``KTOTrainer`` needs besides data; built identically on every rank."""
+
+    plugin: Any
+    booster: Any
+    layout: ParallelLayout
+    policy: Any  # boosted
+    # frozen, eval mode, built by plan.backend.build_reference (same path as the policy); with model.lora the policy
+    # with its adapters disabled (coati_kto.models.lora.AdapterFreeReference); None with kto.reference cached
+    reference: Any
+    optimizer: Any  # boosted
+    lr_scheduler: Any
+    plan: ParallelPlan
+    # main rank, output.export_dtype fp32: a vision-language model's frozen tower as loaded (no masters hold it)
+    frozen_fp32: dict[str, torch.Tensor]
+
+
+def build_components(
+    config: Config, plugin: Any, total_steps: int, plan: ParallelPlan | None = None
+) -> Components:
+    """Models, optimizer, cosine schedule with warmup, boosted. Every rank calls, after ``plan.backend.build_plugin``.
+
+    Both models load in fp32: the policy is boosted (ZeRO and the AMP optimizers keep fp32 masters; the plugin
+    casts the working copy), the reference goes through the same plugin path without an optimizer
+    (``ParallelBackend.build_reference``: same sharding, same cast, same fp32 rotary buffers), so at step 0 both
+    give identical log-probs and the log-ratios start at exactly 0.
+    """
+    from colossalai.booster import Booster
+
+    plan = plan or ParallelPlan.from_config(config)
+    layout = ParallelLayout.from_plugin(plugin)
+    policy = load_causal_lm(config.model.path, config.model, torch.float32)
+    # A vision-language model's text passes never reach its tower (model_notes says so).
+    fp32_export = config.output is not None and config.output.export_dtype == "fp32"
+    frozen_fp32 = freeze_vision_tower(policy, keep_fp32=fp32_export and layout.is_main)
+    if config.model.gradient_checkpointing:  # non-reentrant: shardformer's forward requires it
+        policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    policy = maybe_compile(policy, config.model.compile)  # after checkpointing, before boosting
+    booster = Booster(plugin=plugin)
+    if config.model.lora is not None:  # before boosting: the plugins wrap the PeftModel
+        policy = enable_lora(booster, policy, config.model.lora)
+    # None with kto.reference cached: the batches carry its log-probs (coati_kto.trainer.reference_cache)
+    reference = None
+    if config.kto.reference == "online" and config.model.lora is None:
+        reference = load_causal_lm(
+            config.model.reference_path or config.model.path, config.model, torch.float32
+        )
+        reference = plan.backend.build_reference(plugin, maybe_compile(reference, config.model.compile))
+    optimizer = optimizer_for(policy.parameters(), config.train, config.plugin.cpu_offload)
+    lr_scheduler = warmup_cosine_schedule(
+        optimizer, config.train.warmup_steps, max(1, total_steps), config.train.min_lr_ratio
+    )
+    # Every parameter, frozen ones too: ZeRO skips them; a ZeRO plugin finds adapters by their base layer.
+    policy, optimizer, lr_scheduler = plan.backend.boost(booster, policy, optimizer, lr_scheduler)
+    if config.model.lora is not None and config.kto.reference == "online":
+        reference = AdapterFreeReference(policy)  # the base model: no second copy in memory
+    return Components(plugin, booster, layout, policy, reference, optimizer, lr_scheduler, plan, frozen_fp32)
+
+
+def total_optimizer_steps(
+    config: Config, micro_batches_per_rank: int, resumed: tuple[int, int, int] | None = None
+) -> int:
+    """The run's optimizer steps under ``config`` (``trainer.schedule.planned_steps``)."""
+    train = config.train
+    return planned_steps(
+        micro_batches_per_rank, train.accumulation_steps, train.max_epochs, train.max_steps, resumed
+    )
+
+
+def build_trainer(config: Config, run: Run, stop: StopSignals) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Models, optimizer, schedule and the KTOTrainer of ``run`` (every rank); with it ``Components.frozen_fp32``.
+    With ``kto.reference: cached`` no reference model is built (``coati-kto export`` asks for that)."""
+    from coati_kto.trainer.checkpoint import CheckpointManager  # after quiet_known_warnings (recipe.train)
+    from coati_kto.trainer.kto import KTOTrainer
+    from coati_kto.trainer.reference_cache import reference_weights_digest
+
+    steps = total_optimizer_steps(config, len(run.train_loader.batch_sampler))
+    if run.layout.is_main:
+        # What model.attn_implementation auto became here (coati_kto.config.attention), then the rows' layout.
+        cuda = torch.cuda.is_available()
+        notes = (config.attention_note(), padding_free_note(config.data, config.model, cuda))
+        for line in filter(None, notes):
+            print(line, flush=True)
+    parts = build_components(config, run.plugin, steps, run.plan)
+    peak_flops, peak_source = resolve_peak_flops(config.train.peak_flops, config.plugin.precision)
+    if run.layout.is_main:
+        print(peak_flops_line(peak_flops, peak_source), flush=True)
+    output = config.training_output()
+    manager = CheckpointManager(run.out_dir / CHECKPOINTS_DIR, parts.booster, run.layout, output.keep_last)
+    trainer = KTOTrainer(
+        parts.policy,
+        parts.reference,
+        parts.booster,
+        parts.optimizer,
+        run.plugin,
+        parts.lr_scheduler,
+        run.tokenizer,
+        max_epochs=config.train.max_epochs,
+        beta=config.kto.beta,
+        desirable_weight=run.weights[0],
+        undesirable_weight=run.weights[1],
+        accumulation_steps=config.train.accumulation_steps,
+        save_interval=output.save_interval,
+        options=KTOOptions.from_config(config, peak_flops),
+        layout=run.layout,
+        plan=run.plan,
+        checkpoint_manager=manager,
+        run_config=config.model_dump(mode="json"),
+        data_stats={**run.data.stats, "reference_weights": reference_weights_digest(config)},  # checkpointed
+        stop_signals=stop,
+    )
+    return trainer, parts.frozen_fp32

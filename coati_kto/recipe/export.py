@@ -1,0 +1,74 @@
+"""``coati-kto export CONFIG [--checkpoint auto|DIR] [--out DIR]``: a run's checkpoint as the Hugging Face model
+(and model card) that training writes at its end, to evaluate a run part-way or to recover an export that was
+lost. Every rank calls ``export_checkpoint``.
+
+The recipe: check the checkpoint and the target (``coati_kto.outputs.export``), set up as the run did
+(``setup_export``: data, tokenizer, plugin; ``build_trainer``: policy and optimizer, no reference model), load the
+checkpoint as a resume does and write the export as the end of training does (``save_final``): the same files,
+the same dtype rules (output.export_dtype), LoRA adapters and merged weights as output.merge_lora says. For an
+fp32 export of a bf16 run, run it on the layout the checkpoint was saved on (``--nproc-per-node N``): the fp32
+masters are per rank, and on another layout they would be rebuilt from the working weights.
+
+output.dir is only read: a run still training there is not disturbed (its lock is not taken), and nothing is
+written under output.dir except the export itself (default ``output.dir/exports/step-N``).
+
+``--push`` uploads to output.push_to_hub: ``final/`` as it is when the run finished (no checkpoint or --out
+named: the retry of a failed upload at the end of training; nothing is loaded), else the export just written.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from coati_kto.config.resume import check_resume
+from coati_kto.config.schema import Config
+from coati_kto.outputs.export import check_masters_layout, export_target
+from coati_kto.parallel.distributed import on_rank0
+from coati_kto.recipe.components import build_trainer
+from coati_kto.recipe.save import save_final
+from coati_kto.recipe.setup import setup_export
+from coati_kto.runtime.run_dir import CHECKPOINTS_DIR, saved_trainer_state
+from coati_kto.runtime.signals import STOP
+
+
+def export_checkpoint(config: Config, checkpoint: str = "auto", out: str | None = None) -> Path:
+    """Write ``checkpoint`` (``auto``: the latest complete one under output.dir/checkpoints; or a step-N
+    directory) as a Hugging Face model into ``out`` (default output.dir/exports/step-N), which must not exist
+    yet. Returns the export's path. Every rank calls; user mistakes raise UserError (one line)."""
+    from coati_kto.parallel.upstream.noise import quiet_known_warnings
+
+    quiet_known_warnings()  # before anything imports colossalai: it warns at import time
+    root = Path(config.training_output().dir) / CHECKPOINTS_DIR
+    # A missing checkpoint, an existing target, fp32 masters of another layout: said before anything heavy.
+    first = export_target(root, checkpoint, out)[0]
+    check_masters_layout(config.training_output(), config.model.lora, config.plugin, first)
+    config = run_config(config, first)
+    # The optimizer is built (it holds the fp32 masters) but the reference model is not: nothing is scored.
+    unscored = config.model_copy(update={"kto": config.kto.model_copy(update={"reference": "cached"})})
+    run = setup_export(config)
+    trainer, frozen_fp32 = build_trainer(unscored, run, STOP.install())
+    # Rank 0 decides (a run still training there may have saved another since the check above).
+    path, target = on_rank0(lambda: export_target(root, checkpoint, out), "find the checkpoint")
+    saved = trainer.checkpoint_manager.saved_state(path).get("config")
+    if saved is not None:  # refuses another model, tokenizer, LoRA or data than the checkpoint's
+        check_resume(saved, config.model_dump(mode="json"), path.name)
+    trainer.resume(path)
+    trained_on = json.loads((path / "meta.json").read_text()).get("world_size")  # the card's process count
+    save_final(config, run, trainer, frozen_fp32, final_dir=target, world_size=trained_on)
+    return target
+
+
+def run_config(config: Config, path: Path) -> Config:
+    """The config the checkpoint at ``path`` was trained with (its output section and tensor-parallel size from
+    ``config``): what the export and its card describe. Another model, tokenizer, LoRA or data is refused
+    (check_resume); a changed training setting (kto.beta, train.lr...) would otherwise be written into the card
+    as the run's."""
+    saved = saved_trainer_state(path)["trainer_state"].get("config")
+    if saved is None:
+        return config
+    check_resume(saved, config.model_dump(mode="json"), path.name)
+    current = config.model_dump(mode="json")
+    plugin = {**saved["plugin"], "tp_size": current["plugin"]["tp_size"]}
+    data = {**saved["data"], **{k: current["data"][k] for k in ("prepared_dir", "num_proc")}}  # may move
+    return Config.model_validate({**saved, "output": current["output"], "plugin": plugin, "data": data})

@@ -1,0 +1,45 @@
+"""The end of a recipe: the trained model and its model card (``coati_kto.outputs``), under output.dir/final or
+``coati-kto export``'s directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from coati_kto.config.schema import Config
+from coati_kto.outputs.model_card import CARD, last_eval, render
+from coati_kto.outputs.weights import export_note, write_weights
+from coati_kto.recipe.setup import Run
+from coati_kto.runtime.run_dir import FINAL_DIR
+
+
+def save_final(
+    config: Config,
+    run: Run,
+    trainer: Any,
+    frozen_fp32: dict[str, torch.Tensor],
+    final_dir: Path | None = None,
+    world_size: int | None = None,
+) -> None:
+    """The trained model in Hugging Face format under ``final_dir`` (output.dir/final, unless output.save_final is
+    off), with its model card (every rank). ``coati-kto export`` names its directory and the processes the
+    checkpoint was trained on (``world_size``, for the card)."""
+    output = config.training_output()
+    if final_dir is None and not output.save_final:
+        return
+    what = "final model" if final_dir is None else "exported model"
+    final_dir = final_dir or run.out_dir / FINAL_DIR
+    lora = config.model.lora is not None
+    final = write_weights(trainer, run.tokenizer, final_dir, output, lora, run.layout.is_main, frozen_fp32)
+    if not lora:
+        run.notes.append(export_note(config.plugin.precision, output.export_dtype, f"{final_dir.name}/"))
+    if run.layout.is_main:
+        world = world_size or run.layout.world_size
+        eval_record, steps = last_eval(trainer.history), trainer.global_step
+        card = render(config, run.data.stats, eval_record, steps, run.weights, world, run.notes)
+        (Path(final) / CARD).write_text(card)
+        print(f"{what}: {final}", flush=True)
+        if not lora:
+            print(run.notes[-1], flush=True)  # what its weights are

@@ -1,0 +1,164 @@
+"""What a run's commands set up alike, before any model: a ``Run`` (every rank builds its own).
+
+- ``load_run_data``: the prepared data (built by rank 0 when missing), the tokenizer and the pad token: what
+  ``coati-kto precompute`` needs, and the data part of both builders below.
+- ``setup_training``: the process group, the seed, output.dir claimed (its lock; cleared with output.overwrite), a
+  refused resume caught before the data is rebuilt, the reference's log-probs with ``kto.reference: cached``,
+  the plan and plugin, config.yaml, the loaders and the KTO weights of this data-parallel layout.
+- ``setup_export``: the same run read back for ``coati-kto export``: output.dir is only read (no lock, no
+  clearing, no config.yaml) and nothing is scored with the reference.
+
+Both print the weights' report and the one-line notes about choices made for the user on the main rank; the
+notes travel on in ``Run.notes`` to the model card.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from coati_kto.config.load import save_config
+from coati_kto.config.schema import Config, PluginSection
+from coati_kto.data.collator import KTOCollator
+from coati_kto.data.loaders import build_loaders
+from coati_kto.data.settings import PrepareSettings
+from coati_kto.data.tokenize import load_tokenizer, pad_id
+from coati_kto.data.weights import WeightSettings, imbalance, resolve_kto_weights
+from coati_kto.families import model_notes, vocabulary_size
+from coati_kto.models.hf import attention_implementation
+from coati_kto.models.packing import padding_free_rows
+from coati_kto.parallel.distributed import ParallelLayout, init_distributed, on_rank0, seed_everything
+from coati_kto.parallel.plan import ParallelPlan, check_tp_divides_world
+from coati_kto.runtime.host_memory import keep_freed_memory
+from coati_kto.runtime.run_dir import CHECKPOINTS_DIR, CONFIG_FILE, claim_output_dir, clear_previous_run
+from coati_kto.runtime.watchdog import Heartbeat
+
+
+@dataclass
+class RunData:
+    """The prepared data with the tokenizer that reads it (``load_run_data``)."""
+
+    data: Any  # PreparedData; with reference log-probs once kto.reference cached scored it
+    tokenizer: Any
+    pad: int  # the pad token id the collator fills with
+    pad_note: str | None  # one line when the pad token was chosen here (data.tokenize.pad_id)
+
+
+@dataclass
+class Run:
+    """What setup produced for the rest of a recipe (every rank holds its own)."""
+
+    out_dir: Path
+    data: Any  # PreparedData, with reference log-probs when kto.reference is cached (training)
+    tokenizer: Any
+    plan: ParallelPlan
+    plugin: Any
+    layout: ParallelLayout
+    train_loader: Any
+    eval_loader: Any
+    weights: tuple[float, float]  # (lambda_D, lambda_U) for this data-parallel layout
+    weights_report: str  # the one-line report of those weights (data.weights.resolve_kto_weights)
+    notes: list[str]  # one-line facts about choices made for the user: printed by rank 0, kept in the card
+
+
+def load_run_data(config: Config) -> RunData:
+    """The prepared data (rank 0 prepares it when data.prepared_dir holds none; the others wait), the tokenizer
+    and the pad token. Every rank calls, in a process group."""
+    from coati_kto.data.prepared import load_prepared  # after quiet_known_warnings (coati_kto.recipe.train)
+
+    inputs = PrepareSettings(config.data, config.model, config.train.seed)
+    data = load_prepared(inputs, WeightSettings(config.kto, config.train.micro_batch_size))
+    tokenizer = load_tokenizer(config.model)
+    pad, pad_note = pad_id(tokenizer, vocabulary_size(config.model.path, config.model.reference_path))
+    return RunData(data, tokenizer, pad, pad_note)
+
+
+def setup_training(config: Config, heartbeat: Heartbeat | None) -> Run:
+    """The training run's setup (every rank): see the module's docstring. Starts ``heartbeat`` once the process
+    group exists, unless its launcher's store let it start earlier."""
+    from coati_kto.trainer.reference_cache import refuse_changed_contents, with_reference_logps
+
+    _start_processes(config)
+    memory_note = keep_freed_memory()  # CPU runs only
+    if heartbeat is not None and not heartbeat.is_alive():
+        heartbeat.start()
+    out_dir = Path(config.training_output().dir)
+    # Global rank 0 holds output.dir's lock from here to the end of the run: nothing is written there before.
+    lock_note = on_rank0(lambda: claim_output_dir(out_dir), "lock output.dir")
+    if config.training_output().overwrite:
+        clear_previous_run(out_dir)  # rank 0 deletes, the others wait
+    # A refused resume: before prepare rebuilds data.prepared_dir and the reference scores.
+    refuse_changed_contents(config, out_dir / CHECKPOINTS_DIR)
+    run_data = load_run_data(config)
+    if config.kto.reference == "cached":  # once (all ranks) unless a matching cache exists
+        run_data.data = with_reference_logps(config, run_data.data, run_data.pad)
+    run = _build_run(config, out_dir, run_data)
+    if run.layout.is_main:
+        save_config(config, out_dir / CONFIG_FILE)
+    epoch_note = run.train_loader.batch_sampler.stats.epoch_note()  # examples left out
+    attention_note = attention_implementation(config.model.path, config.model)[1]
+    zero = zero_note(config.plugin, run.plan)
+    notes = (epoch_note, lock_note, run_data.pad_note, attention_note, zero, memory_note)
+    _announce(config, run, notes)
+    return run
+
+
+def setup_export(config: Config) -> Run:
+    """The run of ``config`` read back for ``coati-kto export`` (every rank): output.dir is only read and nothing
+    is scored. The export's own layout is not the run's: no ZeRO note."""
+    _start_processes(config)
+    run_data = load_run_data(config)
+    run = _build_run(config, Path(config.training_output().dir), run_data)
+    attention_note = attention_implementation(config.model.path, config.model)[1]
+    _announce(config, run, (run_data.pad_note, attention_note))
+    return run
+
+
+def zero_note(plugin: PluginSection, plan: ParallelPlan) -> str | None:
+    """One line when the ZeRO stage that runs is not the configured one (``parallel.plan.running_zero_stage``)."""
+    if plan.zero_stage == plugin.zero_stage:
+        return None
+    return (
+        f"plugin.zero_stage {plugin.zero_stage} runs as 0 on one data-parallel rank: nothing to shard, "
+        "so no ZeRO buckets or reductions (the AMP optimizer keeps the fp32 masters; same updates)"
+    )
+
+
+def _start_processes(config: Config) -> None:
+    """The process group (every rank), the tensor-parallel size checked against it before the data and the model
+    load, and the run's seed."""
+    init_distributed(timeout_s=config.train.dist_timeout)
+    check_tp_divides_world(config.plugin.tp_size, dist.get_world_size())
+    seed_everything(config.train.seed)
+
+
+def _build_run(config: Config, out_dir: Path, run_data: RunData) -> Run:
+    """The plan and plugin for this world, the loaders by data-parallel rank and the KTO weights of this layout."""
+    plan = ParallelPlan.from_config(config, dp_size=dist.get_world_size() // config.plugin.tp_size)
+    plugin = plan.backend.build_plugin()
+    layout = ParallelLayout.from_plugin(plugin)
+    data = run_data.data
+    rows = padding_free_rows(config.data, config.model)
+    collator = KTOCollator(run_data.pad, config.data.pad_to_multiple_of, rows)
+    train_loader, eval_loader = build_loaders(
+        data, config.train, config.data.group_by_length, layout, collator
+    )
+    weight_settings = WeightSettings(config.kto, config.train.micro_batch_size)
+    desirable, undesirable, report = resolve_kto_weights(
+        weight_settings, data.stats, layout.dp_size, config.data.prepared_dir
+    )
+    # The run card shows the report of this layout, not prepare's one-replica view.
+    data.stats["imbalance"] = imbalance(weight_settings, data.stats, layout.dp_size)
+    loaders, weights = (train_loader, eval_loader), (desirable, undesirable)
+    return Run(out_dir, data, run_data.tokenizer, plan, plugin, layout, *loaders, weights, report, [])
+
+
+def _announce(config: Config, run: Run, notes: tuple[str | None, ...]) -> None:
+    """``run.notes``: the given notes that say something, then the model's own; the main rank prints them after
+    the weights' report."""
+    run.notes = [n for n in notes if n] + model_notes(config.model.path, config.kto.router_aux_loss_coef)
+    if run.layout.is_main:
+        print("\n".join([run.weights_report, *run.notes]), flush=True)

@@ -1,0 +1,112 @@
+"""``coati-kto train CONFIG``: the whole run, top to bottom (every rank executes ``train``).
+
+setup (process group, seed, data, tokenizer, plugin, loaders: ``setup_training``; models, optimizer, schedule,
+booster and the trainer: ``build_trainer``) -> train (KTOTrainer.fit, resuming when train.resume says so) -> save
+(the final model and its card: ``save_final``) -> cleanup (writers close inside fit; the lock on output.dir goes,
+then the upload to the Hub).
+
+Ranks: rank 0 builds the prepared dataset if needed and writes every shared file (config.yaml, logs, the
+export's files); tensor-parallel ranks of one data-parallel group get the same batches.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from coati_kto.config.resume import check_contents, check_resume
+from coati_kto.config.schema import Config
+from coati_kto.outputs.push import CheckpointUploads, checkpoint_uploads, push_final
+from coati_kto.parallel.distributed import barrier
+from coati_kto.recipe.components import build_trainer, total_optimizer_steps
+from coati_kto.recipe.save import save_final
+from coati_kto.recipe.setup import Run, setup_training
+from coati_kto.runtime.preflight import announce_resume, check_training
+from coati_kto.runtime.run_dir import TENSORBOARD_DIR, release_output_dir
+from coati_kto.runtime.signals import STOP, StopSignals
+from coati_kto.runtime.watchdog import Heartbeat, new_heartbeat
+from coati_kto.trainer.schedule import reschedule, schedule_notes
+
+
+def train(config: Config) -> Any:
+    """Run KTO training as configured; returns the KTOTrainer (``history``: its last logged records).
+
+    Every rank calls. User mistakes raise UserError subclasses (the CLI prints them on one line). SIGTERM,
+    SIGINT or SIGUSR1 end the run after a checkpoint, raising TrainingStoppedError (coati_kto.runtime.signals).
+    """
+    check_training(config)  # before anything heavy: every problem at once
+    output = config.training_output()
+    # A run that continues a checkpoint says so first (unless its launcher did).
+    announce_resume(config.train, output)
+    # Installed for the rest of the process: a launcher may repeat the signal while this rank exits (torchrun
+    # SIGTERMs the workers still running once one has exited), and that must not kill it mid-teardown.
+    stop_signals = STOP.install()
+    heartbeat = new_heartbeat(config.train.heartbeat_timeout)
+    uploads = checkpoint_uploads(output)  # global rank 0 with output.push_to_hub.checkpoints, else None
+    try:
+        # torchrun's store exists before its workers start: watch from here, so a rank that dies before the
+        # process group forms is caught too. Elsewhere rank 0 creates the store in init_distributed.
+        if heartbeat is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            heartbeat.start()
+        trainer = _train(config, stop_signals, heartbeat, uploads)
+    finally:
+        if heartbeat is not None:
+            heartbeat.stop()
+        if uploads is not None:  # before the lock goes: the uploads read from output.dir
+            uploads.wait()
+        release_output_dir(Path(output.dir))
+    trainer.pushed = push_final(output)  # after the heartbeat stopped: no peer waits for an upload of hours
+    return trainer
+
+
+def _train(
+    config: Config, stop_signals: StopSignals, heartbeat: Heartbeat | None, uploads: CheckpointUploads | None
+) -> Any:
+    """The recipe: setup, train, save, cleanup. Every rank runs every step."""
+    from coati_kto.parallel.upstream.noise import quiet_known_warnings
+
+    quiet_known_warnings()  # before anything imports colossalai: it warns at import time
+    # ---- setup
+    run = setup_training(config, heartbeat)
+    trainer, frozen_fp32 = build_trainer(config, run, stop_signals)
+    trainer.checkpoint_manager.on_complete = uploads
+    _resume(config, run, trainer)
+    # ---- train (checkpoints every output.save_interval steps and at the end; writers close inside fit)
+    trainer.fit(
+        run.train_loader,
+        run.eval_loader,
+        log_dir=str(run.out_dir / TENSORBOARD_DIR) if config.logging.tensorboard else None,
+        use_wandb=config.logging.wandb,
+    )
+    # ---- save
+    save_final(config, run, trainer, frozen_fp32)
+    barrier()  # ---- cleanup: nobody leaves before the export is on disk
+    return trainer
+
+
+def _resume(config: Config, run: Run, trainer: Any) -> None:
+    """Continue from train.resume's checkpoint, if any: changed settings are applied and named, or refused
+    (coati_kto.config.resume); the schedule then spans the steps this run will take (the rest of the epoch in
+    progress is re-planned on another layout or micro-batch size) and peaks at train.lr. Every rank calls."""
+    checkpoint = trainer.checkpoint_manager.resolve_everywhere(config.train.resume)  # rank 0 decides
+    state = trainer.checkpoint_manager.saved_state(checkpoint) if checkpoint is not None else {}
+    saved = state.get("config")
+    line = check_resume(saved, config.model_dump(mode="json"), checkpoint.name) if saved is not None else None
+    if checkpoint is not None:
+        check_contents(state, trainer.data_stats, checkpoint.name)
+    resumed = None
+    if checkpoint is not None:
+        trainer.resume(checkpoint)
+        resumed = (trainer.global_step, *trainer.position.left_in_epoch(run.train_loader))
+    steps = total_optimizer_steps(config, len(run.train_loader.batch_sampler), resumed)
+    if checkpoint is not None:
+        train = config.train
+        reschedule(trainer.lr_scheduler, train.lr, train.warmup_steps, steps, train.min_lr_ratio)
+    if line is not None:
+        run.notes.append(line)
+    if run.layout.is_main:
+        said = [f"resumed from {checkpoint} at optimizer step {trainer.global_step}"] if checkpoint else []
+        said += [line] if line is not None else []
+        for text in said + schedule_notes(config.train, steps):
+            print(text, flush=True)
