@@ -2,13 +2,14 @@
 
 One optimizer step (``_train_step``) on every rank:
 
-1. no-grad passes over each micro-batch of the step (coati_kto.trainer.passes): the policy on the KL pairs,
-   the reference on the examples and their KL pairs, or the batch's precomputed reference log-probs;
+1. no-grad passes over each micro-batch of the step (coati_kto.trainer.passes, as the micro-batch's scoring
+   plan says: coati_kto.trainer.scoring_plan): the policy on the KL pairs, the reference on the examples and
+   their KL pairs, or the batch's precomputed reference log-probs;
 2. the reference point z0 from the KL log-ratios of every micro-batch of the step on every data-parallel rank
    (``kto.kl_scope: step``; ``micro_batch``: one z0 per accumulation micro-batch, over all ranks). With
    ``loss_type="apo_zero_unpaired"`` there is no z0: the KL-pair passes of step 1 and this collective are
    skipped on every rank alike;
-3. the policy pass with gradient per micro-batch, the KTO loss, ``booster.backward`` of
+3. the policy pass with gradient per micro-batch (``micro.loss()``), the KTO loss, ``booster.backward`` of
    sum(per-example loss) / (rows x micro-batches in the step): the plugins average gradients over the
    data-parallel ranks (DDP, ZeRO's reduce-scatter and the hybrid plugin all divide by the dp size), so the
    gradient is that of the mean per-example loss over the global batch, whatever the layout;
@@ -57,7 +58,7 @@ from coati_kto.runtime.signals import StopSignals, TrainingStoppedError, decide
 from coati_kto.trainer.base import SLTrainer
 from coati_kto.trainer.checkpoint import CheckpointManager
 from coati_kto.trainer.logging import MetricWriter, ProgressBar
-from coati_kto.trainer.metrics import IntervalMeter, summarize
+from coati_kto.trainer.metrics import IntervalMeter, StepSums, summarize
 from coati_kto.trainer.options import KTOOptions
 from coati_kto.trainer.passes import KTOPasses
 from coati_kto.trainer.position import DataPosition
@@ -238,7 +239,10 @@ class KTOTrainer(SLTrainer):
         started = time.perf_counter()
         step = self.global_step + 1
         groups = [micro_batches] if self.options.kl_scope == "step" else [[b] for b in micro_batches]
-        sums = self.passes.forward(groups, True, len(micro_batches), self._backward, self._grad_sync)
+        sums = StepSums(self.device)
+        for micro in self.passes.train_step(groups, sums):  # each after its group's no-grad passes and z0
+            with self._grad_sync(micro.last):
+                self.booster.backward(micro.loss(), self.optimizer)
         local, kl_local = sums.local_tensors()
         local[_GRAD_SQ] = self._grad_norm.local_share()
         # The step's one collective and host sync: "nonfinite", the norm and stop keys are the votes; z0 rides along.
@@ -294,9 +298,6 @@ class KTOTrainer(SLTrainer):
         self._record(metrics)
         self._interval.reset()
 
-    def _backward(self, loss: torch.Tensor) -> None:
-        self.booster.backward(loss, self.optimizer)
-
     def _grad_sync(self, last: bool) -> contextlib.AbstractContextManager:
         """No gradient reduction before the step's last micro-batch, where the plugin supports it."""
         if last or not self._use_no_sync:
@@ -334,16 +335,13 @@ class KTOTrainer(SLTrainer):
         started = time.perf_counter()
         self.policy.eval()
         try:
-            sums = self.passes.forward([iter(self._eval_loader)], train=False)
+            sums = self.passes.evaluate(iter(self._eval_loader))
         finally:
             self.policy.train()
         local, kl = sums.local()
-        totals = reduce_sums(local, self.layout.dp_group)
-        seconds = time.perf_counter() - started
-        metrics = {f"eval/{k}": v for k, v in summarize(totals, kl).items()}
-        metrics["eval/examples_per_second"] = totals["examples"] / seconds
-        metrics["eval/tokens_per_second"] = totals["tokens"] / seconds
-        metrics["eval/model_flops_per_second"] = totals["model_flops"] / seconds
+        meter = IntervalMeter()  # the evaluation as one interval: its means and throughput
+        meter.add(reduce_sums(local, self.layout.dp_group), kl, time.perf_counter() - started, None)
+        metrics = {f"eval/{k}": v for k, v in meter.measured().items()}
         if self._samples is not None:  # after the metrics' timing; the policy decodes in eval mode
             metrics.update(self._samples.write(self.policy, self.reference, self.passes, self.global_step))
         self._record(metrics)

@@ -93,8 +93,7 @@ def kto_loss(
             f"reference {tuple(reference_logps.shape)}, labels {tuple(labels.shape)}"
         )
     device = policy_logps.device
-    # fp32 whatever the model dtype: bf16 log-ratios of long sequences lose whole units.
-    r = policy_logps.float() - reference_logps.detach().to(device, torch.float32)
+    r = log_ratio(policy_logps, reference_logps)
     z0 = torch.as_tensor(kl, dtype=torch.float32, device=device).detach()
     desirable = labels.to(device).bool()
     z = beta * torch.where(desirable, r - z0, z0 - r)
@@ -102,8 +101,20 @@ def kto_loss(
     weight = torch.where(desirable, float(desirable_weight), float(undesirable_weight))
     # sigmoid(-z) == 1 - sigmoid(z), without the cancellation when sigmoid(z) is close to 1.
     losses = weight * torch.sigmoid(-z)
-    rewards = beta * r.detach()
-    return losses, rewards
+    return losses, implied_reward(r, beta)
+
+
+def log_ratio(policy_logps: torch.Tensor, reference_logps: torch.Tensor) -> torch.Tensor:
+    """r = log pi_theta(y|x) - log pi_ref(y|x), [B] fp32 on the policy's device; gradient flows through the
+    policy's log-probs only."""
+    # fp32 whatever the model dtype: bf16 log-ratios of long sequences lose whole units.
+    return policy_logps.float() - reference_logps.detach().to(policy_logps.device, torch.float32)
+
+
+def implied_reward(r: torch.Tensor, beta: float) -> torch.Tensor:
+    """The reward KTO's loss pushes up for desirable completions, beta * r (``r``: :func:`log_ratio`), detached:
+    the rewards :func:`kto_loss` returns and the evaluation samples show (coati_kto.trainer.samples)."""
+    return beta * r.detach()
 
 
 def estimate_kl(

@@ -206,15 +206,18 @@ class IntervalMeter:
         self.skipped += 1
 
     def summary(self) -> dict[str, float]:
-        """Means and throughput of the interval (keys without prefix); the interval's examples/tokens per second.
-
-        An interval of skipped steps only has no means, just ``skipped_in_interval``.
-        """
+        """``skipped_in_interval`` and :meth:`measured` (keys without prefix). An interval of skipped steps only
+        has no means, just ``skipped_in_interval``."""
         out: dict[str, float] = {"skipped_in_interval": float(self.skipped)}
-        if not self.totals:
-            return out
+        if self.totals:
+            out.update(self.measured())
+        return out
+
+    def measured(self) -> dict[str, float]:
+        """Means of the interval's added totals (:func:`summarize`), its mean grad norm, and its throughput: examples,
+        tokens and model FLOPs per second of its wall time (keys without prefix). Evaluation reads it too."""
         kl = {k: sum(d[k] for d in self.kl) / len(self.kl) for k in self.kl[0]} if self.kl else None
-        out.update(summarize(self.totals, kl))
+        out = summarize(self.totals, kl)
         if self.grad_norms:
             out["grad_norm"] = sum(self.grad_norms) / len(self.grad_norms)
         if self.seconds > 0:

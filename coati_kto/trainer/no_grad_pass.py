@@ -1,15 +1,20 @@
-"""The state of one micro-batch between the two phases of a KTO step (``coati_kto.trainer.passes``): what the
-no-grad passes computed, and how its policy's KL log-probs arrive (phase 1, folded into or continued from the
-gradient pass)."""
+"""One micro-batch between the two phases of a KTO step (``coati_kto.trainer.passes``): its scoring plan
+(``coati_kto.trainer.scoring_plan``) and what the no-grad passes computed (``NoGradPass``), and the training
+micro-batch handed to the trainer for its gradient pass and backward (``GradientPass``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from coati_kto.data.batch import KTOBatch, TokenCounts
 from coati_kto.models.logit_means import LogitMeans
+from coati_kto.trainer.scoring_plan import ScoringPlan
+
+# A training micro-batch's (losses, rewards, policy log-probs), [B] each.
+Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -19,6 +24,7 @@ class NoGradPass:
     ``batch`` is kept only while its policy pass with gradient is pending (training), then dropped.
     """
 
+    plan: ScoringPlan  # which passes score it, where its z0 is reduced
     batch: KTOBatch | None
     counts: TokenCounts  # the batch's tokens, counted on the host
     labels: torch.Tensor  # [B] bool
@@ -30,12 +36,24 @@ class NoGradPass:
     policy_kl: torch.Tensor | None  # None when the loss has no reference point (no KL passes run)
     reference_kl: torch.Tensor | None
     policy: torch.Tensor | None  # evaluation only: the policy's log-probs, computed without gradient
-    folded: bool = False  # the policy's KL pass runs inside its gradient pass (one packed pass)
-    continued: bool = False  # the policy's KL pass continues from its gradient pass's KV cache
     aux: torch.Tensor | None = None  # evaluation only: the router loss over the valid examples' tokens (MoE)
     logits: LogitMeans | None = None  # what the policy's pass over the examples recorded (logits/ metrics)
 
-    @property
-    def kl_late(self) -> bool:
-        """Whether the policy's KL log-probs come with its gradient pass (z0 then waits for that forward)."""
-        return self.folded or self.continued
+
+@dataclass
+class GradientPass:
+    """A training micro-batch whose no-grad passes ran (``coati_kto.trainer.passes.KTOPasses.train_step``).
+
+    ``loss()`` runs the policy's gradient pass (z0 reduced after its forward where the plan says so) and returns
+    the loss the caller hands to backward, once, before taking the next micro-batch. ``last``: the step's last
+    micro-batch, whose backward reduces the gradients.
+    """
+
+    last: bool
+    plan: ScoringPlan
+    run: Callable[[], tuple[torch.Tensor, Outputs]]
+    outputs: Outputs | None = None  # set by loss(): what the step's sums record after the backward
+
+    def loss(self) -> torch.Tensor:
+        loss, self.outputs = self.run()
+        return loss

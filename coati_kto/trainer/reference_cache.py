@@ -41,13 +41,14 @@ from coati_kto.data.tokenize import load_tokenizer, pad_id
 from coati_kto.data.weights import WeightSettings
 from coati_kto.errors import ConfigError
 from coati_kto.families import vocabulary_size
-from coati_kto.models.continuation import can_continue, continued_logps
+from coati_kto.models.continuation import continued_logps
 from coati_kto.models.hf import load_reference
 from coati_kto.models.lm_head import LMHead
 from coati_kto.models.packing import pair_logps
 from coati_kto.parallel.distributed import barrier, init_distributed, on_rank0
 from coati_kto.parallel.plan import ParallelPlan
 from coati_kto.runtime.host_memory import keep_freed_memory
+from coati_kto.trainer.scoring_plan import ScoringRules
 
 CACHE_VERSION = 1  # bump when the stored values change for the same key
 CACHE_DIR = "reference_cache"
@@ -260,23 +261,23 @@ def score_rows(
 ):
     """Reference (example, KL pair) log-probs of ``rows[order]``: float32 [len(order), 2]. No grad.
 
-    The KL pairs as the policy's training passes will score them, batch by batch: one shared-prompt pass where
-    the policy folds (``folds``: ``pack_policy``, and the batch's ``fold_pays``), else continued from the
-    examples' cache with ``kl_continuation`` where the model allows it, else one shared-prompt pass. Equal within
-    rounding either way; the same path keeps step-1 KL at 0 where the batches' shapes agree."""
+    The KL pairs as the policy's training passes will score them, batch by batch: each batch's scoring plan
+    under ``ScoringRules.for_precompute`` (``folds``: ``pack_policy``), continued from the examples' cache or one
+    shared-prompt pass. Equal within rounding either way; the same path keeps step-1 KL at 0 where the batches'
+    shapes agree."""
     collator = KTOCollator(pad_token_id)
     head = LMHead.find(model)
-    continues = kl_continuation and can_continue(model)
+    rules = ScoringRules.for_precompute(model, kl_continuation, folds)
     device = next(model.parameters()).device
     out = np.zeros((len(order), 2), dtype=np.float32)
     with torch.inference_mode():  # no autograd bookkeeping at all (the trainer's passes need no_grad only)
         for s in range(0, len(order), batch_size):
             batch = collator([rows[int(i)] for i in order[s : s + batch_size]])
+            plan = rules.plan(batch, train=True, alone=True)
             batch = batch.to(device)
-            fold = folds and batch.fold_pays
-            if continues and not fold and batch.kl_continuation is not None:
+            if plan.reference == "continued":
                 example, kl = continued_logps(model, batch.example, batch.kl_continuation, head)
-            else:
+            else:  # "packed": for_precompute packs the reference's pairs
                 example, kl, _ = pair_logps(model, batch)
             out[s : s + len(example), 0] = example.float().cpu().numpy()
             out[s : s + len(example), 1] = kl.float().cpu().numpy()

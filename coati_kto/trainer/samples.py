@@ -8,7 +8,8 @@ passes (DDP's forward and the tensor-parallel layers hold collectives); its tens
 same rows in lockstep (``coati_kto.models.generate``). Each rank scores its completions with the trainer's own
 passes (fp32 log-probs of the policy and the reference), and global rank 0 gathers the rows and writes them.
 The implied reward of a completion y is beta * (log pi(y|x) - log pi_ref(y|x)), the reward the loss pushes up
-for desirable completions: exactly 0 at step 0, where policy and reference are the same weights.
+for desirable completions (``coati_kto.trainer.loss.implied_reward``). It is exactly 0 at step 0, where policy
+and reference are the same weights.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from coati_kto.data.collator import padded_view
 from coati_kto.models.generate import eos_ids, greedy_generate
 from coati_kto.parallel.distributed import ParallelLayout, gather_objects
+from coati_kto.trainer.loss import implied_reward, log_ratio
 
 COLUMNS = ("sample", "label", "reward", "prompt", "completion")
 
@@ -105,8 +107,10 @@ class EvalSamples:
             whole = [p + c for p, c in zip(self.prompts, completions, strict=True)]
             view = padded_view(whole, [len(p) for p in self.prompts], pad).map(lambda t: t.to(self.device))
             with torch.no_grad():
-                ratio = passes.completion_logps(policy, view) - passes.completion_logps(reference, view)
-            rewards = (passes.beta * ratio).tolist()
+                ratio = log_ratio(
+                    passes.completion_logps(policy, view), passes.completion_logps(reference, view)
+                )
+            rewards = implied_reward(ratio, passes.beta).tolist()
         local = [
             Sample(place, row, bool(r["label"]), self._text(p), self._text(c), reward, tuple(p), tuple(c))
             for place, row, r, p, c, reward in zip(

@@ -90,18 +90,20 @@ STEPS = [[[1, 0, 1, 0], [0, 1, 1, 1]], [[1, 1, 0, 0], [0, 0, 1, 1]], [[1, 0, 0, 
 
 
 def _record_folds(trainer: Any) -> list[str]:
-    """The list each micro-batch's KL decision is appended to ("folded", "continued" or "separate"), as the
-    trainer's passes run."""
-    folded: list[str] = []
-    no_grad_pass = trainer.passes._no_grad_pass
+    """The list each micro-batch's KL path is appended to, from its scoring plan, as the trainer's passes plan
+    them: training "folded", "continued" or "separate"; evaluation "eval:" and "packed", "continued" or
+    "separate". A training path that scores the KL pairs with the gradient pass reduces z0 after its forward."""
+    plans: list[str] = []
+    scoring_plan = trainer.passes.scoring_plan
 
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        item = no_grad_pass(*args, **kwargs)
-        folded.append("folded" if item.folded else "continued" if item.continued else "separate")
-        return item
+    def recorded(*args: Any, **kwargs: Any) -> Any:
+        plan = scoring_plan(*args, **kwargs)
+        assert plan.kl_late == (plan.policy_kl in ("folded", "continued") and plan.train), plan
+        plans.append(plan.policy_kl if plan.train else f"eval:{plan.policy_kl}")
+        return plan
 
-    trainer.passes._no_grad_pass = counted
-    return folded
+    trainer.passes.scoring_plan = recorded
+    return plans
 
 
 MODES = {  # the KL pass: (pack_policy, kl_continuation)
@@ -182,11 +184,13 @@ def runs(
 def test_run_equals_the_run_with_separate_passes(runs: dict[str, list], mode: str) -> None:
     for rank in range(2):
         plain, packed = runs["separate"][rank], runs[mode][rank]
-        # Evaluation at start and end (2 micro-batches each: no gradient pass to fold into or continue from)
-        # around 3 training micro-batches per rank, every one folded or continued.
-        assert plain["folded"] == ["separate"] * 7, plain["folded"]
+        # Evaluation at start and end (2 micro-batches each: no gradient pass to fold into, so it packs or
+        # continues without gradient) around 3 training micro-batches per rank, every one folded or continued.
+        evaluation = ["eval:separate"] * 2
+        assert plain["folded"] == evaluation + ["separate"] * 3 + evaluation, plain["folded"]
         kind = "folded" if mode == "both" else mode
-        assert packed["folded"] == ["separate"] * 2 + [kind] * 3 + ["separate"] * 2, packed["folded"]
+        evaluation = ["eval:continued" if mode == "continued" else "eval:packed"] * 2
+        assert packed["folded"] == evaluation + [kind] * 3 + evaluation, packed["folded"]
         # Evaluation continues too where it does not pack (2 micro-batches at start and at end).
         continued_passes = {"folded": 0, "continued": 7, "both": 0}[mode]
         assert len(packed["continued"]) == continued_passes, packed["continued"]

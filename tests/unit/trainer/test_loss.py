@@ -12,7 +12,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from coati_kto.trainer.loss import estimate_kl, estimate_kl_raw, kto_loss, needs_kl, preference_loss
+from coati_kto.trainer.loss import (
+    estimate_kl,
+    estimate_kl_raw,
+    implied_reward,
+    kto_loss,
+    log_ratio,
+    needs_kl,
+    preference_loss,
+)
 
 
 def _sig(x: float) -> float:
@@ -218,3 +226,15 @@ def test_estimate_kl_two_gloo_ranks_uneven_batches(tmp_path):
         results = torch.load(tmp_path / f"rank{rank}.pt")
         assert [v for v, _, _ in results] == pytest.approx(expected, abs=1e-6)
         assert all(dtype == "torch.float32" and shape == () for _, dtype, shape in results)
+
+
+def test_the_rewards_are_the_implied_reward_of_the_log_ratio() -> None:
+    """kto_loss's rewards and the evaluation samples' (coati_kto.trainer.samples) are one formula: beta * r,
+    r the fp32 log-ratio, detached."""
+    policy = torch.tensor([-3.0, -7.5, -1.25], dtype=torch.bfloat16, requires_grad=True)
+    reference = torch.tensor([-2.0, -8.0, -1.0])
+    _, rewards = kto_loss(policy, reference, torch.tensor([True, False, True]), 0.1, beta=0.3)
+    r = log_ratio(policy, reference)
+    assert r.dtype == torch.float32 and r.requires_grad
+    assert torch.equal(rewards, implied_reward(r, 0.3)) and not rewards.requires_grad
+    assert torch.equal(rewards, 0.3 * (policy.float() - reference).detach())

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from coati_kto.data.collator import KTOCollator
+from coati_kto.trainer.metrics import StepSums
 from coati_kto.trainer.options import KTOOptions
 from coati_kto.trainer.passes import KTOPasses
 
@@ -41,9 +42,9 @@ def _gradient(policy: torch.nn.Module, reference: torch.nn.Module, micro_batches
     plan = types.SimpleNamespace(plugin="ddp", backend=backend, tp_size=1)
     passes = KTOPasses(policy, reference, plan, KTOOptions(), None, torch.device("cpu"), (0.3, 1.0, 1.0))
     policy.zero_grad()
-    sums = passes.forward(
-        [[collate(mb) for mb in micro_batches]], True, len(micro_batches), torch.Tensor.backward
-    )
+    sums = StepSums(torch.device("cpu"))
+    for micro in passes.train_step([[collate(mb) for mb in micro_batches]], sums):
+        micro.loss().backward()
     local, _ = sums.local()
     grad = torch.cat([p.grad.flatten() for p in policy.parameters()])
     return grad, local["loss"] / local["examples"]

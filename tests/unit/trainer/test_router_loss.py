@@ -14,6 +14,7 @@ from coati_kto.data.collator import KTOCollator
 from coati_kto.errors import ConfigError
 from coati_kto.models.router import RouterLoss
 from coati_kto.testing.tiny import random_causal_lm
+from coati_kto.trainer.metrics import StepSums
 from coati_kto.trainer.options import KTOOptions
 from coati_kto.trainer.passes import KTOPasses
 
@@ -87,7 +88,10 @@ def _step(policy, batch, coefficient: float | str = "auto", **options) -> tuple[
         loss.backward()
 
     policy.zero_grad()
-    local, _ = passes.forward([batches], True, len(batches), backward).local()
+    sums = StepSums(torch.device("cpu"))
+    for micro in passes.train_step([batches], sums):
+        backward(micro.loss())
+    local, _ = sums.local()
     aux = local["aux_loss"] / local["aux_rows"] if local["aux_rows"] else None
     return aux, sum(handed)
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from coati_kto.models.logit_means import LogitMeans
 from coati_kto.testing.kernels import KernelCounter
-from coati_kto.trainer.metrics import StepSums, summarize
+from coati_kto.trainer.metrics import SUM_KEYS, IntervalMeter, StepSums, summarize
 
 _ROW = st.tuples(
     st.floats(-5, 5, width=32),
@@ -115,3 +115,17 @@ def test_logit_means_are_summed_per_label_and_divided_per_token() -> None:
     out = summarize(local, None)
     # Per token 16 / 5 = 3.2, where the mean of the two batches' means is (6 / 3 + 10 / 2) / 2 = 3.5.
     assert out["logits/chosen"] == 16.0 / 5.0 and out["logits/rejected"] == -2.0
+
+
+def test_an_evaluation_is_one_interval_of_the_meter() -> None:
+    """Evaluation's means and throughput come from the meter training logs with (no second formula): the
+    totals' means, and examples, tokens and model FLOPs per second of the wall time; no skipped count."""
+    totals = dict.fromkeys(SUM_KEYS, 0.0) | {"examples": 6.0, "loss": 3.0, "tokens": 90.0, "model_flops": 4e6}
+    totals |= {"count/chosen": 4.0, "rewards/chosen": 2.0, "count/rejected": 2.0, "rewards/rejected": -1.0}
+    kl = {"kl": 0.25, "kl_raw": 0.25}
+    meter = IntervalMeter()
+    meter.add(totals, kl, 2.0, None)
+    rates = {"examples_per_second": 3.0, "tokens_per_second": 45.0, "model_flops_per_second": 2e6}
+    assert meter.measured() == summarize(totals, kl) | rates
+    assert meter.measured()["rewards/margins"] == 1.0
+    assert meter.summary() == {"skipped_in_interval": 0.0} | meter.measured()
