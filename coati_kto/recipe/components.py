@@ -22,6 +22,7 @@ from coati_kto.parallel.distributed import ParallelLayout
 from coati_kto.parallel.optimizers import optimizer_for
 from coati_kto.parallel.plan import ParallelPlan
 from coati_kto.recipe.setup import Run
+from coati_kto.reference.weights import reference_weights_digest
 from coati_kto.runtime.run_dir import CHECKPOINTS_DIR
 from coati_kto.runtime.signals import StopSignals
 from coati_kto.trainer.options import KTOOptions
@@ -71,7 +72,7 @@ def build_components(
     booster = Booster(plugin=plugin)
     if config.model.lora is not None:  # before boosting: the plugins wrap the PeftModel
         policy = enable_lora(booster, policy, config.model.lora)
-    # None with kto.reference cached: the batches carry its log-probs (coati_kto.trainer.reference_cache)
+    # None with kto.reference cached: the batches carry its log-probs (coati_kto.reference.cache)
     reference = None
     if config.kto.reference == "online" and config.model.lora is None:
         reference = load_causal_lm(
@@ -104,7 +105,6 @@ def build_trainer(config: Config, run: Run, stop: StopSignals) -> tuple[Any, dic
     With ``kto.reference: cached`` no reference model is built (``coati-kto export`` asks for that)."""
     from coati_kto.trainer.checkpoint import CheckpointManager  # after quiet_known_warnings (recipe.train)
     from coati_kto.trainer.kto import KTOTrainer
-    from coati_kto.trainer.reference_cache import reference_weights_digest
 
     steps = total_optimizer_steps(config, len(run.train_loader.batch_sampler))
     if run.layout.is_main:
@@ -118,6 +118,7 @@ def build_trainer(config: Config, run: Run, stop: StopSignals) -> tuple[Any, dic
     if run.layout.is_main:
         print(peak_flops_line(peak_flops, peak_source), flush=True)
     output = config.training_output()
+    digest = reference_weights_digest(config.model, config.kto.reference)
     manager = CheckpointManager(run.out_dir / CHECKPOINTS_DIR, parts.booster, run.layout, output.keep_last)
     trainer = KTOTrainer(
         parts.policy,
@@ -138,7 +139,7 @@ def build_trainer(config: Config, run: Run, stop: StopSignals) -> tuple[Any, dic
         plan=run.plan,
         checkpoint_manager=manager,
         run_config=config.model_dump(mode="json"),
-        data_stats={**run.data.stats, "reference_weights": reference_weights_digest(config)},  # checkpointed
+        data_stats={**run.data.stats, "reference_weights": digest},  # checkpointed
         stop_signals=stop,
     )
     return trainer, parts.frozen_fp32

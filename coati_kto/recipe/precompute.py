@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from coati_kto.config.schema import Config
 from coati_kto.parallel.distributed import init_distributed
-from coati_kto.recipe.setup import load_run_data
+from coati_kto.recipe.setup import load_run_data, reference_settings
 from coati_kto.runtime.host_memory import keep_freed_memory
 
 
 def precompute(config: Config) -> None:
     """Prepare the data if needed, then make sure the reference cache matches it (computed when none does)."""
-    from coati_kto.trainer.reference_cache import ensure_reference_cache
+    from coati_kto.reference.cache import ensure_reference_cache
 
     init_distributed(timeout_s=config.train.dist_timeout)
     keep_freed_memory()  # scoring on the CPU: freed memory kept for the next batch
     run_data = load_run_data(config)
-    ensure_reference_cache(config, run_data.data, run_data.pad)
+    ensure_reference_cache(reference_settings(config), run_data.data, run_data.pad)

@@ -3,8 +3,9 @@
 - ``load_run_data``: the prepared data (built by rank 0 when missing), the tokenizer and the pad token: what
   ``coati-kto precompute`` needs, and the data part of both builders below.
 - ``setup_training``: the process group, the seed, output.dir claimed (its lock; cleared with output.overwrite), a
-  refused resume caught before the data is rebuilt, the reference's log-probs with ``kto.reference: cached``,
-  the plan and plugin, config.yaml, the loaders and the KTO weights of this data-parallel layout.
+  refused resume caught before the data is rebuilt, the reference's log-probs with ``kto.reference: cached``
+  (``coati_kto.reference``, from ``reference_settings``), the plan and plugin, config.yaml, the loaders and the
+  KTO weights of this data-parallel layout.
 - ``setup_export``: the same run read back for ``coati-kto export``: output.dir is only read (no lock, no
   clearing, no config.yaml) and nothing is scored with the reference.
 
@@ -21,10 +22,12 @@ from typing import Any
 import torch.distributed as dist
 
 from coati_kto.config.load import save_config
+from coati_kto.config.resume import check_contents
 from coati_kto.config.schema import Config, PluginSection
 from coati_kto.data.collator import KTOCollator
 from coati_kto.data.loaders import build_loaders
 from coati_kto.data.settings import PrepareSettings
+from coati_kto.data.store import fingerprint, train_data_digest
 from coati_kto.data.tokenize import load_tokenizer, pad_id
 from coati_kto.data.weights import WeightSettings, imbalance, resolve_kto_weights
 from coati_kto.families import model_notes, vocabulary_size
@@ -32,8 +35,17 @@ from coati_kto.models.hf import attention_implementation
 from coati_kto.models.packing import padding_free_rows
 from coati_kto.parallel.distributed import ParallelLayout, init_distributed, on_rank0, seed_everything
 from coati_kto.parallel.plan import ParallelPlan, check_tp_divides_world
+from coati_kto.reference.settings import ReferenceSettings
+from coati_kto.reference.weights import reference_weights_digest
 from coati_kto.runtime.host_memory import keep_freed_memory
-from coati_kto.runtime.run_dir import CHECKPOINTS_DIR, CONFIG_FILE, claim_output_dir, clear_previous_run
+from coati_kto.runtime.run_dir import (
+    CHECKPOINTS_DIR,
+    CONFIG_FILE,
+    claim_output_dir,
+    clear_previous_run,
+    resolve_checkpoint,
+    saved_trainer_state,
+)
 from coati_kto.runtime.watchdog import Heartbeat
 
 
@@ -79,7 +91,7 @@ def load_run_data(config: Config) -> RunData:
 def setup_training(config: Config, heartbeat: Heartbeat | None) -> Run:
     """The training run's setup (every rank): see the module's docstring. Starts ``heartbeat`` once the process
     group exists, unless its launcher's store let it start earlier."""
-    from coati_kto.trainer.reference_cache import refuse_changed_contents, with_reference_logps
+    from coati_kto.reference.cache import with_reference_logps
 
     _start_processes(config)
     memory_note = keep_freed_memory()  # CPU runs only
@@ -91,10 +103,10 @@ def setup_training(config: Config, heartbeat: Heartbeat | None) -> Run:
     if config.training_output().overwrite:
         clear_previous_run(out_dir)  # rank 0 deletes, the others wait
     # A refused resume: before prepare rebuilds data.prepared_dir and the reference scores.
-    refuse_changed_contents(config, out_dir / CHECKPOINTS_DIR)
+    _refuse_changed_contents(config, out_dir / CHECKPOINTS_DIR)
     run_data = load_run_data(config)
     if config.kto.reference == "cached":  # once (all ranks) unless a matching cache exists
-        run_data.data = with_reference_logps(config, run_data.data, run_data.pad)
+        run_data.data = with_reference_logps(reference_settings(config), run_data.data, run_data.pad)
     run = _build_run(config, out_dir, run_data)
     if run.layout.is_main:
         save_config(config, out_dir / CONFIG_FILE)
@@ -117,6 +129,11 @@ def setup_export(config: Config) -> Run:
     return run
 
 
+def reference_settings(config: Config) -> ReferenceSettings:
+    """What the reference cache reads of ``config``: the model, data and kto sections and the run's dtype."""
+    return ReferenceSettings(config.model, config.data, config.kto, ParallelPlan.from_config(config).dtype)
+
+
 def zero_note(plugin: PluginSection, plan: ParallelPlan) -> str | None:
     """One line when the ZeRO stage that runs is not the configured one (``parallel.plan.running_zero_stage``)."""
     if plan.zero_stage == plugin.zero_stage:
@@ -133,6 +150,26 @@ def _start_processes(config: Config) -> None:
     init_distributed(timeout_s=config.train.dist_timeout)
     check_tp_divides_world(config.plugin.tp_size, dist.get_world_size())
     seed_everything(config.train.seed)
+
+
+def _refuse_changed_contents(config: Config, checkpoints: Path) -> None:
+    """train.resume from a checkpoint (under ``checkpoints``) whose training data (files edited in place, another
+    tokenizer) or reference weights changed since: refused (``check_contents``) before data.prepared_dir is
+    rebuilt, deleting the reference cache the checkpoint's run needs, and the new data scored. Every rank calls."""
+    resume = config.train.resume
+    checkpoint = on_rank0(lambda: resolve_checkpoint(checkpoints, resume), "resolve the checkpoint")
+    if checkpoint is None:
+        return
+    try:
+        state = saved_trainer_state(checkpoint)["trainer_state"]
+    except FileNotFoundError:
+        return
+    inputs = PrepareSettings(config.data, config.model, config.train.seed)
+    data = on_rank0(
+        lambda: train_data_digest(fingerprint(inputs, load_tokenizer(inputs.model))), "hash the data"
+    )
+    reference = reference_weights_digest(config.model, config.kto.reference)
+    check_contents(state, {"train_data": data, "reference_weights": reference}, checkpoint.name)
 
 
 def _build_run(config: Config, out_dir: Path, run_data: RunData) -> Run:

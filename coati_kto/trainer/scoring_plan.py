@@ -4,7 +4,7 @@
 ``ScoringRules.plan`` decides one ``ScoringPlan`` per micro-batch from the batch's host facts (its planned
 layouts, its precomputed reference log-probs), whether a gradient pass follows (training) and whether its z0
 group is that micro-batch alone. The step's passes (``coati_kto.trainer.passes``), in training and evaluation,
-and the reference cache's scoring (``coati_kto.trainer.reference_cache.score_rows``) read the plan; none
+and the reference cache's scoring (``coati_kto.reference.scoring.score_rows``) read the plan; none
 decides a path of its own.
 
 The policy's KL log-probs (``ScoringPlan.policy_kl``):

@@ -69,11 +69,12 @@ def _config(root: Path, model_dir: Path, reference_dir: Path, reference: str):
 
 
 def _ensure(config, data) -> tuple[dict, str]:
-    from coati_kto.trainer.reference_cache import ensure_reference_cache
+    from coati_kto.recipe.setup import reference_settings
+    from coati_kto.reference.cache import ensure_reference_cache
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        values = ensure_reference_cache(config, data, 0)
+        values = ensure_reference_cache(reference_settings(config), data, 0)
     return values, out.getvalue().strip()
 
 

@@ -3,11 +3,12 @@
 Every import statement between the package's modules counts, at any depth (an import inside a function is
 still an edge). Layers, bottom to top; a module may import its own subpackage and any lower layer:
 
-    errors, families < config < parallel < data < models, runtime < trainer, launch < outputs
+    errors, families < config < parallel < data < models, runtime < trainer, launch < outputs, reference
     < recipe < train, testing < cli
 
 ``trainer/`` holds the step and the loop; ``outputs/`` what a run leaves (the exported model, its card, the
-upload); ``recipe/`` the commands' recipes and the setup they share; ``train.py`` the recipe's public entry.
+upload); ``reference/`` the cached reference log-probs; ``recipe/`` the commands' recipes and the setup they share;
+``train.py`` the training recipe's public entry.
 
 A module over MAX_MODULE_LINES is a prompt to look at what it holds: split it by responsibility (a part a reader
 would look for by name), not by line count.
@@ -34,6 +35,7 @@ LAYERS = {
     "trainer": 6,
     "launch": 6,
     "outputs": 7,
+    "reference": 7,
     "recipe": 8,
     "train": 9,
     "testing": 9,

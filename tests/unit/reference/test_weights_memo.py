@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from coati_kto.trainer.reference_cache import weights_hash
+from coati_kto.reference.weights import weights_hash
 
 
 def test_weights_saved_over_with_their_old_timestamps_are_hashed_again(tmp_path: Path) -> None:
