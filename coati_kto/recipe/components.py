@@ -2,8 +2,8 @@
 
 ``build_components`` loads the policy (and the online reference), builds the optimizer and the warmup-cosine
 schedule and boosts them through the run's backend. ``build_trainer`` builds those for a ``Run`` and hands them to
-a KTOTrainer with its checkpoint manager and one ``KTOOptions``: what both ``coati-kto train`` and ``coati-kto
-export`` step or load.
+a KTOTrainer with its checkpoint manager and one ``KTOOptions`` (``trainer_options``): what both ``coati-kto
+train`` and ``coati-kto export`` step or load.
 """
 
 from __future__ import annotations
@@ -100,6 +100,51 @@ def total_optimizer_steps(
     )
 
 
+def trainer_options(
+    config: Config, weights: tuple[float, float] | None = None, peak_flops: float | None = None
+) -> KTOOptions:
+    """The KTOTrainer options of a run of ``config``. ``weights``: the (lambda_D, lambda_U) resolved for this
+    data-parallel layout (``Run.weights``; default: kto's configured ones); ``peak_flops``: as resolved for this
+    device."""
+    train, kto, output, logging, evaluation = (
+        config.train,
+        config.kto,
+        config.training_output(),
+        config.logging,
+        config.eval,
+    )
+    desirable, undesirable = weights or (kto.desirable_weight, kto.undesirable_weight)
+    return KTOOptions(
+        beta=kto.beta,
+        desirable_weight=desirable,
+        undesirable_weight=undesirable,
+        loss_type=kto.loss_type,
+        max_epochs=train.max_epochs,
+        accumulation_steps=train.accumulation_steps,
+        save_interval=output.save_interval,
+        kl_scope=kto.kl_scope,
+        max_steps=train.max_steps,
+        eval_interval=train.eval_interval,
+        eval_at_start=train.eval_at_start,
+        eval_at_epoch_end=train.eval_at_epoch_end,
+        log_interval=train.log_interval,
+        on_nonfinite=train.on_nonfinite,
+        max_grad_norm=train.max_grad_norm,
+        peak_flops=peak_flops,
+        pack_reference=kto.pack_reference,
+        pack_policy=kto.policy_packing(),
+        kl_continuation=kto.kl_continuation,
+        router_aux_loss_coef=kto.router_aux_loss_coef,
+        wandb_project=logging.wandb_project,
+        wandb_mode=logging.wandb_mode,
+        wandb_dir=output.dir,
+        keep_last=output.keep_last,
+        samples=evaluation.samples,
+        sample_max_new_tokens=evaluation.sample_max_new_tokens,
+        sample_seed=evaluation.sample_seed,
+    )
+
+
 def build_trainer(config: Config, run: Run, stop: StopSignals) -> tuple[Any, dict[str, torch.Tensor]]:
     """Models, optimizer, schedule and the KTOTrainer of ``run`` (every rank); with it ``Components.frozen_fp32``.
     With ``kto.reference: cached`` no reference model is built (``coati-kto export`` asks for that)."""
@@ -128,13 +173,7 @@ def build_trainer(config: Config, run: Run, stop: StopSignals) -> tuple[Any, dic
         run.plugin,
         parts.lr_scheduler,
         run.tokenizer,
-        max_epochs=config.train.max_epochs,
-        beta=config.kto.beta,
-        desirable_weight=run.weights[0],
-        undesirable_weight=run.weights[1],
-        accumulation_steps=config.train.accumulation_steps,
-        save_interval=output.save_interval,
-        options=KTOOptions.from_config(config, peak_flops),
+        options=trainer_options(config, run.weights, peak_flops),
         layout=run.layout,
         plan=run.plan,
         checkpoint_manager=manager,

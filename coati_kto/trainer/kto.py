@@ -59,7 +59,7 @@ from coati_kto.trainer.base import SLTrainer
 from coati_kto.trainer.checkpoint import CheckpointManager
 from coati_kto.trainer.logging import MetricWriter, ProgressBar
 from coati_kto.trainer.metrics import IntervalMeter, StepSums, summarize
-from coati_kto.trainer.options import KTOOptions
+from coati_kto.trainer.options import KTOOptions, options_from
 from coati_kto.trainer.passes import KTOPasses
 from coati_kto.trainer.position import DataPosition
 from coati_kto.trainer.samples import EvalSamples
@@ -80,8 +80,9 @@ class KTOTrainer(SLTrainer):
 
     The positional parameters are ColossalChat's KTOTrainer's (``actor`` is the policy, ``ref_model`` the
     reference); ``coordinator`` is accepted for that signature and unused (ranks come from ``layout``). The
-    run's settings are one ``KTOOptions`` (or, ColossalChat-style, its fields as keywords); the collaborators
-    are keyword-only. Every rank constructs it and calls ``fit``.
+    run's settings are one ``KTOOptions``: ``options``, or built from ColossalChat's positional settings and
+    keywords (``trainer.options.options_from``; never both). The collaborators are keyword-only. Every rank
+    constructs it and calls ``fit``.
 
     Batches are :class:`~coati_kto.data.batch.KTOBatch` (tensors on any device): the examples and their KL
     pairs as two token views, labels, and optionally precomputed reference log-probs (the reference model may
@@ -102,14 +103,14 @@ class KTOTrainer(SLTrainer):
         plugin: Any,
         actor_lr_scheduler: Any,
         tokenizer: Any,
-        max_epochs: int = 1,
-        beta: float = 0.1,
-        desirable_weight: float = 1.0,
-        undesirable_weight: float = 1.0,
-        apply_loss_mask: bool = True,
-        accumulation_steps: int = 1,
+        max_epochs: int | None = None,
+        beta: float | None = None,
+        desirable_weight: float | None = None,
+        undesirable_weight: float | None = None,
+        apply_loss_mask: bool | None = None,
+        accumulation_steps: int | None = None,
         start_epoch: int = 0,
-        save_interval: int = 0,
+        save_interval: int | None = None,
         save_dir: str | None = None,
         coordinator: Any = None,
         *,
@@ -122,13 +123,15 @@ class KTOTrainer(SLTrainer):
         stop_signals: StopSignals | None = None,
         **settings: Any,
     ) -> None:
-        super().__init__(booster, max_epochs, actor, actor_optim, plugin, start_epoch)
-        if accumulation_steps < 1 or save_interval < 0:
-            raise ValueError("accumulation_steps must be >= 1, save_interval >= 0")
-        self.options = options if options is not None else KTOOptions(**settings)
+        positional = {"max_epochs": max_epochs, "beta": beta, "desirable_weight": desirable_weight}
+        positional |= {"undesirable_weight": undesirable_weight, "apply_loss_mask": apply_loss_mask}
+        positional |= {"accumulation_steps": accumulation_steps, "save_interval": save_interval}
+        self.options = options_from(options, {**positional, **settings})  # ColossalChat's signature adapted
+        super().__init__(booster, self.options.max_epochs, actor, actor_optim, plugin, start_epoch)
         self.policy, self.reference = actor, ref_model
         self.lr_scheduler, self.tokenizer = actor_lr_scheduler, tokenizer
-        self.accumulation_steps, self.save_interval = accumulation_steps, save_interval
+        self.accumulation_steps = self.options.accumulation_steps
+        self.save_interval = self.options.save_interval
         self.layout = layout or ParallelLayout.from_plugin(plugin)
         self.plan = plan or ParallelPlan.from_plugin(plugin)  # everything plugin-specific: plan.backend
         if checkpoint_manager is None and save_dir is not None:
@@ -142,10 +145,7 @@ class KTOTrainer(SLTrainer):
         self._wandb_dir = self.options.wandb_dir or save_dir or "."
         self.device = get_accelerator().get_current_device()
         kl_group = self.plan.kl_group(self.layout)
-        weights = (beta, desirable_weight, undesirable_weight)
-        self.passes = KTOPasses(
-            actor, ref_model, self.plan, self.options, kl_group, self.device, weights, apply_loss_mask
-        )
+        self.passes = KTOPasses(actor, ref_model, self.plan, self.options, kl_group, self.device)
         self._use_no_sync = plugin is not None and self.plan.backend.no_sync_accumulation
         self._grad_norm = self.plan.backend.grad_norm(actor_optim, self.layout, self.options.max_grad_norm)
         self._init_run_state()

@@ -1,23 +1,27 @@
 """``KTOOptions``: the run's settings that steer KTOTrainer, one frozen object instead of a keyword list.
 
-Built from the config by ``KTOOptions.from_config`` (the recipe) or from keywords (ColossalChat-style callers
-and tests pass ``loss_type=...`` to KTOTrainer, which builds the options from them).
+The recipe builds it from the config's sections (``coati_kto.recipe.components.trainer_options``). ColossalChat's
+positional signature (``max_epochs``, ``beta``, the weights, ``accumulation_steps``, ``save_interval``...) and
+keywords such as ``loss_type=...`` reach the same object through ``options_from`` (KTOTrainer calls it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-from coati_kto.config.schema import Config
 from coati_kto.trainer.loss import needs_kl
 
 
 @dataclass(frozen=True)
 class KTOOptions:
-    """Settings of the step and the loops (not the collaborators: layout, plan, checkpoints, signals).
+    """Settings of the loss, the step and the loops (not the collaborators: layout, plan, checkpoints, signals).
 
+    beta, desirable_weight, undesirable_weight: beta, lambda_D and lambda_U of the KTO loss (Eq. 7).
     loss_type: "kto" or "apo_zero_unpaired" (no reference point: no KL-pair passes, no z0 collective).
+    apply_loss_mask: score the completion's tokens only (False: every non-padding token, as ColossalChat can).
+    max_epochs: epochs to run. accumulation_steps: micro-batches per optimizer step.
+    save_interval: checkpoint every N optimizer steps (0: only at the end of ``fit``).
     kl_scope: "step" (z0 over the whole optimizer step, all ranks) or "micro_batch".
     max_steps: stop after this many optimizer steps (None: ``max_epochs`` epochs).
     eval_interval: evaluate every N optimizer steps (0: none between epoch ends).
@@ -47,7 +51,14 @@ class KTOOptions:
         each at most, and the seed of their choice (coati_kto.trainer.samples).
     """
 
+    beta: float = 0.1
+    desirable_weight: float = 1.0
+    undesirable_weight: float = 1.0
     loss_type: str = "kto"
+    apply_loss_mask: bool = True
+    max_epochs: int = 1
+    accumulation_steps: int = 1
+    save_interval: int = 0
     kl_scope: Literal["step", "micro_batch"] = "step"
     max_steps: int | None = None
     eval_interval: int = 0
@@ -70,6 +81,8 @@ class KTOOptions:
     sample_seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.accumulation_steps < 1 or self.save_interval < 0:
+            raise ValueError("accumulation_steps must be >= 1, save_interval >= 0")
         if self.log_interval < 1 or self.eval_interval < 0:
             raise ValueError("log_interval must be >= 1, eval_interval >= 0")
         if self.kl_scope not in ("step", "micro_batch") or self.on_nonfinite not in ("stop", "skip"):
@@ -82,30 +95,13 @@ class KTOOptions:
     def needs_kl(self) -> bool:
         return needs_kl(self.loss_type)
 
-    @classmethod
-    def from_config(cls, config: Config, peak_flops: float | None = None) -> KTOOptions:
-        """The options a run of ``config`` trains with (``peak_flops`` as resolved for this device)."""
-        train, logging = config.train, config.logging
-        return cls(
-            loss_type=config.kto.loss_type,
-            kl_scope=config.kto.kl_scope,
-            max_steps=train.max_steps,
-            eval_interval=train.eval_interval,
-            eval_at_start=train.eval_at_start,
-            eval_at_epoch_end=train.eval_at_epoch_end,
-            log_interval=train.log_interval,
-            on_nonfinite=train.on_nonfinite,
-            max_grad_norm=train.max_grad_norm,
-            peak_flops=peak_flops,
-            pack_reference=config.kto.pack_reference,
-            pack_policy=config.kto.policy_packing(),
-            kl_continuation=config.kto.kl_continuation,
-            router_aux_loss_coef=config.kto.router_aux_loss_coef,
-            wandb_project=logging.wandb_project,
-            wandb_mode=logging.wandb_mode,
-            wandb_dir=config.training_output().dir,
-            keep_last=config.training_output().keep_last,
-            samples=config.eval.samples,
-            sample_max_new_tokens=config.eval.sample_max_new_tokens,
-            sample_seed=config.eval.sample_seed,
-        )
+
+def options_from(options: KTOOptions | None, given: dict[str, Any]) -> KTOOptions:
+    """KTOTrainer's one options object: ``options``, or one built from ColossalChat's positional settings and the
+    keywords in ``given`` (None: not passed). Both at once raises TypeError: one of them would be dropped."""
+    given = {name: value for name, value in given.items() if value is not None}
+    if options is None:
+        return KTOOptions(**given)
+    if given:
+        raise TypeError(f"KTOTrainer: settings both in options and as arguments: {', '.join(sorted(given))}")
+    return options

@@ -61,13 +61,9 @@ class KTOPasses:
         options: KTOOptions,
         kl_group: Any,
         device: torch.device,
-        loss_weights: tuple[float, float, float],
-        apply_loss_mask: bool = True,
     ) -> None:
         self.policy, self.reference, self.plan, self.options = policy, reference, plan, options
         self.kl_group, self.device = kl_group, device
-        self.beta, self.desirable_weight, self.undesirable_weight = loss_weights
-        self.apply_loss_mask = apply_loss_mask
         self._rules: ScoringRules | None = None
         self._heads: dict[int, LMHead | None] = {}  # per model: its chunked LM head, or None
         self._params: dict[int, int] = {}  # per model: N for the model FLOPs count
@@ -84,7 +80,7 @@ class KTOPasses:
                 self.reference,
                 self.plan.backend.forward_collectives,
                 self.plan.tp_size,
-                self.apply_loss_mask,
+                self.options.apply_loss_mask,
             )
         return self._rules
 
@@ -155,9 +151,9 @@ class KTOPasses:
             item.reference,
             item.labels,
             z0,
-            self.beta,
-            self.desirable_weight,
-            self.undesirable_weight,
+            self.options.beta,
+            self.options.desirable_weight,
+            self.options.undesirable_weight,
         )
 
     def _record(
@@ -371,7 +367,7 @@ class KTOPasses:
     def _sequence_logps(self, model: Any, view: TokenView) -> torch.Tensor:
         """Completion log-probs [B] fp32 of ``model`` on one view of the batch (graph only under grad)."""
         # apply_loss_mask=False scores every non-padding token (prompt included), as ColossalChat does.
-        if not self.apply_loss_mask:
+        if not self.options.apply_loss_mask:
             return model_sequence_logps(
                 model, view.input_ids, view.attention_mask, view.attention_mask, self._lm_head(model)
             )

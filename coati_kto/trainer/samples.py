@@ -110,7 +110,7 @@ class EvalSamples:
                 ratio = log_ratio(
                     passes.completion_logps(policy, view), passes.completion_logps(reference, view)
                 )
-            rewards = implied_reward(ratio, passes.beta).tolist()
+            rewards = implied_reward(ratio, passes.options.beta).tolist()
         local = [
             Sample(place, row, bool(r["label"]), self._text(p), self._text(c), reward, tuple(p), tuple(c))
             for place, row, r, p, c, reward in zip(

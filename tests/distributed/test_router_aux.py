@@ -6,6 +6,7 @@ reduced as sums and counts (padding rows count nowhere)"""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -69,16 +70,16 @@ def _config(model_dir: str, out_dir: str, plugin: str) -> Any:
 def built(cfg: Any, accumulation_steps: int = 2) -> tuple[Any, Any]:
     """(the components, a KTOTrainer at ``accumulation_steps``) for ``cfg``, on every rank."""
     from coati_kto.parallel.plan import ParallelPlan
-    from coati_kto.recipe.components import build_components
+    from coati_kto.recipe.components import build_components, trainer_options
     from coati_kto.trainer.kto import KTOTrainer
-    from coati_kto.trainer.options import KTOOptions
 
     plan = ParallelPlan.from_config(cfg)
     plugin_obj = plan.backend.build_plugin()
     parts = build_components(cfg, plugin_obj, 1, plan)
+    options = dataclasses.replace(trainer_options(cfg), accumulation_steps=accumulation_steps)
     trainer = KTOTrainer(
         parts.policy, parts.reference, parts.booster, parts.optimizer, plugin_obj, parts.lr_scheduler, None,
-        accumulation_steps=accumulation_steps, layout=parts.layout, plan=parts.plan, options=KTOOptions.from_config(cfg),
+        layout=parts.layout, plan=parts.plan, options=options,
     )  # fmt: skip
     return parts, trainer
 
@@ -160,9 +161,8 @@ def _eval(model_dir: str, out_dir: str, plugin: str, pack: bool) -> dict[str, An
     import torch.distributed as dist
 
     from coati_kto.parallel.plan import ParallelPlan
-    from coati_kto.recipe.components import build_components
+    from coati_kto.recipe.components import build_components, trainer_options
     from coati_kto.trainer.kto import KTOTrainer
-    from coati_kto.trainer.options import KTOOptions
 
     cfg = _config(model_dir, out_dir, plugin)
     cfg.kto.pack_policy = pack
@@ -181,7 +181,7 @@ def _eval(model_dir: str, out_dir: str, plugin: str, pack: bool) -> dict[str, An
                 expected.append((float(out.aux_loss), int(valid.sum())))
     trainer = KTOTrainer(
         parts.policy, parts.reference, parts.booster, parts.optimizer, plugin_obj, parts.lr_scheduler, None,
-        accumulation_steps=1, layout=parts.layout, plan=parts.plan, options=KTOOptions.from_config(cfg),
+        layout=parts.layout, plan=parts.plan, options=dataclasses.replace(trainer_options(cfg), accumulation_steps=1),
     )  # fmt: skip
     trainer._eval_loader = batches
     metrics = trainer._evaluate()

@@ -40,7 +40,7 @@ def _gradient(policy: torch.nn.Module, reference: torch.nn.Module, micro_batches
     collate = KTOCollator(pad_token_id=0)
     backend = types.SimpleNamespace(forward_collectives=True, chunked_head=True)
     plan = types.SimpleNamespace(plugin="ddp", backend=backend, tp_size=1)
-    passes = KTOPasses(policy, reference, plan, KTOOptions(), None, torch.device("cpu"), (0.3, 1.0, 1.0))
+    passes = KTOPasses(policy, reference, plan, KTOOptions(beta=0.3), None, torch.device("cpu"))
     policy.zero_grad()
     sums = StepSums(torch.device("cpu"))
     for micro in passes.train_step([[collate(mb) for mb in micro_batches]], sums):
