@@ -1,5 +1,8 @@
-"""The KTO trainer: ``KTOTrainer`` (on ``SLTrainer``) runs the step and the loops; beside it the loss, metrics,
-logging, LR schedule, throughput, checkpoints, the reference-log-prob cache and the model card.
+"""The KTO trainer: ``KTOTrainer`` (on ``SLTrainer``) runs the step and the loops.
+
+Beside it live the scoring plan, the passes, the loss, metrics, logging, the LR schedule, throughput and
+checkpoints. The reference-log-prob cache lives in ``coati_kto.reference``, the model card and the Hub push in
+``coati_kto.outputs``.
 
 May import: models, parallel, data, runtime, config, families, errors. ``KTOTrainer`` and ``SLTrainer`` are
 the public surface (ColossalChat's constructor signature).
