@@ -157,13 +157,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if f"{path.as_posix()}::{item.name}" in smoke:
             item.add_marker(pytest.mark.smoke)
             smoke.discard(f"{path.as_posix()}::{item.name}")
-    _check_smoke_found(smoke, items, tests_dir)
+    _check_smoke_found(smoke, items, tests_dir, config.args)
 
 
-def _check_smoke_found(missing: set[str], items: list[pytest.Item], tests_dir: Path) -> None:
-    """A SMOKE entry whose file was collected but which matched no test (renamed, reparametrized) is an error,
-    not a smoke set that silently shrinks."""
-    collected = {Path(str(item.fspath)).resolve().relative_to(tests_dir).as_posix() for item in items}
+def _check_smoke_found(missing: set[str], items: list[pytest.Item], tests_dir: Path, args: list[str]) -> None:
+    """A SMOKE entry whose file was collected whole but which matched no test (renamed, reparametrized) is an
+    error, not a smoke set that silently shrinks. A file named with ``::`` on the command line is not whole."""
+    narrowed = {Path(a.partition("::")[0]).resolve() for a in args if "::" in a}
+    collected = {
+        Path(str(item.fspath)).resolve().relative_to(tests_dir).as_posix()
+        for item in items
+        if Path(str(item.fspath)).resolve() not in narrowed
+    }
     lost = sorted(name for name in missing if name.partition("::")[0] in collected)
     if lost:
         raise pytest.UsageError(f"tests/conftest.py SMOKE names tests that do not exist: {', '.join(lost)}")
