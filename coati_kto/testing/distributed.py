@@ -137,6 +137,9 @@ def run_distributed(
         _POOLS.calls["fresh: " + why] += 1
         return _run_fresh(fn, world_size, args, timeout_s, device)
     pool = _POOLS.by_size.pop(world_size, None)  # put back last: the dict runs from least to most recent
+    if pool is not None and pool.alive and not pool.healthy():
+        _POOLS.calls["pool lost a rank between calls"] += 1
+        pool.close(kill=True)
     if pool is None or not pool.alive:
         _POOLS.calls["pool start"] += 1
         _make_room(world_size)

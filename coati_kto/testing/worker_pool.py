@@ -114,6 +114,11 @@ class WorkerPool:
         start = rank_env(env, 0, world_size, self._port)
         self.import_env = frozenset(k for k, v in ready[0][1].items() if start.get(k) != v)
 
+    def healthy(self) -> bool:
+        """Whether every rank is alive and waiting for a task (False too after one died between tasks: a thread a
+        task left behind, the OOM killer)."""
+        return self.alive and all(p.exitcode is None for p in self._procs)
+
     def run(self, fn: Callable[..., Any], args: tuple, timeout_s: float) -> list[Any]:
         """``fn(*args)`` on every rank with this process's environment, cwd and sys.path; each rank's result.
         Any failure kills the pool (``alive`` False) and raises RuntimeError with the failing rank's traceback."""

@@ -71,6 +71,14 @@ def _end_the_process_group() -> int:
     return os.getpid()
 
 
+def _exit_after_returning() -> int:
+    """A thread a task leaves behind that ends its process later, between calls (a watchdog's os._exit)."""
+    import threading
+
+    threading.Timer(1.0, os._exit, (9,)).start()
+    return os.getpid()
+
+
 def test_a_failed_dead_or_hung_call_fails_alone_and_the_next_gets_new_ranks(pool: None) -> None:
     first = run_distributed(_pid, 2)
     assert run_distributed(_pid, 2) == first  # the same ranks serve the next call
@@ -94,7 +102,13 @@ def test_a_failed_dead_or_hung_call_fails_alone_and_the_next_gets_new_ranks(pool
     fourth = run_distributed(_pid, 2)
     assert not set(fourth) & set(third)
     assert run_distributed(_end_the_process_group, 2) == fourth  # its result stands; its ranks retire
-    assert not set(run_distributed(_pid, 2)) & set(fourth)
+    fifth = run_distributed(_pid, 2)
+    assert not set(fifth) & set(fourth)
+    lost = pool_stats().get("pool lost a rank between calls", 0)
+    assert run_distributed(_exit_after_returning, 2) == fifth
+    time.sleep(5)
+    assert not set(run_distributed(_pid, 2)) & set(fifth)  # the next call is not blamed: new ranks
+    assert pool_stats()["pool lost a rank between calls"] == lost + 1
 
 
 def _leave_state_behind() -> None:
