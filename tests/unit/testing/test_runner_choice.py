@@ -24,17 +24,20 @@ def pools(monkeypatch: pytest.MonkeyPatch) -> runner._Pools:
     return state
 
 
-def test_a_four_rank_pool_lives_alone_and_the_one_and_two_rank_pools_together(pools: runner._Pools) -> None:
+def test_the_one_two_and_four_rank_pools_live_together_and_the_least_recent_goes_first(
+    pools: runner._Pools,
+) -> None:
+    assert runner.MAX_LIVE_RANKS == 7
     one, two = _Pool(1), _Pool(2)
     pools.by_size.update({1: one, 2: two})
-    runner._make_room(1)  # 3 + 1 ranks fit
+    runner._make_room(4)  # 3 + 4 ranks fit
     assert list(pools.by_size) == [1, 2] and not one.closed and not two.closed
-    runner._make_room(4)  # least recently used first: both go
-    assert pools.by_size == {} and one.closed and two.closed
     four = _Pool(4)
     pools.by_size.update({4: four})
-    runner._make_room(2)
-    assert four.closed and pools.by_size == {}
+    runner._make_room(1)  # 7 + 1 do not: the least recently used (1) goes, the others stay
+    assert list(pools.by_size) == [2, 4] and one.closed and not two.closed and not four.closed
+    runner._make_room(6)  # 6 ranks fit only alone: both go, least recent first
+    assert pools.by_size == {} and two.closed and four.closed
 
 
 def test_why_a_call_gets_fresh_processes(pools: runner._Pools, monkeypatch: pytest.MonkeyPatch) -> None:
