@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -75,11 +76,39 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def built_root(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where built test models live (coati_kto.testing.built): pytest's cache, kept between runs on this
+    checkout; the session's temporary directory without the cache provider."""
+    cache = getattr(request.config, "cache", None)
+    return cache.mkdir("coati-kto-built") if cache is not None else tmp_path_factory.mktemp("built")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(built_root: Path) -> Path:
     """A saved tiny Llama + ChatML BPE tokenizer (vocab 512, hidden 64, 2 layers)."""
+    from coati_kto.testing.built import built
     from coati_kto.testing.tiny import save_tiny_model
 
-    return save_tiny_model(tmp_path_factory.mktemp("tiny_llama"), CORPUS)
+    return built(built_root, "tiny_llama", lambda out: save_tiny_model(out, CORPUS), {"corpus": CORPUS})
+
+
+@pytest.fixture(scope="session")
+def tiny_family_dir(built_root: Path) -> Callable[..., Path]:
+    """``tiny_family_dir(family, vocab_size=300, corpus=CORPUS)``: that family's tiny model and tokenizer
+    (coati_kto.testing.tiny.save_tiny_family), built once per content key and shared by every test asking."""
+    from coati_kto.testing.built import built
+    from coati_kto.testing.tiny import save_tiny_family
+
+    def make(family: str, vocab_size: int = 300, corpus: Sequence[str] = CORPUS) -> Path:
+        inputs = {"family": family, "vocab_size": vocab_size, "corpus": list(corpus)}
+        return built(
+            built_root,
+            f"tiny_{family}",
+            lambda out: save_tiny_family(out, family, corpus, vocab_size),
+            inputs,
+        )
+
+    return make
 
 
 @pytest.fixture(scope="session")
@@ -90,24 +119,16 @@ def tiny_tokenizer(tiny_model_dir: Path):
 
 
 @pytest.fixture(scope="session")
-def reference_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model with perturbed weights: a reference that differs from the policy, so rewards are not 0.
+def reference_dir(tiny_model_dir: Path, built_root: Path) -> Path:
+    """The tiny model with perturbed weights (coati_kto.testing.tiny.save_perturbed, seed 11): a reference that
+    differs from the policy, so rewards are not 0."""
+    from coati_kto.testing.built import built
+    from coati_kto.testing.tiny import save_perturbed
 
-    The output layer gets the larger noise: logits with noise of std s put on average about s**2 / 2 nats less
-    on a random token, so the KL log-ratios on random sequences are clearly positive (z0 > 0, unclamped).
-    """
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
-    gen = torch.Generator().manual_seed(11)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.02 * torch.randn(p.shape, generator=gen))
-        model.lm_head.weight.add_(0.2 * torch.randn(model.lm_head.weight.shape, generator=gen))
-    out = tmp_path_factory.mktemp("reference")
-    model.save_pretrained(out)
-    return out
+    inputs = {"model": tiny_model_dir.name, "seed": 11}
+    return built(
+        built_root, "tiny_llama_reference", lambda out: save_perturbed(tiny_model_dir, out, 11), inputs
+    )
 
 
 # The folder says what a test costs (docs/testing.md): unit/ is single-process and fast; distributed/ and

@@ -126,6 +126,25 @@ def save_tiny_model(
     return out_dir
 
 
+def save_perturbed(model_dir: str | Path, out_dir: str | Path, seed: int) -> Path:
+    """``model_dir``'s model with noise added, saved in ``out_dir``: a reference that differs from the policy.
+
+    Every weight gets noise of std 0.02, the output layer 0.2: logits with noise of std s put on average about
+    s**2 / 2 nats less on a random token, so the KL log-ratios on random sequences are clearly positive (z0 > 0,
+    unclamped).
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn(p.shape, generator=gen))
+        model.lm_head.weight.add_(0.2 * torch.randn(model.lm_head.weight.shape, generator=gen))
+    model.save_pretrained(out_dir)
+    return Path(out_dir)
+
+
 # family -> (chat-template style, what its tiny model covers). Sizes: hidden 32, 1 layer, 4 heads (tp_size 2 works).
 FAMILIES: dict[str, tuple[str, str]] = {
     "llama": ("llama3", "vocabulary not a multiple of 64, grouped-query attention (4 heads, 2 kv heads)"),

@@ -3,6 +3,7 @@ whole from the ZeRO chunks of every rank; the default export is the bf16 working
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -75,15 +76,14 @@ def test_fp32_export_is_the_gathered_masters(plugin: str, tiny_model_dir: Path, 
     )
 
 
-def test_fp32_export_of_a_vision_language_model_keeps_its_frozen_tower_as_loaded(tmp_path: Path) -> None:
+def test_fp32_export_of_a_vision_language_model_keeps_its_frozen_tower_as_loaded(
+    tmp_path: Path, tiny_family_dir: Callable[..., Path]
+) -> None:
     """Gemma 3 vision-language: the frozen tower has no fp32 master, so the fp32 export took its bf16 working copy
     (1.9e-3 off the loaded weights). The tower is now exported as loaded, the language model as its masters."""
-    from helpers import CORPUS
     from transformers import AutoModelForCausalLM
 
-    from coati_kto.testing.tiny import save_tiny_family
-
-    model_dir = save_tiny_family(tmp_path / "model", "gemma3_vl", CORPUS)
+    model_dir = tiny_family_dir("gemma3_vl")
     _train_fp32_export(model_dir, tmp_path, "low_level_zero_zero2_bf16")
     exported = AutoModelForCausalLM.from_pretrained(
         tmp_path / "out" / "final", dtype=torch.float32

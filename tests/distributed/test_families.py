@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -224,12 +225,10 @@ def _family_matrix(model_dir: str, root: str, plugins: dict[str, dict[str, Any]]
 
 
 @pytest.fixture(scope="module")
-def matrices(tmp_path_factory: pytest.TempPathFactory) -> Any:
+def matrices(tmp_path_factory: pytest.TempPathFactory, tiny_family_dir: Callable[..., Path]) -> Any:
     """``matrices(family)``: the family's whole matrix (one set of 2 processes), run once per module and kept
     (pytest would key a parametrized fixture by cell, running a family's matrix once per plugin)."""
     from transformers import AutoConfig
-
-    from coati_kto.testing.tiny import save_tiny_family
 
     done: dict[str, dict[str, Any]] = {}
 
@@ -237,7 +236,7 @@ def matrices(tmp_path_factory: pytest.TempPathFactory) -> Any:
         if family in done:
             return done[family]
         root = tmp_path_factory.mktemp(f"family_{family}")
-        model_dir = save_tiny_family(root / "model", family, CORPUS)
+        model_dir = tiny_family_dir(family)
         plugins = {name: PLUGINS[name] for name in FAMILY_PLUGINS[family]}
         for name in plugins:
             write_jsonl(

@@ -18,13 +18,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from helpers import CORPUS, chat_records
+from helpers import chat_records
 from test_families import ANSWERS, PLUGINS, REFUSAL, _family_matrix, check_lifecycle
 from test_padding_free import FLEX_FAMILIES, check_flex_gradients
 from test_padding_free import _run as padding_free_run
@@ -124,13 +124,11 @@ GPU_PLUGINS = ["low_level_zero zero2 bf16", "hybrid zero2 bf16"]
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("family", GPU_FAMILIES)
-def test_family_lifecycle_on_cuda(family: str, tmp_path: Path) -> None:
+def test_family_lifecycle_on_cuda(family: str, tmp_path: Path, tiny_family_dir: Callable[..., Path]) -> None:
     """Step-0 rewards exactly 0, resume bit-exact, export reload, on one GPU (NCCL) for each plugin."""
     from transformers import AutoConfig
 
-    from coati_kto.testing.tiny import save_tiny_family
-
-    model_dir = save_tiny_family(tmp_path / "model", family, CORPUS)
+    model_dir = tiny_family_dir(family)
     plugins = {name: PLUGINS[name] for name in GPU_PLUGINS}
     for name in plugins:
         write_jsonl(

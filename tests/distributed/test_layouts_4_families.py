@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -136,15 +137,11 @@ def _tiny_families() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    from coati_kto.testing.tiny import save_tiny_family
-
+def runs(tmp_path_factory: pytest.TempPathFactory, tiny_family_dir: Callable[..., Path]) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("layouts_4_families")
     tiny = _tiny_families()
     families = {name: tiny[name] for name in ADMITTED if name in tiny}
-    model_dirs = {
-        name: str(save_tiny_family(root / name, family, CORPUS)) for name, family in families.items()
-    }
+    model_dirs = {name: str(tiny_family_dir(family)) for name, family in families.items()}
     started = time.perf_counter()
     ranks = run_distributed(_every_family, 4, model_dirs, str(root / "runs"), timeout_s=1500)
     seconds = time.perf_counter() - started
