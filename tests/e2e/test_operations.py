@@ -20,6 +20,7 @@ import torch
 from helpers import env, weights, write_run
 
 from coati_kto.runtime.signals import ABORT_EXIT_CODE, STOP_EXIT_CODE
+from coati_kto.testing.cli import run_cli
 from coati_kto.testing.distributed import run_distributed
 
 
@@ -138,8 +139,9 @@ def test_a_second_run_in_a_live_runs_output_dir_is_refused(run_config: Path, tmp
     finally:
         live.kill()
         live.wait()
-    # Killed with -9, the holder left nothing to clean up: the same command now trains.
-    done = subprocess.run(cli(*train), env=env(), capture_output=True, text=True)
+    # Killed with -9, the holder left nothing to clean up: the same command now trains (`coati-kto train`
+    # without a launcher, on a worker rank: the launcher and the live second process were the cases above).
+    done = run_cli(train)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -148,9 +150,7 @@ def test_one_run_per_output_dir(run_config: Path, tmp_path: Path) -> None:
     (out / "checkpoints" / "step-3").mkdir(parents=True)
     (out / "tensorboard").mkdir()
     (out / "tensorboard" / "events.out.tfevents.1.host").write_bytes(b"")
-    proc = subprocess.run(
-        cli("train", str(run_config), f"output.dir={out}"), env=env(), capture_output=True, text=True
-    )
+    proc = run_cli(["train", str(run_config), f"output.dir={out}"])  # the CLI's refusal: on a worker rank
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
         f"error: output.dir: {out} already holds a run (checkpoints/step-3, tensorboard/ events): continue it "
@@ -170,6 +170,8 @@ def test_overwrite_clears_the_old_run_first(run_config: Path, tmp_path: Path) ->
 
 
 def _bad(tmp_path: Path, run_config: Path, *overrides: str) -> tuple[int, str, str]:
+    # A real process: huggingface_hub reads HF_HUB_OFFLINE when it is imported, so a worker rank that imported it
+    # cannot take it (run_cli would start a fresh process for it anyway: no cheaper than this one).
     proc = subprocess.run(
         cli("train", str(run_config), f"output.dir={tmp_path / 'out'}", *overrides),
         env={**env(), "HF_HUB_OFFLINE": "1"},
@@ -250,7 +252,7 @@ def test_hub_ids_offline_and_model_directories(run_config: Path, tmp_path: Path)
     ],
 )
 def test_cli_numbers_in_range(run_config: Path, argv: list[str], message: str) -> None:
-    proc = subprocess.run(cli(*argv, str(run_config)), env=env(), capture_output=True, text=True)
+    proc = run_cli([*argv, str(run_config)])  # the CLI's argument checks: on a worker rank
     assert (proc.returncode, proc.stderr.strip()) == (2, message)
 
 

@@ -4,9 +4,6 @@ checkpoint another run's are refused in one line each, exit 2, nothing trained."
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,19 +11,22 @@ import yaml
 from helpers import preference_records
 
 from coati_kto.data.files import write_jsonl
+from coati_kto.testing.cli import CliResult, run_cli
 from coati_kto.testing.tensorboard import read_scalars
 from coati_kto.trainer.schedule import lr_factor
 
 WARMUP, MIN_LR_RATIO = 1, 0.1
 
 
-def _train(config: Path, *overrides: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "coati_kto", "train", str(config), *overrides]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+def _train(config: Path, *overrides: str) -> CliResult:
+    """``coati-kto train CONFIG OVERRIDES`` on a worker rank (coati_kto.testing.cli): every test here is about what
+    the CLI's code path says and does with a checkpoint on disk (settings named, applied or refused, the plan and
+    schedule of the resumed run); none compares weights with an uninterrupted run, the case that needs a new
+    process reading everything from disk (tests/e2e/test_operations.py)."""
+    return run_cli(["train", str(config), *overrides])
 
 
-def _resume_with_edited_data(config: Path) -> subprocess.CompletedProcess:
+def _resume_with_edited_data(config: Path) -> CliResult:
     """``train.resume=auto`` with every completion of train.jsonl edited in place (restored after)."""
     train = config.parent / "train.jsonl"
     original = train.read_text()

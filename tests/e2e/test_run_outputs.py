@@ -7,10 +7,7 @@ final/README.md, and a log without ColossalAI's dp=1 ZeRO warning or progress li
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +15,7 @@ import yaml
 from helpers import preference_records
 
 from coati_kto.data.files import write_jsonl
+from coati_kto.testing.cli import run_cli
 from coati_kto.testing.tensorboard import read_hparams, read_scalars, read_texts
 
 LR, WARMUP = 5e-3, 2
@@ -49,16 +47,10 @@ def run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     }
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump(config))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "OMP_NUM_THREADS": "1"}
-    # Output captured through a pipe: not a terminal, as in SLURM / CI / colossalai run logs.
-    proc = subprocess.run(
-        [sys.executable, "-m", "coati_kto", "train", str(path)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=600,
-    )
+    # `python -m coati_kto train` on a worker rank (coati_kto.testing.cli): the CLI's code path is all this file
+    # reads. Output captured into a file: not a terminal, as in SLURM / CI / colossalai run logs; stderr merged
+    # into stdout in the order written, as through one pipe.
+    proc = run_cli(["train", str(path)], merge_stderr=True)
     assert proc.returncode == 0, proc.stdout[-3000:]
     out = root / "out"
     return {"out": out, "log": proc.stdout, "tb": read_scalars(out / "tensorboard"), "config": config}
