@@ -7,16 +7,15 @@ same directories.
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from helpers import env, preference_records
+from helpers import preference_records
 
 from coati_kto.data.files import write_jsonl
+from coati_kto.testing.cli import run_cli
 from coati_kto.testing.distributed import run_distributed
 from coati_kto.testing.tensorboard import read_scalars, read_texts
 
@@ -141,7 +140,8 @@ def test_export_writes_a_checkpoint_as_the_final_model_and_only_reads_the_run(ru
     out, config = run["root"] / "out", str(run["root"] / "config.yaml")
     before = sorted(str(p.relative_to(out)) for p in out.rglob("*") if "wandb" not in p.parts)
     saved_config = (out / "config.yaml").read_text()
-    assert run_distributed(_cli_worker, 2, ["export", config, "train.max_steps=12"]) == [0, 0]
+    # The exports and refusals below are the CLI's code path: on worker ranks (coati_kto.testing.cli).
+    assert run_cli(["export", config, "train.max_steps=12"], 2).returncodes == [0, 0]
     final = load_file(out / "final" / "model.safetensors")
     exported = load_file(out / "exports" / "step-12" / "model.safetensors")
     assert final.keys() == exported.keys()
@@ -150,25 +150,18 @@ def test_export_writes_a_checkpoint_as_the_final_model_and_only_reads_the_run(ru
 
     nine = run["root"] / "step-9-export"
     argv = ["export", "--checkpoint", str(out / "checkpoints" / "step-9"), "--out", str(nine), config]
-    assert run_distributed(_cli_worker, 1, argv) == [0]
+    assert run_cli(argv).returncode == 0
     model = AutoModelForCausalLM.from_pretrained(nine)
     assert any(
         not torch.equal(p.detach(), final[n].to(p.dtype)) for n, p in model.named_parameters() if n in final
     )
-    proc = subprocess.run(
-        [sys.executable, "-m", "coati_kto", *argv], capture_output=True, text=True, env=env()
-    )
+    proc = run_cli(argv)
     assert (proc.returncode, proc.stderr.strip()) == (
         2,
         f"error: coati-kto export: {nine} exists; remove it or name another with --out",
     )
     missing = str(out / "checkpoints" / "step-3")  # pruned by keep_last 2
-    proc = subprocess.run(
-        [sys.executable, "-m", "coati_kto", "export", "--checkpoint", missing, config],
-        capture_output=True,
-        text=True,
-        env=env(),
-    )
+    proc = run_cli(["export", "--checkpoint", missing, config])
     assert (proc.returncode, proc.stderr.strip()) == (
         2,
         f"error: coati-kto export --checkpoint: {missing} is not a complete checkpoint (a checkpoints/step-N "
@@ -187,12 +180,7 @@ def test_an_export_on_another_layout_describes_the_run_not_itself(run: dict) -> 
     out, config = run["root"] / "out", str(run["root"] / "config.yaml")
     target = run["root"] / "step-12-on-one-process"
     argv = ["export", "--checkpoint", str(out / "checkpoints" / "step-12"), "--out", str(target), config]
-    proc = subprocess.run(
-        [sys.executable, "-m", "coati_kto", *argv, "train.max_steps=12", "kto.beta=0.5", "train.lr=1e-4"],
-        capture_output=True,
-        text=True,
-        env=env(),
-    )
+    proc = run_cli([*argv, "train.max_steps=12", "kto.beta=0.5", "train.lr=1e-4"])  # on a worker rank
     assert proc.returncode == 0, proc.stderr[-3000:]
     card = (target / "README.md").read_text()
     assert "micro-batch 4 x accumulation 2 x 2 process(es)" in card
