@@ -17,6 +17,8 @@ import torch
 from helpers import env
 from safetensors.torch import load_file
 
+from coati_kto.testing.cli import run_cli
+
 GOOD = ["Paris is the capital.", "The answer is 5.", "Here is the result, thank you!"]
 BAD = ["I cannot help with that.", "Sorry, that is not possible."]
 
@@ -44,8 +46,10 @@ def test_cached_reference_under_ddp_runs_and_resumes_exactly(tmp_path: Path, tin
         f"output: {{dir: {tmp_path / 'out'}, save_interval: 3, keep_last: 3}}\n"
         "logging: {tensorboard: false}\n"
     )
-    assert _cli("prepare", str(config)).returncode == 0
-    assert _cli("precompute", str(config)).returncode == 0
+    # prepare and precompute (1 process) are the CLI's code path: on a worker rank (coati_kto.testing.cli). The two
+    # trainings are real launches: torchrun's 2 processes, and a resume that must read everything from disk.
+    assert run_cli(["prepare", str(config)]).returncode == 0
+    assert run_cli(["precompute", str(config)]).returncode == 0
     full = _cli("train", "--nproc-per-node", "2", str(config))
     assert full.returncode == 0, full.stdout[-2000:] + full.stderr[-2000:]
     whole = load_file(tmp_path / "out" / "final" / "model.safetensors")
