@@ -11,7 +11,7 @@ What each rank sees is what the command's process would see:
   ``train.dist_timeout``) and destroys it at its end (``cli.main``'s ``_close_process_groups``), as in a process.
   The rank's own group is set aside for the call (``_set_aside``: torch's group registry emptied, nothing shut
   down) and put back after it. When the command leaves a group behind (an uncaught exception, exit 1 after a
-  peer failure: a process would just exit), that group is kept unreferenced-but-alive and the rank's group is not
+  peer failure: a process would just exit), that group is kept, never destroyed, and the rank's group is not
   put back: the pool retires the rank after the call (``worker_pool._reset``) and the next call gets new ones.
 - ``sys.argv``, the working directory (``cwd``) and ``env`` apply to the call only. ``env`` maps a name to its
   value, or to None to remove it. A variable a library reads when it is imported (``IMPORT_TIME_PREFIXES``:
