@@ -10,13 +10,14 @@
    rotary embedding (``model.fused_rotary``) in bf16 against transformers' and float64; the one-chunk LM head
    (torch's log-softmax) against the online chunks in bf16.
 2. The short bench (benchmarks/gpu_bench.py, unchanged): Llama, hybrid ZeRO-2, tool-use rows, online and cached
-   reference (then the padding-free pair while the budget lasts); TRL side by side when ``.whl/trl`` is there.
+   reference (then the compiled case and the padding-free pair while the budget lasts); TRL side by side when
+   ``.whl/trl`` is there.
 3. One table: each test's outcome and seconds, then per bench case step time, MFU, host syncs and kernels.
 
 At most ``--budget`` seconds (480: a lent device call is 10 minutes, the machine's start and a first HybridAdam
-build included); the bench gets what the tests left. Without CUDA the tests skip and the bench runs its CPU smoke:
-the plumbing, which CI runs (tests/e2e/test_benchmarks.py). Exit status 0 when no test failed and every bench case
-ran or was left out for time.
+build included); the bench gets what the tests left. Without CUDA the tests skip and the bench runs its CPU smoke
+on the online and cached cases: the plumbing, which CI runs (tests/e2e/test_benchmarks.py). Exit status 0 when no
+test failed and every bench case ran or was left out for time.
 """
 
 from __future__ import annotations
@@ -33,7 +34,15 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 TESTS = ("tests/distributed/test_gpu_path.py", "tests/unit/models/test_rotary.py")
-BENCH_CASES = "llama/tool_use/online/hybrid_z2,llama/tool_use/cached/hybrid_z2"
+BENCH_CASES = (  # gpu_bench runs them in its own order: online and cached, then compiled, then padding-free
+    "llama/tool_use/online/hybrid_z2",
+    "llama/tool_use/cached/hybrid_z2",
+    "llama/tool_use/online/hybrid_z2/compile",
+    "llama/tool_use/online/hybrid_z2/free",
+    "llama/tool_use/cached/hybrid_z2/free",
+)
+# Without CUDA (the plumbing, CI): the first two; gpu_bench's own smoke runs the compiled and padding-free cases.
+SMOKE_BENCH_CASES = BENCH_CASES[:2]
 BENCH_FLOOR_S = 90  # less than this left after the tests: no bench
 
 
@@ -89,7 +98,8 @@ def run_bench(out: Path, time_limit: float, smoke: bool) -> dict[str, Any]:
     """benchmarks/gpu_bench.py on the short case list; its JSON report (``cases`` and ``trl`` rows)."""
     report = out / "bench.json"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "gpu_bench.py"), "--out", str(out / "bench")]
-    cmd += ["--cases", BENCH_CASES, "--json", str(report), "--time-limit", f"{time_limit:.0f}"]
+    cases = ",".join(SMOKE_BENCH_CASES if smoke else BENCH_CASES)
+    cmd += ["--cases", cases, "--json", str(report), "--time-limit", f"{time_limit:.0f}"]
     trl = ROOT / ".whl" / "trl"
     cmd += ["--trl-wheels", str(trl)] if trl.is_dir() and not smoke else ["--skip-trl"]
     cmd += ["--smoke"] if smoke else ["--steps", "4", "--warmup", "2", "--profile-steps", "2"]

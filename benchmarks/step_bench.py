@@ -41,8 +41,8 @@ WORDS = 3000
 
 
 # --------------------------------------------------------------------------------------- child processes
-def _child_setup(work: Path, examples: int, shape: str, hidden: int, layers: int) -> None:
-    """Tokenizer, random Llama and JSONL data for ``shape`` under ``work``."""
+def _child_setup(work: Path, examples: int, shape: str, hidden: int, layers: int) -> dict:
+    """Tokenizer, random Llama and JSONL data for ``shape`` under ``work``; the model's parameter count."""
     import random
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -99,7 +99,7 @@ def _child_setup(work: Path, examples: int, shape: str, hidden: int, layers: int
     model = LlamaForCausalLM(cfg)
     model.save_pretrained(work / "model")
     tokenizer.save_pretrained(work / "model")
-    print(json.dumps({"params": sum(p.numel() for p in model.parameters())}))
+    return {"params": sum(p.numel() for p in model.parameters())}
 
 
 def _child_run(config_path: str, overrides: list[str], command: str) -> None:
@@ -205,7 +205,7 @@ def _counts(args: argparse.Namespace, base: Path) -> None:
     print(count_table(results, before))
 
 
-def _child_savings(config_path: str) -> None:
+def _child_savings(config_path: str) -> dict:
     """Reference tokens with two passes vs one shared-prompt pass, over the prepared train split."""
     import numpy as np
 
@@ -228,18 +228,13 @@ def _child_savings(config_path: str) -> None:
         ]
     )
     two = int(lengths.sum() + kl_lengths.sum())
-    print(
-        "RESULT "
-        + json.dumps(
-            {
-                "two_passes": two,
-                "one_pass": two - int(shared.sum()),
-                "prompt_p50": float(np.median(starts)),
-                "completion_p50": float(np.median(lengths - starts)),
-                "packable": float((shared > 0).mean()),
-            }
-        )
-    )
+    return {
+        "two_passes": two,
+        "one_pass": two - int(shared.sum()),
+        "prompt_p50": float(np.median(starts)),
+        "completion_p50": float(np.median(lengths - starts)),
+        "packable": float((shared > 0).mean()),
+    }
 
 
 # --------------------------------------------------------------------------------------------- parent
@@ -356,15 +351,20 @@ def main() -> None:
         args.compile, args.skip_tool_use, args.skip_100m = True, True, True
     if args.child:
         kind, *params = args.child + rest
-        if kind == "setup":
-            return _child_setup(Path(params[0]), int(params[1]), params[2], int(params[3]), int(params[4]))
+        if kind == "setup":  # WORK EXAMPLES SHAPE HIDDEN LAYERS [CONFIG]
+            info = _child_setup(Path(params[0]), int(params[1]), params[2], int(params[3]), int(params[4]))
+            if (
+                len(params) > 5
+            ):  # the shared-prompt savings on CONFIG's data too: one child's imports, not two
+                info.update(_child_savings(params[5]))
+            return print("RESULT " + json.dumps(info))
         if kind == "run":
             return _child_run(params[0], params[2:], params[1])
         if kind == "count":
             return _child_count(params[0], int(params[1]), params[2:])
         if kind == "gemm":  # one thread (the parent's _run sets OMP_NUM_THREADS=1)
             return print(json.dumps({"rate": flops.gemm_rate(int(params[0]), json.loads(params[1]))}))
-        return _child_savings(params[0])
+        raise SystemExit(f"unknown child {kind}")
 
     base = Path(args.work)
     shutil.rmtree(base, ignore_errors=True)
@@ -386,11 +386,12 @@ def _fixture(args: argparse.Namespace, base: Path) -> None:
     work = base / "fixture"
     work.mkdir(parents=True)
     hidden, layers = ("64", "2") if args.smoke else ("256", "4")
-    info, _ = _run(["--child", "setup", str(work), str(args.examples), "fixture", hidden, layers])
     config = _config(work, "fixture", 256, 128, 8, max_epochs=1)
-    savings, _ = _run(["--child", "savings", str(config)])
+    savings, _ = _run(
+        ["--child", "setup", str(work), str(args.examples), "fixture", hidden, layers, str(config)]
+    )
     print(
-        f"fixture: {info['params'] / 1e6:.2f}M parameters, {args.examples} examples (3:1), prompt p50 "
+        f"fixture: {savings['params'] / 1e6:.2f}M parameters, {args.examples} examples (3:1), prompt p50 "
         f"{savings['prompt_p50']:.0f} tokens, completion p50 {savings['completion_p50']:.0f}"
     )
     runs: dict[str, tuple[dict, float]] = {}
@@ -435,9 +436,10 @@ def _tool_use(args: argparse.Namespace, base: Path) -> None:
     """Long system prompt, short completions: the shape where the policy's folded pass pays (kto.pack_policy)."""
     work = base / "tool_use"
     work.mkdir(parents=True)
-    _run(["--child", "setup", str(work), str(args.tool_examples), "tool_use", "256", "4"])
     config = _config(work, "tool_use", 768, 704, 8, max_steps=args.tool_steps)
-    savings, _ = _run(["--child", "savings", str(config)])
+    savings, _ = _run(
+        ["--child", "setup", str(work), str(args.tool_examples), "tool_use", "256", "4", str(config)]
+    )
     # micro-batch 8, no accumulation: z0 covers one micro-batch, so the policy may fold its KL pass
     runs = {
         "online": _train(config, "online"),
