@@ -69,12 +69,12 @@ def make_records(n: int, seed: int = 0) -> list[dict]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=100_000)
     parser.add_argument("--num-proc", type=int, default=2)
     parser.add_argument("--smoke", action="store_true", help="200 records, 1 process (seconds)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.smoke:
         args.records, args.num_proc = 200, 1
 

@@ -1,13 +1,17 @@
-"""Every script in benchmarks/ runs its smoke mode in a subprocess and prints finite figures, so none can rot.
+"""Every script in benchmarks/ runs its smoke mode and prints finite figures, so none can rot.
 
 Figures, not exit codes: each test parses what the script prints (its table) and checks the numbers are there
-and finite (step time > 0, tokens/s > 0, ...). The ones that start several training processes (lora_bench,
-plugins_bench, step_bench: 30-60 s each on 2 cores; learning_study) are marked ``slow`` (``-m "not slow"`` leaves them out);
-trl_side_by_side skips unless a TRL venv exists (TRL is never a dependency).
+and finite (step time > 0, tokens/s > 0, ...). A script runs in a subprocess, as a user runs it; one whose
+figures are not of its own process (ddp_unused_bench, optimizer_bench, padding_bench, prepare_bench) runs its
+``main`` here (:func:`smoke_here`): no interpreter and imports of its own, its ranks on the worker pool. The ones
+that start several training processes (lora_bench, plugins_bench, step_bench: 30-60 s each on 2 cores;
+learning_study, gpu_check) are marked ``slow`` (``-m "not slow"`` leaves them out); trl_side_by_side skips unless
+a TRL venv exists (TRL is never a dependency).
 """
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import re
@@ -43,6 +47,20 @@ def smoke(script: str, *args: str, timeout: float = 300) -> str:
         f"{script} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     )
     return proc.stdout
+
+
+def smoke_here(capsys: pytest.CaptureFixture[str], script: str, *args: str) -> str:
+    """``main(["--smoke", *args])`` of ``benchmarks/<script>`` in this process; its stdout (asserting it returned 0
+    or None). Only for a script whose figures are not of its own process (no RSS high-water mark, no process start,
+    no process-wide malloc setting): its imports are this process's, its run_distributed calls run on the worker
+    pool (docs/testing.md)."""
+    if str(BENCH) not in sys.path:
+        sys.path.insert(0, str(BENCH))
+    module = importlib.import_module(script.removesuffix(".py"))
+    capsys.readouterr()
+    status = module.main(["--smoke", *args])
+    assert status in (0, None), f"{script} returned {status}"
+    return capsys.readouterr().out
 
 
 def numbers(line: str) -> list[float]:
@@ -192,10 +210,15 @@ def test_logprobs_bench_head_chunks_smoke(malloc: str) -> None:
 
 
 @pytest.mark.compile
-def test_optimizer_bench_smoke() -> None:
+def test_optimizer_bench_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     """The bf16 optimizer step: today's casts around torch's fused AdamW (4 kernels, 40 bytes per parameter)
     against train.fused_optimizer's one compiled pass (28 bytes; one C++ kernel for the 21 tensors)."""
-    out = smoke("optimizer_bench.py")
+    import torch
+
+    try:
+        out = smoke_here(capsys, "optimizer_bench.py")
+    finally:
+        torch._dynamo.reset()  # MixedAdamW's compiled step: later tests in this process start from none
     rows = {
         line.split()[0]: numbers(line) for line in out.splitlines() if line.startswith(("cast+", "mixed"))
     }
@@ -207,8 +230,8 @@ def test_optimizer_bench_smoke() -> None:
     assert rows["cast+fused"][2:] == [4, 40.0] and rows["mixed"][2:] == [1, 28.0], rows
 
 
-def test_prepare_bench_smoke() -> None:
-    out = smoke("prepare_bench.py")
+def test_prepare_bench_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    out = smoke_here(capsys, "prepare_bench.py")
     m = re.search(r"cold (\S+) s = (\S+) examples/s \((\S+) tokens/s", out)
     assert m, out
     positive_finite([float(g.replace(",", "")) for g in m.groups()], "prepare cold build")
@@ -241,9 +264,9 @@ def test_plugins_bench_smoke() -> None:
     positive_finite([step0, slowest, loss, *[float(x) for x in rss.split("/")]], line)
 
 
-@pytest.mark.slow
-def test_ddp_unused_bench_smoke() -> None:
-    out = smoke("ddp_unused_bench.py")
+def test_ddp_unused_bench_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    """Its two ranks on the worker pool (step times only: nothing of the processes' own)."""
+    out = smoke_here(capsys, "ddp_unused_bench.py")
     for mode in ("on", "off"):
         line = next(line for line in out.splitlines() if line.startswith(f"| {mode} |"))
         positive_finite(numbers(line), line)
@@ -335,8 +358,8 @@ def test_learning_study_smoke(tmp_path: Path) -> None:
     assert re.search(rf"train/kl ({NUMBER})", summary), summary
 
 
-def test_padding_bench_smoke() -> None:
-    out = smoke("padding_bench.py")
+def test_padding_bench_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    out = smoke_here(capsys, "padding_bench.py")
     rows = {
         line.split()[0]: line
         for line in out.splitlines()
