@@ -132,7 +132,8 @@ def reference_dir(tiny_model_dir: Path, built_root: Path) -> Path:
 
 
 # The folder says what a test costs (docs/testing.md): unit/ is single-process and fast; distributed/ and
-# regression/ run real gloo process groups; e2e/ the real CLI and launchers in subprocesses; drills/ the
+# regression/ run real gloo process groups; e2e/ the CLI (on worker ranks through run_cli, or
+# launched for real where a launcher, a signal or a resume is what it proves); drills/ the
 # multi-node (netns + SSH) and SLURM drills. `pytest -m "not e2e and not drill"` is the inner loop.
 _FOLDER_MARKERS = {"distributed": "distributed", "regression": "distributed", "e2e": "e2e", "drills": "drill"}
 
