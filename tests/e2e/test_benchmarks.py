@@ -1,22 +1,27 @@
 """Every script in benchmarks/ runs its smoke mode and prints finite figures, so none can rot.
 
 Figures, not exit codes: each test parses what the script prints (its table) and checks the numbers are there
-and finite (step time > 0, tokens/s > 0, ...). A script runs in a subprocess, as a user runs it; one whose
-figures are not of its own process (ddp_unused_bench, optimizer_bench, padding_bench, prepare_bench) runs its
-``main`` here (:func:`smoke_here`): no interpreter and imports of its own, its ranks on the worker pool. The ones
-that start several training processes (lora_bench, plugins_bench, step_bench: 30-60 s each on 2 cores;
-learning_study, gpu_check) are marked ``slow`` (``-m "not slow"`` leaves them out); trl_side_by_side skips unless
-a TRL venv exists (TRL is never a dependency).
+and finite (step time > 0, tokens/s > 0, ...). A script runs in a subprocess, as a user runs it: the module's
+first test starts the selected tests' subprocesses, two at a time (:class:`Ahead`), and each test waits for its
+own. A script whose figures are not of its own process (ddp_unused_bench, optimizer_bench, padding_bench,
+prepare_bench) runs its ``main`` here instead (:func:`smoke_here`): no interpreter and imports of its own, its
+ranks on the worker pool. The ones that start several training processes (lora_bench, plugins_bench,
+step_bench: 30-60 s each on 2 cores; learning_study, gpu_check) are marked ``slow`` (``-m "not slow"`` leaves them
+out); trl_side_by_side skips unless a TRL venv exists (TRL is never a dependency).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -26,8 +31,11 @@ BENCH = ROOT / "benchmarks"
 NUMBER = r"[-+]?(?:\d+\.?\d*(?:[eE][-+]?\d+)?|nan|inf)"
 
 
-def smoke(script: str, *args: str, timeout: float = 300) -> str:
-    """Run ``benchmarks/<script> --smoke ARGS`` from the repository root; its stdout (asserting exit 0)."""
+Command = tuple[tuple[str, ...], dict[str, str], float]  # argv, environment, timeout in seconds
+
+
+def smoke_command(script: str, *args: str, timeout: float = 300) -> Command:
+    """``benchmarks/<script> --smoke ARGS``, run from the repository root."""
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),
@@ -35,18 +43,135 @@ def smoke(script: str, *args: str, timeout: float = 300) -> str:
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONWARNINGS": "ignore",
     }
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / script), "--smoke", *args],
-        capture_output=True,
+    return (sys.executable, str(BENCH / script), "--smoke", *args), env, timeout
+
+
+def gpu_check_command(work: Path) -> Command:
+    """`make gpu-check`'s script with this Python (its own choice of Python is the GPU machine's)."""
+    env = {
+        **os.environ,
+        "GPU_CHECK_PYTHON": sys.executable,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
+    return ("bash", str(BENCH / "gpu_check.sh"), "--out", str(work)), env, 900
+
+
+def _execute(command: Command, live: set[subprocess.Popen] | None = None) -> tuple[int, str, str]:
+    """Exit status, stdout and stderr of ``command`` (its process group killed at its timeout)."""
+    argv, env, timeout = command
+    with subprocess.Popen(
+        argv,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
         env=env,
-        cwd=str(ROOT),
-        timeout=timeout,
-    )
-    assert proc.returncode == 0, (
-        f"{script} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    )
-    return proc.stdout
+        cwd=ROOT,
+        start_new_session=True,
+    ) as proc:
+        if live is not None:
+            live.add(proc)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            err += f"\ntimed out after {timeout:.0f} s"
+        finally:
+            if live is not None:
+                live.discard(proc)
+    return proc.returncode, out, err
+
+
+class Ahead:
+    """The subprocess smokes of the tests this session selected, started before their tests, ``AT_ONCE`` at a
+    time: a smoke's processes run one thread each and spend much of their time importing, so on 2 cores two
+    smokes take little more wall time than one. Each test still checks its own smoke's output; the time it waits
+    is what is left of its run (pytest's durations show the waits, not each smoke's length)."""
+
+    AT_ONCE = 2
+
+    def __init__(self, commands: list[Command]) -> None:
+        self._live: set[subprocess.Popen] = set()
+        self._closed = False
+        self._pool = ThreadPoolExecutor(self.AT_ONCE, thread_name_prefix="smoke")
+        self.runs = {c[0]: self._pool.submit(self._run, c) for c in commands}
+
+    def _run(self, command: Command) -> tuple[int, str, str]:
+        if self._closed:
+            return -1, "", "not run: the module's tests ended first"
+        return _execute(command, self._live)
+
+    def close(self) -> None:
+        """Kill what still runs (an interrupted session, a test that failed before reading its smoke)."""
+        self._closed = True
+        for run in self.runs.values():
+            run.cancel()
+        for proc in list(self._live):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        self._pool.shutdown(wait=True)
+
+
+_AHEAD: Ahead | None = None
+
+
+def run_smoke(command: Command) -> str:
+    """``command``'s stdout (asserting exit 0): the run started ahead when there is one, else a run now."""
+    run = _AHEAD.runs.get(command[0]) if _AHEAD is not None else None
+    code, out, err = run.result() if run is not None else _execute(command)
+    assert code == 0, f"{' '.join(command[0])} exited {code}:\n{out[-3000:]}\n{err[-3000:]}"
+    return out
+
+
+def smoke(script: str, *args: str, timeout: float = 300) -> str:
+    """Run ``benchmarks/<script> --smoke ARGS`` from the repository root; its stdout (asserting exit 0)."""
+    return run_smoke(smoke_command(script, *args, timeout=timeout))
+
+
+# The command each subprocess smoke test runs, by test id, given its own work directory. Ahead starts them in this
+# order: the longest first, then the short ones (their tests come next), then the long ones, longest first.
+SMOKES: dict[str, Callable[[Path], Command]] = {
+    "test_gpu_bench_smoke": lambda w: smoke_command(
+        "gpu_bench.py", "--out", str(w), "--trl-venv", str(w / "no-trl-venv")
+    ),
+    "test_logprobs_bench_smoke": lambda w: smoke_command("logprobs_bench.py"),
+    "test_logprobs_bench_head_smoke": lambda w: smoke_command("logprobs_bench.py", "--head"),
+    "test_logprobs_bench_head_chunks_smoke[kept]": lambda w: smoke_command(
+        "logprobs_bench.py", "--head-chunks"
+    ),
+    "test_logprobs_bench_head_chunks_smoke[glibc-default]": lambda w: smoke_command(
+        "logprobs_bench.py", "--head-chunks", "--glibc-default"
+    ),
+    "test_sampler_report_smoke": lambda w: smoke_command("sampler_report.py"),
+    "test_step_bench_smoke": lambda w: smoke_command("step_bench.py", "--work", str(w / "work")),
+    "test_gpu_check_smoke": gpu_check_command,
+    "test_lora_bench_smoke": lambda w: smoke_command("lora_bench.py"),
+    "test_plugins_bench_smoke": lambda w: smoke_command("plugins_bench.py"),
+    "test_learning_study_smoke": lambda w: smoke_command(
+        "learning_study.py", "--work", str(w), "--venv", str(ROOT / ".trl-venv"), timeout=900
+    ),
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ahead(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Starts the selected tests' smokes (Ahead); the directory their work directories are in."""
+    global _AHEAD
+    base = tmp_path_factory.mktemp("smokes")
+    names = [i.name for i in request.session.items if getattr(i, "module", None) is request.module]
+    _AHEAD = Ahead([command(base / n) for n, command in SMOKES.items() if n in names])
+    try:
+        yield base
+    finally:
+        _AHEAD.close()
+        _AHEAD = None
+
+
+@pytest.fixture
+def smoke_out(request: pytest.FixtureRequest, ahead: Path) -> str:
+    """This test's smoke's stdout (SMOKES), asserting exit 0."""
+    return run_smoke(SMOKES[request.node.name](ahead / request.node.name))
 
 
 def smoke_here(capsys: pytest.CaptureFixture[str], script: str, *args: str) -> str:
@@ -124,10 +249,10 @@ def test_gpu_busy_time_by_category() -> None:
     assert kernel_category("void gemv2T_kernel", []) == "other"  # no launching op: not attributed
 
 
-def test_gpu_bench_smoke(tmp_path: Path) -> None:
+def test_gpu_bench_smoke(smoke_out: str) -> None:
     """All 17 cases on CPU: each run row has step time, tokens/s, TFLOP/s and host ops per step; the GPU
     columns say n/a; Qwen3 under hybrid_parallel is skipped with the config check's reason."""
-    out = smoke("gpu_bench.py", "--out", str(tmp_path), "--trl-venv", str(tmp_path / "no-trl-venv"))
+    out = smoke_out
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("case ") and "host_ops" in line)
     titles = lines[header].split()
@@ -174,8 +299,8 @@ def test_gpu_bench_smoke(tmp_path: Path) -> None:
     assert "TRL" in rows and "skipped:" in rows["TRL"], rows.get("TRL")
 
 
-def test_logprobs_bench_smoke() -> None:
-    out = smoke("logprobs_bench.py")
+def test_logprobs_bench_smoke(smoke_out: str) -> None:
+    out = smoke_out
     rows = [line for line in out.splitlines() if line.startswith("realistic ")]
     assert len(rows) == 2, out
     for row in rows:
@@ -184,8 +309,8 @@ def test_logprobs_bench_smoke() -> None:
         assert math.isfinite(extra_mib), row
 
 
-def test_logprobs_bench_head_smoke() -> None:
-    out = smoke("logprobs_bench.py", "--head")
+def test_logprobs_bench_head_smoke(smoke_out: str) -> None:
+    out = smoke_out
     for variant in ("logits", "chunked"):
         line = next(line for line in out.splitlines() if line.startswith(variant + " "))
         positive_finite(numbers(line), line)
@@ -194,10 +319,10 @@ def test_logprobs_bench_head_smoke() -> None:
 
 
 @pytest.mark.parametrize("malloc", ["kept", "glibc-default"])
-def test_logprobs_bench_head_chunks_smoke(malloc: str) -> None:
+def test_logprobs_bench_head_chunks_smoke(malloc: str, smoke_out: str) -> None:
     """Each block size's head times, with freed memory kept as train keeps it (coati_kto.runtime.host_memory) or
     under glibc's default settings (--glibc-default, what had set the old 2 MiB blocks)."""
-    out = smoke("logprobs_bench.py", "--head-chunks", *(["--glibc-default"] if malloc != "kept" else []))
+    out = smoke_out  # --head-chunks, with --glibc-default for glibc-default
     rows = [line for line in out.splitlines() if line.split()[1:2] == ["MiB"]]
     assert [row.split()[0] for row in rows] == ["1", "2", "4", "8", "16", "32"], out
     header = out.splitlines()[0]
@@ -237,8 +362,8 @@ def test_prepare_bench_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     positive_finite([float(g.replace(",", "")) for g in m.groups()], "prepare cold build")
 
 
-def test_sampler_report_smoke() -> None:
-    out = smoke("sampler_report.py")
+def test_sampler_report_smoke(smoke_out: str) -> None:
+    out = smoke_out
     rows = [line for line in out.splitlines() if re.match(r"\s*\d+\s+\d+\s+\d+\s+\d+\s+[\d.]+%$", line)]
     assert len(rows) == 6, out
     for row in rows:
@@ -246,8 +371,8 @@ def test_sampler_report_smoke() -> None:
 
 
 @pytest.mark.slow
-def test_lora_bench_smoke() -> None:
-    out = smoke("lora_bench.py")
+def test_lora_bench_smoke(smoke_out: str) -> None:
+    out = smoke_out
     for mode in ("full", "lora"):
         line = next(line for line in out.splitlines() if line.strip().startswith(mode + ":"))
         positive_finite(numbers(line), line)
@@ -255,8 +380,8 @@ def test_lora_bench_smoke() -> None:
 
 
 @pytest.mark.slow
-def test_plugins_bench_smoke() -> None:
-    out = smoke("plugins_bench.py")
+def test_plugins_bench_smoke(smoke_out: str) -> None:
+    out = smoke_out
     line = next(line for line in out.splitlines() if line.startswith("| hybrid zero2 bf16"))
     assert "failed" not in line, line
     cells = [c.strip() for c in line.strip("|").split("|")[1:]]
@@ -274,8 +399,8 @@ def test_ddp_unused_bench_smoke(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.slow
-def test_step_bench_smoke(tmp_path: Path) -> None:
-    out = smoke("step_bench.py", "--work", str(tmp_path / "work"))
+def test_step_bench_smoke(smoke_out: str) -> None:
+    out = smoke_out
     lines = out.splitlines()
     for run in ("online", "cached"):
         line = next(line for line in lines if line.split()[:1] == [run])
@@ -341,10 +466,10 @@ def test_flop_counter_counts_gemms_and_cpu_attention() -> None:
 
 
 @pytest.mark.slow
-def test_learning_study_smoke(tmp_path: Path) -> None:
+def test_learning_study_smoke(smoke_out: str) -> None:
     """One seed of one task: the SFT base, coati-kto (and TRL when its venv exists), the held-out gains."""
     venv = ROOT / ".trl-venv"
-    out = smoke("learning_study.py", "--work", str(tmp_path), "--venv", str(venv), timeout=900)
+    out = smoke_out
     rows = {line.split()[2]: line for line in out.splitlines() if line.split()[:2] == ["after/chatml", "0"]}
     expected = {"coati-kto", "TRL"} if (venv / "coati-bench-spec.txt").exists() else {"coati-kto"}
     assert set(rows) == expected, out
@@ -376,25 +501,10 @@ def test_padding_bench_smoke(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.slow
-def test_gpu_check_smoke(tmp_path: Path) -> None:
+def test_gpu_check_smoke(smoke_out: str) -> None:
     """`make gpu-check`'s plumbing without CUDA (benchmarks/gpu_check.sh -> "gpu_check.py"): every `gpu` test is
     listed as skipped, then the short bench's cases with a finite step time; one table."""
-    env = {
-        **os.environ,
-        "GPU_CHECK_PYTHON": sys.executable,
-        "OMP_NUM_THREADS": "1",
-        "PYTHONWARNINGS": "ignore",
-    }
-    proc = subprocess.run(
-        ["bash", str(BENCH / "gpu_check.sh"), "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=str(ROOT),
-        timeout=900,
-    )
-    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    lines = proc.stdout.splitlines()
+    lines = smoke_out.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("gpu-check on CPU"))
     bench = next(i for i, line in enumerate(lines) if line.startswith("bench case"))
     tests = {line.split()[0]: line.split()[1] for line in lines[start + 2 : bench]}
