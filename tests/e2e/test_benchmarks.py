@@ -513,6 +513,8 @@ def test_gpu_check_smoke(smoke_out: str) -> None:
     assert lifecycle | {"test_gradient_norm_is_the_same_on_every_plugin[cuda]", rotary} <= set(tests), tests
     assert set(tests.values()) == {"skipped"}, tests  # no CUDA: the gpu tests skip, none fails
     cases = {line.split()[0]: line.split()[1:] for line in lines[bench + 1 :] if line.startswith("llama/")}
+    # its two cases by their whole names (gpu_bench --cases): not the compiled and padding-free ones they prefix
+    assert set(cases) == {"llama/tool_use/online/hybrid_z2", "llama/tool_use/cached/hybrid_z2"}, cases
     for name in ("llama/tool_use/online/hybrid_z2", "llama/tool_use/cached/hybrid_z2"):
         step_s, mfu, syncs, kernels = cases[name]
         positive_finite([float(step_s)], name)
