@@ -171,16 +171,21 @@ class FreshState:
         warnings.filters[:] = self.warnings_filters
         warnings.showwarning = self.showwarning
         warnings._filters_mutated()  # "once" and "default" warnings show again, as in a new process
-        random.seed()
-        np.random.seed()
 
     def _restore_torch(self) -> None:
-        torch.seed()
+        reseed()
         for value, setter in self.flags.values():
             setter(value)
         torch.set_default_device(None)
         torch.set_num_threads(1)
         torch.set_flush_denormal(False)
+
+
+def reseed() -> None:
+    """Python's, numpy's and torch's RNGs seeded from the OS, as a new process starts them."""
+    random.seed()
+    np.random.seed()
+    torch.seed()
 
 
 def _flush() -> None:

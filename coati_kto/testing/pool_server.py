@@ -1,0 +1,23 @@
+"""What the worker pool's fork server imports once (coati_kto.testing.worker_pool): the project's ColossalAI
+patches first, then the modules named in ``COATI_KTO_POOL_PRELOAD`` (``pkg.*``: every submodule), in the order a
+rank imports them. Every rank forked from the server starts with them loaded.
+
+No process group and no launcher variables here: the ranks join their group after the fork.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import torch
+
+from coati_kto.parallel import upstream
+from coati_kto.testing.worker_pool import PRELOAD_ENV, _preload
+
+torch.set_num_threads(1)
+# The patches before any preloaded module binds a patched function by name, as in a rank (init_distributed).
+upstream.apply()
+_preload([name for name in os.environ.get(PRELOAD_ENV, "").split(",") if name])
+gc.collect()
+gc.freeze()  # the imports' objects stay in shared pages in every forked rank, untouched by its collections
