@@ -31,7 +31,6 @@ launch real processes.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import sys
 import tempfile
@@ -47,6 +46,8 @@ from torch.distributed import distributed_c10d as c10d
 
 from coati_kto.parallel.distributed import free_port
 from coati_kto.testing.distributed import run_distributed
+from coati_kto.testing.isolation import flush_output
+from coati_kto.testing.worker_pool import environ
 
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # Prefixes of variables libraries read once, at import (a pooled rank imported them already).
@@ -121,27 +122,11 @@ def run_cli(
     at_call = {k: v for k, v in env.items() if k not in at_import}
     port = free_port() if world_size > 1 else None
     where = os.fspath(cwd) if cwd is not None else None
-    with _environ(at_import):
+    with environ(at_import):
         results = run_distributed(
             _cli_task, world_size, args, at_call, where, port, merge_stderr, command, timeout_s=timeout_s
         )
     return CliResult(tuple(results))
-
-
-@contextlib.contextmanager
-def _environ(changes: Mapping[str, str | None]) -> Iterator[None]:
-    """``os.environ`` with ``changes`` (None: removed) inside, as it was after."""
-    saved = dict(os.environ)
-    for name, value in changes.items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def _command_env(changes: Mapping[str, str | None], port: int | None) -> dict[str, str | None]:
@@ -169,7 +154,7 @@ def _cli_task(
     command_env = _command_env(env, port)
     group = _set_aside()
     try:
-        with _environ(command_env):
+        with environ(command_env):
             if cwd is not None:
                 os.chdir(cwd)
             sys.argv = [str(Path(coati_kto.__file__).with_name("__main__.py")), *argv]
@@ -212,7 +197,7 @@ def _captured(merge: bool) -> Iterator[dict[str, str]]:
     ``stdout``)."""
     out: dict[str, str] = {"stdout": "", "stderr": ""}
     with tempfile.TemporaryFile() as stdout, tempfile.TemporaryFile() as stderr:
-        _flush()
+        flush_output()
         saved = os.dup(1), os.dup(2)
         line_buffering = getattr(sys.stdout, "line_buffering", False)
         try:
@@ -222,7 +207,7 @@ def _captured(merge: bool) -> Iterator[dict[str, str]]:
                 sys.stdout.reconfigure(line_buffering=False)
             yield out
         finally:
-            _flush()
+            flush_output()
             with contextlib.suppress(Exception):
                 sys.stdout.reconfigure(line_buffering=line_buffering)
             os.dup2(saved[0], 1)
@@ -232,15 +217,6 @@ def _captured(merge: bool) -> Iterator[dict[str, str]]:
         for name, file in (("stdout", stdout), ("stderr", stderr)):
             file.seek(0)
             out[name] = file.read().decode("utf-8", errors="replace")
-
-
-def _flush() -> None:
-    """Python's buffers and C stdio's (a library's printf) out to the fds."""
-    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None).fflush(None)
 
 
 # torch's registry of process groups (distributed_c10d): what destroy_process_group(WORLD) empties.

@@ -25,7 +25,7 @@ import torch
 import torch.multiprocessing as mp
 
 from coati_kto.parallel.distributed import free_port, init_distributed
-from coati_kto.testing.worker_pool import WorkerPool, next_result, rank_env
+from coati_kto.testing.worker_pool import WorkerPool, environ, next_result, rank_env
 
 # Variables that differ between calls without changing how a rank starts: pytest's current test, the runner's own
 # GPU hiding, and those libraries set in os.environ as they are imported or run (inductor's cache directory and
@@ -192,15 +192,9 @@ def _run_fresh(fn: Callable, world_size: int, args: tuple, timeout_s: float, dev
         ctx.Process(target=_worker, args=(rank, world_size, port, fn, args, results, device), daemon=False)
         for rank in range(world_size)
     ]
-    saved = dict(os.environ)
-    if device != "cuda":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # spawned children copy the environment at start()
-    try:
+    with environ({"CUDA_VISIBLE_DEVICES": ""} if device != "cuda" else {}):  # children copy it at start()
         for p in procs:
             p.start()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
     outputs: dict[int, Any] = {}
     finished = False
     try:

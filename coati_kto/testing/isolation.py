@@ -131,7 +131,7 @@ class FreshState:
 
     def restore(self) -> None:
         """Put the process back as ``take`` found it (what a later task could see); every rank after each task."""
-        _flush()
+        flush_output()
         sys.stdout, sys.stderr = self.streams
         os.umask(self.umask)
         self._restore_python()
@@ -188,10 +188,14 @@ def reseed() -> None:
     torch.seed()
 
 
-def _flush() -> None:
-    for stream in (sys.stdout, sys.stderr):
+def flush_output() -> None:
+    """Python's buffers and C stdio's (a library's printf) out to the file descriptors."""
+    for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
         with contextlib.suppress(Exception):
             stream.flush()
+    libc = _libc()
+    if libc is not None:
+        libc.fflush(None)
 
 
 def _destroy_subgroups() -> None:

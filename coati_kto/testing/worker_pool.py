@@ -22,7 +22,7 @@ import queue
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -53,6 +53,26 @@ def rank_env(env: dict[str, str], rank: int, world_size: int, port: int, cpu: bo
         "MASTER_PORT": str(port),
         **gpus,
     }
+
+
+@contextlib.contextmanager
+def environ(changes: Mapping[str, str | None], whole: Mapping[str, str] | None = None) -> Iterator[None]:
+    """``os.environ`` inside: ``whole`` in place of it (when given), then ``changes`` (None: removed); as it was
+    after. Children started inside copy it."""
+    saved = dict(os.environ)
+    if whole is not None:
+        os.environ.clear()
+        os.environ.update(whole)
+    for name, value in changes.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def next_result(
@@ -91,11 +111,8 @@ class WorkerPool:
         self._tasks = [ctx.SimpleQueue() for _ in range(world_size)]
         self._port = free_port()
         self._ids = itertools.count()
-        saved = dict(os.environ)
-        os.environ.clear()
         # The fork server copies the environment when it starts (at the first pool's start), its ranks inherit it.
-        os.environ.update(env, CUDA_VISIBLE_DEVICES="", **{PRELOAD_ENV: ",".join(preload)})
-        try:
+        with environ({"CUDA_VISIBLE_DEVICES": "", PRELOAD_ENV: ",".join(preload)}, whole=env):
             self._procs = [
                 ctx.Process(
                     target=serve,
@@ -105,9 +122,6 @@ class WorkerPool:
             ]
             for p in self._procs:
                 p.start()
-        finally:
-            os.environ.clear()
-            os.environ.update(saved)
         self.alive = True
         ready = self._collect(READY, STARTUP_TIMEOUT_S)
         self.pids = [pid for pid, _ in ready]
