@@ -203,7 +203,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     _check_smoke_found(smoke, items, tests_dir, config.args)
     if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects, and must collect the same order
         rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-        items.sort(key=lambda item: rank.get(_relative(item, tests_dir), len(rank)))  # stable: files stay whole
+        items.sort(
+            key=lambda item: rank.get(_relative(item, tests_dir), len(rank))
+        )  # stable: files stay whole
 
 
 def _relative(item: pytest.Item, tests_dir: Path) -> str:
@@ -214,7 +216,9 @@ def _check_smoke_found(missing: set[str], items: list[pytest.Item], tests_dir: P
     """A SMOKE entry whose file was collected whole but which matched no test (renamed, reparametrized) is an
     error, not a smoke set that silently shrinks. A file named with ``::`` on the command line is not whole."""
     narrowed = {Path(a.partition("::")[0]).resolve() for a in args if "::" in a}
-    collected = {_relative(item, tests_dir) for item in items if Path(str(item.fspath)).resolve() not in narrowed}
+    collected = {
+        _relative(item, tests_dir) for item in items if Path(str(item.fspath)).resolve() not in narrowed
+    }
     lost = sorted(name for name in missing if name.partition("::")[0] in collected)
     if lost:
         raise pytest.UsageError(f"tests/conftest.py SMOKE names tests that do not exist: {', '.join(lost)}")
