@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import CORPUS
@@ -35,9 +37,20 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    from coati_kto.testing.distributed import shutdown_pool
+    from coati_kto.testing.distributed import pool_stats, shutdown_pool
 
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: its counts go to the controller's summary
+        session.config.workeroutput["run_distributed_calls"] = pool_stats()
     shutdown_pool()
+
+
+_WORKER_CALLS: Counter[str] = Counter()
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: object) -> None:
+    """The xdist controller: a worker ended; add its run_distributed counts to the summary."""
+    _WORKER_CALLS.update(getattr(node, "workeroutput", {}).get("run_distributed_calls", {}))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -56,7 +69,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     from coati_kto.testing.distributed import pool_stats
 
-    calls = pool_stats()
+    calls = _WORKER_CALLS + Counter(pool_stats())
     if calls:
         terminalreporter.write_line(
             "run_distributed calls: " + ", ".join(f"{n} {where}" for where, n in sorted(calls.items()))
