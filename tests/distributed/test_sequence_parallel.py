@@ -1,0 +1,281 @@
+"""Sequence parallelism's building blocks (coati_kto.parallel.sequence), on 2 real gloo processes: the all_to_all
+and the sum as autograd ops (fp64, against autograd on the whole tensor in one process), and the attention wrapper
+in a tiny Llama (fp32: each rank fed its half of packed rows equals one process fed the whole rows).
+
+One launch per group of checks (the suite's time budget): ``_ops_worker`` and ``_attention_worker`` run every
+case and return numbers; the tests read them from a module-scoped fixture.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from coati_kto.testing.distributed import run_distributed
+
+SP = 2
+# (kernel, activation checkpointing)
+ATTENTION_CASES = (("eager", False), ("sdpa", False), ("sdpa", True))
+
+
+def _slice(length: int, rank: int) -> slice:
+    step = length // SP
+    return slice(rank * step, (rank + 1) * step)
+
+
+def _round_trips(group: Any, rank: int) -> dict[str, bool]:
+    """all_to_all_single through the module's exchange: [B, H, S/sp, D] -> [B, H/sp, S, D] must hold exactly the
+    whole tensor's rank-th head slice, and the inverse exchange must give back the input, bit for bit."""
+    from coati_kto.parallel.sequence import _all_to_all
+
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float64, torch.int64):
+        whole = (torch.randn(2, 4, 6, 3, generator=torch.Generator().manual_seed(1)) * 100).to(dtype)
+        local = whole[:, :, _slice(6, rank)]  # not contiguous: the op must not rely on it
+        there = _all_to_all(local, group, scatter_dim=1, gather_dim=2)
+        back = _all_to_all(there, group, scatter_dim=2, gather_dim=1)
+        out[str(dtype)] = torch.equal(there, whole[:, _slice(4, rank)]) and torch.equal(back, local)
+    return out
+
+
+def _mixing(q: torch.Tensor, w: torch.Tensor, c: torch.Tensor, exchange: Any, total: Any) -> tuple[Any, ...]:
+    """q [B, H, S, D] -> per-row sums [B] through an op that mixes along the sequence per head (a softmax over S,
+    as attention does), then a loss nonlinear in the summed rows. ``exchange``/``total``: identity in the
+    reference, the sp ops on a rank (q and w then hold the rank's slice)."""
+    heads = exchange(q, 1, 2)  # [B, H/sp, S, D]
+    mixed = torch.softmax(heads, dim=2) * heads.tanh()
+    back = exchange(mixed.transpose(1, 2), 1, 2)  # [B, S/sp, H, D]
+    rows = total((back * w).sum((1, 2, 3)))
+    return back, rows, (rows.square() * c).sum()
+
+
+def _ops_worker() -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from coati_kto.parallel.sequence import sp_all_to_all, sp_sum
+
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1])  # a group of its own: the ops must use the one given, not the default
+    out: dict[str, Any] = {"round_trip": _round_trips(group, rank)}
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 4, 6, 3, generator=gen, dtype=torch.float64)
+    w = torch.randn(2, 6, 4, 3, generator=gen, dtype=torch.float64)
+    c = torch.randn(2, generator=gen, dtype=torch.float64)
+    whole = q.clone().requires_grad_()
+    ref_back, ref_rows, ref_loss = _mixing(whole, w, c, lambda t, s, g: t, lambda t: t)
+    ref_loss.backward()
+    own = _slice(6, rank)
+    for scale in (1.0, 2.0):
+        local = q[:, :, own].clone().requires_grad_()
+        back, rows, loss = _mixing(
+            local,
+            w[:, own],
+            c,
+            lambda t, s, g: sp_all_to_all(t, group, scatter_dim=s, gather_dim=g),
+            lambda t, scale=scale: sp_sum(t, group, grad_scale=scale),
+        )
+        loss.backward()
+        out[scale] = {
+            "output": (back - ref_back[:, own]).abs().max().item(),
+            "rows": (rows - ref_rows).abs().max().item(),
+            "loss": (loss - ref_loss).abs().item(),
+            "grad": (local.grad - scale * whole.grad[:, :, own]).abs().max().item(),
+            "grad_size": whole.grad[:, :, own].abs().max().item(),
+        }
+    return out
+
+
+def _packed_rows() -> Any:
+    """Packed pairs-layout rows (bins) of three KTO rows, two of them sharing their prompt with the KL pair:
+    [R=2, 26], row 1 holding two documents (columns 0-11 and 12-22) and padding. Widened from 25 columns to a
+    multiple of sp with the project's padding columns (the pad path runs)."""
+    from coati_kto.data.collator import KTOCollator
+    from coati_kto.data.packed import plan_rows
+    from coati_kto.models.packing import _pad_columns
+
+    gen = torch.Generator().manual_seed(3)
+    ids = lambda n: torch.randint(3, 200, (n,), generator=gen).tolist()  # noqa: E731
+    prompts = [ids(5), ids(3), ids(7)]
+    features = [
+        {
+            "input_ids": prompt + ids(4 + i),
+            "completion_start": len(prompt),
+            "label": bool(i % 2),
+            "kl_input_ids": (prompt if i < 2 else ids(2)) + ids(10 if i == 2 else 3),
+            "kl_completion_start": len(prompt) if i < 2 else 2,
+        }
+        for i, prompt in enumerate(prompts)
+    ]
+    batch = KTOCollator(0)(features)
+    rows = plan_rows(batch.example, batch.kl, "bins")
+    assert rows.input_ids.shape[1] % SP == 1  # the pad path
+    return _pad_columns(rows, SP)
+
+
+def _tiny_llama(**config: Any) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from coati_kto.testing.tiny import random_causal_lm
+
+    # 4 query heads over 2 key-value heads by default: grouped-query attention split over sp.
+    return random_causal_lm(LlamaForCausalLM, LlamaConfig, seed=0, **config).float()
+
+
+def _hidden_and_grads(model: Any, inputs: dict, weight: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """Last hidden states of ``model.model`` and the parameters' gradients of sum(hidden * weight)."""
+    model.zero_grad()
+    hidden = model.model(**inputs, use_cache=False).last_hidden_state
+    (hidden * weight).sum().backward()
+    return hidden.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _one_case(model: Any, rows: Any, mask: torch.Tensor, group: Any, kernel: str) -> dict[str, Any]:
+    """sp=1 (this process, whole rows) against sp=2 (each rank its columns), hidden states and gradients."""
+    import torch.distributed as dist
+
+    from coati_kto.parallel.sequence import SEQUENCE_GROUP, sp_attention_name
+
+    rank, length = dist.get_rank(), rows.input_ids.shape[1]
+    weight = torch.randn(*rows.input_ids.shape, 32, generator=torch.Generator().manual_seed(4))
+    model.config._attn_implementation = kernel
+    whole = {"input_ids": rows.input_ids, "position_ids": rows.position_ids, "attention_mask": mask}
+    ref_hidden, ref_grads = _hidden_and_grads(model, whole, weight)
+    own = _slice(length, rank)
+    local = {
+        "input_ids": rows.input_ids[:, own],
+        "position_ids": rows.position_ids[:, own],
+        "attention_mask": mask,
+    }
+    model.config._attn_implementation = sp_attention_name(kernel)
+    exchanges = []
+    single = dist.all_to_all_single
+    dist.all_to_all_single = lambda *a, **k: exchanges.append(1) or single(*a, **k)  # count the exchanges
+    try:
+        with SEQUENCE_GROUP.using(group):
+            hidden, grads = _hidden_and_grads(model, local, weight[:, own])
+    finally:
+        dist.all_to_all_single = single
+        model.config._attn_implementation = kernel
+    parts = [torch.empty_like(hidden) for _ in range(SP)]
+    dist.all_gather(parts, hidden, group=group)
+    for grad in grads.values():
+        dist.all_reduce(grad, group=group)  # each rank's gradient covers its own tokens: the sum is sp=1's
+    return {
+        "hidden": (torch.cat(parts, dim=1) - ref_hidden).abs().max().item(),
+        "hidden_size": ref_hidden.abs().max().item(),
+        "grad": max((grads[n] - g).abs().max().item() for n, g in ref_grads.items()),
+        "grad_size": max(g.abs().max().item() for g in ref_grads.values()),
+        # per parameter, its largest difference over its largest gradient entry
+        "grad_relative": max(
+            ((grads[n] - g).abs().max() / g.abs().max()).item() for n, g in ref_grads.items()
+        ),
+        "params": sorted(grads) == sorted(ref_grads),
+        "exchanges": len(exchanges),
+    }
+
+
+def _refusal(model: Any, inputs: dict, group: Any) -> str:
+    """The ValueError's message of an sp forward (every rank raises it, before any exchange)."""
+    from coati_kto.parallel.sequence import SEQUENCE_GROUP, sp_attention_name
+
+    model.config._attn_implementation = sp_attention_name("sdpa")
+    try:
+        with SEQUENCE_GROUP.using(group), torch.no_grad():
+            model.model(**inputs, use_cache=False)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def _attention_worker() -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from coati_kto.models.packing import _additive_mask
+
+    rank = dist.get_rank()
+    group = dist.new_group([0, 1])
+    rows = _packed_rows()
+    mask = _additive_mask(rows, None, torch.float32)
+    out: dict[str, Any] = {"shape": tuple(rows.input_ids.shape)}
+    for kernel, checkpointing in ATTENTION_CASES:
+        model = _tiny_llama()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.train()  # transformers recomputes only in training mode (dropout is 0)
+        out[(kernel, checkpointing)] = _one_case(model, rows, mask, group, kernel)
+    own = _slice(rows.input_ids.shape[1], rank)
+    local = {"input_ids": rows.input_ids[:, own], "position_ids": rows.position_ids[:, own]}
+    out["one kv head"] = _refusal(
+        _tiny_llama(num_key_value_heads=1), {**local, "attention_mask": mask}, group
+    )
+    out["no mask"] = _refusal(_tiny_llama(), {**local, "attention_mask": None}, group)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ops() -> list[dict[str, Any]]:
+    return run_distributed(_ops_worker, SP)
+
+
+@pytest.fixture(scope="module")
+def attention() -> list[dict[str, Any]]:
+    return run_distributed(_attention_worker, SP)
+
+
+def test_all_to_all_single_round_trip_is_exact_on_gloo(ops) -> None:
+    """What the ops rely on: gloo's all_to_all_single with equal splits moves every dtype the model uses, bit
+    for bit (the probe's other collectives: docs/sequence_parallelism_plan.md §5 step 1)."""
+    for result in ops:
+        assert result["round_trip"] == {
+            "torch.float32": True,
+            "torch.bfloat16": True,
+            "torch.float64": True,
+            "torch.int64": True,
+        }
+
+
+@pytest.mark.parametrize("scale", [1.0, 2.0])
+def test_sp_ops_match_one_process_autograd_fp64(ops, scale) -> None:
+    """sp_all_to_all there and back around a sequence-mixing op, then sp_sum: forward values equal the whole
+    tensor's, and each rank's input gradient is its slice of the one-process gradient times ``grad_scale``."""
+    for result in ops:
+        numbers = result[scale]
+        assert numbers["output"] <= 1e-15  # the exchange moves values; the op on them is the same (0.0 here)
+        assert numbers["rows"] < 1e-12 and numbers["loss"] < 1e-12  # the sum's order differs
+        assert numbers["grad_size"] > 0.1  # a gradient worth comparing
+        assert numbers["grad"] < 1e-12
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: f"{c[0]}{'-checkpointing' if c[1] else ''}")
+def test_sp_attention_equals_one_process_tiny_llama(attention, case) -> None:
+    """Packed rows, each rank fed its half of the columns with the whole row's 4D mask: the gathered last hidden
+    states equal one process's on the whole rows (fp32, 1e-6), and the parameters' gradients of a fixed linear
+    function of them, summed over the ranks, equal one process's (1e-5 of each parameter's largest entry). With
+    the received chunks joined in the wrong order (sequence interleaved) the hidden states differ by 3.5."""
+    kernel, checkpointing = case
+    for result in attention:
+        numbers = result[case]
+        assert result["shape"] == (2, 26)
+        assert numbers["hidden_size"] > 1.0 and numbers["grad_size"] > 1.0
+        assert numbers["hidden"] < 1e-6  # 0.0 here: the exchange moves values, the kernels see sp=1's q/k/v
+        # Each rank's gradient covers its own tokens, summed in another order: fp32 rounding of the largest
+        # entries (the embedding's and norms' ~265: 3.4e-5 absolute, 3.3e-7 of the parameter's largest entry).
+        assert numbers["grad_relative"] < 1e-5
+        assert numbers["params"]  # every parameter got a gradient in both
+        # q, k, v and the output per layer (2 layers), forward and backward; recompute replays the forward's.
+        assert numbers["exchanges"] == 8 * (3 if checkpointing else 2)
+
+
+def test_sp_attention_refuses_heads_sp_does_not_divide_and_a_missing_mask(attention) -> None:
+    for result in attention:
+        assert result["one kv head"] == (
+            "LlamaAttention: all_to_all sequence parallelism splits the attention heads over sp_size=2 ranks: "
+            "num_attention_heads (4) and num_key_value_heads (1) per tensor-parallel rank must both be multiples "
+            "of it"
+        )
+        assert result["no mask"] == (
+            "sequence-parallel attention needs the whole row's 4D mask [B, 1, 26, 26] (the caller builds it: a 2D "
+            "mask or none would be rebuilt at the slice's length), got NoneType"
+        )
