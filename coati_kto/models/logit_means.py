@@ -52,6 +52,11 @@ def recording(recorder: LogitMeans | None) -> Iterator[LogitMeans | None]:
         _ACTIVE[0] = before
 
 
+def active_recorder() -> LogitMeans | None:
+    """The recorder passes add to now (:func:`recording`'s), or None."""
+    return _ACTIVE[0]
+
+
 def sum_per_row(
     values: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, shape: tuple[int, int]
 ) -> torch.Tensor:

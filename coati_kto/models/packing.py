@@ -225,28 +225,34 @@ def packed_logps(
         hidden = head.capture(model, **inputs)
     else:  # the real vocabulary only (coati_kto.models.lm_head.model_sequence_logps says why)
         logits = model(**inputs).logits[..., : text_vocab_size(config)]
+    states = hidden if head is not None else logits
     grid = (batch_size, rows.input_ids.shape[1])
-
-    def score(targets: Targets | None, detach: bool) -> torch.Tensor | None:
-        if targets is None:
-            return None
-        if head is None:
-            source = logits.detach() if detach else logits
-            token_logps = logits_token_logps(source, targets.rows, targets.cols, targets.ids)
-            record_logits(source, (targets.rows, targets.cols), targets.owner, grid)  # if recording
-            return sum_per_row(token_logps, targets.owner, targets.cols, grid)
-        h, w, b = hidden[targets.rows, targets.cols], head.weight, head.bias
-        if detach:
-            h, w, b = h.detach(), w.detach(), None if b is None else b.detach()
-        record_head(h, w, b, targets.owner, targets.cols, grid)  # the trainer's logits/ metrics, if recording
-        token_logps = head_token_logps(h, w, b, targets.ids, compiled=head.compiled)
-        return sum_per_row(token_logps, targets.owner, targets.cols, grid)
-
-    example = score(rows.example, detach=False)
+    example = score_targets(head, states, rows.example, grid, detach=False)
     # KTO's reference point is a constant: the KL pair's log-probs never carry gradient (nor logits/ metrics).
     with torch.no_grad(), recording(None):
-        kl = score(rows.kl, detach=True)
+        kl = score_targets(head, states, rows.kl, grid, detach=True)
     return example, kl
+
+
+def score_targets(
+    head: LMHead | None, states: torch.Tensor, targets: Targets | None, grid: tuple[int, int], detach: bool
+) -> torch.Tensor | None:
+    """Per-row log-prob sums [B] fp32 of ``targets`` (None: None) over a [B, L] ``grid``: through ``head`` from
+    the hidden states [R, L, H] it captured, or with ``head`` None from the logits [R, L, V]; ``detach``: no
+    gradient (the KL pair's). Adds the logit means to the active recorder (``recording``)."""
+    if targets is None:
+        return None
+    if head is None:
+        source = states.detach() if detach else states
+        token_logps = logits_token_logps(source, targets.rows, targets.cols, targets.ids)
+        record_logits(source, (targets.rows, targets.cols), targets.owner, grid)  # if recording
+        return sum_per_row(token_logps, targets.owner, targets.cols, grid)
+    h, w, b = states[targets.rows, targets.cols], head.weight, head.bias
+    if detach:
+        h, w, b = h.detach(), w.detach(), None if b is None else b.detach()
+    record_head(h, w, b, targets.owner, targets.cols, grid)  # the trainer's logits/ metrics, if recording
+    token_logps = head_token_logps(h, w, b, targets.ids, compiled=head.compiled)
+    return sum_per_row(token_logps, targets.owner, targets.cols, grid)
 
 
 def pair_logps(model: Any, batch: KTOBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -18,6 +18,9 @@ from coati_kto.testing.distributed import run_distributed
 SP = 2
 # (kernel, activation checkpointing)
 ATTENTION_CASES = (("eager", False), ("sdpa", False), ("sdpa", True))
+# (kernel, chunked head: else the model's logits)
+LOGPS_CASES = (("sdpa", True), ("sdpa", False), ("eager", True))
+LOGPS_BATCH = 3  # KTO rows in _packed_rows
 
 
 def _slice(length: int, rank: int) -> slice:
@@ -87,10 +90,11 @@ def _ops_worker() -> dict[str, Any]:
     return out
 
 
-def _packed_rows() -> Any:
+def _packed_rows(pad: bool = True, longer: int = 0) -> Any:
     """Packed pairs-layout rows (bins) of three KTO rows, two of them sharing their prompt with the KL pair:
     [R=2, 26], row 1 holding two documents (columns 0-11 and 12-22) and padding. Widened from 25 columns to a
-    multiple of sp with the project's padding columns (the pad path runs)."""
+    multiple of sp with the project's padding columns (the pad path runs); ``pad`` False: the 25 columns. ``longer``: completions that many tokens longer ([3, 31]
+    unpadded at 6)."""
     from coati_kto.data.collator import KTOCollator
     from coati_kto.data.packed import plan_rows
     from coati_kto.models.packing import _pad_columns
@@ -100,7 +104,7 @@ def _packed_rows() -> Any:
     prompts = [ids(5), ids(3), ids(7)]
     features = [
         {
-            "input_ids": prompt + ids(4 + i),
+            "input_ids": prompt + ids(4 + i + longer),
             "completion_start": len(prompt),
             "label": bool(i % 2),
             "kl_input_ids": (prompt if i < 2 else ids(2)) + ids(10 if i == 2 else 3),
@@ -111,7 +115,7 @@ def _packed_rows() -> Any:
     batch = KTOCollator(0)(features)
     rows = plan_rows(batch.example, batch.kl, "bins")
     assert rows.input_ids.shape[1] % SP == 1  # the pad path
-    return _pad_columns(rows, SP)
+    return _pad_columns(rows, SP) if pad else rows
 
 
 def _tiny_llama(**config: Any) -> Any:
@@ -211,6 +215,95 @@ def _attention_worker() -> dict[str, Any]:
         _tiny_llama(num_key_value_heads=1), {**local, "attention_mask": mask}, group
     )
     out["no mask"] = _refusal(_tiny_llama(), {**local, "attention_mask": None}, group)
+    out.update(_logps_checks(group, rank))  # plan step 5, in this launch (the suite's time budget)
+    return out
+
+
+def _relative(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest |got - ref| / |ref| over the entries (per-row log-prob sums: none is near 0)."""
+    return ((got - ref).abs() / ref.abs()).max().item()
+
+
+def _scored(model: Any, score: Any, weights: torch.Tensor) -> tuple[Any, ...]:
+    """(example sums, KL sums, the recorder's logit-mean sums and token counts, parameter gradients) of one
+    pass, its loss ``sum(w * e + w^2 * e^2 / 100)`` of the example sums ``e`` (nonlinear: each row's weight on
+    the gradient depends on its sum)."""
+    from coati_kto.models.logit_means import LogitMeans, recording
+
+    model.zero_grad()
+    recorder = LogitMeans()
+    with recording(recorder):
+        example, kl = score()
+    (weights * example + (weights * example).square() / 100).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return example.detach(), kl, recorder.sums, recorder.tokens, grads
+
+
+def _one_logps_case(rows: Any, group: Any, rank: int, kernel: str, use_head: bool) -> dict[str, Any]:
+    """packed_logps on the whole rows (one process, sp=1) against sp_packed_logps on this rank's slice."""
+    import torch.distributed as dist
+
+    from coati_kto.models.lm_head import LMHead
+    from coati_kto.models.packing import packed_logps
+    from coati_kto.models.sequence_packing import slice_rows, sp_packed_logps
+    from coati_kto.parallel.sequence import SEQUENCE_GROUP, sp_attention_name
+
+    model = _tiny_llama()
+    head = LMHead.find(model) if use_head else None
+    weights = torch.randn(LOGPS_BATCH, generator=torch.Generator().manual_seed(5))
+    model.config._attn_implementation = kernel
+    ref = _scored(model, lambda: packed_logps(model, head, rows, LOGPS_BATCH), weights)
+    piece = slice_rows(rows, SP, rank)
+    model.config._attn_implementation = sp_attention_name(kernel)  # as the policy would install it
+    with SEQUENCE_GROUP.using(group):
+        # grad_scale 1: every rank's loss is the one sp=1 loss, so the rank gradients summed are sp=1's
+        # (grad_scale sp, as a run passes it, only multiplies that by the sp the dp x sp average divides by).
+        got = _scored(
+            model, lambda: sp_packed_logps(model, head, piece, LOGPS_BATCH, grad_scale=1.0), weights
+        )
+    for grad in got[4].values():
+        dist.all_reduce(grad, group=group)
+    return {
+        "example": _relative(got[0], ref[0]),
+        "kl": _relative(got[1], ref[1]),
+        "means": _relative(got[2], ref[2]),
+        "tokens": torch.equal(got[3], ref[3]),
+        "grad_relative": max(((got[4][n] - g).abs().max() / g.abs().max()).item() for n, g in ref[4].items()),
+        "grad_size": max(g.abs().max().item() for g in ref[4].values()),
+        "params": sorted(got[4]) == sorted(ref[4]),
+        "sizes": (ref[0].abs().min().item(), ref[1].abs().min().item()),
+    }
+
+
+def _logps_checks(group: Any, rank: int) -> dict[str, Any]:
+    """Plan step 5: the local head and the per-row reduction on pairs rows [3, 31] (longer completions; padded to
+    32 by slice_rows), where rows' documents and scored tokens straddle the split at column 16; and the refusal
+    of a model without the wrapper."""
+    from coati_kto.models.lm_head import LMHead
+    from coati_kto.models.sequence_packing import slice_rows, sp_packed_logps
+    from coati_kto.parallel.sequence import SEQUENCE_GROUP
+
+    rows = _packed_rows(pad=False, longer=6)
+    out: dict[str, Any] = {}
+    for kernel, use_head in LOGPS_CASES:
+        out[("logps", kernel, use_head)] = _one_logps_case(rows, group, rank, kernel, use_head)
+    piece = slice_rows(rows, SP, rank)
+    width = piece.stop - piece.start
+    out["whole targets"] = (len(rows.example.cols), len(rows.kl.cols))
+    # the KTO rows whose scored tokens lie on both ranks (their row sums are the group's sum), per view
+    out["straddling"] = [
+        sorted(set(t.owner[t.cols < width].tolist()) & set(t.owner[t.cols >= width].tolist()))
+        for t in (rows.example, rows.kl)
+    ]
+    out["local targets"] = (len(piece.example.cols), len(piece.kl.cols), piece.start, piece.stop)
+    model = _tiny_llama()
+    model.config._attn_implementation = "sdpa"
+    try:
+        with SEQUENCE_GROUP.using(group), torch.no_grad():
+            sp_packed_logps(model, LMHead.find(model), piece, LOGPS_BATCH, grad_scale=1.0)
+        out["unwrapped"] = "no error"
+    except ValueError as err:
+        out["unwrapped"] = str(err)
     return out
 
 
@@ -278,4 +371,40 @@ def test_sp_attention_refuses_heads_sp_does_not_divide_and_a_missing_mask(attent
         assert result["no mask"] == (
             "sequence-parallel attention needs the whole row's 4D mask [B, 1, 26, 26] (the caller builds it: a 2D "
             "mask or none would be rebuilt at the slice's length), got NoneType"
+        )
+
+
+@pytest.mark.parametrize("case", LOGPS_CASES, ids=lambda c: f"{c[0]}-{'head' if c[1] else 'logits'}")
+def test_sp_packed_logps_equal_one_process(attention, case) -> None:
+    """Plan step 5: each rank runs its half of pairs rows [3, 31] (padded to 32; documents and two rows' scored
+    tokens straddle the split), scores the targets its columns predict through the local head (or its local logits) and sums per
+    row over the group: the example and KL log-prob sums and the logit means equal one process's packed_logps
+    on the whole rows within 1e-5 relative (fp32; the summation order differs), and the parameters' gradients
+    of a nonlinear loss of the example sums, at grad_scale 1 summed over the ranks, equal sp=1's within 1e-5 of
+    each parameter's largest entry. grad_scale 1 is checked because it states the exact identity (the rank
+    gradients add up to the one loss's); a run passes sp, which the dp x sp gradient average divides back."""
+    kernel, use_head = case
+    for result in attention:
+        numbers = result[("logps", kernel, use_head)]
+        assert min(numbers["sizes"]) > 1.0 and numbers["grad_size"] > 1.0  # numbers worth comparing
+        assert numbers["example"] < 1e-5 and numbers["kl"] < 1e-5
+        assert numbers["means"] < 1e-5 and numbers["tokens"]  # the recorder's sums, also over the group
+        assert numbers["grad_relative"] < 1e-5
+        assert numbers["params"]
+
+
+def test_slice_rows_splits_targets_on_the_host_and_sp_packed_logps_refuses_without_the_wrapper(
+    attention,
+) -> None:
+    """Example 2's completion and KL pair 0's have scored tokens on both sides of column 16 (so their row sums
+    need the group's sum); every target lands on exactly one rank. Without the coati_sp| attention the slice would attend only to itself: refused."""
+    local = [result["local targets"] for result in attention]
+    assert [r[2:] for r in local] == [(0, 16), (16, 32)]
+    whole = attention[0]["whole targets"]
+    assert (local[0][0] + local[1][0], local[0][1] + local[1][1]) == whole and min(whole) > 0
+    for result in attention:
+        assert result["straddling"] == [[2], [0]]  # example 2's completion, KL pair 0's
+        assert result["unwrapped"] == (
+            "sp_packed_logps needs the sequence-parallel attention installed (config._attn_implementation "
+            "'coati_sp|<kernel>', coati_kto.parallel.sequence.sp_attention_name), got 'sdpa'"
         )

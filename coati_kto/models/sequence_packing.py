@@ -1,0 +1,125 @@
+"""Packed rows under all_to_all sequence parallelism (issue 47, docs/sequence_parallelism_plan.md §2c): each rank
+of the sp group runs the model on its slice of the columns, scores the targets its slice predicts through the
+local LM head, and one all-reduce per pass sums the per-row log-probs over the group. Not wired into a run yet.
+
+Nothing here reads a value back from the device: :func:`slice_rows` splits the targets on the host (the
+collator's side), and :func:`sp_packed_logps` only indexes, projects and reduces. The attention needs the whole
+row, which the ``coati_sp|<inner>`` wrapper (``coati_kto.parallel.sequence``) provides: the mask is built over the
+whole (padded) row as :func:`~coati_kto.models.packing.packed_logps` builds it, and the layers see only their
+slice's tokens and positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from coati_kto.data.batch import PackedRows, Targets
+from coati_kto.families import packed_masks, text_vocab_size
+from coati_kto.models.lm_head import LMHead, forward_inputs
+from coati_kto.models.logit_means import LogitMeans, active_recorder, recording
+from coati_kto.models.lora import base_module
+from coati_kto.models.packing import _additive_mask, _by_layer_type, _config, _pad_columns, score_targets
+from coati_kto.parallel.sequence import SEQUENCE_GROUP, SP_ATTENTION_PREFIX, sp_sum
+
+
+@dataclass(frozen=True)
+class RowSlice:
+    """One sp rank's share of packed rows: ``rows`` whole (widened to a multiple of sp with padding columns, each
+    its own document and never a target: the mask is built from them), the rank's columns [``start``, ``stop``),
+    and the targets whose column lies there (``example``, ``kl``: columns relative to ``start``, the order of
+    ``rows``' targets kept)."""
+
+    rows: PackedRows
+    start: int
+    stop: int
+    example: Targets | None
+    kl: Targets | None
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> RowSlice:
+        local = [None if t is None else t.map(fn) for t in (self.example, self.kl)]
+        return RowSlice(self.rows.map(fn), self.start, self.stop, *local)
+
+
+def _local(targets: Targets | None, start: int, stop: int) -> Targets | None:
+    if targets is None:
+        return None
+    mine = (targets.cols >= start) & (targets.cols < stop)
+    return Targets(targets.owner[mine], targets.rows[mine], targets.cols[mine] - start, targets.ids[mine])
+
+
+def slice_rows(rows: PackedRows, sp: int, rank: int) -> RowSlice:
+    """Rank ``rank``'s share of ``rows`` among ``sp`` ranks (contiguous equal column slices). Called on the host
+    (CPU tensors): the targets' split is a boolean select, which on an accelerator would read back its count."""
+    if not 0 <= rank < sp:
+        raise ValueError(f"slice_rows: rank {rank} is not one of sp_size={sp} ranks")
+    rows = _pad_columns(rows, sp)
+    width = rows.input_ids.shape[1] // sp
+    start, stop = rank * width, (rank + 1) * width
+    return RowSlice(rows, start, stop, _local(rows.example, start, stop), _local(rows.kl, start, stop))
+
+
+def _sp_inputs(model: Any, head: LMHead | None, piece: RowSlice) -> dict[str, Any]:
+    """The forward's keywords: the slice's ids and positions, the whole rows' 4D masks (ValueError, on every rank
+    alike, when the model's attention is not the ``coati_sp|`` wrapper)."""
+    config = _config(model)
+    attention = getattr(config, "_attn_implementation", None)
+    if not (attention or "").startswith(SP_ATTENTION_PREFIX):
+        raise ValueError(
+            f"sp_packed_logps needs the sequence-parallel attention installed (config._attn_implementation "
+            f"'{SP_ATTENTION_PREFIX}<kernel>', coati_kto.parallel.sequence.sp_attention_name), got {attention!r}"
+        )
+    rows = piece.rows
+    dtype = head.weight.dtype if head is not None else base_module(model).get_input_embeddings().weight.dtype
+    mask = _by_layer_type(packed_masks(config), lambda window: _additive_mask(rows, window, dtype))
+    own = slice(piece.start, piece.stop)
+    return forward_inputs(
+        config, input_ids=rows.input_ids[:, own], attention_mask=mask, position_ids=rows.position_ids[:, own]
+    )
+
+
+def sp_packed_logps(
+    model: Any, head: LMHead | None, piece: RowSlice, batch_size: int, grad_scale: float
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """:func:`~coati_kto.models.packing.packed_logps` on this rank's ``piece`` (:func:`slice_rows`) of the rows,
+    over the sp group in ``SEQUENCE_GROUP``: (example, KL) log-probs [B] fp32, the same on every rank of the
+    group, equal to one process's on the whole rows up to summation order.
+
+    The model (its ``config._attn_implementation`` the ``coati_sp|`` wrapper, installed by the caller so that
+    activation-checkpoint recompute runs it too) sees the slice's columns; the head projects only the slice's
+    targets (never a whole row's logits). The per-row partial sums, and the logit means when a recorder is
+    active, go through one :func:`~coati_kto.parallel.sequence.sp_sum` per pass, whose backward multiplies the
+    example's gradient by ``grad_scale`` (sp where gradients are averaged over dp x sp, as under all_to_all: the
+    plan's §2c). Every rank of the group calls it, with slices of the same rows.
+    """
+    inputs = _sp_inputs(model, head, piece)
+    if head is not None:
+        states = head.capture(model, **inputs)
+    else:
+        states = model(**inputs).logits[..., : text_vocab_size(_config(model))]
+    grid = (batch_size, piece.stop - piece.start)
+    outer = active_recorder()
+    local = LogitMeans() if outer is not None else None
+    with recording(local):
+        example = score_targets(head, states, piece.example, grid, detach=False)
+    with torch.no_grad(), recording(None):
+        kl = score_targets(head, states, piece.kl, grid, detach=True)
+    partial = [example, kl] + (
+        [local.sums, local.tokens] if local is not None and local.sums is not None else []
+    )
+    present = [p for p in partial if p is not None]
+    totals = iter(sp_sum(torch.stack(present), SEQUENCE_GROUP.get(), grad_scale).unbind(0))
+    example, kl, *means = [None if p is None else next(totals) for p in partial]
+    if means:
+        outer.add(means[0].detach(), means[1].detach())
+    return example, kl
+
+
+def sp_rank() -> tuple[int, int]:
+    """(this process's rank in the sp group, the group's size), from ``SEQUENCE_GROUP``."""
+    group = SEQUENCE_GROUP.get()
+    return dist.get_rank(group), dist.get_world_size(group)
