@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from coati_kto.data.batch import PackedRows, Targets
 from coati_kto.families import packed_masks, text_vocab_size
@@ -117,9 +116,3 @@ def sp_packed_logps(
     if means:
         outer.add(means[0].detach(), means[1].detach())
     return example, kl
-
-
-def sp_rank() -> tuple[int, int]:
-    """(this process's rank in the sp group, the group's size), from ``SEQUENCE_GROUP``."""
-    group = SEQUENCE_GROUP.get()
-    return dist.get_rank(group), dist.get_world_size(group)
