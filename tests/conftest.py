@@ -216,9 +216,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     _check_smoke_found(smoke, items, tests_dir, config.args)
     if os.environ.get("PYTEST_XDIST_WORKER"):  # every worker collects, and must collect the same order
         rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-        items.sort(
-            key=lambda item: rank.get(_relative(item, tests_dir), len(rank))
-        )  # stable: files stay whole
+        # A stable sort: each file's tests stay together and in their order.
+        items.sort(key=lambda item: rank.get(_relative(item, tests_dir), len(rank)))
 
 
 def _relative(item: pytest.Item, tests_dir: Path) -> str:

@@ -208,30 +208,41 @@ def packed_logps(
     Through ``head`` (the chunked head: no logits tensor), or with ``head`` None through the model's logits
     [R, L, V] (a vocabulary-parallel head under tensor parallelism, which returns them whole on every rank).
     """
-    config = _config(model)
-    flex = getattr(config, "_attn_implementation", None) == "flex_attention"
-    if flex:
+    if getattr(_config(model), "_attn_implementation", None) == "flex_attention":
         rows = _pad_columns(rows, FLEX_BLOCK)
-    # The working dtype (a LoRA reference is no module with parameters of its own, hence the head's).
-    dtype = head.weight.dtype if head is not None else base_module(model).get_input_embeddings().weight.dtype
-    windows = packed_masks(config)
-    mask = _by_layer_type(
-        windows, lambda window: _flex_mask(rows, window) if flex else _additive_mask(rows, window, dtype)
-    )
-    inputs = forward_inputs(
-        config, input_ids=rows.input_ids, attention_mask=mask, position_ids=rows.position_ids
-    )
-    if head is not None:
-        hidden = head.capture(model, **inputs)
-    else:  # the real vocabulary only (coati_kto.models.lm_head.model_sequence_logps says why)
-        logits = model(**inputs).logits[..., : text_vocab_size(config)]
-    states = hidden if head is not None else logits
+    states = packed_states(model, head, rows)
     grid = (batch_size, rows.input_ids.shape[1])
     example = score_targets(head, states, rows.example, grid, detach=False)
     # KTO's reference point is a constant: the KL pair's log-probs never carry gradient (nor logits/ metrics).
     with torch.no_grad(), recording(None):
         kl = score_targets(head, states, rows.kl, grid, detach=True)
     return example, kl
+
+
+def packed_states(
+    model: Any, head: LMHead | None, rows: PackedRows, columns: slice | None = None
+) -> torch.Tensor:
+    """One forward over ``rows``' ``columns`` with the masks of the whole rows (flex's BlockMask under
+    flex_attention, else the additive 4D masks): the hidden states [R, C, H] ``head`` captures, or with ``head``
+    None the logits [R, C, V] of the real vocabulary. ``columns`` (None: all) is set under sequence parallelism
+    only, whose attention wrapper sees the whole rows' mask while the layers see the slice's tokens."""
+    config = _config(model)
+    flex = getattr(config, "_attn_implementation", None) == "flex_attention"
+    # The working dtype (a LoRA reference is no module with parameters of its own, hence the head's).
+    dtype = head.weight.dtype if head is not None else base_module(model).get_input_embeddings().weight.dtype
+    windows = packed_masks(config)
+    mask = _by_layer_type(
+        windows, lambda window: _flex_mask(rows, window) if flex else _additive_mask(rows, window, dtype)
+    )
+    ids, positions = rows.input_ids, rows.position_ids
+    # No slicing op without columns: the kernel counts of the unsliced path stay as they were.
+    if columns is not None:
+        ids, positions = ids[:, columns], positions[:, columns]
+    inputs = forward_inputs(config, input_ids=ids, attention_mask=mask, position_ids=positions)
+    if head is not None:
+        return head.capture(model, **inputs)
+    # the real vocabulary only (coati_kto.models.lm_head.model_sequence_logps says why)
+    return model(**inputs).logits[..., : text_vocab_size(config)]
 
 
 def score_targets(

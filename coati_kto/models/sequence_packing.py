@@ -18,11 +18,9 @@ from typing import Any
 import torch
 
 from coati_kto.data.batch import PackedRows, Targets
-from coati_kto.families import packed_masks, text_vocab_size
-from coati_kto.models.lm_head import LMHead, forward_inputs
+from coati_kto.models.lm_head import LMHead
 from coati_kto.models.logit_means import LogitMeans, active_recorder, recording
-from coati_kto.models.lora import base_module
-from coati_kto.models.packing import _additive_mask, _by_layer_type, _config, _pad_columns, score_targets
+from coati_kto.models.packing import _config, _pad_columns, packed_states, score_targets
 from coati_kto.parallel.sequence import SEQUENCE_GROUP, SP_ATTENTION_PREFIX, sp_sum
 
 
@@ -62,23 +60,14 @@ def slice_rows(rows: PackedRows, sp: int, rank: int) -> RowSlice:
     return RowSlice(rows, start, stop, _local(rows.example, start, stop), _local(rows.kl, start, stop))
 
 
-def _sp_inputs(model: Any, head: LMHead | None, piece: RowSlice) -> dict[str, Any]:
-    """The forward's keywords: the slice's ids and positions, the whole rows' 4D masks (ValueError, on every rank
-    alike, when the model's attention is not the ``coati_sp|`` wrapper)."""
-    config = _config(model)
-    attention = getattr(config, "_attn_implementation", None)
+def _check_attention(model: Any) -> None:
+    """ValueError, on every rank alike, when the model's attention is not the ``coati_sp|`` wrapper."""
+    attention = getattr(_config(model), "_attn_implementation", None)
     if not (attention or "").startswith(SP_ATTENTION_PREFIX):
         raise ValueError(
             f"sp_packed_logps needs the sequence-parallel attention installed (config._attn_implementation "
             f"'{SP_ATTENTION_PREFIX}<kernel>', coati_kto.parallel.sequence.sp_attention_name), got {attention!r}"
         )
-    rows = piece.rows
-    dtype = head.weight.dtype if head is not None else base_module(model).get_input_embeddings().weight.dtype
-    mask = _by_layer_type(packed_masks(config), lambda window: _additive_mask(rows, window, dtype))
-    own = slice(piece.start, piece.stop)
-    return forward_inputs(
-        config, input_ids=rows.input_ids[:, own], attention_mask=mask, position_ids=rows.position_ids[:, own]
-    )
 
 
 def sp_packed_logps(
@@ -95,11 +84,8 @@ def sp_packed_logps(
     example's gradient by ``grad_scale`` (sp where gradients are averaged over dp x sp, as under all_to_all: the
     plan's §2c). Every rank of the group calls it, with slices of the same rows.
     """
-    inputs = _sp_inputs(model, head, piece)
-    if head is not None:
-        states = head.capture(model, **inputs)
-    else:
-        states = model(**inputs).logits[..., : text_vocab_size(_config(model))]
+    _check_attention(model)
+    states = packed_states(model, head, piece.rows, slice(piece.start, piece.stop))
     grid = (batch_size, piece.stop - piece.start)
     outer = active_recorder()
     local = LogitMeans() if outer is not None else None
