@@ -19,7 +19,7 @@ from coati_kto.families import eager_attention_reason, packing_refusal
 AUTO = "auto"
 
 
-def flex_refusal(model_dirs: list[str], tp_size: int, cuda: bool) -> str | None:
+def flex_refusal(model_dirs: list[str], tp_size: int, cuda: bool, sp_size: int = 1) -> str | None:
     """Why ``auto`` does not run flex_attention padding-free here (None when it does)."""
     if not cuda:
         import torch
@@ -27,19 +27,23 @@ def flex_refusal(model_dirs: list[str], tp_size: int, cuda: bool) -> str | None:
         return f"no GPU: torch {torch.__version__} has no FlexAttention backward on CPU"
     if tp_size > 1:
         return f"plugin.tp_size {tp_size}: flex attention under tensor parallelism is unproven"
+    if sp_size > 1:  # the sequence-parallel attention wraps kernels that take a dense 4D mask
+        return f"plugin.sp_size {sp_size}: flex attention under sequence parallelism is unproven"
     for model_dir in model_dirs:
         if (reason := eager_attention_reason(model_dir)) is not None:
             return f"the model at {model_dir}: {reason}"
     return packing_refusal(model_dirs, "flex_attention")
 
 
-def resolve_attention(model: Any, data: Any, tp_size: int, cuda: bool) -> tuple[str | None, bool, str | None]:
+def resolve_attention(
+    model: Any, data: Any, tp_size: int, cuda: bool, sp_size: int = 1
+) -> tuple[str | None, bool, str | None]:
     """(``model.attn_implementation``, ``data.padding_free``, a note) for the ``model`` and ``data`` sections:
     as given unless the kernel is ``auto``, which becomes flex_attention with padding-free passes where
     :func:`flex_refusal` has no reason, else None (the model's default) with ``data.padding_free`` as given."""
     if model.attn_implementation != AUTO:
         return model.attn_implementation, data.padding_free, None
-    why = flex_refusal([p for p in (model.path, model.reference_path) if p], tp_size, cuda)
+    why = flex_refusal([p for p in (model.path, model.reference_path) if p], tp_size, cuda, sp_size)
     if why is None:
         note = (
             "flex_attention, every pass padding-free (a block mask over one row of documents: no dense mask)"

@@ -19,8 +19,10 @@ from coati_kto.config.kto import KTOSection
 from coati_kto.config.lora import LoraSection
 from coati_kto.config.output import LoggingSection, OutputSection
 from coati_kto.config.section import Section as _Section
+from coati_kto.config.sequence import sequence_plugin_problems, sequence_problems
 from coati_kto.errors import ConfigError
-from coati_kto.families import check_model_family, packing_refusal, router_aux_problem
+from coati_kto.families import packing_refusal, router_aux_problem
+from coati_kto.families.splits import check_model_family
 
 # The enumerations other layers share (the plan): one list each, here (the loss types: coati_kto.config.kto).
 PluginName = Literal["hybrid_parallel", "low_level_zero", "gemini", "ddp"]
@@ -31,6 +33,8 @@ GEMINI_REFUSAL = (
     "enable_gradient_accumulation); use hybrid_parallel with zero_stage 2, or low_level_zero"
 )
 Precision = Literal["fp32", "bf16", "fp16"]
+# ColossalAI's sequence-parallel modes (HybridParallelPlugin's ``sequence_parallelism_mode``).
+SequenceMode = Literal["all_to_all", "split_gather", "ring", "ring_attn"]
 
 
 class ModelSection(_Section):
@@ -228,6 +232,17 @@ class PluginSection(_Section):
     )
     precision: Precision = Field("bf16", description="Training precision. Default: fp32 for ddp, else bf16.")
     tp_size: int = Field(1, ge=1, description="Tensor-parallel degree (hybrid_parallel only).")
+    sp_size: int = Field(
+        1,
+        ge=1,
+        description="Sequence-parallel degree (hybrid_parallel only): each of sp_size ranks runs 1/sp_size of "
+        "every row's tokens through the decoder (docs/sequence_parallelism.md).",
+    )
+    sp_mode: SequenceMode | None = Field(
+        None,
+        description="Sequence-parallel mode, ColossalAI's names; default all_to_all when sp_size > 1 (the one "
+        "admitted: split_gather, ring and ring_attn are refused with their reasons).",
+    )
     cpu_offload: bool = Field(False, description="Keep optimizer states in CPU memory (ZeRO).")
 
     @model_validator(mode="before")
@@ -264,6 +279,7 @@ class PluginSection(_Section):
             )
         if self.name == "low_level_zero" and self.zero_stage == 0:
             problems.append("plugin.name low_level_zero needs plugin.zero_stage 1 or 2")
+        problems += sequence_plugin_problems(self.name, self.tp_size, self.sp_size, self.sp_mode)
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -287,6 +303,7 @@ class Config(_Section):
         found = self._prepared_dir_problems() + self._family_problems() + self._padding_free_problems()
         found += self._export_problems()
         problems = found + self._lora_problems() + sample_problems(self) + compile_problems(self)
+        problems += sequence_problems(self)
         if problems:
             raise ValueError("\n".join(problems))
         return self
@@ -297,7 +314,10 @@ class Config(_Section):
             return
         import torch
 
-        resolved = resolve_attention(self.model, self.data, self.plugin.tp_size, torch.cuda.is_available())
+        plugin = self.plugin
+        resolved = resolve_attention(
+            self.model, self.data, plugin.tp_size, torch.cuda.is_available(), plugin.sp_size
+        )
         self.model.attn_implementation, self.data.padding_free, self._attention_note = resolved
 
     def _prepared_dir_problems(self) -> list[str]:

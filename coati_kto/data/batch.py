@@ -112,6 +112,28 @@ class PackedRows:
 
 
 @dataclass(frozen=True)
+class RowSlice:
+    """One sequence-parallel rank's share of packed rows (:func:`coati_kto.data.packed.slice_rows`): ``rows``
+    whole (widened to a multiple of sp with padding columns, each its own document and never a target: the
+    attention mask is built over the whole rows), the rank's columns [``start``, ``stop``), and the targets whose
+    column lies there (``example``, ``kl``: columns relative to ``start``, the order of ``rows``' targets kept)."""
+
+    rows: PackedRows
+    start: int
+    stop: int
+    example: Targets | None
+    kl: Targets | None
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> RowSlice:
+        local = [None if t is None else t.map(fn) for t in (self.example, self.kl)]
+        return RowSlice(self.rows.map(fn), self.start, self.stop, *local)
+
+    def tokens(self) -> int:
+        """Tokens this rank's forward processes: R x (stop - start)."""
+        return int(self.rows.input_ids.shape[0] * (self.stop - self.start))
+
+
+@dataclass(frozen=True)
 class KLContinuation:
     """The KL pairs as a continuation of the examples' forward (coati_kto.models.continuation), planned on the
     host by :func:`coati_kto.data.packed.plan_continuation` where every row's KL pair shares its example's prompt.
@@ -167,8 +189,9 @@ class KTOBatch:
     reference_kl_logps: torch.Tensor | None = None  # [B] fp32
     valid: torch.Tensor | None = None  # [B] bool
     pairs: PackedRows | None = None
-    example_rows: PackedRows | None = None
-    kl_rows: PackedRows | None = None
+    # Under sequence parallelism each rank's RowSlice of the padding-free rows (the collator's ``sequence``).
+    example_rows: PackedRows | RowSlice | None = None
+    kl_rows: PackedRows | RowSlice | None = None
     fold_pays: bool = False
     kl_continuation: KLContinuation | None = None
     counts: TokenCounts | None = None  # host ints: not moved with the tensors

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from coati_kto.data.batch import KTOBatch, TokenView
-from coati_kto.data.packed import counted, fold_pays, plan_continuation, plan_rows
+from coati_kto.data.packed import counted, fold_pays, plan_continuation, plan_rows, slice_rows
 
 
 def _pad(
@@ -51,18 +51,27 @@ class KTOCollator:
     and the packed layouts (coati_kto.data.packed): the shared-prompt pairs always, one row per example; with
     ``padding_free`` the pairs, the examples and the KL pairs each laid out by ``plan_rows``'s ``rows`` mode:
     ``"one"`` (one row of exactly the data's tokens) or ``"bins"`` (rows as long as the longest document).
+    ``sequence`` (sp_size, sp_rank): under sequence parallelism the examples' and KL pairs' rows become this
+    rank's :class:`~coati_kto.data.batch.RowSlice` (``padding_free`` required).
     """
 
     def __init__(
-        self, pad_token_id: int, pad_to_multiple_of: int | None = None, padding_free: str | None = None
+        self,
+        pad_token_id: int,
+        pad_to_multiple_of: int | None = None,
+        padding_free: str | None = None,
+        sequence: tuple[int, int] | None = None,
     ) -> None:
         if padding_free not in (None, "one", "bins"):
             raise ValueError(f"padding_free must be None, 'one' or 'bins', got {padding_free!r}")
+        if sequence is not None and padding_free is None:
+            raise ValueError("sequence parallelism slices the padding-free rows: padding_free must be set")
         if pad_token_id is None:
             raise ValueError("pad_token_id is None: set tokenizer.pad_token (EOS is fine, masks use lengths)")
         self.pad_token_id = int(pad_token_id)
         self.pad_to_multiple_of = pad_to_multiple_of
         self.padding_free = padding_free
+        self.sequence = sequence if sequence is not None and sequence[0] > 1 else None
 
     def _view(self, rows: list[Any], starts: list[int]) -> TokenView:
         return padded_view(rows, starts, self.pad_token_id, self.pad_to_multiple_of)
@@ -91,6 +100,8 @@ class KTOCollator:
             fold = fold_pays(pairs, example_rows.tokens(), kl_rows.tokens())
         else:
             fold = fold_pays(pairs, example.input_ids.numel(), kl.input_ids.numel())
+        if self.sequence is not None:
+            example_rows, kl_rows = (slice_rows(r, *self.sequence) for r in (example_rows, kl_rows))
         batch = KTOBatch(
             example=example,
             kl=kl,

@@ -27,7 +27,15 @@ from dataclasses import replace
 
 import torch
 
-from coati_kto.data.batch import KLContinuation, KTOBatch, PackedRows, Targets, TokenCounts, TokenView
+from coati_kto.data.batch import (
+    KLContinuation,
+    KTOBatch,
+    PackedRows,
+    RowSlice,
+    Targets,
+    TokenCounts,
+    TokenView,
+)
 
 
 def shared_prompt_lengths(example: TokenView, kl: TokenView) -> torch.Tensor:
@@ -137,6 +145,45 @@ def _document(example: TokenView | None, kl: TokenView | None, b: int, a: int, k
         pred = u - 1
         targets["kl"] = (torch.where(pred < s, pred, a + pred - s), ids[u])
     return (*(torch.cat(parts) for parts in zip(*pieces, strict=True)), targets)
+
+
+def pad_columns(rows: PackedRows, multiple: int) -> PackedRows:
+    """``rows`` widened to a multiple of ``multiple`` columns of padding (each its own document, never a target):
+    flex attention's block, sequence parallelism's sp_size."""
+    length = rows.input_ids.shape[1]
+    extra = -length % multiple
+    if extra == 0:
+        return rows
+    pad = lambda t: torch.nn.functional.pad(t, (0, extra))  # noqa: E731
+    col = torch.arange(length + extra, device=rows.document.device)
+    document = torch.where(col < length, pad(rows.document), -1 - col)
+    return replace(
+        rows,
+        input_ids=pad(rows.input_ids),
+        position_ids=pad(rows.position_ids),
+        document=document,
+        segment=pad(rows.segment),
+        prompt_seen=pad(rows.prompt_seen),
+    )
+
+
+def _local(targets: Targets | None, start: int, stop: int) -> Targets | None:
+    if targets is None:
+        return None
+    mine = (targets.cols >= start) & (targets.cols < stop)
+    return Targets(targets.owner[mine], targets.rows[mine], targets.cols[mine] - start, targets.ids[mine])
+
+
+def slice_rows(rows: PackedRows, sp: int, rank: int) -> RowSlice:
+    """Rank ``rank``'s share of ``rows`` among ``sp`` sequence-parallel ranks (contiguous equal column slices).
+    Called on the host by the collator (CPU tensors): the targets' split is a boolean select, which on an
+    accelerator would read back its count."""
+    if not 0 <= rank < sp:
+        raise ValueError(f"slice_rows: rank {rank} is not one of sp_size={sp} ranks")
+    rows = pad_columns(rows, sp)
+    width = rows.input_ids.shape[1] // sp
+    start, stop = rank * width, (rank + 1) * width
+    return RowSlice(rows, start, stop, _local(rows.example, start, stop), _local(rows.kl, start, stop))
 
 
 def fold_pays(pairs: PackedRows, example_tokens: int, kl_tokens: int) -> bool:

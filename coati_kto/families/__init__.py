@@ -1,10 +1,10 @@
 """Model-family facts: the one place that knows how a family's model behaves under our passes and plugins.
 
-What lives here: which model class a checkpoint builds (from config.json alone), which classes shardformer can
-shard, the check that refuses a family a tensor-parallel size cannot split (called by the config schema at load,
-and by the tensor-parallel backend for a class only loading tells), which heads are exactly ``lm_head(hidden)``
-(the chunked head is exact for them), the attention window a packed mask must apply, and, in ``policies``, the
-shardformer policies the project corrects. A new family's facts go here and in
+What lives here: which model class a checkpoint builds (from config.json alone), which heads are exactly ``lm_head(hidden)``
+(the chunked head is exact for them), the attention window a packed mask must apply; in ``splits``, the checks
+that refuse a family a tensor- or sequence-parallel size cannot split (called by the config schema at load, and
+by the hybrid-parallel backend for a class only loading tells); in ``policies``, the shardformer policies the
+project corrects. A new family's facts go here and in
 ``coati_kto.testing.tiny`` (its tiny builder), nowhere else.
 
 May import: ``coati_kto.errors`` only (a leaf: the config schema imports it). ColossalAI is never imported at
@@ -17,9 +17,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from coati_kto.errors import ConfigError
-from coati_kto.families.shardformer import supported_summary, tensor_parallel_refusal
-from coati_kto.families.unproven import unproven_refusal
 
 # Families whose causal-LM forward is exactly ``logits = lm_head(final_hidden)`` (no soft-capping or scaling
 # after the head): the chunked head is exact for them. Others keep the logits path.
@@ -140,73 +137,6 @@ def encoder_refusal(raw: dict[str, Any]) -> str | None:
         f"model_type {model_type} without is_decoder: true in config.json is an encoder: each position sees the "
         "later tokens, so a completion's log-probs would read the completion itself (KTO needs a causal LM)"
     )
-
-
-def check_model_family(model_dir: str, key: str, tp_size: int = 1) -> None:
-    """ConfigError (one line) when the model at ``model_dir`` is an encoder or fails the family sweep
-    (``unproven.UNPROVEN_TYPES``; any plugin), or when its class is not admitted at ``tp_size`` tensor-parallel
-    ranks (every class at tp_size 1; above it ``shardformer.TENSOR_PARALLEL_FAMILIES``: what the tests prove).
-    Checked from config.json alone; a class it cannot tell (hub id, remote code) is checked at boost."""
-    raw = _config_json(model_dir) or {}
-    if (why := encoder_refusal(raw) or unproven_refusal(raw)) is not None:
-        raise ConfigError(f"{key} {model_dir}: {why}")
-    if tp_size <= 1:
-        return
-    name = model_class_name(model_dir)
-    if name is None:
-        return
-    refuse_unadmitted(name, tp_size, f"{key} {model_dir}: ")
-    why = tensor_parallel_shape_refusal(_config_json(model_dir) or {}, tp_size)
-    if why is not None:
-        raise ConfigError(f"{key} {model_dir}: {why}")
-
-
-# Head counts a tensor-parallel split divides (Gemma 4's full layers: num_global_key_value_heads when values are
-# keys; Qwen 3.5's linear-attention layers: linear_num_*_heads).
-SPLIT_HEADS = (
-    "num_attention_heads",
-    "num_key_value_heads",
-    "num_global_key_value_heads",
-    "linear_num_key_heads",
-    "linear_num_value_heads",
-)
-
-
-def tensor_parallel_shape_refusal(raw: dict[str, Any], tp_size: int) -> str | None:
-    """Why a model of config.json ``raw`` cannot be split over ``tp_size`` tensor-parallel ranks (None when it
-    can): each rank must hold whole query heads and whole key-value heads (the project's policies split q/k/v
-    by output rows and keep transformers' attention, which reshapes by ``head_dim``). Gemma 3 270M / 1B and
-    SmolLM2 135M / 360M have one or an odd number of key-value heads: tp_size 2 cannot split them."""
-    if tp_size <= 1:
-        return None
-    text = {**raw, **(raw.get("text_config") or {})}
-    if text.get("enable_moe_block"):  # Gemma 4 26B-A4B: its experts have no tensor-parallel split
-        return "Gemma 4 with enable_moe_block has no tensor-parallel policy: use plugin.tp_size 1"
-    counts = {name: text.get(name) for name in SPLIT_HEADS}
-    counts["num_key_value_heads"] = counts["num_key_value_heads"] or counts["num_attention_heads"]
-    if not text.get("attention_k_eq_v"):  # Gemma 4 reads num_global_key_value_heads only then
-        counts.pop("num_global_key_value_heads")
-    for layer, overrides in (text.get("per_layer_config") or {}).items():  # Gemma 4's full layers
-        counts[f"layer {layer}'s num_key_value_heads"] = (overrides or {}).get("num_key_value_heads")
-    counts = {k: v for k, v in counts.items() if isinstance(v, int)}
-    if any(v % tp_size for v in counts.values()):
-        named = " and ".join(f"{k} {v}" for k, v in counts.items() if v % tp_size or k in SPLIT_HEADS[:2])
-        return (
-            f"plugin.tp_size {tp_size} must divide {named} (each tensor-parallel rank holds whole heads): use "
-            "plugin.tp_size 1"
-        )
-    return None
-
-
-def refuse_unadmitted(model_class: str, tp_size: int, prefix: str = "") -> None:
-    """ConfigError unless ``model_class`` (a class name, bare or with its module) is admitted at ``tp_size``
-    tensor-parallel ranks."""
-    why = tensor_parallel_refusal(model_class.rsplit(".", 1)[-1], tp_size)
-    if why is not None:
-        raise ConfigError(
-            f"{prefix}{why} (tensor parallelism: {supported_summary()}); plugin.tp_size 1 runs every family "
-            "without a tensor-parallel policy"
-        )
 
 
 def layer_windows(config: Any) -> list[int | None] | None:

@@ -31,14 +31,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import torch
 
 from coati_kto.config.schema import DataSection, ModelSection
 from coati_kto.data.batch import KTOBatch, PackedRows, Targets, TokenView
-from coati_kto.data.packed import plan_rows
+from coati_kto.data.packed import pad_columns, plan_rows
 from coati_kto.families import MASK_POSITION_FAMILIES, packed_masks, text_vocab_size
 from coati_kto.models.lm_head import LMHead, forward_inputs, model_sequence_logps
 from coati_kto.models.logit_means import record_head, record_logits, recording
@@ -147,25 +146,6 @@ def _by_layer_type(windows: dict[str, int | None], build: Callable[[int | None],
     return built[windows[""]] if "" in windows else {kind: built[w] for kind, w in windows.items()}
 
 
-def _pad_columns(rows: PackedRows, multiple: int) -> PackedRows:
-    """``rows`` widened to a multiple of ``multiple`` columns of padding (each its own document)."""
-    length = rows.input_ids.shape[1]
-    extra = -length % multiple
-    if extra == 0:
-        return rows
-    pad = lambda t: torch.nn.functional.pad(t, (0, extra))  # noqa: E731
-    col = torch.arange(length + extra, device=rows.document.device)
-    document = torch.where(col < length, pad(rows.document), -1 - col)
-    return replace(
-        rows,
-        input_ids=pad(rows.input_ids),
-        position_ids=pad(rows.position_ids),
-        document=document,
-        segment=pad(rows.segment),
-        prompt_seen=pad(rows.prompt_seen),
-    )
-
-
 def _config(model: Any) -> Any:
     """The Hugging Face config under any plugin wrapper or LoRA PeftModel (a LoRA reference included)."""
 
@@ -192,7 +172,7 @@ def example_tokens(model: Any, rows: PackedRows, valid: torch.Tensor | None = No
     invalid rows (evaluation padding). The tokens a padded pass over the examples holds, as its 2D attention
     mask marks them: the router loss's weights (``coati_kto.models.router``)."""
     if getattr(_config(model), "_attn_implementation", None) == "flex_attention":
-        rows = _pad_columns(rows, FLEX_BLOCK)
+        rows = pad_columns(rows, FLEX_BLOCK)
     tokens = (rows.document >= 0) & (rows.segment == 0)
     if valid is not None:
         tokens = tokens & valid[rows.document.clamp(min=0)]
@@ -209,7 +189,7 @@ def packed_logps(
     [R, L, V] (a vocabulary-parallel head under tensor parallelism, which returns them whole on every rank).
     """
     if getattr(_config(model), "_attn_implementation", None) == "flex_attention":
-        rows = _pad_columns(rows, FLEX_BLOCK)
+        rows = pad_columns(rows, FLEX_BLOCK)
     states = packed_states(model, head, rows)
     grid = (batch_size, rows.input_ids.shape[1])
     example = score_targets(head, states, rows.example, grid, detach=False)

@@ -1,9 +1,10 @@
 """Packed rows under all_to_all sequence parallelism (issue 47, docs/sequence_parallelism_plan.md §2c): each rank
 of the sp group runs the model on its slice of the columns, scores the targets its slice predicts through the
-local LM head, and one all-reduce per pass sums the per-row log-probs over the group. Not wired into a run yet.
+local LM head, and one all-reduce per pass sums the per-row log-probs over the group. The trainer's passes call it
+for a batch whose rows the collator sliced (``KTOCollator(sequence=...)``).
 
-Nothing here reads a value back from the device: :func:`slice_rows` splits the targets on the host (the
-collator's side), and :func:`sp_packed_logps` only indexes, projects and reduces. The attention needs the whole
+Nothing here reads a value back from the device: :func:`~coati_kto.data.packed.slice_rows` splits the targets on
+the host (the collator's side), and :func:`sp_packed_logps` only indexes, projects and reduces. The attention needs the whole
 row, which the ``coati_sp|<inner>`` wrapper (``coati_kto.parallel.sequence``) provides: the mask is built over the
 whole (padded) row as :func:`~coati_kto.models.packing.packed_logps` builds it, and the layers see only their
 slice's tokens and positions.
@@ -11,53 +12,15 @@ slice's tokens and positions.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from coati_kto.data.batch import PackedRows, Targets
+from coati_kto.data.batch import RowSlice
 from coati_kto.models.lm_head import LMHead
 from coati_kto.models.logit_means import LogitMeans, active_recorder, recording
-from coati_kto.models.packing import _config, _pad_columns, packed_states, score_targets
+from coati_kto.models.packing import _config, packed_states, score_targets
 from coati_kto.parallel.sequence import SEQUENCE_GROUP, SP_ATTENTION_PREFIX, sp_sum
-
-
-@dataclass(frozen=True)
-class RowSlice:
-    """One sp rank's share of packed rows: ``rows`` whole (widened to a multiple of sp with padding columns, each
-    its own document and never a target: the mask is built from them), the rank's columns [``start``, ``stop``),
-    and the targets whose column lies there (``example``, ``kl``: columns relative to ``start``, the order of
-    ``rows``' targets kept)."""
-
-    rows: PackedRows
-    start: int
-    stop: int
-    example: Targets | None
-    kl: Targets | None
-
-    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> RowSlice:
-        local = [None if t is None else t.map(fn) for t in (self.example, self.kl)]
-        return RowSlice(self.rows.map(fn), self.start, self.stop, *local)
-
-
-def _local(targets: Targets | None, start: int, stop: int) -> Targets | None:
-    if targets is None:
-        return None
-    mine = (targets.cols >= start) & (targets.cols < stop)
-    return Targets(targets.owner[mine], targets.rows[mine], targets.cols[mine] - start, targets.ids[mine])
-
-
-def slice_rows(rows: PackedRows, sp: int, rank: int) -> RowSlice:
-    """Rank ``rank``'s share of ``rows`` among ``sp`` ranks (contiguous equal column slices). Called on the host
-    (CPU tensors): the targets' split is a boolean select, which on an accelerator would read back its count."""
-    if not 0 <= rank < sp:
-        raise ValueError(f"slice_rows: rank {rank} is not one of sp_size={sp} ranks")
-    rows = _pad_columns(rows, sp)
-    width = rows.input_ids.shape[1] // sp
-    start, stop = rank * width, (rank + 1) * width
-    return RowSlice(rows, start, stop, _local(rows.example, start, stop), _local(rows.kl, start, stop))
 
 
 def _check_attention(model: Any) -> None:
@@ -73,7 +36,8 @@ def _check_attention(model: Any) -> None:
 def sp_packed_logps(
     model: Any, head: LMHead | None, piece: RowSlice, batch_size: int, grad_scale: float
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """:func:`~coati_kto.models.packing.packed_logps` on this rank's ``piece`` (:func:`slice_rows`) of the rows,
+    """:func:`~coati_kto.models.packing.packed_logps` on this rank's ``piece``
+    (:func:`~coati_kto.data.packed.slice_rows`) of the rows,
     over the sp group in ``SEQUENCE_GROUP``: (example, KL) log-probs [B] fp32, the same on every rank of the
     group, equal to one process's on the whole rows up to summation order.
 

@@ -95,7 +95,9 @@ class ParallelLayout:
 
     Ranks of one data-parallel group see different batches; metric sums and KTO's reference point are
     reduced over it. Ranks of one tensor-parallel group hold slices of the same weights and see the same
-    batches. ``dp_group is None`` means the default (world) group.
+    batches. Ranks of one sequence-parallel group (all_to_all) hold the same weights, see the same batches and
+    each run a slice of every row's columns; their gradients are averaged with the data-parallel ranks' (the
+    plugin's gradient group is dp x sp). ``dp_group is None`` means the default (world) group.
     """
 
     rank: int
@@ -106,11 +108,29 @@ class ParallelLayout:
     dp_group: ProcessGroup | None
     tp_size: int = 1
     tp_group: ProcessGroup | None = None
+    sp_size: int = 1
+    sp_group: ProcessGroup | None = None
 
     @property
     def tp_rank(self) -> int:
         """This rank's place in its tensor-parallel group (0 without tensor parallelism)."""
         return dist.get_rank(self.tp_group) if self.tp_size > 1 else 0
+
+    @property
+    def sp_rank(self) -> int:
+        """This rank's place in its sequence-parallel group: which column slice of every row it runs (0 without)."""
+        return dist.get_rank(self.sp_group) if self.sp_size > 1 else 0
+
+    @property
+    def counts_sums(self) -> bool:
+        """Whether this rank adds its step sums to a world reduction: tensor- and sequence-parallel peers hold
+        the same rows' sums, so only the group's rank 0 of each adds them (a row counts once)."""
+        return self.tp_rank == 0 and self.sp_rank == 0
+
+    @property
+    def gradient_replicas(self) -> int:
+        """How many ranks the plugin averages each gradient over (DDP's or ZeRO's group: dp x sp)."""
+        return self.dp_size * self.sp_size
 
     @property
     def is_main(self) -> bool:
@@ -125,6 +145,8 @@ class ParallelLayout:
         if dp_group is None:  # DDP, low-level ZeRO, Gemini: every rank is a data-parallel rank
             return cls(rank, world, local_rank, rank, world, None)
         tp_group = getattr(plugin, "tp_group", None)
+        # all_to_all: a group of its own; split_gather and ring (refused at config load) would share the tp group.
+        sequence = getattr(plugin, "enable_sequence_parallelism", False) and plugin.sp_size > 1
         return cls(
             rank=rank,
             world_size=world,
@@ -134,6 +156,8 @@ class ParallelLayout:
             dp_group=dp_group,
             tp_size=dist.get_world_size(tp_group) if tp_group is not None else 1,
             tp_group=tp_group,
+            sp_size=plugin.sp_size if sequence else 1,
+            sp_group=plugin.sp_group if sequence else None,
         )
 
 

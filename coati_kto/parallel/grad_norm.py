@@ -75,7 +75,8 @@ class GradNorm:
         One fp32 ``torch._foreach_norm`` over every gradient (fp32 accumulation, no fp64 copy of each gradient
         as ColossalAI's ``grad.double().norm()``), squared and weighted in fp64 (one value per tensor). Call
         after the step's last backward, before the step's data-parallel all-reduce; every rank calls (a
-        tensor-parallel all-reduce happens here when tp_size > 1). Loss-scaled (fp16) gradients give the scaled
+        tensor-parallel all-reduce happens here when tp_size > 1, a sequence-parallel one under ZeRO when sp_size > 1).
+        Loss-scaled (fp16) gradients give the scaled
         norm, as the clipping expects; ``unscaled`` divides it out for logging.
         """
         pairs = list(self._param_grads())
@@ -87,6 +88,10 @@ class GradNorm:
             share = (torch.stack(norms).double().square() * weights).sum()  # 0 * NaN is NaN: any rank votes
         if self.layout.tp_size > 1:
             dist.all_reduce(share, op=dist.ReduceOp.SUM, group=self.layout.tp_group)
+        # ZeRO shards over dp x sp: sp rank 0, the one the trainer's world sum counts, carries its peers' partitions.
+        # Without ZeRO every sp peer holds the same whole gradient, counted once through sp rank 0 alone.
+        if self.layout.sp_size > 1 and self._zero:
+            dist.all_reduce(share, op=dist.ReduceOp.SUM, group=self.layout.sp_group)
         return share
 
     def _weights(self, params: list[torch.nn.Parameter], device: torch.device) -> torch.Tensor:

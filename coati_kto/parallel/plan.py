@@ -42,14 +42,21 @@ def running_zero_stage(section: PluginSection, dp_size: int | None) -> int:
     return backend_class(section.name).running_zero_stage(section, dp_size)
 
 
-def check_tp_divides_world(tp_size: int, world: int) -> None:
+def check_tp_divides_world(tp_size: int, world: int, sp_size: int = 1) -> None:
     """ConfigError (one line; every rank raises it, rank 0 prints it) when ``world`` processes cannot form
-    tensor-parallel groups of ``tp_size``: ColossalAI's plugin asserts it later, a traceback on every rank."""
-    if world % tp_size:
+    tensor-parallel groups of ``tp_size`` times sequence-parallel groups of ``sp_size``: ColossalAI's plugin
+    asserts it later, a traceback on every rank."""
+    if world % (tp_size * sp_size) == 0:
+        return
+    if sp_size == 1:
         raise ConfigError(
             f"plugin.tp_size {tp_size} must divide the number of processes, {world}: launch a multiple of "
             f"{tp_size} (e.g. --nproc-per-node {tp_size}), or set plugin.tp_size=1"
         )
+    raise ConfigError(
+        f"plugin.tp_size {tp_size} x plugin.sp_size {sp_size} = {tp_size * sp_size} must divide the number of "
+        f"processes, {world}: launch a multiple of {tp_size * sp_size}"
+    )
 
 
 @dataclass(frozen=True)
@@ -60,13 +67,16 @@ class ParallelPlan:
     precision: Precision
     zero_stage: int
     tp_size: int = 1
+    # Sequence parallelism (all_to_all: each sp rank runs 1/sp_size of every row's columns); 1: off.
+    sp_size: int = 1
     cpu_offload: bool = False
     max_grad_norm: float = 0.0
     flash_attention: bool = False
     # Full class name of the policy model (model_class_name), when config.json tells it: picks the family's
     # tensor-parallel policy (``families.policies.corrected_policy``; at tp_size 1 one policy swaps nothing).
     model_class: str | None = None
-    # The data-parallel size the run has, when known (``from_config(config, dp_size)``); None: not known.
+    # The ranks each gradient is averaged over, when known (``from_config(config, dp_size)``): world / tp_size,
+    # which under all_to_all sequence parallelism is dp x sp (the plugin's gradient group); None: not known.
     dp_size: int | None = None
 
     # ---- construction -------------------------------------------------------------------------------------
@@ -89,6 +99,7 @@ class ParallelPlan:
             precision=section.precision,
             zero_stage=running_zero_stage(section, dp_size),
             tp_size=section.tp_size,
+            sp_size=section.sp_size,
             cpu_offload=section.cpu_offload,
             max_grad_norm=max_grad_norm,
             flash_attention=flash_attention,
@@ -117,6 +128,9 @@ class ParallelPlan:
             precision=getattr(plugin, "precision", "fp32"),
             zero_stage=int(stage),
             tp_size=int(getattr(plugin, "tp_size", 1) or 1),
+            sp_size=int(getattr(plugin, "sp_size", 1) or 1)
+            if getattr(plugin, "enable_sequence_parallelism", False)
+            else 1,
             max_grad_norm=float(getattr(plugin, "max_norm", 0.0) or 0.0),
         )
 

@@ -166,6 +166,22 @@ def sp_attention_name(inner: str) -> str:
     return SP_ATTENTION_PREFIX + inner
 
 
+def install_attention(model: torch.nn.Module) -> str:
+    """Make every attention layer of ``model`` (a transformers model, before the plugin wraps it) run the
+    ``coati_sp|`` wrapper around its kernel, persistently (activation-checkpoint recompute runs it too); returns
+    the wrapper's name. ValueError when the kernel is not one of :data:`SP_INNER_KERNELS`. Idempotent. The name
+    is not saved: transformers leaves ``_attn_implementation`` out of config.json."""
+    config = model.config
+    inner = inner_attention(getattr(config, "_attn_implementation", None))
+    if inner not in SP_INNER_KERNELS:
+        raise ValueError(
+            f"sequence parallelism wraps the attention kernels {SP_INNER_KERNELS}; {type(model).__name__} runs "
+            f"{inner!r} (set model.attn_implementation sdpa or eager)"
+        )
+    config._attn_implementation = sp_attention_name(inner)
+    return config._attn_implementation
+
+
 def inner_attention(name: str | None) -> str | None:
     """The kernel under a ``coati_sp|`` name, any other name unchanged: what code that asks "which kernel runs"
     (masks, packing) reads instead of ``config._attn_implementation``."""

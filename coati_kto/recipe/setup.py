@@ -145,10 +145,10 @@ def zero_note(plugin: PluginSection, plan: ParallelPlan) -> str | None:
 
 
 def _start_processes(config: Config) -> None:
-    """The process group (every rank), the tensor-parallel size checked against it before the data and the model
+    """The process group (every rank), the tensor- and sequence-parallel sizes checked against it before the data and the model
     load, and the run's seed."""
     init_distributed(timeout_s=config.train.dist_timeout)
-    check_tp_divides_world(config.plugin.tp_size, dist.get_world_size())
+    check_tp_divides_world(config.plugin.tp_size, dist.get_world_size(), config.plugin.sp_size)
     seed_everything(config.train.seed)
 
 
@@ -174,12 +174,15 @@ def _refuse_changed_contents(config: Config, checkpoints: Path) -> None:
 
 def _build_run(config: Config, out_dir: Path, run_data: RunData) -> Run:
     """The plan and plugin for this world, the loaders by data-parallel rank and the KTO weights of this layout."""
+    # The plan's dp_size is the gradient group's (ZeRO's shards, DDP's replicas): dp x sp under all_to_all.
     plan = ParallelPlan.from_config(config, dp_size=dist.get_world_size() // config.plugin.tp_size)
     plugin = plan.backend.build_plugin()
     layout = ParallelLayout.from_plugin(plugin)
     data = run_data.data
     rows = padding_free_rows(config.data, config.model)
-    collator = KTOCollator(run_data.pad, config.data.pad_to_multiple_of, rows)
+    # Sequence-parallel peers read the same micro-batch (the loaders go by dp rank) and keep their own slice.
+    sequence = (layout.sp_size, layout.sp_rank) if layout.sp_size > 1 else None
+    collator = KTOCollator(run_data.pad, config.data.pad_to_multiple_of, rows, sequence)
     train_loader, eval_loader = build_loaders(
         data, config.train, config.data.group_by_length, layout, collator
     )

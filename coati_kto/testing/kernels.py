@@ -65,6 +65,7 @@ _COPY_OPS = {"_to_copy", "copy_", "clone", "_copy_from", "_copy_from_and_resize"
 # (part of a file path, function name or None) -> context; the innermost frame that matches decides.
 _PLACES: tuple[tuple[str, str | None, str], ...] = (
     ("/torch/utils/data/", None, HOST),
+    ("coati_kto/data/packed", "pad_columns", ATTENTION),  # flex's block padding, on the device in a pass
     ("coati_kto/data/", None, HOST),
     ("/torch/autograd/__init__", "_make_grads", LOSS),  # the backward's seed (a ones_like of the loss)
     ("/torch/optim/", None, OPTIMIZER),
@@ -81,7 +82,6 @@ _PLACES: tuple[tuple[str, str | None, str], ...] = (
     ("coati_kto/models/packing", "_additive_mask", ATTENTION),
     ("coati_kto/models/packing", "_flex_mask", ATTENTION),
     ("coati_kto/models/packing", "build", ATTENTION),
-    ("coati_kto/models/packing", "_pad_columns", ATTENTION),
     ("/transformers/masking", None, ATTENTION),
     ("/transformers/", None, MODEL),
     ("/peft/", None, MODEL),

@@ -141,6 +141,7 @@ class CheckpointManager:
             "world_size": self.layout.world_size,
             "dp_size": self.layout.dp_size,
             "tp_size": self.layout.tp_size,
+            "sp_size": self.layout.sp_size,
         }
 
     def _prune(self, keep: Path) -> None:
@@ -194,11 +195,15 @@ class CheckpointManager:
         self.booster.load_model(model, str(path / "model"))
         self.booster.load_optimizer(optimizer, str(path / "optimizer"))
         self.booster.load_lr_scheduler(lr_scheduler, str(path / "lr_scheduler.pt"))
-        same_layout = all(meta.get(k) == v for k, v in self._layout_meta().items())
+        # sp_size is absent from checkpoints written before sequence parallelism: they ran at sp_size 1.
+        same_layout = all(
+            meta.get(k, 1 if k == "sp_size" else None) == v for k, v in self._layout_meta().items()
+        )
         master_file = path / "master_weights" / f"rank-{rank}.pt"
         if same_layout and master_file.is_file():
             masters = torch.load(master_file, map_location="cpu")
-            _restore_masters(model, optimizer, masters, whole=self.layout.dp_size == 1)
+            # whole: one gradient replica (ZeRO's group is dp x sp under sequence parallelism)
+            _restore_masters(model, optimizer, masters, whole=self.layout.gradient_replicas == 1)
         elif _master_shards(model, optimizer):
             logger.warning(
                 "rank %d: fp32 master weights rebuilt from the model checkpoint (layout changed)", rank

@@ -246,9 +246,10 @@ class KTOTrainer(SLTrainer):
         local, kl_local = sums.local_tensors()
         local[_GRAD_SQ] = self._grad_norm.local_share()
         # The step's one collective and host sync: "nonfinite", the norm and stop keys are the votes; z0 rides along.
-        # Under tensor parallelism over the world: tp peers share batch and sums, so tp rank 0 alone adds them.
-        tp = self.layout.tp_size > 1
-        group, counted = (None, self.layout.tp_rank == 0) if tp else (self.layout.dp_group, True)
+        # Under tensor or sequence parallelism over the world: tp and sp peers share batch and sums, so the rank 0
+        # of both groups alone adds them (a row counts once; the norm's share is already summed over tp and sp).
+        peers = self.layout.tp_size > 1 or self.layout.sp_size > 1
+        group, counted = (None, self.layout.counts_sums) if peers else (self.layout.dp_group, True)
         totals = reduce_sums(local, group, kl_local, self.stop_signals.vote(), counted)
         kl = {k: totals.pop(k) for k in kl_local} if kl_local else None
         self._stop_signal = decide(totals)

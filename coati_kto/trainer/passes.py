@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from coati_kto.data.batch import KTOBatch, TokenCounts, TokenView
+from coati_kto.data.batch import KTOBatch, RowSlice, TokenCounts, TokenView
 from coati_kto.data.packed import count_tokens
 from coati_kto.models.continuation import (
     continued_kl_logps,
@@ -36,6 +36,7 @@ from coati_kto.models.lm_head import LMHead, model_sequence_logps
 from coati_kto.models.logit_means import LogitMeans, recording
 from coati_kto.models.packing import can_pack, example_tokens, packed_logps, padded_logps, pair_logps
 from coati_kto.models.router import RouterLoss
+from coati_kto.models.sequence_packing import sp_packed_logps
 from coati_kto.parallel.distributed import mean_over_group
 from coati_kto.parallel.plan import ParallelPlan
 from coati_kto.trainer.loss import estimate_kl_raw, preference_loss
@@ -81,6 +82,7 @@ class KTOPasses:
                 self.plan.backend.forward_collectives,
                 self.plan.tp_size,
                 self.options.apply_loss_mask,
+                self.plan.sp_size,
             )
         return self._rules
 
@@ -351,6 +353,12 @@ class KTOPasses:
         rows = plan.rows(batch, kl)
         if rows is None:
             return self._sequence_logps(model, batch.kl if kl else batch.example)
+        if isinstance(rows, RowSlice):  # this rank's columns; one sum over the sp group per pass
+            # sp: undo the plugin's average over dp x sp (every sp rank holds the same loss; plan §2c)
+            example, kl_logps = sp_packed_logps(
+                model, self._lm_head(model), rows, len(batch), self.plan.sp_size
+            )
+            return kl_logps if kl else example
         if not can_pack(model):
             raise RuntimeError(
                 "data.padding_free: this model cannot take packed rows (it needs eager, sdpa or flex attention, "

@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from coati_kto.data.batch import KTOBatch, PackedRows
+from coati_kto.data.batch import KTOBatch, PackedRows, RowSlice
 from coati_kto.models.continuation import can_continue
 from coati_kto.models.lora import AdapterFreeReference
 from coati_kto.models.packing import can_pack
@@ -64,8 +64,9 @@ class ScoringPlan:
         """Whether the policy's KL log-probs come with its gradient pass (z0 then waits for that forward)."""
         return self.z0 == "after_forward"
 
-    def rows(self, batch: KTOBatch, kl: bool) -> PackedRows | None:
-        """The padding-free rows the plan runs the examples' or (``kl``) the KL pairs' pass on, else None."""
+    def rows(self, batch: KTOBatch, kl: bool) -> PackedRows | RowSlice | None:
+        """The padding-free rows the plan runs the examples' or (``kl``) the KL pairs' pass on (this rank's slice
+        of them under sequence parallelism), else None."""
         if kl:
             return batch.kl_rows if self.kl_rows else None
         return batch.example_rows if self.example_rows else None
@@ -83,6 +84,9 @@ class ScoringRules:
     continues: the KL passes may continue from the examples' KV cache (``kl_continuation``, the loss mask on,
         no collectives in the forward, tp_size 1, policy and reference models that
         :func:`~coati_kto.models.continuation.can_continue`).
+
+    Under sequence parallelism (``sp_size`` > 1) every pass runs on the collator's sliced rows: nothing packs
+    the shared prompt (the pairs layout is not sliced) and nothing continues (its cache would hold one slice).
     pack_reference: the reference's example and KL pair share one pass (``pack_reference``, the loss mask on).
     reference_packs: the reference's shared-prompt pass is one packed row (else it falls back to two passes).
     padding_free: the collator's padding-free rows may be used (the loss mask on: rows score completions only).
@@ -107,11 +111,13 @@ class ScoringRules:
         forward_collectives: bool,
         tp_size: int,
         apply_loss_mask: bool,
+        sp_size: int = 1,
     ) -> ScoringRules:
         """The rules of a KTOTrainer's passes (``options``: its KTOOptions; ``forward_collectives``: the backend's
         forward holds collectives, torch DDP)."""
         needs_kl = options.needs_kl
-        packs = needs_kl and options.pack_policy and apply_loss_mask and can_pack(policy)
+        whole = sp_size == 1  # every sequence-parallel pass runs on the sliced rows
+        packs = needs_kl and options.pack_policy and apply_loss_mask and can_pack(policy) and whole
         models = [policy] + ([reference] if reference is not None else [])
         continues = (
             needs_kl
@@ -119,9 +125,10 @@ class ScoringRules:
             and apply_loss_mask
             and not forward_collectives
             and tp_size == 1
+            and whole
             and all(can_continue(model) for model in models)
         )
-        pack_reference = needs_kl and options.pack_reference and apply_loss_mask
+        pack_reference = needs_kl and options.pack_reference and apply_loss_mask and whole
         if reference is None:
             reference_model: ReferenceModel = "none"
         else:
@@ -204,8 +211,11 @@ class ScoringRules:
             return "continued"
         return "packed" if self.pack_reference else "separate"
 
-    def _uses_rows(self, rows: PackedRows | None, batch: KTOBatch) -> bool:
+    def _uses_rows(self, rows: PackedRows | RowSlice | None, batch: KTOBatch) -> bool:
         """Whether a pass runs on the collator's padding-free ``rows``: only with the loss mask, and only where
         they are fewer than the batch's rows. Bins of one document each are the padded rows again: the padded
-        pass is the same work, with the model's own mask (rows are counted on the host, nothing read back)."""
+        pass is the same work, with the model's own mask (rows are counted on the host, nothing read back).
+        A sequence-parallel slice always runs (the padded view is not split)."""
+        if isinstance(rows, RowSlice):
+            return True
         return rows is not None and self.padding_free and rows.input_ids.shape[0] < len(batch)

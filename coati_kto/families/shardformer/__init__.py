@@ -30,6 +30,15 @@ TENSOR_PARALLEL_FAMILIES: dict[str, tuple[str, str, tuple[int, ...]]] = {
     "Qwen3_5ForConditionalGeneration": ("qwen3_5", "Qwen35ForConditionalGenerationPolicy", (2,)),
 }
 
+# Classes admitted under all_to_all sequence parallelism, with their proven sp sizes (plugin.sp_size > 1): the
+# attention wrapper of coati_kto.parallel.sequence changes no layer, so a class needs only the proof
+# (tests/distributed/test_sequence_parallel.py: sp 2 == sp 1 per-row log-probs and gradients; the training runs of
+# test_sequence_parallel_train.py for Llama). Qwen 3.5's linear-attention layers recur over the whole sequence and
+# take no packed rows: never here.
+SEQUENCE_PARALLEL_FAMILIES: dict[str, tuple[int, ...]] = {
+    "LlamaForCausalLM": (2,),
+}
+
 # Classes whose tensor-parallel policy splits fused projections part by part (Phi-3's qkv_proj, gate_up_proj;
 # Qwen 3.5's linear-attention in_proj_qkv and conv1d):
 # ColossalAI 0.5.0's checkpoint gathers their optimizer moments rank after rank ([q0 k0 v0 | q1 k1 v1]), not in
@@ -66,6 +75,19 @@ def tensor_parallel_refusal(architecture: str, tp_size: int) -> str | None:
         return f"{architecture} has no tensor-parallel policy (plugin.tp_size {tp_size})"
     if tp_size not in entry[2]:
         return f"{architecture} is not supported at plugin.tp_size {tp_size}"
+    return None
+
+
+def sequence_parallel_refusal(architecture: str, sp_size: int) -> str | None:
+    """Why ``architecture`` cannot run at ``sp_size`` sequence-parallel ranks (one line), or None when admitted."""
+    if sp_size <= 1:
+        return None
+    proven = SEQUENCE_PARALLEL_FAMILIES.get(architecture)
+    if proven is None or sp_size not in proven:
+        admitted = ", ".join(
+            f"{k} (sp_size {', '.join(map(str, v))})" for k, v in SEQUENCE_PARALLEL_FAMILIES.items()
+        )
+        return f"{architecture} is not proven at plugin.sp_size {sp_size} (sequence parallelism: {admitted})"
     return None
 
 

@@ -90,9 +90,12 @@ class DecoderPolicy(Policy):
 
     def config_sanity_check(self) -> None:
         config = self.shard_config
-        if config.pipeline_stage_manager is not None or config.enable_sequence_parallelism:
+        # all_to_all sequence parallelism changes no module here: the parallel backend wraps the attention kernel.
+        other_sp = config.enable_sequence_parallelism and config.sequence_parallelism_mode != "all_to_all"
+        if config.pipeline_stage_manager is not None or other_sp:
             raise ValueError(
-                f"{type(self).__name__} supports tensor parallelism only (no pipeline / sequence parallelism)"
+                f"{type(self).__name__} supports tensor parallelism and all_to_all sequence parallelism only (no "
+                "pipeline parallelism, no other sequence-parallel mode)"
             )
 
     def preprocess(self) -> nn.Module:

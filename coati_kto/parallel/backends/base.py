@@ -35,6 +35,7 @@ class Settings(Protocol):
     precision: str
     zero_stage: int
     tp_size: int
+    sp_size: int
     cpu_offload: bool
     max_grad_norm: float
     model_class: str | None

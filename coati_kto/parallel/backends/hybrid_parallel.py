@@ -11,9 +11,12 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from coati_kto.families import refuse_unadmitted
+from coati_kto.errors import ConfigError
 from coati_kto.families.policies import corrected_policy
+from coati_kto.families.shardformer import sequence_parallel_refusal
+from coati_kto.families.splits import refuse_unadmitted
 from coati_kto.parallel.backends.base import ParallelBackend
+from coati_kto.parallel.sequence import SEQUENCE_GROUP, install_attention
 from coati_kto.parallel.upstream.cpu import plugin_overrides
 
 if TYPE_CHECKING:
@@ -39,6 +42,10 @@ class HybridParallelBackend(ParallelBackend):
       save of a padded vocabulary and its tensor-parallel partition check are fixed in ``upstream.fixes``).
     - It refuses a model class its tensor-parallel policies do not prove at ``tp_size`` (config load checks
       config.json; ``prepare_policy`` and ``place_reference`` check the class a hub id builds).
+    - Sequence parallelism (``sp_size`` > 1, all_to_all): the plugin builds the sp groups and averages gradients
+      over dp x sp; none of its sequence-parallel forwards run (they are written for transformers 4.51). The
+      policy and the reference get the ``coati_sp|`` attention wrapper instead (``coati_kto.parallel.sequence``),
+      whose group ``build_plugin`` sets, and the passes feed each rank its slice of the rows.
     """
 
     name = "hybrid_parallel"
@@ -70,9 +77,14 @@ class HybridParallelBackend(ParallelBackend):
         from colossalai.booster.plugin import HybridParallelPlugin
 
         plan = self.plan
-        return HybridParallelPlugin(
+        sequence = plan.sp_size > 1
+        plugin = HybridParallelPlugin(
             tp_size=plan.tp_size,
             pp_size=1,
+            sp_size=plan.sp_size,
+            enable_sequence_parallelism=sequence,
+            # all_to_all: its own sp axis (config load refuses the other modes).
+            sequence_parallelism_mode="all_to_all" if sequence else None,
             precision=plan.precision,
             zero_stage=plan.zero_stage,
             max_norm=plan.max_grad_norm,
@@ -85,12 +97,16 @@ class HybridParallelBackend(ParallelBackend):
             custom_policy=corrected_policy(plan.model_class, plan.tp_size),
             **plugin_overrides(),
         )
+        # The attention wrapper's group (one per process); None clears one a previous run in this process set.
+        SEQUENCE_GROUP.set(plugin.sp_group if sequence else None)
+        return plugin
 
     def prepare_policy(self, booster: Any, policy: nn.Module) -> None:
         """The class config.json could not tell (a hub id) is known now: refused unless admitted at tp_size,
         else its policy replaces the one ``build_plugin`` chose (the plugin has not wrapped the model yet)."""
         model_class = class_name(policy)
         refuse_unadmitted(model_class, self.plan.tp_size, "model.path: ")
+        self._sequence_attention(policy, model_class, "model.path: ")
         booster.plugin.custom_policy = corrected_policy(model_class, self.plan.tp_size)
 
     def ddp_settings(self, plugin: Any) -> dict[str, Any]:
@@ -104,6 +120,7 @@ class HybridParallelBackend(ParallelBackend):
 
         reference_class = f"{type(model).__module__}.{type(model).__qualname__}"
         refuse_unadmitted(reference_class, self.plan.tp_size, "model.reference_path: ")
+        self._sequence_attention(model, reference_class, "model.reference_path: ")
         return HybridParallelModule(
             model,
             precision=plugin.precision,
@@ -115,3 +132,15 @@ class HybridParallelBackend(ParallelBackend):
             ddp_config={},
             custom_policy=corrected_policy(reference_class, self.plan.tp_size),
         )
+
+    def _sequence_attention(self, model: nn.Module, model_class: str, prefix: str) -> None:
+        """Under sequence parallelism: ``model`` (the bare transformers model, or a LoRA PeftModel) refused unless its
+        class is proven at sp_size, else its attention wrapped (``coati_kto.parallel.sequence.install_attention``)."""
+        sp = self.plan.sp_size
+        if sp <= 1:
+            return
+        why = sequence_parallel_refusal(model_class.rsplit(".", 1)[-1], sp)
+        if why is not None:
+            raise ConfigError(f"{prefix}{why}")
+        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+        install_attention(inner)

@@ -188,7 +188,7 @@ def test_tp_size_must_split_whole_heads(tmp_path: Path) -> None:
 def test_tp_size_must_split_every_head_count_gemma4_and_qwen3_5_have() -> None:
     """Gemma 4's full layers (their own key-value heads when values are keys), its MoE variant, and Qwen 3.5's
     linear-attention heads are checked from config.json at load, in one line each."""
-    from coati_kto.families import tensor_parallel_shape_refusal
+    from coati_kto.families.splits import tensor_parallel_shape_refusal
 
     gemma4 = {"num_attention_heads": 8, "num_key_value_heads": 4, "attention_k_eq_v": True}
     assert tensor_parallel_shape_refusal({**gemma4, "num_global_key_value_heads": 2}, 2) is None

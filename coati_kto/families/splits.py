@@ -1,0 +1,109 @@
+"""Which parallel splits a model admits, from its class and config.json: tensor parallelism (the classes
+``shardformer.TENSOR_PARALLEL_FAMILIES`` proves, whole query and key-value heads per rank) and all_to_all
+sequence parallelism (``shardformer.SEQUENCE_PARALLEL_FAMILIES``, heads split over tp x sp ranks). Called by the
+config schema at load and by the hybrid-parallel backend for a class only loading tells (a hub id)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from coati_kto.errors import ConfigError
+from coati_kto.families import _config_json, encoder_refusal, model_class_name
+from coati_kto.families.shardformer import (
+    sequence_parallel_refusal,
+    supported_summary,
+    tensor_parallel_refusal,
+)
+from coati_kto.families.unproven import unproven_refusal
+
+
+def check_model_family(model_dir: str, key: str, tp_size: int = 1) -> None:
+    """ConfigError (one line) when the model at ``model_dir`` is an encoder or fails the family sweep
+    (``unproven.UNPROVEN_TYPES``; any plugin), or when its class is not admitted at ``tp_size`` tensor-parallel
+    ranks (every class at tp_size 1; above it ``shardformer.TENSOR_PARALLEL_FAMILIES``: what the tests prove).
+    Checked from config.json alone; a class it cannot tell (hub id, remote code) is checked at boost."""
+    raw = _config_json(model_dir) or {}
+    if (why := encoder_refusal(raw) or unproven_refusal(raw)) is not None:
+        raise ConfigError(f"{key} {model_dir}: {why}")
+    if tp_size <= 1:
+        return
+    name = model_class_name(model_dir)
+    if name is None:
+        return
+    refuse_unadmitted(name, tp_size, f"{key} {model_dir}: ")
+    why = tensor_parallel_shape_refusal(_config_json(model_dir) or {}, tp_size)
+    if why is not None:
+        raise ConfigError(f"{key} {model_dir}: {why}")
+
+
+# Head counts a tensor-parallel split divides (Gemma 4's full layers: num_global_key_value_heads when values are
+# keys; Qwen 3.5's linear-attention layers: linear_num_*_heads).
+SPLIT_HEADS = (
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_global_key_value_heads",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+)
+
+
+def tensor_parallel_shape_refusal(raw: dict[str, Any], tp_size: int) -> str | None:
+    """Why a model of config.json ``raw`` cannot be split over ``tp_size`` tensor-parallel ranks (None when it
+    can): each rank must hold whole query heads and whole key-value heads (the project's policies split q/k/v
+    by output rows and keep transformers' attention, which reshapes by ``head_dim``). Gemma 3 270M / 1B and
+    SmolLM2 135M / 360M have one or an odd number of key-value heads: tp_size 2 cannot split them."""
+    if tp_size <= 1:
+        return None
+    text = {**raw, **(raw.get("text_config") or {})}
+    if text.get("enable_moe_block"):  # Gemma 4 26B-A4B: its experts have no tensor-parallel split
+        return "Gemma 4 with enable_moe_block has no tensor-parallel policy: use plugin.tp_size 1"
+    named = uneven_heads(raw, tp_size)
+    if named is None:
+        return None
+    return f"plugin.tp_size {tp_size} must divide {named} (each tensor-parallel rank holds whole heads): use plugin.tp_size 1"
+
+
+def uneven_heads(raw: dict[str, Any], ways: int) -> str | None:
+    """The head counts of config.json ``raw`` that ``ways`` does not divide, named with the query and key-value
+    counts (e.g. ``num_attention_heads 4 and num_key_value_heads 1``), or None when it divides them all."""
+    text = {**raw, **(raw.get("text_config") or {})}
+    counts = {name: text.get(name) for name in SPLIT_HEADS}
+    counts["num_key_value_heads"] = counts["num_key_value_heads"] or counts["num_attention_heads"]
+    if not text.get("attention_k_eq_v"):  # Gemma 4 reads num_global_key_value_heads only then
+        counts.pop("num_global_key_value_heads")
+    for layer, overrides in (text.get("per_layer_config") or {}).items():  # Gemma 4's full layers
+        counts[f"layer {layer}'s num_key_value_heads"] = (overrides or {}).get("num_key_value_heads")
+    counts = {k: v for k, v in counts.items() if isinstance(v, int)}
+    if not any(v % ways for v in counts.values()):
+        return None
+    return " and ".join(f"{k} {v}" for k, v in counts.items() if v % ways or k in SPLIT_HEADS[:2])
+
+
+def check_sequence_parallel_family(model_dir: str, key: str, tp_size: int, sp_size: int) -> None:
+    """ConfigError (one line) when the model at ``model_dir`` cannot run at ``sp_size`` all_to_all ranks: its class
+    unproven there (``shardformer.SEQUENCE_PARALLEL_FAMILIES``), or head counts tp_size x sp_size does not
+    divide (each sp rank takes 1/sp of a tensor-parallel rank's query and key-value heads). From config.json
+    alone; a class it cannot tell (hub id) is checked when the plugin is built."""
+    name = model_class_name(model_dir)
+    if name is None:
+        return
+    why = sequence_parallel_refusal(name.rsplit(".", 1)[-1], sp_size)
+    named = uneven_heads(_config_json(model_dir) or {}, tp_size * sp_size)
+    if why is None and named is not None:
+        why = (
+            f"plugin.tp_size {tp_size} x plugin.sp_size {sp_size} must divide {named} (all_to_all gives each "
+            "rank whole heads)"
+        )
+    if why is not None:
+        raise ConfigError(f"{key} {model_dir}: {why}")
+
+
+def refuse_unadmitted(model_class: str, tp_size: int, prefix: str = "") -> None:
+    """ConfigError unless ``model_class`` (a class name, bare or with its module) is admitted at ``tp_size``
+    tensor-parallel ranks."""
+    why = tensor_parallel_refusal(model_class.rsplit(".", 1)[-1], tp_size)
+    if why is not None:
+        raise ConfigError(
+            f"{prefix}{why} (tensor parallelism: {supported_summary()}); plugin.tp_size 1 runs every family "
+            "without a tensor-parallel policy"
+        )
