@@ -131,7 +131,9 @@ def test_sp2_logs_the_sp1_metrics(runs: dict[str, Path]) -> None:
 
 def test_sp2_step1_rewards_and_kl_are_exactly_zero(runs: dict[str, Path]) -> None:
     metrics = _metrics(runs["sp2"])
-    at_step1 = {tag: dict(values).get(1) for tag, values in metrics.items() if tag.startswith("train/rewards")}
+    at_step1 = {
+        tag: dict(values).get(1) for tag, values in metrics.items() if tag.startswith("train/rewards")
+    }
     assert at_step1 and all(v == 0.0 for v in at_step1.values()), at_step1
     assert dict(metrics["train/kl"])[1] == 0.0
 
