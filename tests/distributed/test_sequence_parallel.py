@@ -21,6 +21,17 @@ ATTENTION_CASES = (("eager", False), ("sdpa", False), ("sdpa", True))
 # (kernel, chunked head: else the model's logits)
 LOGPS_CASES = (("sdpa", True), ("sdpa", False), ("eager", True))
 LOGPS_BATCH = 3  # KTO rows in _packed_rows
+# The classes SEQUENCE_PARALLEL_FAMILIES admits besides Llama (which the cases above and the training runs prove):
+# sliding windows (Mistral; Gemma 3 per layer type), per-head q/k norms (Qwen3, Gemma 3), no-rope layers (SmolLM3),
+# the logits path of a scaled head (Gemma 3). Phi-3, Olmo 3 and Gemma 4 take no packed rows (no chunked head or no
+# set of 4D masks for their layers), so data.padding_free, which sp needs, refuses them first.
+SP_FAMILIES = {
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+}
 
 
 def _slice(length: int, rank: int) -> slice:
@@ -96,8 +107,7 @@ def _packed_rows(pad: bool = True, longer: int = 0) -> Any:
     multiple of sp with the project's padding columns (the pad path runs); ``pad`` False: the 25 columns. ``longer``: completions that many tokens longer ([3, 31]
     unpadded at 6)."""
     from coati_kto.data.collator import KTOCollator
-    from coati_kto.data.packed import plan_rows
-    from coati_kto.models.packing import _pad_columns
+    from coati_kto.data.packed import pad_columns, plan_rows
 
     gen = torch.Generator().manual_seed(3)
     ids = lambda n: torch.randint(3, 200, (n,), generator=gen).tolist()  # noqa: E731
@@ -115,7 +125,7 @@ def _packed_rows(pad: bool = True, longer: int = 0) -> Any:
     batch = KTOCollator(0)(features)
     rows = plan_rows(batch.example, batch.kl, "bins")
     assert rows.input_ids.shape[1] % SP == 1  # the pad path
-    return _pad_columns(rows, SP) if pad else rows
+    return pad_columns(rows, SP) if pad else rows
 
 
 def _tiny_llama(**config: Any) -> Any:
@@ -239,16 +249,20 @@ def _scored(model: Any, score: Any, weights: torch.Tensor) -> tuple[Any, ...]:
     return example.detach(), kl, recorder.sums, recorder.tokens, grads
 
 
-def _one_logps_case(rows: Any, group: Any, rank: int, kernel: str, use_head: bool) -> dict[str, Any]:
-    """packed_logps on the whole rows (one process, sp=1) against sp_packed_logps on this rank's slice."""
+def _one_logps_case(
+    rows: Any, group: Any, rank: int, kernel: str, use_head: bool, model: Any = None
+) -> dict[str, Any]:
+    """packed_logps on the whole rows (one process, sp=1) against sp_packed_logps on this rank's slice, of
+    ``model`` (default: the tiny Llama)."""
     import torch.distributed as dist
 
+    from coati_kto.data.packed import slice_rows
     from coati_kto.models.lm_head import LMHead
     from coati_kto.models.packing import packed_logps
-    from coati_kto.models.sequence_packing import slice_rows, sp_packed_logps
+    from coati_kto.models.sequence_packing import sp_packed_logps
     from coati_kto.parallel.sequence import SEQUENCE_GROUP, sp_attention_name
 
-    model = _tiny_llama()
+    model = _tiny_llama() if model is None else model
     head = LMHead.find(model) if use_head else None
     weights = torch.randn(LOGPS_BATCH, generator=torch.Generator().manual_seed(5))
     model.config._attn_implementation = kernel
@@ -279,8 +293,9 @@ def _logps_checks(group: Any, rank: int) -> dict[str, Any]:
     """Plan step 5: the local head and the per-row reduction on pairs rows [3, 31] (longer completions; padded to
     32 by slice_rows), where rows' documents and scored tokens straddle the split at column 16; and the refusal
     of a model without the wrapper."""
+    from coati_kto.data.packed import slice_rows
     from coati_kto.models.lm_head import LMHead
-    from coati_kto.models.sequence_packing import slice_rows, sp_packed_logps
+    from coati_kto.models.sequence_packing import sp_packed_logps
     from coati_kto.parallel.sequence import SEQUENCE_GROUP
 
     rows = _packed_rows(pad=False, longer=6)
@@ -305,6 +320,51 @@ def _logps_checks(group: Any, rank: int) -> dict[str, Any]:
     except ValueError as err:
         out["unwrapped"] = str(err)
     return out
+
+
+def _families_worker() -> dict[str, Any]:
+    """:func:`_one_logps_case`'s comparison for each of :data:`SP_FAMILIES`' tiny models (sdpa, their own head:
+    the chunked one where the family's logits are ``lm_head(hidden)``, else the model's logits)."""
+    import torch.distributed as dist
+    from helpers import CORPUS
+
+    from coati_kto.models.lm_head import LMHead
+    from coati_kto.testing.tiny import build_family_model, build_tokenizer
+
+    tokenizer = build_tokenizer(CORPUS[:20], vocab_size=280)
+    group, rank = dist.new_group([0, 1]), dist.get_rank()
+    rows = _packed_rows(pad=False, longer=6)
+    out = {}
+    for family in SP_FAMILIES:
+        model = build_family_model(family, tokenizer).float()
+        model.config._attn_implementation = "sdpa"
+        head = LMHead.find(model)
+        out[family] = {
+            **_one_logps_case(rows, group, rank, "sdpa", head is not None, model),
+            "head": head is not None,
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def families() -> list[dict[str, Any]]:
+    return run_distributed(_families_worker, SP)
+
+
+@pytest.mark.parametrize("family", list(SP_FAMILIES))
+def test_sp_packed_logps_equal_one_process_per_family(families, family) -> None:
+    """Each admitted family's tiny model: sp 2 per-row example and KL log-prob sums, logit means and parameter
+    gradients equal one process's within 1e-5, as for Llama (test_sp_packed_logps_equal_one_process)."""
+    from coati_kto.families.shardformer import SEQUENCE_PARALLEL_FAMILIES
+
+    for result in families:
+        numbers = result[family]
+        assert min(numbers["sizes"]) > 1.0 and numbers["grad_size"] > 1e-3, numbers
+        assert numbers["example"] < 1e-5 and numbers["kl"] < 1e-5, numbers
+        assert numbers["means"] < 1e-5 and numbers["tokens"], numbers
+        assert numbers["grad_relative"] < 1e-5, numbers
+        assert numbers["params"]
+    assert SEQUENCE_PARALLEL_FAMILIES[SP_FAMILIES[family]] == (2,)
 
 
 @pytest.fixture(scope="module")
