@@ -153,3 +153,40 @@ def test_token_counts_equal_the_rows_by_hand(rows: list[tuple], padding_free: st
     else:  # each row: its prompt but the last token cached; that token and the KL completion run
         assert counts.continuation_visible == sum(len(r[0]) - 1 for _, r in real)
         assert counts.continuation == sum(1 + len(r[2]) for _, r in real)
+
+
+@pytest.mark.parametrize("layout", ["one", "bins"])
+def test_sequence_parallel_ranks_split_each_pass_rows_targets_between_them(layout: str) -> None:
+    """``sequence=(2, rank)``: both ranks hold the same whole rows (widened to an even width with padding columns,
+    each its own document), rank r the columns [r L/2, (r+1) L/2), and every scored target on exactly one rank, its
+    column relative to the slice; the padded views, labels and pairs are those of the unsliced batch."""
+    features = [
+        row([1, 2, 3], [4, 5], [6], True, 0),
+        row([8], [9, 10, 11, 12], [13, 14, 15, 16, 17], False, 1),
+        row([20, 21], [22], [23, 24], True, 2),
+    ]
+    whole = KTOCollator(0, padding_free=layout)(features)
+    ranks = [KTOCollator(0, padding_free=layout, sequence=(2, r))(features) for r in (0, 1)]
+    for kl in (False, True):
+        rows = whole.kl_rows if kl else whole.example_rows
+        pieces = [b.kl_rows if kl else b.example_rows for b in ranks]
+        width = pieces[0].rows.input_ids.shape[1]
+        assert width % 2 == 0 and width - rows.input_ids.shape[1] in (0, 1)
+        assert torch.equal(pieces[0].rows.input_ids, pieces[1].rows.input_ids)
+        assert [(p.start, p.stop) for p in pieces] == [(0, width // 2), (width // 2, width)]
+        want = rows.kl if kl else rows.example
+        got = [p.kl if kl else p.example for p in pieces]
+        # every target once: global columns rebuilt from the slices' local ones, in the whole batch's order
+        merged = sorted(
+            (int(o), int(r), int(c) + p.start, int(i))
+            for p, t in zip(pieces, got, strict=True)
+            for o, r, c, i in zip(t.owner, t.rows, t.cols, t.ids, strict=True)
+        )
+        assert merged == sorted(
+            zip(*(x.tolist() for x in (want.owner, want.rows, want.cols, want.ids)), strict=True)
+        )
+        assert all(bool((t.cols < width // 2).all()) for t in got)
+    assert torch.equal(ranks[1].example.input_ids, whole.example.input_ids)
+    assert torch.equal(ranks[1].pairs.input_ids, whole.pairs.input_ids)
+    with pytest.raises(ValueError, match="padding_free must be set"):
+        KTOCollator(0, sequence=(2, 0))
