@@ -1,4 +1,4 @@
-"""``coati-kto`` (also ``python -m coati_kto``): prepare | inspect | train | precompute | export | config |
+"""``coati-kto`` (also ``python -m coati_kto``): prepare | inspect | train | precompute | export | plan | config |
 tiny-model; ``--version``.
 
 User mistakes (UserError) print one ``error:`` line and exit 2, with no traceback.
@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from coati_kto.errors import PUSH_FAILED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError
@@ -55,12 +56,9 @@ def _parser() -> argparse.ArgumentParser:
         "--nproc-per-node", type=int, default=None, help="launch this many local processes with torchrun"
     )
     # ---- end precompute
-    p = command(
-        "export",
-        "Write a checkpoint of the run as a Hugging Face model (as training does at its end), e.g. to evaluate "
-        "a run part-way; output.dir is only read.",
-    )
-    _export_options(p)
+    export = "Write a checkpoint of the run as a Hugging Face model (as training does at its end), e.g. to evaluate "
+    _export_options(command("export", export + "a run part-way; output.dir is only read."))
+    _plan_command(command)
     p = sub.add_parser(
         "config",
         help="Print the resolved config (every default filled in), or with --schema every key.",
@@ -104,6 +102,18 @@ def _export_options(p: argparse.ArgumentParser) -> None:
         default=None,
         help="launch this many local processes with torchrun (the checkpoint's layout: exact fp32 masters)",
     )
+
+
+def _plan_command(command: Callable[[str, str], argparse.ArgumentParser]) -> None:
+    """``coati-kto plan`` and its own options: the cluster it plans for."""
+    p = command(
+        "plan",
+        "Per-rank memory of the configured layout (weights, gradients, optimizer states, reference, "
+        "activations, buffers) and the layouts that fit; reads the model's config.json only.",
+    )
+    p.add_argument("--gpus", type=int, default=None, help="GPUs in all (default: one data-parallel replica)")
+    p.add_argument("--gpu-memory", type=float, default=80.0, help="GiB per GPU (default: 80)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes the GPUs are spread over (default: 1)")
 
 
 def version_line() -> str:
@@ -242,6 +252,10 @@ def _run(args: argparse.Namespace) -> int:
         precompute(config)
     elif args.command == "export":
         return _export(args, config)
+    elif args.command == "plan":
+        from coati_kto.recipe.plan import plan_lines
+
+        print("\n".join(plan_lines(config, args.gpus, args.gpu_memory, args.nodes)))
     else:
         from coati_kto.recipe.train import train
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from coati_kto.config.load import save_config
@@ -35,6 +36,7 @@ from coati_kto.models.hf import attention_implementation
 from coati_kto.models.packing import padding_free_rows
 from coati_kto.parallel.distributed import ParallelLayout, init_distributed, on_rank0, seed_everything
 from coati_kto.parallel.plan import ParallelPlan, check_tp_divides_world
+from coati_kto.recipe.plan import predicted_peak_line
 from coati_kto.reference.settings import ReferenceSettings
 from coati_kto.reference.weights import reference_weights_digest
 from coati_kto.runtime.host_memory import keep_freed_memory
@@ -115,7 +117,16 @@ def setup_training(config: Config, heartbeat: Heartbeat | None) -> Run:
     zero = zero_note(config.plugin, run.plan)
     notes = (epoch_note, lock_note, run_data.pad_note, attention_note, zero, memory_note)
     _announce(config, run, notes)
+    if run.layout.is_main:  # the plan's peak for this layout (coati_kto.recipe.plan), not kept in the card
+        print(predicted_peak_line(config, run.layout.world_size, device_memory()), flush=True)
     return run
+
+
+def device_memory() -> int | None:
+    """Bytes of this rank's GPU; None on the CPU (no device-memory check there: the ranks share host memory)."""
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
 
 
 def setup_export(config: Config) -> Run:

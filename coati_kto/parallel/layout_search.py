@@ -1,0 +1,101 @@
+"""The layouts of a cluster that fit a model, best first: what ``coati-kto plan`` lists after the configured one.
+
+Candidates keep the configured plugin and precision and vary what that plugin can vary: the tensor-parallel
+size (hybrid_parallel: a divisor of the GPUs per node that splits the heads whole), the sequence-parallel size
+(where the schema has ``plugin.sp_size`` and the rows are padding-free), the ZeRO stage, and the micro-batch
+(from 2, the least that holds both labels, up to :data:`MAX_MICRO_BATCH`). A layout fits at a micro-batch when
+its predicted peak is at most :data:`USABLE_FRACTION` of the GPU's memory: the rest is the CUDA context, NCCL's
+buffers and the caching allocator's fragmentation.
+
+Best first (:data:`RULE`): the fewest ranks per model replica (tp x sp: their collectives run inside every
+layer), then the largest micro-batch that fits (fewer, fuller passes), then the lower ZeRO stage (fewer
+collectives per step), then the lower peak.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from coati_kto.parallel.activations import Workload
+from coati_kto.parallel.memory_plan import GIB, Layout, MemoryPlan, plan_memory
+from coati_kto.parallel.model_shape import ModelShape
+
+USABLE_FRACTION = 0.9
+MAX_MICRO_BATCH = 64
+MIN_MICRO_BATCH = 2  # train.micro_batch_size's least: each micro-batch holds both labels
+RULE = (
+    "best first: fewest ranks per replica (tp x sp), then the largest micro-batch that fits, then the lower ZeRO "
+    "stage, then the lower peak"
+)
+
+
+@dataclass(frozen=True)
+class Fit:
+    """A layout that fits, the largest micro-batch at which it does, and its plan at that micro-batch."""
+
+    layout: Layout
+    micro_batch: int
+    plan: MemoryPlan
+
+
+def usable_bytes(gpu_memory_gib: float) -> int:
+    return int(gpu_memory_gib * USABLE_FRACTION * GIB)
+
+
+def largest_micro_batch(shape: ModelShape, layout: Layout, work: Workload, budget: int) -> Fit | None:
+    """The largest micro-batch (MIN..MAX_MICRO_BATCH) whose peak is within ``budget`` bytes; None if not even
+    the least. The peak grows with the micro-batch, so a bisection finds it."""
+
+    def plan(batch: int) -> MemoryPlan:
+        return plan_memory(shape, layout, dataclasses.replace(work, micro_batch=batch))
+
+    if plan(MIN_MICRO_BATCH).peak > budget:
+        return None
+    low, high = MIN_MICRO_BATCH, MAX_MICRO_BATCH
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if plan(mid).peak <= budget else (low, mid - 1)
+    return Fit(layout, low, plan(low))
+
+
+def candidates(base: Layout, shape: ModelShape, gpus: int, per_node: int, sp_axis: bool) -> list[Layout]:
+    """Every layout of ``gpus`` GPUs (``per_node`` a node) the configured plugin ``base`` can run."""
+    tps = [1]
+    if base.plugin == "hybrid_parallel":
+        tps = [t for t in _divisors(per_node) if shape.heads % t == 0 and shape.kv_heads % t == 0]
+    stages = {"ddp": [0], "low_level_zero": [1, 2]}.get(base.plugin, [0, 1, 2])
+    if base.precision == "fp32" and base.plugin == "hybrid_parallel":
+        stages = [0]  # hybrid_parallel's ZeRO needs bf16 / fp16
+    out = []
+    for tp in tps:
+        sps = [s for s in _divisors(gpus // tp) if (shape.heads // tp) % s == 0] if sp_axis else [1]
+        for sp in sps:
+            dp = gpus // (tp * sp)
+            for stage in stages:
+                running = (
+                    0 if base.plugin == "hybrid_parallel" and dp * sp == 1 and not base.cpu_offload else stage
+                )
+                layout = Layout(base.plugin, base.precision, running, tp, dp, sp, base.cpu_offload)
+                if layout not in out and gpus % (tp * sp) == 0:
+                    out.append(layout)
+    return out
+
+
+def fitting_layouts(
+    shape: ModelShape, base: Layout, work: Workload, gpus: int, per_node: int, budget: int, sp_axis: bool
+) -> list[Fit]:
+    """The candidates that fit within ``budget`` bytes per GPU, best first (:data:`RULE`)."""
+    fits = [
+        fit
+        for layout in candidates(base, shape, gpus, per_node, sp_axis)
+        if (fit := largest_micro_batch(shape, layout, work, budget)) is not None
+    ]
+    return sorted(
+        fits,
+        key=lambda f: (f.layout.tp * f.layout.sp, -f.micro_batch, f.layout.zero_stage, f.plan.peak),
+    )
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]

@@ -1,0 +1,144 @@
+"""``coati-kto plan CONFIG``: what a rank holds for the configured layout, and the layouts that fit a cluster.
+
+Reads the config and the model's config.json only (no weights, no data, no process group); the arithmetic is
+``coati_kto.parallel.memory_plan`` (its parts), ``coati_kto.parallel.activations`` and
+``coati_kto.parallel.layout_search`` (the candidates and their order). ``train`` prints
+:func:`predicted_peak_line` at its start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from coati_kto.config.schema import Config, PluginSection
+from coati_kto.errors import UserError
+from coati_kto.parallel.activations import Workload
+from coati_kto.parallel.layout_search import RULE, USABLE_FRACTION, fitting_layouts, usable_bytes
+from coati_kto.parallel.memory_plan import GIB, Layout, MemoryPlan, plan_memory
+from coati_kto.parallel.model_shape import ModelShape, model_shape
+from coati_kto.parallel.plan import running_zero_stage
+
+LISTED = 12  # layouts listed after the configured one
+
+
+def configured_layout(plugin: PluginSection, world: int) -> Layout:
+    """The config's layout on ``world`` ranks (the ZeRO stage that runs there); UserError one line when ``world``
+    is no multiple of tp x sp."""
+    sp = getattr(plugin, "sp_size", 1)
+    axes = plugin.tp_size * sp
+    if world % axes:
+        named = f"plugin.tp_size {plugin.tp_size}" + (f" x plugin.sp_size {sp}" if sp > 1 else "")
+        raise UserError(f"--gpus {world} is not a multiple of {named} = {axes}")
+    dp = world // axes
+    stage = running_zero_stage(plugin, dp)
+    return Layout(plugin.name, plugin.precision, stage, plugin.tp_size, dp, sp, plugin.cpu_offload)
+
+
+def _gib(n: int) -> str:
+    """Bytes in GiB, or MiB under one GiB (a tiny model's parts), right-aligned."""
+    return f"{n / GIB:7.2f} GiB" if n >= GIB else f"{n / 2**20:7.2f} MiB"
+
+
+def breakdown_lines(plan: MemoryPlan, work: Workload, shape: ModelShape) -> list[str]:
+    """The configured layout's parts, a line each."""
+    layout, working = plan.layout, plan.layout.precision
+    share = f"/ {layout.dp * layout.sp} ranks" if layout.zero_stage >= 1 else "whole"
+    states = "bf16 moments" if work.state_dtype == "bf16" else "fp32 moments"
+    masters = "fp32 masters + " if layout.precision != "fp32" else ""
+    grads = f"/ {layout.dp * layout.sp} ranks (ZeRO-2)" if layout.zero_stage == 2 else "whole"
+    ref = {"online": f"online, {working}", "cached": "cached: not loaded"}[work.reference]
+    ref = "LoRA: the policy with its adapters off" if work.lora_rank and work.reference == "online" else ref
+    ckpt = "with" if work.checkpointing else "without"
+    other = dataclasses.replace(work, checkpointing=not work.checkpointing)
+    other_acts = plan_memory(shape, layout, other).activations
+    trained = "LoRA adapters" if work.lora_rank else "every parameter"
+    lines = [
+        f"  weights        {_gib(plan.weights)}  {working}, {plan.params:,} parameters per tensor-parallel rank",
+        f"  gradients      {_gib(plan.gradients)}  {working}, {trained} ({plan.trainable:,}), {grads}",
+        f"  optimizer      {_gib(plan.masters + plan.moments)}  {masters}{states}, {share}"
+        + (f" (cpu_offload: {_gib(plan.host).strip()} in host memory)" if plan.host else ""),
+        f"  step copies    {_gib(plan.step_copies)}  the gradients cast to fp32 at the optimizer step",
+        f"  reference      {_gib(plan.reference)}  {ref}",
+        f"  activations    {_gib(plan.activations)}  {work.micro_batch} x {work.length} tokens, {ckpt} "
+        f"checkpointing (else {_gib(other_acts).strip()})",
+        f"  LM head        {_gib(plan.head)}  {plan.notes[0]}",
+        f"  communication  {_gib(plan.communication)}  {_comm_note(layout)}",
+    ]
+    return lines
+
+
+def _comm_note(layout: Layout) -> str:
+    if layout.dp * layout.sp == 1:
+        return "none: one data-parallel rank"
+    if layout.torch_ddp:
+        return "torch DDP's buckets: the gradients' size"
+    return "ZeRO's reduce bucket and reduce-scatter output, 12M elements each"
+
+
+def plan_lines(config: Config, gpus: int | None, gpu_memory: float, nodes: int) -> list[str]:
+    """The report of ``coati-kto plan`` (module docstring); UserError one line for a bad option."""
+    axes = config.plugin.tp_size * getattr(config.plugin, "sp_size", 1)
+    world = gpus if gpus is not None else axes
+    _check_options(world, gpu_memory, nodes)
+    shape = model_shape(config.model.path)
+    work = Workload.from_config(config, shape.model_type)
+    layout = configured_layout(config.plugin, world)
+    plan = plan_memory(shape, layout, work)
+    budget = usable_bytes(gpu_memory)
+    verdict = "fits" if plan.peak <= budget else "does NOT fit"
+    lines = [
+        f"model: {config.model.path} ({shape.model_type}, {shape.params:,} parameters, {shape.layers} layers, "
+        f"hidden {shape.hidden}, vocabulary {shape.vocab}; read from config.json only)",
+        f"layout: {layout.describe()}, on {world} GPU(s), {nodes} node(s)"
+        + ("" if gpus is not None else " (--gpus not given: one data-parallel replica)"),
+        "per rank:",
+        *breakdown_lines(plan, work, shape),
+        f"  peak           {_gib(plan.peak)}  {verdict} in {USABLE_FRACTION:.0%} of {gpu_memory:g} GiB",
+    ]
+    return lines + _fit_lines(config, shape, layout, work, world, world // nodes, gpu_memory)
+
+
+def _check_options(world: int, gpu_memory: float, nodes: int) -> None:
+    if world < 1 or nodes < 1:
+        raise UserError(f"--gpus and --nodes must be >= 1, got --gpus {world} --nodes {nodes}")
+    if gpu_memory <= 0:
+        raise UserError(f"--gpu-memory must be > 0 GiB, got {gpu_memory:g}")
+    if world % nodes:
+        raise UserError(f"--gpus {world} is not a multiple of --nodes {nodes} (the same GPUs on every node)")
+
+
+def _fit_lines(
+    config: Config, shape: ModelShape, base: Layout, work: Workload, world: int, per_node: int, gib: float
+) -> list[str]:
+    sp_axis = "sp_size" in PluginSection.model_fields and config.data.padding_free
+    fits = fitting_layouts(shape, base, work, world, per_node, usable_bytes(gib), sp_axis)
+    head = f"layouts that fit on {world} x {gib:g} GiB ({RULE}):"
+    if not fits:
+        return [head, f"  none, even at micro-batch 2 (the least {config.plugin.name} can run here)"]
+    rows = [
+        f"  {fit.layout.describe():48s} micro-batch up to {fit.micro_batch:2d}  peak {_gib(fit.plan.peak).strip()}"
+        for fit in fits[:LISTED]
+    ]
+    more = [f"  ... and {len(fits) - LISTED} more"] if len(fits) > LISTED else []
+    return [head, *rows, *more]
+
+
+def predicted_peak_line(config: Config, world: int, device_bytes: int | None) -> str:
+    """``train``'s line at its start: the predicted peak per rank of this layout, and a warning when it is over
+    :data:`USABLE_FRACTION` of ``device_bytes`` (None on the CPU: no check, the ranks share host memory)."""
+    try:
+        shape = model_shape(config.model.path)
+    except UserError as err:  # a hub id not cached yet: the model loads later; the plan says why not
+        return f"predicted peak per rank: unknown ({err})"
+    work = Workload.from_config(config, shape.model_type, "gpu" if device_bytes is not None else "cpu")
+    plan = plan_memory(shape, configured_layout(config.plugin, world), work)
+    line = f"predicted peak per rank: {_gib(plan.peak).strip()} (`coati-kto plan CONFIG` shows its parts)"
+    if device_bytes is None:
+        return line + "; CPU: no device-memory check (the ranks share host memory)"
+    if plan.peak > device_bytes * USABLE_FRACTION:
+        return (
+            f"warning: predicted peak per rank {_gib(plan.peak).strip()} is over {USABLE_FRACTION:.0%} of this "
+            f"device's {_gib(device_bytes).strip()}: this layout may run out of memory (coati-kto plan CONFIG "
+            "--gpus N lists the layouts that fit)"
+        )
+    return line + f", within {USABLE_FRACTION:.0%} of this device's {_gib(device_bytes).strip()}"

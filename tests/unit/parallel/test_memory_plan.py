@@ -1,0 +1,184 @@
+"""The memory plan's arithmetic, number by number, on the tiny Llama (vocabulary 512, hidden 64, 2 layers, 4 heads,
+intermediate 128) and Llama 3.1 8B's shape (benchmarks/model_shapes)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from coati_kto.parallel.activations import Workload, activation_bytes, layer_elements
+from coati_kto.parallel.layout_search import RULE, fitting_layouts, largest_micro_batch, usable_bytes
+from coati_kto.parallel.memory_plan import GIB, Layout, plan_memory
+from coati_kto.parallel.model_shape import ModelShape, model_shape
+
+REPO = Path(__file__).resolve().parents[3]
+# The tiny Llama by hand: embeddings and head 2 x 512 x 64; per layer q, k, v, o 4 x 64 x 64 and the MLP
+# 3 x 64 x 128 (split), two norms of 64 (whole); the final norm 64.
+TINY_VOCAB, TINY_SPLIT, TINY_WHOLE = 2 * 512 * 64, 2 * (4 * 64 * 64 + 3 * 64 * 128), 2 * 2 * 64 + 64
+TINY = TINY_VOCAB + TINY_SPLIT + TINY_WHOLE  # 147,776
+
+
+@pytest.fixture(scope="module")
+def tiny_shape(tiny_model_dir: Path) -> ModelShape:
+    return model_shape(str(tiny_model_dir))
+
+
+def test_the_shape_counts_the_instantiated_models_parameters(
+    tiny_model_dir: Path, tiny_shape: ModelShape
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert tiny_shape.params == sum(p.numel() for p in model.parameters()) == TINY == 147_776
+    assert (tiny_shape.vocab_params, tiny_shape.split_params, tiny_shape.whole_params) == (
+        TINY_VOCAB,
+        TINY_SPLIT,
+        TINY_WHOLE,
+    )
+    assert (tiny_shape.hidden, tiny_shape.layers, tiny_shape.heads, tiny_shape.intermediate) == (
+        64,
+        2,
+        4,
+        128,
+    )
+
+
+def test_llama_8b_shape_is_its_published_parameter_count() -> None:
+    shape = model_shape(str(REPO / "benchmarks" / "model_shapes" / "llama-3.1-8b"))
+    assert shape.params == 8_030_261_248
+    assert shape.vocab_params == 2 * 128256 * 4096
+    assert shape.whole_params == 65 * 4096  # 32 layers x 2 norms + the final norm
+
+
+def test_weights_are_the_parameter_count_times_the_dtype(tiny_shape: ModelShape) -> None:
+    work = Workload(micro_batch=2, length=8, device="cpu")
+    bf16 = plan_memory(tiny_shape, Layout("hybrid_parallel", "bf16", 0), work)
+    fp32 = plan_memory(tiny_shape, Layout("ddp", "fp32", 0), work)
+    assert (bf16.weights, fp32.weights) == (2 * TINY, 4 * TINY)
+    # AMP at one rank: fp32 masters and moments whole, bf16 gradients, their fp32 copies at the step
+    assert (bf16.masters, bf16.moments, bf16.gradients, bf16.step_copies) == (
+        4 * TINY,
+        8 * TINY,
+        2 * TINY,
+        4 * TINY,
+    )
+    assert (fp32.masters, fp32.moments, fp32.gradients, fp32.step_copies) == (0, 8 * TINY, 4 * TINY, 0)
+    assert (bf16.reference, fp32.reference, bf16.communication, fp32.communication) == (
+        2 * TINY,
+        4 * TINY,
+        0,
+        0,
+    )
+
+
+def test_zero2_over_four_ranks_shards_masters_moments_and_gradients(tiny_shape: ModelShape) -> None:
+    plan = plan_memory(tiny_shape, Layout("hybrid_parallel", "bf16", 2, dp=4), Workload(2, 8, device="cpu"))
+    quarter = TINY // 4  # 36,944
+    assert (plan.gradients, plan.masters, plan.moments, plan.step_copies) == (
+        2 * quarter,
+        4 * quarter,
+        8 * quarter,
+        4 * quarter,
+    )
+    assert (
+        plan.communication == 2 * 2 * TINY
+    )  # bucket and reduce-scatter output, the model under 12M elements
+    zero1 = plan_memory(tiny_shape, Layout("hybrid_parallel", "bf16", 1, dp=4), Workload(2, 8, device="cpu"))
+    assert (zero1.gradients, zero1.masters) == (2 * TINY, 4 * quarter)
+    ddp = plan_memory(tiny_shape, Layout("ddp", "fp32", 0, dp=4), Workload(2, 8, device="cpu"))
+    assert ddp.communication == 4 * TINY  # torch DDP's buckets: the gradients' size
+    offload = plan_memory(
+        tiny_shape, Layout("low_level_zero", "bf16", 2, dp=4, cpu_offload=True), Workload(2, 8, device="cpu")
+    )
+    assert (offload.masters, offload.moments, offload.host) == (0, 0, 12 * quarter)
+
+
+def test_tensor_parallelism_splits_projections_and_padded_vocabulary(tiny_shape: ModelShape) -> None:
+    assert tiny_shape.params_per_rank(2) == TINY_VOCAB // 2 + TINY_SPLIT // 2 + TINY_WHOLE
+    # a vocabulary of 500 is padded to 512 (a multiple of 64 x 2) before the split
+    odd = dataclasses.replace(tiny_shape, vocab=500, vocab_params=2 * 500 * 64)
+    assert odd.params_per_rank(1) == 2 * 500 * 64 + TINY_SPLIT + TINY_WHOLE
+    assert odd.params_per_rank(2) == 2 * 256 * 64 + TINY_SPLIT // 2 + TINY_WHOLE
+
+
+def test_lora_trains_the_adapters_and_its_reference_is_the_policy(
+    tiny_model_dir: Path, tiny_shape: ModelShape
+) -> None:
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    from coati_kto.config.lora import LoraSection, peft_config
+
+    section = LoraSection(rank=8)
+    adapted = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), peft_config(section))
+    trainable = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+    assert tiny_shape.lora_params(8, section.target_modules) == trainable == 2 * 4 * 8 * (64 + 64)
+    work = Workload(2, 8, lora_rank=8, lora_targets=section.target_modules, device="cpu")
+    plan = plan_memory(tiny_shape, Layout("low_level_zero", "bf16", 2, dp=2), work)
+    assert (plan.weights, plan.reference, plan.gradients, plan.moments) == (
+        2 * TINY,
+        0,
+        trainable,
+        4 * trainable,
+    )
+    cached = plan_memory(
+        tiny_shape, Layout("ddp", "fp32", 0), Workload(2, 8, reference="cached", device="cpu")
+    )
+    assert cached.reference == 0
+
+
+def test_activations_by_hand(tiny_shape: ModelShape) -> None:
+    # per token and layer: 4 x 64 (norms) + 3 x 64 + 2 x 64 (q, k, v, output) + 4 x 128 (MLP)
+    assert layer_elements(tiny_shape, 1, 8, eager=False) == 256 + 832
+    assert layer_elements(tiny_shape, 2, 8, eager=False) == 256 + 416
+    assert layer_elements(tiny_shape, 1, 8, eager=True) == 256 + 832 + 2 * 4 * 8
+    work = Workload(micro_batch=2, length=8, device="cpu")  # 16 tokens, bf16
+    decoder, head, _ = activation_bytes(tiny_shape, 1, 1, 2, work)
+    assert decoder == 2 * 1088 * 16 * 2 + 2 * 64 * 16 * 2
+    # the chunked head: hidden states, the kept fp32 logits (16 x 512 under 2**24), two fp32 blocks
+    assert head == 16 * 64 * 2 + 4 * 16 * 512 + 2 * 4 * 16 * 512
+    checkpointed, _, _ = activation_bytes(tiny_shape, 1, 1, 2, dataclasses.replace(work, checkpointing=True))
+    assert checkpointed == 2 * 64 * 16 * 2 + 1088 * 16 * 2 + 2 * 64 * 16 * 2
+    _, logits, _ = activation_bytes(tiny_shape, 2, 1, 2, work)  # tp 2: the logits path
+    assert logits == 2 * 16 * 512 * 2 + 16 * 256 * 2 + 2 * 4 * 16 * 512
+
+
+def test_the_peak_is_static_plus_the_larger_of_backward_and_step(tiny_shape: ModelShape) -> None:
+    plan = plan_memory(tiny_shape, Layout("hybrid_parallel", "bf16", 2, dp=2), Workload(2, 64, device="cpu"))
+    assert plan.static == plan.weights + plan.masters + plan.moments + plan.reference + plan.communication
+    assert plan.peak == plan.static + max(plan.activations + plan.head, plan.gradients + plan.step_copies)
+    accumulate = Workload(2, 64, accumulation_steps=2, device="cpu")
+    many = plan_memory(tiny_shape, Layout("hybrid_parallel", "bf16", 2, dp=2), accumulate)
+    assert many.peak == plan.static + plan.activations + plan.head + plan.gradients
+
+
+def _llama_8b() -> ModelShape:
+    """Llama 3.1 8B's shape by hand (no meta model: the search tests stay fast)."""
+    layer = 4096 * (4096 + 1024 + 1024 + 4096) + 3 * 4096 * 14336
+    return ModelShape(
+        "llama", 4096, 32, 32, 8, 128, 14336, 128256, 2 * 128256 * 4096, 32 * layer, 65 * 4096, ()
+    )
+
+
+def test_the_layouts_that_fit_come_best_first_at_their_largest_micro_batch() -> None:
+    shape, budget = _llama_8b(), usable_bytes(80)
+    work = Workload(micro_batch=4, length=2048, checkpointing=True)
+    fits = fitting_layouts(shape, Layout("hybrid_parallel", "bf16", 2), work, 8, 8, budget, sp_axis=False)
+    # without accumulation ZeRO 1 and 2 peak alike (the gradients come and go with the backward): the lower first
+    assert [(f.layout.tp, f.layout.dp, f.layout.zero_stage, f.micro_batch) for f in fits][:3] == [
+        (1, 8, 1, 34),
+        (1, 8, 2, 34),
+        (2, 4, 1, 23),
+    ]
+    assert RULE.startswith("best first: fewest ranks per replica")
+    for fit in fits:
+        assert fit.plan.peak <= budget
+        bigger = dataclasses.replace(work, micro_batch=fit.micro_batch + 1)
+        assert fit.micro_batch == 64 or plan_memory(shape, fit.layout, bigger).peak > budget
+    keys = [(f.layout.tp * f.layout.sp, -f.micro_batch, f.layout.zero_stage) for f in fits]
+    assert keys == sorted(keys)
+    # one rank at ZeRO 0: 8B in full does not fit 80 GiB at any micro-batch
+    assert largest_micro_batch(shape, Layout("hybrid_parallel", "bf16", 0), work, budget) is None
+    assert budget == int(0.9 * 80 * GIB)

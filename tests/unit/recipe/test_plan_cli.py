@@ -1,0 +1,119 @@
+"""``coati-kto plan``: the report's lines, every shipped config, and bad input as one line with exit 2."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from coati_kto.cli import main
+from coati_kto.errors import USER_ERROR_EXIT_CODE
+from coati_kto.recipe.plan import predicted_peak_line
+
+REPO = Path(__file__).resolve().parents[3]
+CONFIG = """\
+model:
+  path: {model}
+data:
+  train_files: data.jsonl
+  prepared_dir: prepared
+  max_length: 64
+output:
+  dir: out
+"""
+
+
+@pytest.fixture
+def config(tmp_path: Path, tiny_model_dir: Path) -> Path:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(CONFIG.format(model=tiny_model_dir))
+    return path
+
+
+def test_plan_prints_the_parts_of_the_configured_layout(config: Path, tiny_model_dir: Path, capsys) -> None:
+    """The tiny Llama (147,776 parameters) at ZeRO-2 over 2 ranks: bf16 weights 2 x 147,776 B = 0.28 MiB, the
+    masters and moments 12 x 73,888 B = 0.85 MiB."""
+    assert main(["plan", str(config), "--gpus", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == (
+        f"model: {tiny_model_dir} (llama, 147,776 parameters, 2 layers, hidden 64, vocabulary 512; read from "
+        "config.json only)"
+    )
+    assert lines[1] == "layout: hybrid_parallel bf16, tp 1 x dp 2, ZeRO-2, on 2 GPU(s), 1 node(s)"
+    assert lines[3] == "  weights           0.28 MiB  bf16, 147,776 parameters per tensor-parallel rank"
+    assert lines[4] == "  gradients         0.14 MiB  bf16, every parameter (147,776), / 2 ranks (ZeRO-2)"
+    assert lines[5] == "  optimizer         0.85 MiB  fp32 masters + fp32 moments, / 2 ranks"
+    assert lines[7] == "  reference         0.28 MiB  online, bf16"
+    assert lines[9] == "  LM head           1.53 MiB  chunked: no [B, S, V] logits"
+    assert lines[11] == "  peak              4.63 MiB  fits in 90% of 80 GiB"
+    assert lines[12].startswith("layouts that fit on 2 x 80 GiB (best first: fewest ranks per replica")
+    assert lines[13].startswith("  hybrid_parallel bf16, tp 1 x dp 2, ZeRO-0")
+
+
+@pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_plan_runs_on_every_shipped_config(path: Path, tiny_model_dir: Path, capsys) -> None:
+    """Each shipped config's own layout, with the tiny model's config.json for the Hub ids and the directories
+    a recipe builds first."""
+    assert main(["plan", str(path), f"model.path={tiny_model_dir}", "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "  peak  " in out and "layouts that fit on 8 x 80 GiB" in out
+
+
+def test_plan_takes_the_three_documented_shapes(tiny_model_dir: Path, capsys) -> None:
+    """70B in full with an online reference on 16 x 80 GiB does not fit at ZeRO-2 (issue 48's arithmetic)."""
+    shape = REPO / "benchmarks" / "model_shapes" / "llama-3.1-70b"
+    args = ["plan", str(REPO / "configs" / "multinode_zero2.yaml"), f"model.path={shape}", "--gpus", "16"]
+    assert main([*args, "--nodes", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith(f"model: {shape} (llama, 70,553,706,496 parameters, 80 layers")
+    assert lines[11].endswith("does NOT fit in 90% of 80 GiB")
+
+
+def _error(argv: list[str], capsys) -> str:
+    assert main(argv) == USER_ERROR_EXIT_CODE
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    return err.strip()
+
+
+def test_bad_input_is_one_line(config: Path, tmp_path: Path, capsys) -> None:
+    (tmp_path / "empty").mkdir()
+    empty = tmp_path / "empty"
+    assert _error(["plan", str(config), f"model.path={empty}"], capsys) == (
+        f"error: model.path: {empty} has no config.json (the plan reads the model's shape from it)"
+    )
+    assert _error(["plan", str(config), "plugin.tp_size=2", "--gpus", "3"], capsys) == (
+        "error: --gpus 3 is not a multiple of plugin.tp_size 2 = 2"
+    )
+    assert _error(["plan", str(config), "--gpus", "4", "--nodes", "3"], capsys) == (
+        "error: --gpus 4 is not a multiple of --nodes 3 (the same GPUs on every node)"
+    )
+    assert (
+        _error(["plan", str(config), "--gpu-memory", "0"], capsys)
+        == "error: --gpu-memory must be > 0 GiB, got 0"
+    )
+    assert _error(["plan", str(config), "--gpus", "0"], capsys) == (
+        "error: --gpus and --nodes must be >= 1, got --gpus 0 --nodes 1"
+    )
+    missing = tmp_path / "nowhere" / "model"
+    assert _error(["plan", str(config), f"model.path={missing}"], capsys) == (
+        f"error: model.path: {missing} does not exist (a local directory, or a hub id like org/name)"
+    )
+
+
+def test_train_line_says_the_peak_and_warns_when_over_the_device(config: Path) -> None:
+    from coati_kto.config.load import load_config
+
+    loaded = load_config(config)
+    assert predicted_peak_line(loaded, 2, None) == (
+        "predicted peak per rank: 4.63 MiB (`coati-kto plan CONFIG` shows its parts); CPU: no device-memory check "
+        "(the ranks share host memory)"
+    )
+    assert predicted_peak_line(loaded, 2, 80 << 30) == (
+        "predicted peak per rank: 4.63 MiB (`coati-kto plan CONFIG` shows its parts), within 90% of this device's "
+        "80.00 GiB"
+    )
+    assert predicted_peak_line(loaded, 2, 2 << 20) == (
+        "warning: predicted peak per rank 4.63 MiB is over 90% of this device's 2.00 MiB: this layout may run out of "
+        "memory (coati-kto plan CONFIG --gpus N lists the layouts that fit)"
+    )
