@@ -1,9 +1,10 @@
 """Where sequence parallelism (``plugin.sp_size``, ``plugin.sp_mode``) is refused at config load: what it is not
 proven on, one line each, before any process starts (docs/sequence_parallelism.md says why for each).
 
-Proven (tests/distributed/test_sequence_parallel.py, test_sequence_parallel_train.py): all_to_all under
-hybrid_parallel, padding-free rows, sdpa or eager attention, the online and the cached reference, the classes of
-``coati_kto.families.shardformer.SEQUENCE_PARALLEL_FAMILIES`` at their proven sp sizes.
+Proven (tests/distributed/test_sequence_parallel*.py): all_to_all under hybrid_parallel at tp_size 1 and 2, ZeRO 0
+and 2, fp32 and bf16, padding-free rows, sdpa or eager attention, activation checkpointing, the online and the
+cached reference, LoRA (tp_size 1, as ColossalAI allows it), resume on the same and another sp size, the classes
+of ``coati_kto.families.shardformer.SEQUENCE_PARALLEL_FAMILIES`` at their proven sp sizes.
 """
 
 from __future__ import annotations
@@ -70,7 +71,6 @@ def sequence_problems(config: Any) -> list[str]:
         ),
         "model.compile": config.model.compile is not False,
         "train.fused_optimizer": config.train.fused_optimizer,
-        "model.lora (unproven)": config.model.lora is not None,
     }
     out += [f"{head} {what} is not supported: set plugin.sp_size=1" for what, on in unproven.items() if on]
     for key in ("model.path", "model.reference_path"):

@@ -6,7 +6,8 @@ Both runs read the same micro-batches (sp peers share the data-parallel rank, an
 steps the weights agree within fp32 summation order (the issue's bound: 2e-5 of each tensor's update), every
 logged train/ and eval/ metric agrees within 1e-5 relative, and the online reference gives rewards and KL of
 exactly 0 at step 1. A checkpoint taken at sp 2 resumes at sp 2 bit for bit, and at sp 1 within the same bound.
-The same holds with activation checkpointing and with the cached reference. One module fixture, seven launches
+The same holds with activation checkpointing, with the cached reference and for LoRA's adapters. One module
+fixture, nine launches
 of a few seconds each (the suite's time budget).
 """
 
@@ -97,6 +98,9 @@ def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     cached = {"reference": "cached"}  # the first run scores the cache (whole rows), the second reads it
     _train(_config(root, tiny_model_dir, 1, "sp1_cached", kto=cached), 1)
     _train(_config(root, tiny_model_dir, 2, "sp2_cached", kto=cached), 2)
+    lora = {"lora": {"rank": 4}}  # the online reference is the policy with its adapters off
+    _train(_config(root, tiny_model_dir, 1, "sp1_lora", model=lora), 1)
+    _train(_config(root, tiny_model_dir, 2, "sp2_lora", model=lora), 2)
     return {path.name: path for path in root.iterdir() if path.is_dir() and path.name.startswith("sp")}
 
 
@@ -159,6 +163,17 @@ def test_sp2_step1_rewards_and_kl_are_exactly_zero(runs: dict[str, Path]) -> Non
     }
     assert at_step1 and all(v == 0.0 for v in at_step1.values()), at_step1
     assert dict(metrics["train/kl"])[1] == 0.0
+
+
+def test_sp2_lora_adapters_equal_sp1(runs: dict[str, Path]) -> None:
+    """LoRA at sp 2: the adapters (B starts at 0, so each is its own update) equal sp 1's within the bound."""
+    path = Path("final") / "adapter" / "adapter_model.safetensors"
+    got, want = load_file(runs["sp2_lora"] / path), load_file(runs["sp1_lora"] / path)
+    assert len(want) == 16  # the default targets q, k, v, o (A and B each) of 2 layers
+    scale = max(w.abs().max().item() for k, w in want.items() if "lora_B" in k)
+    assert scale > 1e-3
+    errors = {k: (got[k] - w).abs().max().item() / w.abs().max().item() for k, w in want.items()}
+    assert max(errors.values()) < UPDATE_BOUND, errors
 
 
 def test_sp2_resume_is_bit_exact(runs: dict[str, Path]) -> None:

@@ -109,13 +109,13 @@ def test_every_problem_at_once(tmp_path: Path, tiny_model_dir: Path) -> None:
         tiny_model_dir,
         *SP,
         "data.padding_free=false",
-        "model.lora.rank=4",
+        "kto.router_aux_loss_coef=0.01",
         "train.fused_optimizer=true",
         "model.compile=true",
     )
     found = [p for p in problems if "plugin.sp_size 2 with" in p]
     assert len(found) == 4, problems
-    assert any("model.lora (unproven)" in p for p in found)
+    assert any("kto.router_aux_loss_coef" in p for p in found)
 
 
 def test_heads_that_tp_times_sp_does_not_divide_are_refused(tmp_path: Path) -> None:
