@@ -101,6 +101,9 @@ def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     lora = {"lora": {"rank": 4}}  # the online reference is the policy with its adapters off
     _train(_config(root, tiny_model_dir, 1, "sp1_lora", model=lora), 1)
     _train(_config(root, tiny_model_dir, 2, "sp2_lora", model=lora), 2)
+    # `coati-kto export` of the sp 2 run's last checkpoint on one process (its own layout: sp_size 1)
+    export = run_cli(["export", str(root / "sp2.yaml"), "plugin.sp_size=1", "--out", str(root / "sp_export")])
+    assert export.returncode == 0, export.ranks[0].stderr[-3000:]
     return {path.name: path for path in root.iterdir() if path.is_dir() and path.name.startswith("sp")}
 
 
@@ -174,6 +177,12 @@ def test_sp2_lora_adapters_equal_sp1(runs: dict[str, Path]) -> None:
     assert scale > 1e-3
     errors = {k: (got[k] - w).abs().max().item() / w.abs().max().item() for k, w in want.items()}
     assert max(errors.values()) < UPDATE_BOUND, errors
+
+
+def test_an_sp2_checkpoint_exports_on_one_process_as_the_run_saved_it(runs: dict[str, Path]) -> None:
+    exported = load_file(runs["sp_export"] / "model.safetensors")
+    final = _weights(runs["sp2"])
+    assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
 
 
 def test_sp2_resume_is_bit_exact(runs: dict[str, Path]) -> None:
