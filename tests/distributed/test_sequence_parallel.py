@@ -250,7 +250,7 @@ def _scored(model: Any, score: Any, weights: torch.Tensor) -> tuple[Any, ...]:
 
 
 def _one_logps_case(
-    rows: Any, group: Any, rank: int, kernel: str, use_head: bool, model: Any = None
+    rows: Any, group: Any, rank: int, kernel: str, use_head: bool, model: Any = None, sp: int = SP
 ) -> dict[str, Any]:
     """packed_logps on the whole rows (one process, sp=1) against sp_packed_logps on this rank's slice, of
     ``model`` (default: the tiny Llama)."""
@@ -267,7 +267,7 @@ def _one_logps_case(
     weights = torch.randn(LOGPS_BATCH, generator=torch.Generator().manual_seed(5))
     model.config._attn_implementation = kernel
     ref = _scored(model, lambda: packed_logps(model, head, rows, LOGPS_BATCH), weights)
-    piece = slice_rows(rows, SP, rank)
+    piece = slice_rows(rows, sp, rank)
     model.config._attn_implementation = sp_attention_name(kernel)  # as the policy would install it
     with SEQUENCE_GROUP.using(group):
         # grad_scale 1: every rank's loss is the one sp=1 loss, so the rank gradients summed are sp=1's
@@ -364,7 +364,27 @@ def test_sp_packed_logps_equal_one_process_per_family(families, family) -> None:
         assert numbers["means"] < 1e-5 and numbers["tokens"], numbers
         assert numbers["grad_relative"] < 1e-5, numbers
         assert numbers["params"]
-    assert SEQUENCE_PARALLEL_FAMILIES[SP_FAMILIES[family]] == (2,)
+    assert 2 in SEQUENCE_PARALLEL_FAMILIES[SP_FAMILIES[family]]
+
+
+def _sp4_worker() -> dict[str, Any]:
+    """sp 4 (4 processes): the tiny Llama with 4 key-value heads (one per rank) on pairs rows [3, 31], padded to
+    32 (8 columns a rank: most documents span several ranks)."""
+    import torch.distributed as dist
+
+    rows = _packed_rows(pad=False, longer=6)
+    model = _tiny_llama(num_key_value_heads=4)
+    return _one_logps_case(rows, dist.new_group(list(range(4))), dist.get_rank(), "sdpa", True, model, sp=4)
+
+
+def test_sp4_packed_logps_equal_one_process() -> None:
+    """Llama's sp_size 4 entry in SEQUENCE_PARALLEL_FAMILIES: the same bounds as sp 2, on 4 ranks."""
+    for numbers in run_distributed(_sp4_worker, 4):
+        assert min(numbers["sizes"]) > 1.0 and numbers["grad_size"] > 1.0
+        assert numbers["example"] < 1e-5 and numbers["kl"] < 1e-5, numbers
+        assert numbers["means"] < 1e-5 and numbers["tokens"], numbers
+        assert numbers["grad_relative"] < 1e-5, numbers
+        assert numbers["params"]
 
 
 @pytest.fixture(scope="module")

@@ -33,11 +33,11 @@ TENSOR_PARALLEL_FAMILIES: dict[str, tuple[str, str, tuple[int, ...]]] = {
 # Classes admitted under all_to_all sequence parallelism, with their proven sp sizes (plugin.sp_size > 1): the
 # attention wrapper of coati_kto.parallel.sequence changes no layer, so a class needs only the proof
 # (tests/distributed/test_sequence_parallel.py: sp 2 == sp 1 per-row log-probs, logit means and gradients on
-# packed rows; for Llama also the whole recipe, test_sequence_parallel_train.py and _layouts_4.py). Sequence
+# packed rows, Llama also at sp 4; for Llama the whole recipe too, test_sequence_parallel_train.py and _layouts_4.py). Sequence
 # parallelism runs on padding-free rows only: Phi-3, Olmo 3 and Gemma 4 take none (no chunked head, or no 4D masks
 # for their layers), and Qwen 3.5's linear-attention layers recur over the whole sequence.
 SEQUENCE_PARALLEL_FAMILIES: dict[str, tuple[int, ...]] = {
-    "LlamaForCausalLM": (2,),
+    "LlamaForCausalLM": (2, 4),
     "MistralForCausalLM": (2,),
     "Qwen2ForCausalLM": (2,),
     "Qwen3ForCausalLM": (2,),

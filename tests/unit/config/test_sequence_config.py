@@ -85,9 +85,9 @@ def test_a_valid_sp_config_gives_the_plan_its_size(tmp_path: Path, tiny_model_di
             "sequence-parallel group) is not supported: set plugin.sp_size=1",
         ),
         (
-            ["plugin.sp_size=4"],
-            "model.path {model}: LlamaForCausalLM is not proven at plugin.sp_size 4 (sequence parallelism: "
-            "LlamaForCausalLM (sp_size 2), MistralForCausalLM (sp_size 2), Qwen2ForCausalLM (sp_size 2), "
+            ["plugin.sp_size=8"],
+            "model.path {model}: LlamaForCausalLM is not proven at plugin.sp_size 8 (sequence parallelism: "
+            "LlamaForCausalLM (sp_size 2, 4), MistralForCausalLM (sp_size 2), Qwen2ForCausalLM (sp_size 2), "
             "Qwen3ForCausalLM (sp_size 2), Gemma3ForCausalLM (sp_size 2), SmolLM3ForCausalLM (sp_size 2))",
         ),
     ],
