@@ -59,10 +59,15 @@ def largest_micro_batch(shape: ModelShape, layout: Layout, work: Workload, budge
     return Fit(layout, low, plan(low))
 
 
-def candidates(base: Layout, shape: ModelShape, gpus: int, per_node: int, sp_axis: bool) -> list[Layout]:
-    """Every layout of ``gpus`` GPUs (``per_node`` a node) the configured plugin ``base`` can run."""
+def candidates(
+    base: Layout, shape: ModelShape, gpus: int, per_node: int, sp_axis: bool, lora: bool = False
+) -> list[Layout]:
+    """Every layout of ``gpus`` GPUs (``per_node`` a node) the configured plugin ``base`` can run (``lora``: the
+    policy trains adapters, which hybrid_parallel admits at tp 1 only)."""
     tps = [1]
-    if base.plugin == "hybrid_parallel":
+    if (
+        base.plugin == "hybrid_parallel" and not lora
+    ):  # ColossalAI 0.5.0: LoRA under hybrid_parallel at tp 1 only
         tps = [t for t in _divisors(per_node) if shape.heads % t == 0 and shape.kv_heads % t == 0]
     stages = {"ddp": [0], "low_level_zero": [1, 2]}.get(base.plugin, [0, 1, 2])
     if base.precision == "fp32" and base.plugin == "hybrid_parallel":
@@ -88,7 +93,7 @@ def fitting_layouts(
     """The candidates that fit within ``budget`` bytes per GPU, best first (:data:`RULE`)."""
     fits = [
         fit
-        for layout in candidates(base, shape, gpus, per_node, sp_axis)
+        for layout in candidates(base, shape, gpus, per_node, sp_axis, work.lora_rank > 0)
         if (fit := largest_micro_batch(shape, layout, work, budget)) is not None
     ]
     return sorted(

@@ -6,7 +6,7 @@ first test starts the selected tests' subprocesses, two at a time (:class:`Ahead
 own. A script whose figures are not of its own process (ddp_unused_bench, optimizer_bench, padding_bench,
 prepare_bench) runs its ``main`` here instead (:func:`smoke_here`): no interpreter and imports of its own, its
 ranks on the worker pool. The ones that start several training processes (lora_bench, plugins_bench,
-step_bench: 30-60 s each on 2 cores; learning_study, gpu_check) are marked ``slow`` (``-m "not slow"`` leaves them
+step_bench, plan_validation: 30-60 s each on 2 cores; learning_study, gpu_check) are marked ``slow`` (``-m "not slow"`` leaves them
 out); trl_side_by_side skips unless a TRL venv exists (TRL is never a dependency).
 """
 
@@ -148,6 +148,8 @@ SMOKES: dict[str, Callable[[Path], Command]] = {
     "test_gpu_check_smoke": gpu_check_command,
     "test_lora_bench_smoke": lambda w: smoke_command("lora_bench.py"),
     "test_plugins_bench_smoke": lambda w: smoke_command("plugins_bench.py"),
+    "test_plan_validation_smoke": lambda w: smoke_command("plan_validation.py", "--work", str(w)),
+    "test_plan_table_smoke": lambda w: smoke_command("plan_table.py"),
     "test_learning_study_smoke": lambda w: smoke_command(
         "learning_study.py", "--work", str(w), "--venv", str(ROOT / ".trl-venv"), timeout=900
     ),
@@ -387,6 +389,26 @@ def test_plugins_bench_smoke(smoke_out: str) -> None:
     cells = [c.strip() for c in line.strip("|").split("|")[1:]]
     step0, slowest, rss, loss = float(cells[0]), float(cells[1]), cells[2], float(cells[3])
     positive_finite([step0, slowest, loss, *[float(x) for x in rss.split("/")]], line)
+
+
+@pytest.mark.slow
+def test_plan_validation_smoke(smoke_out: str) -> None:
+    """Predicted and measured peak per rank of each layout (figures only: the smoke's 2-layer model is too small
+    for the 15% the 98M run holds, docs/performance.md)."""
+    rows = [line for line in smoke_out.splitlines() if re.match(r"\| (ddp|zero2|tp2) \|", line)]
+    assert sorted(row.split("|")[1].strip() for row in rows) == ["ddp", "ddp", "tp2", "tp2", "zero2", "zero2"]
+    for row in rows:
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        positive_finite([float(cells[3]), float(cells[4])], row)  # predicted, measured MiB
+
+
+def test_plan_table_smoke(smoke_out: str) -> None:
+    """The 8B rows of docs/plan.md's table: each a layout that fits at a micro-batch of at least 2."""
+    rows = [line for line in smoke_out.splitlines() if line.startswith("| 8B |")]
+    assert len(rows) == 4, smoke_out
+    for row in rows:
+        batches = [int(b) for b in re.findall(r"micro-batch (\d+) \(", row)]
+        assert len(batches) == 2 and min(batches) >= 2, row
 
 
 def test_ddp_unused_bench_smoke(capsys: pytest.CaptureFixture[str]) -> None:

@@ -182,3 +182,25 @@ def test_the_layouts_that_fit_come_best_first_at_their_largest_micro_batch() -> 
     # one rank at ZeRO 0: 8B in full does not fit 80 GiB at any micro-batch
     assert largest_micro_batch(shape, Layout("hybrid_parallel", "bf16", 0), work, budget) is None
     assert budget == int(0.9 * 80 * GIB)
+
+
+def test_candidates_follow_what_the_plugins_admit() -> None:
+    from coati_kto.parallel.layout_search import candidates
+
+    shape, hybrid = _llama_8b(), Layout("hybrid_parallel", "bf16", 2)
+    layouts = candidates(hybrid, shape, 16, 8, sp_axis=False)
+    assert sorted({(x.tp, x.dp) for x in layouts}) == [(1, 16), (2, 8), (4, 4), (8, 2)]  # tp within a node
+    assert {x.tp for x in candidates(hybrid, shape, 16, 8, sp_axis=False, lora=True)} == {
+        1
+    }  # LoRA: tp 1 only
+    # one data-parallel rank runs ZeRO as 0 (the AMP optimizer); fp32 hybrid has no ZeRO; ddp none
+    assert {x.zero_stage for x in candidates(hybrid, shape, 8, 8, sp_axis=False) if x.dp == 1} == {0}
+    fp32 = candidates(Layout("hybrid_parallel", "fp32", 0), shape, 8, 8, sp_axis=False)
+    assert {x.zero_stage for x in fp32} == {0}
+    assert candidates(Layout("ddp", "fp32", 0), shape, 8, 8, sp_axis=False) == [
+        Layout("ddp", "fp32", 0, 1, 8)
+    ]
+    low = candidates(Layout("low_level_zero", "bf16", 2), shape, 8, 8, sp_axis=False)
+    assert [(x.tp, x.zero_stage) for x in low] == [(1, 1), (1, 2)]
+    with_sp = candidates(hybrid, shape, 8, 8, sp_axis=True)
+    assert (1, 2, 4) in {(x.tp, x.sp, x.dp) for x in with_sp}

@@ -1,0 +1,62 @@
+"""The table of docs/plan.md: what fits of 8B, 32B and 70B on 8 x 80 GB and 16 x 80 GB, by `coati-kto plan`'s arithmetic.
+
+    PYTHONPATH=. python benchmarks/plan_table.py [--smoke]
+
+The shapes are config.json files in benchmarks/model_shapes (Llama 3.1 8B and 70B; Qwen2.5 32B, as no Llama 3
+32B exists). The workload is configs/multinode_zero2.yaml's: hybrid_parallel bf16, ZeRO-2 configured,
+data.max_length 2048, gradient checkpointing, flash attention, no accumulation. Each row: full fine-tuning or
+LoRA (rank 16 on q, k, v, o), the reference online or cached, on one node of 8 GPUs or two of 8; the cell is the
+best layout that fits (the plan's rule) and the largest micro-batch it fits at, or "does not fit". ``--smoke``:
+the 8B rows only.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = {"8B": "llama-3.1-8b", "32B": "qwen2.5-32b", "70B": "llama-3.1-70b"}
+CLUSTERS = {"8 x 80 GB": (8, 1), "16 x 80 GB": (16, 2)}
+MODES = {
+    "full, online": [],
+    "full, cached": ["kto.reference=cached"],
+    "LoRA, online": ["model.lora={rank: 16}"],
+    "LoRA, cached": ["model.lora={rank: 16}", "kto.reference=cached"],
+}
+
+
+def cell(overrides: list[str], gpus: int, nodes: int) -> str:
+    """The best fitting layout and its largest micro-batch, as `coati-kto plan` lists them first."""
+    from coati_kto.config.load import load_config
+    from coati_kto.parallel.activations import Workload
+    from coati_kto.parallel.layout_search import fitting_layouts, usable_bytes
+    from coati_kto.parallel.model_shape import model_shape
+    from coati_kto.recipe.plan import configured_layout
+
+    config = load_config(ROOT / "configs" / "multinode_zero2.yaml", overrides)
+    shape = model_shape(config.model.path)
+    work = Workload.from_config(config, shape.model_type)
+    base = configured_layout(config.plugin, gpus)
+    fits = fitting_layouts(shape, base, work, gpus, gpus // nodes, usable_bytes(80), sp_axis=False)
+    if not fits:
+        return "does not fit"
+    best = fits[0]
+    layout = best.layout
+    return f"tp {layout.tp} x dp {layout.dp}, ZeRO-{layout.zero_stage}: micro-batch {best.micro_batch} ({best.plan.peak / 2**30:.0f} GiB)"
+
+
+def main() -> None:
+    sys.path.insert(0, str(ROOT))
+    smoke = "--smoke" in sys.argv[1:]
+    print("| model | training | " + " | ".join(CLUSTERS) + " |")
+    print("| --- | --- | " + " | ".join("---" for _ in CLUSTERS) + " |")
+    for size, folder in list(SHAPES.items())[: 1 if smoke else None]:
+        path = ROOT / "benchmarks" / "model_shapes" / folder
+        for mode, extra in MODES.items():
+            cells = [cell([f"model.path={path}", *extra], g, n) for g, n in CLUSTERS.values()]
+            print(f"| {size} | {mode} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
