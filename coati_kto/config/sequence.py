@@ -80,3 +80,24 @@ def sequence_problems(config: Any) -> list[str]:
             except ConfigError as err:
                 out.append(str(err))
     return out
+
+
+def sequence_note(config: Any) -> str | None:
+    """One line when sequence parallelism turns off a pass layout the config asks for (None otherwise): every pass
+    runs on its own sliced rows, so the shared-prompt packing and the KL continuation do not run."""
+    kto = config.kto
+    asked = [
+        k
+        for k, on in (
+            ("kto.pack_policy", kto.policy_packing()),
+            ("kto.pack_reference", kto.pack_reference),
+            ("kto.kl_continuation", kto.kl_continuation),
+        )
+        if on
+    ]
+    if config.plugin.sp_size == 1 or not asked:
+        return None
+    return (
+        f"note: plugin.sp_size {config.plugin.sp_size}: every pass runs on its own sliced rows, so {', '.join(asked)} "
+        "do not run (the examples and the KL pairs each take a pass; equal within rounding)"
+    )

@@ -165,3 +165,16 @@ def test_auto_attention_on_a_gpu_stays_dense_under_sp() -> None:
     assert flex_refusal([], 1, cuda=True, sp_size=2) == (
         "plugin.sp_size 2: flex attention under sequence parallelism is unproven"
     )
+
+
+def test_train_says_which_pass_layouts_sp_turns_off(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from coati_kto.config.sequence import sequence_note
+
+    assert sequence_note(_load(tmp_path, tiny_model_dir, "plugin.zero_stage=0")) is None  # no sp
+    config = _load(tmp_path, tiny_model_dir, *SP, "kto.pack_reference=true")
+    assert sequence_note(config) == (
+        "note: plugin.sp_size 2: every pass runs on its own sliced rows, so kto.pack_policy, kto.pack_reference, "
+        "kto.kl_continuation do not run (the examples and the KL pairs each take a pass; equal within rounding)"
+    )
+    quiet = _load(tmp_path, tiny_model_dir, *SP, "kto.kl_continuation=false", "kto.pack_policy=false")
+    assert sequence_note(quiet) is None
