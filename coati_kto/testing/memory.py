@@ -22,12 +22,15 @@ oneDNN workspaces, gloo's buffers), allocations of code that does not go through
 (``torch.from_numpy``, pinned host staging), storages on other devices, and allocator overhead (the numbers
 are tensor bytes, not RSS). Objects kept by reference cycles count until the garbage collector frees them.
 Ops run by other threads count only where autograd carries the mode there (CPU backward runs on the caller's
-thread). Everything inside the block is dispatched through Python, so it runs slower (about 10 µs an op).
+thread); a storage freed on another thread (gloo's work objects release a collective's buffers there) is
+subtracted when that thread frees it, so around collectives the peak can differ by such a buffer from run to
+run, as the allocator's would. Everything inside the block is dispatched through Python, so it runs slower (about 10 µs an op).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -82,6 +85,10 @@ class _Tracker(TorchDispatchMode):
         self.before: set[int] = set()  # storages made before the block, counted in the baseline
         self.finalizers: dict[int, weakref.finalize] = {}
         self.closed = False
+        # A storage's last reference may go on another thread (gloo's work objects hold a collective's buffers):
+        # its finalizer then runs there, so the counts change under a lock (re-entrant: a finalizer may also run
+        # on this thread while the lock is held).
+        self.lock = threading.RLock()
 
     def note_before(self, storage: Any) -> None:
         key = storage._cdata
@@ -93,13 +100,14 @@ class _Tracker(TorchDispatchMode):
         self.finalizers[key] = weakref.finalize(storage, self._forget, key)
 
     def _forget(self, key: int) -> None:
-        if self.closed:
-            return
-        self.finalizers.pop(key, None)
-        self.before.discard(key)
-        entry = self.added.pop(key, None)
-        if entry is not None:
-            self.result.live_added_bytes -= entry[0]
+        with self.lock:
+            if self.closed:
+                return
+            self.finalizers.pop(key, None)
+            self.before.discard(key)
+            entry = self.added.pop(key, None)
+            if entry is not None:
+                self.result.live_added_bytes -= entry[0]
 
     def _note_output(self, t: torch.Tensor, op: str) -> None:
         storage = _storage(t)
@@ -120,27 +128,30 @@ class _Tracker(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         inputs = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-        for t in inputs:  # a storage first met as an input was made before the block
-            storage = _storage(t)
-            if storage is not None and storage._cdata not in self.added:
-                self.note_before(storage)
+        with self.lock:
+            for t in inputs:  # a storage first met as an input was made before the block
+                storage = _storage(t)
+                if storage is not None and storage._cdata not in self.added:
+                    self.note_before(storage)
         out = func(*args, **kwargs)
         op = str(func.overloadpacket.__name__)
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                self._note_output(t, op)
-        self.result.ops += 1
-        if self.result.live_added_bytes > self.result.peak_added_bytes:
-            self.result.peak_added_bytes = self.result.live_added_bytes
-            self.result.peak_live = [LiveStorage(*entry) for entry in self.added.values()]
+        with self.lock:
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    self._note_output(t, op)
+            self.result.ops += 1
+            if self.result.live_added_bytes > self.result.peak_added_bytes:
+                self.result.peak_added_bytes = self.result.live_added_bytes
+                self.result.peak_live = [LiveStorage(*entry) for entry in self.added.values()]
         return out
 
     def close(self) -> None:
-        self.closed = True
-        for finalizer in self.finalizers.values():
-            finalizer.detach()
-        self.finalizers.clear()
-        self.result.peak_live.sort(key=lambda s: -s.nbytes)
+        with self.lock:
+            self.closed = True
+            for finalizer in self.finalizers.values():
+                finalizer.detach()
+            self.finalizers.clear()
+            self.result.peak_live.sort(key=lambda s: -s.nbytes)
 
 
 def _holder_tensors(holders: Iterable[torch.nn.Module | torch.Tensor]) -> Iterator[torch.Tensor]:
