@@ -10,6 +10,8 @@ micro-batch 4, 2 processes (gloo), the online reference, no checkpointing, sdpa.
 - ddp: plugin ddp, fp32, dp 2 (torch DDP and its buckets);
 - zero2: hybrid_parallel bf16 ZeRO-2, dp 2;
 - tp2: hybrid_parallel bf16, tp 2 (one data-parallel rank: ZeRO runs as 0, the AMP optimizer);
+- zero2-ckpt, zero2-cached (asked for by name): zero2 with activation checkpointing, and with the cached
+  reference (precomputed by the training recipe before its first step, outside the measured steps);
 - pp 2 is not measured: the project has no pipeline parallelism yet (plugin.pp_size does not exist).
 
 Each rank runs the training recipe through a config (setup_training, build_trainer, KTOTrainer.fit: two
@@ -41,7 +43,20 @@ LAYOUTS = {
         "plugin.zero_stage=2",
         "plugin.tp_size=2",
     ],
+    "zero2-ckpt": [
+        "plugin.name=hybrid_parallel",
+        "plugin.precision=bf16",
+        "plugin.zero_stage=2",
+        "model.gradient_checkpointing=true",
+    ],
+    "zero2-cached": [
+        "plugin.name=hybrid_parallel",
+        "plugin.precision=bf16",
+        "plugin.zero_stage=2",
+        "kto.reference=cached",
+    ],
 }
+DEFAULT_LAYOUTS = ["ddp", "zero2", "tp2"]
 CONFIG = """model:
   path: {work}/model
   attn_implementation: sdpa
@@ -173,7 +188,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work", default=None)
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512])
-    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--layouts", nargs="+", default=DEFAULT_LAYOUTS, choices=list(LAYOUTS))
     parser.add_argument("--smoke", action="store_true", help="a small Llama at one length (64)")
     parser.add_argument("--child", nargs=3, default=None, help=argparse.SUPPRESS)
     args, extra = parser.parse_known_args()

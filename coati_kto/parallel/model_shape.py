@@ -97,18 +97,31 @@ def model_shape(source: str, key: str = "model.path") -> ModelShape:
     raw = read_config_json(source, key)
     import torch
     from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     from coati_kto.families import auto_model_class
 
+    if raw["model_type"] not in CONFIG_MAPPING:
+        raise ConfigError(
+            f"{key}: {source}: model_type {raw['model_type']!r} is not one this transformers knows"
+        )
+    # Any failure of transformers' own code on this config is one line, not a traceback.
     try:
         config = AutoConfig.for_model(**raw)
         with torch.device("meta"):
             model = auto_model_class(config).from_config(config)
-    except (
-        Exception
-    ) as err:  # any failure of transformers' own code on this config: one line, not a traceback
-        raise ConfigError(f"{key}: {source}: transformers cannot build its config.json ({err})") from None
-    return _count(model, config.get_text_config())
+    except Exception as err:
+        why = (
+            " ".join(str(err).split())[:300] or type(err).__name__
+        )  # one line, however long transformers' is
+        raise ConfigError(f"{key}: {source}: transformers cannot build its config.json ({why})") from None
+    # A config without one hidden size or head count (Gemma 4's per-layer head_dim): one line too.
+    try:
+        return _count(model, config.get_text_config())
+    except Exception as err:
+        raise ConfigError(
+            f"{key}: {source}: the plan reads no single decoder shape from it ({err})"
+        ) from None
 
 
 def _count(model: Any, text: Any) -> ModelShape:

@@ -95,6 +95,20 @@ def test_bad_input_is_one_line(config: Path, tmp_path: Path, capsys) -> None:
     assert _error(["plan", str(config), "--gpus", "0"], capsys) == (
         "error: --gpus and --nodes must be >= 1, got --gpus 0 --nodes 1"
     )
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    (unknown / "config.json").write_text('{"model_type": "nosuchmodel"}')
+    assert _error(["plan", str(config), f"model.path={unknown}"], capsys) == (
+        f"error: model.path: {unknown}: model_type 'nosuchmodel' is not one this transformers knows"
+    )
+    (unknown / "config.json").write_text(
+        '{"model_type": "llama", "hidden_size": 64, "num_attention_heads": 5}'
+    )
+    assert _error(["plan", str(config), f"model.path={unknown}"], capsys) == (
+        f"error: model.path: {unknown}: transformers cannot build its config.json (Class validation error for "
+        "validator 'validate_architecture': ValueError: The hidden size (64) is not a multiple of the number of "
+        "attention heads (5).)"
+    )
     missing = tmp_path / "nowhere" / "model"
     assert _error(["plan", str(config), f"model.path={missing}"], capsys) == (
         f"error: model.path: {missing} does not exist (a local directory, or a hub id like org/name)"
@@ -116,4 +130,26 @@ def test_train_line_says_the_peak_and_warns_when_over_the_device(config: Path) -
     assert predicted_peak_line(loaded, 2, 2 << 20) == (
         "warning: predicted peak per rank 4.63 MiB is over 90% of this device's 2.00 MiB: this layout may run out of "
         "memory (coati-kto plan CONFIG --gpus N lists the layouts that fit)"
+    )
+
+
+def test_a_hub_id_is_read_from_the_hub_cache_only(
+    config: Path, tiny_model_dir: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """A Hub id's config.json comes from the hub cache (no download); not there, one line saying how to get it."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--org--tiny" / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+    (cache / "models--org--tiny" / "refs").mkdir()
+    (cache / "models--org--tiny" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", str(config), "model.path=org/tiny", "--gpus", "2"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith("model: org/tiny (llama, 147,776 parameters")
+    assert _error(["plan", str(config), "model.path=org/absent"], capsys) == (
+        "error: model.path: org/absent is not in the hub cache (the plan reads only config.json: download it with "
+        "`hf download org/absent config.json`, or set model.path to a directory holding it)"
     )
