@@ -16,9 +16,10 @@ from coati_kto.families.splits import check_sequence_parallel_family
 
 # Why each mode other than all_to_all is refused (one line each; the docs give the detail).
 MODE_REFUSALS = {
-    "split_gather": "plugin.sp_mode split_gather is not built yet (its vocabulary-parallel per-token log-probs "
-    "and the norms' gradient sums over the tp group are unproven): use plugin.sp_mode all_to_all",
-    "ring": "plugin.sp_mode ring is not built yet (ColossalAI's ring shares split_gather's layout): use "
+    "split_gather": "plugin.sp_mode split_gather gathers the sequence inside the tensor-parallel projections, "
+    "and transformers' attention reshapes their output to its input's (split) length: it needs ColossalAI's "
+    "forwards, written for transformers 4.51; use plugin.sp_mode all_to_all",
+    "ring": "plugin.sp_mode ring splits the sequence as split_gather does (and needs the same forwards): use "
     "plugin.sp_mode all_to_all",
     "ring_attn": "plugin.sp_mode ring_attn needs flash-attention on CUDA and cannot express the KL pairs' "
     "visibility rule (its varlen ring attends causally within a document): use plugin.sp_mode all_to_all",

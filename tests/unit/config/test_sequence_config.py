@@ -62,8 +62,9 @@ def test_a_valid_sp_config_gives_the_plan_its_size(tmp_path: Path, tiny_model_di
         ),
         (
             ["plugin.sp_mode=split_gather", "plugin.tp_size=2"],
-            "plugin.sp_mode split_gather is not built yet (its vocabulary-parallel per-token log-probs and the "
-            "norms' gradient sums over the tp group are unproven): use plugin.sp_mode all_to_all",
+            "plugin.sp_mode split_gather gathers the sequence inside the tensor-parallel projections, and "
+            "transformers' attention reshapes their output to its input's (split) length: it needs ColossalAI's "
+            "forwards, written for transformers 4.51; use plugin.sp_mode all_to_all",
         ),
         (
             ["data.padding_free=false"],
