@@ -66,24 +66,31 @@ def _update(run: list[dict[str, Any]]) -> np.ndarray:
     return run[0]["weights"] - run[0]["start"]
 
 
-def test_layouts_agree_within_bf16(runs: dict[str, Any]) -> None:
-    for name in LAYOUTS:  # every rank ends on the same full weights
-        assert all(np.array_equal(r["weights"], runs[name][0]["weights"]) for r in runs[name]), name
-    reference = _update(runs["tp2_dp2"])
-    scale = np.abs(reference).max()
-    # bf16 weights: the layouts sum in other orders, so an update may round to the neighbouring bf16 value: one
-    # spacing at the weight's magnitude (5e-4 at 0.1, 3.9e-3 for a norm's weight just under 1).
-    start = runs["tp2_dp2"][0]["start"]
+def assert_bf16_updates_agree(run: list[dict[str, Any]], reference: list[dict[str, Any]], what: str) -> None:
+    """``run``'s update (3 steps, every rank on the same full weights) equals ``reference``'s within bf16 rounding.
+
+    bf16 weights: layouts sum in other orders, so an update may round to the neighbouring bf16 value: one spacing
+    at the weight's magnitude (5e-4 at 0.1, 3.9e-3 for a norm's weight just under 1), for at most 0.1% of the
+    weights past 2% of the update scale (a few rounding neighbours, not a different update)."""
+    assert all(np.array_equal(r["weights"], run[0]["weights"]) for r in run), what
+    want = _update(reference)
+    scale = np.abs(want).max()
+    start = reference[0]["start"]
     spacing = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(start), 2.0**-126))) - 7)
+    diff = np.abs(_update(run) - want)
+    over = int((diff > 0.02 * scale).sum())
+    print(
+        f"{what}: max update difference {diff.max():.3e} (update scale {scale:.3e}); "
+        f"{over} of {diff.size} weights past 2% of it, each by at most one bf16 spacing"
+    )
+    assert over <= 1e-3 * diff.size, (what, over)
+    assert (diff <= 0.02 * scale + spacing).all(), (what, diff.max(), scale)
+
+
+def test_layouts_agree_within_bf16(runs: dict[str, Any]) -> None:
+    assert all(np.array_equal(r["weights"], runs["tp2_dp2"][0]["weights"]) for r in runs["tp2_dp2"])
     for name in ("tp1_dp4", "tp2_dp1"):
-        diff = np.abs(_update(runs[name]) - reference)
-        over = int((diff > 0.02 * scale).sum())
-        print(
-            f"{name} vs tp2_dp2: max update difference {diff.max():.3e} (update scale {scale:.3e}); "
-            f"{over} of {diff.size} weights past 2% of it, each by at most one bf16 spacing"
-        )
-        assert over <= 1e-3 * diff.size, (name, over)  # a few rounding neighbours, not a different update
-        assert (diff <= 0.02 * scale + spacing).all(), (name, diff.max(), scale)
+        assert_bf16_updates_agree(runs[name], runs["tp2_dp2"], f"{name} vs tp2_dp2")
     losses = {n: [h["train/loss"] for h in runs[n][0]["history"] if "train/loss" in h] for n in LAYOUTS}
     for name in ("tp1_dp4", "tp2_dp1"):
         assert np.allclose(losses[name], losses["tp2_dp2"], rtol=1e-2), losses

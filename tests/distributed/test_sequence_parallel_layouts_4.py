@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from test_layouts_4 import assert_bf16_updates_agree
 from test_trainer import _build, _config, _global_steps, _layout_config, full_weights, sgd
 
 from coati_kto.testing.distributed import run_distributed
@@ -69,23 +70,9 @@ def runs(
     }
 
 
-def _update(run: list[dict[str, Any]]) -> np.ndarray:
-    return run[0]["weights"] - run[0]["start"]
-
-
 @pytest.mark.parametrize("name", ["sp2_dp2", "tp2_sp2"])
 def test_sequence_parallel_layouts_agree_with_tp1_dp4_within_bf16(runs: dict[str, Any], name: str) -> None:
-    assert all(np.array_equal(r["weights"], runs[name][0]["weights"]) for r in runs[name])
-    reference = _update(runs["tp1_dp4"])
-    scale = np.abs(reference).max()
-    start = runs["tp1_dp4"][0]["start"]
-    # one bf16 spacing at each weight's magnitude (test_layouts_4.py says why)
-    spacing = 2.0 ** (np.floor(np.log2(np.maximum(np.abs(start), 2.0**-126))) - 7)
-    diff = np.abs(_update(runs[name]) - reference)
-    over = int((diff > 0.02 * scale).sum())
-    print(f"{name} vs tp1_dp4: max update difference {diff.max():.3e} (scale {scale:.3e}); {over} past 2%")
-    assert over <= 1e-3 * diff.size, over
-    assert (diff <= 0.02 * scale + spacing).all(), (diff.max(), scale)
+    assert_bf16_updates_agree(runs[name], runs["tp1_dp4"], f"{name} vs tp1_dp4")
     losses = {n: [h["train/loss"] for h in runs[n][0]["history"] if "train/loss" in h] for n in LAYOUTS}
     assert len(losses[name]) == STEPS
     assert np.allclose(losses[name], losses["tp1_dp4"], rtol=1e-2), losses
