@@ -189,6 +189,7 @@ LONGEST_FIRST = (
     "e2e/test_layouts_4_resume.py",  # 44
     "distributed/test_layouts_4_families.py",  # 38
     "e2e/test_launch.py",  # 34
+    "distributed/test_sequence_parallel_train.py",  # 30
     "distributed/test_runner_pool.py",  # 29
     "distributed/test_mixed_adamw.py",  # 27
     "e2e/test_install_profiles.py",  # 26
