@@ -30,15 +30,13 @@ def cell(overrides: list[str], gpus: int, nodes: int) -> str:
     """The best fitting layout and its largest micro-batch, as `coati-kto plan` lists them first."""
     from coati_kto.config.load import load_config
     from coati_kto.parallel.activations import Workload
-    from coati_kto.parallel.layout_search import fitting_layouts, usable_bytes
     from coati_kto.parallel.model_shape import model_shape
-    from coati_kto.recipe.plan import configured_layout
+    from coati_kto.recipe.plan import layouts_that_fit
 
     config = load_config(ROOT / "configs" / "multinode_zero2.yaml", overrides)
     shape = model_shape(config.model.path)
     work = Workload.from_config(config, shape.model_type)
-    base = configured_layout(config.plugin, gpus)
-    fits = fitting_layouts(shape, base, work, gpus, gpus // nodes, usable_bytes(80), sp_axis=False)
+    fits = layouts_that_fit(config, shape, work, gpus, gpus // nodes, 80)
     if not fits:
         return "does not fit"
     best = fits[0]

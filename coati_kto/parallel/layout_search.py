@@ -15,12 +15,14 @@ collectives per step), then the lower peak.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from coati_kto.parallel.activations import Workload
 from coati_kto.parallel.memory_plan import GIB, Layout, MemoryPlan, plan_memory
 from coati_kto.parallel.model_shape import ModelShape
 
+Admits = Callable[[int, int], bool]  # (tp, sp) -> whether the model's family runs at those sizes
 USABLE_FRACTION = 0.9
 MAX_MICRO_BATCH = 64
 MIN_MICRO_BATCH = 2  # train.micro_batch_size's least: each micro-batch holds both labels
@@ -60,10 +62,17 @@ def largest_micro_batch(shape: ModelShape, layout: Layout, work: Workload, budge
 
 
 def candidates(
-    base: Layout, shape: ModelShape, gpus: int, per_node: int, sp_axis: bool, lora: bool = False
+    base: Layout,
+    shape: ModelShape,
+    gpus: int,
+    per_node: int,
+    sp_axis: bool,
+    lora: bool = False,
+    admits: Admits | None = None,
 ) -> list[Layout]:
     """Every layout of ``gpus`` GPUs (``per_node`` a node) the configured plugin ``base`` can run (``lora``: the
-    policy trains adapters, which hybrid_parallel admits at tp 1 only)."""
+    policy trains adapters, which hybrid_parallel admits at tp 1 only; ``admits(tp, sp)``: whether the model's
+    family is proven at those sizes, as config load checks)."""
     tps = [1]
     if (
         base.plugin == "hybrid_parallel" and not lora
@@ -75,7 +84,7 @@ def candidates(
     out = []
     for tp in tps:
         sps = [s for s in _divisors(gpus // tp) if (shape.heads // tp) % s == 0] if sp_axis else [1]
-        for sp in sps:
+        for sp in [s for s in sps if admits is None or admits(tp, s)]:
             dp = gpus // (tp * sp)
             for stage in stages:
                 running = (
@@ -88,12 +97,19 @@ def candidates(
 
 
 def fitting_layouts(
-    shape: ModelShape, base: Layout, work: Workload, gpus: int, per_node: int, budget: int, sp_axis: bool
+    shape: ModelShape,
+    base: Layout,
+    work: Workload,
+    gpus: int,
+    per_node: int,
+    budget: int,
+    sp_axis: bool,
+    admits: Admits | None = None,
 ) -> list[Fit]:
     """The candidates that fit within ``budget`` bytes per GPU, best first (:data:`RULE`)."""
     fits = [
         fit
-        for layout in candidates(base, shape, gpus, per_node, sp_axis, work.lora_rank > 0)
+        for layout in candidates(base, shape, gpus, per_node, sp_axis, work.lora_rank > 0, admits)
         if (fit := largest_micro_batch(shape, layout, work, budget)) is not None
     ]
     return sorted(

@@ -9,11 +9,13 @@ Reads the config and the model's config.json only (no weights, no data, no proce
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from coati_kto.config.schema import Config, PluginSection
-from coati_kto.errors import UserError
+from coati_kto.errors import ConfigError, UserError
+from coati_kto.families.splits import check_model_family, check_sequence_parallel_family
 from coati_kto.parallel.activations import Workload
-from coati_kto.parallel.layout_search import RULE, USABLE_FRACTION, fitting_layouts, usable_bytes
+from coati_kto.parallel.layout_search import RULE, USABLE_FRACTION, Fit, fitting_layouts, usable_bytes
 from coati_kto.parallel.memory_plan import GIB, Layout, MemoryPlan, plan_memory
 from coati_kto.parallel.model_shape import ModelShape, model_shape
 from coati_kto.parallel.plan import running_zero_stage
@@ -29,9 +31,9 @@ def configured_layout(plugin: PluginSection, world: int) -> Layout:
     if world % axes:
         named = f"plugin.tp_size {plugin.tp_size}" + (f" x plugin.sp_size {sp}" if sp > 1 else "")
         raise UserError(f"--gpus {world} is not a multiple of {named} = {axes}")
-    dp = world // axes
-    stage = running_zero_stage(plugin, dp)
-    return Layout(plugin.name, plugin.precision, stage, plugin.tp_size, dp, sp, plugin.cpu_offload)
+    # The backend's ZeRO group (the plan's dp_size) is dp x sp: world / tp, as recipe/setup.py builds it.
+    stage = running_zero_stage(plugin, world // plugin.tp_size)
+    return Layout(plugin.name, plugin.precision, stage, plugin.tp_size, world // axes, sp, plugin.cpu_offload)
 
 
 def _gib(n: int) -> str:
@@ -95,7 +97,7 @@ def plan_lines(config: Config, gpus: int | None, gpu_memory: float, nodes: int) 
         *breakdown_lines(plan, work, shape),
         f"  peak           {_gib(plan.peak)}  {verdict} in {USABLE_FRACTION:.0%} of {gpu_memory:g} GiB",
     ]
-    return lines + _fit_lines(config, shape, layout, work, world, world // nodes, gpu_memory)
+    return lines + _fit_lines(config, shape, work, world, world // nodes, gpu_memory)
 
 
 def _check_options(world: int, gpu_memory: float, nodes: int) -> None:
@@ -107,11 +109,21 @@ def _check_options(world: int, gpu_memory: float, nodes: int) -> None:
         raise UserError(f"--gpus {world} is not a multiple of --nodes {nodes} (the same GPUs on every node)")
 
 
-def _fit_lines(
-    config: Config, shape: ModelShape, base: Layout, work: Workload, world: int, per_node: int, gib: float
-) -> list[str]:
+def layouts_that_fit(
+    config: Config, shape: ModelShape, work: Workload, world: int, per_node: int, gib: float
+) -> list[Fit]:
+    """The layouts of ``world`` GPUs of ``gib`` GiB that config load admits for this model and that fit, best
+    first (``coati_kto.parallel.layout_search``)."""
+    base = configured_layout(config.plugin, world)
     sp_axis = "sp_size" in PluginSection.model_fields and config.data.padding_free
-    fits = fitting_layouts(shape, base, work, world, per_node, usable_bytes(gib), sp_axis)
+    admits = _admitted(config.model.path)
+    return fitting_layouts(shape, base, work, world, per_node, usable_bytes(gib), sp_axis, admits)
+
+
+def _fit_lines(
+    config: Config, shape: ModelShape, work: Workload, world: int, per_node: int, gib: float
+) -> list[str]:
+    fits = layouts_that_fit(config, shape, work, world, per_node, gib)
     head = f"layouts that fit on {world} x {gib:g} GiB ({RULE}):"
     if not fits:
         return [head, f"  none, even at micro-batch 2 (the least {config.plugin.name} can run here)"]
@@ -121,6 +133,22 @@ def _fit_lines(
     ]
     more = [f"  ... and {len(fits) - LISTED} more"] if len(fits) > LISTED else []
     return [head, *rows, *more]
+
+
+def _admitted(model_dir: str) -> Callable[[int, int], bool]:
+    """``admits(tp, sp)``: whether config load would take the model at those sizes (the family's tensor- and
+    sequence-parallel proofs, its heads), from config.json alone."""
+
+    def admits(tp: int, sp: int) -> bool:
+        try:
+            check_model_family(model_dir, "model.path", tp)
+            if sp > 1:
+                check_sequence_parallel_family(model_dir, "model.path", tp, sp)
+        except ConfigError:
+            return False
+        return True
+
+    return admits
 
 
 def predicted_peak_line(config: Config, world: int, device_bytes: int | None) -> str:

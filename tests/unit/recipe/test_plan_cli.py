@@ -153,3 +153,22 @@ def test_a_hub_id_is_read_from_the_hub_cache_only(
         "error: model.path: org/absent is not in the hub cache (the plan reads only config.json: download it with "
         "`hf download org/absent config.json`, or set model.path to a directory holding it)"
     )
+
+
+def test_the_configured_layout_shards_zero_over_data_and_sequence_ranks(config: Path, capsys) -> None:
+    """ZeRO's group is dp x sp (recipe/setup.py's plan): sp 2 on 2 GPUs keeps ZeRO-2; tp 2 on 2 GPUs runs it as 0."""
+    from coati_kto.config.load import load_config
+    from coati_kto.recipe.plan import configured_layout
+
+    padded = ["data.padding_free=true", "model.attn_implementation=sdpa"]
+    sp = load_config(config, ["plugin.sp_size=2", *padded]).plugin
+    assert configured_layout(sp, 2).describe() == "hybrid_parallel bf16, tp 1 x sp 2 x dp 1, ZeRO-2"
+    tp = load_config(config, ["plugin.tp_size=2"]).plugin
+    assert configured_layout(tp, 2).describe() == "hybrid_parallel bf16, tp 2 x dp 1, ZeRO-0"
+    # the layouts listed are the ones config load admits: Llama's proven sp sizes 2 and 4, not 8 (32 heads), and its
+    # proven tp size 2, not 8
+    from coati_kto.recipe.plan import _admitted
+
+    admits = _admitted(str(REPO / "benchmarks" / "model_shapes" / "llama-3.1-8b"))
+    sizes = [(1, 2), (1, 4), (1, 8), (2, 4), (8, 1)]
+    assert [admits(tp, sp) for tp, sp in sizes] == [True, True, False, True, False]
