@@ -17,6 +17,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from coati_kto.errors import ConfigError
+
 # Families whose causal-LM forward is exactly ``logits = lm_head(final_hidden)`` (no soft-capping or scaling
 # after the head): the chunked head is exact for them. Others keep the logits path.
 HEAD_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "smollm3"})
@@ -82,9 +84,18 @@ def plain_head(config: Any) -> bool:
 
 
 def _config_json(model_dir: str) -> dict[str, Any] | None:
-    """``model_dir``'s config.json as a dict, or None where it has none (a hub id)."""
+    """``model_dir``'s config.json as a dict, or None where it has none (a hub id). ConfigError (one line) when
+    it is not a JSON object: every config.json check reads it through here."""
     config_file = Path(model_dir) / "config.json"
-    return json.loads(config_file.read_text()) if config_file.is_file() else None
+    if not config_file.is_file():
+        return None
+    try:
+        raw = json.loads(config_file.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ConfigError(f"{config_file}: not valid JSON ({err})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{config_file}: a model config must be a JSON object, not a {type(raw).__name__}")
+    return raw
 
 
 def model_class_name(model_dir: str) -> str | None:

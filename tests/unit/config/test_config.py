@@ -416,3 +416,20 @@ def test_fused_optimizer_is_refused_where_it_is_not_proven(tmp_path: Path) -> No
         f"override {on}, train.optimizer_state_dtype=bf16: train.fused_optimizer is not proven with "
         f"train.optimizer_state_dtype bf16 or model.lora {fix}",
     ]
+
+
+@pytest.mark.parametrize(
+    "text, reason",
+    [("[1, 2]", "a model config must be a JSON object, not a list"), ("{bad", "not valid JSON (Expecting")],
+)
+def test_a_model_config_json_that_is_not_an_object_is_one_line(
+    tmp_path: Path, text: str, reason: str
+) -> None:
+    """config.json is read at config load (the family checks): a list or broken JSON there was an AttributeError
+    or JSONDecodeError traceback; now one line naming the file."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_config(write_config(tmp_path, MINIMAL.replace("some/model", str(model))))
+    assert str(err.value).startswith(f"{model / 'config.json'}: {reason}") and "\n" not in str(err.value)
