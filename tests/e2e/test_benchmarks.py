@@ -522,6 +522,34 @@ def test_padding_bench_smoke(capsys: pytest.CaptureFixture[str]) -> None:
         assert fractions[9] <= fractions[8] and fractions[10] == 0.0, line
 
 
+def test_sp_memory_bench_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    """Its ranks (sp 1 and 2) on the worker pool: the figures are tracked tensor bytes, nothing of the process's
+    own. Per rank, sp 2 keeps less than sp 1 and more than half of it (the whole-row mask, and one more q-wide
+    tensor per layer); the per-layer formula equals the tracker's per-layer bytes in fp32; the longest row within
+    the budget fits it, the next step does not, and it grows with sp."""
+    out = smoke_here(capsys, "sp_memory_bench.py")
+    lines = out.splitlines()
+    rows = [line for line in lines if re.match(r"\| (256|512) \| (yes|no) \|", line)]
+    assert len(rows) == 4, out
+    for line in rows:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        ratio, bare = float(cells[4]), float(cells[5])
+        assert 0.5 < bare < ratio < 0.7, line
+    checks = {tuple(line.split("|")[1:4]): line for line in lines if re.match(r"\| [12] \| fp32 \|", line)}
+    assert len(checks) == 4, out
+    for line in checks.values():
+        assert line.rstrip().endswith("| 1.0000 |"), line  # measured / formula
+    longest = {}
+    for line in lines:
+        match = re.match(r"\| ([12]) \| (\d+) \| ([\d.]+) \| ([\d.]+) \| (\d+) \|$", line)
+        if match:
+            longest[int(match[1])] = (int(match[2]), float(match[3]), float(match[4]))
+    assert set(longest) == {1, 2}, out
+    for tokens, fits, over in longest.values():
+        assert tokens > 0 and fits <= 3.0 < over  # the smoke's budget: 3 MiB
+    assert longest[2][0] > longest[1][0]
+
+
 @pytest.mark.slow
 def test_gpu_check_smoke(smoke_out: str) -> None:
     """`make gpu-check`'s plumbing without CUDA (benchmarks/gpu_check.sh -> "gpu_check.py"): every `gpu` test is
