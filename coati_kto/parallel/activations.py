@@ -13,6 +13,11 @@ and decoder layer autograd keeps, in the working dtype (Llama-style layer: RMSNo
 With ``model.gradient_checkpointing`` only each layer's input (hidden) is kept, and one layer's activations
 are alive again while it is recomputed. Sequence parallelism (sp ranks) divides the tokens.
 
+Padding-free rows under a dense-mask kernel (sdpa, eager: ``coati_kto.models.packing``) also hold the additive
+mask [R, 1, L, L] in the working dtype for the whole pass (one per window where layers mix windows: counted once here); the bound is R =
+micro-batch rows of L = ``data.max_length``. Sequence parallelism does not divide it: the attention sees whole
+rows on every sp rank. flex_attention (a block mask) holds no such tensor.
+
 The LM head: no [B, S, V] logits where the chunked head runs (``coati_kto.models.logprobs``: tp 1 and a plain
 head): the completion positions' hidden states, the logits kept for the backward while positions x vocabulary
 is under 2**24 fp32 elements (x16 on a GPU), and two fp32 blocks of 2**23 elements (2**26 on a GPU). Above
@@ -45,6 +50,7 @@ class Workload:
     state_dtype: str = "fp32"
     accumulation_steps: int = 1
     device: str = "gpu"  # the head's chunk sizes: "cpu" or "gpu"
+    dense_mask: bool = False  # padding-free rows with sdpa or eager: the [R, 1, L, L] mask (module docstring)
 
     @classmethod
     def from_config(cls, config: Any, model_type: str, device: str = "gpu") -> Workload:
@@ -64,6 +70,7 @@ class Workload:
             state_dtype=config.train.optimizer_state_dtype,
             accumulation_steps=config.train.accumulation_steps,
             device=device,
+            dense_mask=config.data.padding_free and config.model.attn_implementation != "flex_attention",
         )
 
 
@@ -85,8 +92,14 @@ def activation_bytes(
     else:
         decoder = shape.layers * per_layer
     decoder += 2 * shape.hidden * tokens * working  # the final norm's input and output
+    notes = []
+    if work.dense_mask:  # whole rows on every sp rank: not divided by sp
+        decoder += work.micro_batch * work.length * work.length * working
+        notes.append(
+            f"a dense [{work.micro_batch}, 1, {work.length}, {work.length}] mask (padding-free rows)"
+        )
     head, note = _head_bytes(shape, tp, tokens, working, work)
-    return decoder, head, [note]
+    return decoder, head, [note, *notes]
 
 
 def _head_bytes(shape: Any, tp: int, tokens: int, working: int, work: Workload) -> tuple[int, str]:

@@ -62,7 +62,7 @@ def breakdown_lines(plan: MemoryPlan, work: Workload, shape: ModelShape) -> list
         f"  step copies    {_gib(plan.step_copies)}  the gradients cast to fp32 at the optimizer step",
         f"  reference      {_gib(plan.reference)}  {ref}",
         f"  activations    {_gib(plan.activations)}  {work.micro_batch} x {work.length} tokens, {ckpt} "
-        f"checkpointing (else {_gib(other_acts).strip()})",
+        f"checkpointing (else {_gib(other_acts).strip()})" + "".join(f"; {n}" for n in plan.notes[1:]),
         f"  LM head        {_gib(plan.head)}  {plan.notes[0]}",
         f"  communication  {_gib(plan.communication)}  {_comm_note(layout)}",
     ]

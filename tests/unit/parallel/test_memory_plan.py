@@ -204,3 +204,15 @@ def test_candidates_follow_what_the_plugins_admit() -> None:
     assert [(x.tp, x.zero_stage) for x in low] == [(1, 1), (1, 2)]
     with_sp = candidates(hybrid, shape, 8, 8, sp_axis=True)
     assert (1, 2, 4) in {(x.tp, x.sp, x.dp) for x in with_sp}
+
+
+def test_padding_free_dense_kernels_hold_the_whole_row_mask_on_every_sp_rank(tiny_shape: ModelShape) -> None:
+    """Padding-free rows under sdpa or eager hold the [R, 1, L, L] mask in the working dtype: 2 x 16 x 16 x 4 B
+    here, added whole at sp 1 and at sp 2 alike (the attention sees whole rows), while the tokens' share halves."""
+    work = Workload(micro_batch=2, length=16, device="cpu")
+    masked = dataclasses.replace(work, dense_mask=True)
+    for sp in (1, 2):
+        plain, _, _ = activation_bytes(tiny_shape, 1, sp, 4, work)
+        with_mask, _, notes = activation_bytes(tiny_shape, 1, sp, 4, masked)
+        assert with_mask - plain == 2 * 16 * 16 * 4
+        assert notes[-1] == "a dense [2, 1, 16, 16] mask (padding-free rows)"
