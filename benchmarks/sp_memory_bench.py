@@ -52,13 +52,15 @@ MODEL = dict(
 SMOKE_MODEL = dict(MODEL, hidden_size=64, intermediate_size=128, head_dim=16)
 
 
-def kto_row(length: int) -> Any:
-    """Packed pairs rows [1, length]: one KTO example whose KL pair shares its prompt (module docstring)."""
+def kto_row(length: int, layout: str = "pairs") -> Any:
+    """Packed rows [1, length]: one KTO example whose KL pair shares its prompt (module docstring), in the pairs
+    layout, or (``examples``) the example alone, prompt and completion to ``length``: the layout the trainer's
+    passes run under sp, a plain causal row to which the sp pass gives no mask."""
     from coati_kto.data.collator import KTOCollator
     from coati_kto.data.packed import plan_rows
 
     completion = length // 8
-    prompt = length - 2 * completion
+    prompt = length - (2 if layout == "pairs" else 1) * completion
     gen = torch.Generator().manual_seed(length)
     ids = lambda n: torch.randint(3, 500, (n,), generator=gen).tolist()  # noqa: E731
     head = ids(prompt)
@@ -70,7 +72,7 @@ def kto_row(length: int) -> Any:
         "kl_completion_start": prompt,
     }
     batch = KTOCollator(0)([feature])
-    rows = plan_rows(batch.example, batch.kl, "bins")
+    rows = plan_rows(batch.example, batch.kl if layout == "pairs" else None, "bins")
     assert tuple(rows.input_ids.shape) == (1, length), rows.input_ids.shape
     return rows
 
@@ -98,7 +100,7 @@ def build_model(shape: dict[str, Any], checkpointing: bool, dtype: torch.dtype =
     return model
 
 
-def measure(model: Any, length: int, group: Any) -> dict[str, Any]:
+def measure(model: Any, length: int, group: Any, layout: str = "pairs") -> dict[str, Any]:
     """One forward + backward of this rank's slice of a ``length``-token row: the tracker's figures."""
     import torch.distributed as dist
 
@@ -108,7 +110,7 @@ def measure(model: Any, length: int, group: Any) -> dict[str, Any]:
     from coati_kto.testing.memory import track_peak
 
     sp = dist.get_world_size(group)
-    piece = _slice(kto_row(length), sp, dist.get_rank(group))
+    piece = _slice(kto_row(length, layout), sp, dist.get_rank(group))
     head = LMHead.find(model)
     start = time.perf_counter()
     with SEQUENCE_GROUP.using(group), track_peak(model) as memory:
@@ -173,7 +175,14 @@ def layer_checks(shape: dict[str, Any], length: int, modes: list[bool], group: A
     return out
 
 
-def worker(shape: dict[str, Any], lengths: list[int], modes: list[bool], budget: int, step: int) -> dict:
+def worker(
+    shape: dict[str, Any],
+    lengths: list[int],
+    modes: list[bool],
+    budget: int,
+    step: int,
+    layout: str = "pairs",
+) -> dict:
     """On every rank of the world (one sp group): the table's cases, then the longest row within ``budget``."""
     import torch.distributed as dist
 
@@ -182,11 +191,11 @@ def worker(shape: dict[str, Any], lengths: list[int], modes: list[bool], budget:
     for checkpointing in modes:
         model = build_model(shape, checkpointing)
         for length in lengths:
-            numbers = measure(model, length, group)
+            numbers = measure(model, length, group, layout)
             numbers["activation"] = _max_over(group, numbers["activation"])
             numbers["mask"] = _max_over(group, numbers["mask"])
             out[(length, checkpointing)] = numbers
-    if dist.get_world_size() <= 2:
+    if dist.get_world_size() <= 2 and layout == "pairs":
         out.update(layer_checks(shape, lengths[0], modes, group))
     if budget <= 0:
         return out
@@ -199,7 +208,7 @@ def worker(shape: dict[str, Any], lengths: list[int], modes: list[bool], budget:
     for _ in range(6):  # bracket: a run that fits and the next step that does not
         for n in (length, length + step):
             if n not in seen:
-                seen[n] = _max_over(group, measure(model, n, group)["activation"])
+                seen[n] = _max_over(group, measure(model, n, group, layout)["activation"])
         if seen[length] > budget:
             length = max(step, length - step)
         elif seen[length + step] <= budget:
@@ -324,6 +333,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step", type=int, default=1024, help="the longest row's granularity, in tokens")
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--smoke", action="store_true", help="a tiny model and rows of 256/512 tokens")
+    parser.add_argument(
+        "--layout",
+        choices=["pairs", "examples"],
+        default="pairs",
+        help="pairs: an example and its KL pair in one row (a dense mask); examples: the example alone, as the "
+        "trainer's sp passes run it (a plain causal row: no mask)",
+    )
     args = parser.parse_args(argv)
     shape = MODEL
     if args.smoke:
@@ -334,10 +350,21 @@ def main(argv: list[str] | None = None) -> int:
         # sp 4 runs only what the longest-row search needs (checkpointing on)
         start = time.perf_counter()
         results[sp] = run_distributed(
-            worker, sp, shape, args.lengths, modes if sp < 4 else [True], budget, args.step, timeout_s=3600
+            worker,
+            sp,
+            shape,
+            args.lengths,
+            modes if sp < 4 else [True],
+            budget,
+            args.step,
+            args.layout,
+            timeout_s=3600,
         )[0]
         print(f"sp {sp}: {time.perf_counter() - start:.0f} s", file=sys.stderr, flush=True)
-    print(f"model: Llama {shape}; fp32; sdpa (coati_sp|sdpa); activation = peak - baseline, per rank")
+    print(
+        f"model: Llama {shape}; fp32; sdpa (coati_sp|sdpa); {args.layout} layout; activation = peak - baseline, "
+        "per rank"
+    )
     print("\n".join(table(results, args.lengths, modes)))
     if budget > 0:
         print(f"\nlongest row within {args.budget_mib} MiB of activations per rank (checkpointing on):")

@@ -96,14 +96,19 @@ class PackedRows:
     example: Targets | None  # None in the kl layout
     kl: Targets | None  # None in the example layout
     shared: torch.Tensor  # [B] long: prompt tokens processed once instead of twice (pairs layout)
+    # Host fact: every row is one document from column 0 (the rest padding) that attends causally, so a kernel's
+    # own causal attention computes the rows without a mask (the example and kl layouts, bins of one document).
+    causal_rows: bool = False
 
     def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> PackedRows:
         out = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            out[f.name] = (
-                None if value is None else value.map(fn) if isinstance(value, Targets) else fn(value)
-            )
+            if isinstance(value, Targets):
+                value = value.map(fn)
+            elif isinstance(value, torch.Tensor):
+                value = fn(value)
+            out[f.name] = value
         return PackedRows(**out)
 
     def tokens(self) -> int:

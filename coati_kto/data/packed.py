@@ -102,7 +102,9 @@ def plan_rows(example: TokenView | None, kl: TokenView | None, rows: str = "padd
         return Targets(*torch.cat(parts, dim=1)) if present and parts else None
 
     example_targets, kl_targets = gather("example", example is not None), gather("kl", kl is not None)
-    return PackedRows(ids, positions, document, segment, seen, example_targets, kl_targets, shared)
+    # One view (no pairs rule) and one document a row, at column 0: plain causal rows.
+    causal = (example is None or kl is None) and len(place) == count and all(o == 0 for _, o in place)
+    return PackedRows(ids, positions, document, segment, seen, example_targets, kl_targets, shared, causal)
 
 
 def _placement(lengths: list[int], rows: str) -> tuple[list[tuple[int, int]], int]:

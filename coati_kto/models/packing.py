@@ -43,6 +43,7 @@ from coati_kto.models.lm_head import LMHead, forward_inputs, model_sequence_logp
 from coati_kto.models.logit_means import record_head, record_logits, recording
 from coati_kto.models.logprobs import head_token_logps, logits_token_logps, sum_per_row
 from coati_kto.models.lora import base_module
+from coati_kto.parallel.sequence import inner_attention
 
 PACKABLE_ATTENTION = ("eager", "sdpa", "flex_attention")
 FLEX_BLOCK = 128  # flex attention's block: rows are padded to a multiple of it (a partial block misreads)
@@ -211,9 +212,12 @@ def packed_states(
     # The working dtype (a LoRA reference is no module with parameters of its own, hence the head's).
     dtype = head.weight.dtype if head is not None else base_module(model).get_input_embeddings().weight.dtype
     windows = packed_masks(config)
-    mask = _by_layer_type(
-        windows, lambda window: _flex_mask(rows, window) if flex else _additive_mask(rows, window, dtype)
-    )
+    if columns is not None and _causal_without_mask(config, rows, windows):
+        mask = None  # the wrapper's sdpa attends causally over the whole rows: no [R, 1, L, L] tensor
+    else:
+        mask = _by_layer_type(
+            windows, lambda window: _flex_mask(rows, window) if flex else _additive_mask(rows, window, dtype)
+        )
     ids, positions = rows.input_ids, rows.position_ids
     # No slicing op without columns: the kernel counts of the unsliced path stay as they were.
     if columns is not None:
@@ -223,6 +227,14 @@ def packed_states(
         return head.capture(model, **inputs)
     # the real vocabulary only (coati_kto.models.lm_head.model_sequence_logps says why)
     return model(**inputs).logits[..., : text_vocab_size(config)]
+
+
+def _causal_without_mask(config: Any, rows: PackedRows, windows: dict[str, int | None] | None) -> bool:
+    """Whether a sequence-parallel pass over ``rows`` may give no mask: every row one document from column 0 (the
+    padding after it is never a target and no real token sees it), no sliding window, and the ``coati_sp|sdpa``
+    wrapper, which then runs sdpa's own causal attention on the whole rows (eager would attend to everything)."""
+    inner = inner_attention(getattr(config, "_attn_implementation", None))
+    return rows.causal_rows and windows == {"": None} and inner == "sdpa"
 
 
 def score_targets(

@@ -211,13 +211,16 @@ def _inner_kernel(module: torch.nn.Module, inner: str) -> Callable[..., tuple[to
 
 
 def _check_inputs(
-    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, mask: Any, sp: int
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, mask: Any, sp: int, inner: str
 ) -> None:
     """ValueError, before any collective, for head counts sp does not divide or a mask that is not the whole
-    row's 4D mask (every rank sees the same shapes, so every rank raises alike)."""
+    row's 4D mask (None only around sdpa, whose own causal attention then runs on the whole rows: the caller's
+    rows are plain causal documents); every rank sees the same shapes, so every rank raises alike."""
     refusal = sp_head_refusal(query.shape[1], key.shape[1], sp)
     if refusal is not None:
         raise ValueError(f"{type(module).__name__}: {refusal}")
+    if mask is None and inner == "sdpa":
+        return
     length = query.shape[2] * sp
     if not isinstance(mask, torch.Tensor) or mask.dim() != 4 or tuple(mask.shape[-2:]) != (length, length):
         got = tuple(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
@@ -241,7 +244,8 @@ def sp_attention_forward(
 
     In (transformers 5's layout, after rotary on the slice's own positions): ``query`` [B, H, S/sp, D], ``key``
     and ``value`` [B, KV, S/sp, D] of this rank's column slice; ``attention_mask`` the whole row's 4D mask
-    [B, 1, S, S] (additive in the model dtype, or bool), which transformers hands over unchanged. Out:
+    [B, 1, S, S] (additive in the model dtype, or bool), which transformers hands over unchanged, or None around
+    sdpa for rows that are plain causal documents (sdpa's ``is_causal`` over the whole rows: no mask tensor). Out:
     [B, S/sp, H, D] for the slice (what the layer reshapes to its input length) and no attention weights.
     In between, the ``inner`` kernel sees [B, H/sp, S, D] and [B, KV/sp, S, D]: exactly sp=1's attention for
     its heads. Every rank of the group runs every layer in the same order (activation-checkpoint recompute
@@ -249,7 +253,7 @@ def sp_attention_forward(
     """
     group = SEQUENCE_GROUP.get()
     sp = dist.get_world_size(group)
-    _check_inputs(module, query, key, attention_mask, sp)
+    _check_inputs(module, query, key, attention_mask, sp, inner)
     whole = [sp_all_to_all(t, group, scatter_dim=1, gather_dim=2) for t in (query, key, value)]
     output, _ = _inner_kernel(module, inner)(module, *whole, attention_mask, **kwargs)  # [B, S, H/sp, D]
     return sp_all_to_all(output, group, scatter_dim=1, gather_dim=2), None

@@ -190,11 +190,11 @@ def _one_case(model: Any, rows: Any, mask: torch.Tensor, group: Any, kernel: str
     }
 
 
-def _refusal(model: Any, inputs: dict, group: Any) -> str:
+def _refusal(model: Any, inputs: dict, group: Any, kernel: str = "sdpa") -> str:
     """The ValueError's message of an sp forward (every rank raises it, before any exchange)."""
     from coati_kto.parallel.sequence import SEQUENCE_GROUP, sp_attention_name
 
-    model.config._attn_implementation = sp_attention_name("sdpa")
+    model.config._attn_implementation = sp_attention_name(kernel)
     try:
         with SEQUENCE_GROUP.using(group), torch.no_grad():
             model.model(**inputs, use_cache=False)
@@ -224,7 +224,8 @@ def _attention_worker() -> dict[str, Any]:
     out["one kv head"] = _refusal(
         _tiny_llama(num_key_value_heads=1), {**local, "attention_mask": mask}, group
     )
-    out["no mask"] = _refusal(_tiny_llama(), {**local, "attention_mask": None}, group)
+    # eager would attend to everything without a mask (sdpa takes None: its own causal attention, tested below)
+    out["no mask"] = _refusal(_tiny_llama(), {**local, "attention_mask": None}, group, "eager")
     out.update(_logps_checks(group, rank))  # plan step 5, in this launch (the suite's time budget)
     return out
 
@@ -279,13 +280,51 @@ def _one_logps_case(
         dist.all_reduce(grad, group=group)
     return {
         "example": _relative(got[0], ref[0]),
-        "kl": _relative(got[1], ref[1]),
+        "kl": _relative(got[1], ref[1]) if ref[1] is not None else 0.0,  # the examples' layout has no KL pairs
         "means": _relative(got[2], ref[2]),
         "tokens": torch.equal(got[3], ref[3]),
         "grad_relative": max(((got[4][n] - g).abs().max() / g.abs().max()).item() for n, g in ref[4].items()),
         "grad_size": max(g.abs().max().item() for g in ref[4].values()),
         "params": sorted(got[4]) == sorted(ref[4]),
-        "sizes": (ref[0].abs().min().item(), ref[1].abs().min().item()),
+        "sizes": tuple(r.abs().min().item() for r in ref[:2] if r is not None),
+    }
+
+
+def _causal_rows_case(group: Any, rank: int) -> dict[str, Any]:
+    """The examples' layout in bins of one document each (what the trainer's passes run under sp): sp 2 builds no
+    mask (sdpa's own causal attention on the whole rows) and equals sp 1's packed_logps with its 4D mask."""
+    from coati_kto.data.collator import KTOCollator
+    from coati_kto.data.packed import plan_rows
+    from coati_kto.models import packing
+
+    pairs = _packed_rows(pad=False, longer=6)
+    gen = torch.Generator().manual_seed(7)
+    features = [
+        {
+            "input_ids": torch.randint(3, 200, (n,), generator=gen).tolist(),
+            "completion_start": 4,
+            "label": bool(i % 2),
+            "kl_input_ids": [5, 6, 7],
+            "kl_completion_start": 1,
+        }
+        for i, n in enumerate((15, 14, 19))
+    ]
+    example = KTOCollator(0)(features).example
+    rows = plan_rows(example, None, "bins")
+    built = []
+    original = packing._additive_mask
+    packing._additive_mask = lambda *a: built.append(1) or original(*a)  # count the masks the sp pass builds
+    try:
+        out = _one_logps_case(rows, group, rank, "sdpa", True)
+    finally:
+        packing._additive_mask = original
+    # sp=1's reference pass builds one (packed_logps always does); the sp pass none
+    return {
+        **out,
+        "causal_rows": rows.causal_rows,
+        "rows": tuple(rows.input_ids.shape),
+        "masks": len(built),
+        "pairs causal": pairs.causal_rows,
     }
 
 
@@ -302,6 +341,7 @@ def _logps_checks(group: Any, rank: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for kernel, use_head in LOGPS_CASES:
         out[("logps", kernel, use_head)] = _one_logps_case(rows, group, rank, kernel, use_head)
+    out["causal rows"] = _causal_rows_case(group, rank)
     piece = slice_rows(rows, SP, rank)
     width = piece.stop - piece.start
     out["whole targets"] = (len(rows.example.cols), len(rows.kl.cols))
@@ -471,6 +511,18 @@ def test_sp_packed_logps_equal_one_process(attention, case) -> None:
         assert numbers["means"] < 1e-5 and numbers["tokens"]  # the recorder's sums, also over the group
         assert numbers["grad_relative"] < 1e-5
         assert numbers["params"]
+
+
+def test_sp_pass_over_plain_causal_rows_builds_no_mask_and_equals_one_process(attention) -> None:
+    """Bins of one document each (the example and kl layouts the trainer runs under sp) are plain causal rows:
+    the sp pass gives sdpa no mask, so no [R, 1, L, L] tensor exists on any rank, and its example log-probs and
+    gradients still equal one process's masked packed pass (1e-5). The pairs layout is never plain causal."""
+    for result in attention:
+        numbers = result["causal rows"]
+        assert numbers["causal_rows"] and not numbers["pairs causal"] and numbers["rows"] == (3, 19)
+        assert numbers["masks"] == 1  # sp=1's reference pass only
+        assert numbers["example"] < 1e-5 and numbers["grad_relative"] < 1e-5 and numbers["params"]
+        assert min(numbers["sizes"]) > 1.0
 
 
 def test_slice_rows_splits_targets_on_the_host_and_sp_packed_logps_refuses_without_the_wrapper(
