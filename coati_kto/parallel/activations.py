@@ -16,7 +16,8 @@ are alive again while it is recomputed. Sequence parallelism (sp ranks) divides 
 Padding-free rows under a dense-mask kernel (sdpa, eager: ``coati_kto.models.packing``) also hold the additive
 mask [R, 1, L, L] in the working dtype for the whole pass (one per window where layers mix windows: counted once here); the bound is R =
 micro-batch rows of L = ``data.max_length``. Sequence parallelism does not divide it: the attention sees whole
-rows on every sp rank. flex_attention (a block mask) holds no such tensor.
+rows on every sp rank. It is a bound: rows of one document each (every example at the longest) need no mask
+(``coati_kto.models.packing``), and flex_attention (a block mask) holds no such tensor.
 
 The LM head: no [B, S, V] logits where the chunked head runs (``coati_kto.models.logprobs``: tp 1 and a plain
 head): the completion positions' hidden states, the logits kept for the backward while positions x vocabulary
@@ -96,7 +97,8 @@ def activation_bytes(
     if work.dense_mask:  # whole rows on every sp rank: not divided by sp
         decoder += work.micro_batch * work.length * work.length * working
         notes.append(
-            f"a dense [{work.micro_batch}, 1, {work.length}, {work.length}] mask (padding-free rows)"
+            f"up to a dense [{work.micro_batch}, 1, {work.length}, {work.length}] mask (padding-free rows that pack "
+            "several documents; none where each row is one document)"
         )
     head, note = _head_bytes(shape, tp, tokens, working, work)
     return decoder, head, [note, *notes]
