@@ -222,27 +222,22 @@ def worker(
 def layer_formula(
     shape: dict[str, Any], checkpointing: bool, sp: int = 1, dtype_bytes: int = 4, repeat_kv: bool = False
 ) -> int:
-    """Bytes per token per decoder layer that autograd keeps in a Llama layer (transformers 5, sdpa or a kernel
-    that saves what flash saves; docs/performance.md):
+    """Bytes per token per decoder layer that autograd keeps: ``coati_kto.parallel.activations.layer_bytes``
+    (what ``coati-kto plan`` counts), the layer's input alone with checkpointing."""
+    from types import SimpleNamespace
 
-    - each RMSNorm: its input as fp32 (4 h: the input itself in fp32, an fp32 copy otherwise), the normalized
-      and the output in the model dtype (2 b h) and its rsqrt (4);
-    - attention: q and k after rotary and v as the kernel gets them (b (q + 2 kv); kv = q where the kernel
-      repeats grouped key-value heads: sdpa with a dense mask), the kernel's output (b q: CPU flash writes it
-      [B, L, H, D], so transformers' transpose needs no copy), its log-sum-exp (4 per head); under sp one more
-      b q, the all_to_all's output that o_proj keeps;
-    - the MLP: gate, up, silu(gate) and their product (4 b I).
+    from coati_kto.parallel.activations import layer_bytes
 
-    With checkpointing: the layer's input (b h)."""
-    h, i, b = shape["hidden_size"], shape["intermediate_size"], dtype_bytes
     if checkpointing:
-        return b * h
-    heads = shape["num_attention_heads"]
-    q = heads * shape["head_dim"]
-    kv = q if repeat_kv else shape["num_key_value_heads"] * shape["head_dim"]
-    norms = 2 * (4 * h + 2 * b * h + 4)
-    attention = b * ((3 if sp > 1 else 2) * q + 2 * kv) + 4 * heads
-    return norms + attention + 4 * b * i
+        return dtype_bytes * shape["hidden_size"]
+    model = SimpleNamespace(
+        hidden=shape["hidden_size"],
+        intermediate=shape["intermediate_size"],
+        heads=shape["num_attention_heads"],
+        kv_heads=shape["num_key_value_heads"],
+        head_dim=shape["head_dim"],
+    )
+    return layer_bytes(model, 1, sp, 0, dtype_bytes, eager=False, repeat_kv=repeat_kv)
 
 
 def _mib(n: int) -> str:

@@ -2,20 +2,16 @@
 
 The gradient pass runs ``train.micro_batch_size`` rows of up to ``data.max_length`` tokens (the bound: every
 example at the longest; ``data.padding_free`` runs the same tokens as one row, so the same bound). Per token
-and decoder layer autograd keeps, in the working dtype (Llama-style layer: RMSNorm, attention, gated MLP):
-
-- the two norms' inputs and outputs: 4 x hidden, whole on every tensor-parallel rank;
-- q, k and v after the rotary embedding, the attention output and its reshaped copy: (3 q + 2 kv) / tp, where
-  q = heads x head_dim and kv = kv_heads x head_dim; eager attention also its scores and probabilities,
-  2 x heads / tp x length per token;
-- the MLP's gate and up projections, the activation and the product: 4 x intermediate / tp.
+and decoder layer autograd keeps what :func:`layer_bytes` lists (the norms whole on every tensor-parallel
+rank, attention and MLP split by tp), and one layer's backward holds its MLP's gradients on top
+(:func:`backward_bytes`).
 
 With ``model.gradient_checkpointing`` only each layer's input (hidden) is kept, and one layer's activations
 are alive again while it is recomputed. Sequence parallelism (sp ranks) divides the tokens.
 
 Padding-free rows under a dense-mask kernel (sdpa, eager: ``coati_kto.models.packing``) also hold the additive
-mask [R, 1, L, L] in the working dtype for the whole pass (one per window where layers mix windows: counted once here); the bound is R =
-micro-batch rows of L = ``data.max_length``. Sequence parallelism does not divide it: the attention sees whole
+mask [R, 1, L, L] in the working dtype for the whole pass (one per window where layers mix windows: counted
+once here); the bound is R = micro-batch rows of L = ``data.max_length``. Sequence parallelism does not divide it: the attention sees whole
 rows on every sp rank. It is a bound: rows of one document each (every example at the longest) need no mask
 (``coati_kto.models.packing``), and flex_attention (a block mask) holds no such tensor.
 
@@ -75,11 +71,33 @@ class Workload:
         )
 
 
-def layer_elements(shape: Any, tp: int, length: int, eager: bool) -> int:
-    """Elements autograd keeps per token in one decoder layer (module docstring)."""
-    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-    split = 3 * q + 2 * kv + 4 * shape.intermediate + (2 * shape.heads * length if eager else 0)
-    return 4 * shape.hidden + -(-split // tp)
+def layer_bytes(
+    shape: Any, tp: int, sp: int, length: int, working: int, eager: bool, repeat_kv: bool = False
+) -> int:
+    """Bytes per token that autograd keeps in one decoder layer, per rank (a Llama-style layer under transformers
+    5; checked to the byte in fp32 on the CPU by benchmarks/sp_memory_bench.py):
+
+    - each RMSNorm, whole on every tensor-parallel rank: its input in fp32 (4 h: the input itself, or an fp32
+      copy), the normalized and the output in the working dtype (2 b h), its rsqrt (4);
+    - attention, per tensor-parallel rank: q and k after rotary and v as the kernel gets them (b (q + 2 kv);
+      ``repeat_kv``, eager, or sdpa with a dense mask, repeats grouped key-value heads: kv = q), the kernel's output (b q), its log-sum-exp (4 per head); under sp one
+      more b q (the all_to_all's output o_proj keeps); eager also its scores and probabilities (2 b heads length);
+    - the MLP: gate, up, the activation and the product (4 b intermediate / tp).
+    """
+    h, b = shape.hidden, working
+    q = shape.heads * shape.head_dim
+    kv = q if eager or repeat_kv else shape.kv_heads * shape.head_dim
+    norms = 2 * (4 * h + 2 * b * h + 4)
+    split = b * ((3 if sp > 1 else 2) * q + 2 * kv) + 4 * shape.heads + 4 * b * shape.intermediate
+    if eager:
+        split += 2 * b * shape.heads * length
+    return norms + -(-split // tp)
+
+
+def backward_bytes(shape: Any, tp: int, working: int, checkpointing: bool) -> int:
+    """Bytes per token one layer's backward holds on top (its MLP's gradients: 3 b intermediate, 2 b with
+    checkpointing; measured, benchmarks/sp_memory_bench.py's "rest" column)."""
+    return (2 if checkpointing else 3) * working * -(-shape.intermediate // tp)
 
 
 def activation_bytes(
@@ -87,11 +105,13 @@ def activation_bytes(
 ) -> tuple[int, int, list[str]]:
     """(decoder activations, LM head bytes, notes) per rank for ``work``'s gradient pass."""
     tokens = -(-work.micro_batch * work.length // sp)
-    per_layer = layer_elements(shape, tp, work.length, work.eager_attention) * tokens * working
+    eager = work.eager_attention
+    per_layer = layer_bytes(shape, tp, sp, work.length, working, eager, work.dense_mask) * tokens
     if work.checkpointing:
         decoder = shape.layers * shape.hidden * tokens * working + per_layer
     else:
         decoder = shape.layers * per_layer
+    decoder += backward_bytes(shape, tp, working, work.checkpointing) * tokens
     decoder += 2 * shape.hidden * tokens * working  # the final norm's input and output
     notes = []
     if work.dense_mask:  # whole rows on every sp rank: not divided by sp

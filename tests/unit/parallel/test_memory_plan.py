@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from coati_kto.parallel.activations import Workload, activation_bytes, layer_elements
+from coati_kto.parallel.activations import Workload, activation_bytes, backward_bytes, layer_bytes
 from coati_kto.parallel.layout_search import RULE, fitting_layouts, largest_micro_batch, usable_bytes
 from coati_kto.parallel.memory_plan import GIB, Layout, plan_memory
 from coati_kto.parallel.model_shape import ModelShape, model_shape
@@ -130,17 +130,21 @@ def test_lora_trains_the_adapters_and_its_reference_is_the_policy(
 
 
 def test_activations_by_hand(tiny_shape: ModelShape) -> None:
-    # per token and layer: 4 x 64 (norms) + 3 x 64 + 2 x 64 (q, k, v, output) + 4 x 128 (MLP)
-    assert layer_elements(tiny_shape, 1, 8, eager=False) == 256 + 832
-    assert layer_elements(tiny_shape, 2, 8, eager=False) == 256 + 416
-    assert layer_elements(tiny_shape, 1, 8, eager=True) == 256 + 832 + 2 * 4 * 8
+    # per token and layer in bf16 (h 64, I 128, 4 heads of 16 over 4 key-value heads: q = kv = 64): each norm's
+    # fp32 input, normalized and output, rsqrt 2 x (4 x 64 + 2 x 2 x 64 + 4) = 1032; q, k, v and the kernel's
+    # output 2 x (2 x 64 + 2 x 64), the log-sum-exp 4 x 4, the MLP 4 x 2 x 128: 1552, split by tp
+    assert layer_bytes(tiny_shape, 1, 1, 8, 2, eager=False) == 1032 + 1552
+    assert layer_bytes(tiny_shape, 2, 1, 8, 2, eager=False) == 1032 + 776
+    assert layer_bytes(tiny_shape, 1, 2, 8, 2, eager=False) == 1032 + 1552 + 2 * 64  # sp: o_proj's input too
+    assert layer_bytes(tiny_shape, 1, 1, 8, 2, eager=True) == 1032 + 1552 + 2 * 2 * 4 * 8  # scores, probs
+    assert backward_bytes(tiny_shape, 1, 2, checkpointing=False) == 3 * 2 * 128
     work = Workload(micro_batch=2, length=8, device="cpu")  # 16 tokens, bf16
     decoder, head, _ = activation_bytes(tiny_shape, 1, 1, 2, work)
-    assert decoder == 2 * 1088 * 16 * 2 + 2 * 64 * 16 * 2
+    assert decoder == 2 * 2584 * 16 + 768 * 16 + 2 * 64 * 16 * 2
     # the chunked head: hidden states, the kept fp32 logits (16 x 512 under 2**24), two fp32 blocks
     assert head == 16 * 64 * 2 + 4 * 16 * 512 + 2 * 4 * 16 * 512
     checkpointed, _, _ = activation_bytes(tiny_shape, 1, 1, 2, dataclasses.replace(work, checkpointing=True))
-    assert checkpointed == 2 * 64 * 16 * 2 + 1088 * 16 * 2 + 2 * 64 * 16 * 2
+    assert checkpointed == 2 * 64 * 16 * 2 + 2584 * 16 + 2 * 2 * 128 * 16 + 2 * 64 * 16 * 2
     _, logits, _ = activation_bytes(tiny_shape, 2, 1, 2, work)  # tp 2: the logits path
     assert logits == 2 * 16 * 512 * 2 + 16 * 256 * 2 + 2 * 4 * 16 * 512
 
@@ -168,9 +172,9 @@ def test_the_layouts_that_fit_come_best_first_at_their_largest_micro_batch() -> 
     fits = fitting_layouts(shape, Layout("hybrid_parallel", "bf16", 2), work, 8, 8, budget, sp_axis=False)
     # without accumulation ZeRO 1 and 2 peak alike (the gradients come and go with the backward): the lower first
     assert [(f.layout.tp, f.layout.dp, f.layout.zero_stage, f.micro_batch) for f in fits][:3] == [
-        (1, 8, 1, 34),
-        (1, 8, 2, 34),
-        (2, 4, 1, 23),
+        (1, 8, 1, 29),
+        (1, 8, 2, 29),
+        (2, 4, 1, 21),
     ]
     assert RULE.startswith("best first: fewest ranks per replica")
     for fit in fits:
