@@ -150,6 +150,38 @@ def _interleaved(rank: int, z0: float) -> dict[str, Any]:
     return {"own": [i for ids in own for i in ids], "train": _run(schedule, chunks, z0, grad=True)}
 
 
+def _changing_lengths(rank: int) -> float:
+    """Two 1F1B training calls whose activations differ in length ([8, 3, 6] then [8, 5, 6], as padded KTO batches
+    do between steps), with ``enable_metadata_cache=False``: the largest gradient difference from one process.
+
+    With the cache on (the plugin's default), the receiver allocates the first call's shape and the second call
+    aborts the process in gloo ("Received data size doesn't match expected size", 320 vs 192 bytes; a one-off run,
+    not kept: the abort kills the rank)."""
+    from colossalai.interface import OptimizerWrapper
+    from colossalai.pipeline.schedule import OneForwardOneBackwardSchedule
+
+    blocks, per = _whole(), BLOCKS // PP
+    stage = _Stage([blocks[i] for i in range(rank * per, (rank + 1) * per)])
+    schedule = OneForwardOneBackwardSchedule(
+        _manager(False), num_microbatches=MICRO, enable_metadata_cache=False
+    )
+    optimizer = OptimizerWrapper(torch.optim.SGD(stage.parameters(), lr=0.0))
+    worst = 0.0
+    for length in (3, 5):
+        gen = torch.Generator().manual_seed(length)
+        x = torch.randn(BATCH, length, WIDTH, generator=gen, dtype=torch.float64)
+        batch = {"x": x, "y": torch.zeros_like(x), "ref": torch.zeros(BATCH, dtype=torch.float64)}
+        stage.zero_grad()
+        schedule.forward_backward_step(
+            stage, iter([batch]), lambda out, _: out["hidden"].square().sum(), optimizer
+        )
+        reference = _whole()
+        (_Stage(list(reference))(**batch)["hidden"].square().sum() / MICRO).backward()
+        want = [p.grad for i in range(rank * per, (rank + 1) * per) for p in reference[i].parameters()]
+        worst = max(worst, _max_diff([p.grad for p in stage.parameters()], want))
+    return worst
+
+
 def _numbers(case: dict[str, Any], z0: float, last: bool) -> dict[str, Any]:
     grads, loss, outputs = _reference(z0)
     want = [g for i in case["own"] for g in grads[2 * i : 2 * i + 2]]  # weight, bias of each owned block
@@ -199,6 +231,7 @@ def _worker(z0: float) -> dict[str, Any]:
             "one_f_one_b": _numbers(_one_f_one_b(rank, z0), z0, last),
             "interleaved": _numbers(_interleaved(rank, z0), z0, last),
         }
+        out["changing_lengths"] = _changing_lengths(rank)
         out["scalar_in_batch"] = _scalar_in_batch()
         out["hccl_missing"] = missing
         return out
@@ -240,3 +273,10 @@ def test_pipeline_forward_only_equals_one_process_on_gloo(ranks: list[dict[str, 
 def test_zero_dim_tensor_in_a_pipeline_batch_fails(ranks: list[dict[str, Any]]) -> None:
     """The schedule slices every tensor of the batch along dim 0, so a batch-wide scalar cannot ride in it."""
     assert ranks[0]["scalar_in_batch"] == "IndexError: slice() cannot be applied to a 0-dim tensor."
+
+
+def test_changing_lengths_without_the_metadata_cache_equal_one_process(ranks: list[dict[str, Any]]) -> None:
+    """Activations whose length changes between calls pass when the schedule's metadata cache is off (the project
+    must build the plugin with ``enable_metadata_cache=False``): gradients equal one process's in fp64."""
+    for rank in ranks:
+        assert rank["changing_lengths"] < 1e-12, rank["changing_lengths"]
