@@ -48,6 +48,7 @@ class Workload:
     accumulation_steps: int = 1
     device: str = "gpu"  # the head's chunk sizes: "cpu" or "gpu"
     dense_mask: bool = False  # padding-free rows with sdpa or eager: the [R, 1, L, L] mask (module docstring)
+    fused_norms: bool = False  # model.fused_norms: the RMSNorms keep less (layer_bytes)
 
     @classmethod
     def from_config(cls, config: Any, model_type: str, device: str = "gpu") -> Workload:
@@ -68,17 +69,27 @@ class Workload:
             accumulation_steps=config.train.accumulation_steps,
             device=device,
             dense_mask=config.data.padding_free and config.model.attn_implementation != "flex_attention",
+            fused_norms=config.model.fused_norms,
         )
 
 
 def layer_bytes(
-    shape: Any, tp: int, sp: int, length: int, working: int, eager: bool, repeat_kv: bool = False
+    shape: Any,
+    tp: int,
+    sp: int,
+    length: int,
+    working: int,
+    eager: bool,
+    repeat_kv: bool = False,
+    fused_norms: bool = False,
 ) -> int:
     """Bytes per token that autograd keeps in one decoder layer, per rank (a Llama-style layer under transformers
     5; checked to the byte in fp32 on the CPU by benchmarks/sp_memory_bench.py):
 
     - each RMSNorm, whole on every tensor-parallel rank: its input in fp32 (4 h: the input itself, or an fp32
-      copy), the normalized and the output in the working dtype (2 b h), its rsqrt (4);
+      copy), the normalized and the output in the working dtype (2 b h), its rsqrt (4); ``fused_norms``
+      (``model.fused_norms``: one kernel, coati_kto.models.norms) its input and output in the working dtype and
+      the rsqrt (2 b h + 4);
     - attention, per tensor-parallel rank: q and k after rotary and v as the kernel gets them (b (q + 2 kv);
       ``repeat_kv``, eager, or sdpa with a dense mask, repeats grouped key-value heads: kv = q), the kernel's output (b q), its log-sum-exp (4 per head); under sp one
       more b q (the all_to_all's output o_proj keeps); eager also its scores and probabilities (2 b heads length);
@@ -87,7 +98,7 @@ def layer_bytes(
     h, b = shape.hidden, working
     q = shape.heads * shape.head_dim
     kv = q if eager or repeat_kv else shape.kv_heads * shape.head_dim
-    norms = 2 * (4 * h + 2 * b * h + 4)
+    norms = 2 * (2 * b * h + 4 if fused_norms else 4 * h + 2 * b * h + 4)
     split = b * ((3 if sp > 1 else 2) * q + 2 * kv) + 4 * shape.heads + 4 * b * shape.intermediate
     if eager:
         split += 2 * b * shape.heads * length
@@ -106,7 +117,9 @@ def activation_bytes(
     """(decoder activations, LM head bytes, notes) per rank for ``work``'s gradient pass."""
     tokens = -(-work.micro_batch * work.length // sp)
     eager = work.eager_attention
-    per_layer = layer_bytes(shape, tp, sp, work.length, working, eager, work.dense_mask) * tokens
+    per_layer = (
+        layer_bytes(shape, tp, sp, work.length, working, eager, work.dense_mask, work.fused_norms) * tokens
+    )
     if work.checkpointing:
         decoder = shape.layers * shape.hidden * tokens * working + per_layer
     else:

@@ -137,6 +137,8 @@ def test_activations_by_hand(tiny_shape: ModelShape) -> None:
     assert layer_bytes(tiny_shape, 2, 1, 8, 2, eager=False) == 1032 + 776
     assert layer_bytes(tiny_shape, 1, 2, 8, 2, eager=False) == 1032 + 1552 + 2 * 64  # sp: o_proj's input too
     assert layer_bytes(tiny_shape, 1, 1, 8, 2, eager=True) == 1032 + 1552 + 2 * 2 * 4 * 8  # scores, probs
+    # the fused norms keep their input and output in bf16 and the rsqrt: 2 x (2 x 2 x 64 + 4)
+    assert layer_bytes(tiny_shape, 1, 1, 8, 2, eager=False, fused_norms=True) == 520 + 1552
     assert backward_bytes(tiny_shape, 1, 2, checkpointing=False) == 3 * 2 * 128
     work = Workload(micro_batch=2, length=8, device="cpu")  # 16 tokens, bf16
     decoder, head, _ = activation_bytes(tiny_shape, 1, 1, 2, work)

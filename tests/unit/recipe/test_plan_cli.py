@@ -45,7 +45,7 @@ def test_plan_prints_the_parts_of_the_configured_layout(config: Path, tiny_model
     assert lines[5] == "  optimizer         0.85 MiB  fp32 masters + fp32 moments, / 2 ranks"
     assert lines[7] == "  reference         0.28 MiB  online, bf16"
     assert lines[9] == "  LM head           1.53 MiB  chunked: no [B, S, V] logits"
-    assert lines[11] == "  peak              5.02 MiB  fits in 90% of 80 GiB"
+    assert lines[11] == "  peak              4.77 MiB  fits in 90% of 80 GiB"
     assert lines[12].startswith("layouts that fit on 2 x 80 GiB (best first: fewest ranks per replica")
     assert lines[13].startswith("  hybrid_parallel bf16, tp 1 x dp 2, ZeRO-0")
 
@@ -120,15 +120,15 @@ def test_train_line_says_the_peak_and_warns_when_over_the_device(config: Path) -
 
     loaded = load_config(config)
     assert predicted_peak_line(loaded, 2, None) == (
-        "predicted peak per rank: 5.02 MiB (`coati-kto plan CONFIG` shows its parts); CPU: no device-memory check "
+        "predicted peak per rank: 4.77 MiB (`coati-kto plan CONFIG` shows its parts); CPU: no device-memory check "
         "(the ranks share host memory)"
     )
     assert predicted_peak_line(loaded, 2, 80 << 30) == (
-        "predicted peak per rank: 5.02 MiB (`coati-kto plan CONFIG` shows its parts), within 90% of this device's "
+        "predicted peak per rank: 4.77 MiB (`coati-kto plan CONFIG` shows its parts), within 90% of this device's "
         "80.00 GiB"
     )
     assert predicted_peak_line(loaded, 2, 2 << 20) == (
-        "warning: predicted peak per rank 5.02 MiB is over 90% of this device's 2.00 MiB: this layout may run out of "
+        "warning: predicted peak per rank 4.77 MiB is over 90% of this device's 2.00 MiB: this layout may run out of "
         "memory (coati-kto plan CONFIG --gpus N lists the layouts that fit)"
     )
 
