@@ -280,7 +280,9 @@ def _one_logps_case(
         dist.all_reduce(grad, group=group)
     return {
         "example": _relative(got[0], ref[0]),
-        "kl": _relative(got[1], ref[1]) if ref[1] is not None else 0.0,  # the examples' layout has no KL pairs
+        "kl": _relative(got[1], ref[1])
+        if ref[1] is not None
+        else 0.0,  # the examples' layout has no KL pairs
         "means": _relative(got[2], ref[2]),
         "tokens": torch.equal(got[3], ref[3]),
         "grad_relative": max(((got[4][n] - g).abs().max() / g.abs().max()).item() for n, g in ref[4].items()),
