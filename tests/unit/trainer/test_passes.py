@@ -39,7 +39,7 @@ def _gradient(policy: torch.nn.Module, reference: torch.nn.Module, micro_batches
     """The policy's gradient and the logged mean loss of one step over ``micro_batches`` (one process)."""
     collate = KTOCollator(pad_token_id=0)
     backend = types.SimpleNamespace(forward_collectives=True, chunked_head=True)
-    plan = types.SimpleNamespace(plugin="ddp", backend=backend, tp_size=1)
+    plan = types.SimpleNamespace(plugin="ddp", backend=backend, tp_size=1, sp_size=1)
     passes = KTOPasses(policy, reference, plan, KTOOptions(beta=0.3), None, torch.device("cpu"))
     policy.zero_grad()
     sums = StepSums(torch.device("cpu"))

@@ -78,7 +78,7 @@ def _step(policy, batch, coefficient: float | str = "auto", **options) -> tuple[
     gradient is left on ``policy``)."""
     batches = batch if isinstance(batch, list) else [batch]
     backend = types.SimpleNamespace(forward_collectives=False, torch_ddp=False, chunked_head=True)
-    plan = types.SimpleNamespace(plugin="low_level_zero", backend=backend, tp_size=1)
+    plan = types.SimpleNamespace(plugin="low_level_zero", backend=backend, tp_size=1, sp_size=1)
     opts = KTOOptions(router_aux_loss_coef=coefficient, **options)
     passes = KTOPasses(policy, policy, plan, opts, None, torch.device("cpu"))
     handed: list[float] = []
