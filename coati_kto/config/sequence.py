@@ -1,8 +1,8 @@
 """Where sequence parallelism (``plugin.sp_size``, ``plugin.sp_mode``) is refused at config load: what it is not
 proven on, one line each, before any process starts (docs/sequence_parallelism.md says why for each).
 
-Proven (tests/distributed/test_sequence_parallel.py, _train.py, _layouts_4.py): all_to_all under hybrid_parallel at tp_size 1 and 2, ZeRO 0
-and 2, fp32 and bf16, padding-free rows, sdpa or eager attention, activation checkpointing, the online and the
+Proven (tests/distributed/test_sequence_parallel.py, _train.py, _layouts_4.py): all_to_all under
+hybrid_parallel at tp_size 1 and 2, ZeRO 0 and 2, fp32 and bf16, padding-free rows, sdpa or eager attention, activation checkpointing, the online and the
 cached reference, LoRA (tp_size 1, as ColossalAI allows it), resume on the same and another sp size, the classes
 of ``coati_kto.families.shardformer.SEQUENCE_PARALLEL_FAMILIES`` at their proven sp sizes.
 """

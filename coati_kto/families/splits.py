@@ -98,12 +98,15 @@ def check_sequence_parallel_family(model_dir: str, key: str, tp_size: int, sp_si
         raise ConfigError(f"{key} {model_dir}: {why}")
 
 
-def refuse_unadmitted(model_class: str, tp_size: int, prefix: str = "") -> None:
+def refuse_unadmitted(model_class: str, tp_size: int, prefix: str = "", sp_size: int = 1) -> None:
     """ConfigError unless ``model_class`` (a class name, bare or with its module) is admitted at ``tp_size``
-    tensor-parallel ranks."""
-    why = tensor_parallel_refusal(model_class.rsplit(".", 1)[-1], tp_size)
+    tensor-parallel and ``sp_size`` sequence-parallel ranks."""
+    name = model_class.rsplit(".", 1)[-1]
+    why = tensor_parallel_refusal(name, tp_size)
     if why is not None:
         raise ConfigError(
             f"{prefix}{why} (tensor parallelism: {supported_summary()}); plugin.tp_size 1 runs every family "
             "without a tensor-parallel policy"
         )
+    if (why := sequence_parallel_refusal(name, sp_size)) is not None:
+        raise ConfigError(f"{prefix}{why}")

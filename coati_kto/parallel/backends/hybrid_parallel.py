@@ -11,9 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from coati_kto.errors import ConfigError
 from coati_kto.families.policies import corrected_policy
-from coati_kto.families.shardformer import sequence_parallel_refusal
 from coati_kto.families.splits import refuse_unadmitted
 from coati_kto.parallel.backends.base import ParallelBackend
 from coati_kto.parallel.sequence import SEQUENCE_GROUP, install_attention
@@ -105,8 +103,8 @@ class HybridParallelBackend(ParallelBackend):
         """The class config.json could not tell (a hub id) is known now: refused unless admitted at tp_size,
         else its policy replaces the one ``build_plugin`` chose (the plugin has not wrapped the model yet)."""
         model_class = class_name(policy)
-        refuse_unadmitted(model_class, self.plan.tp_size, "model.path: ")
-        self._sequence_attention(policy, model_class, "model.path: ")
+        refuse_unadmitted(model_class, self.plan.tp_size, "model.path: ", self.plan.sp_size)
+        self._sequence_attention(policy)
         booster.plugin.custom_policy = corrected_policy(model_class, self.plan.tp_size)
 
     def ddp_settings(self, plugin: Any) -> dict[str, Any]:
@@ -119,8 +117,8 @@ class HybridParallelBackend(ParallelBackend):
         from colossalai.booster.plugin.hybrid_parallel_plugin import HybridParallelModule
 
         reference_class = f"{type(model).__module__}.{type(model).__qualname__}"
-        refuse_unadmitted(reference_class, self.plan.tp_size, "model.reference_path: ")
-        self._sequence_attention(model, reference_class, "model.reference_path: ")
+        refuse_unadmitted(reference_class, self.plan.tp_size, "model.reference_path: ", self.plan.sp_size)
+        self._sequence_attention(model)
         return HybridParallelModule(
             model,
             precision=plugin.precision,
@@ -133,14 +131,8 @@ class HybridParallelBackend(ParallelBackend):
             custom_policy=corrected_policy(reference_class, self.plan.tp_size),
         )
 
-    def _sequence_attention(self, model: nn.Module, model_class: str, prefix: str) -> None:
-        """Under sequence parallelism: ``model`` (the bare transformers model, or a LoRA PeftModel) refused unless its
-        class is proven at sp_size, else its attention wrapped (``coati_kto.parallel.sequence.install_attention``)."""
-        sp = self.plan.sp_size
-        if sp <= 1:
-            return
-        why = sequence_parallel_refusal(model_class.rsplit(".", 1)[-1], sp)
-        if why is not None:
-            raise ConfigError(f"{prefix}{why}")
-        inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-        install_attention(inner)
+    def _sequence_attention(self, model: nn.Module) -> None:
+        """Under sequence parallelism: ``model``'s attention (the bare transformers model's, under a LoRA PeftModel
+        too) wrapped by ``coati_kto.parallel.sequence.install_attention``."""
+        if self.plan.sp_size > 1:
+            install_attention(model.get_base_model() if hasattr(model, "get_base_model") else model)

@@ -179,3 +179,13 @@ def test_train_says_which_pass_layouts_sp_turns_off(tmp_path: Path, tiny_model_d
     )
     quiet = _load(tmp_path, tiny_model_dir, *SP, "kto.kl_continuation=false", "kto.pack_policy=false")
     assert sequence_note(quiet) is None
+
+
+def test_a_class_only_loading_tells_is_refused_at_boost_by_the_same_table() -> None:
+    """A hub id's class is known once loaded: the backend refuses it with the table config load uses."""
+    from coati_kto.families.splits import refuse_unadmitted
+
+    refuse_unadmitted("transformers.models.llama.modeling_llama.LlamaForCausalLM", 1, "model.path: ", 4)
+    with pytest.raises(ConfigError) as err:
+        refuse_unadmitted("transformers.models.phi3.modeling_phi3.Phi3ForCausalLM", 1, "model.path: ", 2)
+    assert str(err.value).startswith("model.path: Phi3ForCausalLM is not proven at plugin.sp_size 2 (")
