@@ -196,9 +196,11 @@ def _check_before_launch(args: argparse.Namespace) -> None:
 
     config = load_config(args.config, args.overrides)
     if args.command == "train":
+        from coati_kto.config.pipeline import check_pipeline_divides_world
         from coati_kto.parallel.plan import check_tp_divides_world
         from coati_kto.runtime.preflight import announce_resume, check_training
 
+        check_pipeline_divides_world(config.plugin, args.nproc_per_node)
         check_tp_divides_world(config.plugin.tp_size, args.nproc_per_node, config.plugin.sp_size)
         check_training(config)
         announce_resume(config.train, config.training_output(), launcher=True)  # before torchrun's workers

@@ -18,23 +18,15 @@ from coati_kto.config.hub import is_hub_dataset, parse_hub_dataset
 from coati_kto.config.kto import KTOSection
 from coati_kto.config.lora import LoraSection
 from coati_kto.config.output import LoggingSection, OutputSection
+from coati_kto.config.pipeline import pipeline_problems
+from coati_kto.config.plugin import GEMINI_REFUSAL, PluginName, PluginSection, Precision  # noqa: F401
 from coati_kto.config.section import Section as _Section
-from coati_kto.config.sequence import sequence_plugin_problems, sequence_problems
+from coati_kto.config.sequence import sequence_problems
 from coati_kto.errors import ConfigError
 from coati_kto.families import packing_refusal, router_aux_problem
 from coati_kto.families.splits import check_model_family
 
-# The enumerations other layers share (the plan): one list each, here (the loss types: coati_kto.config.kto).
-PluginName = Literal["hybrid_parallel", "low_level_zero", "gemini", "ddp"]
-# Why plugin.name gemini is refused (here at load, and by coati_kto.parallel.backends.gemini for a plugin built by hand).
-GEMINI_REFUSAL = (
-    "plugin.name gemini is not supported: it needs CUDA and is unverified here (the no-grad policy forward before "
-    "the first backward trips GeminiDDP's placement assertion, and gradient accumulation needs "
-    "enable_gradient_accumulation); use hybrid_parallel with zero_stage 2, or low_level_zero"
-)
-Precision = Literal["fp32", "bf16", "fp16"]
-# ColossalAI's sequence-parallel modes (HybridParallelPlugin's ``sequence_parallelism_mode``).
-SequenceMode = Literal["all_to_all", "split_gather", "ring", "ring_attn"]
+# GEMINI_REFUSAL, PluginName and Precision: re-exported for the layers that import them from the schema.
 
 
 class ModelSection(_Section):
@@ -214,77 +206,6 @@ class TrainSection(_Section):
     )
 
 
-class PluginSection(_Section):
-    """Checked here, at config load, so a run never starts on a combination that cannot train.
-
-    Unset keys follow the ones that are set: ``precision`` is fp32 for ddp and bf16 otherwise; ``zero_stage``
-    is 0 for ddp, 0 for hybrid_parallel in fp32 (its ZeRO needs bf16/fp16) and 2 otherwise.
-    """
-
-    name: PluginName = Field(
-        "hybrid_parallel",
-        description="ColossalAI booster plugin (gemini is refused until verified on a GPU).",
-    )
-    zero_stage: Literal[0, 1, 2] = Field(
-        2,
-        description="ZeRO stage: 1 shards optimizer states, 2 also gradients. Default: 0 for ddp and fp32 "
-        "hybrid_parallel, else 2.",
-    )
-    precision: Precision = Field("bf16", description="Training precision. Default: fp32 for ddp, else bf16.")
-    tp_size: int = Field(1, ge=1, description="Tensor-parallel degree (hybrid_parallel only).")
-    sp_size: int = Field(
-        1,
-        ge=1,
-        description="Sequence-parallel degree (hybrid_parallel only): each of sp_size ranks runs 1/sp_size of "
-        "every row's tokens through the decoder (docs/sequence_parallelism.md).",
-    )
-    sp_mode: SequenceMode | None = Field(
-        None,
-        description="Sequence-parallel mode, ColossalAI's names; default all_to_all when sp_size > 1 (the one "
-        "admitted: split_gather, ring and ring_attn are refused with their reasons).",
-    )
-    cpu_offload: bool = Field(False, description="Keep optimizer states in CPU memory (ZeRO).")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _defaults_from_name(cls, data: Any) -> Any:
-        if not isinstance(data, dict):
-            return data
-        name = data.get("name", "hybrid_parallel")
-        data = dict(data)
-        data.setdefault("precision", "fp32" if name == "ddp" else "bf16")
-        if "zero_stage" not in data:
-            no_zero = name == "ddp" or (name == "hybrid_parallel" and data["precision"] == "fp32")
-            data["zero_stage"] = 0 if no_zero else 2
-        return data
-
-    @model_validator(mode="after")
-    def _combinations(self) -> PluginSection:
-        problems = []  # every one at once, a line each
-        if self.name == "gemini":
-            problems.append(GEMINI_REFUSAL)
-        if self.name == "hybrid_parallel" and self.zero_stage >= 1 and self.precision == "fp32":
-            problems.append(
-                f"plugin.name hybrid_parallel with plugin.zero_stage {self.zero_stage} needs "
-                "plugin.precision bf16 or fp16: set plugin.precision=bf16, or plugin.zero_stage=0 for fp32"
-            )
-        if self.tp_size > 1 and self.name != "hybrid_parallel":
-            problems.append(f"plugin.tp_size {self.tp_size} needs hybrid_parallel, not {self.name}")
-        if self.name == "ddp" and self.zero_stage != 0:
-            problems.append("plugin.name ddp has no ZeRO: set plugin.zero_stage=0 (or use low_level_zero)")
-        if self.name == "ddp" and self.precision != "fp32":
-            problems.append(
-                f"plugin.name ddp trains in fp32 here (got plugin.precision {self.precision}): set "
-                "plugin.precision=fp32, or use low_level_zero / hybrid_parallel for bf16"
-            )
-        if self.name == "low_level_zero" and self.zero_stage == 0:
-            problems.append("plugin.name low_level_zero needs plugin.zero_stage 1 or 2")
-        problems += sequence_plugin_problems(self.name, self.tp_size, self.sp_size, self.sp_mode)
-        if problems:
-            raise ValueError("\n".join(problems))
-        return self
-
-
 class Config(_Section):
     model: ModelSection
     data: DataSection
@@ -303,7 +224,7 @@ class Config(_Section):
         found = self._prepared_dir_problems() + self._family_problems() + self._padding_free_problems()
         found += self._export_problems()
         problems = found + self._lora_problems() + sample_problems(self) + compile_problems(self)
-        problems += sequence_problems(self)
+        problems += sequence_problems(self) + pipeline_problems(self)
         if problems:
             raise ValueError("\n".join(problems))
         return self

@@ -1,6 +1,7 @@
 """Which parallel splits a model admits, from its class and config.json: tensor parallelism (the classes
-``shardformer.TENSOR_PARALLEL_FAMILIES`` proves, whole query and key-value heads per rank) and all_to_all
-sequence parallelism (``shardformer.SEQUENCE_PARALLEL_FAMILIES``, heads split over tp x sp ranks). Called by the
+``shardformer.TENSOR_PARALLEL_FAMILIES`` proves, whole query and key-value heads per rank), all_to_all
+sequence parallelism (``shardformer.SEQUENCE_PARALLEL_FAMILIES``, heads split over tp x sp ranks) and pipeline
+parallelism (``shardformer.PIPELINE_PARALLEL_FAMILIES``, decoder layers split over the stages). Called by the
 config schema at load and by the hybrid-parallel backend for a class only loading tells (a hub id)."""
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from typing import Any
 from coati_kto.errors import ConfigError
 from coati_kto.families import _config_json, encoder_refusal, model_class_name
 from coati_kto.families.shardformer import (
+    pipeline_parallel_refusal,
     sequence_parallel_refusal,
     supported_summary,
     tensor_parallel_refusal,
@@ -98,9 +100,30 @@ def check_sequence_parallel_family(model_dir: str, key: str, tp_size: int, sp_si
         raise ConfigError(f"{key} {model_dir}: {why}")
 
 
-def refuse_unadmitted(model_class: str, tp_size: int, prefix: str = "", sp_size: int = 1) -> None:
+def check_pipeline_parallel_family(model_dir: str, key: str, pp_size: int, num_model_chunks: int = 1) -> None:
+    """ConfigError (one line) when the model at ``model_dir`` cannot run at ``pp_size`` pipeline stages of
+    ``num_model_chunks`` chunks each: its class unproven there (``shardformer.PIPELINE_PARALLEL_FAMILIES``), or
+    fewer decoder layers than chunks in all (a chunk without layers). From config.json alone; a hub id is checked
+    when the plugin is built (its class), or not at all (its layers: ColossalAI's stage manager then asserts)."""
+    name = model_class_name(model_dir)
+    why = None if name is None else pipeline_parallel_refusal(name.rsplit(".", 1)[-1], pp_size)
+    raw = _config_json(model_dir) or {}
+    layers = {**raw, **(raw.get("text_config") or {})}.get("num_hidden_layers")
+    chunks = pp_size * num_model_chunks
+    if why is None and isinstance(layers, int) and chunks > layers:
+        why = (
+            f"plugin.pp_size {pp_size} x plugin.num_model_chunks {num_model_chunks} = {chunks} is more than its "
+            f"num_hidden_layers {layers} (each chunk of a stage holds at least one decoder layer)"
+        )
+    if why is not None:
+        raise ConfigError(f"{key} {model_dir}: {why}")
+
+
+def refuse_unadmitted(
+    model_class: str, tp_size: int, prefix: str = "", sp_size: int = 1, pp_size: int = 1
+) -> None:
     """ConfigError unless ``model_class`` (a class name, bare or with its module) is admitted at ``tp_size``
-    tensor-parallel and ``sp_size`` sequence-parallel ranks."""
+    tensor-parallel, ``sp_size`` sequence-parallel and ``pp_size`` pipeline-parallel ranks."""
     name = model_class.rsplit(".", 1)[-1]
     why = tensor_parallel_refusal(name, tp_size)
     if why is not None:
@@ -108,5 +131,7 @@ def refuse_unadmitted(model_class: str, tp_size: int, prefix: str = "", sp_size:
             f"{prefix}{why} (tensor parallelism: {supported_summary()}); plugin.tp_size 1 runs every family "
             "without a tensor-parallel policy"
         )
-    if (why := sequence_parallel_refusal(name, sp_size)) is not None:
+    if (
+        why := sequence_parallel_refusal(name, sp_size) or pipeline_parallel_refusal(name, pp_size)
+    ) is not None:
         raise ConfigError(f"{prefix}{why}")

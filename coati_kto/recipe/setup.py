@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from coati_kto.config.load import save_config
+from coati_kto.config.pipeline import check_pipeline_divides_world, pipeline_note
 from coati_kto.config.resume import check_contents
 from coati_kto.config.schema import Config, PluginSection
 from coati_kto.config.sequence import sequence_note
@@ -115,7 +116,7 @@ def setup_training(config: Config, heartbeat: Heartbeat | None) -> Run:
         save_config(config, out_dir / CONFIG_FILE)
     epoch_note = run.train_loader.batch_sampler.stats.epoch_note()  # examples left out
     attention_note = attention_implementation(config.model.path, config.model)[1]
-    layout_notes = (zero_note(config.plugin, run.plan), sequence_note(config))
+    layout_notes = (zero_note(config.plugin, run.plan), sequence_note(config), pipeline_note(config))
     notes = (epoch_note, lock_note, run_data.pad_note, attention_note, *layout_notes, memory_note)
     _announce(config, run, notes)
     if run.layout.is_main:  # the plan's peak for this layout (coati_kto.recipe.plan), not kept in the card
@@ -157,9 +158,10 @@ def zero_note(plugin: PluginSection, plan: ParallelPlan) -> str | None:
 
 
 def _start_processes(config: Config) -> None:
-    """The process group (every rank), the tensor- and sequence-parallel sizes checked against it before the data and the model
-    load, and the run's seed."""
+    """The process group (every rank), the tensor-, sequence- and pipeline-parallel sizes checked against it before
+    the data and the model load, and the run's seed."""
     init_distributed(timeout_s=config.train.dist_timeout)
+    check_pipeline_divides_world(config.plugin, dist.get_world_size())
     check_tp_divides_world(config.plugin.tp_size, dist.get_world_size(), config.plugin.sp_size)
     seed_everything(config.train.seed)
 

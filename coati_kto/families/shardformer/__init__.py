@@ -45,6 +45,11 @@ SEQUENCE_PARALLEL_FAMILIES: dict[str, tuple[int, ...]] = {
     "SmolLM3ForCausalLM": (2,),
 }
 
+# Classes admitted under pipeline parallelism, with their pp sizes (plugin.pp_size > 1): ColossalAI's pipeline
+# forwards are written for transformers 4.51, so every stage runs the project's own stage forward on the decoder
+# shape of transformers 5 (docs/pipeline_parallelism_plan.md, §3); a class is added where its tests prove it.
+PIPELINE_PARALLEL_FAMILIES: dict[str, tuple[int, ...]] = {"LlamaForCausalLM": (2,)}
+
 # Classes whose tensor-parallel policy splits fused projections part by part (Phi-3's qkv_proj, gate_up_proj;
 # Qwen 3.5's linear-attention in_proj_qkv and conv1d):
 # ColossalAI 0.5.0's checkpoint gathers their optimizer moments rank after rank ([q0 k0 v0 | q1 k1 v1]), not in
@@ -94,6 +99,19 @@ def sequence_parallel_refusal(architecture: str, sp_size: int) -> str | None:
             f"{k} (sp_size {', '.join(map(str, v))})" for k, v in SEQUENCE_PARALLEL_FAMILIES.items()
         )
         return f"{architecture} is not proven at plugin.sp_size {sp_size} (sequence parallelism: {admitted})"
+    return None
+
+
+def pipeline_parallel_refusal(architecture: str, pp_size: int) -> str | None:
+    """Why ``architecture`` cannot run at ``pp_size`` pipeline stages (one line), or None when admitted."""
+    if pp_size <= 1:
+        return None
+    proven = PIPELINE_PARALLEL_FAMILIES.get(architecture)
+    if proven is None or pp_size not in proven:
+        admitted = ", ".join(
+            f"{k} (pp_size {', '.join(map(str, v))})" for k, v in PIPELINE_PARALLEL_FAMILIES.items()
+        )
+        return f"{architecture} is not proven at plugin.pp_size {pp_size} (pipeline parallelism: {admitted})"
     return None
 
 
