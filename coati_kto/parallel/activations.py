@@ -112,27 +112,38 @@ def backward_bytes(shape: Any, tp: int, working: int, checkpointing: bool) -> in
 
 
 def activation_bytes(
-    shape: Any, tp: int, sp: int, working: int, work: Workload
+    shape: Any,
+    tp: int,
+    sp: int,
+    working: int,
+    work: Workload,
+    layers: int | None = None,
+    in_flight: int = 1,
+    last: bool = True,
 ) -> tuple[int, int, list[str]]:
-    """(decoder activations, LM head bytes, notes) per rank for ``work``'s gradient pass."""
+    """(decoder activations, LM head bytes, notes) per rank for ``work``'s gradient pass: ``layers`` decoder
+    layers (default: all), their kept activations for ``in_flight`` micro-batches at once (a pipeline stage,
+    ``coati_kto.parallel.stages.in_flight``), the final norm and the head where ``last``."""
+    layers = shape.layers if layers is None else layers
     tokens = -(-work.micro_batch * work.length // sp)
     eager = work.eager_attention
     per_layer = (
         layer_bytes(shape, tp, sp, work.length, working, eager, work.dense_mask, work.fused_norms) * tokens
     )
-    if work.checkpointing:
-        decoder = shape.layers * shape.hidden * tokens * working + per_layer
-    else:
-        decoder = shape.layers * per_layer
+    kept = shape.hidden * tokens * working if work.checkpointing else per_layer
+    decoder = in_flight * layers * kept + (per_layer if work.checkpointing else 0)  # + one layer recomputed
     decoder += backward_bytes(shape, tp, working, work.checkpointing) * tokens
-    decoder += 2 * shape.hidden * tokens * working  # the final norm's input and output
+    if last:
+        decoder += 2 * shape.hidden * tokens * working  # the final norm's input and output
     notes = []
     if work.dense_mask:  # whole rows on every sp rank: not divided by sp
-        decoder += work.micro_batch * work.length * work.length * working
+        decoder += in_flight * work.micro_batch * work.length * work.length * working
         notes.append(
             f"up to a dense [{work.micro_batch}, 1, {work.length}, {work.length}] mask (padding-free rows that pack "
             "several documents; none where each row is one document)"
         )
+    if not last:
+        return decoder, 0, ["none on this stage (the last stage holds it)", *notes]
     head, note = _head_bytes(shape, tp, tokens, working, work)
     return decoder, head, [note, *notes]
 

@@ -3,13 +3,19 @@
 Candidates keep the configured plugin and precision and vary what that plugin can vary: the tensor-parallel
 size (hybrid_parallel: a divisor of the GPUs per node that splits the heads whole), the sequence-parallel size
 (where the schema has ``plugin.sp_size`` and the rows are padding-free), the ZeRO stage, and the micro-batch
-(from 2, the least that holds both labels, up to :data:`MAX_MICRO_BATCH`). A layout fits at a micro-batch when
+(from 2, the least that holds both labels, up to :data:`MAX_MICRO_BATCH`). Where the config may split the layers
+(``pp_axis``: hybrid_parallel, padded rows, no LoRA) also the pipeline-parallel size: a divisor of the GPUs per
+tensor-parallel group that leaves every (virtual) stage a layer, at ZeRO 0 or 1 only (ColossalAI refuses ZeRO 2
+with pp), without sequence parallelism, in the configured ``pp_style``, running at least ``pp`` micro-batches a
+step (1F1B's least; interleaved: a multiple of ``pp``). A layout fits at a micro-batch when
 its predicted peak is at most :data:`USABLE_FRACTION` of the GPU's memory: the rest is the CUDA context, NCCL's
 buffers and the caching allocator's fragmentation.
 
-Best first (:data:`RULE`): the fewest ranks per model replica (tp x sp: their collectives run inside every
-layer), then the largest micro-batch that fits (fewer, fuller passes), then the lower ZeRO stage (fewer
-collectives per step), then the lower peak.
+Best first (:data:`RULE`): the fewest ranks per model replica (tp x sp x pp: tp and sp collectives run inside
+every layer, pipeline stages idle ``(pp - 1) / (m + pp - 1)`` of a step of m micro-batches), then the fewer
+pipeline stages (at equal ranks per replica, the bubble costs more than a node's tensor-parallel collectives),
+then the largest micro-batch that fits (fewer, fuller passes), then the lower ZeRO stage (fewer collectives per
+step), then the lower peak.
 """
 
 from __future__ import annotations
@@ -21,24 +27,28 @@ from dataclasses import dataclass
 from coati_kto.parallel.activations import Workload
 from coati_kto.parallel.memory_plan import GIB, Layout, MemoryPlan, plan_memory
 from coati_kto.parallel.model_shape import ModelShape
+from coati_kto.parallel.stages import least_microbatches
 
 Admits = Callable[[int, int], bool]  # (tp, sp) -> whether the model's family runs at those sizes
 USABLE_FRACTION = 0.9
 MAX_MICRO_BATCH = 64
 MIN_MICRO_BATCH = 2  # train.micro_batch_size's least: each micro-batch holds both labels
 RULE = (
-    "best first: fewest ranks per replica (tp x sp), then the largest micro-batch that fits, then the lower ZeRO "
+    "best first: fewest ranks per replica (tp x sp x pp), then fewer pipeline stages (their bubble: "
+    "(pp-1)/(m+pp-1) of a step of m micro-batches), then the largest micro-batch that fits, then the lower ZeRO "
     "stage, then the lower peak"
 )
 
 
 @dataclass(frozen=True)
 class Fit:
-    """A layout that fits, the largest micro-batch at which it does, and its plan at that micro-batch."""
+    """A layout that fits, the largest micro-batch at which it does, and its plan at that micro-batch;
+    ``microbatches``: the micro-batches a step runs (more than the config's where the pipeline needs them)."""
 
     layout: Layout
     micro_batch: int
     plan: MemoryPlan
+    microbatches: int = 1
 
 
 def usable_bytes(gpu_memory_gib: float) -> int:
@@ -58,7 +68,7 @@ def largest_micro_batch(shape: ModelShape, layout: Layout, work: Workload, budge
     while low < high:
         mid = (low + high + 1) // 2
         low, high = (mid, high) if plan(mid).peak <= budget else (low, mid - 1)
-    return Fit(layout, low, plan(low))
+    return Fit(layout, low, plan(low), work.accumulation_steps)
 
 
 def candidates(
@@ -69,10 +79,11 @@ def candidates(
     sp_axis: bool,
     lora: bool = False,
     admits: Admits | None = None,
+    pp_axis: bool = False,
 ) -> list[Layout]:
     """Every layout of ``gpus`` GPUs (``per_node`` a node) the configured plugin ``base`` can run (``lora``: the
     policy trains adapters, which hybrid_parallel admits at tp 1 only; ``admits(tp, sp)``: whether the model's
-    family is proven at those sizes, as config load checks)."""
+    family is proven at those sizes, as config load checks; ``pp_axis``: pipeline stages too, module docstring)."""
     tps = [1]
     if (
         base.plugin == "hybrid_parallel" and not lora
@@ -81,17 +92,22 @@ def candidates(
     stages = {"ddp": [0], "low_level_zero": [1, 2]}.get(base.plugin, [0, 1, 2])
     if base.precision == "fp32" and base.plugin == "hybrid_parallel":
         stages = [0]  # hybrid_parallel's ZeRO needs bf16 / fp16
+    pipelined = pp_axis and base.plugin == "hybrid_parallel" and not lora
     out = []
-    for tp in tps:
+    for tp in [t for t in tps if gpus % t == 0]:
         sps = [s for s in _divisors(gpus // tp) if (shape.heads // tp) % s == 0] if sp_axis else [1]
-        for sp in [s for s in sps if admits is None or admits(tp, s)]:
-            dp = gpus // (tp * sp)
-            for stage in stages:
-                running = (
-                    0 if base.plugin == "hybrid_parallel" and dp * sp == 1 and not base.cpu_offload else stage
+        pps = [p for p in _divisors(gpus // tp) if p * base.chunks <= shape.layers] if pipelined else [1]
+        axes = [(s, 1) for s in sps] + [(1, p) for p in pps if p > 1]
+        for sp, pp in [(s, p) for s, p in axes if admits is None or admits(tp, s)]:
+            dp = gpus // (tp * sp * pp)
+            for stage in [s for s in stages if pp == 1 or s <= 1]:  # ZeRO 2 refused with pp
+                one_rank = base.plugin == "hybrid_parallel" and dp * sp == 1 and not base.cpu_offload
+                running = 0 if one_rank else stage
+                style, chunks = (base.pp_style, base.chunks) if pp > 1 else ("1f1b", 1)
+                layout = Layout(
+                    base.plugin, base.precision, running, tp, dp, sp, base.cpu_offload, pp, style, chunks
                 )
-                layout = Layout(base.plugin, base.precision, running, tp, dp, sp, base.cpu_offload)
-                if layout not in out and gpus % (tp * sp) == 0:
+                if layout not in out and gpus % (tp * sp * pp) == 0:
                     out.append(layout)
     return out
 
@@ -105,17 +121,23 @@ def fitting_layouts(
     budget: int,
     sp_axis: bool,
     admits: Admits | None = None,
+    pp_axis: bool = False,
 ) -> list[Fit]:
-    """The candidates that fit within ``budget`` bytes per GPU, best first (:data:`RULE`)."""
-    fits = [
-        fit
-        for layout in candidates(base, shape, gpus, per_node, sp_axis, work.lora_rank > 0, admits)
-        if (fit := largest_micro_batch(shape, layout, work, budget)) is not None
-    ]
-    return sorted(
-        fits,
-        key=lambda f: (f.layout.tp * f.layout.sp, -f.micro_batch, f.layout.zero_stage, f.plan.peak),
-    )
+    """The candidates that fit within ``budget`` bytes per GPU, best first (:data:`RULE`); a pipelined one at
+    the least micro-batches a step its schedule runs from the config's (``work.accumulation_steps``)."""
+    fits = []
+    for layout in candidates(base, shape, gpus, per_node, sp_axis, work.lora_rank > 0, admits, pp_axis):
+        steps = least_microbatches(layout.pp, layout.pp_style, work.accumulation_steps)
+        fit = largest_micro_batch(shape, layout, dataclasses.replace(work, accumulation_steps=steps), budget)
+        if fit is not None:
+            fits.append(fit)
+    return sorted(fits, key=rank)
+
+
+def rank(fit: Fit) -> tuple[int, int, int, int, int]:
+    """The sort key of :data:`RULE`."""
+    layout = fit.layout
+    return (layout.tp * layout.sp * layout.pp, layout.pp, -fit.micro_batch, layout.zero_stage, fit.plan.peak)
 
 
 def _divisors(n: int) -> list[int]:

@@ -16,6 +16,13 @@ trains with:
 - The reference (``kto.reference: online``) is a second copy of the weights in the working dtype, split as the
   policy is; cached: nothing; under LoRA it is the policy with the adapters off: nothing more.
 - Activations: :mod:`coati_kto.parallel.activations`.
+- Pipeline parallelism (``pp`` stages, :mod:`coati_kto.parallel.stages`): every part above is the stage's. A
+  stage holds its layers, the first also the embedding, the last the final norm and the LM head; the plan is the
+  stage with the highest peak (``MemoryPlan.stage``). Its activations are its layers' for the micro-batches it
+  keeps in flight; the last stage's head runs one micro-batch at a time. The online reference runs through the
+  same stages forward-only (no gradient pass to keep activations for): its weights, split as the policy's.
+  There is no torch DDP under pp (ColossalAI all-reduces each gradient in place at ZeRO 0), and each stage keeps
+  a send and a receive buffer of one micro-batch's hidden states [mb, S, H] in the working dtype (``p2p``).
 
 The peak of a step is the static part (weights, masters and moments, reference, buffers) plus the largest of
 what comes and goes: the gradient pass's activations (with the accumulated gradients when micro-batches
@@ -28,6 +35,7 @@ from dataclasses import dataclass, field
 
 from coati_kto.parallel.activations import Workload, activation_bytes
 from coati_kto.parallel.model_shape import ModelShape
+from coati_kto.parallel.stages import in_flight, stage_chunks
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ZERO_BUCKET_ELEMENTS = 12 * 1024 * 1024  # the plugins' reduce_bucket_size_in_m / zero_bucket_size_in_m: 12
@@ -45,18 +53,26 @@ class Layout:
     dp: int = 1
     sp: int = 1
     cpu_offload: bool = False
+    pp: int = 1
+    pp_style: str = "1f1b"
+    chunks: int = 1  # model chunks per stage (interleaved)
 
     @property
     def world(self) -> int:
-        return self.tp * self.dp * self.sp
+        return self.tp * self.dp * self.sp * self.pp
 
     @property
     def torch_ddp(self) -> bool:
-        """Whether torch DDP wraps the policy (its buckets): ddp and ZeRO 0, on more than one data-parallel rank."""
-        return self.zero_stage == 0 and self.dp * self.sp > 1
+        """Whether torch DDP wraps the policy (its buckets): ZeRO 0 on more than one data-parallel rank, without
+        pipeline stages (ColossalAI builds no DDP under pp)."""
+        return self.zero_stage == 0 and self.dp * self.sp > 1 and self.pp == 1
 
     def describe(self) -> str:
-        axes = f"tp {self.tp}" + (f" x sp {self.sp}" if self.sp > 1 else "") + f" x dp {self.dp}"
+        pp = ""
+        if self.pp > 1:
+            style = f" interleaved x {self.chunks} chunks" if self.pp_style == "interleaved" else " 1f1b"
+            pp = f" x pp {self.pp}{style}"
+        axes = f"tp {self.tp}" + (f" x sp {self.sp}" if self.sp > 1 else "") + pp + f" x dp {self.dp}"
         offload = ", cpu_offload" if self.cpu_offload else ""
         return f"{self.plugin} {self.precision}, {axes}, ZeRO-{self.zero_stage}{offload}"
 
@@ -80,11 +96,15 @@ class MemoryPlan:
     host: int  # what cpu_offload keeps in host memory
     notes: list[str] = field(default_factory=list)
     accumulating: bool = False  # micro-batches accumulate: the gradients live through the next gradient pass
+    p2p: int = 0  # a pipeline stage's send and receive buffers
+    stage: int = 0  # the pipeline stage this plan is of (the one with the highest peak)
+    stage_layers: int = 0  # the decoder layers that stage holds
+    in_flight: int = 1  # the micro-batches (chunk forwards, interleaved) whose activations it keeps at once
 
     @property
     def static(self) -> int:
         """Alive through the whole step."""
-        return self.weights + self.masters + self.moments + self.reference + self.communication
+        return self.weights + self.masters + self.moments + self.reference + self.communication + self.p2p
 
     @property
     def peak(self) -> int:
@@ -94,9 +114,27 @@ class MemoryPlan:
 
 
 def plan_memory(shape: ModelShape, layout: Layout, work: Workload) -> MemoryPlan:
-    """The bytes per rank of training ``shape`` on ``layout`` with ``work`` (module docstring)."""
-    params = shape.params_per_rank(layout.tp)
-    trainable = shape.lora_params(work.lora_rank, work.lora_targets) if work.lora_rank else params
+    """The bytes per rank of training ``shape`` on ``layout`` with ``work`` (module docstring): under pipeline
+    parallelism, of the stage with the highest peak (the first of equals)."""
+    if layout.pp == 1:
+        return _plan_stage(shape, layout, work, 0)
+    plans = [_plan_stage(shape, layout, work, stage) for stage in range(layout.pp)]
+    return max(plans, key=lambda plan: (plan.peak, -plan.stage))
+
+
+def _plan_stage(shape: ModelShape, layout: Layout, work: Workload, stage: int) -> MemoryPlan:
+    """The plan of one pipeline stage (the whole model when ``layout.pp`` is 1)."""
+    first, last = stage == 0, stage == layout.pp - 1
+    chunks = stage_chunks(shape.layers, layout.pp, layout.chunks, stage)
+    layers = sum(chunks)
+    params = (
+        shape.stage_params(layout.tp, layers, first, last)
+        if layout.pp > 1
+        else shape.params_per_rank(layout.tp)
+    )
+    trainable = params
+    if work.lora_rank:  # the adapters of this stage's layers
+        trainable = shape.lora_params(work.lora_rank, work.lora_targets) * layers // shape.layers
     working = DTYPE_BYTES[layout.precision]
     mixed = layout.precision != "fp32"
     shards = layout.dp * layout.sp if layout.zero_stage >= 1 else 1  # ZeRO's group: data x sequence ranks
@@ -111,20 +149,27 @@ def plan_memory(shape: ModelShape, layout: Layout, work: Workload) -> MemoryPlan
     step_copies = 4 * owned if mixed else 0
     reference = working * params if work.reference == "online" and not work.lora_rank else 0
     comm = _communication(layout, trainable, working)
-    activations, head, notes = activation_bytes(shape, layout.tp, layout.sp, working, work)
+    alive = (
+        in_flight(stage, layout.pp, work.accumulation_steps, layout.pp_style, layout.chunks)
+        if layout.pp > 1
+        else 1
+    )
+    held = max(chunks) if layout.pp > 1 else layers  # activations of one chunk forward: its layers
+    activations, head, notes = activation_bytes(shape, layout.tp, layout.sp, working, work, held, alive, last)
+    p2p = 2 * work.micro_batch * work.length * shape.hidden * working if layout.pp > 1 else 0
     return MemoryPlan(
         layout=layout, params=params, trainable=trainable, weights=working * params, gradients=grads,
         masters=masters, moments=moments, step_copies=step_copies, reference=reference,
         activations=activations, head=head, communication=comm, host=host, notes=notes,
-        accumulating=work.accumulation_steps > 1,
+        accumulating=work.accumulation_steps > 1, p2p=p2p, stage=stage, stage_layers=layers, in_flight=alive,
     )  # fmt: skip
 
 
 def _communication(layout: Layout, trainable: int, working: int) -> int:
     """Buffers the gradient reduction keeps: DDP's buckets (the gradients' size), ZeRO's bucket and the
-    reduce-scatter output; nothing on one data-parallel rank."""
-    if layout.dp * layout.sp == 1:
-        return 0
+    reduce-scatter output; nothing on one data-parallel rank, nor with pipeline stages at ZeRO 0."""
+    if layout.dp * layout.sp == 1 or (layout.pp > 1 and layout.zero_stage == 0):
+        return 0  # pp at ZeRO 0: ColossalAI all-reduces each gradient in place, no buckets
     if layout.torch_ddp:
         return working * trainable
     return 2 * working * min(trainable, ZERO_BUCKET_ELEMENTS)

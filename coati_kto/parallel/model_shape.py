@@ -38,6 +38,7 @@ class ModelShape:
     split_params: int  # the decoder layers' projections (and their biases): 1/tp each
     whole_params: int  # norms and the like: whole on every tensor-parallel rank
     lora_linears: tuple[tuple[str, int, int], ...]  # (module suffix, in, out) of every Linear in the layers
+    outer_whole_params: int = 0  # of whole_params, those outside the decoder layers (the final norm)
 
     @property
     def params(self) -> int:
@@ -51,6 +52,18 @@ class ModelShape:
         rows = self.vocab if tp == 1 else math.ceil(self.vocab / (VOCAB_MULTIPLE * tp)) * VOCAB_MULTIPLE * tp
         vocab = vocab_tensors * rows // tp * self.hidden
         return vocab + math.ceil(self.split_params / tp) + self.whole_params
+
+    def stage_params(self, tp: int, layers: int, first: bool, last: bool) -> int:
+        """Parameters one rank of a pipeline stage holds: ``layers`` decoder layers (their share of the split and
+        whole parameters), the embedding on the first stage, the final norm and the LM head on the last (a tied
+        embedding on both); split by tensor parallelism as :meth:`params_per_rank`."""
+        vocab_tensors = self.vocab_params // max(1, self.vocab * self.hidden)
+        rows = self.vocab if tp == 1 else math.ceil(self.vocab / (VOCAB_MULTIPLE * tp)) * VOCAB_MULTIPLE * tp
+        held = ((max(vocab_tensors - 1, 1) if first else 0) + (1 if last else 0)) if vocab_tensors else 0
+        vocab = held * rows // tp * self.hidden
+        split = math.ceil(self.split_params * layers / self.layers / tp)
+        whole = (self.whole_params - self.outer_whole_params) * layers // self.layers
+        return vocab + split + whole + (self.outer_whole_params if last else 0)
 
     def lora_params(self, rank: int, targets: list[str]) -> int:
         """Adapter parameters: r x (in + out) for every Linear whose name ends with one of ``targets``."""
@@ -128,7 +141,7 @@ def _count(model: Any, text: Any) -> ModelShape:
     """The shape of the meta ``model`` (``text``: its text config)."""
     from torch import nn
 
-    counts = {"vocab": 0, "split": 0, "whole": 0}
+    counts = {"vocab": 0, "split": 0, "whole": 0, "outer": 0}
     for name, param in model.named_parameters():  # each tied tensor once
         leaf = name.rsplit(".", 2)[-2] if "." in name else name
         if leaf in VOCAB_NAMES:
@@ -137,6 +150,7 @@ def _count(model: Any, text: Any) -> ModelShape:
             counts["split"] += param.numel()
         else:
             counts["whole"] += param.numel()
+            counts["outer"] += 0 if ".layers." in name else param.numel()
     linears = tuple(
         (name.rsplit(".", 1)[-1], m.in_features, m.out_features)
         for name, m in model.named_modules()
@@ -157,4 +171,5 @@ def _count(model: Any, text: Any) -> ModelShape:
         split_params=counts["split"],
         whole_params=counts["whole"],
         lora_linears=linears,
+        outer_whole_params=counts["outer"],
     )

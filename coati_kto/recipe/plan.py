@@ -23,17 +23,42 @@ from coati_kto.parallel.plan import running_zero_stage
 LISTED = 12  # layouts listed after the configured one
 
 
+def _pipeline(plugin: PluginSection) -> tuple[int, str, int]:
+    """(pp_size, pp_style, num_model_chunks) of the plugin section; (1, "1f1b", 1) where the schema has none."""
+    return (
+        getattr(plugin, "pp_size", 1),
+        getattr(plugin, "pp_style", "1f1b"),
+        getattr(plugin, "num_model_chunks", 1),
+    )
+
+
 def configured_layout(plugin: PluginSection, world: int) -> Layout:
     """The config's layout on ``world`` ranks (the ZeRO stage that runs there); UserError one line when ``world``
-    is no multiple of tp x sp."""
+    is no multiple of tp x sp x pp."""
     sp = getattr(plugin, "sp_size", 1)
-    axes = plugin.tp_size * sp
+    pp, style, chunks = _pipeline(plugin)
+    axes = plugin.tp_size * sp * pp
     if world % axes:
-        named = f"plugin.tp_size {plugin.tp_size}" + (f" x plugin.sp_size {sp}" if sp > 1 else "")
+        named = (
+            f"plugin.tp_size {plugin.tp_size}"
+            + (f" x plugin.sp_size {sp}" if sp > 1 else "")
+            + (f" x plugin.pp_size {pp}" if pp > 1 else "")
+        )
         raise UserError(f"--gpus {world} is not a multiple of {named} = {axes}")
-    # The backend's ZeRO group (the plan's dp_size) is dp x sp: world / tp, as recipe/setup.py builds it.
-    stage = running_zero_stage(plugin, world // plugin.tp_size)
-    return Layout(plugin.name, plugin.precision, stage, plugin.tp_size, world // axes, sp, plugin.cpu_offload)
+    # The backend's ZeRO group (the plan's dp_size) is dp x sp: world / (tp x pp), as recipe/setup.py builds it.
+    stage = running_zero_stage(plugin, world // (plugin.tp_size * pp))
+    return Layout(
+        plugin.name,
+        plugin.precision,
+        stage,
+        plugin.tp_size,
+        world // axes,
+        sp,
+        plugin.cpu_offload,
+        pp,
+        style,
+        chunks,
+    )
 
 
 def _gib(n: int) -> str:
@@ -66,12 +91,32 @@ def breakdown_lines(plan: MemoryPlan, work: Workload, shape: ModelShape) -> list
         f"  LM head        {_gib(plan.head)}  {plan.notes[0]}",
         f"  communication  {_gib(plan.communication)}  {_comm_note(layout)}",
     ]
+    if layout.pp > 1:
+        lines.append(
+            f"  p2p            {_gib(plan.p2p)}  a send and a receive buffer of [{work.micro_batch}, {work.length}, "
+            f"{shape.hidden}] hidden states, {working}"
+        )
     return lines
+
+
+def stage_line(plan: MemoryPlan, work: Workload) -> str:
+    """Which pipeline stage the plan is of (the peak) and what it holds."""
+    layout = plan.layout
+    held = [f"{plan.stage_layers} layers"]
+    held += ["the embedding"] if plan.stage == 0 else []
+    held += ["the final norm and LM head"] if plan.stage == layout.pp - 1 else []
+    unit = "chunk forwards" if layout.pp_style == "interleaved" else "micro-batches"
+    return (
+        f"per rank of stage {plan.stage} of {layout.pp} (the peak): {', '.join(held)}; {layout.pp_style} keeps "
+        f"{plan.in_flight} {unit} of {work.accumulation_steps} in flight:"
+    )
 
 
 def _comm_note(layout: Layout) -> str:
     if layout.dp * layout.sp == 1:
         return "none: one data-parallel rank"
+    if layout.pp > 1 and layout.zero_stage == 0:
+        return "none: each gradient all-reduced in place (no torch DDP under pp)"
     if layout.torch_ddp:
         return "torch DDP's buckets: the gradients' size"
     return "ZeRO's reduce bucket and reduce-scatter output, 12M elements each"
@@ -79,7 +124,7 @@ def _comm_note(layout: Layout) -> str:
 
 def plan_lines(config: Config, gpus: int | None, gpu_memory: float, nodes: int) -> list[str]:
     """The report of ``coati-kto plan`` (module docstring); UserError one line for a bad option."""
-    axes = config.plugin.tp_size * getattr(config.plugin, "sp_size", 1)
+    axes = config.plugin.tp_size * getattr(config.plugin, "sp_size", 1) * _pipeline(config.plugin)[0]
     world = gpus if gpus is not None else axes
     _check_options(world, gpu_memory, nodes)
     shape = model_shape(config.model.path)
@@ -93,7 +138,7 @@ def plan_lines(config: Config, gpus: int | None, gpu_memory: float, nodes: int) 
         f"hidden {shape.hidden}, vocabulary {shape.vocab}; read from config.json only)",
         f"layout: {layout.describe()}, on {world} GPU(s), {nodes} node(s)"
         + ("" if gpus is not None else " (--gpus not given: one data-parallel replica)"),
-        "per rank:",
+        "per rank:" if layout.pp == 1 else stage_line(plan, work),
         *breakdown_lines(plan, work, shape),
         f"  peak           {_gib(plan.peak)}  {verdict} in {USABLE_FRACTION:.0%} of {gpu_memory:g} GiB",
     ]
@@ -116,8 +161,12 @@ def layouts_that_fit(
     first (``coati_kto.parallel.layout_search``)."""
     base = configured_layout(config.plugin, world)
     sp_axis = "sp_size" in PluginSection.model_fields and config.data.padding_free
+    # Config load refuses pipeline stages with padding-free rows and with LoRA (docs/pipeline_parallelism_plan.md);
+    # the search splits the layers only for the plugin that runs stages (layout_search.candidates).
+    pp_axis = not config.data.padding_free and config.model.lora is None
     admits = _admitted(config.model.path)
-    return fitting_layouts(shape, base, work, world, per_node, usable_bytes(gib), sp_axis, admits)
+    budget = usable_bytes(gib)
+    return fitting_layouts(shape, base, work, world, per_node, budget, sp_axis, admits, pp_axis)
 
 
 def _fit_lines(
@@ -129,6 +178,7 @@ def _fit_lines(
         return [head, f"  none, even at micro-batch 2 (the least {config.plugin.name} can run here)"]
     rows = [
         f"  {fit.layout.describe():48s} micro-batch up to {fit.micro_batch:2d}  peak {_gib(fit.plan.peak).strip()}"
+        + (f" (stage {fit.plan.stage}, {fit.microbatches} micro-batches a step)" if fit.layout.pp > 1 else "")
         for fit in fits[:LISTED]
     ]
     more = [f"  ... and {len(fits) - LISTED} more"] if len(fits) > LISTED else []
