@@ -110,6 +110,11 @@ class ParallelLayout:
     tp_group: ProcessGroup | None = None
     sp_size: int = 1
     sp_group: ProcessGroup | None = None
+    # Pipeline parallelism: this rank holds one stage's layers; the last stage alone ends a pass (its log-probs,
+    # losses and step sums), the others pass hidden states on.
+    pp_size: int = 1
+    pp_group: ProcessGroup | None = None
+    is_last_stage: bool = True
 
     @property
     def tp_rank(self) -> int:
@@ -124,8 +129,9 @@ class ParallelLayout:
     @property
     def counts_sums(self) -> bool:
         """Whether this rank adds its step sums to a world reduction: tensor- and sequence-parallel peers hold
-        the same rows' sums, so only the group's rank 0 of each adds them (a row counts once)."""
-        return self.tp_rank == 0 and self.sp_rank == 0
+        the same rows' sums, so only the group's rank 0 of each adds them (a row counts once); under pipeline
+        parallelism only the last stage holds them."""
+        return self.tp_rank == 0 and self.sp_rank == 0 and self.is_last_stage
 
     @property
     def gradient_replicas(self) -> int:
@@ -158,7 +164,20 @@ class ParallelLayout:
             tp_group=tp_group,
             sp_size=plugin.sp_size if sequence else 1,
             sp_group=plugin.sp_group if sequence else None,
+            **_pipeline_fields(plugin),
         )
+
+
+def _pipeline_fields(plugin: Any) -> dict[str, Any]:
+    """The layout's pipeline fields from a HybridParallelPlugin (its stage manager; none below pp_size 2)."""
+    stages = getattr(plugin, "stage_manager", None)
+    if stages is None or getattr(plugin, "pp_size", 1) <= 1:
+        return {}
+    return {
+        "pp_size": plugin.pp_size,
+        "pp_group": plugin.pp_group,
+        "is_last_stage": stages.is_last_stage(True),
+    }
 
 
 def reduce_sums(

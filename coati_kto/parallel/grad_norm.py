@@ -65,7 +65,13 @@ class GradNorm:
             )
         self._tp_rank = dist.get_rank(layout.tp_group) if layout.tp_size > 1 else 0
         self._weight_cache: dict[tuple[int, ...], torch.Tensor] = {}
+        self._elsewhere: frozenset[int] = frozenset()  # ids of parameters another pipeline stage counts
         install_clipping(optimizer)
+
+    def counted_elsewhere(self, params: list[torch.nn.Parameter]) -> None:
+        """``params`` count 0 here: another pipeline stage holds the same (tied, synchronised) parameter."""
+        self._elsewhere = frozenset(id(p) for p in params)
+        self._weight_cache = {}
 
     # ---- the norm ---------------------------------------------------------------------------------------
     def local_share(self) -> torch.Tensor:
@@ -75,7 +81,8 @@ class GradNorm:
         One fp32 ``torch._foreach_norm`` over every gradient (fp32 accumulation, no fp64 copy of each gradient
         as ColossalAI's ``grad.double().norm()``), squared and weighted in fp64 (one value per tensor). Call
         after the step's last backward, before the step's data-parallel all-reduce; every rank calls (a
-        tensor-parallel all-reduce happens here when tp_size > 1, a sequence-parallel one under ZeRO when sp_size > 1).
+        tensor-parallel all-reduce happens here when tp_size > 1, a sequence-parallel one under ZeRO when sp_size > 1, a
+        pipeline one when pp_size > 1).
         Loss-scaled (fp16) gradients give the scaled
         norm, as the clipping expects; ``unscaled`` divides it out for logging.
         """
@@ -92,6 +99,9 @@ class GradNorm:
         # Without ZeRO every sp peer holds the same whole gradient, counted once through sp rank 0 alone.
         if self.layout.sp_size > 1 and self._zero:
             dist.all_reduce(share, op=dist.ReduceOp.SUM, group=self.layout.sp_group)
+        # Each pipeline stage holds its own parameters: the last stage, the one the world sum counts, gets them all.
+        if self.layout.pp_size > 1:
+            dist.all_reduce(share, op=dist.ReduceOp.SUM, group=self.layout.pp_group)
         return share
 
     def _weights(self, params: list[torch.nn.Parameter], device: torch.device) -> torch.Tensor:
@@ -102,7 +112,12 @@ class GradNorm:
         if cached is None:
             replica = 1.0 if self._zero else float(self.layout.dp_rank == 0)
             tp = self.layout.tp_size > 1
-            keep = [replica * float(self._tp_rank == 0 or (tp and _is_distributed(p))) for p in params]
+            keep = [
+                replica
+                * float(self._tp_rank == 0 or (tp and _is_distributed(p)))
+                * float(id(p) not in self._elsewhere)
+                for p in params
+            ]
             cached = torch.tensor(keep, dtype=torch.float64, device=device)
             self._weight_cache = {key: cached}
         return cached

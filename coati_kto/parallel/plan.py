@@ -69,14 +69,20 @@ class ParallelPlan:
     tp_size: int = 1
     # Sequence parallelism (all_to_all: each sp rank runs 1/sp_size of every row's columns); 1: off.
     sp_size: int = 1
+    # Pipeline parallelism: pp_size stages, ColossalAI's schedule (``pp_style``, ``num_model_chunks`` per rank when
+    # interleaved), ``microbatches`` per step (the step's accumulation micro-batches); 1: off.
+    pp_size: int = 1
+    pp_style: str = "1f1b"
+    num_model_chunks: int = 1
+    microbatches: int = 1
     cpu_offload: bool = False
     max_grad_norm: float = 0.0
     flash_attention: bool = False
     # Full class name of the policy model (model_class_name), when config.json tells it: picks the family's
     # tensor-parallel policy (``families.policies.corrected_policy``; at tp_size 1 one policy swaps nothing).
     model_class: str | None = None
-    # The ranks each gradient is averaged over, when known (``from_config(config, dp_size)``): world / tp_size,
-    # which under all_to_all sequence parallelism is dp x sp (the plugin's gradient group); None: not known.
+    # The ranks each gradient is averaged over, when known (``from_config(config, dp_size)``): world / (tp_size x
+    # pp_size), which under all_to_all sequence parallelism is dp x sp (the plugin's gradient group); None: not known.
     dp_size: int | None = None
 
     # ---- construction -------------------------------------------------------------------------------------
@@ -88,6 +94,7 @@ class ParallelPlan:
         flash_attention: bool = False,
         model_class: str | None = None,
         dp_size: int | None = None,
+        microbatches: int = 1,
     ) -> ParallelPlan:
         """From a validated ``plugin`` section (its combinations are checked there, at config load).
 
@@ -100,6 +107,10 @@ class ParallelPlan:
             zero_stage=running_zero_stage(section, dp_size),
             tp_size=section.tp_size,
             sp_size=section.sp_size,
+            pp_size=getattr(section, "pp_size", 1),
+            pp_style=getattr(section, "pp_style", "1f1b"),
+            num_model_chunks=getattr(section, "num_model_chunks", 1),
+            microbatches=microbatches,
             cpu_offload=section.cpu_offload,
             max_grad_norm=max_grad_norm,
             flash_attention=flash_attention,
@@ -117,6 +128,7 @@ class ParallelPlan:
             config.model.attn_implementation == "flash_attention_2",
             model_class_name(config.model.path),
             dp_size,
+            config.train.accumulation_steps,
         )
 
     @classmethod

@@ -60,8 +60,8 @@ def export_checkpoint(config: Config, checkpoint: str = "auto", out: str | None 
 
 
 def run_config(config: Config, path: Path) -> Config:
-    """The config the checkpoint at ``path`` was trained with (its output section and tensor- and sequence-parallel
-    sizes from ``config``): what the export and its card describe. Another model, tokenizer, LoRA or data is refused
+    """The config the checkpoint at ``path`` was trained with (its output section and tensor-, sequence- and
+    pipeline-parallel sizes from ``config``): what the export and its card describe. Another model, tokenizer, LoRA or data is refused
     (check_resume); a changed training setting (kto.beta, train.lr...) would otherwise be written into the card
     as the run's."""
     saved = saved_trainer_state(path)["trainer_state"].get("config")
@@ -69,7 +69,8 @@ def run_config(config: Config, path: Path) -> Config:
         return config
     check_resume(saved, config.model_dump(mode="json"), path.name)
     current = config.model_dump(mode="json")
-    # The export's own layout: its tensor- and sequence-parallel sizes are this launch's, not the run's.
-    plugin = {**saved["plugin"], **{k: current["plugin"][k] for k in ("tp_size", "sp_size", "sp_mode")}}
+    # The export's own layout: its tensor-, sequence- and pipeline-parallel sizes are this launch's, not the run's.
+    layout = ("tp_size", "sp_size", "sp_mode", "pp_size", "pp_style", "num_model_chunks")
+    plugin = {**saved["plugin"], **{k: current["plugin"][k] for k in layout if k in current["plugin"]}}
     data = {**saved["data"], **{k: current["data"][k] for k in ("prepared_dir", "num_proc")}}  # may move
     return Config.model_validate({**saved, "output": current["output"], "plugin": plugin, "data": data})

@@ -188,12 +188,15 @@ def _refuse_changed_contents(config: Config, checkpoints: Path) -> None:
 
 def _build_run(config: Config, out_dir: Path, run_data: RunData) -> Run:
     """The plan and plugin for this world, the loaders by data-parallel rank and the KTO weights of this layout."""
-    # The plan's dp_size is the gradient group's (ZeRO's shards, DDP's replicas): dp x sp under all_to_all.
-    plan = ParallelPlan.from_config(config, dp_size=dist.get_world_size() // config.plugin.tp_size)
+    # The plan's dp_size is the gradient group's (ZeRO's shards, DDP's replicas): dp x sp under all_to_all; a
+    # pipeline stage's parameters are its own, so pp divides it out as tp does.
+    model_split = config.plugin.tp_size * getattr(config.plugin, "pp_size", 1)
+    plan = ParallelPlan.from_config(config, dp_size=dist.get_world_size() // model_split)
     plugin = plan.backend.build_plugin()
     layout = ParallelLayout.from_plugin(plugin)
     data = run_data.data
-    rows = padding_free_rows(config.data, config.model)
+    # Pipeline stages take the padded rows: the schedule splits every batch tensor along its rows.
+    rows = padding_free_rows(config.data, config.model) if plan.pp_size == 1 else None
     # Sequence-parallel peers read the same micro-batch (the loaders go by dp rank) and keep their own slice.
     sequence = (layout.sp_size, layout.sp_rank) if layout.sp_size > 1 else None
     collator = KTOCollator(run_data.pad, config.data.pad_to_multiple_of, rows, sequence)

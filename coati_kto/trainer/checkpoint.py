@@ -37,7 +37,13 @@ from coati_kto.runtime.run_dir import (
     resolve_checkpoint,
     saved_trainer_state,
 )
-from coati_kto.trainer.export import fp32_state, write_atomic, write_hf
+from coati_kto.trainer.export import (
+    fp32_state,
+    merged_over_stages,
+    save_tied_weights_once,
+    write_atomic,
+    write_hf,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -142,6 +148,7 @@ class CheckpointManager:
             "dp_size": self.layout.dp_size,
             "tp_size": self.layout.tp_size,
             "sp_size": self.layout.sp_size,
+            "pp_size": self.layout.pp_size,
         }
 
     def _prune(self, keep: Path) -> None:
@@ -195,9 +202,10 @@ class CheckpointManager:
         self.booster.load_model(model, str(path / "model"))
         self.booster.load_optimizer(optimizer, str(path / "optimizer"))
         self.booster.load_lr_scheduler(lr_scheduler, str(path / "lr_scheduler.pt"))
-        # sp_size is absent from checkpoints written before sequence parallelism: they ran at sp_size 1.
+        # sp_size and pp_size are absent from checkpoints written before them: those ran at 1.
         same_layout = all(
-            meta.get(k, 1 if k == "sp_size" else None) == v for k, v in self._layout_meta().items()
+            meta.get(k, 1 if k in ("sp_size", "pp_size") else None) == v
+            for k, v in self._layout_meta().items()
         )
         master_file = path / "master_weights" / f"rank-{rank}.pt"
         if same_layout and master_file.is_file():
@@ -237,6 +245,8 @@ class CheckpointManager:
         state = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
         if fp32_masters is not None:
             state = fp32_state(state, fp32_masters)
+        if self.layout.pp_size > 1:  # each stage holds its own layers: the main rank writes them all
+            state = merged_over_stages(state, module, self.layout.pp_group)
         tmp, failure = out.with_name(f"{out.name}.tmp"), None
         if self.layout.is_main:
             try:
@@ -307,42 +317,6 @@ def _describe(err: BaseException) -> str:
         return f"{err.strerror}{where}"
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
-
-
-def save_tied_weights_once(module: torch.nn.Module) -> None:
-    """Make ``module``'s state dict hold a weight shared by several names (tied input/output embeddings) once,
-    the way ``save_pretrained`` does; loading fills the other names from it. Idempotent.
-
-    safetensors refuses tensors that share memory, and the checkpoint IO of the backends without tensor
-    parallelism saves ``state_dict()`` as it is. The first name in ``named_parameters`` order is kept (``model.embed_tokens.weight``
-    before ``lm_head.weight``, as in transformers' exports); the tie itself lives in the module (one Parameter
-    under both names), so a resumed model stays tied.
-    """
-    if getattr(module, "_coati_tied_hooks", False):
-        return
-    module._coati_tied_hooks = True
-    first_name: dict[int, str] = {}
-    aliases: dict[str, str] = {}  # alias -> kept name
-    for name, param in module.named_parameters(remove_duplicate=False):
-        if id(param) in first_name:
-            aliases[name] = first_name[id(param)]
-        else:
-            first_name[id(param)] = name
-    if not aliases:
-        return
-
-    def drop_aliases(_module: torch.nn.Module, state: dict, prefix: str, _meta: Any) -> None:
-        for alias in aliases:
-            state.pop(prefix + alias, None)
-
-    def fill_aliases(state: dict, prefix: str, *_args: Any) -> None:
-        # Called per checkpoint shard: an alias is filled from its source where the shard holds it.
-        for alias, kept in aliases.items():
-            if prefix + kept in state and prefix + alias not in state:
-                state[prefix + alias] = state[prefix + kept]
-
-    module._register_state_dict_hook(drop_aliases)
-    module._register_load_state_dict_pre_hook(fill_aliases)
 
 
 def _master_shards(model: Any, optimizer: Any) -> dict[str, torch.Tensor]:

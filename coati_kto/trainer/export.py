@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 def write_hf(module: Any, state: dict, tokenizer: Any, out: Path, fp32: bool) -> None:
@@ -48,3 +49,54 @@ def write_atomic(path: Path, text: str) -> None:
         out.flush()
         os.fsync(out.fileno())
     os.replace(tmp, path)
+
+
+def merged_over_stages(state: dict[str, torch.Tensor], module: Any, group: Any) -> dict[str, torch.Tensor]:
+    """The whole model's ``state`` from each pipeline stage's own (every rank of ``group`` calls; one object
+    all-gather): each stage holds its layers' tensors only. A tied LM head is held by the last stage and its
+    embedding by the first, both with the same values: the tied name is dropped, as ``save_pretrained`` does."""
+    stages: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(stages, state, group=group)
+    merged = {k: v for stage in stages for k, v in (stage or {}).items()}
+    tied = getattr(module, "_tied_weights_keys", None) or {}
+    if isinstance(tied, dict) and getattr(module.config.get_text_config(), "tie_word_embeddings", False):
+        for alias, source in tied.items():
+            if alias in merged and source in merged:
+                del merged[alias]
+    return merged
+
+
+def save_tied_weights_once(module: torch.nn.Module) -> None:
+    """Make ``module``'s state dict hold a weight shared by several names (tied input/output embeddings) once,
+    the way ``save_pretrained`` does; loading fills the other names from it. Idempotent.
+
+    safetensors refuses tensors that share memory, and the checkpoint IO of the backends without tensor
+    parallelism saves ``state_dict()`` as it is. The first name in ``named_parameters`` order is kept (``model.embed_tokens.weight``
+    before ``lm_head.weight``, as in transformers' exports); the tie itself lives in the module (one Parameter
+    under both names), so a resumed model stays tied.
+    """
+    if getattr(module, "_coati_tied_hooks", False):
+        return
+    module._coati_tied_hooks = True
+    first_name: dict[int, str] = {}
+    aliases: dict[str, str] = {}  # alias -> kept name
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in first_name:
+            aliases[name] = first_name[id(param)]
+        else:
+            first_name[id(param)] = name
+    if not aliases:
+        return
+
+    def drop_aliases(_module: torch.nn.Module, state: dict, prefix: str, _meta: Any) -> None:
+        for alias in aliases:
+            state.pop(prefix + alias, None)
+
+    def fill_aliases(state: dict, prefix: str, *_args: Any) -> None:
+        # Called per checkpoint shard: an alias is filled from its source where the shard holds it.
+        for alias, kept in aliases.items():
+            if prefix + kept in state and prefix + alias not in state:
+                state[prefix + alias] = state[prefix + kept]
+
+    module._register_state_dict_hook(drop_aliases)
+    module._register_load_state_dict_pre_hook(fill_aliases)

@@ -61,6 +61,7 @@ from coati_kto.trainer.logging import MetricWriter, ProgressBar
 from coati_kto.trainer.metrics import IntervalMeter, StepSums, summarize
 from coati_kto.trainer.options import KTOOptions, options_from
 from coati_kto.trainer.passes import KTOPasses
+from coati_kto.trainer.pipeline import PipelinePasses
 from coati_kto.trainer.position import DataPosition
 from coati_kto.trainer.samples import EvalSamples
 from coati_kto.trainer.schedule import planned_steps
@@ -146,8 +147,16 @@ class KTOTrainer(SLTrainer):
         self.device = get_accelerator().get_current_device()
         kl_group = self.plan.kl_group(self.layout)
         self.passes = KTOPasses(actor, ref_model, self.plan, self.options, kl_group, self.device)
+        # Pipeline parallelism: the step's passes and backward are schedule runs (coati_kto.trainer.pipeline).
+        self.pipeline = None
+        if self.layout.pp_size > 1:
+            self.pipeline = PipelinePasses(
+                actor, ref_model, booster, actor_optim, self.layout, self.options, kl_group, self.device
+            )
         self._use_no_sync = plugin is not None and self.plan.backend.no_sync_accumulation
         self._grad_norm = self.plan.backend.grad_norm(actor_optim, self.layout, self.options.max_grad_norm)
+        if self.pipeline is not None:
+            self._grad_norm.counted_elsewhere(self.pipeline.tied_copies())
         self._init_run_state()
         self._make_deterministic()
 
@@ -240,16 +249,18 @@ class KTOTrainer(SLTrainer):
         step = self.global_step + 1
         groups = [micro_batches] if self.options.kl_scope == "step" else [[b] for b in micro_batches]
         sums = StepSums(self.device)
-        for micro in self.passes.train_step(groups, sums):  # each after its group's no-grad passes and z0
-            with self._grad_sync(micro.last):
+        if self.pipeline is not None:  # both phases through the schedule, its gradient sync included
+            self.pipeline.train_step(groups, sums)
+        for micro in self.passes.train_step(groups, sums) if self.pipeline is None else ():
+            with self._grad_sync(micro.last):  # each after its group's no-grad passes and z0
                 self.booster.backward(micro.loss(), self.optimizer)
         local, kl_local = sums.local_tensors()
         local[_GRAD_SQ] = self._grad_norm.local_share()
         # The step's one collective and host sync: "nonfinite", the norm and stop keys are the votes; z0 rides along.
-        # Under tensor or sequence parallelism over the world: tp and sp peers share batch and sums, so the rank 0
-        # of both groups alone adds them (a row counts once; the norm's share is already summed over tp and sp).
-        peers = self.layout.tp_size > 1 or self.layout.sp_size > 1
-        group, counted = (None, self.layout.counts_sums) if peers else (self.layout.dp_group, True)
+        # Under tensor, sequence or pipeline parallelism over the world: tp and sp peers share batch and sums, and
+        # only the last pipeline stage holds them, so the rank 0 of the tp and sp groups on the last stage alone
+        # adds them (a row counts once; the norm's share is already summed over tp, sp and the stages).
+        group, counted = self._sums_group()
         totals = reduce_sums(local, group, kl_local, self.stop_signals.vote(), counted)
         kl = {k: totals.pop(k) for k in kl_local} if kl_local else None
         self._stop_signal = decide(totals)
@@ -299,6 +310,13 @@ class KTOTrainer(SLTrainer):
         self._record(metrics)
         self._interval.reset()
 
+    def _sums_group(self) -> tuple[Any, bool]:
+        """(the group the step's and evaluation's sums reduce over, whether this rank adds its sums)."""
+        layout = self.layout
+        if layout.tp_size > 1 or layout.sp_size > 1 or layout.pp_size > 1:
+            return None, layout.counts_sums
+        return layout.dp_group, True
+
     def _grad_sync(self, last: bool) -> contextlib.AbstractContextManager:
         """No gradient reduction before the step's last micro-batch, where the plugin supports it."""
         if last or not self._use_no_sync:
@@ -336,12 +354,15 @@ class KTOTrainer(SLTrainer):
         started = time.perf_counter()
         self.policy.eval()
         try:
-            sums = self.passes.evaluate(iter(self._eval_loader))
+            passes = self.pipeline if self.pipeline is not None else self.passes
+            sums = passes.evaluate(iter(self._eval_loader))
         finally:
             self.policy.train()
         local, kl = sums.local()
         meter = IntervalMeter()  # the evaluation as one interval: its means and throughput
-        meter.add(reduce_sums(local, self.layout.dp_group), kl, time.perf_counter() - started, None)
+        group, counted = self._sums_group()
+        totals = reduce_sums(local, group, count_values=counted)
+        meter.add(totals, kl, time.perf_counter() - started, None)
         metrics = {f"eval/{k}": v for k, v in meter.measured().items()}
         if self._samples is not None:  # after the metrics' timing; the policy decodes in eval mode
             metrics.update(self._samples.write(self.policy, self.reference, self.passes, self.global_step))

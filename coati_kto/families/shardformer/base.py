@@ -5,8 +5,8 @@ Why not ColossalAI 0.5.0's policies: they replace the model's forward with copie
 ``layer_outputs[0]`` from decoder layers that now return a tensor (batch row 0, silently, at micro-batch 1).
 Transformers 5's attention reshapes with ``view(*shape, -1, head_dim)`` and repeats key-value heads by the
 ratio ``num_key_value_groups``, so its own forward runs unchanged on a rank holding 1/tp of the heads: the policy
-only has to swap modules, never forwards. Pipeline and sequence parallelism (which need ColossalAI's forwards)
-are refused; the project runs neither (``pp_size=1``, no sequence parallelism).
+only has to swap modules, never forwards. Under pipeline parallelism the forward is the project's stage forward
+(``pipeline.PipelineStages``); ColossalAI's sequence-parallel forwards are not used (all_to_all wraps the kernel).
 
 What the policy swaps, under tensor parallelism only: q/k/v and gate/up projections column-parallel, o/down
 row-parallel (one all-reduce each), the embedding vocabulary-parallel, the LM head vocabulary-parallel with the
@@ -40,6 +40,8 @@ from colossalai.shardformer.policies.base_policy import (
 )
 from torch import nn
 
+from coati_kto.families.shardformer.pipeline import PipelineStages
+
 COLUMN_PARALLEL = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
 ROW_PARALLEL = ("self_attn.o_proj", "mlp.down_proj")
 
@@ -66,7 +68,7 @@ class VocabParallelEmbedding(VocabParallelEmbedding1D):
         return reduce_forward(mine, self.process_group, fp8_communication=self.fp8_communication)
 
 
-class DecoderPolicy(Policy):
+class DecoderPolicy(PipelineStages, Policy):
     """Tensor-parallel sharding of a ``...ForCausalLM`` whose layers follow Llama's module names.
 
     Subclasses set ``causal_lm`` / ``base_model`` / ``decoder_layer`` (the transformers classes) and may set
@@ -92,16 +94,19 @@ class DecoderPolicy(Policy):
         config = self.shard_config
         # all_to_all sequence parallelism changes no module here: the parallel backend wraps the attention kernel.
         other_sp = config.enable_sequence_parallelism and config.sequence_parallelism_mode != "all_to_all"
-        if config.pipeline_stage_manager is not None or other_sp:
+        if other_sp:
             raise ValueError(
-                f"{type(self).__name__} supports tensor parallelism and all_to_all sequence parallelism only (no "
-                "pipeline parallelism, no other sequence-parallel mode)"
+                f"{type(self).__name__} supports all_to_all sequence parallelism only (no other sequence-parallel "
+                "mode)"
             )
 
     def preprocess(self) -> nn.Module:
         return self.model
 
     def module_policy(self) -> dict[Any, ModulePolicyDescription]:
+        return self.with_stage_forward(self._tensor_parallel_policy(), self.causal_lm)
+
+    def _tensor_parallel_policy(self) -> dict[Any, ModulePolicyDescription]:
         config = self.shard_config
         if not config.enable_tensor_parallelism:
             return {}

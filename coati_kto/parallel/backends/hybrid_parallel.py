@@ -15,7 +15,7 @@ from coati_kto.families.policies import corrected_policy
 from coati_kto.families.splits import refuse_unadmitted
 from coati_kto.parallel.backends.base import ParallelBackend
 from coati_kto.parallel.sequence import SEQUENCE_GROUP, install_attention
-from coati_kto.parallel.upstream.cpu import plugin_overrides
+from coati_kto.parallel.upstream.cpu import cuda_available, plugin_overrides
 
 if TYPE_CHECKING:
     from coati_kto.config.schema import PluginSection
@@ -66,8 +66,9 @@ class HybridParallelBackend(ParallelBackend):
     @property
     def torch_ddp(self) -> bool:
         """Torch DDP wraps the policy at ZeRO 0 on more than one data-parallel rank (one data-parallel rank never
-        gets DDP: ``upstream.fixes._fix_ddp_on_one_data_parallel_rank``)."""
-        return self.plan.dp_size != 1 and self.plan.zero_stage == 0
+        gets DDP: ``upstream.fixes._fix_ddp_on_one_data_parallel_rank``; the pipeline schedule never does: it
+        reduces the gradients itself after its run)."""
+        return self.plan.dp_size != 1 and self.plan.zero_stage == 0 and self.plan.pp_size == 1
 
     def build_plugin(self) -> Any:
         """HybridParallelPlugin with the project's policy for the model class config.json names (checked again at
@@ -78,7 +79,8 @@ class HybridParallelBackend(ParallelBackend):
         sequence = plan.sp_size > 1
         plugin = HybridParallelPlugin(
             tp_size=plan.tp_size,
-            pp_size=1,
+            pp_size=plan.pp_size,
+            **self._pipeline_settings(),
             sp_size=plan.sp_size,
             enable_sequence_parallelism=sequence,
             # all_to_all: its own sp axis (config load refuses the other modes).
@@ -99,11 +101,32 @@ class HybridParallelBackend(ParallelBackend):
         SEQUENCE_GROUP.set(plugin.sp_group if sequence else None)
         return plugin
 
+    def _pipeline_settings(self) -> dict[str, Any]:
+        """The plugin's schedule under pipeline parallelism (nothing at pp_size 1).
+
+        - ``num_microbatches``: the step's accumulation micro-batches, one schedule run per step.
+        - No metadata cache: it keeps the first run's activation shapes, and every step (and pass) pads to its
+          own length; a longer activation then aborts the receiving rank (measured on gloo).
+        - ``overlap_p2p`` only on CUDA: the interleaved schedule's in-flight requests hung on gloo (6 of 11 runs).
+        """
+        plan = self.plan
+        if plan.pp_size == 1:
+            return {}
+        return {
+            "pp_style": plan.pp_style,
+            "num_model_chunks": plan.num_model_chunks,
+            "num_microbatches": plan.microbatches,
+            "enable_metadata_cache": False,
+            "overlap_p2p": cuda_available(),
+        }
+
     def prepare_policy(self, booster: Any, policy: nn.Module) -> None:
         """The class config.json could not tell (a hub id) is known now: refused unless admitted at tp_size,
         else its policy replaces the one ``build_plugin`` chose (the plugin has not wrapped the model yet)."""
         model_class = class_name(policy)
-        refuse_unadmitted(model_class, self.plan.tp_size, "model.path: ", self.plan.sp_size)
+        refuse_unadmitted(
+            model_class, self.plan.tp_size, "model.path: ", self.plan.sp_size, self.plan.pp_size
+        )
         self._sequence_attention(policy)
         booster.plugin.custom_policy = corrected_policy(model_class, self.plan.tp_size)
 
@@ -117,7 +140,9 @@ class HybridParallelBackend(ParallelBackend):
         from colossalai.booster.plugin.hybrid_parallel_plugin import HybridParallelModule
 
         reference_class = f"{type(model).__module__}.{type(model).__qualname__}"
-        refuse_unadmitted(reference_class, self.plan.tp_size, "model.reference_path: ", self.plan.sp_size)
+        refuse_unadmitted(
+            reference_class, self.plan.tp_size, "model.reference_path: ", self.plan.sp_size, self.plan.pp_size
+        )
         self._sequence_attention(model)
         return HybridParallelModule(
             model,

@@ -21,6 +21,17 @@ def fix_bugs_on_every_device() -> None:
     _fix_lora_lookup_of_parameter_adapters()
     _fix_ddp_on_one_data_parallel_rank()
     _fix_zero_save_of_stateless_params()
+    _fix_pipeline_backend_check()
+
+
+def _fix_pipeline_backend_check() -> None:
+    """The pipeline's p2p picks its device with ``is_nccl_available() or is_hccl_available()``
+    (``colossalai/pipeline/p2p.py:159``): torch 2.13 no longer has ``is_hccl_available``, so without NCCL (a CPU
+    build) every pipeline send raised AttributeError. There is no HCCL in such a build: answer False."""
+    import torch.distributed as dist
+
+    if not hasattr(dist, "is_hccl_available"):
+        dist.is_hccl_available = lambda: False  # type: ignore[attr-defined]
 
 
 def _fix_ddp_on_one_data_parallel_rank() -> None:

@@ -1,0 +1,140 @@
+"""What the project's shardformer policies add under pipeline parallelism (``plugin.pp_size`` > 1).
+
+Each rank holds one stage of a transformers 5 decoder-only causal LM: the first stage the embedding, the last the
+final norm and the LM head, every stage a contiguous slice of the decoder layers (ColossalAI's
+``PipelineStageManager.distribute_layers``: the remainder goes to the middle stages) and the rotary embedding (a
+buffer, no parameter). ColossalAI's stage forwards are written for transformers 4.51 and do not import under 5.24
+(docs/pipeline_parallelism_plan.md §2): ``stage_forward`` is transformers 5's ``LlamaModel.forward`` loop
+restricted to a slice, for the families whose decoder is that loop (``PIPELINE_PARALLEL_FAMILIES``).
+
+Shardformer asks a policy which modules the rank keeps (``get_held_layers``: it frees every other parameter and
+buffer), which parameters two stages share (``get_shared_params``: the tied embedding and LM head, whose
+gradients the plugin sums over their two stages), and swaps the causal LM's forward for the stage forward of
+``coati_kto.models.pipeline_stage`` through a method replacement. Without a stage manager none of this runs.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+from colossalai.shardformer.policies.base_policy import ModulePolicyDescription
+from torch import nn
+
+
+def decoder(model: nn.Module) -> nn.Module:
+    """The bare decoder of a ``...ForCausalLM`` (``embed_tokens``, ``layers``, ``norm``, ``rotary_emb``)."""
+    return model.model
+
+
+def stage_ranges(stage_manager: Any, num_layers: int) -> list[tuple[int, int]]:
+    """[start, end) of the decoder layers this rank holds, one range per model chunk (one under 1F1B)."""
+    per_stage = stage_manager.distribute_layers(num_layers)
+    ranges = stage_manager.get_stage_index(per_stage)
+    if stage_manager.is_interleave:
+        return [(int(a), int(b)) for a, b in ranges]
+    return [(int(ranges[0]), int(ranges[1]))]
+
+
+def held_modules(model: nn.Module, stage_manager: Any) -> list[nn.Module]:
+    """The modules this rank keeps (shardformer frees every other parameter and buffer): the rotary embedding
+    everywhere, the embedding on the first stage, its layers, the norm and the LM head on the last stage."""
+    body = decoder(model)
+    held: list[nn.Module] = [body.rotary_emb]
+    if stage_manager.is_first_stage(ignore_chunk=True):
+        held.append(body.embed_tokens)
+    for start, end in stage_ranges(stage_manager, len(body.layers)):
+        held.extend(body.layers[start:end])
+    if stage_manager.is_last_stage(ignore_chunk=True):
+        held += [body.norm, model.lm_head]
+    return held
+
+
+def tied_pairs(model: nn.Module, stage_manager: Any) -> list[dict[int, torch.Tensor]]:
+    """A tied embedding and LM head live on the first and the last stage: the plugin keeps their gradients
+    equal (summed over the two stages) so both copies take the same update."""
+    embedding = decoder(model).embed_tokens.weight
+    if stage_manager.num_stages < 2 or model.lm_head.weight is not embedding:
+        return []
+    return [{0: embedding, stage_manager.num_stages - 1: model.lm_head.weight}]
+
+
+def stage_forward(
+    self: nn.Module,
+    input_ids: torch.Tensor | None = None,
+    attention_mask: torch.Tensor | None = None,
+    hidden_states: torch.Tensor | None = None,
+    *,
+    stage_manager: Any,
+    stage_index: Any = None,
+    **_batch: Any,
+) -> dict[str, torch.Tensor]:
+    """This stage's layers over right-padded rows; installed as the causal LM's forward by the policy.
+
+    Every stage receives the whole micro-batch (``input_ids``, ``attention_mask`` [mb, S] long, and the batch's
+    other fields, unused here) and, past the first stage, the previous stage's ``hidden_states`` [mb, S, H].
+    Returns ``{"hidden_states"}`` [mb, S, H]: on the last stage after the final norm, for the pipeline's
+    criterion to score with the LM head (``coati_kto.models.pipeline_stage.stage_logps``).
+    """
+    from transformers.masking_utils import create_causal_mask
+
+    body = decoder(self)
+    if stage_manager.is_first_stage():
+        hidden_states = body.embed_tokens(input_ids)
+    seq = hidden_states.shape[1]
+    position_ids = torch.arange(seq, device=hidden_states.device)[None]
+    mask = create_causal_mask(
+        config=body.config,
+        inputs_embeds=hidden_states,
+        attention_mask=attention_mask,
+        cache=None,
+        position_ids=position_ids,
+    )
+    rotary = body.rotary_emb(hidden_states, position_ids=position_ids)
+    start, end = stage_index if stage_index is not None else stage_ranges(stage_manager, len(body.layers))[0]
+    for layer in body.layers[start:end]:
+        hidden_states = layer(
+            hidden_states,
+            attention_mask=mask,
+            position_embeddings=rotary,
+            position_ids=position_ids,
+            use_cache=False,
+        )
+    if stage_manager.is_last_stage():
+        hidden_states = body.norm(hidden_states)  # the pipeline's criterion applies the LM head
+    return {"hidden_states": hidden_states}
+
+
+class PipelineStages:
+    """Mixed into a shardformer ``Policy`` (which sets ``model`` and ``shard_config``)."""
+
+    model: nn.Module
+    pipeline_stage_manager: Any
+
+    def with_stage_forward(self, policy: dict[Any, ModulePolicyDescription], causal_lm: Any) -> dict:
+        """``policy`` with ``causal_lm``'s forward replaced by this rank's stage forward (under a stage manager).
+
+        1F1B: the forward gets its layer range here. Interleaved: the schedule passes ``stage_index`` (the
+        chunk's range) at every call, from the stage manager's ``stage_indices`` set here.
+        """
+        stages = self.pipeline_stage_manager
+        if stages is None:
+            return policy
+        forward = partial(stage_forward, stage_manager=stages)
+        if stages.is_interleave:
+            stages.stage_indices = stage_ranges(stages, len(self.model.model.layers))
+        else:
+            forward = partial(forward, stage_index=stage_ranges(stages, len(self.model.model.layers))[0])
+        self.append_or_create_method_replacement({"forward": forward}, policy, causal_lm)  # type: ignore[attr-defined]
+        return policy
+
+    def get_held_layers(self) -> list[nn.Module]:
+        if self.pipeline_stage_manager is None:
+            return [self.model]
+        return held_modules(self.model, self.pipeline_stage_manager)
+
+    def get_shared_params(self) -> list[dict[int, Any]]:
+        if self.pipeline_stage_manager is None:
+            return []
+        return tied_pairs(self.model, self.pipeline_stage_manager)
