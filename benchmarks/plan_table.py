@@ -1,13 +1,13 @@
-"""The table of docs/plan.md: what fits of 8B, 32B and 70B on 8 x 80 GB and 16 x 80 GB, by `coati-kto plan`'s arithmetic.
+"""The table of docs/plan.md: what fits of 8B, 32B and 70B on 8, 16 and 32 x 80 GB, by `coati-kto plan`'s arithmetic.
 
     PYTHONPATH=. python benchmarks/plan_table.py [--smoke]
 
 The shapes are config.json files in benchmarks/model_shapes (Llama 3.1 8B and 70B; Qwen2.5 32B, as no Llama 3
 32B exists). The workload is configs/multinode_zero2.yaml's: hybrid_parallel bf16, ZeRO-2 configured,
 data.max_length 2048, gradient checkpointing, flash attention, no accumulation. Each row: full fine-tuning or
-LoRA (rank 16 on q, k, v, o), the reference online or cached, on one node of 8 GPUs or two of 8; the cell is the
-best layout that fits (the plan's rule) and the largest micro-batch it fits at, or "does not fit". ``--smoke``:
-the 8B rows only.
+LoRA (rank 16 on q, k, v, o), the reference online or cached, on one node of 8 GPUs, two or four; the cell is the
+best layout that fits (the plan's rule, pipeline stages included where the config admits them: not with LoRA) and
+the largest micro-batch it fits at, or "does not fit". ``--smoke``: the 8B rows only.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {"8B": "llama-3.1-8b", "32B": "qwen2.5-32b", "70B": "llama-3.1-70b"}
-CLUSTERS = {"8 x 80 GB": (8, 1), "16 x 80 GB": (16, 2)}
+CLUSTERS = {"8 x 80 GB": (8, 1), "16 x 80 GB": (16, 2), "32 x 80 GB": (32, 4)}
 MODES = {
     "full, online": [],
     "full, cached": ["kto.reference=cached"],
@@ -41,7 +41,13 @@ def cell(overrides: list[str], gpus: int, nodes: int) -> str:
         return "does not fit"
     best = fits[0]
     layout = best.layout
-    return f"tp {layout.tp} x dp {layout.dp}, ZeRO-{layout.zero_stage}: micro-batch {best.micro_batch} ({best.plan.peak / 2**30:.0f} GiB)"
+    peak = f"{best.plan.peak / 2**30:.0f} GiB"
+    if layout.pp == 1:
+        return f"tp {layout.tp} x dp {layout.dp}, ZeRO-{layout.zero_stage}: micro-batch {best.micro_batch} ({peak})"
+    return (
+        f"tp {layout.tp} x pp {layout.pp} x dp {layout.dp}, ZeRO-{layout.zero_stage}, {layout.pp_style} over "
+        f"{best.microbatches} micro-batches: micro-batch {best.micro_batch} ({peak}, stage {best.plan.stage})"
+    )
 
 
 def main() -> None:

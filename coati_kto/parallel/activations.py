@@ -5,6 +5,8 @@ example at the longest; ``data.padding_free`` runs the same tokens as one row, s
 and decoder layer autograd keeps what :func:`layer_bytes` lists (the norms whole on every tensor-parallel
 rank, attention and MLP split by tp), and one layer's backward holds its MLP's gradients on top
 (:func:`backward_bytes`).
+A pipeline stage keeps what its own layers keep for each micro-batch in flight (``activation_bytes``'s
+``layers`` and ``in_flight``); only the last stage runs the final norm and the head.
 
 With ``model.gradient_checkpointing`` only each layer's input (hidden) is kept, and one layer's activations
 are alive again while it is recomputed. Sequence parallelism (sp ranks) divides the tokens.

@@ -411,7 +411,7 @@ def test_plan_table_smoke(smoke_out: str) -> None:
     assert len(rows) == 4, smoke_out
     for row in rows:
         batches = [int(b) for b in re.findall(r"micro-batch (\d+) \(", row)]
-        assert len(batches) == 2 and min(batches) >= 2, row
+        assert len(batches) == 3 and min(batches) >= 2, row
 
 
 def test_ddp_unused_bench_smoke(capsys: pytest.CaptureFixture[str]) -> None:
