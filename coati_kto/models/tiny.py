@@ -81,6 +81,7 @@ def build_llama(
     num_heads: int = 4,
     max_positions: int = 1024,
     seed: int = 0,
+    tie_word_embeddings: bool = False,
 ) -> LlamaForCausalLM:
     """A randomly initialised Llama sized for a CPU; heads divide by 2 so tp_size=2 works."""
     config = LlamaConfig(
@@ -96,7 +97,7 @@ def build_llama(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tie_word_embeddings,
         attention_dropout=0.0,
     )
     torch.manual_seed(seed)
