@@ -7,7 +7,8 @@ The shapes are config.json files in benchmarks/model_shapes (Llama 3.1 8B and 70
 data.max_length 2048, gradient checkpointing, flash attention, no accumulation. Each row: full fine-tuning or
 LoRA (rank 16 on q, k, v, o), the reference online or cached, on one node of 8 GPUs, two or four; the cell is the
 best layout that fits (the plan's rule, pipeline stages included where the config admits them: not with LoRA) and
-the largest micro-batch it fits at, or "does not fit". ``--smoke``: the 8B rows only.
+the largest micro-batch it fits at, or "does not fit". Two tables: the sizes config load admits today, and every
+pipeline-parallel size (what proving them for the family would buy). ``--smoke``: the 8B rows only.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ MODES = {
 }
 
 
-def cell(overrides: list[str], gpus: int, nodes: int) -> str:
-    """The best fitting layout and its largest micro-batch, as `coati-kto plan` lists them first."""
+def cell(overrides: list[str], gpus: int, nodes: int, unproven_pp: bool = False) -> str:
+    """The best fitting layout and its largest micro-batch, as `coati-kto plan` lists them first (``unproven_pp``:
+    with the pipeline sizes the family is not proven at too)."""
     from coati_kto.config.load import load_config
     from coati_kto.parallel.activations import Workload
     from coati_kto.parallel.model_shape import model_shape
@@ -36,7 +38,7 @@ def cell(overrides: list[str], gpus: int, nodes: int) -> str:
     config = load_config(ROOT / "configs" / "multinode_zero2.yaml", overrides)
     shape = model_shape(config.model.path)
     work = Workload.from_config(config, shape.model_type)
-    fits = layouts_that_fit(config, shape, work, gpus, gpus // nodes, 80)
+    fits = layouts_that_fit(config, shape, work, gpus, gpus // nodes, 80, unproven_pp)
     if not fits:
         return "does not fit"
     best = fits[0]
@@ -50,16 +52,23 @@ def cell(overrides: list[str], gpus: int, nodes: int) -> str:
     )
 
 
-def main() -> None:
-    sys.path.insert(0, str(ROOT))
-    smoke = "--smoke" in sys.argv[1:]
+def table(smoke: bool, unproven_pp: bool) -> None:
     print("| model | training | " + " | ".join(CLUSTERS) + " |")
     print("| --- | --- | " + " | ".join("---" for _ in CLUSTERS) + " |")
     for size, folder in list(SHAPES.items())[: 1 if smoke else None]:
         path = ROOT / "benchmarks" / "model_shapes" / folder
         for mode, extra in MODES.items():
-            cells = [cell([f"model.path={path}", *extra], g, n) for g, n in CLUSTERS.values()]
+            cells = [cell([f"model.path={path}", *extra], g, n, unproven_pp) for g, n in CLUSTERS.values()]
             print(f"| {size} | {mode} | " + " | ".join(cells) + " |", flush=True)
+
+
+def main() -> None:
+    sys.path.insert(0, str(ROOT))
+    smoke = "--smoke" in sys.argv[1:]
+    print("The sizes config load admits today:\n")
+    table(smoke, unproven_pp=False)
+    print("\nWith every pipeline-parallel size, also those the family is not proven at yet:\n")
+    table(smoke, unproven_pp=True)
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ Candidates keep the configured plugin and precision and vary what that plugin ca
 size (hybrid_parallel: a divisor of the GPUs per node that splits the heads whole), the sequence-parallel size
 (where the schema has ``plugin.sp_size`` and the rows are padding-free), the ZeRO stage, and the micro-batch
 (from 2, the least that holds both labels, up to :data:`MAX_MICRO_BATCH`). Where the config may split the layers
-(``pp_axis``: hybrid_parallel, padded rows, no LoRA) also the pipeline-parallel size: a divisor of the GPUs per
-tensor-parallel group that leaves every (virtual) stage a layer, at ZeRO 0 or 1 only (ColossalAI refuses ZeRO 2
+(``pp_axis``: hybrid_parallel and nothing config load refuses with pp, such as LoRA) also the pipeline-parallel
+size: a divisor of the GPUs per tensor-parallel group that leaves every (virtual) stage a layer and that the
+model's family is proven at (``admits_pp``), at ZeRO 0 or 1 only (ColossalAI refuses ZeRO 2
 with pp), without sequence parallelism, in the configured ``pp_style``, running at least ``pp`` micro-batches a
 step (1F1B's least; interleaved: a multiple of ``pp``). A layout fits at a micro-batch when
 its predicted peak is at most :data:`USABLE_FRACTION` of the GPU's memory: the rest is the CUDA context, NCCL's
@@ -30,6 +31,7 @@ from coati_kto.parallel.model_shape import ModelShape
 from coati_kto.parallel.stages import least_microbatches
 
 Admits = Callable[[int, int], bool]  # (tp, sp) -> whether the model's family runs at those sizes
+AdmitsPipeline = Callable[[int], bool]  # pp -> whether the model's family runs at that many stages
 USABLE_FRACTION = 0.9
 MAX_MICRO_BATCH = 64
 MIN_MICRO_BATCH = 2  # train.micro_batch_size's least: each micro-batch holds both labels
@@ -80,10 +82,12 @@ def candidates(
     lora: bool = False,
     admits: Admits | None = None,
     pp_axis: bool = False,
+    admits_pp: AdmitsPipeline | None = None,
 ) -> list[Layout]:
     """Every layout of ``gpus`` GPUs (``per_node`` a node) the configured plugin ``base`` can run (``lora``: the
-    policy trains adapters, which hybrid_parallel admits at tp 1 only; ``admits(tp, sp)``: whether the model's
-    family is proven at those sizes, as config load checks; ``pp_axis``: pipeline stages too, module docstring)."""
+    policy trains adapters, which hybrid_parallel admits at tp 1 only; ``admits(tp, sp)``, ``admits_pp(pp)``:
+    whether the model's family is proven at those sizes, as config load checks; ``pp_axis``: pipeline stages
+    too, module docstring)."""
     tps = [1]
     if (
         base.plugin == "hybrid_parallel" and not lora
@@ -97,6 +101,7 @@ def candidates(
     for tp in [t for t in tps if gpus % t == 0]:
         sps = [s for s in _divisors(gpus // tp) if (shape.heads // tp) % s == 0] if sp_axis else [1]
         pps = [p for p in _divisors(gpus // tp) if p * base.chunks <= shape.layers] if pipelined else [1]
+        pps = [p for p in pps if p == 1 or admits_pp is None or admits_pp(p)]
         axes = [(s, 1) for s in sps] + [(1, p) for p in pps if p > 1]
         for sp, pp in [(s, p) for s, p in axes if admits is None or admits(tp, s)]:
             dp = gpus // (tp * sp * pp)
@@ -122,11 +127,14 @@ def fitting_layouts(
     sp_axis: bool,
     admits: Admits | None = None,
     pp_axis: bool = False,
+    admits_pp: AdmitsPipeline | None = None,
 ) -> list[Fit]:
     """The candidates that fit within ``budget`` bytes per GPU, best first (:data:`RULE`); a pipelined one at
     the least micro-batches a step its schedule runs from the config's (``work.accumulation_steps``)."""
     fits = []
-    for layout in candidates(base, shape, gpus, per_node, sp_axis, work.lora_rank > 0, admits, pp_axis):
+    for layout in candidates(
+        base, shape, gpus, per_node, sp_axis, work.lora_rank > 0, admits, pp_axis, admits_pp
+    ):
         steps = least_microbatches(layout.pp, layout.pp_style, work.accumulation_steps)
         fit = largest_micro_batch(shape, layout, dataclasses.replace(work, accumulation_steps=steps), budget)
         if fit is not None:

@@ -23,6 +23,7 @@ trains with:
   same stages forward-only (no gradient pass to keep activations for): its weights, split as the policy's.
   There is no torch DDP under pp (ColossalAI all-reduces each gradient in place at ZeRO 0), and each stage keeps
   a send and a receive buffer of one micro-batch's hidden states [mb, S, H] in the working dtype (``p2p``).
+  The stages run padded rows (the config's padding-free rows are turned off under pp): no dense mask.
 
 The peak of a step is the static part (weights, masters and moments, reference, buffers) plus the largest of
 what comes and goes: the gradient pass's activations (with the accumulated gradients when micro-batches
@@ -31,6 +32,7 @@ accumulate), and at the step the gradients and their fp32 copies.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from coati_kto.parallel.activations import Workload, activation_bytes
@@ -118,6 +120,7 @@ def plan_memory(shape: ModelShape, layout: Layout, work: Workload) -> MemoryPlan
     parallelism, of the stage with the highest peak (the first of equals)."""
     if layout.pp == 1:
         return _plan_stage(shape, layout, work, 0)
+    work = dataclasses.replace(work, dense_mask=False)  # the stages run padded rows: no packed rows, no mask
     plans = [_plan_stage(shape, layout, work, stage) for stage in range(layout.pp)]
     return max(plans, key=lambda plan: (plan.peak, -plan.stage))
 

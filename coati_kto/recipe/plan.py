@@ -102,13 +102,13 @@ def breakdown_lines(plan: MemoryPlan, work: Workload, shape: ModelShape) -> list
 def stage_line(plan: MemoryPlan, work: Workload) -> str:
     """Which pipeline stage the plan is of (the peak) and what it holds."""
     layout = plan.layout
-    held = [f"{plan.stage_layers} layers"]
+    held = [f"{plan.stage_layers} layer" + "s" * (plan.stage_layers != 1)]
     held += ["the embedding"] if plan.stage == 0 else []
     held += ["the final norm and LM head"] if plan.stage == layout.pp - 1 else []
     unit = "chunk forwards" if layout.pp_style == "interleaved" else "micro-batches"
     return (
         f"per rank of stage {plan.stage} of {layout.pp} (the peak): {', '.join(held)}; {layout.pp_style} keeps "
-        f"{plan.in_flight} {unit} of {work.accumulation_steps} in flight:"
+        f"{plan.in_flight} of {work.accumulation_steps} {unit} in flight:"
     )
 
 
@@ -155,18 +155,57 @@ def _check_options(world: int, gpu_memory: float, nodes: int) -> None:
 
 
 def layouts_that_fit(
-    config: Config, shape: ModelShape, work: Workload, world: int, per_node: int, gib: float
+    config: Config,
+    shape: ModelShape,
+    work: Workload,
+    world: int,
+    per_node: int,
+    gib: float,
+    unproven_pp: bool = False,
 ) -> list[Fit]:
     """The layouts of ``world`` GPUs of ``gib`` GiB that config load admits for this model and that fit, best
-    first (``coati_kto.parallel.layout_search``)."""
+    first (``coati_kto.parallel.layout_search``); ``unproven_pp``: every pipeline size, also those the model's
+    family is not proven at yet (what proving them would buy)."""
     base = configured_layout(config.plugin, world)
     sp_axis = "sp_size" in PluginSection.model_fields and config.data.padding_free
-    # Config load refuses pipeline stages with padding-free rows and with LoRA (docs/pipeline_parallelism_plan.md);
-    # the search splits the layers only for the plugin that runs stages (layout_search.candidates).
-    pp_axis = not config.data.padding_free and config.model.lora is None
     admits = _admitted(config.model.path)
+    admits_pp = None if unproven_pp else _admitted_pp(config.model.path, base.chunks)
     budget = usable_bytes(gib)
-    return fitting_layouts(shape, base, work, world, per_node, budget, sp_axis, admits, pp_axis)
+    pp_axis = _pipeline_admitted(config)
+    return fitting_layouts(shape, base, work, world, per_node, budget, sp_axis, admits, pp_axis, admits_pp)
+
+
+def _pipeline_admitted(config: Config) -> bool:
+    """Whether config load takes this config with pipeline stages, but for their sizes (``_admitted_pp``) and the
+    micro-batches (the search runs enough): what the plugin section and the rest of the config allow with pp."""
+    if not hasattr(config.plugin, "pp_size"):
+        return False
+    from coati_kto.config.pipeline import pipeline_plugin_problems, pipeline_problems
+
+    pp, style, chunks = _pipeline(config.plugin)
+    plugin = config.plugin.model_copy(
+        update={"pp_size": max(pp, 2), "zero_stage": min(config.plugin.zero_stage, 1), "pp_style": style}
+    )
+    train = config.train.model_copy(update={"accumulation_steps": 2 * max(pp, 2)})
+    trial = config.model_copy(update={"plugin": plugin, "train": train})
+    problems = pipeline_plugin_problems(plugin) + pipeline_problems(trial)
+    # the family's sizes are _admitted_pp's question, asked per size
+    return not [p for p in problems if not p.startswith(("model.path ", "model.reference_path "))]
+
+
+def _admitted_pp(model_dir: str, chunks: int) -> Callable[[int], bool]:
+    """``admits_pp(pp)``: whether config load would take the model at ``pp`` stages of ``chunks`` chunks."""
+
+    def admits_pp(pp: int) -> bool:
+        from coati_kto.families.splits import check_pipeline_parallel_family
+
+        try:
+            check_pipeline_parallel_family(model_dir, "model.path", pp, chunks)
+        except ConfigError:
+            return False
+        return True
+
+    return admits_pp
 
 
 def _fit_lines(
