@@ -14,6 +14,13 @@ from typing import Any
 from coati_kto.errors import ConfigError
 from coati_kto.families.splits import check_pipeline_parallel_family
 
+# Measured here (docs/pipeline_parallelism.md): ColossalAI 0.5.0's interleaved training run after its forward-only
+# runs (KTO's phase 1) hangs on gloo in the warm-up's send_forward_recv_forward, with overlap_p2p off too.
+INTERLEAVED_REFUSAL = (
+    "plugin.pp_style interleaved is not proven: ColossalAI 0.5.0's interleaved schedule hung in its warm-up "
+    "transfers after KTO's forward-only passes (2 stages, 2 chunks, gloo); use plugin.pp_style=1f1b"
+)
+
 
 def pipeline_zero_stage(data: dict[str, Any]) -> int | None:
     """The ZeRO stage an unset ``plugin.zero_stage`` defaults to under ``pp_size`` > 1 (None: the usual default):
@@ -54,6 +61,8 @@ def pipeline_plugin_problems(plugin: Any) -> list[str]:
             f"plugin.pp_style 1f1b holds one model chunk per stage (got plugin.num_model_chunks {chunks}): set "
             "plugin.num_model_chunks=1, or plugin.pp_style=interleaved"
         )
+    if style == "interleaved":
+        out.append(INTERLEAVED_REFUSAL)
     if style == "interleaved" and chunks < 2:
         out.append(
             "plugin.pp_style interleaved needs plugin.num_model_chunks >= 2 (each stage holds that many slices of "

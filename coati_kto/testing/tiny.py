@@ -266,7 +266,9 @@ def _family_shapes(exact: int) -> dict[str, tuple[str, str, dict[str, Any]]]:
     }
 
 
-def build_family_model(family: str, tokenizer: PreTrainedTokenizerFast, seed: int = 0) -> PreTrainedModel:
+def build_family_model(
+    family: str, tokenizer: PreTrainedTokenizerFast, seed: int = 0, num_layers: int | None = None
+) -> PreTrainedModel:
     """A random ``family`` causal LM (FAMILIES) sized for CPU tests, its vocabulary fitted to ``tokenizer``."""
     import transformers
 
@@ -287,11 +289,12 @@ def build_family_model(family: str, tokenizer: PreTrainedTokenizerFast, seed: in
     if family not in shapes:
         raise ValueError(f"unknown tiny family {family!r}; known: {sorted(FAMILIES)}")
     model_class, config_class, specific = shapes[family]
+    layers = {} if num_layers is None else {"num_hidden_layers": num_layers}
     return random_causal_lm(
         getattr(transformers, model_class),
         getattr(transformers, config_class),
         seed,
-        **{**common, **specific},
+        **{**common, **specific, **layers},
     )
 
 
@@ -330,10 +333,17 @@ def _vision_language_gemma3(text: Any, vocab: int, seed: int) -> PreTrainedModel
     return Gemma3ForConditionalGeneration(config)
 
 
-def save_tiny_family(out_dir: str | Path, family: str, corpus: Iterable[str], vocab_size: int = 300) -> Path:
-    """Build ``family``'s tokenizer (its chat-template style) and tiny model; save both HF-format in ``out_dir``."""
+def save_tiny_family(
+    out_dir: str | Path,
+    family: str,
+    corpus: Iterable[str],
+    vocab_size: int = 300,
+    num_layers: int | None = None,
+) -> Path:
+    """Build ``family``'s tokenizer (its chat-template style) and tiny model (``num_layers`` decoder layers: the
+    family's tiny default when None); save both HF-format in ``out_dir``."""
     out_dir = Path(out_dir)
     tokenizer = build_tokenizer(corpus, vocab_size=vocab_size, style=FAMILIES[family][0])
-    build_family_model(family, tokenizer).save_pretrained(out_dir)
+    build_family_model(family, tokenizer, num_layers=num_layers).save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir

@@ -63,7 +63,13 @@ def _config(root: Path, model_dir: Path, pp: int, out: str, **sections: dict[str
             "eval_interval": 2,
             **sections.get("train", {}),
         },
-        "plugin": {"name": "hybrid_parallel", "precision": "fp32", "zero_stage": 0, "pp_size": pp},
+        "plugin": {
+            "name": "hybrid_parallel",
+            "precision": "fp32",
+            "zero_stage": 0,
+            "pp_size": pp,
+            **sections.get("plugin", {}),
+        },
         "output": {"dir": str(root / out), "save_interval": 1, "keep_last": STEPS},
     }
     path = root / f"{out}.yaml"

@@ -48,7 +48,13 @@ SEQUENCE_PARALLEL_FAMILIES: dict[str, tuple[int, ...]] = {
 # Classes admitted under pipeline parallelism, with their pp sizes (plugin.pp_size > 1): ColossalAI's pipeline
 # forwards are written for transformers 4.51, so every stage runs the project's own stage forward on the decoder
 # shape of transformers 5 (docs/pipeline_parallelism_plan.md, §3); a class is added where its tests prove it.
-PIPELINE_PARALLEL_FAMILIES: dict[str, tuple[int, ...]] = {"LlamaForCausalLM": (2,)}
+PIPELINE_PARALLEL_FAMILIES: dict[str, tuple[int, ...]] = {
+    "LlamaForCausalLM": (2,),
+    "MistralForCausalLM": (2,),
+    "Qwen2ForCausalLM": (2,),
+    "Qwen3ForCausalLM": (2,),
+    "SmolLM3ForCausalLM": (2,),
+}
 
 # Classes whose tensor-parallel policy splits fused projections part by part (Phi-3's qkv_proj, gate_up_proj;
 # Qwen 3.5's linear-attention in_proj_qkv and conv1d):

@@ -77,26 +77,18 @@ def stage_forward(
     Returns ``{"hidden_states"}`` [mb, S, H]: on the last stage after the final norm, for the pipeline's
     criterion to score with the LM head (``coati_kto.models.pipeline_stage.stage_logps``).
     """
-    from transformers.masking_utils import create_causal_mask
-
     body = decoder(self)
     if stage_manager.is_first_stage():
         hidden_states = body.embed_tokens(input_ids)
     seq = hidden_states.shape[1]
     position_ids = torch.arange(seq, device=hidden_states.device)[None]
-    mask = create_causal_mask(
-        config=body.config,
-        inputs_embeds=hidden_states,
-        attention_mask=attention_mask,
-        cache=None,
-        position_ids=position_ids,
-    )
+    masks = _layer_masks(body.config, hidden_states, attention_mask, position_ids)
     rotary = body.rotary_emb(hidden_states, position_ids=position_ids)
     start, end = stage_index if stage_index is not None else stage_ranges(stage_manager, len(body.layers))[0]
-    for layer in body.layers[start:end]:
-        hidden_states = layer(
+    for index in range(start, end):
+        hidden_states = body.layers[index](
             hidden_states,
-            attention_mask=mask,
+            attention_mask=masks(index),
             position_embeddings=rotary,
             position_ids=position_ids,
             use_cache=False,
@@ -104,6 +96,30 @@ def stage_forward(
     if stage_manager.is_last_stage():
         hidden_states = body.norm(hidden_states)  # the pipeline's criterion applies the LM head
     return {"hidden_states": hidden_states}
+
+
+def _layer_masks(config: Any, hidden: torch.Tensor, attention_mask: Any, position_ids: torch.Tensor) -> Any:
+    """Layer index -> its attention mask, as the family's own decoder builds them: per layer type where the config
+    lists types (Qwen2, Qwen3, SmolLM3: full or sliding), a sliding window for every layer where the config has one
+    and no types (Mistral), else causal (Llama)."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    inputs = {
+        "config": config,
+        "inputs_embeds": hidden,
+        "attention_mask": attention_mask,
+        "cache": None,
+        "position_ids": position_ids,
+    }
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        windowed = getattr(config, "sliding_window", None) is not None
+        mask = (create_sliding_window_causal_mask if windowed else create_causal_mask)(**inputs)
+        return lambda _index: mask
+    built = {"full_attention": create_causal_mask(**inputs)}
+    if "sliding_attention" in types:
+        built["sliding_attention"] = create_sliding_window_causal_mask(**inputs)
+    return lambda index: built[types[index]]
 
 
 class PipelineStages:

@@ -15,6 +15,10 @@ from coati_kto.config.pipeline import check_pipeline_divides_world, pipeline_not
 from coati_kto.config.plugin import PluginSection
 from coati_kto.errors import ConfigError
 
+ADMITTED = (
+    "LlamaForCausalLM (pp_size 2), MistralForCausalLM (pp_size 2), Qwen2ForCausalLM (pp_size 2), "
+    "Qwen3ForCausalLM (pp_size 2), SmolLM3ForCausalLM (pp_size 2)"
+)
 PP = ["plugin.pp_size=2", "train.accumulation_steps=2"]
 
 
@@ -94,19 +98,14 @@ def test_a_valid_pp_config_defaults_zero_to_what_colossalai_allows(
             "step's micro-batches fill the stages, one each at least (one_f_one_b.py:93-95)",
         ),
         (
-            ["plugin.pp_style=interleaved", "plugin.num_model_chunks=2", "train.accumulation_steps=3"],
-            "plugin.pp_size 2 with plugin.pp_style interleaved needs train.accumulation_steps a multiple of 2 (got "
-            "3): the schedule runs each step's micro-batches in rounds of one per stage (interleaved_pp.py:88-90)",
-        ),
-        (
             ["plugin.pp_style=interleaved", "plugin.num_model_chunks=2"],
-            "model.path {model}: plugin.pp_size 2 x plugin.num_model_chunks 2 = 4 is more than its "
-            "num_hidden_layers 2 (each chunk of a stage holds at least one decoder layer)",
+            "plugin.pp_style interleaved is not proven: ColossalAI 0.5.0's interleaved schedule hung in its warm-up "
+            "transfers after KTO's forward-only passes (2 stages, 2 chunks, gloo); use plugin.pp_style=1f1b",
         ),
         (
             ["plugin.pp_size=4", "train.accumulation_steps=4"],
             "model.path {model}: LlamaForCausalLM is not proven at plugin.pp_size 4 (pipeline parallelism: "
-            "LlamaForCausalLM (pp_size 2))",
+            f"{ADMITTED})",
         ),
         (
             ["model.compile=true"],
@@ -159,14 +158,13 @@ def test_every_problem_at_once(tmp_path: Path, tiny_model_dir: Path) -> None:
 
 
 def test_a_model_class_outside_the_table_is_refused(tmp_path: Path, tiny_family_dir) -> None:
-    qwen3 = tiny_family_dir("qwen3")
-    problems = _problems(tmp_path, qwen3, *PP)
+    phi3 = tiny_family_dir("phi3")
+    problems = _problems(tmp_path, phi3, *PP)
     assert problems[-1].endswith(
-        f"model.path {qwen3}: Qwen3ForCausalLM is not proven at plugin.pp_size 2 (pipeline parallelism: "
-        "LlamaForCausalLM (pp_size 2))"
+        f"model.path {phi3}: Phi3ForCausalLM is not proven at plugin.pp_size 2 (pipeline parallelism: {ADMITTED})"
     ), problems
     # The reference is split into the same stages: checked too.
-    both = _problems(tmp_path, qwen3, *PP, f"model.reference_path={qwen3}")
+    both = _problems(tmp_path, phi3, *PP, f"model.reference_path={phi3}")
     assert sum("is not proven at plugin.pp_size 2" in p for p in both) == 2, both
 
 
@@ -186,8 +184,7 @@ def test_the_backend_table_check_takes_pp_size() -> None:
     with pytest.raises(ConfigError) as err:
         refuse_unadmitted("transformers.models.phi3.modeling_phi3.Phi3ForCausalLM", 1, "model.path: ", 1, 2)
     assert str(err.value) == (
-        "model.path: Phi3ForCausalLM is not proven at plugin.pp_size 2 (pipeline parallelism: LlamaForCausalLM "
-        "(pp_size 2))"
+        f"model.path: Phi3ForCausalLM is not proven at plugin.pp_size 2 (pipeline parallelism: {ADMITTED})"
     )
 
 

@@ -1,0 +1,45 @@
+"""Pipeline parallelism (plugin.pp_size 2) for every class ``PIPELINE_PARALLEL_FAMILIES`` admits beyond Llama
+(test_pipeline_train.py), each against the same run at pp_size 1 through ``coati-kto train`` (fp32, SGD lr 1,
+2 steps on 2 gloo processes).
+
+The families' tiny models get 2 decoder layers (one per stage): Mistral's sliding window (8, shorter than the rows)
+on every layer, Qwen2's tied embeddings and attention bias, Qwen3's per-head q/k norms, SmolLM3's layer without
+RoPE. The weights agree within fp32 summation order (2e-5 of each tensor's update) and step 1's rewards and KL are exactly 0.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from helpers import CORPUS
+from test_pipeline_train import _config, _train
+from test_sequence_parallel_train import UPDATE_BOUND, _metrics, _update_error
+
+from coati_kto.testing.built import built
+
+FAMILIES = ("mistral", "qwen2", "qwen3", "smollm3")
+
+
+def _model(built_root: Path, family: str) -> Path:
+    from coati_kto.testing.tiny import save_tiny_family
+
+    return built(
+        built_root,
+        f"tiny_{family}_2",
+        lambda out: save_tiny_family(out, family, CORPUS, num_layers=2),
+        {"family": family, "corpus": CORPUS, "num_layers": 2},
+    )
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_pp2_equals_pp1(family: str, built_root: Path, tmp_path: Path) -> None:
+    model = _model(built_root, family)
+    train = {"max_steps": 2}
+    _train(_config(tmp_path, model, 1, "pp1", train=train), 1)
+    _train(_config(tmp_path, model, 2, "pp2", train=train), 2)
+    error = _update_error(tmp_path / "pp2", tmp_path / "pp1", model)
+    assert error < UPDATE_BOUND, error
+    metrics = _metrics(tmp_path / "pp2")
+    step1 = [dict(v)[1] for t, v in metrics.items() if t.startswith("train/rewards") or t == "train/kl"]
+    assert len(step1) == 4 and all(v == 0.0 for v in step1), step1
