@@ -44,3 +44,20 @@ class ConfigError(UserError):
 
 class DataError(UserError):
     """A record that cannot be read or used; the message names ``file:line`` and the field."""
+
+
+class NonFiniteLossError(UserError):
+    """A NaN/inf loss or gradient norm with ``train.on_nonfinite: stop``; raised on every rank at the same step,
+    before any update."""
+
+    @classmethod
+    def at(cls, step: int, epoch: int, bad_grad: bool, last_checkpoint: object) -> NonFiniteLossError:
+        """The error of optimizer step ``step``: what was non-finite, the checkpoint kept, what to do."""
+        kept = (
+            f"the last good checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint was saved"
+        )
+        what = "gradient norm" if bad_grad else "KTO loss"
+        return cls(
+            f"non-finite (NaN/inf) {what} at optimizer step {step} (epoch {epoch}); stopped before updating "
+            f"the weights, {kept}. Lower train.lr, check the data, or set train.on_nonfinite=skip"
+        )

@@ -133,6 +133,14 @@ class ParallelLayout:
         parallelism only the last stage holds them."""
         return self.tp_rank == 0 and self.sp_rank == 0 and self.is_last_stage
 
+    def sums_group(self) -> tuple[ProcessGroup | None, bool]:
+        """(the group step and evaluation sums reduce over, whether this rank adds its sums): the data-parallel
+        group, or under tensor, sequence or pipeline parallelism the world with ``counts_sums`` (one rank per row).
+        """
+        if self.tp_size > 1 or self.sp_size > 1 or self.pp_size > 1:
+            return None, self.counts_sums
+        return self.dp_group, True
+
     @property
     def gradient_replicas(self) -> int:
         """How many ranks the plugin averages each gradient over (DDP's or ZeRO's group: dp x sp)."""

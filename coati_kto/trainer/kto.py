@@ -7,12 +7,11 @@ One optimizer step (``_train_step``) on every rank:
    their KL pairs, or the batch's precomputed reference log-probs;
 2. the reference point z0 from the KL log-ratios of every micro-batch of the step on every data-parallel rank
    (``kto.kl_scope: step``; ``micro_batch``: one z0 per accumulation micro-batch, over all ranks). With
-   ``loss_type="apo_zero_unpaired"`` there is no z0: the KL-pair passes of step 1 and this collective are
-   skipped on every rank alike;
+   ``loss_type="apo_zero_unpaired"`` there is no z0: the KL-pair passes and this collective are skipped;
 3. the policy pass with gradient per micro-batch (``micro.loss()``), the KTO loss, ``booster.backward`` of
    sum(per-example loss) / (rows x micro-batches in the step): the plugins average gradients over the
-   data-parallel ranks (DDP, ZeRO's reduce-scatter and the hybrid plugin all divide by the dp size), so the
-   gradient is that of the mean per-example loss over the global batch, whatever the layout;
+   data-parallel ranks, so the gradient is that of the mean per-example loss over the global batch, whatever
+   the layout. Under pipeline parallelism steps 1-3 are schedule runs (coati_kto.trainer.pipeline);
 4. one all-reduce of the step's metric sums, which also carries this rank's share of the squared global
    gradient norm (coati_kto.parallel.grad_norm) and so the non-finite vote on loss AND gradient: every rank
    decides to step, skip or stop identically, before any weight changes; then the optimizer steps, clipping
@@ -22,16 +21,15 @@ Evaluation runs the same passes without gradient, with one z0 over the whole eva
 (``eval_at_start``, the baseline, unless that step was already evaluated), every ``eval_interval`` steps and
 at each epoch end (``eval_at_epoch_end``).
 
-Every collective has the same shape and dtype on every rank whatever its labels: the loss picks its branch
-with a label mask (coati_kto.trainer.loss), z0 reduces a fixed [sum, count] pair, metrics a fixed set of sums.
+Every collective has the same shape and dtype on every rank whatever its labels: the loss picks its branch with
+a label mask, z0 reduces a fixed [sum, count] pair, metrics a fixed set of sums.
 
-Dropout: KTO's log-ratios compare the policy with the reference, so both must be deterministic. The policy
-stays in train mode (gradient checkpointing needs it) with every dropout probability set to 0 here; the
-reference model is in eval mode. The model configs are left untouched, so the exported model keeps them.
+Dropout: KTO's log-ratios compare the policy with the reference, so both must be deterministic: the policy stays
+in train mode (gradient checkpointing needs it) with every dropout probability 0, the reference in eval mode (the
+model configs are untouched, so the exported model keeps them).
 
-Gradient accumulation uses the plugin's no-sync context where the backend allows it (torch DDP, ZeRO-0 and
-ZeRO-1: ``ParallelBackend.no_sync_accumulation``): only the last micro-batch of a step reduces gradients. ZeRO-2
-asserts against no_sync, so there every backward reduce-scatters and gradients accumulate in the ZeRO buffers.
+Gradient accumulation reduces gradients at a step's last micro-batch only where the backend allows no_sync
+(``ParallelBackend.no_sync_accumulation``); ZeRO-2 refuses it and reduce-scatters every backward into its buffers.
 """
 
 from __future__ import annotations
@@ -48,7 +46,7 @@ from colossalai.accelerator import get_accelerator
 from torch import nn
 
 from coati_kto.data.batch import KTOBatch
-from coati_kto.errors import UserError
+from coati_kto.errors import NonFiniteLossError
 from coati_kto.models.compile import compile_metrics
 from coati_kto.models.hf import disable_dropout
 from coati_kto.parallel.distributed import ParallelLayout, reduce_sums
@@ -69,11 +67,6 @@ from coati_kto.trainer.throughput import mfu
 
 HISTORY_LENGTH = 10_000  # logged records kept in memory (TensorBoard/W&B hold the full run)
 _GRAD_SQ = "grad_sq"  # this rank's share of the squared gradient norm, in the step's metric all-reduce
-
-
-class NonFiniteLossError(UserError):
-    """A NaN/inf loss or gradient norm with ``train.on_nonfinite: stop``; raised on every rank at the same step,
-    before any update."""
 
 
 class KTOTrainer(SLTrainer):
@@ -147,18 +140,21 @@ class KTOTrainer(SLTrainer):
         self.device = get_accelerator().get_current_device()
         kl_group = self.plan.kl_group(self.layout)
         self.passes = KTOPasses(actor, ref_model, self.plan, self.options, kl_group, self.device)
-        # Pipeline parallelism: the step's passes and backward are schedule runs (coati_kto.trainer.pipeline).
-        self.pipeline = None
-        if self.layout.pp_size > 1:
-            self.pipeline = PipelinePasses(
-                actor, ref_model, booster, actor_optim, self.layout, self.options, kl_group, self.device
-            )
         self._use_no_sync = plugin is not None and self.plan.backend.no_sync_accumulation
         self._grad_norm = self.plan.backend.grad_norm(actor_optim, self.layout, self.options.max_grad_norm)
-        if self.pipeline is not None:
-            self._grad_norm.counted_elsewhere(self.pipeline.tied_copies())
+        self.pipeline = self._pipeline(kl_group)
         self._init_run_state()
         self._make_deterministic()
+
+    def _pipeline(self, kl_group: Any) -> PipelinePasses | None:
+        """Under pipeline parallelism the step's passes and backward are schedule runs (coati_kto.trainer.pipeline);
+        the gradient norm counts a tied weight held by two stages once."""
+        if self.layout.pp_size == 1:
+            return None
+        args = (self.policy, self.reference, self.booster, self.optimizer, self.layout, self.options)
+        pipeline = PipelinePasses(*args, kl_group, self.device)
+        self._grad_norm.counted_elsewhere(pipeline.tied_copies())
+        return pipeline
 
     def _init_run_state(self) -> None:
         """Counters, the data position and the writers: what fit advances and a checkpoint records."""
@@ -251,16 +247,15 @@ class KTOTrainer(SLTrainer):
         sums = StepSums(self.device)
         if self.pipeline is not None:  # both phases through the schedule, its gradient sync included
             self.pipeline.train_step(groups, sums)
-        for micro in self.passes.train_step(groups, sums) if self.pipeline is None else ():
-            with self._grad_sync(micro.last):  # each after its group's no-grad passes and z0
-                self.booster.backward(micro.loss(), self.optimizer)
+        else:
+            for micro in self.passes.train_step(groups, sums):  # each after its group's no-grad passes and z0
+                with self._grad_sync(micro.last):
+                    self.booster.backward(micro.loss(), self.optimizer)
         local, kl_local = sums.local_tensors()
         local[_GRAD_SQ] = self._grad_norm.local_share()
         # The step's one collective and host sync: "nonfinite", the norm and stop keys are the votes; z0 rides along.
-        # Under tensor, sequence or pipeline parallelism over the world: tp and sp peers share batch and sums, and
-        # only the last pipeline stage holds them, so the rank 0 of the tp and sp groups on the last stage alone
-        # adds them (a row counts once; the norm's share is already summed over tp, sp and the stages).
-        group, counted = self._sums_group()
+        # A row counts once (ParallelLayout.sums_group); the norm's share is already summed over tp, sp and stages.
+        group, counted = self.layout.sums_group()
         totals = reduce_sums(local, group, kl_local, self.stop_signals.vote(), counted)
         kl = {k: totals.pop(k) for k in kl_local} if kl_local else None
         self._stop_signal = decide(totals)
@@ -271,7 +266,10 @@ class KTOTrainer(SLTrainer):
         if skipped:
             self.optimizer.zero_grad()
             if self.options.on_nonfinite == "stop":
-                raise NonFiniteLossError(self._nonfinite_message(step, epoch, bad_grad))
+                last = (
+                    self.checkpoint_manager.resolve("auto") if self.checkpoint_manager is not None else None
+                )
+                raise NonFiniteLossError.at(step, epoch, bad_grad, last)
             self.skipped_steps += 1
         else:
             self._grad_norm.step(norm)  # fp16: the loss scaler may still skip an overflowing step here
@@ -310,13 +308,6 @@ class KTOTrainer(SLTrainer):
         self._record(metrics)
         self._interval.reset()
 
-    def _sums_group(self) -> tuple[Any, bool]:
-        """(the group the step's and evaluation's sums reduce over, whether this rank adds its sums)."""
-        layout = self.layout
-        if layout.tp_size > 1 or layout.sp_size > 1 or layout.pp_size > 1:
-            return None, layout.counts_sums
-        return layout.dp_group, True
-
     def _grad_sync(self, last: bool) -> contextlib.AbstractContextManager:
         """No gradient reduction before the step's last micro-batch, where the plugin supports it."""
         if last or not self._use_no_sync:
@@ -327,15 +318,6 @@ class KTOTrainer(SLTrainer):
         if self.lr_scheduler is not None:
             return float(self.lr_scheduler.get_last_lr()[0])
         return float(self.optimizer.param_groups[0]["lr"])
-
-    def _nonfinite_message(self, step: int, epoch: int, bad_grad: bool) -> str:
-        last = self.checkpoint_manager.resolve("auto") if self.checkpoint_manager is not None else None
-        kept = f"the last good checkpoint is {last}" if last else "no checkpoint was saved"
-        what = "gradient norm" if bad_grad else "KTO loss"
-        return (
-            f"non-finite (NaN/inf) {what} at optimizer step {step} (epoch {epoch}); stopped before updating "
-            f"the weights, {kept}. Lower train.lr, check the data, or set train.on_nonfinite=skip"
-        )
 
     # ---------------------------------------------------------------- evaluation
     def _eval(self, epoch: int) -> None:
@@ -354,15 +336,13 @@ class KTOTrainer(SLTrainer):
         started = time.perf_counter()
         self.policy.eval()
         try:
-            passes = self.pipeline if self.pipeline is not None else self.passes
-            sums = passes.evaluate(iter(self._eval_loader))
+            sums = (self.pipeline or self.passes).evaluate(iter(self._eval_loader))
         finally:
             self.policy.train()
         local, kl = sums.local()
         meter = IntervalMeter()  # the evaluation as one interval: its means and throughput
-        group, counted = self._sums_group()
-        totals = reduce_sums(local, group, count_values=counted)
-        meter.add(totals, kl, time.perf_counter() - started, None)
+        group, counted = self.layout.sums_group()
+        meter.add(reduce_sums(local, group, count_values=counted), kl, time.perf_counter() - started, None)
         metrics = {f"eval/{k}": v for k, v in meter.measured().items()}
         if self._samples is not None:  # after the metrics' timing; the policy decodes in eval mode
             metrics.update(self._samples.write(self.policy, self.reference, self.passes, self.global_step))
