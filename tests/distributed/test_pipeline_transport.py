@@ -216,28 +216,22 @@ def _scalar_in_batch() -> str:
 
 def _worker(z0: float) -> dict[str, Any]:
     """Every case on this rank. p2p.py:159 calls ``torch.distributed.is_hccl_available``, which torch 2.13 no longer
-    has; on a CUDA build ``is_nccl_available()`` is True and short-circuits it, on a CPU build it raises
-    AttributeError. The worker adds the missing function for its own run only (the fix belongs in
-    coati_kto.parallel.upstream.cpu, plan step 1)."""
+    has (AttributeError on a CPU build): ``coati_kto.parallel.upstream.apply()`` installs it, as every rank of a run
+    does (``fixes._fix_pipeline_backend_check``)."""
     import torch.distributed as dist
 
-    missing = not hasattr(dist, "is_hccl_available")
-    if missing:
-        dist.is_hccl_available = lambda: False
-    try:
-        rank = dist.get_rank()
-        last = rank == PP - 1
-        out = {
-            "one_f_one_b": _numbers(_one_f_one_b(rank, z0), z0, last),
-            "interleaved": _numbers(_interleaved(rank, z0), z0, last),
-        }
-        out["changing_lengths"] = _changing_lengths(rank)
-        out["scalar_in_batch"] = _scalar_in_batch()
-        out["hccl_missing"] = missing
-        return out
-    finally:
-        if missing:
-            del dist.is_hccl_available
+    from coati_kto.parallel.upstream import apply
+
+    apply()
+    rank = dist.get_rank()
+    last = rank == PP - 1
+    out = {
+        "one_f_one_b": _numbers(_one_f_one_b(rank, z0), z0, last),
+        "interleaved": _numbers(_interleaved(rank, z0), z0, last),
+    }
+    out["changing_lengths"] = _changing_lengths(rank)
+    out["scalar_in_batch"] = _scalar_in_batch()
+    return out
 
 
 @pytest.fixture(scope="module")
