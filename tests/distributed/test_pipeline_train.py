@@ -159,3 +159,20 @@ def test_a_pp2_checkpoint_exports_on_one_process_as_the_run_saved_it(runs: dict[
     exported = load_file(runs["pp_export"] / "model.safetensors")
     final = _weights(runs["pp2"])
     assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
+
+
+def test_the_pp2_export_reloads_and_scores_as_pp1s(runs: dict[str, Path]) -> None:
+    """final/ of each run loads with transformers alone (config, tokenizer, tied head) and the two score the same
+    text's completion log-probs within fp32 rounding of their 2.7e-7-apart weights."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    scores = []
+    for run in ("pp1", "pp2"):
+        final = runs[run] / "final"
+        model = AutoModelForCausalLM.from_pretrained(final, dtype=torch.float32).eval()
+        assert model.lm_head.weight is model.model.embed_tokens.weight  # the tie survives the merge
+        ids = AutoTokenizer.from_pretrained(final)(CORPUS[0], return_tensors="pt").input_ids
+        with torch.no_grad():
+            logps = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
+        scores.append(logps.gather(1, ids[0, 1:, None]).sum())
+    assert abs(scores[0] - scores[1]) <= 1e-5 * abs(scores[0]), scores
