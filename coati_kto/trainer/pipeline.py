@@ -105,15 +105,17 @@ class PipelinePasses:
     def train_step(self, groups: list[list[KTOBatch]], sums: StepSums) -> None:
         """One optimizer step's passes and backward over ``groups`` (each group one z0); ``sums`` gets the step's
         metrics on the last stage (the trainer counts that stage's sums only)."""
-        batches = [batch.to(self.device, non_blocking=True) for group in groups for batch in group]
-        rows = max(len(batch) for batch in batches)
-        count = len(batches)
+        real = [batch.to(self.device, non_blocking=True) for group in groups for batch in group]
+        # 1F1B needs a micro-batch per stage: a short step (an epoch's last) is filled with rows that count nowhere.
+        filler = real[-1].with_valid(torch.zeros_like(real[-1].valid_rows()))
+        batches = real + [filler] * max(0, self.layout.pp_size - len(real))
+        rows, count = max(len(batch) for batch in batches), len(batches)
         reference, reference_kl = self._reference(batches, rows)
         policy_kl = (
             self._scored(self.policy, [b.kl for b in batches], rows) if self.options.needs_kl else None
         )
         z0 = self._step_z0(groups, batches, rows, policy_kl, reference_kl, sums)
-        scale = mean_over_group(float(sum(len(b) for b in batches)), self.kl_group, self.device)
+        scale = mean_over_group(float(sum(len(b) for b in real)), self.kl_group, self.device)
         constants = self._constants(batches, rows, reference, z0) if self.last else {}
         batch = stacked_views([b.example for b in batches], rows) | constants
         records: list[tuple[torch.Tensor, ...]] = []
@@ -123,7 +125,7 @@ class PipelinePasses:
             iter([batch]), self.policy, criterion, self.optimizer, return_loss=False, return_outputs=False
         )
         if self.last:
-            self._record(batches, records, sums, train=True)
+            self._record(real, records[: len(real)], sums, train=True)
 
     def _constants(
         self, batches: list[KTOBatch], rows: int, reference: torch.Tensor, z0: torch.Tensor | None
@@ -208,7 +210,8 @@ class PipelinePasses:
         reference_kl: Any,
         sums: StepSums,
     ) -> torch.Tensor | None:
-        """z0 per row [count x rows] (one value per group), on every stage; recorded in ``sums``."""
+        """z0 per row [count x rows] (one value per group; 0 on filling micro-batches after the groups'), on every
+        stage; recorded in ``sums``."""
         if not self.options.needs_kl:
             return None
         valid = torch.cat([_filled(b.valid_rows(), rows, False) for b in batches])
@@ -218,7 +221,7 @@ class PipelinePasses:
             z0 = self._z0(policy_kl, reference_kl, valid, span, sums)
             values.append(z0.expand(len(group) * rows))
             start += len(group)
-        return torch.cat(values)
+        return functional.pad(torch.cat(values), (0, (len(batches) - start) * rows))
 
     def _z0(self, policy_kl: Any, reference_kl: Any, valid: Any, span: slice, sums: StepSums) -> Any:
         """z0 (0-dim) of the rows in ``span``: reduced over the data-parallel group from the last stage's KL

@@ -1,6 +1,6 @@
 """Pipeline parallelism (plugin.pp_size 2) for every class ``PIPELINE_PARALLEL_FAMILIES`` admits beyond Llama
-(test_pipeline_train.py), each against the same run at pp_size 1 through ``coati-kto train`` (fp32, SGD lr 1,
-2 steps on 2 gloo processes).
+(test_pipeline_train.py), and pp 4 for Llama and Qwen2, each against the same run at pp_size 1 through
+``coati-kto train`` (fp32, SGD lr 1, 2 steps on 2 or 4 gloo processes).
 
 The families' tiny models get 2 decoder layers (one per stage): Mistral's sliding window (8, shorter than the rows)
 on every layer, Qwen2's tied embeddings and attention bias, Qwen3's per-head q/k norms, SmolLM3's layer without
@@ -21,23 +21,29 @@ from coati_kto.testing.built import built
 FAMILIES = ("mistral", "qwen2", "qwen3", "smollm3")
 
 
-def _model(built_root: Path, family: str) -> Path:
+def _model(built_root: Path, family: str, layers: int = 2) -> Path:
     from coati_kto.testing.tiny import save_tiny_family
 
     return built(
         built_root,
-        f"tiny_{family}_2",
-        lambda out: save_tiny_family(out, family, CORPUS, num_layers=2),
-        {"family": family, "corpus": CORPUS, "num_layers": 2},
+        f"tiny_{family}_{layers}",
+        lambda out: save_tiny_family(out, family, CORPUS, num_layers=layers),
+        {"family": family, "corpus": CORPUS, "num_layers": layers},
     )
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_pp2_equals_pp1(family: str, built_root: Path, tmp_path: Path) -> None:
-    model = _model(built_root, family)
-    train = {"max_steps": 2}
+@pytest.mark.parametrize(
+    "family, pp",
+    [*((family, 2) for family in FAMILIES), ("llama", 4), ("qwen2", 4)],
+    ids=[*FAMILIES, "llama-pp4", "qwen2-pp4"],
+)
+def test_pp_equals_pp1(family: str, pp: int, built_root: Path, tmp_path: Path) -> None:
+    """At pp 4 (4 processes, a 4-layer model: one layer a stage, 4 micro-batches a step) the middle stages only
+    pass hidden states on and their gradients back."""
+    model = _model(built_root, family, pp)
+    train = {"max_steps": 2, "accumulation_steps": pp}
     _train(_config(tmp_path, model, 1, "pp1", train=train), 1)
-    _train(_config(tmp_path, model, 2, "pp2", train=train), 2)
+    _train(_config(tmp_path, model, pp, "pp2", train=train), pp)
     error = _update_error(tmp_path / "pp2", tmp_path / "pp1", model)
     assert error < UPDATE_BOUND, error
     metrics = _metrics(tmp_path / "pp2")

@@ -49,9 +49,9 @@ SEQUENCE_PARALLEL_FAMILIES: dict[str, tuple[int, ...]] = {
 # forwards are written for transformers 4.51, so every stage runs the project's own stage forward on the decoder
 # shape of transformers 5 (docs/pipeline_parallelism_plan.md, §3); a class is added where its tests prove it.
 PIPELINE_PARALLEL_FAMILIES: dict[str, tuple[int, ...]] = {
-    "LlamaForCausalLM": (2,),
+    "LlamaForCausalLM": (2, 4),
     "MistralForCausalLM": (2,),
-    "Qwen2ForCausalLM": (2,),
+    "Qwen2ForCausalLM": (2, 4),
     "Qwen3ForCausalLM": (2,),
     "SmolLM3ForCausalLM": (2,),
 }
