@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from coati_kto.cli import main
 from coati_kto.errors import USER_ERROR_EXIT_CODE
@@ -50,13 +51,19 @@ def test_plan_prints_the_parts_of_the_configured_layout(config: Path, tiny_model
     assert lines[13].startswith("  hybrid_parallel bf16, tp 1 x dp 2, ZeRO-0")
 
 
+# Hub ids of the shipped configs whose shapes benchmarks/model_shapes holds (the others plan the tiny model).
+SHAPES = {"Qwen/Qwen2.5-32B-Instruct": "qwen2.5-32b", "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b"}
+
+
 @pytest.mark.parametrize("path", sorted((REPO / "configs").glob("*.yaml")), ids=lambda p: p.name)
 def test_plan_runs_on_every_shipped_config(path: Path, tiny_model_dir: Path, capsys) -> None:
-    """Each shipped config's own layout, with the tiny model's config.json for the Hub ids and the directories
-    a recipe builds first."""
-    assert main(["plan", str(path), f"model.path={tiny_model_dir}", "--gpus", "8"]) == 0
+    """Each shipped config's own layout on 16 GPUs, with the model's shape where benchmarks/model_shapes holds it,
+    else the tiny model's config.json (the Hub ids and the directories a recipe builds first)."""
+    hub_id = yaml.safe_load(path.read_text())["model"]["path"]
+    shape = REPO / "benchmarks" / "model_shapes" / SHAPES[hub_id] if hub_id in SHAPES else tiny_model_dir
+    assert main(["plan", str(path), f"model.path={shape}", "--gpus", "16"]) == 0
     out = capsys.readouterr().out
-    assert "  peak  " in out and "layouts that fit on 8 x 80 GiB" in out
+    assert "  peak  " in out and "layouts that fit on 16 x 80 GiB" in out
 
 
 def test_plan_takes_the_three_documented_shapes(tiny_model_dir: Path, capsys) -> None:
