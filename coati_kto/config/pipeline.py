@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from coati_kto.errors import ConfigError
-from coati_kto.families.splits import check_pipeline_parallel_family
+from coati_kto.families.splits import check_pipeline_parallel_family, decoder_layers, distribute_layers
 
 # Measured here (docs/pipeline_parallelism.md): ColossalAI 0.5.0's interleaved training run after its forward-only
 # runs (KTO's phase 1) hangs on gloo in the warm-up's send_forward_recv_forward, with overlap_p2p off too.
@@ -148,6 +148,21 @@ def pipeline_note(config: Any) -> str | None:
         f"note: plugin.pp_size {pp}: the pipeline schedule splits a batch along its rows, so {', '.join(asked)} "
         "do not run (every pass runs on padded rows, the examples and the KL pairs each take one; equal within "
         "rounding)"
+    )
+
+
+def stage_note(config: Any) -> str | None:
+    """One line under pipeline parallelism: how the model's decoder layers split into the stages (None at pp_size 1
+    or without a config.json to read): ColossalAI's split, the remainder on the middle stages."""
+    plugin = config.plugin
+    layers = decoder_layers(str(config.model.path)) if plugin.pp_size > 1 else None
+    if layers is None:
+        return None
+    split = distribute_layers(layers, plugin.pp_size, plugin.num_model_chunks)
+    uneven = " (uneven: the remainder on the middle stages)" if len(set(split)) > 1 else ""
+    return (
+        f"note: plugin.pp_size {plugin.pp_size}: the {layers} decoder layers split into stages of {split}{uneven}; "
+        "the first stage also holds the embedding, the last the final norm and the LM head"
     )
 
 

@@ -100,6 +100,27 @@ def check_sequence_parallel_family(model_dir: str, key: str, tp_size: int, sp_si
         raise ConfigError(f"{key} {model_dir}: {why}")
 
 
+def distribute_layers(layers: int, stages: int, chunks: int = 1) -> list[int]:
+    """Decoder layers per virtual stage (``stages x chunks`` entries), as ColossalAI 0.5.0's
+    ``PipelineStageManager.distribute_layers`` splits them: ``layers // (stages x chunks)`` each, the remainder one
+    more on the middle ones (from ``(stages x chunks) // 2 - remainder // 2``)."""
+    virtual = stages * chunks
+    split = [layers // virtual] * virtual
+    remainder = layers % virtual
+    start = virtual // 2 - remainder // 2
+    for i in range(start, start + remainder):
+        split[i] += 1
+    return split
+
+
+def decoder_layers(model_dir: str) -> int | None:
+    """``num_hidden_layers`` of the model at ``model_dir`` (a vision-language model's text model's), from config.json;
+    None without one (a hub id)."""
+    raw = _config_json(model_dir) or {}
+    layers = {**raw, **(raw.get("text_config") or {})}.get("num_hidden_layers")
+    return layers if isinstance(layers, int) else None
+
+
 def check_pipeline_parallel_family(model_dir: str, key: str, pp_size: int, num_model_chunks: int = 1) -> None:
     """ConfigError (one line) when the model at ``model_dir`` cannot run at ``pp_size`` pipeline stages of
     ``num_model_chunks`` chunks each: its class unproven there (``shardformer.PIPELINE_PARALLEL_FAMILIES``), or
@@ -107,10 +128,9 @@ def check_pipeline_parallel_family(model_dir: str, key: str, pp_size: int, num_m
     when the plugin is built (its class), or not at all (its layers: ColossalAI's stage manager then asserts)."""
     name = model_class_name(model_dir)
     why = None if name is None else pipeline_parallel_refusal(name.rsplit(".", 1)[-1], pp_size)
-    raw = _config_json(model_dir) or {}
-    layers = {**raw, **(raw.get("text_config") or {})}.get("num_hidden_layers")
+    layers = decoder_layers(model_dir)
     chunks = pp_size * num_model_chunks
-    if why is None and isinstance(layers, int) and chunks > layers:
+    if why is None and layers is not None and chunks > layers:
         why = (
             f"plugin.pp_size {pp_size} x plugin.num_model_chunks {num_model_chunks} = {chunks} is more than its "
             f"num_hidden_layers {layers} (each chunk of a stage holds at least one decoder layer)"

@@ -14,18 +14,10 @@ it keeps alive at once.
 
 from __future__ import annotations
 
+from coati_kto.families.splits import distribute_layers
+
 PP_STYLES = ("1f1b", "interleaved")
-
-
-def distribute_layers(layers: int, stages: int, chunks: int = 1) -> list[int]:
-    """Layers per virtual stage (``stages x chunks`` entries), ColossalAI's split (module docstring)."""
-    virtual = stages * chunks
-    split = [layers // virtual] * virtual
-    remainder = layers % virtual
-    start = virtual // 2 - remainder // 2
-    for i in range(start, start + remainder):
-        split[i] += 1
-    return split
+__all__ = ["PP_STYLES", "distribute_layers", "in_flight", "stage_chunks"]
 
 
 def stage_chunks(layers: int, stages: int, chunks: int, stage: int) -> list[int]:

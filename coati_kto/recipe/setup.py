@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from coati_kto.config.load import save_config
-from coati_kto.config.pipeline import check_pipeline_divides_world, pipeline_note
+from coati_kto.config.pipeline import check_pipeline_divides_world, pipeline_note, stage_note
 from coati_kto.config.resume import check_contents
 from coati_kto.config.schema import Config, PluginSection
 from coati_kto.config.sequence import sequence_note
@@ -116,7 +116,12 @@ def setup_training(config: Config, heartbeat: Heartbeat | None) -> Run:
         save_config(config, out_dir / CONFIG_FILE)
     epoch_note = run.train_loader.batch_sampler.stats.epoch_note()  # examples left out
     attention_note = attention_implementation(config.model.path, config.model)[1]
-    layout_notes = (zero_note(config.plugin, run.plan), sequence_note(config), pipeline_note(config))
+    layout_notes = (
+        zero_note(config.plugin, run.plan),
+        sequence_note(config),
+        stage_note(config),
+        pipeline_note(config),
+    )
     notes = (epoch_note, lock_note, run_data.pad_note, attention_note, *layout_notes, memory_note)
     _announce(config, run, notes)
     if run.layout.is_main:  # the plan's peak for this layout (coati_kto.recipe.plan), not kept in the card

@@ -11,12 +11,12 @@ import pytest
 from helpers import MINIMAL, write_config
 
 from coati_kto.config.load import load_config
-from coati_kto.config.pipeline import check_pipeline_divides_world, pipeline_note
+from coati_kto.config.pipeline import check_pipeline_divides_world, pipeline_note, stage_note
 from coati_kto.config.plugin import PluginSection
 from coati_kto.errors import ConfigError
 
 ADMITTED = (
-    "LlamaForCausalLM (pp_size 2), MistralForCausalLM (pp_size 2), Qwen2ForCausalLM (pp_size 2), "
+    "LlamaForCausalLM (pp_size 2, 4), MistralForCausalLM (pp_size 2), Qwen2ForCausalLM (pp_size 2, 4), "
     "Qwen3ForCausalLM (pp_size 2), SmolLM3ForCausalLM (pp_size 2)"
 )
 PP = ["plugin.pp_size=2", "train.accumulation_steps=2"]
@@ -103,8 +103,8 @@ def test_a_valid_pp_config_defaults_zero_to_what_colossalai_allows(
             "transfers after KTO's forward-only passes (2 stages, 2 chunks, gloo); use plugin.pp_style=1f1b",
         ),
         (
-            ["plugin.pp_size=4", "train.accumulation_steps=4"],
-            "model.path {model}: LlamaForCausalLM is not proven at plugin.pp_size 4 (pipeline parallelism: "
+            ["plugin.pp_size=8", "train.accumulation_steps=8"],
+            "model.path {model}: LlamaForCausalLM is not proven at plugin.pp_size 8 (pipeline parallelism: "
             f"{ADMITTED})",
         ),
         (
@@ -245,3 +245,36 @@ def test_each_rank_checks_the_world_before_loading(
         ConfigError, match=r"^plugin.tp_size 1 x plugin.pp_size 2 = 2 must divide the number of "
     ):
         setup._start_processes(_load(tmp_path, tiny_model_dir, *PP))
+
+
+def test_the_stage_split_is_said(tmp_path: Path, tiny_family_dir) -> None:
+    """ColossalAI's split (PipelineStageManager.distribute_layers): the remainder on the middle stages, said when
+    uneven; nothing at pp_size 1 or for a hub id (no config.json)."""
+    from coati_kto.families.splits import distribute_layers
+
+    assert distribute_layers(3, 2) == [1, 2]
+    assert distribute_layers(10, 4) == [2, 3, 3, 2]
+    assert distribute_layers(64, 4) == [16, 16, 16, 16]
+    model = tiny_family_dir("qwen3")  # 1 layer: pp 2 is refused, so only the note's arithmetic here
+    config = _load(tmp_path, model)
+    assert stage_note(config) is None
+    hub = _load(tmp_path, "some/model", *PP)
+    assert stage_note(hub) is None
+
+
+def test_the_stage_split_note_of_an_uneven_model(tmp_path: Path, built_root: Path) -> None:
+    from helpers import CORPUS
+
+    from coati_kto.testing.built import built
+    from coati_kto.testing.tiny import save_tiny_model
+
+    model = built(
+        built_root,
+        "tiny_llama_tied_3",
+        lambda out: save_tiny_model(out, CORPUS, num_layers=3, tie_word_embeddings=True),
+        {"corpus": CORPUS, "num_layers": 3, "tie_word_embeddings": True},
+    )
+    assert stage_note(_load(tmp_path, model, *PP)) == (
+        "note: plugin.pp_size 2: the 3 decoder layers split into stages of [1, 2] (uneven: the remainder on the "
+        "middle stages); the first stage also holds the embedding, the last the final norm and the LM head"
+    )
