@@ -27,7 +27,9 @@ trains with:
 
 The peak of a step is the static part (weights, masters and moments, reference, buffers) plus the largest of
 what comes and goes: the gradient pass's activations (with the accumulated gradients when micro-batches
-accumulate), and at the step the gradients and their fp32 copies.
+accumulate), and at the step the gradients and their fp32 copies. The gradients exist from the step's first
+backward on: a stage whose warm-up runs every forward of the step (1F1B's stage 0 at pp micro-batches) holds
+them with one micro-batch fewer in flight (``MemoryPlan.passes``; measured, docs/performance.md).
 """
 
 from __future__ import annotations
@@ -102,6 +104,8 @@ class MemoryPlan:
     stage: int = 0  # the pipeline stage this plan is of (the one with the highest peak)
     stage_layers: int = 0  # the decoder layers that stage holds
     in_flight: int = 1  # the micro-batches (chunk forwards, interleaved) whose activations it keeps at once
+    forwards: int = 1  # the micro-batches (chunk forwards) a step runs through this stage
+    per_forward: int = 0  # the activations one of them keeps while in flight
 
     @property
     def static(self) -> int:
@@ -109,20 +113,35 @@ class MemoryPlan:
         return self.weights + self.masters + self.moments + self.reference + self.communication + self.p2p
 
     @property
+    def passes(self) -> int:
+        """The most the gradient passes hold at once: activations in flight, the head, and the gradients the
+        step's backwards accumulated so far. Those exist from the first backward on. When every forward of the
+        step is in flight before it (a pipeline stage whose warm-up takes them all: ``forwards == in_flight``),
+        they meet at most one forward fewer."""
+        passes = self.activations + self.head
+        if not self.accumulating:
+            return passes
+        if self.forwards > self.in_flight:
+            return passes + self.gradients
+        return max(passes, passes - self.per_forward + self.gradients)
+
+    @property
     def peak(self) -> int:
-        accumulated = self.gradients if self.accumulating else 0
-        backward = self.activations + self.head + accumulated
-        return self.static + max(backward, self.gradients + self.step_copies)
+        return self.static + max(self.passes, self.gradients + self.step_copies)
 
 
 def plan_memory(shape: ModelShape, layout: Layout, work: Workload) -> MemoryPlan:
     """The bytes per rank of training ``shape`` on ``layout`` with ``work`` (module docstring): under pipeline
     parallelism, of the stage with the highest peak (the first of equals)."""
+    return max(plan_stages(shape, layout, work), key=lambda plan: (plan.peak, -plan.stage))
+
+
+def plan_stages(shape: ModelShape, layout: Layout, work: Workload) -> list[MemoryPlan]:
+    """The plan of each pipeline stage, stage 0 first (one plan when ``layout.pp`` is 1)."""
     if layout.pp == 1:
-        return _plan_stage(shape, layout, work, 0)
+        return [_plan_stage(shape, layout, work, 0)]
     work = dataclasses.replace(work, dense_mask=False)  # the stages run padded rows: no packed rows, no mask
-    plans = [_plan_stage(shape, layout, work, stage) for stage in range(layout.pp)]
-    return max(plans, key=lambda plan: (plan.peak, -plan.stage))
+    return [_plan_stage(shape, layout, work, stage) for stage in range(layout.pp)]
 
 
 def _plan_stage(shape: ModelShape, layout: Layout, work: Workload, stage: int) -> MemoryPlan:
@@ -159,12 +178,14 @@ def _plan_stage(shape: ModelShape, layout: Layout, work: Workload, stage: int) -
     )
     held = max(chunks) if layout.pp > 1 else layers  # activations of one chunk forward: its layers
     activations, head, notes = activation_bytes(shape, layout.tp, layout.sp, working, work, held, alive, last)
+    fewer = activation_bytes(shape, layout.tp, layout.sp, working, work, held, alive - 1, last)[0]
     p2p = 2 * work.micro_batch * work.length * shape.hidden * working if layout.pp > 1 else 0
     return MemoryPlan(
         layout=layout, params=params, trainable=trainable, weights=working * params, gradients=grads,
         masters=masters, moments=moments, step_copies=step_copies, reference=reference,
         activations=activations, head=head, communication=comm, host=host, notes=notes,
         accumulating=work.accumulation_steps > 1, p2p=p2p, stage=stage, stage_layers=layers, in_flight=alive,
+        forwards=work.accumulation_steps * layout.chunks, per_forward=activations - fewer,
     )  # fmt: skip
 
 

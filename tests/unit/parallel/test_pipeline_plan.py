@@ -13,7 +13,7 @@ import pytest
 from coati_kto.errors import UserError
 from coati_kto.parallel.activations import Workload, layer_bytes
 from coati_kto.parallel.layout_search import RULE, candidates, fitting_layouts, rank, usable_bytes
-from coati_kto.parallel.memory_plan import Layout, plan_memory
+from coati_kto.parallel.memory_plan import Layout, plan_memory, plan_stages
 from coati_kto.parallel.model_shape import ModelShape, model_shape
 from coati_kto.parallel.stages import bubble, distribute_layers, in_flight, least_microbatches, stage_chunks
 
@@ -121,6 +121,30 @@ def test_a_stage_keeps_its_layers_activations_for_each_micro_batch_in_flight(
     # with checkpointing each in-flight micro-batch keeps each layer's input, and one layer is recomputed
     ckpt = dataclasses.replace(work, checkpointing=True)
     assert _plan_stage(three_layers, layout, ckpt, 0).activations == 2 * 64 * 16 * 2 + per_layer + 512 * 16
+
+
+def test_a_stage_whose_warm_up_takes_every_forward_meets_the_gradients_one_micro_batch_fewer(
+    three_layers: ModelShape,
+) -> None:
+    """1F1B's stage 0 at pp 2 over 2 micro-batches runs F0 F1 B0 B1: both in flight before any gradient exists,
+    then one with the gradients B0 made (98M Llama: measured 1452 MiB, predicted 1547 MiB before, 1454 MiB now;
+    docs/performance.md). Stage 1 (F0 B0 F1 B1), and stage 0 over 4, hold the gradients with all in flight."""
+    per_layer, backward = layer_bytes(three_layers, 1, 1, 8, 2, eager=False) * 16, 768 * 16
+    layout = Layout("hybrid_parallel", "bf16", 0, pp=2)
+    work = Workload(micro_batch=2, length=8, accumulation_steps=2, device="cpu")
+    first, last = plan_stages(three_layers, layout, work)
+    assert (first.forwards, first.in_flight, first.per_forward) == (2, 2, per_layer)
+    assert first.gradients == 2 * STAGE0 > per_layer  # so one micro-batch fewer with them is the larger
+    assert first.passes == 2 * per_layer + backward - per_layer + 2 * STAGE0 == 201_344
+    assert first.peak == first.static + max(first.passes, first.gradients + first.step_copies)
+    assert (last.forwards, last.in_flight) == (2, 1)
+    assert last.passes == last.activations + last.head + 2 * STAGE1
+    four = plan_stages(three_layers, layout, dataclasses.replace(work, accumulation_steps=4))[0]
+    assert four.passes == 2 * per_layer + backward + 2 * STAGE0
+    # without pipeline stages nothing changes: one in flight, the gradients from the second micro-batch on
+    whole = plan_memory(three_layers, Layout("hybrid_parallel", "bf16", 0), work)
+    assert (whole.forwards, whole.in_flight) == (2, 1)
+    assert whole.passes == whole.activations + whole.head + whole.gradients
 
 
 def _llama_8b() -> ModelShape:
