@@ -87,6 +87,22 @@ def assert_bf16_updates_agree(run: list[dict[str, Any]], reference: list[dict[st
     assert (diff <= 0.02 * scale + spacing).all(), (what, diff.max(), scale)
 
 
+def assert_layout_agrees(runs: dict[str, Any], name: str, reference: str, steps: int) -> None:
+    """``runs[name]`` against ``runs[reference]``: updates within bf16 rounding, the ``steps`` losses within 1e-2
+    relative and the gradient norms within 2e-2."""
+    assert_bf16_updates_agree(runs[name], runs[reference], f"{name} vs {reference}")
+    losses = {
+        n: [h["train/loss"] for h in runs[n][0]["history"] if "train/loss" in h] for n in (name, reference)
+    }
+    assert len(losses[name]) == steps
+    assert np.allclose(losses[name], losses[reference], rtol=1e-2), losses
+    norms = {
+        n: [h["train/grad_norm"] for h in runs[n][0]["history"] if "train/grad_norm" in h]
+        for n in (name, reference)
+    }
+    assert np.allclose(norms[name], norms[reference], rtol=2e-2), norms
+
+
 def test_layouts_agree_within_bf16(runs: dict[str, Any]) -> None:
     assert all(np.array_equal(r["weights"], runs["tp2_dp2"][0]["weights"]) for r in runs["tp2_dp2"])
     for name in ("tp1_dp4", "tp2_dp1"):

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 from helpers import CORPUS
+from same_seed_runs import UPDATE_BOUND, assert_step1_rewards_and_kl_zero, update_error
 from test_pipeline_train import _config, _train
-from test_sequence_parallel_train import UPDATE_BOUND, _metrics, _update_error
 
 from coati_kto.testing.built import built
 
@@ -44,8 +44,6 @@ def test_pp_equals_pp1(family: str, pp: int, built_root: Path, tmp_path: Path) -
     train = {"max_steps": 2, "accumulation_steps": pp}
     _train(_config(tmp_path, model, 1, "pp1", train=train), 1)
     _train(_config(tmp_path, model, pp, "pp2", train=train), pp)
-    error = _update_error(tmp_path / "pp2", tmp_path / "pp1", model)
+    error = update_error(tmp_path / "pp2", tmp_path / "pp1", model)
     assert error < UPDATE_BOUND, error
-    metrics = _metrics(tmp_path / "pp2")
-    step1 = [dict(v)[1] for t, v in metrics.items() if t.startswith("train/rewards") or t == "train/kl"]
-    assert len(step1) == 4 and all(v == 0.0 for v in step1), step1
+    assert_step1_rewards_and_kl_zero(tmp_path / "pp2")

@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from test_layouts_4 import assert_bf16_updates_agree
+from test_layouts_4 import assert_layout_agrees
 from test_trainer import _build, _config, _global_steps, _layout_config, sgd
 
 from coati_kto.testing.distributed import run_distributed
@@ -92,14 +92,7 @@ def runs(
 
 @pytest.mark.parametrize("name", ["pp2_dp2", "tp2_pp2"])
 def test_pipeline_layouts_agree_with_tp1_dp4_within_bf16(runs: dict[str, Any], name: str) -> None:
-    assert_bf16_updates_agree(runs[name], runs["tp1_dp4"], f"{name} vs tp1_dp4")
-    losses = {n: [h["train/loss"] for h in runs[n][0]["history"] if "train/loss" in h] for n in LAYOUTS}
-    assert len(losses[name]) == STEPS
-    assert np.allclose(losses[name], losses["tp1_dp4"], rtol=1e-2), losses
-    norms = {
-        n: [h["train/grad_norm"] for h in runs[n][0]["history"] if "train/grad_norm" in h] for n in LAYOUTS
-    }
-    assert np.allclose(norms[name], norms["tp1_dp4"], rtol=2e-2), norms
+    assert_layout_agrees(runs, name, "tp1_dp4", STEPS)
 
 
 def test_pp2_dp2_resume_is_bit_exact(runs: dict[str, Any]) -> None:

@@ -21,7 +21,15 @@ import torch
 import yaml
 from helpers import CORPUS, preference_records
 from safetensors.torch import load_file
-from test_sequence_parallel_train import METRIC_BOUND, STEPS, UPDATE_BOUND, _metrics, _update_error, sgd_train
+from same_seed_runs import (
+    STEPS,
+    UPDATE_BOUND,
+    assert_same_metrics,
+    assert_step1_rewards_and_kl_zero,
+    final_weights,
+    sgd_train,
+    update_error,
+)
 
 from coati_kto.data.files import write_jsonl
 from coati_kto.testing.cli import run_cli
@@ -101,10 +109,6 @@ def runs(tied_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     return {path.name: path for path in root.iterdir() if path.is_dir() and path.name.startswith("pp")}
 
 
-def _weights(out: Path) -> dict[str, torch.Tensor]:
-    return load_file(out / "final" / "model.safetensors")
-
-
 @pytest.mark.parametrize(
     "run, reference",
     [("pp2", "pp1"), ("pp2_checkpointing", "pp1"), ("pp2_cached", "pp1_cached")],
@@ -113,51 +117,40 @@ def _weights(out: Path) -> dict[str, torch.Tensor]:
 def test_pp2_weights_equal_pp1_within_fp32_rounding(
     runs: dict[str, Path], tied_model_dir: Path, run: str, reference: str
 ) -> None:
-    error = _update_error(runs[run], runs[reference], tied_model_dir)
+    error = update_error(runs[run], runs[reference], tied_model_dir)
     assert error < UPDATE_BOUND, error
 
 
 def test_the_pp2_export_is_one_model_with_its_tie(runs: dict[str, Path]) -> None:
     """Every stage's tensors in one file, the tied head stored once (under the embedding's name), as pp 1's."""
-    got, want = _weights(runs["pp2"]), _weights(runs["pp1"])
+    got, want = final_weights(runs["pp2"]), final_weights(runs["pp1"])
     assert sorted(got) == sorted(want)
     assert "model.embed_tokens.weight" in got and "lm_head.weight" not in got
     assert sum(k.startswith("model.layers.") for k in got) == 3 * 9  # 3 layers x 9 tensors each
 
 
 def test_pp2_logs_the_pp1_metrics(runs: dict[str, Path]) -> None:
-    pp1, pp2 = _metrics(runs["pp1"]), _metrics(runs["pp2"])
-    assert set(pp1) == set(pp2)
-    assert {"train/loss", "train/grad_norm", "eval/loss", "train/kl", "train/logits/chosen"} <= set(pp1)
-    for tag, values in pp1.items():
-        got = dict(pp2[tag])
-        assert [s for s, _ in values] == sorted(got), tag
-        for step, want in values:
-            assert abs(got[step] - want) <= METRIC_BOUND * max(abs(want), 1e-3), (tag, step, got[step], want)
+    expected = {"train/loss", "train/grad_norm", "eval/loss", "train/kl", "train/logits/chosen"}
+    assert_same_metrics(runs["pp2"], runs["pp1"], expected)
 
 
 def test_pp2_step1_rewards_and_kl_are_exactly_zero(runs: dict[str, Path]) -> None:
-    metrics = _metrics(runs["pp2"])
-    at_step1 = {
-        tag: dict(values).get(1) for tag, values in metrics.items() if tag.startswith("train/rewards")
-    }
-    assert at_step1 and all(v == 0.0 for v in at_step1.values()), at_step1
-    assert dict(metrics["train/kl"])[1] == 0.0
+    assert_step1_rewards_and_kl_zero(runs["pp2"])
 
 
 def test_pp2_resume_is_bit_exact(runs: dict[str, Path]) -> None:
-    resumed, whole = _weights(runs["pp2_resumed"]), _weights(runs["pp2"])
+    resumed, whole = final_weights(runs["pp2_resumed"]), final_weights(runs["pp2"])
     assert all(torch.equal(resumed[k], whole[k]) for k in whole)
 
 
 def test_pp2_checkpoint_resumes_at_pp1(runs: dict[str, Path], tied_model_dir: Path) -> None:
-    error = _update_error(runs["pp1_from_pp2"], runs["pp1"], tied_model_dir)
+    error = update_error(runs["pp1_from_pp2"], runs["pp1"], tied_model_dir)
     assert error < UPDATE_BOUND, error
 
 
 def test_a_pp2_checkpoint_exports_on_one_process_as_the_run_saved_it(runs: dict[str, Path]) -> None:
     exported = load_file(runs["pp_export"] / "model.safetensors")
-    final = _weights(runs["pp2"])
+    final = final_weights(runs["pp2"])
     assert exported.keys() == final.keys() and all(torch.equal(exported[k], final[k]) for k in final)
 
 

@@ -14,9 +14,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
-from test_layouts_4 import assert_bf16_updates_agree
+from test_layouts_4 import assert_layout_agrees
 from test_trainer import _build, _config, _global_steps, _layout_config, full_weights, sgd
 
 from coati_kto.testing.distributed import run_distributed
@@ -72,11 +71,4 @@ def runs(
 
 @pytest.mark.parametrize("name", ["sp2_dp2", "tp2_sp2"])
 def test_sequence_parallel_layouts_agree_with_tp1_dp4_within_bf16(runs: dict[str, Any], name: str) -> None:
-    assert_bf16_updates_agree(runs[name], runs["tp1_dp4"], f"{name} vs tp1_dp4")
-    losses = {n: [h["train/loss"] for h in runs[n][0]["history"] if "train/loss" in h] for n in LAYOUTS}
-    assert len(losses[name]) == STEPS
-    assert np.allclose(losses[name], losses["tp1_dp4"], rtol=1e-2), losses
-    norms = {
-        n: [h["train/grad_norm"] for h in runs[n][0]["history"] if "train/grad_norm" in h] for n in LAYOUTS
-    }
-    assert np.allclose(norms[name], norms["tp1_dp4"], rtol=2e-2), norms
+    assert_layout_agrees(runs, name, "tp1_dp4", STEPS)

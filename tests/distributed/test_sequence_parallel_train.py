@@ -21,25 +21,18 @@ import torch
 import yaml
 from helpers import preference_records
 from safetensors.torch import load_file
-from test_trainer import sgd
+from same_seed_runs import (
+    STEPS,
+    UPDATE_BOUND,
+    assert_same_metrics,
+    assert_step1_rewards_and_kl_zero,
+    sgd_train,
+)
+from same_seed_runs import final_weights as _weights
+from same_seed_runs import update_error as _update_error
 
 from coati_kto.data.files import write_jsonl
 from coati_kto.testing.cli import run_cli
-from coati_kto.testing.tensorboard import read_scalars
-
-STEPS = 3
-UPDATE_BOUND = 2e-5  # of each tensor's update after 3 steps (the issue's figure)
-METRIC_BOUND = 1e-5  # relative, per logged value
-# Wall-clock figures differ between runs; everything else is a function of the weights and the data.
-TIMING = ("throughput", "seconds", "per_second", "mfu", "time", "memory", "lr")
-
-
-def sgd_train(argv: list[str]) -> int:
-    """``coati-kto ARGV`` with the policy's optimizer plain SGD (run on a worker rank by run_cli)."""
-    from coati_kto.cli import main
-
-    with sgd():
-        return main(argv)
 
 
 def _config(
@@ -107,33 +100,6 @@ def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     return {path.name: path for path in root.iterdir() if path.is_dir() and path.name.startswith("sp")}
 
 
-def _weights(out: Path) -> dict[str, torch.Tensor]:
-    return load_file(out / "final" / "model.safetensors")
-
-
-def _update_error(run: Path, reference: Path, model_dir: Path) -> float:
-    """The largest, over tensors, of max |run - reference| / max |reference - start|, after one fp32 spacing of
-    the tensor's largest weight is taken off the difference: the weights are stored in fp32, so a norm weight of
-    1.0 moved by 2e-3 cannot land closer than one ulp (1.2e-7, 6e-5 of that update) whatever the summation order."""
-    start = load_file(model_dir / "model.safetensors")
-    got, want = _weights(run), _weights(reference)
-    errors = []
-    for k in want:
-        spacing = torch.finfo(torch.float32).eps * want[k].abs().max().item()
-        difference = max((got[k] - want[k]).abs().max().item() - spacing, 0.0)
-        errors.append(difference / (want[k] - start[k]).abs().max().item())
-    return max(errors)
-
-
-def _metrics(out: Path) -> dict[str, list[tuple[int, float]]]:
-    scalars = read_scalars(out / "tensorboard")
-    return {
-        tag: values
-        for tag, values in scalars.items()
-        if tag.startswith(("train/", "eval/")) and not any(t in tag for t in TIMING)
-    }
-
-
 @pytest.mark.parametrize(
     "run, reference",
     [("sp2", "sp1"), ("sp2_checkpointing", "sp1"), ("sp2_cached", "sp1_cached")],
@@ -149,23 +115,11 @@ def test_sp2_weights_equal_sp1_within_fp32_rounding(
 
 
 def test_sp2_logs_the_sp1_metrics(runs: dict[str, Path]) -> None:
-    sp1, sp2 = _metrics(runs["sp1"]), _metrics(runs["sp2"])
-    assert set(sp1) == set(sp2)
-    assert {"train/loss", "train/grad_norm", "eval/loss", "train/kl"} <= set(sp1)
-    for tag, values in sp1.items():
-        got = dict(sp2[tag])
-        assert [s for s, _ in values] == sorted(got), tag
-        for step, want in values:
-            assert abs(got[step] - want) <= METRIC_BOUND * max(abs(want), 1e-3), (tag, step, got[step], want)
+    assert_same_metrics(runs["sp2"], runs["sp1"], {"train/loss", "train/grad_norm", "eval/loss", "train/kl"})
 
 
 def test_sp2_step1_rewards_and_kl_are_exactly_zero(runs: dict[str, Path]) -> None:
-    metrics = _metrics(runs["sp2"])
-    at_step1 = {
-        tag: dict(values).get(1) for tag, values in metrics.items() if tag.startswith("train/rewards")
-    }
-    assert at_step1 and all(v == 0.0 for v in at_step1.values()), at_step1
-    assert dict(metrics["train/kl"])[1] == 0.0
+    assert_step1_rewards_and_kl_zero(runs["sp2"])
 
 
 def test_sp2_lora_adapters_equal_sp1(runs: dict[str, Path]) -> None:

@@ -97,28 +97,22 @@ def tensor_parallel_refusal(architecture: str, tp_size: int) -> str | None:
 
 def sequence_parallel_refusal(architecture: str, sp_size: int) -> str | None:
     """Why ``architecture`` cannot run at ``sp_size`` sequence-parallel ranks (one line), or None when admitted."""
-    if sp_size <= 1:
-        return None
-    proven = SEQUENCE_PARALLEL_FAMILIES.get(architecture)
-    if proven is None or sp_size not in proven:
-        admitted = ", ".join(
-            f"{k} (sp_size {', '.join(map(str, v))})" for k, v in SEQUENCE_PARALLEL_FAMILIES.items()
-        )
-        return f"{architecture} is not proven at plugin.sp_size {sp_size} (sequence parallelism: {admitted})"
-    return None
+    return _unproven(architecture, sp_size, SEQUENCE_PARALLEL_FAMILIES, "sp_size", "sequence parallelism")
 
 
 def pipeline_parallel_refusal(architecture: str, pp_size: int) -> str | None:
     """Why ``architecture`` cannot run at ``pp_size`` pipeline stages (one line), or None when admitted."""
-    if pp_size <= 1:
+    return _unproven(architecture, pp_size, PIPELINE_PARALLEL_FAMILIES, "pp_size", "pipeline parallelism")
+
+
+def _unproven(
+    architecture: str, size: int, table: dict[str, tuple[int, ...]], key: str, what: str
+) -> str | None:
+    """Why ``architecture`` is not admitted at ``size`` by ``table`` (class -> proven sizes > 1), or None."""
+    if size <= 1 or size in table.get(architecture, ()):
         return None
-    proven = PIPELINE_PARALLEL_FAMILIES.get(architecture)
-    if proven is None or pp_size not in proven:
-        admitted = ", ".join(
-            f"{k} (pp_size {', '.join(map(str, v))})" for k, v in PIPELINE_PARALLEL_FAMILIES.items()
-        )
-        return f"{architecture} is not proven at plugin.pp_size {pp_size} (pipeline parallelism: {admitted})"
-    return None
+    admitted = ", ".join(f"{k} ({key} {', '.join(map(str, v))})" for k, v in table.items())
+    return f"{architecture} is not proven at plugin.{key} {size} ({what}: {admitted})"
 
 
 def policy_for(model_class: str | None, tp_size: int = 1) -> Any:
