@@ -112,13 +112,18 @@ def pipeline_problems(config: Any) -> list[str]:
         "model.compile (the compiled regions are unproven under the stage forward)": compiled,
         "eval.samples > 0 (decoding one token at a time through the stages is not written)": config.eval.samples,
         "kto.router_aux_loss_coef > 0 (the router logits stay on the stage of their layer)": router,
-        "model.lora (ColossalAI's LoRA under pipeline stages is unproven here)": model.lora is not None,
     }
     out += [
         f"plugin.pp_size {plugin.pp_size} with {what} is not supported: set plugin.pp_size=1"
         for what, on in unproven.items()
         if on
     ]
+    if config.output.merge_lora:
+        out.append(
+            f"plugin.pp_size {plugin.pp_size} with output.merge_lora: each stage holds its own layers' weights, so "
+            "no rank can fold the adapters in; set output.merge_lora=false (the adapter export is whole: merge it "
+            "afterwards with peft's merge_and_unload)"
+        )
     for key in ("model.path", "model.reference_path"):
         if path := getattr(config.model, key.split(".")[1]):
             try:

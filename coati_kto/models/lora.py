@@ -10,6 +10,7 @@ LoRA under tensor parallelism); the config check refuses the rest at load.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -72,21 +73,34 @@ class AdapterFreeReference:
         return self.policy.unwrap(unwrap_peft=unwrap_peft)
 
 
-def export_lora(model: Any, tokenizer: Any, out_dir: str | Path, is_main: bool, merge: bool) -> Path:
+def export_lora(
+    model: Any,
+    tokenizer: Any,
+    out_dir: str | Path,
+    is_main: bool,
+    merge: bool,
+    gather: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+) -> Path:
     """Write the adapter directory ``out_dir/adapter`` (peft's ``save_pretrained``: adapter_config.json and
     adapter_model.safetensors, loads with ``PeftModel.from_pretrained(base, dir)``) and, with ``merge``,
     ``out_dir/merged``: the adapters folded into a copy of the base weights (loads with transformers alone).
 
     Every rank calls; the main rank writes, the others wait. Adapters are replicated on every rank (ddp, ZeRO
-    gathers its working parameters, LoRA runs at tp_size 1 only), so the main rank's copy is the model.
+    gathers its working parameters, LoRA runs at tp_size 1 only), so the main rank's copy is the model; under
+    pipeline parallelism each stage holds its own layers' adapters, which ``gather`` (a collective: every rank)
+    merges from every stage's (config load refuses ``merge`` there).
     """
     out = Path(out_dir)
     peft = peft_model(model)
     if hasattr(model, "_force_wait_all_gather"):
         model._force_wait_all_gather()  # ZeRO's overlapped all-gather: the working weights must be current
+    adapters = None
+    if gather is not None:
+        adapters = gather({k: v.detach().cpu() for k, v in peft.state_dict().items() if "lora_" in k})
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
-        peft.save_pretrained(out / "adapter", safe_serialization=True)
+        saving = {} if adapters is None else {"state_dict": adapters}
+        peft.save_pretrained(out / "adapter", safe_serialization=True, **saving)
         if tokenizer is not None:
             tokenizer.save_pretrained(out / "adapter")
         if merge:

@@ -7,6 +7,8 @@ model (``merged/``). Every rank calls (gathers are collectives); the main rank w
 
 from __future__ import annotations
 
+import functools
+
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import torch
 
 from coati_kto.config.output import OutputSection
 from coati_kto.parallel.masters import gathered_masters
+from coati_kto.trainer.export import merged_over_stages
 
 
 def write_weights(
@@ -28,10 +31,14 @@ def write_weights(
     """Write ``trainer``'s policy (with ``tokenizer``) under ``target``; returns the directory that holds the model
     (``target``, or with ``lora`` the adapters' parent). ``frozen_fp32``: weights no optimizer master holds (a
     vision-language model's frozen tower), added to an fp32 export."""
-    from coati_kto.models.lora import export_lora  # after quiet_known_warnings (coati_kto.recipe.train)
+    from coati_kto.models.lora import base_module, export_lora  # after quiet_known_warnings (coati_kto.recipe.train)
 
     if lora:  # target/adapter (peft) and, with output.merge_lora, target/merged
-        return export_lora(trainer.policy, tokenizer, target, is_main, output.merge_lora)
+        layout, gather = trainer.layout, None
+        if layout.pp_size > 1:  # each stage holds its own layers' adapters
+            module = base_module(trainer.policy)
+            gather = functools.partial(merged_over_stages, module=module, group=layout.pp_group)
+        return export_lora(trainer.policy, tokenizer, target, is_main, output.merge_lora, gather)
     masters = None
     if output.export_dtype == "fp32":
         masters = gathered_masters(trainer.policy, trainer.optimizer)  # a collective: every rank

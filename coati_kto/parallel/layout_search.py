@@ -96,7 +96,7 @@ def candidates(
     stages = {"ddp": [0], "low_level_zero": [1, 2]}.get(base.plugin, [0, 1, 2])
     if base.precision == "fp32" and base.plugin == "hybrid_parallel":
         stages = [0]  # hybrid_parallel's ZeRO needs bf16 / fp16
-    pipelined = pp_axis and base.plugin == "hybrid_parallel" and not lora
+    pipelined = pp_axis and base.plugin == "hybrid_parallel"
     out = []
     for tp in [t for t in tps if gpus % t == 0]:
         sps = [s for s in _divisors(gpus // tp) if (shape.heads // tp) % s == 0] if sp_axis else [1]

@@ -31,6 +31,7 @@ from torch.nn import functional
 
 from coati_kto.data.batch import KTOBatch, TokenView
 from coati_kto.data.packed import count_tokens
+from coati_kto.models.lora import base_module
 from coati_kto.models.pipeline_stage import stage_logps
 from coati_kto.parallel.distributed import ParallelLayout, mean_over_group
 from coati_kto.trainer.loss import estimate_kl_raw, preference_loss
@@ -144,7 +145,7 @@ class PipelinePasses:
     def _kto_criterion(self, records: list, scale: torch.Tensor, count: int) -> Any:
         """The last stage's loss of one micro-batch: its KTO losses summed over valid rows / the step's rows per
         dp rank (``scale``), times ``count`` (the schedule divides each micro-batch's loss by the count)."""
-        module, options = self.policy.unwrap(), self.options
+        module, options = base_module(self.policy), self.options
 
         def criterion(outputs: dict[str, torch.Tensor], micro: dict[str, torch.Tensor]) -> torch.Tensor:
             logps, means = stage_logps(
@@ -169,7 +170,7 @@ class PipelinePasses:
     def _scored(self, model: Any, views: list[TokenView], rows: int, record: list | None = None) -> Any:
         """Per-row completion log-probs [len(views) x rows] fp32 of ``model`` on ``views``: one forward-only run;
         the last stage's result (None on the others). ``record``: the run's logit means, one per view."""
-        module = model.unwrap()
+        module = base_module(model)
         scores: list[torch.Tensor] = []
 
         def criterion(outputs: dict[str, torch.Tensor], micro: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -9,6 +9,7 @@ which is the embedding (one gradient, summed over the two stages). Both runs rea
 tensor's update), every logged train/ and eval/ metric agrees within 1e-5 relative, and the online reference gives
 rewards and KL of exactly 0 at step 1. A pp 2 checkpoint resumes at pp 2 bit for bit and at pp 1 within the bound;
 the export of the pp 2 run is one Hugging Face model; its checkpoint exports on one process as the run saved it.
+LoRA at pp 2: the adapters (every stage's, in one export) equal pp 1's within the bound, and resume bit for bit.
 """
 
 from __future__ import annotations
@@ -103,6 +104,11 @@ def runs(tied_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
     cached = {"reference": "cached"}  # the first run scores the cache, the second reads it (no reference run)
     _train(_config(root, tied_model_dir, 1, "pp1_cached", kto=cached), 1)
     _train(_config(root, tied_model_dir, 2, "pp2_cached", kto=cached), 2)
+    lora = {"lora": {"rank": 4}}  # the online reference is the policy with its adapters off
+    _train(_config(root, tied_model_dir, 1, "pp1_lora", model=lora), 1)
+    _train(_config(root, tied_model_dir, 2, "pp2_lora", model=lora), 2)
+    lora_step1 = str(root / "pp2_lora" / "checkpoints" / "step-1")
+    _train(_config(root, tied_model_dir, 2, "pp2_lora_resumed", model=lora, train={"resume": lora_step1}), 2)
     # `coati-kto export` of the pp 2 run's last checkpoint on one process (its own layout: pp_size 1)
     export = run_cli(["export", str(root / "pp2.yaml"), "plugin.pp_size=1", "--out", str(root / "pp_export")])
     assert export.returncode == 0, export.ranks[0].stderr[-3000:]
@@ -169,3 +175,23 @@ def test_the_pp2_export_reloads_and_scores_as_pp1s(runs: dict[str, Path]) -> Non
             logps = torch.log_softmax(model(ids).logits[0, :-1].float(), -1)
         scores.append(logps.gather(1, ids[0, 1:, None]).sum())
     assert abs(scores[0] - scores[1]) <= 1e-5 * abs(scores[0]), scores
+
+
+ADAPTER = Path("final") / "adapter" / "adapter_model.safetensors"
+
+
+def test_pp2_lora_adapters_equal_pp1(runs: dict[str, Path]) -> None:
+    """LoRA at pp 2: every stage's adapters in the one export (B starts at 0, so each is its own update), equal to
+    pp 1's within the bound; the reference is the policy with its adapters off, through the same stages."""
+    got, want = load_file(runs["pp2_lora"] / ADAPTER), load_file(runs["pp1_lora"] / ADAPTER)
+    assert sorted(got) == sorted(want) and len(want) == 24  # q, k, v, o (A and B each) of 3 layers
+    scale = max(w.abs().max().item() for k, w in want.items() if "lora_B" in k)
+    assert scale > 1e-3
+    errors = {k: (got[k] - w).abs().max().item() / w.abs().max().item() for k, w in want.items()}
+    assert max(errors.values()) < UPDATE_BOUND, errors
+    assert_step1_rewards_and_kl_zero(runs["pp2_lora"])
+
+
+def test_pp2_lora_resume_is_bit_exact(runs: dict[str, Path]) -> None:
+    got, want = load_file(runs["pp2_lora_resumed"] / ADAPTER), load_file(runs["pp2_lora"] / ADAPTER)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

@@ -23,9 +23,15 @@ from colossalai.shardformer.policies.base_policy import ModulePolicyDescription
 from torch import nn
 
 
+def causal_lm(model: nn.Module) -> nn.Module:
+    """The transformers ``...ForCausalLM`` of ``model``, under a LoRA PeftModel too."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def decoder(model: nn.Module) -> nn.Module:
-    """The bare decoder of a ``...ForCausalLM`` (``embed_tokens``, ``layers``, ``norm``, ``rotary_emb``)."""
-    return model.model
+    """The bare decoder of a ``...ForCausalLM`` (``embed_tokens``, ``layers``, ``norm``, ``rotary_emb``), under a
+    LoRA PeftModel too (its LoRA layers are the decoder's own modules, so running them applies the adapters)."""
+    return causal_lm(model).model
 
 
 def stage_ranges(stage_manager: Any, num_layers: int) -> list[tuple[int, int]]:
@@ -47,17 +53,18 @@ def held_modules(model: nn.Module, stage_manager: Any) -> list[nn.Module]:
     for start, end in stage_ranges(stage_manager, len(body.layers)):
         held.extend(body.layers[start:end])
     if stage_manager.is_last_stage(ignore_chunk=True):
-        held += [body.norm, model.lm_head]
+        held += [body.norm, causal_lm(model).lm_head]
     return held
 
 
 def tied_pairs(model: nn.Module, stage_manager: Any) -> list[dict[int, torch.Tensor]]:
     """A tied embedding and LM head live on the first and the last stage: the plugin keeps their gradients
-    equal (summed over the two stages) so both copies take the same update."""
-    embedding = decoder(model).embed_tokens.weight
-    if stage_manager.num_stages < 2 or model.lm_head.weight is not embedding:
+    equal (summed over the two stages) so both copies take the same update. A frozen tie (LoRA's base) has no
+    gradient to sum, and both copies stay as loaded."""
+    embedding, head = decoder(model).embed_tokens.weight, causal_lm(model).lm_head.weight
+    if stage_manager.num_stages < 2 or head is not embedding or not embedding.requires_grad:
         return []
-    return [{0: embedding, stage_manager.num_stages - 1: model.lm_head.weight}]
+    return [{0: embedding, stage_manager.num_stages - 1: head}]
 
 
 def stage_forward(
@@ -139,9 +146,9 @@ class PipelineStages:
             return policy
         forward = partial(stage_forward, stage_manager=stages)
         if stages.is_interleave:
-            stages.stage_indices = stage_ranges(stages, len(self.model.model.layers))
+            stages.stage_indices = stage_ranges(stages, len(decoder(self.model).layers))
         else:
-            forward = partial(forward, stage_index=stage_ranges(stages, len(self.model.model.layers))[0])
+            forward = partial(forward, stage_index=stage_ranges(stages, len(decoder(self.model).layers))[0])
         self.append_or_create_method_replacement({"forward": forward}, policy, causal_lm)  # type: ignore[attr-defined]
         return policy
 

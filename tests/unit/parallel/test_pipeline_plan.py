@@ -162,9 +162,8 @@ def test_the_search_offers_pipeline_stages_at_zero_0_or_1_only() -> None:
     assert {x.zero_stage for x in piped} == {0, 1} and all(x.zero_stage <= 1 for x in piped)
     assert all(x.sp == 1 and x.world == 16 for x in piped)  # no sequence parallelism with pp
     assert (1, 16, 1, 0) in {(x.tp, x.pp, x.dp, x.zero_stage) for x in piped}  # one dp rank: ZeRO runs as 0
-    assert not [
-        x for x in candidates(hybrid, shape, 16, 8, sp_axis=False, lora=True, pp_axis=True) if x.pp > 1
-    ]
+    lora = candidates(hybrid, shape, 16, 8, sp_axis=False, lora=True, pp_axis=True)
+    assert {x.pp for x in lora} == {1, 2, 4, 8, 16} and {x.tp for x in lora} == {1}  # LoRA: tp 1 only
     assert not [x for x in candidates(hybrid, shape, 16, 8, sp_axis=False) if x.pp > 1]  # pp_axis off
     small = dataclasses.replace(shape, layers=3)
     assert {x.pp for x in candidates(hybrid, small, 8, 8, sp_axis=False, pp_axis=True)} == {
@@ -269,7 +268,7 @@ def test_plan_of_a_pipelined_config(tiny_model_dir: Path, tmp_path: Path, capsys
 
 
 def test_the_search_offers_the_pipeline_sizes_config_load_admits() -> None:
-    """Llama and Qwen2 are proven at pp 2 and 4; LoRA is refused with pp; 32B in full with the online reference
+    """Llama and Qwen2 are proven at pp 2 and 4; LoRA's merged export is refused with pp; 32B in full with the online reference
     fits 16 GPUs only with pipeline stages: tp 2 x pp 4 x dp 2 at ZeRO 1, 1F1B over 4 micro-batches, the last
     stage (its 16 layers, the final norm and the head) the peak."""
     from coati_kto.config.load import load_config
@@ -282,7 +281,9 @@ def test_the_search_offers_the_pipeline_sizes_config_load_admits() -> None:
     fits = layouts_that_fit(config, shape, Workload.from_config(config, "llama"), 16, 8, 80)
     assert {f.layout.pp for f in fits} == {1, 2, 4}
     assert _pipeline_admitted(config)
-    assert not _pipeline_admitted(load_config(base, [f"model.path={llama}", "model.lora={rank: 16}"]))
+    assert _pipeline_admitted(load_config(base, [f"model.path={llama}", "model.lora={rank: 16}"]))
+    merged = ["model.lora={rank: 16}", "output.merge_lora=true"]
+    assert not _pipeline_admitted(load_config(base, [f"model.path={llama}", *merged]))
 
     qwen = REPO / "benchmarks" / "model_shapes" / "qwen2.5-32b"
     config = load_config(base, [f"model.path={qwen}"])
