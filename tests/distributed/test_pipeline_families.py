@@ -33,17 +33,19 @@ def _model(built_root: Path, family: str, layers: int = 2) -> Path:
 
 
 @pytest.mark.parametrize(
-    "family, pp",
-    [*((family, 2) for family in FAMILIES), ("llama", 4), ("qwen2", 4)],
-    ids=[*FAMILIES, "llama-pp4", "qwen2-pp4"],
+    "family, pp, kl_scope",
+    [*((family, 2, "step") for family in FAMILIES), ("llama", 4, "step"), ("qwen2", 4, "step")]
+    + [("llama", 2, "micro_batch")],
+    ids=[*FAMILIES, "llama-pp4", "qwen2-pp4", "llama-z0-per-micro-batch"],
 )
-def test_pp_equals_pp1(family: str, pp: int, built_root: Path, tmp_path: Path) -> None:
+def test_pp_equals_pp1(family: str, pp: int, kl_scope: str, built_root: Path, tmp_path: Path) -> None:
     """At pp 4 (4 processes, a 4-layer model: one layer a stage, 4 micro-batches a step) the middle stages only
-    pass hidden states on and their gradients back."""
+    pass hidden states on and their gradients back. ``kto.kl_scope: micro_batch``: one z0 per micro-batch of the
+    schedule run, each its own collective, riding as per-row values."""
     model = _model(built_root, family, pp)
-    train = {"max_steps": 2, "accumulation_steps": pp}
-    _train(_config(tmp_path, model, 1, "pp1", train=train), 1)
-    _train(_config(tmp_path, model, pp, "pp2", train=train), pp)
+    train, kto = {"max_steps": 2, "accumulation_steps": pp}, {"kl_scope": kl_scope}
+    _train(_config(tmp_path, model, 1, "pp1", train=train, kto=kto), 1)
+    _train(_config(tmp_path, model, pp, "pp2", train=train, kto=kto), pp)
     error = update_error(tmp_path / "pp2", tmp_path / "pp1", model)
     assert error < UPDATE_BOUND, error
     assert_step1_rewards_and_kl_zero(tmp_path / "pp2")
