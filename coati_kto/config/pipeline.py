@@ -14,11 +14,12 @@ from typing import Any
 from coati_kto.errors import ConfigError
 from coati_kto.families.splits import check_pipeline_parallel_family, decoder_layers, distribute_layers
 
-# Measured here (docs/pipeline_parallelism.md): ColossalAI 0.5.0's interleaved training run after its forward-only
-# runs (KTO's phase 1) hangs on gloo in the warm-up's send_forward_recv_forward, with overlap_p2p off too.
+# Measured here (docs/pipeline_parallelism.md): ColossalAI 0.5.0's interleaved schedule on gloo (2 stages, 2 chunks,
+# overlap_p2p off) runs the first optimizer step, then hangs in a later run's warm-up send_forward_recv_forward,
+# with or without KTO's forward-only passes before it.
 INTERLEAVED_REFUSAL = (
-    "plugin.pp_style interleaved is not proven: ColossalAI 0.5.0's interleaved schedule hung in its warm-up "
-    "transfers after KTO's forward-only passes (2 stages, 2 chunks, gloo); use plugin.pp_style=1f1b"
+    "plugin.pp_style interleaved is not proven: ColossalAI 0.5.0's interleaved schedule hung in the warm-up "
+    "transfers of the run after the first (2 stages, 2 chunks, gloo); use plugin.pp_style=1f1b"
 )
 
 

@@ -99,8 +99,8 @@ def test_a_valid_pp_config_defaults_zero_to_what_colossalai_allows(
         ),
         (
             ["plugin.pp_style=interleaved", "plugin.num_model_chunks=2"],
-            "plugin.pp_style interleaved is not proven: ColossalAI 0.5.0's interleaved schedule hung in its warm-up "
-            "transfers after KTO's forward-only passes (2 stages, 2 chunks, gloo); use plugin.pp_style=1f1b",
+            "plugin.pp_style interleaved is not proven: ColossalAI 0.5.0's interleaved schedule hung in the warm-up "
+            "transfers of the run after the first (2 stages, 2 chunks, gloo); use plugin.pp_style=1f1b",
         ),
         (
             ["plugin.pp_size=8", "train.accumulation_steps=8"],
