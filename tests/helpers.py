@@ -33,6 +33,18 @@ output:
   dir: out
 """
 
+# A config for ``coati-kto plan`` on a model directory: ``PLAN_CONFIG.format(model=...)``.
+PLAN_CONFIG = """\
+model:
+  path: {model}
+data:
+  train_files: data.jsonl
+  prepared_dir: prepared
+  max_length: 64
+output:
+  dir: out
+"""
+
 
 def write_config(tmp_path: Path, text: str) -> Path:
     """``text`` written to ``tmp_path/cfg.yaml``."""

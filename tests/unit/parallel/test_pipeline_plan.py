@@ -9,6 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from helpers import PLAN_CONFIG
 
 from coati_kto.errors import UserError
 from coati_kto.parallel.activations import Workload, layer_bytes
@@ -229,18 +230,6 @@ def test_the_report_names_the_peak_stage_and_its_p2p_buffers(three_layers: Model
     )
 
 
-CONFIG = """\
-model:
-  path: {model}
-data:
-  train_files: data.jsonl
-  prepared_dir: prepared
-  max_length: 64
-output:
-  dir: out
-"""
-
-
 def test_plan_of_a_pipelined_config(tiny_model_dir: Path, tmp_path: Path, capsys) -> None:
     """The tiny Llama (2 layers, untied) at pp 2 x dp 2, ZeRO 1 (pp's default), 2 micro-batches: stage 1 holds
     1 layer (40,960 + 128), the final norm (64) and the head (32,768): 73,920 parameters; bf16 weights 147,840 B
@@ -248,7 +237,7 @@ def test_plan_of_a_pipelined_config(tiny_model_dir: Path, tmp_path: Path, capsys
     from coati_kto.cli import main
 
     config = tmp_path / "cfg.yaml"
-    config.write_text(CONFIG.format(model=tiny_model_dir))
+    config.write_text(PLAN_CONFIG.format(model=tiny_model_dir))
     assert main(["plan", str(config), "plugin.pp_size=2", "train.accumulation_steps=2", "--gpus", "4"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[1] == "layout: hybrid_parallel bf16, tp 1 x pp 2 1f1b x dp 2, ZeRO-1, on 4 GPU(s), 1 node(s)"

@@ -6,28 +6,19 @@ from pathlib import Path
 
 import pytest
 import yaml
+from helpers import PLAN_CONFIG
 
 from coati_kto.cli import main
 from coati_kto.errors import USER_ERROR_EXIT_CODE
 from coati_kto.recipe.plan import predicted_peak_line
 
 REPO = Path(__file__).resolve().parents[3]
-CONFIG = """\
-model:
-  path: {model}
-data:
-  train_files: data.jsonl
-  prepared_dir: prepared
-  max_length: 64
-output:
-  dir: out
-"""
 
 
 @pytest.fixture
 def config(tmp_path: Path, tiny_model_dir: Path) -> Path:
     path = tmp_path / "cfg.yaml"
-    path.write_text(CONFIG.format(model=tiny_model_dir))
+    path.write_text(PLAN_CONFIG.format(model=tiny_model_dir))
     return path
 
 
