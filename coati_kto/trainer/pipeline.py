@@ -61,10 +61,14 @@ def stacked_views(views: list[TokenView], rows: int) -> dict[str, torch.Tensor]:
     return {key: torch.cat(parts) for key, parts in out.items()}
 
 
-def _filled(values: torch.Tensor, rows: int, fill: float | bool) -> torch.Tensor:
-    """[B] ``values`` extended to ``rows`` with ``fill``."""
-    missing = rows - values.shape[0]
-    return values if not missing else torch.cat([values, values.new_full((missing,), fill)])
+def per_row(batches: list[KTOBatch], rows: int, of: Any, fill: float | bool) -> torch.Tensor:
+    """``of(batch)`` [B] of each batch, extended to ``rows`` with ``fill`` and concatenated: [len(batches) x rows],
+    aligned with :func:`stacked_views`."""
+    parts = []
+    for batch in batches:
+        values = of(batch)
+        parts.append(torch.cat([values, values.new_full((rows - values.shape[0],), fill)]))
+    return torch.cat(parts)
 
 
 class PipelinePasses:
@@ -134,8 +138,8 @@ class PipelinePasses:
         """The last stage's per-row constants of the loss, [count x rows] each: label, validity, the reference
         log-probs (fp32: the criterion reads the schedule's uncast batch) and z0."""
         out = {
-            "label": torch.cat([_filled(b.label.bool(), rows, False) for b in batches]),
-            "valid": torch.cat([_filled(b.valid_rows(), rows, False) for b in batches]),
+            "label": per_row(batches, rows, lambda b: b.label.bool(), False),
+            "valid": per_row(batches, rows, KTOBatch.valid_rows, False),
             "reference_logps": reference,
         }
         if z0 is not None:
@@ -145,26 +149,31 @@ class PipelinePasses:
     def _kto_criterion(self, records: list, scale: torch.Tensor, count: int) -> Any:
         """The last stage's loss of one micro-batch: its KTO losses summed over valid rows / the step's rows per
         dp rank (``scale``), times ``count`` (the schedule divides each micro-batch's loss by the count)."""
-        module, options = base_module(self.policy), self.options
+        module = base_module(self.policy)
 
         def criterion(outputs: dict[str, torch.Tensor], micro: dict[str, torch.Tensor]) -> torch.Tensor:
             logps, means = stage_logps(
                 module, outputs["hidden_states"], micro["input_ids"], micro["loss_mask"], True
             )
-            losses, rewards = preference_loss(
-                options.loss_type,
-                logps,
-                micro["reference_logps"],
-                micro["label"],
-                micro.get("z0"),
-                options.beta,
-                options.desirable_weight,
-                options.undesirable_weight,
-            )
+            losses, rewards = self._loss(logps, micro["reference_logps"], micro["label"], micro.get("z0"))
             records.append((losses.detach(), rewards.detach(), logps.detach(), means))
             return torch.where(micro["valid"], losses, 0.0).sum() / scale * count
 
         return criterion
+
+    def _loss(self, logps: Any, reference: Any, labels: Any, z0: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-row (losses, rewards) of the run's loss type; ``z0`` per row [N], 0-dim, or None."""
+        options = self.options
+        return preference_loss(
+            options.loss_type,
+            logps,
+            reference,
+            labels,
+            z0,
+            options.beta,
+            options.desirable_weight,
+            options.undesirable_weight,
+        )
 
     # ---------------------------------------------------------------- phase 1
     def _scored(self, model: Any, views: list[TokenView], rows: int, record: list | None = None) -> Any:
@@ -192,11 +201,11 @@ class PipelinePasses:
         ones where every batch carries them (no reference run), else two forward-only runs."""
         kl = self.options.needs_kl
         if all(b.reference_logps is not None for b in batches):
-            example = torch.cat([_filled(b.reference_logps.float(), rows, 0.0) for b in batches])
+            example = per_row(batches, rows, lambda b: b.reference_logps.float(), 0.0)
             if not kl:
                 return example, None
             if all(b.reference_kl_logps is not None for b in batches):
-                return example, torch.cat([_filled(b.reference_kl_logps.float(), rows, 0.0) for b in batches])
+                return example, per_row(batches, rows, lambda b: b.reference_kl_logps.float(), 0.0)
         if self.reference is None:
             raise ValueError("no reference model and the batch has no precomputed reference_logps")
         example = self._scored(self.reference, [b.example for b in batches], rows)
@@ -215,7 +224,7 @@ class PipelinePasses:
         stage; recorded in ``sums``."""
         if not self.options.needs_kl:
             return None
-        valid = torch.cat([_filled(b.valid_rows(), rows, False) for b in batches])
+        valid = per_row(batches, rows, KTOBatch.valid_rows, False)
         values, start = [], 0
         for group in groups:
             span = slice(start * rows, (start + len(group)) * rows)
@@ -254,26 +263,18 @@ class PipelinePasses:
         scored = [self._eval_run(run, rows) for run in runs]
         z0 = None
         if self.options.needs_kl:
-            valid = torch.cat([_filled(b.valid_rows(), rows, False) for b in batches])
+            valid = per_row(batches, rows, KTOBatch.valid_rows, False)
             policy_kl = torch.cat([s[2] for s in scored]) if self.last else None
             reference_kl = torch.cat([s[3] for s in scored]) if self.last else None
             z0 = self._z0(policy_kl, reference_kl, valid, slice(None), sums)
         if self.last:
             records = []
             for run, (policy, means, _, _, reference) in zip(runs, scored, strict=True):
-                for i, batch in enumerate(run):
+                labels = per_row(run, rows, lambda b: b.label.bool(), False)
+                losses, rewards = self._loss(policy, reference, labels, z0)
+                for i in range(len(run)):
                     span = slice(i * rows, (i + 1) * rows)
-                    losses, rewards = preference_loss(
-                        self.options.loss_type,
-                        policy[span],
-                        reference[span],
-                        _filled(batch.label.bool(), rows, False),
-                        z0,
-                        self.options.beta,
-                        self.options.desirable_weight,
-                        self.options.undesirable_weight,
-                    )
-                    records.append((losses, rewards, policy[span], means[i]))
+                    records.append((losses[span], rewards[span], policy[span], means[i]))
             self._record(batches, records, sums, train=False)
         return sums
 
