@@ -9,8 +9,9 @@ restricted to a slice, for the families whose decoder is that loop (``PIPELINE_P
 
 Shardformer asks a policy which modules the rank keeps (``get_held_layers``: it frees every other parameter and
 buffer), which parameters two stages share (``get_shared_params``: the tied embedding and LM head, whose
-gradients the plugin sums over their two stages), and swaps the causal LM's forward for the stage forward of
-``coati_kto.models.pipeline_stage`` through a method replacement. Without a stage manager none of this runs.
+gradients the plugin sums over their two stages), and swaps the causal LM's forward for ``stage_forward`` through
+a method replacement; the last stage's criterion scores its hidden states (``coati_kto.models.pipeline_stage``).
+Without a stage manager none of this runs.
 """
 
 from __future__ import annotations
@@ -135,8 +136,8 @@ class PipelineStages:
     model: nn.Module
     pipeline_stage_manager: Any
 
-    def with_stage_forward(self, policy: dict[Any, ModulePolicyDescription], causal_lm: Any) -> dict:
-        """``policy`` with ``causal_lm``'s forward replaced by this rank's stage forward (under a stage manager).
+    def with_stage_forward(self, policy: dict[Any, ModulePolicyDescription], lm_class: Any) -> dict:
+        """``policy`` with ``lm_class``'s forward replaced by this rank's stage forward (under a stage manager).
 
         1F1B: the forward gets its layer range here. Interleaved: the schedule passes ``stage_index`` (the
         chunk's range) at every call, from the stage manager's ``stage_indices`` set here.
@@ -149,7 +150,7 @@ class PipelineStages:
             stages.stage_indices = stage_ranges(stages, len(decoder(self.model).layers))
         else:
             forward = partial(forward, stage_index=stage_ranges(stages, len(decoder(self.model).layers))[0])
-        self.append_or_create_method_replacement({"forward": forward}, policy, causal_lm)  # type: ignore[attr-defined]
+        self.append_or_create_method_replacement({"forward": forward}, policy, lm_class)  # type: ignore[attr-defined]
         return policy
 
     def get_held_layers(self) -> list[nn.Module]:
