@@ -639,7 +639,10 @@ def _case_process(work: Path, name: str, args: argparse.Namespace, started: floa
     cmd += ["--steps", str(args.steps), "--warmup", str(args.warmup)]
     cmd += ["--profile-steps", str(args.profile_steps), "--max-length", str(args.max_length)]
     cmd += [f"--set={item}" for item in args.set] + (["--counts-only"] if args.counts_only else [])
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), *sys.path[1:]]),
+    }  # children import what we import
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(cmd, timeout=left, capture_output=True, text=True, env=env)

@@ -11,8 +11,9 @@ cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
 DEVICE_PYTHON=${DEVICE_PYTHON:-3.12}
 DEVICE_TORCH=${DEVICE_TORCH:-2.11.0}
+DEVICE_CUDA=${DEVICE_CUDA:-13}  # the major of the device torch's CUDA (2.11.0+cu130)
 DEST=${DEST:-.whl/gpu}
-# Not carried (the carry limit is 64 MiB a call, bitsandbytes alone 43 MB): torch and its CUDA libraries; what the
+# Not carried (the carry limit is 64 MiB a call; bitsandbytes is slimmed below): torch and its CUDA libraries; what the
 # lent machines' image holds (/work/.library/device/KINDS.md, 2026-11-17) in versions common.txt admits, so all of
 # it but transformers (5.17 there) and peft (pinned); what neither the run nor the gpu tests import: wandb (optional,
 # logging.wandb), fabric's SSH stack (`colossalai run` only), ruff and shellcheck (lint).
@@ -43,4 +44,23 @@ while read -r pin; do
         "${PLATFORMS[@]}" --platform any -d "$DEST" "$pin" 2>/dev/null ||
         "$PY" -m pip download -q --no-deps --no-binary=:all: -d "$DEST" "$pin"
 done <"$work/pins.txt"
+# bitsandbytes (colossalai's optimizers import galore_torch, which imports it) is 43 MB for one library per CUDA
+# and ROCm release: keep the device's CUDA major's and the CPU's (7 MB), or the carry passes 64 MiB. pip installs a
+# wheel without checking RECORD's hashes; the dropped files leave RECORD too.
+"$PY" - "$DEST" "$DEVICE_CUDA" <<'PYEOF'
+import glob, os, re, sys, zipfile
+dest, cuda = sys.argv[1], sys.argv[2]
+drop = re.compile(rf"libbitsandbytes_(cuda(?!{cuda})\d+|rocm\d+)\.(so|dll|dylib)$")
+for wheel in glob.glob(os.path.join(dest, "bitsandbytes-*.whl")):
+    slim = wheel + ".slim"
+    with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(slim, "w", zipfile.ZIP_DEFLATED) as out:
+        for info in src.infolist():
+            if drop.search(info.filename):
+                continue
+            data = src.read(info)
+            if info.filename.endswith(".dist-info/RECORD"):
+                data = b"\n".join(r for r in data.split(b"\n") if not drop.search(r.split(b",")[0].decode()))
+            out.writestr(info, data)
+    os.replace(slim, wheel)
+PYEOF
 echo "$(find "$DEST" -type f | wc -l) files, $(du -sh "$DEST" | cut -f1) in $DEST (carry it to the GPU machine)"

@@ -211,7 +211,10 @@ def test_fused_rms_norm_runs_torch_cuda_kernels_within_bf16_rounding() -> None:
     for e, f, t in zip(eager, fused, truth, strict=True):
         assert (f.float() - t).abs().mean() <= (e.float() - t).abs().mean() * 1.05
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    assert sum("rms" in name.lower() for name in kernels) >= 2, kernels  # forward and backward kernels
+    # torch's fused rms_norm runs the layer-norm kernels in their rms variant (seen on torch 2.11, H200): one
+    # forward launch, two backward (input, weight); eager's norm launches a kernel per elementwise op
+    compute = [name for name in kernels if not name.startswith("Memcpy")]
+    assert len(compute) <= 3 and sum("norm" in name.lower() for name in compute) >= 2, "\n".join(kernels)
 
 
 @pytest.mark.gpu
