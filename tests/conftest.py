@@ -29,6 +29,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # which import the whole package once; COATI_KTO_FRESH_PROCESSES=1 gives every call fresh processes instead.
 POOL_PRELOAD = ("coati_kto.*",)
 
+# Module fixtures' temporary folders are removed at their teardown (CI ran out of disk keeping them to the end).
+pytest_plugins = ["coati_kto.testing.tmp_cleanup"]
+
 
 def pytest_configure(config: pytest.Config) -> None:
     from coati_kto.testing.distributed import enable_pool
