@@ -9,7 +9,9 @@
 # bench runs its CPU smoke: the plumbing (CI runs this in tests/e2e/test_benchmarks.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-STACK='import colossalai, transformers, datasets, pydantic, coati_kto'
+# colossalai.booster, not colossalai: the booster imports galore_torch and bitsandbytes (a lent H200 once lacked it,
+# and every test failed at its first import instead of here)
+STACK='import colossalai.booster, transformers, datasets, pydantic, coati_kto'
 usable() { command -v "$1" >/dev/null && PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD "$1" -c "$STACK" >/dev/null 2>&1; }
 PY=${GPU_CHECK_PYTHON:-}
 if [ -z "$PY" ]; then
