@@ -16,6 +16,7 @@ from typing import Any
 
 from coati_kto.config.hub import HubDataset, is_hub_dataset, parse_hub_dataset
 from coati_kto.data.formats import LoadResult, RecordError, normalize, show_value, unread_fields
+from coati_kto.data.image_refs import attach_images, undecoded
 from coati_kto.errors import DataError
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -147,6 +148,7 @@ def _table_rows(path: Path, cache_dir: str | None) -> Iterator[tuple[str, Any]]:
 def dataset_rows(ds: Any, name: str) -> Iterator[tuple[str, Any]]:
     """(``name:row N``, record) per row of a ``datasets.Dataset``; a ClassLabel label maps by its class names."""
     label_of = class_label_map(ds, name)  # ClassLabel indices -> bool by the class names
+    ds = undecoded(ds)  # images as their stored bytes, not PIL images
     for i, row in enumerate(ds):
         if label_of is not None and row.get("label") in range(len(label_of)):  # -1: datasets' missing label
             row = {**row, "label": label_of[row["label"]]}
@@ -175,9 +177,11 @@ def load_records(
     on_bad_record: str = "error",
     cache_dir: str | None = None,
     revisions: dict[str, str] | None = None,
+    images: bool = False,
 ) -> LoadResult:
     """Read and validate every record of ``paths``; ``on_bad_record`` is ``"error"`` or ``"skip"``. A Hub
-    dataset is read at the commit ``revisions`` gives for its ``source`` (resolved here when not given)."""
+    dataset is read at the commit ``revisions`` gives for its ``source`` (resolved here when not given).
+    ``images``: image records are read (paths relative to each file's folder), else refused."""
     from coati_kto.data.hub import check, pinned
 
     files = resolve_files(paths, key)
@@ -189,12 +193,16 @@ def load_records(
     )
     for path in files:
         sha = shas.get(path.source) if isinstance(path, HubDataset) else None
+        base = None if isinstance(path, HubDataset) else (path if path.is_dir() else path.parent)
         for source, raw in iter_raw(path, cache_dir, sha):
             try:
                 if isinstance(raw, RecordError):
                     raise raw
-                result.records.extend(normalize(raw, source))
-                for name in unread_fields(raw):  # a "system" field is no system turn: say so
+                records = normalize(raw, source, images)
+                if images:
+                    attach_images(records, raw.get("images"), source, base)
+                result.records.extend(records)
+                for name in unread_fields(raw, images):  # a "system" field is no system turn: say so
                     result.unread_fields[name] = result.unread_fields.get(name, 0) + 1
             except RecordError as bad:
                 if on_bad_record == "error":

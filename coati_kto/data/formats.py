@@ -13,7 +13,9 @@ Record shapes (one JSON object / table row each):
 Messages use ``role``/``content`` or ``from``/``value`` keys (``human`` -> user, ``gpt`` -> assistant); other
 keys (``tool_calls``, ``name``, ...) are kept for the chat template. A completion holds assistant turns only. A
 record's ``tools`` (tool definitions: a list, or a JSON string of one) go to the chat template with its
-messages. Labels are JSON booleans, the integers 0/1 or the floats 1.0/0.0. Text must be valid Unicode (a lone
+messages. Image records (TRL's vision-language format, read only when asked: :func:`normalize`'s ``images``)
+give prompt messages content parts, ``{"type": "image"}`` and ``{"type": "text", "text": ...}``, and an
+``images`` list, checked in :mod:`coati_kto.data.image_refs`; a completion's parts are text only. Labels are JSON booleans, the integers 0/1 or the floats 1.0/0.0. Text must be valid Unicode (a lone
 surrogate, a string cut inside an emoji, is a bad record). Files are found and read in ``files``.
 
 Every problem is a one-line :class:`RecordError` naming ``file:line`` (``file:row N``, 0-based, for tables) and
@@ -59,6 +61,7 @@ class Record:
     source: str
     chat: bool
     tools: list[dict[str, Any]] | None = None  # tool definitions the chat template renders (message records)
+    images: list[bytes] = field(default_factory=list)  # one per image part of the prompt, in order
 
 
 @dataclass
@@ -91,8 +94,26 @@ def _label(raw: dict[str, Any], source: str) -> bool:
     )
 
 
-def _message(raw: Any, source: str, where: str) -> dict[str, Any]:
-    """Normalise one message to ``role``/``content`` (plus any extra keys the template may use)."""
+def _parts(content: list[dict[str, Any]], source: str, where: str) -> list[dict[str, Any]]:
+    """TRL's content parts, checked: ``{"type": "image"}`` or ``{"type": "text", "text": str}`` (the null keys a
+    table adds dropped)."""
+    out = []
+    for i, part in enumerate(content):
+        kind = part.get("type")
+        if kind not in ("image", "text") or (kind == "text" and not isinstance(part.get("text"), str)):
+            raise RecordError(
+                source,
+                f"{where}[{i}]",
+                f"expected {{'type': 'image'}} or {{'type': 'text', 'text': str}}, got {show_value(part)}",
+                "bad_content_part",
+            )
+        out.append({"type": "image"} if kind == "image" else {"type": "text", "text": part["text"]})
+    return out
+
+
+def _message(raw: Any, source: str, where: str, parts: bool = False) -> dict[str, Any]:
+    """Normalise one message to ``role``/``content`` (plus any extra keys the template may use); ``parts``:
+    content parts are read (image records), else refused."""
     if not isinstance(raw, dict):
         raise RecordError(source, where, f"expected a message object, got {show_value(raw)}", "bad_message")
     # Tables (parquet, arrow) give every message all keys seen in the column, the absent ones as None.
@@ -104,27 +125,48 @@ def _message(raw: Any, source: str, where: str) -> dict[str, Any]:
     # OpenAI-style tool calls carry no text; the template renders tool_calls instead.
     if content is None and raw.get("tool_calls"):
         content = ""
-    if isinstance(content, list) and content and all(isinstance(p, dict) and "type" in p for p in content):
+    is_parts = isinstance(content, list) and content
+    if is_parts and all(isinstance(p, dict) and "type" in p for p in content):
         # TRL's vision format: {"type": "image"} / {"type": "text", "text": ...} parts, for vision-language models.
-        kinds = ", ".join(sorted({str(p["type"]) for p in content}))
-        raise RecordError(
-            source,
-            f"{where}.{key}",
-            f"a list of content parts ({kinds}: TRL's vision-language format); coati-kto trains text-only "
-            "models: give the content as one string",
-            "non_string_content",
-        )
-    if not isinstance(content, str):
+        if parts:
+            content = _parts(content, source, f"{where}.{key}")
+        else:
+            kinds = ", ".join(sorted({str(p["type"]) for p in content}))
+            raise RecordError(
+                source,
+                f"{where}.{key}",
+                f"a list of content parts ({kinds}: TRL's vision-language format); image feedback is not "
+                "supported end to end for any model yet: give the content as one string",
+                "non_string_content",
+            )
+    elif not isinstance(content, str):
         problem = "missing" if content is None else f"expected a string, got {show_value(content)}"
         raise RecordError(source, f"{where}.{key}", problem, "non_string_content")
     extra = {k: v for k, v in raw.items() if k not in ("role", "from", "content", "value") and v is not None}
     return {"role": ROLE_ALIASES.get(role.lower(), role.lower()), "content": content, **extra}
 
 
-def _messages(raw: Any, source: str, key: str) -> list[dict[str, Any]]:
+def _messages(raw: Any, source: str, key: str, parts: bool = False) -> list[dict[str, Any]]:
     if not isinstance(raw, list):
         raise RecordError(source, key, f"expected a list of messages, got {show_value(raw)}", "bad_message")
-    return [_message(m, source, f"{key}[{i}]") for i, m in enumerate(raw)]
+    return [_message(m, source, f"{key}[{i}]", parts) for i, m in enumerate(raw)]
+
+
+def _completion_text(reply: list[dict[str, Any]], source: str, key: str, first: int = 0) -> None:
+    """Content parts of completion turns become one string (``first``: the index of ``reply[0]`` in the
+    record's field); an image part there is refused: KTO scores the completion's tokens, an image has none."""
+    for i, message in enumerate(reply, start=first):
+        content = message["content"]
+        if isinstance(content, list):
+            if any(p["type"] == "image" for p in content):
+                raise RecordError(
+                    source,
+                    f"{key}[{i}].content",
+                    "an image part in a completion: KTO scores the completion's tokens and an image has none; "
+                    "put the images in the prompt",
+                    "image_in_completion",
+                )
+            message["content"] = "".join(p["text"] for p in content)
 
 
 def _split_conversation(messages: list[dict[str, Any]], source: str, key: str) -> tuple[list, list]:
@@ -149,7 +191,9 @@ def _check_completion(completion: str | list[dict[str, Any]], source: str, key: 
         raise RecordError(source, key, "empty completion", "empty_completion")
 
 
-def _prompt_and_completion(raw: dict[str, Any], key: str, source: str) -> tuple[Any, Any, bool]:
+def _prompt_and_completion(
+    raw: dict[str, Any], key: str, source: str, parts: bool = False
+) -> tuple[Any, Any, bool]:
     """``raw["prompt"]`` with ``raw[key]`` (completion, chosen or rejected): plain text or messages."""
     prompt, completion = raw["prompt"], raw[key]
     if isinstance(prompt, str) and isinstance(completion, str):
@@ -160,12 +204,13 @@ def _prompt_and_completion(raw: dict[str, Any], key: str, source: str) -> tuple[
         raise RecordError(
             source, key, f"prompt and {key} must both be strings or messages ({kinds})", "mixed"
         )
-    messages = _messages(prompt, source, "prompt")
+    messages = _messages(prompt, source, "prompt", parts)
     if not messages:
         raise RecordError(source, "prompt", "no messages (an empty prompt)", "empty_prompt")
     if isinstance(completion, dict):  # ColossalChat: a single assistant message
         completion = [completion]
-    reply = _messages(completion, source, key)
+    reply = _messages(completion, source, key, parts)
+    _completion_text(reply, source, key)
     if not reply or reply[-1]["role"] != "assistant":
         raise RecordError(
             source, key, "the completion must end with an assistant message", "no_final_assistant"
@@ -210,9 +255,12 @@ def _tools(raw: dict[str, Any], source: str, records: list[Record]) -> list[dict
     return value
 
 
-def normalize(raw: Any, source: str) -> list[Record]:
-    """One raw record -> one Record (two for a preference pair), with its ``tools``; raises RecordError."""
-    records = _normalize(raw, source)
+def normalize(raw: Any, source: str, images: bool = False) -> list[Record]:
+    """One raw record -> one Record (two for a preference pair), with its ``tools``; raises RecordError.
+
+    ``images``: content parts are read (the ``images`` field is then read by
+    :func:`coati_kto.data.image_refs.attach_images`); else they are refused."""
+    records = _normalize(raw, source, images)
     if bad := next(filter(None, (_lone_surrogate(r.prompt, r.completion) for r in records)), None):
         raise RecordError(source, bad[0], bad[1], "bad_text")
     tools = _tools(raw, source, records)
@@ -221,18 +269,19 @@ def normalize(raw: Any, source: str) -> list[Record]:
     return records
 
 
-def unread_fields(raw: dict[str, Any]) -> set[str]:
+def unread_fields(raw: dict[str, Any], images: bool = False) -> set[str]:
     """The fields of a record (normalised without error) that its shape does not read, as ``_normalize`` picks
-    the shape: ids, a ``system`` field, and the prompt/completion of a record that also holds messages."""
+    the shape: ids, a ``system`` field, and the prompt/completion of a record that also holds messages; ``images``
+    unless read (:func:`normalize`'s ``images``)."""
     if "chosen" in raw and "rejected" in raw:
         read = {"prompt", "chosen", "rejected"}
     else:
         key = next((k for k in MESSAGE_LIST_KEYS if k in raw), None)
         read = {key, "label"} if key else {"prompt", "completion", "label"}
-    return set(raw) - read - {"tools"}
+    return set(raw) - read - {"tools"} - ({"images"} if images else set())
 
 
-def _normalize(raw: Any, source: str) -> list[Record]:
+def _normalize(raw: Any, source: str, parts: bool = False) -> list[Record]:
     if not isinstance(raw, dict):
         raise RecordError(source, None, f"expected a JSON object, got {show_value(raw)}", "unknown_format")
     if "chosen" in raw and "rejected" in raw:
@@ -240,9 +289,10 @@ def _normalize(raw: Any, source: str) -> list[Record]:
         for key, label in (("chosen", True), ("rejected", False)):
             where = f"{source} ({key})"
             if "prompt" in raw:
-                prompt, completion, chat = _prompt_and_completion(raw, key, source)
+                prompt, completion, chat = _prompt_and_completion(raw, key, source, parts)
             else:
-                prompt, completion = _split_conversation(_messages(raw[key], source, key), source, key)
+                prompt, completion = _split_conversation(_messages(raw[key], source, key, parts), source, key)
+                _completion_text(completion, source, key, len(prompt))
                 _check_completion(completion, source, key)
                 chat = True
             out.append(Record(prompt, completion, label, where, chat))
@@ -250,12 +300,13 @@ def _normalize(raw: Any, source: str) -> list[Record]:
     for key in MESSAGE_LIST_KEYS:
         if key in raw:
             label = _label(raw, source)
-            prompt, completion = _split_conversation(_messages(raw[key], source, key), source, key)
+            prompt, completion = _split_conversation(_messages(raw[key], source, key, parts), source, key)
+            _completion_text(completion, source, key, len(prompt))
             _check_completion(completion, source, key)
             return [Record(prompt, completion, label, source, True)]
     if "prompt" in raw and "completion" in raw:
         label = _label(raw, source)
-        prompt, completion, chat = _prompt_and_completion(raw, "completion", source)
+        prompt, completion, chat = _prompt_and_completion(raw, "completion", source, parts)
         return [Record(prompt, completion, label, source, chat)]
     keys = ", ".join(sorted(map(str, raw))) or "none"
     raise RecordError(
@@ -277,6 +328,8 @@ def _lone_surrogate(prompt: Any, completion: Any) -> tuple[str, str] | None:
             else [(f"{key}[{i}].content", m.get("content")) for i, m in enumerate(value)]
         )
         for where, text in texts:
+            if isinstance(text, list):  # content parts: their text
+                text = "".join(p.get("text", "") for p in text)
             if not isinstance(text, str):  # a tool-call turn's null content
                 continue
             try:

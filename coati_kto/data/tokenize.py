@@ -49,6 +49,7 @@ from coati_kto.config.hub import hub_problems, looks_like_path, missing_path
 from coati_kto.data.chat import render_chats
 from coati_kto.data.endings import Endings
 from coati_kto.data.formats import RecordError
+from coati_kto.data.images import ImageExpander
 from coati_kto.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -81,9 +82,13 @@ def bos_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     return []
 
 
-def prompt_hash(text: str) -> int:
-    """A stable 63-bit id of a rendered prompt (KL pairs avoid pairing examples with equal prompts)."""
-    return int.from_bytes(hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest(), "little") >> 1
+def prompt_hash(text: str, images: list[bytes] | tuple[bytes, ...] = ()) -> int:
+    """A stable 63-bit id of a rendered prompt and the sha256 of each of its images (KL pairs avoid pairing
+    examples with equal prompts; the same words with other images are another prompt)."""
+    h = hashlib.blake2b(text.encode("utf-8"), digest_size=8)
+    for image in images:
+        h.update(hashlib.sha256(image).digest())
+    return int.from_bytes(h.digest(), "little") >> 1
 
 
 def pad_id(tokenizer: PreTrainedTokenizerBase, vocab_size: int | None = None) -> tuple[int, str]:
@@ -135,15 +140,19 @@ class Encoder:
     """Batched encoder for ``datasets.map``; picklable, so it runs in ``num_proc`` worker processes.
 
     ``stop_ids``: ids that end a chat completion without an added EOS besides the tokenizer's EOS and the
-    template's end of turn (the checkpoint's generation ``eos_token_id``: :func:`~coati_kto.data.endings.generation_eos_ids`)."""
+    template's end of turn (the checkpoint's generation ``eos_token_id``: :func:`~coati_kto.data.endings.generation_eos_ids`).
+    ``processor``: a vision-language processor (its tokenizer is ``tokenizer``): rows of an ``images`` column
+    get their placeholders expanded (:mod:`coati_kto.data.images`)."""
 
     def __init__(
         self,
         tokenizer: PreTrainedTokenizerBase,
         template_kwargs: dict[str, Any] | None = None,
         stop_ids: list[int] | tuple[int, ...] = (),
+        processor: Any = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.images = None if processor is None else ImageExpander(processor)
         self.template_kwargs = template_kwargs or {}
         self.bos = bos_prefix(tokenizer)
         self.endings = Endings(tokenizer, self.template_kwargs, stop_ids)
@@ -239,8 +248,12 @@ class Encoder:
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
         """Columns prompt/completion (JSON message lists when ``chat``)/chat/source/tools (JSON, "" for none) -> prompt_ids,
         completion_ids, prompt_hash, boundary_inside_token, completion_end (:meth:`Endings.end`), error_reason, error (""
-        when the record is fine)."""
+        when the record is fine); with a processor, column images (bytes per row) in, and images, image_tokens
+        (counts per row) out."""
         texts = self._render(batch)
+        images = batch["images"] if self.images is not None else [[]] * len(texts)
+        if self.images is not None:
+            texts = self.images.expand_rows(texts, images, batch["source"])
         bad = {i: t for i, t in enumerate(texts) if isinstance(t, RecordError)}
         prompts = ["" if i in bad else t[0] for i, t in enumerate(texts)]
         completions = ["" if i in bad else t[1] for i, t in enumerate(texts)]
@@ -260,7 +273,10 @@ class Encoder:
             out["prompt_ids"].append(p)
             out["completion_ids"].append(c)
             out["completion_end"].append(how)
-        out["prompt_hash"] = [prompt_hash(p) for p in prompts]
+        out["prompt_hash"] = [prompt_hash(p, i) for p, i in zip(prompts, images, strict=True)]
+        if self.images is not None:
+            out["images"] = [len(i) for i in images]
+            out["image_tokens"] = self.images.image_tokens(out["prompt_ids"])
         out["error_reason"] = [bad[i].reason if i in bad else "" for i in range(len(texts))]
         out["error"] = [str(bad[i]) if i in bad else "" for i in range(len(texts))]
         return out

@@ -121,7 +121,7 @@ BAD = [
             "images": ["cat.png"],
         },
         "field 'prompt[0].content': a list of content parts (image, text: TRL's vision-language format); "
-        "coati-kto trains text-only models: give the content as one string",
+        "image feedback is not supported end to end for any model yet: give the content as one string",
         "non_string_content",
     ),
     ({"text": "hello", "label": True}, "unknown record format (keys: label, text)", "unknown_format"),

@@ -1,0 +1,130 @@
+"""A record's ``images`` (TRL's vision-language format) -> the bytes of each image, checked.
+
+An image reference is one of: a path (relative to the data file's folder, or absolute), raw bytes, or a
+``{"bytes", "path"}`` struct, as ``datasets``' ``Image`` feature stores it in parquet (bytes first, the path
+when the bytes are null). Each image must open and decode with PIL. Every problem is a one-line
+:class:`~coati_kto.data.formats.RecordError` naming the record and the field (``images[i]``).
+
+The number of images must equal the number of ``{"type": "image"}`` parts over the prompt's messages: the
+processor puts the i-th image at the i-th placeholder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from pathlib import Path
+from typing import Any
+
+from PIL import Image, UnidentifiedImageError
+
+from coati_kto.data.formats import Record, RecordError, show_value
+
+# The content-part types a message may hold when images are read (TRL's vision-language format).
+PART_TYPES = ("image", "text")
+
+
+def image_parts(messages: list[dict[str, Any]]) -> int:
+    """The number of ``{"type": "image"}`` parts over ``messages`` (string contents hold none)."""
+    return sum(
+        1
+        for m in messages
+        if isinstance(m.get("content"), list)
+        for part in m["content"]
+        if part.get("type") == "image"
+    )
+
+
+def digest(image: bytes) -> bytes:
+    """The sha256 of an image's bytes: what tells two prompts with the same text and other images apart."""
+    return hashlib.sha256(image).digest()
+
+
+def _reference(ref: Any, source: str, where: str, base: Path | None) -> bytes:
+    """The bytes ``ref`` names (see the module docstring); raises RecordError."""
+    if hasattr(ref, "tolist") and not isinstance(ref, (bytes, bytearray)):  # numpy from a table
+        ref = ref.tolist()
+    if isinstance(ref, dict) and set(ref) <= {"bytes", "path"}:  # datasets' Image feature, undecoded
+        ref = ref.get("bytes") if ref.get("bytes") is not None else ref.get("path")
+    if isinstance(ref, (bytes, bytearray)):
+        return bytes(ref)
+    if not isinstance(ref, str) or not ref:
+        raise RecordError(
+            source,
+            where,
+            f"expected a path, bytes or a {{'bytes', 'path'}} struct, got {show_value(ref)}",
+            "bad_image",
+        )
+    path = Path(ref).expanduser()
+    if not path.is_absolute():
+        if base is None:  # a Hub dataset: no folder to resolve it from
+            raise RecordError(
+                source, where, f"a relative image path {ref!r} in a dataset with no folder", "missing_image"
+            )
+        path = base / path
+    if not path.is_file():
+        raise RecordError(source, where, f"no such image file: {path}", "missing_image")
+    return path.read_bytes()
+
+
+def check_decodes(image: bytes, source: str, where: str) -> None:
+    """Raise RecordError unless PIL opens and decodes ``image`` whole (a truncated file fails in ``load``)."""
+    try:
+        with Image.open(io.BytesIO(image)) as opened:
+            opened.load()
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        if isinstance(err, UnidentifiedImageError):  # its text names the BytesIO object's address
+            first = "no image format PIL knows"
+        raise RecordError(
+            source, where, f"not an image PIL can open ({len(image)} bytes: {first[:120]})", "bad_image"
+        ) from None
+
+
+def read_images(raw: Any, source: str, base: Path | None, parts: int) -> list[bytes]:
+    """The checked bytes of a record's ``images`` field (``raw``: the field, None when absent); ``parts``: the
+    image parts over its prompt's messages, which the count must equal; ``base``: the data file's folder."""
+    if hasattr(raw, "tolist") and not isinstance(raw, (bytes, bytearray)):
+        raw = raw.tolist()
+    refs = [] if raw is None else raw
+    if not isinstance(refs, list):
+        raise RecordError(source, "images", f"expected a list of images, got {show_value(refs)}", "bad_image")
+    if len(refs) != parts:
+        raise RecordError(
+            source,
+            "images",
+            f"{len(refs)} image(s) for {parts} image part(s) in the prompt: each {{'type': 'image'}} part takes "
+            "the next image, in order",
+            "image_count",
+        )
+    out = []
+    for i, ref in enumerate(refs):
+        image = _reference(ref, source, f"images[{i}]", base)
+        check_decodes(image, source, f"images[{i}]")
+        out.append(image)
+    return out
+
+
+def attach_images(records: list[Record], raw: Any, source: str, base: Path | None) -> None:
+    """Set ``images`` of the records one raw record gave (a preference pair's two share one prompt) from its
+    ``images`` field ``raw`` (None when absent); raises RecordError."""
+    count = image_parts(records[0].prompt) if records[0].chat else 0
+    found = read_images(raw, source, base, count)
+    for record in records:
+        record.images = found
+
+
+def undecoded(ds: Any) -> Any:
+    """``ds`` with every ``Image`` column (or list of images) read as ``{"bytes", "path"}`` structs, not PIL
+    images: the bytes are what the records keep (and hash)."""
+    import datasets
+
+    def plain(feature: Any) -> Any:
+        if isinstance(feature, datasets.Image):
+            return datasets.Image(decode=False)
+        if isinstance(feature, (datasets.List, datasets.LargeList)):
+            return type(feature)(plain(feature.feature))
+        return feature
+
+    features = datasets.Features({k: plain(v) for k, v in ds.features.items()})
+    return ds if features == ds.features else ds.cast(features)

@@ -1,0 +1,98 @@
+"""Image records' prompts -> the text the model sees: each image placeholder expanded through the processor.
+
+A chat template renders each ``{"type": "image"}`` part as the family's placeholder (Gemma 3:
+``<start_of_image>``). The processor replaces the i-th placeholder with the i-th image's token run (Gemma 3:
+``"\\n\\n<start_of_image>" + <image_soft_token> x image_seq_length + "<end_of_image>\\n\\n"``). The expansion is
+done on the rendered prompt alone (``processor(text=[prompt], images=..., return_text_replacement_offsets=True)``,
+transformers' public API), so the prompt/completion boundary moves by exactly what the expansion added before it.
+:meth:`coati_kto.data.tokenize.Encoder.split` then tokenizes prompt + completion once, as for text: the stored ids
+equal ``processor(text=[prompt + completion], images=...)["input_ids"]``, and the completion is the same tokens
+with or without the image.
+
+The image token count depends only on the processor's config for Gemma 3; for other families it depends on the
+pixels, so the ids are tied to the bytes prepare saw (the prompt hash holds their digests).
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from coati_kto.data.formats import RecordError
+
+
+def _open(image: bytes) -> Image.Image:
+    with Image.open(io.BytesIO(image)) as opened:
+        opened.load()
+        return opened.copy()
+
+
+class ImageExpander:
+    """Expands the image placeholders of rendered prompts through ``processor`` (picklable, as the Encoder)."""
+
+    def __init__(self, processor: Any) -> None:
+        self.processor = processor
+        self.placeholder: str = processor.image_token
+        tokenizer = processor.tokenizer
+        # Gemma 3's processor names the placeholder (<start_of_image>) its image token; the model's image token
+        # is the tokenizer's soft token, repeated per image.
+        soft = getattr(tokenizer, "image_token_id", None)
+        self.image_token_id = int(soft if soft is not None else processor.image_token_id)
+
+    def expand(self, prompt: str, completion: str, images: list[bytes], source: str) -> str | RecordError:
+        """``prompt`` with its placeholders replaced by the images' token runs; a RecordError when the template
+        rendered another number of placeholders than the record has images, or one in the completion."""
+        rendered = prompt.count(self.placeholder)
+        if rendered != len(images) or self.placeholder in completion:
+            where = (
+                "the completion holds one" if self.placeholder in completion else f"{rendered} in the prompt"
+            )
+            return RecordError(
+                source,
+                "images",
+                f"{len(images)} image(s), but the chat template rendered {self.placeholder!r} placeholders: "
+                f"{where}; use a template that renders each image part as {self.placeholder!r}",
+                "image_placeholders",
+            )
+        if not images:
+            return prompt
+        out = self.processor(
+            text=[prompt], images=[_open(b) for b in images], return_text_replacement_offsets=True
+        )
+        text = prompt
+        for done in sorted(out["text_replacement_offsets"][0], key=lambda r: r["span"][0], reverse=True):
+            start, end = done["span"]
+            text = text[:start] + done["replacement"] + text[end:]
+        return text
+
+    def expand_rows(
+        self, texts: list[tuple[str, str] | RecordError], images: list[list[bytes]], sources: list[str]
+    ) -> list[tuple[str, str] | RecordError]:
+        """:meth:`expand` per rendered row (errors kept in place, new ones put there)."""
+        out: list[tuple[str, str] | RecordError] = []
+        for row, found, source in zip(texts, images, sources, strict=True):
+            if isinstance(row, RecordError):
+                out.append(row)
+                continue
+            expanded = self.expand(row[0], row[1], list(found or []), source)
+            out.append(expanded if isinstance(expanded, RecordError) else (expanded, row[1]))
+        return out
+
+    def image_tokens(self, prompt_ids: list[list[int]]) -> list[int]:
+        """The image (soft) tokens per row."""
+        return [sum(1 for t in ids if t == self.image_token_id) for ids in prompt_ids]
+
+
+def image_stats(images: np.ndarray, image_tokens: np.ndarray, tokens: np.ndarray) -> dict[str, Any]:
+    """stats.json's image entry: records by their number of images, and the image-token share (image tokens /
+    all tokens, over the split)."""
+    counts, rows = np.unique(np.asarray(images, np.int64), return_counts=True)
+    total = int(np.asarray(tokens, np.int64).sum())
+    return {
+        "images_per_record": {str(int(c)): int(n) for c, n in zip(counts, rows, strict=True)},
+        "image_tokens": int(np.asarray(image_tokens, np.int64).sum()),
+        "image_token_share": float(np.asarray(image_tokens, np.int64).sum() / total) if total else 0.0,
+    }
