@@ -149,6 +149,12 @@ def bad_cases(tmp_path: Path) -> list[tuple[dict, str, str]]:
             "'image'} or {'type': 'text', 'text': str}, got {\"type\": \"video\"}",
             "bad_content_part",
         ),
+        (
+            record([], prompt_content=[{"type": "text", "text": "cut \ud83d"}]),
+            "field 'prompt[0].content': not "
+            "valid Unicode: a lone surrogate '\\ud83d' at character 4 (a string cut inside a UTF-16 pair)",
+            "bad_text",
+        ),
     ]
 
 
@@ -175,6 +181,7 @@ def test_bad_images_are_skipped_and_counted(tmp_path: Path) -> None:
         "bad_image": 3,
         "image_in_completion": 1,
         "bad_content_part": 1,
+        "bad_text": 1,
     }
 
 

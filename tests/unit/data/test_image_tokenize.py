@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import pickle
 from pathlib import Path
 
 import numpy as np
@@ -95,6 +96,13 @@ def test_stored_ids_are_the_processors(processor) -> None:
     assert out["images"] == [1, 2]
     assert out["image_tokens"] == [4, 8]
     assert out["completion_end"] == ["stop:<end_of_turn>", "stop:<end_of_turn>"]
+
+
+def test_the_encoder_pickles_with_its_processor(processor) -> None:
+    """prepare tokenizes in data.num_proc worker processes: the Encoder travels pickled."""
+    encoder = Encoder(processor.tokenizer, processor=processor)
+    batch = rows([ASK], [[png((0, 255, 0))]])
+    assert pickle.loads(pickle.dumps(encoder))(batch) == encoder(batch)
 
 
 def test_the_completion_is_unchanged_by_the_image(processor) -> None:
