@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -120,6 +120,7 @@ def model_sequence_logps(
     targets: tuple[torch.Tensor, torch.Tensor] | None = None,
     cache: Any = None,
     position_ids: torch.Tensor | None = None,
+    vision: Mapping[str, Any] | None = None,
 ) -> torch.Tensor:
     """Completion log-probs [B] fp32 of ``model`` on one batch: through ``head`` when given, else the logits.
 
@@ -132,6 +133,9 @@ def model_sequence_logps(
     ``cache``: a transformers KV cache the forward continues from and fills (``coati_kto.models.continuation``),
     with ``position_ids`` [B, S] where the rows do not start at 0. Without it, no cache is kept.
 
+    ``vision``: the view's image keywords, added to the forward's (``coati_kto.models.vision.vision_keywords``: the
+    shared features, the token types; or ``pixel_values`` and the like, which run the tower in this forward).
+
     Either way only the positions from the first completion token on are projected (``logits_to_keep``).
     Shardformer's tensor-parallel forwards ignore or refuse ``logits_to_keep`` and return all S positions; both
     paths read K from the shape they get.
@@ -141,6 +145,8 @@ def model_sequence_logps(
     inputs = forward_inputs(module.config, input_ids=input_ids, attention_mask=attention_mask)
     if position_ids is not None:
         inputs["position_ids"] = position_ids
+    if vision is not None:
+        inputs.update(vision)
     if cache is not None:
         inputs.update(cache=cache, use_cache=True)
     # Shardformer's tensor-parallel forwards swallow logits_to_keep (Llama) or refuse it (Qwen2, Mistral).

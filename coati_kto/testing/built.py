@@ -30,6 +30,7 @@ BUILDER_MODULES = (
     "coati_kto.testing.built",
     "coati_kto.testing.tiny",
     "coati_kto.testing.tiny_types",
+    "coati_kto.testing.tiny_vision",
     "coati_kto.models.tiny",
 )
 LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors")

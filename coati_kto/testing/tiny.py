@@ -167,8 +167,8 @@ FAMILIES: dict[str, tuple[str, str]] = {
     # No tensor-parallel policy (plugin.tp_size 1 only): Gemma 3 4B-27B's composite shape.
     "gemma3_vl": (
         "chatml",
-        "the gemma3 text model behind a SigLIP vision tower (Gemma3ForConditionalGeneration: text config nested, "
-        "tower frozen, its own masks and logits)",
+        "the gemma3 text model behind a SigLIP vision tower and a random projector (Gemma3ForConditionalGeneration: "
+        "text config nested, tower frozen, its own masks and logits)",
     ),
     # transformers 5 only; Llama's module names (families/shardformer/smollm3.py): every plugin.
     "smollm3": ("llama3", "tied embeddings, layers without RoPE (no_rope_layers), grouped-query attention"),
@@ -192,7 +192,10 @@ FAMILIES: dict[str, tuple[str, str]] = {
         "full-attention layers with q/k norms",
     ),
     # The hub checkpoints' classes (Gemma4ForConditionalGeneration, Qwen3_5ForConditionalGeneration) around them.
-    "gemma4_vl": ("chatml", "the gemma4 text model in Gemma4ForConditionalGeneration (no tower by default)"),
+    "gemma4_vl": (
+        "chatml",
+        "the gemma4 text model behind a one-layer Gemma 4 vision tower (Gemma4ForConditionalGeneration)",
+    ),
     "qwen3_5_vl": (
         "chatml",
         "the qwen3_5 text model behind Qwen 3.5's vision tower (Qwen3_5ForConditionalGeneration)",
@@ -273,10 +276,11 @@ def build_family_model(
     import transformers
 
     exact = len(tokenizer)  # odd for the corpus used in tests: padded by shardformer
-    if family == "gemma3_vl":
-        return _vision_language_gemma3(build_family_model("gemma3", tokenizer, seed).config, exact, seed)
-    if family in ("gemma4_vl", "qwen3_5_vl"):
-        return _vision_language(family[: -len("_vl")], tokenizer, seed)
+    if family in ("gemma3_vl", "gemma4_vl", "qwen3_5_vl"):
+        from coati_kto.testing.tiny_vision import build_vision_language
+
+        text = build_family_model(family[: -len("_vl")], tokenizer, seed).config
+        return build_vision_language(family, text, tokenizer, seed)
     common = dict(
         vocab_size=exact,
         num_hidden_layers=1,
@@ -296,41 +300,6 @@ def build_family_model(
         seed,
         **{**common, **specific, **layers},
     )
-
-
-def _vision_language(family: str, tokenizer: PreTrainedTokenizerFast, seed: int) -> PreTrainedModel:
-    """``family``'s hub class (Gemma 4, Qwen 3.5: ``...ForConditionalGeneration``) around ``family``'s tiny text
-    config, its towers as transformers 5.24's default config shrunk (``tiny_types.tiny_config``)."""
-    from coati_kto.families import auto_model_class
-    from coati_kto.testing.tiny_types import tiny_config
-
-    config = tiny_config(family, tokenizer)
-    config.text_config = build_family_model(family, tokenizer, seed).config
-    torch.manual_seed(seed)
-    return auto_model_class(config).from_config(config)
-
-
-def _vision_language_gemma3(text: Any, vocab: int, seed: int) -> PreTrainedModel:
-    """Gemma3ForConditionalGeneration around the ``text`` config, with a one-layer SigLIP tower; its image token
-    lies outside the text vocabulary (as Gemma 3's own does at 262144)."""
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
-
-    vision = SiglipVisionConfig(
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        image_size=28,
-        patch_size=14,
-    )
-    config = Gemma3Config(
-        text_config=text.to_dict(),
-        vision_config=vision.to_dict(),
-        mm_tokens_per_image=4,
-        image_token_index=vocab,
-    )
-    torch.manual_seed(seed)
-    return Gemma3ForConditionalGeneration(config)
 
 
 def save_tiny_family(

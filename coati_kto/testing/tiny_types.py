@@ -176,6 +176,9 @@ TYPE_KEYS: dict[str, dict[str, Any]] = {
         },
     },
     "dots3_note_text": DOTS3_NOTE_TEXT,
+    # Qwen 3.5's tower: one block (the default's 27), its merger projecting into the text model's width (the
+    # default's 3,584 failed the first image forward: "Image features and image tokens do not match").
+    "qwen3_5": {"vision_config": {"depth": 1, "out_hidden_size": SIZES["hidden_size"]}},
     # Gemma 3n: the last 2 of 4 layers reuse the key-value states of the last sliding and full layer before them.
     "gemma3n_text": {
         "num_hidden_layers": 4,
