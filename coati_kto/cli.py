@@ -237,7 +237,9 @@ def _run(args: argparse.Namespace) -> int:
         from coati_kto.data.settings import PrepareSettings
         from coati_kto.data.weights import WeightSettings
 
-        settings = PrepareSettings(config.data, config.model, config.train.seed)
+        # prepare reads image records for a vision-language model; inspect, like train, does not yet.
+        images = args.command == "prepare"
+        settings = PrepareSettings(config.data, config.model, config.train.seed, images)
         weights = WeightSettings(config.kto, config.train.micro_batch_size)
         if args.command == "prepare":
             from coati_kto.data.prepared import prepare

@@ -174,6 +174,32 @@ class TokenCounts:
 
 
 @dataclass(frozen=True)
+class ImageBatch:
+    """A micro-batch's images (issue 49), built by the collator from its rows' image bytes.
+
+    ``pixel_values``: every row's images in row order, as the model's image processor gives them (Gemma 3
+    [N, 3, H, W]); ``image_rows`` [N] long: the row each image belongs to. ``example_token_types`` /
+    ``kl_token_types`` [B, S] long per view: 1 on the image (soft) tokens, 0 elsewhere and on padding. Both
+    views of row i hold prompt i, so they share its images. ``image_position_ids`` (Gemma 4) and
+    ``image_grid_thw`` (Qwen 3.5): the family's extras, None for Gemma 3.
+    """
+
+    pixel_values: torch.Tensor
+    image_rows: torch.Tensor
+    example_token_types: torch.Tensor
+    kl_token_types: torch.Tensor
+    image_position_ids: torch.Tensor | None = None
+    image_grid_thw: torch.Tensor | None = None
+
+    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> ImageBatch:
+        return ImageBatch(**{f.name: _apply(fn, getattr(self, f.name)) for f in fields(self)})
+
+
+def _apply(fn: Callable[[torch.Tensor], torch.Tensor], value: torch.Tensor | None) -> torch.Tensor | None:
+    return None if value is None else fn(value)
+
+
+@dataclass(frozen=True)
 class KTOBatch:
     """One micro-batch: examples, their KL pairs, labels and optional per-row extras ([B] each).
 
@@ -183,7 +209,8 @@ class KTOBatch:
     the host (coati_kto.data.packed; the last two with ``padding_free`` only), ``fold_pays`` whether the
     policy's folded pass processes fewer tokens than its two, and ``kl_continuation`` the KL pairs planned as
     a continuation of the examples' padded forward (None where a row's prompts differ), ``counts`` its valid
-    rows' tokens, counted on the host.
+    rows' tokens, counted on the host. ``images``: the rows' images (:class:`ImageBatch`), None when no row
+    has one.
     """
 
     example: TokenView
@@ -200,6 +227,7 @@ class KTOBatch:
     fold_pays: bool = False
     kl_continuation: KLContinuation | None = None
     counts: TokenCounts | None = None  # host ints: not moved with the tensors
+    images: ImageBatch | None = None
 
     def __len__(self) -> int:
         return int(self.label.shape[0])
@@ -226,7 +254,7 @@ class KTOBatch:
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
                 value = fn(value)
-            elif hasattr(value, "map"):  # TokenView, PackedRows, KLContinuation
+            elif hasattr(value, "map"):  # TokenView, PackedRows, KLContinuation, ImageBatch
                 value = value.map(fn)
             out[f.name] = value
         return KTOBatch(**out)

@@ -11,7 +11,8 @@ from typing import Any
 
 import torch
 
-from coati_kto.data.batch import KTOBatch, TokenView
+from coati_kto.data.batch import ImageBatch, KTOBatch, TokenView
+from coati_kto.data.images import open_image
 from coati_kto.data.packed import counted, fold_pays, plan_continuation, plan_rows, slice_rows
 
 
@@ -53,6 +54,12 @@ class KTOCollator:
     ``"one"`` (one row of exactly the data's tokens) or ``"bins"`` (rows as long as the longest document).
     ``sequence`` (sp_size, sp_rank): under sequence parallelism the examples' and KL pairs' rows become this
     rank's :class:`~coati_kto.data.batch.RowSlice` (``padding_free`` required).
+
+    Image rows (an ``images`` list of bytes, :mod:`coati_kto.data.image_store`): ``image_processor`` (the
+    processor's) runs once over the micro-batch's images, into :class:`~coati_kto.data.batch.ImageBatch`, and
+    every row's ``image_token_id`` count in each view must equal its images' ``image_seq_length`` tokens each
+    (Gemma 3): a processor changed since prepare is one ValueError naming the row. Padded rows only: the packed
+    layouts and sequence parallelism do not take images.
     """
 
     def __init__(
@@ -61,6 +68,9 @@ class KTOCollator:
         pad_to_multiple_of: int | None = None,
         padding_free: str | None = None,
         sequence: tuple[int, int] | None = None,
+        image_processor: Any = None,
+        image_token_id: int | None = None,
+        image_seq_length: int | None = None,
     ) -> None:
         if padding_free not in (None, "one", "bins"):
             raise ValueError(f"padding_free must be None, 'one' or 'bins', got {padding_free!r}")
@@ -72,6 +82,16 @@ class KTOCollator:
         self.pad_to_multiple_of = pad_to_multiple_of
         self.padding_free = padding_free
         self.sequence = sequence if sequence is not None and sequence[0] > 1 else None
+        if image_processor is not None:
+            if padding_free is not None or self.sequence is not None:
+                raise ValueError(
+                    "images need padded rows: padding_free and sequence parallelism do not take them"
+                )
+            if image_token_id is None or image_seq_length is None:
+                raise ValueError("an image_processor needs its image_token_id and image_seq_length")
+        self.image_processor = image_processor
+        self.image_token_id = image_token_id
+        self.image_seq_length = image_seq_length
 
     def _view(self, rows: list[Any], starts: list[int]) -> TokenView:
         return padded_view(rows, starts, self.pad_token_id, self.pad_to_multiple_of)
@@ -117,5 +137,30 @@ class KTOCollator:
             fold_pays=fold,
             # Padded rows only: the continuation extends the examples' padded forward.
             kl_continuation=None if free else plan_continuation(example, kl),
+            images=self._images(features, example, kl) if "images" in first else None,
         )
         return counted(batch)
+
+    def _images(self, features: list[dict], example: TokenView, kl: TokenView) -> ImageBatch | None:
+        """The rows' images through the image processor (None when no row has one), their token types per view,
+        and the count check (see the class docstring)."""
+        if self.image_processor is None:
+            raise ValueError("the rows hold images but the collator has no image_processor")
+        per_row = [list(f["images"] or []) for f in features]
+        views = {}
+        for name, view in (("example", example), ("kl", kl)):
+            types = ((view.input_ids == self.image_token_id) & view.attention_mask.bool()).long()
+            for b, n in enumerate(types.sum(1).tolist()):
+                if n != len(per_row[b]) * self.image_seq_length:
+                    raise ValueError(
+                        f"row {b} ({name} view): {n} image tokens in its ids, but its {len(per_row[b])} image(s) "
+                        f"give {len(per_row[b]) * self.image_seq_length} ({self.image_seq_length} each): the "
+                        "processor changed since the data was prepared; prepare it again"
+                    )
+            views[name] = types
+        if not any(per_row):
+            return None
+        images = [open_image(image) for row in per_row for image in row]
+        pixels = self.image_processor(images=images, return_tensors="pt")["pixel_values"]
+        rows = torch.tensor([b for b, row in enumerate(per_row) for _ in row], dtype=torch.long)
+        return ImageBatch(pixels, rows, views["example"], views["kl"])

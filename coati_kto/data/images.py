@@ -24,7 +24,8 @@ from PIL import Image
 from coati_kto.data.formats import RecordError
 
 
-def _open(image: bytes) -> Image.Image:
+def open_image(image: bytes) -> Image.Image:
+    """The decoded image of ``image``'s bytes (loaded whole, the file closed)."""
     with Image.open(io.BytesIO(image)) as opened:
         opened.load()
         return opened.copy()
@@ -41,6 +42,9 @@ class ImageExpander:
         # is the tokenizer's soft token, repeated per image.
         soft = getattr(tokenizer, "image_token_id", None)
         self.image_token_id = int(soft if soft is not None else processor.image_token_id)
+        # The tokens of an image's run a prompt cut must not reach: the soft token and the family's markers.
+        marks = (getattr(tokenizer, name, None) for name in ("boi_token_id", "eoi_token_id"))
+        self.run_ids = frozenset([self.image_token_id, *(int(m) for m in marks if m is not None)])
 
     def expand(self, prompt: str, completion: str, images: list[bytes], source: str) -> str | RecordError:
         """``prompt`` with its placeholders replaced by the images' token runs; a RecordError when the template
@@ -60,7 +64,7 @@ class ImageExpander:
         if not images:
             return prompt
         out = self.processor(
-            text=[prompt], images=[_open(b) for b in images], return_text_replacement_offsets=True
+            text=[prompt], images=[open_image(b) for b in images], return_text_replacement_offsets=True
         )
         text = prompt
         for done in sorted(out["text_replacement_offsets"][0], key=lambda r: r["span"][0], reverse=True):
@@ -85,6 +89,10 @@ class ImageExpander:
         """The image (soft) tokens per row."""
         return [sum(1 for t in ids if t == self.image_token_id) for ids in prompt_ids]
 
+    def image_starts(self, prompt_ids: list[list[int]]) -> list[int]:
+        """Per row, the position of the first token of its first image's run (the row's length without one)."""
+        return [next((k for k, t in enumerate(ids) if t in self.run_ids), len(ids)) for ids in prompt_ids]
+
 
 def image_stats(images: np.ndarray, image_tokens: np.ndarray, tokens: np.ndarray) -> dict[str, Any]:
     """stats.json's image entry: records by their number of images, and the image-token share (image tokens /
@@ -96,3 +104,13 @@ def image_stats(images: np.ndarray, image_tokens: np.ndarray, tokens: np.ndarray
         "image_tokens": int(np.asarray(image_tokens, np.int64).sum()),
         "image_token_share": float(np.asarray(image_tokens, np.int64).sum() / total) if total else 0.0,
     }
+
+
+def image_cut(
+    p_len: np.ndarray, image_start: np.ndarray, head: np.ndarray, max_prompt_length: int
+) -> np.ndarray:
+    """[n] bool: rows whose prompt, were it cut (its BOS ``head`` kept, then its last ``max_prompt_length -
+    head`` tokens), would lose a token of an image's run. Such a row is dropped: its example or its KL row
+    (another completion, another length) may be cut, and a cut image misaligns the ids and the pixels."""
+    removed_end = p_len - (max_prompt_length - head)
+    return (p_len > max_prompt_length) & (image_start < removed_end)

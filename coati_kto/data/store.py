@@ -7,7 +7,8 @@ Cache: the fingerprint covers the input files (path, size and a hash of the cont
 and mtime, as ``cp -p`` or ``rsync -t`` can, still rebuilds; a Hub dataset by the commit sha its revision
 resolves to, so a new commit on its branch rebuilds and an unchanged one does not), the tokenizer's content
 (vocab, merges, template, special tokens), the settings that change the output (lengths, bad-record and too-long policies,
-eval fraction, seed) and :data:`PIPELINE_VERSION`. Equal fingerprint -> reuse; otherwise rebuild into a
+eval fraction, seed) and :data:`PIPELINE_VERSION`; with image records, the processor's config and every image's
+digest (:mod:`coati_kto.data.image_store`). Equal fingerprint -> reuse; otherwise rebuild into a
 temporary sibling directory that replaces ``prepared_dir`` by rename, so a crash never leaves a half-written
 cache that looks valid.
 
@@ -37,6 +38,7 @@ from coati_kto.data.endings import completion_end_line, generation_eos_ids
 from coati_kto.data.files import load_records, resolve_files
 from coati_kto.data.formats import Record, RecordError
 from coati_kto.data.hub import check as hub_check
+from coati_kto.data.image_store import image_summary, images_fingerprint, load_processor
 from coati_kto.data.settings import PrepareSettings
 from coati_kto.data.tables import (
     build_split,
@@ -110,8 +112,9 @@ def _file_entries(paths: list[str], key: str) -> list[list]:
     return out
 
 
-def fingerprint(settings: PrepareSettings, tokenizer) -> dict[str, Any]:
-    """What the prepared rows depend on, with ``digest`` (16 hex digits) over all of it."""
+def fingerprint(settings: PrepareSettings, tokenizer, processor: Any = None) -> dict[str, Any]:
+    """What the prepared rows depend on, with ``digest`` (16 hex digits) over all of it; ``images`` only where
+    ``processor`` is given and a record holds an image."""
     d = settings.data
     parts = {
         "version": PIPELINE_VERSION,
@@ -122,6 +125,8 @@ def fingerprint(settings: PrepareSettings, tokenizer) -> dict[str, Any]:
         # chat completions ending with one get no EOS
         "generation_eos_ids": generation_eos_ids(settings.model.path),
     }
+    if processor is not None and (images := images_fingerprint(settings, processor, parts)):
+        parts["images"] = images
     parts["digest"] = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
     return parts
 
@@ -161,7 +166,7 @@ def _files_changed(old: list, new: list) -> str:
 
 
 def _changed(old: dict, new: dict) -> str:
-    keys = [k for k in ("version", "tokenizer", "generation_eos_ids") if old.get(k) != new.get(k)]
+    keys = [k for k in ("version", "tokenizer", "generation_eos_ids", "images") if old.get(k) != new.get(k)]
     keys += [
         f"{k}{_files_changed(old.get(k), new[k])}"
         for k in ("train_files", "eval_files")
@@ -199,10 +204,11 @@ def _read_inputs(
     resolved (what the fingerprint names is what is read)."""
     d = settings.data
     shas = {e[0]: e[1] for e in fp["train_files"] + fp["eval_files"] if is_hub_dataset(e[0])}
+    images = "images" in fp
     with progress_bars(False):
-        train_in = load_records(d.train_files, "data.train_files", d.on_bad_record, cache, shas)
+        train_in = load_records(d.train_files, "data.train_files", d.on_bad_record, cache, shas, images)
         eval_in = (
-            load_records(d.eval_files, "data.eval_files", d.on_bad_record, cache, shas)
+            load_records(d.eval_files, "data.eval_files", d.on_bad_record, cache, shas, images)
             if d.eval_files
             else None
         )
@@ -230,7 +236,7 @@ def _read_inputs(
     )
 
 
-def _build(settings: PrepareSettings, tokenizer, fp: dict, target: Path) -> None:
+def _build(settings: PrepareSettings, tokenizer, fp: dict, target: Path, processor: Any = None) -> None:
     """Build everything in a temporary sibling of ``target``, then rename it into place."""
     work = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
@@ -258,7 +264,9 @@ def _build(settings: PrepareSettings, tokenizer, fp: dict, target: Path) -> None
             stats[name] = None
             if records:
                 split_files = files[name] or files["train"]  # eval_fraction: held out of the train files
-                ds, stats[name], bad = build_split(records, tokenizer, settings, work, name, split_files)
+                ds, stats[name], bad = build_split(
+                    records, tokenizer, settings, work, name, split_files, processor
+                )
                 skipped += bad
                 with progress_bars(False):
                     ds.save_to_disk(str(work / name))
@@ -297,7 +305,8 @@ def ensure(settings: PrepareSettings, tokenizer) -> tuple[dict, bool, str]:
     empty and is no coati-kto build (never overwritten).
     """
     target = Path(settings.data.prepared_dir)
-    fp = fingerprint(settings, tokenizer)
+    processor = load_processor(settings)
+    fp = fingerprint(settings, tokenizer, processor)
     old = read_fingerprint(target)
     if old and old.get("digest") == fp["digest"] and (target / "train").is_dir():
         return fp, False, "inputs, tokenizer and settings unchanged"
@@ -309,7 +318,7 @@ def ensure(settings: PrepareSettings, tokenizer) -> tuple[dict, bool, str]:
             "refusing to overwrite it: choose another directory or empty it"
         )
     why = f"changed: {_changed(old, fp)}" if old else "no prepared data yet"
-    _build(settings, tokenizer, fp, target)
+    _build(settings, tokenizer, fp, target, processor if "images" in fp else None)  # None: no record has one
     return fp, True, why
 
 
@@ -348,6 +357,8 @@ def summary(stats: dict, data: DataSection, built: bool, why: str, seconds: floa
             f"KL pairs: {s['kl_pairs']['self_pairs']} self, {s['kl_pairs']['same_prompt_pairs']} same-prompt "
             f"(minimum possible {s['kl_pairs']['min_same_prompt_pairs']})"
         )
+        if line := image_summary(s):
+            lines.append(line)
         if s["boundary_inside_token"]:
             lines.append(
                 f"    {s['boundary_inside_token']} examples have one token spanning the prompt/completion "

@@ -2,7 +2,9 @@
 
 One row per usable example: input_ids, completion_start (first completion token), label (True = desirable),
 kl_input_ids / kl_completion_start (this prompt + the completion of row kl_index), index (row id), kl_index,
-source ("file:line"), length / kl_length (token counts after truncation, for length grouping).
+source ("file:line"), length / kl_length (token counts after truncation, for length grouping). With a
+processor (image records, :mod:`coati_kto.data.image_store`): images (the bytes of the row's prompt's images,
+which its KL row shares) and image_tokens (the image soft tokens in that prompt).
 
 The only disk use is ``datasets``' own: the tokenizing map writes its arrow cache into the build directory the
 caller passes (:mod:`coati_kto.data.store` owns that directory, the fingerprint and stats.json).
@@ -25,6 +27,7 @@ from datasets.table import InMemoryTable
 from coati_kto.config.schema import DataSection
 from coati_kto.data.endings import generation_eos_ids
 from coati_kto.data.formats import Record, RecordError
+from coati_kto.data.images import image_cut, image_stats
 from coati_kto.data.kl_pairs import derangement, pair_stats
 from coati_kto.data.settings import PrepareSettings
 from coati_kto.data.tokenize import Encoder, join_truncated, truncation
@@ -141,12 +144,17 @@ def _percentiles(x: np.ndarray) -> dict[str, float]:
     }
 
 
-def _encode(records: list[Record], tokenizer, settings: PrepareSettings, work: Path, name: str) -> pa.Table:
-    """Render and tokenize in ``data.num_proc`` worker processes (datasets.map); one arrow row per record."""
+def _encode(
+    records: list[Record], tokenizer, settings: PrepareSettings, work: Path, name: str, processor=None
+) -> pa.Table:
+    """Render and tokenize in ``data.num_proc`` worker processes (datasets.map); one arrow row per record. With
+    ``processor``, the image placeholders are expanded and the records' image bytes kept (column image_bytes)."""
     data = settings.data
     procs = min(data.num_proc, max(1, len(records) // MIN_ROWS_PER_PROC))
+    counts = ("images", "image_tokens", "image_start") if processor is not None else ()
     features = datasets.Features(
         {
+            **{c: datasets.Value("int32") for c in counts},
             "label": datasets.Value("bool"),
             "source": datasets.Value("string"),
             "prompt_ids": datasets.List(datasets.Value("int32")),
@@ -166,11 +174,12 @@ def _encode(records: list[Record], tokenizer, settings: PrepareSettings, work: P
             "tools": [json.dumps(r.tools) if r.tools else "" for r in records],
             "label": [r.label for r in records],
             "source": [r.source for r in records],
+            **({"images": [r.images for r in records]} if processor is not None else {}),
         }
     )
     with progress_bars(len(records) >= PROGRESS_MIN_ROWS):
         encoded = records_ds.map(
-            Encoder(tokenizer, data.chat_template_kwargs, generation_eos_ids(settings.model.path)),
+            Encoder(tokenizer, data.chat_template_kwargs, generation_eos_ids(settings.model.path), processor),
             batched=True,
             num_proc=procs if procs > 1 else None,
             remove_columns=["prompt", "completion", "chat", "tools"],
@@ -180,7 +189,10 @@ def _encode(records: list[Record], tokenizer, settings: PrepareSettings, work: P
             load_from_cache_file=False,
             desc=f"tokenizing {name}",
         )
-    return encoded.with_format("arrow")[:]
+    table = encoded.with_format("arrow")[:]
+    if processor is None:
+        return table
+    return table.append_column("image_bytes", pa.array([r.images for r in records], pa.list_(pa.binary())))
 
 
 def _skipped_records(table: pa.Table, on_bad_record: str) -> tuple[np.ndarray, list[RecordError]]:
@@ -207,15 +219,27 @@ class _Fitted:
     c_len: np.ndarray
     keep_p: np.ndarray
     keep_c: np.ndarray
+    image_cut: int = 0
 
 
 DROP_REASON = {"skip": "too_long", "truncate": "no_room_for_completion"}  # stats.json's "dropped" key
+IMAGE_CUT = "image_cut"  # stats.json's "dropped" key: a prompt cut would reach an image's tokens
 
 
-def _fit(table: pa.Table, errors: np.ndarray, d: DataSection) -> _Fitted:
+def _heads(prompts: pa.ListArray, p_len: np.ndarray, bos_id: int | None) -> np.ndarray:
+    """[n] int64: 1 where the prompt starts with ``bos_id`` (a cut keeps it), else 0."""
+    head = np.zeros(len(p_len), np.int64)
+    if bos_id is not None:
+        first = prompts.values.to_numpy(zero_copy_only=False)[prompts.offsets.to_numpy()[:-1][p_len > 0]]
+        head[p_len > 0] = first == bos_id
+    return head
+
+
+def _fit(table: pa.Table, errors: np.ndarray, d: DataSection, bos_id: int | None = None) -> _Fitted:
     """Fit every usable row to ``data.max_length`` as ``data.on_too_long`` says: truncate it (a row with no room
     for a completion token, reachable only when the prompt limit is not below max_length, is dropped), skip it
-    (counted), or raise DataError naming the first one."""
+    (counted), or raise DataError naming the first one. An image row whose prompt cut would reach an image
+    (:func:`~coati_kto.data.images.image_cut`) is dropped and counted under ``image_cut``, whatever the policy."""
     p_len = pc.list_value_length(table.column("prompt_ids")).to_numpy()
     c_len = pc.list_value_length(table.column("completion_ids")).to_numpy()
     keep_p, keep_c = truncation(p_len, c_len, d.max_length, d.max_prompt_length)
@@ -228,8 +252,15 @@ def _fit(table: pa.Table, errors: np.ndarray, d: DataSection) -> _Fitted:
             f"data.max_length {d.max_length} (data.on_too_long: error; truncate or skip it instead)"
         )
     drop = over if d.on_too_long == "skip" else usable & (keep_c == 0)
-    rows = np.flatnonzero(usable & ~drop)
-    return _Fitted(rows, int(drop.sum()), p_len[rows], c_len[rows], keep_p[rows], keep_c[rows])
+    cut = np.zeros_like(drop)
+    if "image_start" in table.column_names:
+        head = _heads(table.column("prompt_ids").combine_chunks(), p_len, bos_id)
+        start = table.column("image_start").to_numpy(zero_copy_only=False)
+        cut = usable & ~drop & image_cut(p_len, start, head, d.max_prompt_length)
+    rows = np.flatnonzero(usable & ~drop & ~cut)
+    return _Fitted(
+        rows, int(drop.sum()), p_len[rows], c_len[rows], keep_p[rows], keep_c[rows], int(cut.sum())
+    )
 
 
 def _split_stats(table: pa.Table, fit: _Fitted, labels: np.ndarray, pi: np.ndarray, d: DataSection) -> dict:
@@ -253,7 +284,9 @@ def _split_stats(table: pa.Table, fit: _Fitted, labels: np.ndarray, pi: np.ndarr
             "kl_prompt": int((kl_keep_p < p_len).sum()),
             "kl_completion": int((kl_keep_c < c_len[pi]).sum()),
         },
-        "dropped": {DROP_REASON[d.on_too_long]: fit.dropped} if fit.dropped else {},
+        "dropped": {
+            k: n for k, n in ((DROP_REASON[d.on_too_long], fit.dropped), (IMAGE_CUT, fit.image_cut)) if n
+        },
         "boundary_inside_token": int(
             table.column("boundary_inside_token").to_numpy(zero_copy_only=False).sum()
         ),
@@ -283,11 +316,11 @@ def _rows(
     kl_keep_p, kl_keep_c = truncation(fit.p_len, fit.c_len[pi], d.max_length, d.max_prompt_length)
     prompts = table.column("prompt_ids").combine_chunks()
     comps = table.column("completion_ids").combine_chunks()
-    first = prompts.values.to_numpy(zero_copy_only=False)[prompts.offsets.to_numpy()[:-1][fit.p_len > 0]]
-    head = np.zeros(len(fit.rows), np.int64)
-    if bos_id is not None:
-        head[fit.p_len > 0] = first == bos_id
+    head = _heads(prompts, fit.p_len, bos_id)
     n = np.arange(len(fit.rows))
+    images = {}
+    if "image_bytes" in table.column_names:  # the row's prompt's images: its KL row (prompt i) uses them too
+        images = {"images": table.column("image_bytes"), "image_tokens": table.column("image_tokens")}
     return pa.table(
         {
             "input_ids": join_truncated(prompts, comps, n, keep_p, keep_c, head),
@@ -300,27 +333,41 @@ def _rows(
             "source": table.column("source"),
             "length": pa.array(keep_p + keep_c, pa.int32()),
             "kl_length": pa.array(kl_keep_p + kl_keep_c, pa.int32()),
+            **images,
         }
     )
 
 
 def build_split(
-    records: list[Record], tokenizer, settings: PrepareSettings, work: Path, name: str, files: list[str]
+    records: list[Record],
+    tokenizer,
+    settings: PrepareSettings,
+    work: Path,
+    name: str,
+    files: list[str],
+    processor=None,
 ) -> tuple[datasets.Dataset, dict, list[RecordError]]:
     """One split (``name``: "train" or "eval", which also seeds its KL pairing): tokenize, drop what cannot fit,
     pair, truncate. Returns (in-memory rows, the split's stats, records skipped here). ``work``: a scratch
-    directory for the tokenizer's arrow cache (the caller deletes it); ``files``: named in errors.
+    directory for the tokenizer's arrow cache (the caller deletes it); ``files``: named in errors; ``processor``:
+    a vision-language processor for image records (the rows then hold their images).
 
     Raises the first bad record (``data.on_bad_record: error``), a too-long example (``data.on_too_long:
     error``) or a split left without both labels, as DataError.
     """
-    table = _encode(records, tokenizer, settings, work, name)
+    table = _encode(records, tokenizer, settings, work, name, processor)
     errors, skipped = _skipped_records(table, settings.data.on_bad_record)
-    fit = _fit(table, errors, settings.data)
+    fit = _fit(table, errors, settings.data, tokenizer.bos_token_id)
     table = table.take(fit.rows)
     labels = table.column("label").to_numpy(zero_copy_only=False).astype(bool)
     require_both_labels(label_counts(labels), files, f"the {name} split", len(skipped))
     pi = derangement(table.column("prompt_hash").to_numpy(), [settings.seed, int(name == "eval")])
     stats = _split_stats(table, fit, labels, pi, settings.data)
+    if processor is not None:
+        stats["images"] = image_stats(
+            table.column("images").to_numpy(),
+            table.column("image_tokens").to_numpy(),
+            fit.keep_p + fit.keep_c,
+        )
     rows = _rows(table, fit, labels, pi, settings.data, tokenizer.bos_token_id)
     return datasets.Dataset(InMemoryTable(rows)), stats, skipped

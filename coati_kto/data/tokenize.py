@@ -249,7 +249,7 @@ class Encoder:
         """Columns prompt/completion (JSON message lists when ``chat``)/chat/source/tools (JSON, "" for none) -> prompt_ids,
         completion_ids, prompt_hash, boundary_inside_token, completion_end (:meth:`Endings.end`), error_reason, error (""
         when the record is fine); with a processor, column images (bytes per row) in, and images, image_tokens
-        (counts per row) out."""
+        (counts per row) and image_start (the first token of the first image's run) out."""
         texts = self._render(batch)
         images = batch["images"] if self.images is not None else [[]] * len(texts)
         if self.images is not None:
@@ -277,6 +277,7 @@ class Encoder:
         if self.images is not None:
             out["images"] = [len(i) for i in images]
             out["image_tokens"] = self.images.image_tokens(out["prompt_ids"])
+            out["image_start"] = self.images.image_starts(out["prompt_ids"])
         out["error_reason"] = [bad[i].reason if i in bad else "" for i in range(len(texts))]
         out["error"] = [str(bad[i]) if i in bad else "" for i in range(len(texts))]
         return out

@@ -1,0 +1,96 @@
+"""What prepare adds for image records (issue 49): the processor, its fingerprint, the image-cut rule, the summary.
+
+Image records are read only where :class:`~coati_kto.data.settings.PrepareSettings` ``images`` is set (``coati-kto
+prepare``) and ``model.path`` is a vision-language model (:func:`coati_kto.families.vision_language`). Elsewhere
+(a text-only model, or ``train`` until the passes take images) they stay refused in one line by
+:mod:`coati_kto.data.formats`.
+
+The prepared rows of an image split hold, besides the text columns, ``images`` (the bytes of the row's prompt's
+images, in order: the KL row uses the same prompt, so the same images) and ``image_tokens`` (the image soft
+tokens in that prompt). The bytes are stored, not pixel values: they are small, and the collator runs the image
+processor per micro-batch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import TYPE_CHECKING, Any
+
+from coati_kto.config.hub import is_hub_dataset
+from coati_kto.data.files import load_records
+from coati_kto.data.image_refs import digest
+from coati_kto.data.tables import progress_bars
+from coati_kto.errors import ConfigError
+
+if TYPE_CHECKING:
+    from coati_kto.data.settings import PrepareSettings
+
+
+def vision_language_model(settings: PrepareSettings) -> bool:
+    """Whether ``model.path`` is a vision-language model (its config read, no weights)."""
+    from transformers import AutoConfig
+
+    from coati_kto.families import vision_language
+
+    model = settings.model
+    return vision_language(AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code))
+
+
+def load_processor(settings: PrepareSettings) -> Any | None:
+    """``model.path``'s processor where image records are read (``settings.images`` and a vision-language
+    model), else None. ConfigError (one line) when it cannot be loaded."""
+    if not settings.images or not vision_language_model(settings):
+        return None
+    from transformers import AutoProcessor
+
+    model = settings.model
+    try:
+        processor = AutoProcessor.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
+    except (OSError, ValueError, ImportError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(
+            f"model.path {model.path}: cannot load its processor for images ({first})"
+        ) from None
+    if getattr(processor, "image_processor", None) is None:
+        raise ConfigError(
+            f"model.path {model.path}: its processor ({type(processor).__name__}) takes no images"
+        )
+    return processor
+
+
+def processor_hash(processor: Any) -> str:
+    """Hash of the processor's config (its image processor's size, ``image_seq_length``...): what decides the
+    image token runs, so a changed one re-prepares."""
+    return hashlib.sha256((type(processor).__name__ + processor.to_json_string()).encode()).hexdigest()
+
+
+def images_fingerprint(settings: PrepareSettings, processor: Any, parts: dict[str, Any]) -> dict | None:
+    """The fingerprint's ``images`` entry: the processor's hash and a digest of every record's images (an image
+    file referenced by path is not one of the data files), or None when no record holds an image (the rows are
+    then the text ones). Reads the records; ``parts``: the fingerprint so far (the Hub commits it resolved)."""
+    d = settings.data
+    shas = {e[0]: e[1] for e in parts["train_files"] + parts["eval_files"] if is_hub_dataset(e[0])}
+    h, found = hashlib.sha256(), 0
+    with progress_bars(False):
+        for files, key in ((d.train_files, "data.train_files"), (d.eval_files, "data.eval_files")):
+            if not files:
+                continue
+            for record in load_records(files, key, d.on_bad_record, None, shas, images=True).records:
+                h.update(json.dumps([record.source, len(record.images)]).encode())
+                for image in record.images:
+                    h.update(digest(image))
+                found += len(record.images)
+    return {"processor": processor_hash(processor), "images": h.hexdigest()} if found else None
+
+
+def image_summary(split: dict[str, Any]) -> str | None:
+    """prepare's line on a split's images (None without image stats)."""
+    images = split.get("images")
+    if not images:
+        return None
+    per = ", ".join(f"{n} with {k}" for k, n in images["images_per_record"].items())
+    return (
+        f"    images per record: {per}; image tokens {images['image_tokens']} "
+        f"({100 * images['image_token_share']:.1f}% of the tokens)"
+    )

@@ -1,0 +1,294 @@
+"""Image records through prepare, the prepared store and the collator (issue 49 step 4, Gemma 3), on the tiny
+Gemma 3 processor (coati_kto.testing.tiny_processors) saved beside a Gemma 3 config (no weights: prepare reads
+none)."""
+
+from __future__ import annotations
+
+import io
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from PIL import Image
+from transformers import Gemma3Config
+
+from coati_kto.config.schema import Config
+from coati_kto.data import store
+from coati_kto.data.collator import KTOCollator
+from coati_kto.data.files import write_jsonl
+from coati_kto.data.formats import RecordError
+from coati_kto.data.images import image_cut
+from coati_kto.data.prepared import prepare
+from coati_kto.data.settings import PrepareSettings
+from coati_kto.data.weights import WeightSettings
+from coati_kto.testing.tiny_processors import gemma3_processor
+
+COLOURS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "white": (255, 255, 255)}
+SOFT = 473  # the tiny tokenizer's <image_soft_token> (test_image_tokenize pins it)
+
+
+def png(colour: tuple[int, int, int], size: int = 32) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", (size, size), colour).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def vl_model_dir(root: Path, **processor_kwargs: int) -> Path:
+    """A folder holding a Gemma 3 (vision-language) config and the tiny processor: what prepare reads."""
+    out = root / "vl-model"
+    processor = gemma3_processor(**processor_kwargs)
+    processor.save_pretrained(out)
+    text = {"vocab_size": len(processor.tokenizer), "hidden_size": 16, "num_hidden_layers": 1}
+    vision = {"hidden_size": 16, "num_hidden_layers": 1, "image_size": 28, "patch_size": 14}
+    config = Gemma3Config(
+        text_config=text, vision_config=vision, image_token_index=SOFT, mm_tokens_per_image=4
+    )
+    config.save_pretrained(out)
+    return out
+
+
+def image_rows(root: Path, image_last: tuple[bool, ...] = (False,) * 8, words: int = 0) -> Path:
+    """8 records, each one image file (a path relative to the data file) and a question (``words`` x "please
+    answer " before it), labels alternating (True first); ``image_last[i]``: record i's image after its text."""
+    rows = []
+    for i, last in enumerate(image_last):
+        name = list(COLOURS)[i % 4]
+        (root / f"{name}.png").write_bytes(png(COLOURS[name]))
+        text = {"type": "text", "text": "please answer " * words + f"What colour is it? ({i})"}
+        ask = [text, {"type": "image"}] if last else [{"type": "image"}, text]
+        rows.append(
+            {
+                "prompt": [{"role": "user", "content": ask}],
+                "completion": [{"role": "assistant", "content": name if i % 2 == 0 else "purple"}],
+                "label": i % 2 == 0,
+                "images": [f"{name}.png"],
+            }
+        )
+    return write_jsonl(rows, root / "train.jsonl")
+
+
+def processor_ids(processor, root: Path, source: str) -> list[int]:
+    """The ids ``processor`` gives record ``source`` (file:line) of ``root``/train.jsonl, prompt and completion."""
+    line = int(source.rsplit(":", 1)[1])
+    record = json.loads((root / "train.jsonl").read_text().splitlines()[line - 1])
+    images = [Image.open(root / name) for name in record["images"]]
+    whole = processor.apply_chat_template(record["prompt"] + record["completion"])
+    return processor(text=[whole], images=images)["input_ids"][0]
+
+
+def settings(root: Path, model: Path, data: Path, images: bool = True, **extra) -> tuple:
+    config = Config.model_validate(
+        {
+            "model": {"path": str(model)},
+            "data": {"train_files": [str(data)], "prepared_dir": str(root / "prepared"), **extra},
+            "train": {"micro_batch_size": 4, "seed": 1},
+            "output": {"dir": str(root / "out")},
+        }
+    )
+    return (
+        PrepareSettings(config.data, config.model, config.train.seed, images),
+        WeightSettings(config.kto, config.train.micro_batch_size),
+    )
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("images")
+    model = vl_model_dir(root)
+    data = image_rows(root)
+    return root, model, data, prepare(*settings(root, model, data))
+
+
+def test_the_store_holds_the_bytes_and_the_processors_ids(built) -> None:
+    root, _, _, out = built
+    processor = gemma3_processor()
+    train = out.train
+    assert len(train) == 8 and {"images", "image_tokens"} <= set(train.column_names)
+    for row in train:
+        line = int(row["source"].rsplit(":", 1)[1])
+        assert row["images"] == [(root / f"{list(COLOURS)[(line - 1) % 4]}.png").read_bytes()]
+        assert row["input_ids"] == processor_ids(processor, root, row["source"])
+        assert row["image_tokens"] == 4 and row["input_ids"].count(SOFT) == 4
+        # The KL row is prompt i (its image tokens too) + another row's completion.
+        assert (
+            row["kl_input_ids"][: row["kl_completion_start"]] == row["input_ids"][: row["completion_start"]]
+        )
+        partner = train[row["kl_index"]]
+        assert (
+            row["kl_input_ids"][row["kl_completion_start"] :]
+            == partner["input_ids"][partner["completion_start"] :]
+        )
+    stats = out.stats["train"]["images"]
+    tokens = sum(len(r) for r in train["input_ids"])
+    assert stats == {"images_per_record": {"1": 8}, "image_tokens": 32, "image_token_share": 32 / tokens}
+    assert set(json.loads((root / "prepared" / "fingerprint.json").read_text())["images"]) == {
+        "processor",
+        "images",
+    }
+
+
+def test_prepare_prints_the_images(built, capsys: pytest.CaptureFixture) -> None:
+    root, model, data, out = built
+    prepare(*settings(root, model, data))  # reused: the same fingerprint
+    printed = capsys.readouterr().out
+    assert printed.startswith(f"reusing {root / 'prepared'} (inputs, tokenizer and settings unchanged")
+    share = 100 * out.stats["train"]["images"]["image_token_share"]
+    assert f"    images per record: 8 with 1; image tokens 32 ({share:.1f}% of the tokens)" in printed
+
+
+def test_the_collated_pixels_are_the_processors(built) -> None:
+    _, _, _, out = built
+    processor = gemma3_processor()
+    collate = KTOCollator(
+        0, image_processor=processor.image_processor, image_token_id=SOFT, image_seq_length=4
+    )
+    rows = [out.train[i] for i in range(4)]
+    batch = collate(rows)
+    own = processor.image_processor(
+        images=[Image.open(io.BytesIO(r["images"][0])) for r in rows], return_tensors="pt"
+    )
+    assert batch.images.pixel_values.shape == (4, 3, 28, 28)
+    assert torch.equal(batch.images.pixel_values, own["pixel_values"])
+    assert batch.images.image_rows.tolist() == [0, 1, 2, 3]
+    ex, kl = batch.images.example_token_types, batch.images.kl_token_types
+    assert ex.sum(1).tolist() == kl.sum(1).tolist() == [4, 4, 4, 4]
+    for b, r in enumerate(rows):
+        start = r["completion_start"]
+        assert torch.equal(ex[b, :start], kl[b, :start])  # both views hold prompt b
+        assert torch.equal(
+            ex[b], (batch.example.input_ids[b] == SOFT).long() * batch.example.attention_mask[b]
+        )
+    moved = batch.to("cpu")
+    assert moved.images is not batch.images and torch.equal(moved.images.pixel_values, own["pixel_values"])
+
+
+def test_a_changed_processor_is_one_error_naming_the_row(built) -> None:
+    _, _, _, out = built
+    processor = gemma3_processor()
+    collate = KTOCollator(
+        0, image_processor=processor.image_processor, image_token_id=SOFT, image_seq_length=8
+    )
+    with pytest.raises(ValueError) as err:
+        collate([out.train[i] for i in range(2)])
+    assert str(err.value) == (
+        "row 0 (example view): 4 image tokens in its ids, but its 1 image(s) give 8 (8 each): the processor "
+        "changed since the data was prepared; prepare it again"
+    )
+
+
+def test_the_collator_refuses_packed_layouts_with_images() -> None:
+    processor = gemma3_processor()
+    for kwargs in ({"padding_free": "one"}, {"padding_free": "bins", "sequence": (2, 0)}):
+        with pytest.raises(ValueError) as err:
+            KTOCollator(
+                0,
+                image_processor=processor.image_processor,
+                image_token_id=SOFT,
+                image_seq_length=4,
+                **kwargs,
+            )
+        assert (
+            str(err.value)
+            == "images need padded rows: padding_free and sequence parallelism do not take them"
+        )
+    with pytest.raises(ValueError) as err:
+        KTOCollator(0)(
+            [
+                {
+                    "input_ids": [1, 2],
+                    "completion_start": 1,
+                    "label": True,
+                    "kl_input_ids": [1, 2],
+                    "kl_completion_start": 1,
+                    "images": [png((0, 0, 0))],
+                }
+            ]
+        )
+    assert str(err.value) == "the rows hold images but the collator has no image_processor"
+
+
+def test_changed_images_or_processor_change_the_fingerprint(tmp_path: Path) -> None:
+    model = vl_model_dir(tmp_path)
+    data = image_rows(tmp_path)
+    prep, _ = settings(tmp_path, model, data)
+    tokenizer = gemma3_processor().tokenizer
+    first = store.fingerprint(prep, tokenizer, store.load_processor(prep))
+    assert store.fingerprint(prep, tokenizer, store.load_processor(prep))["digest"] == first["digest"]
+    (tmp_path / "red.png").write_bytes(png((250, 0, 0)))  # the data file is unchanged
+    second = store.fingerprint(prep, tokenizer, store.load_processor(prep))
+    assert second["train_files"] == first["train_files"]
+    assert second["images"]["processor"] == first["images"]["processor"]
+    assert second["images"]["images"] != first["images"]["images"] and second["digest"] != first["digest"]
+    assert store._changed(first, second) == "images"
+    vl_model_dir(tmp_path, image_seq_length=9)  # another processor config, same folder
+    third = store.fingerprint(prep, tokenizer, store.load_processor(prep))
+    assert third["images"]["processor"] != second["images"]["processor"]
+    # Without the images flag (train, inspect) no processor is loaded and no image is read.
+    assert store.load_processor(replace(prep, images=False)) is None
+
+
+def test_the_image_cut_boundary() -> None:
+    """p_len 58, max_prompt_length 40: with its BOS kept a cut removes tokens [1, 19), without one [0, 18); an
+    image run from there survives (58: no image). A prompt of 40 is never cut."""
+    p_len, start = np.array([58, 58, 58, 58, 40]), np.array([19, 18, 17, 58, 3])
+    assert image_cut(p_len, start, np.ones(5, np.int64), 40).tolist() == [False, True, True, False, False]
+    assert image_cut(p_len, start, np.zeros(5, np.int64), 40).tolist() == [False, False, True, False, False]
+
+
+def test_a_prompt_cut_into_an_image_is_dropped_and_counted(tmp_path: Path, capsys) -> None:
+    """Prompts of 68 tokens cut to 40 (max_length 44): keeping the prompt's end cuts into an image placed first
+    (dropped, counted) but not into one placed last (kept whole)."""
+    model = vl_model_dir(tmp_path)
+    data = image_rows(tmp_path, image_last=(False,) * 4 + (True,) * 4, words=6)
+    out = prepare(*settings(tmp_path, model, data, max_length=44, max_prompt_length=40))
+    split = out.stats["train"]
+    assert split["lengths"]["prompt"]["max"] == 68 and split["dropped"] == {"image_cut": 4}
+    assert split["truncated"]["prompt"] == split["truncated"]["kl_prompt"] == 4
+    assert "dropped: {'image_cut': 4}" in capsys.readouterr().out
+    processor = gemma3_processor()
+    assert [r.rsplit(":", 1)[1] for r in out.train["source"]] == ["5", "6", "7", "8"]
+    for row in out.train:
+        whole = processor_ids(processor, tmp_path, row["source"])
+        start = row["completion_start"]
+        assert start == 40 and row["input_ids"][:start] == whole[:1] + whole[68 - 39 : 68]
+        assert row["input_ids"].count(SOFT) == row["kl_input_ids"].count(SOFT) == 4
+
+
+def test_a_text_only_model_keeps_the_refusal(tmp_path: Path, tiny_model_dir: Path) -> None:
+    data = image_rows(tmp_path)
+    with pytest.raises(RecordError) as err:
+        prepare(*settings(tmp_path, tiny_model_dir, data))
+    assert str(err.value) == (
+        f"{data}:1: field 'prompt[0].content': a list of content parts (image, text: TRL's vision-language "
+        "format); image feedback is not supported end to end for any model yet: give the content as one string"
+    )
+
+
+def test_training_keeps_the_refusal(tmp_path: Path) -> None:
+    """train and inspect build PrepareSettings without images: a vision-language model's image records stay
+    refused there until the passes take images."""
+    model = vl_model_dir(tmp_path)
+    data = image_rows(tmp_path)
+    with pytest.raises(RecordError) as err:
+        prepare(*settings(tmp_path, model, data, images=False))
+    assert str(err.value).endswith(
+        "image feedback is not supported end to end for any model yet: give the content as one string"
+    )
+
+
+def test_the_prepare_command_reads_images(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``coati-kto prepare`` sets PrepareSettings.images (train and inspect do not)."""
+    from coati_kto.cli import main
+
+    cfg = {
+        "model": {"path": str(vl_model_dir(tmp_path))},
+        "data": {"train_files": [str(image_rows(tmp_path))], "prepared_dir": str(tmp_path / "prepared")},
+        "output": {"dir": str(tmp_path / "out")},
+    }
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["prepare", str(tmp_path / "cfg.yaml")]) == 0
+    assert "    images per record: 8 with 1; image tokens 32 (" in capsys.readouterr().out
