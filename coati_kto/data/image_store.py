@@ -28,13 +28,18 @@ if TYPE_CHECKING:
 
 
 def vision_language_model(settings: PrepareSettings) -> bool:
-    """Whether ``model.path`` is a vision-language model (its config read, no weights)."""
+    """Whether ``model.path`` is a vision-language model (its config read, no weights); False where it has no
+    config prepare can read (prepare needs only the tokenizer: the model's own checks come at training)."""
     from transformers import AutoConfig
 
     from coati_kto.families import vision_language
 
     model = settings.model
-    return vision_language(AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code))
+    try:
+        config = AutoConfig.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
+    except (OSError, ValueError, KeyError):
+        return False
+    return vision_language(config)
 
 
 def load_processor(settings: PrepareSettings) -> Any | None:

@@ -292,3 +292,11 @@ def test_the_prepare_command_reads_images(tmp_path: Path, capsys: pytest.Capture
     (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
     assert main(["prepare", str(tmp_path / "cfg.yaml")]) == 0
     assert "    images per record: 8 with 1; image tokens 32 (" in capsys.readouterr().out
+
+
+def test_a_model_folder_without_a_config_reads_no_images(tmp_path: Path) -> None:
+    """prepare needs only a tokenizer: a folder holding no config.json is no vision-language model, no error."""
+    folder = tmp_path / "tokenizer-only"
+    gemma3_processor().tokenizer.save_pretrained(folder)
+    prep, _ = settings(tmp_path, folder, image_rows(tmp_path))
+    assert store.load_processor(prep) is None
