@@ -112,9 +112,8 @@ def test_an_image_changes_the_completion_logits_and_the_tower_is_as_wide_as_the_
     with torch.no_grad():
         logits = [model(input_ids=ids, use_cache=False, **image, **types).logits for image in (first, second)]
         features = image_features(model, VisionInputs(token_types=types.popitem()[1], **first)).pooler_output
-    completion = (
-        ids.shape[1] - len(tokenizer.encode(" red")) - 1
-    )  # from the position predicting its first token
+    # from the position that predicts the completion's first token
+    completion = ids.shape[1] - len(tokenizer.encode(" red")) - 1
     moved = float((logits[0][:, completion:] - logits[1][:, completion:]).abs().max())
     print(f"{family}: another image moves the completion logits by {moved:.3g}")
     assert moved > 1e-3
