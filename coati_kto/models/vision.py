@@ -7,7 +7,8 @@ same weights. The forward then takes the features as ``mm_encoder_outputs`` (:fu
 ``coati_kto.models.lm_head.model_sequence_logps`` as its ``vision``) and gives exactly the logits of the
 ``pixel_values`` forward (tests/unit/models/test_vision_features.py).
 
-What a batch must provide, per view (:class:`VisionInputs`), for the families of :data:`VISION_FAMILIES`:
+What a batch must provide, per view (:class:`VisionInputs`; :func:`view_inputs` reads both from the collated
+``KTOBatch.images``), for the families of :data:`VISION_FAMILIES`:
 - ``pixel_values``: the batch's images in row order, as the family's image processor gives them (Gemma 3
   [N, 3, H, W]; Gemma 4 [N, P, 3·p²]; Qwen 3.5 [Σ patches, C]: dim 0 counts patches, not rows). Both views hold
   the same tensor.
@@ -21,12 +22,15 @@ What a batch must provide, per view (:class:`VisionInputs`), for the families of
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from coati_kto.families import vision_language
 from coati_kto.models.lora import base_module
+
+if TYPE_CHECKING:
+    from coati_kto.data.batch import ImageBatch
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,20 @@ class VisionInputs:
     token_types: torch.Tensor
     image_position_ids: torch.Tensor | None = None
     image_grid_thw: torch.Tensor | None = None
+
+
+def view_inputs(images: ImageBatch) -> dict[str, VisionInputs]:
+    """The example and KL views' inputs of a collated batch's images (``KTOBatch.images``): the same pixels and
+    tower inputs, each view's token types."""
+    shared = dict(
+        pixel_values=images.pixel_values,
+        image_position_ids=images.image_position_ids,
+        image_grid_thw=images.image_grid_thw,
+    )
+    return {
+        "example": VisionInputs(token_types=images.example_token_types, **shared),
+        "kl": VisionInputs(token_types=images.kl_token_types, **shared),
+    }
 
 
 def vision_family(config: Any) -> VisionFamily:

@@ -263,3 +263,66 @@ def test_the_tiny_gemma3_processor_feeds_the_tiny_gemma3_vl_model() -> None:
             for seed in (1, 2)
         ]
     assert float((logits[0][:, -3:] - logits[1][:, -3:]).abs().max()) > 1e-3
+
+
+def test_a_collated_gemma3_batch_gives_both_views_their_log_probs_from_one_tower_pass() -> None:
+    """The data side's collator (KTOCollator with the tiny Gemma 3 processor's image processor) and this side's
+    features: its ``KTOBatch.images`` (``view_inputs``) score both views as the plain ``pixel_values`` forward."""
+    import io
+
+    from coati_kto.models.vision import view_inputs
+    from coati_kto.testing.tiny_processors import gemma3_processor
+
+    processor = gemma3_processor()
+    tokenizer = processor.tokenizer
+    model = build_family_model("gemma3_vl", tokenizer)
+    freeze_vision_tower(model)
+    pngs = []
+    for seed in (1, 2):
+        png = io.BytesIO()
+        _image(seed).save(png, format="PNG")
+        pngs.append(png.getvalue())
+    questions = [
+        f"What colour is {processor.image_token} this?",
+        f"Which colour has {processor.image_token}?",
+    ]
+    prompts = [
+        processor(text=[q], images=[[_image(s)]])["input_ids"][0]
+        for q, s in zip(questions, (1, 2), strict=True)
+    ]
+    answers = [
+        tokenizer.encode(a, add_special_tokens=False) + [tokenizer.eos_token_id]
+        for a in (" red", " a blue one")
+    ]
+    rows = [
+        dict(
+            input_ids=prompts[i] + answers[i],
+            completion_start=len(prompts[i]),
+            label=i == 0,
+            kl_input_ids=prompts[i] + answers[1 - i],
+            kl_completion_start=len(prompts[i]),
+            images=[pngs[i]],
+        )
+        for i in range(2)
+    ]
+    collate = KTOCollator(
+        tokenizer.pad_token_id,
+        image_processor=processor.image_processor,
+        image_token_id=tokenizer.image_token_id,
+        image_seq_length=processor.image_seq_length,
+    )
+    batch = collate(rows)
+    inputs = view_inputs(batch.images)
+    counted = _Counted(model)
+    features = image_features(model, inputs["example"])
+    shared = _logps(model, batch, {n: vision_keywords(model.config, v, features) for n, v in inputs.items()})
+    assert counted.calls == 1
+    with torch.no_grad():
+        plain = _logps(
+            model,
+            batch,
+            {n: {"pixel_values": v.pixel_values, "token_type_ids": v.token_types} for n, v in inputs.items()},
+        )
+    for name in shared:
+        assert torch.equal(shared[name], plain[name])
+    assert not torch.equal(shared["example"], shared["kl"])
