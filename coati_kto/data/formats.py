@@ -135,8 +135,8 @@ def _message(raw: Any, source: str, where: str, parts: bool = False) -> dict[str
             raise RecordError(
                 source,
                 f"{where}.{key}",
-                f"a list of content parts ({kinds}: TRL's vision-language format); image feedback is not "
-                "supported end to end for any model yet: give the content as one string",
+                f"a list of content parts ({kinds}: TRL's vision-language format), read only by coati-kto "
+                "prepare and train for a vision-language model.path (Gemma 3): give the content as one string",
                 "non_string_content",
             )
     elif not isinstance(content, str):

@@ -24,6 +24,7 @@ from coati_kto.data.tables import progress_bars
 from coati_kto.errors import ConfigError
 
 if TYPE_CHECKING:
+    from coati_kto.config.schema import ModelSection
     from coati_kto.data.settings import PrepareSettings
 
 
@@ -47,9 +48,13 @@ def load_processor(settings: PrepareSettings) -> Any | None:
     model), else None. ConfigError (one line) when it cannot be loaded."""
     if not settings.images or not vision_language_model(settings):
         return None
+    return model_processor(settings.model)
+
+
+def model_processor(model: ModelSection) -> Any:
+    """``model.path``'s processor (it must take images); ConfigError (one line) when it cannot be loaded."""
     from transformers import AutoProcessor
 
-    model = settings.model
     try:
         processor = AutoProcessor.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
     except (OSError, ValueError, ImportError) as err:
@@ -62,6 +67,18 @@ def load_processor(settings: PrepareSettings) -> Any | None:
             f"model.path {model.path}: its processor ({type(processor).__name__}) takes no images"
         )
     return processor
+
+
+def collator_images(model: ModelSection) -> dict[str, Any]:
+    """The ``KTOCollator`` keywords of image rows, from ``model.path``'s processor (loaded once): its image
+    processor, the image soft token's id (the tokenizer's, as prepare counted it) and its tokens per image."""
+    processor = model_processor(model)
+    soft = getattr(processor.tokenizer, "image_token_id", None)
+    return {
+        "image_processor": processor.image_processor,
+        "image_token_id": int(soft if soft is not None else processor.image_token_id),
+        "image_seq_length": int(processor.image_seq_length),
+    }
 
 
 def processor_hash(processor: Any) -> str:

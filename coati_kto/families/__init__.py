@@ -219,8 +219,8 @@ def eager_attention_reason(model_dir: str) -> str | None:
 def model_notes(model_dir: str, router_aux_loss_coef: float | str = "auto") -> list[str]:
     """One line each for what training does with ``model_dir``'s config that the user may not expect (read from
     config.json alone): whether an MoE's router load-balancing loss joins the KTO loss
-    (:func:`router_aux_note`), and a vision-language checkpoint (:func:`vision_language`: trained on text, its
-    vision tower frozen)."""
+    (:func:`router_aux_note`), and a vision-language checkpoint (:func:`vision_language`: its language model
+    trained, its vision tower frozen)."""
     raw, notes = _config_json(model_dir), []
     if raw is None:
         return notes
@@ -228,7 +228,8 @@ def model_notes(model_dir: str, router_aux_loss_coef: float | str = "auto") -> l
     if raw.get("vision_config") is not None and raw.get("text_config") is not None:
         notes.append(
             f"note: {model_dir} is a vision-language model ({raw.get('model_type')}): KTO trains its language "
-            "model on text; the vision tower and projector stay frozen and are exported unchanged"
+            "model (on text and image records); the vision tower and projector stay frozen (no gradient, no "
+            "optimizer state) and are exported unchanged"
         )
     return notes
 

@@ -30,7 +30,7 @@ flash_attention_2, and heads neither covers (soft-capped logits), run the padded
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -126,9 +126,11 @@ def padded_attention(model: Any, view: TokenView) -> Any:
     return _by_layer_type(windows, build)
 
 
-def padded_logps(model: Any, view: TokenView, head: LMHead | None) -> torch.Tensor:
+def padded_logps(
+    model: Any, view: TokenView, head: LMHead | None, vision: Mapping[str, Any] | None = None
+) -> torch.Tensor:
     """Completion log-probs [B] fp32 of ``model`` on the right-padded ``view``: its planned completion positions,
-    the mask :func:`padded_attention` gives (graph only under grad)."""
+    the mask :func:`padded_attention` gives (graph only under grad); ``vision``: the view's image keywords."""
     return model_sequence_logps(
         model,
         view.input_ids,
@@ -137,6 +139,7 @@ def padded_logps(model: Any, view: TokenView, head: LMHead | None) -> torch.Tens
         head,
         view.keep,
         view.targets(),
+        vision=vision,
     )
 
 

@@ -134,6 +134,7 @@ def trainer_options(
         pack_reference=kto.pack_reference,
         pack_policy=kto.policy_packing(),
         kl_continuation=kto.kl_continuation,
+        reference_is_policy_weights=config.model.reference_path is None,
         router_aux_loss_coef=kto.router_aux_loss_coef,
         wandb_project=logging.wandb_project,
         wandb_mode=logging.wandb_mode,

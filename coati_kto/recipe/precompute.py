@@ -16,4 +16,4 @@ def precompute(config: Config) -> None:
     init_distributed(timeout_s=config.train.dist_timeout)
     keep_freed_memory()  # scoring on the CPU: freed memory kept for the next batch
     run_data = load_run_data(config)
-    ensure_reference_cache(reference_settings(config), run_data.data, run_data.pad)
+    ensure_reference_cache(reference_settings(config), run_data.data, run_data.pad, run_data.images)

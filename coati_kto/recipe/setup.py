@@ -38,6 +38,7 @@ from coati_kto.models.hf import attention_implementation
 from coati_kto.models.packing import padding_free_rows
 from coati_kto.parallel.distributed import ParallelLayout, init_distributed, on_rank0, seed_everything
 from coati_kto.parallel.plan import ParallelPlan, check_tp_divides_world
+from coati_kto.recipe.images import image_collator
 from coati_kto.recipe.plan import predicted_peak_line
 from coati_kto.reference.settings import ReferenceSettings
 from coati_kto.reference.weights import reference_weights_digest
@@ -61,6 +62,8 @@ class RunData:
     tokenizer: Any
     pad: int  # the pad token id the collator fills with
     pad_note: str | None  # one line when the pad token was chosen here (data.tokenize.pad_id)
+    images: dict[str, Any]  # the collator's image keywords (coati_kto.recipe.images); empty without images
+    image_note: str | None  # one line when image records turn a pass off
 
 
 @dataclass
@@ -85,11 +88,13 @@ def load_run_data(config: Config) -> RunData:
     and the pad token. Every rank calls, in a process group."""
     from coati_kto.data.prepared import load_prepared  # after quiet_known_warnings (coati_kto.recipe.train)
 
-    inputs = PrepareSettings(config.data, config.model, config.train.seed)
+    # Image records are read for a vision-language model, as prepare reads them (coati_kto.data.image_store).
+    inputs = PrepareSettings(config.data, config.model, config.train.seed, images=True)
     data = load_prepared(inputs, WeightSettings(config.kto, config.train.micro_batch_size))
+    images, image_note = image_collator(config, data)  # a setting images cannot run with: refused here
     tokenizer = load_tokenizer(config.model)
     pad, pad_note = pad_id(tokenizer, vocabulary_size(config.model.path, config.model.reference_path))
-    return RunData(data, tokenizer, pad, pad_note)
+    return RunData(data, tokenizer, pad, pad_note, images, image_note)
 
 
 def setup_training(config: Config, heartbeat: Heartbeat | None) -> Run:
@@ -110,7 +115,8 @@ def setup_training(config: Config, heartbeat: Heartbeat | None) -> Run:
     _refuse_changed_contents(config, out_dir / CHECKPOINTS_DIR)
     run_data = load_run_data(config)
     if config.kto.reference == "cached":  # once (all ranks) unless a matching cache exists
-        run_data.data = with_reference_logps(reference_settings(config), run_data.data, run_data.pad)
+        settings = reference_settings(config)
+        run_data.data = with_reference_logps(settings, run_data.data, run_data.pad, run_data.images)
     run = _build_run(config, out_dir, run_data)
     if run.layout.is_main:
         save_config(config, out_dir / CONFIG_FILE)
@@ -122,7 +128,8 @@ def setup_training(config: Config, heartbeat: Heartbeat | None) -> Run:
         stage_note(config),
         pipeline_note(config),
     )
-    notes = (epoch_note, lock_note, run_data.pad_note, attention_note, *layout_notes, memory_note)
+    notes = (epoch_note, lock_note, run_data.pad_note, run_data.image_note, attention_note, *layout_notes)
+    notes += (memory_note,)
     _announce(config, run, notes)
     if run.layout.is_main:  # the plan's peak for this layout (coati_kto.recipe.plan), not kept in the card
         print(predicted_peak_line(config, run.layout.world_size, device_memory()), flush=True)
@@ -183,7 +190,7 @@ def _refuse_changed_contents(config: Config, checkpoints: Path) -> None:
         state = saved_trainer_state(checkpoint)["trainer_state"]
     except FileNotFoundError:
         return
-    inputs = PrepareSettings(config.data, config.model, config.train.seed)
+    inputs = PrepareSettings(config.data, config.model, config.train.seed, images=True)
     data = on_rank0(
         lambda: train_data_digest(fingerprint(inputs, load_tokenizer(inputs.model))), "hash the data"
     )
@@ -204,7 +211,7 @@ def _build_run(config: Config, out_dir: Path, run_data: RunData) -> Run:
     rows = padding_free_rows(config.data, config.model) if plan.pp_size == 1 else None
     # Sequence-parallel peers read the same micro-batch (the loaders go by dp rank) and keep their own slice.
     sequence = (layout.sp_size, layout.sp_rank) if layout.sp_size > 1 else None
-    collator = KTOCollator(run_data.pad, config.data.pad_to_multiple_of, rows, sequence)
+    collator = KTOCollator(run_data.pad, config.data.pad_to_multiple_of, rows, sequence, **run_data.images)
     train_loader, eval_loader = build_loaders(
         data, config.train, config.data.group_by_length, layout, collator
     )

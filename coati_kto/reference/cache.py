@@ -118,9 +118,10 @@ def _why_missing(root: Path, key: dict) -> str:
 
 # ------------------------------------------------------------------------------------------------ public
 def ensure_reference_cache(
-    settings: ReferenceSettings, data: Any, pad_token_id: int
+    settings: ReferenceSettings, data: Any, pad_token_id: int, images: dict[str, Any] | None = None
 ) -> dict[str, np.ndarray]:
-    """The cached reference log-probs {split: float32 [rows, 2]}, computed first when none matches.
+    """The cached reference log-probs {split: float32 [rows, 2]}, computed first when none matches (``images``:
+    the collator's image keywords where the rows hold images; their digests are in the data's fingerprint).
 
     Every rank calls it after ``load_prepared`` (collectives inside). Prints one line on global rank 0.
     """
@@ -153,7 +154,7 @@ def ensure_reference_cache(
                 flush=True,
             )
         start = time.perf_counter()
-        values = score_splits(settings, splits, pad_token_id)
+        values = score_splits(settings, splits, pad_token_id, images)
         if rank == 0:
             _write(directory, key, values, time.perf_counter() - start)
         barrier()
@@ -162,9 +163,11 @@ def ensure_reference_cache(
     return _read(directory, key, rows)
 
 
-def with_reference_logps(settings: ReferenceSettings, data: Any, pad_token_id: int) -> Any:
+def with_reference_logps(
+    settings: ReferenceSettings, data: Any, pad_token_id: int, images: dict[str, Any] | None = None
+) -> Any:
     """``data`` with reference_logps / reference_kl_logps columns (the collator passes them to the trainer)."""
-    values = ensure_reference_cache(settings, data, pad_token_id)
+    values = ensure_reference_cache(settings, data, pad_token_id, images)
     for split in SPLITS:
         ds = getattr(data, split)
         if ds is not None and split in values:

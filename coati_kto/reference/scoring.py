@@ -17,6 +17,7 @@ from coati_kto.models.lm_head import LMHead
 from coati_kto.models.packing import pair_logps
 from coati_kto.reference.settings import ReferenceSettings
 from coati_kto.trainer.scoring_plan import ScoringRules
+from coati_kto.trainer.shared_vision import shared_vision, view_logps
 
 
 def score_rows(
@@ -27,14 +28,16 @@ def score_rows(
     pad_token_id: int,
     kl_continuation: bool = False,
     folds: bool = False,
+    images: dict[str, Any] | None = None,
 ):
     """Reference (example, KL pair) log-probs of ``rows[order]``: float32 [len(order), 2]. No grad.
 
     The KL pairs as the policy's training passes will score them, batch by batch: each batch's scoring plan
     under ``ScoringRules.for_precompute`` (``folds``: ``pack_policy``), continued from the examples' cache or one
     shared-prompt pass. Equal within rounding either way; the same path keeps step-1 KL at 0 where the batches'
-    shapes agree."""
-    collator = KTOCollator(pad_token_id)
+    shapes agree. ``images``: the collator's image keywords (``coati_kto.recipe.images``); a batch with images
+    is scored in two padded passes, as the policy's, with one computation of its image features."""
+    collator = KTOCollator(pad_token_id, **(images or {}))
     head = LMHead.find(model)
     rules = ScoringRules.for_precompute(model, kl_continuation, folds)
     device = next(model.parameters()).device
@@ -46,6 +49,12 @@ def score_rows(
             batch = batch.to(device)
             if plan.reference == "continued":
                 example, kl = continued_logps(model, batch.example, batch.kl_continuation, head)
+            elif plan.reference == "separate":  # images: padded passes (ScoringRules.plan)
+                vision = shared_vision(batch, model, None, None)
+                example, kl = (
+                    view_logps(model, view, head, True, vision.keywords(model, k))
+                    for k, view in ((False, batch.example), (True, batch.kl))
+                )
             else:  # "packed": for_precompute packs the reference's pairs
                 example, kl, _ = pair_logps(model, batch)
             out[s : s + len(example), 0] = example.float().cpu().numpy()
@@ -72,7 +81,10 @@ def _gather_to_rank0(local: np.ndarray, n: int, rank: int, world: int) -> np.nda
 
 
 def score_splits(
-    settings: ReferenceSettings, splits: dict[str, Any], pad_token_id: int
+    settings: ReferenceSettings,
+    splits: dict[str, Any],
+    pad_token_id: int,
+    images: dict[str, Any] | None = None,
 ) -> dict[str, np.ndarray] | None:
     """Every rank scores its share of every split with the reference of ``settings``; rank 0 gets the full arrays
     (others None). The reference is freed before returning: training never holds it."""
@@ -95,6 +107,7 @@ def score_splits(
                 pad_token_id,
                 kl_continuation=settings.kto.kl_continuation,
                 folds=settings.kto.policy_packing(),
+                images=images,
             )
             local = scored[np.argsort(order)]  # back to this rank's row order (rank, rank + world, ...)
             gathered[split] = _gather_to_rank0(local, len(rows), rank, world)

@@ -64,3 +64,15 @@ def save_gemma3_processor(out_dir: str | Path, **kwargs: int) -> Path:
     out = Path(out_dir)
     gemma3_processor(**kwargs).save_pretrained(out)
     return out
+
+
+def write_gemma3_vl(out_dir: str | Path, seed: int = 0) -> Path:
+    """A tiny Gemma 3 vision-language checkpoint in ``out_dir``: the model (``coati_kto.testing.tiny``'s
+    ``gemma3_vl``, its projector random) and :func:`gemma3_processor`, what ``model.path`` of an image run names."""
+    from coati_kto.testing.tiny import build_family_model
+
+    out = Path(out_dir)
+    processor = gemma3_processor()
+    build_family_model("gemma3_vl", processor.tokenizer, seed).save_pretrained(out)
+    processor.save_pretrained(out)
+    return out

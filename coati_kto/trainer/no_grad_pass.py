@@ -12,6 +12,7 @@ import torch
 from coati_kto.data.batch import KTOBatch, TokenCounts
 from coati_kto.models.logit_means import LogitMeans
 from coati_kto.trainer.scoring_plan import ScoringPlan
+from coati_kto.trainer.shared_vision import SharedVision
 
 # A training micro-batch's (losses, rewards, policy log-probs), [B] each.
 Outputs = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -38,6 +39,7 @@ class NoGradPass:
     policy: torch.Tensor | None  # evaluation only: the policy's log-probs, computed without gradient
     aux: torch.Tensor | None = None  # evaluation only: the router loss over the valid examples' tokens (MoE)
     logits: LogitMeans | None = None  # what the policy's pass over the examples recorded (logits/ metrics)
+    vision: SharedVision | None = None  # training: the batch's image features, kept for its gradient pass
 
 
 @dataclass

@@ -42,6 +42,8 @@ class KTOOptions:
         pass into the gradient pass (never under torch DDP: ``ParallelBackend.forward_collectives``). Same rounding caveat.
     kl_continuation: in training where a z0 group is one micro-batch, the policy's KL pass (and the online
         reference's) continues from its examples' KV cache (``coati_kto.models.continuation``); before folding.
+    reference_is_policy_weights: the online reference loads the policy's checkpoint (no ``model.reference_path``):
+        a batch's image features, computed once by the policy's frozen tower, serve the reference too.
     router_aux_loss_coef: ``kto.router_aux_loss_coef``: "auto" (an MoE's own ``router_aux_loss_coef`` when its config
         asks for router logits) or the coefficient of the router load-balancing loss (0: off;
         ``coati_kto.models.router``).
@@ -71,6 +73,7 @@ class KTOOptions:
     pack_reference: bool = False
     pack_policy: bool = False
     kl_continuation: bool = True
+    reference_is_policy_weights: bool = True
     router_aux_loss_coef: float | str = "auto"
     wandb_project: str = "coati-kto"
     wandb_mode: str = "online"

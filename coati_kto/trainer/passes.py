@@ -32,9 +32,9 @@ from coati_kto.models.continuation import (
     continued_logps,
     example_logps_with_cache,
 )
-from coati_kto.models.lm_head import LMHead, model_sequence_logps
+from coati_kto.models.lm_head import LMHead
 from coati_kto.models.logit_means import LogitMeans, recording
-from coati_kto.models.packing import can_pack, example_tokens, packed_logps, padded_logps, pair_logps
+from coati_kto.models.packing import can_pack, example_tokens, packed_logps, pair_logps
 from coati_kto.models.router import RouterLoss
 from coati_kto.models.sequence_packing import sp_packed_logps
 from coati_kto.parallel.distributed import mean_over_group
@@ -44,6 +44,7 @@ from coati_kto.trainer.metrics import StepSums
 from coati_kto.trainer.no_grad_pass import GradientPass, NoGradPass, Outputs
 from coati_kto.trainer.options import KTOOptions
 from coati_kto.trainer.scoring_plan import ScoringPlan, ScoringRules
+from coati_kto.trainer.shared_vision import SharedVision, shared_vision, view_logps
 from coati_kto.trainer.throughput import flop_params, forward_flops, train_flops
 
 
@@ -167,7 +168,7 @@ class KTOPasses:
         policy_logps: torch.Tensor,
     ) -> None:
         """Add a finished micro-batch to ``sums`` (its tokens and model FLOPs counted on the host); drop its batch."""
-        item.batch = None
+        item.batch = item.vision = None
         train = item.plan.train
         grad_flops = train_flops(self._flop_params(self.policy), item.gradient_tokens) if train else 0
         sums.add_host(tokens=item.tokens, flops=item.flops + grad_flops)
@@ -208,7 +209,9 @@ class KTOPasses:
         kl_tokens = counts.kl if plan.policy_kl != "none" else 0  # apo_zero_unpaired: no pass on the KL pairs
         train = plan.train
         with torch.no_grad():
-            reference, reference_kl, ran = self._reference_pair(batch, counts, plan)
+            # A batch's image features, once for all its passes (coati_kto.trainer.shared_vision).
+            vision = shared_vision(batch, self.policy, self.reference, self.options)
+            reference, reference_kl, ran = self._reference_pair(batch, counts, plan, vision)
             # Model FLOPs of the passes that run: the reference unless the batch carries its log-probs, and
             # the policy's no-grad passes (a packed pass counts the shared prompt once).
             flops = forward_flops(self._flop_params(self.reference), ran) if ran else 0.0
@@ -218,7 +221,7 @@ class KTOPasses:
                 routing or contextlib.nullcontext() as routed,
                 recording(None if train else LogitMeans()) as means,
             ):
-                policy, policy_kl, run = self._policy_no_grad(batch, counts, plan)
+                policy, policy_kl, run = self._policy_no_grad(batch, counts, plan, vision)
             flops += forward_flops(self._flop_params(self.policy), run) if run else 0.0
         return NoGradPass(
             plan=plan,
@@ -235,17 +238,18 @@ class KTOPasses:
             policy=policy,
             aux=self._eval_aux(routed, batch, valid, plan) if routing is not None else None,
             logits=means,
+            vision=vision if train else None,
         )
 
     def _policy_no_grad(
-        self, batch: KTOBatch, counts: TokenCounts, plan: ScoringPlan
+        self, batch: KTOBatch, counts: TokenCounts, plan: ScoringPlan, vision: SharedVision | None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
         """The policy's no-grad passes: (examples' log-probs [B] in evaluation else None, KL pairs' [B] unless the
         gradient pass gives them, tokens the valid rows ran); inside the evaluation's router capture."""
         if plan.train:  # the gradient pass gives the KL pairs' log-probs when folded or continued
             if plan.policy_kl != "separate":
                 return None, None, 0
-            return None, self._view_logps(self.policy, batch, plan, kl=True), counts.kl
+            return None, self._view_logps(self.policy, batch, plan, True, vision), counts.kl
         kl = counts.kl if plan.policy_kl != "none" else 0
         if plan.policy_kl == "packed":
             policy, policy_kl, _ = pair_logps(self.policy, batch)
@@ -253,8 +257,8 @@ class KTOPasses:
         if plan.policy_kl != "continued":
             with self._unrecorded():
                 separate = plan.policy_kl == "separate"
-                policy_kl = self._view_logps(self.policy, batch, plan, kl=True) if separate else None
-            return self._view_logps(self.policy, batch, plan, kl=False), policy_kl, counts.example + kl
+                policy_kl = self._view_logps(self.policy, batch, plan, True, vision) if separate else None
+            return self._view_logps(self.policy, batch, plan, False, vision), policy_kl, counts.example + kl
         policy, cache = example_logps_with_cache(self.policy, batch.example, self._lm_head(self.policy))
         policy_kl = self._continued_kl(batch, cache)
         return policy, policy_kl, counts.example + counts.continuation
@@ -312,7 +316,7 @@ class KTOPasses:
                 item.policy_kl = self._continued_kl(batch, cache)
                 item.flops += forward_flops(self._flop_params(self.policy), item.counts.continuation)
             else:
-                policy_logps = self._view_logps(self.policy, batch, plan, kl=False)  # the only graph built
+                policy_logps = self._view_logps(self.policy, batch, plan, False, item.vision)
         if routed is None:
             return policy_logps, None
         if plan.policy_kl == "folded":  # folding needs the collator's pairs (fold_pays is computed from them)
@@ -323,7 +327,7 @@ class KTOPasses:
         return policy_logps, self._router.loss(routed, tokens)
 
     def _reference_pair(
-        self, batch: KTOBatch, counts: TokenCounts, plan: ScoringPlan
+        self, batch: KTOBatch, counts: TokenCounts, plan: ScoringPlan, vision: SharedVision | None
     ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         """(reference log-probs [B], on the KL pairs [B] or None without KL passes, tokens of the valid rows the
         reference processed), by ``plan.reference``: precomputed from the batch (0 tokens), the examples alone,
@@ -334,7 +338,7 @@ class KTOPasses:
             reference_kl = batch.reference_kl_logps.float() if kl else None
             return batch.reference_logps.float(), reference_kl, 0
         if path == "examples":
-            return self._view_logps(self.reference, batch, plan, kl=False), None, counts.example
+            return self._view_logps(self.reference, batch, plan, False, vision), None, counts.example
         both = counts.example + counts.kl
         if path == "continued":
             head, continuation = self._lm_head(self.reference), batch.kl_continuation
@@ -342,17 +346,21 @@ class KTOPasses:
             return example, kl_logps, both - counts.continuation_visible
         if path == "separate":  # two passes (or every token scored)
             views = (False, True)
-            example, kl_logps = (self._view_logps(self.reference, batch, plan, kl=view) for view in views)
+            example, kl_logps = (self._view_logps(self.reference, batch, plan, v, vision) for v in views)
             return example, kl_logps, both
         example, kl_logps, _ = pair_logps(self.reference, batch)
         return example, kl_logps, both - (counts.pairs_shared if self.rules.reference_packs else 0)
 
-    def _view_logps(self, model: Any, batch: KTOBatch, plan: ScoringPlan, kl: bool) -> torch.Tensor:
+    def _view_logps(
+        self, model: Any, batch: KTOBatch, plan: ScoringPlan, kl: bool, vision: SharedVision | None = None
+    ) -> torch.Tensor:
         """Completion log-probs [B] fp32 of ``model`` on the examples or (``kl``) the KL pairs: from the
-        collator's padding-free rows where the plan runs them (coati_kto.data.packed), else the padded view."""
+        collator's padding-free rows where the plan runs them (coati_kto.data.packed), else the padded view (with
+        the batch's shared image features, ``vision``)."""
         rows = plan.rows(batch, kl)
         if rows is None:
-            return self._sequence_logps(model, batch.kl if kl else batch.example)
+            keywords = vision.keywords(model, kl) if vision is not None else None
+            return self._sequence_logps(model, batch.kl if kl else batch.example, keywords)
         if isinstance(rows, RowSlice):  # this rank's columns; one sum over the sp group per pass
             # sp: undo the plugin's average over dp x sp (every sp rank holds the same loss; plan §2c)
             example, kl_logps = sp_packed_logps(
@@ -367,19 +375,12 @@ class KTOPasses:
         example, kl_logps = packed_logps(model, self._lm_head(model), rows, len(batch))
         return kl_logps if kl else example
 
-    def completion_logps(self, model: Any, view: TokenView) -> torch.Tensor:
-        """Completion log-probs [B] fp32 of ``model`` on ``view``, as the eval passes score them (evaluation
-        samples); every rank of a tensor-parallel group calls with the same view."""
-        return self._sequence_logps(model, view)
+    def completion_logps(self, model: Any, view: TokenView, vision: Any = None) -> torch.Tensor:
+        """Completion log-probs [B] fp32 of ``model`` on one padded view (``vision``: its image keywords), as the
+        passes score it (graph only under grad); every rank of a tensor-parallel group calls with the same view."""
+        return view_logps(model, view, self._lm_head(model), self.options.apply_loss_mask, vision)
 
-    def _sequence_logps(self, model: Any, view: TokenView) -> torch.Tensor:
-        """Completion log-probs [B] fp32 of ``model`` on one view of the batch (graph only under grad)."""
-        # apply_loss_mask=False scores every non-padding token (prompt included), as ColossalChat does.
-        if not self.options.apply_loss_mask:
-            return model_sequence_logps(
-                model, view.input_ids, view.attention_mask, view.attention_mask, self._lm_head(model)
-            )
-        return padded_logps(model, view, self._lm_head(model))
+    _sequence_logps = completion_logps
 
     def _flop_params(self, model: Any) -> int:
         """N of ``model`` for the FLOPs count (coati_kto.trainer.throughput), computed once per model."""

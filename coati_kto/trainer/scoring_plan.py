@@ -164,14 +164,17 @@ class ScoringRules:
         pass follows; ``alone``: its z0 group is this micro-batch only.
 
         Raises ValueError when the reference needs a model and there is none."""
-        late = train and alone and self.needs_kl  # the KL pass may run with the gradient pass
+        # A batch with images runs padded passes only: packed rows and the continuation take no images (their
+        # masks and positions know no image block; docs/image_feedback_plan.md §4).
+        padded = batch.images is not None
+        late = train and alone and self.needs_kl and not padded  # the KL pass may run with the gradient pass
         # Folding first where it pays (long prompts, short completions: one pass, the KL completion's few tokens
         # through the backward), else continuing (two passes, the prompt once).
         folded = late and self.folds and batch.fold_pays
         # Evaluation continues wherever it may (no gradient pass to wait for), unless its passes pack.
-        packs = self.needs_kl and self.policy_packs
+        packs = self.needs_kl and self.policy_packs and not padded
         may_continue = (late and not folded) or (not train and not packs and self.needs_kl)
-        continued = may_continue and batch.kl_continuation is not None and self.continues
+        continued = may_continue and batch.kl_continuation is not None and self.continues and not padded
         if not self.needs_kl:
             policy_kl: PolicyKL = "none"
         elif folded:
@@ -183,7 +186,7 @@ class ScoringRules:
         return ScoringPlan(
             train=train,
             policy_kl=policy_kl,
-            reference=self._reference(batch, continued),
+            reference=self._reference(batch, continued, padded),
             reference_model=self.reference_model,
             z0="none"
             if not self.needs_kl
@@ -199,7 +202,7 @@ class ScoringRules:
         that collective, also with an empty group."""
         return self.needs_kl and not any(plan.kl_late for plan in plans)
 
-    def _reference(self, batch: KTOBatch, continued: bool) -> ReferencePath:
+    def _reference(self, batch: KTOBatch, continued: bool, padded: bool) -> ReferencePath:
         """How the reference's log-probs of ``batch`` are had (see :data:`ReferencePath`)."""
         if batch.reference_logps is not None and (not self.needs_kl or batch.reference_kl_logps is not None):
             return "cached"
@@ -209,7 +212,7 @@ class ScoringRules:
             return "examples"
         if continued:  # the policy's path, so step-1 KL is exactly 0
             return "continued"
-        return "packed" if self.pack_reference else "separate"
+        return "packed" if self.pack_reference and not padded else "separate"
 
     def _uses_rows(self, rows: PackedRows | RowSlice | None, batch: KTOBatch) -> bool:
         """Whether a pass runs on the collator's padding-free ``rows``: only with the loss mask, and only where
@@ -218,4 +221,9 @@ class ScoringRules:
         A sequence-parallel slice always runs (the padded view is not split)."""
         if isinstance(rows, RowSlice):
             return True
-        return rows is not None and self.padding_free and rows.input_ids.shape[0] < len(batch)
+        return (
+            rows is not None
+            and batch.images is None
+            and self.padding_free
+            and rows.input_ids.shape[0] < len(batch)
+        )

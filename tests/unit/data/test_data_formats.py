@@ -120,8 +120,9 @@ BAD = [
             "label": True,
             "images": ["cat.png"],
         },
-        "field 'prompt[0].content': a list of content parts (image, text: TRL's vision-language format); "
-        "image feedback is not supported end to end for any model yet: give the content as one string",
+        "field 'prompt[0].content': a list of content parts (image, text: TRL's vision-language format), read "
+        "only by coati-kto prepare and train for a vision-language model.path (Gemma 3): give the content as one "
+        "string",
         "non_string_content",
     ),
     ({"text": "hello", "label": True}, "unknown record format (keys: label, text)", "unknown_format"),

@@ -186,12 +186,13 @@ def test_bad_images_are_skipped_and_counted(tmp_path: Path) -> None:
 
 
 def test_image_records_are_refused_by_default(tmp_path: Path) -> None:
-    """prepare and train read records without images: an image record is still one line there."""
+    """load_records reads no images unless asked (a text-only model, inspect): an image record is one line."""
     (tmp_path / "a.png").write_bytes(png((255, 0, 0)))
     path = write_jsonl([record(["a.png"])], tmp_path / "train.jsonl")
     with pytest.raises(DataError) as info:
         load_records([str(path)])
     assert str(info.value) == (
         f"{path}:1: field 'prompt[0].content': a list of content parts (image, text: TRL's vision-language "
-        "format); image feedback is not supported end to end for any model yet: give the content as one string"
+        "format), read only by coati-kto prepare and train for a vision-language model.path (Gemma 3): give the "
+        "content as one string"
     )

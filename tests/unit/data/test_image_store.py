@@ -264,24 +264,26 @@ def test_a_text_only_model_keeps_the_refusal(tmp_path: Path, tiny_model_dir: Pat
         prepare(*settings(tmp_path, tiny_model_dir, data))
     assert str(err.value) == (
         f"{data}:1: field 'prompt[0].content': a list of content parts (image, text: TRL's vision-language "
-        "format); image feedback is not supported end to end for any model yet: give the content as one string"
+        "format), read only by coati-kto prepare and train for a vision-language model.path (Gemma 3): give the "
+        "content as one string"
     )
 
 
-def test_training_keeps_the_refusal(tmp_path: Path) -> None:
-    """train and inspect build PrepareSettings without images: a vision-language model's image records stay
-    refused there until the passes take images."""
+def test_inspect_keeps_the_refusal(tmp_path: Path) -> None:
+    """inspect builds PrepareSettings without images: a vision-language model's image records stay refused
+    there."""
     model = vl_model_dir(tmp_path)
     data = image_rows(tmp_path)
     with pytest.raises(RecordError) as err:
         prepare(*settings(tmp_path, model, data, images=False))
     assert str(err.value).endswith(
-        "image feedback is not supported end to end for any model yet: give the content as one string"
+        "read only by coati-kto prepare and train for a vision-language model.path (Gemma 3): give the content "
+        "as one string"
     )
 
 
 def test_the_prepare_command_reads_images(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """``coati-kto prepare`` sets PrepareSettings.images (train and inspect do not)."""
+    """``coati-kto prepare`` sets PrepareSettings.images (train does too, inspect does not)."""
     from coati_kto.cli import main
 
     cfg = {
