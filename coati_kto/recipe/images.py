@@ -53,7 +53,7 @@ def image_refusal(config: Config) -> str | None:
         ),
         (
             wants_compile(config.model.compile),
-            f"model.compile {config.model.compile}",
+            f"model.compile {str(config.model.compile).lower()}",
             "compiled layers",
             "false",
         ),

@@ -1,0 +1,210 @@
+"""Image feedback end to end (issue 49, Gemma 3): a TRL image dataset (content parts, images as relative PNG
+paths) on the tiny Gemma 3 VL model and its processor (coati_kto.testing.tiny_processors.write_gemma3_vl),
+through the real ``coati-kto`` commands on the default plugin (hybrid_parallel, ZeRO 2), fp32, SGD (a wrong
+gradient scale shows in the weights):
+
+- prepare, then train 3 steps on one process: step 1's rewards and KL are exactly 0 (the online reference shares
+  the policy's image features), and the default ``kto.kl_continuation`` falls back to the padded KL pass, said
+  once;
+- a resume from step 1 ends bit for bit where the uninterrupted run did;
+- 2 processes (ZeRO 2 over dp 2) equal one process within fp32 summation order (same_seed_runs' bounds);
+- the cached reference (scored with the images) logs the online run's metrics;
+- final/ reloads with AutoProcessor and AutoModelForImageTextToText and scores the eval split as the run's last
+  evaluation did.
+
+One module fixture: one prepare and four training launches of a few seconds each (the suite's time budget).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from PIL import Image
+from safetensors.torch import load_file
+from same_seed_runs import (
+    UPDATE_BOUND,
+    assert_same_metrics,
+    assert_step1_rewards_and_kl_zero,
+    logged_metrics,
+    sgd_train,
+)
+from same_seed_runs import final_weights as _weights
+
+from coati_kto.testing.cli import run_cli
+from coati_kto.testing.tiny_processors import write_gemma3_vl
+
+COLOURS = {"red": (230, 20, 20), "green": (20, 200, 40), "blue": (30, 40, 220), "yellow": (240, 230, 30)}
+FALLBACK = (
+    "kto.kl_continuation: off for image records (the KL pairs run their own padded pass with the images)"
+)
+
+
+def _records(root: Path, n: int, offset: int, name: str) -> Path:
+    """``n`` TRL records (an image part then a question; images as paths relative to the data file), labels
+    alternating: the right colour or the next one."""
+    (root / "images").mkdir(exist_ok=True)
+    names = list(COLOURS)
+    lines = []
+    for i in range(offset, offset + n):
+        colour = names[i % 4]
+        path = root / "images" / f"{colour}-{i % 3}.png"
+        if not path.exists():
+            shade = tuple(max(0, c - 25 * (i % 3)) for c in COLOURS[colour])
+            Image.new("RGB", (32 + 8 * (i % 3), 32), shade).save(path, "PNG")
+        good = i % 2 == 0
+        question = {"type": "text", "text": f"What colour is the shape? ({i})"}
+        lines.append(
+            {
+                "prompt": [{"role": "user", "content": [{"type": "image"}, question]}],
+                "completion": [{"role": "assistant", "content": colour if good else names[(i + 1) % 4]}],
+                "label": good,
+                "images": [f"images/{path.name}"],
+            }
+        )
+    out = root / name
+    out.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return out
+
+
+def _config(root: Path, out: str, kto: dict | None = None, **train: Any) -> Path:
+    """The default config with model.path a Gemma 3 VL model; fp32 so that runs compare closely."""
+    config = {
+        "model": {"path": str(root / "model")},
+        "data": {
+            "train_files": [str(root / "train.jsonl")],
+            "eval_files": [str(root / "eval.jsonl")],
+            "prepared_dir": str(root / "prepared"),
+        },
+        "kto": {"beta": 0.5, **(kto or {})},
+        "train": {
+            "seed": 3,
+            "micro_batch_size": 2,
+            "accumulation_steps": 2,
+            "max_steps": 3,
+            "lr": 0.5,
+            "warmup_steps": 0,
+            "eval_interval": 1,
+            **train,
+        },
+        "plugin": {"precision": "fp32"},
+        "output": {"dir": str(root / out), "save_interval": 1, "keep_last": 3},
+        "logging": {"tensorboard": True},
+    }
+    path = root / f"{out}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def _train(config: Path, world: int, *overrides: str) -> str:
+    proc = run_cli(["train", str(config), *overrides], world, command=sgd_train)
+    assert proc.returncode == 0, proc.ranks[0].stdout[-3000:] + proc.ranks[0].stderr[-3000:]
+    return proc.ranks[0].stdout
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("image_train")
+    write_gemma3_vl(root / "model")
+    _records(root, 16, 0, "train.jsonl")
+    _records(root, 4, 100, "eval.jsonl")
+    prepared = run_cli(["prepare", str(_config(root, "one"))])
+    assert prepared.returncode == 0, prepared.ranks[0].stderr[-3000:]
+    stdout = {"prepare": prepared.ranks[0].stdout}
+    stdout["one"] = _train(_config(root, "one"), 1)
+    step1 = str(root / "one" / "checkpoints" / "step-1")
+    stdout["resumed"] = _train(_config(root, "resumed", resume=step1), 1)
+    stdout["two"] = _train(_config(root, "two", accumulation_steps=1), 2)
+    stdout["cached"] = _train(_config(root, "cached", kto={"reference": "cached"}), 1)
+    return {"root": root, "stdout": stdout}
+
+
+def test_prepare_reads_the_images_and_one_process_starts_at_exactly_zero(runs: dict) -> None:
+    assert "    images per record: 16 with 1; image tokens 64 (" in runs["stdout"]["prepare"]
+    assert runs["stdout"]["one"].splitlines().count(FALLBACK) == 1
+    assert_step1_rewards_and_kl_zero(runs["root"] / "one")
+    metrics = logged_metrics(runs["root"] / "one")
+    assert [s for s, _ in metrics["eval/loss"]] == [0, 1, 2, 3]
+    assert dict(metrics["train/kl"])[3] != 0.0  # it trained: the policy moved from the reference
+
+
+def test_a_resume_from_step_1_ends_bit_for_bit_where_the_uninterrupted_run_did(runs: dict) -> None:
+    root = runs["root"]
+    got, want = _weights(root / "resumed"), _weights(root / "one")
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    resumed, whole = logged_metrics(root / "resumed"), logged_metrics(root / "one")
+    for tag, values in resumed.items():
+        assert values == [(s, v) for s, v in whole[tag] if s >= 2], tag
+
+
+def _tower(name: str) -> bool:
+    return "vision_tower" in name or "multi_modal_projector" in name
+
+
+def test_two_processes_equal_one_process(runs: dict) -> None:
+    """The frozen tower and projector are exported as loaded (bit for bit); every trained tensor's update within
+    same_seed_runs' bound (the frozen ones, updated by 0, are left out of that ratio)."""
+    root = runs["root"]
+    start = load_file(root / "model" / "model.safetensors")
+    for run in ("one", "two"):
+        final = _weights(root / run)
+        frozen = [k for k in final if _tower(k)]
+        assert frozen and all(torch.equal(final[k], start[k]) for k in frozen)
+        assert all(not torch.equal(final[k], start[k]) for k in final if not _tower(k) and "norm" not in k)
+    got, want = _weights(root / "two"), _weights(root / "one")
+    errors = {}
+    for k in want:
+        if _tower(k):
+            continue
+        spacing = torch.finfo(torch.float32).eps * want[k].abs().max().item()
+        difference = max((got[k] - want[k]).abs().max().item() - spacing, 0.0)
+        errors[k] = difference / (want[k] - start[k]).abs().max().item()
+    assert max(errors.values()) < UPDATE_BOUND, max(errors.items(), key=lambda kv: kv[1])
+    assert_same_metrics(
+        root / "two", root / "one", {"train/loss", "train/kl", "eval/loss", "eval/logps/chosen"}
+    )
+
+
+def test_the_cached_reference_scored_with_the_images_logs_the_online_metrics(runs: dict) -> None:
+    both = "kto.kl_continuation and kto.pack_policy auto: off for image records"
+    assert runs["stdout"]["cached"].count(both) == 1
+    assert_same_metrics(
+        runs["root"] / "cached", runs["root"] / "one", {"train/loss", "train/kl", "eval/loss"}
+    )
+
+
+def test_final_reloads_with_its_processor_and_scores_as_the_last_evaluation(runs: dict) -> None:
+    """AutoProcessor and AutoModelForImageTextToText on final/: the eval split's ids (the processor's) and its
+    pixels through the plain pixel_values forward give the mean log-probs the run logged at its last step."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor, Gemma3Processor
+
+    root = runs["root"]
+    final = root / "one" / "final"
+    processor = AutoProcessor.from_pretrained(final)
+    model = AutoModelForImageTextToText.from_pretrained(final, dtype=torch.float32).eval()
+    assert isinstance(processor, Gemma3Processor)
+    assert "the vision tower and projector stay frozen" in (final / "README.md").read_text()
+    sums = {True: [], False: []}
+    for line in (root / "eval.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        image = Image.open(io.BytesIO((root / record["images"][0]).read_bytes()))
+        prompt = processor.apply_chat_template(record["prompt"], add_generation_prompt=True)
+        whole = processor.apply_chat_template(record["prompt"] + record["completion"])
+        inputs = processor(text=[whole], images=[[image]], return_tensors="pt")
+        start = len(processor(text=[prompt], images=[[image]])["input_ids"][0])
+        with torch.no_grad():
+            logits = model(**inputs, use_cache=False).logits[0, start - 1 : -1].float()
+        targets = inputs["input_ids"][0, start:]
+        logps = torch.log_softmax(logits, -1).gather(-1, targets[:, None]).sum()
+        sums[record["label"]].append(float(logps))
+    logged = logged_metrics(root / "one")
+    for label, tag in ((True, "eval/logps/chosen"), (False, "eval/logps/rejected")):
+        want = dict(logged[tag])[3]
+        got = sum(sums[label]) / len(sums[label])
+        assert abs(got - want) <= 1e-4 * abs(want), (tag, got, want)
