@@ -23,9 +23,11 @@ def has_images(data: Any) -> bool:
 
 
 def image_refusal(config: Config) -> str | None:
-    """The first setting that cannot run on image records, as one line (None: the run can)."""
+    """The first setting that cannot run on image records, as one line (None: the run can); sequence parallelism
+    before the padding-free rows it needs."""
     plugin, kto = config.plugin, config.kto
     checks = (
+        (plugin.sp_size > 1, f"plugin.sp_size {plugin.sp_size}", "padding-free rows sliced per rank", "1"),
         (
             config.data.padding_free,
             "data.padding_free true",
@@ -44,7 +46,6 @@ def image_refusal(config: Config) -> str | None:
             "a packed pass: its mask has no image block",
             "false",
         ),
-        (plugin.sp_size > 1, f"plugin.sp_size {plugin.sp_size}", "padding-free rows sliced per rank", "1"),
         (
             getattr(plugin, "pp_size", 1) > 1,
             f"plugin.pp_size {getattr(plugin, 'pp_size', 1)}",

@@ -72,6 +72,29 @@ def _records(root: Path, n: int, offset: int, name: str) -> Path:
     return out
 
 
+# Refused right after prepare, before any model loads (the messages: coati_kto.recipe.images). data.padding_free,
+# plugin.sp_size and plugin.pp_size are refused earlier for this model, at config load (not proven for Gemma 3).
+REFUSALS = {
+    "kto.pack_policy=true": "kto.pack_policy true: image records cannot run with a packed pass: its mask has no "
+    "image block; set it to auto",
+    "kto.pack_reference=true": "kto.pack_reference true: image records cannot run with a packed pass: its mask has "
+    "no image block; set it to false",
+    "model.compile=true": "model.compile true: image records cannot run with compiled layers; set it to false",
+    "eval.samples=2": "eval.samples 2: image records cannot run with generation without the images; set it to 0",
+}
+
+
+def _each(argv: list[str]) -> int:
+    """``coati-kto train CONFIG`` with each override of ``argv[2:]`` in turn, output.dir under ``argv[1]`` (one
+    launch for every refusal); prints their exit statuses."""
+    from coati_kto.cli import main
+
+    config, out = argv[0], argv[1]
+    codes = [main(["train", config, o, f"output.dir={out}/{i}"]) for i, o in enumerate(argv[2:])]
+    print("exit statuses", codes)
+    return 0
+
+
 def _config(root: Path, out: str, kto: dict | None = None, **train: Any) -> Path:
     """The default config with model.path a Gemma 3 VL model; fp32 so that runs compare closely."""
     config = {
@@ -121,7 +144,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     stdout["resumed"] = _train(_config(root, "resumed", resume=step1), 1)
     stdout["two"] = _train(_config(root, "two", accumulation_steps=1), 2)
     stdout["cached"] = _train(_config(root, "cached", kto={"reference": "cached"}), 1)
-    return {"root": root, "stdout": stdout}
+    refused = run_cli([str(root / "one.yaml"), str(root / "refused"), *REFUSALS], command=_each)
+    return {"root": root, "stdout": stdout, "refused": refused.ranks[0]}
 
 
 def test_prepare_reads_the_images_and_one_process_starts_at_exactly_zero(runs: dict) -> None:
@@ -208,3 +232,11 @@ def test_final_reloads_with_its_processor_and_scores_as_the_last_evaluation(runs
         want = dict(logged[tag])[3]
         got = sum(sums[label]) / len(sums[label])
         assert abs(got - want) <= 1e-4 * abs(want), (tag, got, want)
+
+
+def test_each_setting_images_cannot_run_with_is_refused_in_one_line_after_prepare(runs: dict) -> None:
+    refused = runs["refused"]
+    assert "exit statuses [2, 2, 2, 2]" in refused.stdout
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [f"error: {message}" for message in REFUSALS.values()]
+    assert "Traceback" not in refused.stderr
