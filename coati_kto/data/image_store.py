@@ -73,6 +73,13 @@ def collator_images(model: ModelSection) -> dict[str, Any]:
     """The ``KTOCollator`` keywords of image rows, from ``model.path``'s processor (loaded once): its image
     processor, the image soft token's id (the tokenizer's, as prepare counted it) and its tokens per image."""
     processor = model_processor(model)
+    if not isinstance(
+        getattr(processor, "image_seq_length", None), int
+    ):  # Gemma 4, Qwen 3.5: per-image counts
+        raise ConfigError(
+            f"model.path {model.path}: image records train on Gemma 3 vision-language models only so far (its "
+            f"{type(processor).__name__} gives no fixed image_seq_length)"
+        )
     soft = getattr(processor.tokenizer, "image_token_id", None)
     return {
         "image_processor": processor.image_processor,

@@ -74,3 +74,20 @@ def test_the_defaults_run_and_the_continuation_falls_back_with_one_note(tmp_path
     )
     unpaired = _config(tmp_path, "kto.loss_type=apo_zero_unpaired")
     assert image_collator(unpaired, _data("images"))[1] is None  # no KL pass to fall back
+
+
+def test_a_processor_without_a_fixed_image_count_is_refused(tmp_path: Path, monkeypatch) -> None:
+    """The collator's count check takes Gemma 3's fixed image_seq_length; another family's processor (a stand-in:
+    building Qwen 3.5's needs torchvision) is one line, not a KeyError in the first batch."""
+    from coati_kto.data import image_store
+
+    class Qwen3VLProcessor:
+        tokenizer = None
+
+    monkeypatch.setattr(image_store, "model_processor", lambda model: Qwen3VLProcessor())
+    with pytest.raises(ConfigError) as err:
+        image_collator(_config(tmp_path), _data("images"))
+    assert str(err.value) == (
+        "model.path some/model: image records train on Gemma 3 vision-language models only so far (its "
+        "Qwen3VLProcessor gives no fixed image_seq_length)"
+    )
