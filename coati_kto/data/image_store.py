@@ -43,12 +43,28 @@ def vision_language_model(settings: PrepareSettings) -> bool:
     return vision_language(config)
 
 
+class UnloadableProcessor:
+    """A vision-language ``model.path`` whose processor cannot be loaded (a checkpoint saved without its processor
+    files): text records prepare as before; the first use for an image (its config hashed for the fingerprint)
+    raises the load's one line."""
+
+    def __init__(self, error: ConfigError) -> None:
+        self.error = error
+
+    def to_json_string(self) -> str:
+        raise self.error
+
+
 def load_processor(settings: PrepareSettings) -> Any | None:
     """``model.path``'s processor where image records are read (``settings.images`` and a vision-language
-    model), else None. ConfigError (one line) when it cannot be loaded."""
+    model), else None; an :class:`UnloadableProcessor` (its ConfigError raised once an image needs it) when it
+    cannot be loaded."""
     if not settings.images or not vision_language_model(settings):
         return None
-    return model_processor(settings.model)
+    try:
+        return model_processor(settings.model)
+    except ConfigError as err:
+        return UnloadableProcessor(err)
 
 
 def model_processor(model: ModelSection) -> Any:

@@ -25,6 +25,7 @@ from coati_kto.data.images import image_cut
 from coati_kto.data.prepared import prepare
 from coati_kto.data.settings import PrepareSettings
 from coati_kto.data.weights import WeightSettings
+from coati_kto.errors import ConfigError
 from coati_kto.testing.tiny_processors import gemma3_processor
 
 COLOURS = {"red": (255, 0, 0), "green": (0, 255, 0), "blue": (0, 0, 255), "white": (255, 255, 255)}
@@ -302,3 +303,20 @@ def test_a_model_folder_without_a_config_reads_no_images(tmp_path: Path) -> None
     gemma3_processor().tokenizer.save_pretrained(folder)
     prep, _ = settings(tmp_path, folder, image_rows(tmp_path))
     assert store.load_processor(prep) is None
+
+
+def test_a_vision_language_folder_without_its_processor_prepares_text_records(tmp_path: Path) -> None:
+    """A VL checkpoint saved without its processor files (the tiny families' folders, many fine-tunes) keeps
+    preparing text records as before train read images; image records get the load's one line."""
+    folder = vl_model_dir(tmp_path)
+    (folder / "processor_config.json").unlink()
+    text = write_jsonl(
+        [{"prompt": f"Question {i}?", "completion": "An answer.", "label": i % 2 == 0} for i in range(8)],
+        tmp_path / "text.jsonl",
+    )
+    data = prepare(*settings(tmp_path, folder, text))
+    assert "images" not in store.read_fingerprint(tmp_path / "prepared")
+    assert len(data.train) == 8 and "images" not in data.train.column_names
+    with pytest.raises(ConfigError) as err:
+        prepare(*settings(tmp_path / "img", folder, image_rows(tmp_path)))
+    assert str(err.value).startswith(f"model.path {folder}: ")
