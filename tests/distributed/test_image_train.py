@@ -9,10 +9,12 @@ gradient scale shows in the weights):
 - a resume from step 1 ends bit for bit where the uninterrupted run did;
 - 2 processes (ZeRO 2 over dp 2) equal one process within fp32 summation order (same_seed_runs' bounds);
 - the cached reference (scored with the images) logs the online run's metrics;
+- the default config (bf16) with only the paths set trains and exports the processor;
 - final/ reloads with AutoProcessor and AutoModelForImageTextToText and scores the eval split as the run's last
   evaluation did.
 
-One module fixture: one prepare and four training launches of a few seconds each (the suite's time budget).
+One module fixture: one prepare, five training launches of a few seconds each and one for the refusals (the
+suite's time budget).
 """
 
 from __future__ import annotations
@@ -144,6 +146,15 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     stdout["resumed"] = _train(_config(root, "resumed", resume=step1), 1)
     stdout["two"] = _train(_config(root, "two", accumulation_steps=1), 2)
     stdout["cached"] = _train(_config(root, "cached", kto={"reference": "cached"}), 1)
+    default = {  # nothing but the paths: the default plugin, precision (bf16) and kto settings
+        "model": {"path": str(root / "model")},
+        "data": {"train_files": [str(root / "train.jsonl")], "prepared_dir": str(root / "prepared-default")},
+        "train": {"max_steps": 2},
+        "output": {"dir": str(root / "default")},
+        "logging": {"tensorboard": True},
+    }
+    (root / "default.yaml").write_text(yaml.safe_dump(default))
+    stdout["default"] = _train(root / "default.yaml", 1)
     refused = run_cli([str(root / "one.yaml"), str(root / "refused"), *REFUSALS], command=_each)
     return {"root": root, "stdout": stdout, "refused": refused.ranks[0]}
 
@@ -240,3 +251,12 @@ def test_each_setting_images_cannot_run_with_is_refused_in_one_line_after_prepar
     errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
     assert errors == [f"error: {message}" for message in REFUSALS.values()]
     assert "Traceback" not in refused.stderr
+
+
+def test_the_default_config_trains_on_images(runs: dict) -> None:
+    from transformers import AutoProcessor
+
+    root = runs["root"]
+    assert runs["stdout"]["default"].splitlines().count(FALLBACK) == 1
+    assert_step1_rewards_and_kl_zero(root / "default")
+    assert AutoProcessor.from_pretrained(root / "default" / "final").image_seq_length == 4
