@@ -26,6 +26,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from make_data import COLOURS  # this script's folder is first on sys.path
+
 if TYPE_CHECKING:
     from evaluate import Scores
 
@@ -54,8 +56,6 @@ def check(before: Scores, after: Scores) -> list[str]:
 def build_model(out: Path, seed: int = 0) -> Path:
     """The tiny Gemma 3 VL (``coati_kto.testing.tiny``'s gemma3_vl) and its processor, saved in ``out``; the
     4 colour words are whole tokens of its tokenizer (COLOURS)."""
-    from make_data import COLOURS
-
     from coati_kto.testing.tiny import build_family_model
     from coati_kto.testing.tiny_processors import gemma3_processor
 
@@ -68,6 +68,17 @@ def build_model(out: Path, seed: int = 0) -> Path:
     build_family_model("gemma3_vl", processor.tokenizer, seed=seed).save_pretrained(out)
     processor.save_pretrained(out)
     return out
+
+
+def relocated(out: Path) -> list[str]:
+    """The config overrides that move the run from OUT (the config's paths) to ``out``; none for OUT."""
+    if out == OUT:
+        return []
+    return [
+        f"model.path={out / 'model'}",
+        f"data.train_files=[{out / 'data' / 'train.jsonl'}]",
+        f"output.dir={out / 'kto'}",
+    ]
 
 
 def stage(name: str, start: float) -> None:
@@ -87,6 +98,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0, help="model, data and KTO seed")
     parser.add_argument("--threads", type=int, default=1, help="torch threads in every stage; default 1")
     parser.add_argument("--check", action="store_true", help="exit 1 unless KTO clearly worked (see CHECK)")
+    parser.add_argument(
+        "--out", type=Path, default=OUT, help=f"where everything goes, from the repo root (default {OUT})"
+    )
     parser.add_argument("overrides", nargs="*", help="section.key=value for the KTO config")
     args = parser.parse_args()
     if args.threads < 1:
@@ -101,19 +115,20 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     begin = time.perf_counter()
-    shutil.rmtree(OUT, ignore_errors=True)
+    out = args.out
+    shutil.rmtree(out, ignore_errors=True)
 
     t = time.perf_counter()
-    build_model(OUT / "model", args.seed)
-    paths = write_data(OUT / "data", args.seed)
+    build_model(out / "model", args.seed)
+    paths = write_data(out / "data", args.seed)
     print(f"KTO data: {N_DESIRABLE} desirable : {N_UNDESIRABLE} undesirable -> {paths['train']}")
     stage("model and data", t)
 
     t = time.perf_counter()
-    results = {"before KTO (random)": evaluate(OUT / "model", paths["held_out"])}
+    results = {"before KTO (random)": evaluate(out / "model", paths["held_out"])}
     stage("evaluate before", t)
 
-    overrides = [f"train.seed={args.seed}", *args.overrides]
+    overrides = [f"train.seed={args.seed}", *relocated(out), *args.overrides]
     env = os.environ | {"OMP_NUM_THREADS": str(args.threads)}
     t = time.perf_counter()
     sh([sys.executable, "-m", "coati_kto", "prepare", CONFIG, *overrides], env=env)
@@ -124,18 +139,18 @@ def main() -> None:
     stage("kto", t)
 
     t = time.perf_counter()
-    results["after KTO"] = evaluate(OUT / "kto" / "final", paths["held_out"])
+    results["after KTO"] = evaluate(out / "kto" / "final", paths["held_out"])
     stage("evaluate after", t)
 
     n = results["after KTO"].n
     report = (
         f"{n} held-out images (never in a training record), the best of 4 colour words:\n{table(results)}\n"
     )
-    (OUT / "results.md").write_text(report)
-    (OUT / "results.json").write_text(
+    (out / "results.md").write_text(report)
+    (out / "results.json").write_text(
         json.dumps({"seed": args.seed, "threads": args.threads} | {k: asdict(v) for k, v in results.items()})
     )
-    print(f"\n{report}\n(also in {OUT}/results.md)")
+    print(f"\n{report}\n(also in {out}/results.md)")
     print(f"total wall time {time.perf_counter() - begin:.0f}s")
     failures = check(results["before KTO (random)"], results["after KTO"])
     if args.check and failures:
