@@ -178,10 +178,13 @@ def _changed(old: dict, new: dict) -> str:
 
 def train_data_digest(fp: dict | None) -> str | None:
     """What the training rows are made of, wherever the files sit: every train file's size and content hash and
-    the tokenizer (16 hex digits; None without a fingerprint). A resume refuses a change of it."""
+    the tokenizer, and where records hold images the processor and the images' digests (16 hex digits; None
+    without a fingerprint). A resume refuses a change of it."""
     if fp is None:
         return None
     parts = [[entry[1:] for entry in fp.get("train_files", [])], fp.get("tokenizer")]
+    if fp.get("images"):  # an image file edited in place changes the rows, not the data file
+        parts.append(fp["images"])
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 

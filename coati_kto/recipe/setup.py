@@ -28,6 +28,7 @@ from coati_kto.config.resume import check_contents
 from coati_kto.config.schema import Config, PluginSection
 from coati_kto.config.sequence import sequence_note
 from coati_kto.data.collator import KTOCollator
+from coati_kto.data.image_store import load_processor
 from coati_kto.data.loaders import build_loaders
 from coati_kto.data.settings import PrepareSettings
 from coati_kto.data.store import fingerprint, train_data_digest
@@ -192,7 +193,8 @@ def _refuse_changed_contents(config: Config, checkpoints: Path) -> None:
         return
     inputs = PrepareSettings(config.data, config.model, config.train.seed, images=True)
     data = on_rank0(
-        lambda: train_data_digest(fingerprint(inputs, load_tokenizer(inputs.model))), "hash the data"
+        lambda: train_data_digest(fingerprint(inputs, load_tokenizer(inputs.model), load_processor(inputs))),
+        "hash the data",
     )
     reference = reference_weights_digest(config.model, config.kto.reference)
     check_contents(state, {"train_data": data, "reference_weights": reference}, checkpoint.name)

@@ -260,3 +260,23 @@ def test_the_default_config_trains_on_images(runs: dict) -> None:
     assert runs["stdout"]["default"].splitlines().count(FALLBACK) == 1
     assert_step1_rewards_and_kl_zero(root / "default")
     assert AutoProcessor.from_pretrained(root / "default" / "final").image_seq_length == 4
+
+
+def test_a_resume_after_an_image_changed_in_place_is_refused(runs: dict) -> None:
+    """The data file is unchanged, one of its images is not: the rows changed, so the resume is refused before
+    the data is prepared again (the train_data digest holds the images' digests). Last: it edits the run's image,
+    and puts it back."""
+    root = runs["root"]
+    image = root / "images" / "red-0.png"
+    before = image.read_bytes()
+    Image.new("RGB", (32, 32), (10, 10, 10)).save(image, "PNG")
+    try:
+        step1 = root / "one" / "checkpoints" / "step-1"
+        proc = run_cli(["train", str(root / "one.yaml"), f"train.resume={step1}"], command=sgd_train)
+    finally:
+        image.write_bytes(before)
+    assert proc.returncode == 2
+    errors = [line for line in proc.ranks[0].stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(
+        "error: train.resume step-1: the training data changed since the checkpoint (the content of "
+    ), proc.ranks[0].stderr[-2000:]
