@@ -194,13 +194,27 @@ def _auto_class_name(model: ModelSection) -> str:
     return auto_model_class(base).__name__
 
 
+def _has_processor(model: ModelSection) -> bool:
+    """Whether ``model.path`` holds a processor's files, which the export copies (``trainer.export``)."""
+    from coati_kto.trainer.export import PROCESSOR_FILES
+
+    return any((Path(model.path) / name).is_file() for name in PROCESSOR_FILES[:3])
+
+
 def _use_section(model: ModelSection, output: OutputSection) -> list[str]:
     auto = _auto_class_name(model)
-    lines = ["## Use", "", "```python", f"from transformers import {auto}, AutoTokenizer", ""]
+    # A vision-language export with its processor (image records): the processor reads images and text.
+    reader = (
+        "AutoProcessor"
+        if auto == "AutoModelForImageTextToText" and _has_processor(model)
+        else "AutoTokenizer"
+    )
+    lines = ["## Use", "", "```python", f"from transformers import {auto}, {reader}", ""]
     if model.lora is None:
+        name = "processor" if reader == "AutoProcessor" else "tokenizer"
         lines += [
             f'model = {auto}.from_pretrained("path/to/final")',
-            'tokenizer = AutoTokenizer.from_pretrained("path/to/final")',
+            f'{name} = {reader}.from_pretrained("path/to/final")',
         ]
     else:  # coati_kto.models.lora.export_lora: final/adapter (peft) and, with output.merge_lora, final/merged
         lora = model.lora

@@ -224,7 +224,9 @@ def test_final_reloads_with_its_processor_and_scores_as_the_last_evaluation(runs
     processor = AutoProcessor.from_pretrained(final)
     model = AutoModelForImageTextToText.from_pretrained(final, dtype=torch.float32).eval()
     assert isinstance(processor, Gemma3Processor)
-    assert "the vision tower and projector stay frozen" in (final / "README.md").read_text()
+    card = (final / "README.md").read_text()
+    assert "the vision tower and projector stay frozen (no gradient, no optimizer state)" in card
+    assert 'processor = AutoProcessor.from_pretrained("path/to/final")' in card
     sums = {True: [], False: []}
     for line in (root / "eval.jsonl").read_text().splitlines():
         record = json.loads(line)
