@@ -190,6 +190,7 @@ LONGEST_FIRST = (
     "e2e/test_benchmarks.py",  # 85
     "distributed/test_families.py",  # 68
     "e2e/test_layouts_4_resume.py",  # 44
+    "e2e/test_image_feedback.py",  # 39
     "distributed/test_layouts_4_families.py",  # 38
     "e2e/test_launch.py",  # 34
     "distributed/test_sequence_parallel_train.py",  # 30
