@@ -8,7 +8,8 @@ with a colour word:
 
 The feedback is imbalanced the other way round from the quickstart: more undesirable rows than desirable ones
 (``N_DESIRABLE`` : ``N_UNDESIRABLE``), and no image has both a desirable and an undesirable row (unpaired).
-The held-out images come from another seed (``HELD_OUT_PER_COLOUR`` per colour) and appear in no record.
+The held-out images come from another seed (``HELD_OUT_PER_COLOUR`` per colour) and appear in no training
+record; eval.jsonl holds feedback on them for the trainer's evaluation (TensorBoard's eval/ scalars).
 
 Records are TRL's conversational format with images: ``images`` holds the PNG paths relative to the JSONL file
 (the PNGs are written next to it, in ``images/``), and the user turn's ``{"type": "image"}`` part marks where
@@ -74,7 +75,8 @@ def record(image: str, answer: str, label: bool) -> dict:
 
 def make_data(seed: int = 0) -> dict[str, list]:
     """The pure function of ``seed`` behind :func:`write_data`: {"train": [(image, record)],
-    "held_out": [(image, colour)]}, each image a PIL image and the record's ``images[0]`` its file name."""
+    "held_out": [(image, colour)], "eval": [record]}, each image a PIL image and a record's ``images[0]`` its
+    file name; the eval records ask about the held-out images in order."""
     rng = np.random.default_rng(seed)
     pick = random.Random(seed)
     names = list(COLOURS)
@@ -89,12 +91,17 @@ def make_data(seed: int = 0) -> dict[str, list]:
         train.append((draw_image(colour, rng), record(name, answer, label)))
     held = np.random.default_rng(seed + HELD_OUT_SEED_OFFSET)
     held_out = [(draw_image(colour, held), colour) for _ in range(HELD_OUT_PER_COLOUR) for colour in names]
-    return {"train": train, "held_out": held_out}
+    # The held-out images as feedback too (the trainer's eval/ scalars): half desirable, half a wrong colour.
+    eval_records = []
+    for i, (_, colour) in enumerate(held_out):
+        answer = colour if i % 2 == 0 else pick.choice([c for c in names if c != colour])
+        eval_records.append(record(f"images/held_out_{i:03d}.png", answer, i % 2 == 0))
+    return {"train": train, "held_out": held_out, "eval": eval_records}
 
 
 def write_data(out: Path, seed: int = 0) -> dict[str, Path]:
-    """Write ``out``/train.jsonl, ``out``/held_out.jsonl ({"image": path, "colour": name}) and their PNGs in
-    ``out``/images/; returns the two JSONL paths."""
+    """Write ``out``/train.jsonl, ``out``/held_out.jsonl ({"image": path, "colour": name}), ``out``/eval.jsonl
+    (feedback on the held-out images) and the PNGs in ``out``/images/; returns the three JSONL paths."""
     data = make_data(seed)
     (out / "images").mkdir(parents=True, exist_ok=True)
     for image, rec in data["train"]:
@@ -104,8 +111,9 @@ def write_data(out: Path, seed: int = 0) -> dict[str, Path]:
         name = f"images/held_out_{i:03d}.png"
         (out / name).write_bytes(png_bytes(image))
         held_rows.append({"image": name, "colour": colour})
-    paths = {"train": out / "train.jsonl", "held_out": out / "held_out.jsonl"}
+    paths = {"train": out / "train.jsonl", "held_out": out / "held_out.jsonl", "eval": out / "eval.jsonl"}
     paths["train"].write_text("".join(json.dumps(r) + "\n" for _, r in data["train"]))
+    paths["eval"].write_text("".join(json.dumps(r) + "\n" for r in data["eval"]))
     paths["held_out"].write_text("".join(json.dumps(r) + "\n" for r in held_rows))
     return paths
 

@@ -77,6 +77,7 @@ def relocated(out: Path) -> list[str]:
     return [
         f"model.path={out / 'model'}",
         f"data.train_files=[{out / 'data' / 'train.jsonl'}]",
+        f"data.eval_files=[{out / 'data' / 'eval.jsonl'}]",
         f"output.dir={out / 'kto'}",
     ]
 

@@ -82,6 +82,15 @@ def test_the_feedback_is_unpaired_3_to_5_and_checkable(made: dict[str, list]) ->
     assert not train_pixels & {np.asarray(i).tobytes() for i, _ in held}
 
 
+def test_the_eval_feedback_asks_about_the_held_out_images(made: dict[str, list]) -> None:
+    records = made["eval"]
+    assert [r["images"] for r in records] == [[f"images/held_out_{i:03d}.png"] for i in range(40)]
+    assert [r["label"] for r in records] == [True, False] * 20
+    for (image, colour), r in zip(made["held_out"], records, strict=True):
+        assert nearest_colour(image) == colour
+        assert (r["completion"][0]["content"] == colour) == r["label"], r
+
+
 def test_the_data_is_a_function_of_the_seed(made: dict[str, list]) -> None:
     again = data.make_data(seed=0)
     other = data.make_data(seed=1)
@@ -94,6 +103,7 @@ def test_the_files_hold_relative_paths_to_the_pngs(built) -> None:
     root, paths = built
     records = [json.loads(line) for line in paths["train"].read_text().splitlines()]
     assert records[0]["images"] == ["images/train_0000.png"] and len(records) == 640
+    assert [json.loads(line) for line in paths["eval"].read_text().splitlines()] == data.make_data(0)["eval"]
     first = Image.open(root / "data" / records[0]["images"][0])
     assert np.array_equal(np.asarray(first), np.asarray(data.make_data(0)["train"][0][0]))
     images, right = metric.read_held_out(paths["held_out"])
