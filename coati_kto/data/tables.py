@@ -13,6 +13,7 @@ caller passes (:mod:`coati_kto.data.store` owns that directory, the fingerprint 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -38,8 +39,11 @@ PROGRESS_MIN_ROWS = 10_000  # show datasets' tokenizing progress bar from this m
 
 
 def prompt_key(record: Record) -> str:
-    """The record's prompt (with its tools) as canonical JSON: records with equal keys share a prompt."""
+    """The record's prompt (with its tools, and the sha256 of each image: the same words about another image
+    are another prompt) as canonical JSON: records with equal keys share a prompt."""
     prompt = record.prompt if not record.tools else [record.prompt, record.tools]
+    if record.images:
+        prompt = [prompt, [hashlib.sha256(image).hexdigest() for image in record.images]]
     return json.dumps(prompt, sort_keys=True, ensure_ascii=False)
 
 

@@ -320,3 +320,24 @@ def test_a_vision_language_folder_without_its_processor_prepares_text_records(tm
     with pytest.raises(ConfigError) as err:
         prepare(*settings(tmp_path / "img", folder, image_rows(tmp_path)))
     assert str(err.value).startswith(f"model.path {folder}: ")
+
+
+def test_the_same_words_about_other_images_are_other_prompts() -> None:
+    """prepare's prompt identity (duplicates, the eval split's groups) holds the images' digests: the demo's 640
+    records about 640 images were "632 repeats" and one prompt group before."""
+    from coati_kto.data.formats import Record
+    from coati_kto.data.tables import duplicates, prompt_key
+
+    prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which colour?"}]}]
+    reply = [{"role": "assistant", "content": "red"}]
+
+    def record(image: bytes, source: str) -> Record:
+        return Record(prompt, reply, True, source, True, images=[image])
+
+    red, blue = record(b"red pixels", "a:1"), record(b"blue pixels", "a:2")
+    again = record(b"red pixels", "a:3")
+    assert prompt_key(red) != prompt_key(blue)
+    assert prompt_key(red) == prompt_key(again)
+    assert duplicates([red, blue, again]) == (1, ["a:3 = a:1"])
+    text = Record(prompt, reply, True, "a:4", True)  # no images: the key of text records is unchanged
+    assert prompt_key(text) == json.dumps(prompt, sort_keys=True, ensure_ascii=False)
