@@ -44,8 +44,8 @@ class SharedVision:
 def shared_vision(batch: KTOBatch, policy: Any, reference: Any, options: Any) -> SharedVision | None:
     """The features of ``batch``'s images (None without images): the policy's once, handed to the reference too
     where ``options.reference_is_policy_weights`` (it loads ``model.path``), else the reference's own (``options``
-    is read only with a reference). RuntimeError where the policy's
-    tower takes gradient: features computed once without a graph would silently leave it untrained."""
+    is read only with a reference). RuntimeError where the policy's tower takes gradient: features computed once
+    without a graph would silently leave it untrained."""
     if batch.images is None:
         return None
     if tower_trainable(policy):
