@@ -153,3 +153,13 @@ def test_a_reference_of_other_weights_computes_its_own_features_once(setup: dict
     outputs, sums = _step(_passes(policy, reference, same_weights=False), setup["batches"])
     assert [c.calls for c in counted] == [2, 2]
     assert all(float(rewards.abs().max()) > 0 for _, rewards, _ in outputs)  # another model: nonzero rewards
+
+
+def test_a_trainable_tower_is_refused_rather_than_left_untrained(setup: dict) -> None:
+    """Features computed once without a graph would give a trainable tower no gradient, in silence."""
+    policy = copy.deepcopy(setup["policy"]).train()
+    for parameter in _tower(policy):
+        parameter.requires_grad_(True)
+    with pytest.raises(RuntimeError) as err:
+        _step(_passes(policy, copy.deepcopy(policy).eval(), same_weights=True), setup["batches"][:1])
+    assert str(err.value) == "images: the policy's vision tower takes gradient, but its features are shared"
