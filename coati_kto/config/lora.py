@@ -3,11 +3,13 @@ preflight's check on the meta model (coati_kto.runtime.preflight) and the run's 
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from pydantic import Field, field_validator
 
 from coati_kto.config.section import Section
+from coati_kto.families import vision_language
 
 
 class LoraSection(Section):
@@ -26,7 +28,8 @@ class LoraSection(Section):
     target_modules: list[str] = Field(
         default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
         min_length=1,
-        description="Module names (suffixes) that get adapters; not the LM head (lm_head) or embeddings.",
+        description="Module names (suffixes) that get adapters; not the LM head (lm_head) or embeddings. "
+        "Unset on a vision-language model: these names in its language model only.",
     )
 
     @field_validator("target_modules")
@@ -39,8 +42,10 @@ class LoraSection(Section):
         return value
 
 
-def peft_config(section: LoraSection) -> Any:
-    """The ``peft.LoraConfig`` of a ``model.lora`` section (causal LM, no bias trained)."""
+def peft_config(section: LoraSection, model: Any = None) -> Any:
+    """The ``peft.LoraConfig`` of a ``model.lora`` section (causal LM, no bias trained) for ``model``: with
+    ``target_modules`` unset on a vision-language model, a regex over its language model's modules (the
+    suffixes would also match the vision tower's attention, e.g. SigLIP's ``q_proj``)."""
     import peft  # the config layer imports no model library until asked
 
     return peft.LoraConfig(
@@ -48,6 +53,46 @@ def peft_config(section: LoraSection) -> Any:
         r=section.rank,
         lora_alpha=section.alpha,
         lora_dropout=section.dropout,
-        target_modules=list(section.target_modules),
+        target_modules=peft_targets(section, model),
         bias="none",
     )
+
+
+def peft_targets(section: LoraSection, model: Any = None) -> list[str] | str:
+    """``section.target_modules`` as peft matches them (suffixes), or, where they are the default and ``model``
+    is vision-language, one regex that peft matches in full: the same names under its decoder only."""
+    targets = list(section.target_modules)
+    decoder = _decoder_name(model)
+    if decoder is None or "target_modules" in section.model_fields_set:
+        return targets
+    return rf".*{re.escape(decoder)}\..*\.({'|'.join(re.escape(t) for t in targets)})"
+
+
+def tower_refusal(section: LoraSection, model: Any) -> str | None:
+    """One line refusing the user's ``target_modules`` that match a module outside a vision-language model's
+    decoder (its vision tower or projector: frozen, their features computed once without gradient); None when
+    none does, the targets are the default, or ``model`` is text-only."""
+    decoder = _decoder_name(model)
+    if decoder is None or "target_modules" not in section.model_fields_set:
+        return None
+    hits: dict[str, str] = {}  # each target's first module outside the decoder
+    for name, _ in model.named_modules():
+        for t in section.target_modules:
+            if (name == t or name.endswith("." + t)) and not name.startswith(decoder + "."):
+                hits.setdefault(t, name)
+    if not hits:
+        return None
+    where = ", ".join(f"{t} ({n})" for t, n in hits.items())
+    return (
+        f"model.lora.target_modules: {where} in the vision tower or projector of {type(model).__name__}, which "
+        "stay frozen; name language-model modules only, or leave target_modules unset (its "
+        f"{', '.join(LoraSection.model_fields['target_modules'].default_factory())} in the language model)"
+    )
+
+
+def _decoder_name(model: Any) -> str | None:
+    """The module name of a vision-language ``model``'s decoder (``model.language_model``); None otherwise."""
+    if model is None or not vision_language(getattr(model, "config", None)):
+        return None
+    decoder = model.get_decoder()
+    return next((n for n, m in model.named_modules() if m is decoder), None)

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from coati_kto.config.lora import peft_config
+from coati_kto.config.lora import peft_config, tower_refusal
+from coati_kto.errors import ConfigError
 from coati_kto.parallel.distributed import barrier
 
 if TYPE_CHECKING:
@@ -27,8 +28,13 @@ def enable_lora(booster: Any, model: torch.nn.Module, section: LoraSection) -> t
     """The PeftModel of ``model`` (before boosting); only adapter parameters keep ``requires_grad``.
 
     Every rank calls with the same seed: A is drawn from the torch RNG, so every rank gets the same adapters.
+    A vision-language model's adapters go in its language model only: ConfigError (one line) for a user target
+    in its tower or projector (the preflight's check, again for a model.path it could not build).
     """
-    return booster.enable_lora(model, lora_config=peft_config(section))
+    refusal = tower_refusal(section, model)
+    if refusal is not None:
+        raise ConfigError(refusal)
+    return booster.enable_lora(model, lora_config=peft_config(section, model))
 
 
 def peft_model(model: Any) -> Any:

@@ -21,14 +21,14 @@ from pathlib import Path
 from coati_kto.config.hub import HubDataset, hub_offline, hub_token, missing_path
 from coati_kto.config.hub import hub_problems as _hub_problems
 from coati_kto.config.hub import looks_like_path as _looks_like_path
-from coati_kto.config.lora import peft_config
+from coati_kto.config.lora import peft_config, tower_refusal
 from coati_kto.config.output import OutputSection
 from coati_kto.config.resume import check_resume
 from coati_kto.config.schema import Config, ModelSection, PluginSection, TrainSection
 from coati_kto.data.files import resolve_files
 from coati_kto.data.hub import check as hub_check
 from coati_kto.errors import ConfigError, DataError, UserError
-from coati_kto.families import auto_model_class, vision_language, vision_language_refusal
+from coati_kto.families import auto_model_class, vision_language_refusal
 from coati_kto.runtime.run_dir import (
     CHECKPOINTS_DIR,
     complete_checkpoints,
@@ -153,12 +153,11 @@ def _lora_problems(model_section: ModelSection) -> list[str]:
             model = auto_model_class(base).from_config(base)
     except (OSError, ValueError, KeyError):
         return []  # an unloadable config is reported by _source_problems
-    if vision_language(
-        model.config
-    ):  # suffixes like q_proj would put adapters in the frozen vision tower too
-        return [
-            f"model.lora with {path}, a vision-language model ({model.config.model_type}): train it in full"
-        ]
+    tower = tower_refusal(
+        lora, model
+    )  # suffixes like q_proj would put adapters in the frozen vision tower too
+    if tower is not None:
+        return [tower]
     modules = dict(model.named_modules())
     linear = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items() if _is_linear(m)} - {"lm_head"})
     found = {t: [m for n, m in modules.items() if n == t or n.endswith("." + t)] for t in lora.target_modules}
@@ -193,12 +192,14 @@ def _peft_remapped(model: object, lora: object) -> tuple[set[str], str]:
     peft itself on the meta model (which it changes in place)."""
     import peft
 
-    config = peft_config(lora)
+    config = peft_config(lora, model)
     try:
         peft.get_peft_model(model, config)
         refused = ""
     except ValueError as err:  # its first line: peft prints the refused module's repr below
         refused = str(err).splitlines()[0].rstrip("(").strip() or type(err).__name__
+    if isinstance(config.target_modules, str):  # a vision-language model's default: its decoder's modules
+        return set(), refused
     return set(lora.target_modules) - set(config.target_modules or ()), refused
 
 

@@ -51,14 +51,32 @@ def test_lora_targets_missing_from_the_model_are_named_with_its_linear_layers(tm
     assert _lora_problems(_lora_config(tmp_path, model_dir, "[c_attn, attn.c_proj]").model) == []
 
 
-def test_lora_on_a_vision_language_model_is_refused(tmp_path: Path) -> None:
-    """q_proj also names the SigLIP tower's projections: adapters there get no gradient (the tower is frozen)."""
+def test_lora_on_a_vision_language_model_adapts_its_language_model_only(tmp_path: Path) -> None:
+    """q_proj also names the SigLIP tower's projections: adapters there would get no gradient (the tower is frozen
+    and its features computed once without one). The default targets become a regex over the language model
+    (all 8 of the tiny Gemma 3's adapters there, against 3 of 11 in the tower by suffix); a user's suffix that
+    reaches the tower is refused in one line."""
+    import peft
+
+    from coati_kto.config.lora import peft_config
     from coati_kto.testing.tiny import build_family_model, build_tokenizer
 
     model = build_family_model("gemma3_vl", build_tokenizer(["a b c d"] * 5, vocab_size=280))
     model_dir = _model_dir(tmp_path, model.config)
-    assert _lora_problems(_lora_config(tmp_path, model_dir).model) == [
-        f"model.lora with {model_dir}, a vision-language model (gemma3): train it in full"
+    default = _lora_config(tmp_path, model_dir).model
+    assert _lora_problems(default) == []
+    config = peft_config(default.lora, model)
+    assert config.target_modules == r".*model\.language_model\..*\.(q_proj|k_proj|v_proj|o_proj)"
+    adapted = [n for n, m in peft.get_peft_model(model, config).named_modules() if hasattr(m, "lora_A")]
+    assert len(adapted) == 8 and all(".language_model.layers." in n for n in adapted), adapted
+    suffixes = peft_config(_lora_config(tmp_path, model_dir, "[gate_proj, down_proj]").model.lora, model)
+    assert sorted(suffixes.target_modules) == ["down_proj", "gate_proj"]  # in the language model only: kept
+    assert _lora_problems(_lora_config(tmp_path, model_dir, "[gate_proj, down_proj]").model) == []
+    assert _lora_problems(_lora_config(tmp_path, model_dir, "[q_proj, fc1, gate_proj]").model) == [
+        "model.lora.target_modules: q_proj (model.vision_tower.encoder.layers.0.self_attn.q_proj), "
+        "fc1 (model.vision_tower.encoder.layers.0.mlp.fc1) in the vision tower or projector of "
+        "Gemma3ForConditionalGeneration, which stay frozen; name language-model modules only, or leave "
+        "target_modules unset (its q_proj, k_proj, v_proj, o_proj in the language model)"
     ]
 
 
