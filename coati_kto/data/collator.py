@@ -14,6 +14,7 @@ import torch
 from coati_kto.data.batch import ImageBatch, KTOBatch, TokenView
 from coati_kto.data.images import open_image
 from coati_kto.data.packed import counted, fold_pays, plan_continuation, plan_rows, slice_rows
+from coati_kto.data.processors import image_token_counts
 
 
 def _pad(
@@ -56,10 +57,12 @@ class KTOCollator:
     rank's :class:`~coati_kto.data.batch.RowSlice` (``padding_free`` required).
 
     Image rows (an ``images`` list of bytes, :mod:`coati_kto.data.image_store`): ``image_processor`` (the
-    processor's) runs once over the micro-batch's images, into :class:`~coati_kto.data.batch.ImageBatch`, and
-    every row's ``image_token_id`` count in each view must equal its images' ``image_seq_length`` tokens each
-    (Gemma 3): a processor changed since prepare is one ValueError naming the row. Padded rows only: the packed
-    layouts and sequence parallelism do not take images.
+    processor's) runs once over the micro-batch's images, into :class:`~coati_kto.data.batch.ImageBatch` (with
+    Gemma 4's ``image_position_ids`` and Qwen's ``image_grid_thw`` where it returns them), and every row's
+    ``image_token_id`` count in each view must equal its images' tokens: ``image_seq_length`` each (Gemma 3), or
+    with None what the image processor gives per image (Gemma 4's soft tokens, Qwen's grid:
+    :func:`coati_kto.data.processors.image_token_counts`). A processor changed since prepare is one ValueError
+    naming the row. Padded rows only: the packed layouts and sequence parallelism do not take images.
     """
 
     def __init__(
@@ -87,8 +90,8 @@ class KTOCollator:
                 raise ValueError(
                     "images need padded rows: padding_free and sequence parallelism do not take them"
                 )
-            if image_token_id is None or image_seq_length is None:
-                raise ValueError("an image_processor needs its image_token_id and image_seq_length")
+            if image_token_id is None:
+                raise ValueError("an image_processor needs its image_token_id")
         self.image_processor = image_processor
         self.image_token_id = image_token_id
         self.image_seq_length = image_seq_length
@@ -147,20 +150,33 @@ class KTOCollator:
         if self.image_processor is None:
             raise ValueError("the rows hold images but the collator has no image_processor")
         per_row = [list(f["images"] or []) for f in features]
+        outputs = None
+        counts = [[] for _ in per_row]
+        if any(per_row):
+            images = [open_image(image) for row in per_row for image in row]
+            outputs = self.image_processor(images=images, return_tensors="pt")
+            each = iter(image_token_counts(outputs, self.image_processor, self.image_seq_length))
+            counts = [[next(each) for _ in row] for row in per_row]
         views = {}
         for name, view in (("example", example), ("kl", kl)):
             types = ((view.input_ids == self.image_token_id) & view.attention_mask.bool()).long()
             for b, n in enumerate(types.sum(1).tolist()):
-                if n != len(per_row[b]) * self.image_seq_length:
+                if n != sum(counts[b]):
+                    each = ", ".join(map(str, counts[b]))
                     raise ValueError(
                         f"row {b} ({name} view): {n} image tokens in its ids, but its {len(per_row[b])} image(s) "
-                        f"give {len(per_row[b]) * self.image_seq_length} ({self.image_seq_length} each): the "
-                        "processor changed since the data was prepared; prepare it again"
+                        f"give {sum(counts[b])} ({each or 'none'}): the processor changed since the data was "
+                        "prepared; prepare it again"
                     )
             views[name] = types
-        if not any(per_row):
+        if outputs is None:
             return None
-        images = [open_image(image) for row in per_row for image in row]
-        pixels = self.image_processor(images=images, return_tensors="pt")["pixel_values"]
         rows = torch.tensor([b for b, row in enumerate(per_row) for _ in row], dtype=torch.long)
-        return ImageBatch(pixels, rows, views["example"], views["kl"])
+        return ImageBatch(
+            outputs["pixel_values"],
+            rows,
+            views["example"],
+            views["kl"],
+            image_position_ids=outputs.get("image_position_ids"),
+            image_grid_thw=outputs.get("image_grid_thw"),
+        )

@@ -20,8 +20,16 @@ from typing import TYPE_CHECKING, Any
 from coati_kto.config.hub import is_hub_dataset
 from coati_kto.data.files import load_records
 from coati_kto.data.image_refs import digest
+from coati_kto.data.processors import load_processor_for_images
 from coati_kto.data.tables import progress_bars
 from coati_kto.errors import ConfigError
+
+# The processors image records train with -> whether their image token count is fixed (image_seq_length).
+IMAGE_FAMILIES: dict[str, bool] = {
+    "Gemma3Processor": True,
+    "Gemma4ImageProcessing": False,
+    "Qwen3VLImageProcessing": False,
+}
 
 if TYPE_CHECKING:
     from coati_kto.config.schema import ModelSection
@@ -68,11 +76,10 @@ def load_processor(settings: PrepareSettings) -> Any | None:
 
 
 def model_processor(model: ModelSection) -> Any:
-    """``model.path``'s processor (it must take images); ConfigError (one line) when it cannot be loaded."""
-    from transformers import AutoProcessor
-
+    """``model.path``'s processor (it must take images; Gemma 4's and Qwen 3.5's without their video processor,
+    :mod:`coati_kto.data.processors`); ConfigError (one line) when it cannot be loaded."""
     try:
-        processor = AutoProcessor.from_pretrained(model.path, trust_remote_code=model.trust_remote_code)
+        processor = load_processor_for_images(model.path, model.trust_remote_code)
     except (OSError, ValueError, ImportError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise ConfigError(
@@ -87,20 +94,22 @@ def model_processor(model: ModelSection) -> Any:
 
 def collator_images(model: ModelSection) -> dict[str, Any]:
     """The ``KTOCollator`` keywords of image rows, from ``model.path``'s processor (loaded once): its image
-    processor, the image soft token's id (the tokenizer's, as prepare counted it) and its tokens per image."""
+    processor, the image soft token's id (the tokenizer's, as prepare counted it) and its fixed tokens per image
+    (Gemma 3's ``image_seq_length``; None for Gemma 4 and Qwen 3.5, whose counts the image processor gives per
+    image). Any other family is refused in one line: its processor is not proven here."""
     processor = model_processor(model)
-    if not isinstance(
-        getattr(processor, "image_seq_length", None), int
-    ):  # Gemma 4, Qwen 3.5: per-image counts
+    name = type(processor).__name__
+    if name not in IMAGE_FAMILIES:
         raise ConfigError(
-            f"model.path {model.path}: image records train on Gemma 3 vision-language models only so far (its "
-            f"{type(processor).__name__} gives no fixed image_seq_length)"
+            f"model.path {model.path}: image records train on Gemma 3, Gemma 4 and Qwen 3.5 vision-language "
+            f"models only ({name} is not one of their processors)"
         )
     soft = getattr(processor.tokenizer, "image_token_id", None)
+    fixed = IMAGE_FAMILIES[name]
     return {
         "image_processor": processor.image_processor,
         "image_token_id": int(soft if soft is not None else processor.image_token_id),
-        "image_seq_length": int(processor.image_seq_length),
+        "image_seq_length": int(processor.image_seq_length) if fixed else None,
     }
 
 

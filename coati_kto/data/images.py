@@ -9,8 +9,9 @@ transformers' public API), so the prompt/completion boundary moves by exactly wh
 equal ``processor(text=[prompt + completion], images=...)["input_ids"]``, and the completion is the same tokens
 with or without the image.
 
-The image token count depends only on the processor's config for Gemma 3; for other families it depends on the
-pixels, so the ids are tied to the bytes prepare saw (the prompt hash holds their digests).
+The image token count depends only on the processor's config for Gemma 3; for Gemma 4 (its soft tokens per image)
+and Qwen 3.5 (its grid) it depends on the pixels, so the ids are tied to the bytes prepare saw (the prompt hash
+holds their digests, and the collator checks the counts again).
 """
 
 from __future__ import annotations
@@ -42,8 +43,10 @@ class ImageExpander:
         # is the tokenizer's soft token, repeated per image.
         soft = getattr(tokenizer, "image_token_id", None)
         self.image_token_id = int(soft if soft is not None else processor.image_token_id)
-        # The tokens of an image's run a prompt cut must not reach: the soft token and the family's markers.
-        marks = (getattr(tokenizer, name, None) for name in ("boi_token_id", "eoi_token_id"))
+        # The tokens of an image's run a prompt cut must not reach: the soft token and the family's markers
+        # (Gemma's boi/eoi, Qwen's vision start/end).
+        names = ("boi_token_id", "eoi_token_id", "vision_start_token_id", "vision_end_token_id")
+        marks = (getattr(tokenizer, name, None) for name in names)
         self.run_ids = frozenset([self.image_token_id, *(int(m) for m in marks if m is not None)])
 
     def expand(self, prompt: str, completion: str, images: list[bytes], source: str) -> str | RecordError:

@@ -176,7 +176,7 @@ def test_a_changed_processor_is_one_error_naming_the_row(built) -> None:
     with pytest.raises(ValueError) as err:
         collate([out.train[i] for i in range(2)])
     assert str(err.value) == (
-        "row 0 (example view): 4 image tokens in its ids, but its 1 image(s) give 8 (8 each): the processor "
+        "row 0 (example view): 4 image tokens in its ids, but its 1 image(s) give 8 (8): the processor "
         "changed since the data was prepared; prepare it again"
     )
 

@@ -76,9 +76,9 @@ def test_the_defaults_run_and_the_continuation_falls_back_with_one_note(tmp_path
     assert image_collator(unpaired, _data("images"))[1] is None  # no KL pass to fall back
 
 
-def test_a_processor_without_a_fixed_image_count_is_refused(tmp_path: Path, monkeypatch) -> None:
-    """The collator's count check takes Gemma 3's fixed image_seq_length; another family's processor (a stand-in:
-    building Qwen 3.5's needs torchvision) is one line, not a KeyError in the first batch."""
+def test_a_processor_of_another_family_is_refused(tmp_path: Path, monkeypatch) -> None:
+    """Gemma 3, Gemma 4 and Qwen 3.5 are proven; another family's processor (a stand-in: Qwen3-VL's, which
+    AutoProcessor gives where torchvision is installed) is one line, not a KeyError in the first batch."""
     from coati_kto.data import image_store
 
     class Qwen3VLProcessor:
@@ -88,6 +88,6 @@ def test_a_processor_without_a_fixed_image_count_is_refused(tmp_path: Path, monk
     with pytest.raises(ConfigError) as err:
         image_collator(_config(tmp_path), _data("images"))
     assert str(err.value) == (
-        "model.path some/model: image records train on Gemma 3 vision-language models only so far (its "
-        "Qwen3VLProcessor gives no fixed image_seq_length)"
+        "model.path some/model: image records train on Gemma 3, Gemma 4 and Qwen 3.5 vision-language models "
+        "only (Qwen3VLProcessor is not one of their processors)"
     )
