@@ -15,6 +15,10 @@ gradient scale shows in the weights):
 
 One module fixture: one prepare, five training launches of a few seconds each and one for the refusals (the
 suite's time budget).
+
+Gemma 4 and Qwen 3.5 (their processors without a video processor, their image token counts varying with the
+images' sizes: coati_kto.data.processors), one launch for both: prepare, 3 steps, a resume from step 1 ending bit
+for bit, and final/ scoring the eval split as the last evaluation did.
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ from same_seed_runs import (
 from same_seed_runs import final_weights as _weights
 
 from coati_kto.testing.cli import run_cli
-from coati_kto.testing.tiny_processors import write_gemma3_vl
+from coati_kto.testing.tiny_processors import write_gemma3_vl, write_vl
 
 COLOURS = {"red": (230, 20, 20), "green": (20, 200, 40), "blue": (30, 40, 220), "yellow": (240, 230, 30)}
 FALLBACK = (
@@ -94,6 +98,18 @@ def _each(argv: list[str]) -> int:
     config, out = argv[0], argv[1]
     codes = [main(["train", config, o, f"output.dir={out}/{i}"]) for i, o in enumerate(argv[2:])]
     print("exit statuses", codes)
+    return 0
+
+
+def _lifecycle(roots: list[str]) -> int:
+    """prepare, train 3 steps (plain SGD) and resume from step 1, in each of ``roots`` (its ``one.yaml`` and
+    ``resumed.yaml``); prints each root's exit statuses (one launch for the families' lifecycles)."""
+    from coati_kto.cli import main
+
+    for root in roots:
+        codes = [main(["prepare", f"{root}/one.yaml"])]
+        codes += [sgd_train(["train", f"{root}/{run}.yaml"]) for run in ("one", "resumed")]
+        print(f"exit statuses {Path(root).name} {codes}")
     return 0
 
 
@@ -227,6 +243,12 @@ def test_final_reloads_with_its_processor_and_scores_as_the_last_evaluation(runs
     card = (final / "README.md").read_text()
     assert "the vision tower and projector stay frozen (no gradient, no optimizer state)" in card
     assert 'processor = AutoProcessor.from_pretrained("path/to/final")' in card
+    _assert_scores_as_the_last_evaluation(root, final, processor, model)
+
+
+def _assert_scores_as_the_last_evaluation(root: Path, final: Path, processor: Any, model: Any) -> None:
+    """The eval split's ids (the processor's) and pixels through the plain forward give the mean log-probs the
+    run logged at its last step (within 1e-4 relative)."""
     sums = {True: [], False: []}
     for line in (root / "eval.jsonl").read_text().splitlines():
         record = json.loads(line)
@@ -240,7 +262,7 @@ def test_final_reloads_with_its_processor_and_scores_as_the_last_evaluation(runs
         targets = inputs["input_ids"][0, start:]
         logps = torch.log_softmax(logits, -1).gather(-1, targets[:, None]).sum()
         sums[record["label"]].append(float(logps))
-    logged = logged_metrics(root / "one")
+    logged = logged_metrics(final.parent)
     for label, tag in ((True, "eval/logps/chosen"), (False, "eval/logps/rejected")):
         want = dict(logged[tag])[3]
         got = sum(sums[label]) / len(sums[label])
@@ -282,3 +304,51 @@ def test_a_resume_after_an_image_changed_in_place_is_refused(runs: dict) -> None
     assert len(errors) == 1 and errors[0].startswith(
         "error: train.resume step-1: the training data changed since the checkpoint (the content of "
     ), proc.ranks[0].stderr[-2000:]
+
+
+# family -> (the project-side processor class, prepare's image line for the train split: 32, 40 and 48 pixel wide
+# images give 64, 60 and 60 soft tokens (Gemma 4), 4, 4 and 2 (Qwen 3.5)).
+FAMILIES = {
+    "gemma4_vl": ("Gemma4ImageProcessing", "    images per record: 16 with 1; image tokens 999 ("),
+    "qwen3_5_vl": ("Qwen3VLImageProcessing", "    images per record: 16 with 1; image tokens 54 ("),
+}
+
+
+@pytest.fixture(scope="module")
+def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    roots = {}
+    for family in FAMILIES:
+        root = roots[family] = tmp_path_factory.mktemp(family)
+        write_vl(root / "model", family)
+        _records(root, 16, 0, "train.jsonl")
+        _records(root, 4, 100, "eval.jsonl")
+        _config(root, "one")
+        _config(root, "resumed", resume=str(root / "one" / "checkpoints" / "step-1"))
+    proc = run_cli([str(r) for r in roots.values()], command=_lifecycle)
+    assert proc.returncode == 0, proc.ranks[0].stderr[-3000:]
+    return {"roots": roots, "stdout": proc.ranks[0].stdout}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_lifecycle_of_gemma4_and_qwen3_5_on_images(families: dict, family: str) -> None:
+    """prepare counts the variable image tokens; step 1's rewards and KL are exactly 0; a resume from step 1 ends
+    bit for bit; final/ holds the checkpoint's processor files (the hub's class named) and scores the eval split
+    through the project-side processor and AutoModelForImageTextToText as the run's last evaluation did."""
+    from transformers import AutoModelForImageTextToText
+
+    from coati_kto.data.processors import HUB_CLASS, load_processor_for_images
+
+    root, stdout = families["roots"][family], families["stdout"]
+    assert f"exit statuses {root.name} [0, 0, 0]" in stdout
+    assert FAMILIES[family][1] in stdout
+    assert stdout.count(FALLBACK) == 4  # each family's two training runs
+    assert_step1_rewards_and_kl_zero(root / "one")
+    got, want = _weights(root / "resumed"), _weights(root / "one")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    final = root / "one" / "final"
+    processor_config = json.loads((final / "processor_config.json").read_text())
+    assert processor_config["processor_class"] == HUB_CLASS[family[: -len("_vl")]]
+    processor = load_processor_for_images(str(final))
+    assert type(processor).__name__ == FAMILIES[family][0]
+    model = AutoModelForImageTextToText.from_pretrained(final, dtype=torch.float32).eval()
+    _assert_scores_as_the_last_evaluation(root, final, processor, model)
