@@ -14,11 +14,24 @@ flag per token), so no rank leaves the loop while a peer still needs it.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from coati_kto.models.lora import AdapterFreeReference, base_module
+from coati_kto.models.vision import vision_family
+
+
+@dataclass(frozen=True)
+class PromptImages:
+    """The images of the prompts to decode (issue 49): every prompt's images in prompt order as the model's image
+    processor gives them, the image (soft) token id, and the processor's other outputs the family's forward
+    reads (Gemma 4's ``image_position_ids``, Qwen 3.5's ``image_grid_thw``)."""
+
+    pixel_values: torch.Tensor
+    image_token_id: int
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def _decoder(model: Any) -> tuple[Any, contextlib.AbstractContextManager]:
@@ -48,6 +61,7 @@ def greedy_generate(
     eos: list[int],
     device: torch.device,
     synced: bool,
+    images: PromptImages | None = None,
 ) -> list[list[int]]:
     """The greedy completion of each prompt: token ids up to and including the first of ``eos``, at most
     ``max_new_tokens`` (at least one token).
@@ -65,6 +79,7 @@ def greedy_generate(
     for b, prompt in enumerate(prompts):
         ids[b, width - len(prompt) :] = torch.as_tensor(prompt, dtype=torch.long)
         mask[b, width - len(prompt) :] = 1
+    vision = _vision_keywords(hf.config, images, ids, mask, device) if images is not None else {}
     with torch.no_grad(), context:
         out = hf.generate(
             input_ids=ids.to(device),
@@ -76,8 +91,20 @@ def greedy_generate(
             pad_token_id=pad_id,
             eos_token_id=eos,
             synced_gpus=synced,
+            **vision,
         )
     return [_until_eos(row, eos) for row in out[:, width:].tolist()]
+
+
+def _vision_keywords(
+    config: Any, images: PromptImages, ids: torch.Tensor, mask: torch.Tensor, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """``generate``'s image keywords for left-padded ``ids``: the pixels, the family's extras and token types."""
+    family = vision_family(config)
+    types = ((ids == images.image_token_id) & mask.bool()).long()
+    extras = {k: v for k, v in images.extras.items() if k in family.tower_keys + family.text_keys}
+    keywords = {"pixel_values": images.pixel_values, family.token_types: types, **extras}
+    return {k: v.to(device) for k, v in keywords.items()}
 
 
 def _until_eos(tokens: list[int], eos: list[int]) -> list[int]:

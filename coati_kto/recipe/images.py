@@ -58,12 +58,6 @@ def image_refusal(config: Config) -> str | None:
             "compiled layers",
             "false",
         ),
-        (
-            config.eval.samples > 0,
-            f"eval.samples {config.eval.samples}",
-            "generation without the images",
-            "0",
-        ),
     )
     for refused, setting, why, fix in checks:
         if refused:

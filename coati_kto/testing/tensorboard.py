@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 
 def read_scalars(log_dir: str | os.PathLike[str]) -> dict[str, list[tuple[int, float]]]:
@@ -86,3 +87,23 @@ def _cells(inner: str) -> list[str]:
         k += 1
     cells.append("".join(current))
     return cells
+
+
+def read_images(log_dir: str | os.PathLike[str]) -> dict[str, list[tuple[int, Any]]]:
+    """Every image of the TensorBoard event files in ``log_dir``: {tag: [(step, HWC uint8 array), ...]}, decoded
+    from the PNG TensorBoard stores."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"images": 0})
+    acc.Reload()
+    return {
+        tag: [
+            (e.step, np.asarray(Image.open(io.BytesIO(e.encoded_image_string)).convert("RGB")))
+            for e in acc.Images(tag)
+        ]
+        for tag in acc.Tags()["images"]
+    }

@@ -72,11 +72,24 @@ class MetricWriter:
             self.text("run/data", data_stats_markdown(data_stats), step)
         self.flush()
 
-    def table(self, key: str, columns: list[str], rows: list[list[Any]], step: int) -> None:
-        """A W&B table under ``key`` at ``step`` (TensorBoard gets tables as TEXT: :meth:`text`)."""
+    def image(self, tag: str, chw: Any, step: int) -> None:
+        """A TensorBoard image (``chw``: a CHW uint8 array) under ``tag`` at ``step``."""
+        self._to_tensorboard(lambda tb: tb.add_image(tag, chw, global_step=step, dataformats="CHW"))
+
+    def table(
+        self, key: str, columns: list[str], rows: list[list[Any]], step: int, images: list[Any] | None = None
+    ) -> None:
+        """A W&B table under ``key`` at ``step`` (TensorBoard gets tables as TEXT: :meth:`text`); ``images``
+        (CHW uint8 arrays or None, one per row) fill an ``image`` column."""
         if self._wandb is not None:
             import wandb
 
+            if images is not None:
+                columns = [*columns, "image"]
+                rows = [
+                    [*row, None if image is None else wandb.Image(image.transpose(1, 2, 0))]
+                    for row, image in zip(rows, images, strict=True)
+                ]
             self._wandb.log({key: wandb.Table(columns=columns, data=rows)}, step=step)
 
     def hparams(self, params: dict[str, float | int | str | bool], metric_tags: Iterable[str]) -> None:

@@ -7,6 +7,8 @@ rows d, d + D, ..., padded to ceil(N / D) rows by repeating one of them, so that
 passes (DDP's forward and the tensor-parallel layers hold collectives); its tensor-parallel peers decode the
 same rows in lockstep (``coati_kto.models.generate``). Each rank scores its completions with the trainer's own
 passes (fp32 log-probs of the policy and the reference), and global rank 0 gathers the rows and writes them.
+Image rows (issue 49): generation and scoring take the prompts' images (``coati_kto.trainer.sample_images``), and
+each sample's first image, down-scaled, goes to TensorBoard beside the table and into W&B's table.
 The implied reward of a completion y is beta * (log pi(y|x) - log pi_ref(y|x)), the reward the loss pushes up
 for desirable completions (``coati_kto.trainer.loss.implied_reward``). It is exactly 0 at step 0, where policy
 and reference are the same weights.
@@ -15,8 +17,9 @@ and reference are the same weights.
 from __future__ import annotations
 
 import math
+import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -26,6 +29,7 @@ from coati_kto.data.collator import padded_view
 from coati_kto.models.generate import eos_ids, greedy_generate
 from coati_kto.parallel.distributed import ParallelLayout, gather_objects
 from coati_kto.trainer.loss import implied_reward, log_ratio
+from coati_kto.trainer.sample_images import SampleImages, logged_image, scoring_keywords
 
 COLUMNS = ("sample", "label", "reward", "prompt", "completion")
 
@@ -42,6 +46,9 @@ class Sample:
     reward: float | None  # None without a reference model (kto.reference cached)
     prompt_ids: tuple[int, ...] = ()
     completion_ids: tuple[int, ...] = ()
+    image: np.ndarray | None = field(
+        default=None, compare=False
+    )  # the prompt's first image, CHW uint8: the logs'
 
 
 class EvalSamples:
@@ -57,6 +64,7 @@ class EvalSamples:
         tokenizer: Any,
         layout: ParallelLayout,
         device: torch.device,
+        images: SampleImages | None = None,
     ) -> None:
         if tokenizer is None:
             raise ValueError("eval samples need the tokenizer (KTOTrainer's tokenizer argument)")
@@ -69,6 +77,9 @@ class EvalSamples:
         self.rows = [rows[row] for _, row in mine]
         self.prompts = [[int(t) for t in r["input_ids"][: int(r["completion_start"])]] for r in self.rows]
         self.row_ids = [row for _, row in mine]
+        # Image rows: the prompts' pixels once (the prompts are fixed), for generation and scoring.
+        self.images = images.prompt_images(self.rows) if images is not None else None
+        self.logged = [logged_image(r) if images is not None else None for r in self.rows]
         self.tokenizer, self.layout, self.device = tokenizer, layout, device
         self.max_new_tokens = max_new_tokens
         self.writer: Any = None  # MetricWriter: TensorBoard text and W&B tables (main rank)
@@ -79,7 +90,8 @@ class EvalSamples:
     def for_run(cls, trainer: Any, eval_loader: Any) -> EvalSamples | None:
         """``trainer.options.samples`` of the eval loader's rows, written through the trainer's writer and
         progress bar (so built after them, in ``fit``); None when off or without an eval set."""
-        rows = getattr(getattr(eval_loader, "loader", eval_loader), "dataset", None)
+        loader = getattr(eval_loader, "loader", eval_loader)
+        rows = getattr(loader, "dataset", None)
         options = trainer.options
         if not options.samples or rows is None or len(rows) == 0:
             return None
@@ -91,6 +103,7 @@ class EvalSamples:
             trainer.tokenizer,
             trainer.layout,
             trainer.device,
+            SampleImages.of(getattr(loader, "collate_fn", None)),
         )
         samples.writer, samples.progress = trainer._writer, trainer._progress
         return samples
@@ -101,20 +114,32 @@ class EvalSamples:
         eos = eos_ids(policy, self.tokenizer)
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos[0]
         synced = self.layout.world_size > 1
-        completions = greedy_generate(model, self.prompts, self.max_new_tokens, pad, eos, self.device, synced)
+        completions = greedy_generate(
+            model, self.prompts, self.max_new_tokens, pad, eos, self.device, synced, self.images
+        )
         rewards: list[float | None] = [None] * len(completions)
         if reference is not None:
             whole = [p + c for p, c in zip(self.prompts, completions, strict=True)]
             view = padded_view(whole, [len(p) for p in self.prompts], pad).map(lambda t: t.to(self.device))
             with torch.no_grad():
                 ratio = log_ratio(
-                    passes.completion_logps(policy, view), passes.completion_logps(reference, view)
+                    passes.completion_logps(policy, view, scoring_keywords(policy, self.images, view)),
+                    passes.completion_logps(reference, view, scoring_keywords(reference, self.images, view)),
                 )
             rewards = implied_reward(ratio, passes.options.beta).tolist()
         local = [
-            Sample(place, row, bool(r["label"]), self._text(p), self._text(c), reward, tuple(p), tuple(c))
-            for place, row, r, p, c, reward in zip(
-                self.places, self.row_ids, self.rows, self.prompts, completions, rewards, strict=True
+            Sample(
+                place, row, bool(r["label"]), self._text(p), self._text(c), reward, tuple(p), tuple(c), image
+            )
+            for place, row, r, p, c, reward, image in zip(
+                self.places,
+                self.row_ids,
+                self.rows,
+                self.prompts,
+                completions,
+                rewards,
+                self.logged,
+                strict=True,
             )
             if place is not None
         ]
@@ -146,10 +171,13 @@ class EvalSamples:
         if self.layout.is_main:
             self.last = decoded
             for who, samples in decoded.items():
-                rows = [[_cell(asdict(s)[c]) for c in COLUMNS] for s in samples]
+                rows = [[_cell(getattr(s, c)) for c in COLUMNS] for s in samples]
+                images = [s.image for s in samples] if any(s.image is not None for s in samples) else None
                 if self.writer is not None:
                     self.writer.text(f"eval/samples/{who}", samples_markdown(samples), step)
-                    self.writer.table(f"eval/samples/{who}", list(COLUMNS), rows, step)
+                    for s in samples if images is not None else ():
+                        self.writer.image(f"eval/samples/{who}/image/{s.sample}", s.image, step)
+                    self.writer.table(f"eval/samples/{who}", list(COLUMNS), rows, step, images)
             line = f"step {step}: {len(decoded['policy'])} eval samples ({' and '.join(decoded)}) in {seconds:.2f} s"
             (self.progress.write if self.progress is not None else print)(line)
         return {"eval/samples_seconds": seconds}
@@ -178,10 +206,16 @@ def _cell(value: Any) -> Any:
     return "" if value is None else value
 
 
+# The line boundaries of str.splitlines other than "\n" (a decoded "\r" or "\u2028" ended the table's row):
+# written as numeric entities, which the markdown renders as the character and unescape reads back.
+_BREAKS = "\r\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029"
+
+
 def _escape(text: str) -> str:
     """A table cell's markdown: every character that could end or format the cell escaped, reversibly."""
     out = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
     out = out.replace("\\", "\\\\").replace("|", "\\|").replace("`", "\\`").replace("*", "\\*")
+    out = "".join(f"&#x{ord(c):x};" if c in _BREAKS else c for c in out)
     return out.replace("_", "\\_").replace("\n", "<br>")
 
 
@@ -198,7 +232,8 @@ def unescape(cell: str) -> str:
         else:
             out.append(cell[k])
             k += 1
-    return "".join(out).replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&")
+    text = re.sub(r"&#x([0-9a-f]+);", lambda m: chr(int(m.group(1), 16)), "".join(out))
+    return text.replace("&lt;", "<").replace("&gt;", ">").replace("&amp;", "&")
 
 
 def samples_markdown(samples: list[Sample]) -> str:

@@ -11,9 +11,11 @@ gradient scale shows in the weights):
 - the cached reference (scored with the images) logs the online run's metrics;
 - the default config (bf16) with only the paths set trains and exports the processor;
 - final/ reloads with AutoProcessor and AutoModelForImageTextToText and scores the eval split as the run's last
-  evaluation did.
+  evaluation did;
+- LoRA adapts the language model only, and its adapter and merged exports score as the run; its evaluation
+  samples, generated with their images, log each image to TensorBoard and an image column to W&B (offline).
 
-One module fixture: one prepare, five training launches of a few seconds each and one for the refusals (the
+One module fixture: one prepare, six training launches of a few seconds each and one for the refusals (the
 suite's time budget).
 
 Gemma 4 and Qwen 3.5 (their processors without a video processor, their image token counts varying with the
@@ -28,6 +30,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -45,6 +48,7 @@ from same_seed_runs import final_weights as _weights
 from coati_kto.testing.cli import run_cli
 from coati_kto.testing.tiny_processors import write_gemma3_vl, write_vl
 
+SAMPLES = 2  # eval.samples of the LoRA run
 COLOURS = {"red": (230, 20, 20), "green": (20, 200, 40), "blue": (30, 40, 220), "yellow": (240, 230, 30)}
 FALLBACK = (
     "kto.kl_continuation: off for image records (the KL pairs run their own padded pass with the images)"
@@ -86,7 +90,6 @@ REFUSALS = {
     "kto.pack_reference=true": "kto.pack_reference true: image records cannot run with a packed pass: its mask has "
     "no image block; set it to false",
     "model.compile=true": "model.compile true: image records cannot run with compiled layers; set it to false",
-    "eval.samples=2": "eval.samples 2: image records cannot run with generation without the images; set it to 0",
 }
 
 
@@ -162,6 +165,14 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     stdout["resumed"] = _train(_config(root, "resumed", resume=step1), 1)
     stdout["two"] = _train(_config(root, "two", accumulation_steps=1), 2)
     stdout["cached"] = _train(_config(root, "cached", kto={"reference": "cached"}), 1)
+    # LoRA, and evaluation samples with their images to TensorBoard and W&B (offline)
+    lora = yaml.safe_load(_config(root, "lora").read_text())
+    lora["model"]["lora"] = {"rank": 4, "alpha": 8}
+    lora["output"]["merge_lora"] = True
+    lora["eval"] = {"samples": SAMPLES, "sample_max_new_tokens": 3}
+    lora["logging"] = {"tensorboard": True, "wandb": True, "wandb_mode": "offline"}
+    (root / "lora.yaml").write_text(yaml.safe_dump(lora))
+    stdout["lora"] = _train(root / "lora.yaml", 1)
     default = {  # nothing but the paths: the default plugin, precision (bf16) and kto settings
         "model": {"path": str(root / "model")},
         "data": {"train_files": [str(root / "train.jsonl")], "prepared_dir": str(root / "prepared-default")},
@@ -271,7 +282,7 @@ def _assert_scores_as_the_last_evaluation(root: Path, final: Path, processor: An
 
 def test_each_setting_images_cannot_run_with_is_refused_in_one_line_after_prepare(runs: dict) -> None:
     refused = runs["refused"]
-    assert "exit statuses [2, 2, 2, 2]" in refused.stdout
+    assert "exit statuses [2, 2, 2]" in refused.stdout
     errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
     assert errors == [f"error: {message}" for message in REFUSALS.values()]
     assert "Traceback" not in refused.stderr
@@ -284,6 +295,71 @@ def test_the_default_config_trains_on_images(runs: dict) -> None:
     assert runs["stdout"]["default"].splitlines().count(FALLBACK) == 1
     assert_step1_rewards_and_kl_zero(root / "default")
     assert AutoProcessor.from_pretrained(root / "default" / "final").image_seq_length == 4
+
+
+def test_lora_adapts_the_language_model_only_and_both_exports_score_as_the_run(runs: dict) -> None:
+    """The default targets on a vision-language model: a regex over its language model (8 adapters on the tiny
+    Gemma 3, none in the SigLIP tower); step 1's rewards and KL are exactly 0 (B starts at zero); the base, the
+    tower and the projector stay as loaded; final/adapter reloads with peft and final/merged as the hub class,
+    and each scores the eval split as the run's last evaluation did."""
+    from peft import PeftModel
+    from transformers import AutoModelForImageTextToText, AutoProcessor, Gemma3ForConditionalGeneration
+
+    root = runs["root"]
+    final = root / "lora" / "final"
+    adapter_config = json.loads((final / "adapter" / "adapter_config.json").read_text())
+    assert adapter_config["target_modules"] == r".*model\.language_model\..*\.(q_proj|k_proj|v_proj|o_proj)"
+    adapters = load_file(final / "adapter" / "adapter_model.safetensors")
+    adapted = {k.split(".lora_")[0] for k in adapters}
+    assert len(adapted) == 8 and all(".language_model.layers." in k for k in adapted), sorted(adapted)
+    assert all(torch.count_nonzero(v) for k, v in adapters.items() if "lora_B" in k)  # every adapter trained
+    assert_step1_rewards_and_kl_zero(root / "lora")
+    start = load_file(root / "model" / "model.safetensors")
+    merged = load_file(final / "merged" / "model.safetensors")
+    attention = [
+        k for k in start if k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"))
+    ]
+    changed = sorted(k for k in start if not torch.equal(merged[k], start[k]))
+    assert changed == sorted(k for k in attention if k.startswith("language_model."))  # the rest as loaded
+    processor = AutoProcessor.from_pretrained(root / "model")
+    base = AutoModelForImageTextToText.from_pretrained(root / "model", dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, final / "adapter").eval()
+    hub = AutoModelForImageTextToText.from_pretrained(final / "merged", dtype=torch.float32).eval()
+    assert type(hub) is Gemma3ForConditionalGeneration
+    for model in (peft_model, hub):
+        _assert_scores_as_the_last_evaluation(root, final, processor, model)
+
+
+def test_evaluation_samples_log_their_images_to_tensorboard_and_wandb(runs: dict) -> None:
+    """One text table and one image per sample at every evaluation (the reference's at step 0 too); each image is
+    the pixels of its record's image file (32 to 48 px: below the 256 px bound); W&B's tables gain an image
+    column."""
+    from coati_kto.testing.tensorboard import read_images, read_samples
+
+    root = runs["root"]
+    assert runs["stdout"]["lora"].count(f"step 0: {SAMPLES} eval samples (policy and reference) in ") == 1
+    records = {
+        f"({100 + k})": json.loads(line)
+        for k, line in enumerate((root / "eval.jsonl").read_text().splitlines())
+    }
+    samples, images = read_samples(root / "lora" / "tensorboard"), read_images(root / "lora" / "tensorboard")
+    steps = {"policy": [0, 1, 2, 3], "reference": [0]}
+    assert sorted(images) == [f"eval/samples/{who}/image/{k}" for who in steps for k in range(SAMPLES)]
+    for who, want in steps.items():
+        assert sorted(samples[who]) == want
+        for step in want:
+            assert [int(r["sample"]) for r in samples[who][step]] == list(range(SAMPLES))
+            for row in samples[who][step]:
+                record = next(r for key, r in records.items() if key in row["prompt"])
+                pixels = np.asarray(Image.open(root / record["images"][0]).convert("RGB"))
+                logged = dict(images[f"eval/samples/{who}/image/{row['sample']}"])[step]
+                assert logged.shape == pixels.shape and np.array_equal(logged, pixels)
+    tables = sorted((root / "lora" / "wandb").glob("offline-run-*/files/media/table/**/*.table.json"))
+    assert len(tables) == 5, tables  # the policy's at steps 0-3, the reference's at step 0
+    for path in tables:
+        table = json.loads(path.read_text())
+        assert table["columns"] == ["sample", "label", "reward", "prompt", "completion", "image"]
+        assert [row[-1] for row in table["data"]] == ["Image"] * SAMPLES  # W&B's marker of an image cell
 
 
 def test_a_resume_after_an_image_changed_in_place_is_refused(runs: dict) -> None:

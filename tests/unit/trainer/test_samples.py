@@ -85,6 +85,8 @@ def test_the_table_reads_back_exactly(tmp_path: Path) -> None:
     from coati_kto.trainer.logging import MetricWriter
 
     texts = ["a|b\\c\n<|im_start|>user\nhi &lt; `x` *y* _z_ <br> \\|", "", " lead ", "\n\n"]
+    # Every other line boundary of str.splitlines (a decoded "\r" ended the row), and a literal entity.
+    texts += ["x\ry\r\nz\x0b\x0c\x1c\x1d\x1e\x85\u2028\u2029!", "&#x2028; &#xd;"]
     written = [
         Sample(k, k, k % 2 == 0, text, text + "!", None if k else 0.25) for k, text in enumerate(texts)
     ]
