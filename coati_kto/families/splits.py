@@ -59,10 +59,38 @@ def tensor_parallel_shape_refusal(raw: dict[str, Any], tp_size: int) -> str | No
     text = {**raw, **(raw.get("text_config") or {})}
     if text.get("enable_moe_block"):  # Gemma 4 26B-A4B: its experts have no tensor-parallel split
         return "Gemma 4 with enable_moe_block has no tensor-parallel policy: use plugin.tp_size 1"
+    pad_row = gemma4_pad_row_refusal(raw, tp_size)
+    if pad_row is not None:
+        return pad_row
     named = uneven_heads(raw, tp_size)
     if named is None:
         return None
     return f"plugin.tp_size {tp_size} must divide {named} (each tensor-parallel rank holds whole heads): use plugin.tp_size 1"
+
+
+# HybridParallelPlugin pads the vocabulary to a multiple of 64 x tp_size (its make_vocab_size_divisible_by,
+# coati_kto.parallel.model_shape.VOCAB_MULTIPLE), each rank holding an equal share of the padded rows.
+VOCAB_MULTIPLE = 64
+
+
+def gemma4_pad_row_refusal(raw: dict[str, Any], tp_size: int) -> str | None:
+    """Why a Gemma 4 vision-language model of config.json ``raw`` cannot run at ``tp_size`` (None when it can):
+    its forward indexes the embedding weight by the text config's ``pad_token_id`` directly
+    (``Gemma4Model.forward``, modeling_gemma4.py:2385), which under tensor parallelism is the rank's shard of the
+    vocabulary-parallel embedding. The value read is dead while ``input_ids`` are given (plan §3; the tripwire:
+    tests/unit/models/test_vision_features.py), but a pad id past the shard's rows raises IndexError."""
+    text = raw.get("text_config") or {}
+    pad, vocab = text.get("pad_token_id"), text.get("vocab_size")
+    if raw.get("model_type") != "gemma4" or not isinstance(pad, int) or not isinstance(vocab, int):
+        return None
+    multiple = VOCAB_MULTIPLE * tp_size
+    rows = -(-vocab // multiple) * multiple // tp_size
+    if pad < rows:
+        return None
+    return (
+        f"Gemma 4 vision-language with pad_token_id {pad}: its forward reads that row of the embedding directly, "
+        f"past the {rows} rows each of plugin.tp_size {tp_size} ranks holds: use plugin.tp_size 1"
+    )
 
 
 def uneven_heads(raw: dict[str, Any], ways: int) -> str | None:

@@ -206,6 +206,24 @@ def test_tp_size_must_split_every_head_count_gemma4_and_qwen3_5_have() -> None:
     assert why is not None and "linear_num_value_heads 3" in why
 
 
+def test_gemma4s_pad_row_past_a_ranks_embedding_shard_is_refused() -> None:
+    """Gemma 4's vision-language forward indexes the (vocabulary-parallel) embedding weight by pad_token_id: a
+    pad id past a rank's rows (vocabulary padded to 64 x tp_size, then split) is one line at load."""
+    from coati_kto.families.splits import tensor_parallel_shape_refusal
+
+    raw = {"model_type": "gemma4", "vision_config": {}, "text_config": {"vocab_size": 478, "pad_token_id": 0}}
+    assert tensor_parallel_shape_refusal(raw, 2) is None  # the hub's pad id 0: rank 0's row
+    raw["text_config"]["pad_token_id"] = 255  # 478 padded to 512: 256 rows a rank
+    assert tensor_parallel_shape_refusal(raw, 2) is None
+    raw["text_config"]["pad_token_id"] = 256
+    assert tensor_parallel_shape_refusal(raw, 2) == (
+        "Gemma 4 vision-language with pad_token_id 256: its forward reads that row of the embedding directly, "
+        "past the 256 rows each of plugin.tp_size 2 ranks holds: use plugin.tp_size 1"
+    )
+    assert tensor_parallel_shape_refusal(raw, 1) is None
+    assert tensor_parallel_shape_refusal({**raw, "model_type": "gemma3"}, 2) is None
+
+
 def test_fused_projections_resume_at_their_tp_size_only() -> None:
     """Phi-3's fused projections keep their optimizer moments rank after rank in a tp_size 2 checkpoint: resumed
     at another tp_size they would land on the wrong heads, silently; refused in one line instead."""
