@@ -218,16 +218,23 @@ def _use_section(model: ModelSection, output: OutputSection) -> list[str]:
         ]
     else:  # coati_kto.models.lora.export_lora: final/adapter (peft) and, with output.merge_lora, final/merged
         lora = model.lora
+        # A vision-language model's default targets are its language model's (coati_kto.config.lora.peft_targets);
+        # final/adapter holds the tokenizer only, so its processor comes from the base model.
+        scope = " of the language model" if auto == "AutoModelForImageTextToText" else ""
+        reads = (
+            f'processor = AutoProcessor.from_pretrained("{model.path}")'
+            if reader == "AutoProcessor"
+            else 'tokenizer = AutoTokenizer.from_pretrained("path/to/final/adapter")'
+        )
         lines += [
             "from peft import PeftModel",
             "",
-            f"# LoRA adapters (rank {lora.rank}, alpha {lora.alpha:g}) on {', '.join(lora.target_modules)}",
-            f'model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("{model.path}"), '
-            '"path/to/final/adapter")',
-            'tokenizer = AutoTokenizer.from_pretrained("path/to/final/adapter")',
+            f"# LoRA adapters (rank {lora.rank}, alpha {lora.alpha:g}) on {', '.join(lora.target_modules)}{scope}",
+            f'model = PeftModel.from_pretrained({auto}.from_pretrained("{model.path}"), "path/to/final/adapter")',
+            reads,
         ]
         if output.merge_lora:
-            lines += ['# or, merged: AutoModelForCausalLM.from_pretrained("path/to/final/merged")']
+            lines += [f'# or, merged: {auto}.from_pretrained("path/to/final/merged")']
     return [*lines, "```", ""]
 
 

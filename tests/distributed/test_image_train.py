@@ -105,13 +105,14 @@ def _each(argv: list[str]) -> int:
 
 
 def _lifecycle(roots: list[str]) -> int:
-    """prepare, train 3 steps (plain SGD) and resume from step 1, in each of ``roots`` (its ``one.yaml`` and
-    ``resumed.yaml``); prints each root's exit statuses (one launch for the families' lifecycles)."""
+    """prepare, train 3 steps (plain SGD), resume from step 1 and train with the cached reference, in each of
+    ``roots`` (its ``one.yaml``, ``resumed.yaml`` and ``cached.yaml``); prints each root's exit statuses (one
+    launch for the families' lifecycles)."""
     from coati_kto.cli import main
 
     for root in roots:
         codes = [main(["prepare", f"{root}/one.yaml"])]
-        codes += [sgd_train(["train", f"{root}/{run}.yaml"]) for run in ("one", "resumed")]
+        codes += [sgd_train(["train", f"{root}/{run}.yaml"]) for run in ("one", "resumed", "cached")]
         print(f"exit statuses {Path(root).name} {codes}")
     return 0
 
@@ -301,7 +302,8 @@ def test_lora_adapts_the_language_model_only_and_both_exports_score_as_the_run(r
     """The default targets on a vision-language model: a regex over its language model (8 adapters on the tiny
     Gemma 3, none in the SigLIP tower); step 1's rewards and KL are exactly 0 (B starts at zero); the base, the
     tower and the projector stay as loaded; final/adapter reloads with peft and final/merged as the hub class,
-    and each scores the eval split as the run's last evaluation did."""
+    and each scores the eval split as the run's last evaluation did; the card's Use section names those classes
+    (it named AutoModelForCausalLM, and an AutoTokenizer it did not import)."""
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText, AutoProcessor, Gemma3ForConditionalGeneration
 
@@ -328,6 +330,16 @@ def test_lora_adapts_the_language_model_only_and_both_exports_score_as_the_run(r
     assert type(hub) is Gemma3ForConditionalGeneration
     for model in (peft_model, hub):
         _assert_scores_as_the_last_evaluation(root, final, processor, model)
+    card = (
+        final / "README.md"
+    ).read_text()  # its Use section names the classes that just reloaded the exports
+    assert f'processor = AutoProcessor.from_pretrained("{root / "model"}")' in card
+    assert "# LoRA adapters (rank 4, alpha 8) on q_proj, k_proj, v_proj, o_proj of the language model" in card
+    assert (
+        f'model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained("{root / "model"}"), '
+        '"path/to/final/adapter")'
+    ) in card
+    assert '# or, merged: AutoModelForImageTextToText.from_pretrained("path/to/final/merged")' in card
 
 
 def test_evaluation_samples_log_their_images_to_tensorboard_and_wandb(runs: dict) -> None:
@@ -400,6 +412,7 @@ def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         _records(root, 4, 100, "eval.jsonl")
         _config(root, "one")
         _config(root, "resumed", resume=str(root / "one" / "checkpoints" / "step-1"))
+        _config(root, "cached", kto={"reference": "cached"})
     proc = run_cli([str(r) for r in roots.values()], command=_lifecycle)
     assert proc.returncode == 0, proc.ranks[0].stderr[-3000:]
     return {"roots": roots, "stdout": proc.ranks[0].stdout}
@@ -408,19 +421,20 @@ def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_the_lifecycle_of_gemma4_and_qwen3_5_on_images(families: dict, family: str) -> None:
     """prepare counts the variable image tokens; step 1's rewards and KL are exactly 0; a resume from step 1 ends
-    bit for bit; final/ holds the checkpoint's processor files (the hub's class named) and scores the eval split
+    bit for bit; the cached reference (scored with the images) logs the online run's metrics; final/ holds the checkpoint's processor files (the hub's class named) and scores the eval split
     through the project-side processor and AutoModelForImageTextToText as the run's last evaluation did."""
     from transformers import AutoModelForImageTextToText
 
     from coati_kto.data.processors import HUB_CLASS, load_processor_for_images
 
     root, stdout = families["roots"][family], families["stdout"]
-    assert f"exit statuses {root.name} [0, 0, 0]" in stdout
+    assert f"exit statuses {root.name} [0, 0, 0, 0]" in stdout
     assert FAMILIES[family][1] in stdout
-    assert stdout.count(FALLBACK) == 4  # each family's two training runs
+    assert stdout.count(FALLBACK) == 4  # each family's two online runs (the cached one's note names both)
     assert_step1_rewards_and_kl_zero(root / "one")
     got, want = _weights(root / "resumed"), _weights(root / "one")
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert_same_metrics(root / "cached", root / "one", {"train/loss", "train/kl", "eval/loss"})
     final = root / "one" / "final"
     processor_config = json.loads((final / "processor_config.json").read_text())
     assert processor_config["processor_class"] == HUB_CLASS[family[: -len("_vl")]]
