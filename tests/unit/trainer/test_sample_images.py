@@ -9,11 +9,13 @@ import io
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
-from coati_kto.models.generate import greedy_generate
-from coati_kto.testing.tiny_processors import write_gemma3_vl
+from coati_kto.models.generate import PromptImages, greedy_generate
+from coati_kto.models.vision import vision_family
+from coati_kto.testing.tiny_processors import write_vl
 from coati_kto.trainer.sample_images import LOGGED_SIDE, SampleImages, logged_image
 
 NEW_TOKENS = 5
@@ -28,62 +30,68 @@ def _png(size: tuple[int, int], colour: tuple[int, int, int], noise: int = 0) ->
     return out.getvalue()
 
 
-def _greedy_without_cache(
-    model, prompt: list[int], pixels: torch.Tensor, image_id: int, eos: list[int]
-) -> list:
+def _greedy_without_cache(model, prompt: list[int], images: PromptImages, eos: list[int]) -> list[int]:
     """Greedy tokens from full forwards of the prompt and the tokens so far, with the image, at every step."""
+    family = vision_family(model.config)
+    extras = {k: images.extras[k] for k in family.tower_keys + family.text_keys}
     ids = list(prompt)
     for _ in range(NEW_TOKENS):
         tensor = torch.tensor([ids])
+        types = {family.token_types: (tensor == images.image_token_id).long()}
         with torch.no_grad():
             logits = model(
-                input_ids=tensor,
-                pixel_values=pixels,
-                token_type_ids=(tensor == image_id).long(),
-                use_cache=False,
-            ).logits
-        ids.append(int(logits[0, -1].argmax()))
+                input_ids=tensor, pixel_values=images.pixel_values, use_cache=False, **types, **extras
+            )
+        ids.append(int(logits.logits[0, -1].argmax()))
         if ids[-1] in eos:
             break
     return ids[len(prompt) :]
 
 
-def test_generation_with_images_decodes_as_full_forwards_with_the_image_do(tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", ["gemma3_vl", "gemma4_vl", "qwen3_5_vl"])
+def test_generation_with_images_decodes_as_full_forwards_with_the_image_do(
+    tmp_path: Path, family: str
+) -> None:
     """Two left-padded prompts of different lengths, each with its own image: the cached decode (the pixels on
-    the prefill only) gives the tokens of full forwards that see the image at every step; without the images the
-    decode differs (the image matters to this model)."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    the prefill only; Qwen 3.5's M-RoPE positions from its grid) gives the tokens of full forwards that see the
+    image at every step. Without the images the Gemma decodes differ (the image matters to those models; the
+    tiny Qwen 3.5's greedy tokens do not move with these images)."""
+    from transformers import AutoModelForImageTextToText
 
-    write_gemma3_vl(tmp_path / "model")
-    processor = AutoProcessor.from_pretrained(tmp_path / "model")
+    from coati_kto.data.processors import load_processor_for_images
+
+    write_vl(tmp_path / "model", family)
+    processor = load_processor_for_images(str(tmp_path / "model"))
     model = AutoModelForImageTextToText.from_pretrained(tmp_path / "model", dtype=torch.float32).eval()
-    images = SampleImages(
-        processor.image_processor, processor.tokenizer.convert_tokens_to_ids("<image_soft_token>")
-    )
+    tokenizer = processor.tokenizer
+    images = SampleImages(processor.image_processor, tokenizer.convert_tokens_to_ids(tokenizer.image_token))
     rows = [
         {"images": [_png((32, 32), (230, 20, 20), noise=1)]},
         {"images": [_png((48, 32), (30, 40, 220), 2)]},
     ]
     prompts = []
-    for k, question in enumerate(["What colour?", "What colour is the shape in this picture?"]):
+    for row, question in zip(
+        rows, ["What colour?", "What colour is the shape in this picture?"], strict=True
+    ):
         text = processor.apply_chat_template(
             [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}],
             add_generation_prompt=True,
         )
-        prompts.append(
-            processor(text=[text], images=[[Image.open(io.BytesIO(rows[k]["images"][0]))]])["input_ids"][0]
-        )
+        image = Image.open(io.BytesIO(row["images"][0]))
+        prompts.append(list(processor(text=[text], images=[[image]])["input_ids"][0]))
     assert len(prompts[0]) != len(prompts[1])
-    pixels = images.prompt_images(rows)
-    eos = [processor.tokenizer.eos_token_id]
-    pad = processor.tokenizer.pad_token_id
-    got = greedy_generate(model, prompts, NEW_TOKENS, pad, eos, torch.device("cpu"), False, pixels)
+    eos = [tokenizer.eos_token_id]
+    pad = tokenizer.pad_token_id
+    got = greedy_generate(
+        model, prompts, NEW_TOKENS, pad, eos, torch.device("cpu"), False, images.prompt_images(rows)
+    )
     want = [
-        _greedy_without_cache(model, p, pixels.pixel_values[k : k + 1], pixels.image_token_id, eos)
-        for k, p in enumerate(prompts)
+        _greedy_without_cache(model, p, images.prompt_images([r]), eos)
+        for p, r in zip(prompts, rows, strict=True)
     ]
     assert got == want
-    assert greedy_generate(model, prompts, NEW_TOKENS, pad, eos, torch.device("cpu"), False) != got
+    if family != "qwen3_5_vl":
+        assert greedy_generate(model, prompts, NEW_TOKENS, pad, eos, torch.device("cpu"), False) != got
 
 
 def test_the_logged_image_is_the_records_first_down_scaled_to_256_px() -> None:
