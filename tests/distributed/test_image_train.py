@@ -37,6 +37,7 @@ import yaml
 from PIL import Image
 from safetensors.torch import load_file
 from same_seed_runs import (
+    METRIC_BOUND,
     UPDATE_BOUND,
     assert_same_metrics,
     assert_step1_rewards_and_kl_zero,
@@ -402,6 +403,25 @@ FAMILIES = {
 }
 
 
+def _assert_cached_as_online(root: Path) -> None:
+    """The cached reference's run against the online one: the losses within METRIC_BOUND; step 1's rewards and
+    KL within 2e-6 of 0, not exactly 0 (the cache scores the rows in other batches: measured 4.8e-7 for Gemma 4,
+    9.5e-7 for Qwen 3.5; docs/testing.md, what is exact)."""
+    cached, online = logged_metrics(root / "cached"), logged_metrics(root / "one")
+    step1 = [
+        v
+        for tag, values in cached.items()
+        if tag.startswith(("train/rewards", "train/kl"))
+        for s, v in values
+        if s == 1
+    ]
+    assert step1 and max(abs(v) for v in step1) <= 2e-6, step1
+    for tag in ("train/loss", "eval/loss"):
+        assert [s for s, _ in cached[tag]] == [s for s, _ in online[tag]], tag
+        for (_, got), (step, want) in zip(cached[tag], online[tag], strict=True):
+            assert abs(got - want) <= METRIC_BOUND * abs(want), (tag, step, got, want)
+
+
 @pytest.fixture(scope="module")
 def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     roots = {}
@@ -421,8 +441,9 @@ def families(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_the_lifecycle_of_gemma4_and_qwen3_5_on_images(families: dict, family: str) -> None:
     """prepare counts the variable image tokens; step 1's rewards and KL are exactly 0; a resume from step 1 ends
-    bit for bit; the cached reference (scored with the images) logs the online run's metrics; final/ holds the checkpoint's processor files (the hub's class named) and scores the eval split
-    through the project-side processor and AutoModelForImageTextToText as the run's last evaluation did."""
+    bit for bit; the cached reference (scored with the images) logs the online run's losses; final/ holds the
+    checkpoint's processor files (the hub's class named) and scores the eval split through the project-side
+    processor and AutoModelForImageTextToText as the run's last evaluation did."""
     from transformers import AutoModelForImageTextToText
 
     from coati_kto.data.processors import HUB_CLASS, load_processor_for_images
@@ -434,7 +455,7 @@ def test_the_lifecycle_of_gemma4_and_qwen3_5_on_images(families: dict, family: s
     assert_step1_rewards_and_kl_zero(root / "one")
     got, want = _weights(root / "resumed"), _weights(root / "one")
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
-    assert_same_metrics(root / "cached", root / "one", {"train/loss", "train/kl", "eval/loss"})
+    _assert_cached_as_online(root)
     final = root / "one" / "final"
     processor_config = json.loads((final / "processor_config.json").read_text())
     assert processor_config["processor_class"] == HUB_CLASS[family[: -len("_vl")]]
