@@ -80,6 +80,32 @@ def test_lora_on_a_vision_language_model_adapts_its_language_model_only(tmp_path
     ]
 
 
+@pytest.mark.parametrize("family,adapters", [("gemma4_vl", 11), ("qwen3_5_vl", 4)])
+def test_lora_default_targets_of_gemma4_and_qwen3_5_are_their_language_models(
+    tmp_path: Path, family: str, adapters: int
+) -> None:
+    """Gemma 4's tower wraps its q_proj in Gemma4ClippableLinear, which peft refused by suffix."""
+    import peft
+
+    from coati_kto.config.lora import peft_config
+    from coati_kto.testing.tiny import build_family_model, build_tokenizer
+
+    model = build_family_model(family, build_tokenizer(["a b c d"] * 5, vocab_size=280))
+    model_dir = _model_dir(tmp_path, model.config)
+    default = _lora_config(tmp_path, model_dir).model
+    assert _lora_problems(default) == []
+    adapted = [
+        n
+        for n, m in peft.get_peft_model(model, peft_config(default.lora, model)).named_modules()
+        if hasattr(m, "lora_A")
+    ]
+    assert len(adapted) == adapters and all(".language_model.layers." in n for n in adapted), adapted
+    if family == "gemma4_vl":  # the suffixes alone: peft's refusal
+        fresh = build_family_model(family, build_tokenizer(["a b c d"] * 5, vocab_size=280))
+        with pytest.raises(ValueError, match="Target module Gemma4ClippableLinear"):
+            peft.get_peft_model(fresh, peft.LoraConfig(target_modules=list(default.lora.target_modules)))
+
+
 @pytest.mark.parametrize("targets", [None, "[q_proj, gate_proj, down_proj]"])
 def test_lora_targets_of_a_llama_pass(tmp_path: Path, targets: str | None) -> None:
     from transformers import LlamaConfig
