@@ -68,8 +68,9 @@ def tensor_parallel_shape_refusal(raw: dict[str, Any], tp_size: int) -> str | No
     return f"plugin.tp_size {tp_size} must divide {named} (each tensor-parallel rank holds whole heads): use plugin.tp_size 1"
 
 
-# HybridParallelPlugin pads the vocabulary to a multiple of 64 x tp_size (its make_vocab_size_divisible_by,
-# coati_kto.parallel.model_shape.VOCAB_MULTIPLE), each rank holding an equal share of the padded rows.
+# ColossalAI's vocabulary-parallel embedding pads the vocabulary to a multiple of 64 x tp_size (its
+# make_vocab_size_divisible_by, coati_kto.parallel.model_shape.VOCAB_MULTIPLE), each rank holding an equal share
+# of the padded rows.
 VOCAB_MULTIPLE = 64
 
 
