@@ -134,6 +134,19 @@ def test_the_collated_tower_inputs_are_the_processors(family) -> None:
     assert got.kl_token_types.sum(1).tolist() == [one, one + second]
     prompt = features[1]["completion_start"]
     assert torch.equal(got.example_token_types[1, :prompt], got.kl_token_types[1, :prompt])
+    for b, row in enumerate(
+        images
+    ):  # the token types: the processor's mm_token_type_ids on the prompt, then 0
+        content = ONE if len(row) == 1 else TWO
+        text = processor.apply_chat_template(
+            [{"role": "user", "content": content}], add_generation_prompt=True
+        )
+        own = processor(text=[text], images=[[pil(x) for x in row]], return_tensors="pt")[
+            "mm_token_type_ids"
+        ][0]
+        start = features[b]["completion_start"]
+        assert len(own) == start and torch.equal(got.example_token_types[b, :start], own)
+        assert not got.example_token_types[b, start:].any()
     # Rows whose image is another size than prepare saw: another count, one error naming the row.
     swapped = [dict(features[0], images=[wide]), features[1]]
     with pytest.raises(ValueError) as err:
