@@ -29,7 +29,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # which import the whole package once; COATI_KTO_FRESH_PROCESSES=1 gives every call fresh processes instead.
 POOL_PRELOAD = ("coati_kto.*",)
 
-# Module fixtures' temporary folders are removed at their teardown (CI ran out of disk keeping them to the end).
+# Module fixtures' temporary folders are removed at their teardown (a run kept 0.5 GB of them to its end).
 pytest_plugins = ["coati_kto.testing.tmp_cleanup"]
 
 

@@ -7,7 +7,8 @@ Reset: torch's, numpy's and Python's RNGs reseeded from the OS (a new process st
 deterministic-algorithm and matmul-precision flags; every process group but the default one; signal handlers and
 the project's stop flag; logging handlers, levels and filters of the loggers that existed; warnings filters;
 stdout/stderr objects and umask; module and class attributes of ``coati_kto`` and ``colossalai`` rebound by the
-task (a test's monkeypatch left in place, ColossalAI's ``Randomizer._INDEX``); ColossalAI's singletons;
+task (a test's monkeypatch left in place, ColossalAI's ``Randomizer._INDEX``), and the module attributes of
+``torch``, ``os``, ``shutil``, ``builtins`` and the serializers (a hand-patched ``torch.save``); ColossalAI's singletons;
 transformers' rotary functions the fused-rotary dispatcher replaced (``coati_kto.models.rotary``); the project's
 ``functools.cache`` results; dynamo's compiled code and config. Not reset: anything a C extension keeps, and new
 modules a task imported (imported modules stay, as a warm cache).
@@ -35,6 +36,10 @@ import torch.distributed as dist
 
 # Modules whose attributes (and their classes' attributes) a task may rebind and a later task could see.
 PATCHABLE_PREFIXES = ("coati_kto", "colossalai")
+# Namespaces of libraries a task may patch by hand (``torch.save = failing_save`` in a fault drill): their own
+# attributes only, not their classes or submodules. A drill that left torch.save failing at "step-8.tmp" made a
+# later test's checkpoint write fail with "No space left on device" on the same worker (CI, 2026-11-29).
+PATCHABLE_MODULES = ("torch", "torch.serialization", "os", "shutil", "builtins", "safetensors.torch")
 _ROTARY = "apply_rotary_pos_emb"
 
 
@@ -76,6 +81,11 @@ def _attributes(prefixes: tuple[str, ...]) -> dict[Any, dict[str, Any]]:
     return out
 
 
+def _namespaces(names: tuple[str, ...]) -> dict[Any, dict[str, Any]]:
+    """``{module: its __dict__ copied}`` for the loaded modules named exactly ``names``."""
+    return {sys.modules[n]: dict(vars(sys.modules[n])) for n in names if n in sys.modules}
+
+
 def _loggers() -> dict[logging.Logger, tuple]:
     loggers = [logging.getLogger()] + [
         lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)
@@ -115,7 +125,7 @@ class FreshState:
         os.umask(umask)
         state = cls(
             flags=_flags(),
-            attributes=_attributes(PATCHABLE_PREFIXES),
+            attributes=_attributes(PATCHABLE_PREFIXES) | _namespaces(PATCHABLE_MODULES),
             loggers=_loggers(),
             logging_disabled=logging.root.manager.disable,
             warnings_filters=list(warnings.filters),

@@ -2,9 +2,9 @@
 when that fixture is torn down, not at the end of the run.
 
 pytest's ``tmp_path_retention_policy`` removes a passed test's ``tmp_path`` but keeps every module fixture's
-folder until the run ends: a whole run held 0.5 GB of checkpoints and bench outputs, and a CI machine ran out of
-disk at test 1448 of 1466. A folder is kept when a test failed while its fixture was alive (the post-mortem, as
-the "failed" policy keeps a failed test's ``tmp_path``). Per process: each xdist worker has its own base folder.
+folder until the run ends: a whole run held 0.5 GB of checkpoints and bench outputs. A folder is kept when a
+test failed while its fixture was alive (the post-mortem, as the "failed" policy keeps a failed test's
+``tmp_path``). Per process: each xdist worker has its own base folder.
 """
 
 from __future__ import annotations

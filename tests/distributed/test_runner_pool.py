@@ -149,6 +149,10 @@ def _leave_state_behind() -> None:
     logging.getLogger("coati_kto").setLevel(logging.CRITICAL)
     warnings.simplefilter("error")
     _INSIDE_FUSED_ATTENTION.set(True)
+    torch.save = (
+        None  # a fault drill's hand patch (test_operations' failing save once leaked into later tests)
+    )
+    os.replace = None
 
 
 def _what_a_task_sees() -> dict[str, Any]:
@@ -177,6 +181,8 @@ def _what_a_task_sees() -> dict[str, Any]:
         "inside_fused_attention": _INSIDE_FUSED_ATTENTION.get(),
         "test": os.environ.get("PYTEST_CURRENT_TEST"),
         "rank": os.environ["RANK"],
+        "torch_save": f"{torch.save.__module__}.{torch.save.__qualname__}",
+        "os_replace": getattr(os.replace, "__qualname__", None),
         "np": float(np.random.random()),
         "random": random.random(),
     }
