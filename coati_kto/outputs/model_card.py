@@ -201,6 +201,20 @@ def _has_processor(model: ModelSection) -> bool:
     return any((Path(model.path) / name).is_file() for name in PROCESSOR_FILES[:3])
 
 
+def _without_torchvision(model: ModelSection) -> list[str]:
+    """For a family whose hub processor lists a video processor (coati_kto.data.processors): AutoProcessor
+    needs torchvision there; the line that loads the image part without it."""
+    from coati_kto.data.processors import IMAGE_PROCESSING
+
+    config = json.loads((Path(model.path) / "config.json").read_text())
+    if config.get("model_type") not in IMAGE_PROCESSING:
+        return []
+    return [
+        "# AutoProcessor needs torchvision here (this family's processor lists a video processor); without it:",
+        '# from coati_kto.data.processors import load_processor_for_images; load_processor_for_images("path/to/final")',
+    ]
+
+
 def _use_section(model: ModelSection, output: OutputSection) -> list[str]:
     auto = _auto_class_name(model)
     # A vision-language export with its processor (image records): the processor reads images and text.
@@ -216,6 +230,7 @@ def _use_section(model: ModelSection, output: OutputSection) -> list[str]:
             f'model = {auto}.from_pretrained("path/to/final")',
             f'{name} = {reader}.from_pretrained("path/to/final")',
         ]
+        lines += _without_torchvision(model) if reader == "AutoProcessor" else []
     else:  # coati_kto.models.lora.export_lora: final/adapter (peft) and, with output.merge_lora, final/merged
         lora = model.lora
         # A vision-language model's default targets are its language model's (coati_kto.config.lora.peft_targets);

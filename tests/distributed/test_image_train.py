@@ -461,5 +461,10 @@ def test_the_lifecycle_of_gemma4_and_qwen3_5_on_images(families: dict, family: s
     assert processor_config["processor_class"] == HUB_CLASS[family[: -len("_vl")]]
     processor = load_processor_for_images(str(final))
     assert type(processor).__name__ == FAMILIES[family][0]
+    card = (final / "README.md").read_text()
+    assert (
+        'load_processor_for_images("path/to/final")' in card
+        and "AutoProcessor needs torchvision here" in card
+    )
     model = AutoModelForImageTextToText.from_pretrained(final, dtype=torch.float32).eval()
     _assert_scores_as_the_last_evaluation(root, final, processor, model)
