@@ -107,7 +107,8 @@ def test_schema_lists_the_keys_of_a_nested_section(capsys: pytest.CaptureFixture
         "model.lora.dropout: float = 0.0  "
         "# Recorded in adapter_config.json; training runs it at 0 like all dropout (deterministic KTO).",
         "model.lora.target_modules: list[str] = [q_proj, k_proj, v_proj, o_proj]  "
-        "# Module names (suffixes) that get adapters; not the LM head (lm_head) or embeddings.",
+        "# Module names (suffixes) that get adapters; not the LM head (lm_head) or embeddings. "
+        "Unset on a vision-language model: these names in its language model only.",
     ]
 
 
