@@ -172,3 +172,21 @@ def write_vl(out_dir: str | Path, family: str = "gemma3_vl", seed: int = 0) -> P
 def write_gemma3_vl(out_dir: str | Path, seed: int = 0) -> Path:
     """:func:`write_vl` of the tiny Gemma 3 VL (its projector random)."""
     return write_vl(out_dir, "gemma3_vl", seed)
+
+
+def crossed_rows(
+    prompts: list[list[int]], answers: list[list[int]], images: list[bytes] | None = None
+) -> list[dict[str, Any]]:
+    """Two prepared rows (the collator's features) from two prompts and two answers: row i is prompt i with answer
+    i, labelled desirable for row 0, its KL pair prompt i with the other row's answer; ``images``: row i's image."""
+    rows = []
+    for i in range(2):
+        row = dict(
+            input_ids=list(prompts[i]) + answers[i],
+            completion_start=len(prompts[i]),
+            label=i == 0,
+            kl_input_ids=list(prompts[i]) + answers[1 - i],
+            kl_completion_start=len(prompts[i]),
+        )
+        rows.append(row if images is None else {**row, "images": [images[i]]})
+    return rows

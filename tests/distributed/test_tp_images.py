@@ -23,6 +23,7 @@ import torch
 from PIL import Image
 
 from coati_kto.testing.distributed import run_distributed
+from coati_kto.testing.tiny_processors import crossed_rows
 
 STEPS = 3
 # The text-only test's learning rates and tolerances (Gemma 4's tiny model amplifies fp32 rounding: lr 0.01 and
@@ -52,17 +53,7 @@ def _rows(processor: Any) -> list[dict]:
         pil = Image.open(io.BytesIO(image))
         prompts.append(list(processor(text=[text], images=[[pil]])["input_ids"][0]))
     answers = [tokenizer.encode(a, add_special_tokens=False) for a in (" red", " a blue one")]
-    return [
-        dict(
-            input_ids=prompts[i] + answers[i],
-            completion_start=len(prompts[i]),
-            label=i == 0,
-            kl_input_ids=prompts[i] + answers[1 - i],
-            kl_completion_start=len(prompts[i]),
-            images=[images[i]],
-        )
-        for i in range(2)
-    ]
+    return crossed_rows(prompts, answers, images)
 
 
 def _logps(model: Any, batch: Any) -> dict[str, torch.Tensor]:

@@ -29,6 +29,7 @@ from coati_kto.models.vision import (
     vision_keywords,
 )
 from coati_kto.testing.tiny import build_family_model, build_tokenizer
+from coati_kto.testing.tiny_processors import crossed_rows
 
 FAMILIES = ["gemma3_vl", "gemma4_vl", "qwen3_5_vl"]
 # The multimodal tokens of each family's tokenizer (named as its processor reads them: tokenizer.image_token...).
@@ -136,17 +137,7 @@ def _batch(family: str, tokenizer: Any) -> tuple[Any, dict[str, torch.Tensor]]:
         tokenizer.encode(" red" + tokenizer.eos_token),
         tokenizer.encode(" a green one" + tokenizer.eos_token),
     ]
-    rows = [
-        dict(
-            input_ids=prompts[i] + answers[i],
-            completion_start=len(prompts[i]),
-            label=i == 0,
-            kl_input_ids=prompts[i] + answers[1 - i],
-            kl_completion_start=len(prompts[i]),
-        )
-        for i in range(2)
-    ]
-    return KTOCollator(tokenizer.pad_token_id)(rows), tower
+    return KTOCollator(tokenizer.pad_token_id)(crossed_rows(prompts, answers)), tower
 
 
 class _Counted:
@@ -294,17 +285,7 @@ def test_a_collated_gemma3_batch_gives_both_views_their_log_probs_from_one_tower
         tokenizer.encode(a, add_special_tokens=False) + [tokenizer.eos_token_id]
         for a in (" red", " a blue one")
     ]
-    rows = [
-        dict(
-            input_ids=prompts[i] + answers[i],
-            completion_start=len(prompts[i]),
-            label=i == 0,
-            kl_input_ids=prompts[i] + answers[1 - i],
-            kl_completion_start=len(prompts[i]),
-            images=[pngs[i]],
-        )
-        for i in range(2)
-    ]
+    rows = crossed_rows(prompts, answers, pngs)
     collate = KTOCollator(
         tokenizer.pad_token_id,
         image_processor=processor.image_processor,
