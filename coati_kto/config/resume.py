@@ -21,6 +21,7 @@ REFUSED: dict[str, str] = {
     "model.reference_path": "the rewards so far were measured against another reference",
     "model.tokenizer": "the prepared token ids belong to another tokenizer",
     "model.lora": "the checkpoint holds other trainable parameters",
+    "model.train_vision": "the checkpoint holds other trainable parameters",
     "model.trust_remote_code": "the model code may differ",
     "data": "the data position of the epoch in progress belongs to the old training set",
     # Data keys that change neither the training rows nor their order: how they are built, where they are

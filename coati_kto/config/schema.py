@@ -23,7 +23,7 @@ from coati_kto.config.plugin import GEMINI_REFUSAL, PluginName, PluginSection, P
 from coati_kto.config.section import Section as _Section
 from coati_kto.config.sequence import sequence_problems
 from coati_kto.errors import ConfigError
-from coati_kto.families import packing_refusal, router_aux_problem
+from coati_kto.families import packing_refusal, router_aux_problem, text_only_model
 from coati_kto.families.splits import check_model_family
 
 # GEMINI_REFUSAL, PluginName and Precision: re-exported for the layers that import them from the schema.
@@ -70,6 +70,12 @@ class ModelSection(_Section):
     )
     lora: LoraSection | None = Field(
         None, description="Train LoRA adapters instead of every weight (null: full fine-tuning)."
+    )
+    # Off: the tower's features are constants, computed once per micro-batch for every pass (issue 49).
+    train_vision: bool = Field(
+        False,
+        description="A vision-language model: train its vision tower and projector too (the gradient pass "
+        "recomputes the image features with a graph; the reference computes its own). False: they stay frozen.",
     )
 
 
@@ -259,6 +265,10 @@ class Config(_Section):
 
     def _family_problems(self) -> list[str]:
         out = [why for why in [router_aux_problem(self.model.path, self.kto.router_aux_loss_coef)] if why]
+        if self.model.train_vision and text_only_model(self.model.path):
+            out.append(
+                f"model.train_vision: model.path {self.model.path} is a text-only model (no vision tower to train)"
+            )
         for key in (
             "model.path",
             "model.reference_path",
@@ -290,7 +300,8 @@ class Config(_Section):
         if self.model.lora is None:
             merge = self.output is not None and self.output.merge_lora
             return ["output.merge_lora needs model.lora (there are no adapters to merge)"] if merge else []
-        out = []
+        adapters = "model.train_vision with model.lora: the adapters are language-model-only"
+        out = [adapters] if self.model.train_vision else []
         if self.plugin.name == "hybrid_parallel" and self.plugin.tp_size > 1:
             out.append(
                 f"model.lora with plugin.tp_size {self.plugin.tp_size}: ColossalAI 0.5.0 enables LoRA under "

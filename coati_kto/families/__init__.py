@@ -69,6 +69,13 @@ def vision_language_refusal(model_dir: str) -> str | None:
     return f"{model_dir} is a {raw.get('model_type')} vision-language checkpoint: {why}" if why else None
 
 
+def text_only_model(model_dir: str) -> bool:
+    """Whether ``model_dir``'s config.json holds no vision-language model (no ``vision_config`` and
+    ``text_config``); False where it has none (a hub id: the load tells)."""
+    raw = _config_json(model_dir)
+    return raw is not None and (raw.get("vision_config") is None or raw.get("text_config") is None)
+
+
 def text_vocab_size(config: Any) -> int:
     """The vocabulary of ``config``'s text model (a composite config keeps it in its text config)."""
     return int(config.get_text_config().vocab_size if vision_language(config) else config.vocab_size)
@@ -216,20 +223,25 @@ def eager_attention_reason(model_dir: str) -> str | None:
     return f"its attention soft-capping (attn_logit_softcapping {softcap}) runs in the eager kernel only"
 
 
-def model_notes(model_dir: str, router_aux_loss_coef: float | str = "auto") -> list[str]:
+def model_notes(
+    model_dir: str, router_aux_loss_coef: float | str = "auto", train_vision: bool = False
+) -> list[str]:
     """One line each for what training does with ``model_dir``'s config that the user may not expect (read from
     config.json alone): whether an MoE's router load-balancing loss joins the KTO loss
     (:func:`router_aux_note`), and a vision-language checkpoint (:func:`vision_language`: its language model
-    trained, its vision tower frozen)."""
+    trained, its vision tower frozen unless ``train_vision``)."""
     raw, notes = _config_json(model_dir), []
     if raw is None:
         return notes
     notes += [note for note in [router_aux_note(model_dir, router_aux_loss_coef)] if note]
     if raw.get("vision_config") is not None and raw.get("text_config") is not None:
+        name = f"note: {model_dir} is a vision-language model ({raw.get('model_type')})"
         notes.append(
-            f"note: {model_dir} is a vision-language model ({raw.get('model_type')}): KTO trains its language "
-            "model (on text and image records); the vision tower and projector stay frozen (no gradient, no "
-            "optimizer state) and are exported unchanged"
+            f"{name}: trained: its language model and the vision tower and projector (model.train_vision), on "
+            "text and image records"
+            if train_vision
+            else f"{name}: KTO trains its language model (on text and image records); the vision tower and "
+            "projector stay frozen (no gradient, no optimizer state) and are exported unchanged"
         )
     return notes
 

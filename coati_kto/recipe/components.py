@@ -14,6 +14,8 @@ from typing import Any
 import torch
 
 from coati_kto.config.schema import Config
+from coati_kto.errors import ConfigError
+from coati_kto.families import vision_language
 from coati_kto.models.compile import maybe_compile
 from coati_kto.models.hf import freeze_vision_tower, load_causal_lm
 from coati_kto.models.lora import AdapterFreeReference, enable_lora
@@ -63,9 +65,15 @@ def build_components(
     plan = plan or ParallelPlan.from_config(config)
     layout = ParallelLayout.from_plugin(plugin)
     policy = load_causal_lm(config.model.path, config.model, torch.float32)
-    # A vision-language model's text passes never reach its tower (model_notes says so).
+    # A vision-language model's tower stays frozen unless model.train_vision (model_notes says which).
     fp32_export = config.output is not None and config.output.export_dtype == "fp32"
-    frozen_fp32 = freeze_vision_tower(policy, keep_fp32=fp32_export and layout.is_main)
+    frozen_fp32 = {}
+    if not config.model.train_vision:
+        frozen_fp32 = freeze_vision_tower(policy, keep_fp32=fp32_export and layout.is_main)
+    elif not vision_language(policy.config):  # a hub id: config.json was not there to check
+        raise ConfigError(
+            f"model.train_vision: model.path {config.model.path} is a text-only model (no vision tower to train)"
+        )
     if config.model.gradient_checkpointing:  # non-reentrant: shardformer's forward requires it
         policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     policy = maybe_compile(policy, config.model.compile)  # after checkpointing, before boosting

@@ -230,6 +230,8 @@ def _build_run(config: Config, out_dir: Path, run_data: RunData) -> Run:
 def _announce(config: Config, run: Run, notes: tuple[str | None, ...]) -> None:
     """``run.notes``: the given notes that say something, then the model's own; the main rank prints them after
     the weights' report."""
-    run.notes = [n for n in notes if n] + model_notes(config.model.path, config.kto.router_aux_loss_coef)
+    run.notes = [n for n in notes if n] + model_notes(
+        config.model.path, config.kto.router_aux_loss_coef, config.model.train_vision
+    )
     if run.layout.is_main:
         print("\n".join([run.weights_report, *run.notes]), flush=True)

@@ -44,7 +44,7 @@ from coati_kto.trainer.metrics import StepSums
 from coati_kto.trainer.no_grad_pass import GradientPass, NoGradPass, Outputs
 from coati_kto.trainer.options import KTOOptions
 from coati_kto.trainer.scoring_plan import ScoringPlan, ScoringRules
-from coati_kto.trainer.shared_vision import SharedVision, shared_vision, view_logps
+from coati_kto.trainer.shared_vision import SharedVision, shared_vision, view_logps, with_graph
 from coati_kto.trainer.throughput import flop_params, forward_flops, train_flops
 
 
@@ -316,7 +316,8 @@ class KTOPasses:
                 item.policy_kl = self._continued_kl(batch, cache)
                 item.flops += forward_flops(self._flop_params(self.policy), item.counts.continuation)
             else:
-                policy_logps = self._view_logps(self.policy, batch, plan, False, item.vision)
+                vision = with_graph(item.vision, self.policy)  # the tower's graph where it trains
+                policy_logps = self._view_logps(self.policy, batch, plan, False, vision)
         if routed is None:
             return policy_logps, None
         if plan.policy_kl == "folded":  # folding needs the collator's pairs (fold_pays is computed from them)

@@ -5,6 +5,12 @@ The example view and its KL view hold prompt i in row i, so the same images in t
 ``get_image_features`` call (no gradient: the tower and projector are frozen, ``coati_kto.models.hf
 .freeze_vision_tower``) serves both views, the policy's passes and the reference's where it holds the same
 weights (no ``model.reference_path``). A reference of other weights computes its own, once.
+
+With ``model.train_vision`` the policy's tower and projector take gradient: the no-grad passes use no-grad
+features of the current policy weights, the gradient pass recomputes the example view's with a graph
+(:func:`with_graph`; z0 is detached, so the KL view's pass needs none), and the reference computes its
+own once, since its tower no longer equals the policy's after step 1. Policy and reference share only while the
+tower is frozen.
 """
 
 from __future__ import annotations
@@ -41,25 +47,30 @@ class SharedVision:
         return vision_keywords(base_module(model).config, view, self.features[id(model)])
 
 
+def with_graph(vision: SharedVision | None, policy: Any) -> SharedVision | None:
+    """``vision`` with ``policy``'s features recomputed under the caller's grad mode (the gradient pass: with the
+    tower's graph where it takes gradient); ``vision`` itself where the tower is frozen or there are no images."""
+    if vision is None or not tower_trainable(policy):
+        return vision
+    features = {**vision.features, id(policy): image_features(policy, vision.inputs["example"])}
+    return SharedVision(vision.inputs, features)
+
+
 def shared_vision(batch: KTOBatch, policy: Any, reference: Any, options: Any) -> SharedVision | None:
-    """The features of ``batch``'s images (None without images): the policy's once, handed to the reference too
-    where ``options.reference_is_policy_weights`` (it loads ``model.path``), else the reference's own (``options``
-    is read only with a reference). RuntimeError where the policy's tower takes gradient: features computed once
-    without a graph would silently leave it untrained."""
+    """The no-grad features of ``batch``'s images (None without images): the policy's once, handed to the
+    reference too where ``options.reference_is_policy_weights`` (it loads ``model.path``) and the policy's tower is
+    frozen, else the reference's own (``options`` is read only with a reference). A trainable tower's gradient
+    pass adds its graph (:func:`with_graph`)."""
     if batch.images is None:
         return None
-    if tower_trainable(policy):
-        raise RuntimeError("images: the policy's vision tower takes gradient, but its features are shared")
     inputs = view_inputs(batch.images)
     with torch.no_grad():
         features = {id(policy): image_features(policy, inputs["example"])}
         if reference is not None and id(reference) not in features:
-            own = (
-                features[id(policy)]
-                if options.reference_is_policy_weights
-                else image_features(reference, inputs["example"])
+            shared = options.reference_is_policy_weights and not tower_trainable(policy)
+            features[id(reference)] = (
+                features[id(policy)] if shared else image_features(reference, inputs["example"])
             )
-            features[id(reference)] = own
     return SharedVision(inputs, features)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
@@ -433,3 +434,36 @@ def test_a_model_config_json_that_is_not_an_object_is_one_line(
     with pytest.raises(ConfigError) as err:
         load_config(write_config(tmp_path, MINIMAL.replace("some/model", str(model))))
     assert str(err.value).startswith(f"{model / 'config.json'}: {reason}") and "\n" not in str(err.value)
+
+
+def test_train_vision_is_refused_with_lora_and_on_a_text_only_model(tmp_path: Path) -> None:
+    """model.train_vision trains the vision tower and projector: LoRA's adapters are language-model-only, and a
+    text-only model has no tower; each is one line naming the key. On a vision-language model it loads."""
+    from coati_kto.families import model_notes
+
+    text, vl = tmp_path / "text", tmp_path / "vl"
+    text.mkdir(), vl.mkdir()
+    (text / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (vl / "config.json").write_text(
+        json.dumps({"model_type": "gemma3", "vision_config": {}, "text_config": {}})
+    )
+    path = write_config(tmp_path, MINIMAL)
+    assert load_config(path).model.train_vision is False
+    assert _errors(path, ["model.train_vision=true", "model.lora={rank: 4}"]) == [
+        "override model.train_vision=true, model.lora={rank: 4}: model.train_vision with model.lora: the adapters "
+        "are language-model-only"
+    ]
+    assert _errors(path, ["model.train_vision=true", f"model.path={text}"]) == [
+        f"override model.train_vision=true, model.path={text}: model.train_vision: model.path {text} is "
+        "a text-only model (no vision tower to train)"
+    ]
+    assert load_config(path, ["model.train_vision=true", f"model.path={vl}"]).model.train_vision is True
+    frozen, trained = model_notes(str(vl)), model_notes(str(vl), train_vision=True)
+    assert frozen[-1].endswith(
+        "the vision tower and projector stay frozen (no gradient, no optimizer state) and "
+        "are exported unchanged"
+    )
+    assert trained[-1] == (
+        f"note: {vl} is a vision-language model (gemma3): trained: its language model and the vision tower and "
+        "projector (model.train_vision), on text and image records"
+    )

@@ -126,3 +126,17 @@ def test_settings_this_version_no_longer_has_are_not_compared(tmp_path: Path) ->
 def test_a_section_set_now_is_a_change_not_new_settings(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="model.lora"):
         check_resume(_dump(tmp_path), _dump(tmp_path, "model.lora={rank: 4}"), "step-6")
+
+
+def test_train_vision_cannot_change_on_resume(tmp_path: Path) -> None:
+    """model.train_vision changes which parameters the optimizer holds; a checkpoint saved before the key existed
+    (its default: the tower frozen) resumes unchanged."""
+    with pytest.raises(ConfigError) as err:
+        check_resume(_dump(tmp_path), _dump(tmp_path, "model.train_vision=true"), "step-6")
+    assert str(err.value).splitlines()[0] == (
+        "train.resume step-6: model.train_vision False -> True: cannot change on resume (the checkpoint holds "
+        "other trainable parameters)"
+    )
+    saved = _dump(tmp_path)
+    del saved["model"]["train_vision"]
+    assert check_resume(saved, _dump(tmp_path), "step-6") is None

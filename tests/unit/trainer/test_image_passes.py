@@ -5,7 +5,8 @@ Gemma 3 VL model and its processor (coati_kto.testing.tiny_processors), batches 
   and a reference of the same weights (a reference of other weights computes its own, once);
 - the trained passes' per-row log-probs equal the plain ``pixel_values`` forward's, and at step 1 the online
   reference gives rewards and KL of exactly 0;
-- the frozen tower and projector get no gradient and no optimizer state.
+- the frozen tower and projector get no gradient and no optimizer state; with ``model.train_vision`` they get the
+  plain forward's gradient, and the reference computes its own features.
 """
 
 from __future__ import annotations
@@ -23,11 +24,14 @@ from coati_kto.data.collator import KTOCollator
 from coati_kto.models.hf import freeze_vision_tower
 from coati_kto.models.lm_head import LMHead
 from coati_kto.models.packing import padded_logps
+from coati_kto.models.vision import image_features
 from coati_kto.testing.tiny import build_family_model
 from coati_kto.testing.tiny_processors import gemma3_processor
+from coati_kto.trainer.loss import preference_loss
 from coati_kto.trainer.metrics import StepSums
 from coati_kto.trainer.options import KTOOptions
 from coati_kto.trainer.passes import KTOPasses
+from coati_kto.trainer.shared_vision import shared_vision
 
 COLOURS = [(255, 0, 0), (0, 255, 0), (0, 0, 255), (255, 255, 0), (90, 30, 200), (0, 0, 0)]
 
@@ -155,11 +159,56 @@ def test_a_reference_of_other_weights_computes_its_own_features_once(setup: dict
     assert all(float(rewards.abs().max()) > 0 for _, rewards, _ in outputs)  # another model: nonzero rewards
 
 
-def test_a_trainable_tower_is_refused_rather_than_left_untrained(setup: dict) -> None:
-    """Features computed once without a graph would give a trainable tower no gradient, in silence."""
+def _kto_grads(policy: Any, reference: Any, batches: list[Any], beta: float) -> list[torch.Tensor]:
+    """The tower's and projector's gradients of the step's KTO loss by plain autograd: each micro-batch's
+    ``pixel_values`` forward (the tower run inside it), z0 0 (step 1: the policy is the reference)."""
+    head, rows = LMHead.find(policy), sum(len(batch) for batch in batches)
+    for batch in batches:
+        vision = {
+            "pixel_values": batch.images.pixel_values,
+            "token_type_ids": batch.images.example_token_types,
+        }
+        with torch.no_grad():
+            reference_logps = padded_logps(reference, batch.example, LMHead.find(reference), vision)
+        logps = padded_logps(policy, batch.example, head, vision)
+        losses, _ = preference_loss("kto", logps, reference_logps, batch.label.bool(), torch.zeros(()), beta)
+        (losses.sum() / rows).backward()
+    return [p.grad for p in _tower(policy)]
+
+
+def test_train_vision_trains_the_tower_through_the_example_pass_and_the_reference_keeps_its_own(
+    setup: dict,
+) -> None:
+    """model.train_vision: the gradient pass recomputes the features with a graph, so the tower and projector get
+    the KTO loss's gradient (the plain pixel_values forward's); the reference computes its own features, which
+    differ from the policy's once the optimizer has stepped."""
     policy = copy.deepcopy(setup["policy"]).train()
     for parameter in _tower(policy):
-        parameter.requires_grad_(True)
-    with pytest.raises(RuntimeError) as err:
-        _step(_passes(policy, copy.deepcopy(policy).eval(), same_weights=True), setup["batches"][:1])
-    assert str(err.value) == "images: the policy's vision tower takes gradient, but its features are shared"
+        parameter.requires_grad_(True)  # build_components skips freeze_vision_tower
+    reference = copy.deepcopy(setup["policy"]).eval().requires_grad_(False)
+    plain = copy.deepcopy(policy)
+    counted = _Counted(policy), _Counted(reference)
+    passes = _passes(policy, reference, same_weights=True)
+    outputs, sums = _step(passes, setup["batches"])
+    # The policy's: a no-grad pass and the gradient pass per micro-batch; the reference's own, once each.
+    assert [c.calls for c in counted] == [4, 2]
+    for _, rewards, _ in outputs:
+        assert torch.equal(rewards, torch.zeros_like(rewards))
+    assert sums.local()[1] == {"kl": 0.0, "kl_raw": 0.0}
+    grads = [p.grad for p in _tower(policy)]
+    expected = _kto_grads(plain, reference, setup["batches"], beta=0.5)
+    # The parameters the forward reaches (not the vision model's unused head): the same ones in both.
+    assert [g is None for g in grads] == [g is None for g in expected]
+    reached = [(got, want) for got, want in zip(grads, expected, strict=True) if want is not None]
+    assert len(reached) > 0 and all(float(got.abs().sum()) > 0 for got, _ in reached)
+    for got, want in reached:
+        assert float((got - want).norm()) <= 1e-6 * float(want.norm()), (got, want)
+    optimizer = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-3)
+    optimizer.step()
+    assert {id(p) for p in _tower(policy) if p.grad is not None} <= {id(p) for p in optimizer.state}
+    vision = shared_vision(setup["batches"][0], policy, reference, passes.options)
+    assert [c.calls for c in counted] == [5, 3]
+    ours, theirs = (vision.features[id(m)].pooler_output for m in (policy, reference))
+    assert not torch.equal(ours, theirs)
+    with torch.no_grad():  # the reference's are its own weights': the step-0 tower's
+        assert torch.equal(theirs, image_features(plain, vision.inputs["example"]).pooler_output)
