@@ -175,6 +175,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     lora["logging"] = {"tensorboard": True, "wandb": True, "wandb_mode": "offline"}
     (root / "lora.yaml").write_text(yaml.safe_dump(lora))
     stdout["lora"] = _train(root / "lora.yaml", 1)
+    for name, world, steps in (("vision_one", 1, 2), ("vision_two", 2, 1)):  # model.train_vision
+        vision = yaml.safe_load(_config(root, name, accumulation_steps=steps).read_text())
+        vision["model"]["train_vision"] = True
+        (root / f"{name}.yaml").write_text(yaml.safe_dump(vision))
+        stdout[name] = _train(root / f"{name}.yaml", world)
     default = {  # nothing but the paths: the default plugin, precision (bf16) and kto settings
         "model": {"path": str(root / "model")},
         "data": {"train_files": [str(root / "train.jsonl")], "prepared_dir": str(root / "prepared-default")},
@@ -233,6 +238,27 @@ def test_two_processes_equal_one_process(runs: dict) -> None:
     assert_same_metrics(
         root / "two", root / "one", {"train/loss", "train/kl", "eval/loss", "eval/logps/chosen"}
     )
+
+
+def test_train_vision_moves_the_tower_and_two_processes_equal_one(runs: dict) -> None:
+    """model.train_vision: the tower and projector train (their gradient through the features computed outside the
+    wrapped forward reaches ZeRO's reduction on 2 processes); step 1 starts at exactly 0; 2 processes' update
+    equals 1 process's for every tensor, the tower's included."""
+    root = runs["root"]
+    start = load_file(root / "model" / "model.safetensors")
+    assert_step1_rewards_and_kl_zero(root / "vision_one")
+    got, want = _weights(root / "vision_two"), _weights(root / "vision_one")
+    moved = [k for k in want if _tower(k) and not torch.equal(want[k], start[k])]
+    assert len(moved) > 10 and any("multi_modal_projector" in k for k in moved)
+    errors = {}
+    for k in want:
+        update = (want[k] - start[k]).abs().max().item()
+        if update == 0.0:  # the tower's unused head: no gradient in either run
+            assert torch.equal(got[k], start[k]), k
+            continue
+        spacing = torch.finfo(torch.float32).eps * want[k].abs().max().item()
+        errors[k] = max((got[k] - want[k]).abs().max().item() - spacing, 0.0) / update
+    assert max(errors.values()) < UPDATE_BOUND, max(errors.items(), key=lambda kv: kv[1])
 
 
 def test_the_cached_reference_scored_with_the_images_logs_the_online_metrics(runs: dict) -> None:
