@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from coati_kto.config.hub import is_hub_dataset
 from coati_kto.data.files import load_records
 from coati_kto.data.image_refs import digest
+from coati_kto.data.images import soft_token_id
 from coati_kto.data.processors import load_processor_for_images
 from coati_kto.data.tables import progress_bars
 from coati_kto.errors import ConfigError
@@ -104,11 +105,10 @@ def collator_images(model: ModelSection) -> dict[str, Any]:
             f"model.path {model.path}: image records train on Gemma 3, Gemma 4 and Qwen 3.5 vision-language "
             f"models only ({name} is not one of their processors)"
         )
-    soft = getattr(processor.tokenizer, "image_token_id", None)
     fixed = IMAGE_FAMILIES[name]
     return {
         "image_processor": processor.image_processor,
-        "image_token_id": int(soft if soft is not None else processor.image_token_id),
+        "image_token_id": soft_token_id(processor),
         "image_seq_length": int(processor.image_seq_length) if fixed else None,
     }
 

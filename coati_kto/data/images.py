@@ -32,6 +32,13 @@ def open_image(image: bytes) -> Image.Image:
         return opened.copy()
 
 
+def soft_token_id(processor: Any) -> int:
+    """The model's image token: the tokenizer's soft token, repeated per image. Gemma 3's processor names its
+    placeholder (<start_of_image>) its image token, so the processor's own id is the fallback only."""
+    soft = getattr(processor.tokenizer, "image_token_id", None)
+    return int(soft if soft is not None else processor.image_token_id)
+
+
 class ImageExpander:
     """Expands the image placeholders of rendered prompts through ``processor`` (picklable, as the Encoder)."""
 
@@ -39,10 +46,7 @@ class ImageExpander:
         self.processor = processor
         self.placeholder: str = processor.image_token
         tokenizer = processor.tokenizer
-        # Gemma 3's processor names the placeholder (<start_of_image>) its image token; the model's image token
-        # is the tokenizer's soft token, repeated per image.
-        soft = getattr(tokenizer, "image_token_id", None)
-        self.image_token_id = int(soft if soft is not None else processor.image_token_id)
+        self.image_token_id = soft_token_id(processor)
         # The tokens of an image's run a prompt cut must not reach: the soft token and the family's markers
         # (Gemma's boi/eoi, Qwen's vision start/end).
         names = ("boi_token_id", "eoi_token_id", "vision_start_token_id", "vision_end_token_id")

@@ -361,7 +361,7 @@ class KTOPasses:
         rows = plan.rows(batch, kl)
         if rows is None:
             keywords = vision.keywords(model, kl) if vision is not None else None
-            return self._sequence_logps(model, batch.kl if kl else batch.example, keywords)
+            return self.completion_logps(model, batch.kl if kl else batch.example, keywords)
         if isinstance(rows, RowSlice):  # this rank's columns; one sum over the sp group per pass
             # sp: undo the plugin's average over dp x sp (every sp rank holds the same loss; plan §2c)
             example, kl_logps = sp_packed_logps(
@@ -380,8 +380,6 @@ class KTOPasses:
         """Completion log-probs [B] fp32 of ``model`` on one padded view (``vision``: its image keywords), as the
         passes score it (graph only under grad); every rank of a tensor-parallel group calls with the same view."""
         return view_logps(model, view, self._lm_head(model), self.options.apply_loss_mask, vision)
-
-    _sequence_logps = completion_logps
 
     def _flop_params(self, model: Any) -> int:
         """N of ``model`` for the FLOPs count (coati_kto.trainer.throughput), computed once per model."""

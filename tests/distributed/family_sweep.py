@@ -129,7 +129,7 @@ def _export_check(
         if diff != 0.0:
             return f"exported weights differ from the trained ones by {diff:.3g}"
         with torch.no_grad():
-            gap = float((passes._sequence_logps(hf, batch.example) - logps).abs().max())
+            gap = float((passes.completion_logps(hf, batch.example) - logps).abs().max())
     except Exception as exc:
         return "export reload: " + _one_line(exc)
     if gap > 5e-4 * float(logps.abs().max()) + 1e-6:
@@ -158,7 +158,7 @@ def lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, A
     step1 = {k: first.history[0].get(f"train/{k}") for k in ("rewards/chosen", "rewards/rejected", "kl_raw")}
     trained = {k: v.detach().clone() for k, v in first.policy.unwrap().state_dict().items()}
     with torch.no_grad():
-        logps = first.passes._sequence_logps(first.policy, batch.example)
+        logps = first.passes.completion_logps(first.policy, batch.example)
     resumed_raw = raw_config(model_dir, root, plugin, "resumed")
     resumed_raw["train"]["resume"] = str(root / "run" / "checkpoints" / "step-1")
     resumed_raw["output"]["save_final"] = False

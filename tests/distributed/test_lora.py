@@ -89,8 +89,8 @@ def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     batch = KTOCollator(tokenizer.pad_token_id)([data.train[i] for i in range(4)])
     with torch.no_grad():
-        trained_logps = first.passes._sequence_logps(first.policy, batch.example)
-        base_logps = first.passes._sequence_logps(first.reference, batch.example)
+        trained_logps = first.passes.completion_logps(first.policy, batch.example)
+        base_logps = first.passes.completion_logps(first.reference, batch.example)
 
     resumed_raw = _raw_config(model_dir, root, plugin, "resumed")
     resumed_raw["train"]["resume"] = str(root / "run" / "checkpoints" / "step-3")
@@ -111,10 +111,10 @@ def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, 
         merged = AutoModelForCausalLM.from_pretrained(final / "merged", dtype=dtype).eval()
         with torch.no_grad():
             result["adapter_diff"] = float(
-                (first.passes._sequence_logps(adapted, batch.example) - trained_logps).abs().max()
+                (first.passes.completion_logps(adapted, batch.example) - trained_logps).abs().max()
             )
             result["merged_diff"] = float(
-                (first.passes._sequence_logps(merged, batch.example) - trained_logps).abs().max()
+                (first.passes.completion_logps(merged, batch.example) - trained_logps).abs().max()
             )
         result["trained_vs_base"] = float((trained_logps - base_logps).abs().max())
         result["logps_scale"] = float(trained_logps.abs().max())

@@ -327,8 +327,8 @@ def _one_step_variants(model_dir: str, ref_dir: str, out_dir: str) -> dict:
         precomputed = [
             dataclasses.replace(
                 b,
-                reference_logps=trainer.passes._sequence_logps(parts.reference, b.example),
-                reference_kl_logps=trainer.passes._sequence_logps(parts.reference, b.kl),
+                reference_logps=trainer.passes.completion_logps(parts.reference, b.example),
+                reference_kl_logps=trainer.passes.completion_logps(parts.reference, b.kl),
             )
             for b in step
         ]
