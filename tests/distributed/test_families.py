@@ -119,11 +119,11 @@ def _step_zero(config: Any, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
     trainer = KTOTrainer(
         parts.policy, parts.reference, parts.booster, parts.optimizer, plugin, None, None, plan=plan
     )
-    policy = trainer.passes._sequence_logps(parts.policy, batch.example)  # with gradient, as in training
+    policy = trainer.passes.completion_logps(parts.policy, batch.example)  # with gradient, as in training
     with torch.no_grad():
-        reference = trainer.passes._sequence_logps(parts.reference, batch.example)
-        policy_kl = trainer.passes._sequence_logps(parts.policy, batch.kl)
-        reference_kl = trainer.passes._sequence_logps(parts.reference, batch.kl)
+        reference = trainer.passes.completion_logps(parts.reference, batch.example)
+        policy_kl = trainer.passes.completion_logps(parts.policy, batch.kl)
+        reference_kl = trainer.passes.completion_logps(parts.reference, batch.kl)
     # ddp's reference is the plain module; the plugins' are wrappers
     ref_module = getattr(parts.reference, "unwrap", lambda: parts.reference)()
     ref_bytes = {n: p.numel() * p.element_size() for n, p in ref_module.named_parameters()}
@@ -166,7 +166,7 @@ def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, 
     }
     trained = _full_state(first.policy)
     with torch.no_grad():
-        trained_logps = first.passes._sequence_logps(first.policy, batch.example)
+        trained_logps = first.passes.completion_logps(first.policy, batch.example)
     resumed_raw = _raw_config(model_dir, root, plugin, "resumed")
     resumed_raw["train"]["resume"] = str(root / "run" / "checkpoints" / "step-2")
     resumed_raw["output"]["save_final"] = False
@@ -185,7 +185,7 @@ def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, 
         auto = auto_model_class(AutoConfig.from_pretrained(model_dir))
         hf = auto.from_pretrained(root / "run" / "final", dtype=dtype).to(batch.example.input_ids.device)
         with torch.no_grad():
-            export_logps = first.passes._sequence_logps(hf, batch.example)
+            export_logps = first.passes.completion_logps(hf, batch.example)
         base = auto.from_pretrained(model_dir, dtype=dtype).state_dict()
         result["export"] = {
             "vocab_size": hf.config.get_text_config().vocab_size,
