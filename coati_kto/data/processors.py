@@ -3,7 +3,7 @@
 transformers' video processors need torchvision, which the project does not install (docs/image_feedback_plan.md
 §9 step 0), so ``AutoProcessor`` cannot load these checkpoints. Image records need only the image processor (its
 PIL flavour, what ``AutoImageProcessor`` gives without torchvision), the tokenizer and the chat template. The
-classes here are the family's own processor whose ``__init__`` declares no ``video_processor``: transformers
+classes (``processor_classes.py``) are the family's own processor whose ``__init__`` declares no ``video_processor``: transformers
 derives a processor's parts from that signature (``ProcessorMixin.get_attributes``), so ``from_pretrained`` loads
 the other parts from the checkpoint's files, tokenizes and expands images as the family's processor does, and
 has no ``video_processor`` attribute (videos are refused). They are used for these families whatever is
@@ -14,78 +14,23 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers import Gemma4Processor, ProcessorMixin, Qwen3VLProcessor
-
-
-class _NoVideo(ProcessorMixin):
-    """Drops the ``video_processor`` (None) the family's ``__init__`` hands on: the subclass declares none."""
-
-    def __init__(self, *args: Any, video_processor: Any = None, **kwargs: Any) -> None:
-        parts = self.get_attributes()
-        if video_processor is not None or any(a is not None for a in args[len(parts) :]):
-            raise ValueError(f"{type(self).__name__} takes no video processor")
-        super().__init__(*args[: len(parts)], **kwargs)
-
-
-class Gemma4ImageProcessing(Gemma4Processor, _NoVideo):
-    """``Gemma4Processor`` without a video processor: its feature extractor, image processor and tokenizer."""
-
-    def __init__(
-        self,
-        feature_extractor: Any,
-        image_processor: Any,
-        tokenizer: Any,
-        chat_template: str | None = None,
-        image_seq_length: int = 280,
-        audio_seq_length: int = 750,
-        audio_ms_per_token: int = 40,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(
-            feature_extractor,
-            image_processor,
-            tokenizer,
-            None,
-            chat_template=chat_template,
-            image_seq_length=image_seq_length,
-            audio_seq_length=audio_seq_length,
-            audio_ms_per_token=audio_ms_per_token,
-            **kwargs,
-        )
-
-
-class Qwen3VLImageProcessing(Qwen3VLProcessor, _NoVideo):
-    """``Qwen3VLProcessor`` (Qwen 3.5's) without a video processor: its image processor and tokenizer."""
-
-    def __init__(
-        self,
-        image_processor: Any = None,
-        tokenizer: Any = None,
-        chat_template: str | None = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
-
-
-# model type -> the processor class image records load for it (any other: AutoProcessor).
-IMAGE_PROCESSING: dict[str, type[ProcessorMixin]] = {
-    "gemma4": Gemma4ImageProcessing,
-    "qwen3_5": Qwen3VLImageProcessing,
-}
-# The processor class each of them stands for (what the checkpoint's processor_config.json names).
+# The model types whose image records load a class of coati_kto.data.processor_classes (any other:
+# AutoProcessor), and the processor class each stands for (what the checkpoint's processor_config.json names).
 HUB_CLASS: dict[str, str] = {"gemma4": "Gemma4Processor", "qwen3_5": "Qwen3VLProcessor"}
 
 
 def load_processor_for_images(path: str, trust_remote_code: bool = False) -> Any:
-    """``path``'s processor for image records: the class of :data:`IMAGE_PROCESSING` for its model type, else
-    ``AutoProcessor``'s. Raises what the load raises (OSError, ValueError, ImportError)."""
+    """``path``'s processor for image records: the class of ``processor_classes.IMAGE_PROCESSING`` for its model
+    type, else ``AutoProcessor``'s. Raises what the load raises (OSError, ValueError, ImportError)."""
     from transformers import AutoConfig, AutoProcessor
 
     try:
         model_type = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).model_type
     except (OSError, ValueError, KeyError):
         model_type = None
-    if model_type in IMAGE_PROCESSING:
+    if model_type in HUB_CLASS:
+        from coati_kto.data.processor_classes import IMAGE_PROCESSING
+
         return IMAGE_PROCESSING[model_type].from_pretrained(path)
     return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
 

@@ -204,10 +204,10 @@ def _has_processor(model: ModelSection) -> bool:
 def _without_torchvision(model: ModelSection) -> list[str]:
     """For a family whose hub processor lists a video processor (coati_kto.data.processors): AutoProcessor
     needs torchvision there; the line that loads the image part without it."""
-    from coati_kto.data.processors import IMAGE_PROCESSING
+    from coati_kto.data.processors import HUB_CLASS
 
     config = json.loads((Path(model.path) / "config.json").read_text())
-    if config.get("model_type") not in IMAGE_PROCESSING:
+    if config.get("model_type") not in HUB_CLASS:
         return []
     return [
         "# AutoProcessor needs torchvision here (this family's processor lists a video processor); without it:",

@@ -22,7 +22,8 @@ from typing import Any
 from transformers import AutoTokenizer, Gemma3Processor
 from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
-from coati_kto.data.processors import HUB_CLASS, Gemma4ImageProcessing, Qwen3VLImageProcessing
+from coati_kto.data.processor_classes import Gemma4ImageProcessing, Qwen3VLImageProcessing
+from coati_kto.data.processors import HUB_CLASS
 from coati_kto.models.tiny import CHATML_TEMPLATE, TINY_CORPUS
 from coati_kto.testing.tiny import build_tokenizer
 
