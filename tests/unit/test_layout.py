@@ -26,6 +26,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "coati_kto"
 LAYERS = {
     "__init__": 0,
     "errors": 0,
+    "import_compiles": 0,
     "families": 1,
     "config": 2,
     "parallel": 3,
