@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -151,9 +149,12 @@ logging:
   tensorboard: true
 """
     )
-    subprocess.run(
-        [sys.executable, "-m", "coati_kto", "prepare", str(config)], check=True, capture_output=True
-    )
+    # `coati-kto prepare` is the CLI's code path, nothing a launched process adds: on a worker rank (run_cli), not a
+    # new interpreter's 5 CPU-s of imports. Every caller runs under pytest, where the worker pool is on.
+    from coati_kto.testing.cli import run_cli
+
+    prepared = run_cli(["prepare", str(config)])
+    assert prepared.returncode == 0, prepared.stderr[-3000:]
     return config
 
 

@@ -46,12 +46,13 @@ def test_cached_reference_under_ddp_runs_and_resumes_exactly(tmp_path: Path, tin
         f"output: {{dir: {tmp_path / 'out'}, save_interval: 3, keep_last: 3}}\n"
         "logging: {tensorboard: false}\n"
     )
-    # prepare and precompute (1 process) are the CLI's code path: on a worker rank (coati_kto.testing.cli). The two
-    # trainings are real launches: torchrun's 2 processes, and a resume that must read everything from disk.
+    # prepare, precompute (1 process) and the uninterrupted training (2 ranks) are the CLI's code path: on worker
+    # ranks (coati_kto.testing.cli); same code, same machine, 1 thread: the same bits as a launch. The resume is
+    # the real launch: torchrun's 2 processes, reading everything from disk.
     assert run_cli(["prepare", str(config)]).returncode == 0
     assert run_cli(["precompute", str(config)]).returncode == 0
-    full = _cli("train", "--nproc-per-node", "2", str(config))
-    assert full.returncode == 0, full.stdout[-2000:] + full.stderr[-2000:]
+    full = run_cli(["train", str(config)], 2)
+    assert full.returncodes == [0, 0], full.stdout[-2000:] + full.stderr[-2000:]
     whole = load_file(tmp_path / "out" / "final" / "model.safetensors")
     resumed_dir = tmp_path / "resumed"
     resumed = _cli(

@@ -18,6 +18,7 @@ from helpers import env
 from safetensors.torch import load_file
 
 from coati_kto.parallel.distributed import free_port
+from coati_kto.testing.cli import run_cli
 from coati_kto.testing.tensorboard import read_scalars
 
 GOOD = ["Paris is the capital.", "The answer is 5.", "Here is the result, thank you!"]
@@ -74,10 +75,9 @@ logging:
   tensorboard: true
 """
     )
-    # Prepare once so the concurrent launches below only read the cache.
-    subprocess.run(
-        [sys.executable, "-m", "coati_kto", "prepare", str(config)], check=True, capture_output=True
-    )
+    # Prepare once so the concurrent launches below only read the cache (the CLI's code path: on a worker rank).
+    prepared = run_cli(["prepare", str(config)])
+    assert prepared.returncode == 0, prepared.stderr[-3000:]
     return config
 
 
@@ -96,9 +96,11 @@ def _check(procs: list[subprocess.Popen], timeout: float = 600) -> None:
 
 
 def test_two_nodes_match_one_node_with_two_processes(run_config: Path, tmp_path: Path) -> None:
+    # 1 node x 2 processes is what run_cli's 2 ranks see (RANK = LOCAL_RANK, LOCAL_WORLD_SIZE 2; same code, same
+    # machine, 1 thread): on worker ranks. The 2 nodes are the launcher under test: real torchrun agents.
     one_node = tmp_path / "one_node"
-    cmd = _torchrun("--standalone", "--nproc_per_node=2") + [str(run_config), f"output.dir={one_node}"]
-    _check([subprocess.Popen(cmd, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)])
+    done = run_cli(["train", str(run_config), f"output.dir={one_node}"], 2)
+    assert done.returncodes == [0, 0], (done.stdout + done.stderr)[-4000:]
 
     two_nodes = tmp_path / "two_nodes"
     port = free_port()

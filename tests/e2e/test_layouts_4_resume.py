@@ -17,12 +17,13 @@ from pathlib import Path
 import torch
 from helpers import env, weights, write_run
 
+from coati_kto.testing.cli import run_cli
 from coati_kto.testing.tensorboard import read_scalars
 
 STEPS, SAVE_AT = 6, 3
 
 
-def _train(config: Path, nproc: int, *overrides: str) -> str:
+def _launch(config: Path, nproc: int, *overrides: str) -> str:
     cmd = [
         sys.executable,
         "-m",
@@ -41,12 +42,18 @@ def _train(config: Path, nproc: int, *overrides: str) -> str:
 def test_tp2_dp2_checkpoint_resumes_on_tp1_dp4(tmp_path: Path, tiny_model_dir: Path) -> None:
     config = write_run(tmp_path, tiny_model_dir, steps=STEPS, save_interval=SAVE_AT)
     first = tmp_path / "tp2_dp2"
-    _train(config, 4, "plugin.tp_size=2", "train.accumulation_steps=2", f"output.dir={first}")
+    # The run to the checkpoint is only the CLI's code path on 4 ranks: on worker ranks (coati_kto.testing.cli),
+    # not 6 new processes' imports. The resume on the other layout, which must read everything from disk, is the
+    # real 4-process launch.
+    done = run_cli(
+        ["train", str(config), "plugin.tp_size=2", "train.accumulation_steps=2", f"output.dir={first}"], 4
+    )
+    assert done.returncodes == [0] * 4, (done.stdout + done.stderr)[-3000:]
     checkpoint = first / "checkpoints" / f"step-{SAVE_AT}"
     assert (checkpoint / "COMPLETE").is_file(), sorted((first / "checkpoints").iterdir())
 
     second = tmp_path / "tp1_dp4"
-    said = _train(
+    said = _launch(
         config,
         4,
         "plugin.tp_size=1",

@@ -57,17 +57,27 @@ def run_config(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -
     return write_run(tmp_path_factory.mktemp("ops"), tiny_model_dir)
 
 
+# 20 of the epoch's 24 steps: the stop (at step 4 or a few after) and the resume stay mid-epoch, with room for a
+# late signal; the run's length adds nothing else, and each step is paid for by the reference and the final resume.
+SIGNAL_STEPS = 20
+
+
 def test_signals_stop_with_a_checkpoint_and_resume_exactly(run_config: Path, tmp_path: Path) -> None:
-    train = cli("train", "--nproc-per-node", "2", str(run_config))
+    steps = f"train.max_steps={SIGNAL_STEPS}"
+    train = cli("train", "--nproc-per-node", "2", str(run_config), steps)
+    # The uninterrupted run is only the CLI's code path on 2 ranks (same code, same machine, 1 thread: the same
+    # bits as a launch): on worker ranks. The signals, and the final resume that must read everything from
+    # disk, are real launches.
     reference = tmp_path / "reference"
-    done = subprocess.run([*train, f"output.dir={reference}"], env=env(), capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run_cli(["train", str(run_config), steps, f"output.dir={reference}"], 2)
+    assert done.returncodes == [0, 0], done.stderr[-3000:]
 
     out = tmp_path / "interrupted"
     # SIGTERM to the launcher mid-epoch (as SLURM or Kubernetes send it): every rank finishes the step it is
     # in, one checkpoint, one line, exit 75.
     output, stopped, step = stop_with_sigterm(start([*train, f"output.dir={out}"]), out)
-    assert 4 <= step < 24  # mid-epoch
+    # Mid-epoch, with room left for the resumed run's next checkpoint and the two SIGINTs before its end.
+    assert 4 <= step <= SIGNAL_STEPS - 8
     assert stopped == (
         f"stopped by SIGTERM after step {step}; checkpoint {out}/checkpoints/step-{step}; "
         "resume with train.resume=auto"
@@ -86,6 +96,7 @@ def test_signals_stop_with_a_checkpoint_and_resume_exactly(run_config: Path, tmp
     assert proc.returncode == ABORT_EXIT_CODE, output[-3000:]
     assert "Traceback" not in output and "KeyboardInterrupt" not in output
     assert output.count("aborted by a second SIGINT") == 1
+    assert not (out / "final").exists()
 
     # The rest of the run from the latest complete checkpoint: the uninterrupted run's weights, bit for bit.
     done = subprocess.run(
@@ -119,7 +130,8 @@ def test_a_second_run_in_a_live_runs_output_dir_is_refused(run_config: Path, tmp
             f"error: output.dir: {out} is in use by a run still training there ({holder}): wait for it to end "
             "or stop it, or use another output.dir"
         )
-        train = ["train", str(run_config), f"output.dir={out}", "train.resume=auto"]
+        # 2 steps: the last command only has to get past the lock and train.
+        train = ["train", str(run_config), f"output.dir={out}", "train.resume=auto", "train.max_steps=2"]
         second = subprocess.run(
             cli(train[0], "--nproc-per-node", "2", *train[1:]), env=env(), capture_output=True, text=True
         )
@@ -143,6 +155,7 @@ def test_a_second_run_in_a_live_runs_output_dir_is_refused(run_config: Path, tmp
     # without a launcher, on a worker rank: the launcher and the live second process were the cases above).
     done = run_cli(train)
     assert done.returncode == 0, done.stderr[-3000:]
+    assert (out / "final" / "model.safetensors").is_file()
 
 
 def test_one_run_per_output_dir(run_config: Path, tmp_path: Path) -> None:
