@@ -48,12 +48,14 @@ if [[ ${#dropped[@]} -gt 0 ]]; then
     echo "colossalai_run.sh: not passed to the nodes (secret-looking names): ${dropped[*]}" >&2
 fi
 
-if python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
-    default_nproc=$(python -c 'import torch; print(torch.cuda.device_count())')
-else
-    default_nproc=2
+nproc=${NPROC_PER_NODE:-}
+if [[ -z $nproc ]]; then # asked only without NPROC_PER_NODE: the check imports torch (~2 CPU-s)
+    if python -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)'; then
+        nproc=$(python -c 'import torch; print(torch.cuda.device_count())')
+    else
+        nproc=2
+    fi
 fi
-nproc=${NPROC_PER_NODE:-$default_nproc}
 port=${MASTER_PORT:-29500}
 
 args=(--nproc_per_node "$nproc" --master_port "$port")
