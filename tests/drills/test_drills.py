@@ -35,10 +35,11 @@ from coati_kto.testing.cli import run_cli
 
 REPO = Path(__file__).resolve().parents[2]
 TOOLS = Path(__file__).resolve().parent / "tools"  # netns_cluster.sh, slurm_local.sh: see tools/README.md
-# 32 steps (24 an epoch: drill_config), the same in every run a drill compares (the LR schedule follows the count).
-# An interrupted launch is stopped at its first checkpoint (step 4; 8 or 12 for the resumed one), 20 or more steps
-# before its end, and the resumed runs cross the epoch boundary at 24. 96 steps cost ~3x the compute, no guarantee.
-RUN = ["train.max_epochs=4", "train.max_steps=32"]
+# 40 steps, the same in every run a drill compares (the LR schedule follows the count). An epoch is 36 steps here
+# (drill_config's 72 desirable examples and 24 undesirable ones 3 times each, 2 ranks x 2), so every resumed run
+# crosses an epoch boundary. An interrupted launch is stopped at its first checkpoint (step 4; 8 or 12 for the
+# resumed one), its stop lands 1-2 steps later, 25 or more before the end. 96 steps cost 2.4x the compute for no more.
+RUN = ["train.max_epochs=4", "train.max_steps=40"]
 # The environment of every run: launches (helpers.env) and the reference's pooled ranks alike.
 RUN_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 GOAL_S = 120.0
