@@ -183,10 +183,11 @@ def test_the_check_fails_unless_the_accuracy_clearly_rose() -> None:
 
 
 def test_the_demo_learns_the_colours_through_the_cli(tmp_path: Path) -> None:
-    """run.py end to end (prepare and train through the CLI) at the config's settings, shortened to 100 steps."""
+    """run.py end to end (prepare and train through the CLI) at the config's settings, shortened to 60 steps
+    (held-out accuracy 100%, margin +1.88 nats on an AMD EPYC; 30 steps already give 97.5%)."""
     out = tmp_path / "demo"
     done = subprocess.run(
-        [sys.executable, str(HERE / "run.py"), "--check", "--out", str(out), "train.max_steps=100"],
+        [sys.executable, str(HERE / "run.py"), "--check", "--out", str(out), "train.max_steps=60"],
         capture_output=True,
         text=True,
         timeout=600,
