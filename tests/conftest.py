@@ -180,25 +180,25 @@ SMOKE = (
 
 
 # `make test` runs two pytest-xdist workers, each given a whole file at a time (--dist loadfile, in collection
-# order). These files take longest (seconds of one serial run on 2 AMD EPYC cores, 2026-11-29), so they are handed
+# order). These files take longest (seconds of one worker, below), so they are handed
 # out first: the short files then fill the gaps and neither worker ends alone on a long one. Only the order
 # changes; a file missing here runs after them, in pytest's order.
-LONGEST_FIRST = (
-    "drills/test_drills.py",  # 158
-    "e2e/test_operations.py",  # 92
-    "e2e/test_hub.py",  # 86
-    "e2e/test_benchmarks.py",  # 85
-    "distributed/test_families.py",  # 68
-    "e2e/test_layouts_4_resume.py",  # 44
-    "e2e/test_image_feedback.py",  # 39
-    "distributed/test_layouts_4_families.py",  # 38
-    "e2e/test_launch.py",  # 34
-    "distributed/test_sequence_parallel_train.py",  # 30
-    "distributed/test_runner_pool.py",  # 29
-    "distributed/test_mixed_adamw.py",  # 27
-    "e2e/test_install_profiles.py",  # 26
-    "e2e/test_cached_ddp.py",  # 21
-    "e2e/test_readme_example.py",  # 21
+LONGEST_FIRST = (  # seconds of one worker in `make test` (2026-11-29, 748 s of pytest on the AMD EPYC)
+    "e2e/test_benchmarks.py",  # 239: its smokes run ahead, two at a time, beside its tests
+    "drills/test_drills.py",  # 173
+    "e2e/test_operations.py",  # 118
+    "distributed/test_families.py",  # 102
+    "e2e/test_hub.py",  # 95
+    "distributed/test_layouts_4_families.py",  # 50
+    "distributed/test_mixed_adamw.py",  # 47
+    "e2e/test_launch.py",  # 46
+    "e2e/test_layouts_4_resume.py",  # 37
+    "distributed/test_runner_pool.py",  # 35
+    "e2e/test_install_profiles.py",  # 35
+    "e2e/test_image_feedback.py",  # 29
+    "distributed/test_bad_input_train.py",  # 26
+    "distributed/test_image_train.py",  # 24
+    "e2e/test_readme_example.py",  # 23
 )
 
 
