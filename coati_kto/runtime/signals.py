@@ -40,18 +40,56 @@ class StopSignals:
 
     def __init__(self) -> None:
         self.received: int | None = None  # the first stop signal's number
+        self._deliveries: tuple[int, int] | None = None  # the wakeup pipe (read end, write end), once made
+        self._counting = False
 
     def install(self) -> StopSignals:
         """Idempotent; returns self. A stop the launcher received before starting this rank counts as received."""
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
+        self._count_deliveries()
         pending = os.environ.get(PENDING_STOP_ENV)
         if pending and self.received is None:
             self.received = int(pending)
         return self
 
+    def _count_deliveries(self) -> None:
+        """Have the interpreter write one byte per delivered signal to a pipe (``signal.set_wakeup_fd``).
+
+        Python runs a handler once for all the deliveries that came while the main thread was inside C: a rank
+        blocked in a gloo collective took Ctrl-C twice as one and stopped cleanly, while its peer aborted, and
+        the launch exited 1, not 130. The pipe counts the deliveries. It stays for the process. Where something
+        else already set a wakeup fd (an event loop), that one is kept and handler calls are counted as before."""
+        if self._deliveries is None:
+            read_end, write_end = os.pipe()
+            os.set_blocking(read_end, False)
+            os.set_blocking(write_end, False)
+            self._deliveries = (read_end, write_end)
+        previous = signal.set_wakeup_fd(self._deliveries[1], warn_on_full_buffer=False)
+        self._counting = previous in (-1, self._deliveries[1])
+        if not self._counting:
+            signal.set_wakeup_fd(previous)
+        self._drain()  # bytes of signals delivered before this install (under other handlers) are not ours
+
+    def _drain(self) -> bytes:
+        """The signal numbers written to the pipe since the last drain, one byte per delivery."""
+        if self._deliveries is None:
+            return b""
+        chunks = []
+        try:
+            while chunk := os.read(self._deliveries[0], 512):
+                chunks.append(chunk)
+        except BlockingIOError:
+            pass
+        return b"".join(chunks)
+
+    def _delivered(self, signum: int) -> int:
+        """How many times ``signum`` was delivered since the last drain (at least once: its handler runs)."""
+        return max(self._drain().count(signum), 1) if self._counting else 1
+
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if signum == signal.SIGINT and self.received == signal.SIGINT:
+        twice = signum == signal.SIGINT and self._delivered(signum) >= 2
+        if signum == signal.SIGINT and (self.received == signal.SIGINT or twice):
             # Ctrl-C twice: the user wants out now. os._exit skips every finally block and atexit hook that
             # could block (a collective, a half-written checkpoint); the next save removes the partial one.
             if os.environ.get("RANK", "0") == "0":
