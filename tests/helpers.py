@@ -176,3 +176,15 @@ def data_settings(config: Any) -> tuple[Any, Any]:
         PrepareSettings(config.data, config.model, config.train.seed),
         WeightSettings(config.kto, config.train.micro_batch_size),
     )
+
+
+def step_all(*optimizers: torch.optim.Optimizer) -> None:
+    """One step of each optimizer, then zero its gradients (a sharded run and the one-process run it is held to)."""
+    for optimizer in optimizers:
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def weight_diffs(trained: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> dict[str, float]:
+    """The largest absolute difference of each tensor ``trained`` shares with ``expected``, by name."""
+    return {k: float((trained[k] - v).abs().max()) for k, v in expected.items() if k in trained}

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import CORPUS
+from helpers import CORPUS, step_all, weight_diffs
 
 from coati_kto.testing.distributed import run_distributed
 
@@ -171,13 +171,10 @@ def _tp_vs_tp1(family: str, summed: bool) -> dict[str, Any]:
                 )
                 grad_diffs.append(float((sharded[name].grad - expected).abs().max()))
                 grad_scale = max(grad_scale, float(param.grad.abs().max()))
-        optimizer.step()
-        optimizer.zero_grad()
-        single_optimizer.step()
-        single_optimizer.zero_grad()
+        step_all(optimizer, single_optimizer)
     trained = model.unwrap().state_dict()  # gathered: a collective under tensor parallelism
     expected = single.state_dict()
-    weight_diffs = {k: float((trained[k] - v).abs().max()) for k, v in expected.items() if k in trained}
+    diffs = weight_diffs(trained, expected)
     exported.load_state_dict(trained)
     ids = torch.randint(0, len(tokenizer), (2, 12), generator=generator)
     with torch.no_grad():
@@ -186,9 +183,9 @@ def _tp_vs_tp1(family: str, summed: bool) -> dict[str, Any]:
         "export_logps_diff": float((logps[0] - logps[1]).abs().max()),
         "grad_diff": max(grad_diffs),
         "grad_scale": grad_scale,
-        "weight_diff": max(weight_diffs.values()),
-        "worst": max(weight_diffs, key=weight_diffs.get),
-        "norm_weight_diff": max(v for k, v in weight_diffs.items() if k.endswith(per_head)),
+        "weight_diff": max(diffs.values()),
+        "worst": max(diffs, key=diffs.get),
+        "norm_weight_diff": max(v for k, v in diffs.items() if k.endswith(per_head)),
         "missing": sorted(set(expected) - set(trained)),
     }
 

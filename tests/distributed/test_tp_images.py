@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import step_all, weight_diffs
 from PIL import Image
 
 from coati_kto.testing.distributed import run_distributed
@@ -124,20 +125,17 @@ def _tp_vs_tp1_images(family: str) -> dict[str, Any]:
             break
         booster.backward(_loss(sharded, tokens), optimizer)
         _loss(whole, tokens).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        single_optimizer.step()
-        single_optimizer.zero_grad()
+        step_all(optimizer, single_optimizer)
     trained = model.unwrap().state_dict()  # gathered: a collective under tensor parallelism
     expected = single.state_dict()
-    weight_diffs = {k: float((trained[k] - v).abs().max()) for k, v in expected.items() if k in trained}
+    diffs = weight_diffs(trained, expected)
     return {
         "image_tokens": image_tokens,
         "logps": logps,
         "logps_diff": max(logps_diffs),
         "logps_diffs": logps_diffs,
-        "weight_diff": max(weight_diffs.values()),
-        "worst": max(weight_diffs, key=weight_diffs.get),
+        "weight_diff": max(diffs.values()),
+        "worst": max(diffs, key=diffs.get),
         "missing": sorted(set(expected) - set(trained)),
     }
 
