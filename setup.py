@@ -20,5 +20,5 @@ setup(
     description="Distributed KTO training from binary feedback on ColossalAI",
     packages=find_packages(include=["coati_kto", "coati_kto.*"]),
     python_requires=">=3.10",
-    entry_points={"console_scripts": ["coati-kto=coati_kto.cli:main"]},
+    entry_points={"console_scripts": ["coati-kto=coati_kto.cli:entry"]},
 )

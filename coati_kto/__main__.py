@@ -2,6 +2,6 @@
 
 import sys
 
-from coati_kto.cli import main
+from coati_kto.cli import entry
 
-sys.exit(main())
+sys.exit(entry())

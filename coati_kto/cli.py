@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from coati_kto.errors import PUSH_FAILED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError
 from coati_kto.runtime.signals import ABORT_EXIT_CODE, STOP, STOP_EXIT_CODE, TrainingStoppedError
+from coati_kto.runtime.startup import hold_collection, release_collection
 
 if TYPE_CHECKING:  # the commands import the config on demand (`--help` must not pay for it)
     from coati_kto.config.schema import Config
@@ -244,15 +245,18 @@ def _run(args: argparse.Namespace) -> int:
         if args.command == "prepare":
             from coati_kto.data.prepared import prepare
 
+            release_collection()
             prepare(settings, weights)
         else:
             from coati_kto.data.inspect import inspect_batches
 
+            release_collection()
             counts = {"num_ranks": args.ranks, "num_batches": args.batches, "num_examples": args.examples}
             inspect_batches(settings, weights, **counts)
     elif args.command == "precompute":
         from coati_kto.recipe.precompute import precompute
 
+        release_collection()
         precompute(config)
     elif args.command == "export":
         return _export(args, config)
@@ -263,6 +267,7 @@ def _run(args: argparse.Namespace) -> int:
     else:
         from coati_kto.recipe.train import train
 
+        # train releases the collector itself, once its models and optimizer are built (recipe.train)
         return PUSH_FAILED_EXIT_CODE if getattr(train(config), "pushed", None) is False else 0
     return 0
 
@@ -272,6 +277,8 @@ def _export(args: argparse.Namespace, config: Config) -> int:
     from coati_kto.outputs.export import check_push, finished_final
     from coati_kto.outputs.push import upload
     from coati_kto.recipe.export import export_checkpoint
+
+    release_collection()
 
     output = config.training_output()
     if args.push:
@@ -286,6 +293,17 @@ def _export(args: argparse.Namespace, config: Config) -> int:
         pushed = upload(output.push_to_hub, target, f"{target.name} (coati-kto export --push)")
         return 0 if pushed else PUSH_FAILED_EXIT_CODE
     return 0
+
+
+def entry() -> int:
+    """The process's entry point (the ``coati-kto`` console script, ``python -m coati_kto``): ``main`` with the
+    cyclic garbage collector off until the command's imports and setup are done (coati_kto.runtime.startup).
+    Tests and worker ranks call ``main`` itself."""
+    hold_collection()
+    try:
+        return main()
+    finally:
+        release_collection()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -113,6 +113,10 @@ def main(argv: list[str] | None = None) -> int:
     from torch.distributed import run as torchrun
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
+    from coati_kto.runtime.startup import release_collection
+
+    release_collection()  # the launcher's imports are done; it now watches its workers for the whole run
+
     argv = list(sys.argv[1:] if argv is None else argv)
     # Its per-worker log lines ("Sending process ... closing signal", "failed (exitcode: 75)") are replaced by
     # the one line per failed rank below.

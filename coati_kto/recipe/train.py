@@ -25,6 +25,7 @@ from coati_kto.recipe.setup import Run, setup_training
 from coati_kto.runtime.preflight import announce_resume, check_training
 from coati_kto.runtime.run_dir import TENSORBOARD_DIR, release_output_dir
 from coati_kto.runtime.signals import STOP, StopSignals
+from coati_kto.runtime.startup import release_collection
 from coati_kto.runtime.watchdog import Heartbeat, new_heartbeat
 from coati_kto.trainer.schedule import reschedule, schedule_notes
 
@@ -67,6 +68,9 @@ def _train(
     from coati_kto.parallel.upstream.noise import quiet_known_warnings
 
     quiet_known_warnings()  # before anything imports colossalai: it warns at import time
+    import colossalai.booster  # noqa: F401  (the plugins' imports, seconds of them: made while the collector is held)
+
+    release_collection()  # the imports are done: their objects frozen, the collector on before setup builds anything
     # ---- setup
     run = setup_training(config, heartbeat)
     trainer, frozen_fp32 = build_trainer(config, run, stop_signals)
