@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -37,6 +38,19 @@ def pytest_configure(config: pytest.Config) -> None:
     from coati_kto.testing.distributed import enable_pool
 
     enable_pool(POOL_PRELOAD)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_collection(session: pytest.Session):
+    """Collection imports torch, transformers and ColossalAI: the collector off meanwhile (full collections over
+    the growing heap cost a second of each worker's CPU), then those objects frozen, so that the collections of
+    the tests' run skip them (coati_kto.runtime.startup does the same for a coati-kto process)."""
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        gc.enable()
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
