@@ -31,6 +31,7 @@ launch real processes.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import sys
 import tempfile
@@ -175,10 +176,12 @@ def _exit_status(argv: list[str], command: Callable[[list[str]], int] | None) ->
     if command is None:
         from importlib.metadata import entry_points
 
-        # The installed command's entry point (what `coati-kto` runs; __main__ calls the same function): testing
-        # sits below cli in the layers, so it names the command rather than importing it.
+        # The installed command's module (what `coati-kto` runs; __main__ too): testing sits below cli in the
+        # layers, so it names the command rather than importing it. Its `main`, not the entry point itself: the
+        # entry adds the process's start-up (coati_kto.runtime.startup holds the collector while a new
+        # interpreter imports), and a worker rank has imported everything already.
         (script,) = entry_points(group="console_scripts", name="coati-kto")
-        command = script.load()
+        command = importlib.import_module(script.module).main
     try:
         return int(command(argv) or 0)
     except SystemExit as exit_:
