@@ -41,7 +41,7 @@ def test_release_without_hold_does_nothing(collector: None) -> None:
     """Library use and the worker ranks never hold: release must not freeze their objects."""
     frozen = gc.get_freeze_count()
     startup.release_collection()
-    assert gc.isenabled() and gc.get_freeze_count() == frozen
+    assert gc.isenabled() and gc.get_freeze_count() <= frozen  # frozen objects freed meanwhile count down
     gc.disable()  # turned off by someone else: not ours to turn on
     startup.release_collection()
     assert not gc.isenabled()
