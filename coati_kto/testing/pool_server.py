@@ -10,10 +10,12 @@ from __future__ import annotations
 import gc
 import os
 
-import torch
+gc.disable()  # while importing (coati_kto.runtime.startup: full collections over the growing heap cost seconds)
 
-from coati_kto.parallel import upstream
-from coati_kto.testing.worker_pool import PRELOAD_ENV, _preload
+import torch  # noqa: E402
+
+from coati_kto.parallel import upstream  # noqa: E402
+from coati_kto.testing.worker_pool import PRELOAD_ENV, _preload  # noqa: E402
 
 torch.set_num_threads(1)
 # The patches before any preloaded module binds a patched function by name, as in a rank (init_distributed).
@@ -21,3 +23,4 @@ upstream.apply()
 _preload([name for name in os.environ.get(PRELOAD_ENV, "").split(",") if name])
 gc.collect()
 gc.freeze()  # the imports' objects stay in shared pages in every forked rank, untouched by its collections
+gc.enable()
