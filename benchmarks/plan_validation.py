@@ -27,11 +27,11 @@ first allocates AdamW's moments). Prints one row per layout, length and rank: pr
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import random
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -124,7 +124,8 @@ def make_fixture(work: Path, smoke: bool, examples: int = 64) -> int:
 
 
 def child(config_path: str, overrides: list[str], result: str) -> None:
-    """One rank: the recipe with the tracker around each optimizer step; rank r writes ``result``.r."""
+    """One rank (``run_distributed``: 2 fresh processes, or the test suite's worker ranks): the recipe with the
+    tracker around each optimizer step; rank r writes ``result``.r."""
     import torch.distributed as dist
 
     from coati_kto.config.load import load_config
@@ -158,7 +159,7 @@ def child(config_path: str, overrides: list[str], result: str) -> None:
     if os.environ.get("PLAN_VALIDATION_LIVE"):
         _print_live()
     trainer.fit(run.train_loader, None, log_dir=None, use_wandb=False)
-    rank = int(os.environ.get("RANK", "0"))
+    rank = dist.get_rank()
     line = predicted_peak_line(config, run.layout.world_size, None)
     stage = dist.get_rank(run.layout.pp_group) if run.layout.pp_group is not None else 0
     record = {"peaks": peaks, "line": line, "detail": detail, "stage": stage}
@@ -198,37 +199,34 @@ def predicted(config_path: str, overrides: list[str], world: int) -> list[int]:
     return [plan.peak for plan in plan_stages(shape, configured_layout(config.plugin, world), work)]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--work", default=None)
     parser.add_argument("--lengths", type=int, nargs="+", default=[128, 512])
     parser.add_argument("--layouts", nargs="+", default=DEFAULT_LAYOUTS, choices=list(LAYOUTS))
     parser.add_argument("--smoke", action="store_true", help="a small Llama at one length (64)")
-    parser.add_argument("--child", nargs=3, default=None, help=argparse.SUPPRESS)
-    args, extra = parser.parse_known_args()
-    if args.child:
-        config_path, result, overrides = args.child
-        child(config_path, json.loads(overrides), result)
-        return
+    args = parser.parse_args(argv)
+    from coati_kto.cli import main as coati_kto
+    from coati_kto.testing.distributed import run_distributed
+
     work = Path(args.work or tempfile.mkdtemp(prefix="plan_validation_"))
     work.mkdir(parents=True, exist_ok=True)
     lengths = [64] if args.smoke else args.lengths
     if not (work / "model" / "config.json").is_file():
         print(f"fixture: {make_fixture(work, args.smoke):,} parameters in {work}", flush=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     print("| layout | max_length | rank | predicted MiB | measured MiB | error |")
     print("| --- | --- | --- | --- | --- | --- |")
     for length in lengths:
         config_path = work / f"config-{length}.yaml"
         config_path.write_text(CONFIG.format(work=work, length=length, prompt=length // 2))
-        subprocess.run([sys.executable, "-m", "coati_kto", "prepare", str(config_path)], env=env, check=True,
-                       stdout=subprocess.DEVNULL)  # fmt: skip
+        with contextlib.redirect_stdout(io.StringIO()):  # prepare's report is not this table's
+            assert coati_kto(["prepare", str(config_path)]) == 0
         for name in args.layouts:
             overrides = LAYOUTS[name]
             result = work / f"result-{name}-{length}"
-            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                       __file__, "--child", str(config_path), str(result), json.dumps(overrides)]  # fmt: skip
-            subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL)
+            # The figures are tracked tensor bytes (coati_kto.testing.memory), nothing of the process's own: two
+            # fresh processes, or the test suite's worker ranks.
+            run_distributed(child, 2, str(config_path), overrides, str(result), timeout_s=600)
             wants = predicted(str(config_path), overrides, 2)
             for rank in range(2):
                 record = json.loads(Path(f"{result}.{rank}").read_text())

@@ -3,10 +3,10 @@
 Figures, not exit codes: each test parses what the script prints (its table) and checks the numbers are there
 and finite (step time > 0, tokens/s > 0, ...). A script runs in a subprocess, as a user runs it: the module's
 first test starts the selected tests' subprocesses, two at a time (:class:`Ahead`), and each test waits for its
-own. A script whose figures are not of its own process (ddp_unused_bench, optimizer_bench, padding_bench,
+own. A script whose figures are not of its own process (ddp_unused_bench, optimizer_bench, padding_bench, plan_validation,
 prepare_bench) runs its ``main`` here instead (:func:`smoke_here`): no interpreter and imports of its own, its
 ranks on the worker pool. The ones that start several training processes (lora_bench, plugins_bench,
-step_bench, plan_validation (one layout): 20-60 s each on 2 cores; learning_study, gpu_check) are marked ``slow`` (``-m "not slow"`` leaves them
+step_bench: 20-60 s each on 2 cores; learning_study, gpu_check) are marked ``slow`` (``-m "not slow"`` leaves them
 out); trl_side_by_side skips unless a TRL venv exists (TRL is never a dependency).
 """
 
@@ -148,10 +148,6 @@ SMOKES: dict[str, Callable[[Path], Command]] = {
     "test_gpu_check_smoke": gpu_check_command,
     "test_lora_bench_smoke": lambda w: smoke_command("lora_bench.py"),
     "test_plugins_bench_smoke": lambda w: smoke_command("plugins_bench.py"),
-    # One layout: the script's path is the same for each (the 98M run in docs/performance.md covers all three).
-    "test_plan_validation_smoke": lambda w: smoke_command(
-        "plan_validation.py", "--work", str(w), "--layouts", "zero2"
-    ),
     "test_plan_table_smoke": lambda w: smoke_command("plan_table.py"),
     "test_learning_study_smoke": lambda w: smoke_command(
         "learning_study.py", "--work", str(w), "--venv", str(ROOT / ".trl-venv"), timeout=900
@@ -394,11 +390,13 @@ def test_plugins_bench_smoke(smoke_out: str) -> None:
     positive_finite([step0, slowest, loss, *[float(x) for x in rss.split("/")]], line)
 
 
-@pytest.mark.slow
-def test_plan_validation_smoke(smoke_out: str) -> None:
+def test_plan_validation_smoke(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """Predicted and measured peak per rank of each layout (figures only: the smoke's 2-layer model is too small
-    for the 15% the 98M run holds, docs/performance.md)."""
-    rows = [line for line in smoke_out.splitlines() if re.match(r"\| (ddp|zero2|tp2) \|", line)]
+    for the 15% the 98M run holds, docs/performance.md). Its ranks on the worker pool: the figures are tracked
+    tensor bytes, nothing of the process's own. One layout: the script's path is the same for each (the 98M run
+    covers all of them)."""
+    out = smoke_here(capsys, "plan_validation.py", "--work", str(tmp_path), "--layouts", "zero2")
+    rows = [line for line in out.splitlines() if re.match(r"\| (ddp|zero2|tp2) \|", line)]
     assert sorted(row.split("|")[1].strip() for row in rows) == ["zero2", "zero2"]  # both ranks
     for row in rows:
         cells = [c.strip() for c in row.strip("|").split("|")]
