@@ -139,8 +139,10 @@ def child(config_path: str, overrides: list[str], result: str) -> None:
 
     quiet_known_warnings()
     config = load_config(config_path, overrides)
-    run = setup_training(config, None)
-    trainer, _ = build_trainer(config, run, STOP.install())
+    quiet = contextlib.redirect_stdout(io.StringIO())  # the run's own lines are not the table's
+    with quiet:
+        run = setup_training(config, None)
+        trainer, _ = build_trainer(config, run, STOP.install())
     peaks: list[int] = []
     detail: list[dict] = []
     step = KTOTrainer._train_step
@@ -158,7 +160,8 @@ def child(config_path: str, overrides: list[str], result: str) -> None:
     KTOTrainer._train_step = tracked
     if os.environ.get("PLAN_VALIDATION_LIVE"):
         _print_live()
-    trainer.fit(run.train_loader, None, log_dir=None, use_wandb=False)
+    with quiet:
+        trainer.fit(run.train_loader, None, log_dir=None, use_wandb=False)
     rank = dist.get_rank()
     line = predicted_peak_line(config, run.layout.world_size, None)
     stage = dist.get_rank(run.layout.pp_group) if run.layout.pp_group is not None else 0
