@@ -38,8 +38,11 @@ Structure = dict[frozenset[str], dict[str, set[str]]]
 
 
 def cache_root() -> Path:
-    """``$XDG_CACHE_HOME/coati_kto/import_structures`` (``~/.cache`` without XDG_CACHE_HOME)."""
+    """``$XDG_CACHE_HOME/coati_kto/import_structures`` (``~/.cache`` without XDG_CACHE_HOME); OSError when that
+    is not an absolute path."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    if not os.path.isabs(base):  # no home to expand "~" to: no cache (not a folder named "~" in the cwd)
+        raise OSError(f"no absolute cache directory: {base}")
     return Path(base) / "coati_kto" / "import_structures"
 
 

@@ -108,3 +108,13 @@ def test_a_new_process_imports_transformers_through_the_cache(tmp_path: Path) ->
         assert out.returncode == 0, out.stderr[-2000:]
         assert out.stdout.split() == ["True", "LlamaForCausalLM"]
     assert list((tmp_path / "coati_kto" / "import_structures").glob("*.json"))
+
+
+def test_no_absolute_cache_directory_writes_nothing_where_it_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative")  # as "~" is when there is no home to expand it to
+    init = _package(tmp_path / "pkg", ["A"])
+    assert cached(_uncached, "v")(str(init)) == {frozenset(): {"sub.things": {"A"}}}
+    assert not (tmp_path / "relative").exists()
