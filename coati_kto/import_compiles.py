@@ -7,7 +7,7 @@ imports the booster (6.4 s in all on a 2-core AMD EPYC), spent on kernels this p
 int8 matmuls, fp8 casts, flash-attention glue). Deferred, a wrapped function compiles with the same arguments
 the first time it is called, so a user who does call one gets what the module asked for.
 
-Only those modules, only while they execute: a :class:`importlib.abc.MetaPathFinder` wraps their loaders, swaps
+Only those modules, only while they execute: an ``import_hooks.ExecHook`` wraps their loaders, swaps
 ``torch.compile`` for the deferring one around ``exec_module`` and puts it back. Every other ``torch.compile``
 (``model.compile``, a user's) is torch's own. :func:`install` runs when ``coati_kto`` is imported (before any of
 those modules can be), imports nothing heavy, and is idempotent; ``COATI_KTO_EAGER_IMPORT_COMPILES=1`` turns it
@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import functools
 import importlib.abc
-import importlib.machinery
 import os
-import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
+
+from coati_kto import import_hooks
 
 # The modules whose import-time compiles are deferred (exact names; a package's submodules are not included).
 DEFERRED_MODULES = frozenset(
@@ -63,45 +63,20 @@ def deferred_compile(real_compile: Callable[..., Any]) -> Callable[..., Any]:
     return compile_later
 
 
-class _DeferringLoader(importlib.abc.Loader):
-    """Runs the wrapped loader's ``exec_module`` with ``torch.compile`` deferred."""
+def _exec_deferring(loader: importlib.abc.Loader, module: ModuleType) -> None:
+    """``module`` executed with ``torch.compile`` deferred (an ``import_hooks.ExecModule``)."""
+    import torch  # every deferred module imports torch itself; by now it is loaded
 
-    def __init__(self, loader: importlib.abc.Loader) -> None:
-        self._loader = loader
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        import torch  # every deferred module imports torch itself; by now it is loaded
-
-        real = torch.compile
-        torch.compile = deferred_compile(real)
-        try:
-            self._loader.exec_module(module)
-        finally:
-            torch.compile = real
-
-    def __getattr__(self, name: str) -> Any:  # get_source, is_package, ... for tracebacks and inspect
-        return getattr(self._loader, name)
-
-
-class _DeferringFinder(importlib.abc.MetaPathFinder):
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname not in DEFERRED_MODULES:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
-        if spec is None or spec.loader is None:
-            return spec
-        spec.loader = _DeferringLoader(spec.loader)
-        return spec
+    real = torch.compile
+    torch.compile = deferred_compile(real)
+    try:
+        loader.exec_module(module)
+    finally:
+        torch.compile = real
 
 
 def install() -> None:
-    """Put the finder first on ``sys.meta_path`` (once per process)."""
+    """The hook first on ``sys.meta_path`` (once per process)."""
     if os.environ.get("COATI_KTO_EAGER_IMPORT_COMPILES") == "1":
         return
-    if not any(isinstance(finder, _DeferringFinder) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _DeferringFinder())
+    import_hooks.install(DEFERRED_MODULES, _exec_deferring)

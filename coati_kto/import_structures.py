@@ -6,8 +6,8 @@ reading every ``.py`` file under a package and parsing its ``__all__`` and ``@re
 collector held off, coati_kto.runtime.startup), paid again by every rank, launcher and command. The map is a pure
 function of those files.
 
-Here, while ``transformers.utils.import_utils`` executes, a :class:`importlib.abc.MetaPathFinder` wraps its
-loader; once the module has run, ``define_import_structure`` is replaced by :func:`cached`, before any
+Here an ``import_hooks.ExecHook`` wraps the loader of ``transformers.utils.import_utils``; once the module has
+run, ``define_import_structure`` is replaced by :func:`cached`, before any
 transformers package binds it by name. A call's result is stored as JSON under ``cache_root()``, keyed by the
 transformers version, the path, the prefix and a fingerprint of the tree it reads (each ``.py`` file's relative
 path, size and modification time, each directory's name: 50 ms for ``transformers.models``, against 250 to
@@ -22,15 +22,16 @@ import contextlib
 import functools
 import hashlib
 import importlib.abc
-import importlib.machinery
 import json
 import os
 import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from coati_kto import import_hooks
 
 MODULE = "transformers.utils.import_utils"
 SWITCH = "COATI_KTO_NO_IMPORT_STRUCTURE_CACHE"
@@ -104,44 +105,20 @@ def cached(original: Callable[..., Structure], version: str) -> Callable[..., St
     return define_import_structure
 
 
-class _CachingLoader(importlib.abc.Loader):
-    """Runs the wrapped loader's ``exec_module``, then swaps the module's ``define_import_structure``."""
+def _exec_caching(loader: importlib.abc.Loader, module: ModuleType) -> None:
+    """``module`` (transformers' import_utils) executed, then its ``define_import_structure`` swapped for
+    :func:`cached` (an ``import_hooks.ExecModule``)."""
+    loader.exec_module(module)
+    original = getattr(module, "define_import_structure", None)
+    if callable(original):
+        from importlib.metadata import PackageNotFoundError, version
 
-    def __init__(self, loader: importlib.abc.Loader) -> None:
-        self._loader = loader
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self._loader.exec_module(module)
-        original = getattr(module, "define_import_structure", None)
-        if callable(original):
-            from importlib.metadata import PackageNotFoundError, version
-
-            with contextlib.suppress(PackageNotFoundError):  # no metadata: no version to key on, no cache
-                module.define_import_structure = cached(original, version("transformers"))
-
-    def __getattr__(self, name: str) -> Any:  # get_source, is_package, ... for tracebacks and inspect
-        return getattr(self._loader, name)
-
-
-class _CachingFinder(importlib.abc.MetaPathFinder):
-    def find_spec(
-        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
-    ) -> importlib.machinery.ModuleSpec | None:
-        if fullname != MODULE:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
-        if spec is None or spec.loader is None:
-            return spec
-        spec.loader = _CachingLoader(spec.loader)
-        return spec
+        with contextlib.suppress(PackageNotFoundError):  # no metadata: no version to key on, no cache
+            module.define_import_structure = cached(original, version("transformers"))
 
 
 def install() -> None:
-    """Put the finder first on ``sys.meta_path`` (once per process; not once transformers is imported)."""
+    """The hook first on ``sys.meta_path`` (once per process; not once transformers is imported)."""
     if os.environ.get(SWITCH) == "1" or MODULE in sys.modules:
         return
-    if not any(isinstance(finder, _CachingFinder) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _CachingFinder())
+    import_hooks.install(frozenset({MODULE}), _exec_caching)

@@ -11,7 +11,7 @@ import pytest
 import transformers
 from transformers.utils import import_utils
 
-from coati_kto import import_structures
+from coati_kto import import_hooks, import_structures
 from coati_kto.import_structures import cached, fingerprint
 
 ORIGINAL = getattr(import_utils.define_import_structure, "__wrapped__", import_utils.define_import_structure)
@@ -80,16 +80,15 @@ def test_an_unwritable_cache_gives_transformers_own_result(
 
 
 def test_off_by_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(
-        sys, "meta_path", [f for f in sys.meta_path if not isinstance(f, import_structures._CachingFinder)]
-    )
+    hook = import_structures._exec_caching
+    monkeypatch.setattr(sys, "meta_path", [f for f in sys.meta_path if getattr(f, "run", None) is not hook])
     monkeypatch.delitem(sys.modules, import_structures.MODULE)
     monkeypatch.setenv(import_structures.SWITCH, "1")
     import_structures.install()
-    assert not any(isinstance(f, import_structures._CachingFinder) for f in sys.meta_path)
+    assert not import_hooks.installed(hook)
     monkeypatch.delenv(import_structures.SWITCH)
     import_structures.install()
-    assert isinstance(sys.meta_path[0], import_structures._CachingFinder)
+    assert isinstance(sys.meta_path[0], import_hooks.ExecHook) and sys.meta_path[0].run is hook
 
 
 def test_a_new_process_imports_transformers_through_the_cache(tmp_path: Path) -> None:

@@ -3,7 +3,7 @@
 Every import statement between the package's modules counts, at any depth (an import inside a function is
 still an edge). Layers, bottom to top; a module may import its own subpackage and any lower layer:
 
-    import_compiles, import_structures < errors, families < config < parallel < data < models, runtime < trainer, launch < outputs, reference
+    import_hooks < import_compiles, import_structures < errors, families < config < parallel < data < models, runtime < trainer, launch < outputs, reference
     < recipe < train, testing < cli
 
 ``trainer/`` holds the step and the loop; ``outputs/`` what a run leaves (the exported model, its card, the
@@ -28,6 +28,7 @@ LAYERS = {
     "errors": 0,
     "import_compiles": -1,  # below the package's __init__, which installs it
     "import_structures": -1,  # the same
+    "import_hooks": -2,  # what those two are built on
     "families": 1,
     "config": 2,
     "parallel": 3,
