@@ -267,7 +267,7 @@ def _run(args: argparse.Namespace) -> int:
     else:
         from coati_kto.recipe.train import train
 
-        # train releases the collector itself, once its models and optimizer are built (recipe.train)
+        # train releases the collector itself, once the plugins are imported too (recipe.train)
         return PUSH_FAILED_EXIT_CODE if getattr(train(config), "pushed", None) is False else 0
     return 0
 
@@ -297,8 +297,8 @@ def _export(args: argparse.Namespace, config: Config) -> int:
 
 def entry() -> int:
     """The process's entry point (the ``coati-kto`` console script, ``python -m coati_kto``): ``main`` with the
-    cyclic garbage collector off until the command's imports and setup are done (coati_kto.runtime.startup).
-    Tests and worker ranks call ``main`` itself."""
+    cyclic garbage collector off until the command's imports are done (coati_kto.runtime.startup). Tests and
+    worker ranks call ``main`` itself."""
     hold_collection()
     try:
         return main()
