@@ -27,14 +27,16 @@ Each case runs ``coati_kto.train.train(config)`` twice in a fresh process (peak 
   gradient pass, 2 N per token of each no-grad pass, no reference pass with the cached reference). Printed:
   medians over the steps after the warm-up; MFU = model FLOP/s / the device's dense bf16 peak (throughput's
   table); peak ``torch.cuda.max_memory_allocated``.
-- profiled run, 1 + ``--profile-steps`` (2) steps under ``torch.profiler`` (CPU and CUDA activities). Steps are
+- profiled run, 1 + ``--profile-steps`` (2) steps under ``torch.profiler`` (CPU and CUDA activities, from the
+  first forward pass with gradients on: the set-up before it holds none of the events read). Steps are
   cut at the end of each ``Optimizer.step#...`` range (torch records one per optimizer step); over the steps
   after the first: GPU busy = summed CUDA kernel time / wall time, kernel launches, host syncs
   (cudaStreamSynchronize / cudaDeviceSynchronize / cudaEventSynchronize calls and blocking cudaMemcpy), device
   to host copies, and host ops (``aten::`` op events, nested ones included) per step.
 
 On CPU (``--smoke``: a model of a few hundred K parameters, rows of 64 tokens, 2 steps per case, gloo, all cases
-in one process) the GPU columns say n/a and host ops per step are still counted.
+in one process) the GPU columns say n/a and host ops per step are still counted; the timed run is the profiled
+run there (the compiled case excepted), since CPU step times prove the plumbing, not a speed.
 
 TRL side by side (``--trl-wheels DIR``): TRL's KTOTrainer on the same model and data (llama, both shapes,
 reference model / ``precompute_ref_log_probs``), bf16, micro-batch 8, in a throwaway venv built from the wheels
@@ -293,15 +295,71 @@ def _profile_figures(prof: Any, cuda: bool) -> dict[str, Any]:
     return out
 
 
+def _profiled(run: Any, activities: list[Any]) -> Any:
+    """``run()`` (a training run) under ``torch.profiler`` from its first forward pass with gradients on; the
+    stopped profiler. What comes before that pass (model load, the booster, the data, a cached reference's
+    pass) ends before the first optimizer step ends, where :func:`_profile_figures` starts reading, and no op of
+    the steps it reads runs inside it: the same figures, from fewer events to parse. None: no such pass."""
+    import torch
+    from torch.nn.modules.module import register_module_forward_pre_hook
+
+    prof = torch.profiler.profile(activities=activities)
+    started = []
+
+    def start(module: Any, inputs: Any) -> None:
+        if torch.is_grad_enabled() and not started:
+            started.append(hook.remove())
+            prof.start()
+
+    hook = register_module_forward_pre_hook(start)
+    try:
+        run()
+    finally:
+        hook.remove()
+        if started:
+            prof.stop()
+    return prof if started else None
+
+
+def _timed_figures(trainer: Any, args: argparse.Namespace, cuda: bool) -> dict[str, Any]:
+    """Step time, tokens/s, TFLOP/s, MFU, peak memory and ZeRO stage of a finished run: medians over the
+    trainer's per-step records after ``--warmup``."""
+    import torch
+
+    from coati_kto.trainer.throughput import table_peak_flops
+
+    records = [r for r in trainer.history if "train/examples_per_second" in r]
+    timed = records[args.warmup :] or records
+    seconds = [MICRO_BATCH / r["train/examples_per_second"] for r in timed]
+    flops = [r["train/model_flops_per_second"] * s for r, s in zip(timed, seconds, strict=True)]
+    tokens = [r["train/tokens_per_second"] * s for r, s in zip(timed, seconds, strict=True)]
+    peak = table_peak_flops(torch.cuda.get_device_name()) if cuda else None
+    tflops = statistics.median(f / s for f, s in zip(flops, seconds, strict=True)) / 1e12
+    return {
+        "step_s": statistics.median(seconds),
+        "tokens_per_s": statistics.median(t / s for t, s in zip(tokens, seconds, strict=True)),
+        "tokens_per_step": statistics.fmean(tokens),
+        "tflops": tflops,
+        "loss_first": records[0].get("train/loss"),
+        "steps": len(records),
+        "zero": trainer.plan.zero_stage,  # the stage that ran: 0 for hybrid_parallel on one GPU (running_zero_stage)
+        "mfu": tflops * 1e12 / peak if peak else None,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+    }
+
+
 def run_case(work: Path, case: Case, args: argparse.Namespace, fixture: dict[str, Any]) -> dict[str, Any]:
-    """Timed run then profiled run of ``case`` in this process; its figures (or the reason it was skipped)."""
+    """Timed run, profiled run, then counted run of ``case`` in this process; its figures (or the reason it was
+    skipped). ``--smoke`` on CPU: the timed run is the profiled run (its steps under the profiler), since CPU
+    step times are the plumbing's, not speeds; a GPU times its steps with no profiler attached. Not for a
+    compiled case: the second step of a process's first compiled run counts 2.4x the host ops of a later run's
+    (the smoke's: 9668 against 4044), and the profiled run is a later one."""
     import torch
     from pydantic import ValidationError
 
     from coati_kto.config.schema import Config
     from coati_kto.errors import ConfigError
     from coati_kto.train import train
-    from coati_kto.trainer.throughput import table_peak_flops
 
     cuda = torch.cuda.is_available()
     result: dict[str, Any] = {"case": case.name}
@@ -317,42 +375,26 @@ def run_case(work: Path, case: Case, args: argparse.Namespace, fixture: dict[str
     if args.counts_only:  # the counter alone (e.g. a --baseline-rev run)
         result.update(_counted(work, case, args, params))
         return result
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    trainer = train(config)
-    records = [r for r in trainer.history if "train/examples_per_second" in r]
-    timed = records[args.warmup :] or records
-    seconds = [MICRO_BATCH / r["train/examples_per_second"] for r in timed]
-    flops = [r["train/model_flops_per_second"] * s for r, s in zip(timed, seconds, strict=True)]
-    tokens = [r["train/tokens_per_second"] * s for r, s in zip(timed, seconds, strict=True)]
-    step = statistics.median(seconds)
-    peak = table_peak_flops(torch.cuda.get_device_name()) if cuda else None
-    result.update(
-        step_s=step,
-        tokens_per_s=statistics.median(t / s for t, s in zip(tokens, seconds, strict=True)),
-        tokens_per_step=statistics.fmean(tokens),
-        tflops=statistics.median(f / s for f, s in zip(flops, seconds, strict=True)) / 1e12,
-        loss_first=records[0].get("train/loss"),
-        steps=len(records),
-        zero=trainer.plan.zero_stage,  # the stage that ran: 0 for hybrid_parallel on one GPU (running_zero_stage)
-    )
-    result["mfu"] = result["tflops"] * 1e12 / peak if peak else None
-    result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if cuda else None
-    del trainer
-    gc.collect()  # the timed run's models and optimizer states go before the profiled run loads its own
-    if cuda:
-        torch.cuda.empty_cache()
-
-    config = Config.model_validate(
-        apply_overrides(case_config(work, case, args, 1 + args.profile_steps, "profiled"), args.set)
-    )
     activities = [torch.profiler.ProfilerActivity.CPU]
     if cuda:
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
-        del_trainer = train(config)
-    del del_trainer
-    result.update(_profile_figures(prof, cuda))
+        torch.cuda.reset_peak_memory_stats()
+    one_run = args.smoke and not cuda and not case.compiled
+    trainers: list[Any] = []
+    prof = _profiled(lambda: trainers.append(train(config)), activities) if one_run else None
+    result.update(_timed_figures(trainers[0] if one_run else train(config), args, cuda))
+    trainers.clear()
+    gc.collect()  # the timed run's models and optimizer states go before the next run loads its own
+    if cuda:
+        torch.cuda.empty_cache()
+    if not one_run:
+        config = Config.model_validate(
+            apply_overrides(case_config(work, case, args, 1 + args.profile_steps, "profiled"), args.set)
+        )
+        prof = _profiled(lambda: train(config), activities)
+    result.update(
+        _profile_figures(prof, cuda) if prof else {"profile_error": "no forward pass with gradients"}
+    )
     gc.collect()
     result.update(_counted(work, case, args, params))
     return result
