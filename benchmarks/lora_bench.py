@@ -4,7 +4,8 @@
 
 Fixture: a random Llama (default hidden 512, 8 layers, vocabulary 8192: about 34M parameters) saved in fp32,
 about 100 + 60 tokens per example, micro-batch 4, ddp fp32, 1 process. Each run is a whole training process
-(the parent imports nothing heavy), so each child's ``ru_maxrss`` is its own peak:
+(the parent imports nothing heavy), so each child's ``ru_maxrss`` is its own peak; the cyclic collector is off
+through a child's imports, as in a ``coati-kto`` process (coati_kto.runtime.startup):
 
 - full: every weight trained, AdamW states for all of them, and the reference model (a second copy, loaded
   from the same safetensors file: its pages are mmapped, so part of it may be shared with the policy's);
@@ -35,8 +36,10 @@ def _setup(work: Path, hidden: int, layers: int) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from coati_kto.data.files import write_jsonl
+    from coati_kto.runtime.startup import release_collection
     from coati_kto.testing.tiny import build_tokenizer
 
+    release_collection()  # the imports are done (main held the collector)
     rng = random.Random(0)
     words = [f"w{i}" for i in range(2000)]
     records = []
@@ -118,6 +121,10 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.hidden, args.layers, args.steps = 64, 2, 2
+    if args.child:
+        from coati_kto.runtime.startup import hold_collection
+
+        hold_collection()  # as the `coati-kto` entry point; train() (setup: after its imports) releases it
     if args.child == "setup":
         return _setup(Path(args.work), args.hidden, args.layers)
     if args.child:

@@ -19,10 +19,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
-from coati_kto.testing.distributed import run_distributed
-
 PLUGINS = {
     "hybrid zero2 bf16": {"name": "hybrid_parallel", "zero_stage": 2, "precision": "bf16"},
     "hybrid zero0 fp32": {"name": "hybrid_parallel", "zero_stage": 0, "precision": "fp32"},
@@ -34,6 +30,8 @@ PLUGINS = {
 
 def _batches(n: int, micro_batch_size: int, prompt: int, completion: int, vocab: int, seed: int) -> list:
     """Random KTOBatch micro-batches; half desirable, right-padded completions of varying length."""
+    import torch
+
     from coati_kto.data.collator import KTOCollator
 
     gen = torch.Generator().manual_seed(seed)
@@ -122,8 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         args.steps, args.warmup, args.prompt, args.completion = 2, 1, 16, 16
         args.only = args.only or ["hybrid zero2 bf16"]
 
+    from coati_kto.runtime.startup import release_collection
+    from coati_kto.testing.distributed import run_distributed
     from coati_kto.testing.tiny import save_tiny_model
 
+    release_collection()  # the imports are done (see the end of this file)
     corpus = ["The capital of France is Paris. Please add 2 and 3. The answer is 5."] * 50
     model_dir = save_tiny_model(Path(tempfile.mkdtemp()) / "tiny", corpus)
     settings = {k: getattr(args, k) for k in ("steps", "warmup", "micro_batch_size", "prompt", "completion")}
@@ -153,5 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # the parent (the ranks import this file as __mp_main__, their collector as it is)
+    from coati_kto.runtime.startup import hold_collection
+
+    hold_collection()  # the collector off through the imports, as in a `coati-kto` process
     sys.exit(main())
