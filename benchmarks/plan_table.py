@@ -62,9 +62,9 @@ def table(smoke: bool, unproven_pp: bool) -> None:
             print(f"| {size} | {mode} | " + " | ".join(cells) + " |", flush=True)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     sys.path.insert(0, str(ROOT))
-    smoke = "--smoke" in sys.argv[1:]
+    smoke = "--smoke" in (sys.argv[1:] if argv is None else argv)
     print("The sizes config load admits today:\n")
     table(smoke, unproven_pp=False)
     print("\nWith every pipeline-parallel size, also those the family is not proven at yet:\n")

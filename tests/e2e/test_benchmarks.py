@@ -3,8 +3,8 @@
 Figures, not exit codes: each test parses what the script prints (its table) and checks the numbers are there
 and finite (step time > 0, tokens/s > 0, ...). A script runs in a subprocess, as a user runs it: the module's
 first test starts the selected tests' subprocesses, two at a time (:class:`Ahead`), and each test waits for its
-own. A script whose figures are not of its own process (ddp_unused_bench, optimizer_bench, padding_bench, plan_validation,
-prepare_bench) runs its ``main`` here instead (:func:`smoke_here`): no interpreter and imports of its own, its
+own. A script whose figures are not of its own process (ddp_unused_bench, optimizer_bench, padding_bench, plan_table,
+plan_validation, prepare_bench) runs its ``main`` here instead (:func:`smoke_here`): no interpreter and imports of its own, its
 ranks on the worker pool. The ones that start several training processes (lora_bench, plugins_bench,
 step_bench: 20-60 s each on 2 cores; learning_study, gpu_check) are marked ``slow`` (``-m "not slow"`` leaves them
 out); trl_side_by_side skips unless a TRL venv exists (TRL is never a dependency).
@@ -148,7 +148,6 @@ SMOKES: dict[str, Callable[[Path], Command]] = {
     "test_gpu_check_smoke": gpu_check_command,
     "test_lora_bench_smoke": lambda w: smoke_command("lora_bench.py"),
     "test_plugins_bench_smoke": lambda w: smoke_command("plugins_bench.py"),
-    "test_plan_table_smoke": lambda w: smoke_command("plan_table.py"),
     "test_learning_study_smoke": lambda w: smoke_command(
         "learning_study.py", "--work", str(w), "--venv", str(ROOT / ".trl-venv"), timeout=900
     ),
@@ -403,10 +402,12 @@ def test_plan_validation_smoke(capsys: pytest.CaptureFixture[str], tmp_path: Pat
         positive_finite([float(cells[3]), float(cells[4])], row)  # predicted, measured MiB
 
 
-def test_plan_table_smoke(smoke_out: str) -> None:
-    """The 8B rows of docs/plan.md's two tables: each a layout that fits at a micro-batch of at least 2."""
-    rows = [line for line in smoke_out.splitlines() if line.startswith("| 8B |")]
-    assert len(rows) == 8, smoke_out  # the admitted sizes, then every pipeline size
+def test_plan_table_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    """The 8B rows of docs/plan.md's two tables: each a layout that fits at a micro-batch of at least 2. Here: the
+    figures are the plan's arithmetic, nothing of the process's own."""
+    out = smoke_here(capsys, "plan_table.py")
+    rows = [line for line in out.splitlines() if line.startswith("| 8B |")]
+    assert len(rows) == 8, out  # the admitted sizes, then every pipeline size
     for row in rows:
         batches = [int(b) for b in re.findall(r"micro-batch (\d+) \(", row)]
         assert len(batches) == 3 and min(batches) >= 2, row
