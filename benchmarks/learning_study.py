@@ -31,6 +31,7 @@ base, in nats. Also the held-out preference accuracy (m > 0) after. ``train/kl``
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -334,6 +335,12 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="tiny and fast; TRL only when --venv exists")
     args, rest = p.parse_known_args()
     if args.coati_child:
+        # As the `coati-kto` entry point: the collector off through the imports (train() releases it); a
+        # --coati-root from before coati_kto.runtime.startup has neither.
+        with contextlib.suppress(ImportError):
+            from coati_kto.runtime.startup import hold_collection
+
+            hold_collection()
         return _coati_child(args.coati_child, rest)
     settings = {**(SMOKE if args.smoke else SETTINGS), "weights": args.weights}
     if args.smoke:  # one seed of one task: the whole path (base, both tools, evaluation) in a minute or two

@@ -26,6 +26,7 @@ parent imports nothing heavy, so each child's peak RSS is its own.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -357,10 +358,13 @@ def main() -> None:
         args.compile, args.skip_tool_use, args.skip_100m = True, True, True
     if args.child:
         kind, *params = args.child + rest
-        if kind in ("setup", "run", "count"):
+        # As the `coati-kto` entry point: the collector off through the imports; train() (or the child, after its
+        # imports) releases it. A --baseline checkout from before coati_kto.runtime.startup has neither.
+        with contextlib.suppress(ImportError):
             from coati_kto.runtime.startup import hold_collection
 
-            hold_collection()  # as the `coati-kto` entry point; train() (or the child, after its imports) releases it
+            if kind in ("setup", "run", "count"):
+                hold_collection()
         if kind == "setup":  # WORK EXAMPLES SHAPE HIDDEN LAYERS [CONFIG]
             info = _child_setup(Path(params[0]), int(params[1]), params[2], int(params[3]), int(params[4]))
             if (
