@@ -146,7 +146,6 @@ class FreshState:
         os.umask(self.umask)
         self._restore_python()
         self._restore_torch()
-        _destroy_subgroups()
         _restore_attributes(self.attributes)
         _restore_rotary()
         _clear_project_caches()
@@ -155,7 +154,7 @@ class FreshState:
             instances.clear()
             instances.update(self.singletons)
         _restore_dynamo(self.dynamo_config)
-        gc.collect()
+        _destroy_subgroups()  # its one full collection also frees what the steps above let go
         _trim_heap()
 
     def _restore_python(self) -> None:
@@ -174,7 +173,9 @@ class FreshState:
             level, handlers, filters, propagate, disabled = self.loggers.get(
                 logger, (logging.NOTSET, logger.handlers, [], True, False)
             )
-            logger.setLevel(level)
+            # Not setLevel: each call clears every logger's level cache (thousands of loggers: n^2 per task).
+            # logging.disable below clears them once.
+            logger.level = level
             logger.handlers[:], logger.filters[:] = handlers, filters
             logger.propagate, logger.disabled = propagate, disabled
         logging.disable(self.logging_disabled)

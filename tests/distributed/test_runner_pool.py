@@ -147,6 +147,7 @@ def _leave_state_behind() -> None:
     distributed.seed_everything = None
     Randomizer.increment_index()
     logging.getLogger("coati_kto").setLevel(logging.CRITICAL)
+    logging.getLogger("coati_kto.trainer").isEnabledFor(logging.ERROR)  # False, cached in that logger
     warnings.simplefilter("error")
     _INSIDE_FUSED_ATTENTION.set(True)
     torch.save = (
@@ -177,6 +178,7 @@ def _what_a_task_sees() -> dict[str, Any]:
         "seed_everything": callable(distributed.seed_everything),
         "randomizer": Randomizer.index(),
         "log_level": logging.getLogger("coati_kto").level,
+        "errors_enabled": logging.getLogger("coati_kto.trainer").isEnabledFor(logging.ERROR),
         "warnings_error": any(f[0] == "error" and f[2] is Warning for f in warnings.filters),
         "inside_fused_attention": _INSIDE_FUSED_ATTENTION.get(),
         "test": os.environ.get("PYTEST_CURRENT_TEST"),
