@@ -75,15 +75,35 @@ def _restore_frozen(model: torch.nn.Module) -> None:
     ``moe_statics.e_score_correction_bias``, AFMoE's ``expert_bias``): transformers 5's loader re-wraps every
     loaded tensor as ``nn.Parameter(requires_grad=is_floating_point())`` (core_model_loading.py), so they became
     trainable parameters that never get a gradient (DDP raises at the next step; an optimizer would own them)."""
+    frozen = _constructor_frozen(model)
+    for name, param in model.named_parameters():
+        if name in frozen:
+            param.requires_grad_(False)
+
+
+_FROZEN_BY_CONSTRUCTOR: dict[
+    tuple[type, str], frozenset[str]
+] = {}  # per process: the policy and reference share
+
+
+def _constructor_frozen(model: torch.nn.Module) -> frozenset[str]:
+    """The names of the parameters ``type(model)(model.config)`` makes with ``requires_grad=False`` (built on the
+    meta device once per class and config in a process; empty for a class that cannot be rebuilt from its config)."""
+    try:
+        key = (type(model), model.config.to_json_string(use_diff=False))
+    except Exception:  # a config that does not serialize: rebuilt each time
+        key = None
+    if key in _FROZEN_BY_CONSTRUCTOR:
+        return _FROZEN_BY_CONSTRUCTOR[key]
     try:
         with torch.device("meta"):
             fresh = type(model)(model.config)
     except Exception:  # a class that cannot be rebuilt from its config alone keeps the loader's flags
-        return
-    frozen = {name for name, param in fresh.named_parameters() if not param.requires_grad}
-    for name, param in model.named_parameters():
-        if name in frozen:
-            param.requires_grad_(False)
+        return frozenset()
+    frozen = frozenset(name for name, param in fresh.named_parameters() if not param.requires_grad)
+    if key is not None:
+        _FROZEN_BY_CONSTRUCTOR[key] = frozen
+    return frozen
 
 
 def freeze_vision_tower(model: torch.nn.Module, keep_fp32: bool = False) -> dict[str, torch.Tensor]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import transformers as tf
 
@@ -77,6 +78,19 @@ def test_parameters_the_class_freezes_stay_frozen(tmp_path: Path) -> None:
     assert any("e_score_correction_bias" in n for n in frozen)
     loaded = _load(_saved(model, tmp_path / "ernie"))
     assert {n for n, p in loaded.named_parameters() if not p.requires_grad} == frozen
+    # A second load of the same class and config (the reference) reads the names the first rebuild found
+    built: list[int] = []
+    original_init = tf.Ernie4_5_MoeForCausalLM.__init__
+
+    def counting_init(self: torch.nn.Module, *args: object, **kwargs: object) -> None:
+        built.append(1)
+        original_init(self, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tf.Ernie4_5_MoeForCausalLM, "__init__", counting_init)
+        again = _load(str(tmp_path / "ernie"))
+    assert {n for n, p in again.named_parameters() if not p.requires_grad} == frozen
+    assert len(built) == 1  # from_pretrained's own construction; no meta rebuild
 
 
 def test_router_buffers_the_class_keeps_in_fp32_are_kept(tmp_path: Path) -> None:
