@@ -32,9 +32,27 @@ def _transformers_model(module: nn.Module) -> nn.Module:
     return module.get_base_model() if hasattr(module, "get_base_model") else module
 
 
+_FP32_NAMES: dict[
+    tuple[type, str, torch.dtype], frozenset[str] | None
+] = {}  # per process: policy and reference
+
+
 def transformers_fp32_names(model: nn.Module, dtype: torch.dtype) -> set[str] | None:
     """The names (``named_parameters`` / ``named_buffers`` of the transformers model) of the floating tensors that
-    ``from_pretrained(dtype=dtype)`` keeps in fp32; None when the class cannot be rebuilt from its config alone."""
+    ``from_pretrained(dtype=dtype)`` keeps in fp32; None when the class cannot be rebuilt from its config alone.
+    Rebuilt on the meta device once per class, config and dtype in a process."""
+    try:
+        key = (type(model), model.config.to_json_string(use_diff=False), dtype)
+    except Exception:  # a config that does not serialize: rebuilt each time
+        return _fp32_names(model, dtype)
+    if key not in _FP32_NAMES:
+        names = _fp32_names(model, dtype)
+        _FP32_NAMES[key] = frozenset(names) if names is not None else None
+    names = _FP32_NAMES[key]
+    return set(names) if names is not None else None
+
+
+def _fp32_names(model: nn.Module, dtype: torch.dtype) -> set[str] | None:
     import copy
 
     from transformers.modeling_utils import local_torch_dtype

@@ -123,3 +123,27 @@ def test_fp32_names_are_what_transformers_keeps(tmp_path: Path, family: str) -> 
     assert (
         transformers_fp32_names(auto.from_pretrained(path, dtype=torch.float32), torch.bfloat16) == expected
     )
+
+
+def test_fp32_names_rebuild_a_class_and_config_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reference's call (same class, config and dtype as the policy's) takes the names the first found, as a
+    set of its own; another dtype rebuilds."""
+    config = tf.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2
+    )
+    model = tf.LlamaForCausalLM(config)
+    built: list[torch.device] = []
+    original_init = tf.LlamaForCausalLM.__init__
+
+    def counting_init(self: torch.nn.Module, *args: object, **kwargs: object) -> None:
+        built.append(torch.empty(0).device)
+        original_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(tf.LlamaForCausalLM, "__init__", counting_init)
+    first = transformers_fp32_names(model, torch.bfloat16)
+    assert first is not None and any("rotary_emb" in name for name in first)
+    expected = set(first)
+    first.add("changed by the caller")
+    assert transformers_fp32_names(model, torch.bfloat16) == expected and built == [torch.device("meta")]
+    transformers_fp32_names(model, torch.float16)
+    assert len(built) == 2
