@@ -41,6 +41,7 @@ def install_cpu_support() -> None:
 
     low_level_optim.LowLevelZeroOptimizer._sanity_checks = _sanity_checks_without_device
     _gather_fused_projections_on_the_host()
+    _randomizer_states_without_reseeding()
 
 
 def _sync_cpu_accelerator() -> Any:
@@ -71,11 +72,13 @@ def _sync_cpu_accelerator() -> Any:
         def set_rng_state(self, new_state: torch.Tensor, device: Any = None) -> None:
             torch.set_rng_state(new_state)
 
+        # The CPU generator alone: torch.manual_seed also queues a seed for CUDA, MTIA and XPU, formatting the
+        # caller's stack for each (a millisecond or more per call; shardformer calls it per parallel layer).
         def manual_seed(self, seed: int) -> None:
-            torch.manual_seed(seed)
+            torch.default_generator.manual_seed(seed)
 
         def manual_seed_all(self, seed: int) -> None:
-            torch.manual_seed(seed)
+            torch.default_generator.manual_seed(seed)
 
         def empty_cache(self) -> None:
             return None
@@ -103,3 +106,19 @@ def _gather_fused_projections_on_the_host() -> None:
         return torch.cat([pieces[r][i] for i in range(len(split_sizes)) for r in range(world)], dim=dim)
 
     qkv_fused_linear.gather_fused_qkv_in_gpt2_style = gather
+
+
+def _randomizer_states_without_reseeding() -> None:
+    """ColossalAI's ``Randomizer`` (one per tensor-parallel layer) reads the RNG state a seed gives by seeding the
+    global generator, reading it and putting the old state back, for the accelerator and the CPU: two
+    ``torch.manual_seed`` calls, each formatting the stack three times for devices this machine lacks (1.6% of the
+    test pool's CPU). On CPU both states are what a new generator seeded with it holds: the same bytes, and the
+    global generator is not touched."""
+    from colossalai.shardformer.layer.utils import Randomizer
+
+    def __init__(self: Any, seed: int) -> None:  # noqa: N807 - the method it replaces
+        self.seed = seed
+        state = torch.Generator().manual_seed(seed).get_state()
+        self.device_rng_state, self.cpu_rng_state = state, state.clone()
+
+    Randomizer.__init__ = __init__

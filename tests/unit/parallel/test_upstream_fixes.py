@@ -21,3 +21,26 @@ def test_the_pipeline_backend_check_gets_the_function_torch_dropped(monkeypatch)
     monkeypatch.setattr(dist, "is_hccl_available", own, raising=False)
     fixes._fix_pipeline_backend_check()
     assert dist.is_hccl_available is own
+
+
+def test_the_cpu_randomizer_holds_the_seeded_states_without_seeding_torch(monkeypatch) -> None:
+    """A shardformer ``Randomizer`` on CPU (coati_kto.parallel.upstream.cpu) holds, for the accelerator and the
+    CPU, the bytes ColossalAI's own constructor reads after ``torch.manual_seed(seed)``, and leaves the global
+    generator where it was, without calling ``torch.manual_seed`` (it formatted the stack for CUDA, MTIA and XPU)."""
+    import torch
+    from colossalai.shardformer.layer.utils import Randomizer
+
+    from coati_kto.parallel.upstream import cpu
+
+    monkeypatch.setattr(Randomizer, "__init__", Randomizer.__init__)  # put back after the test
+    torch.manual_seed(3)
+    torch.randn(5)  # a global state no seed gives
+    before = torch.get_rng_state()
+    torch.manual_seed(1024)
+    seeded = torch.get_rng_state()
+    torch.set_rng_state(before)
+    cpu._randomizer_states_without_reseeding()
+    monkeypatch.setattr(torch, "manual_seed", None)  # any call would raise
+    randomizer = Randomizer(1024)
+    assert torch.equal(randomizer.cpu_rng_state, seeded) and torch.equal(randomizer.device_rng_state, seeded)
+    assert torch.equal(torch.get_rng_state(), before) and randomizer.seed == 1024
