@@ -352,8 +352,15 @@ def main() -> None:
         venv = None
     elif venv is not None:
         trl_side_by_side.ensure_trl_venv(venv, args.trl_spec)
-    import torch
+    from coati_kto.runtime.startup import hold_collection, release_collection
 
+    hold_collection()  # through the imports of the base's SFT and the evaluations (coati_kto.runtime.startup)
+    import torch
+    import transformers  # noqa: F401
+
+    import coati_kto.testing.tiny  # noqa: F401
+
+    release_collection()
     torch.set_num_threads(
         1
     )  # the base's SFT and the evaluations: tiny matrices, beside the training processes
