@@ -6,7 +6,7 @@ first test starts the selected tests' subprocesses, two at a time (:class:`Ahead
 own. A script whose figures are not of its own process (ddp_unused_bench, optimizer_bench, padding_bench, plan_table,
 plan_validation, prepare_bench) runs its ``main`` here instead (:func:`smoke_here`): no interpreter and imports of its own, its
 ranks on the worker pool. The ones that start several training processes (lora_bench, plugins_bench,
-step_bench: 20-60 s each on 2 cores; learning_study, gpu_check) are marked ``slow`` (``-m "not slow"`` leaves them
+step_bench: 10-15 CPU-s each on 2 cores; learning_study, gpu_check) are marked ``slow`` (``-m "not slow"`` leaves them
 out); trl_side_by_side skips unless a TRL venv exists (TRL is never a dependency).
 """
 
