@@ -19,6 +19,14 @@ import tempfile
 import time
 from pathlib import Path
 
+if __name__ in (
+    "__main__",
+    "__mp_main__",
+):  # this script, or a rank it spawned: this runs before the rank's imports
+    from coati_kto.runtime.startup import hold_collection
+
+    hold_collection()  # the collector off through the imports, as in a `coati-kto` process (main, _worker release it)
+
 PLUGINS = {
     "hybrid zero2 bf16": {"name": "hybrid_parallel", "zero_stage": 2, "precision": "bf16"},
     "hybrid zero0 fp32": {"name": "hybrid_parallel", "zero_stage": 0, "precision": "fp32"},
@@ -61,7 +69,10 @@ def _worker(model_dir: str, plugin: dict, args: dict) -> dict:
     from coati_kto.config.schema import Config
     from coati_kto.parallel.plan import ParallelPlan
     from coati_kto.recipe.components import build_components
+    from coati_kto.runtime.startup import release_collection
     from coati_kto.trainer.kto import KTOTrainer
+
+    release_collection()  # a spawned rank's imports are done (the top of this file held the collector)
 
     class TimedTrainer(KTOTrainer):
         def _train_step(self, micro_batches, epoch):
@@ -154,8 +165,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # the parent (the ranks import this file as __mp_main__, their collector as it is)
-    from coati_kto.runtime.startup import hold_collection
-
-    hold_collection()  # the collector off through the imports, as in a `coati-kto` process
+if __name__ == "__main__":
     sys.exit(main())
