@@ -419,6 +419,12 @@ def _counted(work: Path, case: Case, args: argparse.Namespace, params: int) -> d
 
 def run_cases_here(work: Path, names: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every case of ``names`` in this process, one after the other; each result is also printed as JSON."""
+    from coati_kto.runtime.startup import hold_collection, release_collection
+
+    hold_collection()  # the collector off through what every case imports, as `coati-kto` has it (startup.py)
+    import coati_kto.train  # noqa: F401 - ColossalAI, transformers' models
+
+    release_collection()
     fixture = json.loads((work / "fixture.json").read_text())
     by_name = {c.name: c for c in all_cases()}
     results = []
@@ -710,10 +716,16 @@ def main(argv: list[str] | None = None) -> int:
         run_cases_here(args.out, args.run_cases.split(","), args)
         return 0
 
+    from coati_kto.runtime.startup import hold_collection, release_collection
+
+    hold_collection()  # through the imports (coati_kto.runtime.startup)
     from coati_kto.parallel.upstream.noise import quiet_known_warnings
 
     quiet_known_warnings()
     import torch
+    import transformers  # noqa: F401 - the fixture's
+
+    release_collection()
 
     cuda = torch.cuda.is_available()
     if not cuda and not args.smoke:
