@@ -7,11 +7,10 @@ already keeps each graph it built in its FX graph cache (on the machine's disk, 
 two ranks that start the same graph together both miss it.
 
 ``install`` wraps inductor's per-graph compile (``torch._inductor.compile_fx._compile_fx_inner``: cache lookup,
-codegen, the C++/Triton build, cache write) in a file lock named after the graph's code and its inputs' devices,
-dtypes, shapes and strides, under inductor's own lock directory. The first rank to reach a graph builds it; the
-others wait on the lock and then find it in the cache (a hit: the very kernels the first rank built). Same result
-as a warm cache, which every run after the first already gets. Ranks on the CPU share their graphs this way; ranks
-on different GPUs name different devices, so they never wait on each other (as before).
+codegen, the C++/Triton build, cache write) in a file lock named after the graph's code and its inputs' shapes,
+strides and dtypes, under inductor's own lock directory. The first rank to reach a graph builds it; the others wait
+on the lock and then find it in the cache (a hit: the very kernels the first rank built). Same result as a warm
+cache, which every run after the first already gets.
 
 - Only inductor's lookup-and-build of one graph runs under the lock: no collective is reached while it is held,
   and a thread never holds two (a compile nested in another runs unlocked), so ranks cannot wait on each other in
@@ -38,15 +37,14 @@ _state = threading.local()  # .holding: this thread runs a compile under the loc
 
 
 def graph_key(gm: Any, example_inputs: Any) -> str:
-    """A name for the lock of one graph: its generated code and each input's device, dtype, shape and stride
-    (symbolic sizes as their names). Two ranks tracing the same region with the same inputs get the same key; a
-    collision only makes two different graphs build one after the other. The device keeps its index: ranks on
-    different GPUs of a node (whose kernels inductor keys apart) never wait on each other."""
+    """A name for the lock of one graph: its generated code and each input's shape, stride and dtype (symbolic
+    sizes as their names). Two ranks tracing the same region with the same inputs get the same key; a collision
+    only makes two different graphs build one after the other."""
     parts = [str(getattr(gm, "code", "")), str(len(example_inputs))]
     for value in example_inputs:
         if hasattr(value, "shape") and hasattr(value, "dtype"):
             stride = value.stride() if hasattr(value, "stride") else ()
-            parts.append(f"{getattr(value, 'device', '')}{value.dtype}{tuple(value.shape)}{tuple(stride)}")
+            parts.append(f"{value.dtype}{tuple(value.shape)}{tuple(stride)}")
         else:
             parts.append(type(value).__name__)
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
