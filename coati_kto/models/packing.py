@@ -43,7 +43,6 @@ from coati_kto.models.lm_head import LMHead, forward_inputs, model_sequence_logp
 from coati_kto.models.logit_means import record_head, record_logits, recording
 from coati_kto.models.logprobs import head_token_logps, logits_token_logps, sum_per_row
 from coati_kto.models.lora import base_module
-from coati_kto.parallel import compile_lock
 from coati_kto.parallel.sequence import inner_attention
 
 PACKABLE_ATTENTION = ("eager", "sdpa", "flex_attention")
@@ -73,8 +72,6 @@ def _additive_mask(rows: PackedRows, window: int | None, dtype: torch.dtype) -> 
 def _flex_mask(rows: PackedRows, window: int | None) -> Any:
     """The same rule as a flex-attention BlockMask over rows already padded to :data:`FLEX_BLOCK`."""
     from torch.nn.attention.flex_attention import create_block_mask
-
-    compile_lock.install()  # transformers compiles flex_attention itself: the ranks of a machine build it once
 
     doc, seg, pos, seen = rows.document, rows.segment, rows.position_ids, rows.prompt_seen
 

@@ -9,8 +9,6 @@ from typing import Any
 
 import torch
 
-from coati_kto.parallel import compile_lock
-
 # The innermost hook wraps every compiled call: hook(region, args, kwargs) -> output. Testing code only (the
 # kernel counter); empty in training.
 REGION_HOOKS: list[Callable[[CompiledForward, tuple, dict], Any]] = []
@@ -23,7 +21,6 @@ class CompiledForward:
 
     def __init__(self, forward: Callable[..., Any], context: str = "model") -> None:
         self.eager, self.context = forward, context
-        compile_lock.install()  # the ranks of a machine build each graph once
         self.compiled = torch.compile(forward, dynamic=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -1,7 +1,6 @@
 """model.compile on 2 real gloo processes, on each plugin it admits: policy and reference compiled alike, so the
 rewards and KL of step 1 (reference = the policy's weights) are exactly 0.0; a resume with compile on continues
-bit-exactly (weights after the resume == the uninterrupted run's); two ranks reaching a graph together on an empty
-inductor cache build it once (coati_kto.parallel.compile_lock). Compiled vs eager numbers:
+bit-exactly (weights after the resume == the uninterrupted run's). Compiled vs eager numbers:
 tests/unit/models/test_compiled_model.py.
 
 Marker ``compile``: inductor builds the layers' kernels (bf16 and fp32 graphs) in both processes."""
@@ -134,51 +133,3 @@ def test_padding_free_passes_compiled_equal_eager(layout: str) -> None:
                 torch.testing.assert_close(b, a, atol=1e-5, rtol=0, msg=name)
         graphs.append(compiled_graphs())
     assert graphs[1] == graphs[0]
-
-
-def _silu_rows(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.silu(x @ w).sum(dim=-1)
-
-
-def _build_together(cache_dir: str) -> tuple:
-    """After a barrier, both ranks compile the forward and backward of ``_silu_rows`` (a CompiledForward, as the
-    model's layers are) with ``cache_dir`` as inductor's (empty) cache; the output, the gradient and inductor's
-    FX-cache hits and misses."""
-    import os
-
-    import torch.distributed as dist
-    from torch._dynamo.utils import counters
-
-    from coati_kto.parallel.compiled import CompiledForward
-
-    saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir
-    try:
-        counters["inductor"].clear()
-        region = CompiledForward(_silu_rows)
-        gen = torch.Generator().manual_seed(0)
-        x, w = torch.randn(4, 8, generator=gen), torch.randn(8, 8, generator=gen, requires_grad=True)
-        dist.barrier()
-        out = region(x, w)
-        out.sum().backward()
-        inductor = counters["inductor"]
-        return out.detach(), w.grad, inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"]
-    finally:
-        os.environ.pop("TORCHINDUCTOR_CACHE_DIR")
-        if saved is not None:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
-
-
-def test_two_ranks_compiling_together_build_each_graph_once(tmp_path: Path) -> None:
-    """On an empty inductor cache, one rank builds the region's forward and backward graphs (2 misses) and the
-    other waits and loads both from the cache (2 hits, no miss); both compute what eager computes. Without the
-    lock (COATI_KTO_NO_COMPILE_LOCK=1) both missed: each rank generated and built every graph."""
-    got = run_distributed(_build_together, 2, str(tmp_path / "inductor"))
-    gen = torch.Generator().manual_seed(0)
-    x, w = torch.randn(4, 8, generator=gen), torch.randn(8, 8, generator=gen, requires_grad=True)
-    expected = _silu_rows(x, w)
-    expected.sum().backward()
-    for out, grad, _, _ in got:
-        torch.testing.assert_close(out, expected.detach())
-        torch.testing.assert_close(grad, w.grad)
-    assert sorted((hits, misses) for _, _, hits, misses in got) == [(0, 2), (2, 0)]
