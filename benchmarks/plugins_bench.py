@@ -19,10 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
-if __name__ in (
-    "__main__",
-    "__mp_main__",
-):  # this script, or a rank it spawned: this runs before the rank's imports
+# This script, or a rank it spawned (__mp_main__): this runs before the rank's imports.
+if __name__ in ("__main__", "__mp_main__"):
     from coati_kto.runtime.startup import hold_collection
 
     hold_collection()  # the collector off through the imports, as in a `coati-kto` process (main, _worker release it)
