@@ -15,6 +15,11 @@ from coati_kto.testing.tensorboard import read_scalars
 STEPS = 3
 UPDATE_BOUND = 2e-5  # of each tensor's update after 3 steps (the issues' figure)
 METRIC_BOUND = 1e-5  # relative, per logged value
+# ... of the value, or of this floor where the value is smaller. logits/ values are means over the vocabulary whose
+# terms cancel: they swing from 0.035 to -4e-4 between steps while their rounding follows the logits, not the mean
+# (pp2 against pp1 on a Zen 3 EPYC with AVX2 kernels: -5.282923e-4 against -5.283039e-4, 1.2e-5 of a 1e-3 floor).
+FLOORS = {"logits/": 1e-2}
+DEFAULT_FLOOR = 1e-3
 # Wall-clock figures differ between runs; everything else is a function of the weights and the data.
 TIMING = ("throughput", "seconds", "per_second", "mfu", "time", "memory", "lr")
 
@@ -63,7 +68,16 @@ def assert_same_metrics(run: Path, reference: Path, expected: set[str]) -> None:
         got = dict(got_all[tag])
         assert [s for s, _ in values] == sorted(got), tag
         for step, want in values:
-            assert abs(got[step] - want) <= METRIC_BOUND * max(abs(want), 1e-3), (tag, step, got[step], want)
+            assert abs(got[step] - want) <= METRIC_BOUND * max(abs(want), _floor(tag)), (
+                tag,
+                step,
+                got[step],
+                want,
+            )
+
+
+def _floor(tag: str) -> float:
+    return next((floor for part, floor in FLOORS.items() if part in tag), DEFAULT_FLOOR)
 
 
 def assert_step1_rewards_and_kl_zero(run: Path) -> None:

@@ -42,12 +42,15 @@ PLUGINS = {
 # top, relative tolerance of the losses). bf16: the layouts sum in other orders, so step 1 already leaves a weight
 # one bf16 rounding apart where its fp32 masters straddle a rounding boundary (0.7-1.2% of the largest update,
 # measured; 3.9e-3 for a norm weight just below 1, 4.6% of OLMo 3's update with AVX2 kernels); later steps start
-# from those weights and carry the difference on: test_layouts_4.py allows Llama 2% of the update, and 3 steps
-# reach 1.9% for Gemma 3 (its scaled embeddings amplify rounding ~25x a step: test_tp_equivalence.py), so 2
-# roundings of the weight plus 3% of the update; losses as test_layouts_4.py (1e-2; measured 6.6e-4 at most). fp32:
-# summation order alone, measured 1.4e-6 of the update (OLMo 3) and 1.2e-7 on the losses. The bugs this guards
-# against differ by 17% (OLMo 3's norm left per rank) to 42% (Phi-3's fused projections split contiguously).
-TOLERANCES = {"zero2_bf16": (7, 2, 0.03, 1e-2), "zero0_fp32": (23, 2, 2e-5, 1e-6)}
+# from those weights and carry the difference on: test_layouts_4.py allows Llama 2% of the update, 3 steps
+# reach 1.9% for Gemma 3 (its scaled embeddings amplify rounding ~25x a step: test_tp_equivalence.py) and 3.8% for
+# an OLMo 3 weight near 0.01 on a Zen 3 EPYC (AVX2, no AVX-512: -0.0135 against -0.0104, 120% of the 3% bound
+# there), so 2 roundings of the weight plus 5% of the update, a third of the smallest bug below; losses as
+# test_layouts_4.py (1e-2; measured 6.6e-4 at most). fp32: summation order alone, measured 1.4e-6 of the update
+# (OLMo 3), 1.9e-5 for Gemma 4 at lr 0.03 on that Zen 3 (94% of a 2e-5 bound), and 1.2e-7 on the losses, so 4e-5.
+# The bugs this guards against differ by 17% (OLMo 3's norm left per rank) to 42% (Phi-3's fused projections
+# split contiguously).
+TOLERANCES = {"zero2_bf16": (7, 2, 0.05, 1e-2), "zero0_fp32": (23, 2, 4e-5, 1e-6)}
 ADMITTED = [name for name, (_, _, tps) in TENSOR_PARALLEL_FAMILIES.items() if 2 in tps]
 # The tiny Gemma 4 amplifies any rounding difference ~10x a step even unsharded (test_tp_equivalence.py trains it
 # at lr 0.01 for that reason): at lr 1 its two layouts part after 3 steps whatever the code does (fp32: 5e-4 of the
