@@ -19,7 +19,7 @@ from coati_kto.models.compile import wants_compile
 from coati_kto.models.last_mlp import skip_unread_mlp
 from coati_kto.models.norms import fuse_rms_norms
 from coati_kto.models.rotary import fuse_rotary
-from coati_kto.parallel.fp32_kept import round_trainable
+from coati_kto.parallel.fp32_kept import meta_rebuild_key, round_trainable
 
 
 def attention_implementation(path: str, model_cfg: ModelSection) -> tuple[str | None, str | None]:
@@ -81,18 +81,14 @@ def _restore_frozen(model: torch.nn.Module) -> None:
             param.requires_grad_(False)
 
 
-_FROZEN_BY_CONSTRUCTOR: dict[
-    tuple[type, str], frozenset[str]
-] = {}  # per process: the policy and reference share
+# Per process, keyed by meta_rebuild_key: the policy's and the reference's loads share one rebuild.
+_FROZEN_BY_CONSTRUCTOR: dict[tuple[type, str], frozenset[str]] = {}
 
 
 def _constructor_frozen(model: torch.nn.Module) -> frozenset[str]:
     """The names of the parameters ``type(model)(model.config)`` makes with ``requires_grad=False`` (built on the
     meta device once per class and config in a process; empty for a class that cannot be rebuilt from its config)."""
-    try:
-        key = (type(model), model.config.to_json_string(use_diff=False))
-    except Exception:  # a config that does not serialize: rebuilt each time
-        key = None
+    key = meta_rebuild_key(model)
     if key in _FROZEN_BY_CONSTRUCTOR:
         return _FROZEN_BY_CONSTRUCTOR[key]
     try:

@@ -32,19 +32,27 @@ def _transformers_model(module: nn.Module) -> nn.Module:
     return module.get_base_model() if hasattr(module, "get_base_model") else module
 
 
-_FP32_NAMES: dict[
-    tuple[type, str, torch.dtype], frozenset[str] | None
-] = {}  # per process: policy and reference
+def meta_rebuild_key(model: nn.Module) -> tuple[type, str] | None:
+    """(class, config JSON): all a rebuild of ``type(model)(model.config)`` depends on, to key per-process caches
+    of what such rebuilds find; None when the config does not serialize (rebuild each time)."""
+    try:
+        return type(model), model.config.to_json_string(use_diff=False)
+    except Exception:  # noqa: BLE001 - any config a class accepts; only its JSON form is asked for
+        return None
+
+
+# Per process, keyed by meta_rebuild_key and dtype: the policy's and the reference's loads share one rebuild.
+_FP32_NAMES: dict[tuple[tuple[type, str], torch.dtype], frozenset[str] | None] = {}
 
 
 def transformers_fp32_names(model: nn.Module, dtype: torch.dtype) -> set[str] | None:
     """The names (``named_parameters`` / ``named_buffers`` of the transformers model) of the floating tensors that
     ``from_pretrained(dtype=dtype)`` keeps in fp32; None when the class cannot be rebuilt from its config alone.
     Rebuilt on the meta device once per class, config and dtype in a process."""
-    try:
-        key = (type(model), model.config.to_json_string(use_diff=False), dtype)
-    except Exception:  # a config that does not serialize: rebuilt each time
+    rebuild = meta_rebuild_key(model)
+    if rebuild is None:
         return _fp32_names(model, dtype)
+    key = (rebuild, dtype)
     if key not in _FP32_NAMES:
         names = _fp32_names(model, dtype)
         _FP32_NAMES[key] = frozenset(names) if names is not None else None
