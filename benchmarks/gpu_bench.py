@@ -304,11 +304,13 @@ def _profiled(run: Any, activities: list[Any]) -> Any:
     from torch.nn.modules.module import register_module_forward_pre_hook
 
     prof = torch.profiler.profile(activities=activities)
-    started = []
+    started = False
 
     def start(module: Any, inputs: Any) -> None:
+        nonlocal started
         if torch.is_grad_enabled() and not started:
-            started.append(hook.remove())
+            started = True
+            hook.remove()
             prof.start()
 
     hook = register_module_forward_pre_hook(start)
