@@ -15,13 +15,15 @@ REGION_HOOKS: list[Callable[[CompiledForward, tuple, dict], Any]] = []
 
 
 class CompiledForward:
-    """A function and its compiled twin (``torch.compile(dynamic=True)``: new shapes and new float-tensor values
-    run the same graph); calls the compiled one (through ``REGION_HOOKS``). ``context``: "model" (a decoder
-    layer), "head" (the LM head's chunks) or "optimizer" (the AdamW step)."""
+    """A function and its compiled twin; calls the compiled one (through ``REGION_HOOKS``). ``context``: "model"
+    (a decoder layer), "head" (the LM head's chunks) or "optimizer" (the AdamW step). ``dynamic``: True for
+    inputs whose shapes change between calls (a batch's rows and length run the same graph); False for the
+    optimizer, whose tensors keep their shapes for a whole run (a static graph traces in about 60% of the CPU
+    time of a symbolic one); new float-tensor values never recompile either way."""
 
-    def __init__(self, forward: Callable[..., Any], context: str = "model") -> None:
+    def __init__(self, forward: Callable[..., Any], context: str = "model", dynamic: bool = True) -> None:
         self.eager, self.context = forward, context
-        self.compiled = torch.compile(forward, dynamic=True)
+        self.compiled = torch.compile(forward, dynamic=dynamic)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if REGION_HOOKS:

@@ -65,9 +65,10 @@ _STEP: list[CompiledForward] = []  # compiled once per process (the counter sees
 
 
 def compiled_step() -> CompiledForward:
-    """The compiled :func:`_mixed_adamw_`, built on first use."""
+    """The compiled :func:`_mixed_adamw_`, built on first use. Static shapes: a parameter group's masters keep
+    theirs for the whole run, so each group compiles once (a new list of shapes compiles a graph of its own)."""
     if not _STEP:
-        _STEP.append(CompiledForward(_mixed_adamw_, "optimizer"))
+        _STEP.append(CompiledForward(_mixed_adamw_, "optimizer", dynamic=False))
     return _STEP[0]
 
 
