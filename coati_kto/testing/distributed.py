@@ -27,12 +27,14 @@ import torch.multiprocessing as mp
 from coati_kto.parallel.distributed import free_port, init_distributed
 from coati_kto.testing.worker_pool import WorkerPool, environ, next_result, rank_env
 
-# Variables that differ between calls without changing how a rank starts: pytest's current test, the runner's own
-# GPU hiding, and those libraries set in os.environ as they are imported or run (inductor's cache directory and
+# Variables that differ between calls without changing how a rank starts: the CPU log's file, pytest's current test,
+# the runner's own GPU hiding, and those libraries set in os.environ as they are imported or run (inductor's cache directory and
 # its per-process pointer, ColossalAI's CUDA_DEVICE_MAX_CONNECTIONS; a started pool adds what its ranks' imports
 # set: WorkerPool.import_env).
+CPU_LOG_ENV = "COATI_KTO_POOL_CPU_LOG"  # a file: each pooled call appends its test, world size and ranks' CPU
 VOLATILE_ENV = frozenset(
     {
+        CPU_LOG_ENV,
         "PYTEST_CURRENT_TEST",
         "CUDA_VISIBLE_DEVICES",
         "TORCHINDUCTOR_CACHE_DIR",
@@ -150,10 +152,34 @@ def run_distributed(
     else:
         _POOLS.calls["pool"] += 1
     _POOLS.by_size[world_size] = pool
+    log = os.environ.get(CPU_LOG_ENV)
+    started = (_ranks_cpu(pool.pids), time.monotonic()) if log else None
     results = pool.run(fn, args, timeout_s)
+    if log and started and pool.alive:  # a pool that retired after the call has no /proc entries left to read
+        _log_cpu(log, fn, world_size, _ranks_cpu(pool.pids) - started[0], time.monotonic() - started[1])
     if not pool.alive:  # a rank lost its process group or grew past MAX_RSS_MB: the next call starts anew
         _POOLS.calls["pool retired"] += 1
     return results
+
+
+def _ranks_cpu(pids: Sequence[int]) -> float:
+    """CPU seconds (user + system) the processes ``pids`` have used so far, from /proc; 0.0 for one that is gone."""
+    total = 0
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
+            total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def _log_cpu(path: str, fn: Callable, world_size: int, cpu_s: float, wall_s: float) -> None:
+    """One line for ``COATI_KTO_POOL_CPU_LOG``: the test and its phase (``PYTEST_CURRENT_TEST``; the function
+    outside pytest), the world size, the ranks' CPU seconds together and the call's wall seconds, tab-separated.
+    Appended in one write, so both xdist workers may share the file."""
+    where = os.environ.get("PYTEST_CURRENT_TEST", f"{fn.__module__}.{fn.__qualname__}")
+    with open(path, "a") as f:
+        f.write(f"{where}\t{world_size}\t{cpu_s:.2f}\t{wall_s:.2f}\n")
 
 
 def _make_room(world_size: int) -> None:

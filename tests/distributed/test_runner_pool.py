@@ -217,6 +217,35 @@ def test_each_call_sees_what_a_fresh_process_sees(pool: None) -> None:
     ]
 
 
+def _burn(seconds: float) -> int:
+    """``seconds`` of this rank's CPU time, then its pid."""
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+    return os.getpid()
+
+
+def test_the_cpu_log_names_each_pooled_call_its_test_and_its_ranks_cpu(
+    pool: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """COATI_KTO_POOL_CPU_LOG (docs/testing.md): a line per pooled call with the ranks' CPU seconds together, read
+    from /proc; setting it does not count as another environment (the calls stay on the pool)."""
+    run_distributed(
+        _pid, 2
+    )  # the pool started before the variable is set, as a suite's would not be: no matter
+    log = tmp_path / "pool_cpu.tsv"
+    monkeypatch.setenv(runner.CPU_LOG_ENV, str(log))
+    before = pool_stats().get("pool", 0)
+    run_distributed(_burn, 2, 0.4)
+    run_distributed(_pid, 2)
+    assert pool_stats()["pool"] == before + 2
+    lines = [line.split("\t") for line in log.read_text().splitlines()]
+    assert [line[:2] for line in lines] == [[os.environ["PYTEST_CURRENT_TEST"], "2"]] * 2
+    burned, idle = float(lines[0][2]), float(lines[1][2])
+    assert 0.7 <= burned < 3.0 and idle < 0.3, lines  # 2 ranks x 0.4 s (in clock ticks), and the resets
+    assert float(lines[0][3]) >= 0.4
+
+
 def _env_probe() -> str | None:
     return os.environ.get("COATI_KTO_POOL_PROBE")
 
