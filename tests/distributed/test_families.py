@@ -14,7 +14,7 @@ matrix; its tp_size 2 cells are what coati_kto.families.shardformer.TENSOR_PARAL
 hybrid_parallel tp_size 2 (bf16, ZeRO-0: with 2 processes the data-parallel size is 1).
 
 One set of 2 processes per family runs, for each plugin in turn, the whole lifecycle through ``train()``:
-step 0 (policy and reference built by the plan, compared on a batch), 3 optimizer steps saving at step 2 and at
+step 0 (the policy and reference train() built, compared on a batch as its fit begins), 3 optimizer steps saving at step 2 and at
 the end, the HF export; a second ``train()`` resuming from step 2; then the comparisons. Checked numbers:
 - step 0: policy (with gradient) and reference log-probs identical, KL log-ratios identical (z0 exactly 0), the
   first step's logged rewards exactly 0;
@@ -107,34 +107,45 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float().cpu() - b.float().cpu()).abs().max())  # CUDA runs: a trained, b loaded on the CPU
 
 
-def _step_zero(config: Any, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Policy and reference as train() builds them, before any update."""
-    from coati_kto.parallel.plan import ParallelPlan
-    from coati_kto.recipe.components import build_components
-    from coati_kto.trainer.kto import KTOTrainer
-
-    plan = ParallelPlan.from_config(config)
-    plugin = plan.backend.build_plugin()
-    parts = build_components(config, plugin, 3, plan)
-    trainer = KTOTrainer(
-        parts.policy, parts.reference, parts.booster, parts.optimizer, plugin, None, None, plan=plan
-    )
-    policy = trainer.passes.completion_logps(parts.policy, batch.example)  # with gradient, as in training
+def _step_zero(trainer: Any, batch: Any) -> dict[str, Any]:
+    """Policy and reference as train() built them, before its first update."""
+    policy, reference_model = trainer.policy, trainer.reference
+    policy_logps = trainer.passes.completion_logps(policy, batch.example)  # with gradient, as in training
     with torch.no_grad():
-        reference = trainer.passes.completion_logps(parts.reference, batch.example)
-        policy_kl = trainer.passes.completion_logps(parts.policy, batch.kl)
-        reference_kl = trainer.passes.completion_logps(parts.reference, batch.kl)
+        reference = trainer.passes.completion_logps(reference_model, batch.example)
+        policy_kl = trainer.passes.completion_logps(policy, batch.kl)
+        reference_kl = trainer.passes.completion_logps(reference_model, batch.kl)
     # ddp's reference is the plain module; the plugins' are wrappers
-    ref_module = getattr(parts.reference, "unwrap", lambda: parts.reference)()
+    ref_module = getattr(reference_model, "unwrap", lambda: reference_model)()
     ref_bytes = {n: p.numel() * p.element_size() for n, p in ref_module.named_parameters()}
     return {
-        "logps_equal": torch.equal(policy.detach(), reference),
+        "logps_equal": torch.equal(policy_logps.detach(), reference),
         "kl_equal": torch.equal(policy_kl, reference_kl),
-        "logps_diff": _max_diff(policy.detach(), reference),
+        "logps_diff": _max_diff(policy_logps.detach(), reference),
         "reference_bytes": sum(ref_bytes.values()),
         "reference_bytes_by_name": ref_bytes,
-        "reference_dtype": str(next(parts.reference.parameters()).dtype),
+        "reference_dtype": str(next(reference_model.parameters()).dtype),
     }
+
+
+def _train_checking_step_zero(config: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
+    """``train(config)``, with :func:`_step_zero` run on its trainer as its fit begins (before any update)."""
+    from coati_kto.train import train
+    from coati_kto.trainer.kto import KTOTrainer
+
+    step0: dict[str, Any] = {}
+    before_fit = KTOTrainer._before_fit
+
+    def checked(self: Any, *args: Any, **kwargs: Any) -> None:
+        step0.update(_step_zero(self, batch))
+        before_fit(self, *args, **kwargs)
+
+    KTOTrainer._before_fit = checked
+    try:
+        trainer = train(config)
+    finally:
+        KTOTrainer._before_fit = before_fit
+    return trainer, step0
 
 
 def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, Any]:
@@ -158,9 +169,8 @@ def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     batch = KTOCollator(tokenizer.pad_token_id)([data.train[i] for i in range(4)])
     batch = batch.to(get_accelerator().get_current_device())  # the CUDA run's models are on the GPU
-    result: dict[str, Any] = {"step0": _step_zero(config, batch)}
-
-    first = train(config)
+    first, step0 = _train_checking_step_zero(config, batch)
+    result: dict[str, Any] = {"step0": step0}
     result["first_rewards"] = {
         k: first.history[0][k] for k in ("train/rewards/chosen", "train/rewards/rejected")
     }
