@@ -11,6 +11,7 @@ import signal
 import time
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -226,13 +227,12 @@ def _burn(seconds: float) -> int:
 
 
 def test_the_cpu_log_names_each_pooled_call_its_test_and_its_ranks_cpu(
-    pool: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+    pool: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """COATI_KTO_POOL_CPU_LOG (docs/testing.md): a line per pooled call with the ranks' CPU seconds together, read
     from /proc; setting it does not count as another environment (the calls stay on the pool)."""
-    run_distributed(
-        _pid, 2
-    )  # the pool started before the variable is set, as a suite's would not be: no matter
+    # A pool started without the variable (a suite sets it before any pool starts): the calls stay on it anyway.
+    run_distributed(_pid, 2)
     log = tmp_path / "pool_cpu.tsv"
     monkeypatch.setenv(runner.CPU_LOG_ENV, str(log))
     before = pool_stats().get("pool", 0)
