@@ -27,10 +27,10 @@ import torch.multiprocessing as mp
 from coati_kto.parallel.distributed import free_port, init_distributed
 from coati_kto.testing.worker_pool import WorkerPool, environ, next_result, rank_env
 
-# Variables that differ between calls without changing how a rank starts: the CPU log's file, pytest's current test,
-# the runner's own GPU hiding, and those libraries set in os.environ as they are imported or run (inductor's cache directory and
-# its per-process pointer, ColossalAI's CUDA_DEVICE_MAX_CONNECTIONS; a started pool adds what its ranks' imports
-# set: WorkerPool.import_env).
+# Variables that differ between calls without changing how a rank starts: the CPU log's file, pytest's current
+# test, the runner's own GPU hiding, and those libraries set in os.environ as they are imported or run (inductor's
+# cache directory and its per-process pointer, ColossalAI's CUDA_DEVICE_MAX_CONNECTIONS; a started pool adds what
+# its ranks' imports set: WorkerPool.import_env).
 CPU_LOG_ENV = "COATI_KTO_POOL_CPU_LOG"  # a file: each pooled call appends its test, world size and ranks' CPU
 VOLATILE_ENV = frozenset(
     {

@@ -14,8 +14,9 @@ matrix; its tp_size 2 cells are what coati_kto.families.shardformer.TENSOR_PARAL
 hybrid_parallel tp_size 2 (bf16, ZeRO-0: with 2 processes the data-parallel size is 1).
 
 One set of 2 processes per family runs, for each plugin in turn, the whole lifecycle through ``train()``:
-step 0 (the policy and reference train() built, compared on a batch as its fit begins), 3 optimizer steps saving at step 2 and at
-the end, the HF export; a second ``train()`` resuming from step 2; then the comparisons. Checked numbers:
+step 0 (the policy and reference train() built, compared on a batch as its fit begins), 3 optimizer steps saving
+at step 2 and at the end, the HF export; a second ``train()`` resuming from step 2; then the comparisons.
+Checked numbers:
 - step 0: policy (with gradient) and reference log-probs identical, KL log-ratios identical (z0 exactly 0), the
   first step's logged rewards exactly 0;
 - resume: every weight of the resumed run equals the uninterrupted run's, bit for bit;
