@@ -153,24 +153,25 @@ def run_distributed(
         _POOLS.calls["pool"] += 1
     _POOLS.by_size[world_size] = pool
     log = os.environ.get(CPU_LOG_ENV)
-    started = (_ranks_cpu(pool.pids), time.monotonic()) if log else None
+    cpu_s, started = (_ranks_cpu(pool.pids), time.monotonic()) if log else (0.0, 0.0)
     results = pool.run(fn, args, timeout_s)
-    if log and started and pool.alive:  # a pool that retired after the call has no /proc entries left to read
-        _log_cpu(log, fn, world_size, _ranks_cpu(pool.pids) - started[0], time.monotonic() - started[1])
+    if log and pool.alive:  # a pool that retired after the call has no processes left to read
+        _log_cpu(log, fn, world_size, _ranks_cpu(pool.pids) - cpu_s, time.monotonic() - started)
     if not pool.alive:  # a rank lost its process group or grew past MAX_RSS_MB: the next call starts anew
         _POOLS.calls["pool retired"] += 1
     return results
 
 
 def _ranks_cpu(pids: Sequence[int]) -> float:
-    """CPU seconds (user + system) the processes ``pids`` have used so far, from /proc; 0.0 for one that is gone."""
-    total = 0
+    """CPU seconds (user + system, every thread) the processes ``pids`` have used so far; 0.0 for one that is gone."""
+    import psutil
+
+    total = 0.0
     for pid in pids:
-        with contextlib.suppress(OSError):
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()  # after the command name, which may hold spaces
-            total += int(fields[11]) + int(fields[12])  # utime, stime: fields 14 and 15 of proc(5)
-    return total / os.sysconf("SC_CLK_TCK")
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = psutil.Process(pid).cpu_times()
+            total += times.user + times.system
+    return total
 
 
 def _log_cpu(path: str, fn: Callable, world_size: int, cpu_s: float, wall_s: float) -> None:

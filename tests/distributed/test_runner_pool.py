@@ -229,8 +229,8 @@ def _burn(seconds: float) -> int:
 def test_the_cpu_log_names_each_pooled_call_its_test_and_its_ranks_cpu(
     pool: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """COATI_KTO_POOL_CPU_LOG (docs/testing.md): a line per pooled call with the ranks' CPU seconds together, read
-    from /proc; setting it does not count as another environment (the calls stay on the pool)."""
+    """COATI_KTO_POOL_CPU_LOG (docs/testing.md): a line per pooled call with the ranks' CPU seconds together;
+    setting it does not count as another environment (the calls stay on the pool)."""
     # A pool started without the variable (a suite sets it before any pool starts): the calls stay on it anyway.
     run_distributed(_pid, 2)
     log = tmp_path / "pool_cpu.tsv"
