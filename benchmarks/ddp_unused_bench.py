@@ -75,15 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     from coati_kto.testing.tiny import save_tiny_model
 
     corpus = ["The capital of France is Paris. Please add 2 and 3. The answer is 5."] * 50
-    model_dir = save_tiny_model(
-        Path(tempfile.mkdtemp()) / "tiny",
-        corpus,
-        hidden_size=args.hidden,
-        num_layers=args.layers,
-    )
-    ranks = run_distributed(
-        _bench, 2, str(model_dir), args.steps, args.warmup, args.micro_batch_size, args.tokens
-    )
+    with tempfile.TemporaryDirectory(prefix="ddp_unused_bench_") as work:
+        model_dir = save_tiny_model(
+            Path(work) / "tiny", corpus, hidden_size=args.hidden, num_layers=args.layers
+        )
+        ranks = run_distributed(
+            _bench, 2, str(model_dir), args.steps, args.warmup, args.micro_batch_size, args.tokens
+        )
     on, off = ranks[0]["on"], ranks[0]["off"]
     print(
         f"Llama hidden {args.hidden}, {args.layers} layers, 2 processes, micro-batch {args.micro_batch_size} x "

@@ -61,7 +61,7 @@ def _batches(n: int, micro_batch_size: int, prompt: int, completion: int, vocab:
     return out
 
 
-def _worker(model_dir: str, plugin: dict, args: dict) -> dict:
+def _worker(model_dir: str, out_dir: str, plugin: dict, args: dict) -> dict:
     import torch.distributed as dist
 
     from coati_kto.config.schema import Config
@@ -82,7 +82,7 @@ def _worker(model_dir: str, plugin: dict, args: dict) -> dict:
         {
             "model": {"path": model_dir},
             "data": {"train_files": ["unused"], "prepared_dir": "unused"},
-            "output": {"dir": tempfile.mkdtemp()},
+            "output": {"dir": out_dir},  # the config needs one; the trainer writes nothing (no checkpoints)
             "train": {"lr": 1e-4, "micro_batch_size": args["micro_batch_size"]},
             "plugin": plugin,
         }
@@ -130,12 +130,18 @@ def main(argv: list[str] | None = None) -> int:
         args.only = args.only or ["hybrid zero2 bf16"]
 
     from coati_kto.runtime.startup import release_collection
-    from coati_kto.testing.distributed import run_distributed
     from coati_kto.testing.tiny import save_tiny_model
 
     release_collection()  # the imports are done (see the end of this file)
     corpus = ["The capital of France is Paris. Please add 2 and 3. The answer is 5."] * 50
-    model_dir = save_tiny_model(Path(tempfile.mkdtemp()) / "tiny", corpus)
+    with tempfile.TemporaryDirectory(prefix="plugins_bench_") as work:
+        return _table(args, save_tiny_model(Path(work) / "tiny", corpus), Path(work) / "out")
+
+
+def _table(args: argparse.Namespace, model_dir: Path, out_dir: Path) -> int:
+    """Runs every selected plugin row on 2 ranks and prints the table; 0."""
+    from coati_kto.testing.distributed import run_distributed
+
     settings = {k: getattr(args, k) for k in ("steps", "warmup", "micro_batch_size", "prompt", "completion")}
     print(
         f"tiny Llama (hidden 64, 2 layers), 2 processes, micro-batch {args.micro_batch_size}, "
@@ -149,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.only and name not in args.only:
             continue
         try:
-            res = run_distributed(_worker, 2, str(model_dir), plugin, settings)
+            res = run_distributed(_worker, 2, str(model_dir), str(out_dir), plugin, settings)
         except RuntimeError as err:
             print(f"| {name:<22} | failed: {str(err).splitlines()[-1][:80]} |")
             continue
