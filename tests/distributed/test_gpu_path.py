@@ -26,7 +26,7 @@ import pytest
 import torch
 from helpers import chat_records
 from test_families import ANSWERS, PLUGINS, REFUSAL, _family_matrix, check_lifecycle
-from test_padding_free import FLEX_FAMILIES, check_flex_gradients
+from test_padding_free import FLEX_FAMILIES, STEPS, check_flex_gradients
 from test_padding_free import _run as padding_free_run
 from test_trainer import _build, _config, _global_steps
 
@@ -151,7 +151,8 @@ def test_padding_free_flex_equals_padded_on_cuda(
     layout: str, pack: bool, attention: str, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     """Padding-free rows through flex_attention's block mask (the fused kernel's forward and backward) against
-    padded sdpa, bf16, three steps; step-0 rewards exactly 0."""
+    padded sdpa, bf16; step-0 rewards exactly 0. One process: its one data-parallel rank takes every micro-batch
+    the two-rank CPU test splits, a step each."""
     model_dir, out = str(tiny_model_dir), str(tmp_path)
     sdpa, flex = {"attn_implementation": "sdpa"}, {"attn_implementation": attention}
     padded = run_distributed(padding_free_run, 1, model_dir, out, None, pack, 1, sdpa, "bf16", device="cuda")[
@@ -162,7 +163,7 @@ def test_padding_free_flex_equals_padded_on_cuda(
     ]
     steps = [h for h in padded["history"] if "train/loss" in h]
     free_steps = [h for h in free["history"] if "train/loss" in h]
-    assert len(steps) == len(free_steps) == 3
+    assert len(steps) == len(free_steps) == 2 * len(STEPS)
     assert free_steps[0]["train/rewards/chosen"] == 0.0 and free_steps[0]["train/rewards/rejected"] == 0.0
     for a, b in zip(steps, free_steps, strict=True):
         for key in ("train/loss", "train/rewards/chosen", "train/rewards/rejected", "train/kl"):

@@ -14,14 +14,15 @@ import torch
 
 def fix_bugs_on_every_device() -> None:
     """ColossalAI 0.5.0 bugs fixed on every device: padded vocabularies' save and tensor-parallel partition, the
-    adapters' lookup of LoRA on parameters, DDP wrapped on one data-parallel rank, and ZeRO's optimizer save of
-    parameters without state."""
+    adapters' lookup of LoRA on parameters, DDP wrapped on one data-parallel rank, ZeRO's optimizer save of
+    parameters without state, and the step counts its optimizer loads leave on the CPU."""
     _fix_unpadding_of_detached_copies()
     _fix_tp_partition_of_padded_vocabularies()
     _fix_lora_lookup_of_parameter_adapters()
     _fix_ddp_on_one_data_parallel_rank()
     _fix_zero_save_of_stateless_params()
     _fix_pipeline_backend_check()
+    _fix_step_counts_left_on_cpu_by_optimizer_loads()
 
 
 def _fix_pipeline_backend_check() -> None:
@@ -32,6 +33,54 @@ def _fix_pipeline_backend_check() -> None:
 
     if not hasattr(dist, "is_hccl_available"):
         dist.is_hccl_available = lambda: False  # type: ignore[attr-defined]
+
+
+# Every ColossalAI checkpoint IO that loads optimizer states itself imports this by name and calls it last.
+_OPTIMIZER_LOADERS = (
+    "colossalai.checkpoint_io.general_checkpoint_io",
+    "colossalai.checkpoint_io.hybrid_parallel_checkpoint_io",
+    "colossalai.checkpoint_io.moe_checkpoint",
+    "colossalai.booster.plugin.low_level_zero_plugin",
+)
+
+
+def _fix_step_counts_left_on_cpu_by_optimizer_loads() -> None:
+    """ColossalAI 0.5.0 bug, on a GPU: its optimizer loads (``load_states_into_optimizer`` and the hybrid IO's
+    own) leave every state's ``step`` on the CPU, a 2022 workaround for torch's non-fused Adam
+    (pytorch#74424). Torch's fused and capturable AdamW keep ``step`` on the parameter's device in fp32, and
+    ``_fused_adamw_`` refuses a CPU one: every resume on a GPU raised at its first step ("state_steps is on
+    cpu", found by ``make gpu-check`` on an H200, 2026-11-30). Each loader's closing
+    ``sharded_optimizer_loading_epilogue`` now first places the counts as torch's own ``load_state_dict``
+    does (``_process_value_according_to_param_policy``); the other optimizers' counts stay where they are."""
+    import importlib
+
+    from colossalai.checkpoint_io import utils
+
+    upstream = utils.sharded_optimizer_loading_epilogue
+
+    def sharded_optimizer_loading_epilogue(optimizer: torch.optim.Optimizer) -> None:
+        place_step_counts(optimizer)
+        upstream(optimizer)
+
+    for name in _OPTIMIZER_LOADERS:
+        module = importlib.import_module(name)
+        assert module.sharded_optimizer_loading_epilogue is upstream, name  # a new ColossalAI: look again
+        module.sharded_optimizer_loading_epilogue = sharded_optimizer_loading_epilogue
+    utils.sharded_optimizer_loading_epilogue = sharded_optimizer_loading_epilogue
+
+
+def place_step_counts(optimizer: torch.optim.Optimizer) -> None:
+    """Each parameter's ``step`` state as torch's ``Optimizer.load_state_dict`` leaves it: for a fused or
+    capturable group, an fp32 tensor on the parameter's device; otherwise unchanged. Any rank, local."""
+    for group in optimizer.param_groups:
+        if not (group.get("fused") or group.get("capturable")):
+            continue
+        for param in group["params"]:
+            step = optimizer.state.get(param, {}).get("step")
+            if isinstance(step, torch.Tensor) and (
+                step.device != param.device or step.dtype != torch.float32
+            ):
+                optimizer.state[param]["step"] = step.to(device=param.device, dtype=torch.float32)
 
 
 def _fix_ddp_on_one_data_parallel_rank() -> None:

@@ -44,3 +44,39 @@ def test_the_cpu_randomizer_holds_the_seeded_states_without_seeding_torch(monkey
     randomizer = Randomizer(1024)
     assert torch.equal(randomizer.cpu_rng_state, seeded) and torch.equal(randomizer.device_rng_state, seeded)
     assert torch.equal(torch.get_rng_state(), before) and randomizer.seed == 1024
+
+
+def test_optimizer_loads_put_fused_step_counts_on_the_parameters_device(monkeypatch) -> None:
+    """ColossalAI's optimizer loads leave ``step`` on the CPU; torch's fused AdamW on a GPU then refused it at the
+    resumed run's first step (``make gpu-check``, H200). After the fix every loader's epilogue moves a fused
+    group's counts to the parameter's device in fp32, as ``torch.optim.Optimizer.load_state_dict`` does, and
+    leaves a non-fused group's where the loader put them. A ``meta`` parameter stands in for a GPU one here."""
+    import importlib
+
+    import torch
+    from colossalai.checkpoint_io.utils import load_states_into_optimizer
+
+    from coati_kto.parallel import upstream
+
+    upstream.apply()  # the CPU accelerator's synchronize, which the loader calls
+    for name in (*fixes._OPTIMIZER_LOADERS, "colossalai.checkpoint_io.utils"):
+        module = importlib.import_module(name)
+        monkeypatch.setattr(
+            module, "sharded_optimizer_loading_epilogue", module.sharded_optimizer_loading_epilogue
+        )
+    fixes._fix_step_counts_left_on_cpu_by_optimizer_loads()
+    saved = {0: {"step": torch.tensor(7.0), "exp_avg": torch.ones(3), "exp_avg_sq": torch.ones(3)}}
+    for name in fixes._OPTIMIZER_LOADERS:
+        epilogue = importlib.import_module(name).sharded_optimizer_loading_epilogue
+        for fused in (True, False):
+            param = torch.nn.Parameter(torch.zeros(3, device="meta"))
+            optimizer = torch.optim.AdamW([param], fused=fused, foreach=False if not fused else None)
+            load_states_into_optimizer(optimizer, saved, {0: param})
+            assert optimizer.state[param]["step"].device.type == "cpu"  # what upstream's loader leaves
+            epilogue(optimizer)
+            step = optimizer.state[param]["step"]
+            assert (step.device.type, step.dtype) == (("meta" if fused else "cpu"), torch.float32), (
+                name,
+                fused,
+            )
+            assert optimizer.state[param]["exp_avg"].device.type == "meta"
