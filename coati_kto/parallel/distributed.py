@@ -205,7 +205,7 @@ def reduce_sums(
     non-blocking copy (pinned on CUDA): a pageable copy would synchronize the stream.
     """
     local, votes = local or {}, votes or {}
-    device = _comm_device()
+    device = comm_device()
     host = sorted(k for k, v in values.items() if not isinstance(v, torch.Tensor))
     on_device = sorted(k for k in values if k not in host)
     parts = []
@@ -358,6 +358,7 @@ def peer_failure(err: BaseException) -> str | None:
     )
 
 
-def _comm_device() -> torch.device:
-    # NCCL reduces only CUDA tensors; gloo only CPU ones.
+def comm_device() -> torch.device:
+    """Where a tensor must be to go through this run's collectives: NCCL (a GPU) takes only CUDA tensors, gloo
+    (no GPU) CPU ones. Any rank, local."""
     return torch.device("cuda", torch.cuda.current_device()) if cuda_available() else torch.device("cpu")

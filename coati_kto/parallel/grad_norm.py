@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from coati_kto.parallel.distributed import ParallelLayout
+from coati_kto.parallel.distributed import ParallelLayout, comm_device
 from coati_kto.parallel.optimizer_path import (
     clip_coefficient,
     given_norm,
@@ -87,8 +87,8 @@ class GradNorm:
         norm, as the clipping expects; ``unscaled`` divides it out for logging.
         """
         pairs = list(self._param_grads())
-        if not pairs:
-            share = torch.zeros((), dtype=torch.float64, device=_device(self.optimizer))
+        if not pairs:  # a rank or stage without gradients: on the device its peers' collectives run on
+            share = torch.zeros((), dtype=torch.float64, device=comm_device())
         else:
             norms = torch._foreach_norm([g for _, g in pairs], 2, dtype=torch.float32)
             weights = self._weights([p for p, _ in pairs], norms[0].device)
@@ -186,10 +186,3 @@ def _is_distributed(param: torch.Tensor) -> bool:
     from colossalai.tensor.d_tensor import is_distributed_tensor
 
     return is_distributed_tensor(param)
-
-
-def _device(optimizer: Any) -> torch.device:
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            return param.device
-    return torch.device("cpu")

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from coati_kto.parallel.distributed import comm_device
+
 
 def working_to_master(optimizer: Any) -> dict[int, torch.Tensor]:
     """id(working parameter) -> its fp32 master (a whole tensor or this rank's ZeRO chunk); {} without masters."""
@@ -34,8 +36,10 @@ def gathered_masters(model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
             continue
         if master.numel() != param.numel():  # a ZeRO chunk: gather the flat copy, drop the padding
             group = groups[param]
-            chunks = [torch.empty_like(master) for _ in range(dist.get_world_size(group))]
-            dist.all_gather(chunks, master.detach().contiguous(), group=group)
+            # cpu_offload keeps the chunks in host memory, which NCCL does not take: through the GPU, one at a time
+            chunk = master.detach().to(comm_device()).contiguous()
+            chunks = [torch.empty_like(chunk) for _ in range(dist.get_world_size(group))]
+            dist.all_gather(chunks, chunk, group=group)
             master = torch.cat(chunks)[: param.numel()]
         out[name] = master.detach().float().view(param.shape).cpu()
     return out

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from coati_kto.parallel.distributed import comm_device
+
 
 def write_hf(module: Any, state: dict, tokenizer: Any, out: Path, fp32: bool) -> None:
     """``module`` with ``state`` and ``tokenizer`` as a Hugging Face model directory ``out`` (replaced)."""
@@ -77,18 +79,39 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def merged_over_stages(state: dict[str, torch.Tensor], module: Any, group: Any) -> dict[str, torch.Tensor]:
-    """The whole model's ``state`` from each pipeline stage's own (every rank of ``group`` calls; one object
-    all-gather): each stage holds its layers' tensors only. A tied LM head is held by the last stage and its
-    embedding by the first, both with the same values: the tied name is dropped, as ``save_pretrained`` does."""
-    stages: list[dict[str, torch.Tensor] | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(stages, state, group=group)
-    merged = {k: v for stage in stages for k, v in (stage or {}).items()}
+    """The whole model's ``state`` (host tensors) from each pipeline stage's own: each stage holds its layers'
+    tensors only. Every rank of ``group`` calls and gets the whole state, in host memory. A tied LM head is held
+    by the last stage and its embedding by the first, both with the same values: the tied name is dropped, as
+    ``save_pretrained`` does.
+
+    The names, shapes and dtypes go through an object all-gather; the tensors through one broadcast each, from
+    the stage that holds it. Not the state itself as an object: on NCCL an object collective stages every
+    rank's pickle in GPU memory at once (pp times the largest stage on every rank, beside the trained model)."""
+    listed: list[list[tuple[str, tuple[int, ...], torch.dtype]] | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(listed, [(k, tuple(v.shape), v.dtype) for k, v in state.items()], group=group)
+    device, own = comm_device(), dist.get_rank(group)
+    merged: dict[str, torch.Tensor] = {}
+    for stage, names in enumerate(listed):
+        source = dist.get_global_rank(group, stage)
+        for name, shape, dtype in names or []:
+            if stage == own:
+                dist.broadcast(_wire(state[name].to(device).contiguous()), src=source, group=group)
+                merged[name] = state[name]
+            else:
+                received = torch.empty(shape, dtype=dtype, device=device)
+                dist.broadcast(_wire(received), src=source, group=group)
+                merged[name] = received.cpu()
     tied = getattr(module, "_tied_weights_keys", None) or {}
     if isinstance(tied, dict) and getattr(module.config.get_text_config(), "tie_word_embeddings", False):
         for alias, source in tied.items():
             if alias in merged and source in merged:
                 del merged[alias]
     return merged
+
+
+def _wire(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a collective carries it: a bool buffer as its bytes (gloo reduces no bool), else itself."""
+    return tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor
 
 
 def save_tied_weights_once(module: torch.nn.Module) -> None:

@@ -108,3 +108,16 @@ def test_the_gradient_norm_is_read_where_the_backend_says_or_refused() -> None:
     assert isinstance(norm, GradNorm) and norm.max_norm == 0.5
     optimizer.param_groups[0]["params"][0].grad = torch.tensor([3.0, 4.0])
     assert float(norm.local_share()) == 25.0  # from p.grad: the squared norm
+
+
+def test_a_rank_without_gradients_puts_its_zero_share_where_the_collectives_run(monkeypatch) -> None:
+    """A rank or stage holding no gradient contributes a zero share to the tensor-, sequence- and
+    pipeline-parallel all-reduces. It was made on the optimizer's first parameter's device, in host memory
+    under ``cpu_offload``, which NCCL refuses; now on the collectives' device (``meta`` stands in for the GPU)."""
+    from coati_kto.parallel import grad_norm
+
+    monkeypatch.setattr(grad_norm, "comm_device", lambda: torch.device("meta"), raising=False)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.ones(2))], lr=1.0)  # no gradient yet
+    norm = ParallelPlan("ddp", "fp32", 0).backend.grad_norm(optimizer, ParallelLayout(0, 1, 0, 0, 1, None))
+    share = norm.local_share()
+    assert (share.device.type, share.dtype, share.shape) == ("meta", torch.float64, torch.Size([]))
