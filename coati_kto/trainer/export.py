@@ -110,7 +110,7 @@ def merged_over_stages(state: dict[str, torch.Tensor], module: Any, group: Any) 
 
 
 def _wire(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` as a collective carries it: a bool buffer as its bytes (gloo reduces no bool), else itself."""
+    """``tensor`` as a collective carries it: a bool buffer as its bytes (gloo has no bool type), else itself."""
     return tensor.view(torch.uint8) if tensor.dtype == torch.bool else tensor
 
 
