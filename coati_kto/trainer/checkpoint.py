@@ -246,7 +246,7 @@ class CheckpointManager:
         if fp32_masters is not None:
             state = fp32_state(state, fp32_masters)
         if self.layout.pp_size > 1:  # each stage holds its own layers: the main rank writes them all
-            state = merged_over_stages(state, module, self.layout.pp_group)
+            state = merged_over_stages(state, module, self.layout.pp_group, keep=self.layout.is_main)
         tmp, failure = out.with_name(f"{out.name}.tmp"), None
         if self.layout.is_main:
             try:

@@ -78,11 +78,14 @@ def write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def merged_over_stages(state: dict[str, torch.Tensor], module: Any, group: Any) -> dict[str, torch.Tensor]:
+def merged_over_stages(
+    state: dict[str, torch.Tensor], module: Any, group: Any, keep: bool = True
+) -> dict[str, torch.Tensor]:
     """The whole model's ``state`` (host tensors) from each pipeline stage's own: each stage holds its layers'
-    tensors only. Every rank of ``group`` calls and gets the whole state, in host memory. A tied LM head is held
-    by the last stage and its embedding by the first, both with the same values: the tied name is dropped, as
-    ``save_pretrained`` does.
+    tensors only. Every rank of ``group`` calls and gets the whole state, in host memory; with ``keep`` False it
+    only sends its own and gets ``{}`` (a rank that will not write: a 70B model is 140 GB of host memory per
+    rank). A tied LM head is held by the last stage and its embedding by the first, both with the same values:
+    the tied name is dropped, as ``save_pretrained`` does.
 
     The names, shapes and dtypes go through an object all-gather; the tensors through one broadcast each, from
     the stage that holds it. Not the state itself as an object: on NCCL an object collective stages every
@@ -95,12 +98,13 @@ def merged_over_stages(state: dict[str, torch.Tensor], module: Any, group: Any) 
         source = dist.get_global_rank(group, stage)
         for name, shape, dtype in names or []:
             if stage == own:
-                dist.broadcast(_wire(state[name].to(device).contiguous()), src=source, group=group)
-                merged[name] = state[name]
+                tensor = state[name]
+                dist.broadcast(_wire(tensor.to(device).contiguous()), src=source, group=group)
             else:
-                received = torch.empty(shape, dtype=dtype, device=device)
-                dist.broadcast(_wire(received), src=source, group=group)
-                merged[name] = received.cpu()
+                tensor = torch.empty(shape, dtype=dtype, device=device)
+                dist.broadcast(_wire(tensor), src=source, group=group)
+            if keep:  # else dropped as it arrives
+                merged[name] = tensor.cpu()
     tied = getattr(module, "_tied_weights_keys", None) or {}
     if isinstance(tied, dict) and getattr(module.config.get_text_config(), "tie_word_embeddings", False):
         for alias, source in tied.items():

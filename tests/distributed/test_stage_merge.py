@@ -1,6 +1,7 @@
 """``merged_over_stages`` (the pipeline export's merge of each stage's weights) on 2 real gloo processes: every
-rank gets the whole state, bit for bit and in each tensor's dtype, the tied alias dropped; no tensor goes through
-an object collective (on NCCL those stage every rank's pickle in GPU memory at once)."""
+rank gets the whole state, bit for bit and in each tensor's dtype, the tied alias dropped, or with ``keep`` False
+nothing (the export's ranks that do not write); no tensor goes through an object collective (on NCCL those stage
+every rank's pickle in GPU memory at once)."""
 
 from __future__ import annotations
 
@@ -50,7 +51,11 @@ def _merge(_: Any) -> dict[str, Any]:
         merged = merged_over_stages(_stage_state(dist.get_rank()), module, dist.group.WORLD)
     finally:
         dist.all_gather_object = gather_object
-    return {"merged": merged, "objects": objects}
+    # the export's call: only the rank that writes keeps the merge
+    kept = merged_over_stages(
+        _stage_state(dist.get_rank()), module, dist.group.WORLD, keep=dist.get_rank() == 0
+    )
+    return {"merged": merged, "objects": objects, "kept": kept}
 
 
 def _tensors(obj: Any) -> int:
@@ -66,7 +71,8 @@ def _tensors(obj: Any) -> int:
 def test_stages_merge_bit_for_bit_without_tensors_in_object_collectives() -> None:
     whole = {**_stage_state(0), **_stage_state(1)}
     del whole["lm_head.weight"]  # tied to the embedding: saved once, as save_pretrained does
-    for rank in run_distributed(_merge, 2, None):
+    ranks = run_distributed(_merge, 2, None)
+    for rank in ranks:
         merged = rank["merged"]
         assert list(merged) == list(whole)
         for name, tensor in whole.items():
@@ -74,3 +80,6 @@ def test_stages_merge_bit_for_bit_without_tensors_in_object_collectives() -> Non
             assert (got.dtype, got.shape, got.device.type) == (tensor.dtype, tensor.shape, "cpu"), name
             assert torch.equal(got, tensor), name
         assert rank["objects"] and _tensors(rank["objects"]) == 0
+    writer, sender = ranks[0]["kept"], ranks[1]["kept"]
+    assert sender == {} and list(writer) == list(whole)
+    assert all(torch.equal(writer[name], tensor) for name, tensor in whole.items())
