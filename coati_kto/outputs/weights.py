@@ -41,8 +41,10 @@ def write_weights(
         return export_lora(trainer.policy, tokenizer, target, is_main, output.merge_lora, gather)
     masters = None
     if output.export_dtype == "fp32":
-        masters = gathered_masters(trainer.policy, trainer.optimizer)  # a collective: every rank
-        masters.update(frozen_fp32)
+        # a collective: every rank; kept where export_hf reads it (the writer, and each pipeline stage's own)
+        kept = is_main or trainer.layout.pp_size > 1
+        masters = gathered_masters(trainer.policy, trainer.optimizer, keep=kept)
+        masters.update(frozen_fp32 if kept else {})
     return trainer.checkpoint_manager.export_hf(trainer.policy, tokenizer, target, masters)
 
 

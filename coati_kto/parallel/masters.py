@@ -21,18 +21,20 @@ def working_to_master(optimizer: Any) -> dict[int, torch.Tensor]:
     return (get() if get is not None else None) or {}
 
 
-def gathered_masters(model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
+def gathered_masters(model: Any, optimizer: Any, keep: bool = True) -> dict[str, torch.Tensor]:
     """Every parameter of the boosted ``model`` as fp32 on the CPU, by parameter name: its master where the
     optimizer keeps one, else the working weight. Every rank calls, with the same parameters in the same order
-    (one all-gather per ZeRO-sharded parameter over its ZeRO group). Tensor-parallel size 1 only (the config
-    refuses an fp32 export under tensor parallelism)."""
+    (one all-gather per ZeRO-sharded parameter over its ZeRO group); ``keep`` False: a rank whose copy nobody
+    reads takes part in the gathers and gets ``{}`` (each whole fp32 copy is 4 bytes per parameter of host
+    memory). Tensor-parallel size 1 only (the config refuses an fp32 export under tensor parallelism)."""
     mapping = working_to_master(optimizer)
     groups = getattr(optimizer, "param_to_pg", {})
     out: dict[str, torch.Tensor] = {}
     for name, param in model.unwrap().named_parameters():
         master = mapping.get(id(param))
         if master is None:
-            out[name] = param.detach().float().cpu()
+            if keep:
+                out[name] = param.detach().float().cpu()
             continue
         if master.numel() != param.numel():  # a ZeRO chunk: gather the flat copy, drop the padding
             group = groups[param]
@@ -41,5 +43,6 @@ def gathered_masters(model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
             chunks = [torch.empty_like(chunk) for _ in range(dist.get_world_size(group))]
             dist.all_gather(chunks, chunk, group=group)
             master = torch.cat(chunks)[: param.numel()]
-        out[name] = master.detach().float().view(param.shape).cpu()
+        if keep:
+            out[name] = master.detach().float().view(param.shape).cpu()
     return out

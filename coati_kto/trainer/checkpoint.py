@@ -242,8 +242,12 @@ class CheckpointManager:
         out = Path(out_dir)
         module = model.unwrap()
         save_tied_weights_once(module)
-        state = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
-        if fp32_masters is not None:
+        whole = module.state_dict()  # every rank: tensor-parallel gathers
+        # in host memory where it is read: by the writer, and each pipeline stage's own, to send to the writer
+        kept = self.layout.is_main or self.layout.pp_size > 1
+        state = {k: v.detach().cpu().contiguous() for k, v in whole.items()} if kept else {}
+        del whole
+        if fp32_masters is not None and kept:
             state = fp32_state(state, fp32_masters)
         if self.layout.pp_size > 1:  # each stage holds its own layers: the main rank writes them all
             state = merged_over_stages(state, module, self.layout.pp_group, keep=self.layout.is_main)

@@ -41,3 +41,6 @@ def test_zero_chunks_go_through_the_collective_on_its_device(monkeypatch) -> Non
     assert out["weight"].dtype == torch.float32 and out["weight"].device.type == "cpu"
     assert torch.equal(out["weight"], whole.view(2, 3))
     assert torch.equal(out["bias"], torch.ones(3))
+    # a rank whose copy nobody reads: the same all-gather (a collective: its peers wait in it), nothing kept
+    assert masters.gathered_masters(model, optimizer, keep=False) == {}
+    assert handed == [torch.device("meta")] * 2
