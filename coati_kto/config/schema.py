@@ -228,7 +228,7 @@ class Config(_Section):
     def _combinations(self) -> Config:
         self._resolve_attention()
         found = self._prepared_dir_problems() + self._family_problems() + self._padding_free_problems()
-        found += self._export_problems()
+        found += self._export_problems() + self._attention_problems()
         problems = found + self._lora_problems() + sample_problems(self) + compile_problems(self)
         problems += sequence_problems(self) + pipeline_problems(self)
         if problems:
@@ -284,6 +284,15 @@ class Config(_Section):
         paths = [p for p in (self.model.path, self.model.reference_path) if p]
         why = packing_refusal(paths, self.model.attn_implementation) if self.data.padding_free else None
         return [] if why is None else [f"data.padding_free needs packed rows, which {why} cannot take"]
+
+    def _attention_problems(self) -> list[str]:
+        # transformers only warns at load; FlashAttention then raises at the first forward, the models loaded
+        if self.model.attn_implementation == "flash_attention_2" and self.plugin.precision == "fp32":
+            return [
+                "model.attn_implementation flash_attention_2 with plugin.precision fp32: FlashAttention runs in "
+                "bf16 and fp16 only (set plugin.precision=bf16, or model.attn_implementation=sdpa)"
+            ]
+        return []
 
     def _export_problems(self) -> list[str]:
         out, fp32 = [], self.output is not None and self.output.export_dtype == "fp32"

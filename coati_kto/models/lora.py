@@ -120,7 +120,19 @@ def export_lora(
 def _save_merged(peft: Any, out: Path) -> None:
     """base + (alpha / r) B A per adapted layer, on a CPU copy in the working dtype (the training model is left
     as it is: export may come before more training in tests, and the copy costs memory only at the end)."""
-    import copy
+    cpu_copy(peft).merge_and_unload().save_pretrained(out, safe_serialization=True)
 
-    merged = copy.deepcopy(peft).cpu().merge_and_unload()
-    merged.save_pretrained(out, safe_serialization=True)
+
+def cpu_copy(module: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``module`` whose parameters and buffers are new host tensors, each copied straight from
+    its device: ``copy.deepcopy(module).cpu()`` first copied every weight on the GPU (twice the model there, at
+    the end of a run). Ties are kept (one copy per tensor); ``module`` is left as it is."""
+    import copy
+    import itertools
+
+    memo: dict[int, Any] = {}
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        host = tensor.detach().to("cpu", copy=True)
+        is_parameter = isinstance(tensor, torch.nn.Parameter)
+        memo[id(tensor)] = torch.nn.Parameter(host, tensor.requires_grad) if is_parameter else host
+    return copy.deepcopy(module, memo)

@@ -265,6 +265,23 @@ def test_fp32_export_is_refused_where_masters_cannot_be_gathered(
         load_config(path, ["output.export_dtype=fp32", "plugin.precision=bf16", override])
 
 
+def test_flash_attention_in_fp32_is_refused_at_load(tmp_path: Path) -> None:
+    """FlashAttention runs bf16 and fp16 only; transformers merely warns at load, and the first forward raised
+    after the models were built (ddp trains fp32 by default). One line at config load; bf16 is admitted."""
+    path = write_config(tmp_path, MINIMAL)
+    flash = ["model.attn_implementation=flash_attention_2"]
+    with pytest.raises(ConfigError) as err:
+        load_config(path, flash + ["plugin.name=ddp"])
+    assert str(err.value).endswith(
+        "model.attn_implementation flash_attention_2 with plugin.precision fp32: FlashAttention runs in bf16 and "
+        "fp16 only (set plugin.precision=bf16, or model.attn_implementation=sdpa)"
+    )
+    with pytest.raises(ConfigError, match="flash_attention_2 with plugin.precision fp32"):
+        load_config(path, flash + ["plugin.name=hybrid_parallel", "plugin.precision=fp32"])
+    config = load_config(path, flash + ["plugin.name=low_level_zero", "plugin.precision=bf16"])
+    assert config.model.attn_implementation == "flash_attention_2"
+
+
 def test_padding_free_refused_where_packed_rows_cannot_run(tmp_path: Path) -> None:
     """data.padding_free needs the packed path: one line naming what stands in the way, at config load."""
     from transformers import Gemma3TextConfig, LlamaConfig
