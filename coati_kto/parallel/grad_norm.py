@@ -29,13 +29,8 @@ import torch
 import torch.distributed as dist
 
 from coati_kto.parallel.distributed import ParallelLayout, comm_device
-from coati_kto.parallel.optimizer_path import (
-    clip_coefficient,
-    given_norm,
-    install_clipping,
-    loss_scale,
-    scale_grads,
-)
+from coati_kto.parallel.loss_scale import loss_scale
+from coati_kto.parallel.optimizer_path import clip_coefficient, given_norm, install_clipping, scale_grads
 
 
 class GradNorm:

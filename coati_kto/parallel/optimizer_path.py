@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from coati_kto.parallel.loss_scale import loss_scale
+
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s and ColossalAI's
 
 
@@ -47,13 +49,6 @@ def scale_grads(grads: list[torch.Tensor], coef: float) -> None:
     """Multiply ``grads`` in place by ``coef`` (one multi-tensor op), nothing when it is 1."""
     if coef != 1.0 and grads:
         torch._foreach_mul_(grads, coef)
-
-
-def loss_scale(optimizer: Any) -> float | None:
-    """The fp16 dynamic loss scale of a plugin optimizer; None without one (bf16, fp32, DDP)."""
-    mixin = getattr(optimizer, "mixed_precision_mixin", None) or getattr(optimizer, "mixed_precision", None)
-    scale = getattr(mixin, "loss_scale", None)  # fp16 mixins only; bf16 has no scale
-    return float(scale) if scale is not None else None
 
 
 @contextlib.contextmanager

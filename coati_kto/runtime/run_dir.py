@@ -86,7 +86,8 @@ def resolve_checkpoint(root: Path, resume: str | None) -> Path | None:
 
 def saved_trainer_state(checkpoint: Path, rank: int = 0) -> dict:
     """``checkpoint/trainer_state/rank-R.pt`` as the checkpoint manager wrote it: ``trainer_state`` (the data
-    position, ``config``, the contents' digests) and ``rng``. Raises FileNotFoundError when it is not there."""
+    position, ``config``, the contents' digests), ``rng`` and ``loss_scaler`` (fp16; absent from checkpoints before
+    2026-11-30). Raises FileNotFoundError when it is not there."""
     import torch  # here only: preflight reads this module before anything heavy
 
     # Our own file; numpy's RNG state needs full unpickling.

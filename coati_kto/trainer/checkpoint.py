@@ -1,7 +1,7 @@
 """Atomic, exactly resumable checkpoints and the final Hugging Face export.
 
 Layout of ``root/step-N/``: ``model/`` (booster, sharded safetensors), ``optimizer/`` (booster, sharded),
-``lr_scheduler.pt``, ``trainer_state/rank-R.pt`` (the trainer's state and this rank's RNG states),
+``lr_scheduler.pt``, ``trainer_state/rank-R.pt`` (the trainer's state, this rank's RNG states and the fp16 loss scaler),
 ``master_weights/rank-R.pt`` (this rank's fp32 master shard, mixed precision only), ``meta.json`` and
 ``COMPLETE``. ColossalAI's optimizer checkpoint holds Adam's moments but not the fp32 master weights: on load
 it rebuilds them from the bf16 model, and a resumed bf16 run drifts. Saving the masters makes it exact.
@@ -28,6 +28,7 @@ from coati_kto.errors import UserError
 from coati_kto.families.shardformer import tp_change_refusal
 from coati_kto.models.lora import base_module
 from coati_kto.parallel.distributed import ParallelLayout, barrier, gather_objects, on_rank0
+from coati_kto.parallel.loss_scale import loss_scaler_state, restore_loss_scaler
 from coati_kto.parallel.masters import working_to_master
 from coati_kto.runtime.run_dir import (
     COMPLETE,
@@ -104,7 +105,8 @@ class CheckpointManager:
         self.booster.save_model(model, str(tmp / "model"), shard=True, use_safetensors=True)
         self.booster.save_optimizer(optimizer, str(tmp / "optimizer"), shard=True)
         self.booster.save_lr_scheduler(lr_scheduler, str(tmp / "lr_scheduler.pt"))
-        torch.save({"trainer_state": trainer_state, "rng": rng}, tmp / TRAINER_STATE_DIR / f"rank-{rank}.pt")
+        per_rank = {"trainer_state": trainer_state, "rng": rng, "loss_scaler": loss_scaler_state(optimizer)}
+        torch.save(per_rank, tmp / TRAINER_STATE_DIR / f"rank-{rank}.pt")
         masters = _master_shards(model, optimizer)
         if masters:
             torch.save(masters, tmp / "master_weights" / f"rank-{rank}.pt")
@@ -218,9 +220,13 @@ class CheckpointManager:
             )
         if same_layout:
             saved = saved_trainer_state(path, rank)
+            restore_loss_scaler(optimizer, saved.get("loss_scaler"))  # fp16: absent from older checkpoints
             _set_rng_state(saved["rng"])  # last: loading above must not advance the restored generators
             return saved["trainer_state"]
-        logger.warning("rank %d: parallel layout changed since the save, RNG states not restored", rank)
+        fp16 = ", nor the fp16 loss scale" if loss_scaler_state(optimizer) is not None else ""
+        logger.warning(
+            "rank %d: parallel layout changed since the save, RNG states not restored%s", rank, fp16
+        )
         states = on_rank0(lambda: _old_dp_states(path, meta), "read the checkpoint's data position")
         return {**states[0], "rank_states": states}
 
