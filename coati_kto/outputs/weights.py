@@ -44,7 +44,8 @@ def write_weights(
         # a collective: every rank; kept where export_hf reads it (the writer, and each pipeline stage's own)
         kept = is_main or trainer.layout.pp_size > 1
         masters = gathered_masters(trainer.policy, trainer.optimizer, keep=kept)
-        masters.update(frozen_fp32 if kept else {})
+        if kept:
+            masters.update(frozen_fp32)
     return trainer.checkpoint_manager.export_hf(trainer.policy, tokenizer, target, masters)
 
 

@@ -28,7 +28,7 @@ from coati_kto.errors import UserError
 from coati_kto.families.shardformer import tp_change_refusal
 from coati_kto.models.lora import base_module
 from coati_kto.parallel.distributed import ParallelLayout, barrier, gather_objects, on_rank0
-from coati_kto.parallel.loss_scale import loss_scaler_state, restore_loss_scaler
+from coati_kto.parallel.loss_scale import loss_scale, loss_scaler_state, restore_loss_scaler
 from coati_kto.parallel.masters import working_to_master
 from coati_kto.runtime.run_dir import (
     COMPLETE,
@@ -223,7 +223,7 @@ class CheckpointManager:
             restore_loss_scaler(optimizer, saved.get("loss_scaler"))  # fp16: absent from older checkpoints
             _set_rng_state(saved["rng"])  # last: loading above must not advance the restored generators
             return saved["trainer_state"]
-        fp16 = ", nor the fp16 loss scale" if loss_scaler_state(optimizer) is not None else ""
+        fp16 = ", nor the fp16 loss scale" if loss_scale(optimizer) is not None else ""
         logger.warning(
             "rank %d: parallel layout changed since the save, RNG states not restored%s", rank, fp16
         )

@@ -59,7 +59,7 @@ def _fix_step_counts_left_on_cpu_by_optimizer_loads() -> None:
     upstream = utils.sharded_optimizer_loading_epilogue
 
     def sharded_optimizer_loading_epilogue(optimizer: torch.optim.Optimizer) -> None:
-        place_step_counts(optimizer)
+        _place_step_counts(optimizer)
         upstream(optimizer)
 
     for name in _OPTIMIZER_LOADERS:
@@ -69,7 +69,7 @@ def _fix_step_counts_left_on_cpu_by_optimizer_loads() -> None:
     utils.sharded_optimizer_loading_epilogue = sharded_optimizer_loading_epilogue
 
 
-def place_step_counts(optimizer: torch.optim.Optimizer) -> None:
+def _place_step_counts(optimizer: torch.optim.Optimizer) -> None:
     """Each parameter's ``step`` state as torch's ``Optimizer.load_state_dict`` leaves it: for a fused or
     capturable group, an fp32 tensor on the parameter's device; otherwise unchanged. Any rank, local."""
     for group in optimizer.param_groups:
