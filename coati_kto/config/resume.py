@@ -45,6 +45,7 @@ QUIET = (
     "eval.",  # what evaluation shows (samples), like logging
     "train.heartbeat_timeout",
     "train.dist_timeout",
+    "train.file_wait_timeout",
 )
 
 

@@ -200,6 +200,12 @@ class TrainSection(_Section):
     dist_timeout: float = Field(
         600.0, gt=0.0, description="Seconds a rank waits in a collective for a dead peer before failing."
     )
+    file_wait_timeout: float = Field(
+        7200.0,
+        gt=0.0,
+        description="Seconds the ranks wait for file work before failing: global rank 0 preparing the data or "
+        "writing final/, the slowest rank writing a checkpoint (not bounded by train.dist_timeout).",
+    )
     heartbeat_timeout: float = Field(
         60.0,
         ge=0.0,

@@ -18,7 +18,7 @@ import torch
 
 from coati_kto.config.lora import peft_config, tower_refusal
 from coati_kto.errors import ConfigError
-from coati_kto.parallel.distributed import barrier
+from coati_kto.parallel.store_waits import wait_for_all
 
 if TYPE_CHECKING:
     from coati_kto.config.schema import LoraSection
@@ -113,7 +113,7 @@ def export_lora(
             _save_merged(peft, out / "merged")
             if tokenizer is not None:
                 tokenizer.save_pretrained(out / "merged")
-    barrier()
+    wait_for_all("global rank 0 to write the LoRA adapter")
     return out
 
 

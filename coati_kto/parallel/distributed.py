@@ -25,6 +25,7 @@ from torch.distributed import ProcessGroup
 
 from coati_kto.errors import UserError, rebuild_user_error
 from coati_kto.parallel import upstream
+from coati_kto.parallel.store_waits import DEFAULT_TIMEOUT_S, FileWaitTimeoutError, from_rank0, set_timeout
 from coati_kto.parallel.upstream.cpu import cuda_available
 
 T = TypeVar("T")
@@ -65,13 +66,16 @@ def launcher_env(bin_dir: str | os.PathLike[str], threads: int = 1) -> dict[str,
     return kept
 
 
-def init_distributed(timeout_s: float = 600.0) -> None:
+def init_distributed(timeout_s: float = 600.0, file_wait_timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Join (or create) the default process group; every process calls it once, before any plugin.
 
-    gloo on CPU, nccl on CUDA. ``timeout_s`` bounds how long a rank waits for a peer that died, instead of
-    torch's 30-minute default. Without launcher variables this starts a world of one.
+    gloo on CPU, nccl on CUDA. ``timeout_s`` (train.dist_timeout) bounds how long a rank waits in a collective
+    for a peer that died, instead of torch's 30-minute default; ``file_wait_timeout_s``
+    (train.file_wait_timeout) how long it waits for another rank's file work (``store_waits``). Without
+    launcher variables this starts a world of one.
     """
     upstream.apply()
+    set_timeout(file_wait_timeout_s)
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:
@@ -268,8 +272,9 @@ def global_rank() -> int:
 
 def on_rank0(compute: Callable[[], T], what: str) -> T:
     """Rank 0 decides, every rank follows: ``compute()`` runs on global rank 0 only, and its result is returned
-    on every rank. Every rank calls, and enters exactly one broadcast whatever happens on rank 0, so nobody is
-    left waiting in a collective. A UserError on rank 0 is raised on every rank with the same one-line message
+    on every rank. Every rank calls, and enters exactly one wait whatever happens on rank 0, so nobody is left
+    waiting. The wait goes through the store, bounded by train.file_wait_timeout, not train.dist_timeout:
+    ``compute`` may be hours of file work (``prepare the data``). A UserError on rank 0 is raised on every rank with the same one-line message
     (rank 0 raises its own; the others a copy of the same class and attributes, or a plain UserError where the
     class cannot be sent), marked ``same_on_every_rank`` so that only rank 0 prints it. Any other exception is
     re-raised on rank 0 and raised on the others as a RuntimeError naming ``what`` ("prepare the data").
@@ -284,7 +289,7 @@ def on_rank0(compute: Callable[[], T], what: str) -> T:
             outcome, failure = ("user", _portable(err), str(err)), err
         except Exception as err:
             outcome, failure = ("internal", None, f"{type(err).__name__}: {err}"), err
-    kind, value, message = broadcast_object(outcome)
+    kind, value, message = from_rank0(outcome, what)
     if failure is not None:
         raise failure
     if kind == "user":
@@ -332,6 +337,8 @@ def peer_failure(err: BaseException) -> str | None:
     gloo reports it as a RuntimeError naming the peer's address (``Connection closed by peer [10.0.0.2]:4810``);
     NCCL and the store as torch.distributed.DistError.
     """
+    if isinstance(err, FileWaitTimeoutError):
+        return str(err)
     text = str(err)
     address, cause = _PEER_ADDRESS.search(text), next((c for c in _PEER_CAUSES if c in text), None)
     first_line = text.strip().splitlines()[0][:200] if text.strip() else type(err).__name__

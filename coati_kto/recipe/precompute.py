@@ -13,7 +13,7 @@ def precompute(config: Config) -> None:
     """Prepare the data if needed, then make sure the reference cache matches it (computed when none does)."""
     from coati_kto.reference.cache import ensure_reference_cache
 
-    init_distributed(timeout_s=config.train.dist_timeout)
+    init_distributed(config.train.dist_timeout, config.train.file_wait_timeout)
     keep_freed_memory()  # scoring on the CPU: freed memory kept for the next batch
     run_data = load_run_data(config)
     ensure_reference_cache(reference_settings(config), run_data.data, run_data.pad, run_data.images)

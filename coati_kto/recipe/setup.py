@@ -173,7 +173,7 @@ def zero_note(plugin: PluginSection, plan: ParallelPlan) -> str | None:
 def _start_processes(config: Config) -> None:
     """The process group (every rank), the tensor-, sequence- and pipeline-parallel sizes checked against it before
     the data and the model load, and the run's seed."""
-    init_distributed(timeout_s=config.train.dist_timeout)
+    init_distributed(config.train.dist_timeout, config.train.file_wait_timeout)
     check_pipeline_divides_world(config.plugin, dist.get_world_size())
     check_tp_divides_world(config.plugin.tp_size, dist.get_world_size(), config.plugin.sp_size)
     seed_everything(config.train.seed)

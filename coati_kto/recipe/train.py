@@ -18,7 +18,7 @@ from typing import Any
 from coati_kto.config.resume import check_contents, check_resume
 from coati_kto.config.schema import Config
 from coati_kto.outputs.push import CheckpointUploads, checkpoint_uploads, push_final
-from coati_kto.parallel.distributed import barrier
+from coati_kto.parallel.store_waits import wait_for_all
 from coati_kto.recipe.components import build_trainer, total_optimizer_steps
 from coati_kto.recipe.save import save_final
 from coati_kto.recipe.setup import Run, setup_training
@@ -85,7 +85,7 @@ def _train(
     )
     # ---- save
     save_final(config, run, trainer, frozen_fp32)
-    barrier()  # ---- cleanup: nobody leaves before the export is on disk
+    wait_for_all("global rank 0 to write final/")  # ---- cleanup: nobody leaves before the export is on disk
     return trainer
 
 

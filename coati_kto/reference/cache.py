@@ -30,7 +30,8 @@ import numpy as np
 import torch.distributed as dist
 
 from coati_kto.data.store import read_fingerprint
-from coati_kto.parallel.distributed import barrier, on_rank0
+from coati_kto.parallel.distributed import on_rank0
+from coati_kto.parallel.store_waits import wait_for_all
 from coati_kto.reference.scoring import score_splits
 from coati_kto.reference.settings import ReferenceSettings
 from coati_kto.reference.weights import file_sha256, weights_hash
@@ -157,7 +158,7 @@ def ensure_reference_cache(
         values = score_splits(settings, splits, pad_token_id, images)
         if rank == 0:
             _write(directory, key, values, time.perf_counter() - start)
-        barrier()
+        wait_for_all("global rank 0 to write the reference cache")
     elif rank == 0:
         print(f"reference log-probs: reusing {directory}", flush=True)
     return _read(directory, key, rows)

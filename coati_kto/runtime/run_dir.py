@@ -115,13 +115,14 @@ def clear_previous_run(out_dir: Path) -> None:
     """output.overwrite: global rank 0 deletes the earlier run's outputs (RUN_OUTPUTS); every rank calls, after
     the process group exists, and returns once they are gone."""
     # Imported here: preflight reads this module before anything heavy, and torch costs seconds to import.
-    from coati_kto.parallel.distributed import barrier, global_rank
+    from coati_kto.parallel.distributed import global_rank
+    from coati_kto.parallel.store_waits import wait_for_all
 
     if global_rank() == 0:
         for name in RUN_OUTPUTS:
             if (out_dir / name).exists():
                 shutil.rmtree(out_dir / name)
-    barrier()
+    wait_for_all("global rank 0 to delete the earlier run's outputs")
 
 
 def lock_holder(out_dir: Path) -> str | None:

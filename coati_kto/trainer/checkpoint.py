@@ -27,9 +27,10 @@ from colossalai.booster import Booster
 from coati_kto.errors import UserError
 from coati_kto.families.shardformer import tp_change_refusal
 from coati_kto.models.lora import base_module
-from coati_kto.parallel.distributed import ParallelLayout, barrier, gather_objects, on_rank0
+from coati_kto.parallel.distributed import ParallelLayout, on_rank0
 from coati_kto.parallel.loss_scale import loss_scale, loss_scaler_state, restore_loss_scaler
 from coati_kto.parallel.masters import working_to_master
+from coati_kto.parallel.store_waits import first_failure, wait_for_all
 from coati_kto.runtime.run_dir import (
     COMPLETE,
     LATEST,
@@ -276,16 +277,17 @@ class CheckpointManager:
         return out
 
     def _first_failure(self, tmp: Path, failure: BaseException | None) -> tuple[int, str] | None:
-        """Every rank calls (one gather): the first rank that failed and its one-line cause, or None. On a
-        failure the main rank has removed ``tmp`` before any rank returns."""
-        failures = gather_objects(None if failure is None else _describe(failure))
-        failed = [(rank, text) for rank, text in enumerate(failures) if text is not None]
-        if not failed:
+        """Every rank calls: the first rank that failed and its one-line cause, or None. On a failure the main
+        rank has removed ``tmp`` before any rank returns. The waits go through the store (``store_waits``):
+        they wait for the slowest writer, or for the main rank's own writes, renames and pruning, which on a
+        shared filesystem can take longer than train.dist_timeout."""
+        failed = first_failure(None if failure is None else _describe(failure), f"write {tmp.name}")
+        if failed is None:
             return None
         if self.layout.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
-        barrier()  # removed before anyone reports it
-        return failed[0]
+        wait_for_all(f"the main rank to remove {tmp.name}")  # removed before anyone reports it
+        return failed
 
 
 def _old_dp_states(path: Path, meta: dict) -> list[dict]:

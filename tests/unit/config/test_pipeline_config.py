@@ -241,7 +241,7 @@ def test_each_rank_checks_the_world_before_loading(
     """The ranks' own check (``setup._start_processes``), for launchers other than ``coati-kto train``."""
     from coati_kto.recipe import setup
 
-    monkeypatch.setattr(setup, "init_distributed", lambda timeout_s: None)
+    monkeypatch.setattr(setup, "init_distributed", lambda timeout_s, file_wait_timeout_s: None)
     monkeypatch.setattr(setup.dist, "get_world_size", lambda: 3)
     with pytest.raises(
         ConfigError, match=r"^plugin.tp_size 1 x plugin.pp_size 2 = 2 must divide the number of "

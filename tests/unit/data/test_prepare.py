@@ -377,10 +377,9 @@ class FakeCollectives:
         self.rank0_outcome = rank0_outcome
         monkeypatch.setattr(dist, "is_initialized", lambda: True)
         monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
-        monkeypatch.setattr(cd, "barrier", lambda: self.calls.append("barrier"))
-        monkeypatch.setattr(cd, "broadcast_object", self.broadcast)
+        monkeypatch.setattr(cd, "from_rank0", self.broadcast)
 
-    def broadcast(self, obj, src: int = 0):
+    def broadcast(self, obj, what: str):
         self.calls.append("broadcast")
         return obj if self.rank0_outcome is None else self.rank0_outcome
 

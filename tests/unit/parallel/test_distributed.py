@@ -20,9 +20,9 @@ class OneCollective:
         self.sent = sent
         monkeypatch.setattr(dist, "is_initialized", lambda: True)
         monkeypatch.setattr(dist, "get_rank", lambda group=None: rank)
-        monkeypatch.setattr(cd, "broadcast_object", self.broadcast)
+        monkeypatch.setattr(cd, "from_rank0", self.broadcast)
 
-    def broadcast(self, obj: tuple, src: int = 0) -> tuple:
+    def broadcast(self, obj: tuple, what: str) -> tuple:
         self.calls.append(obj)
         return obj if self.sent is None else self.sent
 

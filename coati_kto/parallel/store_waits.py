@@ -1,0 +1,132 @@
+"""Waits on file work, through the job's rendezvous store instead of the process group.
+
+Some waits are not for a computation but for one rank's file work: global rank 0 preparing the data, writing
+``final/`` or the LoRA merge, the reference cache, deleting an earlier run's outputs; at a checkpoint, every
+rank waits for the slowest writer. As a collective such a wait is bounded by ``train.dist_timeout``, which is
+meant for ranks that compute together, and on NCCL the watchdog aborts the job once it passes: a 70B model's
+``final/`` (140 GB in bf16) on a shared filesystem at 200 MB/s takes 12 minutes, past the 10-minute default.
+
+These waits go through the store the process group was formed with (torchrun's, or the one global rank 0
+started: no new connections, no second backend on GPU jobs), bounded by ``train.file_wait_timeout``. A rank
+that exits meanwhile closes its sockets, and a node that vanishes stops its heartbeat
+(``coati_kto.runtime.watchdog``): either still ends the job at once or within ``train.heartbeat_timeout``.
+
+Every rank calls each function at the same point, in the same order: the keys are numbered by a per-process
+count of the calls, under the launch attempt's prefix (torchrun's restarts reuse its store).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import time
+from collections.abc import Callable
+from itertools import count
+from typing import Any
+
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT_S = 7200.0  # train.file_wait_timeout's default: a 1 TB checkpoint at 200 MB/s takes 83 min
+
+MAX_PAUSE_S = 0.5  # between two polls of a long wait
+_timeout_s = DEFAULT_TIMEOUT_S
+_calls = count()
+
+
+class FileWaitTimeoutError(RuntimeError):
+    """A wait on file work passed ``train.file_wait_timeout``; its message is the one line to print."""
+
+
+def set_timeout(seconds: float) -> None:
+    """``train.file_wait_timeout`` for this process's waits (``init_distributed`` sets it; any rank, local)."""
+    global _timeout_s
+    _timeout_s = float(seconds)
+
+
+def _key(what: str) -> str:
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return f"coati_kto/file_wait/{attempt}/{next(_calls)}/{what}"
+
+
+def _poll(ready: Callable[[], bool], waiting_for: str) -> None:
+    """Until ``ready()`` (a store read). Polled, with pauses from 1 ms growing to MAX_PAUSE_S, rather than one
+    blocking ``store.wait``: between polls the interpreter runs signal handlers (a stop, a second Ctrl-C's
+    abort), and a wait of minutes costs two requests a second per rank."""
+    deadline, pause = time.monotonic() + _timeout_s, 0.001
+    while not ready():
+        if time.monotonic() > deadline:
+            raise FileWaitTimeoutError(
+                f"waited {_timeout_s:.0f} s (train.file_wait_timeout) for {waiting_for}; a rank is stuck or a "
+                "node is gone: its own error, if any, is in its log; resume with train.resume=auto"
+            )
+        time.sleep(pause)
+        pause = min(2 * pause, MAX_PAUSE_S)
+
+
+def _all_arrived(store: Any, key: str, size: int, waiting_for: str) -> None:
+    store.add(f"{key}/arrived", 1)
+    _poll(lambda: store.add(f"{key}/arrived", 0) == size, waiting_for)
+
+
+def _leave(store: Any, key: str, rank: int, size: int) -> None:
+    """Every rank is done reading under ``key``; global rank 0 returns last. Without torchrun's agent the store
+    lives in rank 0's process: it must not exit (a user error, the end of the run) while a peer still reads."""
+    store.add(f"{key}/left", 1)
+    if rank == 0:
+        _poll(lambda: store.add(f"{key}/left", 0) == size, "the other ranks to read the store")
+
+
+def _world() -> tuple[Any, int, int] | None:
+    """(store, rank, world size), or None for a world of one (nothing to wait for)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    return dist.distributed_c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
+
+
+def wait_for_all(waiting_for: str) -> None:
+    """A barrier: returns on every rank once every rank has called it. Every rank calls. ``waiting_for`` says
+    whose work it waits for, in the timeout's line ("global rank 0 to write final/")."""
+    world = _world()
+    if world is None:
+        return
+    store, rank, size = world
+    key = _key(waiting_for)
+    _all_arrived(store, key, size, waiting_for)
+    _leave(store, key, rank, size)
+
+
+def from_rank0(value: Any, what: str) -> Any:
+    """Global rank 0's ``value`` (picklable; the others pass anything) on every rank. Every rank calls; the
+    others return once rank 0 has called, rank 0 once they have its value."""
+    world = _world()
+    if world is None:
+        return value
+    store, rank, size = world
+    key = _key(what)
+    if rank == 0:
+        store.set(f"{key}/value", pickle.dumps(value))
+    else:
+        _poll(lambda: store.check([f"{key}/value"]), f"global rank 0 to {what}")
+        value = pickle.loads(store.get(f"{key}/value"))
+    _leave(store, key, rank, size)
+    return value
+
+
+def first_failure(failure: str | None, what: str) -> tuple[int, str] | None:
+    """Every rank calls with its own failure (one line) or None, and gets the lowest failed rank and its line,
+    or None when no rank failed; returns once every rank has called (a barrier)."""
+    world = _world()
+    if world is None:
+        return None if failure is None else (0, failure)
+    store, rank, size = world
+    key = _key(what)
+    if failure is not None:  # before arriving: every failure is counted once all have arrived
+        store.set(f"{key}/failed/{rank}", failure.encode())
+        store.add(f"{key}/failures", 1)
+    _all_arrived(store, key, size, f"the slowest rank to {what}")
+    found = None
+    if store.add(f"{key}/failures", 0) > 0:
+        failed = next(r for r in range(size) if store.check([f"{key}/failed/{r}"]))
+        found = failed, store.get(f"{key}/failed/{failed}").decode()
+    _leave(store, key, rank, size)
+    return found

@@ -1,0 +1,150 @@
+"""Waits on one rank's file work outlast ``train.dist_timeout`` (``coati_kto.parallel.store_waits``): they go
+through the store, bounded by ``train.file_wait_timeout``. Before, they were collectives: a rank 0 writing
+``final/`` for longer than ``train.dist_timeout`` failed the run at its very end (and on NCCL the watchdog
+aborted it)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch.distributed as dist
+import yaml
+from helpers import preference_records
+
+from coati_kto.data.files import write_jsonl
+from coati_kto.testing.cli import run_cli
+from coati_kto.testing.distributed import run_distributed
+
+SHORT_S, SLOW_S = 1.0, 2.5  # the collectives' timeout here, and rank 0's file work: well past it
+
+
+def _waits_outlast_the_group_timeout() -> dict:
+    """Every rank: the default group's timeout cut to SHORT_S, then rank 0 works SLOW_S alone before each wait."""
+    from coati_kto.parallel import store_waits
+    from coati_kto.parallel.distributed import on_rank0, peer_failure
+
+    rank, out = dist.get_rank(), {}
+    pg_c10d = dist.distributed_c10d
+    pg_c10d._set_pg_timeout(timedelta(seconds=SHORT_S))
+    try:
+        # The timeout is in force: a collective that waits SLOW_S for rank 0 fails (a group of its own: a
+        # timed-out gloo group is not used again).
+        short = dist.new_group(backend="gloo", timeout=timedelta(seconds=SHORT_S))
+        if rank == 0:
+            time.sleep(SLOW_S)
+        try:
+            dist.barrier(group=short)
+            out["collective"] = "passed"
+        except RuntimeError as err:
+            out["collective"] = "timed out" if "timed out" in str(err).lower() else str(err)
+        time.sleep(SLOW_S)  # rank 0's barrier timed out too: both are past it before the waits below
+
+        # A signal that arrives while a rank waits is handled then (a stop, a second Ctrl-C's abort), not once
+        # rank 0 is done: the wait polls the store from Python.
+        handled: list[float] = []
+        previous = signal.signal(signal.SIGUSR2, lambda *_: handled.append(time.monotonic()))
+        if rank == 1:
+            threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR2)).start()
+        out["on_rank0"] = on_rank0(lambda: time.sleep(SLOW_S) or {"digest": "abc"}, "prepare the data")
+        out["handled_while_waiting"] = bool(handled) and time.monotonic() - handled[0] > SLOW_S / 2
+        signal.signal(signal.SIGUSR2, previous)
+        if rank == 0:
+            time.sleep(SLOW_S)
+        store_waits.wait_for_all("global rank 0 to write final/")
+        out["after_barrier"] = True
+        if rank == 0:
+            time.sleep(SLOW_S)
+        out["no_failure"] = store_waits.first_failure(None, "write step-4.tmp")
+        failure = "No space left on device: /ckpt/step-8.tmp/model" if rank == 1 else None
+        out["failure"] = store_waits.first_failure(failure, "write step-8.tmp")
+
+        # Past train.file_wait_timeout: one line that names the setting and what it waited for.
+        store_waits.set_timeout(SHORT_S)
+        try:
+            on_rank0(lambda: time.sleep(SLOW_S), "prepare the data")
+            out["timeout"] = None
+        except store_waits.FileWaitTimeoutError as err:
+            out["timeout"] = peer_failure(err)
+        store_waits.set_timeout(60)
+        store_waits.wait_for_all("both ranks to line up again")  # the counts of both ranks still agree
+        out["in_step"] = True
+    finally:
+        store_waits.set_timeout(store_waits.DEFAULT_TIMEOUT_S)
+        pg_c10d._set_pg_timeout(timedelta(seconds=120))  # the pool's (run_distributed)
+    return out
+
+
+def test_waits_for_file_work_outlast_the_collective_timeout() -> None:
+    rank0, rank1 = run_distributed(_waits_outlast_the_group_timeout, 2)
+    assert rank1["collective"] == "timed out"  # what every wait below was before
+    for out in (rank0, rank1):
+        assert out["on_rank0"] == {"digest": "abc"}
+        assert out["after_barrier"] and out["in_step"]
+        assert out["no_failure"] is None
+        assert out["failure"] == (1, "No space left on device: /ckpt/step-8.tmp/model")
+    assert rank1["handled_while_waiting"]
+    # Rank 1 gave up waiting for rank 0's work; rank 0 then for rank 1 to read its answer.
+    line = (
+        "waited 1 s (train.file_wait_timeout) for {}; a rank is stuck or a node is gone: its own error, if any, "
+        "is in its log; resume with train.resume=auto"
+    )
+    assert rank1["timeout"] == line.format("global rank 0 to prepare the data")
+    assert rank0["timeout"] == line.format("the other ranks to read the store")
+
+
+SLOW_FINAL_S = 8.0  # rank 0's final/ write, past the run's train.dist_timeout
+
+
+def _train_with_a_slow_final_write(argv: list[str]) -> int:
+    """``coati-kto train`` whose global rank 0 takes SLOW_FINAL_S longer to write final/ (a slow filesystem)."""
+    import coati_kto.recipe.train as recipe
+    from coati_kto.cli import main
+
+    write = recipe.save_final
+
+    def slow(*args, **kwargs):
+        result = write(*args, **kwargs)
+        if os.environ["RANK"] == "0":
+            time.sleep(SLOW_FINAL_S)
+        return result
+
+    recipe.save_final = slow  # put back by the pool's reset
+    return main(argv)
+
+
+def test_a_final_write_longer_than_dist_timeout_ends_the_run_cleanly(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    config = {
+        "model": {"path": str(tiny_model_dir)},
+        "data": {
+            "train_files": [str(write_jsonl(preference_records(16, 0), tmp_path / "train.jsonl"))],
+            "prepared_dir": str(tmp_path / "prepared"),
+            "max_length": 24,
+        },
+        "train": {"micro_batch_size": 2, "max_steps": 2, "dist_timeout": 4.0, "eval_at_epoch_end": False},
+        "plugin": {"name": "ddp", "precision": "fp32"},
+        "output": {"dir": str(tmp_path / "out")},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = run_cli(["train", str(path)], 2, merge_stderr=True, command=_train_with_a_slow_final_write)
+    for rank in proc.ranks:
+        assert rank.returncode == 0, rank.stdout[-3000:]
+    assert (tmp_path / "out" / "final" / "model.safetensors").is_file()
+
+
+def test_a_world_of_one_waits_for_nothing() -> None:
+    """No process group, or one rank: the waits return at once, without a store."""
+    from coati_kto.parallel import store_waits
+
+    assert not dist.is_initialized()
+    store_waits.wait_for_all("global rank 0 to write final/")
+    assert store_waits.from_rank0({"a": 1}, "x") == {"a": 1}
+    assert store_waits.first_failure(None, "x") is None
+    assert store_waits.first_failure("disk full", "x") == (0, "disk full")
