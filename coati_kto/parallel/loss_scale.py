@@ -6,6 +6,8 @@ optimizer's ``mixed_precision``), a ``DynamicGradScaler``; bf16 and fp32 optimiz
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -13,6 +15,26 @@ def loss_scale(optimizer: Any) -> float | None:
     """The fp16 dynamic loss scale of a plugin optimizer; None without one (bf16, fp32, DDP)."""
     scale = getattr(_mixin(optimizer), "loss_scale", None)  # fp16 mixins only; bf16 has no scale
     return float(scale) if scale is not None else None
+
+
+@contextlib.contextmanager
+def gradient_scale_held(optimizer: Any) -> Iterator[None]:
+    """Within it ``gradient_scale`` is the loss scale as it entered: the one the gradients being stepped carry."""
+    optimizer._coati_grad_scale = loss_scale(optimizer)
+    try:
+        yield
+    finally:
+        optimizer._coati_grad_scale = None
+
+
+def gradient_scale(optimizer: Any) -> float | None:
+    """The fp16 loss scale to divide the gradients by in ``step``. Inside ``step`` the scaler's update runs first
+    (``should_skip_step``) and, every ``growth_interval`` clean steps, doubles the scale before the gradients are
+    unscaled: upstream then divides by the next step's scale, and the update is half the gradient. Within
+    ``gradient_scale_held`` (``optimizer_path.given_norm``: every training step), the scale before that update;
+    outside, the scale at the time (upstream's order)."""
+    held = getattr(optimizer, "_coati_grad_scale", None)
+    return held if held is not None else loss_scale(optimizer)
 
 
 def _mixin(optimizer: Any) -> Any | None:

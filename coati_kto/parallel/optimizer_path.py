@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from coati_kto.parallel.loss_scale import loss_scale
+from coati_kto.parallel.loss_scale import gradient_scale, gradient_scale_held
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s and ColossalAI's
 
@@ -61,7 +61,8 @@ def given_norm(optimizer: Any, norm: float) -> Iterator[None]:
     optimizer._coati_norms = iter([norm])
     optimizer._coati_norm = norm
     try:
-        yield
+        with gradient_scale_held(optimizer):
+            yield
     finally:
         optimizer._coati_norms = optimizer._coati_norm = None
 
@@ -88,7 +89,7 @@ def install_clipping(optimizer: Any) -> None:
     if isinstance(optimizer, LowLevelZeroOptimizer):
 
         def zero_unscale_and_clip(self: Any, grads: list[torch.Tensor], total_norm: float) -> None:
-            scale_grads(grads, clip_coefficient(total_norm, self._clip_grad_norm, loss_scale(self)))
+            scale_grads(grads, clip_coefficient(total_norm, self._clip_grad_norm, gradient_scale(self)))
 
         optimizer._unscale_and_clip_grads = types.MethodType(zero_unscale_and_clip, optimizer)
     elif hasattr(optimizer, "_unscale_and_clip_grads"):  # the AMP optimizer (hybrid zero 0, bf16 / fp16)
@@ -97,7 +98,7 @@ def install_clipping(optimizer: Any) -> None:
             # Upstream passes 0.0 when it does not clip; only the loss scale applies then.
             norm = self._coati_norm if self._coati_norm is not None else total_norm
             grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-            scale_grads(grads, clip_coefficient(norm, self.max_norm, loss_scale(self)))
+            scale_grads(grads, clip_coefficient(norm, self.max_norm, gradient_scale(self)))
 
         optimizer._unscale_and_clip_grads = types.MethodType(amp_unscale_and_clip, optimizer)
     elif hasattr(optimizer, "_clip_grad_norm"):  # the naive optimizer (hybrid zero 0, fp32): called to clip
@@ -266,7 +267,7 @@ def _fused_zero_step(self: Any, closure: Any = None) -> None:
         norms.append(self._compute_grad_norm(dp_pg=store.torch_pg, gradients=gradients))
     total = calculate_global_norm_from_list(norm_list=norms)
     self._current_grad_norm = total
-    with self.optim.mixed(triples, clip_coefficient(total, self._clip_grad_norm, loss_scale(self))):
+    with self.optim.mixed(triples, clip_coefficient(total, self._clip_grad_norm, gradient_scale(self))):
         self.optim.step()
     if not single:
         _gather_partitions(self, gathers)
@@ -334,7 +335,7 @@ def _mixed_precision_step(self: Any, *args: Any, **kwargs: Any) -> None:
         self._current_grad_norm = total_norm
     if fused:  # the clipping coefficient amp_unscale_and_clip would multiply by, folded into the update
         norm = self._coati_norm if getattr(self, "_coati_norm", None) is not None else total_norm
-        with self.optim.mixed(triples, clip_coefficient(norm, self.max_norm, loss_scale(self))):
+        with self.optim.mixed(triples, clip_coefficient(norm, self.max_norm, gradient_scale(self))):
             self.optim.step(*args, **kwargs)
         return
     self._unscale_and_clip_grads(total_norm)

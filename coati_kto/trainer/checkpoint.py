@@ -224,10 +224,11 @@ class CheckpointManager:
             restore_loss_scaler(optimizer, saved.get("loss_scaler"))  # fp16: absent from older checkpoints
             _set_rng_state(saved["rng"])  # last: loading above must not advance the restored generators
             return saved["trainer_state"]
-        fp16 = ", nor the fp16 loss scale" if loss_scale(optimizer) is not None else ""
-        logger.warning(
-            "rank %d: parallel layout changed since the save, RNG states not restored%s", rank, fp16
-        )
+        if (
+            loss_scale(optimizer) is not None
+        ):  # fp16: the scale is the same on every rank (a global overflow vote)
+            restore_loss_scaler(optimizer, saved_trainer_state(path, 0).get("loss_scaler"))
+        logger.warning("rank %d: parallel layout changed since the save, RNG states not restored", rank)
         states = on_rank0(lambda: _old_dp_states(path, meta), "read the checkpoint's data position")
         return {**states[0], "rank_states": states}
 

@@ -272,9 +272,10 @@ class KTOTrainer(SLTrainer):
                 raise NonFiniteLossError.at(step, epoch, bad_grad, last)
             self.skipped_steps += 1
         else:
+            # Unscaled before the step: inside it the fp16 loss scaler may grow the scale for the next step.
+            grad_norm = self._grad_norm.unscaled(norm) if math.isfinite(norm) else None
             self._grad_norm.step(norm)  # fp16: the loss scaler may still skip an overflowing step here
             self.optimizer.zero_grad()
-            grad_norm = self._grad_norm.unscaled(norm) if math.isfinite(norm) else None
         lr = self._current_lr()
         if self.lr_scheduler is not None:
             # Advanced on skipped steps too: the LR stays a function of the global step (exact resume).

@@ -249,3 +249,59 @@ def test_zero_at_one_rank_skips_the_buckets_bit_for_bit(single_rank_runs: dict, 
     # The bucket's flatten (cat) and division by 1 are gone, so is the all-gather's flatten and copy back.
     assert before.get("cat", 0) >= 2 and after.get("cat", 0) < before["cat"], (before, after)
     assert before.get("div_", 0) >= 1 and after.get("div_", 0) == 0, (before, after)
+
+
+FP16_PATHS = ("amp", "zero", "zero_one_rank")
+TRUE_GRAD = (0.3, 0.0, 0.4)  # norm 0.5: under max_norm 1, nothing clipped
+
+
+def _fp16_growth_step(path: str) -> dict:
+    """One fp16 step whose scaler grows its scale (growth_interval 1) inside ``step``, on the optimizer classes
+    the plugins build: the update must divide by the scale the gradients carry (2**10), not the grown one."""
+    from colossalai.accelerator import get_accelerator
+    from colossalai.amp.naive_amp.mixed_precision_optimizer import MixedPrecisionOptimizer
+    from colossalai.zero.low_level.low_level_optim import LowLevelZeroOptimizer
+
+    from coati_kto.parallel.optimizer_path import (
+        given_norm,
+        install_clipping,
+        install_mixed_precision_step,
+        install_single_rank_zero,
+    )
+
+    accelerator = type(get_accelerator())
+    counting = accelerator.device_count
+    accelerator.device_count = lambda self: 1  # the scaler counts devices; fp16 is GPU-only elsewhere
+    try:
+        weight = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0], dtype=torch.float16))
+        sgd = torch.optim.SGD([weight], lr=1.0)
+        scaling = {"initial_scale": 2**10, "growth_interval": 1, "hysteresis": 2}
+        if path == "amp":
+            optimizer = MixedPrecisionOptimizer(sgd, precision="fp16", max_norm=1.0, **scaling)
+            install_mixed_precision_step(optimizer)
+        else:
+            optimizer = LowLevelZeroOptimizer(sgd, clip_grad_norm=1.0, **scaling)
+            if path == "zero_one_rank":
+                assert install_single_rank_zero(optimizer)  # before the backward: it stores the gradients
+        install_clipping(optimizer)
+        true = torch.tensor(TRUE_GRAD)
+        optimizer.backward((weight.float() * true).sum())  # the loss times the scale, 2**10
+        with given_norm(optimizer, 0.5 * 2**10):
+            optimizer.step()
+        scale = float(
+            optimizer.mixed_precision.loss_scale
+            if path == "amp"
+            else optimizer.mixed_precision_mixin.loss_scale
+        )
+        return {"weight": weight.detach().float().tolist(), "scale_after": scale}
+    finally:
+        accelerator.device_count = counting
+
+
+@pytest.mark.parametrize("path", FP16_PATHS)
+def test_fp16_step_that_grows_the_scale_unscales_by_the_gradients_own(path: str) -> None:
+    (out,) = run_distributed(_fp16_growth_step, 1, path)
+    assert out["scale_after"] == 2**11  # it grew inside the step
+    # w - lr * g with the true gradient, to fp16 rounding (the grown scale gave w - g / 2: 0.85, 2.0, 2.8)
+    expected = [w - g for w, g in zip((1.0, 2.0, 3.0), TRUE_GRAD, strict=True)]
+    assert out["weight"] == pytest.approx(expected, abs=2e-3)

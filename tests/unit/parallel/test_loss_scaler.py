@@ -56,3 +56,53 @@ def test_without_fp16_there_is_nothing_to_save_or_restore() -> None:
     restore_loss_scaler(
         SimpleNamespace(), {"scale": torch.tensor(8.0), "growth_step": 1, "hysteresis_step": 0}
     )
+
+
+class _LoadsNothing:
+    """A booster whose loads do nothing: ``CheckpointManager.load``'s own reads are what is under test."""
+
+    def load_model(self, *args) -> None: ...
+
+    def load_optimizer(self, *args) -> None: ...
+
+    def load_lr_scheduler(self, *args) -> None: ...
+
+
+class _Boosted(torch.nn.Module):
+    """A model as the booster returns it: ``unwrap()`` gives the module inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = torch.nn.Linear(2, 2)
+
+    def unwrap(self, unwrap_peft: bool = True) -> torch.nn.Module:
+        return self.module
+
+
+def test_a_resume_on_another_layout_keeps_the_loss_scale(tmp_path, monkeypatch) -> None:
+    """The scale is the same on every rank (the overflow vote is global), so rank 0's saved scaler fits any
+    layout; a 2-rank fp16 run resumed on 1 rank used to restart at the initial scale and skip steps."""
+    from colossalai.accelerator import get_accelerator
+
+    from coati_kto.parallel.distributed import ParallelLayout
+    from coati_kto.trainer.checkpoint import CheckpointManager
+
+    upstream.apply()
+    monkeypatch.setattr(type(get_accelerator()), "device_count", lambda self: 1)
+    saved = tmp_path / "step-4"
+    (saved / "trainer_state").mkdir(parents=True)
+    (saved / "meta.json").write_text('{"step": 4, "world_size": 2, "dp_size": 2, "tp_size": 1}')
+    scaler = {"scale": torch.tensor(2.0**9), "growth_step": 5, "hysteresis_step": 1}
+    for rank in (0, 1):
+        state = {"global_step": 4, "epoch": 0, "dp_rank": rank, "consumed": 2}
+        torch.save(
+            {"trainer_state": state, "rng": None, "loss_scaler": scaler},
+            saved / "trainer_state" / f"rank-{rank}.pt",
+        )
+    layout = ParallelLayout(rank=0, world_size=1, local_rank=0, dp_rank=0, dp_size=1, dp_group=None)
+    manager = CheckpointManager(tmp_path, _LoadsNothing(), layout)
+    resumed = _optimizer("mixed_precision_mixin")
+    state = manager.load(saved, _Boosted(), resumed, None)
+    again = resumed.mixed_precision_mixin.grad_scaler
+    assert float(again.scale) == 2.0**9 and (again._growth_step, again._hysteresis_step) == (5, 1)
+    assert [s["dp_rank"] for s in state["rank_states"]] == [0, 1]  # the data position, as before
