@@ -83,6 +83,25 @@ def _records(root: Path, n: int, offset: int, name: str) -> Path:
     return out
 
 
+def _mixed_records(root: Path, n: int, name: str) -> Path:
+    """``n`` records, one in four with an image (as ``_records``'), the others text only: most micro-batches hold
+    no image, so with model.train_vision a rank's backward may reach the tower while its peer's does not."""
+    imaged = [json.loads(line) for line in _records(root, n, 0, f"imaged-{name}").read_text().splitlines()]
+    lines = []
+    for i, record in enumerate(imaged):
+        if i % 4 != 0:
+            good = i % 2 == 0
+            record = {
+                "prompt": [{"role": "user", "content": f"What colour is the sky? ({i})"}],
+                "completion": [{"role": "assistant", "content": "blue" if good else "green"}],
+                "label": good,
+            }
+        lines.append(json.dumps(record) + "\n")
+    out = root / name
+    out.write_text("".join(lines))
+    return out
+
+
 # Refused right after prepare, before any model loads (the messages: coati_kto.recipe.images). data.padding_free,
 # plugin.sp_size and plugin.pp_size are refused earlier for this model, at config load (not proven for Gemma 3).
 REFUSALS = {
@@ -180,6 +199,16 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         vision["model"]["train_vision"] = True
         (root / f"{name}.yaml").write_text(yaml.safe_dump(vision))
         stdout[name] = _train(root / f"{name}.yaml", world)
+    # model.train_vision on text and image records mixed (ZeRO 2 over dp 2 against one process)
+    _mixed_records(root, 16, "mixed.jsonl")
+    for name, world, steps in (("mixed_one", 1, 2), ("mixed_two", 2, 1)):
+        mixed = yaml.safe_load(_config(root, name, accumulation_steps=steps).read_text())
+        mixed["model"]["train_vision"] = True
+        mixed["data"].update(
+            train_files=[str(root / "mixed.jsonl")], prepared_dir=str(root / "prepared-mixed")
+        )
+        (root / f"{name}.yaml").write_text(yaml.safe_dump(mixed))
+        stdout[name] = _train(root / f"{name}.yaml", world)
     default = {  # nothing but the paths: the default plugin, precision (bf16) and kto settings
         "model": {"path": str(root / "model")},
         "data": {"train_files": [str(root / "train.jsonl")], "prepared_dir": str(root / "prepared-default")},
@@ -250,6 +279,12 @@ def test_train_vision_moves_the_tower_and_two_processes_equal_one(runs: dict) ->
     got, want = _weights(root / "vision_two"), _weights(root / "vision_one")
     moved = [k for k in want if _tower(k) and not torch.equal(want[k], start[k])]
     assert len(moved) > 10 and any("multi_modal_projector" in k for k in moved)
+    _assert_every_update_equal(got, want, start)
+
+
+def _assert_every_update_equal(got: dict, want: dict, start: dict) -> None:
+    """Every tensor's update in ``got`` equals ``want``'s within same_seed_runs' bound; one not updated in
+    ``want`` (no gradient) is not updated in ``got`` either."""
     errors = {}
     for k in want:
         update = (want[k] - start[k]).abs().max().item()
@@ -259,6 +294,17 @@ def test_train_vision_moves_the_tower_and_two_processes_equal_one(runs: dict) ->
         spacing = torch.finfo(torch.float32).eps * want[k].abs().max().item()
         errors[k] = max((got[k] - want[k]).abs().max().item() - spacing, 0.0) / update
     assert max(errors.values()) < UPDATE_BOUND, max(errors.items(), key=lambda kv: kv[1])
+
+
+def test_train_vision_on_text_and_image_records_two_processes_equal_one(runs: dict) -> None:
+    """model.train_vision on a mix of text and image records: a step where one rank's micro-batch holds an image
+    and its peer's none still reduces every gradient together (ZeRO's buckets filled alike: the ordered
+    reduction, coati_kto.parallel.ordered_grads); 2 processes' update equals 1 process's, the tower's included."""
+    root = runs["root"]
+    start = load_file(root / "model" / "model.safetensors")
+    got, want = _weights(root / "mixed_two"), _weights(root / "mixed_one")
+    assert any(_tower(k) and not torch.equal(want[k], start[k]) for k in want)  # the tower trained
+    _assert_every_update_equal(got, want, start)
 
 
 def test_the_cached_reference_scored_with_the_images_logs_the_online_metrics(runs: dict) -> None:
