@@ -333,6 +333,15 @@ def _close_process_groups() -> None:
         dist.destroy_process_group()
 
 
+def _tell_waiting_peers(line: str) -> None:
+    """This rank is leaving with an error: ranks waiting for its file work in the store stop with ``line`` at once
+    (``coati_kto.parallel.store_waits.tell_peers``). Nothing where torch's c10d was never imported."""
+    if "torch.distributed" in sys.modules:
+        from coati_kto.parallel.store_waits import tell_peers
+
+        tell_peers(line)
+
+
 def _main(args: argparse.Namespace, rank: str | None) -> int:
     """``_run`` with every way out turned into an exit code (see ``main``)."""
     try:
@@ -342,6 +351,8 @@ def _main(args: argparse.Namespace, rank: str | None) -> int:
             return USER_ERROR_EXIT_CODE  # the same on every rank: rank 0 prints it
         prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
         print(f"{prefix}error: {err}", file=sys.stderr)
+        if not err.same_on_every_rank:
+            _tell_waiting_peers(str(err))
         return USER_ERROR_EXIT_CODE
     except TrainingStoppedError as stop:
         if rank in (None, "0"):
@@ -352,6 +363,9 @@ def _main(args: argparse.Namespace, rank: str | None) -> int:
 
         line = peer_failure(err)
         if line is None:
+            _tell_waiting_peers(
+                f"{type(err).__name__}: {err}".splitlines()[0][:300] + " (its traceback is in its log)"
+            )
             raise
         if STOP.received == signal.SIGINT:  # Ctrl-C twice: the second may reach a peer first, which aborts;
             time.sleep(

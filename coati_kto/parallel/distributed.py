@@ -25,7 +25,13 @@ from torch.distributed import ProcessGroup
 
 from coati_kto.errors import UserError, rebuild_user_error
 from coati_kto.parallel import upstream
-from coati_kto.parallel.store_waits import DEFAULT_TIMEOUT_S, FileWaitTimeoutError, from_rank0, set_timeout
+from coati_kto.parallel.store_waits import (
+    DEFAULT_TIMEOUT_S,
+    FileWaitTimeoutError,
+    PeerFailedError,
+    from_rank0,
+    set_timeout,
+)
 from coati_kto.parallel.upstream.cpu import cuda_available
 
 T = TypeVar("T")
@@ -337,7 +343,7 @@ def peer_failure(err: BaseException) -> str | None:
     gloo reports it as a RuntimeError naming the peer's address (``Connection closed by peer [10.0.0.2]:4810``);
     NCCL and the store as torch.distributed.DistError.
     """
-    if isinstance(err, FileWaitTimeoutError):
+    if isinstance(err, FileWaitTimeoutError | PeerFailedError):
         return str(err)
     text = str(err)
     address, cause = _PEER_ADDRESS.search(text), next((c for c in _PEER_CAUSES if c in text), None)

@@ -14,8 +14,8 @@ after it every trainable parameter enters the buckets in the optimizer's paramet
 rank), with zeros where this rank's backward left none (its share of the average is 0). The reduced values are
 upstream's; the cost is that the reduction no longer overlaps the backward and the whole gradient is held until
 it ends (2 bytes per parameter in bf16, where ZeRO-2 holds 2 / N), as under upstream's ZeRO-1 without overlap. So
-it is installed, at more than one ZeRO rank, only where a parameter can go unreached (:func:`data_dependent_graph`:
-those MoEs, and a vision tower trained on text and image records mixed):
+it is installed, at more than one ZeRO rank, only where a parameter can go unreached (:func:`data_dependent_graph`,
+and a vision tower trained on text and image records mixed: the backend's ``boost``):
 dense models and transformers 5's fused-expert MoEs (Mixtral, Qwen3-MoE: the same parameters in the same order
 whatever the routing, ``tests/distributed/test_ordered_grads.py``) keep upstream's overlapped buckets.
 """
@@ -41,19 +41,7 @@ def data_dependent_graph(model: nn.Module) -> bool:
             return True
         if isinstance(sub, nn.ModuleList) and name.rsplit(".", 1)[-1] == "experts":
             return True
-    return trainable_vision_tower(model)
-
-
-def trainable_vision_tower(model: nn.Module) -> bool:
-    """A vision-language model under ``model.train_vision``: a micro-batch of text records only never runs the
-    tower and projector, so on a mix of text and image records a rank's backward may reach them while its
-    peer's does not."""
-    from coati_kto.families import vision_language
-    from coati_kto.models.lora import base_module
-    from coati_kto.models.vision import tower_trainable
-
-    module = base_module(model)
-    return vision_language(getattr(module, "config", None)) and tower_trainable(module)
+    return False
 
 
 def install_ordered_reduction(optimizer: Any) -> bool:

@@ -37,23 +37,55 @@ class FileWaitTimeoutError(RuntimeError):
     """A wait on file work passed ``train.file_wait_timeout``; its message is the one line to print."""
 
 
+class PeerFailedError(RuntimeError):
+    """Another rank failed while this one waited (``tell_peers``); its message is the one line to print."""
+
+
 def set_timeout(seconds: float) -> None:
     """``train.file_wait_timeout`` for this process's waits (``init_distributed`` sets it; any rank, local)."""
     global _timeout_s
     _timeout_s = float(seconds)
 
 
+def _prefix() -> str:
+    return f"coati_kto/file_wait/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
 def _key(what: str) -> str:
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return f"coati_kto/file_wait/{attempt}/{next(_calls)}/{what}"
+    return f"{_prefix()}/{next(_calls)}/{what}"
 
 
-def _poll(ready: Callable[[], bool], waiting_for: str) -> None:
+def failure_key() -> str:
+    """Where a rank that fails says so (``tell_peers``): every wait of this launch attempt reads it."""
+    return f"{_prefix()}/failed"
+
+
+def tell_peers(line: str) -> None:
+    """A rank leaving with an error (``line``, one line) tells the ranks waiting in the store, which then stop
+    at once with it instead of waiting for train.heartbeat_timeout or train.file_wait_timeout (a failed rank's
+    closed sockets end a collective, not a store wait). The first failure is kept. Any rank, local; nothing
+    without a process group or when the store itself is gone."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.compare_set(failure_key(), "", f"rank {dist.get_rank()}: {line}")
+    except Exception:  # noqa: BLE001 - the store (rank 0's process, torchrun's agent) is gone: nobody to tell
+        pass
+
+
+def _poll(ready: Callable[[], bool], waiting_for: str, store: Any) -> None:
     """Until ``ready()`` (a store read). Polled, with pauses from 1 ms growing to MAX_PAUSE_S, rather than one
     blocking ``store.wait``: between polls the interpreter runs signal handlers (a stop, a second Ctrl-C's
-    abort), and a wait of minutes costs two requests a second per rank."""
-    deadline, pause = time.monotonic() + _timeout_s, 0.001
+    abort) and reads whether a rank failed (``tell_peers``); a wait of minutes costs four requests a second per
+    rank."""
+    deadline, pause, failed = time.monotonic() + _timeout_s, 0.001, failure_key()
     while not ready():
+        if store.check([failed]):
+            raise PeerFailedError(
+                f"{store.get(failed).decode()} (this rank was waiting for {waiting_for}); resume with "
+                "train.resume=auto"
+            )
         if time.monotonic() > deadline:
             raise FileWaitTimeoutError(
                 f"waited {_timeout_s:.0f} s (train.file_wait_timeout) for {waiting_for}; a rank is stuck or a "
@@ -65,7 +97,7 @@ def _poll(ready: Callable[[], bool], waiting_for: str) -> None:
 
 def _all_arrived(store: Any, key: str, size: int, waiting_for: str) -> None:
     store.add(f"{key}/arrived", 1)
-    _poll(lambda: store.add(f"{key}/arrived", 0) == size, waiting_for)
+    _poll(lambda: store.add(f"{key}/arrived", 0) == size, waiting_for, store)
 
 
 def _leave(store: Any, key: str, rank: int, size: int) -> None:
@@ -73,7 +105,7 @@ def _leave(store: Any, key: str, rank: int, size: int) -> None:
     lives in rank 0's process: it must not exit (a user error, the end of the run) while a peer still reads."""
     store.add(f"{key}/left", 1)
     if rank == 0:
-        _poll(lambda: store.add(f"{key}/left", 0) == size, "the other ranks to read the store")
+        _poll(lambda: store.add(f"{key}/left", 0) == size, "the other ranks to read the store", store)
 
 
 def _world() -> tuple[Any, int, int] | None:
@@ -106,7 +138,7 @@ def from_rank0(value: Any, what: str) -> Any:
     if rank == 0:
         store.set(f"{key}/value", pickle.dumps(value))
     else:
-        _poll(lambda: store.check([f"{key}/value"]), f"global rank 0 to {what}")
+        _poll(lambda: store.check([f"{key}/value"]), f"global rank 0 to {what}", store)
         value = pickle.loads(store.get(f"{key}/value"))
     _leave(store, key, rank, size)
     return value

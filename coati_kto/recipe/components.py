@@ -20,6 +20,7 @@ from coati_kto.models.compile import maybe_compile
 from coati_kto.models.hf import freeze_vision_tower, load_causal_lm
 from coati_kto.models.lora import AdapterFreeReference, enable_lora
 from coati_kto.models.packing import padding_free_note
+from coati_kto.models.vision import tower_trainable
 from coati_kto.parallel.distributed import ParallelLayout
 from coati_kto.parallel.optimizers import optimizer_for
 from coati_kto.parallel.plan import ParallelPlan
@@ -92,7 +93,9 @@ def build_components(
         optimizer, config.train.warmup_steps, max(1, total_steps), config.train.min_lr_ratio
     )
     # Every parameter, frozen ones too: ZeRO skips them; a ZeRO plugin finds adapters by their base layer.
-    policy, optimizer, lr_scheduler = plan.backend.boost(booster, policy, optimizer, lr_scheduler)
+    # model.train_vision: a micro-batch of text records only never runs the tower (no gradient on that rank)
+    unreached = vision_language(getattr(policy, "config", None)) and tower_trainable(policy)
+    policy, optimizer, lr_scheduler = plan.backend.boost(booster, policy, optimizer, lr_scheduler, unreached)
     if config.model.lora is not None and config.kto.reference == "online":
         reference = AdapterFreeReference(policy)  # the base model: no second copy in memory
     return Components(plugin, booster, layout, policy, reference, optimizer, lr_scheduler, plan, frozen_fp32)

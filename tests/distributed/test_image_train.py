@@ -137,6 +137,23 @@ def _lifecycle(roots: list[str]) -> int:
     return 0
 
 
+def _sgd_train_counting_zero_filled(argv: list[str]) -> int:
+    """``sgd_train``, then prints how many gradients this rank's backwards left out and the ordered reduction
+    filled with zeros (``-1``: no ordered reduction installed)."""
+    import coati_kto.parallel.backends.base as backends
+
+    install, optimizers = backends.install_ordered_reduction, []
+
+    def recording(optimizer: Any) -> bool:
+        optimizers.append(optimizer)
+        return install(optimizer)
+
+    backends.install_ordered_reduction = recording  # put back by the pool's reset
+    code = sgd_train(argv)
+    print("zero-filled gradients", getattr(optimizers[0], "zero_filled_grads", -1) if optimizers else -1)
+    return code
+
+
 def _config(root: Path, out: str, kto: dict | None = None, **train: Any) -> Path:
     """The default config with model.path a Gemma 3 VL model; fp32 so that runs compare closely."""
     config = {
@@ -166,10 +183,10 @@ def _config(root: Path, out: str, kto: dict | None = None, **train: Any) -> Path
     return path
 
 
-def _train(config: Path, world: int, *overrides: str) -> str:
-    proc = run_cli(["train", str(config), *overrides], world, command=sgd_train)
+def _train(config: Path, world: int, *overrides: str, command: Any = sgd_train) -> str:
+    proc = run_cli(["train", str(config), *overrides], world, command=command)
     assert proc.returncode == 0, proc.ranks[0].stdout[-3000:] + proc.ranks[0].stderr[-3000:]
-    return proc.ranks[0].stdout
+    return "".join(rank.stdout for rank in proc.ranks)
 
 
 @pytest.fixture(scope="module")
@@ -199,7 +216,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         vision["model"]["train_vision"] = True
         (root / f"{name}.yaml").write_text(yaml.safe_dump(vision))
         stdout[name] = _train(root / f"{name}.yaml", world)
-    # model.train_vision on text and image records mixed (ZeRO 2 over dp 2 against one process)
+    # model.train_vision on text and image records mixed (ZeRO 1 over dp 2 against one process)
     _mixed_records(root, 16, "mixed.jsonl")
     for name, world, steps in (("mixed_one", 1, 2), ("mixed_two", 2, 1)):
         mixed = yaml.safe_load(_config(root, name, accumulation_steps=steps).read_text())
@@ -207,8 +224,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         mixed["data"].update(
             train_files=[str(root / "mixed.jsonl")], prepared_dir=str(root / "prepared-mixed")
         )
+        mixed["plugin"] = {"name": "low_level_zero", "zero_stage": 1, "precision": "fp32"}  # ZeRO's buckets
         (root / f"{name}.yaml").write_text(yaml.safe_dump(mixed))
-        stdout[name] = _train(root / f"{name}.yaml", world)
+        stdout[name] = _train(root / f"{name}.yaml", world, command=_sgd_train_counting_zero_filled)
     default = {  # nothing but the paths: the default plugin, precision (bf16) and kto settings
         "model": {"path": str(root / "model")},
         "data": {"train_files": [str(root / "train.jsonl")], "prepared_dir": str(root / "prepared-default")},
@@ -302,6 +320,12 @@ def test_train_vision_on_text_and_image_records_two_processes_equal_one(runs: di
     reduction, coati_kto.parallel.ordered_grads); 2 processes' update equals 1 process's, the tower's included."""
     root = runs["root"]
     start = load_file(root / "model" / "model.safetensors")
+    # Each rank's backwards left the tower out at least once (a micro-batch of text records only), and the ordered
+    # reduction filled those gradients with zeros, on both ranks of the 2-process run.
+    filled = [
+        int(line.split()[-1]) for line in runs["stdout"]["mixed_two"].splitlines() if "zero-filled" in line
+    ]
+    assert len(filled) == 2 and min(filled) > 0, filled
     got, want = _weights(root / "mixed_two"), _weights(root / "mixed_one")
     assert any(_tower(k) and not torch.equal(want[k], start[k]) for k in want)  # the tower trained
     _assert_every_update_equal(got, want, start)

@@ -224,20 +224,6 @@ def test_only_models_that_can_leave_a_parameter_out_take_the_ordered_reduction(t
     assert data_dependent_graph(separate)
 
 
-def test_a_trainable_vision_tower_takes_the_ordered_reduction(tmp_path: Path) -> None:
-    """model.train_vision: on text and image records mixed, a rank whose micro-batch holds no image never runs
-    the tower and projector (no gradient there) while a peer's does. Frozen (the default), nothing to reach."""
-    from transformers import AutoModelForImageTextToText
-
-    from coati_kto.models.hf import freeze_vision_tower
-    from coati_kto.parallel.ordered_grads import data_dependent_graph
-    from coati_kto.testing.tiny_processors import write_gemma3_vl
-
-    model = AutoModelForImageTextToText.from_pretrained(write_gemma3_vl(tmp_path / "vl"))
-    assert data_dependent_graph(model)  # train_vision: every parameter trainable
-    assert freeze_vision_tower(model) == {} and not data_dependent_graph(model)
-
-
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_fused_experts_reach_the_same_parameters_in_one_order_whatever_the_routing(family: str) -> None:
     """Why fused-expert MoEs need no ordered reduction: over 30 random batches (1-3 rows of 1-11 tokens, routers

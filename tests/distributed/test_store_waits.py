@@ -97,6 +97,43 @@ def test_waits_for_file_work_outlast_the_collective_timeout() -> None:
     assert rank0["timeout"] == line.format("the other ranks to read the store")
 
 
+def _a_failed_rank_ends_the_waits() -> dict:
+    """Rank 0 fails (it tells the store) instead of doing the work rank 1 waits for: rank 1 stops at once."""
+    from coati_kto.parallel import store_waits
+
+    rank, out = dist.get_rank(), {}
+    started = time.monotonic()
+    if rank == 0:
+        time.sleep(0.5)
+        store_waits.tell_peers("OSError: No space left on device: final.tmp/model.safetensors")
+        store_waits.tell_peers("a later failure")  # the first is kept
+        time.sleep(
+            2.0
+        )  # rank 1 reads the failure (polls are at most MAX_PAUSE_S apart) before rank 0 arrives
+    try:
+        store_waits.wait_for_all("global rank 0 to write final/")  # rank 0 too: it sees its own failure
+        out["error"] = None
+    except store_waits.PeerFailedError as err:
+        out["error"], out["seconds"] = str(err), time.monotonic() - started
+    dist.barrier()
+    if rank == 0:  # the pool's store outlives this test
+        dist.distributed_c10d._get_default_store().delete_key(store_waits.failure_key())
+    dist.barrier()
+    return out
+
+
+def test_a_rank_that_fails_ends_the_others_waits_at_once() -> None:
+    rank0, rank1 = run_distributed(_a_failed_rank_ends_the_waits, 2)
+    assert rank1["error"] == (
+        "rank 0: OSError: No space left on device: final.tmp/model.safetensors (this rank was waiting for "
+        "global rank 0 to write final/); resume with train.resume=auto"
+    )
+    assert (
+        rank1["seconds"] < 2.0
+    )  # at its next poll: not train.heartbeat_timeout, nor train.file_wait_timeout
+    assert rank0["error"].startswith("rank 0: OSError: No space left on device")  # (here rank 0 waited too)
+
+
 SLOW_FINAL_S = 8.0  # rank 0's final/ write, past the run's train.dist_timeout
 
 
@@ -137,6 +174,52 @@ def test_a_final_write_longer_than_dist_timeout_ends_the_run_cleanly(
     for rank in proc.ranks:
         assert rank.returncode == 0, rank.stdout[-3000:]
     assert (tmp_path / "out" / "final" / "model.safetensors").is_file()
+
+
+def _train_with_a_failing_final_write(argv: list[str]) -> int:
+    """``coati-kto train`` whose global rank 0 fails to write final/ (a full disk) after the export's own checks."""
+    import coati_kto.recipe.train as recipe
+    from coati_kto.cli import main
+
+    write = recipe.save_final
+
+    def failing(*args, **kwargs):
+        write(*args, **kwargs)
+        if os.environ["RANK"] == "0":
+            raise OSError(28, "No space left on device", "final/README.md")
+
+    recipe.save_final = failing  # put back by the pool's reset
+    return main(argv)
+
+
+def test_a_rank_0_failing_after_its_peers_finished_tells_them_why(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Its peers wait for rank 0 in the store (not a collective, whose closed sockets would end them): they stop
+    at once with rank 0's one line, exit 1, instead of waiting for the heartbeat."""
+    config = {
+        "model": {"path": str(tiny_model_dir)},
+        "data": {
+            "train_files": [str(write_jsonl(preference_records(16, 0), tmp_path / "train.jsonl"))],
+            "prepared_dir": str(tmp_path / "prepared"),
+            "max_length": 24,
+        },
+        "train": {"micro_batch_size": 2, "max_steps": 1, "eval_at_epoch_end": False, "eval_at_start": False},
+        "plugin": {"name": "ddp", "precision": "fp32"},
+        "output": {"dir": str(tmp_path / "out")},
+    }
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    started = time.monotonic()
+    proc = run_cli(["train", str(path)], 2, command=_train_with_a_failing_final_write, timeout_s=120)
+    rank0, rank1 = proc.ranks
+    assert rank0.returncode == 1 and "OSError: [Errno 28] No space left on device" in rank0.stderr
+    assert rank1.returncode == 1
+    assert rank1.stderr.strip().splitlines()[-1] == (
+        "[rank 1] error: rank 0: OSError: [Errno 28] No space left on device: 'final/README.md' (its traceback is "
+        "in its log) (this rank was waiting for global rank 0 to write final/); resume with train.resume=auto"
+    )
+    assert time.monotonic() - started < 60
 
 
 def test_a_world_of_one_waits_for_nothing() -> None:

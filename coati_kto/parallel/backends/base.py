@@ -116,10 +116,17 @@ class ParallelBackend:
         return GradNorm(optimizer, limit, layout, zero_store=self.gradients_in_zero_store)
 
     def boost(
-        self, booster: Any, policy: nn.Module, optimizer: Any, lr_scheduler: Any
+        self,
+        booster: Any,
+        policy: nn.Module,
+        optimizer: Any,
+        lr_scheduler: Any,
+        unreached_by_data: bool = False,
     ) -> tuple[Any, Any, Any]:
         """``booster.boost`` the policy (loaded in fp32), then give what runs in fp32 (``fp32_kept``) its values
-        back, and install the project's gradient path on the boosted optimizer."""
+        back, and install the project's gradient path on the boosted optimizer. ``unreached_by_data``: the data
+        can leave a trainable parameter without a gradient on one rank and not its peer (a vision tower trained on
+        text and image records mixed): ZeRO reduces in parameter order then, as for the MoEs that can."""
         kept = fp32_kept(policy, self.plan.dtype)
         self.prepare_policy(booster, policy)
         if self.torch_ddp:  # before DDP is built around the policy: it reads the setting once
@@ -136,7 +143,7 @@ class ParallelBackend:
         optimizer_path.install_single_rank_zero(optimizer)
         optimizer_path.install_mixed_precision_step(optimizer)
         optimizer_path.install_fused_zero(optimizer)  # train.fused_optimizer (MixedAdamW) under ZeRO
-        if data_dependent_graph(policy):  # identity experts: ranks may reach different parameters
+        if data_dependent_graph(policy) or unreached_by_data:  # ranks may reach different parameters
             install_ordered_reduction(optimizer)
         return policy, optimizer, lr_scheduler
 
