@@ -87,7 +87,22 @@ class CheckpointUploads:
         """Called by CheckpointManager once ``checkpoint`` is complete (its COMPLETE marker written)."""
         staged = self.staging / checkpoint.name
         shutil.rmtree(staged, ignore_errors=True)
-        shutil.copytree(checkpoint, staged, copy_function=os.link)  # same filesystem: no bytes copied
+        try:
+            shutil.copytree(checkpoint, staged, copy_function=os.link)  # same filesystem: no bytes copied
+        except OSError as err:  # no hard links there (gcsfuse, s3fs, CIFS) or another mount: skip, never stop
+            shutil.rmtree(staged, ignore_errors=True)
+            retry = f"hf upload {self.push.repo_id} {checkpoint} --revision {checkpoint.name}"
+            # copytree gathers its files' errors in one shutil.Error: (source, target, why) each; the first says it
+            cause = err.args[0][0][2] if isinstance(err, shutil.Error) and err.args[0] else err.strerror or err
+            line = (
+                f"checkpoint {checkpoint.name} not uploaded: cannot hard-link it into {self.staging} ({cause}); "
+                f"the run goes on; to upload it while output.keep_last keeps it: `{retry}`"
+            )
+            print(line, flush=True)
+            skipped: Future = Future()
+            skipped.set_result((False, line))
+            self._uploads.append((checkpoint.name, skipped))
+            return
         upload = self._thread.submit(self._upload, staged, checkpoint)
         self._uploads.append((checkpoint.name, upload))
         print(f"uploading checkpoint {checkpoint.name} to {self.push.repo_id} in the background", flush=True)

@@ -187,9 +187,8 @@ def _refuse_changed_contents(config: Config, checkpoints: Path) -> None:
     checkpoint = on_rank0(lambda: resolve_checkpoint(checkpoints, resume), "resolve the checkpoint")
     if checkpoint is None:
         return
-    try:
-        state = saved_trainer_state(checkpoint)["trainer_state"]
-    except FileNotFoundError:
+    state = on_rank0(lambda: _saved_state_or_none(checkpoint), "read the checkpoint's trainer state")
+    if state is None:  # decided on rank 0: every rank takes the same waits below, or none
         return
     inputs = PrepareSettings(config.data, config.model, config.train.seed, images=True)
     data = on_rank0(
@@ -235,3 +234,11 @@ def _announce(config: Config, run: Run, notes: tuple[str | None, ...]) -> None:
     )
     if run.layout.is_main:
         print("\n".join([run.weights_report, *run.notes]), flush=True)
+
+
+def _saved_state_or_none(checkpoint: Path) -> dict | None:
+    """``checkpoint``'s trainer state (rank 0's file), or None where it has none (written before it kept one)."""
+    try:
+        return saved_trainer_state(checkpoint)["trainer_state"]
+    except FileNotFoundError:
+        return None

@@ -17,6 +17,7 @@ from typing import Any
 
 from coati_kto.config.resume import check_contents, check_resume
 from coati_kto.config.schema import Config
+from coati_kto.errors import ConfigError
 from coati_kto.outputs.push import CheckpointUploads, checkpoint_uploads, push_final
 from coati_kto.parallel.store_waits import wait_for_all
 from coati_kto.recipe.components import build_trainer, total_optimizer_steps
@@ -36,7 +37,13 @@ def train(config: Config) -> Any:
     Every rank calls. User mistakes raise UserError subclasses (the CLI prints them on one line). SIGTERM,
     SIGINT or SIGUSR1 end the run after a checkpoint, raising TrainingStoppedError (coati_kto.runtime.signals).
     """
-    check_training(config)  # before anything heavy: every problem at once
+    try:
+        check_training(config)  # before anything heavy: every problem at once
+    except ConfigError as err:
+        # What it reads can differ between nodes (a model directory on node-local disk, an installed package):
+        # the first rank of each node says its own, not global rank 0 alone; the other ranks of a node stay quiet.
+        err.same_on_every_rank = os.environ.get("LOCAL_RANK", "0") != "0"
+        raise
     output = config.training_output()
     # A run that continues a checkpoint says so first (unless its launcher did).
     announce_resume(config.train, output)

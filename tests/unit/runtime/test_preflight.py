@@ -374,3 +374,21 @@ def test_a_run_that_resumes_says_so_once_and_how_to_start_over(
     monkeypatch.setenv("RANK", "0")
     announce_resume(*_resume_sections(auto))
     assert capsys.readouterr().out == said + "\n"
+
+
+@pytest.mark.parametrize(("local_rank", "quiet"), [("0", False), ("3", True)])
+def test_each_nodes_first_rank_says_its_own_preflight_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, local_rank: str, quiet: bool
+) -> None:
+    """What the checks read can differ between nodes (model.path on node-local disk): a ConfigError from them is
+    printed by the first rank of each node (``same_on_every_rank`` False there), not by global rank 0 alone. It
+    was marked the same on every rank for the whole class, so a node whose copy was missing exited 2 in silence
+    while rank 0 waited for it in the process group's rendezvous."""
+    from coati_kto.errors import ConfigError
+    from coati_kto.recipe.train import train
+
+    config = load_config(write_config(tmp_path, MINIMAL.replace("some/model", str(tmp_path / "missing"))))
+    monkeypatch.setenv("LOCAL_RANK", local_rank)
+    with pytest.raises(ConfigError, match="model.path") as raised:
+        train(config)
+    assert raised.value.same_on_every_rank is quiet
