@@ -82,6 +82,9 @@ class SLTrainer(ABC):
             self._before_fit(train_dataloader, eval_dataloader, log_dir, use_wandb)
             for epoch in range(self.start_epoch, self.max_epochs):
                 if self._finished():
+                    # Resumed at the step limit (its checkpoint saved just before the end's evaluation, or a stop
+                    # there): that evaluation, as the run would have had it; a no-op where it had run.
+                    self._eval(epoch)
                     break
                 self._train(epoch)
                 self._eval(epoch)

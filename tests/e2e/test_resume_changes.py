@@ -203,3 +203,19 @@ def test_a_resume_refused_for_edited_data_leaves_the_prepared_data_alone(first_r
     assert not done.stdout.startswith("prepared "), done.stdout[:300]
     assert (prepared / "fingerprint.json").read_text() == fingerprint
     assert kept.is_dir()
+
+
+def test_a_resume_at_the_step_limit_runs_the_final_evaluation(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The checkpoint at step 2 (the last) is saved before the run's final evaluation. A run resumed from it, with
+    no evaluation at its start, used to end at once without that evaluation; it now logs it, equal to the
+    uninterrupted run's (the same weights, the same eval split)."""
+    config = _ddp_config(tmp_path, tiny_model_dir, max_steps=2, eval_at_start=False)
+    eval_file = write_jsonl(preference_records(8, 100), tmp_path / "eval.jsonl")
+    whole = _train(config, f"data.eval_files=[{eval_file}]")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    checkpoint, out = tmp_path / "out" / "checkpoints" / "step-2", tmp_path / "at_the_end"
+    done = _train(config, f"data.eval_files=[{eval_file}]", f"train.resume={checkpoint}", f"output.dir={out}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    logged = read_scalars(tmp_path / "out" / "tensorboard")["eval/loss"]
+    assert [step for step, _ in logged] == [2]  # the end's evaluation, after the checkpoint
+    assert read_scalars(out / "tensorboard")["eval/loss"] == logged
