@@ -303,7 +303,8 @@ class KTOTrainer(SLTrainer):
         if (epochs := self.position.epochs()) is not None:  # TRL's fractional epoch, at the interval's end
             metrics["train/epoch"] = epochs
         devices = self.layout.world_size
-        utilisation = mfu(metrics.get("train/model_flops_per_second", 0.0), self.options.peak_flops, devices)
+        flops = metrics.get("train/model_flops_per_second")  # none in an interval of skipped steps only
+        utilisation = mfu(flops, self.options.peak_flops, devices) if flops is not None else None
         if utilisation is not None:
             metrics["train/mfu"] = utilisation
         self._record(metrics)

@@ -100,8 +100,11 @@ def _epoch_start(
         length = len(loader) + consumed - skip
     except TypeError:
         return None
+    # The saved fraction: consumed / length only holds for an epoch never re-planned (a resume on another layout
+    # re-plans the rest, whose micro-batches then count for less each), and a later resume inside it must go on
+    # from what the earlier one reached. Checkpoints before it was saved: the count.
     saved = (resume or {}).get("epoch_progress")
-    before = float(saved) if saved is not None and not consumed else consumed / max(1, length)
+    before = float(saved) if saved is not None else consumed / max(1, length)
     return before, consumed, length
 
 
