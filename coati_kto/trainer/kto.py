@@ -61,6 +61,7 @@ from coati_kto.trainer.options import KTOOptions, options_from
 from coati_kto.trainer.passes import KTOPasses
 from coati_kto.trainer.pipeline import PipelinePasses
 from coati_kto.trainer.position import DataPosition
+from coati_kto.trainer.run_state import restore_run_state, run_state
 from coati_kto.trainer.samples import EvalSamples
 from coati_kto.trainer.schedule import planned_steps
 from coati_kto.trainer.throughput import mfu
@@ -185,13 +186,7 @@ class KTOTrainer(SLTrainer):
         if self.checkpoint_manager is None:
             raise ValueError("resume needs a checkpoint_manager (or save_dir)")
         state = self.checkpoint_manager.load(Path(checkpoint), self.policy, self.optimizer, self.lr_scheduler)
-        self.global_step = int(state["global_step"])
-        self.start_epoch = int(state["epoch"])
-        self.skipped_steps = int(state.get("skipped_steps", 0))
-        self.position.resume_from(state)
-        self._last_saved_step = self.global_step
-        # An evaluation at the checkpoint's step already happened (and was logged): do not repeat it.
-        self._last_eval_step = state.get("last_eval_step")
+        restore_run_state(self, state)
 
     def _before_fit(
         self, train_dataloader: Any, eval_dataloader: Any, log_dir: str | None, use_wandb: bool
@@ -365,15 +360,7 @@ class KTOTrainer(SLTrainer):
         """Checkpoint after a finite step (every rank): its data position, the digests config.resume checks."""
         if self.checkpoint_manager is None or self._last_saved_step == self.global_step:
             return
-        state = {
-            **self.position.state(self._train_loader, epoch),
-            "dp_rank": self.layout.dp_rank,  # a resume on another layout reads every dp rank's position
-            "global_step": self.global_step,
-            "skipped_steps": self.skipped_steps,
-            "last_eval_step": self._last_eval_step,
-            "config": self.run_config,
-            **{k: (self.data_stats or {}).get(k) for k in ("train_data", "reference_weights")},
-        }
+        state = run_state(self, epoch)
         self.checkpoint_manager.save(self.global_step, self.policy, self.optimizer, self.lr_scheduler, state)
         self._last_saved_step = self.global_step
 

@@ -8,6 +8,9 @@ out of the result (no NaN is ever logged).
 
 from __future__ import annotations
 
+import copy
+from typing import Any
+
 import torch
 
 from coati_kto.models.logit_means import LogitMeans
@@ -183,6 +186,18 @@ class IntervalMeter:
         self.seconds = 0.0
         self.steps = 0  # every step of the interval, skipped ones included
         self.skipped = 0
+
+    def state(self) -> dict[str, Any]:
+        """The open interval, for a checkpoint: a run resumed from it logs the interval's record as the run would
+        have (it began empty: the steps before the checkpoint were missing from every record). The same on every
+        rank (global sums)."""
+        return copy.deepcopy(vars(self))
+
+    def load(self, state: dict[str, Any] | None) -> None:
+        """Continue the interval :meth:`state` saved (None: a checkpoint from before it was saved: start empty)."""
+        self.reset()
+        if state is not None:
+            vars(self).update(copy.deepcopy(state))
 
     def add(
         self,

@@ -219,3 +219,22 @@ def test_a_resume_at_the_step_limit_runs_the_final_evaluation(tiny_model_dir: Pa
     logged = read_scalars(tmp_path / "out" / "tensorboard")["eval/loss"]
     assert [step for step, _ in logged] == [2]  # the end's evaluation, after the checkpoint
     assert read_scalars(out / "tensorboard")["eval/loss"] == logged
+
+
+def test_a_logging_interval_open_at_the_checkpoint_logs_as_uninterrupted(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """train.log_interval 4 with a checkpoint at step 5, in a run of 6 steps (its epoch): a run resumed from it logs
+    the last record, step 6's, over steps 5-6 as the uninterrupted run did. It began an empty interval: step 5
+    was in no record."""
+    config = _ddp_config(tmp_path, tiny_model_dir, max_steps=6, log_interval=4)
+    whole = _train(config, "output.save_interval=5")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    checkpoint, out = tmp_path / "out" / "checkpoints" / "step-5", tmp_path / "resumed"
+    done = _train(config, "output.save_interval=5", f"train.resume={checkpoint}", f"output.dir={out}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    logged, resumed = read_scalars(tmp_path / "out" / "tensorboard"), read_scalars(out / "tensorboard")
+    assert [step for step, _ in logged["train/loss"]] == [4, 6]
+    assert [step for step, _ in resumed["train/loss"]] == [6]
+    for tag in ("train/loss", "train/rewards/chosen", "train/count/chosen", "train/kl"):
+        assert resumed[tag] == [(6, dict(logged[tag])[6])], tag

@@ -1,0 +1,35 @@
+"""What a checkpoint records of a KTOTrainer's run, and putting it back: the step and epoch, the data position,
+the skipped-step count, the logging interval open at the save, the last evaluated step, the config and the
+contents' digests (``coati_kto.config.resume`` checks them). The weights, optimizer, scheduler and RNG states are
+the CheckpointManager's. Every rank, its own (``trainer_state/rank-R.pt``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def run_state(trainer: Any, epoch: int) -> dict[str, Any]:
+    """``trainer``'s state after its step ``trainer.global_step`` of ``epoch``, for its checkpoint."""
+    return {
+        **trainer.position.state(trainer._train_loader, epoch),
+        "dp_rank": trainer.layout.dp_rank,  # a resume on another layout reads every dp rank's position
+        "global_step": trainer.global_step,
+        "skipped_steps": trainer.skipped_steps,
+        # the interval's steps so far: the resumed run logs its record as the whole run would have
+        "interval": trainer._interval.state(),
+        "last_eval_step": trainer._last_eval_step,
+        "config": trainer.run_config,
+        **{k: (trainer.data_stats or {}).get(k) for k in ("train_data", "reference_weights")},
+    }
+
+
+def restore_run_state(trainer: Any, state: dict[str, Any]) -> None:
+    """Put back what :func:`run_state` recorded (older checkpoints lack some keys: their defaults)."""
+    trainer.global_step = int(state["global_step"])
+    trainer.start_epoch = int(state["epoch"])
+    trainer.skipped_steps = int(state.get("skipped_steps", 0))
+    trainer._interval.load(state.get("interval"))
+    trainer.position.resume_from(state)
+    trainer._last_saved_step = trainer.global_step
+    # An evaluation at the checkpoint's step already happened (and was logged): do not repeat it.
+    trainer._last_eval_step = state.get("last_eval_step")
