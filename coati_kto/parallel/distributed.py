@@ -29,6 +29,7 @@ from coati_kto.parallel.store_waits import (
     DEFAULT_TIMEOUT_S,
     FileWaitTimeoutError,
     PeerFailedError,
+    begin,
     from_rank0,
     set_timeout,
 )
@@ -82,6 +83,7 @@ def init_distributed(timeout_s: float = 600.0, file_wait_timeout_s: float = DEFA
     """
     upstream.apply()
     set_timeout(file_wait_timeout_s)
+    begin()  # this command's store waits: keys of their own
     if dist.is_initialized():
         return
     if "RANK" not in os.environ:

@@ -12,7 +12,8 @@ that exits meanwhile closes its sockets, and a node that vanishes stops its hear
 (``coati_kto.runtime.watchdog``): either still ends the job at once or within ``train.heartbeat_timeout``.
 
 Every rank calls each function at the same point, in the same order: the keys are numbered by a per-process
-count of the calls, under the launch attempt's prefix (torchrun's restarts reuse its store).
+count of the calls, under the launch attempt's prefix (torchrun's restarts reuse its store) and the command's
+(``begin``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ DEFAULT_TIMEOUT_S = 7200.0  # train.file_wait_timeout's default: a 1 TB checkpoi
 
 MAX_PAUSE_S = 0.5  # between two polls of a long wait
 _timeout_s = DEFAULT_TIMEOUT_S
-_calls = count()
+_generation = 0  # the commands this process started (begin)
+_calls = count()  # the waits of the current command
 
 
 class FileWaitTimeoutError(RuntimeError):
@@ -47,8 +49,17 @@ def set_timeout(seconds: float) -> None:
     _timeout_s = float(seconds)
 
 
+def begin() -> None:
+    """A command starts (``init_distributed``: every rank, once per command, whether or not it creates the
+    group): its waits, and a failure told during them, get keys of their own. A process that runs several
+    commands on one process group (library use, the test suite's worker ranks) then never reads an earlier
+    command's failure, nor a count of waits that an earlier failure left unequal between ranks."""
+    global _generation, _calls
+    _generation, _calls = _generation + 1, count()
+
+
 def _prefix() -> str:
-    return f"coati_kto/file_wait/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return f"coati_kto/file_wait/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_generation}"
 
 
 def _key(what: str) -> str:

@@ -134,6 +134,60 @@ def test_a_rank_that_fails_ends_the_others_waits_at_once() -> None:
     assert rank0["error"].startswith("rank 0: OSError: No space left on device")  # (here rank 0 waited too)
 
 
+def _a_later_command_starts_clean() -> dict:
+    """Two commands on one process group, as the CLI's on a worker rank or in library use: in the first, rank 0
+    fails and tells the store, leaving without the wait rank 1 entered (their counts of waits now differ). The
+    second command's waits must neither read that failure nor wait on keys the other rank never writes."""
+    from coati_kto.parallel import store_waits
+    from coati_kto.parallel.distributed import init_distributed
+
+    rank, out = dist.get_rank(), {}
+    try:
+        init_distributed(
+            120, file_wait_timeout_s=10.0
+        )  # the first command (the group exists: its waits begin)
+        if rank == 0:
+            store_waits.tell_peers("ValueError: the first command failed")
+        else:
+            try:
+                store_waits.wait_for_all("global rank 0 to write final/")
+            except store_waits.PeerFailedError as err:
+                out["first"] = str(err)
+        dist.barrier()
+        init_distributed(120, file_wait_timeout_s=10.0)  # the next command
+        out["second"] = store_waits.from_rank0("digest" if rank == 0 else None, "prepare the data")
+        store_waits.wait_for_all("global rank 0 to write final/")
+    finally:
+        store_waits.set_timeout(store_waits.DEFAULT_TIMEOUT_S)
+    return out
+
+
+def test_the_next_command_on_the_same_group_starts_clean() -> None:
+    rank0, rank1 = run_distributed(_a_later_command_starts_clean, 2)
+    assert rank1["first"].startswith(
+        "rank 0: ValueError: the first command failed (this rank was waiting for"
+    )
+    assert rank0["second"] == rank1["second"] == "digest"
+
+
+def _config(model_dir: Path, root: Path, **train: object) -> Path:
+    """``root/config.yaml``: a few steps of the tiny model on 16 records, ddp fp32, no epoch-end evaluation."""
+    config = {
+        "model": {"path": str(model_dir)},
+        "data": {
+            "train_files": [str(write_jsonl(preference_records(16, 0), root / "train.jsonl"))],
+            "prepared_dir": str(root / "prepared"),
+            "max_length": 24,
+        },
+        "train": {"micro_batch_size": 2, "eval_at_epoch_end": False, **train},
+        "plugin": {"name": "ddp", "precision": "fp32"},
+        "output": {"dir": str(root / "out")},
+    }
+    path = root / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
 SLOW_FINAL_S = 8.0  # rank 0's final/ write, past the run's train.dist_timeout
 
 
@@ -157,19 +211,7 @@ def _train_with_a_slow_final_write(argv: list[str]) -> int:
 def test_a_final_write_longer_than_dist_timeout_ends_the_run_cleanly(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    config = {
-        "model": {"path": str(tiny_model_dir)},
-        "data": {
-            "train_files": [str(write_jsonl(preference_records(16, 0), tmp_path / "train.jsonl"))],
-            "prepared_dir": str(tmp_path / "prepared"),
-            "max_length": 24,
-        },
-        "train": {"micro_batch_size": 2, "max_steps": 2, "dist_timeout": 4.0, "eval_at_epoch_end": False},
-        "plugin": {"name": "ddp", "precision": "fp32"},
-        "output": {"dir": str(tmp_path / "out")},
-    }
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path = _config(tiny_model_dir, tmp_path, max_steps=2, dist_timeout=4.0)
     proc = run_cli(["train", str(path)], 2, merge_stderr=True, command=_train_with_a_slow_final_write)
     for rank in proc.ranks:
         assert rank.returncode == 0, rank.stdout[-3000:]
@@ -197,19 +239,7 @@ def test_a_rank_0_failing_after_its_peers_finished_tells_them_why(
 ) -> None:
     """Its peers wait for rank 0 in the store (not a collective, whose closed sockets would end them): they stop
     at once with rank 0's one line, exit 1, instead of waiting for the heartbeat."""
-    config = {
-        "model": {"path": str(tiny_model_dir)},
-        "data": {
-            "train_files": [str(write_jsonl(preference_records(16, 0), tmp_path / "train.jsonl"))],
-            "prepared_dir": str(tmp_path / "prepared"),
-            "max_length": 24,
-        },
-        "train": {"micro_batch_size": 2, "max_steps": 1, "eval_at_epoch_end": False, "eval_at_start": False},
-        "plugin": {"name": "ddp", "precision": "fp32"},
-        "output": {"dir": str(tmp_path / "out")},
-    }
-    path = tmp_path / "config.yaml"
-    path.write_text(yaml.safe_dump(config))
+    path = _config(tiny_model_dir, tmp_path, max_steps=1, eval_at_start=False)
     started = time.monotonic()
     proc = run_cli(["train", str(path)], 2, command=_train_with_a_failing_final_write, timeout_s=120)
     rank0, rank1 = proc.ranks
