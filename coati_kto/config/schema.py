@@ -204,7 +204,7 @@ class TrainSection(_Section):
         7200.0,
         gt=0.0,
         description="Seconds the ranks wait for file work before failing: global rank 0 preparing the data or "
-        "writing final/, the slowest rank writing a checkpoint (not bounded by train.dist_timeout).",
+        "writing final/ or the reference cache (not bounded by train.dist_timeout).",
     )
     heartbeat_timeout: float = Field(
         60.0,

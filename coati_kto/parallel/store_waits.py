@@ -1,10 +1,11 @@
 """Waits on file work, through the job's rendezvous store instead of the process group.
 
 Some waits are not for a computation but for one rank's file work: global rank 0 preparing the data, writing
-``final/`` or the LoRA merge, the reference cache, deleting an earlier run's outputs; at a checkpoint, every
-rank waits for the slowest writer. As a collective such a wait is bounded by ``train.dist_timeout``, which is
-meant for ranks that compute together, and on NCCL the watchdog aborts the job once it passes: a 70B model's
-``final/`` (140 GB in bf16) on a shared filesystem at 200 MB/s takes 12 minutes, past the 10-minute default.
+``final/`` or the LoRA merge, the reference cache, deleting an earlier run's outputs. As a collective such a
+wait is bounded by ``train.dist_timeout``, which is meant for ranks that compute together, and on NCCL the
+watchdog aborts the job once it passes: a 70B model's ``final/`` (140 GB in bf16) on a shared filesystem at
+200 MB/s takes 12 minutes, past the 10-minute default. (A checkpoint's agreements, where every rank writes its
+own part at once, stay collectives: a rank killed there is noticed at once, through its closed sockets.)
 
 These waits go through the store the process group was formed with (torchrun's, or the one global rank 0
 started: no new connections, no second backend on GPU jobs), bounded by ``train.file_wait_timeout``. A rank
@@ -22,6 +23,7 @@ import os
 import pickle
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from itertools import count
 from typing import Any
 
@@ -30,6 +32,7 @@ import torch.distributed as dist
 DEFAULT_TIMEOUT_S = 7200.0  # train.file_wait_timeout's default: a 1 TB checkpoint at 200 MB/s takes 83 min
 
 MAX_PAUSE_S = 0.5  # between two polls of a long wait
+TELL_TIMEOUT_S = 5.0  # for telling the store of a failure
 _timeout_s = DEFAULT_TIMEOUT_S
 _generation = 0  # the commands this process started (begin)
 _calls = count()  # the waits of the current command
@@ -78,11 +81,17 @@ def tell_peers(line: str) -> None:
     without a process group or when the store itself is gone."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
+    store = dist.distributed_c10d._get_default_store()
+    previous = store.timeout
+    store.set_timeout(
+        timedelta(seconds=TELL_TIMEOUT_S)
+    )  # an unreachable store must not hold up this rank's exit
     try:
-        store = dist.distributed_c10d._get_default_store()
         store.compare_set(failure_key(), "", f"rank {dist.get_rank()}: {line}")
     except Exception:  # noqa: BLE001 - the store (rank 0's process, torchrun's agent) is gone: nobody to tell
         pass
+    finally:
+        store.set_timeout(previous)
 
 
 def _poll(ready: Callable[[], bool], waiting_for: str, store: Any) -> None:

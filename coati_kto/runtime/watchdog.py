@@ -3,7 +3,7 @@
 A killed process is noticed by its peers in a collective at once (their sockets close), but a node that
 becomes unreachable (link down, frozen host) or a rank that dies before the process group forms leaves the
 others waiting in a collective for ``train.dist_timeout``; and the waits for file work (rank 0 preparing data
-or writing final/, the slowest checkpoint writer: ``coati_kto.parallel.store_waits``) go through the store,
+or writing final/: ``coati_kto.parallel.store_waits``) go through the store,
 bounded only by ``train.file_wait_timeout`` (two hours), where no closed socket tells of a rank that died. So
 every rank runs a daemon thread that bumps a counter in the job's rendezvous
 store (MASTER_ADDR:MASTER_PORT: torchrun's store, or rank 0's) every ``interval`` seconds and watches the

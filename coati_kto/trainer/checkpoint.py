@@ -27,7 +27,7 @@ from colossalai.booster import Booster
 from coati_kto.errors import UserError
 from coati_kto.families.shardformer import tp_change_refusal
 from coati_kto.models.lora import base_module
-from coati_kto.parallel.distributed import ParallelLayout, on_rank0
+from coati_kto.parallel.distributed import ParallelLayout, barrier, gather_objects, on_rank0
 from coati_kto.parallel.loss_scale import loss_scale, loss_scaler_state, restore_loss_scaler
 from coati_kto.parallel.masters import working_to_master
 from coati_kto.parallel.store_waits import first_failure, wait_for_all
@@ -268,7 +268,7 @@ class CheckpointManager:
                 os.replace(tmp, out)
             except Exception as err:  # the others wait in the gather below; all raise the same error
                 failure = _with_disk_hint(err, out.parent)
-        failed = self._first_failure(tmp, failure)
+        failed = self._first_failure(tmp, failure, solo=True)
         if failed is not None:
             last = self.resolve("auto")
             raise CheckpointSaveError(
@@ -277,17 +277,30 @@ class CheckpointManager:
             )
         return out
 
-    def _first_failure(self, tmp: Path, failure: BaseException | None) -> tuple[int, str] | None:
+    def _first_failure(
+        self, tmp: Path, failure: BaseException | None, solo: bool = False
+    ) -> tuple[int, str] | None:
         """Every rank calls: the first rank that failed and its one-line cause, or None. On a failure the main
-        rank has removed ``tmp`` before any rank returns. The waits go through the store (``store_waits``):
-        they wait for the slowest writer, or for the main rank's own writes, renames and pruning, which on a
-        shared filesystem can take longer than train.dist_timeout."""
-        failed = first_failure(None if failure is None else _describe(failure), f"write {tmp.name}")
+        rank has removed ``tmp`` before any rank returns.
+
+        ``solo``: the others wait for the main rank's write of ``final/`` (hours for a large model on a shared
+        filesystem), through the store (``store_waits``: train.file_wait_timeout). A checkpoint's agreements
+        stay collectives: every rank writes its own part at once, and a rank killed meanwhile (the OOM killer,
+        a SIGKILL) is then noticed by the others at once, through its closed sockets, where a store wait would
+        wait for the heartbeat."""
+        line = None if failure is None else _describe(failure)
+        if solo:
+            failed = first_failure(line, f"write {tmp.name}")
+        else:
+            failed = next(((r, t) for r, t in enumerate(gather_objects(line)) if t is not None), None)
         if failed is None:
             return None
         if self.layout.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
-        wait_for_all(f"the main rank to remove {tmp.name}")  # removed before anyone reports it
+        if solo:
+            wait_for_all(f"the main rank to remove {tmp.name}")  # removed before anyone reports it
+        else:
+            barrier()
         return failed
 
 
