@@ -34,8 +34,9 @@ DEFAULT_TIMEOUT_S = 7200.0  # train.file_wait_timeout's default: a 1 TB checkpoi
 MAX_PAUSE_S = 0.5  # between two polls of a long wait
 TELL_TIMEOUT_S = 5.0  # for telling the store of a failure
 _timeout_s = DEFAULT_TIMEOUT_S
-_generation = 0  # the commands this process started (begin)
-_calls = count()  # the waits of the current command
+# Mutated in place, never rebound: the commands this process started (begin) and the current one's waits. (The
+# test suite's worker ranks put back every module attribute a task rebinds; reused keys would read stale values.)
+_counts: dict[str, Any] = {"commands": 0, "waits": count()}
 
 
 class FileWaitTimeoutError(RuntimeError):
@@ -57,16 +58,16 @@ def begin() -> None:
     group): its waits, and a failure told during them, get keys of their own. A process that runs several
     commands on one process group (library use, the test suite's worker ranks) then never reads an earlier
     command's failure, nor a count of waits that an earlier failure left unequal between ranks."""
-    global _generation, _calls
-    _generation, _calls = _generation + 1, count()
+    _counts["commands"] += 1
+    _counts["waits"] = count()
 
 
 def _prefix() -> str:
-    return f"coati_kto/file_wait/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_generation}"
+    return f"coati_kto/file_wait/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_counts['commands']}"
 
 
 def _key(what: str) -> str:
-    return f"{_prefix()}/{next(_calls)}/{what}"
+    return f"{_prefix()}/{next(_counts['waits'])}/{what}"
 
 
 def failure_key() -> str:

@@ -261,3 +261,29 @@ def test_a_world_of_one_waits_for_nothing() -> None:
     assert store_waits.from_rank0({"a": 1}, "x") == {"a": 1}
     assert store_waits.first_failure(None, "x") is None
     assert store_waits.first_failure("disk full", "x") == (0, "disk full")
+
+
+def _a_command_that_fails_on_rank_0() -> None:
+    from coati_kto.parallel import store_waits
+    from coati_kto.parallel.distributed import init_distributed
+
+    init_distributed(120)
+    if dist.get_rank() == 0:
+        store_waits.tell_peers("ValueError: a pooled call failed")
+    dist.barrier()
+
+
+def _a_command_that_waits() -> str:
+    from coati_kto.parallel import store_waits
+    from coati_kto.parallel.distributed import init_distributed
+
+    init_distributed(120)
+    store_waits.wait_for_all("both ranks")
+    return store_waits.from_rank0("fresh" if dist.get_rank() == 0 else None, "read a value")
+
+
+def test_commands_in_separate_pooled_calls_never_share_keys() -> None:
+    """The worker ranks put back module attributes a call rebinds: the counts are mutated in place, so a later
+    call's command does not reuse an earlier one's keys (its failure, its stale values)."""
+    run_distributed(_a_command_that_fails_on_rank_0, 2)
+    assert run_distributed(_a_command_that_waits, 2) == ["fresh", "fresh"]
