@@ -46,6 +46,7 @@ from coati_kto.trainer.export import (
     write_atomic,
     write_hf,
 )
+from coati_kto.trainer.write_failures import describe, held_write_failures, with_disk_hint
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ class CheckpointManager:
         except CheckpointSaveError:
             raise
         except Exception as err:  # this rank failed: join the agreement the other ranks are waiting in
-            self._agree(step, tmp, _with_disk_hint(err, self.root))
+            self._agree(step, tmp, with_disk_hint(err, self.root))
             raise  # not reached: _agree raises
 
     def _write(self, step: int, model: Any, optimizer: Any, lr_scheduler: Any, trainer_state: dict) -> Path:
@@ -103,9 +104,10 @@ class CheckpointManager:
             (tmp / "master_weights").mkdir()
         self._agree(step, tmp)
         save_tied_weights_once(base_module(model))
-        self.booster.save_model(model, str(tmp / "model"), shard=True, use_safetensors=True)
-        self.booster.save_optimizer(optimizer, str(tmp / "optimizer"), shard=True)
-        self.booster.save_lr_scheduler(lr_scheduler, str(tmp / "lr_scheduler.pt"))
+        with held_write_failures():  # a failed write keeps this rank in upstream's gathers (write_failures)
+            self.booster.save_model(model, str(tmp / "model"), shard=True, use_safetensors=True)
+            self.booster.save_optimizer(optimizer, str(tmp / "optimizer"), shard=True)
+            self.booster.save_lr_scheduler(lr_scheduler, str(tmp / "lr_scheduler.pt"))
         per_rank = {"trainer_state": trainer_state, "rng": rng, "loss_scaler": loss_scaler_state(optimizer)}
         torch.save(per_rank, tmp / TRAINER_STATE_DIR / f"rank-{rank}.pt")
         masters = _master_shards(model, optimizer)
@@ -267,7 +269,7 @@ class CheckpointManager:
                     shutil.rmtree(out)
                 os.replace(tmp, out)
             except Exception as err:  # the others wait in the gather below; all raise the same error
-                failure = _with_disk_hint(err, out.parent)
+                failure = with_disk_hint(err, out.parent)
         failed = self._first_failure(tmp, failure, solo=True)
         if failed is not None:
             last = self.resolve("auto")
@@ -288,7 +290,7 @@ class CheckpointManager:
         stay collectives: every rank writes its own part at once, and a rank killed meanwhile (the OOM killer,
         a SIGKILL) is then noticed by the others at once, through its closed sockets, where a store wait would
         wait for the heartbeat."""
-        line = None if failure is None else _describe(failure)
+        line = None if failure is None else describe(failure)
         if solo:
             failed = first_failure(line, f"write {tmp.name}")
         else:
@@ -321,28 +323,6 @@ def _old_dp_states(path: Path, meta: dict) -> list[dict]:
             f"{sorted(steps)}; expected dp ranks 0..{dp_size - 1} at one step: the checkpoint is inconsistent"
         )
     return [by_dp[r] for r in range(dp_size)]
-
-
-def _with_disk_hint(err: BaseException, root: Path) -> BaseException:
-    """torch.save's file writer turns ENOSPC and EIO into ``RuntimeError: ... unexpected pos A vs B``: name the
-    cause from the filesystem's free space instead (an OSError :func:`_describe` prints in one line)."""
-    if isinstance(err, OSError) or "unexpected pos" not in str(err):
-        return err
-    try:
-        free = shutil.disk_usage(root).free
-    except OSError:
-        return err
-    hint = "No space left on device" if free < (1 << 20) else "write failed (I/O error?)"
-    return OSError(0, f"{hint}: {free} bytes free under {root} ({str(err).strip().splitlines()[0]})")
-
-
-def _describe(err: BaseException) -> str:
-    """``No space left on device: /ckpt/step-4.tmp/model`` for an OSError; the first line of others."""
-    if isinstance(err, OSError) and err.strerror:
-        where = f": {err.filename}" if err.filename else ""
-        return f"{err.strerror}{where}"
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
 
 
 def _master_shards(model: Any, optimizer: Any) -> dict[str, torch.Tensor]:

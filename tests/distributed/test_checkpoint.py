@@ -86,23 +86,55 @@ def _snapshot(s: dict[str, Any]) -> dict[str, Any]:
 
 def _reference(s: dict[str, Any]) -> dict[str, Any]:
     """Uninterrupted: 2 steps, save, 2 steps; then a save that fails part-way."""
+    zero = s["layout"].dp_size > 1 and _zero_stage(s) > 0
+    if zero:  # several optimizer shards, each written by rank 0 between upstream's gathers of the next
+        save_optimizer = s["booster"].save_optimizer
+        s["booster"].save_optimizer = lambda *a, **k: save_optimizer(*a, **k, size_per_shard=SHARD_MB)
     _train(s, 2)
     s["mgr"].save(2, s["model"], s["opt"], s["sched"], {"global_step": 2, "rank": s["layout"].rank})
     draws = _draws()
     _train(s, 2)
     result = {"draws": draws, **_snapshot(s)}
+    result["optimizer_shards"] = len(list((s["mgr"].root / "step-2" / "optimizer").glob("pytorch_optim-*")))
 
     def broken_save(*args: Any, **kwargs: Any) -> None:
         raise OSError("disk full (simulated)")
 
-    s["booster"].save_lr_scheduler = broken_save  # after model and optimizer are written
     from coati_kto.trainer.checkpoint import CheckpointSaveError
 
+    if zero:  # rank 0's disk fills at the optimizer's second shard, with gathers still ahead
+        write, torch.save = torch.save, _full_from_second_shard(torch.save, s["layout"].rank)
+    else:
+        s["booster"].save_lr_scheduler = broken_save  # after model and optimizer are written
     try:
         s["mgr"].save(4, s["model"], s["opt"], s["sched"], {"global_step": 4})
-    except CheckpointSaveError:  # on every rank, and the partial step-4.tmp is gone
-        result["save_failed"] = True
+    except CheckpointSaveError as err:  # on every rank, and the partial step-4.tmp is gone
+        result["save_failed"], result["save_error"] = True, str(err)
+    finally:
+        if zero:
+            torch.save = write
+    result["tmp_left"] = sorted(p.name for p in s["mgr"].root.glob("*.tmp"))
     return result
+
+
+SHARD_MB = 0.02  # the tiny Llama's Adam states are about 0.1 MB: several shards
+
+
+def _zero_stage(s: dict[str, Any]) -> int:
+    return int(getattr(s["booster"].plugin, "zero_stage", 0))
+
+
+def _full_from_second_shard(save: Any, rank: int) -> Any:
+    """torch.save, with rank 0's writes of optimizer shards failing from the second on (ENOSPC)."""
+    import errno
+
+    def full(obj: Any, f: Any, *args: Any, **kwargs: Any) -> Any:
+        name = os.path.basename(str(f))
+        if rank == 0 and name.startswith("pytorch_optim-") and not name.startswith("pytorch_optim-00001"):
+            raise OSError(errno.ENOSPC, "No space left on device", str(f))
+        return save(obj, f, *args, **kwargs)
+
+    return full
 
 
 def _resume(s: dict[str, Any], model_dir: str, export_dir: str | None) -> dict[str, Any]:
@@ -217,6 +249,7 @@ def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict
         "second": second,
         "after_failed_save": after_failed_save,
         "export": base / "export",
+        "roots": roots,
     }
 
 
@@ -274,8 +307,30 @@ def test_bf16_optimizer_states_resume_bit_identical(runs: dict[str, Any]) -> Non
 
 def test_failed_save_keeps_last_good_checkpoint(runs: dict[str, Any]) -> None:
     assert all(r["fp32"]["save_failed"] for r in runs["first"])
+    assert all(r[p]["tmp_left"] == [] for r in runs["first"] for p in PLUGINS)
     assert runs["after_failed_save"] == {"latest": "step-2", "dirs": ["latest", "step-2"]}
     assert runs["second"][0]["fp32"]["resolved"] == "step-2"  # and it loaded exactly (test above)
+
+
+def test_a_write_failing_between_upstreams_gathers_is_agreed_on_at_once(runs: dict[str, Any]) -> None:
+    """ZeRO's optimizer save gathers each shard's states over the data-parallel group before rank 0 writes it.
+    Rank 0's write of the second of several shards fails: it stays in the remaining gathers, and every rank
+    raises the same error (before, rank 0 left for the failure agreement while rank 1 went on into the next
+    gather: mismatched collectives), and the runs after it in the same process group train and resume exactly
+    (the tests above)."""
+    for prec in ("bf16", "bf16_states"):
+        ranks = [r[prec] for r in runs["first"]]
+        assert ranks[0]["optimizer_shards"] >= 3, ranks[0]["optimizer_shards"]
+        errors = {r["save_error"] for r in ranks}
+        assert len(errors) == 1, errors
+        (error,) = errors
+        assert error.startswith(
+            "checkpoint step-4 could not be written (rank 0: No space left on device: "
+        ), error
+        assert "pytorch_optim-00002" in error and error.endswith(
+            "removed the partial step-4.tmp, the last complete checkpoint is "
+            f"{Path(runs['roots'][prec]) / 'step-2'}"
+        ), error
 
 
 def test_pruning_latest_pointer_and_resolve(runs: dict[str, Any]) -> None:

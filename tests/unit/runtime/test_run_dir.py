@@ -41,16 +41,16 @@ def test_a_full_disk_under_torch_save_is_named(tmp_path: Path, monkeypatch: pyte
     """torch.save given a path turns ENOSPC into "RuntimeError: [enforce fail ...] unexpected pos A vs B"."""
     import shutil
 
-    from coati_kto.trainer.checkpoint import _describe, _with_disk_hint
+    from coati_kto.trainer.write_failures import describe, with_disk_hint
 
     err = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 863872 vs 863764")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(8 << 20, 8 << 20, 0))
-    assert _describe(_with_disk_hint(err, tmp_path)) == (
+    assert describe(with_disk_hint(err, tmp_path)) == (
         f"No space left on device: 0 bytes free under {tmp_path} ([enforce fail at inline_container.cc:672] . "
         "unexpected pos 863872 vs 863764)"
     )
     other = ValueError("not a write")
-    assert _with_disk_hint(other, tmp_path) is other
+    assert with_disk_hint(other, tmp_path) is other
 
 
 _HOLD = """
