@@ -37,6 +37,15 @@ def gradient_scale(optimizer: Any) -> float | None:
     return held if held is not None else loss_scale(optimizer)
 
 
+def skipped_by_loss_scaler(optimizer: Any) -> bool:
+    """Whether the fp16 loss scaler skipped the step just taken (an overflow in the scaled gradients: upstream's
+    ``step`` zeroes them and backs off); False without fp16. From the scaler's counters, no host sync: an overflow
+    zeroes the growth count and raises the hysteresis count, a growth zeroes both, a clean step raises the growth
+    count. The same on every rank (the overflow vote is global). Call right after ``step``."""
+    scaler = _loss_scaler(optimizer)
+    return scaler is not None and scaler._growth_step == 0 and scaler._hysteresis_step > 0
+
+
 def _mixin(optimizer: Any) -> Any | None:
     return getattr(optimizer, "mixed_precision_mixin", None) or getattr(optimizer, "mixed_precision", None)
 

@@ -51,6 +51,7 @@ from coati_kto.models.compile import compile_metrics
 from coati_kto.models.hf import disable_dropout
 from coati_kto.parallel.distributed import ParallelLayout, reduce_sums
 from coati_kto.parallel.grad_norm import global_norm
+from coati_kto.parallel.loss_scale import skipped_by_loss_scaler
 from coati_kto.parallel.plan import ParallelPlan
 from coati_kto.runtime.signals import StopSignals, TrainingStoppedError, decide
 from coati_kto.trainer.base import SLTrainer
@@ -256,7 +257,7 @@ class KTOTrainer(SLTrainer):
         self._stop_signal = decide(totals)
         norm = global_norm(totals.pop(_GRAD_SQ))
         bad_grad = not math.isfinite(norm) and not self._grad_norm.loss_scaled
-        grad_norm = None
+        grad_norm, overflowed = None, False
         skipped = totals["nonfinite"] > 0 or bad_grad
         if skipped:
             self.optimizer.zero_grad()
@@ -271,6 +272,8 @@ class KTOTrainer(SLTrainer):
             grad_norm = self._grad_norm.unscaled(norm) if math.isfinite(norm) else None
             self._grad_norm.step(norm)  # fp16: the loss scaler may still skip an overflowing step here
             self.optimizer.zero_grad()
+            overflowed = skipped_by_loss_scaler(self.optimizer)  # fp16: no update, but its sums are finite
+            self.skipped_steps += overflowed
         lr = self._current_lr()
         if self.lr_scheduler is not None:
             # Advanced on skipped steps too: the LR stays a function of the global step (exact resume).
@@ -284,7 +287,7 @@ class KTOTrainer(SLTrainer):
             self._interval.skip(seconds)
             step_metrics: dict[str, float] = {}
         else:
-            self._interval.add(totals, kl, seconds, grad_norm)
+            self._interval.add(totals, kl, seconds, grad_norm, skipped=overflowed)
             step_metrics = {f"train/{k}": v for k, v in (summarize(totals, kl) | graphs).items()}
         if self._progress is not None:
             self._progress.update(step_metrics)

@@ -205,7 +205,10 @@ class IntervalMeter:
         kl: dict[str, float] | None,
         seconds: float,
         grad_norm: float | None,
+        skipped: bool = False,
     ) -> None:
+        """Add a step's reduced totals. ``skipped``: the fp16 loss scaler skipped its update (an overflow in the
+        scaled gradients); its sums are finite and enter the means, and it counts in ``skipped_in_interval``."""
         add_totals(self.totals, totals)
         if kl is not None:
             self.kl.append(kl)
@@ -213,6 +216,7 @@ class IntervalMeter:
             self.grad_norms.append(grad_norm)
         self.seconds += seconds
         self.steps += 1
+        self.skipped += skipped
 
     def skip(self, seconds: float) -> None:
         """Count a skipped step: nothing of it enters the means."""

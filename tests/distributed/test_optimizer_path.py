@@ -11,8 +11,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -255,35 +257,92 @@ FP16_PATHS = ("amp", "zero", "zero_one_rank")
 TRUE_GRAD = (0.3, 0.0, 0.4)  # norm 0.5: under max_norm 1, nothing clipped
 
 
-def _fp16_growth_step(path: str) -> dict:
-    """One fp16 step whose scaler grows its scale (growth_interval 1) inside ``step``, on the optimizer classes
-    the plugins build: the update must divide by the scale the gradients carry (2**10), not the grown one."""
-    from colossalai.accelerator import get_accelerator
+def _fp16_optimizer(path: str, weight: torch.nn.Parameter, scaling: dict) -> Any:
+    """The fp16 optimizer class ``path``'s plugin builds, over SGD (lr 1) on ``weight``, clipping at norm 1."""
     from colossalai.amp.naive_amp.mixed_precision_optimizer import MixedPrecisionOptimizer
     from colossalai.zero.low_level.low_level_optim import LowLevelZeroOptimizer
 
     from coati_kto.parallel.optimizer_path import (
-        given_norm,
         install_clipping,
         install_mixed_precision_step,
         install_single_rank_zero,
     )
 
+    sgd = torch.optim.SGD([weight], lr=1.0)
+    if path == "amp":
+        optimizer = MixedPrecisionOptimizer(sgd, precision="fp16", max_norm=1.0, **scaling)
+        install_mixed_precision_step(optimizer)
+    else:
+        optimizer = LowLevelZeroOptimizer(sgd, clip_grad_norm=1.0, **scaling)
+        if path == "zero_one_rank":
+            assert install_single_rank_zero(optimizer)  # before the backward: it stores the gradients
+    install_clipping(optimizer)
+    return optimizer
+
+
+@contextlib.contextmanager
+def _one_device() -> Iterator[None]:
+    """The scaler counts devices; fp16 is GPU-only elsewhere."""
+    from colossalai.accelerator import get_accelerator
+
     accelerator = type(get_accelerator())
     counting = accelerator.device_count
-    accelerator.device_count = lambda self: 1  # the scaler counts devices; fp16 is GPU-only elsewhere
+    accelerator.device_count = lambda self: 1
     try:
+        yield
+    finally:
+        accelerator.device_count = counting
+
+
+def _fp16_overflow_steps(path: str) -> list[dict]:
+    """Steps of an fp16 optimizer whose scaled gradient overflows, overflows again, then is clean: after each,
+    whether ``skipped_by_loss_scaler`` says the scaler skipped it, the weight and the scale."""
+    from coati_kto.parallel.loss_scale import loss_scale, skipped_by_loss_scaler
+    from coati_kto.parallel.optimizer_path import given_norm
+
+    out = []
+    with _one_device():
         weight = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0], dtype=torch.float16))
-        sgd = torch.optim.SGD([weight], lr=1.0)
+        scaling = {"initial_scale": 2**10, "growth_interval": 1000, "hysteresis": 2}
+        optimizer = _fp16_optimizer(path, weight, scaling)
+        for grad in ((1e3, 0.0, 0.0), (1e3, 0.0, 0.0), TRUE_GRAD):  # 1e3 * 2**10 is past fp16's 65504
+            optimizer.backward((weight.float() * torch.tensor(grad)).sum())
+            scaled = float(torch.tensor(grad).norm()) * loss_scale(optimizer)
+            with given_norm(optimizer, scaled if scaled < 65504 else float("inf")):
+                optimizer.step()
+            optimizer.zero_grad()
+            out.append(
+                {
+                    "skipped": skipped_by_loss_scaler(optimizer),
+                    "weight": weight.detach().float().tolist(),
+                    "scale": loss_scale(optimizer),
+                }
+            )
+    return out
+
+
+@pytest.mark.parametrize("path", FP16_PATHS)
+def test_a_step_the_fp16_loss_scaler_skips_is_known_as_skipped(path: str) -> None:
+    """The trainer counts it in train/skipped_steps (before, such a step counted as taken): two overflows (the
+    second backs the scale off, hysteresis 2), then a clean step that updates."""
+    (steps,) = run_distributed(_fp16_overflow_steps, 1, path)
+    assert [s["skipped"] for s in steps] == [True, True, False]
+    assert steps[0]["weight"] == steps[1]["weight"] == [1.0, 2.0, 3.0]
+    assert [s["scale"] for s in steps] == [2**10, 2**9, 2**9]
+    assert steps[2]["weight"] == pytest.approx(
+        [w - g for w, g in zip((1.0, 2.0, 3.0), TRUE_GRAD, strict=True)], abs=2e-3
+    )
+
+
+def _fp16_growth_step(path: str) -> dict:
+    """One fp16 step whose scaler grows its scale (growth_interval 1) inside ``step``, on the optimizer classes
+    the plugins build: the update must divide by the scale the gradients carry (2**10), not the grown one."""
+    from coati_kto.parallel.optimizer_path import given_norm
+
+    with _one_device():
+        weight = torch.nn.Parameter(torch.tensor([1.0, 2.0, 3.0], dtype=torch.float16))
         scaling = {"initial_scale": 2**10, "growth_interval": 1, "hysteresis": 2}
-        if path == "amp":
-            optimizer = MixedPrecisionOptimizer(sgd, precision="fp16", max_norm=1.0, **scaling)
-            install_mixed_precision_step(optimizer)
-        else:
-            optimizer = LowLevelZeroOptimizer(sgd, clip_grad_norm=1.0, **scaling)
-            if path == "zero_one_rank":
-                assert install_single_rank_zero(optimizer)  # before the backward: it stores the gradients
-        install_clipping(optimizer)
+        optimizer = _fp16_optimizer(path, weight, scaling)
         true = torch.tensor(TRUE_GRAD)
         optimizer.backward((weight.float() * true).sum())  # the loss times the scale, 2**10
         with given_norm(optimizer, 0.5 * 2**10):
@@ -294,8 +353,6 @@ def _fp16_growth_step(path: str) -> dict:
             else optimizer.mixed_precision_mixin.loss_scale
         )
         return {"weight": weight.detach().float().tolist(), "scale_after": scale}
-    finally:
-        accelerator.device_count = counting
 
 
 @pytest.mark.parametrize("path", FP16_PATHS)

@@ -129,3 +129,15 @@ def test_an_evaluation_is_one_interval_of_the_meter() -> None:
     assert meter.measured() == summarize(totals, kl) | rates
     assert meter.measured()["rewards/margins"] == 1.0
     assert meter.summary() == {"skipped_in_interval": 0.0} | meter.measured()
+
+
+def test_a_step_the_loss_scaler_skipped_counts_as_skipped_and_keeps_its_finite_sums() -> None:
+    """fp16: the scaler skips an overflowing step's update, but its loss and rewards are finite observations of the
+    batch: they enter the means, and the step counts in skipped_in_interval (it counted as taken)."""
+    totals = dict.fromkeys(SUM_KEYS, 0.0) | {"examples": 6.0, "loss": 3.0, "tokens": 90.0}
+    meter = IntervalMeter()
+    meter.add(totals, None, 1.0, 0.5)
+    meter.add(totals, None, 1.0, None, skipped=True)
+    summary = meter.summary()
+    assert summary["skipped_in_interval"] == 1.0 and summary["grad_norm"] == 0.5
+    assert summary["loss"] == summarize({k: 2 * v for k, v in totals.items()}, None)["loss"]
