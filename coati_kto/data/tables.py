@@ -226,7 +226,8 @@ class _Fitted:
     image_cut: int = 0
 
 
-DROP_REASON = {"skip": "too_long", "truncate": "no_room_for_completion"}  # stats.json's "dropped" key
+# stats.json's "dropped" key, by data.on_too_long ("error" raised on a row too long: what it drops has no room left)
+DROP_REASON = {"skip": "too_long", "truncate": "no_room_for_completion", "error": "no_room_for_completion"}
 IMAGE_CUT = "image_cut"  # stats.json's "dropped" key: a prompt cut would reach an image's tokens
 
 

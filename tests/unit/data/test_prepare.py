@@ -452,6 +452,11 @@ def test_on_too_long_truncates_skips_or_stops(tmp_path: Path, tiny_model_dir: Pa
                 make_config(tmp_path, tiny_model_dir, [str(path)], max_length=24, on_too_long="error")
             )
         )
+    # and with nothing too long it prepares everything (it raised KeyError: 'error' on every such run)
+    fits = prepare(
+        *data_settings(make_config(tmp_path, tiny_model_dir, [str(path)], max_length=256, on_too_long="error"))
+    )
+    assert len(fits.train) == 7 and fits.stats["train"]["dropped"] == {}
     with pytest.raises(Exception, match="on_too_long"):
         make_config(tmp_path, tiny_model_dir, [str(path)], on_too_long="drop")
 
