@@ -14,7 +14,7 @@ from typing import Any
 
 from coati_kto.config.kto import KTOSection
 from coati_kto.data.sampler import MixedLabelBatchSampler
-from coati_kto.errors import DataError
+from coati_kto.errors import DataError, UserError
 
 GUIDELINE = (1.0, 4.0 / 3.0)  # KTO paper: (lambda_D n_D) / (lambda_U n_U) in [1, 4/3]
 AUTO_TARGET = 7.0 / 6.0  # auto weights aim at the middle of the guideline, safe from rounding at its edges
@@ -59,7 +59,7 @@ def imbalance(settings: WeightSettings, stats: dict, num_replicas: int) -> dict[
     }
     try:
         s = MixedLabelBatchSampler.compute_stats(n_d, n_u, mbs, num_replicas)
-    except ValueError as err:
+    except (ValueError, UserError) as err:  # the sampler refuses a layout with ConfigError or DataError
         return {**out, "error": str(err), "report": f"imbalance: cannot lay out micro-batches: {err}"}
     e_d, e_u = s.effective_desirable, s.effective_undesirable
     if kto.auto_weights:

@@ -346,6 +346,24 @@ def test_auto_weights_land_in_guideline(tmp_path: Path, n_d: int, n_u: int, mbs:
     assert report.startswith("warning") != inside
 
 
+def test_prepare_reports_a_layout_the_sampler_refuses_and_training_names_the_data(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """prepare never batches: fewer examples than one micro-batch is a line of its summary, not a stop (it raised
+    the sampler's ConfigError after writing the build: imbalance caught ValueError only)."""
+    path = write_jsonl(tmp_path / "t.jsonl", rows(3, 3))
+    config = make_config(tmp_path, tiny_model_dir, [str(path)])
+    config.train.micro_batch_size = 8
+    out = prepare(*data_settings(config))
+    report = out.stats["imbalance"]["report"]
+    assert report.startswith(
+        "imbalance: cannot lay out micro-batches: the dataset has 6 examples, fewer than one"
+    )
+    settings = WeightSettings(KTOSection(), micro_batch_size=8)
+    with pytest.raises(DataError, match=rf"^data.prepared_dir {tmp_path}: the dataset has 6 examples"):
+        resolve_kto_weights(settings, out.stats, 1, str(tmp_path))
+
+
 def test_inspect_shows_mixed_batches(tmp_path: Path, tiny_model_dir: Path, capsys) -> None:
     from coati_kto.data.inspect import inspect_batches
 
@@ -454,7 +472,9 @@ def test_on_too_long_truncates_skips_or_stops(tmp_path: Path, tiny_model_dir: Pa
         )
     # and with nothing too long it prepares everything (it raised KeyError: 'error' on every such run)
     fits = prepare(
-        *data_settings(make_config(tmp_path, tiny_model_dir, [str(path)], max_length=256, on_too_long="error"))
+        *data_settings(
+            make_config(tmp_path, tiny_model_dir, [str(path)], max_length=256, on_too_long="error")
+        )
     )
     assert len(fits.train) == 7 and fits.stats["train"]["dropped"] == {}
     with pytest.raises(Exception, match="on_too_long"):
