@@ -170,26 +170,6 @@ def _read_yaml(path: Path) -> tuple[Any, dict[str, int]]:
         raise ConfigError(f"{where}: not valid YAML ({getattr(err, 'problem', err)})") from None
 
 
-def _refuse_ignored_settings(config: Config, origins: _Origins) -> None:
-    """Settings that another one would override in silence: one line per pair, all at once."""
-    problems = []
-    if config.data.eval_files and config.data.eval_fraction > 0:
-        problems.append(
-            f"data.eval_fraction {config.data.eval_fraction} with data.eval_files: the fraction is "
-            "held out only when data.eval_files is empty; set one of them"
-        )
-    kto = config.kto
-    weights = {"desirable_weight": kto.desirable_weight, "undesirable_weight": kto.undesirable_weight}
-    if kto.auto_weights and any(value != 1.0 for value in weights.values()):
-        given = ", ".join(f"kto.{key} {value:g}" for key, value in weights.items() if value != 1.0)
-        problems.append(
-            f"{given} with kto.auto_weights: the weights are computed from the data and yours would be "
-            "ignored; set kto.auto_weights=false to use them, or leave them at 1"
-        )
-    if problems:
-        raise ConfigError("\n".join(origins.line("", problem) for problem in problems))
-
-
 def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None) -> Config:
     """Read ``path``, apply ``overrides``, validate; raises ConfigError listing every problem, each blamed on
     the override that set the value or on the file's line."""
@@ -209,7 +189,6 @@ def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None
         config = Config.model_validate(raw)
     except ValidationError as err:
         raise ConfigError(_format_errors(err, origins)) from None
-    _refuse_ignored_settings(config, origins)
     return config
 
 

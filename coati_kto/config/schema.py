@@ -141,9 +141,11 @@ class DataSection(_Section):
     @classmethod
     def _prompt_budget_from_max_length(cls, data: Any) -> Any:
         # An unset prompt budget follows max_length, so `max_length: 64` alone is a valid config.
+        # max_length as pydantic reads an int (a quoted "256" from envsubst, 256.0), so the default is the same.
         unset = isinstance(data, dict) and "max_prompt_length" not in data
-        if unset and isinstance(data.get("max_length"), int):
-            return {**data, "max_prompt_length": max(1, data["max_length"] // 2)}
+        max_length = _as_int(data.get("max_length")) if unset else None
+        if max_length is not None:
+            return {**data, "max_prompt_length": max(1, max_length // 2)}
         return data
 
     @model_validator(mode="after")
@@ -236,10 +238,28 @@ class Config(_Section):
         found = self._prepared_dir_problems() + self._family_problems() + self._padding_free_problems()
         found += self._export_problems() + self._attention_problems()
         problems = found + self._lora_problems() + sample_problems(self) + compile_problems(self)
-        problems += sequence_problems(self) + pipeline_problems(self)
+        problems += sequence_problems(self) + pipeline_problems(self) + self._ignored_problems()
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+    def _ignored_problems(self) -> list[str]:
+        """Settings that another one would override in silence: one line per pair."""
+        problems = []
+        if self.data.eval_files and self.data.eval_fraction > 0:
+            problems.append(
+                f"data.eval_fraction {self.data.eval_fraction} with data.eval_files: the fraction is "
+                "held out only when data.eval_files is empty; set one of them"
+            )
+        kto = self.kto
+        weights = {"desirable_weight": kto.desirable_weight, "undesirable_weight": kto.undesirable_weight}
+        if kto.auto_weights and any(value != 1.0 for value in weights.values()):
+            given = ", ".join(f"kto.{key} {value:g}" for key, value in weights.items() if value != 1.0)
+            problems.append(
+                f"{given} with kto.auto_weights: the weights are computed from the data and yours would be "
+                "ignored; set kto.auto_weights=false to use them, or leave them at 1"
+            )
+        return problems
 
     def _resolve_attention(self) -> None:
         """``model.attn_implementation: auto`` replaced by the kernel (and ``data.padding_free``) it becomes."""
@@ -337,3 +357,19 @@ class Config(_Section):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def _as_int(value: Any) -> int | None:
+    """``value`` as pydantic's lax mode reads an int field (256, "256", 256.0); None where it would not."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str):
+        try:
+            return int(value.strip())
+        except ValueError:
+            return None
+    return None

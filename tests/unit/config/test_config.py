@@ -64,6 +64,29 @@ def test_weights_given_with_auto_weights_are_refused(tmp_path: Path) -> None:
     assert load_config(path, ["kto.desirable_weight=1.33"]).kto.desirable_weight == 1.33
 
 
+def test_every_cross_key_problem_is_listed_in_one_round(tmp_path: Path) -> None:
+    """The ignored-setting pairs ran only once the other cross-key checks passed: a config with three such
+    mistakes took two rounds to fix."""
+    path = write_config(tmp_path, MINIMAL)
+    overrides = ["output.merge_lora=true", "data.eval_files=[b.jsonl]", "data.eval_fraction=0.1"]
+    lines = _errors(path, [*overrides, "kto.auto_weights=true", "kto.desirable_weight=2"])
+    assert [line.split(": ", 1)[1].split(" ", 1)[0] for line in lines] == [
+        "output.merge_lora",
+        "data.eval_fraction",
+        "kto.desirable_weight",
+    ], lines
+
+
+@pytest.mark.parametrize("max_length", ["256", '"256"', "256.0"])
+def test_max_prompt_length_defaults_to_half_of_max_length_as_pydantic_reads_it(
+    tmp_path: Path, max_length: str
+) -> None:
+    """A quoted number (envsubst writes one) skipped the default, and the refusal blamed 512, a value the user
+    never wrote."""
+    config = load_config(write_config(tmp_path, MINIMAL), [f"data.max_length={max_length}"])
+    assert (config.data.max_length, config.data.max_prompt_length) == (256, 128)
+
+
 def _errors(path: Path, overrides: list[str]) -> list[str]:
     """The lines of the ConfigError that loading ``path`` with ``overrides`` raises."""
     with pytest.raises(ConfigError) as info:

@@ -185,7 +185,8 @@ def test_fingerprint_of_a_fixed_config_is_unchanged(tmp_path: Path, monkeypatch)
     monkeypatch.setattr(store, "_file_entries", lambda paths, key: [[p, 123, "ab" * 32] for p in paths])
     monkeypatch.setattr(store, "tokenizer_hash", lambda tokenizer: "cd" * 32)
     digests = {}
-    for name, extra in (("eval_fraction", {}), ("eval_files", {"eval_files": ["/data/eval.jsonl"]})):
+    eval_files = {"eval_files": ["/data/eval.jsonl"], "eval_fraction": 0.0}  # with eval_files: no fraction
+    for name, extra in (("eval_fraction", {}), ("eval_files", eval_files)):
         config = Config.model_validate(
             {"model": {"path": str(model)}, "data": {**data, **extra}, "train": {"seed": 3}}
         )
