@@ -360,6 +360,13 @@ def summary(stats: dict, data: DataSection, built: bool, why: str, seconds: floa
             f"KL pairs: {s['kl_pairs']['self_pairs']} self, {s['kl_pairs']['same_prompt_pairs']} same-prompt "
             f"(minimum possible {s['kl_pairs']['min_same_prompt_pairs']})"
         )
+        kl_cut = (tr.get("kl_prompt", 0), tr.get("kl_completion", 0))
+        if any(kl_cut):
+            lines.append(
+                f"    KL rows cut to data.max_length {data.max_length}: {kl_cut[0]} prompts, {kl_cut[1]} "
+                "completions (a KL row joins one example's prompt with another's completion and is cut to "
+                "fit, whatever data.on_too_long does with the examples)"
+            )
         if line := image_summary(s):
             lines.append(line)
         if s["boundary_inside_token"]:

@@ -463,6 +463,18 @@ def test_on_too_long_truncates_skips_or_stops(tmp_path: Path, tiny_model_dir: Pa
     )
     assert len(skipped.train) == 4 and skipped.stats["train"]["dropped"] == {"too_long": 3}
     assert skipped.stats["train"]["truncated"]["completion"] == 0
+    # KL rows still join one example's prompt with another's completion and are cut to fit: said in the summary
+    # (it was in stats.json only, and the summary read "0 prompts, 0 completions")
+    long_prompts = [{"prompt": "Q:" + " why" * 3, "completion": " ok", "label": i % 2 == 0} for i in range(3)]
+    long_completions = [{"prompt": "Q:", "completion": " ok" * 6, "label": i % 2 == 1} for i in range(3)]
+    kl_rows = write_jsonl(tmp_path / "kl.jsonl", long_prompts + long_completions)
+    kl_config = make_config(tmp_path, tiny_model_dir, [str(kl_rows)], max_length=24, on_too_long="skip")
+    cut = prepare(*data_settings(kl_config))
+    n_cut = cut.stats["train"]["truncated"]["kl_completion"]
+    assert len(cut.train) == 6 and n_cut > 0 and max(r["kl_length"] for r in cut.train) == 24
+    n_prompts = cut.stats["train"]["truncated"]["kl_prompt"]
+    summary = store.summary(cut.stats, kl_config.data, True, "", 1.0)
+    assert f"KL rows cut to data.max_length 24: {n_prompts} prompts, {n_cut} completions" in summary
     with pytest.raises(
         DataError, match=rf"^{path}:1: \d+ prompt \+ \d+ completion tokens, longer than data.max"
     ):
