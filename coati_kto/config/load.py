@@ -72,8 +72,12 @@ class _Origins:
     overrides: dict[str, str] = field(default_factory=dict)  # dotted key -> the override as given
 
     def override_of(self, key: str) -> str | None:
-        """The override that set ``key`` itself (or a section above it), as given; None if none did."""
-        return next((item for k, item in self.overrides.items() if key == k or key.startswith(k + ".")), None)
+        """The override that set ``key`` itself (or a section above it), as given; else, for a key inside a section,
+        one that set a key below it (``train.lr.x=1`` made the value a mapping); None if none did."""
+        above = next((item for k, item in self.overrides.items() if key == k or key.startswith(k + ".")), None)
+        if above or "." not in key:
+            return above
+        return next((item for k, item in self.overrides.items() if k.startswith(key + ".")), None)
 
     def where(self, keys: list[str]) -> str:
         """``override K=V[, ...]`` for the overrides that set any of ``keys`` (with ``and file:line`` for one of

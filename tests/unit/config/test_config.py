@@ -87,6 +87,13 @@ def test_max_prompt_length_defaults_to_half_of_max_length_as_pydantic_reads_it(
     assert (config.data.max_length, config.data.max_prompt_length) == (256, 128)
 
 
+def test_an_override_into_a_value_is_blamed_on_the_override(tmp_path: Path) -> None:
+    """train.lr.x=1 makes train.lr a mapping: the error named the file, which never set train.lr."""
+    path = write_config(tmp_path, MINIMAL)
+    (line,) = _errors(path, ["train.lr.x=1"])
+    assert line.startswith("override train.lr.x=1: train.lr: Input should be a valid number"), line
+
+
 def _errors(path: Path, overrides: list[str]) -> list[str]:
     """The lines of the ConfigError that loading ``path`` with ``overrides`` raises."""
     with pytest.raises(ConfigError) as info:
