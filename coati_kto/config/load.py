@@ -74,7 +74,9 @@ class _Origins:
     def override_of(self, key: str) -> str | None:
         """The override that set ``key`` itself (or a section above it), as given; else, for a key inside a section,
         one that set a key below it (``train.lr.x=1`` made the value a mapping); None if none did."""
-        above = next((item for k, item in self.overrides.items() if key == k or key.startswith(k + ".")), None)
+        above = next(
+            (item for k, item in self.overrides.items() if key == k or key.startswith(k + ".")), None
+        )
         if above or "." not in key:
             return above
         return next((item for k, item in self.overrides.items() if k.startswith(key + ".")), None)
