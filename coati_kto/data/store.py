@@ -344,37 +344,8 @@ def summary(stats: dict, data: DataSection, built: bool, why: str, seconds: floa
     else:
         lines.append(f"reusing {target} ({why}; fingerprint {stats['fingerprint']})")
     for name in ("train", "eval"):
-        s = stats.get(name)
-        if not s:
-            continue
-        lab, tot, tr = s["labels"], s["lengths"]["total"], s.get("truncated", {})
-        cut = s["lengths_truncated"]["total"]
-        lines.append(
-            f"  {name}: {s['examples']} examples ({lab['desirable']} desirable, {lab['undesirable']} "
-            f"undesirable); tokens per example before truncation p50 {tot['p50']:.0f}, p99 {tot['p99']:.0f}, "
-            f"max {tot['max']}; after p50 {cut['p50']:.0f}, p99 {cut['p99']:.0f}, max {cut['max']}"
-        )
-        lines.append(
-            f"    truncated to data.max_length {data.max_length}: {tr.get('prompt', 0)} prompts, "
-            f"{tr.get('completion', 0)} completions; dropped: {s['dropped'] or 'none'}; "
-            f"KL pairs: {s['kl_pairs']['self_pairs']} self, {s['kl_pairs']['same_prompt_pairs']} same-prompt "
-            f"(minimum possible {s['kl_pairs']['min_same_prompt_pairs']})"
-        )
-        kl_cut = (tr.get("kl_prompt", 0), tr.get("kl_completion", 0))
-        if any(kl_cut):
-            lines.append(
-                f"    KL rows cut to data.max_length {data.max_length}: {kl_cut[0]} prompts, {kl_cut[1]} "
-                "completions (a KL row joins one example's prompt with another's completion and is cut to "
-                "fit, whatever data.on_too_long does with the examples)"
-            )
-        if line := image_summary(s):
-            lines.append(line)
-        if s["boundary_inside_token"]:
-            lines.append(
-                f"    {s['boundary_inside_token']} examples have one token spanning the prompt/completion "
-                "boundary (a prompt ending in a space: the token is trained on as the completion's first; a "
-                "completion starting with whitespace: the token stays with the prompt, the whitespace untrained)"
-            )
+        if stats.get(name):
+            lines += _split_summary(name, stats[name], data.max_length)
     if stats.get("completion_end"):
         lines.append(f"  {stats['completion_end']}")
     if unread := stats.get("unread_fields"):
@@ -397,3 +368,37 @@ def summary(stats: dict, data: DataSection, built: bool, why: str, seconds: floa
             f"  bad records skipped: {bad['skipped']} {bad['by_reason']} (all in {target}/skipped.txt)"
         )
     return "\n".join(lines)
+
+
+def _split_summary(name: str, s: dict, max_length: int) -> list[str]:
+    """The summary's lines for one split's stats."""
+    lines = []
+    lab, tot, tr = s["labels"], s["lengths"]["total"], s.get("truncated", {})
+    cut = s["lengths_truncated"]["total"]
+    lines.append(
+        f"  {name}: {s['examples']} examples ({lab['desirable']} desirable, {lab['undesirable']} "
+        f"undesirable); tokens per example before truncation p50 {tot['p50']:.0f}, p99 {tot['p99']:.0f}, "
+        f"max {tot['max']}; after p50 {cut['p50']:.0f}, p99 {cut['p99']:.0f}, max {cut['max']}"
+    )
+    lines.append(
+        f"    truncated to data.max_length {max_length}: {tr.get('prompt', 0)} prompts, "
+        f"{tr.get('completion', 0)} completions; dropped: {s['dropped'] or 'none'}; "
+        f"KL pairs: {s['kl_pairs']['self_pairs']} self, {s['kl_pairs']['same_prompt_pairs']} same-prompt "
+        f"(minimum possible {s['kl_pairs']['min_same_prompt_pairs']})"
+    )
+    kl_cut = (tr.get("kl_prompt", 0), tr.get("kl_completion", 0))
+    if any(kl_cut):
+        lines.append(
+            f"    KL rows cut to data.max_length {max_length}: {kl_cut[0]} prompts, {kl_cut[1]} "
+            "completions (a KL row joins one example's prompt with another's completion and is cut to "
+            "fit, whatever data.on_too_long does with the examples)"
+        )
+    if line := image_summary(s):
+        lines.append(line)
+    if s["boundary_inside_token"]:
+        lines.append(
+            f"    {s['boundary_inside_token']} examples have one token spanning the prompt/completion "
+            "boundary (a prompt ending in a space: the token is trained on as the completion's first; a "
+            "completion starting with whitespace: the token stays with the prompt, the whitespace untrained)"
+        )
+    return lines
