@@ -22,9 +22,9 @@ from coati_kto.data.store import (
     ensure,
     read_fingerprint,
     read_prepared,
-    summary,
     train_data_digest,
 )
+from coati_kto.data.summary import summary
 from coati_kto.data.tokenize import load_tokenizer, pad_id
 from coati_kto.data.weights import WeightSettings, imbalance
 from coati_kto.errors import ConfigError, DataError

@@ -33,12 +33,11 @@ import datasets
 import numpy as np
 
 from coati_kto.config.hub import HubDataset, is_hub_dataset
-from coati_kto.config.schema import DataSection
 from coati_kto.data.endings import completion_end_line, generation_eos_ids
 from coati_kto.data.files import load_records, resolve_files
 from coati_kto.data.formats import Record, RecordError
 from coati_kto.data.hub import check as hub_check
-from coati_kto.data.image_store import image_summary, images_fingerprint, load_processor
+from coati_kto.data.image_store import images_fingerprint, load_processor
 from coati_kto.data.settings import PrepareSettings
 from coati_kto.data.tables import (
     build_split,
@@ -332,73 +331,3 @@ def read_prepared(prepared_dir: str | Path) -> PreparedData:
     train = datasets.load_from_disk(str(target / "train"))
     evaluation = datasets.load_from_disk(str(target / "eval")) if (target / "eval").is_dir() else None
     return PreparedData(train=train, eval=evaluation, stats=stats)
-
-
-def summary(stats: dict, data: DataSection, built: bool, why: str, seconds: float) -> str:
-    """A short human summary of stats.json: built or reused, then counts, lengths and drops per split."""
-    target = data.prepared_dir
-    lines = []
-    if built:
-        n = sum((stats[s] or {}).get("examples", 0) for s in ("train", "eval"))
-        lines.append(f"prepared {target} ({why}) in {seconds:.1f} s, {n / max(seconds, 1e-9):.0f} examples/s")
-    else:
-        lines.append(f"reusing {target} ({why}; fingerprint {stats['fingerprint']})")
-    for name in ("train", "eval"):
-        if stats.get(name):
-            lines += _split_summary(name, stats[name], data.max_length)
-    if stats.get("completion_end"):
-        lines.append(f"  {stats['completion_end']}")
-    if unread := stats.get("unread_fields"):
-        shown = ", ".join(f"{name} ({count} records)" for name, count in list(unread.items())[:8])
-        lines.append(
-            f"  fields not read: {shown}; only prompt, completion, label, messages/conversations, chosen/rejected "
-            "and tools are (a system prompt goes in as a system message)"
-        )
-    dup = stats["duplicates"]
-    if dup["records"]:
-        lines.append(
-            f"  duplicates: {dup['records']} records repeat an earlier one exactly (same prompt, completion and "
-            f"label; e.g. {dup['examples'][0]}); kept: remove them if you did not mean them"
-        )
-    if stats["padding"]["note"]:
-        lines.append(f"  {stats['padding']['note']}")
-    bad = stats["bad_records"]
-    if bad["skipped"]:
-        lines.append(
-            f"  bad records skipped: {bad['skipped']} {bad['by_reason']} (all in {target}/skipped.txt)"
-        )
-    return "\n".join(lines)
-
-
-def _split_summary(name: str, s: dict, max_length: int) -> list[str]:
-    """The summary's lines for one split's stats."""
-    lines = []
-    lab, tot, tr = s["labels"], s["lengths"]["total"], s.get("truncated", {})
-    cut = s["lengths_truncated"]["total"]
-    lines.append(
-        f"  {name}: {s['examples']} examples ({lab['desirable']} desirable, {lab['undesirable']} "
-        f"undesirable); tokens per example before truncation p50 {tot['p50']:.0f}, p99 {tot['p99']:.0f}, "
-        f"max {tot['max']}; after p50 {cut['p50']:.0f}, p99 {cut['p99']:.0f}, max {cut['max']}"
-    )
-    lines.append(
-        f"    truncated to data.max_length {max_length}: {tr.get('prompt', 0)} prompts, "
-        f"{tr.get('completion', 0)} completions; dropped: {s['dropped'] or 'none'}; "
-        f"KL pairs: {s['kl_pairs']['self_pairs']} self, {s['kl_pairs']['same_prompt_pairs']} same-prompt "
-        f"(minimum possible {s['kl_pairs']['min_same_prompt_pairs']})"
-    )
-    kl_cut = (tr.get("kl_prompt", 0), tr.get("kl_completion", 0))
-    if any(kl_cut):
-        lines.append(
-            f"    KL rows cut to data.max_length {max_length}: {kl_cut[0]} prompts, {kl_cut[1]} "
-            "completions (a KL row joins one example's prompt with another's completion and is cut to "
-            "fit, whatever data.on_too_long does with the examples)"
-        )
-    if line := image_summary(s):
-        lines.append(line)
-    if s["boundary_inside_token"]:
-        lines.append(
-            f"    {s['boundary_inside_token']} examples have one token spanning the prompt/completion "
-            "boundary (a prompt ending in a space: the token is trained on as the completion's first; a "
-            "completion starting with whitespace: the token stays with the prompt, the whitespace untrained)"
-        )
-    return lines

@@ -20,6 +20,7 @@ from coati_kto.data import store, tables
 from coati_kto.data.collator import KTOCollator
 from coati_kto.data.prepared import load_prepared, prepare
 from coati_kto.data.sampler import MixedLabelBatchSampler
+from coati_kto.data.summary import summary
 from coati_kto.data.tokenize import encode, truncation
 from coati_kto.data.weights import GUIDELINE, WeightSettings, resolve_kto_weights
 from coati_kto.errors import ConfigError, DataError
@@ -446,7 +447,7 @@ def test_examples_that_cannot_fit_are_dropped_and_counted(tmp_path: Path, tiny_m
     object.__setattr__(cfg, "data", cfg.data.model_construct(**data))
     out = prepare(*data_settings(cfg))
     assert out.stats["train"]["dropped"] == {"no_room_for_completion": 3} and len(out.train) == 4
-    assert "dropped: {'no_room_for_completion': 3}" in store.summary(out.stats, cfg.data, True, "", 1.0)
+    assert "dropped: {'no_room_for_completion': 3}" in summary(out.stats, cfg.data, True, "", 1.0)
 
 
 def test_on_too_long_truncates_skips_or_stops(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -473,8 +474,8 @@ def test_on_too_long_truncates_skips_or_stops(tmp_path: Path, tiny_model_dir: Pa
     n_cut = cut.stats["train"]["truncated"]["kl_completion"]
     assert len(cut.train) == 6 and n_cut > 0 and max(r["kl_length"] for r in cut.train) == 24
     n_prompts = cut.stats["train"]["truncated"]["kl_prompt"]
-    summary = store.summary(cut.stats, kl_config.data, True, "", 1.0)
-    assert f"KL rows cut to data.max_length 24: {n_prompts} prompts, {n_cut} completions" in summary
+    printed = summary(cut.stats, kl_config.data, True, "", 1.0)
+    assert f"KL rows cut to data.max_length 24: {n_prompts} prompts, {n_cut} completions" in printed
     with pytest.raises(
         DataError, match=rf"^{path}:1: \d+ prompt \+ \d+ completion tokens, longer than data.max"
     ):
@@ -583,7 +584,7 @@ def test_summary_says_lengths_before_and_after_truncation(tmp_path: Path, tiny_m
     out = prepare(*data_settings(cfg))
     before = out.stats["train"]["lengths"]["total"]
     assert before["max"] > 16 and out.stats["train"]["lengths_truncated"]["total"]["max"] == 16
-    text = store.summary(out.stats, cfg.data, True, "x", 1.0)
+    text = summary(out.stats, cfg.data, True, "x", 1.0)
     assert (
         f"tokens per example before truncation p50 {before['p50']:.0f}, p99 {before['p99']:.0f}, max "
         f"{before['max']}; after p50 16, p99 16, max 16" in text
