@@ -46,14 +46,21 @@ def check_masters_layout(
     if plugin.precision == "fp32" or not (path / "meta.json").is_file():
         return
     meta = json.loads((path / "meta.json").read_text())
-    world, tp = int(os.environ.get("WORLD_SIZE", "1")), plugin.tp_size
-    saved_world, saved_tp = meta.get("world_size"), meta.get("tp_size", 1)
-    if (world, tp) != (saved_world, saved_tp):
+    # The layout CheckpointManager.load restores the masters on: every size (dp follows from the others).
+    now = {"world_size": int(os.environ.get("WORLD_SIZE", "1"))}
+    now |= {"tp_size": plugin.tp_size, "sp_size": plugin.sp_size, "pp_size": plugin.pp_size}
+    saved = {key: int(meta.get(key, 1)) for key in now}  # sp and pp: absent before they existed, 1
+    if now != saved:
+        sizes = ("tp_size", "sp_size", "pp_size")
+        at = ", ".join(f"plugin.{k} {saved[k]}" for k in sizes)
+        here = ", ".join(str(now[k]) for k in sizes)
         raise UserError(
             f"coati-kto export: output.export_dtype fp32 writes the fp32 master weights, which {path.name} holds "
-            f"per rank for {saved_world} process(es) at plugin.tp_size {saved_tp}, not {world} at {tp} (they would "
-            f"be rebuilt from the {plugin.precision} weights): run it with --nproc-per-node {saved_world} "
-            f"and plugin.tp_size={saved_tp}, or output.export_dtype=training"
+            f"per rank for {saved['world_size']} process(es) at {at}, not {now['world_size']} at {here} (they "
+            f"would be rebuilt from the {plugin.precision} weights): run it with --nproc-per-node "
+            f"{saved['world_size']} and "
+            + " ".join(f"plugin.{k}={saved[k]}" for k in sizes)
+            + ", or output.export_dtype=training"
         )
 
 

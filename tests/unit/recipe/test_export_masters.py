@@ -12,10 +12,12 @@ from coati_kto.config.load import load_config
 from coati_kto.errors import UserError
 
 
-def _checkpoint(out: Path, world: int, tp: int) -> Path:
+def _checkpoint(out: Path, world: int, tp: int, pp: int | None = None) -> Path:
     step = out / "checkpoints" / "step-6"
     step.mkdir(parents=True)
-    meta = {"step": 6, "world_size": world, "dp_size": world // tp, "tp_size": tp}
+    meta = {"step": 6, "world_size": world, "dp_size": world // tp // (pp or 1), "tp_size": tp}
+    if pp is not None:
+        meta |= {"sp_size": 1, "pp_size": pp}
     (step / "meta.json").write_text(json.dumps(meta))
     (step / "COMPLETE").write_text("step 6\n")
     return step
@@ -37,7 +39,24 @@ def test_fp32_masters_on_another_layout_are_refused_before_anything_heavy(
         export_checkpoint(config)
     assert str(err.value) == (
         "coati-kto export: output.export_dtype fp32 writes the fp32 master weights, which step-6 holds per rank "
-        "for 2 process(es) at plugin.tp_size 1, not 1 at 1 (they would be rebuilt from the bf16 weights): run it "
-        "with --nproc-per-node 2 and plugin.tp_size=1, or output.export_dtype=training"
+        "for 2 process(es) at plugin.tp_size 1, plugin.sp_size 1, plugin.pp_size 1, not 1 at 1, 1, 1 (they would "
+        "be rebuilt from the bf16 weights): run it with --nproc-per-node 2 and plugin.tp_size=1 plugin.sp_size=1 "
+        "plugin.pp_size=1, or output.export_dtype=training"
     )
     assert not (out / "exports" / "step-6").exists()
+
+
+def test_fp32_masters_of_a_pipeline_checkpoint_on_the_same_process_count_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """pp 2 saved, pp 1 exporting on the same 2 processes: the load rebuilt the masters (the layout differs) while
+    this check compared only the process count and tp_size, and passed."""
+    from coati_kto.recipe.export import export_checkpoint
+
+    out = tmp_path / "out"
+    _checkpoint(out, world=2, tp=1, pp=2)
+    text = MINIMAL.replace("dir: out", f"dir: {out}\n  export_dtype: fp32") + "plugin:\n  precision: bf16\n"
+    config = load_config(write_config(tmp_path, text))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(UserError, match=r"plugin.pp_size 2, not 2 at 1, 1, 1 .* plugin.pp_size=2, or"):
+        export_checkpoint(config)
