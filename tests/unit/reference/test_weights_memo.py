@@ -25,3 +25,21 @@ def test_weights_saved_over_with_their_old_timestamps_are_hashed_again(tmp_path:
     os.replace(staged, weights)
     assert weights.stat().st_size == stamp.st_size and weights.stat().st_mtime_ns == stamp.st_mtime_ns
     assert weights_hash(str(model), memo) == weights_hash(str(model)) != first
+
+
+def test_checkpoints_kept_under_the_model_directory_leave_the_key_alone(tmp_path: Path) -> None:
+    """from_pretrained reads the top level only: a Trainer's checkpoint-N/ (weights and optimizer state) kept in
+    the SFT output that model.path names changed the key (the whole reference rescored) and was hashed in full."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"\x01" * 4096)
+    (model / "config.json").write_text("{}")
+    before = weights_hash(str(model))
+    nested = model / "checkpoint-500"
+    nested.mkdir()
+    (nested / "model.safetensors").write_bytes(b"\x02" * 4096)
+    (nested / "optimizer.pt").write_bytes(b"\x03" * 8192)
+    (nested / "config.json").write_text('{"x": 1}')
+    assert weights_hash(str(model)) == before
+    (model / "model.safetensors").write_bytes(b"\x04" * 4096)
+    assert weights_hash(str(model)) != before  # its own weights still count
