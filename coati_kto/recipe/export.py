@@ -46,7 +46,7 @@ def export_checkpoint(config: Config, checkpoint: str = "auto", out: str | None 
     config = run_config(config, first)
     # The optimizer is built (it holds the fp32 masters) but the reference model is not: nothing is scored.
     unscored = config.model_copy(update={"kto": config.kto.model_copy(update={"reference": "cached"})})
-    run = setup_export(config)
+    run = setup_export(config, json.loads((first / "meta.json").read_text()).get("dp_size"))
     trainer, frozen_fp32 = build_trainer(unscored, run, STOP.install())
     # Rank 0 decides (a run still training there may have saved another since the check above).
     path, target = on_rank0(lambda: export_target(root, checkpoint, out), "find the checkpoint")

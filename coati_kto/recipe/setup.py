@@ -144,12 +144,13 @@ def device_memory() -> int | None:
     return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
 
 
-def setup_export(config: Config) -> Run:
+def setup_export(config: Config, trained_dp_size: int | None = None) -> Run:
     """The run of ``config`` read back for ``coati-kto export`` (every rank): output.dir is only read and nothing
-    is scored. The export's own layout is not the run's: no ZeRO note."""
+    is scored. The export's own layout is not the run's: no ZeRO note, and the KTO weights are those of the
+    run's ``trained_dp_size`` data-parallel ranks (auto_weights depend on them), not of this launch."""
     _start_processes(config)
     run_data = load_run_data(config)
-    run = _build_run(config, Path(config.training_output().dir), run_data)
+    run = _build_run(config, Path(config.training_output().dir), run_data, trained_dp_size)
     attention_note = attention_implementation(config.model.path, config.model)[1]
     _announce(config, run, (run_data.pad_note, attention_note))
     return run
@@ -199,8 +200,9 @@ def _refuse_changed_contents(config: Config, checkpoints: Path) -> None:
     check_contents(state, {"train_data": data, "reference_weights": reference}, checkpoint.name)
 
 
-def _build_run(config: Config, out_dir: Path, run_data: RunData) -> Run:
-    """The plan and plugin for this world, the loaders by data-parallel rank and the KTO weights of this layout."""
+def _build_run(config: Config, out_dir: Path, run_data: RunData, weights_dp_size: int | None = None) -> Run:
+    """The plan and plugin for this world, the loaders by data-parallel rank and the KTO weights of this layout
+    (or of ``weights_dp_size`` data-parallel ranks: an export's run)."""
     # The plan's dp_size is the gradient group's (ZeRO's shards, DDP's replicas): dp x sp under all_to_all; a
     # pipeline stage's parameters are its own, so pp divides it out as tp does.
     model_split = config.plugin.tp_size * getattr(config.plugin, "pp_size", 1)
@@ -217,11 +219,12 @@ def _build_run(config: Config, out_dir: Path, run_data: RunData) -> Run:
         data, config.train, config.data.group_by_length, layout, collator
     )
     weight_settings = WeightSettings(config.kto, config.train.micro_batch_size)
+    replicas = weights_dp_size or layout.dp_size
     desirable, undesirable, report = resolve_kto_weights(
-        weight_settings, data.stats, layout.dp_size, config.data.prepared_dir
+        weight_settings, data.stats, replicas, config.data.prepared_dir
     )
     # The run card shows the report of this layout, not prepare's one-replica view.
-    data.stats["imbalance"] = imbalance(weight_settings, data.stats, layout.dp_size)
+    data.stats["imbalance"] = imbalance(weight_settings, data.stats, replicas)
     loaders, weights = (train_loader, eval_loader), (desirable, undesirable)
     return Run(out_dir, data, run_data.tokenizer, plan, plugin, layout, *loaders, weights, report, [])
 

@@ -58,9 +58,7 @@ def weights_hash(path: str, memo_file: Path | None = None) -> str:
     # Top level only, as from_pretrained reads it (and reference_weights_digest below): a Trainer's checkpoint-N/
     # kept in the model's directory is not the reference, and hashing it read whole optimizer states.
     files = sorted(
-        f
-        for f in root.iterdir()
-        if f.is_file() and (f.suffix in _WEIGHT_SUFFIXES or f.name == "config.json")
+        f for f in root.iterdir() if f.is_file() and (f.suffix in _WEIGHT_SUFFIXES or f.name == "config.json")
     )
     for f in files:
         st = f.stat()

@@ -60,3 +60,29 @@ def test_fp32_masters_of_a_pipeline_checkpoint_on_the_same_process_count_are_ref
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(UserError, match=r"plugin.pp_size 2, not 2 at 1, 1, 1 .* plugin.pp_size=2, or"):
         export_checkpoint(config)
+
+
+def test_the_export_weighs_as_the_run_did(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With kto.auto_weights the weights depend on the number of data-parallel ranks: the card of a 1-process
+    export of an 8-rank run gave lambda_D for 1 rank (0.2942 where the run trained with 0.2974). The run is set
+    up with the checkpoint's dp size."""
+    import torch
+
+    from coati_kto.recipe import export
+
+    out = tmp_path / "out"
+    step = _checkpoint(out, world=8, tp=1)
+    (step / "trainer_state").mkdir()
+    torch.save({"trainer_state": {}}, step / "trainer_state" / "rank-0.pt")
+    config = load_config(write_config(tmp_path, MINIMAL.replace("dir: out", f"dir: {out}")))
+    asked: list = []
+
+    def setup_export(config: object, trained_dp_size: int | None = None) -> None:
+        asked.append(trained_dp_size)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(export, "setup_export", setup_export)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(RuntimeError, match="stop here"):
+        export.export_checkpoint(config)
+    assert asked == [8]
