@@ -150,8 +150,7 @@ def _training_section(
         "## Training",
         "",
         f"{steps} optimizer steps; lr {train.lr} (warmup {train.warmup_steps}, cosine to "
-        f"{train.min_lr_ratio} x lr); micro-batch {train.micro_batch_size} x accumulation "
-        f"{train.accumulation_steps} x {world_size} process(es); plugin {plugin.name} "
+        f"{train.min_lr_ratio} x lr); {_batch(train, plugin, world_size)}; plugin {plugin.name} "
         f"(ZeRO {plugin.zero_stage}, {plugin.precision}, tp {plugin.tp_size}); "
         f"seed {train.seed}. The whole resolved config is at the end of this card.",
         "",
@@ -274,3 +273,14 @@ def _dataset_id(entry: str) -> str | None:
     if is_hub_dataset(entry):
         return entry.removeprefix("hf://datasets/").partition("?")[0]
     return hub_id(entry)
+
+
+def _batch(train: TrainSection, plugin: PluginSection, world_size: int) -> str:
+    """The examples per optimizer step as they multiply out: tensor-, sequence-parallel peers and pipeline stages
+    share their data-parallel rank's micro-batches, so only the data-parallel ranks multiply."""
+    dp = max(1, world_size // (plugin.tp_size * plugin.sp_size * plugin.pp_size))
+    m, a = train.micro_batch_size, train.accumulation_steps
+    return (
+        f"micro-batch {m} x accumulation {a} x {dp} data-parallel rank(s) = {m * a * dp} examples per step, "
+        f"on {world_size} process(es)"
+    )

@@ -93,7 +93,9 @@ class CheckpointUploads:
             shutil.rmtree(staged, ignore_errors=True)
             retry = f"hf upload {self.push.repo_id} {checkpoint} --revision {checkpoint.name}"
             # copytree gathers its files' errors in one shutil.Error: (source, target, why) each; the first says it
-            cause = err.args[0][0][2] if isinstance(err, shutil.Error) and err.args[0] else err.strerror or err
+            cause = (
+                err.args[0][0][2] if isinstance(err, shutil.Error) and err.args[0] else err.strerror or err
+            )
             line = (
                 f"checkpoint {checkpoint.name} not uploaded: cannot hard-link it into {self.staging} ({cause}); "
                 f"the run goes on; to upload it while output.keep_last keeps it: `{retry}`"

@@ -183,7 +183,10 @@ def test_an_export_on_another_layout_describes_the_run_not_itself(run: dict) -> 
     proc = run_cli([*argv, "train.max_steps=12", "kto.beta=0.5", "train.lr=1e-4"])  # on a worker rank
     assert proc.returncode == 0, proc.stderr[-3000:]
     card = (target / "README.md").read_text()
-    assert "micro-batch 4 x accumulation 2 x 2 process(es)" in card
+    assert (
+        "micro-batch 4 x accumulation 2 x 2 data-parallel rank(s) = 16 examples per step, on 2 process"
+        in card
+    )
     # The run's settings, not the command line's: the card said beta 0.5 and lr 1e-4 for a run at 0.1 and 5e-3.
     assert "| beta | 0.1 |" in card and "12 optimizer steps; lr 0.005 " in card
     assert "runs as 0 on one data-parallel rank" not in card

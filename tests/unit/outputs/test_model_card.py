@@ -21,6 +21,17 @@ def test_card_embeds_the_config_and_the_run_notes(tmp_path: Path) -> None:
     assert yaml.safe_load(embedded) == config.model_dump(mode="json")
 
 
+def test_card_multiplies_the_batch_over_data_parallel_ranks_only(tmp_path: Path) -> None:
+    """tp 2 on 2 processes is one data-parallel rank: the card said "x 2 process(es)", twice the real batch."""
+    config = load_config(write_config(tmp_path, MINIMAL), ["plugin.tp_size=2", "train.accumulation_steps=3"])
+    card = render(config, None, None, 12, (1.0, 1.0), 2, [])
+    m = config.train.micro_batch_size
+    assert (
+        f"micro-batch {m} x accumulation 3 x 1 data-parallel rank(s) = {3 * m} examples per step, on 2"
+        in card
+    )
+
+
 def test_export_note_says_what_final_holds(tmp_path: Path) -> None:
     """final/ was written in bf16 after bf16 training from an fp32 base without a word (issue 17)."""
     from coati_kto.outputs.weights import export_note
