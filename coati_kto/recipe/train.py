@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from coati_kto.config.output import OutputSection
 from coati_kto.config.resume import check_contents, check_resume
 from coati_kto.config.schema import Config
 from coati_kto.errors import ConfigError
@@ -25,7 +26,7 @@ from coati_kto.recipe.save import save_final
 from coati_kto.recipe.setup import Run, setup_training
 from coati_kto.runtime.preflight import announce_resume, check_training
 from coati_kto.runtime.run_dir import TENSORBOARD_DIR, release_output_dir
-from coati_kto.runtime.signals import STOP, StopSignals
+from coati_kto.runtime.signals import STOP, StopSignals, TrainingStoppedError
 from coati_kto.runtime.startup import release_collection
 from coati_kto.runtime.watchdog import Heartbeat, new_heartbeat
 from coati_kto.trainer.schedule import reschedule, schedule_notes
@@ -58,6 +59,9 @@ def train(config: Config) -> Any:
         if heartbeat is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             heartbeat.start()
         trainer = _train(config, stop_signals, heartbeat, uploads)
+    except TrainingStoppedError:
+        wait_for_uploads_after_stop(output, uploads)
+        raise
     finally:
         if heartbeat is not None:
             heartbeat.stop()
@@ -66,6 +70,20 @@ def train(config: Config) -> Any:
         release_output_dir(Path(output.dir))
     trainer.pushed = push_final(output)  # after the heartbeat stopped: no peer waits for an upload of hours
     return trainer
+
+
+def wait_for_uploads_after_stop(output: OutputSection, uploads: CheckpointUploads | None) -> None:
+    """After a stop's checkpoint, with output.push_to_hub.checkpoints: every rank waits (in the store, up to
+    train.file_wait_timeout) until global rank 0's uploads are done, then all exit 75 together. torchrun ends
+    the other workers once one exits non-zero and SIGKILLs one that outlives that by 30 s: rank 0, still
+    uploading the stop's checkpoint while its peers had exited 75, was killed and the job exited 1 (no
+    requeue). Every rank calls; ``uploads`` is rank 0's (None elsewhere)."""
+    push = output.push_to_hub
+    if push is None or not push.checkpoints:
+        return
+    if uploads is not None:
+        uploads.wait()
+    wait_for_all("global rank 0 to finish its checkpoint uploads")
 
 
 def _train(

@@ -287,3 +287,31 @@ def test_commands_in_separate_pooled_calls_never_share_keys() -> None:
     call's command does not reuse an earlier one's keys (its failure, its stale values)."""
     run_distributed(_a_command_that_fails_on_rank_0, 2)
     assert run_distributed(_a_command_that_waits, 2) == ["fresh", "fresh"]
+
+
+def _stop_with_uploads_running(upload_s: float) -> dict:
+    """Every rank: a stop's aftermath with output.push_to_hub.checkpoints, global rank 0's uploads taking
+    ``upload_s``; when each rank was done with it (its exit 75), and when rank 0's uploads were."""
+    from coati_kto.config.output import OutputSection
+    from coati_kto.recipe.train import wait_for_uploads_after_stop
+
+    output = OutputSection(dir="out", push_to_hub={"repo_id": "org/model", "checkpoints": True})
+    done: dict[str, float] = {}
+
+    class Uploads:  # global rank 0's CheckpointUploads, its last upload still running
+        def wait(self) -> bool:
+            time.sleep(upload_s)
+            done["uploads"] = time.monotonic()
+            return True
+
+    wait_for_uploads_after_stop(output, Uploads() if dist.get_rank() == 0 else None)
+    done["left"] = time.monotonic()
+    return done
+
+
+def test_after_a_stop_no_rank_leaves_before_rank_0s_uploads_are_done() -> None:
+    """torchrun ends the other workers once one exits non-zero, and SIGKILLs one that outlives that by 30 s: the
+    ranks that exited 75 at once got rank 0 killed in the middle of the stop checkpoint's upload (the job exited
+    1, so SLURM did not requeue it). Now every rank leaves after rank 0's uploads (the same machine's clock)."""
+    rank0, rank1 = run_distributed(_stop_with_uploads_running, 2, SLOW_S)
+    assert rank1["left"] >= rank0["uploads"] and rank0["left"] >= rank0["uploads"]
