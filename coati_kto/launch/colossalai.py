@@ -9,13 +9,21 @@ session is closed (its ranks stop by themselves: coati_kto.runtime.watchdog). la
 
 ``colossalai run`` reports each node as success or failure, and exits 1 on any failure: a clean stop (every
 rank checkpointed after a signal and exited 75, coati_kto.runtime.signals) looked like a crash to whatever restarts
-the job. Here a node whose command exited 75 reports "stopped", and the launch exits 75 when no node failed.
+the job. Here a node whose command exited 75 reports "stopped", and the launch exits 75 when no node failed. The
+CLI's other documented codes pass through the same way: 2 (a user mistake, said in one line by the ranks) and 3
+(the upload of final/ failed), instead of 1 after a dump of the exported environment.
+
+``colossalai run`` joins the script's arguments into one shell command unquoted: a config path with a space, an
+override holding a space, brackets or quotes (``data.train_files=[a.jsonl, b.jsonl]``) or a ``$`` reached the ranks
+split, stripped or expanded. Each is quoted here.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
+import shlex
 import sys
 import time
 from multiprocessing.connection import wait
@@ -25,44 +33,51 @@ from coati_kto.runtime.signals import STOP_EXIT_CODE
 
 DEFAULT_GRACE_S = 30.0
 
-_stopped_nodes: list[str] = []  # hosts that reported "stopped" (the launcher process's own record)
+USER_ERROR_EXIT, PUSH_FAILED_EXIT = 2, 3  # coati_kto.cli's codes
+PASSED_EXITS = (STOP_EXIT_CODE, USER_ERROR_EXIT, PUSH_FAILED_EXIT)
+
+_node_exits: dict[str, int] = {}  # host -> its command's passed exit code (the launcher process's own record)
 
 
-class _StopAwareConn:
-    """A node runner's pipe to the launcher: "success" becomes "stopped" once its command exited 75."""
+class _ExitAwareConn:
+    """A node runner's pipe to the launcher: "success" becomes "stopped" once its command exited 75, "exited N"
+    once it exited 2 or 3."""
 
-    def __init__(self, conn: Any, stopped: list[bool]) -> None:
-        self.conn, self.stopped = conn, stopped
+    def __init__(self, conn: Any, exited: list[int]) -> None:
+        self.conn, self.exited = conn, exited
 
     def send(self, message: str) -> None:
-        self.conn.send("stopped" if message == "success" and self.stopped else message)
+        if message == "success" and self.exited:
+            code = self.exited[-1]
+            message = "stopped" if code == STOP_EXIT_CODE else f"exited {code}"
+        self.conn.send(message)
 
 
 def _run_on_host(hostinfo: Any, workdir: str, recv_conn: Any, send_conn: Any, env: dict) -> None:
-    """ColossalAI's run_on_host (one forked process per node), with exit 75 of the node's command a clean stop
-    rather than a failure: fabric raises UnexpectedExit for it, which becomes a normal return here."""
+    """ColossalAI's run_on_host (one forked process per node), with exit 75, 2 or 3 of the node's command passed on
+    rather than a failure: fabric raises UnexpectedExit for them, which becomes a normal return here."""
     import fabric
     from colossalai.cli.launcher import multinode_runner
     from invoke.exceptions import UnexpectedExit
 
-    stopped: list[bool] = []
+    exited: list[int] = []
 
-    def stop_aware(call: Any) -> Any:
+    def exit_aware(call: Any) -> Any:
         def run(self: Any, *args: Any, **kwargs: Any) -> Any:
             try:
                 return call(self, *args, **kwargs)
             except UnexpectedExit as err:
-                if err.result.exited != STOP_EXIT_CODE:
+                if err.result.exited not in PASSED_EXITS:
                     raise
-                stopped.append(True)
+                exited.append(err.result.exited)
                 return err.result
 
         return run
 
-    fabric.Connection.local = stop_aware(fabric.Connection.local)
-    fabric.Connection.run = stop_aware(fabric.Connection.run)
+    fabric.Connection.local = exit_aware(fabric.Connection.local)
+    fabric.Connection.run = exit_aware(fabric.Connection.run)
     multinode_runner.original_run_on_host(
-        hostinfo, workdir, recv_conn, _StopAwareConn(send_conn, stopped), env
+        hostinfo, workdir, recv_conn, _ExitAwareConn(send_conn, exited), env
     )
 
 
@@ -94,9 +109,12 @@ def _recv_from_all(self) -> dict[str, str]:
                 except EOFError:  # its runner process was terminated above, in an earlier call
                     messages[host] = "finish"
                 del pending[host]
-                if messages[host] == "failure" and deadline is None:
+                failed = messages[host] == "failure" or messages[host].startswith("exited ")
+                if failed and deadline is None:
                     deadline = time.monotonic() + grace
-    _stopped_nodes.extend(host for host, message in messages.items() if message == "stopped")
+    for host, message in messages.items():
+        if message == "stopped" or message.startswith("exited "):
+            _node_exits[host] = STOP_EXIT_CODE if message == "stopped" else int(message.split()[1])
     return messages
 
 
@@ -115,12 +133,29 @@ def main(argv: list[str] | None = None) -> None:
     # connect() forks one process per node with the module's run_on_host: the forked copies get this one.
     multinode_runner.original_run_on_host = multinode_runner.run_on_host
     multinode_runner.run_on_host = _run_on_host
+    commands = importlib.import_module(
+        "colossalai.cli.launcher.run"
+    )  # the module; ``run`` is its click command
+    commands.get_launch_command = _quoting(commands.get_launch_command)
     try:
         run.main(args=argv, prog_name="colossalai run")
     except SystemExit as done:
-        if done.code in (None, 0) and _stopped_nodes:  # no node failed, and the ranks stopped cleanly
-            print(
-                f"launcher: stopped cleanly on {', '.join(_stopped_nodes)}; exit {STOP_EXIT_CODE}", flush=True
-            )
-            raise SystemExit(STOP_EXIT_CODE) from None
-        raise
+        if done.code not in (None, 0) or not _node_exits:  # a node failed, or every node succeeded
+            raise
+        # No node failed: the most basic passed code wins (a user mistake, then a failed upload, then a stop).
+        code = min(_node_exits.values())
+        hosts = ", ".join(host for host, exited in _node_exits.items() if exited == code)
+        what = "stopped cleanly" if code == STOP_EXIT_CODE else "the command exited"
+        print(f"launcher: {what} on {hosts}; exit {code}", flush=True)
+        raise SystemExit(code) from None
+
+
+def _quoting(get_launch_command: Any) -> Any:
+    """ColossalAI's get_launch_command with the script and each of its arguments shell-quoted (it joins them into
+    the command each node's shell runs)."""
+
+    def quoted(*args: Any, user_script: str, user_args: list[str], **kwargs: Any) -> str:
+        user_args = [shlex.quote(a) for a in user_args]
+        return get_launch_command(*args, user_script=shlex.quote(user_script), user_args=user_args, **kwargs)
+
+    return quoted

@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from helpers import env, weights, write_run
 
 from coati_kto.runtime.signals import ABORT_EXIT_CODE, STOP_EXIT_CODE
@@ -322,18 +324,23 @@ def test_launch_keeps_secrets_out_of_its_output(run_config: Path, tmp_path: Path
         "MASTER_PORT": str(free_port()),
     }
     repo = Path(__file__).resolve().parents[2]
-    # A deliberately failing launch (no such config): colossalai run prints the environment it exported.
-    proc = subprocess.run(
-        ["bash", str(repo / "launch" / "colossalai_run.sh"), str(tmp_path / "missing.yaml")],
-        env=planted,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    output = proc.stdout + proc.stderr
-    assert proc.returncode != 0
+    launch = ["bash", str(repo / "launch" / "colossalai_run.sh"), str(tmp_path / "missing.yaml")]
+    # A user mistake (no such config) exits 2 with the ranks' one line, as with the other launchers (it was 1,
+    # after colossalai run's dump of the environment it exported).
+    mistake = subprocess.run(launch, env=planted, capture_output=True, text=True, timeout=300)
+    said = mistake.stdout + mistake.stderr
+    assert mistake.returncode == 2 and "export " not in said, said
+    assert f"error: {tmp_path / 'missing.yaml'}: config file not found" in said
+    assert "launcher: the command exited on 127.0.0.1; exit 2" in said
+    # A launch that fails (its port taken): colossalai run prints the environment it exported.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        planted["MASTER_PORT"] = str(taken.getsockname()[1])
+        proc = subprocess.run(launch, env=planted, capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr + mistake.stdout + mistake.stderr
+    assert proc.returncode == 1
     assert "export " in output and 'TOKENIZERS_PARALLELISM="false"' in output  # the dump this test is about
-    assert f"error: {tmp_path / 'missing.yaml'}: config file not found" in output
     assert secret not in output
     assert not any(secret in p.read_text(errors="replace") for p in tmp_path.rglob("*") if p.is_file())
 
@@ -354,9 +361,16 @@ def test_a_clean_stop_through_colossalai_run_exits_75(run_config: Path, tmp_path
     from coati_kto.parallel.distributed import free_port
 
     repo = Path(__file__).resolve().parents[2]
-    out = tmp_path / "out"
+    out = tmp_path / "out dir"  # colossalai run joined the arguments unquoted: a space split them
+    name = "it's a [clean] stop, $HOME"  # quotes stripped, brackets split, $HOME expanded
     proc = subprocess.Popen(
-        ["bash", str(repo / "launch" / "colossalai_run.sh"), str(run_config), f"output.dir={out}"],
+        [
+            "bash",
+            str(repo / "launch" / "colossalai_run.sh"),
+            str(run_config),
+            f"output.dir={out}",
+            f"logging.wandb_project={name}",
+        ],
         env={**env(), "NPROC_PER_NODE": "2", "MASTER_PORT": str(free_port())},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -366,3 +380,6 @@ def test_a_clean_stop_through_colossalai_run_exits_75(run_config: Path, tmp_path
     assert stopped.startswith("stopped by SIGTERM after step ")
     assert (out / "checkpoints" / "latest").read_text().strip() == f"step-{step}"
     assert "launcher: stopped cleanly on 127.0.0.1; exit 75" in output
+    assert (
+        yaml.safe_load((out / "config.yaml").read_text())["logging"]["wandb_project"] == name
+    )  # intact on the ranks
