@@ -96,3 +96,10 @@ def _decoder_name(model: Any) -> str | None:
         return None
     decoder = model.get_decoder()
     return next((n for n, m in model.named_modules() if m is decoder), None)
+
+
+def is_linear(module: Any) -> bool:
+    """A linear layer as peft adapts it: ``nn.Linear``, or GPT-2's ``Conv1D``."""
+    import torch
+
+    return isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"

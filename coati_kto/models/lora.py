@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from coati_kto.config.lora import peft_config, tower_refusal
+from coati_kto.config.lora import is_linear, peft_config, tower_refusal
 from coati_kto.errors import ConfigError
 from coati_kto.parallel.store_waits import wait_for_all
 
@@ -34,7 +34,33 @@ def enable_lora(booster: Any, model: torch.nn.Module, section: LoraSection) -> t
     refusal = tower_refusal(section, model)
     if refusal is not None:
         raise ConfigError(refusal)
-    return booster.enable_lora(model, lora_config=peft_config(section, model))
+    config = peft_config(section, model)
+    # before peft wraps them in place (base_layer, default)
+    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if is_linear(m)} - {"lm_head"})
+    policy = booster.enable_lora(model, lora_config=config)
+    missing = unmatched_targets(section, config, peft_model(policy))
+    if missing:  # peft refuses only when none matches; the preflight checks a local model.path only
+        raise ConfigError(
+            f"model.lora.target_modules: {', '.join(missing)} match no module of {type(model).__name__}; its "
+            f"linear layers: {', '.join(linear)}"
+        )
+    return policy
+
+
+def unmatched_targets(section: LoraSection, config: Any, peft: Any) -> list[str]:
+    """The user's (or default) ``target_modules`` that got no adapter in ``peft`` (the PeftModel ``config``
+    built), in their order: peft fails only when none matches, so a Phi-3 (fused ``qkv_proj``) under the default
+    q/k/v/o trained ``o_proj`` alone. Targets peft renamed itself (transformers 5's fused experts, adapted as
+    parameters) and a vision-language model's default (a regex) are not checked."""
+    if isinstance(config.target_modules, str) or peft is None:
+        return []
+    kept = set(config.target_modules or ())  # after peft's own renames: what it matched by module name
+    adapted = peft.base_model.targeted_module_names
+    return [
+        t
+        for t in section.target_modules
+        if t in kept and not any(n == t or n.endswith("." + t) for n in adapted)
+    ]
 
 
 def peft_model(model: Any) -> Any:
