@@ -52,6 +52,9 @@ class ImageExpander:
         names = ("boi_token_id", "eoi_token_id", "vision_start_token_id", "vision_end_token_id")
         marks = (getattr(tokenizer, name, None) for name in names)
         self.run_ids = frozenset([self.image_token_id, *(int(m) for m in marks if m is not None)])
+        # Gemma 3's soft token differs from its placeholder: typed in a record, it would become an image token the
+        # images do not fill (in a completion, under the loss mask).
+        self.soft_token: str = tokenizer.convert_ids_to_tokens(self.image_token_id)
 
     def expand(self, prompt: str, completion: str, images: list[bytes], source: str) -> str | RecordError:
         """``prompt`` with its placeholders replaced by the images' token runs; a RecordError when the template
@@ -66,6 +69,17 @@ class ImageExpander:
                 "images",
                 f"{len(images)} image(s), but the chat template rendered {self.placeholder!r} placeholders: "
                 f"{where}; use a template that renders each image part as {self.placeholder!r}",
+                "image_placeholders",
+            )
+        if self.soft_token != self.placeholder and (
+            self.soft_token in prompt or self.soft_token in completion
+        ):
+            part = "completion" if self.soft_token in completion else "prompt"
+            return RecordError(
+                source,
+                "images",
+                f"the {part} holds the image token {self.soft_token!r} as text; only the processor places it (one "
+                f"run per image, from the {self.placeholder!r} placeholder): remove it",
                 "image_placeholders",
             )
         if not images:

@@ -80,6 +80,8 @@ def greedy_generate(
         ids[b, width - len(prompt) :] = torch.as_tensor(prompt, dtype=torch.long)
         mask[b, width - len(prompt) :] = 1
     vision = _vision_keywords(hf.config, images, ids, mask, device) if images is not None else {}
+    if images is not None:  # an image token in a completion has no image to fill it: scoring it would raise
+        vision["suppress_tokens"] = [images.image_token_id]
     with torch.no_grad(), context:
         out = hf.generate(
             input_ids=ids.to(device),

@@ -149,6 +149,18 @@ def test_placeholders_must_match_the_images(processor) -> None:
     ]
 
 
+def test_the_soft_token_typed_in_a_record_is_refused(processor) -> None:
+    """Gemma 3's soft token is not its placeholder: typed in a completion it passed prepare as an image token under
+    the loss mask, and training then said the processor had changed ("prepare it again", which changed nothing)."""
+    encoder = Encoder(processor.tokenizer, processor=processor)
+    out = encoder(rows([ASK], [[png((1, 2, 3))]], "red <image_soft_token>"))
+    assert out["error_reason"] == ["image_placeholders"]
+    assert out["error"] == [
+        "train.jsonl:1: field 'images': the completion holds the image token '<image_soft_token>' as text; only "
+        "the processor places it (one run per image, from the '<start_of_image>' placeholder): remove it"
+    ]
+
+
 def test_image_stats() -> None:
     stats = image_stats(np.array([1, 0, 2, 1]), np.array([4, 0, 8, 4]), np.array([36, 20, 60, 44]))
     assert stats == {

@@ -94,6 +94,40 @@ def test_generation_with_images_decodes_as_full_forwards_with_the_image_do(
         assert greedy_generate(model, prompts, NEW_TOKENS, pad, eos, torch.device("cpu"), False) != got
 
 
+def test_generation_with_images_never_emits_the_image_token(tmp_path: Path) -> None:
+    """A completion holding the image token has no image to fill it: scoring the sample (prompt and completion,
+    with the prompt's images) raised "Image features and image tokens do not match" and ended the evaluation.
+    Here the tiny Gemma 3 is pushed to prefer that token at every step."""
+    from transformers import AutoModelForImageTextToText
+
+    from coati_kto.data.processors import load_processor_for_images
+
+    write_vl(tmp_path / "model", "gemma3_vl")
+    processor = load_processor_for_images(str(tmp_path / "model"))
+    model = AutoModelForImageTextToText.from_pretrained(tmp_path / "model", dtype=torch.float32).eval()
+    tokenizer = processor.tokenizer
+    soft = tokenizer.convert_tokens_to_ids(tokenizer.image_token)
+    images = SampleImages(processor.image_processor, soft)
+    row = {"images": [_png((32, 32), (230, 20, 20), noise=1)]}
+    text = processor.apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]}],
+        add_generation_prompt=True,
+    )
+    prompt = list(processor(text=[text], images=[[Image.open(io.BytesIO(row["images"][0]))]])["input_ids"][0])
+
+    def prefer_the_image_token(module: object, inputs: object, logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.clone()
+        logits[..., soft] += 1e4
+        return logits
+
+    model.get_output_embeddings().register_forward_hook(prefer_the_image_token)
+    eos, pad = [tokenizer.eos_token_id], tokenizer.pad_token_id
+    got = greedy_generate(
+        model, [prompt], NEW_TOKENS, pad, eos, torch.device("cpu"), False, images.prompt_images([row])
+    )
+    assert len(got[0]) == NEW_TOKENS and soft not in got[0]
+
+
 def test_the_logged_image_is_the_records_first_down_scaled_to_256_px() -> None:
     small = _png((40, 32), (10, 200, 30), noise=3)
     row = {"images": [small, _png((8, 8), (0, 0, 0))]}
