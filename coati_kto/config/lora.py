@@ -103,3 +103,9 @@ def is_linear(module: Any) -> bool:
     import torch
 
     return isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def linear_layer_names(model: Any) -> list[str]:
+    """The last name part of ``model``'s linear layers, sorted, the LM head left out: what a refusal of
+    ``model.lora.target_modules`` offers instead."""
+    return sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if is_linear(m)} - {"lm_head"})

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from coati_kto.config.lora import is_linear, peft_config, tower_refusal
+from coati_kto.config.lora import linear_layer_names, peft_config, tower_refusal
 from coati_kto.errors import ConfigError
 from coati_kto.parallel.store_waits import wait_for_all
 
@@ -36,7 +36,7 @@ def enable_lora(booster: Any, model: torch.nn.Module, section: LoraSection) -> t
         raise ConfigError(refusal)
     config = peft_config(section, model)
     # before peft wraps them in place (base_layer, default)
-    linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules() if is_linear(m)} - {"lm_head"})
+    linear = linear_layer_names(model)
     policy = booster.enable_lora(model, lora_config=config)
     missing = unmatched_targets(section, config, peft_model(policy))
     if missing:  # peft refuses only when none matches; the preflight checks a local model.path only

@@ -31,10 +31,8 @@ def write_weights(
     """Write ``trainer``'s policy (with ``tokenizer``) under ``target``; returns the directory that holds the model
     (``target``, or with ``lora`` the adapters' parent). ``frozen_fp32``: weights no optimizer master holds (a
     vision-language model's frozen tower), added to an fp32 export."""
-    from coati_kto.models.lora import (
-        base_module,
-        export_lora,
-    )  # after quiet_known_warnings (coati_kto.recipe.train)
+    # Imported here: after quiet_known_warnings (coati_kto.recipe.train).
+    from coati_kto.models.lora import base_module, export_lora
 
     if lora:  # target/adapter (peft) and, with output.merge_lora, target/merged
         layout, gather = trainer.layout, None

@@ -84,9 +84,8 @@ def tell_peers(line: str) -> None:
         return
     store = dist.distributed_c10d._get_default_store()
     previous = store.timeout
-    store.set_timeout(
-        timedelta(seconds=TELL_TIMEOUT_S)
-    )  # an unreachable store must not hold up this rank's exit
+    # An unreachable store must not hold up this rank's exit.
+    store.set_timeout(timedelta(seconds=TELL_TIMEOUT_S))
     try:
         store.compare_set(failure_key(), "", f"rank {dist.get_rank()}: {line}")
     except Exception:  # noqa: BLE001 - the store (rank 0's process, torchrun's agent) is gone: nobody to tell

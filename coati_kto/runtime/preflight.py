@@ -21,7 +21,7 @@ from pathlib import Path
 from coati_kto.config.hub import HubDataset, hub_offline, hub_token, missing_path
 from coati_kto.config.hub import hub_problems as _hub_problems
 from coati_kto.config.hub import looks_like_path as _looks_like_path
-from coati_kto.config.lora import is_linear, peft_config, tower_refusal
+from coati_kto.config.lora import linear_layer_names, peft_config, tower_refusal
 from coati_kto.config.output import OutputSection
 from coati_kto.config.resume import check_resume
 from coati_kto.config.schema import Config, ModelSection, PluginSection, TrainSection
@@ -159,7 +159,7 @@ def _lora_problems(model_section: ModelSection) -> list[str]:
     if tower is not None:
         return [tower]
     modules = dict(model.named_modules())
-    linear = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items() if is_linear(m)} - {"lm_head"})
+    linear = linear_layer_names(model)
     found = {t: [m for n, m in modules.items() if n == t or n.endswith("." + t)] for t in lora.target_modules}
     remapped, peft_refused = _peft_remapped(model, lora)  # after the names above: peft wraps in place
     missing = [t for t, hits in found.items() if not hits and t not in remapped]
