@@ -10,14 +10,23 @@ gradient to another's without an error; ``tests/distributed/test_ordered_grads.p
 ColossalAI). Upstream guards only its own MoE tensors, and only under ZeRO-1 without overlap.
 
 Here (:func:`install_ordered_reduction`) the hooks go: gradients stay in ``param.grad`` through the backward, and
-after it every trainable parameter enters the buckets in the optimizer's parameter order (the same on every
-rank), with zeros where this rank's backward left none (its share of the average is 0). The reduced values are
-upstream's; the cost is that the reduction no longer overlaps the backward and the whole gradient is held until
-it ends (2 bytes per parameter in bf16, where ZeRO-2 holds 2 / N), as under upstream's ZeRO-1 without overlap. So
-it is installed, at more than one ZeRO rank, only where a parameter can go unreached (:func:`data_dependent_graph`,
-and a vision tower trained on text and image records mixed: the backend's ``boost``):
-dense models and transformers 5's fused-expert MoEs (Mixtral, Qwen3-MoE: the same parameters in the same order
-whatever the routing, ``tests/distributed/test_ordered_grads.py``) keep upstream's overlapped buckets.
+after it every trainable parameter that some rank of the ZeRO group reached enters the buckets in the optimizer's
+parameter order (the same on every rank), with zeros where this rank's backward left none (its share of the
+average is 0). A parameter no rank reached stays out, as one process, torch DDP and upstream's step leave a
+parameter without a gradient: not updated, its AdamW moments not advanced (a text-only step does not move a
+trained vision tower on its stale momentum). The reduced values are upstream's; the cost is a one-flag-per-parameter
+all-reduce, and that the reduction no longer overlaps the backward and the whole gradient is held until it ends
+(2 bytes per parameter in bf16, where ZeRO-2 holds 2 / N), as under upstream's ZeRO-1 without overlap.
+
+At one ZeRO rank there is nothing to order, but ZeRO-1's hooks (attached where ``overlap_communication`` is on,
+the CUDA default) store a gradient only when its parameter's hook fires in the step's last micro-batch: the
+gradient that ``no_sync`` accumulation left in ``param.grad`` for a parameter only earlier micro-batches reached
+was dropped. The walk after the backward stores it.
+
+So it is installed only where a parameter can go unreached (:func:`data_dependent_graph`, and a vision tower
+trained on text and image records mixed: the backend's ``boost``): dense models and transformers 5's fused-expert
+MoEs (Mixtral, Qwen3-MoE: the same parameters in the same order whatever the routing,
+``tests/distributed/test_ordered_grads.py``) keep upstream's overlapped buckets.
 """
 
 from __future__ import annotations
@@ -26,6 +35,7 @@ import types
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from coati_kto.parallel.optimizer_path import zero_bucket_store
@@ -45,29 +55,43 @@ def data_dependent_graph(model: nn.Module) -> bool:
 
 
 def install_ordered_reduction(optimizer: Any) -> bool:
-    """Reduce ``optimizer``'s gradients after each synchronized backward, in parameter order, zeros for the
-    missing ones (see the module), where it is a ZeRO optimizer of one group of more than one rank. Every rank
-    calls after ``booster.boost``, alike. Returns whether it did."""
-    store = zero_bucket_store(optimizer)
-    if store is None or store.world_size == 1:
+    """Reduce ``optimizer``'s gradients after each synchronized backward, in parameter order, zeros for the ones
+    only this rank missed (see the module), where it is a ZeRO optimizer of one ZeRO group (any number of ranks).
+    Every rank calls after ``booster.boost`` (after ``install_single_rank_zero``), alike. Returns whether it did."""
+    if zero_bucket_store(optimizer) is None:
         return False
     for handle in optimizer.grad_handles:
         handle.remove()
     optimizer.grad_handles = []
     optimizer.zero_filled_grads = 0  # gradients this rank's backwards left out, filled with zeros (a count)
+    optimizer.unreached_grads = 0  # parameters no rank's backward reached, left out of the step (a count)
     optimizer._reduce_grad = types.MethodType(_reduce_in_parameter_order, optimizer)
     return True
 
 
 def _reduce_in_parameter_order(self: Any, partition_grad: bool) -> None:
-    """``LowLevelZeroOptimizer._reduce_grad`` over every trainable parameter in order; upstream's buckets then
-    reduce (all-reduce, or reduce-scatter when ``partition_grad``) and store them as they would."""
-    for group_id in range(self.num_param_groups):
-        for param in self._working_param_groups[group_id]:
-            if not param.requires_grad:
-                continue
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-                self.zero_filled_grads += 1
-            self._add_to_bucket(param, group_id)
+    """``LowLevelZeroOptimizer._reduce_grad`` over every trainable parameter some rank reached, in order; upstream's
+    buckets then reduce (all-reduce, or reduce-scatter when ``partition_grad``) and store them as they would. Every
+    rank of the ZeRO group calls it (from ``backward``), so the flags' all-reduce lines up."""
+    params = [
+        (group_id, param)
+        for group_id in range(self.num_param_groups)
+        for param in self._working_param_groups[group_id]
+        if param.requires_grad
+    ]
+    if not params:
+        return
+    store = zero_bucket_store(self)
+    reached = torch.tensor([param.grad is not None for _, param in params], dtype=torch.int32)
+    if store.world_size > 1:
+        reached = reached.to(params[0][1].device)
+        dist.all_reduce(reached, op=dist.ReduceOp.MAX, group=store.torch_pg)
+    for (group_id, param), anywhere in zip(params, reached.tolist(), strict=True):
+        if not anywhere:
+            self.unreached_grads += 1
+            continue
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+            self.zero_filled_grads += 1
+        self._add_to_bucket(param, group_id)
     self._run_reduction()

@@ -113,6 +113,116 @@ def test_upstream_reduction_mixes_same_sized_gradients() -> None:
     assert wrong, "upstream reduced the rank-dependent gradients correctly"
 
 
+def _accumulated_worker() -> dict:
+    """One ZeRO-1 rank with overlap_communication on (the CUDA default: ZeRO-1 then stores gradients from backward
+    hooks), the project's gradient path, accumulation 2: micro-batch 1 (under no_sync) reaches ``second``,
+    micro-batch 2 does not. SGD at lr 1: the update is the summed gradient."""
+    from colossalai.booster import Booster
+    from colossalai.booster.plugin import LowLevelZeroPlugin
+
+    from coati_kto.parallel import optimizer_path, upstream
+    from coati_kto.parallel.ordered_grads import install_ordered_reduction
+
+    upstream.apply()
+    model = RankDependent()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    booster = Booster(plugin=LowLevelZeroPlugin(stage=1, precision="fp32", overlap_communication=True))
+    model, optimizer, *_ = booster.boost(model, optimizer)
+    optimizer_path.install_clipping(optimizer)
+    optimizer_path.install_single_rank_zero(optimizer)
+    installed = install_ordered_reduction(optimizer)
+    x = torch.linspace(-1, 1, SIZE)
+    before = {n: p.detach().clone() for n, p in model.unwrap().named_parameters()}
+    with booster.no_sync(model, optimizer):
+        booster.backward(model(x, 1, True), optimizer)
+    booster.backward(model(x, 1, False), optimizer)
+    optimizer.step()
+    return {
+        "installed": installed,
+        "update": {n: (before[n] - p.detach()).tolist() for n, p in model.unwrap().named_parameters()},
+    }
+
+
+def test_one_zero_rank_keeps_the_accumulated_gradient_the_last_micro_batch_does_not_reach() -> None:
+    """At one ZeRO-1 rank with overlap on (the GPU default), a parameter that only an earlier micro-batch of the
+    step reached (a vision tower's image records, then a text-only micro-batch; an expert) had its accumulated
+    gradient dropped: no backward hook of the last micro-batch stored it. Before: an update of 0."""
+    (result,) = run_distributed(_accumulated_worker, 1, timeout_s=300)
+    assert result["installed"]
+    x = torch.linspace(-1, 1, SIZE)
+    expected = {"always": 2 * x, "first": torch.zeros(SIZE), "second": (x * torch.exp(x))}
+    for name, grad in expected.items():
+        torch.testing.assert_close(torch.tensor(result["update"][name]), grad, rtol=1e-6, atol=1e-6, msg=name)
+
+
+def _two_steps_worker(stage: int) -> dict:
+    """ZeRO on 2 ranks, AdamW with decay, the ordered reduction: step 1 every rank reaches ``second``, step 2
+    none does (rank 1 never reaches ``first``). Each parameter's value after each step."""
+    import torch.distributed as dist
+    from colossalai.booster import Booster
+    from colossalai.booster.plugin import LowLevelZeroPlugin
+
+    from coati_kto.parallel import upstream
+    from coati_kto.parallel.ordered_grads import install_ordered_reduction
+
+    upstream.apply()
+    rank = dist.get_rank()
+    model = RankDependent()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    booster = Booster(
+        plugin=LowLevelZeroPlugin(stage=stage, precision="fp32", **upstream.cpu.plugin_overrides())
+    )
+    model, optimizer, *_ = booster.boost(model, optimizer)
+    install_ordered_reduction(optimizer)
+    x = torch.linspace(-1, 1, SIZE) * (rank + 1)
+    values = []
+    for use_second in (True, False):
+        booster.backward(model(x, rank, use_second), optimizer)
+        optimizer.step()
+        optimizer.zero_grad()
+        values.append({n: p.detach().tolist() for n, p in model.unwrap().named_parameters()})
+    counts = {k: getattr(optimizer, f"{k}_grads", None) for k in ("unreached", "zero_filled")}
+    return {"values": values, "unreached": counts["unreached"], "filled": counts["zero_filled"]}
+
+
+def _two_steps_expected() -> list[dict[str, list[float]]]:
+    """torch's AdamW on one process over the ranks' averaged gradients (a rank that missed a parameter adds 0);
+    no gradient (None) where no rank reached it: not updated, its moments not advanced."""
+    model = RankDependent()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    x = [torch.linspace(-1, 1, SIZE) * (r + 1) for r in range(2)]
+    values = []
+    for use_second in (True, False):
+        optimizer.zero_grad()
+        for rank, xr in enumerate(x):
+            (model(xr, rank, use_second) / len(x)).backward()
+        optimizer.step()
+        values.append({n: p.detach().tolist() for n, p in model.named_parameters()})
+    return values
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_parameter_no_rank_reached_is_not_stepped(stage: int) -> None:
+    """A parameter no rank's backward reached in a step (a vision tower in a text-only step) was filled with
+    zeros on every rank and stepped: AdamW moved it on its earlier momentum and decay, where one process, torch
+    DDP and upstream's ZeRO leave it. Before: ``second`` moved in step 2."""
+    results = run_distributed(_two_steps_worker, 2, stage, timeout_s=300)
+    expected = _two_steps_expected()
+    for rank, result in enumerate(results):
+        for step, (got, want) in enumerate(zip(result["values"], expected, strict=True)):
+            for name in want:
+                torch.testing.assert_close(
+                    torch.tensor(got[name]),
+                    torch.tensor(want[name]),
+                    rtol=1e-6,
+                    atol=1e-6,
+                    msg=f"{name} {step}",
+                )
+        assert result["values"][0]["second"] == result["values"][1]["second"]
+        assert result["unreached"] == 1  # ``second`` in step 2
+        assert result["filled"] == 2 * rank  # ``first``, which rank 1 never reaches, in each step
+
+
 # ------------------------------------------------------------------ a real MoE through the trainer
 ZERO_EXPERTS = 256  # beside 4 routed experts: a layer's tokens on one rank often all miss the routed ones
 
@@ -187,7 +297,7 @@ def test_longcat_zero_experts_train_as_on_one_process(tmp_path: Path, case: str)
     model, out = str(tmp_path / "model"), str(tmp_path / "out")
     one = run_distributed(_longcat_step, 1, model, out + "1", plugin, zero_stage, precision)[0]
     two = run_distributed(_longcat_step, 2, model, out + "2", plugin, zero_stage, precision)
-    assert one["filled"] is None  # one rank: nothing to order
+    assert one["filled"] in (None, 0)  # one rank: nothing to fill (DDP has no count)
     if plugin == "ddp":  # torch DDP's own answer: it looks for unused parameters (coati_kto.parallel.unused)
         assert all(r["find_unused"] is True for r in two)
     else:
