@@ -170,7 +170,12 @@ class TrainSection(_Section):
     max_epochs: int = Field(1, ge=1, description="Passes over the training data.")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
     lr: float = Field(5e-7, gt=0.0, description="Peak learning rate (AdamW).")
-    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay.")
+    weight_decay: float = Field(
+        0.0,
+        ge=0.0,
+        description="AdamW weight decay, on every trainable parameter: norm gains, biases and embeddings too "
+        "(transformers' Trainer, and so TRL, leaves biases and norm weights out).",
+    )
     optimizer_state_dtype: Literal["fp32", "bf16"] = Field("fp32", description="dtype of AdamW's moments")
     fused_optimizer: bool = Field(False, description="bf16: AdamW and its two casts in one compiled pass.")
     warmup_steps: int = Field(

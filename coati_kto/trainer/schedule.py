@@ -3,7 +3,8 @@
 transformers' cosine-with-warmup schedules give lr 0 to the first optimizer step (factor step / warmup at
 step 0), so the first update is wasted. Here optimizer step k (1-based) of the warmup uses
 ``lr * k / (warmup_steps + 1)``; step ``warmup_steps + 1`` uses the full lr, and the cosine runs from there
-to ``min_lr_ratio * lr`` at the last step of ``total_steps``.
+toward ``min_lr_ratio * lr``, which it reaches after the last step of ``total_steps`` (as transformers': the last
+step's lr is one cosine step above it).
 """
 
 from __future__ import annotations
