@@ -30,8 +30,11 @@ def _pad(
     loss = torch.zeros((len(seqs), width), dtype=torch.bool)
     for b, (seq, start) in enumerate(zip(seqs, starts, strict=True)):
         n = len(seq)
-        if not 0 <= start < n:
-            raise ValueError(f"row {b}: completion_start {start} outside its {n} tokens (no completion)")
+        if not 1 <= start < n:  # token 0 has no predictor: a completion must follow at least one prompt token
+            raise ValueError(
+                f"row {b}: completion_start {start} outside [1, {n}) of its {n} tokens (no prompt token, or no "
+                "completion)"
+            )
         ids[b, :n] = seq
         attention[b, :n] = 1
         loss[b, start:n] = True

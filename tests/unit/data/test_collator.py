@@ -89,6 +89,13 @@ def test_rejects_rows_without_completion() -> None:
         KTOCollator(0)([row([1, 2], [], [3], True, 0)])
 
 
+def test_rejects_rows_without_a_prompt_token() -> None:
+    """A completion at token 0 has no token before it to predict it from: its first token would be left out of
+    the log-prob in silence (``prepare`` refuses such records as no_prompt_tokens; a batch built by hand did not)."""
+    with pytest.raises(ValueError, match=r"completion_start 0 .*\(no prompt token"):
+        KTOCollator(0)([row([], [4, 5, 6], [3], True, 0)])
+
+
 def test_tokenizer_without_pad_token_collates_to_the_same_logprobs() -> None:
     """Issue 17: GPT-2-like tokenizers (no pad token) passed prepare, then train died on every rank. pad_id pads
     with EOS; masks come from lengths, so the log-probs equal those of any other pad id."""
