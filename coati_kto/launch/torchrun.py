@@ -75,7 +75,8 @@ def _failure_lines(err: BaseException) -> tuple[list[str], int]:
     # A clean stop; torchrun SIGTERMs the workers still exiting once the first one has, so -SIGTERM is one too.
     if STOP_EXIT_CODE in codes and codes <= {STOP_EXIT_CODE, -signal.SIGTERM}:
         return [], STOP_EXIT_CODE
-    if codes == {ABORT_EXIT_CODE}:
+    # Ctrl-C twice: a rank past the stop's checkpoint exits 75, one still before it 130; the abort is what happened.
+    if ABORT_EXIT_CODE in codes and codes <= {ABORT_EXIT_CODE, STOP_EXIT_CODE, -signal.SIGTERM}:
         return [], ABORT_EXIT_CODE
     # A user mistake found in the ranks (resume, output.dir in use): they printed its one line and exited 2.
     if USER_ERROR_EXIT_CODE in codes and codes <= {USER_ERROR_EXIT_CODE, -signal.SIGTERM}:

@@ -42,12 +42,18 @@ RUN_LOCK = ".run.lock"
 _held: dict[Path, BinaryIO] = {}  # output.dir -> its open lock file, on the rank that holds it
 
 
+def _step(checkpoint: Path) -> int:
+    """N of a ``step-N`` directory; -1 for another name (a pointer edited by hand)."""
+    match = STEP_DIR.fullmatch(checkpoint.name)
+    return int(match[1]) if match else -1
+
+
 def complete_checkpoints(root: Path) -> list[Path]:
     """The complete ``step-N`` directories under ``root`` (a ``checkpoints/`` directory), oldest first."""
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if STEP_DIR.fullmatch(p.name) and (p / COMPLETE).is_file()]
-    return sorted(found, key=lambda p: int(STEP_DIR.fullmatch(p.name)[1]))
+    return sorted(found, key=_step)
 
 
 def resolve_checkpoint(root: Path, resume: str | None) -> Path | None:
@@ -62,11 +68,14 @@ def resolve_checkpoint(root: Path, resume: str | None) -> Path | None:
             marker = named / COMPLETE
             if marker.is_file():
                 # A save killed between its rename into step-N and the pointer's update leaves the pointer on
-                # an older checkpoint: a checkpoint completed after the one named is the newer one.
+                # an older checkpoint: one of a higher step completed after the one named is the newer one. Both
+                # must hold: a copy (cp -r, hf download, a sync) gives its files new times in any order, and a
+                # run resumed from an earlier step by hand leaves the abandoned run's higher steps behind.
                 later = [
                     p
                     for p in complete_checkpoints(root)
-                    if (p / COMPLETE).stat().st_mtime_ns > marker.stat().st_mtime_ns
+                    if _step(p) > _step(named)
+                    and (p / COMPLETE).stat().st_mtime_ns > marker.stat().st_mtime_ns
                 ]
                 return max(later, key=lambda p: (p / COMPLETE).stat().st_mtime_ns) if later else named
         complete = complete_checkpoints(root)  # pointer missing or stale: the highest complete step

@@ -4,7 +4,8 @@ Every rank installs the handlers (``StopSignals.install``, at train start). A si
 ranks agree on it through the step's metric all-reduce (``vote`` adds two keys, ``decide`` reads them back),
 so they all finish the same step, write one checkpoint and raise ``TrainingStoppedError``. Repeated SIGTERM /
 SIGUSR1 are harmless (launchers and SLURM may deliver one signal twice); a second SIGINT (Ctrl-C twice)
-aborts at once with one line and exit status ``ABORT_EXIT_CODE``, no traceback, nothing saved.
+aborts at once with one line and exit status ``ABORT_EXIT_CODE``, no traceback, nothing saved; once the stop's
+checkpoint is complete (``stop_saved``), it exits at once with ``STOP_EXIT_CODE``: the stop is done.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class StopSignals:
 
     def __init__(self) -> None:
         self.received: int | None = None  # the first stop signal's number
+        self.stop_saved: str | None = None  # the stop's complete checkpoint, once written (``stopped_with``)
         self._deliveries: tuple[int, int] | None = None  # the wakeup pipe (read end, write end), once made
         self._counting = False
 
@@ -92,10 +94,18 @@ class StopSignals:
         if signum == signal.SIGINT and (self.received == signal.SIGINT or twice):
             # Ctrl-C twice: the user wants out now. os._exit skips every finally block and atexit hook that
             # could block (a collective, a half-written checkpoint); the next save removes the partial one.
+            # After the stop's checkpoint (the ranks may still be waiting on uploads) nothing is lost: 75.
+            saved, code = self.stop_saved, STOP_EXIT_CODE if self.stop_saved else ABORT_EXIT_CODE
             if os.environ.get("RANK", "0") == "0":
-                os.write(2, b"aborted by a second SIGINT: nothing saved since the last checkpoint\n")
+                line = (
+                    f"a second SIGINT: exiting now; the stop's checkpoint {saved} is complete; resume with "
+                    "train.resume=auto\n"
+                    if saved
+                    else "aborted by a second SIGINT: nothing saved since the last checkpoint\n"
+                )
+                os.write(2, line.encode())
             sys.stderr.flush()
-            os._exit(ABORT_EXIT_CODE)
+            os._exit(code)
         if self.received is None:
             self.received = signum
             if os.environ.get("RANK", "0") == "0":
@@ -106,6 +116,10 @@ class StopSignals:
                     f"{name} received: stopping after the current optimizer step "
                     f"(checkpoint, then exit {STOP_EXIT_CODE}); Ctrl-C again to abort at once\n".encode(),
                 )
+
+    def stopped_with(self, checkpoint: str | None) -> None:
+        """The stop's checkpoint is complete (every rank, after its save): a second Ctrl-C now exits 75."""
+        self.stop_saved = checkpoint
 
     def vote(self) -> dict[str, float]:
         """This rank's part of the stop vote: two keys to add to the step's all-reduced sums."""

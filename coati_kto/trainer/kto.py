@@ -373,6 +373,7 @@ class KTOTrainer(SLTrainer):
             self._log_interval()
         self._save(epoch)
         last = self.checkpoint_manager.resolve("auto") if self.checkpoint_manager is not None else None
+        self.stop_signals.stopped_with(str(last) if last else None)
         raise TrainingStoppedError(
             self._stop_signal or "a stop signal", self.global_step, str(last) if last else None
         )

@@ -11,6 +11,7 @@ import contextlib
 import copy
 import dataclasses
 import math
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -370,6 +371,19 @@ def _one_process(model_dir: str, ref_dir: str, out_dir: str) -> dict:
     parts2, trainer2 = _build(cfg, 3, save_dir=str(ckpt))
     trainer2.resume(trainer2.checkpoint_manager.resolve("auto"))
     results["stop_weights_equal"] = bool(np.array_equal(_weights(parts2.policy), weights_before))
+
+    # A stop request (a signal already received): the step's checkpoint, then TrainingStoppedError naming it, and
+    # the stop signals told it is complete (a second Ctrl-C from then on exits 75, not "nothing saved").
+    from coati_kto.runtime.signals import StopSignals, TrainingStoppedError
+
+    stop = StopSignals()
+    stop.received = signal.SIGTERM
+    parts3, trainer3 = _build(cfg, 3, save_dir=str(Path(out_dir) / "signal_ckpt"), stop_signals=stop)
+    try:
+        trainer3.fit(loader)
+        results["signal_stop"] = None
+    except TrainingStoppedError as err:
+        results["signal_stop"] = {"step": err.step, "checkpoint": err.checkpoint, "saved": stop.stop_saved}
     return results
 
 
@@ -612,6 +626,16 @@ def test_nonfinite_stop_names_step_and_keeps_last_good_checkpoint(one_proc: dict
     assert one_proc["stop_checkpoints"] == ["step-1"]
     assert one_proc["stop_step"] == 1
     assert one_proc["stop_weights_equal"]
+
+
+def test_a_signal_stop_checkpoints_and_tells_the_stop_signals(one_proc: dict) -> None:
+    stopped = one_proc["signal_stop"]
+    assert stopped is not None and stopped["step"] == 1
+    assert (
+        stopped["checkpoint"].endswith("signal_ckpt/step-1")
+        and Path(stopped["checkpoint"], "COMPLETE").is_file()
+    )
+    assert stopped["saved"] == stopped["checkpoint"]
 
 
 def test_nonfinite_on_one_rank_skips_the_step_on_every_rank(two_procs: list[dict]) -> None:

@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from coati_kto.launch import torchrun
-from coati_kto.runtime.signals import PENDING_STOP_ENV
+from coati_kto.runtime.signals import ABORT_EXIT_CODE, PENDING_STOP_ENV, STOP_EXIT_CODE
 
 
 def test_signal_handler_imports_nothing() -> None:
@@ -114,3 +114,7 @@ def test_a_failed_upload_on_rank_0_is_its_own_exit_status_with_no_launcher_lines
     assert _failure_lines(failed(PUSH_FAILED_EXIT_CODE)) == ([], PUSH_FAILED_EXIT_CODE)
     lines, code = _failure_lines(failed(PUSH_FAILED_EXIT_CODE, 1))  # a worker that crashed is still a crash
     assert code == 1 and len(lines) == 2
+    # Ctrl-C twice as the stop's checkpoint completes: a rank past it exits 75, one before it 130 (an abort; it
+    # was "rank 1 failed with exit code 130", exit 1)
+    assert _failure_lines(failed(ABORT_EXIT_CODE, STOP_EXIT_CODE)) == ([], ABORT_EXIT_CODE)
+    assert _failure_lines(failed(STOP_EXIT_CODE, -signal.SIGTERM)) == ([], STOP_EXIT_CODE)

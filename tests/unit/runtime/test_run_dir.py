@@ -37,6 +37,16 @@ def test_auto_follows_the_pointer_over_a_higher_but_older_step(tmp_path: Path) -
     assert resolve_checkpoint(tmp_path, "auto") == four
 
 
+def test_auto_follows_the_pointer_in_a_copied_run_directory(tmp_path: Path) -> None:
+    """`cp -r` (or hf download, a sync) of a run directory gives each copied file a new time, in the copy's order:
+    step-2 copied last was "completed after" the pointer's step-8, and resume=auto went back 6 steps in silence."""
+    eight = _checkpoint(tmp_path, 8, 1_000_000_000)
+    for n, step in enumerate((6, 4, 2)):
+        _checkpoint(tmp_path, step, 2_000_000_000 + n)
+    (tmp_path / LATEST).write_text("step-8")
+    assert resolve_checkpoint(tmp_path, "auto") == eight
+
+
 def test_a_full_disk_under_torch_save_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """torch.save given a path turns ENOSPC into "RuntimeError: [enforce fail ...] unexpected pos A vs B"."""
     import shutil

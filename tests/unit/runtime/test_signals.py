@@ -11,14 +11,16 @@ import os
 import subprocess
 import sys
 
-from coati_kto.runtime.signals import ABORT_EXIT_CODE
+from coati_kto.runtime.signals import ABORT_EXIT_CODE, STOP_EXIT_CODE
 
 PROBE = """
 import hashlib, os, signal, threading, time
 from coati_kto.runtime.signals import STOP
 
 STOP.install()
-SENDS = %d
+SENDS, SAVED = %d, %r
+if SAVED:
+    STOP.stopped_with(SAVED)
 
 def ctrl_c():
     time.sleep(0.1)
@@ -38,10 +40,10 @@ print("still running, received", STOP.received, flush=True)
 """
 
 
-def _run(sends: int) -> subprocess.CompletedProcess:
+def _run(sends: int, saved: str | None = None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "RANK"}
     return subprocess.run(
-        [sys.executable, "-c", PROBE % sends], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-c", PROBE % (sends, saved)], env=env, capture_output=True, text=True, timeout=120
     )
 
 
@@ -57,3 +59,14 @@ def test_one_ctrl_c_during_c_code_asks_for_a_clean_stop() -> None:
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.splitlines() == ["sent", "still running, received 2"]
     assert "stopping after the current optimizer step" in done.stderr
+
+
+def test_a_second_ctrl_c_after_the_stops_checkpoint_exits_75() -> None:
+    """The stop's checkpoint written (a run waiting on its uploads, or exiting): Ctrl-C again said "nothing saved
+    since the last checkpoint" and exited 130, where the checkpoint it had just named was complete."""
+    done = _run(2, "out/checkpoints/step-2")
+    assert done.returncode == STOP_EXIT_CODE, done.stdout + done.stderr
+    assert done.stderr.splitlines()[-1] == (
+        "a second SIGINT: exiting now; the stop's checkpoint out/checkpoints/step-2 is complete; resume with "
+        "train.resume=auto"
+    )
