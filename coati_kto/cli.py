@@ -235,24 +235,7 @@ def _run(args: argparse.Namespace) -> int:
         return stopped if stopped is not None else _launch_local(args)
     config = load_config(args.config, args.overrides)
     if args.command in ("prepare", "inspect"):
-        from coati_kto.data.settings import PrepareSettings
-        from coati_kto.data.weights import WeightSettings
-
-        # prepare reads image records for a vision-language model; inspect, like train, does not yet.
-        images = args.command == "prepare"
-        settings = PrepareSettings(config.data, config.model, config.train.seed, images)
-        weights = WeightSettings(config.kto, config.train.micro_batch_size)
-        if args.command == "prepare":
-            from coati_kto.data.prepared import prepare
-
-            release_collection()
-            prepare(settings, weights)
-        else:
-            from coati_kto.data.inspect import inspect_batches
-
-            release_collection()
-            counts = {"num_ranks": args.ranks, "num_batches": args.batches, "num_examples": args.examples}
-            inspect_batches(settings, weights, **counts)
+        _data_command(args, config)
     elif args.command == "precompute":
         from coati_kto.recipe.precompute import precompute
 
@@ -270,6 +253,30 @@ def _run(args: argparse.Namespace) -> int:
         # train releases the collector itself, once the plugins are imported too (recipe.train)
         return PUSH_FAILED_EXIT_CODE if getattr(train(config), "pushed", None) is False else 0
     return 0
+
+
+def _data_command(args: argparse.Namespace, config: Config) -> None:
+    """``coati-kto prepare`` and ``coati-kto inspect``, after every problem of the paths they read is named."""
+    from coati_kto.data.settings import PrepareSettings
+    from coati_kto.data.weights import WeightSettings
+    from coati_kto.runtime.preflight import check_preparing
+
+    check_preparing(config)
+    # prepare reads image records for a vision-language model; inspect, like train, does not yet.
+    images = args.command == "prepare"
+    settings = PrepareSettings(config.data, config.model, config.train.seed, images)
+    weights = WeightSettings(config.kto, config.train.micro_batch_size)
+    if args.command == "prepare":
+        from coati_kto.data.prepared import prepare
+
+        release_collection()  # after the imports: what they made is frozen
+        prepare(settings, weights)
+    else:
+        from coati_kto.data.inspect import inspect_batches
+
+        release_collection()
+        counts = {"num_ranks": args.ranks, "num_batches": args.batches, "num_examples": args.examples}
+        inspect_batches(settings, weights, **counts)
 
 
 def _export(args: argparse.Namespace, config: Config) -> int:

@@ -1,19 +1,44 @@
-"""The base of every config section: unknown keys are errors, numbers given for strings are kept as text, and
-NaN/inf are refused (``coati_kto.config.schema`` holds the sections); the sections without cross-key checks
+"""The base of every config section: unknown keys are errors, numbers given for strings are kept as text,
+true/false given for numbers and NaN/inf are refused (``coati_kto.config.schema`` holds the sections); the sections without cross-key checks
 (``output``, ``logging``) and the parsing of an ``auto``-or-number key."""
 
 from __future__ import annotations
 
 import math
+import types
+import typing
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
 
 
 class Section(BaseModel):
     model_config = ConfigDict(
         extra="forbid", validate_assignment=True, coerce_numbers_to_str=True, allow_inf_nan=False
     )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_boolean_for_a_number(cls, value: Any, info: ValidationInfo) -> Any:
+        """pydantic reads true as 1 for an int or float field: ``max_steps: yes`` trained one step."""
+        field = cls.model_fields.get(info.field_name or "")
+        if isinstance(value, bool) and field is not None and _numeric(field.annotation):
+            raise ValueError("must be a number, not a boolean")
+        return value
+
+
+def _numeric(annotation: Any) -> bool:
+    """Whether a field typed ``annotation`` takes an int or a float and no bool (``int | None``, ``float``...)."""
+    if annotation is bool:
+        return False
+    if annotation in (int, float):
+        return True
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        members = typing.get_args(annotation)
+        return bool not in members and any(_numeric(m) for m in members)
+    if typing.get_origin(annotation) is typing.Annotated:
+        return _numeric(typing.get_args(annotation)[0])
+    return False
 
 
 def auto_or_number(value: Any) -> float | str:

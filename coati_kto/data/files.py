@@ -92,10 +92,32 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
             if not line.strip():
                 continue
             try:
-                yield source, json.loads(line)
+                record = json.loads(line)
             except json.JSONDecodeError as err:
                 problem = f"malformed JSON ({err.msg} at column {err.colno})"
                 yield source, RecordError(source, None, problem, "malformed_json")
+                continue
+            twice = _field_twice(line, record)
+            yield (
+                source,
+                record if twice is None else RecordError(source, twice, "given twice", "malformed_json"),
+            )
+
+
+def _field_twice(line: str, record: Any) -> str | None:
+    """A top-level field ``line`` gives twice (JSON keeps the last, in silence: a label given false then true
+    trained as true), else None. Only a line holding a field's quoted name twice is parsed again."""
+    if not isinstance(record, dict) or all(line.count(json.dumps(k)) < 2 for k in record):
+        return None
+    seen: list[str] = []
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        keys = [k for k, _ in items]
+        seen.extend(k for k in set(keys) if keys.count(k) > 1)
+        return dict(items)
+
+    json.loads(line, object_pairs_hook=pairs)
+    return next((k for k in record if k in seen), None)
 
 
 def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
@@ -191,10 +213,12 @@ def load_records(
     result = LoadResult(
         records=[], files=[pinned(p, shas[p.source]) if isinstance(p, HubDataset) else str(p) for p in files]
     )
+    rows = 0
     for path in files:
         sha = shas.get(path.source) if isinstance(path, HubDataset) else None
         base = None if isinstance(path, HubDataset) else (path if path.is_dir() else path.parent)
         for source, raw in iter_raw(path, cache_dir, sha):
+            rows += 1
             try:
                 if isinstance(raw, RecordError):
                     raise raw
@@ -208,6 +232,8 @@ def load_records(
                 if on_bad_record == "error":
                     raise
                 result.skipped.append(bad)
+    if files and not rows:
+        raise DataError(f"{key}: no records in {', '.join(result.files)} (empty)")
     return result
 
 

@@ -136,7 +136,7 @@ def _message(raw: Any, source: str, where: str, parts: bool = False) -> dict[str
                 source,
                 f"{where}.{key}",
                 f"a list of content parts ({kinds}: TRL's vision-language format), read only by coati-kto "
-                "prepare and train for a vision-language model.path (Gemma 3): give the content as one string",
+                "prepare and train for a vision-language model.path (Gemma 3, Gemma 4 or Qwen 3.5): give the content as one string",
                 "non_string_content",
             )
     elif not isinstance(content, str):
@@ -308,6 +308,9 @@ def _normalize(raw: Any, source: str, parts: bool = False) -> list[Record]:
         label = _label(raw, source)
         prompt, completion, chat = _prompt_and_completion(raw, "completion", source, parts)
         return [Record(prompt, completion, label, source, chat)]
+    for present, missing in (("prompt", "completion"), ("completion", "prompt")):  # half of prompt/completion
+        if present in raw and "chosen" not in raw and "rejected" not in raw:
+            raise RecordError(source, missing, f"missing (the record has a {present})", "unknown_format")
     keys = ", ".join(sorted(map(str, raw))) or "none"
     raise RecordError(
         source,

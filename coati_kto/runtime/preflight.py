@@ -24,7 +24,7 @@ from coati_kto.config.hub import looks_like_path as _looks_like_path
 from coati_kto.config.lora import linear_layer_names, peft_config, tower_refusal
 from coati_kto.config.output import OutputSection
 from coati_kto.config.resume import check_resume
-from coati_kto.config.schema import Config, ModelSection, PluginSection, TrainSection
+from coati_kto.config.schema import Config, DataSection, ModelSection, PluginSection, TrainSection
 from coati_kto.data.files import resolve_files
 from coati_kto.data.hub import check as hub_check
 from coati_kto.errors import ConfigError, DataError, UserError
@@ -71,14 +71,9 @@ def check_training(config: Config) -> None:
             model.trust_remote_code,
             need_weights=False,
         )
-    for key in ("train_files", "eval_files"):
-        try:  # a Hub dataset: revision, config, split and access, asked of the Hub (the cache offline) by the
-            # launcher and global rank 0, which builds the data: not by every rank of a large job
-            for entry in resolve_files(getattr(config.data, key), f"data.{key}"):
-                if isinstance(entry, HubDataset) and os.environ.get("RANK", "0") == "0":
-                    hub_check(entry, f"data.{key}")
-        except DataError as err:
-            problems.append(str(err))
+    # A Hub dataset: revision, config, split and access, asked of the Hub (the cache offline) by the launcher and
+    # global rank 0, which builds the data: not by every rank of a large job
+    problems += _data_problems(config.data, ask_hub=os.environ.get("RANK", "0") == "0")
     problems += [f"model.path {why}" for why in [vision_language_refusal(model.path)] if why]
     problems += _lora_problems(model)
     problems += _attention_problems(model, config.plugin)
@@ -95,6 +90,30 @@ def check_training(config: Config) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- model sources
+def check_preparing(config: Config) -> None:
+    """``prepare`` and ``inspect``: the tokenizer's source and the data files, every problem at once (ConfigError,
+    one line each). The Hub is not asked here: ``prepare`` asks it for each dataset as it reads it."""
+    model = config.model
+    source = ("model.tokenizer", model.tokenizer) if model.tokenizer else ("model.path", model.path)
+    problems = _source_problems(*source, model.trust_remote_code, need_weights=False)
+    problems += _data_problems(config.data, ask_hub=False)
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
+def _data_problems(data: DataSection, ask_hub: bool) -> list[str]:
+    """``data.train_files`` and ``data.eval_files``: each entry found (``ask_hub``: a Hub dataset's too)."""
+    problems = []
+    for key in ("train_files", "eval_files"):
+        try:
+            for entry in resolve_files(getattr(data, key), f"data.{key}"):
+                if isinstance(entry, HubDataset) and ask_hub:
+                    hub_check(entry, f"data.{key}")
+        except DataError as err:
+            problems.append(str(err))
+    return problems
+
+
 def _source_problems(key: str, value: str, trust_remote_code: bool, need_weights: bool) -> list[str]:
     path = Path(value).expanduser()
     if path.exists():

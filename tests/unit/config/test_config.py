@@ -164,6 +164,22 @@ def test_wrong_type_is_named(tmp_path: Path) -> None:
     assert "'fast'" in str(err.value)
 
 
+def test_a_boolean_for_a_number_is_refused(tmp_path: Path) -> None:
+    """pydantic reads true as 1: ``max_steps: yes`` trained one step, ``beta: true`` ran at 1.0, in silence. A
+    boolean key still takes true/false, and a key that is a number or a boolean keeps both."""
+    path = write_config(
+        tmp_path, MINIMAL + "train:\n  max_steps: yes\n  fused_optimizer: true\nkto:\n  beta: true\n"
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert sorted(str(err.value).splitlines()) == [
+        f"{path}:12: kto.beta: must be a number, not a boolean (got True)",
+        f"{path}:9: train.max_steps: must be a number, not a boolean (got True)",
+    ]
+    with pytest.raises(ConfigError, match="train.micro_batch_size=false: must be a number, not a boolean"):
+        load_config(write_config(tmp_path, MINIMAL), ["train.micro_batch_size=false"])
+
+
 def test_every_error_is_listed_at_once(tmp_path: Path) -> None:
     path = write_config(tmp_path, MINIMAL + "train:\n  lr: -1\n  micro_batch_size: 1\nkto:\n  betta: 0.1\n")
     with pytest.raises(ConfigError) as err:

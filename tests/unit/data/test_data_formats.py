@@ -121,11 +121,22 @@ BAD = [
             "images": ["cat.png"],
         },
         "field 'prompt[0].content': a list of content parts (image, text: TRL's vision-language format), read "
-        "only by coati-kto prepare and train for a vision-language model.path (Gemma 3): give the content as one "
+        "only by coati-kto prepare and train for a vision-language model.path (Gemma 3, Gemma 4 or Qwen 3.5): give the content as one "
         "string",
         "non_string_content",
     ),
     ({"text": "hello", "label": True}, "unknown record format (keys: label, text)", "unknown_format"),
+    # A missing completion was "unknown record format (keys: label, prompt)", where a missing label is named.
+    (
+        {"prompt": "a", "label": True},
+        "field 'completion': missing (the record has a prompt)",
+        "unknown_format",
+    ),
+    (
+        {"completion": "b", "label": True},
+        "field 'prompt': missing (the record has a completion)",
+        "unknown_format",
+    ),
     ({"prompt": "a", "completion": [ASSISTANT], "label": True}, "field 'completion'", "mixed"),
     ({"messages": [{"content": "hi"}, ASSISTANT], "label": True}, "field 'messages[0]'", "bad_message"),
     # A user turn inside a completion was trained on as the model's own output.

@@ -193,6 +193,6 @@ def test_image_records_are_refused_by_default(tmp_path: Path) -> None:
         load_records([str(path)])
     assert str(info.value) == (
         f"{path}:1: field 'prompt[0].content': a list of content parts (image, text: TRL's vision-language "
-        "format), read only by coati-kto prepare and train for a vision-language model.path (Gemma 3): give the "
+        "format), read only by coati-kto prepare and train for a vision-language model.path (Gemma 3, Gemma 4 or Qwen 3.5): give the "
         "content as one string"
     )

@@ -265,7 +265,7 @@ def test_a_text_only_model_keeps_the_refusal(tmp_path: Path, tiny_model_dir: Pat
         prepare(*settings(tmp_path, tiny_model_dir, data))
     assert str(err.value) == (
         f"{data}:1: field 'prompt[0].content': a list of content parts (image, text: TRL's vision-language "
-        "format), read only by coati-kto prepare and train for a vision-language model.path (Gemma 3): give the "
+        "format), read only by coati-kto prepare and train for a vision-language model.path (Gemma 3, Gemma 4 or Qwen 3.5): give the "
         "content as one string"
     )
 
@@ -278,7 +278,7 @@ def test_inspect_keeps_the_refusal(tmp_path: Path) -> None:
     with pytest.raises(RecordError) as err:
         prepare(*settings(tmp_path, model, data, images=False))
     assert str(err.value).endswith(
-        "read only by coati-kto prepare and train for a vision-language model.path (Gemma 3): give the content "
+        "read only by coati-kto prepare and train for a vision-language model.path (Gemma 3, Gemma 4 or Qwen 3.5): give the content "
         "as one string"
     )
 

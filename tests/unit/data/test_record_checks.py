@@ -66,6 +66,32 @@ def test_broken_pretty_json_names_its_line(tmp_path: Path) -> None:
             load_records([str(tmp_path / "d.json")], on_bad_record=mode)
 
 
+def test_a_field_given_twice_is_a_bad_record(tmp_path: Path) -> None:
+    """JSON keeps a repeated key's last value: a label given false then true trained as desirable, in silence. A
+    field's name inside a text (``"the \\"label\\" is"``) is no repeat."""
+    path = tmp_path / "d.jsonl"
+    path.write_text(
+        '{"prompt": "a", "completion": "c", "label": false, "label": true}\n'
+        + json.dumps({"prompt": 'the "label" is', "completion": "c", "label": True})
+        + "\n"
+    )
+    with pytest.raises(RecordError, match=f"^{path}:1: field 'label': given twice$"):
+        load_records([str(path)])
+    kept = load_records([str(path)], on_bad_record="skip")
+    assert [r.prompt for r in kept.records] == ['the "label" is']
+    assert [(str(b), b.reason) for b in kept.skipped] == [
+        (f"{path}:1: field 'label': given twice", "malformed_json")
+    ]
+
+
+def test_a_file_without_records_is_one_line(tmp_path: Path) -> None:
+    """An empty file read as 0 desirable and 0 undesirable examples ("add desirable examples (label true)")."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(DataError, match=f"^data.eval_files: no records in {empty} \\(empty\\)$"):
+        load_records([str(empty)], key="data.eval_files")
+
+
 def test_empty_tools_string_is_no_tools(tmp_path: Path) -> None:
     row = {
         "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],

@@ -392,3 +392,24 @@ def test_each_nodes_first_rank_says_its_own_preflight_error(
     with pytest.raises(ConfigError, match="model.path") as raised:
         train(config)
     assert raised.value.same_on_every_rank is quiet
+
+
+def test_prepare_names_every_missing_path_at_once(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`coati-kto prepare` (and inspect) stopped at a missing model.path; the data file missing beside it came
+    only after that was fixed (train listed both)."""
+    from coati_kto.cli import main
+
+    config = write_config(
+        tmp_path,
+        "model:\n  path: ./no-model\ndata:\n  train_files: [./no-data.jsonl]\n  eval_files: [./no-eval.jsonl]\n"
+        f"  prepared_dir: {tmp_path / 'prepared'}\n",
+    )
+    for command in ("prepare", "inspect"):
+        assert main([command, str(config)]) == 2
+        assert capsys.readouterr().err.splitlines() == [
+            "error: model.path: ./no-model does not exist (a local path, read from "
+            f"{Path.cwd()}; a hub id looks like org/name)",
+            "data.train_files: ./no-data.jsonl: no such file or directory",
+            "data.eval_files: ./no-eval.jsonl: no such file or directory",
+        ]
+    assert not (tmp_path / "prepared").exists()
