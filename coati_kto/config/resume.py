@@ -127,7 +127,10 @@ def check_resume(saved: dict, current: dict, checkpoint: str) -> str | None:
         if not c.key.startswith(QUIET)
         and not (c.key == "model.tokenizer" and _same_tokenizer(saved, current))
     ]
-    refused = [f"{c}: cannot change on resume ({refusal(c.key)})" for c in changes if refusal(c.key)]
+    refused = [
+        f"{c}{_derived(c, saved, current)}: cannot change on resume ({refusal(c.key)})" for c in changes
+    ]
+    refused = [line for line, c in zip(refused, changes, strict=True) if refusal(c.key)]
     if refused:
         lines = [f"train.resume {checkpoint}: {line}" for line in refused]
         raise ConfigError("\n".join(lines) + "\n(start a new run in another output.dir, or resume unchanged)")
@@ -136,6 +139,20 @@ def check_resume(saved: dict, current: dict, checkpoint: str) -> str | None:
     return f"resume: {len(changes)} setting(s) differ from {checkpoint}'s config, applied: " + ", ".join(
         map(str, changes)
     )
+
+
+def _derived(change: Change, saved: dict, current: dict) -> str:
+    """Why a key the user may never have set changed: data.max_prompt_length at half of data.max_length on both
+    sides (its default) moved with it."""
+    if change.key != "data.max_prompt_length":
+        return ""
+    halves = [(c.get("data") or {}).get("max_length") for c in (saved, current)]
+    if all(isinstance(n, int) for n in halves) and [max(1, n // 2) for n in halves] == [
+        change.old,
+        change.new,
+    ]:
+        return " (half of data.max_length, its default)"
+    return ""
 
 
 def _same_tokenizer(saved: dict, current: dict) -> bool:

@@ -83,8 +83,9 @@ def load_prepared(settings: PrepareSettings, weights: WeightSettings) -> Prepare
         start = time.perf_counter()
         tokenizer = load_tokenizer(settings.model)
         fp, built, why = ensure(settings, tokenizer)
-        if built:
-            print(_summary(_open(settings, weights), settings, built, why, time.perf_counter() - start))
+        if built:  # the store's summary; the run prints the KTO weights for its own layout (recipe.setup)
+            stats = _open(settings, weights).stats
+            print(summary(stats, settings.data, built, why, time.perf_counter() - start))
         elif pad_id(tokenizer)[1]:  # the summary says it when built; once per run either way
             print(pad_id(tokenizer)[1])
         return fp["digest"]

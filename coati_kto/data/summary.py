@@ -38,9 +38,14 @@ def summary(stats: dict, data: DataSection, built: bool, why: str, seconds: floa
     bad = stats["bad_records"]
     if bad["skipped"]:
         lines.append(
-            f"  bad records skipped: {bad['skipped']} {bad['by_reason']} (all in {target}/skipped.txt)"
+            f"  bad records skipped: {bad['skipped']} ({_counts(bad['by_reason'])}; all in {target}/skipped.txt)"
         )
     return "\n".join(lines)
+
+
+def _counts(by_reason: dict[str, int]) -> str:
+    """``too_long 2, no_room_for_completion 3`` (a reason's count), or ``none``."""
+    return ", ".join(f"{reason} {n}" for reason, n in by_reason.items()) or "none"
 
 
 def _split_summary(name: str, s: dict, max_length: int) -> list[str]:
@@ -55,7 +60,7 @@ def _split_summary(name: str, s: dict, max_length: int) -> list[str]:
     )
     lines.append(
         f"    truncated to data.max_length {max_length}: {tr.get('prompt', 0)} prompts, "
-        f"{tr.get('completion', 0)} completions; dropped: {s['dropped'] or 'none'}; "
+        f"{tr.get('completion', 0)} completions; dropped: {_counts(s['dropped'])}; "
         f"KL pairs: {s['kl_pairs']['self_pairs']} self, {s['kl_pairs']['same_prompt_pairs']} same-prompt "
         f"(minimum possible {s['kl_pairs']['min_same_prompt_pairs']})"
     )

@@ -157,14 +157,17 @@ def trainer_options(
     )
 
 
-def build_trainer(config: Config, run: Run, stop: StopSignals) -> tuple[Any, dict[str, torch.Tensor]]:
+def build_trainer(
+    config: Config, run: Run, stop: StopSignals, announce: bool = True
+) -> tuple[Any, dict[str, torch.Tensor]]:
     """Models, optimizer, schedule and the KTOTrainer of ``run`` (every rank); with it ``Components.frozen_fp32``.
-    With ``kto.reference: cached`` no reference model is built (``coati-kto export`` asks for that)."""
+    With ``kto.reference: cached`` no reference model is built (``coati-kto export`` asks for that, and
+    ``announce=False``: no lines about how training will run)."""
     from coati_kto.trainer.checkpoint import CheckpointManager  # after quiet_known_warnings (recipe.train)
     from coati_kto.trainer.kto import KTOTrainer
 
     steps = total_optimizer_steps(config, len(run.train_loader.batch_sampler))
-    if run.layout.is_main:
+    if run.layout.is_main and announce:
         # What model.attn_implementation auto became here (coati_kto.config.attention), then the rows' layout.
         cuda = torch.cuda.is_available()
         notes = (config.attention_note(), padding_free_note(config.data, config.model, cuda))
@@ -172,7 +175,7 @@ def build_trainer(config: Config, run: Run, stop: StopSignals) -> tuple[Any, dic
             print(line, flush=True)
     parts = build_components(config, run.plugin, steps, run.plan)
     peak_flops, peak_source = resolve_peak_flops(config.train.peak_flops, config.plugin.precision)
-    if run.layout.is_main:
+    if run.layout.is_main and announce:
         print(peak_flops_line(peak_flops, peak_source), flush=True)
     output = config.training_output()
     digest = reference_weights_digest(config.model, config.kto.reference)

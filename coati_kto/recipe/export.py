@@ -47,7 +47,7 @@ def export_checkpoint(config: Config, checkpoint: str = "auto", out: str | None 
     # The optimizer is built (it holds the fp32 masters) but the reference model is not: nothing is scored.
     unscored = config.model_copy(update={"kto": config.kto.model_copy(update={"reference": "cached"})})
     run = setup_export(config, json.loads((first / "meta.json").read_text()).get("dp_size"))
-    trainer, frozen_fp32 = build_trainer(unscored, run, STOP.install())
+    trainer, frozen_fp32 = build_trainer(unscored, run, STOP.install(), announce=False)
     # Rank 0 decides (a run still training there may have saved another since the check above).
     path, target = on_rank0(lambda: export_target(root, checkpoint, out), "find the checkpoint")
     saved = trainer.checkpoint_manager.saved_state(path).get("config")

@@ -126,6 +126,14 @@ def test_log_has_no_dp1_zero_warning_and_no_fused_progress_lines(run: dict) -> N
     assert "train step 4/4" in progress[-1]  # the last step always gets its line
 
 
+def test_the_data_summary_and_the_kto_weights_are_printed_once(run: dict) -> None:
+    """A train that prepared its data printed the weights twice: in prepare's summary (its one-replica view) and
+    as the run's (its layout)."""
+    lines = run["log"].splitlines()
+    assert sum(line.startswith(f"prepared {run['out'].parent / 'prepared'}") for line in lines) == 1
+    assert sum("kto weights" in line for line in lines) == 1
+
+
 def test_only_the_dp1_zero_warning_is_dropped() -> None:
     import logging
 

@@ -191,5 +191,6 @@ def test_an_export_on_another_layout_describes_the_run_not_itself(run: dict) -> 
     assert "| beta | 0.1 |" in card and "12 optimizer steps; lr 0.005 " in card
     assert "runs as 0 on one data-parallel rank" not in card
     assert f"exported model: {target}" in proc.stdout.splitlines()
+    assert "train/mfu" not in proc.stdout  # no line about how training would run
     assert f"- {target.name}/ holds the bf16 weights the run trained" in card
     assert "final model:" not in proc.stdout and "final/ holds" not in card

@@ -56,6 +56,19 @@ def test_refused_changes_are_every_one_named_with_the_reason(tmp_path: Path) -> 
     ]
 
 
+def test_a_max_prompt_length_that_follows_max_length_says_so(tmp_path: Path) -> None:
+    """Only data.max_length was changed; data.max_prompt_length (half of it unless set) was refused beside it as
+    if the user had changed it too."""
+    with pytest.raises(ConfigError) as err:
+        check_resume(_dump(tmp_path), _dump(tmp_path, "data.max_length=48"), "step-6")
+    assert str(err.value).splitlines()[:2] == [
+        "train.resume step-6: data.max_length 1024 -> 48: cannot change on resume (the data position of the epoch "
+        "in progress belongs to the old training set)",
+        "train.resume step-6: data.max_prompt_length 512 -> 24 (half of data.max_length, its default): cannot "
+        "change on resume (the data position of the epoch in progress belongs to the old training set)",
+    ]
+
+
 def test_eval_data_may_change(tmp_path: Path) -> None:
     line = check_resume(_dump(tmp_path), _dump(tmp_path, "data.eval_files=[held.jsonl]"), "step-2")
     assert line is not None and "data.eval_files [] -> ['held.jsonl']" in line

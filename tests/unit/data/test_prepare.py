@@ -310,6 +310,10 @@ def test_skip_mode_counts_bad_records(tmp_path: Path, tiny_model_dir: Path) -> N
     }
     lines = (tmp_path / "prepared" / "skipped.txt").read_text().splitlines()
     assert [ln.split("\t")[1].split(": ")[0] for ln in lines] == [f"{path}:{i}" for i in (11, 12, 13)]
+    settings = make_config(tmp_path, tiny_model_dir, [str(path)], on_bad_record="skip").data
+    assert "bad records skipped: 3 (malformed_json 1, bad_label 1, no_final_assistant 1; all in " in summary(
+        out.stats, settings, True, "", 1.0
+    )
 
 
 def test_num_proc_gives_identical_rows(tmp_path: Path, tiny_model_dir: Path, monkeypatch) -> None:
@@ -447,7 +451,7 @@ def test_examples_that_cannot_fit_are_dropped_and_counted(tmp_path: Path, tiny_m
     object.__setattr__(cfg, "data", cfg.data.model_construct(**data))
     out = prepare(*data_settings(cfg))
     assert out.stats["train"]["dropped"] == {"no_room_for_completion": 3} and len(out.train) == 4
-    assert "dropped: {'no_room_for_completion': 3}" in summary(out.stats, cfg.data, True, "", 1.0)
+    assert "dropped: no_room_for_completion 3;" in summary(out.stats, cfg.data, True, "", 1.0)
 
 
 def test_on_too_long_truncates_skips_or_stops(tmp_path: Path, tiny_model_dir: Path) -> None:
