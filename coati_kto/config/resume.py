@@ -161,21 +161,43 @@ def _same_tokenizer(saved: dict, current: dict) -> bool:
     return (old.get("tokenizer") or old.get("path")) == (new.get("tokenizer") or new.get("path"))
 
 
-def check_training_data(saved: str | None, current: str | None, checkpoint: str) -> None:
+def check_training_data(
+    saved: str | None,
+    current: str | None,
+    checkpoint: str,
+    parts: tuple[dict | None, dict | None] = (None, None),
+) -> None:
     """ConfigError when the training data changed since the checkpoint while the config did not (files edited in
-    place: the data position of the epoch in progress would index other rows). None on either side: not known."""
+    place: the data position of the epoch in progress would index other rows). None on either side: not known.
+    ``parts``: the saved and current ``train_data_parts``, to name what changed (checkpoints before 2026-12-01
+    have none)."""
     if saved is not None and current is not None and saved != current:
+        what = _changed_parts(*parts) or "the content of data.train_files or the tokenizer"
         raise ConfigError(
-            f"train.resume {checkpoint}: the training data changed since the checkpoint (the content of "
-            f"data.train_files or the tokenizer: {saved} -> {current}): cannot change on resume ({REFUSED['data']})"
+            f"train.resume {checkpoint}: the training data changed since the checkpoint ({what}: {saved} -> "
+            f"{current}): cannot change on resume ({REFUSED['data']})"
             "\n(start a new run in another output.dir, or resume unchanged)"
         )
+
+
+def _changed_parts(saved: dict | None, current: dict | None) -> str:
+    """Which of the training data's parts differ: each train file whose size or content changed (by position), a
+    file more or fewer, the tokenizer, the images; '' when either side is unknown."""
+    if not saved or not current:
+        return ""
+    old, new = saved.get("files") or [], current.get("files") or []
+    changed = [f"{n[0]}'s content" for o, n in zip(old, new, strict=False) if list(o[1:]) != list(n[1:])]
+    if len(old) != len(new):
+        changed.append(f"{len(old)} train files -> {len(new)}")
+    changed += [f"the {key}" for key in ("tokenizer", "images") if saved.get(key) != current.get(key)]
+    return ", ".join(changed)
 
 
 def check_contents(state: dict, stats: dict, checkpoint: str) -> None:
     """:func:`check_training_data` and :func:`check_reference_weights` of a checkpoint's trainer state against
     this run's data stats (``train_data``, ``reference_weights``)."""
-    check_training_data(state.get("train_data"), stats.get("train_data"), checkpoint)
+    parts = (state.get("train_data_parts"), stats.get("train_data_parts"))
+    check_training_data(state.get("train_data"), stats.get("train_data"), checkpoint, parts)
     check_reference_weights(state.get("reference_weights"), stats.get("reference_weights"), checkpoint)
 
 

@@ -23,6 +23,7 @@ from coati_kto.data.store import (
     read_fingerprint,
     read_prepared,
     train_data_digest,
+    train_data_parts,
 )
 from coati_kto.data.summary import summary
 from coati_kto.data.tokenize import load_tokenizer, pad_id
@@ -45,7 +46,8 @@ def _open(settings: PrepareSettings, weights: WeightSettings) -> PreparedData:
         if why:
             raise ConfigError(f"{key} {why}")
     data.stats["imbalance"] = imbalance(weights, data.stats, num_replicas=1)
-    data.stats["train_data"] = train_data_digest(read_fingerprint(Path(settings.data.prepared_dir)))
+    fp = read_fingerprint(Path(settings.data.prepared_dir))
+    data.stats["train_data"], data.stats["train_data_parts"] = train_data_digest(fp), train_data_parts(fp)
     return data
 
 

@@ -187,6 +187,14 @@ def train_data_digest(fp: dict | None) -> str | None:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def train_data_parts(fp: dict | None) -> dict | None:
+    """What :func:`train_data_digest` hashes, by part, for a refused resume to name what changed: ``files`` (each
+    train file's path, size and content hash, in order), ``tokenizer`` and ``images`` (None without a fingerprint)."""
+    if fp is None:
+        return None
+    return {"files": fp.get("train_files", []), "tokenizer": fp.get("tokenizer"), "images": fp.get("images")}
+
+
 def read_fingerprint(target: Path) -> dict | None:
     """``target/fingerprint.json`` (present only in a complete build), or None when missing or unreadable."""
     try:

@@ -31,7 +31,7 @@ from coati_kto.data.collator import KTOCollator
 from coati_kto.data.image_store import load_processor
 from coati_kto.data.loaders import build_loaders
 from coati_kto.data.settings import PrepareSettings
-from coati_kto.data.store import fingerprint, train_data_digest
+from coati_kto.data.store import fingerprint, train_data_digest, train_data_parts
 from coati_kto.data.tokenize import load_tokenizer, pad_id
 from coati_kto.data.weights import WeightSettings, imbalance, resolve_kto_weights
 from coati_kto.families import model_notes, vocabulary_size
@@ -192,12 +192,12 @@ def _refuse_changed_contents(config: Config, checkpoints: Path) -> None:
     if state is None:  # decided on rank 0: every rank takes the same waits below, or none
         return
     inputs = PrepareSettings(config.data, config.model, config.train.seed, images=True)
-    data = on_rank0(
-        lambda: train_data_digest(fingerprint(inputs, load_tokenizer(inputs.model), load_processor(inputs))),
-        "hash the data",
+    fp = on_rank0(
+        lambda: fingerprint(inputs, load_tokenizer(inputs.model), load_processor(inputs)), "hash the data"
     )
     reference = reference_weights_digest(config.model, config.kto.reference)
-    check_contents(state, {"train_data": data, "reference_weights": reference}, checkpoint.name)
+    contents = {"train_data": train_data_digest(fp), "train_data_parts": train_data_parts(fp)}
+    check_contents(state, {**contents, "reference_weights": reference}, checkpoint.name)
 
 
 def _build_run(config: Config, out_dir: Path, run_data: RunData, weights_dp_size: int | None = None) -> Run:

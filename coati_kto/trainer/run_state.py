@@ -19,7 +19,10 @@ def run_state(trainer: Any, epoch: int) -> dict[str, Any]:
         "interval": trainer._interval.state(),
         "last_eval_step": trainer._last_eval_step,
         "config": trainer.run_config,
-        **{k: (trainer.data_stats or {}).get(k) for k in ("train_data", "reference_weights")},
+        **{
+            k: (trainer.data_stats or {}).get(k)
+            for k in ("train_data", "train_data_parts", "reference_weights")
+        },
     }
 
 

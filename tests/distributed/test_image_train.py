@@ -496,7 +496,7 @@ def test_a_resume_after_an_image_changed_in_place_is_refused(runs: dict) -> None
     assert proc.returncode == 2
     errors = [line for line in proc.ranks[0].stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith(
-        "error: train.resume step-1: the training data changed since the checkpoint (the content of "
+        "error: train.resume step-1: the training data changed since the checkpoint (the images: "
     ), proc.ranks[0].stderr[-2000:]
 
 

@@ -138,7 +138,8 @@ def test_a_change_that_makes_another_run_is_refused(first_run: Path) -> None:
 
 def test_training_data_edited_in_place_is_refused(first_run: Path) -> None:
     """The same train file, edited (completions rewritten, as many records and labels): the config is unchanged,
-    so the resume was accepted and the epoch in progress went on at its old position in other rows."""
+    so the resume was accepted and the epoch in progress went on at its old position in other rows. The refusal
+    names the file (it said "the content of data.train_files or the tokenizer")."""
     import re
 
     out = first_run.parent / "out"
@@ -146,10 +147,10 @@ def test_training_data_edited_in_place_is_refused(first_run: Path) -> None:
     done = _resume_with_edited_data(first_run)
     assert done.returncode == 2, done.stderr[-3000:]
     errors = [line for line in done.stderr.splitlines() if line.strip()]
-    latest = (out / "checkpoints" / "latest").read_text().strip()
+    latest, train = (out / "checkpoints" / "latest").read_text().strip(), first_run.parent / "train.jsonl"
     assert re.fullmatch(
-        rf"error: train.resume {latest}: the training data changed since the checkpoint \(the content of "
-        r"data.train_files or the tokenizer: [0-9a-f]{16} -> [0-9a-f]{16}\): cannot change on resume \(the data "
+        rf"error: train.resume {latest}: the training data changed since the checkpoint \({re.escape(str(train))}'s "
+        r"content: [0-9a-f]{16} -> [0-9a-f]{16}\): cannot change on resume \(the data "
         r"position of the epoch in progress belongs to the old training set\)",
         errors[0],
     ), errors

@@ -153,3 +153,24 @@ def test_train_vision_cannot_change_on_resume(tmp_path: Path) -> None:
     saved = _dump(tmp_path)
     del saved["model"]["train_vision"]
     assert check_resume(saved, _dump(tmp_path), "step-6") is None
+
+
+def test_a_refusal_for_changed_training_data_names_what_changed() -> None:
+    """The checkpoint keeps each train file's size and hash, the tokenizer's and the images' (train_data_parts):
+    the refusal names the file edited in place; a checkpoint from before keeps the general words."""
+    from coati_kto.config.resume import check_training_data
+
+    saved = {"files": [["/d/a.jsonl", 10, "aa"], ["/d/b.jsonl", 20, "bb"]], "tokenizer": "t1", "images": None}
+    moved = {"files": [["/e/a.jsonl", 10, "aa"], ["/e/b.jsonl", 21, "bc"]], "tokenizer": "t2", "images": None}
+    cases = [
+        (saved, moved, "/e/b.jsonl's content, the tokenizer"),
+        (saved, {**saved, "files": saved["files"][:1]}, "2 train files -> 1"),
+        (None, moved, "the content of data.train_files or the tokenizer"),
+    ]
+    for old, new, what in cases:
+        with pytest.raises(ConfigError) as err:
+            check_training_data("1111", "2222", "step-2", (old, new))
+        assert str(err.value).splitlines()[0] == (
+            f"train.resume step-2: the training data changed since the checkpoint ({what}: 1111 -> 2222): cannot "
+            "change on resume (the data position of the epoch in progress belongs to the old training set)"
+        )
