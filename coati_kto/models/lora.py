@@ -18,7 +18,6 @@ import torch
 
 from coati_kto.config.lora import linear_layer_names, peft_config, tower_refusal
 from coati_kto.errors import ConfigError
-from coati_kto.parallel.store_waits import wait_for_all
 
 if TYPE_CHECKING:
     from coati_kto.config.schema import LoraSection
@@ -105,42 +104,38 @@ class AdapterFreeReference:
         return self.policy.unwrap(unwrap_peft=unwrap_peft)
 
 
-def export_lora(
-    model: Any,
-    tokenizer: Any,
-    out_dir: str | Path,
-    is_main: bool,
-    merge: bool,
-    gather: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
-) -> Path:
-    """Write the adapter directory ``out_dir/adapter`` (peft's ``save_pretrained``: adapter_config.json and
-    adapter_model.safetensors, loads with ``PeftModel.from_pretrained(base, dir)``) and, with ``merge``,
-    ``out_dir/merged``: the adapters folded into a copy of the base weights (loads with transformers alone).
-
-    Every rank calls; the main rank writes, the others wait. Adapters are replicated on every rank (ddp, ZeRO
-    gathers its working parameters, LoRA runs at tp_size 1 only), so the main rank's copy is the model; under
-    pipeline parallelism each stage holds its own layers' adapters, which ``gather`` (a collective: every rank)
-    merges from every stage's (config load refuses ``merge`` there).
-    """
-    out = Path(out_dir)
+def lora_adapters(
+    model: Any, gather: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
+) -> dict[str, torch.Tensor] | None:
+    """What :func:`write_lora` writes of the adapters, where peft's own state is not the whole: under pipeline
+    parallelism each stage holds its own layers' adapters, which ``gather`` (a collective: every rank calls)
+    merges from every stage's; None otherwise. Adapters are replicated on every rank (ddp, ZeRO gathers its working
+    parameters, LoRA runs at tp_size 1 only), so the main rank's copy is the model."""
     peft = peft_model(model)
     if hasattr(model, "_force_wait_all_gather"):
         model._force_wait_all_gather()  # ZeRO's overlapped all-gather: the working weights must be current
-    adapters = None
-    if gather is not None:
-        adapters = gather({k: v.detach().cpu() for k, v in peft.state_dict().items() if "lora_" in k})
-    if is_main:
-        out.mkdir(parents=True, exist_ok=True)
-        saving = {} if adapters is None else {"state_dict": adapters}
-        peft.save_pretrained(out / "adapter", safe_serialization=True, **saving)
+    if gather is None:
+        return None
+    return gather({k: v.detach().cpu() for k, v in peft.state_dict().items() if "lora_" in k})
+
+
+def write_lora(
+    model: Any, adapters: dict[str, torch.Tensor] | None, tokenizer: Any, out_dir: Path, merge: bool
+) -> None:
+    """The main rank only: the adapter directory ``out_dir/adapter`` (peft's ``save_pretrained``: adapter_config.json
+    and adapter_model.safetensors, loads with ``PeftModel.from_pretrained(base, dir)``) and, with ``merge``,
+    ``out_dir/merged``: the adapters folded into a copy of the base weights (loads with transformers alone).
+    ``adapters``: :func:`lora_adapters`'s."""
+    peft = peft_model(model)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    saving = {} if adapters is None else {"state_dict": adapters}
+    peft.save_pretrained(out_dir / "adapter", safe_serialization=True, **saving)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(out_dir / "adapter")
+    if merge:
+        _save_merged(peft, out_dir / "merged")
         if tokenizer is not None:
-            tokenizer.save_pretrained(out / "adapter")
-        if merge:
-            _save_merged(peft, out / "merged")
-            if tokenizer is not None:
-                tokenizer.save_pretrained(out / "merged")
-    wait_for_all("global rank 0 to write the LoRA adapter")
-    return out
+            tokenizer.save_pretrained(out_dir / "merged")
 
 
 def _save_merged(peft: Any, out: Path) -> None:

@@ -32,14 +32,16 @@ def write_weights(
     (``target``, or with ``lora`` the adapters' parent). ``frozen_fp32``: weights no optimizer master holds (a
     vision-language model's frozen tower), added to an fp32 export."""
     # Imported here: after quiet_known_warnings (coati_kto.recipe.train).
-    from coati_kto.models.lora import base_module, export_lora
+    from coati_kto.models.lora import base_module, lora_adapters, write_lora
 
-    if lora:  # target/adapter (peft) and, with output.merge_lora, target/merged
+    if lora:  # target/adapter (peft) and, with output.merge_lora, target/merged: whole or absent, as full weights
         layout, gather = trainer.layout, None
         if layout.pp_size > 1:  # each stage holds its own layers' adapters
             module = base_module(trainer.policy)
             gather = functools.partial(merged_over_stages, module=module, group=layout.pp_group)
-        return export_lora(trainer.policy, tokenizer, target, is_main, output.merge_lora, gather)
+        adapters = lora_adapters(trainer.policy, gather)  # every rank
+        write = functools.partial(write_lora, trainer.policy, adapters, tokenizer, merge=output.merge_lora)
+        return trainer.checkpoint_manager.write_final(target, write)
     masters = None
     if output.export_dtype == "fp32":
         # a collective: every rank; kept where export_hf reads it (the writer, and each pipeline stage's own)

@@ -42,7 +42,7 @@ RUN_LOCK = ".run.lock"
 _held: dict[Path, BinaryIO] = {}  # output.dir -> its open lock file, on the rank that holds it
 
 
-def _step(checkpoint: Path) -> int:
+def checkpoint_step(checkpoint: Path) -> int:
     """N of a ``step-N`` directory; -1 for another name (a pointer edited by hand)."""
     match = STEP_DIR.fullmatch(checkpoint.name)
     return int(match[1]) if match else -1
@@ -53,7 +53,7 @@ def complete_checkpoints(root: Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [p for p in root.iterdir() if STEP_DIR.fullmatch(p.name) and (p / COMPLETE).is_file()]
-    return sorted(found, key=_step)
+    return sorted(found, key=checkpoint_step)
 
 
 def resolve_checkpoint(root: Path, resume: str | None) -> Path | None:
@@ -68,14 +68,16 @@ def resolve_checkpoint(root: Path, resume: str | None) -> Path | None:
             marker = named / COMPLETE
             if marker.is_file():
                 # A save killed between its rename into step-N and the pointer's update leaves the pointer on
-                # an older checkpoint: one of a higher step completed after the one named is the newer one. Both
-                # must hold: a copy (cp -r, hf download, a sync) gives its files new times in any order, and a
-                # run resumed from an earlier step by hand leaves the abandoned run's higher steps behind.
+                # an older checkpoint: one of a higher step completed after the pointer was written is the newer
+                # one. Both must hold: a copy (cp -r, hf download, a sync) gives its files new times in any order,
+                # and a run resumed from an earlier step by hand (the pointer then names it:
+                # CheckpointManager.resumed_from) leaves the abandoned run's higher steps, completed before.
+                written = pointer.stat().st_mtime_ns
                 later = [
                     p
                     for p in complete_checkpoints(root)
-                    if _step(p) > _step(named)
-                    and (p / COMPLETE).stat().st_mtime_ns > marker.stat().st_mtime_ns
+                    if checkpoint_step(p) > checkpoint_step(named)
+                    and (p / COMPLETE).stat().st_mtime_ns > written
                 ]
                 return max(later, key=lambda p: (p / COMPLETE).stat().st_mtime_ns) if later else named
         complete = complete_checkpoints(root)  # pointer missing or stale: the highest complete step

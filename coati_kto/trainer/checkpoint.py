@@ -14,13 +14,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import random
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from colossalai.booster import Booster
 
@@ -29,15 +28,22 @@ from coati_kto.families.shardformer import tp_change_refusal
 from coati_kto.models.lora import base_module
 from coati_kto.parallel.distributed import ParallelLayout, barrier, gather_objects, on_rank0
 from coati_kto.parallel.loss_scale import loss_scale, loss_scaler_state, restore_loss_scaler
-from coati_kto.parallel.masters import working_to_master
 from coati_kto.parallel.store_waits import first_failure, wait_for_all
 from coati_kto.runtime.run_dir import (
     COMPLETE,
     LATEST,
     TRAINER_STATE_DIR,
+    checkpoint_step,
     complete_checkpoints,
     resolve_checkpoint,
     saved_trainer_state,
+)
+from coati_kto.trainer.checkpoint_state import (
+    master_shards,
+    old_dp_states,
+    restore_masters,
+    rng_state,
+    set_rng_state,
 )
 from coati_kto.trainer.export import (
     fp32_state,
@@ -55,6 +61,11 @@ class CheckpointSaveError(UserError):
     """A checkpoint write failed on some rank (disk full, permission denied); raised on every rank alike."""
 
     same_on_every_rank = True
+
+
+def _warn(message: str) -> None:
+    """One line on stderr (the main rank's): what went wrong around a complete checkpoint."""
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 class CheckpointManager:
@@ -93,7 +104,7 @@ class CheckpointManager:
             raise  # not reached: _agree raises
 
     def _write(self, step: int, model: Any, optimizer: Any, lr_scheduler: Any, trainer_state: dict) -> Path:
-        rng = _rng_state()  # first: nothing below may consume randomness before it is recorded
+        rng = rng_state()  # first: nothing below may consume randomness before it is recorded
         final, tmp = self.root / f"step-{step}", self.root / f"step-{step}.tmp"
         rank = self.layout.rank
         if self.layout.is_main:
@@ -110,7 +121,7 @@ class CheckpointManager:
             self.booster.save_lr_scheduler(lr_scheduler, str(tmp / "lr_scheduler.pt"))
         per_rank = {"trainer_state": trainer_state, "rng": rng, "loss_scaler": loss_scaler_state(optimizer)}
         torch.save(per_rank, tmp / TRAINER_STATE_DIR / f"rank-{rank}.pt")
-        masters = _master_shards(model, optimizer)
+        masters = master_shards(model, optimizer)
         if masters:
             torch.save(masters, tmp / "master_weights" / f"rank-{rank}.pt")
         self._agree(step, tmp)  # every rank's files are on disk
@@ -124,12 +135,30 @@ class CheckpointManager:
                 (final / COMPLETE).unlink(missing_ok=True)
                 shutil.rmtree(final)
             os.replace(tmp, final)
-            write_atomic(self.root / LATEST, final.name)
-            if self.on_complete is not None:
-                self.on_complete(final)
-            self._prune(keep=final)
+            self._settle(final)
         self._agree(step, tmp)
         return final
+
+    def _settle(self, final: Path) -> None:
+        """The main rank, once ``final`` is complete: the pointer, the uploads, pruning. ``final`` stays whole
+        whatever fails here (resume=auto finds it without the pointer), so a failure is a warning, not a failed
+        save that stops training."""
+        try:
+            write_atomic(self.root / LATEST, final.name)
+        except OSError as err:
+            _warn(
+                f"{final} is complete, but {LATEST} could not be updated ({describe(err)}); resume=auto finds it"
+            )
+        if self.on_complete is not None:
+            self.on_complete(final)
+        self._prune(keep=final)
+
+    def resumed_from(self, checkpoint: Path) -> None:
+        """The main rank, resuming from ``checkpoint`` of this run's directory by hand: the pointer names it, so
+        that resume=auto after a crash continues this run, not the abandoned one's higher steps."""
+        here = self.layout.is_main and checkpoint.parent.resolve() == self.root.resolve()
+        if here and self.resolve("auto") != checkpoint:
+            write_atomic(self.root / LATEST, checkpoint.name)
 
     def _agree(self, step: int, tmp: Path, failure: BaseException | None = None) -> None:
         """Every rank calls at the same point (it replaces a barrier): gathers each rank's failure, if any.
@@ -157,10 +186,19 @@ class CheckpointManager:
         }
 
     def _prune(self, keep: Path) -> None:
-        # The checkpoint just saved always stays, even when others have higher steps (resumed from an older one).
-        others = [p for p in self._complete() if p != keep]
-        for old in others[: len(others) - (self.keep_last - 1)]:
-            shutil.rmtree(old)
+        """Keep ``keep`` (just saved) and the ``keep_last - 1`` complete checkpoints of lower steps before it. Higher
+        steps are an abandoned run's (this one resumed from an earlier step by hand): left alone and not counted,
+        until this run saves over them. A checkpoint that cannot be removed is a warning."""
+        step = checkpoint_step(keep)
+        others = [p for p in self._complete() if checkpoint_step(p) < step]
+        for old in others[: max(len(others) - (self.keep_last - 1), 0)]:
+            try:
+                (old / COMPLETE).unlink(
+                    missing_ok=True
+                )  # first: a delete stopped partway leaves no complete husk
+                shutil.rmtree(old)
+            except OSError as err:
+                _warn(f"could not remove the old checkpoint {old} ({describe(err)}); remove it by hand")
 
     def _complete(self) -> list[Path]:
         """Complete checkpoints under root, oldest step first."""
@@ -216,22 +254,22 @@ class CheckpointManager:
         if same_layout and master_file.is_file():
             masters = torch.load(master_file, map_location="cpu")
             # whole: one gradient replica (ZeRO's group is dp x sp under sequence parallelism)
-            _restore_masters(model, optimizer, masters, whole=self.layout.gradient_replicas == 1)
-        elif _master_shards(model, optimizer):
+            restore_masters(model, optimizer, masters, whole=self.layout.gradient_replicas == 1)
+        elif master_shards(model, optimizer):
             logger.warning(
                 "rank %d: fp32 master weights rebuilt from the model checkpoint (layout changed)", rank
             )
         if same_layout:
             saved = saved_trainer_state(path, rank)
             restore_loss_scaler(optimizer, saved.get("loss_scaler"))  # fp16: absent from older checkpoints
-            _set_rng_state(saved["rng"])  # last: loading above must not advance the restored generators
+            set_rng_state(saved["rng"])  # last: loading above must not advance the restored generators
             return saved["trainer_state"]
         if (
             loss_scale(optimizer) is not None
         ):  # fp16: the scale is the same on every rank (a global overflow vote)
             restore_loss_scaler(optimizer, saved_trainer_state(path, 0).get("loss_scaler"))
         logger.warning("rank %d: parallel layout changed since the save, RNG states not restored", rank)
-        states = on_rank0(lambda: _old_dp_states(path, meta), "read the checkpoint's data position")
+        states = on_rank0(lambda: old_dp_states(path, meta), "read the checkpoint's data position")
         return {**states[0], "rank_states": states}
 
     # ---- export -------------------------------------------------------------------------------------------
@@ -261,10 +299,20 @@ class CheckpointManager:
             state = fp32_state(state, fp32_masters)
         if self.layout.pp_size > 1:  # each stage holds its own layers: the main rank writes them all
             state = merged_over_stages(state, module, self.layout.pp_group, keep=self.layout.is_main)
+        return self.write_final(
+            out, lambda tmp: write_hf(module, state, tokenizer, tmp, fp32=fp32_masters is not None)
+        )
+
+    def write_final(self, out: Path, write: Callable[[Path], None]) -> Path:
+        """Every rank calls: the main rank runs ``write(tmp)`` into ``out.tmp`` (a stale one removed first) and
+        renames it into place, so ``out`` is whole or absent; the others wait. A failed write (disk full) removes
+        the partial directory and raises CheckpointSaveError on every rank. Returns ``out``."""
         tmp, failure = out.with_name(f"{out.name}.tmp"), None
         if self.layout.is_main:
             try:
-                write_hf(module, state, tokenizer, tmp, fp32=fp32_masters is not None)
+                if tmp.exists():
+                    shutil.rmtree(tmp)
+                write(tmp)
                 if out.exists():
                     shutil.rmtree(out)
                 os.replace(tmp, out)
@@ -304,77 +352,3 @@ class CheckpointManager:
         else:
             barrier()
         return failed
-
-
-def _old_dp_states(path: Path, meta: dict) -> list[dict]:
-    """The saved run's trainer states, one per data-parallel rank in dp-rank order (tensor-parallel peers of a
-    dp rank share its data position). Raises UserError when they do not describe one step of one run."""
-    world, dp_size = int(meta["world_size"]), int(meta["dp_size"])
-    by_dp: dict[int, dict] = {}
-    for rank in range(world):
-        state = saved_trainer_state(path, rank)["trainer_state"]
-        # States saved before dp_rank was recorded come from dp-only layouts, where dp rank = global rank.
-        dp_rank = int(state.get("dp_rank", rank))
-        by_dp.setdefault(dp_rank, state)
-    steps = {(int(s["global_step"]), int(s["epoch"])) for s in by_dp.values()}
-    if sorted(by_dp) != list(range(dp_size)) or len(steps) != 1:
-        raise UserError(
-            f"train.resume: {path} holds trainer states of dp ranks {sorted(by_dp)} at (step, epoch) "
-            f"{sorted(steps)}; expected dp ranks 0..{dp_size - 1} at one step: the checkpoint is inconsistent"
-        )
-    return [by_dp[r] for r in range(dp_size)]
-
-
-def _master_shards(model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
-    """This rank's fp32 masters whose working parameter has a lower precision, by parameter name.
-
-    fp32 runs have none (the masters equal the working weights, which the model checkpoint holds exactly).
-    """
-    mapping = working_to_master(optimizer)
-    shards = {}
-    for name, param in model.unwrap().named_parameters():
-        master = mapping.get(id(param))
-        if master is not None and master.dtype != param.dtype:
-            shards[name] = master.detach().cpu().clone()
-    return shards
-
-
-def _restore_masters(
-    model: Any, optimizer: Any, shards: dict[str, torch.Tensor], whole: bool = False
-) -> None:
-    """Copy this rank's saved masters into the optimizer's.
-
-    ``whole``: one data-parallel rank, where every master holds its whole parameter whatever the optimizer, as
-    ZeRO's flat copy or the AMP optimizer's shaped one: a checkpoint of either restores into the other exactly
-    (a backend's running stage at dp 1 may differ from the configured one: ``ParallelBackend.running_zero_stage``).
-    """
-    mapping = working_to_master(optimizer)
-    params = dict(model.unwrap().named_parameters())
-    with torch.no_grad():
-        for name, saved in shards.items():
-            master = mapping[id(params[name])]
-            numel = params[name].numel()
-            if whole and master.shape != saved.shape and min(master.numel(), saved.numel()) >= numel:
-                master.view(-1)[:numel].copy_(saved.reshape(-1)[:numel])
-                continue
-            if master.shape != saved.shape:
-                raise UserError(
-                    f"checkpoint master shard of {name} has shape {tuple(saved.shape)}, "
-                    f"this layout expects {tuple(master.shape)}"
-                )
-            master.copy_(saved)
-
-
-def _rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])

@@ -188,6 +188,7 @@ class KTOTrainer(SLTrainer):
             raise ValueError("resume needs a checkpoint_manager (or save_dir)")
         state = self.checkpoint_manager.load(Path(checkpoint), self.policy, self.optimizer, self.lr_scheduler)
         restore_run_state(self, state)
+        self.checkpoint_manager.resumed_from(Path(checkpoint))
 
     def _before_fit(
         self, train_dataloader: Any, eval_dataloader: Any, log_dir: str | None, use_wandb: bool

@@ -75,11 +75,11 @@ def _draws() -> list[float]:
 
 
 def _snapshot(s: dict[str, Any]) -> dict[str, Any]:
-    from coati_kto.trainer.checkpoint import _master_shards
+    from coati_kto.trainer.checkpoint_state import master_shards
 
     # numpy, not tensors: torch's queue would share tensor storage with a process that is about to exit
     weights = {n: p.detach().float().numpy().copy() for n, p in s["model"].unwrap().named_parameters()}
-    masters = {n: m.numpy() for n, m in _master_shards(s["model"], s["opt"]).items()}
+    masters = {n: m.numpy() for n, m in master_shards(s["model"], s["opt"]).items()}
     moments = {str(v.dtype) for st in s["opt"].optim.state.values() for k, v in st.items() if k != "step"}
     return {"weights": weights, "lr": s["sched"].get_last_lr(), "masters": masters, "moments": moments}
 

@@ -82,7 +82,7 @@ def _snapshot(s: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
     from coati_kto.parallel.masters import working_to_master
-    from coati_kto.trainer.checkpoint import _master_shards
+    from coati_kto.trainer.checkpoint_state import master_shards
 
     mapping, optim = working_to_master(s["opt"]), s["opt"].optim
     named = list(s["model"].unwrap().named_parameters())
@@ -99,7 +99,7 @@ def _snapshot(s: dict[str, Any]) -> dict[str, Any]:
             states[name][key] = value.float().reshape(-1).numpy().copy()
     return {
         "weights": {n: p.detach().float().numpy().copy() for n, p in named},
-        "masters": {n: m.numpy() for n, m in _master_shards(s["model"], s["opt"]).items()},
+        "masters": {n: m.numpy() for n, m in master_shards(s["model"], s["opt"]).items()},
         "states": states,
         "index": [n for n, _ in named].index(EXTRA),
     }

@@ -10,6 +10,11 @@ import pytest
 from coati_kto.runtime.run_dir import COMPLETE, LATEST, resolve_checkpoint
 
 
+def _pointer(root: Path, name: str, written_ns: int) -> None:
+    (root / LATEST).write_text(name)
+    os.utime(root / LATEST, ns=(written_ns, written_ns))
+
+
 def _checkpoint(root: Path, step: int, completed_ns: int) -> Path:
     path = root / f"step-{step}"
     path.mkdir(parents=True)
@@ -22,8 +27,8 @@ def test_auto_prefers_a_checkpoint_completed_after_the_one_the_pointer_names(tmp
     """A SIGKILL between a save's rename into step-8 and the pointer's update left ``latest`` on step-4, and
     resume=auto went back to step-4 (the steps since were trained again)."""
     _checkpoint(tmp_path, 4, 1_000_000_000)
+    _pointer(tmp_path, "step-4", 1_500_000_000)
     eight = _checkpoint(tmp_path, 8, 2_000_000_000)
-    (tmp_path / LATEST).write_text("step-4")
     assert resolve_checkpoint(tmp_path, "auto") == eight
 
 
@@ -33,7 +38,7 @@ def test_auto_follows_the_pointer_over_a_higher_but_older_step(tmp_path: Path) -
     _checkpoint(tmp_path, 2, 1_000_000_000)
     _checkpoint(tmp_path, 6, 2_000_000_000)
     four = _checkpoint(tmp_path, 4, 3_000_000_000)
-    (tmp_path / LATEST).write_text("step-4")
+    _pointer(tmp_path, "step-4", 3_500_000_000)
     assert resolve_checkpoint(tmp_path, "auto") == four
 
 
@@ -43,8 +48,20 @@ def test_auto_follows_the_pointer_in_a_copied_run_directory(tmp_path: Path) -> N
     eight = _checkpoint(tmp_path, 8, 1_000_000_000)
     for n, step in enumerate((6, 4, 2)):
         _checkpoint(tmp_path, step, 2_000_000_000 + n)
-    (tmp_path / LATEST).write_text("step-8")
+    _pointer(tmp_path, "step-8", 1_500_000_000)
     assert resolve_checkpoint(tmp_path, "auto") == eight
+
+
+def test_auto_follows_the_pointer_a_hand_resume_moved_back(tmp_path: Path) -> None:
+    """Run A saved step-2, 6 and 8; run B resumed from step-2 by hand (the pointer moved back to it) and was killed
+    before its first save: resume=auto went on with the abandoned run's step-8 (completed after step-2)."""
+    two = _checkpoint(tmp_path, 2, 1_000_000_000)
+    _checkpoint(tmp_path, 6, 2_000_000_000)
+    _checkpoint(tmp_path, 8, 3_000_000_000)
+    _pointer(tmp_path, "step-2", 4_000_000_000)
+    assert resolve_checkpoint(tmp_path, "auto") == two
+    four = _checkpoint(tmp_path, 4, 5_000_000_000)  # B's step-4, killed before the pointer's update
+    assert resolve_checkpoint(tmp_path, "auto") == four
 
 
 def test_a_full_disk_under_torch_save_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,0 +1,82 @@
+"""Which checkpoints the main rank keeps once a save is complete (CheckpointManager._settle: the pointer, then
+pruning), on directories laid out by hand: no booster, no process group."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from coati_kto.runtime.run_dir import COMPLETE, LATEST, resolve_checkpoint
+from coati_kto.trainer.checkpoint import CheckpointManager
+
+
+def _manager(root: Path, keep_last: int) -> CheckpointManager:
+    return CheckpointManager(root, booster=None, layout=SimpleNamespace(is_main=True), keep_last=keep_last)
+
+
+def _complete(root: Path, step: int) -> Path:
+    path = root / f"step-{step}"
+    (path / "model").mkdir(parents=True)
+    (path / "model" / "shard.bin").write_bytes(b"x")
+    (path / COMPLETE).write_text(f"step {step}\n")
+    return path
+
+
+def _steps(root: Path) -> list[str]:
+    return sorted((p.name for p in root.glob("step-*")), key=lambda n: int(n.split("-")[1]))
+
+
+@pytest.mark.parametrize("keep_last", [1, 2, 3, 4, 6])
+def test_keep_last_checkpoints_are_kept(tmp_path: Path, keep_last: int) -> None:
+    """keep_last 4 or more kept 3: the slice of checkpoints to remove was others[:len - (keep_last - 1)], whose
+    negative bound removed from the front while fewer than keep_last - 1 others existed."""
+    manager = _manager(tmp_path, keep_last)
+    for step in range(1, 9):
+        manager._settle(_complete(tmp_path, step))
+        assert _steps(tmp_path) == [f"step-{s}" for s in range(max(1, step - keep_last + 1), step + 1)], step
+    assert (tmp_path / LATEST).read_text() == "step-8"
+
+
+def test_a_run_resumed_by_hand_keeps_its_own_checkpoints_not_the_abandoned_ones(tmp_path: Path) -> None:
+    """Run A saved step-10, 20 and 30; run B resumed from step-10: its first save removed step-10 (the one it
+    resumed from) and kept A's step-20 and step-30. Higher steps are left alone and not counted now, and B's
+    saves replace them as B reaches them."""
+    manager = _manager(tmp_path, 2)
+    for step in (10, 20, 30):
+        _complete(tmp_path, step)
+    manager.resumed_from(tmp_path / "step-10")
+    assert (tmp_path / LATEST).read_text() == "step-10"
+    manager._settle(_complete(tmp_path, 15))
+    assert _steps(tmp_path) == ["step-10", "step-15", "step-20", "step-30"]
+    assert resolve_checkpoint(tmp_path, "auto") == tmp_path / "step-15"
+    shutil.rmtree(tmp_path / "step-20")  # B re-saves step-20 (CheckpointManager._write replaces it)
+    manager._settle(_complete(tmp_path, 20))
+    assert _steps(tmp_path) == ["step-15", "step-20", "step-30"]
+
+
+def test_a_checkpoint_that_cannot_be_removed_is_a_warning_and_no_longer_complete(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """A delete failing partway (NFS's .nfsXXXX files: EBUSY) stopped training with "checkpoint step-4 could not
+    be written" though step-4 was complete, and left step-2 half deleted with its COMPLETE marker: a husk that
+    train.resume and export --checkpoint took for a checkpoint."""
+    manager = _manager(tmp_path, 1)
+    manager._settle(_complete(tmp_path, 2))
+    real = shutil.rmtree
+
+    def busy(path: Path, *args: object, **kwargs: object) -> None:
+        (Path(path) / "model" / "shard.bin").unlink()
+        raise OSError(16, "Device or resource busy", str(Path(path) / "model" / ".nfs0001"))
+
+    monkeypatch.setattr(shutil, "rmtree", busy)
+    manager._settle(_complete(tmp_path, 4))
+    monkeypatch.setattr(shutil, "rmtree", real)
+    assert capsys.readouterr().err.splitlines() == [
+        f"warning: could not remove the old checkpoint {tmp_path / 'step-2'} (Device or resource busy: "
+        f"{tmp_path / 'step-2' / 'model' / '.nfs0001'}); remove it by hand"
+    ]
+    assert not (tmp_path / "step-2" / COMPLETE).exists()
+    assert resolve_checkpoint(tmp_path, "auto") == tmp_path / "step-4"
