@@ -13,7 +13,11 @@ from coati_kto.config.section import Section
 class OutputSection(Section):
     dir: str = Field(description="Run directory: config.yaml, tensorboard/, checkpoints/, final/.")
     save_interval: int = Field(0, ge=0, description="Checkpoint every N optimizer steps; 0: only at the end.")
-    keep_last: int = Field(2, ge=1, description="Checkpoints kept; older ones are deleted.")
+    keep_last: int = Field(
+        2,
+        ge=1,
+        description="Checkpoints kept: the one just saved and those of lower steps; older ones are deleted.",
+    )
     save_final: bool = Field(
         True, description="Export final/ (HF model, tokenizer, README.md model card) at the end."
     )

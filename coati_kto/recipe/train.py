@@ -51,24 +51,28 @@ def train(config: Config) -> Any:
     # Installed for the rest of the process: a launcher may repeat the signal while this rank exits (torchrun
     # SIGTERMs the workers still running once one has exited), and that must not kill it mid-teardown.
     stop_signals = STOP.install()
-    heartbeat = new_heartbeat(config.train.heartbeat_timeout)
+    heartbeat = new_heartbeat(config.train.heartbeat_timeout, start_timeout=config.train.dist_timeout)
     uploads = checkpoint_uploads(output)  # global rank 0 with output.push_to_hub.checkpoints, else None
     try:
-        # torchrun's store exists before its workers start: watch from here, so a rank that dies before the
-        # process group forms is caught too. Elsewhere rank 0 creates the store in init_distributed.
-        if heartbeat is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            heartbeat.start()
-        trainer = _train(config, stop_signals, heartbeat, uploads)
-    except TrainingStoppedError:
-        wait_for_uploads_after_stop(output, uploads)
-        raise
-    finally:
-        if heartbeat is not None:
-            heartbeat.stop()
-        if uploads is not None:  # before the lock goes: the uploads read from output.dir
-            uploads.wait()
+        try:
+            # torchrun's store exists before its workers start: watch from here, so a rank that dies before the
+            # process group forms is caught too. Elsewhere rank 0 creates the store in init_distributed.
+            if heartbeat is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                heartbeat.start()
+            trainer = _train(config, stop_signals, heartbeat, uploads)
+        except TrainingStoppedError:
+            wait_for_uploads_after_stop(output, uploads)
+            raise
+        finally:
+            if heartbeat is not None:
+                heartbeat.stop()
+            if uploads is not None:
+                uploads.wait()
+        trainer.pushed = push_final(
+            output
+        )  # after the heartbeat stopped: no peer waits for an upload of hours
+    finally:  # after every upload: they read from output.dir, which a run started here meanwhile would clear
         release_output_dir(Path(output.dir))
-    trainer.pushed = push_final(output)  # after the heartbeat stopped: no peer waits for an upload of hours
     return trainer
 
 

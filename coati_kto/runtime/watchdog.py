@@ -7,8 +7,9 @@ or writing final/: ``coati_kto.parallel.store_waits``) go through the store,
 bounded only by ``train.file_wait_timeout`` (two hours), where no closed socket tells of a rank that died. So
 every rank runs a daemon thread that bumps a counter in the job's rendezvous
 store (MASTER_ADDR:MASTER_PORT: torchrun's store, or rank 0's) every ``interval`` seconds and watches the
-others' counters. A peer whose counter has not moved for ``timeout`` seconds, or a store that cannot be
-reached, ends this process with one line naming the rank and its host, and exit status 1.
+others' counters. A peer whose counter has not moved for ``timeout`` seconds (one never heard from: for
+``start_timeout``, train.dist_timeout), or a store that cannot be reached, ends this process with one line naming
+the rank and its host, and exit status 1.
 """
 
 from __future__ import annotations
@@ -26,10 +27,15 @@ EXIT_CODE = 1
 class Heartbeat(threading.Thread):
     """Start on every rank once the store exists (``start``); ``stop`` before a normal exit."""
 
-    def __init__(self, rank: int, world_size: int, timeout: float, interval: float = 5.0) -> None:
+    def __init__(
+        self, rank: int, world_size: int, timeout: float, interval: float = 5.0, start_timeout: float = 0.0
+    ) -> None:
         super().__init__(name="coati-kto-heartbeat", daemon=True)
         self.rank, self.world_size = rank, world_size
         self.timeout, self.interval = timeout, min(interval, timeout / 4)
+        # A peer not heard from yet may still be starting (imports from a cold shared filesystem, its node's checks):
+        # it has until the process group would give up on it (train.dist_timeout), not ``timeout``.
+        self.start_timeout = max(timeout, start_timeout)
         self.address = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
         # One key space per launch attempt: torchrun restarts reuse its store.
         self.prefix = f"coati_kto/heartbeat/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
@@ -91,9 +97,10 @@ class Heartbeat(threading.Thread):
             for peer in peers:
                 value = store.get(key("beat", peer)) if store.check([key("beat", peer)]) else None
                 last_value, since = seen[peer]
+                bound = self.timeout if value is not None else self.start_timeout
                 if value != last_value:
                     seen[peer] = (value, now)
-                elif now - since > self.timeout and not self._stopped.is_set():
+                elif now - since > bound and not self._stopped.is_set():
                     where = (
                         store.get(key("host", peer)).decode() if store.check([key("host", peer)]) else None
                     )
@@ -113,9 +120,10 @@ class Heartbeat(threading.Thread):
         os._exit(EXIT_CODE)
 
 
-def new_heartbeat(timeout: float) -> Heartbeat | None:
-    """This rank's Heartbeat, not started; None for one process or ``timeout`` 0. Every rank calls."""
+def new_heartbeat(timeout: float, start_timeout: float = 0.0) -> Heartbeat | None:
+    """This rank's Heartbeat, not started; None for one process or ``timeout`` 0. Every rank calls.
+    ``start_timeout``: how long a peer never heard from may take to start (at least ``timeout``)."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if timeout <= 0 or world_size < 2 or "MASTER_ADDR" not in os.environ:
         return None
-    return Heartbeat(int(os.environ["RANK"]), world_size, timeout)
+    return Heartbeat(int(os.environ["RANK"]), world_size, timeout, start_timeout=start_timeout)

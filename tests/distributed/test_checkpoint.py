@@ -146,11 +146,11 @@ def _resume(s: dict[str, Any], model_dir: str, export_dir: str | None) -> dict[s
     if (
         export_dir is not None
     ):  # bf16: first the booster alone, which rebuilds the masters from the bf16 model
-        restore, ckpt._restore_masters = ckpt._restore_masters, lambda *a, **k: None
+        restore, ckpt.restore_masters = ckpt.restore_masters, lambda *a, **k: None
         s["mgr"].load(path, s["model"], s["opt"], s["sched"])
         _train(s, 2)
         result["without_masters"] = _snapshot(s)["weights"]
-        ckpt._restore_masters = restore
+        ckpt.restore_masters = restore
     result["trainer_state"] = s["mgr"].load(path, s["model"], s["opt"], s["sched"])
     result["draws"] = _draws()
     _train(s, 2)
@@ -338,7 +338,8 @@ def test_pruning_latest_pointer_and_resolve(runs: dict[str, Any]) -> None:
     assert out["stale_before"] == ["step-4.tmp"]
     assert out["listing"] == ["latest", "step-4", "step-5"]  # step-2 pruned, the stale step-4.tmp replaced
     assert out["latest"] == "step-5"
-    assert out["older_listing"] == ["latest", "step-3", "step-5"]  # the just-saved step is never pruned
+    # the just-saved step is never pruned; the higher steps (an abandoned run's) are left alone and not counted
+    assert out["older_listing"] == ["latest", "step-3", "step-4", "step-5"]
     assert out["older_latest"] == "step-3"
     assert out["auto"] == "step-5" and out["none"] is None
     assert "not a complete checkpoint" in out["error step-9"]
