@@ -38,6 +38,7 @@ from coati_kto.runtime.run_dir import (
     resolve_checkpoint,
     saved_trainer_state,
 )
+from coati_kto.runtime.wandb_check import wandb_problems
 
 _WEIGHTS = (
     "model.safetensors",
@@ -80,11 +81,7 @@ def check_training(config: Config) -> None:
     problems += _resume_problems(config.train, output, config.model_dump(mode="json"))
     problems += _output_problems(config.train, output)
     problems += push_problems(output)
-    if config.logging.wandb and importlib.util.find_spec("wandb") is None:
-        problems.append(
-            "logging.wandb: true, but the wandb package is not installed: pip install wandb, "
-            "or set logging.wandb=false"
-        )
+    problems += wandb_problems(config.logging)
     if problems:
         raise ConfigError("\n".join(problems))
 

@@ -382,9 +382,16 @@ class KTOTrainer(SLTrainer):
     def _after_fit(self) -> None:
         if self._interval.steps:  # the steps of an unfinished logging interval
             self._log_interval()
+        # A stop signal after the last step's vote (during the end's evaluation) announced a checkpoint and exit
+        # 75: that, rather than what follows (final/, minutes for a large model, past a scheduler's kill-wait).
+        # The resumed run finds the step limit reached and writes final/. One more vote: every rank is here.
+        group, counted = self.layout.sums_group()
+        self._stop_signal = decide(reduce_sums({}, group, None, self.stop_signals.vote(), counted))
         # The final checkpoint, in the epoch of the last step (a resume from it finds no data left there).
         if self.position.epoch is not None:
             self._save(self.position.epoch)
+            if self._stop_signal is not None:
+                self._stop(self.position.epoch)
 
     def _cleanup(self) -> None:
         if self._progress is not None:

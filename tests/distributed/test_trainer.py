@@ -384,6 +384,27 @@ def _one_process(model_dir: str, ref_dir: str, out_dir: str) -> dict:
         results["signal_stop"] = None
     except TrainingStoppedError as err:
         results["signal_stop"] = {"step": err.step, "checkpoint": err.checkpoint, "saved": stop.stop_saved}
+
+    # A signal after the last step's vote (during the end's evaluation): still the checkpoint and the stop it
+    # announced (exit 75), not the end of the run; the trainer's own epoch-end evaluation ran before it.
+    late = StopSignals()
+    parts4, trainer4 = _build(cfg, 3, save_dir=str(Path(out_dir) / "late_ckpt"), stop_signals=late)
+    evaluate = trainer4._eval
+
+    def evaluate_then_signal(epoch: int) -> None:
+        evaluate(epoch)
+        late.received = signal.SIGTERM
+
+    trainer4._eval = evaluate_then_signal
+    try:
+        trainer4.fit(loader)
+        results["late_stop"] = None
+    except TrainingStoppedError as err:
+        results["late_stop"] = {
+            "step": err.step,
+            "checkpoint": err.checkpoint,
+            "trained": trainer4.global_step,
+        }
     return results
 
 
@@ -636,6 +657,14 @@ def test_a_signal_stop_checkpoints_and_tells_the_stop_signals(one_proc: dict) ->
         and Path(stopped["checkpoint"], "COMPLETE").is_file()
     )
     assert stopped["saved"] == stopped["checkpoint"]
+
+
+def test_a_signal_after_the_last_step_still_checkpoints_and_stops(one_proc: dict) -> None:
+    """A SIGTERM during the end's evaluation said "checkpoint, then exit 75" and the run went on to write final/
+    and exit 0 (past a scheduler's kill-wait for a large model)."""
+    late = one_proc["late_stop"]
+    assert late is not None and late["step"] == late["trained"] and late["step"] > 1
+    assert late["checkpoint"].endswith(f"late_ckpt/step-{late['step']}")
 
 
 def test_nonfinite_on_one_rank_skips_the_step_on_every_rank(two_procs: list[dict]) -> None:

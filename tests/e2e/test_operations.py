@@ -186,10 +186,13 @@ def test_overwrite_clears_the_old_run_first(run_config: Path, tmp_path: Path) ->
 
 def _bad(tmp_path: Path, run_config: Path, *overrides: str) -> tuple[int, str, str]:
     # A real process: huggingface_hub reads HF_HUB_OFFLINE when it is imported, so a worker rank that imported it
-    # cannot take it (run_cli would start a fresh process for it anyway: no cheaper than this one).
+    # cannot take it (run_cli would start a fresh process for it anyway: no cheaper than this one). No W&B key
+    # anywhere wandb looks (the environment, a netrc file, its settings file).
+    no_wandb_key = {"NETRC": str(tmp_path / "no-netrc"), "WANDB_CONFIG_DIR": str(tmp_path / "no-wandb")}
+    environ = {k: v for k, v in env().items() if k not in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE")}
     proc = subprocess.run(
         cli("train", str(run_config), f"output.dir={tmp_path / 'out'}", *overrides),
-        env={**env(), "HF_HUB_OFFLINE": "1"},
+        env={**environ, "HF_HUB_OFFLINE": "1", **no_wandb_key},
         capture_output=True,
         text=True,
     )
@@ -238,6 +241,11 @@ def test_bad_inputs_are_reported_together_before_anything_heavy(run_config: Path
         expected.append(
             "logging.wandb: true, but the wandb package is not installed: pip install wandb, or set "
             "logging.wandb=false"
+        )
+    else:  # online without a key: wandb.init raised on rank 0 after the model loaded (a traceback)
+        expected.append(
+            "logging.wandb: no W&B API key for https://api.wandb.ai (WANDB_API_KEY, `wandb login`'s ~/.netrc, "
+            "or wandb's settings file): set one, or logging.wandb_mode=offline"
         )
     assert err.strip().splitlines() == expected
 
