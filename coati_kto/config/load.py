@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from coati_kto.config.discovery import did_you_mean
 from coati_kto.config.schema import Config
+from coati_kto.config.section import DEFER_SECTION_PROBLEMS
 from coati_kto.errors import ConfigError
 
 
@@ -83,16 +84,17 @@ class _Origins:
 
     def where(self, keys: list[str]) -> str:
         """``override K=V[, ...]`` for the overrides that set any of ``keys`` (with ``and file:line`` for one of
-        the others the file sets); else ``file:line`` of the first of them the file sets; else the file."""
+        the others the file sets); else ``file:line`` of each of them the file sets; else the file."""
         given = list(dict.fromkeys(o for o in map(self.override_of, keys) if o))
         from_file = [self.lines[k] for k in keys if k in self.lines and not self.override_of(k)]
         if given:
             also = f" and {self.path}:{from_file[0]}" if from_file else ""
             return "override " + ", ".join(given) + also
-        # A list item's error (data.train_files.0) is on its key's line; a key the file leaves out has none.
+        # A list item's error (data.train_files.0) is on its key's line; a key the file leaves out has none. A
+        # problem of several keys the file sets names each one's line.
         candidates = [re.sub(r"(\.\d+)+$", "", k) for k in keys]
-        line = next((self.lines[k] for k in candidates if k in self.lines), None)
-        return f"{self.path}:{line}" if line else str(self.path)
+        lines = sorted({self.lines[k] for k in candidates if k in self.lines})
+        return " and ".join(f"{self.path}:{line}" for line in lines) if lines else str(self.path)
 
     def line(self, key: str, problem: str) -> str:
         """One error line for ``problem`` with ``key`` (a key or a section, "" for the whole config): a problem
@@ -192,7 +194,7 @@ def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None
         _set_dotted(raw, key, value, f"override {item}")
         origins.overrides[key] = item
     try:
-        config = Config.model_validate(raw)
+        config = Config.model_validate(raw, context={DEFER_SECTION_PROBLEMS: True})  # every problem at once
     except ValidationError as err:
         raise ConfigError(_format_errors(err, origins)) from None
     return config

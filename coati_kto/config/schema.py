@@ -148,14 +148,13 @@ class DataSection(_Section):
             return {**data, "max_prompt_length": max(1, max_length // 2)}
         return data
 
-    @model_validator(mode="after")
-    def _prompt_fits(self) -> DataSection:
+    def _problems(self) -> list[str]:
         if self.max_prompt_length >= self.max_length:
-            raise ValueError(
+            return [
                 f"data.max_prompt_length ({self.max_prompt_length}) must be smaller than data.max_length "
                 f"({self.max_length}) to leave room for the completion"
-            )
-        return self
+            ]
+        return []
 
 
 class TrainSection(_Section):
@@ -242,7 +241,8 @@ class Config(_Section):
         self._resolve_attention()
         found = self._prepared_dir_problems() + self._family_problems() + self._padding_free_problems()
         found += self._export_problems() + self._attention_problems()
-        problems = found + self._lora_problems() + sample_problems(self) + compile_problems(self)
+        problems = self.deferred_problems() + found + self._lora_problems() + sample_problems(self)
+        problems += compile_problems(self)
         problems += sequence_problems(self) + pipeline_problems(self) + self._ignored_problems()
         if problems:
             raise ValueError("\n".join(problems))

@@ -9,13 +9,37 @@ import types
 import typing
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationInfo, field_validator, model_validator
+
+# The validation context under which a section keeps its cross-key problems for the whole config to list with its
+# own (coati_kto.config.load): raised from the section, they stopped the config's checks, so a file's mistakes
+# came in rounds.
+DEFER_SECTION_PROBLEMS = "defer_section_problems"
 
 
 class Section(BaseModel):
     model_config = ConfigDict(
         extra="forbid", validate_assignment=True, coerce_numbers_to_str=True, allow_inf_nan=False
     )
+    _deferred: list[str] = PrivateAttr(default_factory=list)
+
+    def _problems(self) -> list[str]:
+        """This section's cross-key problems, one line each (a section that has some says so)."""
+        return []
+
+    @model_validator(mode="after")
+    def _section_problems(self, info: ValidationInfo) -> Section:
+        problems = self._problems()
+        if problems and (info.context or {}).get(DEFER_SECTION_PROBLEMS):
+            self._deferred = problems  # Config lists them with its own (deferred_problems)
+        elif problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    def deferred_problems(self) -> list[str]:
+        """The problems its sections kept under the deferring context (every section field of this one)."""
+        sections = [getattr(self, name) for name in type(self).model_fields]
+        return [p for section in sections if isinstance(section, Section) for p in section._deferred]
 
     @field_validator("*", mode="before")
     @classmethod

@@ -64,7 +64,8 @@ def test_a_cross_key_problem_names_each_input_it_comes_from(tmp_path: Path) -> N
     ]
     both = write_config(tmp_path, MINIMAL + "kto:\n  auto_weights: true\n  desirable_weight: 1.2\n")
     assert _errors(both, []) == [
-        f"{both}:10: kto.desirable_weight 1.2 with kto.auto_weights: the weights are computed from the data and "
+        f"{both}:9 and {both}:10: kto.desirable_weight 1.2 with kto.auto_weights: the weights are computed from the "
+        "data and "
         "yours would be ignored; set kto.auto_weights=false to use them, or leave them at 1"
     ]
     assert _errors(both, ["kto.desirable_weight=1.3"])[0].startswith(

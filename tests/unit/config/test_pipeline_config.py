@@ -140,12 +140,14 @@ def test_each_refused_combination_is_one_line(
 
 
 def test_every_problem_at_once(tmp_path: Path, tiny_model_dir: Path) -> None:
-    """A plugin section's own problems come together, a line each (the cross-section ones wait for a valid
-    section, as for every other key); then the cross-section ones, together too."""
+    """A plugin section's own problems and the cross-section ones come together, a line each (the cross-section
+    ones waited for a valid plugin section: a file's mistakes came in rounds)."""
     plugin = _problems(
         tmp_path, tiny_model_dir, *PP, "plugin.zero_stage=2", "plugin.sp_size=2", "plugin.num_model_chunks=2"
     )
-    assert len([p for p in plugin if "plugin.pp_" in p]) == 3, plugin
+    assert len(plugin) == 5, plugin  # the section's three, then the cross-section ones
+    assert "plugin.sp_size 2 with data.padding_free false" in plugin[3], plugin
+    assert "is more than its num_hidden_layers 2" in plugin[4], plugin
     found = _problems(
         tmp_path,
         tiny_model_dir,
@@ -280,3 +282,27 @@ def test_the_stage_split_note_of_an_uneven_model(tmp_path: Path, built_root: Pat
         "note: plugin.pp_size 2: the 3 decoder layers split into stages of [1, 2] (uneven: the remainder on the "
         "middle stages); the first stage also holds the embedding, the last the final norm and the LM head"
     )
+
+
+def test_a_files_mistakes_come_at_once_each_naming_its_lines(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """A file with pp_size 2 beside zero_stage 2, eval.samples and output.merge_lora: the zero_stage line came
+    first, alone (the plugin section's check stopped the config's), then the others after a fix; and each pair
+    named pp_size's line only."""
+    path = write_config(
+        tmp_path,
+        MINIMAL.replace("some/model", str(tiny_model_dir)).replace(
+            "  dir: out\n", "  dir: out\n  merge_lora: true\n"
+        )
+        + "plugin:\n  pp_size: 2\n  zero_stage: 2\neval:\n  samples: 2\n",
+    )
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    lines = str(err.value).splitlines()
+    assert [line.split(": ")[0] for line in lines] == [
+        f"{path}:10 and {path}:11",  # pp_size with zero_stage
+        f"{path}:8",  # merge_lora without model.lora
+        f"{path}:13",  # eval.samples without evaluation data
+        f"{path}:10",  # the schedule: train.accumulation_steps is not in the file
+        f"{path}:10 and {path}:13",  # pp_size with eval.samples
+        f"{path}:8 and {path}:10",  # pp_size with output.merge_lora
+    ], lines
