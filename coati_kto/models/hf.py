@@ -8,6 +8,7 @@ models.norms (and transformers / colossalai).
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import torch
 from torch import nn
@@ -155,3 +156,13 @@ def disable_dropout(module: nn.Module) -> None:
         for name, value in list(vars(sub).items()):
             if isinstance(value, float) and _is_dropout(name):
                 setattr(sub, name, 0.0)
+
+
+def without_dropout(policy: nn.Module, reference: Any) -> None:
+    """No dropout anywhere (the log-ratios compare two models), the reference frozen in eval mode. A LoRA run's
+    reference is the policy with its adapters off (coati_kto.models.lora): not an nn.Module, not frozen here."""
+    disable_dropout(policy)  # LoRA's dropout layers too
+    if isinstance(reference, nn.Module):
+        disable_dropout(reference)
+        reference.eval()
+        reference.requires_grad_(False)

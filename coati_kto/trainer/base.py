@@ -62,6 +62,10 @@ class SLTrainer(ABC):
         """True once a step limit is reached: no further epoch starts."""
         return False
 
+    def _after_epoch(self, epoch: int) -> None:
+        """After each epoch's training and evaluation (e.g. its last step's checkpoint)."""
+        return None
+
     def _after_fit(self) -> None:
         """After the last epoch, on success only (e.g. the final checkpoint)."""
         return None
@@ -88,6 +92,7 @@ class SLTrainer(ABC):
                     break
                 self._train(epoch)
                 self._eval(epoch)
+                self._after_epoch(epoch)
             self._after_fit()
         finally:
             self._cleanup()

@@ -43,12 +43,11 @@ from typing import Any
 
 import torch
 from colossalai.accelerator import get_accelerator
-from torch import nn
 
 from coati_kto.data.batch import KTOBatch
 from coati_kto.errors import NonFiniteLossError
 from coati_kto.models.compile import compile_metrics
-from coati_kto.models.hf import disable_dropout
+from coati_kto.models.hf import without_dropout
 from coati_kto.parallel.distributed import ParallelLayout, reduce_sums
 from coati_kto.parallel.grad_norm import global_norm
 from coati_kto.parallel.loss_scale import skipped_by_loss_scaler
@@ -64,7 +63,7 @@ from coati_kto.trainer.pipeline import PipelinePasses
 from coati_kto.trainer.position import DataPosition
 from coati_kto.trainer.run_state import restore_run_state, run_state
 from coati_kto.trainer.samples import EvalSamples
-from coati_kto.trainer.schedule import planned_steps
+from coati_kto.trainer.schedule import current_lr, planned_steps
 from coati_kto.trainer.throughput import mfu
 
 HISTORY_LENGTH = 10_000  # logged records kept in memory (TensorBoard/W&B hold the full run)
@@ -146,7 +145,7 @@ class KTOTrainer(SLTrainer):
         self._grad_norm = self.plan.backend.grad_norm(actor_optim, self.layout, self.options.max_grad_norm)
         self.pipeline = self._pipeline(kl_group)
         self._init_run_state()
-        self._make_deterministic()
+        without_dropout(self.policy, self.reference)
 
     def _pipeline(self, kl_group: Any) -> PipelinePasses | None:
         """Under pipeline parallelism the step's passes and backward are schedule runs (coati_kto.trainer.pipeline);
@@ -167,19 +166,11 @@ class KTOTrainer(SLTrainer):
         self._last_lr = float("nan")
         self._last_saved_step: int | None = None
         self._last_eval_step: int | None = None
+        self._save_after_eval = False  # a checkpoint due at the epoch's last step, before its evaluation
         self._interval = IntervalMeter()
         self._writer: MetricWriter | None = None
         self._progress: ProgressBar | None = None
         self._samples: EvalSamples | None = None  # eval.samples: decoded at every evaluation
-
-    def _make_deterministic(self) -> None:
-        """No dropout anywhere (the log-ratios compare two models), the reference frozen in eval mode."""
-        disable_dropout(self.policy)  # LoRA's dropout layers too
-        # A LoRA run's reference is the policy with its adapters off (coati_kto.models.lora): not frozen here.
-        if isinstance(self.reference, nn.Module):
-            disable_dropout(self.reference)
-            self.reference.eval()
-            self.reference.requires_grad_(False)
 
     # ---------------------------------------------------------------- resume / setup
     def resume(self, checkpoint: str | Path) -> None:
@@ -230,7 +221,11 @@ class KTOTrainer(SLTrainer):
             self._train_step(micro_batches, epoch)
             if self.options.eval_interval and self.global_step % self.options.eval_interval == 0:
                 self._evaluate()
-            if self.save_interval and self.global_step % self.save_interval == 0:
+            # The last step, with the end's evaluation to come, is saved after it (_after_fit): a resume from the
+            # checkpoint then does not evaluate that step again.
+            before_end_eval = (self._finished() or self.position.at_epoch_end()) and self._end_eval_due()
+            self._save_after_eval = bool(self.save_interval) and self.global_step % self.save_interval == 0
+            if self._save_after_eval and not before_end_eval:
                 self._save(epoch)
             if self._stop_signal is not None:
                 self._stop(epoch)
@@ -275,7 +270,7 @@ class KTOTrainer(SLTrainer):
             self.optimizer.zero_grad()
             overflowed = skipped_by_loss_scaler(self.optimizer)  # fp16: no update, but its sums are finite
             self.skipped_steps += overflowed
-        lr = self._current_lr()
+        lr = current_lr(self.optimizer, self.lr_scheduler)
         if self.lr_scheduler is not None:
             # Advanced on skipped steps too: the LR stays a function of the global step (exact resume).
             self.lr_scheduler.step()
@@ -315,20 +310,16 @@ class KTOTrainer(SLTrainer):
             return contextlib.nullcontext()
         return self.booster.no_sync(self.policy, self.optimizer)
 
-    def _current_lr(self) -> float:
-        if self.lr_scheduler is not None:
-            return float(self.lr_scheduler.get_last_lr()[0])
-        return float(self.optimizer.param_groups[0]["lr"])
-
     # ---------------------------------------------------------------- evaluation
     def _eval(self, epoch: int) -> None:
         """The epoch-end evaluation, when ``eval_at_epoch_end`` asks for it."""
-        if (
-            self.options.eval_at_epoch_end
-            and self._eval_loader is not None
-            and self._last_eval_step != self.global_step
-        ):
+        if self._end_eval_due():
             self._evaluate()
+
+    def _end_eval_due(self) -> bool:
+        """Whether the epoch-end evaluation would evaluate this step (not evaluated yet)."""
+        at_end, loader = self.options.eval_at_epoch_end, self._eval_loader
+        return bool(at_end and loader is not None and self._last_eval_step != self.global_step)
 
     def _evaluate(self) -> dict[str, float]:
         """The eval set once, all ranks: exact sums over valid rows, one z0 over the whole set. Every rank calls."""
@@ -378,6 +369,10 @@ class KTOTrainer(SLTrainer):
         raise TrainingStoppedError(
             self._stop_signal or "a stop signal", self.global_step, str(last) if last else None
         )
+
+    def _after_epoch(self, epoch: int) -> None:
+        if self._save_after_eval:  # the epoch's last step, saved once its evaluation is recorded
+            self._save(epoch)
 
     def _after_fit(self) -> None:
         if self._interval.steps:  # the steps of an unfinished logging interval

@@ -34,6 +34,11 @@ class DataPosition:
         before, at, length = self._start
         return self.epoch + before + (1.0 - before) * (self.consumed - at) / max(1, length - at)
 
+    def at_epoch_end(self) -> bool:
+        """Whether the running epoch has no micro-batch left on this rank (every rank alike: the samplers give each
+        the same count); False for a loader without a length."""
+        return self._start is not None and self.consumed >= self._start[2]
+
     @property
     def resuming(self) -> bool:
         return self._resume is not None

@@ -10,6 +10,7 @@ step's lr is one cosine step above it).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -93,3 +94,10 @@ def schedule_notes(train: TrainSection, steps: int) -> list[str]:
             f"steps): the learning rate never reaches train.lr {train.lr} (peak {train.lr * steps / (train.warmup_steps + 1):.3g})"
         )
     return notes
+
+
+def current_lr(optimizer: torch.optim.Optimizer, lr_scheduler: Any | None) -> float:
+    """The learning rate of the step about to be taken: the schedule's, else the optimizer's first group's."""
+    if lr_scheduler is not None:
+        return float(lr_scheduler.get_last_lr()[0])
+    return float(optimizer.param_groups[0]["lr"])

@@ -405,6 +405,15 @@ def _one_process(model_dir: str, ref_dir: str, out_dir: str) -> dict:
             "checkpoint": err.checkpoint,
             "trained": trainer4.global_step,
         }
+
+    # A checkpoint every step: the last one is written after the end's evaluation, which it then records.
+    from coati_kto.runtime.run_dir import saved_trainer_state
+
+    ends = Path(out_dir) / "end_ckpt"
+    parts5, trainer5 = _build(cfg, 3, save_dir=str(ends), save_interval=1)
+    trainer5.fit(loader, _eval_loader(1, 0))
+    last = saved_trainer_state(ends / f"step-{trainer5.global_step}")["trainer_state"]
+    results["end_eval"] = {"step": trainer5.global_step, "recorded": last["last_eval_step"]}
     return results
 
 
@@ -460,6 +469,7 @@ def _resume_run(model_dir: str, out_dir: str, rank: int, resume_from: str | None
 
     from coati_kto.data.collator import KTOCollator
     from coati_kto.data.sampler import MixedLabelBatchSampler
+    from coati_kto.trainer.schedule import current_lr
 
     gen = torch.Generator().manual_seed(7)
     rows = [_row(gen, i % 2) for i in range(12)]
@@ -497,7 +507,7 @@ def _resume_run(model_dir: str, out_dir: str, rank: int, resume_from: str | None
         "masters": torch.cat([m.detach().double().flatten() for m in masters]).numpy(),
         "history": trainer.history,
         "checkpoint": str(run_dir / "checkpoints" / "step-2"),
-        "lr": trainer._current_lr(),
+        "lr": current_lr(trainer.optimizer, trainer.lr_scheduler),
     }
 
 
@@ -665,6 +675,13 @@ def test_a_signal_after_the_last_step_still_checkpoints_and_stops(one_proc: dict
     late = one_proc["late_stop"]
     assert late is not None and late["step"] == late["trained"] and late["step"] > 1
     assert late["checkpoint"].endswith(f"late_ckpt/step-{late['step']}")
+
+
+def test_the_last_checkpoint_records_the_ends_evaluation(one_proc: dict) -> None:
+    """The last step's periodic checkpoint came before the end's evaluation: resuming a finished run (a shipped
+    config's resume: auto, submitted again) evaluated that step again, and TensorBoard got it twice."""
+    end = one_proc["end_eval"]
+    assert end["step"] > 1 and end["recorded"] == end["step"], end
 
 
 def test_nonfinite_on_one_rank_skips_the_step_on_every_rank(two_procs: list[dict]) -> None:
