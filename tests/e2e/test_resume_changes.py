@@ -7,10 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
-from helpers import preference_records
+from helpers import preference_records, weights
 
 from coati_kto.data.files import write_jsonl
+from coati_kto.runtime.run_dir import saved_trainer_state
 from coati_kto.testing.cli import CliResult, run_cli
 from coati_kto.testing.tensorboard import read_scalars
 from coati_kto.trainer.schedule import lr_factor
@@ -206,20 +208,25 @@ def test_a_resume_refused_for_edited_data_leaves_the_prepared_data_alone(first_r
     assert kept.is_dir()
 
 
-def test_a_resume_at_the_step_limit_runs_the_final_evaluation(tiny_model_dir: Path, tmp_path: Path) -> None:
-    """The checkpoint at step 2 (the last) is saved before the run's final evaluation. A run resumed from it, with
-    no evaluation at its start, used to end at once without that evaluation; it now logs it, equal to the
-    uninterrupted run's (the same weights, the same eval split)."""
+def test_a_resume_at_the_step_limit_does_not_evaluate_again(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The checkpoint at step 2 (the last) is written after the run's final evaluation and records it: a run
+    resumed from it (a finished job submitted again with resume: auto) ends without evaluating step 2 again. It
+    was saved before that evaluation, and the resumed run evaluated again (TensorBoard then held step 2 twice).
+    A checkpoint written before it (a stop at the last step) still gets it on resume (KTOTrainer.fit)."""
     config = _ddp_config(tmp_path, tiny_model_dir, max_steps=2, eval_at_start=False)
     eval_file = write_jsonl(preference_records(8, 100), tmp_path / "eval.jsonl")
     whole = _train(config, f"data.eval_files=[{eval_file}]")
     assert whole.returncode == 0, whole.stderr[-3000:]
     checkpoint, out = tmp_path / "out" / "checkpoints" / "step-2", tmp_path / "at_the_end"
+    assert saved_trainer_state(checkpoint)["trainer_state"]["last_eval_step"] == 2
     done = _train(config, f"data.eval_files=[{eval_file}]", f"train.resume={checkpoint}", f"output.dir={out}")
     assert done.returncode == 0, done.stderr[-3000:]
-    logged = read_scalars(tmp_path / "out" / "tensorboard")["eval/loss"]
-    assert [step for step, _ in logged] == [2]  # the end's evaluation, after the checkpoint
-    assert read_scalars(out / "tensorboard")["eval/loss"] == logged
+    assert [step for step, _ in read_scalars(tmp_path / "out" / "tensorboard")["eval/loss"]] == [2]
+    assert "eval/loss" not in read_scalars(out / "tensorboard")
+    resumed, whole_weights = weights(out), weights(tmp_path / "out")
+    assert resumed.keys() == whole_weights.keys() and all(
+        torch.equal(resumed[k], whole_weights[k]) for k in resumed
+    )
 
 
 def test_a_logging_interval_open_at_the_checkpoint_logs_as_uninterrupted(
