@@ -128,9 +128,10 @@ def check_resume(saved: dict, current: dict, checkpoint: str) -> str | None:
         and not (c.key == "model.tokenizer" and _same_tokenizer(saved, current))
     ]
     refused = [
-        f"{c}{_derived(c, saved, current)}: cannot change on resume ({refusal(c.key)})" for c in changes
+        f"{c}{_derived(c, saved, current)}: cannot change on resume ({refusal(c.key)})"
+        for c in changes
+        if refusal(c.key)
     ]
-    refused = [line for line, c in zip(refused, changes, strict=True) if refusal(c.key)]
     if refused:
         lines = [f"train.resume {checkpoint}: {line}" for line in refused]
         raise ConfigError("\n".join(lines) + "\n(start a new run in another output.dir, or resume unchanged)")
@@ -146,13 +147,9 @@ def _derived(change: Change, saved: dict, current: dict) -> str:
     sides (its default) moved with it."""
     if change.key != "data.max_prompt_length":
         return ""
-    halves = [(c.get("data") or {}).get("max_length") for c in (saved, current)]
-    if all(isinstance(n, int) for n in halves) and [max(1, n // 2) for n in halves] == [
-        change.old,
-        change.new,
-    ]:
-        return " (half of data.max_length, its default)"
-    return ""
+    lengths = [(config.get("data") or {}).get("max_length") for config in (saved, current)]
+    defaults = [max(1, n // 2) if isinstance(n, int) else None for n in lengths]
+    return " (half of data.max_length, its default)" if defaults == [change.old, change.new] else ""
 
 
 def _same_tokenizer(saved: dict, current: dict) -> bool:

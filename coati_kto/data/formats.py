@@ -136,7 +136,8 @@ def _message(raw: Any, source: str, where: str, parts: bool = False) -> dict[str
                 source,
                 f"{where}.{key}",
                 f"a list of content parts ({kinds}: TRL's vision-language format), read only by coati-kto "
-                "prepare and train for a vision-language model.path (Gemma 3, Gemma 4 or Qwen 3.5): give the content as one string",
+                "prepare and train for a vision-language model.path (Gemma 3, Gemma 4 or Qwen 3.5): give the content "
+                "as one string",
                 "non_string_content",
             )
     elif not isinstance(content, str):
