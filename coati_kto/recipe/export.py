@@ -53,7 +53,7 @@ def export_checkpoint(config: Config, checkpoint: str = "auto", out: str | None 
     saved = trainer.checkpoint_manager.saved_state(path).get("config")
     if saved is not None:  # refuses another model, tokenizer, LoRA or data than the checkpoint's
         check_resume(saved, config.model_dump(mode="json"), path.name)
-    trainer.resume(path)
+    trainer.resume(path, export=True)  # leaves the run's `latest` pointer as it is
     trained_on = json.loads((path / "meta.json").read_text()).get("world_size")  # the card's process count
     save_final(config, run, trainer, frozen_fp32, final_dir=target, world_size=trained_on)
     return target

@@ -152,7 +152,7 @@ def setup_export(config: Config, trained_dp_size: int | None = None) -> Run:
     run_data = load_run_data(config)
     run = _build_run(config, Path(config.training_output().dir), run_data, trained_dp_size)
     attention_note = attention_implementation(config.model.path, config.model)[1]
-    _announce(config, run, (run_data.pad_note, attention_note))
+    _announce(config, run, (run_data.pad_note, attention_note), show=False)
     return run
 
 
@@ -229,13 +229,13 @@ def _build_run(config: Config, out_dir: Path, run_data: RunData, weights_dp_size
     return Run(out_dir, data, run_data.tokenizer, plan, plugin, layout, *loaders, weights, report, [])
 
 
-def _announce(config: Config, run: Run, notes: tuple[str | None, ...]) -> None:
+def _announce(config: Config, run: Run, notes: tuple[str | None, ...], show: bool = True) -> None:
     """``run.notes``: the given notes that say something, then the model's own; the main rank prints them after
-    the weights' report."""
+    the weights' report (``show``: not for an export, which trains nothing)."""
     run.notes = [n for n in notes if n] + model_notes(
         config.model.path, config.kto.router_aux_loss_coef, config.model.train_vision
     )
-    if run.layout.is_main:
+    if run.layout.is_main and show:
         print("\n".join([run.weights_report, *run.notes]), flush=True)
 
 

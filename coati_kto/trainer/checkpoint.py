@@ -226,8 +226,9 @@ class CheckpointManager:
         checkpoint saved without it. Reads a file only; every rank may call."""
         return saved_trainer_state(path, 0)["trainer_state"]
 
-    def load(self, path: Path, model: Any, optimizer: Any, lr_scheduler: Any) -> dict:
-        """Every rank calls. Restores model, optimizer (with fp32 masters), scheduler and this rank's RNG.
+    def load(self, path: Path, model: Any, optimizer: Any, lr_scheduler: Any, rng: bool = True) -> dict:
+        """Every rank calls. Restores model, optimizer (with fp32 masters), scheduler and this rank's RNG (not
+        with ``rng=False``: an export, which draws no random numbers).
 
         Returns this rank's trainer_state. With another layout (world, dp or tp size) than at save time the booster
         re-shards model and optimizer, but per-rank RNG and master shards cannot be matched: the masters are
@@ -262,13 +263,15 @@ class CheckpointManager:
         if same_layout:
             saved = saved_trainer_state(path, rank)
             restore_loss_scaler(optimizer, saved.get("loss_scaler"))  # fp16: absent from older checkpoints
-            set_rng_state(saved["rng"])  # last: loading above must not advance the restored generators
+            if rng:
+                set_rng_state(saved["rng"])  # last: loading above must not advance the restored generators
             return saved["trainer_state"]
         if (
             loss_scale(optimizer) is not None
         ):  # fp16: the scale is the same on every rank (a global overflow vote)
             restore_loss_scaler(optimizer, saved_trainer_state(path, 0).get("loss_scaler"))
-        logger.warning("rank %d: parallel layout changed since the save, RNG states not restored", rank)
+        if rng:
+            logger.warning("rank %d: parallel layout changed since the save, RNG states not restored", rank)
         states = on_rank0(lambda: old_dp_states(path, meta), "read the checkpoint's data position")
         return {**states[0], "rank_states": states}
 

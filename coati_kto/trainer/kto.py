@@ -173,13 +173,18 @@ class KTOTrainer(SLTrainer):
         self._samples: EvalSamples | None = None  # eval.samples: decoded at every evaluation
 
     # ---------------------------------------------------------------- resume / setup
-    def resume(self, checkpoint: str | Path) -> None:
-        """Restore model, optimizer, scheduler, RNG and the step/epoch/data position; every rank calls, before fit."""
+    def resume(self, checkpoint: str | Path, export: bool = False) -> None:
+        """Restore model, optimizer, scheduler, RNG and the step/epoch/data position; every rank calls, before fit.
+
+        ``export=True`` (``coati-kto export``): the weights and step only; the run directory is only read (its
+        ``latest`` pointer is left alone) and the RNG states, which no export uses, are not restored."""
         if self.checkpoint_manager is None:
             raise ValueError("resume needs a checkpoint_manager (or save_dir)")
-        state = self.checkpoint_manager.load(Path(checkpoint), self.policy, self.optimizer, self.lr_scheduler)
+        manager = self.checkpoint_manager
+        state = manager.load(Path(checkpoint), self.policy, self.optimizer, self.lr_scheduler, rng=not export)
         restore_run_state(self, state)
-        self.checkpoint_manager.resumed_from(Path(checkpoint))
+        if not export:
+            manager.resumed_from(Path(checkpoint))
 
     def _before_fit(
         self, train_dataloader: Any, eval_dataloader: Any, log_dir: str | None, use_wandb: bool

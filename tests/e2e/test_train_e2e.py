@@ -140,6 +140,7 @@ def test_export_writes_a_checkpoint_as_the_final_model_and_only_reads_the_run(ru
     out, config = run["root"] / "out", str(run["root"] / "config.yaml")
     before = sorted(str(p.relative_to(out)) for p in out.rglob("*") if "wandb" not in p.parts)
     saved_config = (out / "config.yaml").read_text()
+    latest = (out / "checkpoints" / "latest").read_text()
     # The exports and refusals below are the CLI's code path: on worker ranks (coati_kto.testing.cli).
     assert run_cli(["export", config, "train.max_steps=12"], 2).returncodes == [0, 0]
     final = load_file(out / "final" / "model.safetensors")
@@ -150,7 +151,12 @@ def test_export_writes_a_checkpoint_as_the_final_model_and_only_reads_the_run(ru
 
     nine = run["root"] / "step-9-export"
     argv = ["export", "--checkpoint", str(out / "checkpoints" / "step-9"), "--out", str(nine), config]
-    assert run_cli(argv).returncode == 0
+    proc = run_cli(argv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # An export trains nothing: no KTO weights' report, no word of RNG states on another layout.
+    assert "kto weights" not in proc.stdout and "RNG" not in proc.stdout + proc.stderr
+    # An earlier checkpoint's export moved the run's `latest` pointer to it: resume=auto then lost 3 steps.
+    assert (out / "checkpoints" / "latest").read_text() == latest
     model = AutoModelForCausalLM.from_pretrained(nine)
     assert any(
         not torch.equal(p.detach(), final[n].to(p.dtype)) for n, p in model.named_parameters() if n in final
