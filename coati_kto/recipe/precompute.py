@@ -3,6 +3,8 @@ with the prepared data (``kto.reference: cached`` reads them). Every rank calls 
 
 from __future__ import annotations
 
+import torch.distributed as dist
+
 from coati_kto.config.schema import Config
 from coati_kto.parallel.distributed import init_distributed
 from coati_kto.recipe.setup import load_run_data, reference_settings
@@ -15,5 +17,12 @@ def precompute(config: Config) -> None:
 
     init_distributed(config.train.dist_timeout, config.train.file_wait_timeout)
     keep_freed_memory()  # scoring on the CPU: freed memory kept for the next batch
+    if config.kto.reference != "cached" and dist.get_rank() == 0:
+        # Said before the scoring, which can take hours: training with this config would never read the cache.
+        print(
+            f"note: kto.reference is {config.kto.reference}: train scores the reference as it goes and does not read "
+            "this cache; train with kto.reference=cached to use it",
+            flush=True,
+        )
     run_data = load_run_data(config)
     ensure_reference_cache(reference_settings(config), run_data.data, run_data.pad, run_data.images)

@@ -51,6 +51,14 @@ def test_cached_reference_under_ddp_runs_and_resumes_exactly(tmp_path: Path, tin
     # the real launch: torchrun's 2 processes, reading everything from disk.
     assert run_cli(["prepare", str(config)]).returncode == 0
     assert run_cli(["precompute", str(config)]).returncode == 0
+    # With the online reference the cache would go unread: said before scoring (it built one in silence).
+    online = run_cli(["precompute", str(config), "kto.reference=online"])
+    assert online.returncode == 0, online.stderr[-2000:]
+    assert online.stdout.splitlines()[0] == (
+        "note: kto.reference is online: train scores the reference as it goes and does not read this cache; "
+        "train with kto.reference=cached to use it"
+    )
+    assert "reference log-probs: reusing" in online.stdout  # the cache the cached reference reads
     full = run_cli(["train", str(config)], 2)
     assert full.returncodes == [0, 0], full.stdout[-2000:] + full.stderr[-2000:]
     whole = load_file(tmp_path / "out" / "final" / "model.safetensors")
