@@ -208,6 +208,9 @@ def _peft_remapped(model: object, lora: object) -> tuple[set[str], str]:
     peft itself on the meta model (which it changes in place)."""
     import peft
 
+    from coati_kto.parallel.upstream.noise import quiet_known_warnings
+
+    quiet_known_warnings()  # peft reads a deprecated transformers property as it wraps the model
     config = peft_config(lora, model)
     try:
         peft.get_peft_model(model, config)

@@ -134,12 +134,15 @@ def test_the_data_summary_and_the_kto_weights_are_printed_once(run: dict) -> Non
     assert sum("kto weights" in line for line in lines) == 1
 
 
-def test_only_the_dp1_zero_warning_is_dropped() -> None:
+def test_only_the_known_notices_are_dropped() -> None:
+    """ColossalAI's dp-1 ZeRO warning and LoRA banner (its DistributedLogger), peft's read of a deprecated
+    transformers property (a FutureWarning); any other warning still shows."""
     import logging
+    import warnings
 
     from colossalai.logging import get_dist_logger
 
-    from coati_kto.parallel.upstream.noise import quiet_known_logs
+    from coati_kto.parallel.upstream.noise import quiet_known_logs, quiet_known_warnings
 
     class Records(logging.Handler):
         def __init__(self) -> None:
@@ -155,12 +158,22 @@ def test_only_the_dp1_zero_warning_is_dropped() -> None:
     logging.getLogger("colossalai").addHandler(records)
     try:
         logger.warning("Use Zero Optimizer when data parallel size is 1 may introduce unnecessary overhead.")
+        logger.warning("You have enabled LoRa training. Please check the hyperparameters such as lr")
         logger.warning("a warning that still shows")
     finally:
         logging.getLogger("colossalai").removeHandler(records)
+    with warnings.catch_warnings(record=True) as shown:
+        warnings.simplefilter("always")
+        quiet_known_warnings()
+        deprecated = (
+            "`is_gradient_checkpointing` is deprecated and will be removed in v6. Use `is_activation_"
+        )
+        warnings.warn(deprecated + "checkpointing` instead.", FutureWarning, stacklevel=1)
+        warnings.warn("`is_training` is deprecated", FutureWarning, stacklevel=1)
+    assert [str(w.message) for w in shown] == ["`is_training` is deprecated"]
     # Upstream's two records for the kept warning: the caller's location, then the message.
     assert len(records.messages) == 2, records.messages
     assert records.messages[0].startswith(f"{__file__}:") and records.messages[0].endswith(
-        " test_only_the_dp1_zero_warning_is_dropped"
+        " test_only_the_known_notices_are_dropped"
     )
     assert records.messages[1] == "a warning that still shows"

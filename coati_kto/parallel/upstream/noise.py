@@ -17,6 +17,8 @@ _KNOWN_NOISE = (
     (UserWarning, r"Please install (the latest tensornvme|apex from source)"),
     (FutureWarning, r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"),
     (FutureWarning, r"`broadcast_buffers` is deprecated"),
+    # peft 0.18 reads transformers 5's deprecated property as it wraps a model for LoRA (twice a run).
+    (FutureWarning, r"`is_gradient_checkpointing` is deprecated"),
 )
 
 
@@ -24,7 +26,11 @@ _KNOWN_NOISE = (
 # records, "<file>:<line> <function>" and then the message, so a logging.Filter on the message alone would
 # leave the location line behind: the message is dropped before either is logged. The hybrid plugin warns
 # "Use Zero Optimizer when data parallel size is 1 ..." on a 1-process run that keeps ZeRO (cpu_offload).
-_KNOWN_LOG_NOISE = (re.compile(r"Use Zero Optimizer when data parallel size is 1"),)
+# Its enable_lora nags "You have enabled LoRa training. Please check the hyperparameters such as lr" on every rank.
+_KNOWN_LOG_NOISE = (
+    re.compile(r"Use Zero Optimizer when data parallel size is 1"),
+    re.compile(r"You have enabled LoRa training"),
+)
 
 # Python loggers of third-party modules, by logger name: the records to drop. bitsandbytes (imported by
 # ColossalAI's GaLore, at import time) 0.50 warns on CPUs with AVX512-BF16 that the optional `kernels` package
