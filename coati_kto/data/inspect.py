@@ -9,12 +9,14 @@ first micro-batches as configured and padding-free (:func:`pad_fractions`), and 
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from coati_kto.data.collator import KTOCollator
-from coati_kto.data.prepared import load_prepared
+from coati_kto.data.prepared import elsewhere, load_prepared
 from coati_kto.data.sampler import MixedLabelBatchSampler
 from coati_kto.data.settings import PrepareSettings
 from coati_kto.data.tokenize import load_tokenizer
@@ -38,7 +40,23 @@ def inspect_batches(
     num_examples: int = 3,
 ) -> None:
     """Print the micro-batch layout of epoch 0 for ``num_ranks`` data-parallel ranks (default 1): the batches
-    :func:`~coati_kto.data.prepared.load_prepared`'s data gives at ``weights.micro_batch_size``."""
+    :func:`~coati_kto.data.prepared.load_prepared`'s data gives at ``weights.micro_batch_size``. A
+    ``data.prepared_dir`` that holds another build (a changed seed, say) is left as it is: the data is prepared
+    in a temporary directory instead."""
+    with tempfile.TemporaryDirectory(prefix="coati-kto-inspect-") as scratch:
+        settings, note = elsewhere(settings, Path(scratch) / "prepared", "inspect", missing_too=False)
+        if note:
+            print(note, flush=True)
+        _inspect(settings, weights, num_ranks, num_batches, num_examples)
+
+
+def _inspect(
+    settings: PrepareSettings,
+    weights: WeightSettings,
+    num_ranks: int | None,
+    num_batches: int,
+    num_examples: int,
+) -> None:
     ranks, d = num_ranks or 1, settings.data
     data = load_prepared(settings, weights)
     train = data.train

@@ -13,12 +13,15 @@ depends on settings the data fingerprint does not cover (``train.micro_batch_siz
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
 from coati_kto.data.settings import PrepareSettings
 from coati_kto.data.store import (
+    NO_BUILD,
     PreparedData,
+    build_reason,
     ensure,
     read_fingerprint,
     read_prepared,
@@ -101,3 +104,22 @@ def load_prepared(settings: PrepareSettings, weights: WeightSettings) -> Prepare
             f"built {digest}: on multi-node runs put data.prepared_dir on a shared filesystem"
         )
     return _open(settings, weights)
+
+
+def elsewhere(
+    settings: PrepareSettings, scratch: Path, command: str, missing_too: bool
+) -> tuple[PrepareSettings, str]:
+    """For a command that must not replace ``data.prepared_dir`` (``inspect``, ``export``): ``settings`` as they
+    are and '' when the directory holds their build (or none yet, unless ``missing_too``); else ``settings``
+    pointed at ``scratch``, which the caller removes, and a line saying so. Prepare would replace the build (and
+    drop its reference caches, hours of scoring). One process; writes nothing."""
+    why = build_reason(settings, load_tokenizer(settings.model))
+    if why is None or (why == NO_BUILD and not missing_too):
+        return settings, ""
+    here = settings.data.prepared_dir
+    note = (
+        f"data.prepared_dir {here} does not hold this data ({why}): {command} prepares it in {scratch} and removes "
+        f"it at the end; {here} is left as it is"
+    )
+    data = settings.data.model_copy(update={"prepared_dir": str(scratch)})
+    return dataclasses.replace(settings, data=data), note

@@ -59,6 +59,7 @@ PIPELINE_VERSION = 4  # bump when the prepared rows change for the same inputs
 #    data.chat_template_kwargs reach the chat template.
 # 4: no EOS after a chat template's own end of turn (<end_of_turn>, <|im_end|>, <|eot_id|>): a chat completion is
 #    the template's rendering of the turn (coati_kto.data.endings).
+NO_BUILD = "no prepared data yet"  # the build reason of a data.prepared_dir that holds none
 HASH_CHUNK = 8 << 20  # bytes per hash update; 1-8 MiB all read at about disk/hash speed (~500 MB/s here)
 
 
@@ -317,19 +318,34 @@ def ensure(settings: PrepareSettings, tokenizer) -> tuple[dict, bool, str]:
     target = Path(settings.data.prepared_dir)
     processor = load_processor(settings)
     fp = fingerprint(settings, tokenizer, processor)
-    old = read_fingerprint(target)
-    if old and old.get("digest") == fp["digest"] and (target / "train").is_dir():
+    why = _build_reason(target, fp)
+    if why is None:
         return fp, False, "inputs, tokenizer and settings unchanged"
     if target.exists() and not target.is_dir():
         raise DataError(f"data.prepared_dir {target}: is a file, not a directory")
-    if target.exists() and old is None and any(target.iterdir()):
+    if target.exists() and read_fingerprint(target) is None and any(target.iterdir()):
         raise DataError(
             f"data.prepared_dir {target}: exists, is not empty and holds no coati-kto fingerprint.json; "
             "refusing to overwrite it: choose another directory or empty it"
         )
-    why = f"changed: {_changed(old, fp)}" if old else "no prepared data yet"
     _build(settings, tokenizer, fp, target, processor if "images" in fp else None)  # None: no record has one
     return fp, True, why
+
+
+def _build_reason(target: Path, fp: dict) -> str | None:
+    """Why ``target`` needs a build for fingerprint ``fp`` ('no prepared data yet', 'changed: ...'); None when it
+    holds that complete build."""
+    old = read_fingerprint(target)
+    if old and old.get("digest") == fp["digest"] and (target / "train").is_dir():
+        return None
+    return f"changed: {_changed(old, fp)}" if old else NO_BUILD
+
+
+def build_reason(settings: PrepareSettings, tokenizer) -> str | None:
+    """Why ``data.prepared_dir`` does not hold the build of ``settings`` (as :func:`ensure` would say it), or None
+    when it does. Reads the inputs' content to fingerprint them; writes nothing."""
+    fp = fingerprint(settings, tokenizer, load_processor(settings))
+    return _build_reason(Path(settings.data.prepared_dir), fp)
 
 
 def read_prepared(prepared_dir: str | Path) -> PreparedData:

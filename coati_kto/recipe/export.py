@@ -19,12 +19,13 @@ named: the retry of a failed upload at the end of training; nothing is loaded), 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from coati_kto.config.resume import check_resume
 from coati_kto.config.schema import Config
 from coati_kto.outputs.export import check_masters_layout, export_target
-from coati_kto.parallel.distributed import on_rank0
+from coati_kto.parallel.distributed import global_rank, on_rank0
 from coati_kto.recipe.components import build_trainer
 from coati_kto.recipe.save import save_final
 from coati_kto.recipe.setup import setup_export
@@ -41,12 +42,21 @@ def export_checkpoint(config: Config, checkpoint: str = "auto", out: str | None 
     quiet_known_warnings()  # before anything imports colossalai: it warns at import time
     root = Path(config.training_output().dir) / CHECKPOINTS_DIR
     # A missing checkpoint, an existing target, fp32 masters of another layout: said before anything heavy.
-    first = export_target(root, checkpoint, out)[0]
+    first, first_target = export_target(root, checkpoint, out)
     check_masters_layout(config.training_output(), config.model.lora, config.plugin, first)
     config = run_config(config, first)
+    scratch = first_target.with_name(f"{first_target.name}.prepared")  # beside the export, removed at the end
+    try:
+        return _export(config, root, checkpoint, out, first, scratch)
+    finally:
+        if global_rank() == 0:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _export(config: Config, root: Path, checkpoint: str, out: str | None, first: Path, scratch: Path) -> Path:
     # The optimizer is built (it holds the fp32 masters) but the reference model is not: nothing is scored.
     unscored = config.model_copy(update={"kto": config.kto.model_copy(update={"reference": "cached"})})
-    run = setup_export(config, json.loads((first / "meta.json").read_text()).get("dp_size"))
+    run = setup_export(config, scratch, json.loads((first / "meta.json").read_text()).get("dp_size"))
     trainer, frozen_fp32 = build_trainer(unscored, run, STOP.install(), announce=False)
     # Rank 0 decides (a run still training there may have saved another since the check above).
     path, target = on_rank0(lambda: export_target(root, checkpoint, out), "find the checkpoint")

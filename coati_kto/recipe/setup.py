@@ -84,14 +84,18 @@ class Run:
     notes: list[str]  # one-line facts about choices made for the user: printed by rank 0, kept in the card
 
 
+def prepare_settings(config: Config) -> PrepareSettings:
+    """What a run's prepared data is built from. Image records are read for a vision-language model, as
+    ``coati-kto prepare`` reads them (coati_kto.data.image_store)."""
+    return PrepareSettings(config.data, config.model, config.train.seed, images=True)
+
+
 def load_run_data(config: Config) -> RunData:
     """The prepared data (rank 0 prepares it when data.prepared_dir holds none; the others wait), the tokenizer
     and the pad token. Every rank calls, in a process group."""
     from coati_kto.data.prepared import load_prepared  # after quiet_known_warnings (coati_kto.recipe.train)
 
-    # Image records are read for a vision-language model, as prepare reads them (coati_kto.data.image_store).
-    inputs = PrepareSettings(config.data, config.model, config.train.seed, images=True)
-    data = load_prepared(inputs, WeightSettings(config.kto, config.train.micro_batch_size))
+    data = load_prepared(prepare_settings(config), WeightSettings(config.kto, config.train.micro_batch_size))
     images, image_note = image_collator(config, data)  # a setting images cannot run with: refused here
     tokenizer = load_tokenizer(config.model)
     pad, pad_note = pad_id(tokenizer, vocabulary_size(config.model.path, config.model.reference_path))
@@ -144,12 +148,21 @@ def device_memory() -> int | None:
     return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
 
 
-def setup_export(config: Config, trained_dp_size: int | None = None) -> Run:
+def setup_export(config: Config, scratch: Path, trained_dp_size: int | None = None) -> Run:
     """The run of ``config`` read back for ``coati-kto export`` (every rank): output.dir is only read and nothing
     is scored. The export's own layout is not the run's: no ZeRO note, and the KTO weights are those of the
-    run's ``trained_dp_size`` data-parallel ranks (auto_weights depend on them), not of this launch."""
+    run's ``trained_dp_size`` data-parallel ranks (auto_weights depend on them), not of this launch. Where
+    data.prepared_dir does not hold the run's data, it is prepared in ``scratch`` (the caller removes it)."""
+    from coati_kto.data.prepared import elsewhere
+
     _start_processes(config)
-    run_data = load_run_data(config)
+    where = prepare_settings(config)
+    moved, note = on_rank0(
+        lambda: elsewhere(where, scratch, "export", missing_too=True), "check data.prepared_dir"
+    )
+    if note and dist.get_rank() == 0:
+        print(note, flush=True)
+    run_data = load_run_data(config.model_copy(update={"data": moved.data}))
     run = _build_run(config, Path(config.training_output().dir), run_data, trained_dp_size)
     attention_note = attention_implementation(config.model.path, config.model)[1]
     _announce(config, run, (run_data.pad_note, attention_note), show=False)

@@ -151,8 +151,15 @@ def test_export_writes_a_checkpoint_as_the_final_model_and_only_reads_the_run(ru
 
     nine = run["root"] / "step-9-export"
     argv = ["export", "--checkpoint", str(out / "checkpoints" / "step-9"), "--out", str(nine), config]
+    # data.prepared_dir rebuilt for other settings since: the export rebuilt it back in place (a write the run's
+    # directory, and the other build's reference caches, did not expect); it now prepares beside its target.
+    prepared = run["root"] / "prepared" / "fingerprint.json"
+    assert run_cli(["prepare", config, "train.seed=5"]).returncode == 0
+    other = prepared.read_text()
     proc = run_cli(argv)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert prepared.read_text() == other and not nine.with_name(f"{nine.name}.prepared").exists()
+    assert f"export prepares it in {nine}.prepared and removes it at the end" in proc.stdout
     # An export trains nothing: no KTO weights' report, no word of RNG states on another layout.
     assert "kto weights" not in proc.stdout and "RNG" not in proc.stdout + proc.stderr
     # An earlier checkpoint's export moved the run's `latest` pointer to it: resume=auto then lost 3 steps.

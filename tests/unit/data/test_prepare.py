@@ -389,6 +389,31 @@ def test_inspect_shows_mixed_batches(tmp_path: Path, tiny_model_dir: Path, capsy
     assert out.count("  KL completion | ") == 2
 
 
+def test_inspect_of_other_settings_leaves_the_prepared_data_alone(
+    tmp_path: Path, tiny_model_dir: Path, capsys
+) -> None:
+    """``inspect`` with another seed rebuilt data.prepared_dir in place, dropping the build (and its reference
+    caches) that a run used; it now prepares in a temporary directory, says so, and removes it."""
+    from coati_kto.data.inspect import inspect_batches
+
+    path = write_jsonl(tmp_path / "t.jsonl", rows(15, 5))
+    config = make_config(tmp_path, tiny_model_dir, [str(path)])
+    prepare(*data_settings(config))
+    built = (tmp_path / "prepared" / "fingerprint.json").read_text()
+    capsys.readouterr()
+    config.train.seed = 7
+    inspect_batches(*data_settings(config), num_ranks=2, num_batches=1, num_examples=0)
+    out = capsys.readouterr().out
+    note = f"data.prepared_dir {tmp_path / 'prepared'} does not hold this data (changed: seed): inspect prepares "
+    assert out.startswith(note) and "seed 7, epoch 0" in out
+    scratch = Path(out.split("prepares it in ")[1].split(" and removes")[0])
+    assert not scratch.exists() and scratch.name == "prepared"
+    assert (tmp_path / "prepared" / "fingerprint.json").read_text() == built
+    config.train.seed = 1  # the build's own settings: inspected in place, no note
+    inspect_batches(*data_settings(config), num_ranks=1, num_batches=1, num_examples=0)
+    assert "does not hold" not in capsys.readouterr().out
+
+
 class FakeCollectives:
     """Stands in for a 2-rank process group in-process: records the collectives a rank enters."""
 
