@@ -128,10 +128,18 @@ def image_stats(images: np.ndarray, image_tokens: np.ndarray, tokens: np.ndarray
 
 
 def image_cut(
-    p_len: np.ndarray, image_start: np.ndarray, head: np.ndarray, max_prompt_length: int
+    p_len: np.ndarray,
+    image_start: np.ndarray,
+    head: np.ndarray,
+    max_prompt_length: int,
+    max_length: int,
+    longest_completion: int,
 ) -> np.ndarray:
-    """[n] bool: rows whose prompt, were it cut (its BOS ``head`` kept, then its last ``max_prompt_length -
-    head`` tokens), would lose a token of an image's run. Such a row is dropped: its example or its KL row
-    (another completion, another length) may be cut, and a cut image misaligns the ids and the pixels."""
+    """[n] bool: rows whose prompt may be cut in a pass and would then lose a token of an image's run. A prompt
+    is cut (its BOS ``head`` kept, then its last ``max_prompt_length - head`` tokens) when it is longer than
+    ``max_prompt_length`` and its row longer than ``max_length``: in its example, or in a KL row (its prompt with
+    another completion of the split, at most ``longest_completion`` tokens). Such a row is dropped: a cut image
+    misaligns the ids and the pixels. A row that fits with the split's longest completion is never cut."""
     removed_end = p_len - (max_prompt_length - head)
-    return (p_len > max_prompt_length) & (image_start < removed_end)
+    may_cut = (p_len > max_prompt_length) & (p_len + longest_completion > max_length)
+    return may_cut & (image_start < removed_end)

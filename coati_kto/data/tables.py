@@ -261,7 +261,8 @@ def _fit(table: pa.Table, errors: np.ndarray, d: DataSection, bos_id: int | None
     if "image_start" in table.column_names:
         head = _heads(table.column("prompt_ids").combine_chunks(), p_len, bos_id)
         start = table.column("image_start").to_numpy(zero_copy_only=False)
-        cut = usable & ~drop & image_cut(p_len, start, head, d.max_prompt_length)
+        longest = int(c_len[usable & ~drop].max(initial=0))  # the longest completion a KL row can take
+        cut = usable & ~drop & image_cut(p_len, start, head, d.max_prompt_length, d.max_length, longest)
     rows = np.flatnonzero(usable & ~drop & ~cut)
     return _Fitted(
         rows, int(drop.sum()), p_len[rows], c_len[rows], keep_p[rows], keep_c[rows], int(cut.sum())

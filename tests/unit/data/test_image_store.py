@@ -236,8 +236,18 @@ def test_the_image_cut_boundary() -> None:
     """p_len 58, max_prompt_length 40: with its BOS kept a cut removes tokens [1, 19), without one [0, 18); an
     image run from there survives (58: no image). A prompt of 40 is never cut."""
     p_len, start = np.array([58, 58, 58, 58, 40]), np.array([19, 18, 17, 58, 3])
-    assert image_cut(p_len, start, np.ones(5, np.int64), 40).tolist() == [False, True, True, False, False]
-    assert image_cut(p_len, start, np.zeros(5, np.int64), 40).tolist() == [False, False, True, False, False]
+    cut = [False, True, True, False, False]
+    assert image_cut(p_len, start, np.ones(5, np.int64), 40, 44, 4).tolist() == cut
+    assert image_cut(p_len, start, np.zeros(5, np.int64), 40, 44, 4).tolist() == [
+        False,
+        False,
+        True,
+        False,
+        False,
+    ]
+    # No pass cuts a prompt that fits with the split's longest completion (58 + 4 <= 62): all were dropped.
+    assert not image_cut(p_len, start, np.ones(5, np.int64), 40, 62, 4).any()
+    assert image_cut(p_len, start, np.ones(5, np.int64), 40, 62, 5).tolist() == cut  # one KL row is cut
 
 
 def test_a_prompt_cut_into_an_image_is_dropped_and_counted(tmp_path: Path, capsys) -> None:
@@ -250,6 +260,12 @@ def test_a_prompt_cut_into_an_image_is_dropped_and_counted(tmp_path: Path, capsy
     assert split["lengths"]["prompt"]["max"] == 68 and split["dropped"] == {"image_cut": 4}
     assert split["truncated"]["prompt"] == split["truncated"]["kl_prompt"] == 4
     assert "dropped: image_cut 4;" in capsys.readouterr().out
+    # max_length 80 holds every example and KL row whole: nothing is cut, so nothing is dropped, even with
+    # data.on_too_long: error (every image row whose prompt passed max_prompt_length was dropped).
+    whole = prepare(
+        *settings(tmp_path, model, data, max_length=80, max_prompt_length=40, on_too_long="error")
+    )
+    assert len(whole.train) == 8 and not whole.stats["train"].get("dropped")
     processor = gemma3_processor()
     assert [r.rsplit(":", 1)[1] for r in out.train["source"]] == ["5", "6", "7", "8"]
     for row in out.train:
