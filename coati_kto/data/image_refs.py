@@ -20,6 +20,9 @@ from PIL import Image, UnidentifiedImageError
 
 from coati_kto.data.formats import Record, RecordError, show_value
 
+# References that name no file: data URIs and URLs are not fetched (a run reads its data from disk).
+NOT_FILES = ("data:", "http://", "https://", "s3://", "gs://", "hf://")
+
 # The content-part types a message may hold when images are read (TRL's vision-language format).
 PART_TYPES = ("image", "text")
 
@@ -55,6 +58,14 @@ def _reference(ref: Any, source: str, where: str, base: Path | None) -> bytes:
             f"expected a path, bytes or a {{'bytes', 'path'}} struct, got {show_value(ref)}",
             "bad_image",
         )
+    if ref.startswith(NOT_FILES):  # a base64 string can be hundreds of KB: shown clipped
+        raise RecordError(
+            source,
+            where,
+            f"{show_value(ref)} is not read: image references are files (a path), bytes or a "
+            "{'bytes', 'path'} struct; save it to a file and give its path",
+            "bad_image",
+        )
     path = Path(ref).expanduser()
     if not path.is_absolute():
         if base is None:  # a Hub dataset: no folder to resolve it from
@@ -62,8 +73,15 @@ def _reference(ref: Any, source: str, where: str, base: Path | None) -> bytes:
                 source, where, f"a relative image path {ref!r} in a dataset with no folder", "missing_image"
             )
         path = base / path
-    if not path.is_file():
-        raise RecordError(source, where, f"no such image file: {path}", "missing_image")
+    try:
+        found = path.is_file()
+    except OSError as err:  # a name over the file system's limit (a base64 string without a scheme)
+        raise RecordError(
+            source, where, f"{show_value(ref)} is not a usable path ({err.strerror or err})", "bad_image"
+        ) from None
+    if not found:
+        shown = str(path) if len(str(path)) <= 200 else f"{str(path)[:197]}..."
+        raise RecordError(source, where, f"no such image file: {shown}", "missing_image")
     return path.read_bytes()
 
 
@@ -72,7 +90,7 @@ def check_decodes(image: bytes, source: str, where: str) -> None:
     try:
         with Image.open(io.BytesIO(image)) as opened:
             opened.load()
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError) as err:
+    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError, SyntaxError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         if isinstance(err, UnidentifiedImageError):  # its text names the BytesIO object's address
             first = "no image format PIL knows"

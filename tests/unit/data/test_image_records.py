@@ -4,6 +4,8 @@ only when asked (``load_records(images=True)``); refused by default, as prepare 
 from __future__ import annotations
 
 import io
+import struct
+import zlib
 from pathlib import Path
 
 import datasets
@@ -100,11 +102,38 @@ def test_a_preference_pair_shares_its_images(tmp_path: Path) -> None:
     assert [(r.label, r.images) for r in records] == [(True, [red]), (False, [red])]
 
 
+def bomb_png(width: int, height: int) -> bytes:
+    """A PNG whose header claims ``width`` x ``height`` pixels (PIL refuses it on opening, before any pixel)."""
+    data = png((0, 0, 0))
+    header = b"IHDR" + struct.pack(">II", width, height) + data[24:29]
+    return data[:12] + header + struct.pack(">I", zlib.crc32(header)) + data[33:]
+
+
 def bad_cases(tmp_path: Path) -> list[tuple[dict, str, str]]:
     good = png((0, 255, 0))
     (tmp_path / "truncated.png").write_bytes(good[: len(good) // 2])
     (tmp_path / "text.png").write_bytes(b"not an image")
+    bomb = (tmp_path / "bomb.png").write_bytes(bomb_png(20000, 20000))
+    base64 = "iVBORw0KGgo" + "A" * 400
     return [
+        (  # PIL's DecompressionBombError is no OSError: it was a traceback
+            record(["bomb.png"]),
+            f"field 'images[0]': not an image PIL can open ({bomb} bytes: Image size (400000000 pixels) exceeds limit "
+            "of 178956970 pixels, could be decompression bomb DOS attack.)",
+            "bad_image",
+        ),
+        (  # a name longer than the file system takes: OSError from is_file, a traceback
+            record([base64]),
+            f"field 'images[0]': \"{base64[:56]}... is not a usable path (File name too long)",
+            "bad_image",
+        ),
+        (  # a data URI was looked for as a file under the data's folder, and shown whole
+            record([f"data:image/png;base64,{base64}"]),
+            "field 'images[0]': \"data:image/png;base64,iVBORw0KGgoAAAAAAAAAAAAAAAAAAAAAAA... is not read: "
+            "image references are files (a path), bytes or a {'bytes', 'path'} struct; save it to a file and "
+            "give its path",
+            "bad_image",
+        ),
         (
             record(["a.png", "b.png"]),
             "field 'images': 2 image(s) for 1 image part(s) in the prompt: each "
@@ -178,7 +207,7 @@ def test_bad_images_are_skipped_and_counted(tmp_path: Path) -> None:
     assert {r: reasons.count(r) for r in reasons} == {
         "image_count": 2,
         "missing_image": 1,
-        "bad_image": 3,
+        "bad_image": 6,
         "image_in_completion": 1,
         "bad_content_part": 1,
         "bad_text": 1,
