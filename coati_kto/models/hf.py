@@ -8,6 +8,8 @@ models.norms (and transformers / colossalai).
 from __future__ import annotations
 
 import importlib.util
+import shutil
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -166,3 +168,27 @@ def without_dropout(policy: nn.Module, reference: Any) -> None:
         disable_dropout(reference)
         reference.eval()
         reference.requires_grad_(False)
+
+
+# A processor's own files beside the tokenizer's (transformers 5.24): AutoProcessor.from_pretrained reads them.
+PROCESSOR_FILES = (
+    "processor_config.json",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+def copy_processor_files(source: Path, config: Any, out: Path) -> list[str]:
+    """A vision-language model's processor files from its checkpoint directory ``source`` (``model.path``) into
+    ``out``, unchanged (training does not change them), where ``out`` holds none of that name yet (the tokenizer
+    writes its own template): AutoProcessor reloads the export. Returns the names copied."""
+    from coati_kto.families import vision_language
+
+    if not vision_language(config) or not source.is_dir():
+        return []
+    copied = [name for name in PROCESSOR_FILES if (source / name).is_file() and not (out / name).exists()]
+    for name in copied:
+        shutil.copyfile(source / name, out / name)
+    return copied

@@ -18,6 +18,7 @@ import torch
 
 from coati_kto.config.lora import linear_layer_names, peft_config, tower_refusal
 from coati_kto.errors import ConfigError
+from coati_kto.models.hf import copy_processor_files
 
 if TYPE_CHECKING:
     from coati_kto.config.schema import LoraSection
@@ -130,12 +131,17 @@ def write_lora(
     out_dir.mkdir(parents=True, exist_ok=True)
     saving = {} if adapters is None else {"state_dict": adapters}
     peft.save_pretrained(out_dir / "adapter", safe_serialization=True, **saving)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(out_dir / "adapter")
+    folders = [out_dir / "adapter"]
     if merge:
         _save_merged(peft, out_dir / "merged")
+        folders.append(out_dir / "merged")
+    base = peft.get_base_model()
+    for (
+        folder
+    ) in folders:  # each reloads alone: a vision-language model's processor files beside the tokenizer's
         if tokenizer is not None:
-            tokenizer.save_pretrained(out_dir / "merged")
+            tokenizer.save_pretrained(folder)
+        copy_processor_files(Path(getattr(base.config, "_name_or_path", "") or "."), base.config, folder)
 
 
 def _save_merged(peft: Any, out: Path) -> None:

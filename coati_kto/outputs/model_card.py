@@ -195,7 +195,7 @@ def _auto_class_name(model: ModelSection) -> str:
 
 def _has_processor(model: ModelSection) -> bool:
     """Whether ``model.path`` holds a processor's files, which the export copies (``trainer.export``)."""
-    from coati_kto.trainer.export import PROCESSOR_FILES
+    from coati_kto.models.hf import PROCESSOR_FILES
 
     return any((Path(model.path) / name).is_file() for name in PROCESSOR_FILES[:3])
 
@@ -233,10 +233,10 @@ def _use_section(model: ModelSection, output: OutputSection) -> list[str]:
     else:  # coati_kto.models.lora.export_lora: final/adapter (peft) and, with output.merge_lora, final/merged
         lora = model.lora
         # A vision-language model's default targets are its language model's (coati_kto.config.lora.peft_targets);
-        # final/adapter holds the tokenizer only, so its processor comes from the base model.
+        # final/adapter and final/merged hold the processor's files beside the tokenizer's (models.lora).
         scope = " of the language model" if auto == "AutoModelForImageTextToText" else ""
         reads = (
-            f'processor = AutoProcessor.from_pretrained("{model.path}")'
+            'processor = AutoProcessor.from_pretrained("path/to/final/adapter")'
             if reader == "AutoProcessor"
             else 'tokenizer = AutoTokenizer.from_pretrained("path/to/final/adapter")'
         )

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from coati_kto.models.hf import copy_processor_files
 from coati_kto.parallel.distributed import comm_device
 
 
@@ -29,30 +30,6 @@ def write_hf(module: Any, state: dict, tokenizer: Any, out: Path, fp32: bool) ->
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     copy_processor_files(Path(getattr(module.config, "_name_or_path", "") or "."), module.config, out)
-
-
-# A processor's own files beside the tokenizer's (transformers 5.24): AutoProcessor.from_pretrained reads them.
-PROCESSOR_FILES = (
-    "processor_config.json",
-    "preprocessor_config.json",
-    "video_preprocessor_config.json",
-    "chat_template.jinja",
-    "chat_template.json",
-)
-
-
-def copy_processor_files(source: Path, config: Any, out: Path) -> list[str]:
-    """A vision-language model's processor files from its checkpoint directory ``source`` (``model.path``) into
-    ``out``, unchanged (training does not change them), where ``out`` holds none of that name yet (the tokenizer
-    writes its own template): AutoProcessor reloads the export. Returns the names copied."""
-    from coati_kto.families import vision_language
-
-    if not vision_language(config) or not source.is_dir():
-        return []
-    copied = [name for name in PROCESSOR_FILES if (source / name).is_file() and not (out / name).exists()]
-    for name in copied:
-        shutil.copyfile(source / name, out / name)
-    return copied
 
 
 def fp32_state(state: dict[str, torch.Tensor], masters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -429,7 +429,10 @@ def test_lora_adapts_the_language_model_only_and_both_exports_score_as_the_run(r
     ]
     changed = sorted(k for k in start if not torch.equal(merged[k], start[k]))
     assert changed == sorted(k for k in attention if k.startswith("language_model."))  # the rest as loaded
-    processor = AutoProcessor.from_pretrained(root / "model")
+    # Each folder reloads its processor alone (they held the tokenizer only: AutoProcessor failed on them).
+    processor = AutoProcessor.from_pretrained(final / "adapter")
+    assert AutoProcessor.from_pretrained(final / "merged").to_dict() == processor.to_dict()
+    assert processor.to_dict() == AutoProcessor.from_pretrained(root / "model").to_dict()
     base = AutoModelForImageTextToText.from_pretrained(root / "model", dtype=torch.float32)
     peft_model = PeftModel.from_pretrained(base, final / "adapter").eval()
     hub = AutoModelForImageTextToText.from_pretrained(final / "merged", dtype=torch.float32).eval()
@@ -439,7 +442,7 @@ def test_lora_adapts_the_language_model_only_and_both_exports_score_as_the_run(r
     card = (
         final / "README.md"
     ).read_text()  # its Use section names the classes that just reloaded the exports
-    assert f'processor = AutoProcessor.from_pretrained("{root / "model"}")' in card
+    assert 'processor = AutoProcessor.from_pretrained("path/to/final/adapter")' in card
     assert "# LoRA adapters (rank 4, alpha 8) on q_proj, k_proj, v_proj, o_proj of the language model" in card
     assert (
         f'model = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained("{root / "model"}"), '
