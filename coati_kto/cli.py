@@ -262,9 +262,8 @@ def _data_command(args: argparse.Namespace, config: Config) -> None:
     from coati_kto.runtime.preflight import check_preparing
 
     check_preparing(config)
-    # prepare reads image records for a vision-language model; inspect, like train, does not yet.
-    images = args.command == "prepare"
-    settings = PrepareSettings(config.data, config.model, config.train.seed, images)
+    # Image records are read for a vision-language model, as train reads them (inspect refused them).
+    settings = PrepareSettings(config.data, config.model, config.train.seed, images=True)
     weights = WeightSettings(config.kto, config.train.micro_batch_size)
     if args.command == "prepare":
         from coati_kto.data.prepared import prepare

@@ -135,9 +135,8 @@ def _message(raw: Any, source: str, where: str, parts: bool = False) -> dict[str
             raise RecordError(
                 source,
                 f"{where}.{key}",
-                f"a list of content parts ({kinds}: TRL's vision-language format), read only by coati-kto "
-                "prepare and train for a vision-language model.path (Gemma 3, Gemma 4 or Qwen 3.5): give the content "
-                "as one string",
+                f"a list of content parts ({kinds}: TRL's vision-language format), read only for a "
+                "vision-language model.path (Gemma 3, Gemma 4 or Qwen 3.5): give the content as one string",
                 "non_string_content",
             )
     elif not isinstance(content, str):
@@ -261,6 +260,15 @@ def normalize(raw: Any, source: str, images: bool = False) -> list[Record]:
 
     ``images``: content parts are read (the ``images`` field is then read by
     :func:`coati_kto.data.image_refs.attach_images`); else they are refused."""
+    if not images and isinstance(raw, dict) and _holds_images(raw.get("images")):
+        # A text-only model would train on the text alone, without a word: the images are what was judged.
+        raise RecordError(
+            source,
+            "images",
+            "images are read only for a vision-language model.path (Gemma 3, Gemma 4 or Qwen 3.5), and this "
+            "one reads text alone; drop the field to train on the text",
+            "images_unread",
+        )
     records = _normalize(raw, source, images)
     if bad := next(filter(None, (_lone_surrogate(r.prompt, r.completion) for r in records)), None):
         raise RecordError(source, bad[0], bad[1], "bad_text")
@@ -268,6 +276,13 @@ def normalize(raw: Any, source: str, images: bool = False) -> list[Record]:
     for record in records:
         record.tools = tools
     return records
+
+
+def _holds_images(value: Any) -> bool:
+    """Whether a record's ``images`` field names any image (an empty list or null names none)."""
+    if hasattr(value, "tolist") and not isinstance(value, (bytes, bytearray)):  # numpy from a table
+        value = value.tolist()
+    return value is not None and value != [] and value != ""
 
 
 def unread_fields(raw: dict[str, Any], images: bool = False) -> set[str]:

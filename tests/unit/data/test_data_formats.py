@@ -118,12 +118,17 @@ BAD = [
             ],
             "completion": [ASSISTANT],
             "label": True,
-            "images": ["cat.png"],
         },
         "field 'prompt[0].content': a list of content parts (image, text: TRL's vision-language format), read "
-        "only by coati-kto prepare and train for a vision-language model.path (Gemma 3, Gemma 4 or Qwen 3.5): give the content as one "
-        "string",
+        "only for a vision-language model.path (Gemma 3, Gemma 4 or Qwen 3.5): give the content as one string",
         "non_string_content",
+    ),
+    # Images beside string contents: a text-only model trained on the text alone.
+    (
+        {"prompt": [USER], "completion": [ASSISTANT], "label": True, "images": ["cat.png"]},
+        "field 'images': images are read only for a vision-language model.path (Gemma 3, Gemma 4 or Qwen 3.5), "
+        "and this one reads text alone; drop the field to train on the text",
+        "images_unread",
     ),
     ({"text": "hello", "label": True}, "unknown record format (keys: label, text)", "unknown_format"),
     # A missing completion was "unknown record format (keys: label, prompt)", where a missing label is named.

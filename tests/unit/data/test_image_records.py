@@ -221,7 +221,14 @@ def test_image_records_are_refused_by_default(tmp_path: Path) -> None:
     with pytest.raises(DataError) as info:
         load_records([str(path)])
     assert str(info.value) == (
+        f"{path}:1: field 'images': images are read only for a vision-language model.path (Gemma 3, Gemma 4 or "
+        "Qwen 3.5), and this one reads text alone; drop the field to train on the text"
+    )
+    path = write_jsonl([record([])], tmp_path / "train.jsonl")  # content parts without images
+    with pytest.raises(DataError) as info:
+        load_records([str(path)])
+    assert str(info.value) == (
         f"{path}:1: field 'prompt[0].content': a list of content parts (image, text: TRL's vision-language "
-        "format), read only by coati-kto prepare and train for a vision-language model.path (Gemma 3, Gemma 4 or Qwen 3.5): give the "
-        "content as one string"
+        "format), read only for a vision-language model.path (Gemma 3, Gemma 4 or Qwen 3.5): give the content "
+        "as one string"
     )

@@ -279,28 +279,51 @@ def test_a_text_only_model_keeps_the_refusal(tmp_path: Path, tiny_model_dir: Pat
     data = image_rows(tmp_path)
     with pytest.raises(RecordError) as err:
         prepare(*settings(tmp_path, tiny_model_dir, data))
-    assert str(err.value) == (
-        f"{data}:1: field 'prompt[0].content': a list of content parts (image, text: TRL's vision-language "
-        "format), read only by coati-kto prepare and train for a vision-language model.path (Gemma 3, Gemma 4 or Qwen 3.5): give the "
-        "content as one string"
-    )
+    assert str(err.value) == f"{data}:1: field 'images': {TEXT_ONLY}"
 
 
-def test_inspect_keeps_the_refusal(tmp_path: Path) -> None:
-    """inspect builds PrepareSettings without images: a vision-language model's image records stay refused
-    there."""
-    model = vl_model_dir(tmp_path)
-    data = image_rows(tmp_path)
+TEXT_ONLY = (
+    "images are read only for a vision-language model.path (Gemma 3, Gemma 4 or Qwen 3.5), and this one reads "
+    "text alone; drop the field to train on the text"
+)
+
+
+def test_a_text_only_model_refuses_images_beside_string_contents(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """String contents with an ``images`` field trained a text-only model on the text alone, said only as an
+    unread field."""
+    rows = [json.loads(line) for line in image_rows(tmp_path).read_text().splitlines()]
+    for row in rows:
+        row["prompt"] = [{"role": "user", "content": "What colour is it?"}]
+    data = write_jsonl(rows, tmp_path / "strings.jsonl")
     with pytest.raises(RecordError) as err:
-        prepare(*settings(tmp_path, model, data, images=False))
-    assert str(err.value).endswith(
-        "read only by coati-kto prepare and train for a vision-language model.path (Gemma 3, Gemma 4 or Qwen 3.5): give the content "
-        "as one string"
-    )
+        prepare(*settings(tmp_path, tiny_model_dir, data))
+    assert (str(err.value), err.value.reason) == (f"{data}:1: field 'images': {TEXT_ONLY}", "images_unread")
+    for row in rows:
+        row["images"] = []  # no image named: the text is the record
+    prepare(*settings(tmp_path, tiny_model_dir, write_jsonl(rows, tmp_path / "strings.jsonl")))
+
+
+def test_inspect_reads_image_records(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """``coati-kto inspect`` of a vision-language model's image records refused them, saying that only prepare
+    and train read them."""
+    from coati_kto.cli import main
+
+    cfg = {
+        "model": {"path": str(vl_model_dir(tmp_path))},
+        "data": {"train_files": [str(image_rows(tmp_path))], "prepared_dir": str(tmp_path / "prepared")},
+        "train": {"micro_batch_size": 2},
+        "output": {"dir": str(tmp_path / "out")},
+    }
+    (tmp_path / "cfg.yaml").write_text(yaml.safe_dump(cfg))
+    assert main(["inspect", str(tmp_path / "cfg.yaml"), "--examples", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 0 batch 0: [" in out and out.count("  KL completion | ") == 1
 
 
 def test_the_prepare_command_reads_images(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    """``coati-kto prepare`` sets PrepareSettings.images (train does too, inspect does not)."""
+    """``coati-kto prepare`` sets PrepareSettings.images (train and inspect do too)."""
     from coati_kto.cli import main
 
     cfg = {
