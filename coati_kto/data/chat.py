@@ -152,6 +152,14 @@ def _left_out(
                 f"the chat template leaves this {message['role']} turn out of the prompt it renders, so the "
                 "model would train without it; use a template that renders it, or remove the turn"
             )
+    for i, message in enumerate(
+        prompt
+    ):  # an agent trace's actions: a template without tool support drops them
+        if missing := _calls_left_out(message, prompt_text):
+            return f"prompt[{i}].tool_calls", (
+                f"the chat template leaves this turn's tool calls ({missing}) out of the prompt it renders, so the "
+                "model would train without them; use a template that renders tool_calls, or remove them"
+            )
     names = [str((t.get("function") or t).get("name", "")) for t in tools or [] if isinstance(t, dict)]
     if names and not any(name and name in prompt_text for name in names):
         return "tools", (
@@ -159,6 +167,14 @@ def _left_out(
             "so the model would train without them; use a template with tool support, or drop the tools"
         )
     return None
+
+
+def _calls_left_out(message: dict, text: str) -> str:
+    """The names of ``message``'s tool calls (OpenAI's ``tool_calls``) that ``text`` does not hold, comma-joined
+    and clipped; '' when every one shows (a template renders a call with its function's name)."""
+    calls = message.get("tool_calls") or []
+    names = [str((c.get("function") or c).get("name", "")) for c in calls if isinstance(c, dict)]
+    return ", ".join(name for name in names if name and name not in text)[:80]
 
 
 # Texts no template rewrites: they mark where a turn's content went (_rendered).
@@ -188,6 +204,12 @@ def _completion_left_out(completion: list[dict], completion_text: str) -> tuple[
     would otherwise train on the rest in silence (on EOS alone for a dropped turn)."""
     rendered = "".join(completion_text.split())
     for i, message in enumerate(completion):
+        if missing := _calls_left_out(message, completion_text):  # a call-only turn rendered as its end alone
+            return f"completion[{i}].tool_calls", (
+                f"the chat template leaves this assistant turn's tool calls ({missing}) out of the completion it "
+                "renders, so the model would not train on them; use a template that renders tool_calls, or "
+                "remove them"
+            )
         content = message.get("content")
         if isinstance(content, str) and "".join(content.split()) not in rendered:
             return f"completion[{i}].content", (

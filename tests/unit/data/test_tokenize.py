@@ -377,6 +377,41 @@ def test_a_template_that_leaves_out_a_turn_or_the_tools_makes_a_bad_record() -> 
     assert "The rules are strict." in prompt
 
 
+def test_a_template_that_leaves_out_tool_calls_makes_a_bad_record() -> None:
+    """A template without tool support rendered a call-only completion as its end of turn alone (every label's
+    completion the same tokens) and an agent trace's earlier calls as empty turns, in silence."""
+    from coati_kto.data.chat import render
+    from coati_kto.testing.tiny import build_tokenizer
+
+    user = {"role": "user", "content": "What is the weather in Paris?"}
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    acting = [{"role": "assistant", "content": "", "tool_calls": [call]}]
+    chatml = build_tokenizer(["What is the weather in Paris?", "Sunny."], vocab_size=300, style="chatml")
+    with pytest.raises(RecordError) as info:
+        render(chatml, [user], acting, True, "d.jsonl:2")
+    assert str(info.value) == (
+        "d.jsonl:2: field 'completion[0].tool_calls': the chat template leaves this assistant turn's tool calls "
+        "(get_weather) out of the completion it renders, so the model would not train on them; use a template "
+        "that renders tool_calls, or remove them"
+    )
+    assert info.value.reason == "not_rendered"
+    trace = [user, *acting, {"role": "tool", "content": "Sunny."}]
+    with pytest.raises(
+        RecordError, match=r"^d.jsonl:2: field 'prompt\[1\].tool_calls': the chat template leaves"
+    ):
+        render(chatml, trace, [{"role": "assistant", "content": "Sunny."}], True, "d.jsonl:2")
+    chatml.chat_template = (  # ChatML that renders calls, as tool-use templates do
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{% for c in m.tool_calls or [] %}"
+        "<tool_call>{{ c.function.name }}</tool_call>{% endfor %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    assert (
+        render(chatml, [user], acting, True, "d.jsonl:2")[1]
+        == "<tool_call>get_weather</tool_call><|im_end|>\n"
+    )
+    render(chatml, trace, [{"role": "assistant", "content": "Sunny."}], True, "d.jsonl:2")
+
+
 def test_a_pad_id_past_the_model_embeddings_is_passed_over(tmp_path) -> None:
     """A pad token added to the tokenizer, the model not resized (Mistral v0.1 + "[PAD]", id 32000 of 32000
     embeddings): the data held no such id, so prepare passed, and padding with it was an IndexError in the
