@@ -18,6 +18,7 @@ share one definition of "a complete checkpoint"; ``clear_previous_run`` is the o
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import re
 import shutil
@@ -56,6 +57,48 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return sorted(found, key=checkpoint_step)
 
 
+def checkpoint_meta(checkpoint: Path) -> dict:
+    """``checkpoint/meta.json`` (step, layout, ``id`` and ``previous``: see :func:`_newest_after`); {} when it
+    is missing or unreadable."""
+    try:
+        return json.loads((checkpoint / "meta.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _newest_after(root: Path, named: Path, pointer_written: int) -> Path:
+    """The pointer's checkpoint ``named``, or the last of the run's saves after it that the pointer missed (a
+    save killed between its rename into step-N and the pointer's update; a pointer that could not be written).
+
+    Each checkpoint's meta.json names its ``id`` and the ``previous`` one of its run (the last it saved or resumed
+    from): the saves after ``named`` are those that name it, then those that name them. Neither a copy (cp -r,
+    hf download, a sync: new file times in any order) nor an abandoned run's higher steps (a run resumed from an
+    earlier step by hand; the pointer then names that step) name it. A checkpoint written before they were kept
+    (2026-12-01) counts when it completed after the pointer was written."""
+    current, later = (
+        named,
+        [p for p in complete_checkpoints(root) if checkpoint_step(p) > checkpoint_step(named)],
+    )
+    while True:
+        here = checkpoint_meta(current).get("id")
+        following = [
+            p
+            for p in later
+            if checkpoint_step(p) > checkpoint_step(current) and _follows(p, here, pointer_written)
+        ]
+        if not following:
+            return current
+        current = max(following, key=checkpoint_step)
+
+
+def _follows(checkpoint: Path, previous_id: str | None, pointer_written: int) -> bool:
+    """Whether ``checkpoint`` is a save of the run whose previous checkpoint has ``previous_id``."""
+    meta = checkpoint_meta(checkpoint)
+    if "previous" in meta:
+        return previous_id is not None and meta["previous"] == previous_id
+    return (checkpoint / COMPLETE).stat().st_mtime_ns > pointer_written  # written before ids were kept
+
+
 def resolve_checkpoint(root: Path, resume: str | None) -> Path | None:
     """``train.resume`` resolved against ``root``: None -> None; 'auto' -> the latest complete checkpoint, or
     None; a path -> that checkpoint. Raises UserError (one line) for a path that is missing or incomplete."""
@@ -67,19 +110,7 @@ def resolve_checkpoint(root: Path, resume: str | None) -> Path | None:
             named = root / pointer.read_text().strip()
             marker = named / COMPLETE
             if marker.is_file():
-                # A save killed between its rename into step-N and the pointer's update leaves the pointer on
-                # an older checkpoint: one of a higher step completed after the pointer was written is the newer
-                # one. Both must hold: a copy (cp -r, hf download, a sync) gives its files new times in any order,
-                # and a run resumed from an earlier step by hand (the pointer then names it:
-                # CheckpointManager.resumed_from) leaves the abandoned run's higher steps, completed before.
-                written = pointer.stat().st_mtime_ns
-                later = [
-                    p
-                    for p in complete_checkpoints(root)
-                    if checkpoint_step(p) > checkpoint_step(named)
-                    and (p / COMPLETE).stat().st_mtime_ns > written
-                ]
-                return max(later, key=lambda p: (p / COMPLETE).stat().st_mtime_ns) if later else named
+                return _newest_after(root, named, pointer.stat().st_mtime_ns)
         complete = complete_checkpoints(root)  # pointer missing or stale: the highest complete step
         return complete[-1] if complete else None
     path = Path(resume)

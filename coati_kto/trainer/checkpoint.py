@@ -16,6 +16,7 @@ import logging
 import os
 import shutil
 import sys
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from coati_kto.runtime.run_dir import (
     COMPLETE,
     LATEST,
     TRAINER_STATE_DIR,
+    checkpoint_meta,
     checkpoint_step,
     complete_checkpoints,
     resolve_checkpoint,
@@ -82,6 +84,9 @@ class CheckpointManager:
         self.keep_last = keep_last
         # Main rank: called with each checkpoint once it is complete, before pruning (output.push_to_hub's uploads).
         self.on_complete: Callable[[Path], None] | None = None
+        # The id of the last checkpoint this run saved or resumed from in ``root``: each save's meta.json names it
+        # as ``previous``, which is how resume=auto tells this run's saves from a copy's or an abandoned run's.
+        self._previous: str | None = None
 
     # ---- save ---------------------------------------------------------------------------------------------
     def save(self, step: int, model: Any, optimizer: Any, lr_scheduler: Any, trainer_state: dict) -> Path:
@@ -127,6 +132,7 @@ class CheckpointManager:
         self._agree(step, tmp)  # every rank's files are on disk
         if self.layout.is_main:
             meta = {"step": step, **self._layout_meta(), "plugin": type(self.booster.plugin).__name__}
+            meta.update(id=uuid.uuid4().hex, previous=self._previous)
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
             # COMPLETE goes in before the rename, so a directory named step-N is never seen half-done.
             (tmp / COMPLETE).write_text(f"step {step}\n")
@@ -135,6 +141,7 @@ class CheckpointManager:
                 (final / COMPLETE).unlink(missing_ok=True)
                 shutil.rmtree(final)
             os.replace(tmp, final)
+            self._previous = meta["id"]
             self._settle(final)
         self._agree(step, tmp)
         return final
@@ -157,6 +164,7 @@ class CheckpointManager:
         """The main rank, resuming from ``checkpoint`` of this run's directory by hand: the pointer names it, so
         that resume=auto after a crash continues this run, not the abandoned one's higher steps."""
         here = self.layout.is_main and checkpoint.parent.resolve() == self.root.resolve()
+        self._previous = checkpoint_meta(checkpoint).get("id") if here else None
         if here and self.resolve("auto") != checkpoint:
             write_atomic(self.root / LATEST, checkpoint.name)
 

@@ -6,6 +6,7 @@ same directories.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -128,6 +129,9 @@ def test_cli_resume_auto_continues_step_axis(run: dict) -> None:
     assert [s for s, _ in tb["eval/loss"]] == [0, 3, 6, 9, 12]
     checkpoints = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-"))
     assert checkpoints == ["step-12", "step-9"]  # keep_last 2
+    # Each save names its run's previous checkpoint (resume=auto's lineage: run_dir._newest_after).
+    meta = {n: json.loads((out / "checkpoints" / n / "meta.json").read_text()) for n in checkpoints}
+    assert meta["step-12"]["previous"] == meta["step-9"]["id"] != meta["step-12"]["id"]
 
 
 def test_export_writes_a_checkpoint_as_the_final_model_and_only_reads_the_run(run: dict) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -62,6 +63,39 @@ def test_auto_follows_the_pointer_a_hand_resume_moved_back(tmp_path: Path) -> No
     assert resolve_checkpoint(tmp_path, "auto") == two
     four = _checkpoint(tmp_path, 4, 5_000_000_000)  # B's step-4, killed before the pointer's update
     assert resolve_checkpoint(tmp_path, "auto") == four
+
+
+def _saved(root: Path, step: int, completed_ns: int, ident: str, previous: str | None) -> Path:
+    """A checkpoint as saved since 2026-12-01: meta.json names its id and its run's previous checkpoint."""
+    path = _checkpoint(root, step, completed_ns)
+    (path / "meta.json").write_text(json.dumps({"step": step, "id": ident, "previous": previous}))
+    return path
+
+
+def test_auto_follows_the_runs_own_saves_whatever_the_file_times(tmp_path: Path) -> None:
+    """A run resumed by hand from step-14 saved step-16 (the pointer names it); the abandoned run's step-24 was
+    left. Copied in name order (rsync -r without -t), step-24 "completed after" the pointer and resume=auto took
+    it. Each save now names its run's previous checkpoint: the pointer's step-16 is followed only by saves that
+    name it (the crash window between a save's rename and the pointer's update), whatever the times."""
+    _saved(tmp_path, 14, 1_000, "a14", "a12")
+    sixteen = _saved(tmp_path, 16, 2_000, "b16", "a14")
+    _pointer(tmp_path, "step-16", 3_000)
+    _saved(tmp_path, 24, 4_000, "a24", "a22")  # copied last
+    assert resolve_checkpoint(tmp_path, "auto") == sixteen
+    # The pointer missed two saves of its run (killed in the window, or a pointer that could not be written):
+    _saved(tmp_path, 18, 500, "b18", "b16")  # times older than the pointer's: a copy
+    twenty = _saved(tmp_path, 20, 600, "b20", "b18")
+    assert resolve_checkpoint(tmp_path, "auto") == twenty
+
+
+def test_a_resaved_step_is_not_followed_by_the_abandoned_runs_next_save(tmp_path: Path) -> None:
+    """Run A saved step-6 and step-8; run B resumed from step-4 and saved its own step-6 over A's. A's step-8
+    names A's step-6, not B's: resume=auto stays on B's."""
+    _saved(tmp_path, 4, 1_000, "a4", "a2")
+    _saved(tmp_path, 8, 3_000, "a8", "a6")
+    six = _saved(tmp_path, 6, 5_000, "b6", "a4")
+    _pointer(tmp_path, "step-6", 6_000)
+    assert resolve_checkpoint(tmp_path, "auto") == six
 
 
 def test_a_full_disk_under_torch_save_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
