@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from coati_kto.config.discovery import did_you_mean
 from coati_kto.config.schema import Config
@@ -116,7 +116,7 @@ def _format_errors(err: ValidationError, origins: _Origins) -> str:
             msg = f"unknown key (did you mean {close}?)" if close else "unknown key"
         elif e["type"] == "missing":
             msg = "required key is missing"
-        elif "input" in e and not isinstance(e["input"], dict):
+        elif "input" in e and not isinstance(e["input"], (dict, BaseModel)):  # a section's own check: no dump
             msg = f"{msg} (got {e['input']!r})"
         lines += [origins.line(key, part) for part in msg.split("\n")]
     return "\n".join(lines)

@@ -62,6 +62,11 @@ def test_a_cross_key_problem_names_each_input_it_comes_from(tmp_path: Path) -> N
         f"override plugin.precision=bf16 and {path}:11: plugin.name ddp trains in fp32 here (got plugin.precision "
         "bf16): set plugin.precision=fp32, or use low_level_zero / hybrid_parallel for bf16"
     ]
+    # A section's own cross-key check (model_validator "after"): its message, not the section object's dump too.
+    assert _errors(path, ["data.max_length=64", "data.max_prompt_length=64"]) == [
+        "override data.max_prompt_length=64, data.max_length=64: data.max_prompt_length (64) must be "
+        "smaller than data.max_length (64) to leave room for the completion"
+    ]
     both = write_config(tmp_path, MINIMAL + "kto:\n  auto_weights: true\n  desirable_weight: 1.2\n")
     assert _errors(both, []) == [
         f"{both}:9 and {both}:10: kto.desirable_weight 1.2 with kto.auto_weights: the weights are computed from the "
