@@ -63,7 +63,8 @@ def test_a_cross_key_problem_names_each_input_it_comes_from(tmp_path: Path) -> N
         "bf16): set plugin.precision=fp32, or use low_level_zero / hybrid_parallel for bf16"
     ]
     # A section's own cross-key check (model_validator "after"): its message, not the section object's dump too.
-    assert _errors(path, ["data.max_length=64", "data.max_prompt_length=64"]) == [
+    derived = write_config(tmp_path, MINIMAL.replace("  prepared_dir: prepared\n", ""))  # from output.dir
+    assert _errors(derived, ["data.max_length=64", "data.max_prompt_length=64"]) == [
         "override data.max_prompt_length=64, data.max_length=64: data.max_prompt_length (64) must be "
         "smaller than data.max_length (64) to leave room for the completion"
     ]
