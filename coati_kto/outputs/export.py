@@ -16,9 +16,8 @@ from coati_kto.config.schema import PluginSection
 from coati_kto.errors import UserError
 from coati_kto.outputs.model_card import CARD
 from coati_kto.runtime.preflight import push_problems
-from coati_kto.runtime.run_dir import COMPLETE, FINAL_DIR, resolve_checkpoint
+from coati_kto.runtime.run_dir import COMPLETE, EXPORTS_DIR, FINAL_DIR, resolve_checkpoint
 
-EXPORTS_DIR = "exports"
 
 
 def finished_final(output: OutputSection, checkpoint: str, out: str | None) -> Path | None:

@@ -305,7 +305,7 @@ def resume_notice(train: TrainSection, output: OutputSection) -> str | None:
         return None
     if resume == "auto":
         how = (
-            "to start over instead, add output.overwrite=true (deletes its checkpoints, events and final model) "
+            "to start over instead, add output.overwrite=true (deletes its checkpoints, events, final model and exports) "
             "or choose another output.dir"
         )
         return f"resuming the run in {output.dir} from {checkpoint.name} (train.resume=auto); {how}"
@@ -351,7 +351,7 @@ def _output_problems(train: TrainSection, output: OutputSection) -> list[str]:
             ]
         return [
             f"output.dir: {out_dir} already holds a run ({found}): continue it with train.resume=auto, "
-            "or start over with output.overwrite=true (deletes its checkpoints, events and final model)"
+            "or start over with output.overwrite=true (deletes its checkpoints, events, final model and exports)"
         ]
     return []
 

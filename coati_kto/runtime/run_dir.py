@@ -9,6 +9,7 @@
       checkpoints/step-N/    one checkpoint; it counts only once its COMPLETE marker is written
       checkpoints/latest     the name of the newest complete step-N
       final/                 the trained model in Hugging Face format (+ README.md, the model card)
+      exports/step-N/        `coati-kto export`'s models of earlier checkpoints (its default --out)
       .run.lock              held (flock) by global rank 0 while a run trains here; names its pid and host
 
 Filesystem reads only here (no collectives; torch imported only to read a trainer state), so preflight and the checkpoint manager
@@ -33,12 +34,13 @@ CONFIG_FILE = "config.yaml"
 TENSORBOARD_DIR = "tensorboard"
 CHECKPOINTS_DIR = "checkpoints"
 FINAL_DIR = "final"
+EXPORTS_DIR = "exports"  # coati-kto export's default target: exports/step-N
 COMPLETE = "COMPLETE"
 LATEST = "latest"
 TRAINER_STATE_DIR = "trainer_state"  # in a checkpoint: rank-R.pt, each rank's trainer state and RNG
 STEP_DIR = re.compile(r"step-(\d+)")
 # What a run writes under output.dir that a second run would mix with (output.overwrite clears these).
-RUN_OUTPUTS = (CHECKPOINTS_DIR, TENSORBOARD_DIR, FINAL_DIR, "wandb")
+RUN_OUTPUTS = (CHECKPOINTS_DIR, TENSORBOARD_DIR, FINAL_DIR, EXPORTS_DIR, "wandb")
 RUN_LOCK = ".run.lock"
 _held: dict[Path, BinaryIO] = {}  # output.dir -> its open lock file, on the rank that holds it
 
@@ -148,8 +150,7 @@ def previous_run(out_dir: Path) -> list[str]:
         )
     if any((out_dir / TENSORBOARD_DIR).glob("events.out.tfevents.*")):
         found.append(f"{TENSORBOARD_DIR}/ events")
-    if (out_dir / FINAL_DIR).is_dir():
-        found.append(f"{FINAL_DIR}/")
+    found += [f"{name}/" for name in (FINAL_DIR, EXPORTS_DIR) if (out_dir / name).is_dir()]
     return found
 
 

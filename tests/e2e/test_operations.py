@@ -169,8 +169,8 @@ def test_one_run_per_output_dir(run_config: Path, tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
         f"error: output.dir: {out} already holds a run (checkpoints/step-3, tensorboard/ events): continue it "
-        "with train.resume=auto, or start over with output.overwrite=true (deletes its checkpoints, events and "
-        "final model)"
+        "with train.resume=auto, or start over with output.overwrite=true (deletes its checkpoints, events, "
+        "final model and exports)"
     )
 
 
@@ -178,7 +178,8 @@ def test_overwrite_clears_the_old_run_first(run_config: Path, tmp_path: Path) ->
     from coati_kto.runtime.run_dir import clear_previous_run
 
     out = tmp_path / "out"
-    for name in ("checkpoints/step-3", "tensorboard", "final", "keep"):
+    # exports/ was kept: an earlier run's exported steps beside the new run's checkpoints of the same names
+    for name in ("checkpoints/step-3", "tensorboard", "final", "exports/step-3", "keep"):
         (out / name).mkdir(parents=True)
     clear_previous_run(out)  # one process: it is rank 0
     assert sorted(p.name for p in out.iterdir()) == ["keep"]

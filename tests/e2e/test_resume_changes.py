@@ -106,7 +106,7 @@ def test_changed_lr_is_applied_named_and_recorded(first_run: Path) -> None:
     # The rerun of a config that continues its run says so first, and how to start over (it was silent).
     assert done.stdout.splitlines()[0] == (
         f"resuming the run in {out} from step-4 (train.resume=auto); to start over instead, add "
-        "output.overwrite=true (deletes its checkpoints, events and final model) or choose another output.dir"
+        "output.overwrite=true (deletes its checkpoints, events, final model and exports) or choose another output.dir"
     )
     line = (
         "resume: 2 setting(s) differ from step-4's config, applied: train.lr 0.001 -> 0.0005, "

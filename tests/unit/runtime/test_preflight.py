@@ -167,7 +167,7 @@ def test_resume_auto_over_a_run_without_checkpoints_says_what_to_do(tmp_path: Pa
     fresh = load_config(write_config(tmp_path, text))
     assert _output_problems(fresh.train, fresh.output) == [
         f"output.dir: {out} already holds a run (tensorboard/ events): continue it with train.resume=auto, or "
-        "start over with output.overwrite=true (deletes its checkpoints, events and final model)"
+        "start over with output.overwrite=true (deletes its checkpoints, events, final model and exports)"
     ]
     auto = load_config(write_config(tmp_path, text + "train:\n  resume: auto\n"))
     assert _output_problems(auto.train, auto.output) == [
@@ -352,7 +352,7 @@ def test_a_run_that_resumes_says_so_once_and_how_to_start_over(
     (step / "COMPLETE").write_text("step 4\n")
     said = (
         f"resuming the run in {out} from step-4 (train.resume=auto); to start over instead, add "
-        "output.overwrite=true (deletes its checkpoints, events and final model) or choose another output.dir"
+        "output.overwrite=true (deletes its checkpoints, events, final model and exports) or choose another output.dir"
     )
     assert resume_notice(*_resume_sections(auto)) == said
     assert resume_notice(*_resume_sections(load_config(path, [f"train.resume={step}"]))) == (
