@@ -1,7 +1,7 @@
 """``data.prepared_dir``: the fingerprinted, atomically built directory of prepared rows. One process.
 
 Layout: ``train/`` and ``eval/`` (``datasets`` save_to_disk), ``stats.json``, ``skipped.txt`` (every bad
-record skipped, one line each) and ``fingerprint.json``, written last.
+record skipped, then every row dropped to fit data.max_length, one line each: reason, tab, source and why) and ``fingerprint.json``, written last.
 
 Cache: the fingerprint covers the input files (path, size and a hash of the content: an edit that keeps size
 and mtime, as ``cp -p`` or ``rsync -t`` can, still rebuilds; a Hub dataset by the commit sha its revision
@@ -271,14 +271,16 @@ def _build(settings: PrepareSettings, tokenizer, fp: dict, target: Path, process
             "duplicates": {"records": repeats, "examples": repeat_examples},
             "padding": {"pad_id": pad, "note": pad_note},
         }
+        left_out: list[str] = []  # rows dropped to fit data.max_length (counted in each split's "dropped")
         for name, records in (("train", train_records), ("eval", eval_records)):
             stats[name] = None
             if records:
                 split_files = files[name] or files["train"]  # eval_fraction: held out of the train files
-                ds, stats[name], bad = build_split(
+                ds, stats[name], bad, dropped = build_split(
                     records, tokenizer, settings, work, name, split_files, processor
                 )
                 skipped += bad
+                left_out += dropped
                 with progress_bars(False):
                     ds.save_to_disk(str(work / name))
         by_reason: dict[str, int] = {}
@@ -291,7 +293,9 @@ def _build(settings: PrepareSettings, tokenizer, fp: dict, target: Path, process
         }
         ends = [(stats[split] or {}).get("completion_end", {}) for split in ("train", "eval")]
         stats["completion_end"] = completion_end_line(ends, tokenizer.eos_token)
-        (work / "skipped.txt").write_text("".join(f"{b.reason}\t{b}\n" for b in skipped))
+        (work / "skipped.txt").write_text(
+            "".join([f"{b.reason}\t{b}\n" for b in skipped] + [f"{x}\n" for x in left_out])
+        )
         (work / "stats.json").write_text(json.dumps(stats, indent=2))
         shutil.rmtree(work / "hf-cache", ignore_errors=True)
         for f in work.glob("*-encoded*.arrow"):

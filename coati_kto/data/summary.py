@@ -60,7 +60,8 @@ def _split_summary(name: str, s: dict, max_length: int) -> list[str]:
     )
     lines.append(
         f"    truncated to data.max_length {max_length}: {tr.get('prompt', 0)} prompts, "
-        f"{tr.get('completion', 0)} completions; dropped: {_counts(s['dropped'])}; "
+        f"{tr.get('completion', 0)} completions; dropped: {_counts(s['dropped'])}"
+        f"{' (each named in skipped.txt)' if s['dropped'] else ''}; "
         f"KL pairs: {s['kl_pairs']['self_pairs']} self, {s['kl_pairs']['same_prompt_pairs']} same-prompt "
         f"(minimum possible {s['kl_pairs']['min_same_prompt_pairs']})"
     )

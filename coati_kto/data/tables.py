@@ -16,7 +16,7 @@ import contextlib
 import hashlib
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
@@ -224,6 +224,9 @@ class _Fitted:
     keep_p: np.ndarray
     keep_c: np.ndarray
     image_cut: int = 0
+    left_out: list[str] = field(
+        default_factory=list
+    )  # skipped.txt's line per row dropped here: reason, source
 
 
 # stats.json's "dropped" key, by data.on_too_long ("error" raised on a row too long: what it drops has no room left)
@@ -264,9 +267,18 @@ def _fit(table: pa.Table, errors: np.ndarray, d: DataSection, bos_id: int | None
         longest = int(c_len[usable & ~drop].max(initial=0))  # the longest completion a KL row can take
         cut = usable & ~drop & image_cut(p_len, start, head, d.max_prompt_length, d.max_length, longest)
     rows = np.flatnonzero(usable & ~drop & ~cut)
-    return _Fitted(
-        rows, int(drop.sum()), p_len[rows], c_len[rows], keep_p[rows], keep_c[rows], int(cut.sum())
-    )
+    sources = table.column("source")
+    left_out = [
+        f"{DROP_REASON[d.on_too_long]}\t{sources[i].as_py()}: {p_len[i]} prompt + {c_len[i]} completion tokens, "
+        f"longer than data.max_length {d.max_length}"
+        for i in np.flatnonzero(drop)
+    ] + [
+        f"{IMAGE_CUT}\t{sources[i].as_py()}: a prompt of {p_len[i]} tokens, cut to data.max_prompt_length "
+        f"{d.max_prompt_length} where a pass is longer than data.max_length {d.max_length}, would cut an image"
+        for i in np.flatnonzero(cut)
+    ]
+    fitted = (p_len[rows], c_len[rows], keep_p[rows], keep_c[rows])
+    return _Fitted(rows, int(drop.sum()), *fitted, int(cut.sum()), left_out)
 
 
 def _split_stats(table: pa.Table, fit: _Fitted, labels: np.ndarray, pi: np.ndarray, d: DataSection) -> dict:
@@ -352,9 +364,10 @@ def build_split(
     name: str,
     files: list[str],
     processor=None,
-) -> tuple[datasets.Dataset, dict, list[RecordError]]:
+) -> tuple[datasets.Dataset, dict, list[RecordError], list[str]]:
     """One split (``name``: "train" or "eval", which also seeds its KL pairing): tokenize, drop what cannot fit,
-    pair, truncate. Returns (in-memory rows, the split's stats, records skipped here). ``work``: a scratch
+    pair, truncate. Returns (in-memory rows, the split's stats, records skipped here, a line per row dropped to
+    fit: its reason, a tab, its source and why). ``work``: a scratch
     directory for the tokenizer's arrow cache (the caller deletes it); ``files``: named in errors; ``processor``:
     a vision-language processor for image records (the rows then hold their images).
 
@@ -376,4 +389,4 @@ def build_split(
             fit.keep_p + fit.keep_c,
         )
     rows = _rows(table, fit, labels, pi, settings.data, tokenizer.bos_token_id)
-    return datasets.Dataset(InMemoryTable(rows)), stats, skipped
+    return datasets.Dataset(InMemoryTable(rows)), stats, skipped, fit.left_out

@@ -259,7 +259,13 @@ def test_a_prompt_cut_into_an_image_is_dropped_and_counted(tmp_path: Path, capsy
     split = out.stats["train"]
     assert split["lengths"]["prompt"]["max"] == 68 and split["dropped"] == {"image_cut": 4}
     assert split["truncated"]["prompt"] == split["truncated"]["kl_prompt"] == 4
-    assert "dropped: image_cut 4;" in capsys.readouterr().out
+    assert "dropped: image_cut 4 (each named in skipped.txt);" in capsys.readouterr().out
+    lines = (tmp_path / "prepared" / "skipped.txt").read_text().splitlines()
+    assert [line.split("\t")[0] for line in lines] == ["image_cut"] * 4
+    assert lines[0] == (
+        f"image_cut\t{data}:1: a prompt of 68 tokens, cut to data.max_prompt_length 40 where a pass is longer "
+        "than data.max_length 44, would cut an image"
+    )
     # max_length 80 holds every example and KL row whole: nothing is cut, so nothing is dropped, even with
     # data.on_too_long: error (every image row whose prompt passed max_prompt_length was dropped).
     whole = prepare(

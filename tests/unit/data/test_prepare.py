@@ -476,7 +476,9 @@ def test_examples_that_cannot_fit_are_dropped_and_counted(tmp_path: Path, tiny_m
     object.__setattr__(cfg, "data", cfg.data.model_construct(**data))
     out = prepare(*data_settings(cfg))
     assert out.stats["train"]["dropped"] == {"no_room_for_completion": 3} and len(out.train) == 4
-    assert "dropped: no_room_for_completion 3;" in summary(out.stats, cfg.data, True, "", 1.0)
+    assert "dropped: no_room_for_completion 3 (each named in skipped.txt);" in summary(
+        out.stats, cfg.data, True, "", 1.0
+    )
 
 
 def test_on_too_long_truncates_skips_or_stops(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -493,6 +495,11 @@ def test_on_too_long_truncates_skips_or_stops(tmp_path: Path, tiny_model_dir: Pa
     )
     assert len(skipped.train) == 4 and skipped.stats["train"]["dropped"] == {"too_long": 3}
     assert skipped.stats["train"]["truncated"]["completion"] == 0
+    # Each row dropped is named in skipped.txt, as a bad record is (it was counted only).
+    lines = (tmp_path / "prepared" / "skipped.txt").read_text().splitlines()
+    assert len(lines) == 3 and lines[0].startswith(f"too_long\t{path}:1: ")
+    assert [line.split(": ", 1)[0].rsplit(":", 1)[1] for line in lines] == ["1", "2", "3"]
+    assert lines[0].endswith(" completion tokens, longer than data.max_length 24")
     # KL rows still join one example's prompt with another's completion and are cut to fit: said in the summary
     # (it was in stats.json only, and the summary read "0 prompts, 0 completions")
     long_prompts = [{"prompt": "Q:" + " why" * 3, "completion": " ok", "label": i % 2 == 0} for i in range(3)]
