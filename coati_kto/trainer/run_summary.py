@@ -38,7 +38,9 @@ def split_rows(stats: dict[str, Any]) -> list[dict[str, Any]]:
                 "undesirable": split["labels"]["undesirable"],
                 "truncated_prompts": truncated.get("prompt", 0),
                 "truncated_completions": truncated.get("completion", 0),
-                "dropped_too_long": sum((split.get("dropped") or {}).values()),
+                # A KL row joins the prompt with another example's completion: cut to fit whatever the policy.
+                "kl_rows_cut": f"{truncated.get('kl_prompt', 0)} / {truncated.get('kl_completion', 0)}",
+                "dropped_to_fit": sum((split.get("dropped") or {}).values()),
             }
         )
     return rows
@@ -48,13 +50,14 @@ def data_stats_table(stats: dict[str, Any]) -> str:
     """A markdown table of :func:`split_rows` and the skipped bad records."""
     lines = [
         "| split | examples | desirable | undesirable | truncated prompts | truncated completions "
-        "| dropped (too long) |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| KL rows cut (prompts / completions) | dropped to fit |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in split_rows(stats):
         lines.append(
             f"| {r['split']} | {r['examples']} | {r['desirable']} | {r['undesirable']} | "
-            f"{r['truncated_prompts']} | {r['truncated_completions']} | {r['dropped_too_long']} |"
+            f"{r['truncated_prompts']} | {r['truncated_completions']} | {r['kl_rows_cut']} | "
+            f"{r['dropped_to_fit']} |"
         )
     bad = (stats.get("bad_records") or {}).get("skipped", 0)
     lines.append("")

@@ -81,6 +81,20 @@ def test_tensorboard_data_text_names_a_held_out_eval_split() -> None:
     assert "**eval files:** held out of the train files (data.eval_fraction)" in lines
 
 
+def test_the_data_table_counts_kl_rows_cut() -> None:
+    """TensorBoard's run/data text and the card listed truncated prompts and completions but not the KL rows cut
+    to fit (an sp run's card: 10 prompts truncated, the 11 KL prompts cut not shown), under a "dropped (too long)"
+    heading also used for what truncate drops."""
+    from coati_kto.trainer.run_summary import data_stats_table
+
+    truncated = {"prompt": 10, "completion": 2, "kl_prompt": 11, "kl_completion": 3}
+    split = {"examples": 40, "labels": {"desirable": 30, "undesirable": 10}, "truncated": truncated}
+    stats = {"files": {"train": ["t.jsonl"]}, "train": {**split, "dropped": {"no_room_for_completion": 1}}}
+    lines = data_stats_table(stats).splitlines()
+    assert lines[0].endswith("| KL rows cut (prompts / completions) | dropped to fit |")
+    assert lines[2] == "| train | 40 | 30 | 10 | 10 | 2 | 11 / 3 | 1 |"
+
+
 def test_card_says_how_completions_end(tmp_path: Path) -> None:
     """Issue 32: prepare's one line on where completions end (the template's end of turn, or EOS) is on the card."""
     config = load_config(write_config(tmp_path, MINIMAL))
