@@ -16,6 +16,7 @@ and reference are the same weights.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 import time
@@ -69,6 +70,7 @@ class EvalSamples:
         if tokenizer is None:
             raise ValueError("eval samples need the tokenizer (KTOTrainer's tokenizer argument)")
         chosen = _distinct_prompts(rows, np.random.default_rng(seed).permutation(len(rows)), count)
+        self.asked = count
         # (place in the set, row); None marks this rank's padding rows, decoded and dropped
         mine: list[tuple[int | None, int]] = list(enumerate(chosen))[layout.dp_rank :: layout.dp_size]
         per_rank = math.ceil(len(chosen) / layout.dp_size)
@@ -179,21 +181,25 @@ class EvalSamples:
                         self.writer.image(f"eval/samples/{who}/image/{s.sample}", s.image, step)
                     self.writer.table(f"eval/samples/{who}", list(COLUMNS), rows, step, images)
             line = f"step {step}: {len(decoded['policy'])} eval samples ({' and '.join(decoded)}) in {seconds:.2f} s"
+            if len(decoded["policy"]) < self.asked:  # the eval split holds fewer distinct prompts than asked
+                line += f" (eval.samples {self.asked}: the eval split has {len(decoded['policy'])} distinct prompts)"
             (self.progress.write if self.progress is not None else print)(line)
         return {"eval/samples_seconds": seconds}
 
 
 def _distinct_prompts(rows: Any, order: np.ndarray, count: int) -> list[int]:
     """The first ``count`` rows in ``order`` whose prompt no earlier pick has: a desirable and an undesirable record
-    of one prompt decode to the same greedy text, so two samples on it would show one completion twice. Fewer when
-    the rows hold fewer distinct prompts (the printed count says how many)."""
-    seen: set[tuple[int, ...]] = set()
+    of one prompt decode to the same greedy text, so two samples on it would show one completion twice. A prompt
+    is its tokens and its images (one question asked of many images is many prompts). Fewer when the rows hold
+    fewer distinct prompts (the printed count says how many)."""
+    seen: set[tuple] = set()
     chosen: list[int] = []
     for index in order.tolist():
         if len(chosen) == count:
             break
         row = rows[index]
-        prompt = tuple(int(t) for t in row["input_ids"][: int(row["completion_start"])])
+        images = tuple(hashlib.sha256(bytes(image)).digest() for image in row.get("images") or ())
+        prompt = (tuple(int(t) for t in row["input_ids"][: int(row["completion_start"])]), images)
         if prompt not in seen:
             seen.add(prompt)
             chosen.append(index)

@@ -67,6 +67,18 @@ def test_each_sample_has_a_prompt_of_its_own() -> None:
     assert sorted(tuple(p) for p in every.prompts) == [(1, 2, 3 + k) for k in range(5)]
 
 
+def test_one_question_about_several_images_is_several_prompts() -> None:
+    """The image demo asks one question of every image: the samples compared prompt tokens only (the soft image
+    tokens are the same for every image), so eval.samples 4 gave one sample."""
+    rows = [
+        {"input_ids": [1, 2, 5, 9], "completion_start": 3, "label": i % 2 == 0, "images": [bytes([i // 2])]}
+        for i in range(8)
+    ]
+    samples = EvalSamples(rows, 4, 4, 0, object(), _layout(0, 1), torch.device("cpu"))
+    assert len(samples.row_ids) == 4 and len({rows[i]["images"][0] for i in samples.row_ids}) == 4
+    assert samples.asked == 4
+
+
 @pytest.mark.parametrize(("count", "dp_size"), [(5, 2), (3, 4), (4, 2), (1, 3)])
 def test_the_data_parallel_ranks_share_the_set_and_run_alike(count: int, dp_size: int) -> None:
     """Every place decoded once over the ranks; every rank the same number of rows (its padding marked None),
