@@ -106,6 +106,16 @@ def collator_images(model: ModelSection) -> dict[str, Any]:
             f"models only ({name} is not one of their processors)"
         )
     fixed = IMAGE_FAMILIES[name]
+    if fixed:  # a processor of another checkpoint: prepare passed, and step 1 raised in the model's forward
+        from transformers import AutoConfig
+
+        expected = getattr(AutoConfig.from_pretrained(model.path), "mm_tokens_per_image", None)
+        if expected is not None and int(processor.image_seq_length) != int(expected):
+            raise ConfigError(
+                f"model.path {model.path}: its processor gives {processor.image_seq_length} image tokens per image "
+                f"(image_seq_length) and its model takes {expected} (mm_tokens_per_image): the processor files "
+                "are another checkpoint's; use the model's own"
+            )
     return {
         "image_processor": processor.image_processor,
         "image_token_id": soft_token_id(processor),

@@ -311,6 +311,22 @@ def test_a_text_only_model_refuses_images_beside_string_contents(
     prepare(*settings(tmp_path, tiny_model_dir, write_jsonl(rows, tmp_path / "strings.jsonl")))
 
 
+def test_a_processor_of_another_checkpoint_is_refused_before_training(tmp_path: Path) -> None:
+    """image_seq_length 9 against the model's mm_tokens_per_image 4: prepare passed and step 1 raised "Image
+    features and image tokens do not match" in the forward, a traceback on every rank."""
+    from coati_kto.config.schema import ModelSection
+    from coati_kto.data.image_store import collator_images
+
+    assert collator_images(ModelSection(path=str(vl_model_dir(tmp_path))))["image_seq_length"] == 4
+    other = vl_model_dir(tmp_path / "other", image_seq_length=9)
+    with pytest.raises(ConfigError) as err:
+        collator_images(ModelSection(path=str(other)))
+    assert str(err.value) == (
+        f"model.path {other}: its processor gives 9 image tokens per image (image_seq_length) and its model takes "
+        "4 (mm_tokens_per_image): the processor files are another checkpoint's; use the model's own"
+    )
+
+
 def test_inspect_reads_image_records(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """``coati-kto inspect`` of a vision-language model's image records refused them, saying that only prepare
     and train read them."""
