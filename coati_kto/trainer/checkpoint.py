@@ -12,7 +12,6 @@ it rebuilds them from the bf16 model, and a resumed bf16 run drifts. Saving the 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import sys
@@ -55,8 +54,6 @@ from coati_kto.trainer.export import (
     write_hf,
 )
 from coati_kto.trainer.write_failures import describe, held_write_failures, with_disk_hint
-
-logger = logging.getLogger(__name__)
 
 
 class CheckpointSaveError(UserError):
@@ -264,10 +261,7 @@ class CheckpointManager:
             masters = torch.load(master_file, map_location="cpu")
             # whole: one gradient replica (ZeRO's group is dp x sp under sequence parallelism)
             restore_masters(model, optimizer, masters, whole=self.layout.gradient_replicas == 1)
-        elif master_shards(model, optimizer):
-            logger.warning(
-                "rank %d: fp32 master weights rebuilt from the model checkpoint (layout changed)", rank
-            )
+        rebuilt = ", fp32 master weights rebuilt from its weights" if master_shards(model, optimizer) else ""
         if same_layout:
             saved = saved_trainer_state(path, rank)
             restore_loss_scaler(optimizer, saved.get("loss_scaler"))  # fp16: absent from older checkpoints
@@ -278,8 +272,10 @@ class CheckpointManager:
             loss_scale(optimizer) is not None
         ):  # fp16: the scale is the same on every rank (a global overflow vote)
             restore_loss_scaler(optimizer, saved_trainer_state(path, 0).get("loss_scaler"))
-        if rng:
-            logger.warning("rank %d: parallel layout changed since the save, RNG states not restored", rank)
+        if (
+            rng and self.layout.is_main
+        ):  # one line for the run, not a logging record per rank; none for an export
+            _warn(f"the parallel layout changed since the save: RNG states not restored{rebuilt}")
         states = on_rank0(lambda: old_dp_states(path, meta), "read the checkpoint's data position")
         return {**states[0], "rank_states": states}
 

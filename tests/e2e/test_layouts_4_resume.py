@@ -62,6 +62,12 @@ def test_tp2_dp2_checkpoint_resumes_on_tp1_dp4(tmp_path: Path, tiny_model_dir: P
         f"train.resume={checkpoint}",
     )
     assert f"resumed from {checkpoint}" in said, said[-3000:]
+    # Said once for the run, as a warning line (it was a logging record per rank: WARNING:coati_kto...:rank N).
+    changed = [line for line in said.splitlines() if "layout changed" in line]
+    assert changed == [
+        "warning: the parallel layout changed since the save: RNG states not restored, fp32 master weights "
+        "rebuilt from its weights"
+    ], changed
     losses = dict(read_scalars(second / "tensorboard")["train/loss"])
     assert sorted(losses) == list(range(SAVE_AT + 1, STEPS + 1)), losses
     assert all(math.isfinite(v) for v in losses.values())
