@@ -283,14 +283,7 @@ def _build(settings: PrepareSettings, tokenizer, fp: dict, target: Path, process
                 left_out += dropped
                 with progress_bars(False):
                     ds.save_to_disk(str(work / name))
-        by_reason: dict[str, int] = {}
-        for bad in skipped:
-            by_reason[bad.reason] = by_reason.get(bad.reason, 0) + 1
-        stats["bad_records"] = {
-            "skipped": len(skipped),
-            "by_reason": by_reason,
-            "examples": [str(b) for b in skipped[:10]],
-        }
+        stats["bad_records"] = _bad_records(skipped)
         ends = [(stats[split] or {}).get("completion_end", {}) for split in ("train", "eval")]
         stats["completion_end"] = completion_end_line(ends, tokenizer.eos_token)
         (work / "skipped.txt").write_text(
@@ -334,6 +327,14 @@ def ensure(settings: PrepareSettings, tokenizer) -> tuple[dict, bool, str]:
         )
     _build(settings, tokenizer, fp, target, processor if "images" in fp else None)  # None: no record has one
     return fp, True, why
+
+
+def _bad_records(skipped: list[RecordError]) -> dict[str, Any]:
+    """stats.json's ``bad_records``: how many were skipped, by reason, and the first ten."""
+    by_reason: dict[str, int] = {}
+    for bad in skipped:
+        by_reason[bad.reason] = by_reason.get(bad.reason, 0) + 1
+    return {"skipped": len(skipped), "by_reason": by_reason, "examples": [str(b) for b in skipped[:10]]}
 
 
 def _build_reason(target: Path, fp: dict) -> str | None:
