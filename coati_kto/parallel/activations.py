@@ -21,7 +21,9 @@ The LM head: no [B, S, V] logits where the chunked head runs (``coati_kto.models
 head): the completion positions' hidden states, the logits kept for the backward while positions x vocabulary
 is under 2**24 fp32 elements (x16 on a GPU), and two fp32 blocks of 2**23 elements (2**26 on a GPU). Above
 tp 1 the logits path: the [B, S, V] logits (each rank gathers the whole vocabulary row), their gradient, the
-rank's vocabulary slice, and two fp32 chunks of 2**22 elements (2**26 on a GPU).
+rank's vocabulary slice, and two fp32 chunks of 2**22 elements (2**26 on a GPU). At tp 1 a family whose head is
+not plain (``coati_kto.families.HEAD_FAMILIES``) takes the logits path with nothing gathered: the logits, their
+gradient and the two chunks.
 """
 
 from __future__ import annotations
@@ -95,22 +97,35 @@ def layer_bytes(
     - attention, per tensor-parallel rank: q and k after rotary and v as the kernel gets them (b (q + 2 kv);
       ``repeat_kv``, eager, or sdpa with a dense mask, repeats grouped key-value heads: kv = q), the kernel's output (b q), its log-sum-exp (4 per head); under sp one
       more b q (the all_to_all's output o_proj keeps); eager also its scores and probabilities (2 b heads length);
-    - the MLP: gate, up, the activation and the product (4 b intermediate / tp).
+    - the MLP: gate, up, the activation and the product (4 b intermediate / tp); a mixture of experts (transformers
+      5's grouped experts) keeps them for each of a token's top-k experts and its shared expert (4 b x
+      :func:`mlp_width` / tp) and, whole, each routed expert's copy of the token's input and its
+      weighted output with their two int64 indices (top-k x (2 b h + 16); not counted: the router's scores, a
+      gated shared expert's output).
     """
     h, b = shape.hidden, working
     q = shape.heads * shape.head_dim
     kv = q if eager or repeat_kv else shape.kv_heads * shape.head_dim
     norms = 2 * (2 * b * h + 4 if fused_norms else 4 * h + 2 * b * h + 4)
-    split = b * ((3 if sp > 1 else 2) * q + 2 * kv) + 4 * shape.heads + 4 * b * shape.intermediate
+    routed = getattr(shape, "routed_experts", 0) * (2 * b * h + 16)  # MoE: whole on every rank
+    mlp = 4 * b * mlp_width(shape)
+    split = b * ((3 if sp > 1 else 2) * q + 2 * kv) + 4 * shape.heads + mlp
     if eager:
         split += 2 * b * shape.heads * length
-    return norms + -(-split // tp)
+    return norms + routed + -(-split // tp)
 
 
 def backward_bytes(shape: Any, tp: int, working: int, checkpointing: bool) -> int:
     """Bytes per token one layer's backward holds on top (its MLP's gradients: 3 b intermediate, 2 b with
-    checkpointing; measured, benchmarks/sp_memory_bench.py's "rest" column)."""
-    return (2 if checkpointing else 3) * working * -(-shape.intermediate // tp)
+    checkpointing; measured, benchmarks/sp_memory_bench.py's "rest" column). A mixture of experts: of every
+    expert the token runs through at once (:func:`mlp_width`: the grouped experts' backward)."""
+    return (2 if checkpointing else 3) * working * -(-mlp_width(shape) // tp)
+
+
+def mlp_width(shape: Any) -> int:
+    """The intermediate width a token's MLP runs: ``ModelShape.mlp_intermediate`` (a mixture of experts: top-k x
+    the expert's + a shared expert's), else ``intermediate`` (a dense model, benchmarks/sp_memory_bench.py's)."""
+    return getattr(shape, "mlp_intermediate", 0) or shape.intermediate
 
 
 def activation_bytes(
@@ -157,5 +172,10 @@ def _head_bytes(shape: Any, tp: int, tokens: int, working: int, work: Workload) 
         blocks = 2 * 4 * min(tokens * vocab, HEAD_BLOCK[work.device])
         return tokens * shape.hidden * working + kept + blocks, "chunked: no [B, S, V] logits"
     chunks = 2 * 4 * min(tokens * vocab, LOGITS_CHUNK[work.device])
+    if tp == 1:  # a head that is not lm_head(hidden) alone: the model's logits, nothing gathered
+        return (
+            2 * tokens * vocab * working + chunks,
+            "the [B, S, V] logits and their gradient (not a plain head)",
+        )
     logits = 2 * tokens * vocab * working + tokens * -(-vocab // tp) * working
     return logits + chunks, "the [B, S, V] logits (tensor parallelism gathers the vocabulary)"

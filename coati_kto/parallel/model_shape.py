@@ -5,10 +5,21 @@ model class on the meta device (no weights read, no memory taken) and counts its
 tensor once. It sorts them the way the hybrid_parallel plugin's shardformer splits them: the vocabulary rows
 (embeddings and an untied LM head, padded to a multiple of 64 x tp_size and split by rows), the decoder layers'
 projections (split by tp_size) and what every tensor-parallel rank keeps whole (norms, routers' biases).
+
+A mixture of experts runs each token through its top-k routed experts (and a shared expert where the family has
+one), each keeping its own intermediate activations: ``mlp_intermediate`` is that width per token, read from the
+meta model's experts (the widest layer where dense and MoE layers mix).
+
+A shape field config.json lacks is a ConfigError naming it (``AutoConfig.for_model`` would fill the family's
+default: another model) where the family's class has a value for it (not one it computes, such as head_dim). A
+vision-language config's text model nested under ``text_config`` is what transformers writes as a diff against
+the text class's defaults (Gemma 3 4B and LLaVA 1.5's hub configs omit their heads and sizes): the fields it
+omits are taken from those defaults and named in ``defaulted``, not refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -20,6 +31,22 @@ from coati_kto.errors import ConfigError
 
 VOCAB_MULTIPLE = 64  # HybridParallelPlugin's make_vocab_size_divisible_by
 VOCAB_NAMES = ("embed_tokens", "lm_head", "wte", "embed_out", "word_embeddings", "embed_in")
+# The text config's fields that shape the plan (names as the config class spells them, or through its
+# attribute_map: gpt2's n_embd, n_layer...).
+SHAPE_FIELDS = (
+    "hidden_size",
+    "num_hidden_layers",
+    "vocab_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+    "num_local_experts",
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+)
+SHARED_EXPERTS = ("shared_expert", "shared_experts", "shared_mlp")  # a MoE block's always-on expert
 
 
 @dataclass(frozen=True)
@@ -39,6 +66,13 @@ class ModelShape:
     whole_params: int  # norms and the like: whole on every tensor-parallel rank
     lora_linears: tuple[tuple[str, int, int], ...]  # (module suffix, in, out) of every Linear in the layers
     outer_whole_params: int = 0  # of whole_params, those outside the decoder layers (the final norm)
+    # Per token, the MLP's intermediate width: top-k x a routed expert's + a shared expert's (MoE; the widest
+    # layer where layers mix dense and MoE MLPs); 0: a dense ``intermediate``.
+    mlp_intermediate: int = 0
+    # The top-k experts a token runs through (0: dense); each copies its input and output.
+    routed_experts: int = 0
+    # text_config's shape fields taken from the family's defaults (module docstring).
+    defaulted: tuple[str, ...] = ()
 
     @property
     def params(self) -> int:
@@ -128,13 +162,54 @@ def model_shape(source: str, key: str = "model.path") -> ModelShape:
             " ".join(str(err).split())[:300] or type(err).__name__
         )  # one line, however long transformers' is
         raise ConfigError(f"{key}: {source}: transformers cannot build its config.json ({why})") from None
+    text = config.get_text_config()
+    defaulted = _defaulted_fields(raw, type(text))
+    if defaulted and not isinstance(raw.get("text_config"), dict):
+        raise ConfigError(
+            f"{key}: {_config_path(source)} has no {', '.join(defaulted)} (transformers would take "
+            f"{type(text).__name__}'s defaults: another model's shape)"
+        )
     # A config without one hidden size or head count (Gemma 4's per-layer head_dim): one line too.
     try:
-        return _count(model, config.get_text_config())
+        shape = _count(model, text)
     except Exception as err:
         raise ConfigError(
             f"{key}: {source}: the plan reads no single decoder shape from it ({err})"
         ) from None
+    return dataclasses.replace(shape, defaulted=tuple(defaulted))
+
+
+def _config_path(source: str) -> str:
+    """The config.json ``source`` is read from (a Hub id's: its path in the hub cache)."""
+    folder = Path(source).expanduser()
+    if folder.is_dir():
+        return str(folder / "config.json")
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(source, "config.json")
+    return cached if isinstance(cached, str) else f"{source}'s config.json"
+
+
+def _defaulted_fields(raw: dict[str, Any], text_class: type) -> list[str]:
+    """The :data:`SHAPE_FIELDS` config.json ``raw`` leaves to ``text_class``'s defaults: those the class has a
+    value for (None: it computes them, as head_dim, or they are optional) that neither ``raw`` nor its nested
+    ``text_config`` sets under any of its names (the class's ``attribute_map`` relates them either way: gpt2 reads
+    hidden_size as n_embd, Qwen3-MoE writes num_experts as num_local_experts); named as the class's field."""
+    if not dataclasses.is_dataclass(text_class):
+        return []
+    defaults = {f.name: f.default for f in dataclasses.fields(text_class)}
+    aliases = getattr(text_class, "attribute_map", {}) or {}
+    nested = raw.get("text_config")
+    given = {**raw, **nested} if isinstance(nested, dict) else raw
+    missing: list[str] = []
+    for key in SHAPE_FIELDS:
+        names = {key, aliases.get(key, key), *(a for a, b in aliases.items() if b == key)}
+        name = next((n for n in sorted(names) if n in defaults), None)
+        if name is None or defaults[name] is None or defaults[name] is dataclasses.MISSING:
+            continue
+        if not names & given.keys() and name not in missing:
+            missing.append(name)
+    return missing
 
 
 def _count(model: Any, text: Any) -> ModelShape:
@@ -158,6 +233,8 @@ def _count(model: Any, text: Any) -> ModelShape:
     )
     heads = int(text.num_attention_heads)
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
+    intermediate = int(getattr(text, "intermediate_size", None) or 4 * text.hidden_size)
+    routed, width = _mlp_width(model, int(text.hidden_size), intermediate, int(text.num_hidden_layers))
     return ModelShape(
         model_type=str(text.model_type),
         hidden=int(text.hidden_size),
@@ -165,11 +242,54 @@ def _count(model: Any, text: Any) -> ModelShape:
         heads=heads,
         kv_heads=int(getattr(text, "num_key_value_heads", None) or heads),
         head_dim=head_dim,
-        intermediate=int(getattr(text, "intermediate_size", None) or 4 * text.hidden_size),
+        intermediate=intermediate,
         vocab=int(text.vocab_size),
         vocab_params=counts["vocab"],
         split_params=counts["split"],
         whole_params=counts["whole"],
         lora_linears=linears,
         outer_whole_params=counts["outer"],
+        mlp_intermediate=width,
+        routed_experts=routed,
     )
+
+
+def _mlp_width(model: Any, hidden: int, dense: int, layers: int) -> tuple[int, int]:
+    """(top-k, intermediate width per token) of the meta ``model``'s MoE layers: a layer whose MLP holds
+    ``experts`` runs each token through its router's ``top_k`` of them and any shared expert; (0, 0) for a dense
+    model. The widest of its ``layers`` (``dense``: those without experts), the most top-k."""
+    blocks = []
+    for name, module in model.named_modules():
+        if not name.endswith(".experts") or ".layers." not in name or "attn" in name or "attention" in name:
+            continue
+        block = model.get_submodule(name.rsplit(".", 1)[0])
+        top_k = next((m.top_k for m in block.modules() if isinstance(getattr(m, "top_k", None), int)), 1)
+        shared = sum(_down_width(child, hidden) for n, child in block.named_children() if n in SHARED_EXPERTS)
+        blocks.append((top_k, top_k * (_expert_width(module, hidden) or dense) + shared))
+    if not blocks:
+        return 0, 0
+    width = max([w for _, w in blocks] + ([dense] if len(blocks) < layers else []))
+    return max(k for k, _ in blocks), width
+
+
+def _expert_width(experts: Any, hidden: int) -> int:
+    """One routed expert's intermediate width: the experts' ``intermediate_dim`` (``expert_dim``), else the
+    dimension of their 3-D down projection [experts, hidden, width] (or transposed) that is not ``hidden``, else
+    the first expert module's (a ModuleList); 0 when none tells."""
+    for attr in ("intermediate_dim", "expert_dim"):
+        if isinstance(getattr(experts, attr, None), int):
+            return int(getattr(experts, attr))
+    down = getattr(experts, "down_proj", None)
+    if down is not None and getattr(down, "dim", lambda: 0)() == 3:
+        rows, cols = down.shape[1:]
+        return int(cols if rows == hidden else rows)
+    first = next(iter(experts.children()), None)
+    return _down_width(first, hidden) if first is not None else 0
+
+
+def _down_width(mlp: Any, hidden: int) -> int:
+    """An MLP's intermediate width: the input of its down projection (a Linear back to ``hidden``, the last)."""
+    from torch import nn
+
+    downs = [m for m in mlp.modules() if isinstance(m, nn.Linear) and m.out_features == hidden]
+    return downs[-1].in_features if downs else 0

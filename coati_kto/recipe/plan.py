@@ -133,16 +133,31 @@ def plan_lines(config: Config, gpus: int | None, gpu_memory: float, nodes: int) 
     plan = plan_memory(shape, layout, work)
     budget = usable_bytes(gpu_memory)
     verdict = "fits" if plan.peak <= budget else "does NOT fit"
+    defaulted = f"; its text_config leaves {', '.join(shape.defaulted)} to the family's defaults"
     lines = [
         f"model: {config.model.path} ({shape.model_type}, {shape.params:,} parameters, {shape.layers} layers, "
-        f"hidden {shape.hidden}, vocabulary {shape.vocab}; read from config.json only)",
+        f"hidden {shape.hidden}, vocabulary {shape.vocab}; read from config.json only"
+        + (defaulted if shape.defaulted else "")
+        + ")",
         f"layout: {layout.describe()}, on {world} GPU(s), {nodes} node(s)"
         + ("" if gpus is not None else " (--gpus not given: one data-parallel replica)"),
+        *_tp_across_nodes(layout.tp, world // nodes),
         "per rank:" if layout.pp == 1 else stage_line(plan, work),
         *breakdown_lines(plan, work, shape),
         f"  peak           {_gib(plan.peak)}  {verdict} in {USABLE_FRACTION:.0%} of {gpu_memory:g} GiB",
     ]
     return lines + _fit_lines(config, shape, work, world, world // nodes, gpu_memory)
+
+
+def _tp_across_nodes(tp: int, per_node: int) -> list[str]:
+    """A note when the configured tensor-parallel groups span nodes (``tp`` does not divide the GPUs per node):
+    train runs it, with every layer's collectives over the network; the search lists tp within a node only."""
+    if per_node % tp == 0:
+        return []
+    return [
+        f"note: plugin.tp_size {tp} spans nodes ({per_node} GPU(s) per node): every layer's tensor-parallel "
+        "collectives cross the network; the layouts below keep tp within a node (a divisor of the GPUs per node)"
+    ]
 
 
 def _check_options(world: int, gpu_memory: float, nodes: int) -> None:

@@ -206,7 +206,7 @@ def test_padded_rows_instead_of_packed_ones_is_a_note(tmp_path: Path, tiny_model
     quiet = _load(tmp_path, tiny_model_dir, *PP, "kto.kl_continuation=false", "kto.pack_policy=false")
     assert pipeline_note(quiet) is None
     kl_only = _load(tmp_path, tiny_model_dir, *PP)
-    assert "so kto.kl_continuation do not run" in pipeline_note(kl_only)
+    assert "so kto.kl_continuation does not run" in pipeline_note(kl_only)
 
 
 def test_the_world_must_divide_into_tp_times_sp_times_pp_groups() -> None:

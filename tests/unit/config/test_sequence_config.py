@@ -179,6 +179,8 @@ def test_train_says_which_pass_layouts_sp_turns_off(tmp_path: Path, tiny_model_d
     )
     quiet = _load(tmp_path, tiny_model_dir, *SP, "kto.kl_continuation=false", "kto.pack_policy=false")
     assert sequence_note(quiet) is None
+    kl_only = _load(tmp_path, tiny_model_dir, *SP, "kto.pack_policy=false")
+    assert "so kto.kl_continuation does not run (the examples" in sequence_note(kl_only)
 
 
 def test_a_class_only_loading_tells_is_refused_at_boost_by_the_same_table() -> None:

@@ -4,6 +4,7 @@ intermediate 128) and Llama 3.1 8B's shape (benchmarks/model_shapes)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -222,3 +223,84 @@ def test_padding_free_dense_kernels_hold_the_whole_row_mask_on_every_sp_rank(tin
         with_mask, _, notes = activation_bytes(tiny_shape, 1, sp, 4, masked)
         assert with_mask - plain == 2 * 16 * 16 * 4
         assert notes[-1].startswith("up to a dense [2, 1, 16, 16] mask (padding-free rows that pack")
+
+
+# Mixtral 8x7B's config.json: Llama 3 8B's layer but for 8 experts of intermediate 14336, 2 of them per token.
+MIXTRAL_8X7B = {
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+    "vocab_size": 32000,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "tie_word_embeddings": False,
+}
+
+
+def _shape_of(tmp_path: Path, raw: dict) -> ModelShape:
+    folder = tmp_path / raw["model_type"]
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(raw))
+    return model_shape(str(folder))
+
+
+def test_moe_activations_run_each_token_through_its_top_k_experts(tmp_path: Path) -> None:
+    """transformers 5's grouped experts keep a token's gate, up, activation and product for each of its top-k
+    experts, and each routed expert's copy of its input and weighted output (2 b h, two int64 indices): Mixtral
+    8x7B at micro-batch 2 x 2048 in bf16 keeps 39.24 GiB, not Llama 3 8B's 20.91 (one dense MLP of 14336)."""
+    shape = _shape_of(tmp_path, MIXTRAL_8X7B)
+    assert (shape.intermediate, shape.mlp_intermediate, shape.routed_experts) == (14336, 2 * 14336, 2)
+    dense = dataclasses.replace(shape, mlp_intermediate=0, routed_experts=0)
+    assert layer_bytes(shape, 1, 1, 2048, 2, eager=False) - layer_bytes(
+        dense, 1, 1, 2048, 2, eager=False
+    ) == (4 * 2 * 14336 + 2 * (2 * 2 * 4096 + 16))
+    # at tp 2 the experts' intermediates split, the routed copies stay whole
+    assert layer_bytes(shape, 2, 1, 2048, 2, eager=False) - layer_bytes(
+        dense, 2, 1, 2048, 2, eager=False
+    ) == (4 * 2 * 14336 // 2 + 2 * (2 * 2 * 4096 + 16))
+    assert backward_bytes(shape, 1, 2, checkpointing=False) == 3 * 2 * 2 * 14336
+    work = Workload(micro_batch=2, length=2048, fused_norms=True)  # bf16, no checkpointing
+    plan = plan_memory(shape, Layout("hybrid_parallel", "bf16", 2, dp=8), work)
+    assert round(plan.activations / GIB, 2) == 39.24
+    assert (
+        round(plan_memory(dense, Layout("hybrid_parallel", "bf16", 2, dp=8), work).activations / GIB, 2)
+        == 20.91
+    )
+
+
+def test_moe_widths_add_a_shared_expert_and_read_the_experts_own_size(tmp_path: Path) -> None:
+    """Qwen3-MoE: top-k x moe_intermediate_size (not the dense intermediate_size); Qwen2-MoE adds its shared
+    expert; a layer without experts (mlp_only_layers) is as wide as intermediate_size. Either name of the
+    experts' count Qwen3-MoE's attribute_map relates is a config.json's (transformers 5 writes num_local_experts)."""
+    sizes = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    sizes |= {"head_dim": 16, "vocab_size": 512, "num_experts": 8, "num_experts_per_tok": 4}
+    qwen3 = {"model_type": "qwen3_moe", "intermediate_size": 96, "moe_intermediate_size": 32, **sizes}
+    local = {k: v for k, v in qwen3.items() if k != "num_experts"} | {"num_local_experts": 8}
+    shape = _shape_of(tmp_path, local)
+    assert (shape.intermediate, shape.mlp_intermediate, shape.routed_experts) == (96, 4 * 32, 4)
+    qwen2 = {"model_type": "qwen2_moe", "intermediate_size": 96, "moe_intermediate_size": 32, **sizes}
+    shape = _shape_of(tmp_path, {**qwen2, "shared_expert_intermediate_size": 48})
+    assert (shape.mlp_intermediate, shape.routed_experts) == (4 * 32 + 48, 4)
+    (tmp_path / "qwen3_moe" / "config.json").write_text(json.dumps({**qwen3, "mlp_only_layers": [0]}))
+    assert model_shape(str(tmp_path / "qwen3_moe")).mlp_intermediate == 4 * 32  # the wider MoE layer
+    (tmp_path / "qwen3_moe" / "config.json").write_text(
+        json.dumps({**qwen3, "mlp_only_layers": [0], "intermediate_size": 256})
+    )
+    assert model_shape(str(tmp_path / "qwen3_moe")).mlp_intermediate == 256  # the wider dense layer
+    assert (_llama_8b().mlp_intermediate, _llama_8b().routed_experts) == (0, 0)  # dense: intermediate
+
+
+def test_the_logits_path_at_tp_1_gathers_nothing(tiny_shape: ModelShape) -> None:
+    """A family without a plain head (not HEAD_FAMILIES: qwen3_moe, gpt2) at tp 1: the [B, S, V] logits and their
+    gradient, no third [B, S, V] of a vocabulary slice; above tp 1 the gathered logits, their gradient, the slice."""
+    work = Workload(micro_batch=2, length=8, plain_head=False, device="cpu")  # 16 tokens, bf16
+    _, head, notes = activation_bytes(tiny_shape, 1, 1, 2, work)
+    assert head == 2 * 16 * 512 * 2 + 2 * 4 * 16 * 512
+    assert notes[0] == "the [B, S, V] logits and their gradient (not a plain head)"
+    _, head, notes = activation_bytes(tiny_shape, 2, 1, 2, work)
+    assert head == 2 * 16 * 512 * 2 + 16 * 256 * 2 + 2 * 4 * 16 * 512
+    assert notes[0] == "the [B, S, V] logits (tensor parallelism gathers the vocabulary)"

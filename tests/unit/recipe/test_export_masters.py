@@ -77,7 +77,7 @@ def test_the_export_weighs_as_the_run_did(tmp_path: Path, monkeypatch: pytest.Mo
     config = load_config(write_config(tmp_path, MINIMAL.replace("dir: out", f"dir: {out}")))
     asked: list = []
 
-    def setup_export(config: object, trained_dp_size: int | None = None) -> None:
+    def setup_export(config: object, scratch: Path, trained_dp_size: int | None = None) -> None:
         asked.append(trained_dp_size)
         raise RuntimeError("stop here")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -170,3 +171,73 @@ def test_the_configured_layout_shards_zero_over_data_and_sequence_ranks(config: 
     admits = _admitted(str(REPO / "benchmarks" / "model_shapes" / "llama-3.1-8b"))
     sizes = [(1, 2), (1, 4), (1, 8), (2, 4), (8, 1)]
     assert [admits(tp, sp) for tp, sp in sizes] == [True, True, False, True, False]
+
+
+def test_a_config_json_without_a_shape_field_is_refused_naming_it(
+    config: Path, tmp_path: Path, capsys
+) -> None:
+    """Llama 3.1 70B's config.json without hidden_size is not planned at LlamaConfig's default 4096: one line
+    names the file and the field (gpt2's as it spells them: n_embd); fields a family computes (head_dim) or leaves
+    optional (gpt2's n_inner) are not asked for."""
+    raw = json.loads((REPO / "benchmarks" / "model_shapes" / "llama-3.1-70b" / "config.json").read_text())
+    del raw["hidden_size"], raw["vocab_size"]
+    folder = tmp_path / "no_hidden"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(raw))
+    assert _error(["plan", str(config), f"model.path={folder}"], capsys) == (
+        f"error: model.path: {folder / 'config.json'} has no hidden_size, vocab_size (transformers would take "
+        "LlamaConfig's defaults: another model's shape)"
+    )
+    gpt2 = {
+        "model_type": "gpt2",
+        "n_embd": 64,
+        "n_layer": 2,
+        "n_head": 4,
+        "vocab_size": 512,
+        "n_positions": 64,
+    }
+    (folder / "config.json").write_text(json.dumps(gpt2))
+    assert main(["plan", str(config), f"model.path={folder}", "--gpus", "2"]) == 0
+    assert "(gpt2, " in capsys.readouterr().out.splitlines()[0]
+    (folder / "config.json").write_text(json.dumps({k: v for k, v in gpt2.items() if k != "n_embd"}))
+    assert _error(["plan", str(config), f"model.path={folder}"], capsys).endswith(
+        "config.json has no n_embd (transformers would take GPT2Config's defaults: another model's shape)"
+    )
+
+
+def test_a_nested_text_config_takes_the_defaults_it_omits(config: Path, tmp_path: Path, capsys) -> None:
+    """Gemma 3 4B's hub config.json nests its text model under text_config without its heads and vocabulary
+    (transformers wrote it as a diff against Gemma3TextConfig's defaults): planned, and the model line says so."""
+    text = {
+        "model_type": "gemma3_text",
+        "hidden_size": 2560,
+        "intermediate_size": 10240,
+        "num_hidden_layers": 34,
+    }
+    raw = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "text_config": text}
+    folder = tmp_path / "gemma3"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(raw))
+    assert main(["plan", str(config), f"model.path={folder}", "--gpus", "2"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert (
+        first.startswith(f"model: {folder} (gemma3_text, ")
+        and "34 layers, hidden 2560, vocabulary 262208" in first
+    )
+    assert first.endswith(
+        "its text_config leaves vocab_size, num_attention_heads, num_key_value_heads to the family's defaults)"
+    )
+
+
+def test_a_tensor_parallel_size_across_nodes_is_a_note(config: Path, capsys) -> None:
+    """tp 2 on 2 nodes of 1 GPU: train runs it (every layer's collectives over the network), the search lists tp
+    within a node only; the report says so under the layout."""
+    assert main(["plan", str(config), "plugin.tp_size=2", "--gpus", "2", "--nodes", "2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[2] == (
+        "note: plugin.tp_size 2 spans nodes (1 GPU(s) per node): every layer's tensor-parallel collectives cross "
+        "the network; the layouts below keep tp within a node (a divisor of the GPUs per node)"
+    )
+    assert all(" tp 1 " in line for line in lines if line.startswith("  hybrid_parallel"))
+    assert main(["plan", str(config), "plugin.tp_size=2", "--gpus", "2", "--nodes", "1"]) == 0
+    assert not [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
