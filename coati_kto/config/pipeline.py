@@ -138,13 +138,14 @@ def pipeline_note(config: Any) -> str | None:
     """One line when pipeline parallelism turns off a pass layout the config asks for (None otherwise): the schedule
     splits every tensor of a batch along dim 0, so every pass runs on padded rows."""
     kto, pp = config.kto, config.plugin.pp_size
+    kl = kto.loss_type != "apo_zero_unpaired"  # the KL passes' layouts: none without KL passes
     asked = [
         k
         for k, on in (
             ("data.padding_free", config.data.padding_free),
-            ("kto.pack_policy", kto.policy_packing()),
-            ("kto.pack_reference", kto.pack_reference),
-            ("kto.kl_continuation", kto.kl_continuation),
+            ("kto.pack_policy", kl and kto.policy_packing()),
+            ("kto.pack_reference", kl and kto.pack_reference),
+            ("kto.kl_continuation", kl and kto.kl_continuation),
         )
         if on
     ]

@@ -63,7 +63,7 @@ def sequence_problems(config: Any) -> list[str]:
     if config.model.attn_implementation not in ("sdpa", "eager", None):
         out.append(
             f"{head} model.attn_implementation {config.model.attn_implementation}: its attention wraps sdpa or "
-            "eager only (a dense whole-row mask; flex attention has no CPU backward and is unproven on GPUs)"
+            "eager only (a dense whole-row mask per rank's slice; set model.attn_implementation=sdpa)"
         )
     unproven = {
         "eval.samples > 0 (decoding one token at a time cannot be split)": config.eval.samples > 0,
@@ -96,7 +96,7 @@ def sequence_note(config: Any) -> str | None:
         )
         if on
     ]
-    if config.plugin.sp_size == 1 or not asked:
+    if config.plugin.sp_size == 1 or not asked or kto.loss_type == "apo_zero_unpaired":  # no KL passes
         return None
     return (
         f"note: plugin.sp_size {config.plugin.sp_size}: every pass runs on its own sliced rows, so {', '.join(asked)} "

@@ -207,6 +207,10 @@ def test_padded_rows_instead_of_packed_ones_is_a_note(tmp_path: Path, tiny_model
     assert pipeline_note(quiet) is None
     kl_only = _load(tmp_path, tiny_model_dir, *PP)
     assert "so kto.kl_continuation does not run" in pipeline_note(kl_only)
+    # apo_zero_unpaired runs no KL pass: only its padding-free rows are turned off
+    apo = _load(tmp_path, tiny_model_dir, *PP, *asked, "kto.loss_type=apo_zero_unpaired")
+    assert "so data.padding_free does not run (" in pipeline_note(apo)
+    assert pipeline_note(_load(tmp_path, tiny_model_dir, *PP, "kto.loss_type=apo_zero_unpaired")) is None
 
 
 def test_the_world_must_divide_into_tp_times_sp_times_pp_groups() -> None:

@@ -74,7 +74,7 @@ def test_a_valid_sp_config_gives_the_plan_its_size(tmp_path: Path, tiny_model_di
         (
             ["model.attn_implementation=flex_attention"],
             "plugin.sp_size 2 with model.attn_implementation flex_attention: its attention wraps sdpa or eager only "
-            "(a dense whole-row mask; flex attention has no CPU backward and is unproven on GPUs)",
+            "(a dense whole-row mask per rank's slice; set model.attn_implementation=sdpa)",
         ),
         (
             ["model.compile=true"],
@@ -181,6 +181,8 @@ def test_train_says_which_pass_layouts_sp_turns_off(tmp_path: Path, tiny_model_d
     assert sequence_note(quiet) is None
     kl_only = _load(tmp_path, tiny_model_dir, *SP, "kto.pack_policy=false")
     assert "so kto.kl_continuation does not run (the examples" in sequence_note(kl_only)
+    # apo_zero_unpaired runs no KL pass: nothing of it is turned off (the note was said there too)
+    assert sequence_note(_load(tmp_path, tiny_model_dir, *SP, "kto.loss_type=apo_zero_unpaired")) is None
 
 
 def test_a_class_only_loading_tells_is_refused_at_boost_by_the_same_table() -> None:
