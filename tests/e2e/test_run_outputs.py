@@ -86,7 +86,8 @@ def test_tensorboard_text_and_hparams_say_what_the_run_was(run: dict) -> None:
     train = stats["train"]
     row = (
         f"| train | {train['examples']} | {train['labels']['desirable']} | {train['labels']['undesirable']} | "
-        f"{train['truncated']['prompt']} | {train['truncated']['completion']} | 0 |"
+        f"{train['truncated']['prompt']} | {train['truncated']['completion']} | "
+        f"{train['truncated']['kl_prompt']} / {train['truncated']['kl_completion']} | 0 |"
     )
     assert row in data_md.splitlines(), data_md
     assert run["config"]["data"]["train_files"][0] in data_md
