@@ -91,7 +91,10 @@ def _front_matter(model: ModelSection, data: DataSection, loss_type: str, title:
         base_model=base,
         tags=sorted(set(tags)),
         datasets=datasets or None,
-        pipeline_tag="text-generation",
+        # The Hub's task for the class the Use section loads (a vision-language export reads images too).
+        pipeline_tag="image-text-to-text"
+        if _auto_class_name(model) == "AutoModelForImageTextToText"
+        else "text-generation",
     )
     return [
         "---",

@@ -449,6 +449,7 @@ def test_lora_adapts_the_language_model_only_and_both_exports_score_as_the_run(r
         '"path/to/final/adapter")'
     ) in card
     assert '# or, merged: AutoModelForImageTextToText.from_pretrained("path/to/final/merged")' in card
+    assert "pipeline_tag: image-text-to-text" in card  # it said text-generation for a vision-language model
 
 
 def test_evaluation_samples_log_their_images_to_tensorboard_and_wandb(runs: dict) -> None:
