@@ -153,8 +153,8 @@ def pipeline_note(config: Any) -> str | None:
         return None
     return (
         f"note: plugin.pp_size {pp}: the pipeline schedule splits a batch along its rows, so {', '.join(asked)} "
-        f"{'does' if len(asked) == 1 else 'do'} not run (every pass runs on padded rows, the examples and the KL pairs each take one; equal within "
-        "rounding)"
+        f"{'does' if len(asked) == 1 else 'do'} not run (every pass runs on padded rows, the examples and the KL "
+        "pairs each take one; equal within rounding)"
     )
 
 

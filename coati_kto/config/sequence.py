@@ -100,5 +100,6 @@ def sequence_note(config: Any) -> str | None:
         return None
     return (
         f"note: plugin.sp_size {config.plugin.sp_size}: every pass runs on its own sliced rows, so {', '.join(asked)} "
-        f"{'does' if len(asked) == 1 else 'do'} not run (the examples and the KL pairs each take a pass; equal within rounding)"
+        f"{'does' if len(asked) == 1 else 'do'} not run (the examples and the KL pairs each take a pass; equal "
+        "within rounding)"
     )

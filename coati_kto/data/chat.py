@@ -152,9 +152,8 @@ def _left_out(
                 f"the chat template leaves this {message['role']} turn out of the prompt it renders, so the "
                 "model would train without it; use a template that renders it, or remove the turn"
             )
-    for i, message in enumerate(
-        prompt
-    ):  # an agent trace's actions: a template without tool support drops them
+    # An agent trace's actions: a template without tool support drops them.
+    for i, message in enumerate(prompt):
         if missing := _calls_left_out(message, prompt_text):
             return f"prompt[{i}].tool_calls", (
                 f"the chat template leaves this turn's tool calls ({missing}) out of the prompt it renders, so the "

@@ -224,9 +224,8 @@ class _Fitted:
     keep_p: np.ndarray
     keep_c: np.ndarray
     image_cut: int = 0
-    left_out: list[str] = field(
-        default_factory=list
-    )  # skipped.txt's line per row dropped here: reason, source
+    # skipped.txt's line per row dropped here: its reason, a tab, its source and why
+    left_out: list[str] = field(default_factory=list)
 
 
 # stats.json's "dropped" key, by data.on_too_long ("error" raised on a row too long: what it drops has no room left)

@@ -80,6 +80,10 @@ def render(
     return "\n".join(lines)
 
 
+# The Hub's task for the class the Use section loads (a vision-language export reads images too).
+PIPELINE_TAGS = {"AutoModelForImageTextToText": "image-text-to-text"}
+
+
 def _front_matter(model: ModelSection, data: DataSection, loss_type: str, title: str) -> list[str]:
     from huggingface_hub import ModelCardData  # imported by the one rank that writes the card
 
@@ -91,10 +95,7 @@ def _front_matter(model: ModelSection, data: DataSection, loss_type: str, title:
         base_model=base,
         tags=sorted(set(tags)),
         datasets=datasets or None,
-        # The Hub's task for the class the Use section loads (a vision-language export reads images too).
-        pipeline_tag="image-text-to-text"
-        if _auto_class_name(model) == "AutoModelForImageTextToText"
-        else "text-generation",
+        pipeline_tag=PIPELINE_TAGS.get(_auto_class_name(model), "text-generation"),
     )
     return [
         "---",

@@ -77,10 +77,8 @@ def _newest_after(root: Path, named: Path, pointer_written: int) -> Path:
     hf download, a sync: new file times in any order) nor an abandoned run's higher steps (a run resumed from an
     earlier step by hand; the pointer then names that step) name it. A checkpoint written before they were kept
     (2026-12-01) counts when it completed after the pointer was written."""
-    current, later = (
-        named,
-        [p for p in complete_checkpoints(root) if checkpoint_step(p) > checkpoint_step(named)],
-    )
+    current = named
+    later = [p for p in complete_checkpoints(root) if checkpoint_step(p) > checkpoint_step(named)]
     while True:
         here = checkpoint_meta(current).get("id")
         following = [
