@@ -159,7 +159,7 @@ def _left_out(
                 f"the chat template leaves this turn's tool calls ({missing}) out of the prompt it renders, so the "
                 "model would train without them; use a template that renders tool_calls, or remove them"
             )
-    names = [str((t.get("function") or t).get("name", "")) for t in tools or [] if isinstance(t, dict)]
+    names = _function_names(tools)
     if names and not any(name and name in prompt_text for name in names):
         return "tools", (
             f"the chat template renders none of the record's tools ({', '.join(names)[:80]}): it ignores tools, "
@@ -171,9 +171,13 @@ def _left_out(
 def _calls_left_out(message: dict, text: str) -> str:
     """The names of ``message``'s tool calls (OpenAI's ``tool_calls``) that ``text`` does not hold, comma-joined
     and clipped; '' when every one shows (a template renders a call with its function's name)."""
-    calls = message.get("tool_calls") or []
-    names = [str((c.get("function") or c).get("name", "")) for c in calls if isinstance(c, dict)]
-    return ", ".join(name for name in names if name and name not in text)[:80]
+    return ", ".join(n for n in _function_names(message.get("tool_calls")) if n and n not in text)[:80]
+
+
+def _function_names(items: list | None) -> list[str]:
+    """The function names of OpenAI-style tool definitions or tool calls (``{"function": {"name": ...}}`` or
+    ``{"name": ...}``); '' for one without a name."""
+    return [str((i.get("function") or i).get("name", "")) for i in items or [] if isinstance(i, dict)]
 
 
 # Texts no template rewrites: they mark where a turn's content went (_rendered).

@@ -87,8 +87,21 @@ def tokenizer_hash(tokenizer) -> str:
     return h.hexdigest()
 
 
+_HASHED: dict[tuple[int, int, int, int, int], str] = {}  # (device, inode, size, mtime, ctime) -> content_hash
+
+
 def content_hash(path: Path) -> str:
-    """SHA-256 of the file's bytes (hex), read in HASH_CHUNK pieces (hashlib releases the GIL, one pass)."""
+    """SHA-256 of the file's bytes (hex), read in HASH_CHUNK pieces (hashlib releases the GIL, one pass). Read
+    once per process while the file's status is unchanged: export and inspect fingerprint the inputs before
+    ``ensure`` does. The key holds ctime, which any write changes (an edit that restores size and mtime too)."""
+    st = path.stat()
+    key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    if key not in _HASHED:
+        _HASHED[key] = _read_hash(path)
+    return _HASHED[key]
+
+
+def _read_hash(path: Path) -> str:
     h = hashlib.sha256()
     buf = bytearray(HASH_CHUNK)
     view = memoryview(buf)
