@@ -15,6 +15,7 @@ from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
 from coati_kto.config.schema import Config
+from coati_kto.config.trl_flags import SCRIPT_FLAGS, TRAINER_NAMES, trl_hint
 
 
 def _type_name(annotation: Any) -> str:
@@ -90,34 +91,13 @@ def all_keys() -> list[str]:
     return keys
 
 
-# The names TRL's KTOConfig and transformers' TrainingArguments give these settings: users bring them along.
-TRAINER_NAMES = {
-    "learning_rate": "train.lr",
-    "per_device_train_batch_size": "train.micro_batch_size",
-    "per_device_eval_batch_size": "train.eval_micro_batch_size",
-    "gradient_accumulation_steps": "train.accumulation_steps",
-    "num_train_epochs": "train.max_epochs",
-    "warmup_steps": "train.warmup_steps",
-    "max_grad_norm": "train.max_grad_norm",
-    "logging_steps": "train.log_interval",
-    "eval_steps": "train.eval_interval",
-    "save_steps": "output.save_interval",
-    "output_dir": "output.dir",
-    "max_prompt_length": "data.max_prompt_length",
-    "max_length": "data.max_length",
-    "beta": "kto.beta",
-    "desirable_weight": "kto.desirable_weight",
-    "undesirable_weight": "kto.undesirable_weight",
-    "generate_during_eval": "eval.samples",
-}
-
-
 def did_you_mean(dotted: str) -> str | None:
     """The closest known key (or section) to the unknown ``dotted`` key, when one is close; else None. A
     TRL / transformers trainer name (``train.learning_rate``) maps to this project's key (``train.lr``)."""
     leaf = dotted.rsplit(".", 1)[-1]
-    if leaf in TRAINER_NAMES and TRAINER_NAMES[leaf] in all_keys():
-        return TRAINER_NAMES[leaf]
+    mapped = TRAINER_NAMES.get(leaf) or SCRIPT_FLAGS.get(leaf)
+    if mapped in all_keys():
+        return mapped
     depth = dotted.count(".")
     candidates = [k for k in all_keys() if k.count(".") == depth]
     close = difflib.get_close_matches(dotted, candidates, n=1, cutoff=0.75)
@@ -127,3 +107,14 @@ def did_you_mean(dotted: str) -> str | None:
     if not close and depth == 0:  # a key outside its section (lost indentation): max_steps -> train.max_steps
         close = [k for k in all_keys() if k.count(".") == 1 and k.split(".")[1] == dotted]
     return close[0] if close else None
+
+
+def unknown_key_problem(dotted: str, value: Any = None) -> str:
+    """The problem line of an unknown key: a TRL name (a TRL-style flat YAML, ``bf16: true``) is translated as
+    its command-line flag is (coati_kto.config.trl_flags), so each one gets its override or why it has none;
+    otherwise the closest known key, when one is close."""
+    hint = trl_hint(dotted.rsplit(".", 1)[-1], value)
+    if hint is not None:
+        return f"unknown key; {hint}"
+    close = did_you_mean(dotted)
+    return f"unknown key (did you mean {close}?)" if close else "unknown key"

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from coati_kto.config.discovery import did_you_mean
+from coati_kto.config.discovery import unknown_key_problem
 from coati_kto.config.schema import Config
 from coati_kto.config.section import DEFER_SECTION_PROBLEMS
 from coati_kto.errors import ConfigError
@@ -106,18 +106,37 @@ class _Origins:
         return f"{where}: {key}: {problem}"
 
 
+# What a value brought from TRL / transformers means here, for the field errors it gets: pydantic's bare message
+# ("Input should be a valid string") does not say what to write instead.
+_FIELD_HINTS = {
+    ("train.resume", "string_type"): "use auto (the newest checkpoint) or a checkpoint path",
+    ("train.max_steps", "greater_than_equal"): "null (or leave it out) for no limit",
+}
+
+
+def _hint(key: str, kind: str, value: Any) -> str:
+    """``; what to write instead`` for a field error _FIELD_HINTS knows, else ""."""
+    hint = _FIELD_HINTS.get((key, kind))
+    if key == "train.micro_batch_size" and kind == "greater_than_equal" and value == 1:  # TRL's batch of 1
+        hint = (
+            "each micro-batch must hold both labels (a desirable and an undesirable example); for the same "
+            "examples per step set 2 and halve train.accumulation_steps"
+        )
+    return f"; {hint}" if hint else ""
+
+
 def _format_errors(err: ValidationError, origins: _Origins) -> str:
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            close = did_you_mean(key)
-            msg = f"unknown key (did you mean {close}?)" if close else "unknown key"
+            msg = unknown_key_problem(key, e.get("input"))
         elif e["type"] == "missing":
             msg = "required key is missing"
         elif "input" in e and not isinstance(e["input"], (dict, BaseModel)):  # a section's own check: no dump
             msg = f"{msg} (got {e['input']!r})"
+            msg += _hint(key, e["type"], e["input"])
         lines += [origins.line(key, part) for part in msg.split("\n")]
     return "\n".join(lines)
 

@@ -48,8 +48,8 @@ def test_a_value_of_the_file_is_named_by_its_line(tmp_path: Path) -> None:
     ]
     # The same key, overridden: the override is named, not the file.
     path = write_config(tmp_path, TEXT)
-    assert _errors(path, ["train.micro_batch_size=1"]) == [
-        "override train.micro_batch_size=1: Input should be greater than or equal to 2 (got 1)"
+    assert _errors(path, ["train.micro_batch_size=-3"]) == [
+        "override train.micro_batch_size=-3: Input should be greater than or equal to 2 (got -3)"
     ]
 
 

@@ -39,7 +39,8 @@ def test_off_by_default_and_refused_without_eval_data(tmp_path: Path) -> None:
         load_config(path, ["train.generate_during_eval=true"])
     assert (
         str(info.value)
-        == "override train.generate_during_eval=true: unknown key (did you mean eval.samples?)"
+        == "override train.generate_during_eval=true: unknown key; TRL's generate_during_eval true is eval.samples=8 "
+        "(8 prompts decoded at each evaluation)"
     )
 
 

@@ -1,0 +1,237 @@
+"""TRL's flags and a TRL-style flat YAML translated to this project's keys: every flag accounted for in the one
+line (its override, or why it has none), local dataset paths, TRL's precision and LoRA defaults, and the field
+errors a TRL value gets (train.resume=true, train.max_steps=-1, train.micro_batch_size=1) saying what to write."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import pytest
+from helpers import MINIMAL, write_config
+
+from coati_kto.cli import _parse, _parser
+from coati_kto.config.load import load_config
+from coati_kto.config.trl_flags import COMMAND_OPTIONS, CONFIG_COMMANDS
+from coati_kto.errors import ConfigError
+
+TAIL = " (coati-kto config --schema lists every key)"
+
+
+def _line(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as info:
+        _parse(argv)
+    assert info.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    return line
+
+
+def _parts(line: str) -> list[str]:
+    """The ``--flag ... is ...`` parts of the line, without its head and the command at its end."""
+    body = line.split(" are not options of coati-kto ", 1)[1].split(": ", 1)[1]
+    body = body.split("; as overrides after the config")[0].split("; none of them has an override")[0]
+    return body.split("; --")[:1] + ["--" + part for part in body.split("; --")[1:]]
+
+
+def _loaded(line: str, path: Path) -> object:
+    """The config the line's command loads (its overrides after ``coati-kto CMD CONFIG``)."""
+    command = line.split("as overrides after the config: ")[1].removesuffix(TAIL)
+    return load_config(path, shlex.split(command)[3:])
+
+
+def _errors(path: Path, overrides: list[str]) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(path, overrides)
+    return str(info.value).splitlines()
+
+
+@pytest.mark.parametrize("value", ["./data/saved", "data/std.jsonl", "/abs/dir", "a/b/c", "saved"])
+def test_a_local_dataset_name_is_a_path_not_a_hub_dataset(
+    value: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--dataset_name ./data/saved` became data.train_files=hf://datasets/./data/saved, then refused."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "saved").mkdir()  # a bare name that exists here is read from disk, as load_dataset would
+    path = write_config(tmp_path, MINIMAL)
+    line = _line(["train", str(path), "--dataset_name", value, "--dataset_config", "en"], capsys)
+    assert _parts(line) == [
+        f"--dataset_name {value} is data.train_files=[{value}] (a local path)",
+        "--dataset_config en has no equivalent for a local --dataset_name (hf://datasets entries only)",
+    ]
+    assert _loaded(line, path).data.train_files == [value]
+    hub = _line(["train", "--dataset_name", "trl-lib/kto", "--dataset_config", "en"], capsys)
+    assert "data.train_files=hf://datasets/trl-lib/kto?config=en" in hub
+    assert "--dataset_config en is config=en in data.train_files" in hub
+
+
+def test_every_flag_is_accounted_for(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Unmapped flags vanished from the line when others mapped (--warmup_ratio, --report_to, ...)."""
+    path = write_config(tmp_path, MINIMAL)
+    argv = ["train", str(path), "--beta", "0.1", "--lr_scheduler_type=cosine", "--warmup_ratio", "0.1"]
+    line = _line([*argv, "--report_to", "wandb", "--logging_first_step"], capsys)
+    schedule = (
+        "the schedule here: linear warmup over train.warmup_steps, then cosine to lr x train.min_lr_ratio"
+    )
+    assert line == (
+        "error: TRL-style flags are not options of coati-kto train: --beta 0.1 is kto.beta=0.1; "
+        f"--lr_scheduler_type cosine is train.min_lr_ratio=0.0 ({schedule}); --warmup_ratio 0.1 has no "
+        "equivalent (no ratio here; set train.warmup_steps to 10% of the run's steps); --report_to wandb is "
+        "logging.wandb=true (TensorBoard stays on unless logging.tensorboard=false); --logging_first_step has "
+        "no equivalent (train/ metrics every train.log_interval steps); as overrides after the config: "
+        f"coati-kto train {path} kto.beta=0.1 train.min_lr_ratio=0.0 logging.wandb=true" + TAIL
+    )
+    flags = ["--save_total_limit", "3", "--dataset_num_proc", "4", "--precompute_ref_log_probs"]
+    flags += ["--report_to", "none", "--max_steps", "-1", "--resume_from_checkpoint", "True"]
+    flags += ["--max_completion_length", "256", "--lr_scheduler_type", "linear", "--bogus", "1"]
+    line = _line(["train", str(path), *flags, "--nproc_per_node", "8", "--nproc-per-node", "8"], capsys)
+    assert _parts(line)[4:] == [
+        "--max_steps -1 is train.max_steps=null (transformers' -1: no limit)",
+        "--resume_from_checkpoint True is train.resume=auto (the newest checkpoint in output.dir)",
+        "--max_completion_length 256 has no equivalent (no such key: a completion keeps what data.max_length "
+        "leaves after its prompt)",
+        f"--lr_scheduler_type linear has no equivalent ({schedule})",
+        "--bogus 1 has no equivalent (not a TRL flag known here)",
+        "--nproc_per_node 8 has no equivalent (coati-kto's option is --nproc-per-node)",
+    ]
+    config = _loaded(line, path)
+    assert (config.output.keep_last, config.data.num_proc, config.kto.reference) == (3, 4, "cached")
+    assert (config.logging.wandb, config.logging.tensorboard) == (False, False)
+    assert (config.train.max_steps, config.train.resume) == (None, "auto")
+    # A line of unmapped flags only is still one line, not argparse's "unrecognized arguments".
+    assert _line(["train", str(path), "--logging_first_step"], capsys).endswith(
+        "--logging_first_step has no equivalent (train/ metrics every train.log_interval steps); none of them "
+        "has an override here" + TAIL
+    )
+
+
+def test_the_command_options_are_the_parsers(capsys: pytest.CaptureFixture[str]) -> None:
+    """A flag that is the command's own option is not TRL's: the set must follow coati_kto/cli.py."""
+    subparsers = next(a for a in _parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    options = {
+        o.removeprefix("--")
+        for name in CONFIG_COMMANDS
+        for a in subparsers.choices[name]._actions
+        for o in a.option_strings
+        if o.startswith("--")
+    }
+    assert options == COMMAND_OPTIONS
+    line = _line(["inspect", "cfg.yaml", "--ranks", "2", "--beta", "0.2"], capsys)
+    assert _parts(line) == ["--beta 0.2 is kto.beta=0.2"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "precision"),
+    [
+        (["--fp16", "False"], "bf16"),  # TRL: an unset bf16 is `not fp16`
+        (["--fp16", "False", "--bf16", "False"], "fp32"),
+        (["--bf16", "False"], "fp32"),
+        (["--bf16", "True", "--fp16", "False"], "bf16"),
+        (["--fp16"], "fp16"),
+    ],
+)
+def test_precision_flags_resolve_as_trl_does(
+    flags: list[str], precision: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--fp16 False` was always plugin.precision=bf16, even beside `--bf16 False` (TRL: fp32)."""
+    path = write_config(tmp_path, MINIMAL)
+    line = _line(["train", str(path), *flags], capsys)
+    assert all(f" is plugin.precision={precision}" in part for part in _parts(line))
+    config = _loaded(line, path)
+    assert config.plugin.precision == precision
+    assert config.output.export_dtype == ("fp32" if precision == "bf16" else "training")
+    if flags == ["--fp16", "False"]:
+        assert (
+            "(TRL trains bf16 when fp16 is off; fp32: --bf16 False; fp32 final/ weights, as TRL saves)"
+            in line
+        )
+
+
+def test_bf16_exports_fp32_weights_where_admitted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """TRL saves fp32 weights after bf16 training; here final/ was bf16 unless output.export_dtype=fp32."""
+    path = write_config(tmp_path, MINIMAL)
+    line = _line(["train", str(path), "--bf16"], capsys)
+    assert _parts(line) == [
+        "--bf16 is plugin.precision=bf16 output.export_dtype=fp32 (fp32 final/ weights, as TRL saves)"
+    ]
+    assert _loaded(line, path).output.export_dtype == "fp32"
+    refused = "(final/ stays bf16: an fp32 export is refused with LoRA or tp_size > 1)"
+    (tmp_path / "lora").mkdir()
+    lora = write_config(tmp_path / "lora", MINIMAL.replace("some/model\n", "some/model\n  lora: {rank: 4}\n"))
+    for argv in (
+        ["train", str(path), "--bf16", "--use_peft"],
+        ["train", str(path), "--bf16", "plugin.tp_size=2"],
+        ["train", str(path), "--bf16", "model.lora.rank=4"],
+    ):
+        assert f"--bf16 is plugin.precision=bf16 {refused}" in _line(argv, capsys)
+    assert "output.export_dtype" not in _line(["train", str(lora), "--bf16"], capsys)
+
+
+def test_use_peft_gets_trls_lora_defaults(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--use_peft` was model.lora={rank: 8}; TRL's ModelConfig has r 16, alpha 32, dropout 0.05."""
+    path = write_config(tmp_path, MINIMAL)
+    line = _line(["train", str(path), "--use_peft"], capsys)
+    assert "--use_peft is model.lora={rank: 16, alpha: 32, dropout: 0.05} (TRL's LoRA defaults)" in line
+    lora = _loaded(line, path).model.lora
+    assert (lora.rank, lora.alpha, lora.dropout) == (16, 32.0, 0.05)
+    # --lora_r before --use_peft: the mapping goes first, so the rank given is kept.
+    line = _line(["train", str(path), "--lora_r", "32", "--use_peft"], capsys)
+    assert _loaded(line, path).model.lora.rank == 32
+
+
+@pytest.mark.parametrize(("value", "samples"), [([], 8), (["True"], 8), (["false"], 0)])
+def test_generate_during_eval_is_a_switch(
+    value: list[str], samples: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--generate_during_eval True` became eval.samples=True, refused (and bare: eval.samples=VALUE)."""
+    path = write_config(tmp_path, MINIMAL.replace("  prepared_dir", "  eval_fraction: 0.2\n  prepared_dir"))
+    line = _line(["train", str(path), "--generate_during_eval", *value], capsys)
+    note = " (8 prompts decoded at each evaluation)" if samples else ""
+    assert _parts(line) == [
+        f"--generate_during_eval{''.join(' ' + v for v in value)} is eval.samples={samples}{note}"
+    ]
+    assert _loaded(line, path).eval.samples == samples
+
+
+def test_a_trl_style_flat_yaml_gets_a_hint_for_every_trl_key(tmp_path: Path) -> None:
+    """Only learning_rate and the like got "did you mean"; bf16, warmup_ratio, ... got a bare "unknown key"."""
+    text = "model_name_or_path: Qwen/Qwen2-0.5B\ndataset_name: trl-lib/kto-mix-14k\nbf16: true\n"
+    text += "warmup_ratio: 0.1\nlr_scheduler_type: linear\nlearning_rate: 1.0e-6\nreport_to: [wandb]\n"
+    text += "generate_during_eval: true\nmax_completion_length: 256\nuse_peft: true\n"
+    path = write_config(tmp_path, MINIMAL + text)
+    lines = [line.split(": ", 1)[1] for line in _errors(path, [])]
+    schedule = (
+        "the schedule here: linear warmup over train.warmup_steps, then cosine to lr x train.min_lr_ratio"
+    )
+    assert lines == [
+        "model_name_or_path: unknown key (did you mean model.path?)",
+        "dataset_name: unknown key; TRL's dataset_name trl-lib/kto-mix-14k is "
+        "data.train_files=hf://datasets/trl-lib/kto-mix-14k",
+        "bf16: unknown key; TRL's bf16 true is plugin.precision=bf16 output.export_dtype=fp32 (fp32 final/ "
+        "weights, as TRL saves)",
+        "warmup_ratio: unknown key; TRL's warmup_ratio 0.1 has no equivalent (no ratio here; set "
+        "train.warmup_steps to 10% of the run's steps)",
+        f"lr_scheduler_type: unknown key; TRL's lr_scheduler_type linear has no equivalent ({schedule})",
+        "learning_rate: unknown key (did you mean train.lr?)",
+        "report_to: unknown key; TRL's report_to wandb is logging.wandb=true (TensorBoard stays on unless "
+        "logging.tensorboard=false)",
+        "generate_during_eval: unknown key; TRL's generate_during_eval true is eval.samples=8 (8 prompts decoded "
+        "at each evaluation)",
+        "max_completion_length: unknown key; TRL's max_completion_length 256 has no equivalent (no such key: a "
+        "completion keeps what data.max_length leaves after its prompt)",
+        "use_peft: unknown key; TRL's use_peft true is model.lora={rank: 16, alpha: 32, dropout: 0.05} (TRL's "
+        "LoRA defaults)",
+    ]
+
+
+def test_trl_values_get_what_to_write_instead(tmp_path: Path) -> None:
+    """train.resume=true, train.max_steps=-1 and train.micro_batch_size=1 got pydantic's bare message."""
+    path = write_config(tmp_path, MINIMAL)
+    assert _errors(path, ["train.resume=true", "train.max_steps=-1", "train.micro_batch_size=1"]) == [
+        "override train.micro_batch_size=1: Input should be greater than or equal to 2 (got 1); each micro-batch "
+        "must hold both labels (a desirable and an undesirable example); for the same examples per step set 2 "
+        "and halve train.accumulation_steps",
+        "override train.max_steps=-1: Input should be greater than or equal to 1 (got -1); null (or leave it out) "
+        "for no limit",
+        "override train.resume=true: Input should be a valid string (got True); use auto (the newest checkpoint) "
+        "or a checkpoint path",
+    ]
