@@ -48,10 +48,8 @@ def hub_problems(key: str, repo_id: str) -> list[str]:
 
     if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
         return []
-    if hub_offline():
-        return [
-            f"{key}: {repo_id} is not a local directory and not in the hub cache, and HF_HUB_OFFLINE is set"
-        ]
+    if variable := offline_variable():
+        return [f"{key}: {repo_id} is not a local directory and not in the hub cache, and {variable} is set"]
     import httpx
     from huggingface_hub.utils import build_hf_headers, get_session
 
@@ -81,16 +79,24 @@ def hub_problems(key: str, repo_id: str) -> list[str]:
     return []
 
 
+TRUE_VALUES = {"1", "ON", "YES", "TRUE"}
+
+
 def hub_offline() -> bool:
-    """HF_HUB_OFFLINE, read now (huggingface_hub's constant is read once, at import)."""
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE), read now (huggingface_hub's constant is read once, at import)."""
+    return offline_variable() is not None
+
+
+def offline_variable() -> str | None:
+    """The variable that puts the Hub offline, for a message to name what the user set: HF_HUB_OFFLINE, else
+    TRANSFORMERS_OFFLINE (huggingface_hub reads it when HF_HUB_OFFLINE is unset or empty); None when online."""
     from huggingface_hub import constants
 
-    return constants.HF_HUB_OFFLINE or os.environ.get("HF_HUB_OFFLINE", "").upper() in {
-        "1",
-        "ON",
-        "YES",
-        "TRUE",
-    }
+    name = "HF_HUB_OFFLINE" if os.environ.get("HF_HUB_OFFLINE") else "TRANSFORMERS_OFFLINE"
+    if os.environ.get(name, "").upper() in TRUE_VALUES:
+        return name
+    # Set when huggingface_hub was imported and since removed from the environment: it stays offline.
+    return "HF_HUB_OFFLINE" if constants.HF_HUB_OFFLINE else None
 
 
 def hub_token() -> str | None:

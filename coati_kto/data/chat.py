@@ -4,18 +4,40 @@ The prompt is ``template(prompt, add_generation_prompt=True)``; the completion t
 completion)`` adds after it. Every call gets ``data.chat_template_kwargs`` (e.g. Qwen3's ``enable_thinking``)
 and the record's own ``tools``. A template that fails on a record, renders a prompt that is not a prefix of the
 whole conversation, or leaves out a system or user turn, the record's tools or part of a completion turn, makes
-that record a one-line :class:`RecordError` (never a silent loss of what the model should see).
+that record a one-line :class:`RecordError` (never a silent loss of what the model should see). A tokenizer
+with no template at all, for records that need one, is one ConfigError before any is rendered
+(:func:`require_chat_template`): every record would fail alike, and skipped, leave nothing to train on.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedTokenizerBase
 
-from coati_kto.data.formats import RecordError
+from coati_kto.data.formats import Record, RecordError
+from coati_kto.errors import ConfigError
+
+if TYPE_CHECKING:
+    from coati_kto.config.schema import ModelSection
+
+
+def require_chat_template(
+    tokenizer: PreTrainedTokenizerBase, records: list[Record], model: ModelSection
+) -> None:
+    """Raise ConfigError when a record is conversational (only those go through the template; plain text is used
+    as given) and the tokenizer has no chat template, naming the tokenizer's key and how to give it one."""
+    chat = next((r for r in records if r.chat), None)
+    if chat is None or getattr(tokenizer, "chat_template", None):
+        return
+    key, name = ("model.tokenizer", model.tokenizer) if model.tokenizer else ("model.path", model.path)
+    raise ConfigError(
+        f"{key} {name}: its tokenizer has no chat template; conversational records need one ({chat.source} is "
+        f"one): put the model's chat_template.jinja (or a chat_template entry in tokenizer_config.json) in {name}, "
+        "set model.tokenizer to a tokenizer that has one, or give the records as plain prompt/completion strings"
+    )
 
 
 def render(

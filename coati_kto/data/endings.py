@@ -37,6 +37,21 @@ def generation_eos_ids(model_path: str | Path) -> list[int]:
     return sorted({int(i) for i in found if isinstance(i, int) and not isinstance(i, bool)})
 
 
+def checkpoint_eos(model_path: str | Path) -> tuple[int, str] | None:
+    """(id, file) of the checkpoint's own EOS: the first ``eos_token_id`` of ``model_path``'s
+    ``generation_config.json``, else of its ``config.json``; None when neither names one. The EOS a tokenizer
+    without one (no ``tokenizer_config.json``) ends completions with, so the model still learns to stop."""
+    for name in ("generation_config.json", "config.json"):
+        try:
+            found = json.loads((Path(model_path).expanduser() / name).read_text()).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        first = found[0] if isinstance(found, list) and found else found
+        if isinstance(first, int) and not isinstance(first, bool):
+            return first, name
+    return None
+
+
 PROBE_TURN = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
 
 
@@ -62,46 +77,65 @@ def template_end_of_turn(
     return int(last) if last is not None and last in special else None
 
 
+NO_EOS_WARNING = (
+    "warning: completions end as given: neither the tokenizer nor model.path's generation_config.json or "
+    "config.json gives an EOS token in the tokenizer's vocabulary, so the model is never trained to stop; give "
+    "the tokenizer an eos_token (tokenizer_config.json) or the checkpoint an eos_token_id"
+)
+
+
 def completion_end_line(splits: list[dict[str, int]], eos_token: str | None) -> str:
     """One line saying how completions end, from the ``completion_end`` counts of the prepared splits, e.g.
-    "completions end with the template's `<end_of_turn>`; no EOS added"."""
+    "completions end with the template's `<end_of_turn>`; no EOS added". An EOS that is not the tokenizer's comes
+    named in its keys (:meth:`Endings.end`); none at all is a ``warning:`` (first, so it shows)."""
     counts: dict[str, int] = {}
     for split in splits:
         for how, n in split.items():
-            counts[how] = counts.get(how, 0) + n
-    parts = []
+            kind, _, eos = how.partition("@")  # "eos_added:plain@`</s>` (id 2, ...)": the checkpoint's EOS
+            counts[kind] = counts.get(kind, 0) + n
+            eos_token = eos or eos_token
+    if eos_token is not None and not eos_token.startswith("`"):
+        eos_token = f"`{eos_token}`"
+    parts = [NO_EOS_WARNING] if counts.get("as_given:chat") or counts.get("as_given:plain") else []
     stops = [k.removeprefix("stop:") for k in counts if k.startswith("stop:")]
     if stops:
         shown = " / ".join(f"`{t}`" for t in sorted(stops, key=lambda t: -counts["stop:" + t]))
         parts.append(f"completions end with the template's {shown}; no EOS added")
     if counts.get("eos_added:chat"):
         parts.append(
-            f"EOS `{eos_token}` appended to {counts['eos_added:chat']} chat completions (their template turn "
+            f"EOS {eos_token} appended to {counts['eos_added:chat']} chat completions (their template turn "
             "ends with no token that stops generation)"
         )
     plain = counts.get("eos_added:plain", 0) + counts.get("eos_given:plain", 0)
     if plain:
         given = counts.get("eos_given:plain", 0)
         parts.append(
-            f"EOS `{eos_token}` appended to plain-text completions"
+            f"EOS {eos_token} appended to plain-text completions"
             + (f" ({given} of {plain} already ended with it)" if given else "")
         )
-    if counts.get("as_given:chat") or counts.get("as_given:plain"):
-        parts.append("completions end as given: the tokenizer has no EOS token")
     return "; ".join(parts)
 
 
 class Endings:
-    """Picklable (it runs in ``datasets.map`` workers): the stop ids of one tokenizer and how a completion ends."""
+    """Picklable (it runs in ``datasets.map`` workers): the stop ids of one tokenizer and how a completion ends.
+
+    ``eos_fallback``: the checkpoint's EOS (:func:`checkpoint_eos`), used when the tokenizer has none (its
+    ``tokenizer_config.json`` missing) and the id is in its vocabulary; ``end`` then names it in its keys."""
 
     def __init__(
         self,
         tokenizer: PreTrainedTokenizerBase,
         template_kwargs: dict[str, Any] | None = None,
         stop_ids: list[int] | tuple[int, ...] = (),
+        eos_fallback: tuple[int, str] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.eos = tokenizer.eos_token_id
+        self.named = ""  # "" for the tokenizer's EOS, else "@" and where the fallback came from
+        if self.eos is None and eos_fallback is not None and 0 <= eos_fallback[0] < len(tokenizer):
+            self.eos = eos_fallback[0]
+            token = tokenizer.convert_ids_to_tokens(self.eos)
+            self.named = f"@`{token}` (id {self.eos}, model.path's {eos_fallback[1]} eos_token_id: the tokenizer has no EOS)"
         self.end_of_turn = template_end_of_turn(tokenizer, template_kwargs)
         self.stops = {int(t) for t in (self.eos, self.end_of_turn, *stop_ids) if t is not None}
         self._blank: dict[int, bool] = {}
@@ -118,12 +152,13 @@ class Endings:
     def end(self, ids: list[int], chat: bool) -> tuple[list[int], str]:
         """(completion ids as stored, how they end: "stop:<token>" for a chat completion ending with a stop id,
         "eos_added:chat|plain", "eos_given:plain" for plain text already ending with EOS, "as_given:chat|plain"
-        for a tokenizer without EOS). Only "eos_added" appends a token."""
+        for a tokenizer without EOS; the two EOS kinds followed by "@" and the EOS named when it is the
+        checkpoint's, not the tokenizer's). Only "eos_added" appends a token."""
         kind, last = "chat" if chat else "plain", self.last_token(ids)
         if chat and last in self.stops:
             return ids, "stop:" + str(self.tokenizer.convert_ids_to_tokens(int(last)))
         if self.eos is None:
             return ids, f"as_given:{kind}"
         if not chat and last == self.eos:
-            return ids, "eos_given:plain"
-        return ids + [self.eos], f"eos_added:{kind}"
+            return ids, "eos_given:plain" + self.named
+        return ids + [self.eos], f"eos_added:{kind}{self.named}"

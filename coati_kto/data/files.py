@@ -1,6 +1,8 @@
 """Find and read feedback files: ``.jsonl``, ``.json`` (an array, ``{"data": [...]}`` or JSON lines),
 ``.parquet``, a directory of them (recursive, sorted), a ``datasets`` save_to_disk directory, or a Hub dataset
-(``hf://datasets/...``: :mod:`coati_kto.data.hub`); each raw record goes to :func:`coati_kto.data.formats.normalize` under its ``file:line`` (``file:row N``, 0-based, for tables).
+(``hf://datasets/...``: :mod:`coati_kto.data.hub`); each raw record goes to
+:func:`coati_kto.data.formats.normalize` under its ``file:line`` (``file:row N`` for arrays and tables, N from 1 as
+line numbers are).
 
 A data-looking file a directory holds but this module does not read (``.csv``, ``.jsonl.gz``, ``.JSONL``...) is an
 error, never skipped in silence; a ``ClassLabel`` label column maps by its class names, never by index.
@@ -91,6 +93,9 @@ def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
                 continue
             if not line.strip():
                 continue
+            # Without its line end: an error at the end of the line (a trailing comma) would else be placed at
+            # column 1 of the next "line", the newline itself.
+            line = line.rstrip("\r\n")
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
@@ -135,7 +140,7 @@ def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
         data = [data]
     if not isinstance(data, list):
         raise DataError(f"{path}: expected a JSON array of records, got {show_value(data)}")
-    for i, item in enumerate(data):
+    for i, item in enumerate(data, start=1):  # 1-based, as JSON lines' line numbers
         yield f"{path}:row {i}", item
 
 
@@ -168,14 +173,16 @@ def _table_rows(path: Path, cache_dir: str | None) -> Iterator[tuple[str, Any]]:
 
 
 def dataset_rows(ds: Any, name: str) -> Iterator[tuple[str, Any]]:
-    """(``name:row N``, record) per row of a ``datasets.Dataset``; a ClassLabel label maps by its class names."""
+    """(``name:row N``, N from 1, record) per row of a ``datasets.Dataset``; a ClassLabel label maps by its class
+    names."""
     label_of = class_label_map(ds, name)  # ClassLabel indices -> bool by the class names
     ds = undecoded(ds)  # images as their stored bytes, not PIL images
-    for i, row in enumerate(ds):
+    for i, row in enumerate(ds, start=1):  # 1-based, as JSON lines' line numbers
         if label_of is not None and row.get("label") in range(len(label_of)):  # -1: datasets' missing label
             row = {**row, "label": label_of[row["label"]]}
-        # A table has every column in every row; keys a record did not have come back as None.
-        yield f"{name}:row {i}", {k: v for k, v in row.items() if v is not None}
+        # A table has every column in every row, a record's absent keys as None: kept, for normalize to read as
+        # absent yet name as "null" where the record needs the field.
+        yield f"{name}:row {i}", row
 
 
 def iter_raw(

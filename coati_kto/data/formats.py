@@ -18,8 +18,9 @@ give prompt messages content parts, ``{"type": "image"}`` and ``{"type": "text",
 ``images`` list, checked in :mod:`coati_kto.data.image_refs`; a completion's parts are text only. Labels are JSON booleans, the integers 0/1 or the floats 1.0/0.0. Text must be valid Unicode (a lone
 surrogate, a string cut inside an emoji, is a bad record). Files are found and read in ``files``.
 
-Every problem is a one-line :class:`RecordError` naming ``file:line`` (``file:row N``, 0-based, for tables) and
-the field; :func:`coati_kto.data.files.load_records` raises it or, with ``on_bad_record="skip"``, collects it by reason.
+Every problem is a one-line :class:`RecordError` naming ``file:line`` (``file:row N`` for arrays and tables, N from
+1) and the field (a field absent is "missing", one holding null "null"); :func:`coati_kto.data.files.load_records`
+raises it or, with ``on_bad_record="skip"``, collects it by reason.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ from coati_kto.errors import DataError
 
 ROLE_ALIASES = {"human": "user", "gpt": "assistant"}
 MESSAGE_LIST_KEYS = ("messages", "conversations")
+SHAPES = "prompt/completion/label, messages/label, conversations/label or prompt/chosen/rejected"
+SHAPE_FIELDS = (*MESSAGE_LIST_KEYS, "chosen", "rejected", "completion", "prompt")
+HALVES = (("chosen", "rejected"), ("rejected", "chosen"), ("prompt", "completion"), ("completion", "prompt"))
 
 
 class RecordError(DataError):
@@ -49,6 +53,20 @@ class RecordError(DataError):
         bad = cls(source, None, "", reason)
         bad.args = (message,)
         return bad
+
+
+def skipped_note(skipped: int | list[RecordError]) -> str:
+    """How many bad records were skipped, with the commonest reason and its first record when known: where a
+    split comes out short of a label, they may be why (every record failing alike, e.g. on the chat template)."""
+    if isinstance(skipped, int) or not skipped:
+        return f"{skipped if isinstance(skipped, int) else 0} bad records were skipped"
+    by_reason: dict[str, int] = {}
+    for bad in skipped:
+        by_reason[bad.reason] = by_reason.get(bad.reason, 0) + 1
+    top = max(by_reason, key=by_reason.__getitem__)
+    first = str(next(b for b in skipped if b.reason == top))
+    first = first if len(first) <= 200 else first[:197] + "..."
+    return f"{len(skipped)} bad records were skipped, {by_reason[top]} of them for {top} (e.g. {first})"
 
 
 @dataclass
@@ -78,9 +96,16 @@ def show_value(value: Any, limit: int = 60) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _label(raw: dict[str, Any], source: str) -> bool:
+def _absent(key: str, nulls: set[str]) -> str:
+    """How a field a record lacks is named: "null" when it holds null (a JSON null, a table's empty cell),
+    "missing" when the record has no such field: the fix differs (fill the value, or add the field)."""
+    return "null" if key in nulls else "missing"
+
+
+def _label(raw: dict[str, Any], source: str, nulls: set[str]) -> bool:
     if "label" not in raw:
-        raise RecordError(source, "label", "missing (expected true/false or 0/1)", "missing_label")
+        problem = f"{_absent('label', nulls)} (expected true/false or 0/1)"
+        raise RecordError(source, "label", problem, "missing_label")
     value = raw["label"]
     if hasattr(value, "item") and not isinstance(value, (list, dict)):  # numpy scalars from tables
         value = value.item()
@@ -140,7 +165,9 @@ def _message(raw: Any, source: str, where: str, parts: bool = False) -> dict[str
                 "non_string_content",
             )
     elif not isinstance(content, str):
-        problem = "missing" if content is None else f"expected a string, got {show_value(content)}"
+        # A table gives a message every key of its column (absent ones as null): "null" is what it stores.
+        absent = "null" if key in raw else "missing"
+        problem = absent if content is None else f"expected a string, got {show_value(content)}"
         raise RecordError(source, f"{where}.{key}", problem, "non_string_content")
     extra = {k: v for k, v in raw.items() if k not in ("role", "from", "content", "value") and v is not None}
     return {"role": ROLE_ALIASES.get(role.lower(), role.lower()), "content": content, **extra}
@@ -260,7 +287,9 @@ def normalize(raw: Any, source: str, images: bool = False) -> list[Record]:
 
     ``images``: content parts are read (the ``images`` field is then read by
     :func:`coati_kto.data.image_refs.attach_images`); else they are refused."""
-    if not images and isinstance(raw, dict) and _holds_images(raw.get("images")):
+    if not isinstance(raw, dict):
+        raise RecordError(source, None, f"expected a JSON object, got {show_value(raw)}", "unknown_format")
+    if not images and _holds_images(raw.get("images")):
         # A text-only model would train on the text alone, without a word: the images are what was judged.
         raise RecordError(
             source,
@@ -269,7 +298,10 @@ def normalize(raw: Any, source: str, images: bool = False) -> list[Record]:
             "one reads text alone; drop the field to train on the text",
             "images_unread",
         )
-    records = _normalize(raw, source, images)
+    # A null field reads as absent (a table gives every row all its columns, a mixed table's other shapes' as
+    # null), but is named "null", not "missing", where the record needs it: the fix is a value, not a field.
+    nulls = {k for k, v in raw.items() if v is None}
+    records = _normalize({k: v for k, v in raw.items() if v is not None}, source, images, nulls)
     if bad := next(filter(None, (_lone_surrogate(r.prompt, r.completion) for r in records)), None):
         raise RecordError(source, bad[0], bad[1], "bad_text")
     tools = _tools(raw, source, records)
@@ -288,7 +320,8 @@ def _holds_images(value: Any) -> bool:
 def unread_fields(raw: dict[str, Any], images: bool = False) -> set[str]:
     """The fields of a record (normalised without error) that its shape does not read, as ``_normalize`` picks
     the shape: ids, a ``system`` field, and the prompt/completion of a record that also holds messages; ``images``
-    unless read (:func:`normalize`'s ``images``)."""
+    unless read (:func:`normalize`'s ``images``). Null fields are none of them (no data is left unread)."""
+    raw = {k: v for k, v in raw.items() if v is not None}
     if "chosen" in raw and "rejected" in raw:
         read = {"prompt", "chosen", "rejected"}
     else:
@@ -297,9 +330,8 @@ def unread_fields(raw: dict[str, Any], images: bool = False) -> set[str]:
     return set(raw) - read - {"tools"} - ({"images"} if images else set())
 
 
-def _normalize(raw: Any, source: str, parts: bool = False) -> list[Record]:
-    if not isinstance(raw, dict):
-        raise RecordError(source, None, f"expected a JSON object, got {show_value(raw)}", "unknown_format")
+def _normalize(raw: dict[str, Any], source: str, parts: bool, nulls: set[str]) -> list[Record]:
+    """The shape of ``raw`` (its null fields left out; their names: ``nulls``) and its records."""
     if "chosen" in raw and "rejected" in raw:
         out = []
         for key, label in (("chosen", True), ("rejected", False)):
@@ -315,24 +347,29 @@ def _normalize(raw: Any, source: str, parts: bool = False) -> list[Record]:
         return out
     for key in MESSAGE_LIST_KEYS:
         if key in raw:
-            label = _label(raw, source)
+            label = _label(raw, source, nulls)
             prompt, completion = _split_conversation(_messages(raw[key], source, key, parts), source, key)
             _completion_text(completion, source, key, len(prompt))
             _check_completion(completion, source, key)
             return [Record(prompt, completion, label, source, True)]
     if "prompt" in raw and "completion" in raw:
-        label = _label(raw, source)
+        label = _label(raw, source, nulls)
         prompt, completion, chat = _prompt_and_completion(raw, "completion", source, parts)
         return [Record(prompt, completion, label, source, chat)]
-    for present, missing in (("prompt", "completion"), ("completion", "prompt")):  # half of prompt/completion
-        if present in raw and "chosen" not in raw and "rejected" not in raw:
-            raise RecordError(source, missing, f"missing (the record has a {present})", "unknown_format")
+    # Half of a pair or of prompt/completion (a pair's half first: its prompt is no half of prompt/completion).
+    for present, other in HALVES:
+        if present in raw and other not in raw:
+            problem = f"{_absent(other, nulls)} (the record has a {present})"
+            raise RecordError(source, other, problem, "unknown_format")
+    if null := next((k for k in SHAPE_FIELDS if k in nulls), None):  # {"messages": null, "label": true}
+        raise RecordError(
+            source, null, f"null (the record has no other field to read: {SHAPES})", "unknown_format"
+        )
     keys = ", ".join(sorted(map(str, raw))) or "none"
     raise RecordError(
         source,
         None,
-        f"unknown record format (keys: {keys}); expected prompt/completion/label, messages/label, "
-        "conversations/label or prompt/chosen/rejected",
+        f"unknown record format (keys: {keys}); expected {SHAPES}",
         "unknown_format",
     )
 

@@ -33,25 +33,18 @@ import datasets
 import numpy as np
 
 from coati_kto.config.hub import HubDataset, is_hub_dataset
-from coati_kto.data.endings import completion_end_line, generation_eos_ids
+from coati_kto.data.endings import checkpoint_eos, completion_end_line, generation_eos_ids
 from coati_kto.data.files import load_records, resolve_files
 from coati_kto.data.formats import Record, RecordError
 from coati_kto.data.hub import check as hub_check
 from coati_kto.data.image_store import images_fingerprint, load_processor
 from coati_kto.data.settings import PrepareSettings
-from coati_kto.data.tables import (
-    build_split,
-    duplicates,
-    group_split,
-    label_counts,
-    progress_bars,
-    prompt_key,
-    require_both_labels,
-)
+from coati_kto.data.splits import duplicates, group_split, label_counts, prompt_key, require_both_labels
+from coati_kto.data.tables import build_split, progress_bars
 from coati_kto.data.tokenize import pad_id
 from coati_kto.errors import DataError
 
-PIPELINE_VERSION = 4  # bump when the prepared rows change for the same inputs
+PIPELINE_VERSION = 5  # bump when the prepared rows change for the same inputs
 # 2: ids of the whole text tokenized once (SentencePiece-style tokenizers lost their spurious "▁"); eval split
 #    by prompt group; content hash of the input files.
 # 3: a cut prompt keeps its BOS; a boundary token holding only the completion's leading whitespace stays with the
@@ -137,6 +130,8 @@ def fingerprint(settings: PrepareSettings, tokenizer, processor: Any = None) -> 
         "settings": _settings(settings),
         # chat completions ending with one get no EOS
         "generation_eos_ids": generation_eos_ids(settings.model.path),
+        # the EOS a tokenizer without one ends completions with (config.json is not in the tokenizer's hash)
+        "checkpoint_eos": list(checkpoint_eos(settings.model.path) or ()) or None,  # as stats.json reads back
     }
     if processor is not None and (images := images_fingerprint(settings, processor, parts)):
         parts["images"] = images
@@ -179,7 +174,11 @@ def _files_changed(old: list, new: list) -> str:
 
 
 def _changed(old: dict, new: dict) -> str:
-    keys = [k for k in ("version", "tokenizer", "generation_eos_ids", "images") if old.get(k) != new.get(k)]
+    keys = [
+        k
+        for k in ("version", "tokenizer", "generation_eos_ids", "checkpoint_eos", "images")
+        if old.get(k) != new.get(k)
+    ]
     keys += [
         f"{k}{_files_changed(old.get(k), new[k])}"
         for k in ("train_files", "eval_files")
@@ -242,10 +241,10 @@ def _read_inputs(
         unread[name] = unread.get(name, 0) + count
     unread = dict(sorted(unread.items()))
     labels = np.array([r.label for r in train_in.records], dtype=bool)
-    require_both_labels(label_counts(labels), files["train"], "data.train_files", len(train_in.skipped))
+    require_both_labels(label_counts(labels), files["train"], "data.train_files", train_in.skipped)
     if eval_in:
         eval_labels = np.array([r.label for r in eval_in.records], dtype=bool)
-        require_both_labels(label_counts(eval_labels), files["eval"], "data.eval_files", len(eval_in.skipped))
+        require_both_labels(label_counts(eval_labels), files["eval"], "data.eval_files", eval_in.skipped)
         return train_in.records, eval_in.records, files, train_in.skipped + eval_in.skipped, unread
     if d.eval_fraction == 0:
         return train_in.records, [], files, train_in.skipped, unread

@@ -13,7 +13,6 @@ caller passes (:mod:`coati_kto.data.store` owns that directory, the fingerprint 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -26,100 +25,18 @@ import pyarrow.compute as pc
 from datasets.table import InMemoryTable
 
 from coati_kto.config.schema import DataSection
-from coati_kto.data.endings import generation_eos_ids
+from coati_kto.data.chat import require_chat_template
+from coati_kto.data.endings import checkpoint_eos, generation_eos_ids
 from coati_kto.data.formats import Record, RecordError
 from coati_kto.data.images import image_cut, image_stats
 from coati_kto.data.kl_pairs import derangement, pair_stats
 from coati_kto.data.settings import PrepareSettings
+from coati_kto.data.splits import label_counts, require_both_labels
 from coati_kto.data.tokenize import Encoder, join_truncated, truncation
 from coati_kto.errors import DataError
 
 MIN_ROWS_PER_PROC = 1000  # below this a worker process costs more than it saves
 PROGRESS_MIN_ROWS = 10_000  # show datasets' tokenizing progress bar from this many records
-
-
-def prompt_key(record: Record) -> str:
-    """The record's prompt (with its tools, and the sha256 of each image: the same words about another image
-    are another prompt) as canonical JSON: records with equal keys share a prompt."""
-    prompt = record.prompt if not record.tools else [record.prompt, record.tools]
-    if record.images:
-        prompt = [prompt, [hashlib.sha256(image).hexdigest() for image in record.images]]
-    return json.dumps(prompt, sort_keys=True, ensure_ascii=False)
-
-
-def duplicates(records: list[Record]) -> tuple[int, list[str]]:
-    """(records that repeat an earlier one exactly: same prompt, completion and label; up to 5 examples as
-    ``"later source = first source"``). Kept, since a user may mean them, but counted."""
-    first: dict[tuple[str, str, bool], str] = {}
-    count, examples = 0, []
-    for r in records:
-        key = (prompt_key(r), json.dumps(r.completion, sort_keys=True, ensure_ascii=False), r.label)
-        if key in first:
-            count += 1
-            if len(examples) < 5:
-                examples.append(f"{r.source} = {first[key]}")
-        else:
-            first[key] = r.source
-    return count, examples
-
-
-def group_split(
-    groups: np.ndarray, labels: np.ndarray, fraction: float, seed: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """(train indices, eval indices), all records of a group (same prompt) on one side, deterministic by seed.
-
-    Aims at ``fraction`` of each label held out (at least 1, at most all but 1): groups are taken in a seeded
-    random order, those holding the scarcer label first, each only while it overshoots neither label's target.
-    Raises DataError when the held-out side cannot get both labels (too few distinct prompts).
-    """
-    labels = np.asarray(labels, dtype=bool)
-    targets = []
-    for value in (True, False):
-        n = int((labels == value).sum())
-        if n < 2:
-            raise DataError(
-                f"data.eval_fraction {fraction}: needs at least 2 {'desirable' if value else 'undesirable'} "
-                f"records so both splits hold both labels (got {n}); add data or set data.eval_files"
-            )
-        targets.append(min(max(1, round(fraction * n)), n - 1))
-    _, group = np.unique(groups, return_inverse=True)  # sorted: independent of the records' order
-    per_group = np.zeros((group.max() + 1, 2), dtype=np.int64)
-    np.add.at(per_group, (group, (~labels).astype(np.int64)), 1)  # columns: desirable, undesirable
-    order = np.random.default_rng(seed).permutation(len(per_group))
-    scarce = int(
-        np.argmin(targets)
-    )  # fill the label with the smaller target first, or groups may crowd it out
-    order = np.concatenate([order[per_group[order, scarce] > 0], order[per_group[order, scarce] == 0]])
-    held = np.zeros(len(per_group), dtype=bool)
-    room = np.array(targets, dtype=np.int64)
-    for g in order:
-        if (per_group[g] <= room).all():
-            held[g], room = True, room - per_group[g]
-    in_eval = held[group]
-    if not (labels[in_eval].any() and (~labels[in_eval]).any()):
-        raise DataError(
-            f"data.eval_fraction {fraction}: cannot hold out both labels while keeping each prompt's records on "
-            f"one side ({len(per_group)} distinct prompts for {len(labels)} records); set data.eval_files"
-        )
-    return np.flatnonzero(~in_eval), np.flatnonzero(in_eval)
-
-
-def label_counts(labels: np.ndarray) -> dict[str, int]:
-    """{"desirable": n, "undesirable": n} of a bool array (True = desirable)."""
-    return {"desirable": int(labels.sum()), "undesirable": int((~labels).sum())}
-
-
-def require_both_labels(counts: dict[str, int], files: list[str], key: str, skipped: int) -> None:
-    """Raise DataError naming ``key`` and ``files`` unless ``counts`` holds both labels."""
-    if counts["desirable"] and counts["undesirable"]:
-        return
-    missing = "undesirable" if counts["desirable"] else "desirable"
-    raise DataError(
-        f"{key} ({', '.join(files)}): {counts['desirable']} desirable and {counts['undesirable']} undesirable "
-        f"usable examples{f' ({skipped} bad records skipped)' if skipped else ''}: KTO needs both labels, "
-        f"since it pushes desirable completions above the reference point and undesirable ones below it; "
-        f"add {missing} examples (label {str(missing == 'desirable').lower()})"
-    )
 
 
 @contextlib.contextmanager
@@ -181,9 +98,13 @@ def _encode(
             **({"images": [r.images for r in records]} if processor is not None else {}),
         }
     )
+    # model.path's generation_config.json EOS ids end a chat turn; its EOS stands in for a tokenizer's missing one
+    path = settings.model.path
+    eos = checkpoint_eos(path)
+    encoder = Encoder(tokenizer, data.chat_template_kwargs, generation_eos_ids(path), processor, eos)
     with progress_bars(len(records) >= PROGRESS_MIN_ROWS):
         encoded = records_ds.map(
-            Encoder(tokenizer, data.chat_template_kwargs, generation_eos_ids(settings.model.path), processor),
+            encoder,
             batched=True,
             num_proc=procs if procs > 1 else None,
             remove_columns=["prompt", "completion", "chat", "tools"],
@@ -373,12 +294,16 @@ def build_split(
     Raises the first bad record (``data.on_bad_record: error``), a too-long example (``data.on_too_long:
     error``) or a split left without both labels, as DataError.
     """
+    require_chat_template(tokenizer, records, settings.model)  # once, not one failure per record
     table = _encode(records, tokenizer, settings, work, name, processor)
     errors, skipped = _skipped_records(table, settings.data.on_bad_record)
     fit = _fit(table, errors, settings.data, tokenizer.bos_token_id)
     table = table.take(fit.rows)
     labels = table.column("label").to_numpy(zero_copy_only=False).astype(bool)
-    require_both_labels(label_counts(labels), files, f"the {name} split", len(skipped))
+    left = fit.dropped + fit.image_cut  # a split short of a label for its length is not short of data
+    first = fit.left_out[0].split("\t", 1)[-1] if fit.left_out else ""
+    fitted = f"{left} examples were dropped to fit data.max_length (e.g. {first}): raise it"
+    require_both_labels(label_counts(labels), files, f"the {name} split", skipped, fitted if left else "")
     pi = derangement(table.column("prompt_hash").to_numpy(), [settings.seed, int(name == "eval")])
     stats = _split_stats(table, fit, labels, pi, settings.data)
     if processor is not None:

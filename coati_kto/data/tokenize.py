@@ -56,6 +56,18 @@ if TYPE_CHECKING:
     from coati_kto.config.schema import ModelSection
 
 
+# The files a tokenizer's vocabulary loads from (tokenizer_config.json and the special tokens map hold none):
+# fast tokenizers' tokenizer.json, SentencePiece models, slow BPE (vocab.json + merges.txt), WordPiece, Mistral's.
+VOCABULARY_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "spiece.model",
+    "vocab.json",
+    "vocab.txt",
+    "tekken.json",
+)
+
+
 def load_tokenizer(model: ModelSection) -> PreTrainedTokenizerBase:
     """``model.tokenizer`` (default ``model.path``); ConfigError naming both keys when it cannot be loaded."""
     name = model.tokenizer or model.path
@@ -68,7 +80,19 @@ def load_tokenizer(model: ModelSection) -> PreTrainedTokenizerBase:
     try:
         return AutoTokenizer.from_pretrained(name, trust_remote_code=model.trust_remote_code)
     except (OSError, ValueError, ImportError) as err:  # ImportError: a backend package it needs is missing
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        text = str(err).strip()
+        first = text.splitlines()[0].strip() if text else type(err).__name__
+        if first.endswith(":"):  # "...from one of:" opens a list on the next lines: one line with the list
+            first = " ".join(text.split())
+        folder = Path(name).expanduser()
+        if folder.is_dir() and not any((folder / f).is_file() for f in VOCABULARY_FILES):
+            key = "model.tokenizer" if model.tokenizer else "model.path"
+            held = ", ".join(sorted(p.name for p in folder.iterdir())[:12]) or "nothing"
+            raise ConfigError(
+                f"{key} {name}: cannot load a tokenizer: the directory holds none of {', '.join(VOCABULARY_FILES)} "
+                f"(it holds {held}); copy the tokenizer's files there, or set model.tokenizer to a directory "
+                "that has them"
+            ) from None
         raise ConfigError(f"model.tokenizer / model.path {name}: cannot load a tokenizer ({first})") from None
 
 
@@ -142,7 +166,8 @@ class Encoder:
     ``stop_ids``: ids that end a chat completion without an added EOS besides the tokenizer's EOS and the
     template's end of turn (the checkpoint's generation ``eos_token_id``: :func:`~coati_kto.data.endings.generation_eos_ids`).
     ``processor``: a vision-language processor (its tokenizer is ``tokenizer``): rows of an ``images`` column
-    get their placeholders expanded (:mod:`coati_kto.data.images`)."""
+    get their placeholders expanded (:mod:`coati_kto.data.images`). ``eos_fallback``: the checkpoint's EOS, for
+    a tokenizer without one (:func:`~coati_kto.data.endings.checkpoint_eos`)."""
 
     def __init__(
         self,
@@ -150,12 +175,13 @@ class Encoder:
         template_kwargs: dict[str, Any] | None = None,
         stop_ids: list[int] | tuple[int, ...] = (),
         processor: Any = None,
+        eos_fallback: tuple[int, str] | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.images = None if processor is None else ImageExpander(processor)
         self.template_kwargs = template_kwargs or {}
         self.bos = bos_prefix(tokenizer)
-        self.endings = Endings(tokenizer, self.template_kwargs, stop_ids)
+        self.endings = Endings(tokenizer, self.template_kwargs, stop_ids, eos_fallback)
         self._backend: Tokenizer | None = None
         if getattr(tokenizer, "is_fast", False):
             # The Rust tokenizer itself: offsets and char_to_token without converting every row to Python

@@ -97,3 +97,25 @@ def test_push_to_hub_takes_a_repo_id_or_a_section(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         load_config(write_config(tmp_path, MINIMAL + "  push_to_hub: kto-model\n"))
     assert "output.push_to_hub.repo_id: 'kto-model' is no Hub repo id (OWNER/NAME)" in str(err.value)
+
+
+@pytest.mark.parametrize("variable", ["HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"])
+def test_offline_names_the_variable_that_is_set(variable: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With only TRANSFORMERS_OFFLINE=1 (huggingface_hub reads it too) the line said "HF_HUB_OFFLINE is set"."""
+    from huggingface_hub import constants
+
+    from coati_kto.config.hub import hub_offline, hub_problems, offline_variable
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # read at import: the environment below decides
+    for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+        monkeypatch.delenv(name, raising=False)
+    assert offline_variable() is None and not hub_offline()
+    monkeypatch.setenv(variable, "1")
+    assert offline_variable() == variable and hub_offline()
+    assert hub_problems("model.path", "org/not-cached-here") == [
+        f"model.path: org/not-cached-here is not a local directory and not in the hub cache, and {variable} is set"
+    ]
+    # huggingface_hub reads TRANSFORMERS_OFFLINE only when HF_HUB_OFFLINE is unset or empty: HF_HUB_OFFLINE=0 wins.
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
+    assert offline_variable() is None

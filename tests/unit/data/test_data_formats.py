@@ -204,10 +204,10 @@ def test_file_kinds_and_directories(tmp_path: Path) -> None:
     assert [r.source for r in result.records] == [
         f"{data}/a.jsonl:1",
         f"{data}/a.jsonl:2",
-        f"{data}/b.json:row 0",
-        f"{data}/b.json:row 1",
-        f"{data}/c.parquet:row 0",
+        f"{data}/b.json:row 1",  # rows count from 1, as lines do (they were 0-based, so row 7 was the 8th)
+        f"{data}/b.json:row 2",
         f"{data}/c.parquet:row 1",
+        f"{data}/c.parquet:row 2",
     ]
     assert result.records[4].prompt == [SYSTEM, USER] and result.records[4].completion == [ASSISTANT]
 
@@ -225,7 +225,7 @@ def test_file_kinds_and_directories(tmp_path: Path) -> None:
     (data / "prepared" / "stats.json").write_text("{}")
     (data / ".hidden.jsonl").write_text("not json")
     sources = [r.source for r in load_records([str(data)], cache_dir=str(tmp_path / "cache")).records]
-    assert len(sources) == 8 and sources[-1] == f"{data}/sub/saved:row 1"
+    assert len(sources) == 8 and sources[-1] == f"{data}/sub/saved:row 2"
     # Data it does not read is an error, never a silent skip (a directory of 90 examples gave 30).
     for name in ("d.csv", "e.JSONL", "f.jsonl.gz"):
         (data / "sub" / name).write_text("x")
@@ -303,5 +303,76 @@ def test_float_labels_from_pandas_are_accepted(tmp_path: Path) -> None:
     with pytest.raises(RecordError) as info:
         load_records([str(tmp_path / "gap.parquet")], cache_dir=str(tmp_path / "cache"))
     assert str(info.value) == (
-        f"{tmp_path / 'gap.parquet'}:row 1: field 'label': expected true/false or 0/1 (1.0/0.0), got NaN"
+        f"{tmp_path / 'gap.parquet'}:row 2: field 'label': expected true/false or 0/1 (1.0/0.0), got NaN"
     )
+
+
+def test_a_null_field_is_named_null_not_missing(tmp_path: Path) -> None:
+    """A table stores a record's empty cell as null: `completion: null` in parquet or a saved dataset was
+    "field 'completion': missing (the record has a prompt)", as if the column were absent."""
+    rows = [
+        {"prompt": "a", "completion": "b", "label": True},
+        {"prompt": "c", "completion": None, "label": False},
+    ]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "n.parquet"))
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    for name in ("n.parquet", "saved"):
+        with pytest.raises(RecordError) as info:
+            load_records([str(tmp_path / name)], cache_dir=str(tmp_path / "cache"))
+        assert (
+            str(info.value) == f"{tmp_path / name}:row 2: field 'completion': null (the record has a prompt)"
+        )
+    null_label = [{"prompt": "a", "completion": "b", "label": None}]
+    datasets.Dataset.from_list([*rows[:1], *null_label]).to_parquet(str(tmp_path / "l.parquet"))
+    with pytest.raises(RecordError) as info:
+        load_records([str(tmp_path / "l.parquet")], cache_dir=str(tmp_path / "cache"))
+    assert (
+        str(info.value) == f"{tmp_path / 'l.parquet'}:row 2: field 'label': null (expected true/false or 0/1)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("row", "expected"),
+    [
+        (
+            {"prompt": "a", "completion": None, "label": True},
+            "field 'completion': null (the record has a prompt)",
+        ),
+        ({"prompt": "a", "label": True}, "field 'completion': missing (the record has a prompt)"),
+        (
+            {"prompt": "a", "completion": "b", "label": None},
+            "field 'label': null (expected true/false or 0/1)",
+        ),
+        ({"prompt": "a", "completion": "b"}, "field 'label': missing (expected true/false or 0/1)"),
+        (
+            {"prompt": "a", "chosen": "b", "rejected": None},
+            "field 'rejected': null (the record has a chosen)",
+        ),
+        ({"prompt": "a", "chosen": "b"}, "field 'rejected': missing (the record has a chosen)"),
+        (
+            {"messages": [USER, {"role": "assistant", "content": None}], "label": True},
+            "field 'messages[1].content': null",
+        ),
+        ({"messages": [USER, {"role": "assistant"}], "label": True}, "field 'messages[1].content': missing"),
+        (
+            {"messages": None, "label": True},
+            "field 'messages': null (the record has no other field to read: prompt/completion/label, messages/label, "
+            "conversations/label or prompt/chosen/rejected)",
+        ),
+    ],
+)
+def test_json_null_and_missing_fields_read_apart(row: dict, expected: str) -> None:
+    with pytest.raises(RecordError) as info:
+        normalize(row, "f.jsonl:1")
+    assert str(info.value) == f"f.jsonl:1: {expected}"
+
+
+def test_null_columns_of_other_shapes_are_not_unread_fields(tmp_path: Path) -> None:
+    """A mixed table gives a messages row null prompt/completion cells: still a messages record, nothing unread."""
+    rows = [
+        {"messages": CONVERSATION, "prompt": None, "completion": None, "label": True},
+        {"messages": None, "prompt": "a", "completion": "b", "label": False},
+    ]
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "mixed.parquet"))
+    result = load_records([str(tmp_path / "mixed.parquet")], cache_dir=str(tmp_path / "cache"))
+    assert [r.chat for r in result.records] == [True, False] and result.unread_fields == {}

@@ -13,7 +13,14 @@ from helpers import CORPUS, data_settings
 from test_prepare import make_config
 from test_tokenize import CONVERSATIONS, sentencepiece_tokenizer
 
-from coati_kto.data.endings import Endings, completion_end_line, generation_eos_ids, template_end_of_turn
+from coati_kto.data.endings import (
+    NO_EOS_WARNING,
+    Endings,
+    checkpoint_eos,
+    completion_end_line,
+    generation_eos_ids,
+    template_end_of_turn,
+)
 from coati_kto.data.files import write_jsonl
 from coati_kto.data.prepared import prepare
 from coati_kto.data.tokenize import encode
@@ -106,8 +113,16 @@ def test_completion_end_line() -> None:
         "completions end with the template's `<|im_end|>`; no EOS added; EOS `</s>` appended to 1 chat "
         "completions (their template turn ends with no token that stops generation)"
     )
-    assert completion_end_line([{"as_given:plain": 2}], None) == (
-        "completions end as given: the tokenizer has no EOS token"
+    # No EOS anywhere was a plain line, "completions end as given: the tokenizer has no EOS token": a warning now.
+    assert completion_end_line([{"as_given:plain": 2}], None) == NO_EOS_WARNING
+    assert NO_EOS_WARNING.startswith(
+        "warning: completions end as given: neither the tokenizer nor model.path's"
+    )
+    # The checkpoint's EOS, for a tokenizer without one, is named in the keys: the line says which and from where.
+    fallback = "@`</s>` (id 2, model.path's generation_config.json eos_token_id: the tokenizer has no EOS)"
+    assert completion_end_line([{"eos_added:plain" + fallback: 3}], None) == (
+        "EOS `</s>` (id 2, model.path's generation_config.json eos_token_id: the tokenizer has no EOS) appended to "
+        "plain-text completions"
     )
 
 
@@ -136,8 +151,40 @@ def test_prepare_says_how_completions_end(tmp_path: Path, capsys) -> None:
         lines[name] = out.stats["completion_end"]
         assert f"  {lines[name]}\n" in printed
         stats = json.loads((tmp_path / name / "prepared" / "stats.json").read_text())
-        assert stats["completion_end"] == lines[name] and stats["version"] == 4
+        assert stats["completion_end"] == lines[name] and stats["version"] == 5
     assert lines == {
         "chat": "completions end with the template's `<end_of_turn>`; no EOS added",
         "plain": "EOS `<eos>` appended to plain-text completions",
     }
+
+
+def test_a_tokenizer_without_eos_ends_plain_completions_with_the_checkpoint_eos(
+    tmp_path: Path, tiny_model_dir: Path, capsys
+) -> None:
+    """A model dir without tokenizer_config.json (so no eos_token) printed "completions end as given: the tokenizer
+    has no EOS token" and exited 0, though generation_config.json said eos_token_id 2: trained never to stop."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "tokenizer_config.json").unlink()
+    assert checkpoint_eos(model) == (2, "generation_config.json")
+    rows = [{"prompt": f"Add {i} and 3.", "completion": " 5", "label": i % 3 != 0} for i in range(12)]
+    data = write_jsonl(rows, tmp_path / "data.jsonl")
+    out = prepare(*data_settings(make_config(tmp_path, model, [str(data)])))
+    line = (
+        "EOS `<|im_end|>` (id 2, model.path's generation_config.json eos_token_id: the tokenizer has no EOS) "
+        "appended to plain-text completions"
+    )
+    assert out.stats["completion_end"] == line and f"  {line}\n" in capsys.readouterr().out
+    assert all(r["input_ids"][-1] == 2 for r in out.train)
+    # config.json's eos_token_id, when generation_config.json has none.
+    (model / "generation_config.json").unlink()
+    assert checkpoint_eos(model) == (2, "config.json")
+    # None anywhere: the completions end as given, said as a warning.
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({k: v for k, v in config.items() if k != "eos_token_id"}))
+    assert checkpoint_eos(model) is None
+    out = prepare(*data_settings(make_config(tmp_path / "none", model, [str(data)])))
+    assert out.stats["completion_end"] == NO_EOS_WARNING
+    assert f"  {NO_EOS_WARNING}\n" in capsys.readouterr().out

@@ -78,7 +78,7 @@ def test_parquet_image_structs(tmp_path: Path) -> None:
     with pytest.raises(DataError) as info:  # a plain-string completion beside a message prompt
         load_records([str(path)], images=True)
     assert str(info.value) == (
-        f"{path}:row 0: field 'completion': prompt and completion must both be strings or messages (prompt is "
+        f"{path}:row 1: field 'completion': prompt and completion must both be strings or messages (prompt is "
         "list, completion is str)"
     )
     rows["completion"] = [[{"role": "assistant", "content": [{"type": "text", "text": "no"}]}]]

@@ -387,7 +387,7 @@ def test_the_same_words_about_other_images_are_other_prompts() -> None:
     """prepare's prompt identity (duplicates, the eval split's groups) holds the images' digests: the demo's 640
     records about 640 images were "632 repeats" and one prompt group before."""
     from coati_kto.data.formats import Record
-    from coati_kto.data.tables import duplicates, prompt_key
+    from coati_kto.data.splits import duplicates, prompt_key
 
     prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Which colour?"}]}]
     reply = [{"role": "assistant", "content": "red"}]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ from test_tokenize import LLAMA2_TEMPLATE
 
 from coati_kto.config.kto import KTOSection
 from coati_kto.config.schema import Config
-from coati_kto.data import store, tables
+from coati_kto.data import splits, store, tables
 from coati_kto.data.collator import KTOCollator
 from coati_kto.data.prepared import load_prepared, prepare
 from coati_kto.data.sampler import MixedLabelBatchSampler
@@ -165,8 +166,10 @@ def test_truncation_is_counted(tmp_path: Path, tiny_model_dir: Path, tiny_tokeni
 
 # Digests of the two configs below (input files and tokenizer hash held fixed), computed by
 # store.fingerprint(config, tokenizer) at dc21b1c, before the data package took PrepareSettings instead of the
-# whole Config (issue 45 part 3): a digest that moves rebuilds every user's prepared data.
-FINGERPRINTS_BEFORE_SETTINGS = {"eval_fraction": "ab70f6b0333af7d6", "eval_files": "85913658aceda49c"}
+# whole Config (issue 45 part 3): a digest that moves rebuilds every user's prepared data. Recomputed on purpose
+# for PIPELINE_VERSION 5 and its "checkpoint_eos" part (rows numbered from 1, the checkpoint's EOS for a
+# tokenizer without one): at 4 they were {"eval_fraction": "ab70f6b0333af7d6", "eval_files": "85913658aceda49c"}.
+FINGERPRINTS_BEFORE_SETTINGS = {"eval_fraction": "31d6ac04ec36b434", "eval_files": "baad23c1b31ec9bf"}
 
 
 def test_fingerprint_of_a_fixed_config_is_unchanged(tmp_path: Path, monkeypatch) -> None:
@@ -529,6 +532,23 @@ def test_on_too_long_truncates_skips_or_stops(tmp_path: Path, tiny_model_dir: Pa
     assert len(fits.train) == 7 and fits.stats["train"]["dropped"] == {}
     with pytest.raises(Exception, match="on_too_long"):
         make_config(tmp_path, tiny_model_dir, [str(path)], on_too_long="drop")
+    # Every undesirable example too long: the split is short of a label because of data.max_length, not of data
+    # (it said only "add undesirable examples (label false)").
+    one_sided = [
+        {"prompt": "Q:", "completion": " ok" * (40 if i % 2 else 1), "label": i % 2 == 0} for i in range(6)
+    ]
+    one_path = write_jsonl(tmp_path / "one.jsonl", one_sided)
+    with pytest.raises(DataError) as info:
+        prepare(
+            *data_settings(
+                make_config(tmp_path, tiny_model_dir, [str(one_path)], max_length=24, on_too_long="skip")
+            )
+        )
+    assert re.search(
+        rf"; 3 examples were dropped to fit data.max_length \(e.g. {one_path}:2: \d+ prompt \+ \d+ completion tokens, "
+        r"longer than data.max_length 24\): raise it, or add undesirable examples \(label false\)$",
+        str(info.value),
+    )
 
 
 # ------------------------------------------------------------------------------------------- issue 17
@@ -710,7 +730,7 @@ def test_group_split_never_puts_a_prompt_on_both_sides(records, fraction: float,
     groups = np.array([f"prompt {g}" for g, _ in records], dtype=object)
     labels = np.array([label for _, label in records])
     try:
-        train, held = tables.group_split(groups, labels, fraction, seed)
+        train, held = splits.group_split(groups, labels, fraction, seed)
     except DataError as err:  # allowed only when no such split exists or a label has < 2 records
         assert "data.eval_fraction" in str(err) and "\n" not in str(err)
         return
@@ -721,7 +741,7 @@ def test_group_split_never_puts_a_prompt_on_both_sides(records, fraction: float,
     for value in (True, False):  # never more than the target of either label held out
         n = int((labels == value).sum())
         assert (labels[held] == value).sum() <= min(max(1, round(fraction * n)), n - 1)
-    again = tables.group_split(groups[::-1], labels[::-1], fraction, seed)[1]
+    again = splits.group_split(groups[::-1], labels[::-1], fraction, seed)[1]
     assert sorted(len(records) - 1 - again) == sorted(held)  # deterministic by seed, whatever the order
 
 
@@ -877,6 +897,61 @@ def test_a_tokenizer_backend_missing_is_one_line(tmp_path: Path, tiny_model_dir:
         f"model.tokenizer / model.path {tiny_model_dir}: cannot load a tokenizer (SentencePieceBackend requires "
         "the SentencePiece library but it was not found.)"
     )
+
+
+def test_a_model_dir_without_tokenizer_files_names_what_it_holds(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """Without tokenizer.json the error was "cannot load a tokenizer (Couldn't instantiate the backend tokenizer
+    from one of: )", naming nothing."""
+    import shutil
+
+    from coati_kto.data.tokenize import load_tokenizer
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "tokenizer.json").unlink()
+    held = ", ".join(sorted(p.name for p in model.iterdir()))
+    with pytest.raises(ConfigError) as info:
+        load_tokenizer(make_config(tmp_path, model, ["t.jsonl"]).model)
+    assert str(info.value) == (
+        f"model.path {model}: cannot load a tokenizer: the directory holds none of tokenizer.json, tokenizer.model, "
+        f"spiece.model, vocab.json, vocab.txt, tekken.json (it holds {held}); copy the tokenizer's files there, or "
+        "set model.tokenizer to a directory that has them"
+    )
+
+
+@pytest.mark.parametrize("on_bad_record", ["error", "skip"])
+def test_a_tokenizer_without_a_chat_template_is_one_line_up_front(
+    tmp_path: Path, tiny_model_dir: Path, on_bad_record: str
+) -> None:
+    """Conversational records with a tokenizer that has no chat template failed as "data/conv.jsonl:1: field
+    'messages': the chat template failed: Cannot use chat template functions ...", blamed on the first record;
+    skipped, all 48 went and the error said "add desirable examples (label true)"."""
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    data = write_jsonl(tmp_path / "conv.jsonl", rows(4, 4))
+    with pytest.raises(ConfigError) as info:
+        prepare(*data_settings(make_config(tmp_path, model, [str(data)], on_bad_record=on_bad_record)))
+    assert str(info.value) == (
+        f"model.path {model}: its tokenizer has no chat template; conversational records need one ({data}:1 is "
+        f"one): put the model's chat_template.jinja (or a chat_template entry in tokenizer_config.json) in {model}, "
+        "set model.tokenizer to a tokenizer that has one, or give the records as plain prompt/completion strings"
+    )
+    # Plain text needs no template: used as given.
+    plain = [{"prompt": f"Add {i} and 3.", "completion": " 5", "label": i % 2 == 0} for i in range(8)]
+    out = prepare(
+        *data_settings(
+            make_config(tmp_path / "plain", model, [str(write_jsonl(tmp_path / "p.jsonl", plain))])
+        )
+    )
+    assert len(out.train) == 8
 
 
 def test_token_ids_past_the_model_vocabulary_are_one_line(tmp_path: Path, tiny_model_dir: Path) -> None:

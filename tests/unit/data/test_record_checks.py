@@ -46,7 +46,7 @@ def test_class_label_maps_by_name(tmp_path: Path) -> None:
         str(tmp_path / "gap")
     )
     with pytest.raises(
-        RecordError, match=r"row 0: field 'label': expected true/false or 0/1 \(1.0/0.0\), got -1"
+        RecordError, match=r"gap:row 1: field 'label': expected true/false or 0/1 \(1.0/0.0\), got -1"
     ):
         load_records([str(tmp_path / "gap")])
     features["label"] = datasets.ClassLabel(names=["x", "y"])
@@ -125,3 +125,65 @@ def test_prepared_dir_that_is_a_file_is_one_line(tmp_path: Path, tiny_model_dir:
     with pytest.raises(DataError) as info:
         prepare(*data_settings(make_config(tmp_path, tiny_model_dir, [str(path)])))
     assert str(info.value) == f"data.prepared_dir {tmp_path / 'prepared'}: is a file, not a directory"
+
+
+def test_malformed_json_names_the_line_and_its_column(tmp_path: Path) -> None:
+    """A line ending in a trailing comma said "at column 1": the newline kept in the parsed line put the error on
+    a second line of it."""
+    good = json.dumps(ROWS[0])
+    bad = json.dumps(ROWS[1])[:-1] + ","
+    for end in ("\n", "\r\n"):
+        path = tmp_path / "d.jsonl"
+        path.write_text(end.join([good, good, good, bad, good]) + end, newline="")
+        with pytest.raises(RecordError) as info:
+            load_records([str(path)])
+        assert str(info.value) == (
+            f"{path}:4: malformed JSON (Expecting property name enclosed in double quotes at column {len(bad) + 1})"
+        )
+
+
+def test_array_and_table_rows_count_from_1(tmp_path: Path) -> None:
+    """Rows were 0-based ("row 7" for the 8th record) where JSON lines' line numbers count from 1."""
+    (tmp_path / "a.json").write_text(json.dumps([*ROWS, ROWS[0], {**ROWS[1], "label": "maybe"}]))
+    with pytest.raises(RecordError) as info:
+        load_records([str(tmp_path / "a.json")])
+    assert str(info.value) == (
+        f"{tmp_path / 'a.json'}:row 8: field 'label': expected true/false or 0/1 (1.0/0.0), got \"maybe\""
+    )
+    datasets.Dataset.from_list([*ROWS, ROWS[0], {**ROWS[1], "completion": None}]).save_to_disk(
+        str(tmp_path / "ds")
+    )
+    with pytest.raises(RecordError) as info:
+        load_records([str(tmp_path / "ds")])
+    assert str(info.value) == f"{tmp_path / 'ds'}:row 8: field 'completion': null (the record has a prompt)"
+
+
+def test_a_split_short_of_a_label_after_skips_names_them() -> None:
+    """Every record skipped for one reason (a template failing on each) ended in "(48 bad records skipped) ...
+    add desirable examples (label true)", pointing away from the cause."""
+    from coati_kto.data.splits import require_both_labels
+
+    skipped = [
+        RecordError(f"c.jsonl:{i}", "messages", "the chat template failed: boom", "chat_template")
+        for i in (1, 2)
+    ]
+    skipped.append(RecordError("c.jsonl:3", "label", "missing (expected true/false or 0/1)", "missing_label"))
+    head = (
+        "the train split (c.jsonl): 0 desirable and 0 undesirable usable examples: KTO needs both labels, since it "
+        "pushes desirable completions above the reference point and undesirable ones below it; "
+    )
+    with pytest.raises(DataError) as info:
+        require_both_labels({"desirable": 0, "undesirable": 0}, ["c.jsonl"], "the train split", skipped)
+    assert str(info.value) == head + (
+        "3 bad records were skipped, 2 of them for chat_template (e.g. c.jsonl:1: field 'messages': the chat "
+        "template failed: boom): fix them, or add desirable examples (label true)"
+    )
+    with pytest.raises(DataError) as info:
+        require_both_labels({"desirable": 0, "undesirable": 0}, ["c.jsonl"], "the train split", 3)
+    assert (
+        str(info.value)
+        == head + "3 bad records were skipped: fix them, or add desirable examples (label true)"
+    )
+    with pytest.raises(DataError) as info:
+        require_both_labels({"desirable": 0, "undesirable": 0}, ["c.jsonl"], "the train split", [])
+    assert str(info.value) == head + "add desirable examples (label true)"
