@@ -35,6 +35,13 @@ def _type_name(annotation: Any) -> str:
     return getattr(annotation, "__name__", str(annotation))
 
 
+def _field_type(field: Any) -> str:
+    """The type ``config --schema`` shows for ``field``: what load accepts. A field whose validator takes more than
+    its annotation (one path for ``list[str]``, OWNER/NAME for a section) names that in its ``accepts``."""
+    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+    return str(extra.get("accepts") or _type_name(field.annotation))
+
+
 def _default_text(field: Any) -> str:
     if field.is_required():
         return "(required)"
@@ -64,7 +71,7 @@ def _key_lines(prefix: str, section: type[BaseModel]) -> list[tuple[str, str]]:
         out.append(
             (
                 dotted,
-                f"{dotted}: {_type_name(field.annotation)} {_default_text(field)}  # {field.description}",
+                f"{dotted}: {_field_type(field)} {_default_text(field)}  # {field.description}",
             )
         )
         if (nested := _model_of(field.annotation)) is not None:

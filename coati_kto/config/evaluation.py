@@ -26,11 +26,14 @@ class EvalSection(Section):
 
 
 def sample_problems(config: Any) -> list[str]:
-    """``eval.samples`` without evaluation data would decode nothing, in silence: one line."""
+    """``eval.samples`` and ``train.eval_interval`` without evaluation data would decode and evaluate nothing, in
+    silence (the trainer has no eval loader): one line each."""
     data = config.data
-    if config.eval.samples and not data.eval_files and not data.eval_fraction:
-        return [
-            f"eval.samples {config.eval.samples} needs evaluation data: set data.eval_files or "
-            "data.eval_fraction, or eval.samples=0"
-        ]
-    return []
+    if data.eval_files or data.eval_fraction:
+        return []
+    asked = {"eval.samples": config.eval.samples, "train.eval_interval": config.train.eval_interval}
+    return [
+        f"{key} {value} needs evaluation data: set data.eval_files or data.eval_fraction, or {key}=0"
+        for key, value in asked.items()
+        if value  # 0, the default of both, asks for nothing
+    ]

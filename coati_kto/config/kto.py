@@ -7,7 +7,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator
 
 from coati_kto.config.section import Section as _Section
-from coati_kto.config.section import auto_or_number
+from coati_kto.config.section import auto_or_number, bool_or_auto
 
 LossType = Literal["kto", "apo_zero_unpaired"]
 
@@ -36,7 +36,7 @@ class KTOSection(_Section):
     pack_reference: bool = Field(
         False,
         description="Online reference: one shared-prompt pass per example and KL pair (equal within rounding, "
-        "so step-0 rewards are ~0, not exactly 0).",
+        "so step-0 rewards are ~0, not exactly 0). Refused with kto.reference cached (no reference pass runs).",
     )
     pack_policy: bool | Literal["auto"] = Field(
         "auto",
@@ -68,14 +68,21 @@ class KTOSection(_Section):
     @field_validator("pack_policy", mode="before")
     @classmethod
     def _true_false_or_auto(cls, value: Any) -> bool | str:
-        # One message for the union (pydantic would report each member's failure on its own line).
-        text = str(value).strip().lower()
-        if isinstance(value, bool) or text in ("true", "false", "auto"):
-            return value if isinstance(value, bool) else {"true": True, "false": False}.get(text, "auto")
-        raise ValueError("must be true, false or auto")
+        return bool_or_auto(value)
 
     def policy_packing(self) -> bool:
         """``pack_policy`` resolved: auto is on with a cached or packed reference."""
         if self.pack_policy == "auto":
             return self.reference == "cached" or self.pack_reference
         return bool(self.pack_policy)
+
+    def _problems(self) -> list[str]:
+        # Under a cached reference every batch carries its log-probs, read before any reference pass is planned
+        # (ScoringRules._reference), and precompute packs its pairs whatever this says (ScoringRules.for_precompute).
+        if self.pack_reference and self.reference == "cached":
+            return [
+                "kto.pack_reference with kto.reference cached: no reference pass runs in training to pack (the "
+                "cached log-probs are read, and precompute packs its pairs anyway); set kto.pack_reference=false, "
+                "or kto.reference=online"
+            ]
+        return []

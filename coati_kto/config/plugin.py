@@ -74,7 +74,11 @@ class PluginSection(_Section):
         ge=1,
         description="Chunks of layers each pipeline stage holds: 1 for 1f1b, >= 2 for interleaved.",
     )
-    cpu_offload: bool = Field(False, description="Keep optimizer states in CPU memory (ZeRO).")
+    cpu_offload: bool = Field(
+        False,
+        description="Keep ZeRO's fp32 masters and optimizer states in host memory: needs ZeRO (zero_stage 1 or 2 "
+        "on low_level_zero, or on hybrid_parallel in bf16 or fp16).",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -111,4 +115,20 @@ class PluginSection(_Section):
         if self.name == "low_level_zero" and self.zero_stage == 0:
             problems.append("plugin.name low_level_zero needs plugin.zero_stage 1 or 2")
         problems += sequence_plugin_problems(self.name, self.tp_size, self.sp_size, self.sp_mode)
-        return problems + pipeline_plugin_problems(self)
+        return problems + self._offload_problems() + pipeline_plugin_problems(self)
+
+    def _offload_problems(self) -> list[str]:
+        """``cpu_offload`` at ZeRO stage 0: offload is ZeRO's (its optimizer keeps the masters and moments in host
+        memory), so without ZeRO nothing moved and the key did nothing, in silence."""
+        if not self.cpu_offload or self.zero_stage != 0 or self.name == "gemini":
+            return []
+        if self.name == "ddp":
+            why, fix = "plugin.name ddp has none", "or use low_level_zero"
+        elif self.precision == "fp32":
+            why, fix = "hybrid_parallel in fp32 runs ZeRO 0", "or set plugin.precision=bf16"
+        else:
+            why, fix = "plugin.zero_stage is 0", "or set plugin.zero_stage=1"
+        return [
+            "plugin.cpu_offload needs ZeRO (plugin.zero_stage 1 or 2 on low_level_zero, or on hybrid_parallel in "
+            f"bf16 or fp16), and {why}: set plugin.cpu_offload=false, {fix}"
+        ]

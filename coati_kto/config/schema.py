@@ -21,6 +21,7 @@ from coati_kto.config.output import LoggingSection, OutputSection
 from coati_kto.config.pipeline import pipeline_problems
 from coati_kto.config.plugin import GEMINI_REFUSAL, PluginName, PluginSection, Precision  # noqa: F401
 from coati_kto.config.section import Section as _Section
+from coati_kto.config.section import bool_or_auto
 from coati_kto.config.sequence import sequence_problems
 from coati_kto.errors import ConfigError
 from coati_kto.families import packing_refusal, router_aux_problem, text_only_model
@@ -78,16 +79,24 @@ class ModelSection(_Section):
         "recomputes the image features with a graph; the reference computes its own). False: they stay frozen.",
     )
 
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _true_false_or_auto(cls, value: Any) -> bool | str:
+        return bool_or_auto(value)
+
 
 class DataSection(_Section):
+    # accepts: the type `config --schema` shows (one path alone is taken as a list of one: _one_or_many)
     train_files: list[str] = Field(
         min_length=1,
+        json_schema_extra={"accepts": "str | list[str]"},
         description="Feedback files or directories (JSONL, parquet, HF dataset dirs), or Hub datasets: "
         "hf://datasets/OWNER/NAME?config=C&split=S&revision=R (each part optional; load_dataset(OWNER/NAME, "
         "name=C, split=S, revision=R); split default train, revision main).",
     )
     eval_files: list[str] = Field(
         default_factory=list,
+        json_schema_extra={"accepts": "str | list[str]"},
         description="Held-out feedback files for evaluation (Hub datasets: split default test).",
     )
     eval_fraction: float = Field(
@@ -185,7 +194,10 @@ class TrainSection(_Section):
         1.0, ge=0.0, description="Clip the global gradient norm to this (0: no clipping)."
     )
     eval_interval: int = Field(
-        0, ge=0, description="Evaluate every N optimizer steps (0: never between epochs)."
+        0,
+        ge=0,
+        description="Evaluate every N optimizer steps (0: never between epochs); needs data.eval_files or "
+        "data.eval_fraction.",
     )
     eval_at_start: bool = Field(
         True, description="Evaluate before the first update (step 0): the baseline of every eval/ curve."
@@ -276,7 +288,9 @@ class Config(_Section):
         resolved = resolve_attention(
             self.model, self.data, plugin.tp_size, torch.cuda.is_available(), plugin.sp_size
         )
-        self.model.attn_implementation, self.data.padding_free, self._attention_note = resolved
+        attention, padding_free, self._attention_note = resolved
+        self.model.derive(attn_implementation=attention)
+        self.data.derive(padding_free=padding_free)
 
     def _prepared_dir_problems(self) -> list[str]:
         """``data.prepared_dir`` unset: ``output.dir/prepared``, so runs told apart by their output.dir (overrides of
@@ -287,7 +301,7 @@ class Config(_Section):
             return [
                 "data.prepared_dir: required key is missing (its default, output.dir/prepared, needs output.dir)"
             ]
-        self.data.prepared_dir = str(Path(self.output.dir) / "prepared")
+        self.data.derive(prepared_dir=str(Path(self.output.dir) / "prepared"))
         return []
 
     def attention_note(self) -> str | None:

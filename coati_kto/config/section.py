@@ -1,6 +1,6 @@
 """The base of every config section: unknown keys are errors, numbers given for strings are kept as text,
 true/false given for numbers and NaN/inf are refused (``coati_kto.config.schema`` holds the sections); the sections without cross-key checks
-(``output``, ``logging``) and the parsing of an ``auto``-or-number key."""
+(``output``, ``logging``) and the parsing of the keys that take ``auto`` or a number, or ``auto`` or true/false."""
 
 from __future__ import annotations
 
@@ -9,12 +9,22 @@ import types
 import typing
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    PrivateAttr,
+    TypeAdapter,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 # The validation context under which a section keeps its cross-key problems for the whole config to list with its
 # own (coati_kto.config.load): raised from the section, they stopped the config's checks, so a file's mistakes
 # came in rounds.
 DEFER_SECTION_PROBLEMS = "defer_section_problems"
+_BOOL = TypeAdapter(bool)
 
 
 class Section(BaseModel):
@@ -35,6 +45,15 @@ class Section(BaseModel):
         elif problems:
             raise ValueError("\n".join(problems))
         return self
+
+    def derive(self, **values: Any) -> None:
+        """Set fields the config resolves from other keys (``data.prepared_dir`` from ``output.dir``, what
+        ``model.attn_implementation: auto`` became) without validating the section again: with
+        ``validate_assignment`` an assignment re-ran its cross-key checks outside the deferring context, raising
+        them alone, so one section's mistake hid every other section's (config load lists them all at once)."""
+        for name, value in values.items():
+            self.__dict__[name] = value
+            self.__pydantic_fields_set__.add(name)
 
     def deferred_problems(self) -> list[str]:
         """The problems its sections kept under the deferring context (every section field of this one)."""
@@ -65,14 +84,25 @@ def _numeric(annotation: Any) -> bool:
     return False
 
 
-def auto_or_number(value: Any) -> float | str:
-    """``auto``, or ``value`` as a finite float >= 0; one ValueError message for both (pydantic would report
-    each member of the union on its own line)."""
-    text = str(value).strip().lower()
-    if text == "auto":
+def bool_or_auto(value: Any) -> bool | str:
+    """A ``bool | Literal["auto"]`` key in one ValueError message (pydantic reports each member of the union on its
+    own line, naming its internals). The project's rule for each part: true/false as every bool key reads them
+    (pydantic's words, any case: yes, off, 1...), ``auto`` as every literal key: exactly, in lower case."""
+    if value == "auto":
         return "auto"
     try:
-        number = math.nan if isinstance(value, bool) else float(text)
+        return _BOOL.validate_python(value)
+    except ValidationError:
+        raise ValueError("must be true, false or auto") from None
+
+
+def auto_or_number(value: Any) -> float | str:
+    """``auto``, or ``value`` as a finite float >= 0; one ValueError message for both (pydantic would report
+    each member of the union on its own line). ``auto`` exactly, as every literal key (``bool_or_auto``)."""
+    if value == "auto":
+        return "auto"
+    try:
+        number = math.nan if isinstance(value, bool) else float(str(value).strip())
     except ValueError:
         number = math.nan
     if not 0 <= number < math.inf:

@@ -2,7 +2,8 @@
 
 Candidates keep the configured plugin and precision and vary what that plugin can vary: the tensor-parallel
 size (hybrid_parallel: a divisor of the GPUs per node that splits the heads whole), the sequence-parallel size
-(where the schema has ``plugin.sp_size`` and the rows are padding-free), the ZeRO stage, and the micro-batch
+(where the schema has ``plugin.sp_size`` and the rows are padding-free), the ZeRO stage (1 or 2 under
+``plugin.cpu_offload``: offload is ZeRO's), and the micro-batch
 (from 2, the least that holds both labels, up to :data:`MAX_MICRO_BATCH`). Where the config may split the layers
 (``pp_axis``: hybrid_parallel and nothing config load refuses with pp, such as LoRA) also the pipeline-parallel
 size: a divisor of the GPUs per tensor-parallel group that leaves every (virtual) stage a layer and that the
@@ -96,6 +97,8 @@ def candidates(
     stages = {"ddp": [0], "low_level_zero": [1, 2]}.get(base.plugin, [0, 1, 2])
     if base.precision == "fp32" and base.plugin == "hybrid_parallel":
         stages = [0]  # hybrid_parallel's ZeRO needs bf16 / fp16
+    if base.cpu_offload:
+        stages = [s for s in stages if s >= 1]  # offload is ZeRO's: config load refuses it at stage 0
     pipelined = pp_axis and base.plugin == "hybrid_parallel"
     out = []
     for tp in [t for t in tps if gpus % t == 0]:
