@@ -194,7 +194,7 @@ def _dataset(name: str, value: str | None, flags: Flags) -> Translation:
 
 
 def _fp32_export_refused(flags: Flags, argv: Sequence[str]) -> bool:
-    """Whether output.export_dtype=fp32 would be refused (Config._export_problems: LoRA, or tp_size > 1), from
+    """Whether output.export_dtype=fp32 would be refused (LoRA, tp_size > 1, output.save_final false), from
     --use_peft, the overrides and the config file (best effort: a file it cannot read counts as neither)."""
     path = next((a for a in argv if a.endswith((".yaml", ".yml"))), None)
     try:
@@ -202,9 +202,10 @@ def _fp32_export_refused(flags: Flags, argv: Sequence[str]) -> bool:
     except (OSError, yaml.YAMLError):
         data = None
     data = data if isinstance(data, dict) else {}
-    model, plugin = data.get("model"), data.get("plugin")
+    model, plugin, output = data.get("model"), data.get("plugin"), data.get("output")
     lora = isinstance(model, dict) and model.get("lora") is not None
     tp = plugin.get("tp_size") if isinstance(plugin, dict) else 1
+    no_final = isinstance(output, dict) and output.get("save_final") is False  # nothing to export to fp32
     for item in argv:
         key, sep, raw = item.partition("=")
         if sep and not item.startswith("-") and key == "model.lora":
@@ -212,8 +213,9 @@ def _fp32_export_refused(flags: Flags, argv: Sequence[str]) -> bool:
         elif sep and not item.startswith("-"):
             lora = lora or key.startswith("model.lora.")
             tp = int(raw) if key == "plugin.tp_size" and raw.strip().isdigit() else tp
+            no_final = _truth(raw) is False if key == "output.save_final" else no_final
     peft = next((_truth(v) for n, v in flags if n == "use_peft"), None)
-    return bool(peft if peft is not None else lora) or (isinstance(tp, int) and tp > 1)
+    return bool(peft if peft is not None else lora) or (isinstance(tp, int) and tp > 1) or no_final
 
 
 def _precision(flags: Flags, argv: Sequence[str]) -> Translation:
@@ -229,7 +231,9 @@ def _precision(flags: Flags, argv: Sequence[str]) -> Translation:
     if "bf16" not in given and not fp16:
         notes.append("TRL trains bf16 when fp16 is off; fp32: --bf16 False")
     if precision == "bf16" and _fp32_export_refused(flags, argv):
-        notes.append("final/ stays bf16: an fp32 export is refused with LoRA or tp_size > 1")
+        notes.append(
+            "final/ stays bf16: an fp32 export is refused with LoRA, tp_size > 1 or output.save_final false"
+        )
     elif precision == "bf16":
         overrides.append("output.export_dtype=fp32")
         notes.append("fp32 final/ weights, as TRL saves")

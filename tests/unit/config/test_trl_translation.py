@@ -154,13 +154,16 @@ def test_bf16_exports_fp32_weights_where_admitted(tmp_path: Path, capsys: pytest
         "--bf16 is plugin.precision=bf16 output.export_dtype=fp32 (fp32 final/ weights, as TRL saves)"
     ]
     assert _loaded(line, path).output.export_dtype == "fp32"
-    refused = "(final/ stays bf16: an fp32 export is refused with LoRA or tp_size > 1)"
+    refused = (
+        "(final/ stays bf16: an fp32 export is refused with LoRA, tp_size > 1 or output.save_final false)"
+    )
     (tmp_path / "lora").mkdir()
     lora = write_config(tmp_path / "lora", MINIMAL.replace("some/model\n", "some/model\n  lora: {rank: 4}\n"))
     for argv in (
         ["train", str(path), "--bf16", "--use_peft"],
         ["train", str(path), "--bf16", "plugin.tp_size=2"],
         ["train", str(path), "--bf16", "model.lora.rank=4"],
+        ["train", str(path), "--bf16", "output.save_final=false"],  # an fp32 export of nothing is refused
     ):
         assert f"--bf16 is plugin.precision=bf16 {refused}" in _line(argv, capsys)
     assert "output.export_dtype" not in _line(["train", str(lora), "--bf16"], capsys)
