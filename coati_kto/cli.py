@@ -192,8 +192,10 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 
 def _check_before_launch(args: argparse.Namespace) -> None:
-    """The config, and for train the preflight: here, once, rather than in N processes."""
+    """The config, and for train the preflight: here, once, rather than in N processes. A stop signal is looked
+    at between the parts (``check_stop``), not inside them: seconds of imports each."""
     from coati_kto.config.load import load_config
+    from coati_kto.launch.torchrun import check_stop
 
     config = load_config(args.config, args.overrides)
     if args.command == "train":
@@ -203,7 +205,9 @@ def _check_before_launch(args: argparse.Namespace) -> None:
 
         check_pipeline_divides_world(config.plugin, args.nproc_per_node)
         check_tp_divides_world(config.plugin.tp_size, args.nproc_per_node, config.plugin.sp_size)
+        check_stop()
         check_training(config)
+        check_stop()  # before the resume line: a stopped launch does not announce one
         announce_resume(config.train, config.training_output(), launcher=True)  # before torchrun's workers
     if args.command == "export" and args.push:
         from coati_kto.outputs.export import check_push
@@ -230,7 +234,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.command in ("train", "precompute", "export") and args.nproc_per_node and "RANK" not in os.environ:
         from coati_kto.launch.torchrun import before_workers
 
-        # The launcher's signal handling from here: a stop signal during the checks is one line, not a kill.
+        # The launcher's signal handling (entry started it): a stop during the checks is one line, not a kill.
         stopped = before_workers(lambda: _check_before_launch(args))
         return stopped if stopped is not None else _launch_local(args)
     config = load_config(args.config, args.overrides)
@@ -304,20 +308,27 @@ def _export(args: argparse.Namespace, config: Config) -> int:
 def entry() -> int:
     """The process's entry point (the ``coati-kto`` console script, ``python -m coati_kto``): ``main`` with the
     cyclic garbage collector off until the command's imports are done (coati_kto.runtime.startup). Tests and
-    worker ranks call ``main`` itself."""
+    worker ranks call ``main`` itself. A launcher takes the stop signals from its first step (a signal handler
+    raising to stop it landed inside imports: lost or a traceback); once ``main`` returned, they are ignored."""
     hold_collection()
+    if STOP.block_for_launcher(sys.argv[1:]):
+        from coati_kto.launch.torchrun import watch_stops
+
+        watch_stops()
     try:
-        return main()
+        code = main()
     finally:
         release_collection()
+    STOP.ignore_from_now()
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
     """``coati-kto``: exit 0 done, 2 a user mistake (one line), 3 done but the Hub upload failed (one line), 75 a
     clean stop, 1 a peer gone, 130 aborted."""
     args = _parse(argv)
-    if args.command == "train" and "RANK" in os.environ:  # a rank: stop cleanly even while still importing
-        STOP.install()
+    if "RANK" in os.environ:  # a rank: stop cleanly even while still importing (train)
+        STOP.start_rank(train=args.command == "train")
     rank = os.environ.get("RANK")
     code = _main(args, rank)
     if code in (0, USER_ERROR_EXIT_CODE, PUSH_FAILED_EXIT_CODE, STOP_EXIT_CODE):

@@ -6,6 +6,10 @@ so they all finish the same step, write one checkpoint and raise ``TrainingStopp
 SIGUSR1 are harmless (launchers and SLURM may deliver one signal twice); a second SIGINT (Ctrl-C twice)
 aborts at once with one line and exit status ``ABORT_EXIT_CODE``, no traceback, nothing saved; once the stop's
 checkpoint is complete (``stop_saved``), it exits at once with ``STOP_EXIT_CODE``: the stop is done.
+
+A launcher blocks the stop signals from its first step (``block_for_launcher``; coati_kto.launch.torchrun takes
+them), so its ranks start with them blocked: ``start_rank`` unblocks them once the handlers are in. Once a
+process has its exit status they are ignored (``ignore_from_now``).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from types import FrameType
 STOP_EXIT_CODE = 75
 ABORT_EXIT_CODE = 130  # 128 + SIGINT, as a shell reports an interrupted command
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-PENDING_STOP_ENV = "COATI_KTO_PENDING_STOP"  # set by coati_kto.launch for ranks it has yet to start
+_LAUNCHING = ("train", "precompute", "export")  # the commands that run torchrun with --nproc-per-node
 _VOTE_COUNT, _VOTE_SIGNAL = "stop/requested", "stop/signal"
 
 
@@ -46,14 +50,48 @@ class StopSignals:
         self._counting = False
 
     def install(self) -> StopSignals:
-        """Idempotent; returns self. A stop the launcher received before starting this rank counts as received."""
+        """Idempotent; returns self."""
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
         self._count_deliveries()
-        pending = os.environ.get(PENDING_STOP_ENV)
-        if pending and self.received is None:
-            self.received = int(pending)
         return self
+
+    def start_rank(self, train: bool) -> None:
+        """A rank's first step (the CLI, main thread): the handlers for train, then the stop signals unblocked.
+        coati_kto.launch starts its ranks with them blocked, so one that came before the handlers is pending and
+        counts now (a clean stop), where the default action killed the rank as it started (the launch: exit 1,
+        "rank 1 failed with signal SIGTERM"). Other commands' ranks get the default action, as before."""
+        if train:
+            self.install()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+    @staticmethod
+    def block_for_launcher(argv: list[str]) -> bool:
+        """The process's first step (``coati_kto.cli.entry``): when ``argv`` runs torchrun (train, precompute or
+        export with ``--nproc-per-node``, not in a rank), block the stop signals, for coati_kto.launch.torchrun's
+        watch to take; True then. Before this a SIGTERM is the default action's silent exit 143. Told before
+        argparse (imports) runs: the command is the first word that is no option, and an option may be an
+        unambiguous prefix (``--nproc 2``)."""
+        words = [arg for arg in argv if not arg.startswith("-")]
+        options = {arg.split("=")[0] for arg in argv if arg.startswith("--")}
+        if not words or words[0] not in _LAUNCHING or "RANK" in os.environ:
+            return False
+        if not any(len(option) > 2 and "--nproc-per-node".startswith(option) for option in options):
+            return False
+        signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        return True
+
+    @staticmethod
+    def ignore_from_now() -> None:
+        """The process has its exit status (``coati_kto.cli.entry``, once ``main`` returned): a stop signal can
+        change nothing now, and must not kill it on its way out.
+
+        SIG_IGN, not a blocked mask: a disposition holds for every thread (a signal to the process goes to any
+        thread that does not block it: gloo's, a writer's), and interpreter finalization keeps SIG_IGN where it
+        resets every Python handler to the default action. A SIGTERM repeated as the ranks left killed one there
+        (-15 after its "exit 75") and the launch exited 1 instead of 75; a second Ctrl-C, the same."""
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
 
     def _count_deliveries(self) -> None:
         """Have the interpreter write one byte per delivered signal to a pipe (``signal.set_wakeup_fd``).
