@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 from coati_kto.config.lora import LoraSection
@@ -16,8 +17,8 @@ from coati_kto.config.schema import PluginSection
 from coati_kto.errors import UserError
 from coati_kto.outputs.model_card import CARD
 from coati_kto.runtime.preflight import push_problems
-from coati_kto.runtime.run_dir import COMPLETE, EXPORTS_DIR, FINAL_DIR, resolve_checkpoint
-
+from coati_kto.runtime.lineage import resume_choice
+from coati_kto.runtime.run_dir import COMPLETE, EXPORTS_DIR, FINAL_DIR
 
 
 def finished_final(output: OutputSection, checkpoint: str, out: str | None) -> Path | None:
@@ -63,18 +64,21 @@ def check_masters_layout(
         )
 
 
-def export_target(root: Path, checkpoint: str, out: str | None) -> tuple[Path, Path]:
+def export_target(root: Path, checkpoint: str, out: str | None, say: bool = False) -> tuple[Path, Path]:
     """(the checkpoint to export, the directory to write) under the run's checkpoints directory ``root``; raises
-    UserError (one line) when there is no such checkpoint or the directory exists. Creates the directory's
-    parent."""
+    UserError (one line) when there is no such checkpoint, it is damaged (``auto`` passes over a damaged one to
+    the intact one before it: ``say`` prints that warning, on global rank 0), or the directory exists. Creates
+    the directory's parent."""
     if checkpoint != "auto" and not (Path(checkpoint) / COMPLETE).is_file():
         raise UserError(
             f"coati-kto export --checkpoint: {checkpoint} is not a complete checkpoint (a checkpoints/step-N "
             f"directory with its {COMPLETE} marker)"
         )
-    path = resolve_checkpoint(root, checkpoint)
+    path, warning = resume_choice(root, checkpoint, key="coati-kto export --checkpoint")
     if path is None:
         raise UserError(f"coati-kto export: no complete checkpoint under {root}")
+    if warning is not None and say and os.environ.get("RANK", "0") == "0":
+        print(warning, file=sys.stderr, flush=True)
     target = Path(out) if out else root.parent / EXPORTS_DIR / path.name
     if target.exists():
         raise UserError(f"coati-kto export: {target} exists; remove it or name another with --out")

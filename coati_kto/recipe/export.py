@@ -22,13 +22,17 @@ import json
 import shutil
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from coati_kto.config.resume import check_resume
 from coati_kto.config.schema import Config
+from coati_kto.errors import ConfigError
 from coati_kto.outputs.export import check_masters_layout, export_target
-from coati_kto.parallel.distributed import global_rank, on_rank0
+from coati_kto.parallel.distributed import on_rank0
 from coati_kto.recipe.components import build_trainer
 from coati_kto.recipe.save import save_final
 from coati_kto.recipe.setup import setup_export
+from coati_kto.runtime.durable import DATA, own_dir
 from coati_kto.runtime.run_dir import CHECKPOINTS_DIR, saved_trainer_state
 from coati_kto.runtime.signals import STOP
 
@@ -42,18 +46,37 @@ def export_checkpoint(config: Config, checkpoint: str = "auto", out: str | None 
     quiet_known_warnings()  # before anything imports colossalai: it warns at import time
     root = Path(config.training_output().dir) / CHECKPOINTS_DIR
     # A missing checkpoint, an existing target, fp32 masters of another layout: said before anything heavy.
-    first, first_target = export_target(root, checkpoint, out)
+    first, first_target = export_target(root, checkpoint, out, say=True)
     check_masters_layout(config.training_output(), config.model.lora, config.plugin, first)
     config = run_config(config, first)
-    scratch = first_target.with_name(f"{first_target.name}.prepared")  # beside the export, removed at the end
+    scratch = _Scratch(first_target)
     try:
         return _export(config, root, checkpoint, out, first, scratch)
     finally:
-        if global_rank() == 0:
-            shutil.rmtree(scratch, ignore_errors=True)
+        scratch.remove()
 
 
-def _export(config: Config, root: Path, checkpoint: str, out: str | None, first: Path, scratch: Path) -> Path:
+class _Scratch:
+    """Where global rank 0 prepares the run's data when data.prepared_dir holds another build: a directory of its
+    own beside the export (``.NAME.coati-kto-data-XXXXXXXX``), made when asked, removed at the end. A fixed name
+    (``NAME.prepared``) was deleted at the end even when it was a folder of the user's."""
+
+    def __init__(self, target: Path) -> None:
+        self.target = target
+        self.made: Path | None = None
+
+    def __call__(self) -> Path:
+        self.made = own_dir(self.target, DATA)
+        return self.made / "prepared"
+
+    def remove(self) -> None:
+        if self.made is not None:  # global rank 0's: the others never make one
+            shutil.rmtree(self.made, ignore_errors=True)
+
+
+def _export(
+    config: Config, root: Path, checkpoint: str, out: str | None, first: Path, scratch: _Scratch
+) -> Path:
     # The optimizer is built (it holds the fp32 masters) but the reference model is not: nothing is scored.
     unscored = config.model_copy(update={"kto": config.kto.model_copy(update={"reference": "cached"})})
     run = setup_export(config, scratch, json.loads((first / "meta.json").read_text()).get("dp_size"))
@@ -83,4 +106,11 @@ def run_config(config: Config, path: Path) -> Config:
     layout = ("tp_size", "sp_size", "sp_mode", "pp_size", "pp_style", "num_model_chunks")
     plugin = {**saved["plugin"], **{k: current["plugin"][k] for k in layout if k in current["plugin"]}}
     data = {**saved["data"], **{k: current["data"][k] for k in ("prepared_dir", "num_proc")}}  # may move
-    return Config.model_validate({**saved, "output": current["output"], "plugin": plugin, "data": data})
+    try:
+        return Config.model_validate({**saved, "output": current["output"], "plugin": plugin, "data": data})
+    except ValidationError as err:  # a run trained before a setting that did nothing there was refused
+        problems = "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())
+        raise ConfigError(
+            f"checkpoint {path.name}: the config it was trained with no longer loads ({problems}); export "
+            "describes the run by it: resume the run with that setting changed, and export the checkpoint it writes"
+        ) from None

@@ -15,6 +15,7 @@ notes travel on in ``Run.notes`` to the model card.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from coati_kto.data.settings import PrepareSettings
 from coati_kto.data.store import fingerprint, train_data_digest, train_data_parts
 from coati_kto.data.tokenize import load_tokenizer, pad_id
 from coati_kto.data.weights import WeightSettings, imbalance, resolve_kto_weights
+from coati_kto.errors import ConfigError
 from coati_kto.families import model_notes, vocabulary_size
 from coati_kto.models.hf import attention_implementation
 from coati_kto.models.packing import padding_free_rows
@@ -44,12 +46,13 @@ from coati_kto.recipe.plan import predicted_peak_line
 from coati_kto.reference.settings import ReferenceSettings
 from coati_kto.reference.weights import reference_weights_digest
 from coati_kto.runtime.host_memory import keep_freed_memory
+from coati_kto.runtime.lineage import resume_choice
+from coati_kto.runtime.resume_checks import overwrite_refusal
 from coati_kto.runtime.run_dir import (
     CHECKPOINTS_DIR,
     CONFIG_FILE,
     claim_output_dir,
     clear_previous_run,
-    resolve_checkpoint,
     saved_trainer_state,
 )
 from coati_kto.runtime.watchdog import Heartbeat
@@ -112,6 +115,9 @@ def setup_training(config: Config, heartbeat: Heartbeat | None) -> Run:
     if heartbeat is not None and not heartbeat.is_alive():
         heartbeat.start()
     out_dir = Path(config.training_output().dir)
+    refusal = overwrite_refusal(config.train, config.training_output())  # preflight's too: nothing deleted
+    if refusal is not None:  # the config alone decides: every rank raises it
+        raise ConfigError(refusal)
     # Global rank 0 holds output.dir's lock from here to the end of the run: nothing is written there before.
     lock_note = on_rank0(lambda: claim_output_dir(out_dir), "lock output.dir")
     if config.training_output().overwrite:
@@ -148,17 +154,18 @@ def device_memory() -> int | None:
     return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
 
 
-def setup_export(config: Config, scratch: Path, trained_dp_size: int | None = None) -> Run:
+def setup_export(config: Config, scratch: Callable[[], Path], trained_dp_size: int | None = None) -> Run:
     """The run of ``config`` read back for ``coati-kto export`` (every rank): output.dir is only read and nothing
     is scored. The export's own layout is not the run's: no ZeRO note, and the KTO weights are those of the
     run's ``trained_dp_size`` data-parallel ranks (auto_weights depend on them), not of this launch. Where
-    data.prepared_dir does not hold the run's data, it is prepared in ``scratch`` (the caller removes it)."""
+    data.prepared_dir does not hold the run's data, it is prepared in ``scratch()``: a directory global rank 0
+    makes once the process group exists (the caller removes it; the others read it where rank 0 says)."""
     from coati_kto.data.prepared import elsewhere
 
     _start_processes(config)
     where = prepare_settings(config)
     moved, note = on_rank0(
-        lambda: elsewhere(where, scratch, "export", missing_too=True), "check data.prepared_dir"
+        lambda: elsewhere(where, scratch(), "export", missing_too=True), "check data.prepared_dir"
     )
     if note and dist.get_rank() == 0:
         print(note, flush=True)
@@ -196,9 +203,10 @@ def _start_processes(config: Config) -> None:
 def _refuse_changed_contents(config: Config, checkpoints: Path) -> None:
     """train.resume from a checkpoint (under ``checkpoints``) whose training data (files edited in place, another
     tokenizer) or reference weights changed since: refused (``check_contents``) before data.prepared_dir is
-    rebuilt, deleting the reference cache the checkpoint's run needs, and the new data scored. Every rank calls."""
+    rebuilt, deleting the reference cache the checkpoint's run needs, and the new data scored. A damaged checkpoint
+    (``lineage.resume_choice``) is refused here too, rank 0's verdict on every rank. Every rank calls."""
     resume = config.train.resume
-    checkpoint = on_rank0(lambda: resolve_checkpoint(checkpoints, resume), "resolve the checkpoint")
+    checkpoint = on_rank0(lambda: resume_choice(checkpoints, resume)[0], "resolve the checkpoint")
     if checkpoint is None:
         return
     state = on_rank0(lambda: _saved_state_or_none(checkpoint), "read the checkpoint's trainer state")

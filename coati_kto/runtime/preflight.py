@@ -23,21 +23,16 @@ from coati_kto.config.hub import hub_problems as _hub_problems
 from coati_kto.config.hub import looks_like_path as _looks_like_path
 from coati_kto.config.lora import linear_layer_names, peft_config, tower_refusal
 from coati_kto.config.output import OutputSection
-from coati_kto.config.resume import check_resume
 from coati_kto.config.schema import Config, DataSection, ModelSection, PluginSection, TrainSection
 from coati_kto.data.files import resolve_files
 from coati_kto.data.hub import check as hub_check
-from coati_kto.errors import ConfigError, DataError, UserError
+from coati_kto.errors import ConfigError, DataError
 from coati_kto.families import auto_model_class, vision_language_refusal
-from coati_kto.runtime.run_dir import (
-    CHECKPOINTS_DIR,
-    complete_checkpoints,
-    in_use,
-    lock_holder,
-    previous_run,
-    resolve_checkpoint,
-    saved_trainer_state,
-)
+from coati_kto.runtime.resume_checks import RESUME_SAID_ENV as RESUME_SAID_ENV
+from coati_kto.runtime.resume_checks import announce_resume as announce_resume
+from coati_kto.runtime.resume_checks import resume_notice as resume_notice
+from coati_kto.runtime.resume_checks import resume_problems, starts_from_zero
+from coati_kto.runtime.run_dir import in_use, lock_holder, previous_run
 from coati_kto.runtime.wandb_check import wandb_problems
 
 _WEIGHTS = (
@@ -78,7 +73,7 @@ def check_training(config: Config) -> None:
     problems += [f"model.path {why}" for why in [vision_language_refusal(model.path)] if why]
     problems += _lora_problems(model)
     problems += _attention_problems(model, config.plugin)
-    problems += _resume_problems(config.train, output, config.model_dump(mode="json"))
+    problems += resume_problems(config.train, output, config.model_dump(mode="json"))
     problems += _output_problems(config.train, output)
     problems += push_problems(output)
     problems += wandb_problems(config.logging)
@@ -254,76 +249,6 @@ def _attention_problems(model: ModelSection, plugin: PluginSection) -> list[str]
     return out
 
 
-def _starts_from_zero(train: TrainSection, output: OutputSection) -> bool:
-    """No resume, or train.resume=auto with no complete checkpoint to resume from."""
-    if train.resume is None:
-        return True
-    checkpoints = Path(output.dir) / CHECKPOINTS_DIR
-    return train.resume == "auto" and not complete_checkpoints(checkpoints)
-
-
-def _resume_problems(train: TrainSection, output: OutputSection, current: dict) -> list[str]:
-    """A checkpoint train.resume names that is not one, or changes from its config to ``current`` (this run's
-    whole config as JSON) a resume refuses: said before the data is prepared and the cached reference computed
-    (a refused resume used to rebuild data.prepared_dir, deleting the reference cache the old config needs, and
-    score the data with the reference, then refuse)."""
-    if train.resume is None or (train.resume == "auto" and output.overwrite):
-        return []  # overwrite: the run's checkpoints are deleted before auto looks for one
-    try:
-        checkpoint = resolve_checkpoint(Path(output.dir) / CHECKPOINTS_DIR, train.resume)
-    except UserError as err:
-        return [str(err)]
-    if checkpoint is None:
-        return []
-    try:
-        saved = saved_trainer_state(checkpoint)["trainer_state"].get("config")
-    except OSError:  # none saved, or pruned by a run still saving there (keep_last): the lock check says so
-        return []
-    try:
-        check_resume(saved, current, checkpoint.name) if saved is not None else None
-    except ConfigError as err:
-        return str(err).splitlines()
-    return []
-
-
-# Set by the ``--nproc-per-node`` launcher once it printed the resume line: its workers inherit it and stay quiet.
-RESUME_SAID_ENV = "COATI_KTO_RESUME_SAID"
-
-
-def resume_notice(train: TrainSection, output: OutputSection) -> str | None:
-    """The line a run that continues a checkpoint starts with: which one, and how to start over instead (TRL starts
-    anew unless told to resume; the shipped configs' ``train.resume: auto`` continues). None when the run starts
-    from step 0, or when the checkpoint named is no checkpoint (:func:`check_training` says so)."""
-    resume = train.resume
-    if resume is None or (resume == "auto" and output.overwrite):
-        return None
-    try:
-        checkpoint = resolve_checkpoint(Path(output.dir) / CHECKPOINTS_DIR, resume)
-    except UserError:
-        return None
-    if checkpoint is None:
-        return None
-    if resume == "auto":
-        how = (
-            "to start over instead, add output.overwrite=true (deletes its checkpoints, events, final model and exports) "
-            "or choose another output.dir"
-        )
-        return f"resuming the run in {output.dir} from {checkpoint.name} (train.resume=auto); {how}"
-    return f"resuming from {checkpoint} (train.resume); to start over instead, leave train.resume unset"
-
-
-def announce_resume(train: TrainSection, output: OutputSection, launcher: bool = False) -> None:
-    """Print :func:`resume_notice`, the run's first line, once: by the ``launcher`` (which marks it said for its
-    workers), else by global rank 0."""
-    if os.environ.get(RESUME_SAID_ENV) or os.environ.get("RANK", "0") != "0":
-        return
-    line = resume_notice(train, output)
-    if line is not None:
-        print(line, flush=True)
-    if launcher:
-        os.environ[RESUME_SAID_ENV] = "1"
-
-
 def _output_problems(train: TrainSection, output: OutputSection) -> list[str]:
     out_dir = Path(output.dir)
     existing = out_dir
@@ -341,7 +266,7 @@ def _output_problems(train: TrainSection, output: OutputSection) -> list[str]:
     holder = lock_holder(out_dir) if "RANK" not in os.environ else None
     if holder is not None:
         return [in_use(out_dir, holder)]
-    if _starts_from_zero(train, output) and not output.overwrite and previous_run(out_dir):
+    if starts_from_zero(train, output) and not output.overwrite and previous_run(out_dir):
         found = ", ".join(previous_run(out_dir)[-3:])
         if train.resume == "auto":  # asked to continue, but that run left no checkpoint to continue from
             return [

@@ -8,12 +8,14 @@
       wandb/                 W&B offline runs (rank 0), when logging.wandb
       checkpoints/step-N/    one checkpoint; it counts only once its COMPLETE marker is written
       checkpoints/latest     the name of the newest complete step-N
+      checkpoints/fork.json  the lineage a hand resume started (coati_kto.runtime.lineage)
       final/                 the trained model in Hugging Face format (+ README.md, the model card)
       exports/step-N/        `coati-kto export`'s models of earlier checkpoints (its default --out)
       .run.lock              held (flock) by global rank 0 while a run trains here; names its pid and host
 
 Filesystem reads only here (no collectives; torch imported only to read a trainer state), so preflight and the checkpoint manager
-share one definition of "a complete checkpoint"; ``clear_previous_run`` is the one writer, on rank 0.
+share one definition of "a complete checkpoint"; ``clear_previous_run`` is the one writer, on rank 0. Which
+checkpoint a resume takes: ``coati_kto.runtime.lineage``.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ FINAL_DIR = "final"
 EXPORTS_DIR = "exports"  # coati-kto export's default target: exports/step-N
 COMPLETE = "COMPLETE"
 LATEST = "latest"
+FORK = "fork.json"  # beside LATEST: the lineage a hand resume started (coati_kto.runtime.lineage)
 TRAINER_STATE_DIR = "trainer_state"  # in a checkpoint: rank-R.pt, each rank's trainer state and RNG
+MASTER_WEIGHTS_DIR = "master_weights"  # in a checkpoint: rank-R.pt, each rank's fp32 master shard
 STEP_DIR = re.compile(r"step-(\d+)")
 # What a run writes under output.dir that a second run would mix with (output.overwrite clears these).
 RUN_OUTPUTS = (CHECKPOINTS_DIR, TENSORBOARD_DIR, FINAL_DIR, EXPORTS_DIR, "wandb")
@@ -60,70 +64,12 @@ def complete_checkpoints(root: Path) -> list[Path]:
 
 
 def checkpoint_meta(checkpoint: Path) -> dict:
-    """``checkpoint/meta.json`` (step, layout, ``id`` and ``previous``: see :func:`_newest_after`); {} when it
-    is missing or unreadable."""
+    """``checkpoint/meta.json`` (step, layout, ``id`` and ``previous``: see ``coati_kto.runtime.lineage``); {}
+    when it is missing or unreadable."""
     try:
         return json.loads((checkpoint / "meta.json").read_text())
     except (OSError, ValueError):
         return {}
-
-
-def _newest_after(root: Path, named: Path, pointer_written: int) -> Path:
-    """The pointer's checkpoint ``named``, or the last of the run's saves after it that the pointer missed (a
-    save killed between its rename into step-N and the pointer's update; a pointer that could not be written).
-
-    Each checkpoint's meta.json names its ``id`` and the ``previous`` one of its run (the last it saved or resumed
-    from): the saves after ``named`` are those that name it, then those that name them. Neither a copy (cp -r,
-    hf download, a sync: new file times in any order) nor an abandoned run's higher steps (a run resumed from an
-    earlier step by hand; the pointer then names that step) name it. A checkpoint written before they were kept
-    (2026-12-01) counts when it completed after the pointer was written."""
-    current = named
-    later = [p for p in complete_checkpoints(root) if checkpoint_step(p) > checkpoint_step(named)]
-    while True:
-        here = checkpoint_meta(current).get("id")
-        following = [
-            p
-            for p in later
-            if checkpoint_step(p) > checkpoint_step(current) and _follows(p, here, pointer_written)
-        ]
-        if not following:
-            return current
-        current = max(following, key=checkpoint_step)
-
-
-def _follows(checkpoint: Path, previous_id: str | None, pointer_written: int) -> bool:
-    """Whether ``checkpoint`` is a save of the run whose previous checkpoint has ``previous_id``."""
-    meta = checkpoint_meta(checkpoint)
-    if "previous" in meta:
-        return previous_id is not None and meta["previous"] == previous_id
-    return (checkpoint / COMPLETE).stat().st_mtime_ns > pointer_written  # written before ids were kept
-
-
-def resolve_checkpoint(root: Path, resume: str | None) -> Path | None:
-    """``train.resume`` resolved against ``root``: None -> None; 'auto' -> the latest complete checkpoint, or
-    None; a path -> that checkpoint. Raises UserError (one line) for a path that is missing or incomplete."""
-    if resume is None:
-        return None
-    if resume == "auto":
-        pointer = root / LATEST
-        if pointer.is_file():
-            named = root / pointer.read_text().strip()
-            marker = named / COMPLETE
-            if marker.is_file():
-                return _newest_after(root, named, pointer.stat().st_mtime_ns)
-        complete = complete_checkpoints(root)  # pointer missing or stale: the highest complete step
-        return complete[-1] if complete else None
-    path = Path(resume)
-    if not path.is_dir():
-        raise UserError(
-            f"train.resume: checkpoint {path} does not exist (train.resume=auto picks the latest one)"
-        )
-    if not (path / COMPLETE).is_file():
-        raise UserError(
-            f"train.resume: {path} is not a complete checkpoint (no {COMPLETE} marker: its save was interrupted, "
-            "or it is not a step-N directory); use train.resume=auto or another step-N"
-        )
-    return path
 
 
 def saved_trainer_state(checkpoint: Path, rank: int = 0) -> dict:

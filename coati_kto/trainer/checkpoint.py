@@ -12,10 +12,7 @@ it rebuilds them from the bf16 model, and a resumed bf16 run drifts. Saving the 
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import sys
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,16 +26,25 @@ from coati_kto.models.lora import base_module
 from coati_kto.parallel.distributed import ParallelLayout, barrier, gather_objects, on_rank0
 from coati_kto.parallel.loss_scale import loss_scale, loss_scaler_state, restore_loss_scaler
 from coati_kto.parallel.store_waits import first_failure, wait_for_all
+from coati_kto.runtime.durable import (
+    recover,
+    replace_dir,
+    sync_dir,
+    sync_dirs,
+    sync_files,
+    write_dir,
+    write_synced,
+)
+from coati_kto.runtime.lineage import resolve_checkpoint, resume_choice
 from coati_kto.runtime.run_dir import (
     COMPLETE,
     LATEST,
+    MASTER_WEIGHTS_DIR,
     TRAINER_STATE_DIR,
-    checkpoint_meta,
-    checkpoint_step,
     complete_checkpoints,
-    resolve_checkpoint,
     saved_trainer_state,
 )
+from coati_kto.trainer.checkpoint_runs import RunLineage, prune, warn
 from coati_kto.trainer.checkpoint_state import (
     master_shards,
     old_dp_states,
@@ -62,11 +68,6 @@ class CheckpointSaveError(UserError):
     same_on_every_rank = True
 
 
-def _warn(message: str) -> None:
-    """One line on stderr (the main rank's): what went wrong around a complete checkpoint."""
-    print(f"warning: {message}", file=sys.stderr, flush=True)
-
-
 class CheckpointManager:
     """Saves and restores training state under ``root``; keeps the last ``keep_last`` complete checkpoints."""
 
@@ -81,9 +82,10 @@ class CheckpointManager:
         self.keep_last = keep_last
         # Main rank: called with each checkpoint once it is complete, before pruning (output.push_to_hub's uploads).
         self.on_complete: Callable[[Path], None] | None = None
-        # The id of the last checkpoint this run saved or resumed from in ``root``: each save's meta.json names it
-        # as ``previous``, which is how resume=auto tells this run's saves from a copy's or an abandoned run's.
-        self._previous: str | None = None
+        # The id of the last checkpoint this run saved or resumed from in ``root`` (or of the fork it started):
+        # each save's meta.json names it as ``previous``, which is how resume=auto tells this run's saves from a
+        # copy's or an abandoned run's (coati_kto.runtime.lineage).
+        self._lineage = RunLineage(self.root)
 
     # ---- save ---------------------------------------------------------------------------------------------
     def save(self, step: int, model: Any, optimizer: Any, lr_scheduler: Any, trainer_state: dict) -> Path:
@@ -110,11 +112,9 @@ class CheckpointManager:
         final, tmp = self.root / f"step-{step}", self.root / f"step-{step}.tmp"
         rank = self.layout.rank
         if self.layout.is_main:
-            self.root.mkdir(parents=True, exist_ok=True)
-            for stale in self.root.glob("step-*.tmp"):
-                shutil.rmtree(stale)
+            self._clear_leftovers()
             (tmp / TRAINER_STATE_DIR).mkdir(parents=True)
-            (tmp / "master_weights").mkdir()
+            (tmp / MASTER_WEIGHTS_DIR).mkdir()
         self._agree(step, tmp)
         save_tied_weights_once(base_module(model))
         with held_write_failures():  # a failed write keeps this rank in upstream's gathers (write_failures)
@@ -125,23 +125,40 @@ class CheckpointManager:
         torch.save(per_rank, tmp / TRAINER_STATE_DIR / f"rank-{rank}.pt")
         masters = master_shards(model, optimizer)
         if masters:
-            torch.save(masters, tmp / "master_weights" / f"rank-{rank}.pt")
+            torch.save(masters, tmp / MASTER_WEIGHTS_DIR / f"rank-{rank}.pt")
+        # On disk before the agreement, so that COMPLETE never vouches for a shard still in a crashed node's page
+        # cache. Upstream picks which rank writes each booster file: every rank syncs those (a clean file costs
+        # little), and its own per-rank files; the others' are theirs to sync.
+        sync_files(tmp, keep=lambda path: _may_have_written(path, rank))
         self._agree(step, tmp)  # every rank's files are on disk
         if self.layout.is_main:
-            meta = {"step": step, **self._layout_meta(), "plugin": type(self.booster.plugin).__name__}
-            meta.update(id=uuid.uuid4().hex, previous=self._previous)
-            (tmp / "meta.json").write_text(json.dumps(meta, indent=2))
-            # COMPLETE goes in before the rename, so a directory named step-N is never seen half-done.
-            (tmp / COMPLETE).write_text(f"step {step}\n")
-            if final.exists():  # re-saving a step (e.g. right after a resume): replace it
-                # COMPLETE goes first: a kill in the middle of rmtree must not leave a "complete" husk.
-                (final / COMPLETE).unlink(missing_ok=True)
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            self._previous = meta["id"]
-            self._settle(final)
+            self._publish(step, tmp, final)
         self._agree(step, tmp)
         return final
+
+    def _clear_leftovers(self) -> None:
+        """The main rank, before a save: an interrupted save's ``step-N.tmp``, and the old copy of a step a kill
+        caught between the renames that replace it (put back when nothing took its place)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        for stale in self.root.glob("step-*.tmp"):
+            shutil.rmtree(stale)
+        recover(self.root)
+
+    def _publish(self, step: int, tmp: Path, final: Path) -> None:
+        """The main rank, once every rank's files are on disk: meta.json, then COMPLETE (each synced, the
+        directories' entries before the marker), then ``tmp`` renamed to ``final`` and the pointer moved."""
+        meta = {"step": step, **self._layout_meta(), "plugin": type(self.booster.plugin).__name__}
+        meta.update(self._lineage.next_meta())
+        write_synced(tmp / "meta.json", json.dumps(meta, indent=2))
+        sync_dirs(tmp)
+        # COMPLETE goes in before the rename, so a directory named step-N is never seen half-done.
+        write_synced(tmp / COMPLETE, f"step {step}\n")
+        sync_dir(tmp)
+        # Re-saving a step (an abandoned run's, after a hand resume): the old one aside, the new one in, the old
+        # one removed; a kill between the renames leaves the old one for the next save to put back.
+        replace_dir(tmp, final)
+        self._lineage.saved(meta["id"])
+        self._settle(final)
 
     def _settle(self, final: Path) -> None:
         """The main rank, once ``final`` is complete: the pointer, the uploads, pruning. ``final`` stays whole
@@ -150,27 +167,32 @@ class CheckpointManager:
         try:
             write_atomic(self.root / LATEST, final.name)
         except OSError as err:
-            _warn(
+            warn(
                 f"{final} is complete, but {LATEST} could not be updated ({describe(err)}); resume=auto finds it"
             )
         if self.on_complete is not None:
-            self.on_complete(final)
+            try:
+                self.on_complete(final)
+            except Exception as err:  # noqa: BLE001 - an upload that cannot start is not a failed save
+                # as CheckpointUploads says its own failures (coati_kto.outputs.push): the retry command
+                repo = getattr(getattr(self.on_complete, "push", None), "repo_id", None) or "OWNER/NAME"
+                warn(
+                    f"checkpoint {final.name} not uploaded ({describe(err)}); it is complete and the run goes on; "
+                    f"to upload it while output.keep_last keeps it: `hf upload {repo} {final} --revision {final.name}`"
+                )
         self._prune(keep=final)
 
     def resumed_from(self, checkpoint: Path) -> None:
-        """The main rank, resuming from ``checkpoint`` of this run's directory by hand: the pointer names it, so
-        that resume=auto after a crash continues this run, not the abandoned one's higher steps."""
-        here = self.layout.is_main and checkpoint.parent.resolve() == self.root.resolve()
-        self._previous = checkpoint_meta(checkpoint).get("id") if here else None
-        if here and self.resolve("auto") != checkpoint:
-            write_atomic(self.root / LATEST, checkpoint.name)
+        """The main rank, after loading ``checkpoint``: the lineage its saves continue, or the fork a resume from
+        another checkpoint of this directory starts (``checkpoint_runs.RunLineage.resumed_from``)."""
+        self._lineage.resumed_from(checkpoint, self.layout.is_main)
 
     def _agree(self, step: int, tmp: Path, failure: BaseException | None = None) -> None:
         """Every rank calls at the same point (it replaces a barrier): gathers each rank's failure, if any.
 
         On any failure: the main rank removes ``tmp``, then every rank raises the same CheckpointSaveError.
         """
-        failed = self._first_failure(tmp, failure)
+        failed = self._first_failure(f"write {tmp.name}", tmp, failure)
         if failed is None:
             return
         rank, text = failed
@@ -191,19 +213,7 @@ class CheckpointManager:
         }
 
     def _prune(self, keep: Path) -> None:
-        """Keep ``keep`` (just saved) and the ``keep_last - 1`` complete checkpoints of lower steps before it. Higher
-        steps are an abandoned run's (this one resumed from an earlier step by hand): left alone and not counted,
-        until this run saves over them. A checkpoint that cannot be removed is a warning."""
-        step = checkpoint_step(keep)
-        others = [p for p in self._complete() if checkpoint_step(p) < step]
-        for old in others[: max(len(others) - (self.keep_last - 1), 0)]:
-            try:
-                (old / COMPLETE).unlink(
-                    missing_ok=True
-                )  # first: a delete stopped partway leaves no complete husk
-                shutil.rmtree(old)
-            except OSError as err:
-                _warn(f"could not remove the old checkpoint {old} ({describe(err)}); remove it by hand")
+        prune(self.root, keep, self.keep_last)
 
     def _complete(self) -> list[Path]:
         """Complete checkpoints under root, oldest step first."""
@@ -219,11 +229,11 @@ class CheckpointManager:
         return resolve_checkpoint(self.root, resume)
 
     def resolve_everywhere(self, resume: str | None) -> Path | None:
-        """``resolve`` on global rank 0, its answer (or its UserError) on every rank; every rank calls.
-
-        One rank decides, so all ranks load the same checkpoint even when a save lands between their looks.
-        """
-        return on_rank0(lambda: self.resolve(resume), "resolve the checkpoint")
+        """The checkpoint to load, checked for damage (``lineage.resume_choice``: a damaged one named by path is
+        refused, auto falls back past it), decided on global rank 0: its answer (or its UserError) on every rank;
+        every rank calls. One rank decides, so all ranks load the same checkpoint even when a save lands between
+        their looks."""
+        return on_rank0(lambda: resume_choice(self.root, resume)[0], "resolve the checkpoint")
 
     def saved_state(self, path: Path) -> dict:
         """Rank 0's saved trainer state: ``config`` (the resolved config the run trained with,
@@ -256,7 +266,7 @@ class CheckpointManager:
             meta.get(k, 1 if k in ("sp_size", "pp_size") else None) == v
             for k, v in self._layout_meta().items()
         )
-        master_file = path / "master_weights" / f"rank-{rank}.pt"
+        master_file = path / MASTER_WEIGHTS_DIR / f"rank-{rank}.pt"
         if same_layout and master_file.is_file():
             masters = torch.load(master_file, map_location="cpu")
             # whole: one gradient replica (ZeRO's group is dp x sp under sequence parallelism)
@@ -275,7 +285,7 @@ class CheckpointManager:
         if (
             rng and self.layout.is_main
         ):  # one line for the run, not a logging record per rank; none for an export
-            _warn(f"the parallel layout changed since the save: RNG states not restored{rebuilt}")
+            warn(f"the parallel layout changed since the save: RNG states not restored{rebuilt}")
         states = on_rank0(lambda: old_dp_states(path, meta), "read the checkpoint's data position")
         return {**states[0], "rank_states": states}
 
@@ -311,51 +321,55 @@ class CheckpointManager:
         )
 
     def write_final(self, out: Path, write: Callable[[Path], None]) -> Path:
-        """Every rank calls: the main rank runs ``write(tmp)`` into ``out.tmp`` (a stale one removed first) and
-        renames it into place, so ``out`` is whole or absent; the others wait. A failed write (disk full) removes
-        the partial directory and raises CheckpointSaveError on every rank. Returns ``out``."""
-        tmp, failure = out.with_name(f"{out.name}.tmp"), None
+        """Every rank calls: the main rank runs ``write(directory)`` into a new directory of its own beside ``out``
+        (``runtime.durable.write_dir``: synced, then swapped in with the old one renamed aside), so ``out`` is
+        whole (old or new) or absent at every moment and no folder of the user's beside it is touched; the others
+        wait. A failed write (disk full) removes the partial directory and raises CheckpointSaveError on every
+        rank. Returns ``out``."""
+        failure = None
         if self.layout.is_main:
             try:
-                if tmp.exists():
-                    shutil.rmtree(tmp)
-                write(tmp)
-                if out.exists():
-                    shutil.rmtree(out)
-                os.replace(tmp, out)
+                write_dir(out, write)
             except Exception as err:  # the others wait in the gather below; all raise the same error
                 failure = with_disk_hint(err, out.parent)
-        failed = self._first_failure(tmp, failure, solo=True)
+        failed = self._first_failure(f"write {out.name}", None, failure, solo=True)
         if failed is not None:
             last = self.resolve("auto")
             raise CheckpointSaveError(
-                f"the final model could not be written to {out} (rank {failed[0]}: {failed[1]}); removed the "
-                f"partial {tmp.name}; " + (f"train.resume=auto exports it again from {last}" if last else "")
+                f"the final model could not be written to {out} (rank {failed[0]}: {failed[1]}); removed its "
+                "partial copy" + (f"; train.resume=auto exports it again from {last}" if last else "")
             )
         return out
 
     def _first_failure(
-        self, tmp: Path, failure: BaseException | None, solo: bool = False
+        self, what: str, tmp: Path | None, failure: BaseException | None, solo: bool = False
     ) -> tuple[int, str] | None:
         """Every rank calls: the first rank that failed and its one-line cause, or None. On a failure the main
-        rank has removed ``tmp`` before any rank returns.
+        rank has removed ``tmp`` (if any) before any rank returns.
 
-        ``solo``: the others wait for the main rank's write of ``final/`` (hours for a large model on a shared
-        filesystem), through the store (``store_waits``: train.file_wait_timeout). A checkpoint's agreements
-        stay collectives: every rank writes its own part at once, and a rank killed meanwhile (the OOM killer,
-        a SIGKILL) is then noticed by the others at once, through its closed sockets, where a store wait would
-        wait for the heartbeat."""
+        ``solo``: the others wait for the main rank's ``what`` (``write final``: hours for a large model on a
+        shared filesystem), through the store (``store_waits``: train.file_wait_timeout). A checkpoint's
+        agreements stay collectives: every rank writes its own part at once, and a rank killed meanwhile (the OOM
+        killer, a SIGKILL) is then noticed by the others at once, through its closed sockets, where a store wait
+        would wait for the heartbeat."""
         line = None if failure is None else describe(failure)
         if solo:
-            failed = first_failure(line, f"write {tmp.name}")
+            failed = first_failure(line, what)
         else:
             failed = next(((r, t) for r, t in enumerate(gather_objects(line)) if t is not None), None)
         if failed is None:
             return None
-        if self.layout.is_main:
+        if self.layout.is_main and tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
         if solo:
-            wait_for_all(f"the main rank to remove {tmp.name}")  # removed before anyone reports it
+            wait_for_all(f"the main rank to clean up after {what}")  # cleaned before anyone reports it
         else:
             barrier()
         return failed
+
+
+def _may_have_written(path: Path, rank: int) -> bool:
+    """Whether ``rank`` syncs ``path`` of a checkpoint being saved: anything but another rank's own file (its
+    trainer state, its master shard)."""
+    mine = path.parent.name not in (TRAINER_STATE_DIR, MASTER_WEIGHTS_DIR) or path.name == f"rank-{rank}.pt"
+    return mine

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -162,8 +163,12 @@ def test_export_writes_a_checkpoint_as_the_final_model_and_only_reads_the_run(ru
     other = prepared.read_text()
     proc = run_cli(argv)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert prepared.read_text() == other and not nine.with_name(f"{nine.name}.prepared").exists()
-    assert f"export prepares it in {nine}.prepared and removes it at the end" in proc.stdout
+    assert prepared.read_text() == other
+    assert not [
+        p for p in nine.parent.iterdir() if p.name.startswith(f".{nine.name}.")
+    ]  # its scratch is gone
+    scratch = rf"export prepares it in {re.escape(str(nine.parent))}/\.{nine.name}\.coati-kto-data-[0-9a-f]{{8}}/prepared"
+    assert re.search(scratch + " and removes it at the end", proc.stdout), proc.stdout
     # An export trains nothing: no KTO weights' report, no word of RNG states on another layout.
     assert "kto weights" not in proc.stdout and "RNG" not in proc.stdout + proc.stderr
     # An earlier checkpoint's export moved the run's `latest` pointer to it: resume=auto then lost 3 steps.

@@ -13,12 +13,19 @@ from coati_kto.errors import UserError
 
 
 def _checkpoint(out: Path, world: int, tp: int, pp: int | None = None) -> Path:
+    """A checkpoint whose files a resume reads are there (coati_kto.runtime.checkpoint_check), none of them real."""
+    import torch
+
     step = out / "checkpoints" / "step-6"
-    step.mkdir(parents=True)
+    for folder in ("trainer_state", "model", "optimizer"):
+        (step / folder).mkdir(parents=True)
     meta = {"step": 6, "world_size": world, "dp_size": world // tp // (pp or 1), "tp_size": tp}
     if pp is not None:
         meta |= {"sp_size": 1, "pp_size": pp}
     (step / "meta.json").write_text(json.dumps(meta))
+    for rank in range(world):
+        torch.save({"trainer_state": {}}, step / "trainer_state" / f"rank-{rank}.pt")
+    torch.save({}, step / "lr_scheduler.pt")
     (step / "COMPLETE").write_text("step 6\n")
     return step
 
@@ -66,14 +73,11 @@ def test_the_export_weighs_as_the_run_did(tmp_path: Path, monkeypatch: pytest.Mo
     """With kto.auto_weights the weights depend on the number of data-parallel ranks: the card of a 1-process
     export of an 8-rank run gave lambda_D for 1 rank (0.2942 where the run trained with 0.2974). The run is set
     up with the checkpoint's dp size."""
-    import torch
 
     from coati_kto.recipe import export
 
     out = tmp_path / "out"
-    step = _checkpoint(out, world=8, tp=1)
-    (step / "trainer_state").mkdir()
-    torch.save({"trainer_state": {}}, step / "trainer_state" / "rank-0.pt")
+    _checkpoint(out, world=8, tp=1)
     config = load_config(write_config(tmp_path, MINIMAL.replace("dir: out", f"dir: {out}")))
     asked: list = []
 
@@ -86,3 +90,51 @@ def test_the_export_weighs_as_the_run_did(tmp_path: Path, monkeypatch: pytest.Mo
     with pytest.raises(RuntimeError, match="stop here"):
         export.export_checkpoint(config)
     assert asked == [8]
+
+
+def test_the_export_prepares_data_in_a_folder_of_its_own_and_removes_only_that(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The export prepared the run's data (when data.prepared_dir held another build) in ``TARGET.prepared`` and
+    deleted that path at the end, whatever it was: a folder of the user's there was lost."""
+    from coati_kto.recipe import export
+
+    out = tmp_path / "out"
+    _checkpoint(out, world=1, tp=1)
+    theirs = out / "exports" / "step-6.prepared"
+    theirs.mkdir(parents=True)
+    (theirs / "notes.txt").write_text("mine")
+    config = load_config(write_config(tmp_path, MINIMAL.replace("dir: out", f"dir: {out}")))
+    made: list[Path] = []
+
+    def setup_export(config: object, scratch, trained_dp_size: int | None = None) -> None:
+        made.append(scratch())  # as global rank 0 does when data.prepared_dir holds another build
+        (made[0] / "train").mkdir(parents=True)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(export, "setup_export", setup_export)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(RuntimeError, match="stop here"):
+        export.export_checkpoint(config)
+    assert made[0].parent.name.startswith(".step-6.coati-kto-data-") and not made[0].parent.exists()
+    assert (theirs / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in (out / "exports").iterdir()) == ["step-6.prepared"]
+
+
+def test_a_run_saved_with_a_setting_now_refused_is_one_line(tmp_path: Path) -> None:
+    """A run trained while a setting that did nothing was admitted (eval.samples without evaluation data, refused
+    since): its saved config failed Config.model_validate inside export with a raw ValidationError."""
+    import torch
+
+    from coati_kto.recipe.export import run_config
+
+    out = tmp_path / "out"
+    step = _checkpoint(out, world=1, tp=1)
+    config = load_config(write_config(tmp_path, MINIMAL.replace("dir: out", f"dir: {out}")))
+    saved = config.model_dump(mode="json")
+    saved["eval"]["samples"] = 4  # no eval data: refused at load today
+    torch.save({"trainer_state": {"config": saved}}, step / "trainer_state" / "rank-0.pt")
+    with pytest.raises(UserError) as err:
+        run_config(config, step)
+    assert str(err.value).startswith("checkpoint step-6: the config it was trained with no longer loads (")
+    assert "(eval.samples 4 needs evaluation data: set data.eval_files" in str(err.value)

@@ -8,6 +8,7 @@ import pytest
 from helpers import MINIMAL, write_config
 
 from coati_kto.config.load import load_config
+from coati_kto.errors import ConfigError
 from coati_kto.runtime.preflight import _attention_problems, _lora_problems
 
 
@@ -29,14 +30,31 @@ def _attention(config) -> list[str]:
 
 
 def _resume(config) -> list[str]:
-    from coati_kto.runtime.preflight import _resume_problems
+    from coati_kto.runtime.resume_checks import resume_problems
 
-    return _resume_problems(config.train, config.output, config.model_dump(mode="json"))
+    return resume_problems(config.train, config.output, config.model_dump(mode="json"))
 
 
 def _resume_sections(config) -> tuple:
     """What resume_notice and announce_resume read: the train and output sections."""
     return config.train, config.output
+
+
+def _intact_checkpoint(step: Path, world: int = 1) -> Path:
+    """A complete checkpoint whose files a resume reads are all there (coati_kto.runtime.checkpoint_check): empty
+    booster folders, torch files holding nothing of a run."""
+    import json
+
+    import torch
+
+    for folder in ("trainer_state", "model", "optimizer"):
+        (step / folder).mkdir(parents=True)
+    (step / "meta.json").write_text(json.dumps({"step": int(step.name[5:]), "world_size": world}))
+    for rank in range(world):
+        torch.save({"trainer_state": {}}, step / "trainer_state" / f"rank-{rank}.pt")
+    torch.save({}, step / "lr_scheduler.pt")
+    (step / "COMPLETE").write_text(f"step {step.name[5:]}\n")
+    return step
 
 
 def test_lora_targets_missing_from_the_model_are_named_with_its_linear_layers(tmp_path: Path) -> None:
@@ -225,10 +243,8 @@ def test_a_refused_resume_is_said_before_the_data_is_prepared(tmp_path: Path) ->
         "prepared_dir: prepared", "prepared_dir: p\n  max_length: 48\n  max_prompt_length: 16"
     )
     saved = load_config(write_config(tmp_path, text)).model_dump(mode="json")
-    step = out / "checkpoints" / "step-4"
-    (step / "trainer_state").mkdir(parents=True)
+    step = _intact_checkpoint(out / "checkpoints" / "step-4")
     torch.save({"trainer_state": {"config": saved}, "rng": None}, step / "trainer_state" / "rank-0.pt")
-    (step / "COMPLETE").write_text("step 4\n")
     unchanged = load_config(write_config(tmp_path, text), ["train.resume=auto", "train.max_steps=6"])
     assert _resume(unchanged) == []
     changed = load_config(write_config(tmp_path, text), ["train.resume=auto", "data.max_length=40"])
@@ -347,9 +363,7 @@ def test_a_run_that_resumes_says_so_once_and_how_to_start_over(
     path = write_config(tmp_path, MINIMAL.replace("dir: out", f"dir: {out}"))
     auto = load_config(path, ["train.resume=auto"])
     assert resume_notice(*_resume_sections(auto)) is None  # no checkpoint yet: a new run
-    step = out / "checkpoints" / "step-4"
-    step.mkdir(parents=True)
-    (step / "COMPLETE").write_text("step 4\n")
+    step = _intact_checkpoint(out / "checkpoints" / "step-4")
     said = (
         f"resuming the run in {out} from step-4 (train.resume=auto); to start over instead, add "
         "output.overwrite=true (deletes its checkpoints, events, final model and exports) or choose another output.dir"
@@ -358,9 +372,12 @@ def test_a_run_that_resumes_says_so_once_and_how_to_start_over(
     assert resume_notice(*_resume_sections(load_config(path, [f"train.resume={step}"]))) == (
         f"resuming from {step} (train.resume); to start over instead, leave train.resume unset"
     )
-    assert (
-        resume_notice(*_resume_sections(load_config(path, ["train.resume=auto", "output.overwrite=true"])))
-        is None
+    # auto with output.overwrite starts over: said, since the run it would have continued is deleted
+    assert resume_notice(
+        *_resume_sections(load_config(path, ["train.resume=auto", "output.overwrite=true"]))
+    ) == (
+        f"starting over in {out}: output.overwrite=true deletes its run (checkpoints/step-4) instead of "
+        "continuing it (train.resume=auto); to continue it, drop output.overwrite"
     )
     assert resume_notice(*_resume_sections(load_config(path))) is None
     monkeypatch.setenv("RANK", "1")
@@ -413,3 +430,32 @@ def test_prepare_names_every_missing_path_at_once(tmp_path: Path, capsys: pytest
             "data.eval_files: ./no-eval.jsonl: no such file or directory",
         ]
     assert not (tmp_path / "prepared").exists()
+
+
+def test_overwrite_with_a_resume_path_inside_output_dir_is_refused_before_anything_is_deleted(
+    tmp_path: Path,
+) -> None:
+    """output.overwrite=true deleted checkpoints/ and final/, then train.resume's checkpoint there "did not
+    exist" (exit 2, the run gone). The pair is refused in one line by the preflight (and by setup_training before
+    it would clear: coati_kto.runtime.resume_checks.overwrite_refusal); a checkpoint elsewhere is fine."""
+    from coati_kto.runtime.preflight import check_training
+    from coati_kto.runtime.resume_checks import overwrite_refusal
+
+    out = tmp_path / "out"
+    step = _intact_checkpoint(out / "checkpoints" / "step-20")
+    text = MINIMAL.replace("dir: out", f"dir: {out}")
+    both = load_config(write_config(tmp_path, text), [f"train.resume={step}", "output.overwrite=true"])
+    said = (
+        f"train.resume {step} is inside output.dir {out}, which output.overwrite=true deletes before the resume "
+        "reads it: drop output.overwrite to continue from it, or copy the checkpoint out of output.dir first"
+    )
+    assert _resume(both) == [said]
+    with pytest.raises(ConfigError) as err:
+        check_training(both)
+    assert said in str(err.value).splitlines()
+    assert (step / "COMPLETE").is_file()
+    elsewhere = _intact_checkpoint(tmp_path / "other" / "step-20")
+    other = load_config(write_config(tmp_path, text), [f"train.resume={elsewhere}", "output.overwrite=true"])
+    assert overwrite_refusal(other.train, other.output) is None
+    auto = load_config(write_config(tmp_path, text), ["train.resume=auto", "output.overwrite=true"])
+    assert overwrite_refusal(auto.train, auto.output) is None and _resume(auto) == []

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from coati_kto.runtime.run_dir import COMPLETE, LATEST, resolve_checkpoint
+from coati_kto.runtime.lineage import resolve_checkpoint
+from coati_kto.runtime.run_dir import COMPLETE, LATEST
 
 
 def _pointer(root: Path, name: str, written_ns: int) -> None:

@@ -9,7 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from coati_kto.runtime.run_dir import COMPLETE, LATEST, resolve_checkpoint
+from coati_kto.runtime.lineage import resolve_checkpoint
+from coati_kto.runtime.run_dir import COMPLETE, LATEST
 from coati_kto.trainer.checkpoint import CheckpointManager
 
 
