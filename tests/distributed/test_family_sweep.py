@@ -154,6 +154,7 @@ def _shipped(config_file: str, model_dir: str, root: str, *extra: str) -> dict[s
         "data.num_proc=1",
         "data.eval_files=[]",
         "data.eval_fraction=0",
+        "train.eval_interval=0",  # no evaluation data: an interval would do nothing (refused)
         f"output.dir={root}/out",
         "train.max_steps=2",
         "train.micro_batch_size=2",

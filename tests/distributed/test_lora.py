@@ -94,7 +94,7 @@ def _lifecycle(model_dir: str, root: Path, plugin: dict[str, Any]) -> dict[str, 
 
     resumed_raw = _raw_config(model_dir, root, plugin, "resumed")
     resumed_raw["train"]["resume"] = str(root / "run" / "checkpoints" / "step-3")
-    resumed_raw["output"]["save_final"] = False
+    resumed_raw["output"].update(save_final=False, merge_lora=False)  # merge_lora without final/: refused
     second = train(Config.model_validate(resumed_raw))
     resumed = _adapters(second.policy)
     result["resumed_step"] = second.global_step
