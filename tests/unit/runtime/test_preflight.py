@@ -340,6 +340,11 @@ def test_a_push_that_cannot_succeed_is_refused_before_training(
         "output.push_to_hub me/kto: HF_HUB_OFFLINE is set, so nothing can be uploaded"
     ]
     monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")  # huggingface_hub reads it too; it said HF_HUB_OFFLINE
+    assert push_problems(config.output) == [
+        "output.push_to_hub me/kto: TRANSFORMERS_OFFLINE is set, so nothing can be uploaded"
+    ]
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE")
     unsaved = load_config(write_config(tmp_path, MINIMAL + "  push_to_hub: me/kto\n  save_final: false\n"))
     assert push_problems(unsaved.output) == [
         "output.push_to_hub me/kto with output.save_final false: there is no final/ to upload"
