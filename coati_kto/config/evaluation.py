@@ -26,14 +26,21 @@ class EvalSection(Section):
 
 
 def sample_problems(config: Any) -> list[str]:
-    """``eval.samples`` and ``train.eval_interval`` without evaluation data would decode and evaluate nothing, in
-    silence (the trainer has no eval loader): one line each."""
+    """``eval.samples``, ``train.eval_interval`` and ``train.eval_micro_batch_size`` without evaluation data would
+    decode, evaluate and batch nothing, in silence (the trainer has no eval loader): one line each."""
     data = config.data
     if data.eval_files or data.eval_fraction:
         return []
     asked = {"eval.samples": config.eval.samples, "train.eval_interval": config.train.eval_interval}
-    return [
+    problems = [
         f"{key} {value} needs evaluation data: set data.eval_files or data.eval_fraction, or {key}=0"
         for key, value in asked.items()
         if value  # 0, the default of both, asks for nothing
     ]
+    size = config.train.eval_micro_batch_size  # only the eval loader reads it
+    if size is not None:  # None, its default, asks for nothing
+        problems.append(
+            f"train.eval_micro_batch_size {size} needs evaluation data: set data.eval_files or data.eval_fraction, "
+            "or remove train.eval_micro_batch_size"
+        )
+    return problems

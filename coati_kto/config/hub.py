@@ -99,6 +99,12 @@ def offline_variable() -> str | None:
     return "HF_HUB_OFFLINE" if constants.HF_HUB_OFFLINE else None
 
 
+def offline_name() -> str:
+    """The offline variable for a message said while offline: the one the user set (``offline_variable``), else
+    HF_HUB_OFFLINE, the one to unset."""
+    return offline_variable() or "HF_HUB_OFFLINE"
+
+
 def hub_token() -> str | None:
     """The Hugging Face token (HF_TOKEN, else the token file ``hf auth login`` wrote): to pass on, never to show."""
     from huggingface_hub import get_token

@@ -36,7 +36,8 @@ class KTOSection(_Section):
     pack_reference: bool = Field(
         False,
         description="Online reference: one shared-prompt pass per example and KL pair (equal within rounding, "
-        "so step-0 rewards are ~0, not exactly 0). Refused with kto.reference cached (no reference pass runs).",
+        "so step-0 rewards are ~0, not exactly 0). Refused with kto.reference cached (no reference pass runs) "
+        "and with apo_zero_unpaired (no KL pair).",
     )
     pack_policy: bool | Literal["auto"] = Field(
         "auto",
@@ -77,12 +78,21 @@ class KTOSection(_Section):
         return bool(self.pack_policy)
 
     def _problems(self) -> list[str]:
+        problems = []
         # Under a cached reference every batch carries its log-probs, read before any reference pass is planned
         # (ScoringRules._reference), and precompute packs its pairs whatever this says (ScoringRules.for_precompute).
         if self.pack_reference and self.reference == "cached":
-            return [
+            problems.append(
                 "kto.pack_reference with kto.reference cached: no reference pass runs in training to pack (the "
                 "cached log-probs are read, and precompute packs its pairs anyway); set kto.pack_reference=false, "
                 "or kto.reference=online"
-            ]
-        return []
+            )
+        # Without a reference point no KL pair is scored: ScoringRules.for_trainer packs only where needs_kl, and
+        # the auto pack_policy it turns on packs nothing either (policy_packs needs needs_kl too).
+        if self.pack_reference and self.loss_type == "apo_zero_unpaired":
+            problems.append(
+                "kto.pack_reference with kto.loss_type apo_zero_unpaired: the loss has no reference point, so no KL "
+                "pair is scored to share a pass with its example (the reference scores the examples alone); set "
+                "kto.pack_reference=false, or kto.loss_type=kto"
+            )
+        return problems

@@ -172,7 +172,7 @@ class TrainSection(_Section):
         4, ge=2, description="Per rank; >= 2 so each micro-batch holds both labels."
     )
     eval_micro_batch_size: int | None = Field(
-        None, ge=1, description="Per rank, for evaluation; defaults to micro_batch_size."
+        None, ge=1, description="Per rank, for evaluation (needs eval data); defaults to micro_batch_size."
     )
     accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step on each rank.")
     max_epochs: int = Field(1, ge=1, description="Passes over the training data.")

@@ -14,120 +14,18 @@ from typing import Any
 import yaml
 
 from coati_kto.config.hub import DATASET_PREFIX
+from coati_kto.config.trl_names import (
+    BOOLEAN,
+    DATASET_QUERY,
+    KNOWN,
+    LIST_FLAGS,
+    NO_EQUIVALENT,
+    SCRIPT_FLAGS,
+    SWITCH_NOTES,
+    SWITCHES,
+    TRAINER_NAMES,
+)
 
-# The names TRL's KTOConfig and transformers' TrainingArguments give these settings: users bring them along.
-TRAINER_NAMES = {
-    "learning_rate": "train.lr",
-    "per_device_train_batch_size": "train.micro_batch_size",
-    "per_device_eval_batch_size": "train.eval_micro_batch_size",
-    "gradient_accumulation_steps": "train.accumulation_steps",
-    "num_train_epochs": "train.max_epochs",
-    "warmup_steps": "train.warmup_steps",
-    "max_grad_norm": "train.max_grad_norm",
-    "logging_steps": "train.log_interval",
-    "eval_steps": "train.eval_interval",
-    "save_steps": "output.save_interval",
-    "save_total_limit": "output.keep_last",
-    "output_dir": "output.dir",
-    "max_prompt_length": "data.max_prompt_length",
-    "max_length": "data.max_length",
-    "dataset_num_proc": "data.num_proc",
-    "pad_to_multiple_of": "data.pad_to_multiple_of",
-    "dataloader_num_workers": "train.num_workers",
-    "ddp_timeout": "train.dist_timeout",
-    "beta": "kto.beta",
-    "desirable_weight": "kto.desirable_weight",
-    "undesirable_weight": "kto.undesirable_weight",
-    "precompute_ref_batch_size": "kto.precompute_batch_size",
-    "router_aux_loss_coef": "kto.router_aux_loss_coef",
-}
-# TRL's script flags (ScriptArguments, ModelConfig) and TrainingArguments flags not in TRAINER_NAMES -> the key.
-SCRIPT_FLAGS = {
-    "model_name_or_path": "model.path",
-    "model_revision": "model.path",  # a Hub model is pinned by downloading that revision to a directory
-    "trust_remote_code": "model.trust_remote_code",
-    "gradient_checkpointing": "model.gradient_checkpointing",
-    "attn_implementation": "model.attn_implementation",
-    "dataset_name": "data.train_files",
-    "seed": "train.seed",
-    "max_steps": "train.max_steps",
-    "weight_decay": "train.weight_decay",
-    "resume_from_checkpoint": "train.resume",
-    "hub_model_id": "output.push_to_hub",
-    "lora_r": "model.lora.rank",
-    "lora_alpha": "model.lora.alpha",
-    "lora_dropout": "model.lora.dropout",
-    "loss_type": "kto.loss_type",
-}
-# Flags whose value goes into the hf://datasets entry of --dataset_name, as its query.
-DATASET_QUERY = {"dataset_config": "config", "dataset_train_split": "split", "dataset_revision": "revision"}
-# What TRL's --generate_during_eval turns on: TRL decodes one eval batch (8 rows at transformers' default
-# per_device_eval_batch_size); here a fixed, seeded set of that many prompts.
-GENERATED_SAMPLES = 8
-# TRL's ModelConfig LoRA defaults (trl/trainer/model_config.py: lora_r 16, lora_alpha 32, lora_dropout 0.05).
-TRL_LORA = "model.lora={rank: 16, alpha: 32, dropout: 0.05}"
-# Flags TRL takes bare (``--bf16``: true) or with a boolean -> the override for true, and for false.
-SWITCHES = {
-    "gradient_checkpointing": ("model.gradient_checkpointing=true", "model.gradient_checkpointing=false"),
-    "trust_remote_code": ("model.trust_remote_code=true", "model.trust_remote_code=false"),
-    "bf16": ("plugin.precision=bf16", "plugin.precision=fp32"),  # both resolved together by _precision
-    "fp16": ("plugin.precision=fp16", "plugin.precision=bf16"),
-    "use_peft": (TRL_LORA, "model.lora=null"),
-    "push_to_hub": ("output.push_to_hub=OWNER/NAME", "output.push_to_hub=null"),
-    "generate_during_eval": (f"eval.samples={GENERATED_SAMPLES}", "eval.samples=0"),
-    "precompute_ref_log_probs": ("kto.reference=cached", "kto.reference=online"),
-    "torch_compile": ("model.compile=true", "model.compile=false"),
-    "eval_on_start": ("train.eval_at_start=true", "train.eval_at_start=false"),
-}
-_SWITCH_NOTES = {
-    "use_peft": "TRL's LoRA defaults",
-    "generate_during_eval": f"{GENERATED_SAMPLES} prompts decoded at each evaluation",
-    "precompute_ref_log_probs": "train computes the cache first, or coati-kto precompute CONFIG ahead",
-}
-# TRL / transformers flags with no equivalent here -> why (in a few words), or what to set instead.
-_UNMAPPED = [
-    ("max_completion_length", "no such key: a completion keeps what data.max_length leaves after its prompt"),
-    ("logging_first_step", "train/ metrics every train.log_interval steps"),
-    ("logging_strategy", "set train.log_interval"),
-    ("logging_dir", "TensorBoard writes under output.dir/tensorboard"),
-    ("eval_strategy evaluation_strategy", "set train.eval_interval, train.eval_at_epoch_end"),
-    ("save_strategy", "set output.save_interval (0: at the end only)"),
-    ("save_only_model", "checkpoints always hold the optimizer state"),
-    ("run_name", "W&B names the run; logging.wandb_project sets the project"),
-    ("optim", "AdamW only (train.fused_optimizer fuses it)"),
-    ("adam_beta1 adam_beta2 adam_epsilon", "AdamW's betas (0.9, 0.999) and eps 1e-8 are fixed"),
-    ("lr_scheduler_kwargs", "the cosine's floor is train.min_lr_ratio"),
-    ("tf32", "TF32 is not switched here"),
-    ("deepspeed fsdp", "ColossalAI plugins here: plugin.name, plugin.zero_stage"),
-    ("bf16_full_eval fp16_full_eval", "evaluation runs in plugin.precision"),
-    ("data_seed", "train.seed seeds the data order too"),
-    ("do_train", "train always trains"),
-    ("do_eval", "evaluation runs with data.eval_files or data.eval_fraction"),
-    ("dataset_test_split", "eval data: data.eval_files=[hf://datasets/OWNER/NAME?split=test]"),
-    ("disable_dropout", "dropout is always off here"),
-    ("remove_unused_columns", "prepare reads its fields and names the unread ones"),
-    ("train_sampling_strategy", "the order is seeded (train.seed), both labels in every micro-batch"),
-    ("use_liger_kernel", "no logits tensor is formed here anyway"),
-    ("activation_offloading", "not offered"),
-    ("sync_ref_model ref_model_mixup_alpha ref_model_sync_steps", "the reference stays fixed (no TR-DPO)"),
-    ("model_init_kwargs torch_dtype dtype", "weights load in plugin.precision"),
-    ("load_in_4bit load_in_8bit use_bnb_nested_quant", "no quantized training"),
-    ("use_rslora use_dora", "plain LoRA only"),
-    ("lora_modules_to_save", "adapters only: model.lora.target_modules"),
-    ("lora_target_modules", "a list: set model.lora.target_modules=[A,B]"),
-    ("hub_strategy", "output.push_to_hub={repo_id: OWNER/NAME, checkpoints: true} uploads each checkpoint"),
-    ("hub_private_repo", "output.push_to_hub={repo_id: OWNER/NAME, private: BOOL}"),
-    ("hub_token", "hf auth login or HF_TOKEN"),
-]
-NO_EQUIVALENT = {name: why for names, why in _UNMAPPED for name in names.split()}
-# TRL flags whose translation depends on the value (_valued).
-_VALUED = ("lr_scheduler_type", "warmup_ratio", "report_to")
-# The boolean flags among the unmapped: a bare one takes no value (``--logging_first_step train.seed=1``).
-_BOOLEAN = {*SWITCHES, "logging_first_step", "save_only_model", "do_train", "do_eval", "disable_dropout"}
-_BOOLEAN |= {"remove_unused_columns", "use_liger_kernel", "activation_offloading", "sync_ref_model", "tf32"}
-_BOOLEAN |= {"bf16_full_eval", "fp16_full_eval", "load_in_4bit", "load_in_8bit", "use_bnb_nested_quant"}
-_BOOLEAN |= {"use_rslora", "use_dora", "hub_private_repo"}
-KNOWN = {*TRAINER_NAMES, *SCRIPT_FLAGS, *DATASET_QUERY, *SWITCHES, *NO_EQUIVALENT, *_VALUED}
 # The options of the commands that take a config (coati_kto/cli.py): they are theirs, not TRL's.
 COMMAND_OPTIONS = frozenset(
     ("help", "ranks", "batches", "examples", "nproc-per-node", "checkpoint", "out", "push", "schema")
@@ -141,26 +39,53 @@ Flags = Sequence[tuple[str, "str | None"]]
 
 
 def _flags(argv: list[str]) -> list[tuple[str, str | None]]:
-    """Every ``--name value`` / ``--name=value`` / bare ``--name`` that is not an option of the command, in order."""
+    """Every ``--name value`` / ``--name=value`` / bare ``--name`` that is not an option of the command, in order,
+    named as TRL spells it (``_canonical``); a list-valued flag's values (``--report_to wandb tensorboard``) are
+    one value, joined by spaces."""
     out: list[tuple[str, str | None]] = []
     i = 0
     while i < len(argv):
-        name, sep, value = argv[i].removeprefix("--").partition("=")
-        if not argv[i].startswith("--") or name in COMMAND_OPTIONS:
+        raw, sep, value = argv[i].removeprefix("--").partition("=")
+        if not argv[i].startswith("--") or raw in COMMAND_OPTIONS:
             i += 1
             continue
-        if not sep:
+        name, negated = _canonical(raw)
+        if negated:  # HfArgumentParser's --no_X stores false and takes no value
+            value = "false"
+        elif not sep:
             following = argv[i + 1] if i + 1 < len(argv) else None
             # a negative number is a value (transformers' --max_steps -1), not a flag
             takes = following is not None and (not following.startswith("-") or _float(following) is not None)
-            if name in _BOOLEAN:
+            if name in BOOLEAN:
                 takes = takes and following.lower() in _BOOL_WORDS
-            elif name not in KNOWN:  # a flag of unknown kind must not take the config or an override
-                takes = takes and "=" not in following and not following.endswith((".yaml", ".yml"))
+            elif name not in KNOWN or name in LIST_FLAGS:  # neither may take the config or an override
+                takes = takes and _not_positional(following)
             value, i = (following, i + 1) if takes else (None, i)
+        # nargs="+": the values up to the next option, override or config (dropped after the first, they vanished)
+        while name in LIST_FLAGS and value is not None and i + 1 < len(argv) and _list_value(argv[i + 1]):
+            value, i = f"{value} {argv[i + 1]}", i + 1
         out.append((name, value))
         i += 1
     return out
+
+
+def _canonical(raw: str) -> tuple[str, bool]:
+    """A flag's name as TRL spells it, and whether it was a ``--no_X``: HfArgumentParser takes ``--warmup-ratio``
+    for ``--warmup_ratio`` and ``--no_X`` / ``--no-X`` for ``--X false`` (read here for every boolean X). A name
+    TRL does not know is kept as given."""
+    name = raw.replace("-", "_")
+    if name.startswith("no_") and name[3:] in BOOLEAN:
+        return name[3:], True
+    return (name, False) if name in KNOWN else (raw, False)
+
+
+def _not_positional(token: str) -> bool:
+    """Whether ``token`` can be a flag's value: not an override (``KEY=VALUE``) or the config file."""
+    return "=" not in token and not token.endswith((".yaml", ".yml"))
+
+
+def _list_value(token: str) -> bool:
+    return not token.startswith("-") and _not_positional(token)
 
 
 def _truth(value: str | None) -> bool | None:
@@ -259,6 +184,20 @@ def _report_to(value: str | None) -> Translation:
     return overrides, f"is {' '.join(overrides)}" + (f" ({'; '.join(notes)})" if notes else "")
 
 
+def _targets(value: str | None) -> Translation:
+    """--lora_target_modules A B (or A,B): every name; peft's ``all-linear`` has no spelling here."""
+    names = (value or "").replace(",", " ").split()
+    if names == ["all-linear"]:
+        return [], (
+            "has no equivalent (name the layers: model.lora.target_modules=[q_proj,k_proj,v_proj,o_proj,gate_proj,"
+            "up_proj,down_proj] on Llama-style models)"
+        )
+    if not names:
+        return [], "has no equivalent without module names (model.lora.target_modules=[A,B])"
+    override = f"model.lora.target_modules=[{','.join(names)}]"
+    return [override], f"is {override}"
+
+
 def _float(value: str | None) -> float | None:
     try:
         return float(value) if value is not None else None
@@ -286,6 +225,8 @@ def _valued(name: str, value: str | None) -> Translation | None:
         return [], f"has no equivalent (no ratio here; set train.warmup_steps to {share} the run's steps)"
     if name == "report_to":
         return _report_to(value)
+    if name == "lora_target_modules":
+        return _targets(value)
     if name == "max_steps" and number is not None and number < 0:
         return ["train.max_steps=null"], "is train.max_steps=null (transformers' -1: no limit)"
     if name == "resume_from_checkpoint" and value is not None and truth is not None:
@@ -306,7 +247,7 @@ def _switch(name: str, value: str | None, flags: Flags) -> Translation:
     hub = next((v for n, v in flags if n == "hub_model_id" and v), None)
     if name == "push_to_hub" and truth and hub:  # one override, not a placeholder that would win over it
         override = f"output.push_to_hub={hub}"
-    note = _SWITCH_NOTES.get(name) if truth else None
+    note = SWITCH_NOTES.get(name) if truth else None
     return [override], f"is {override}" + (f" ({note})" if note else "")
 
 
@@ -331,7 +272,16 @@ def translate(name: str, value: str | None, flags: Flags = (), argv: Sequence[st
         )
         return [], f"has no equivalent ({mine})"
     override = f"{key}={value if value is not None else 'VALUE'}"
-    return [override], f"is {override}"
+    return [override], f"is {override}{_lora_note(key, flags)}"
+
+
+def _lora_note(key: str, flags: Flags) -> str:
+    """For a ``model.lora.*`` key without a true ``--use_peft``: TRL would train every weight and ignore the flag,
+    while the key turns LoRA on here (said, so a run the user knew as full fine-tuning does not silently change)."""
+    peft = next((_truth(v) for n, v in flags if n == "use_peft"), None)
+    if not key.startswith("model.lora.") or peft:
+        return ""
+    return " (TRL ignores it without --use_peft and trains every weight; here it turns LoRA on)"
 
 
 def _value_text(value: Any) -> str | None:

@@ -14,7 +14,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from coati_kto.config.hub import HubDataset, offline_variable
+from coati_kto.config.hub import HubDataset, offline_name
 from coati_kto.errors import DataError
 
 README = "README.md"
@@ -135,7 +135,7 @@ def _incomplete(spec: HubDataset, folder: Path, patterns: list[str] | None, revi
     shown = ", ".join(missing[:3]) + (f", ... ({len(missing)} in all)" if len(missing) > 3 else "")
     return (
         f"{where}: the cached snapshot {folder.name[:12]} of revision {revision} lacks files ({shown}) and "
-        f"{offline_variable() or 'HF_HUB_OFFLINE'} is set: `{fill_command(spec, revision)}` completes it where "
+        f"{offline_name()} is set: `{fill_command(spec, revision)}` completes it where "
         "the Hub can be reached"
     )
 
@@ -150,7 +150,7 @@ def _not_cached(spec: HubDataset, revision: str, where: str) -> str:
     else:
         what = f"not in the Hugging Face cache ({constants.HF_HUB_CACHE})"
     return (
-        f"{where}: {what} and {offline_variable() or 'HF_HUB_OFFLINE'} is set: fill it with "
+        f"{where}: {what} and {offline_name()} is set: fill it with "
         f"`{fill_command(spec, revision)}` where the "
         "Hub can be reached"
     )

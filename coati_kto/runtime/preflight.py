@@ -18,7 +18,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from coati_kto.config.hub import HubDataset, hub_offline, hub_token, missing_path, offline_variable
+from coati_kto.config.hub import HubDataset, hub_offline, hub_token, missing_path, offline_name
 from coati_kto.config.hub import hub_problems as _hub_problems
 from coati_kto.config.hub import looks_like_path as _looks_like_path
 from coati_kto.config.lora import linear_layer_names, peft_config, tower_refusal
@@ -292,10 +292,7 @@ def push_problems(output: OutputSection, exporting: bool = False) -> list[str]:
             f"output.push_to_hub {push.repo_id} with output.save_final false: there is no final/ to upload"
         ]
     if hub_offline():
-        variable = (
-            offline_variable() or "HF_HUB_OFFLINE"
-        )  # the one the user set (TRANSFORMERS_OFFLINE counts)
-        return [f"output.push_to_hub {push.repo_id}: {variable} is set, so nothing can be uploaded"]
+        return [f"output.push_to_hub {push.repo_id}: {offline_name()} is set, so nothing can be uploaded"]
     if hub_token() is None and os.environ.get("RANK", "0") == "0":  # only global rank 0 uploads
         return [
             f"output.push_to_hub {push.repo_id}: no Hugging Face token (set HF_TOKEN, or run `hf auth login`): "

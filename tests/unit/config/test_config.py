@@ -115,7 +115,8 @@ def test_defaults_and_overrides(tmp_path: Path) -> None:
     )
     assert load_config(path).kto.beta == 0.1
     # Evaluation needs no mixed-label micro-batches: one example per micro-batch is fine (was refused, >= 2).
-    assert load_config(path, ["train.eval_micro_batch_size=1"]).train.eval_micro_batch_size == 1
+    evaluated = ["train.eval_micro_batch_size=1", "data.eval_fraction=0.1"]  # without eval data: refused
+    assert load_config(path, evaluated).train.eval_micro_batch_size == 1
     # Every plugin problem at once (the checks stopped at the first), and the trainer names users bring from
     # TRL / transformers get this project's key.
     assert _errors(path, ["plugin.name=ddp", "plugin.precision=bf16", "plugin.tp_size=2"]) == [

@@ -138,6 +138,46 @@ def test_eval_interval_without_evaluation_data_is_refused(tmp_path: Path) -> Non
         assert load_config(path, ["train.eval_interval=5", data]).train.eval_interval == 5
 
 
+def test_eval_micro_batch_size_without_evaluation_data_is_refused(tmp_path: Path) -> None:
+    """Only the eval loader reads train.eval_micro_batch_size, and there is none without evaluation data: it was
+    accepted and did nothing (TRL's --per_device_eval_batch_size translates to it)."""
+    path = write_config(tmp_path, MINIMAL)
+    assert _errors(path, ["train.eval_micro_batch_size=8"]) == [
+        "override train.eval_micro_batch_size=8: train.eval_micro_batch_size 8 needs evaluation data: set "
+        "data.eval_files or data.eval_fraction, or remove train.eval_micro_batch_size"
+    ]
+    assert load_config(path).train.eval_micro_batch_size is None  # unset (the default): no problem
+    for data in ("data.eval_files=[e.jsonl]", "data.eval_fraction=0.1"):
+        assert load_config(path, ["train.eval_micro_batch_size=8", data]).train.eval_micro_batch_size == 8
+    # listed with the other evaluation settings, all at once
+    lines = _errors(path, ["eval.samples=2", "train.eval_interval=5", "train.eval_micro_batch_size=8"])
+    assert [line.split(": ", 1)[1].split(" ", 1)[0] for line in lines] == [
+        "eval.samples",
+        "train.eval_interval",
+        "train.eval_micro_batch_size",
+    ]
+
+
+def test_pack_reference_without_a_reference_point_is_refused(tmp_path: Path) -> None:
+    """apo_zero_unpaired scores no KL pair, so there is nothing to pack an example's reference pass with
+    (ScoringRules.for_trainer: pack_reference needs needs_kl); it was accepted and did nothing."""
+    path = write_config(tmp_path, MINIMAL)
+    apo = "kto.loss_type=apo_zero_unpaired"
+    assert _errors(path, ["kto.pack_reference=true", apo]) == [
+        "override kto.pack_reference=true, kto.loss_type=apo_zero_unpaired: kto.pack_reference with kto.loss_type "
+        "apo_zero_unpaired: the loss has no reference point, so no KL pair is scored to share a pass with its "
+        "example (the reference scores the examples alone); set kto.pack_reference=false, or kto.loss_type=kto"
+    ]
+    assert load_config(path, ["kto.pack_reference=false", apo]).kto.loss_type == "apo_zero_unpaired"
+    assert load_config(path, ["kto.pack_reference=true", "kto.loss_type=kto"]).kto.pack_reference is True
+    # with a cached reference too: both lines at once
+    lines = _errors(path, ["kto.pack_reference=true", apo, "kto.reference=cached"])
+    assert [line.split(": ", 1)[1].split(" with ")[1].split(":")[0] for line in lines] == [
+        "kto.reference cached",
+        "kto.loss_type apo_zero_unpaired",
+    ]
+
+
 def test_settings_that_are_read_are_admitted(tmp_path: Path) -> None:
     """pad_to_multiple_of pads the padded passes that still run under padding_free (bins of one document, pp), and
     precompute reads precompute_batch_size whatever kto.reference says."""

@@ -181,6 +181,22 @@ def test_use_peft_gets_trls_lora_defaults(tmp_path: Path, capsys: pytest.Capture
     assert _loaded(line, path).model.lora.rank == 32
 
 
+def test_lora_flags_without_use_peft_say_they_turn_lora_on(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """TRL ignores --lora_r without --use_peft (full fine-tuning); here it turns LoRA on, which was not said."""
+    path = write_config(tmp_path, MINIMAL)
+    note = " (TRL ignores it without --use_peft and trains every weight; here it turns LoRA on)"
+    line = _line(["train", str(path), "--lora_r", "8", "--lora_dropout", "0.1"], capsys)
+    assert _parts(line) == [
+        f"--lora_r 8 is model.lora.rank=8{note}",
+        f"--lora_dropout 0.1 is model.lora.dropout=0.1{note}",
+    ]
+    assert _loaded(line, path).model.lora.rank == 8
+    assert note not in _line(["train", str(path), "--lora_r", "8", "--use_peft"], capsys)
+    assert note in _line(["train", str(path), "--lora_r", "8", "--use_peft", "false"], capsys)
+
+
 @pytest.mark.parametrize(("value", "samples"), [([], 8), (["True"], 8), (["false"], 0)])
 def test_generate_during_eval_is_a_switch(
     value: list[str], samples: int, tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -238,3 +254,91 @@ def test_trl_values_get_what_to_write_instead(tmp_path: Path) -> None:
         "override train.resume=true: Input should be a valid string (got True); use auto (the newest checkpoint) "
         "or a checkpoint path",
     ]
+
+
+def test_a_list_valued_flag_keeps_every_value(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--report_to wandb tensorboard` and `--lora_target_modules q_proj v_proj` (HfArgumentParser's nargs="+")
+    were read for their first value: tensorboard and v_proj vanished from the line and its overrides."""
+    path = write_config(tmp_path, MINIMAL)
+    argv = [
+        "train",
+        str(path),
+        "--report_to",
+        "wandb",
+        "tensorboard",
+        "--lora_target_modules",
+        "q_proj",
+        "v_proj",
+    ]
+    line = _line([*argv, "--lora_modules_to_save", "lm_head", "embed_tokens", "kto.beta=0.2"], capsys)
+    assert _parts(line) == [
+        "--report_to wandb tensorboard is logging.wandb=true logging.tensorboard=true",
+        "--lora_target_modules q_proj v_proj is model.lora.target_modules=[q_proj,v_proj]",
+        "--lora_modules_to_save lm_head embed_tokens has no equivalent (adapters only: model.lora.target_modules)",
+    ]
+    config = _loaded(line, path)
+    assert (config.logging.wandb, config.logging.tensorboard) == (True, True)
+    assert config.model.lora.target_modules == ["q_proj", "v_proj"]
+    # comma-separated as one value, and the values stop at the config file
+    line = _line(["train", "--lora_target_modules=q_proj,k_proj", "o_proj", str(path)], capsys)
+    assert _parts(line) == [
+        "--lora_target_modules q_proj,k_proj o_proj is model.lora.target_modules=[q_proj,k_proj,o_proj]"
+    ]
+    assert _loaded(line, path).model.lora.target_modules == ["q_proj", "k_proj", "o_proj"]
+    assert _parts(_line(["train", str(path), "--lora_target_modules", "all-linear"], capsys)) == [
+        "--lora_target_modules all-linear has no equivalent (name the layers: model.lora.target_modules=[q_proj,"
+        "k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj] on Llama-style models)"
+    ]
+    # TRL's newer ModelConfig / ScriptArguments flags were "not a TRL flag known here"
+    line = _line(
+        ["train", str(path), "--lora_target_parameters", "a.w", "b.w", "--dataset_streaming"], capsys
+    )
+    assert _parts(line) == [
+        "--lora_target_parameters a.w b.w has no equivalent (adapters only: model.lora.target_modules)",
+        "--dataset_streaming has no equivalent (prepare tokenizes the whole dataset to disk first)",
+    ]
+    # the same key in a TRL-style YAML gets the same translation
+    (tmp_path / "flat").mkdir()
+    flat = write_config(tmp_path / "flat", MINIMAL + "lora_target_modules: [q_proj, v_proj]\n")
+    assert [line.split(": ", 1)[1] for line in _errors(flat, [])] == [
+        "lora_target_modules: unknown key; TRL's lora_target_modules q_proj,v_proj is "
+        "model.lora.target_modules=[q_proj,v_proj]"
+    ]
+
+
+@pytest.mark.parametrize(
+    ("dashed", "underscored"),
+    [
+        (["--warmup-ratio", "0.1"], ["--warmup_ratio", "0.1"]),
+        (
+            ["--learning-rate", "1e-5", "--per-device-train-batch-size", "8"],
+            ["--learning_rate", "1e-5", "--per_device_train_batch_size", "8"],
+        ),
+        (
+            ["--use-peft", "--lora-r", "32", "--report-to", "none"],
+            ["--use_peft", "--lora_r", "32", "--report_to", "none"],
+        ),
+        (["--no-gradient-checkpointing"], ["--gradient_checkpointing", "false"]),
+        (["--no_gradient_checkpointing"], ["--gradient_checkpointing", "false"]),
+    ],
+)
+def test_hf_argparser_spellings_are_the_flag(
+    dashed: list[str], underscored: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """HfArgumentParser takes `--warmup-ratio` for `--warmup_ratio` and `--no_X` for `--X false`: alone they were
+    argparse's "unrecognized arguments", beside a translated flag "not a TRL flag known here"."""
+    path = write_config(tmp_path, MINIMAL)
+    line = _line(["train", str(path), *dashed], capsys)
+    assert line == _line(["train", str(path), *underscored], capsys)
+    if "--warmup-ratio" in dashed:
+        assert _parts(line) == [
+            "--warmup_ratio 0.1 has no equivalent (no ratio here; set train.warmup_steps to 10% of the run's steps)"
+        ]
+        return
+    config = _loaded(line, path)
+    if "--learning-rate" in dashed:
+        assert (config.train.lr, config.train.micro_batch_size) == (1e-5, 8)
+    elif "--use-peft" in dashed:
+        assert (config.model.lora.rank, config.logging.tensorboard) == (32, False)
+    else:
+        assert config.model.gradient_checkpointing is False
