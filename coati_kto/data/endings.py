@@ -77,10 +77,14 @@ def template_end_of_turn(
     return int(last) if last is not None and last in special else None
 
 
+NO_EOS = (  # why, as the model card states it (``outputs.model_card``)
+    "neither the tokenizer nor model.path's generation_config.json or config.json gives an EOS token in the "
+    "tokenizer's vocabulary, so the model is never trained to stop"
+)
+# prepare's line, and stats.json's since issue 32 (a card reads it from builds of any age)
 NO_EOS_WARNING = (
-    "warning: completions end as given: neither the tokenizer nor model.path's generation_config.json or "
-    "config.json gives an EOS token in the tokenizer's vocabulary, so the model is never trained to stop; give "
-    "the tokenizer an eos_token (tokenizer_config.json) or the checkpoint an eos_token_id"
+    f"warning: completions end as given: {NO_EOS}; give the tokenizer an eos_token (tokenizer_config.json) or "
+    "the checkpoint an eos_token_id"
 )
 
 

@@ -7,7 +7,8 @@ What it changes, and why:
   forward them, wait 30 s, SIGKILL the workers mid-checkpoint, print a traceback and exit 1; and it does not
   handle SIGUSR1, SLURM's warning signal, at all: its default action kills the launcher). The workers vote,
   finish the step, checkpoint and exit with STOP_EXIT_CODE; so does this launcher. A second SIGINT reaches the
-  workers as a second SIGINT: they abort at once (ABORT_EXIT_CODE).
+  workers as a second SIGINT: they abort at once (ABORT_EXIT_CODE). precompute's and export's workers have no
+  step to finish: they remove what they were writing and exit 128 + the signal, and so does this launcher.
 - No handler ever runs in the launcher's main thread: the stop signals are blocked there from the start (so in
   every thread and worker it starts) and one thread takes them (``_Watch``). A handler raising to stop the
   launch landed inside imports, where torch's and huggingface_hub's code swallowed or printed it (a stop lost,
@@ -174,6 +175,11 @@ def _failure_lines(err: BaseException, relayed: bool = False) -> tuple[list[str]
     # Ctrl-C twice: a rank past the stop's checkpoint exits 75, one still before it 130; the abort is what happened.
     if ABORT_EXIT_CODE in codes and codes <= {ABORT_EXIT_CODE, STOP_EXIT_CODE, *ended}:
         return [], ABORT_EXIT_CODE
+    # precompute and export end at once on a stop signal, with 128 + the signal (STOP.quit_on_stop); rank 0 said
+    # what they left. Only one this launcher relayed: a rank signalled by someone else failed.
+    quits = {128 + int(sig) for sig in STOP_SIGNALS}
+    if relayed and codes & quits and codes <= quits | ended:
+        return [], next(f.exitcode for _, f in sorted(failures.items()) if f.exitcode in quits)
     # A user mistake found in the ranks (resume, output.dir in use): they printed its one line and exited 2.
     if USER_ERROR_EXIT_CODE in codes and codes <= {USER_ERROR_EXIT_CODE, -signal.SIGTERM}:
         return [], USER_ERROR_EXIT_CODE

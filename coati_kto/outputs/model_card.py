@@ -16,6 +16,7 @@ from coati_kto.config.hub import hub_id, is_hub_dataset
 from coati_kto.config.kto import KTOSection
 from coati_kto.config.output import OutputSection
 from coati_kto.config.schema import Config, DataSection, ModelSection, PluginSection, TrainSection
+from coati_kto.runtime.durable import write_file
 from coati_kto.trainer.loss import needs_kl
 from coati_kto.trainer.run_summary import data_stats_table, split_rows
 
@@ -32,6 +33,15 @@ EVAL_KEYS = (
     "eval/count/chosen",
     "eval/count/rejected",
 )
+
+
+def write_card(directory: Path, card: str) -> Path:
+    """``card`` as ``directory/README.md``, on disk (file and directory entry) before this returns, and never
+    seen half-written: the card is written last and marks an export finished (``outputs.export.finished_final``),
+    so a node crash must not leave a truncated or lost card beside synced weights. Returns its path."""
+    path = directory / CARD
+    write_file(path, card)
+    return path
 
 
 def last_eval(history: Any) -> dict[str, float] | None:
@@ -128,8 +138,22 @@ def _data_section(data: DataSection, data_stats: dict[str, Any] | None) -> list[
         "",
         f"Truncation: data.max_length {data.max_length}, data.max_prompt_length {data.max_prompt_length}.",
         "",
-        *([f"Completions: {data_stats['completion_end']}.", ""] if data_stats.get("completion_end") else []),
+        *_completions(data_stats.get("completion_end")),
     ]
+
+
+def _completions(line: str | None) -> list[str]:
+    """How completions end, from prepare's line (stats.json's ``completion_end``): its no-EOS ``warning:`` (a
+    command-line warning with its fix) stated as what the model is."""
+    if not line:
+        return []
+    # Here, not at the top: data.endings imports transformers; the card is rendered once a run has loaded it.
+    from coati_kto.data.endings import NO_EOS, NO_EOS_WARNING
+
+    # The warning comes first; any other ending follows it ("; completions end with the template's ...").
+    if line.startswith(NO_EOS_WARNING):
+        return [f"Completions end with no end-of-sequence token: {NO_EOS}{line[len(NO_EOS_WARNING) :]}.", ""]
+    return [f"Completions: {line}.", ""]
 
 
 def _settings_section(kto: KTOSection, weights: tuple[float, float]) -> list[str]:

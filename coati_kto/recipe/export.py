@@ -14,12 +14,17 @@ written under output.dir except the export itself (default ``output.dir/exports/
 
 ``--push`` uploads to output.push_to_hub: ``final/`` as it is when the run finished (no checkpoint or --out
 named: the retry of a failed upload at the end of training; nothing is loaded), else the export just written.
+
+A stop signal (SIGTERM, Ctrl-C) ends it at once (the CLI gives it ``STOP.quit_on_stop``): its scratch data and a
+partial export are removed on the way out, and global rank 0 says in one line whether the export is complete or
+nothing was written; exit 128 + the signal.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from pydantic import ValidationError
@@ -28,13 +33,14 @@ from coati_kto.config.resume import check_resume
 from coati_kto.config.schema import Config
 from coati_kto.errors import ConfigError
 from coati_kto.outputs.export import check_masters_layout, export_target
+from coati_kto.outputs.model_card import CARD
 from coati_kto.parallel.distributed import on_rank0
 from coati_kto.recipe.components import build_trainer
 from coati_kto.recipe.save import save_final
 from coati_kto.recipe.setup import setup_export
 from coati_kto.runtime.durable import DATA, own_dir
 from coati_kto.runtime.run_dir import CHECKPOINTS_DIR, saved_trainer_state
-from coati_kto.runtime.signals import STOP
+from coati_kto.runtime.signals import STOP, CommandStoppedError
 
 
 def export_checkpoint(config: Config, checkpoint: str = "auto", out: str | None = None) -> Path:
@@ -49,11 +55,29 @@ def export_checkpoint(config: Config, checkpoint: str = "auto", out: str | None 
     first, first_target = export_target(root, checkpoint, out, say=True)
     check_masters_layout(config.training_output(), config.model.lora, config.plugin, first)
     config = run_config(config, first)
+    STOP.leaves(_left(first_target))
     scratch = _Scratch(first_target)
-    try:
-        return _export(config, root, checkpoint, out, first, scratch)
-    finally:
-        scratch.remove()
+
+    def export() -> Path:
+        try:
+            return _export(config, root, checkpoint, out, first, scratch)
+        finally:
+            scratch.remove()
+
+    # A stop signal (coati-kto export runs with STOP.quit_on_stop) ends it here, after the scratch is removed.
+    return STOP.stoppable(export)
+
+
+def _left(target: Path) -> Callable[[], str]:
+    """What a stop leaves, for its line: asked when it ends the process (the export is complete once its card is
+    written, the last file)."""
+
+    def said() -> str:
+        if (target / CARD).is_file():
+            return f"the export {target} is complete"
+        return f"nothing written to {target}; the checkpoint and output.dir are as they were"
+
+    return said
 
 
 class _Scratch:
@@ -66,7 +90,8 @@ class _Scratch:
         self.made: Path | None = None
 
     def __call__(self) -> Path:
-        self.made = own_dir(self.target, DATA)
+        with STOP.held():  # made and named at once: a stop between the two would leave it behind
+            self.made = own_dir(self.target, DATA)
         return self.made / "prepared"
 
     def remove(self) -> None:
@@ -80,15 +105,23 @@ def _export(
     # The optimizer is built (it holds the fp32 masters) but the reference model is not: nothing is scored.
     unscored = config.model_copy(update={"kto": config.kto.model_copy(update={"reference": "cached"})})
     run = setup_export(config, scratch, json.loads((first / "meta.json").read_text()).get("dp_size"))
-    trainer, frozen_fp32 = build_trainer(unscored, run, STOP.install(), announce=False)
+    # STOP, not STOP.install(): nothing steps here, and train's handlers would turn a stop into a flag nobody reads.
+    trainer, frozen_fp32 = build_trainer(unscored, run, STOP, announce=False)
     # Rank 0 decides (a run still training there may have saved another since the check above).
     path, target = on_rank0(lambda: export_target(root, checkpoint, out), "find the checkpoint")
+    STOP.leaves(_left(target))
     saved = trainer.checkpoint_manager.saved_state(path).get("config")
     if saved is not None:  # refuses another model, tokenizer, LoRA or data than the checkpoint's
         check_resume(saved, config.model_dump(mode="json"), path.name)
     trainer.resume(path, export=True)  # leaves the run's `latest` pointer as it is
     trained_on = json.loads((path / "meta.json").read_text()).get("world_size")  # the card's process count
-    save_final(config, run, trainer, frozen_fp32, final_dir=target, world_size=trained_on)
+    try:
+        save_final(config, run, trainer, frozen_fp32, final_dir=target, world_size=trained_on)
+    except CommandStoppedError:
+        # Renamed into place but stopped before its card: this export's own (the target did not exist), not whole.
+        if run.layout.is_main and not (target / CARD).is_file():
+            shutil.rmtree(target, ignore_errors=True)
+        raise
     return target
 
 

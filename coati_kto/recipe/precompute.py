@@ -1,7 +1,13 @@
 """``coati-kto precompute CONFIG``: the reference log-probs of every example and KL pair, scored once and stored
-with the prepared data (``kto.reference: cached`` reads them). Every rank calls ``precompute``."""
+with the prepared data (``kto.reference: cached`` reads them). Every rank calls ``precompute``.
+
+A stop signal (SIGTERM, Ctrl-C) ends it at once: there is no partial cache to keep. The CLI gives it
+``STOP.quit_on_stop``; the cache's temporary directory is removed on the way out, the caches already there are
+left as they were, and the process exits 128 + the signal after one line."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -9,11 +15,17 @@ from coati_kto.config.schema import Config
 from coati_kto.parallel.distributed import init_distributed
 from coati_kto.recipe.setup import load_run_data, reference_settings
 from coati_kto.runtime.host_memory import keep_freed_memory
+from coati_kto.runtime.signals import STOP
 
 
 def precompute(config: Config) -> None:
     """Prepare the data if needed, then make sure the reference cache matches it (computed when none does)."""
-    from coati_kto.reference.cache import ensure_reference_cache
+    STOP.leaves("no reference cache written")
+    STOP.stoppable(lambda: _precompute(config))
+
+
+def _precompute(config: Config) -> None:
+    from coati_kto.reference.cache import CACHE_DIR, ensure_reference_cache
 
     init_distributed(config.train.dist_timeout, config.train.file_wait_timeout)
     keep_freed_memory()  # scoring on the CPU: freed memory kept for the next batch
@@ -25,4 +37,8 @@ def precompute(config: Config) -> None:
             flush=True,
         )
     run_data = load_run_data(config)
+    # From here prepared_dir stays as it is (a rebuild, which starts without caches, is done); until the new
+    # cache is renamed in (reference.cache), a stop leaves the others untouched.
+    caches = Path(config.data.prepared_dir) / CACHE_DIR
+    STOP.leaves(f"no reference cache written; the caches under {caches} are as they were")
     ensure_reference_cache(reference_settings(config), run_data.data, run_data.pad, run_data.images)

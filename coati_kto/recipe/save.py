@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from coati_kto.config.schema import Config
-from coati_kto.outputs.model_card import CARD, last_eval, render
+from coati_kto.outputs.model_card import last_eval, render, write_card
 from coati_kto.outputs.weights import export_note, write_weights
 from coati_kto.recipe.setup import Run
 from coati_kto.runtime.run_dir import FINAL_DIR
@@ -39,7 +39,7 @@ def save_final(
         world = world_size or run.layout.world_size
         eval_record, steps = last_eval(trainer.history), trainer.global_step
         card = render(config, run.data.stats, eval_record, steps, run.weights, world, run.notes)
-        (Path(final) / CARD).write_text(card)
+        write_card(Path(final), card)  # synced: the card marks the export finished
         print(f"{what}: {final}", flush=True)
         if not lora:
             print(run.notes[-1], flush=True)  # what its weights are

@@ -35,6 +35,7 @@ from coati_kto.parallel.store_waits import wait_for_all
 from coati_kto.reference.scoring import score_splits
 from coati_kto.reference.settings import ReferenceSettings
 from coati_kto.reference.weights import file_sha256, weights_hash
+from coati_kto.runtime.signals import STOP
 
 CACHE_VERSION = 1  # bump when the stored values change for the same key
 CACHE_DIR = "reference_cache"
@@ -80,10 +81,11 @@ def _read(directory: Path, key: dict, rows: dict[str, int]) -> dict[str, np.ndar
 
 
 def _write(directory: Path, key: dict, values: dict[str, np.ndarray], seconds: float) -> None:
-    """Write into a temporary sibling, then rename into place (global rank 0 only)."""
+    """Write into a temporary sibling, then rename into place (global rank 0 only). A stop signal that ends
+    precompute (``STOP.quit_on_stop``) removes the temporary sibling, or waits for the rename."""
     work = directory.with_name(f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}")
-    work.mkdir(parents=True)
     try:
+        work.mkdir(parents=True)  # inside the try: a stop just after it still removes it
         files = {}
         for split, array in values.items():
             np.save(work / f"{split}.npy", array.astype(np.float32), allow_pickle=False)
@@ -95,9 +97,11 @@ def _write(directory: Path, key: dict, values: dict[str, np.ndarray], seconds: f
             "seconds": seconds,
         }
         (work / "meta.json").write_text(json.dumps(meta, indent=2))
-        if directory.exists():
-            shutil.rmtree(directory)
-        work.rename(directory)
+        with STOP.held():  # the damaged cache out and this one in, then the stop's line says it is complete
+            if directory.exists():
+                shutil.rmtree(directory)
+            work.rename(directory)
+            STOP.leaves(f"the reference cache {directory} is complete")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

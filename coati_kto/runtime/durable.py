@@ -20,13 +20,18 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from coati_kto.runtime.signals import STOP
+
 _TAG = "coati-kto"
 NEW, OLD, DATA = (
     "new",
     "old",
     "data",
 )  # a directory being written, one replaced (aside), an export's scratch data
-_LEFTOVER = re.compile(rf"\.(?P<name>.+)\.{_TAG}-(?P<kind>{NEW}|{OLD})-[0-9a-f]{{8}}")
+# own_dir's names, ``.NAME.coati-kto-<kind>-<8 hex>``, of the kinds given
+_OWN = r"\.(?P<name>.+)\.{tag}-(?P<kind>{kinds})-[0-9a-f]{{8}}"
+_LEFTOVER = re.compile(_OWN.format(tag=_TAG, kinds=f"{NEW}|{OLD}"))
+_ANY_OWN = re.compile(_OWN.format(tag=_TAG, kinds=f"{NEW}|{OLD}|{DATA}"))
 
 
 def own_dir(target: Path, kind: str) -> Path:
@@ -40,6 +45,17 @@ def own_dir(target: Path, kind: str) -> Path:
             return path
         except FileExistsError:  # 1 in 4 billion: draw another name
             continue
+
+
+def own_names(parent: Path, name: str) -> list[Path]:
+    """Everything of ours beside ``parent / name``: the names :func:`own_dir` gives for target ``name``, of any
+    kind (a write's new or old copy, an export's scratch data, a file :func:`write_file` was writing). Only
+    those exact names: a user's ``.final.tmp`` or ``.final.coati-kto-old-mine`` is not ours."""
+    if not parent.is_dir():
+        return []
+    return sorted(
+        p for p in parent.iterdir() if (m := _ANY_OWN.fullmatch(p.name)) is not None and m["name"] == name
+    )
 
 
 def sync_file(path: Path) -> None:
@@ -94,6 +110,19 @@ def write_synced(path: Path, text: str) -> None:
         os.fsync(out.fileno())
 
 
+def write_file(path: Path, text: str) -> None:
+    """``text`` as ``path``, on disk before this returns, and the old file or the whole new one at every moment:
+    written synced under a name of ours beside it, renamed in, then the directory's entries synced."""
+    tmp = path.parent / f".{path.name}.{_TAG}-{NEW}-{uuid.uuid4().hex[:8]}"
+    try:
+        write_synced(tmp, text)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    sync_dir(path.parent)
+
+
 def replace_dir(new: Path, target: Path) -> None:
     """The complete directory ``new`` at ``target`` (same filesystem): an existing ``target`` is renamed aside,
     ``new`` renamed in, the parent's entries synced, then the old one removed (left for :func:`recover` when it
@@ -134,14 +163,20 @@ def recover(parent: Path, name: str | None = None) -> None:
 def write_dir(target: Path, write: Callable[[Path], None]) -> None:
     """``write(directory)`` into a new directory of ours beside ``target``, synced, then put at ``target`` by
     :func:`replace_dir`: ``target`` is whole (old or new) or absent at every moment. A failed ``write`` removes
-    the partial directory and raises; an earlier kill's leftovers of ``target`` are recovered first."""
+    the partial directory and raises; an earlier kill's leftovers of ``target`` are recovered first. A stop
+    signal that ends precompute or export (``STOP.quit_on_stop``) removes the partial directory too, and waits
+    for the renames (the old one is never left aside)."""
     recover(target.parent, target.name)
-    new = own_dir(target, NEW)
+    new = None
     try:
+        with STOP.held():  # made and named here at once: a stop between the two would leave it behind
+            new = own_dir(target, NEW)
         write(new)
         sync_files(new)
         sync_dirs(new)
-        replace_dir(new, target)
+        with STOP.held():
+            replace_dir(new, target)
     except BaseException:
-        shutil.rmtree(new, ignore_errors=True)
+        if new is not None:
+            shutil.rmtree(new, ignore_errors=True)
         raise

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from coati_kto.errors import UserError
+from coati_kto.runtime.durable import own_names
 
 CONFIG_FILE = "config.yaml"
 TENSORBOARD_DIR = "tensorboard"
@@ -99,16 +100,19 @@ def previous_run(out_dir: Path) -> list[str]:
 
 
 def clear_previous_run(out_dir: Path) -> None:
-    """output.overwrite: global rank 0 deletes the earlier run's outputs (RUN_OUTPUTS); every rank calls, after
-    the process group exists, and returns once they are gone."""
+    """output.overwrite: global rank 0 deletes the earlier run's outputs (RUN_OUTPUTS) and our own scratch
+    copies of them beside them (``.final.coati-kto-old-XXXXXXXX``: ``durable.own_names``), nothing else; every
+    rank calls, after the process group exists, and returns once they are gone."""
     # Imported here: preflight reads this module before anything heavy, and torch costs seconds to import.
     from coati_kto.parallel.distributed import global_rank
     from coati_kto.parallel.store_waits import wait_for_all
 
     if global_rank() == 0:
         for name in RUN_OUTPUTS:
-            if (out_dir / name).exists():
-                shutil.rmtree(out_dir / name)
+            # A killed write's old or new copy of final/, an export's scratch data: the earlier run's too.
+            for path in [out_dir / name, *own_names(out_dir, name)]:
+                if path.exists():
+                    shutil.rmtree(path)
     wait_for_all("global rank 0 to delete the earlier run's outputs")
 
 

@@ -10,14 +10,24 @@ checkpoint is complete (``stop_saved``), it exits at once with ``STOP_EXIT_CODE`
 A launcher blocks the stop signals from its first step (``block_for_launcher``; coati_kto.launch.torchrun takes
 them), so its ranks start with them blocked: ``start_rank`` unblocks them once the handlers are in. Once a
 process has its exit status they are ignored (``ignore_from_now``).
+
+precompute and export have no step to finish and nothing to resume: there a stop signal ends the command at once
+(``quit_on_stop``): the command's own cleanup runs (``stoppable``), a commit in progress completes first
+(``held``), then one line says what it leaves (``leaves``) and the process exits 128 + the signal (143 for
+SIGTERM, 130 for SIGINT), without a traceback.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
-from types import FrameType
+from collections.abc import Callable
+from types import FrameType, TracebackType
+from typing import NoReturn, TypeVar
+
+T = TypeVar("T")
 
 # EX_TEMPFAIL (sysexits.h): "temporary failure, try again". Every rank and our launchers exit with it after
 # a clean stop; schedulers and wrapper scripts can tell "stopped, resume me" from a crash.
@@ -25,6 +35,7 @@ STOP_EXIT_CODE = 75
 ABORT_EXIT_CODE = 130  # 128 + SIGINT, as a shell reports an interrupted command
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 _LAUNCHING = ("train", "precompute", "export")  # the commands that run torchrun with --nproc-per-node
+QUITTING = ("precompute", "export")  # no step to finish, nothing to resume: a stop ends them at once
 _VOTE_COUNT, _VOTE_SIGNAL = "stop/requested", "stop/signal"
 
 
@@ -40,6 +51,16 @@ class TrainingStoppedError(Exception):
         self.signal_name, self.step, self.checkpoint = signal_name, step, checkpoint
 
 
+class CommandStoppedError(BaseException):
+    """A stop signal inside ``StopSignals.stoppable`` (precompute, export), raised once in the main thread: the
+    stack unwinds through the command's own cleanup (finally blocks: scratch folders, temporary files), then
+    ``stoppable`` ends the process. A BaseException, so that no ``except Exception`` of the command's takes it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
 class StopSignals:
     """The process-wide stop flag. ``install`` on every rank, in the main thread, for the rest of the process."""
 
@@ -48,6 +69,11 @@ class StopSignals:
         self.stop_saved: str | None = None  # the stop's complete checkpoint, once written (``stopped_with``)
         self._deliveries: tuple[int, int] | None = None  # the wakeup pipe (read end, write end), once made
         self._counting = False
+        # quit_on_stop's: the command named in its line, what a stop leaves now, inside stoppable / held, leaving
+        self._command = "coati-kto"
+        self._outcome: str | Callable[[], str] = "nothing written"
+        self._scope = self._held = 0
+        self._leaving = False
 
     def install(self) -> StopSignals:
         """Idempotent; returns self."""
@@ -57,26 +83,31 @@ class StopSignals:
         return self
 
     def start_rank(self, train: bool) -> None:
-        """A rank's first step (the CLI, main thread): the handlers for train, then the stop signals unblocked.
-        coati_kto.launch starts its ranks with them blocked, so one that came before the handlers is pending and
-        counts now (a clean stop), where the default action killed the rank as it started (the launch: exit 1,
-        "rank 1 failed with signal SIGTERM"). Other commands' ranks get the default action, as before."""
+        """A rank's first step (the CLI, main thread): the handlers for train (or ``quit_on_stop`` for precompute
+        and export, told by the command line, ``sys.argv``), then the stop signals unblocked. coati_kto.launch starts its ranks
+        with them blocked, so one that came before the handlers is pending and counts now (a clean stop), where
+        the default action killed the rank as it started (the launch: exit 1, "rank 1 failed with signal
+        SIGTERM"). Other commands' ranks get the default action, as before."""
         if train:
             self.install()
+        elif (command := _command(sys.argv[1:])) in QUITTING:
+            self.quit_on_stop(command)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
-    @staticmethod
-    def block_for_launcher(argv: list[str]) -> bool:
+    def block_for_launcher(self, argv: list[str]) -> bool:
         """The process's first step (``coati_kto.cli.entry``): when ``argv`` runs torchrun (train, precompute or
         export with ``--nproc-per-node``, not in a rank), block the stop signals, for coati_kto.launch.torchrun's
         watch to take; True then. Before this a SIGTERM is the default action's silent exit 143. Told before
         argparse (imports) runs: the command is the first word that is no option, and an option may be an
-        unambiguous prefix (``--nproc 2``)."""
-        words = [arg for arg in argv if not arg.startswith("-")]
+        unambiguous prefix (``--nproc 2``). precompute or export in this process (no launcher, not a rank) gets
+        its stop handlers here instead (``quit_on_stop``; False): its imports take seconds."""
+        command = _command(argv)
         options = {arg.split("=")[0] for arg in argv if arg.startswith("--")}
-        if not words or words[0] not in _LAUNCHING or "RANK" in os.environ:
+        if command not in _LAUNCHING or "RANK" in os.environ:
             return False
         if not any(len(option) > 2 and "--nproc-per-node".startswith(option) for option in options):
+            if command in QUITTING:
+                self.quit_on_stop(command)
             return False
         signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         return True
@@ -162,6 +193,124 @@ class StopSignals:
     def vote(self) -> dict[str, float]:
         """This rank's part of the stop vote: two keys to add to the step's all-reduced sums."""
         return {_VOTE_COUNT: float(self.received is not None), _VOTE_SIGNAL: float(self.received or 0)}
+
+    # ------------------------------------------------------------------- commands without a safe point to stop
+    def quit_on_stop(self, command: str) -> None:
+        """From now on (main thread, for the rest of the process) a stop signal ends ``command`` (precompute,
+        export): at once outside ``stoppable``; inside it, by CommandStoppedError, once the command's cleanup has
+        run; after a commit in progress (``held``). Global rank 0 prints ``COMMAND stopped by SIGTERM: <what it
+        leaves>`` (``leaves``); the exit status is 128 + the signal. A repeated signal changes nothing."""
+        self._command, self._leaving = command, False
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._quit)
+
+    def leaves(self, outcome: str | Callable[[], str]) -> None:
+        """What a stop from now on leaves on disk, for its line (a callable is asked when the stop ends the
+        process: it looks at the disk)."""
+        self._outcome = outcome
+
+    def stoppable(self, work: Callable[[], T]) -> T:
+        """``work()``, the command (precompute, export); returns its result. Under ``quit_on_stop`` a stop signal
+        raises CommandStoppedError inside it, and once the stack has unwound through the command's cleanup the
+        process ends (one line, exit 128 + the signal), whatever exception came out. Without (a library call,
+        train's handlers) it is ``work()``."""
+        self._scope += 1
+        try:
+            try:
+                result = work()
+            finally:
+                # From here a signal ends the process from its handler: raised now, it would escape the command.
+                self._scope -= 1
+        except BaseException:
+            self._settle()
+            raise
+        self._settle()  # a stop whose exception a library swallowed: the work is done, the stop still counts
+        return result
+
+    def held(self) -> _Held:
+        """A context in which a stop signal waits (a commit: renames that put complete output in place); it takes
+        effect at the context's end, or at its start when one came before and is still unanswered."""
+        return _Held(self)
+
+    def _quitting(self) -> bool:
+        return signal.getsignal(signal.SIGTERM) == self._quit
+
+    def _quit(self, signum: int, frame: FrameType | None) -> None:
+        if self._leaving:
+            return
+        first = self.received is None
+        if first:
+            self.received = signum
+        if self._held:
+            return  # the commit finishes first; its end acts on the signal
+        if not self._scope:
+            self._leave()  # before the command or after it: nothing of its own to unwind
+        # A repeat while the stop's exception unwinds the stack (a finally block removing a scratch folder) must
+        # not cut that cleanup short; one after a library swallowed the exception raises it again.
+        if first or not _unwinding():
+            raise CommandStoppedError(self.received or signum)
+
+    def _settle(self) -> None:
+        """The command left ``stoppable`` (or a hold ended outside it): a stop that came ends the process now."""
+        if self.received is not None and self._quitting():
+            self._leave()
+
+    def _leave(self) -> NoReturn:
+        """One line on global rank 0, then exit 128 + the signal. os._exit: nothing is left to run (the command's
+        cleanup did), and the interpreter's teardown could block on a peer gone (a process group's threads)."""
+        self._leaving = True
+        signum = self.received or signal.SIGTERM
+        try:
+            outcome = self._outcome() if callable(self._outcome) else self._outcome
+        except Exception:  # noqa: BLE001 - the disk it looks at is gone or unreadable: say less, still exit
+            outcome = "see the command's output above"
+        if os.environ.get("RANK", "0") == "0":
+            name = signal.Signals(signum).name
+            os.write(2, f"{self._command} stopped by {name}: {outcome}\n".encode())
+        for stream in (sys.stdout, sys.stderr):  # a handler may run while print holds one (reentrant flush)
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(128 + signum)
+
+
+class _Held:
+    """``StopSignals.held``: a stop signal inside waits for the end, where ``__exit__`` raises it from the
+    ``with`` line, inside the command's own try blocks (their cleanup runs)."""
+
+    def __init__(self, owner: StopSignals) -> None:
+        self.owner = owner
+
+    def __enter__(self) -> None:
+        if self.owner.received is not None and self.owner._quitting() and not _unwinding():
+            raise CommandStoppedError(self.owner.received)  # a stop a library swallowed: commit nothing
+        self.owner._held += 1
+
+    def __exit__(
+        self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        owner = self.owner
+        owner._held -= 1
+        if owner._held or owner.received is None or not owner._quitting() or kind is not None:
+            return
+        if not owner._scope:
+            owner._leave()
+        raise CommandStoppedError(owner.received)  # the commit is complete: now the stop
+
+
+def _unwinding() -> bool:
+    """Whether this thread is handling a CommandStoppedError (an except or finally block, a context's exit, on
+    its way out), directly or as the cause of the exception it handles."""
+    err = sys.exc_info()[1]
+    while err is not None:
+        if isinstance(err, CommandStoppedError):
+            return True
+        err = err.__context__
+    return False
+
+
+def _command(argv: list[str]) -> str | None:
+    """The command of a coati-kto command line: its first word that is no option."""
+    return next((arg for arg in argv if not arg.startswith("-")), None)
 
 
 # The process's one instance: the CLI installs it before its heavy imports (SIGUSR1's default action kills a

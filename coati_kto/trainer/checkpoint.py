@@ -11,6 +11,7 @@ it rebuilds them from the bf16 model, and a resumed bf16 run drifts. Saving the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 from collections.abc import Callable
@@ -196,7 +197,7 @@ class CheckpointManager:
         if failed is None:
             return
         rank, text = failed
-        last = self.resolve("auto")
+        last = self.resume_auto_here()
         kept = f"the last complete checkpoint is {last}" if last else "no complete checkpoint was written yet"
         raise CheckpointSaveError(
             f"checkpoint step-{step} could not be written (rank {rank}: {text}); removed the partial "
@@ -234,6 +235,14 @@ class CheckpointManager:
         every rank calls. One rank decides, so all ranks load the same checkpoint even when a save lands between
         their looks."""
         return on_rank0(lambda: resume_choice(self.root, resume)[0], "resolve the checkpoint")
+
+    def resume_auto_here(self) -> Path | None:
+        """What ``resume=auto`` would load (``resume_choice``'s damage check), read by the calling rank alone; None
+        when no checkpoint is intact. No collective: it names the checkpoint at a stop, where a second Ctrl-C may
+        already be ending a peer (a broadcast there turned that peer's 130 into this rank's collective failure)."""
+        with contextlib.suppress(UserError):
+            return resume_choice(self.root, "auto")[0]
+        return None
 
     def saved_state(self, path: Path) -> dict:
         """Rank 0's saved trainer state: ``config`` (the resolved config the run trained with,
@@ -334,7 +343,7 @@ class CheckpointManager:
                 failure = with_disk_hint(err, out.parent)
         failed = self._first_failure(f"write {out.name}", None, failure, solo=True)
         if failed is not None:
-            last = self.resolve("auto")
+            last = self.resume_auto_here()
             raise CheckpointSaveError(
                 f"the final model could not be written to {out} (rank {failed[0]}: {failed[1]}); removed its "
                 "partial copy" + (f"; train.resume=auto exports it again from {last}" if last else "")

@@ -264,7 +264,9 @@ class KTOTrainer(SLTrainer):
             self.optimizer.zero_grad()
             if self.options.on_nonfinite == "stop":
                 last = (
-                    self.checkpoint_manager.resolve("auto") if self.checkpoint_manager is not None else None
+                    self.checkpoint_manager.resume_auto_here()
+                    if self.checkpoint_manager is not None
+                    else None
                 )
                 raise NonFiniteLossError.at(step, epoch, bad_grad, last)
             self.skipped_steps += 1
@@ -369,11 +371,9 @@ class KTOTrainer(SLTrainer):
         if self._interval.steps:
             self._log_interval()
         self._save(epoch)
-        last = self.checkpoint_manager.resolve("auto") if self.checkpoint_manager is not None else None
-        self.stop_signals.stopped_with(str(last) if last else None)
-        raise TrainingStoppedError(
-            self._stop_signal or "a stop signal", self.global_step, str(last) if last else None
-        )
+        last = self.checkpoint_manager.resume_auto_here() if self.checkpoint_manager is not None else None
+        self.stop_signals.stopped_with(name := str(last) if last else None)
+        raise TrainingStoppedError(self._stop_signal or "a stop signal", self.global_step, name)
 
     def _after_epoch(self, epoch: int) -> None:
         if self._save_after_eval:  # the epoch's last step, saved once its evaluation is recorded

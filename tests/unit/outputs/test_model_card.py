@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from types import SimpleNamespace
 
+import pytest
 import yaml
 from helpers import MINIMAL, write_config
 
@@ -102,3 +105,67 @@ def test_card_says_how_completions_end(tmp_path: Path) -> None:
     line = "completions end with the template's `<end_of_turn>`; no EOS added"
     stats = {"train": split, "eval": None, "files": {"train": ["data.jsonl"]}, "completion_end": line}
     assert f"Completions: {line}." in render(config, stats, None, 12, (1.0, 1.0), 1).splitlines()
+
+
+def test_the_card_is_on_disk_before_the_export_counts_as_finished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """final/'s weights were synced, then README.md (the card, whose presence marks final/ finished for
+    ``export --push``) was written with a plain write_text: a node crash could leave it empty or lost. Now its
+    bytes are synced, then its directory's entries, before save_final returns."""
+    from coati_kto.recipe import save
+
+    config = load_config(write_config(tmp_path, MINIMAL))
+    final = tmp_path / "out" / "final"
+
+    def weights(*args: object) -> Path:  # write_weights: final/ complete and synced (runtime.durable)
+        final.mkdir(parents=True)
+        (final / "model.safetensors").write_text("weights")
+        return final
+
+    monkeypatch.setattr(save, "write_weights", weights)
+    monkeypatch.setattr(save, "render", lambda *args: "# the card\n")
+    synced: list[tuple[int, int]] = []  # (inode, size) of each fsync'd file or directory, in order
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        synced.append((os.fstat(fd).st_ino, os.fstat(fd).st_size))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    layout = SimpleNamespace(is_main=True, world_size=1)
+    run = SimpleNamespace(layout=layout, notes=[], data=SimpleNamespace(stats=None), weights=(1.0, 1.0))
+    run.out_dir, run.tokenizer = tmp_path / "out", None
+    save.save_final(config, run, SimpleNamespace(history=[], global_step=3), {})
+    card = final / "README.md"
+    assert card.read_text() == "# the card\n"
+    inodes = [inode for inode, _ in synced]
+    assert (card.stat().st_ino, card.stat().st_size) in synced  # its whole bytes
+    assert final.stat().st_ino in inodes[inodes.index(card.stat().st_ino) :]  # then its directory entry
+
+
+def test_card_states_plainly_that_completions_end_with_no_eos(tmp_path: Path) -> None:
+    """With no EOS anywhere the card read "Completions: warning: completions end as given: ...; give the tokenizer
+    an eos_token ...": prepare's command-line warning, pasted with its prefix and its fix. It now says what the
+    model is, and keeps any other ending that follows."""
+    from coati_kto.data.endings import completion_end_line
+
+    config = load_config(write_config(tmp_path, MINIMAL))
+    split = {"examples": 8, "labels": {"desirable": 6, "undesirable": 2}}
+    stats = {"train": split, "eval": None, "files": {"train": ["data.jsonl"]}}
+    no_eos = (
+        "Completions end with no end-of-sequence token: neither the tokenizer nor model.path's "
+        "generation_config.json or config.json gives an EOS token in the tokenizer's vocabulary, so the model is "
+        "never trained to stop"
+    )
+    for counts, rest in (
+        ({"as_given:plain": 8}, ""),
+        (
+            {"as_given:plain": 3, "stop:<|im_end|>": 5},
+            "; completions end with the template's `<|im_end|>`; no EOS added",
+        ),
+    ):
+        line = completion_end_line([counts], None)  # stats.json's completion_end, as prepare writes it
+        card = render(config, {**stats, "completion_end": line}, None, 12, (1.0, 1.0), 1)
+        assert f"{no_eos}{rest}." in card.splitlines()
+        assert "warning:" not in card and "give the tokenizer an eos_token" not in card

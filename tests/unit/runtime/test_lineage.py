@@ -182,3 +182,34 @@ def test_auto_with_no_intact_checkpoint_left_is_refused(tmp_path: Path) -> None:
     manager = _manager(tmp_path)  # every rank gets rank 0's verdict (one process here: it is rank 0)
     with pytest.raises(UserError, match="no earlier checkpoint of its run is intact"):
         manager.resolve_everywhere("auto")
+
+
+def test_a_stop_names_the_checkpoint_resume_auto_will_load(tmp_path: Path) -> None:
+    """The stop's message named the newest checkpoint by marker only ("checkpoint .../step-24; resume with
+    train.resume=auto") while resume=auto passed over it, damaged, to step-20. It now names resume=auto's own
+    choice, and none when no checkpoint is intact (resume=auto refuses)."""
+    from coati_kto.runtime.signals import StopSignals, TrainingStoppedError
+    from coati_kto.trainer.kto import KTOTrainer
+
+    _run_a(tmp_path, (16, 20, 24))
+    (tmp_path / "step-24" / "trainer_state" / "rank-0.pt").unlink()
+    trainer = SimpleNamespace(  # what _stop reads: the step's save is done (step-24 above)
+        _interval=SimpleNamespace(steps=0),
+        _save=lambda epoch: None,
+        checkpoint_manager=_manager(tmp_path),  # one process: it is rank 0
+        stop_signals=StopSignals(),
+        _stop_signal="SIGTERM",
+        global_step=24,
+    )
+    with pytest.raises(TrainingStoppedError) as stop:
+        KTOTrainer._stop(trainer, 0)
+    assert str(stop.value) == (
+        f"stopped by SIGTERM after step 24; checkpoint {tmp_path / 'step-20'}; resume with train.resume=auto"
+    )
+    assert trainer.stop_signals.stop_saved == str(tmp_path / "step-20")
+    assert resume_choice(tmp_path, "auto")[0] == tmp_path / "step-20"  # what the resume then loads
+    for step in (16, 20):
+        (tmp_path / f"step-{step}" / "meta.json").unlink()
+    with pytest.raises(TrainingStoppedError) as stop:
+        KTOTrainer._stop(trainer, 0)
+    assert stop.value.checkpoint is None and trainer.stop_signals.stop_saved is None

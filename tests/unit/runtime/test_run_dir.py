@@ -157,3 +157,43 @@ def test_a_live_run_holds_its_output_dir_and_a_killed_one_leaves_no_lock(tmp_pat
     assert lock_holder(out).startswith(f"pid {os.getpid()} on ")
     release_output_dir(out)
     assert lock_holder(out) is None  # released at the end of the run
+
+
+def test_overwrite_clears_our_own_scratch_copies_and_nothing_of_the_users(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """output.overwrite deleted final/ but left ``.final.coati-kto-old-XXXXXXXX`` (a kill between write_dir's
+    renames: the earlier run's whole model, aside) and an export's scratch data: the cleared directory still held
+    the previous run. A user's look-alike names are not ours and stay."""
+    from coati_kto.runtime.durable import DATA, own_dir, write_dir
+    from coati_kto.runtime.run_dir import clear_previous_run
+
+    out = tmp_path / "out"
+    out.mkdir()
+    final = out / "final"
+
+    def write(directory: Path) -> None:
+        (directory / "model.safetensors").write_text("weights")
+
+    write_dir(final, write)
+    real = os.replace
+
+    def killed(src: str | Path, dst: str | Path) -> None:
+        if Path(dst) == final:  # the old final/ is aside, the new one not yet in
+            raise KeyboardInterrupt
+        real(src, dst)
+
+    monkeypatch.setattr(os, "replace", killed)
+    with pytest.raises(KeyboardInterrupt):
+        write_dir(final, write)
+    monkeypatch.setattr(os, "replace", real)
+    (own_dir(final, DATA) / "prepared").mkdir()  # `coati-kto export --out final` killed before its cleanup
+    theirs = [".final.tmp", ".final.coati-kto-old-mine", ".notes.coati-kto-new-0123abcd", "keep"]
+    for name in theirs:
+        (out / name).mkdir()
+        (out / name / "file").write_text("mine")
+    ours = [p.name for p in out.iterdir() if p.name.startswith(".final.coati-kto-") and p.name not in theirs]
+    assert sorted(n.split("-")[2] for n in ours) == ["data", "old"]
+    clear_previous_run(out)  # one process: it is rank 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(theirs)
+    assert all((out / name / "file").read_text() == "mine" for name in theirs)
