@@ -325,7 +325,7 @@ def entry() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``coati-kto``: exit 0 done, 2 a user mistake (one line), 3 done but the Hub upload failed (one line), 75 a
-    clean stop, 1 a peer gone, 130 aborted."""
+    clean stop, 1 a peer gone, 130 aborted; precompute and export stopped by a signal: 128 + the signal (143)."""
     args = _parse(argv)
     if "RANK" in os.environ:  # a rank: stop cleanly even while still importing (train)
         STOP.start_rank(train=args.command == "train")

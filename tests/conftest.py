@@ -207,6 +207,7 @@ LONGEST_FIRST = (  # seconds of one worker in `make test` (2026-11-29, 748 s of 
     "distributed/test_mixed_adamw.py",  # 47
     "e2e/test_launch.py",  # 46
     "e2e/test_layouts_4_resume.py",  # 37
+    "e2e/test_stopped_commands.py",  # 37 (2026-12-01)
     "distributed/test_runner_pool.py",  # 35
     "e2e/test_install_profiles.py",  # 35
     "e2e/test_image_feedback.py",  # 29

@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 import uuid
@@ -325,6 +326,7 @@ def ensure(settings: PrepareSettings, tokenizer) -> tuple[dict, bool, str]:
     empty and is no coati-kto build (never overwritten).
     """
     target = Path(settings.data.prepared_dir)
+    _restore_aside(target)
     processor = load_processor(settings)
     fp = fingerprint(settings, tokenizer, processor)
     why = _build_reason(target, fp)
@@ -339,6 +341,20 @@ def ensure(settings: PrepareSettings, tokenizer) -> tuple[dict, bool, str]:
         )
     _build(settings, tokenizer, fp, target, processor if "images" in fp else None)  # None: no record has one
     return fp, True, why
+
+
+def _restore_aside(target: Path) -> None:
+    """The previous build renamed aside by ``_build`` (``.NAME.old-<8 hex>``) back at ``target`` when a stop or
+    kill came between its two renames and left ``target`` absent (it was complete: it stood at ``target``); any
+    other such copy removed. Only those exact names are touched."""
+    aside = re.compile(rf"\.{re.escape(target.name)}\.old-[0-9a-f]{{8}}")
+    if not target.parent.is_dir():
+        return
+    for leftover in sorted(p for p in target.parent.iterdir() if aside.fullmatch(p.name) and p.is_dir()):
+        if not target.exists() and read_fingerprint(leftover) is not None:
+            leftover.rename(target)
+        else:
+            shutil.rmtree(leftover, ignore_errors=True)
 
 
 def _bad_records(skipped: list[RecordError]) -> dict[str, Any]:

@@ -1040,3 +1040,66 @@ def test_fields_no_record_shape_reads_are_counted_and_said(
     out = prepare(*data_settings(make_config(tmp_path / "u", tiny_model_dir, [str(clean)])))
     assert out.stats["unread_fields"] == {}
     assert "fields not read" not in capsys.readouterr().out
+
+
+_STOPPED_PREPARE = """
+import json, os, signal, sys, time
+from pathlib import Path
+from coati_kto.config.schema import Config
+from coati_kto.data.prepared import prepare
+from coati_kto.data.settings import PrepareSettings
+from coati_kto.data.weights import WeightSettings
+from coati_kto.runtime.signals import STOP
+
+config = Config.model_validate(json.loads(sys.argv[1]))
+real_rename, real_replace, sent = Path.rename, os.replace, []
+
+def stop_at_first(rename):  # a SIGTERM just as the old build is renamed aside
+    def wrapped(*args, **kwargs):
+        out = rename(*args, **kwargs)
+        if not sent:
+            sent.append(1)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.2)
+        return out
+    return wrapped
+
+Path.rename, os.replace = stop_at_first(real_rename), stop_at_first(real_replace)
+STOP.quit_on_stop("precompute")
+STOP.stoppable(lambda: prepare(PrepareSettings(config.data, config.model, 1), WeightSettings(config.kto, 4)))
+"""
+
+
+def test_a_stop_between_the_swaps_renames_loses_no_build_and_leaves_nothing_aside(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """precompute prepares first; a stop (STOP.quit_on_stop) between the rename of the old build aside and the new
+    one's rename in left no data.prepared_dir and the old build under `.prepared.old-*`, which nothing removed:
+    the next run rebuilt. That build, complete, is now put back and reused, and nothing is left aside."""
+    import subprocess
+    import sys
+
+    path = write_jsonl(tmp_path / "t.jsonl", rows(6, 4))
+    cfg = make_config(tmp_path, tiny_model_dir, [str(path)])
+    prepare(*data_settings(cfg))
+    good = json.loads((tmp_path / "prepared" / "fingerprint.json").read_text())
+    changed = {
+        "model": {"path": str(tiny_model_dir)},
+        "data": {"train_files": [str(path)], "prepared_dir": str(tmp_path / "prepared"), "max_length": 300},
+        "output": {"dir": str(tmp_path / "out")},
+    }
+    env = {k: v for k, v in os.environ.items() if k != "RANK"}
+    done = subprocess.run(
+        [sys.executable, "-c", _STOPPED_PREPARE, json.dumps(changed)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 143, done.stdout + done.stderr
+    assert done.stderr.splitlines()[-1] == "precompute stopped by SIGTERM: nothing written"
+    capsys.readouterr()
+    assert len(prepare(*data_settings(cfg)).train) == 10
+    assert "reusing" in capsys.readouterr().out  # the old build, put back, not a rebuild
+    assert json.loads((tmp_path / "prepared" / "fingerprint.json").read_text()) == good
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
