@@ -3,6 +3,7 @@ a resume compares with its checkpoint's)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import uuid
@@ -67,15 +68,18 @@ def weights_hash(path: str, memo_file: Path | None = None) -> str:
             memo[stamp] = file_sha256(f)
         h.update(f"{f.relative_to(root)}\0{memo[stamp]}\0".encode())
     if memo_file is not None:
+        tmp = memo_file.with_name(f".{memo_file.name}.{uuid.uuid4().hex[:8]}")
         try:
             memo_file.parent.mkdir(parents=True, exist_ok=True)
-            tmp = memo_file.with_name(f".{memo_file.name}.{uuid.uuid4().hex[:8]}")
             tmp.write_text(json.dumps(memo, indent=1))
             tmp.replace(memo_file)
         except (
             OSError
         ):  # a read-only prepared_dir (an online run writes nothing else there): hashed next time
             pass
+        finally:  # a failed write's, or a stop's (precompute ends on one), partial file is not left behind
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
     return h.hexdigest()
 
 

@@ -43,3 +43,22 @@ def test_checkpoints_kept_under_the_model_directory_leave_the_key_alone(tmp_path
     assert weights_hash(str(model)) == before
     (model / "model.safetensors").write_bytes(b"\x04" * 4096)
     assert weights_hash(str(model)) != before  # its own weights still count
+
+
+def test_an_interrupted_memo_write_leaves_no_partial_file(tmp_path: Path, monkeypatch) -> None:
+    """The memo is written to a temporary name, then renamed: an interruption between the two (precompute ends at
+    once on a stop signal) left the partial `.memo.json.XXXXXXXX` beside it for good."""
+    import pytest
+
+    model, memo = tmp_path / "model", tmp_path / "cache" / "memo.json"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"\x01" * 4096)
+    (model / "config.json").write_text("{}")
+
+    def interrupted(self: Path, target: Path) -> None:
+        raise KeyboardInterrupt  # as a stop's exception, raised between the write and the rename
+
+    monkeypatch.setattr(Path, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        weights_hash(str(model), memo)
+    assert list(memo.parent.iterdir()) == []
