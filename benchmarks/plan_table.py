@@ -37,7 +37,7 @@ def cell(overrides: list[str], gpus: int, nodes: int, unproven_pp: bool = False)
 
     config = load_config(ROOT / "configs" / "multinode_zero2.yaml", overrides)
     shape = model_shape(config.model.path)
-    work = Workload.from_config(config, shape.model_type)
+    work = Workload.from_config(config)
     fits = layouts_that_fit(config, shape, work, gpus, gpus // nodes, 80, unproven_pp)
     if not fits:
         return "does not fit"

@@ -198,7 +198,7 @@ def predicted(config_path: str, overrides: list[str], world: int) -> list[int]:
 
     config = load_config(config_path, overrides)
     shape = model_shape(config.model.path)
-    work = Workload.from_config(config, shape.model_type, "cpu")
+    work = Workload.from_config(config, "cpu")
     return [plan.peak for plan in plan_stages(shape, configured_layout(config.plugin, world), work)]
 
 

@@ -21,9 +21,9 @@ The LM head: no [B, S, V] logits where the chunked head runs (``coati_kto.models
 head): the completion positions' hidden states, the logits kept for the backward while positions x vocabulary
 is under 2**24 fp32 elements (x16 on a GPU), and two fp32 blocks of 2**23 elements (2**26 on a GPU). Above
 tp 1 the logits path: the [B, S, V] logits (each rank gathers the whole vocabulary row), their gradient, the
-rank's vocabulary slice, and two fp32 chunks of 2**22 elements (2**26 on a GPU). At tp 1 a family whose head is
-not plain (``coati_kto.families.HEAD_FAMILIES``) takes the logits path with nothing gathered: the logits, their
-gradient and the two chunks.
+rank's vocabulary slice, and two fp32 chunks of 2**22 elements (2**26 on a GPU). At tp 1 a model whose head is
+not plain (``coati_kto.families.plain_head`` of its config, the runtime's test) takes the logits path with nothing
+gathered: the logits, their gradient and the two chunks.
 """
 
 from __future__ import annotations
@@ -55,9 +55,11 @@ class Workload:
     fused_norms: bool = False  # model.fused_norms: the RMSNorms keep less (layer_bytes)
 
     @classmethod
-    def from_config(cls, config: Any, model_type: str, device: str = "gpu") -> Workload:
-        """The workload of a validated ``Config`` whose model is of ``model_type``."""
-        from coati_kto.families import HEAD_FAMILIES
+    def from_config(cls, config: Any, device: str = "gpu") -> Workload:
+        """The workload of a validated ``Config``. Whether its head is plain is read from ``model.path``'s
+        config.json (``model_shape.head_is_plain``): the model type alone cannot tell (Gemma 3's depends on its
+        soft-capping, a LLaVA's text model is a Llama)."""
+        from coati_kto.parallel.model_shape import head_is_plain
 
         lora = config.model.lora
         return cls(
@@ -65,7 +67,7 @@ class Workload:
             length=config.data.max_length,
             checkpointing=config.model.gradient_checkpointing,
             eager_attention=config.model.attn_implementation == "eager",
-            plain_head=model_type in HEAD_FAMILIES,
+            plain_head=head_is_plain(config.model.path),
             reference=config.kto.reference,
             lora_rank=lora.rank if lora is not None else 0,
             lora_targets=list(lora.target_modules) if lora is not None else [],

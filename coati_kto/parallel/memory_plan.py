@@ -21,13 +21,16 @@ trains with:
   stage with the highest peak (``MemoryPlan.stage``). Its activations are its layers' for the micro-batches it
   keeps in flight; the last stage's head runs one micro-batch at a time. The online reference runs through the
   same stages forward-only (no gradient pass to keep activations for): its weights, split as the policy's.
-  There is no torch DDP under pp (ColossalAI all-reduces each gradient in place at ZeRO 0), and each stage keeps
-  a send and a receive buffer of one micro-batch's hidden states [mb, S, H] in the working dtype (``p2p``).
-  The stages run padded rows (the config's padding-free rows are turned off under pp): no dense mask.
+  There is no torch DDP under pp (ColossalAI all-reduces each gradient in place at ZeRO 0). The schedule keeps
+  hidden states [mb, S, H] in the working dtype besides the layers' activations (``p2p``, part of the gradient
+  pass): each in-flight forward's output and received input, and the gradient received for a backward
+  (:func:`coati_kto.parallel.stages.held_hidden`; an input the first layer keeps anyway, under checkpointing, a
+  fused norm or fp32, is its activations'). The stages run padded rows (the config's padding-free rows are turned
+  off under pp): no dense mask.
 
-The peak of a step is the static part (weights, masters and moments, reference, buffers) plus the largest of
-what comes and goes: the gradient pass's activations (with the accumulated gradients when micro-batches
-accumulate), and at the step the gradients and their fp32 copies. The gradients exist from the step's first
+The peak of a step is the static part (weights, masters and moments, reference, communication buffers) plus the
+largest of what comes and goes: the gradient pass's activations and p2p hidden states (with the accumulated
+gradients when micro-batches accumulate), and at the step the gradients and their fp32 copies. The gradients exist from the step's first
 backward on: a stage whose warm-up runs every forward of the step (1F1B's stage 0 at pp micro-batches) holds
 them with one micro-batch fewer in flight (``MemoryPlan.passes``; measured, docs/performance.md).
 """
@@ -39,7 +42,7 @@ from dataclasses import dataclass, field
 
 from coati_kto.parallel.activations import Workload, activation_bytes
 from coati_kto.parallel.model_shape import ModelShape
-from coati_kto.parallel.stages import in_flight, stage_chunks
+from coati_kto.parallel.stages import held_hidden, in_flight, kept_hidden, stage_chunks
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ZERO_BUCKET_ELEMENTS = 12 * 1024 * 1024  # the plugins' reduce_bucket_size_in_m / zero_bucket_size_in_m: 12
@@ -100,25 +103,25 @@ class MemoryPlan:
     host: int  # what cpu_offload keeps in host memory
     notes: list[str] = field(default_factory=list)
     accumulating: bool = False  # micro-batches accumulate: the gradients live through the next gradient pass
-    p2p: int = 0  # a pipeline stage's send and receive buffers
+    p2p: int = 0  # the hidden states a pipeline stage's schedule holds at once (sent, received, gradients)
     stage: int = 0  # the pipeline stage this plan is of (the one with the highest peak)
     stage_layers: int = 0  # the decoder layers that stage holds
     in_flight: int = 1  # the micro-batches (chunk forwards, interleaved) whose activations it keeps at once
     forwards: int = 1  # the micro-batches (chunk forwards) a step runs through this stage
-    per_forward: int = 0  # the activations one of them keeps while in flight
+    per_forward: int = 0  # the activations (and p2p hidden states) one of them keeps while in flight
 
     @property
     def static(self) -> int:
         """Alive through the whole step."""
-        return self.weights + self.masters + self.moments + self.reference + self.communication + self.p2p
+        return self.weights + self.masters + self.moments + self.reference + self.communication
 
     @property
     def passes(self) -> int:
-        """The most the gradient passes hold at once: activations in flight, the head, and the gradients the
-        step's backwards accumulated so far. Those exist from the first backward on. When every forward of the
-        step is in flight before it (a pipeline stage whose warm-up takes them all: ``forwards == in_flight``),
-        they meet at most one forward fewer."""
-        passes = self.activations + self.head
+        """The most the gradient passes hold at once: activations in flight (and a pipeline stage's p2p hidden
+        states), the head, and the gradients the step's backwards accumulated so far. Those exist from the first
+        backward on. When every forward of the step is in flight before it (a pipeline stage whose warm-up takes
+        them all: ``forwards == in_flight``), they meet at most one forward fewer."""
+        passes = self.activations + self.head + self.p2p
         if not self.accumulating:
             return passes
         if self.forwards > self.in_flight:
@@ -179,14 +182,29 @@ def _plan_stage(shape: ModelShape, layout: Layout, work: Workload, stage: int) -
     held = max(chunks) if layout.pp > 1 else layers  # activations of one chunk forward: its layers
     activations, head, notes = activation_bytes(shape, layout.tp, layout.sp, working, work, held, alive, last)
     fewer = activation_bytes(shape, layout.tp, layout.sp, working, work, held, alive - 1, last)[0]
-    p2p = 2 * work.micro_batch * work.length * shape.hidden * working if layout.pp > 1 else 0
+    p2p, p2p_share = _p2p_bytes(shape, layout, work, stage)
     return MemoryPlan(
         layout=layout, params=params, trainable=trainable, weights=working * params, gradients=grads,
         masters=masters, moments=moments, step_copies=step_copies, reference=reference,
         activations=activations, head=head, communication=comm, host=host, notes=notes,
         accumulating=work.accumulation_steps > 1, p2p=p2p, stage=stage, stage_layers=layers, in_flight=alive,
-        forwards=work.accumulation_steps * layout.chunks, per_forward=activations - fewer,
+        forwards=work.accumulation_steps * layout.chunks, per_forward=activations - fewer + p2p_share,
     )  # fmt: skip
+
+
+def _p2p_bytes(shape: ModelShape, layout: Layout, work: Workload, stage: int) -> tuple[int, int]:
+    """(the most, those of the first backward's forward) of the hidden states [mb, S, H] the schedule holds on
+    ``stage`` besides its layers' activations (:func:`coati_kto.parallel.stages.held_hidden`); (0, 0) without pp.
+    The received input is the first layer's own saved tensor under checkpointing, a fused norm, or fp32 (the
+    norm's cast is the tensor itself); bf16 / fp16 eager norms keep an fp32 copy instead."""
+    if layout.pp == 1:
+        return 0, 0
+    kept = work.checkpointing or work.fused_norms or layout.precision == "fp32"
+    hidden = work.micro_batch * work.length * shape.hidden * DTYPE_BYTES[layout.precision]
+    style, chunks = layout.pp_style, layout.chunks
+    most = held_hidden(stage, layout.pp, work.accumulation_steps, style, chunks, kept)
+    first = kept_hidden(stage, layout.pp, chunks - 1 if style == "interleaved" else 0, chunks, kept)
+    return most * hidden, first * hidden
 
 
 def _communication(layout: Layout, trainable: int, working: int) -> int:

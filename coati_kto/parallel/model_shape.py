@@ -179,6 +179,23 @@ def model_shape(source: str, key: str = "model.path") -> ModelShape:
     return dataclasses.replace(shape, defaulted=tuple(defaulted))
 
 
+def head_is_plain(source: str, key: str = "model.path") -> bool:
+    """Whether the model config.json describes scores through the chunked LM head at tp 1:
+    ``coati_kto.families.plain_head`` of the config its model carries, as the runtime asks it
+    (``coati_kto.models.lm_head.LMHead.find``). A vision-language wrapper is asked as itself, not as its text
+    model: LLaVA's text model is a Llama, yet its logits path runs. ConfigError one line as :func:`model_shape`."""
+    raw = read_config_json(source, key)
+    from transformers import AutoConfig
+
+    from coati_kto.families import plain_head
+
+    try:
+        return plain_head(AutoConfig.for_model(**raw))
+    except Exception as err:
+        why = " ".join(str(err).split())[:300] or type(err).__name__
+        raise ConfigError(f"{key}: {source}: transformers cannot build its config.json ({why})") from None
+
+
 def _config_path(source: str) -> str:
     """The config.json ``source`` is read from (a Hub id's: its path in the hub cache)."""
     folder = Path(source).expanduser()

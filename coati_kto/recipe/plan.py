@@ -16,7 +16,7 @@ from coati_kto.errors import ConfigError, UserError
 from coati_kto.families.splits import check_model_family, check_sequence_parallel_family
 from coati_kto.parallel.activations import Workload
 from coati_kto.parallel.layout_search import RULE, USABLE_FRACTION, Fit, fitting_layouts, usable_bytes
-from coati_kto.parallel.memory_plan import GIB, Layout, MemoryPlan, plan_memory
+from coati_kto.parallel.memory_plan import DTYPE_BYTES, GIB, Layout, MemoryPlan, plan_memory
 from coati_kto.parallel.model_shape import ModelShape, model_shape
 from coati_kto.parallel.plan import running_zero_stage
 
@@ -92,9 +92,10 @@ def breakdown_lines(plan: MemoryPlan, work: Workload, shape: ModelShape) -> list
         f"  communication  {_gib(plan.communication)}  {_comm_note(layout)}",
     ]
     if layout.pp > 1:
+        hidden = work.micro_batch * work.length * shape.hidden * DTYPE_BYTES[working]
         lines.append(
-            f"  p2p            {_gib(plan.p2p)}  a send and a receive buffer of [{work.micro_batch}, {work.length}, "
-            f"{shape.hidden}] hidden states, {working}"
+            f"  p2p            {_gib(plan.p2p)}  {plan.p2p // hidden} x [{work.micro_batch}, {work.length}, "
+            f"{shape.hidden}] hidden states, {working} (in-flight outputs and inputs, a received gradient)"
         )
     return lines
 
@@ -128,7 +129,7 @@ def plan_lines(config: Config, gpus: int | None, gpu_memory: float, nodes: int) 
     world = gpus if gpus is not None else axes
     _check_options(world, gpu_memory, nodes)
     shape = model_shape(config.model.path)
-    work = Workload.from_config(config, shape.model_type)
+    work = Workload.from_config(config)
     layout = configured_layout(config.plugin, world)
     plan = plan_memory(shape, layout, work)
     budget = usable_bytes(gpu_memory)
@@ -262,7 +263,7 @@ def predicted_peak_line(config: Config, world: int, device_bytes: int | None) ->
         shape = model_shape(config.model.path)
     except UserError as err:  # a hub id not cached yet: the model loads later; the plan says why not
         return f"predicted peak per rank: unknown ({err})"
-    work = Workload.from_config(config, shape.model_type, "gpu" if device_bytes is not None else "cpu")
+    work = Workload.from_config(config, "gpu" if device_bytes is not None else "cpu")
     plan = plan_memory(shape, configured_layout(config.plugin, world), work)
     line = f"predicted peak per rank: {_gib(plan.peak).strip()} (`coati-kto plan CONFIG` shows its parts)"
     if device_bytes is None:

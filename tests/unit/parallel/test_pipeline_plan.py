@@ -73,7 +73,8 @@ def test_the_plan_is_the_heaviest_stage(three_layers: ModelShape) -> None:
     assert (plan.weights, plan.reference, plan.gradients) == (2 * STAGE1, 2 * STAGE1, 2 * STAGE1)
     assert (plan.masters, plan.moments, plan.step_copies) == (4 * STAGE1, 8 * STAGE1, 4 * STAGE1)
     assert plan.communication == 0  # one data-parallel rank
-    assert plan.p2p == 2 * 2 * 8 * 64 * 2  # send and receive [2, 8, 64] in bf16
+    # the last stage's received input [2, 8, 64] in bf16 (its eager norm keeps an fp32 copy, not the input)
+    assert plan.p2p == 2 * 8 * 64 * 2
     cached = plan_memory(
         three_layers,
         Layout("hybrid_parallel", "bf16", 0, pp=2),
@@ -134,18 +135,69 @@ def test_a_stage_whose_warm_up_takes_every_forward_meets_the_gradients_one_micro
     layout = Layout("hybrid_parallel", "bf16", 0, pp=2)
     work = Workload(micro_batch=2, length=8, accumulation_steps=2, device="cpu")
     first, last = plan_stages(three_layers, layout, work)
-    assert (first.forwards, first.in_flight, first.per_forward) == (2, 2, per_layer)
-    assert first.gradients == 2 * STAGE0 > per_layer  # so one micro-batch fewer with them is the larger
-    assert first.passes == 2 * per_layer + backward - per_layer + 2 * STAGE0 == 201_344
+    hidden = 2 * 8 * 64 * 2  # [2, 8, 64] in bf16: a micro-batch's output, kept for its backward
+    assert (first.forwards, first.in_flight, first.per_forward) == (2, 2, per_layer + hidden)
+    assert first.p2p == 3 * hidden  # both outputs and the gradient received for the first backward
+    assert first.gradients == 2 * STAGE0 > per_layer + hidden  # one micro-batch fewer with them is the larger
+    fewer = 2 * per_layer + backward + 3 * hidden - (per_layer + hidden)
+    assert first.passes == fewer + 2 * STAGE0 == 205_440
     assert first.peak == first.static + max(first.passes, first.gradients + first.step_copies)
     assert (last.forwards, last.in_flight) == (2, 1)
-    assert last.passes == last.activations + last.head + 2 * STAGE1
+    assert last.passes == last.activations + last.head + last.p2p + 2 * STAGE1
     four = plan_stages(three_layers, layout, dataclasses.replace(work, accumulation_steps=4))[0]
-    assert four.passes == 2 * per_layer + backward + 2 * STAGE0
+    assert four.passes == 2 * per_layer + backward + 3 * hidden + 2 * STAGE0
     # without pipeline stages nothing changes: one in flight, the gradients from the second micro-batch on
     whole = plan_memory(three_layers, Layout("hybrid_parallel", "bf16", 0), work)
     assert (whole.forwards, whole.in_flight) == (2, 1)
     assert whole.passes == whole.activations + whole.head + whole.gradients
+
+
+def test_a_stage_holds_the_schedules_hidden_states_of_each_micro_batch_in_flight(
+    three_layers: ModelShape,
+) -> None:
+    """1F1B at pp 4 over 4 micro-batches of 2 x 8 tokens; one hidden state [2, 8, 64] is 2,048 B in bf16. Stage s
+    keeps the output of each of its 4 - s micro-batches in flight until that one's backward (ColossalAI's
+    ``output_objs``) and receives the gradient of one for its backward; the last stage sends nothing (its output is
+    the loss) and receives no gradient. The received inputs (``input_objs``) are the first layer's own saved tensor
+    under a fused norm, checkpointing or fp32; a bf16 eager norm keeps an fp32 copy, so there they count apart.
+    Measured to the byte on the CPU (4-layer Llama, docs/performance.md): 5, 4, 3, 0 fused; 5, 7, 5, 1 eager."""
+    four = dataclasses.replace(three_layers, layers=4)  # a layer a stage; the hidden states depend on H alone
+    hidden, layout = 2 * 8 * 64 * 2, Layout("hybrid_parallel", "bf16", 0, pp=4)
+    fused = Workload(micro_batch=2, length=8, accumulation_steps=4, device="cpu", fused_norms=True)
+    assert [p.p2p for p in plan_stages(four, layout, fused)] == [5 * hidden, 4 * hidden, 3 * hidden, 0]
+    eager = dataclasses.replace(fused, fused_norms=False)
+    assert [p.p2p for p in plan_stages(four, layout, eager)] == [5 * hidden, 7 * hidden, 5 * hidden, hidden]
+    ckpt = dataclasses.replace(eager, checkpointing=True)  # the checkpoint keeps the received input itself
+    assert [p.p2p for p in plan_stages(four, layout, ckpt)] == [5 * hidden, 4 * hidden, 3 * hidden, 0]
+    fp32 = [p.p2p for p in plan_stages(four, dataclasses.replace(layout, precision="fp32"), eager)]
+    # the eager norm's fp32 cast is the input itself
+    assert fp32 == [5 * 2 * hidden, 4 * 2 * hidden, 3 * 2 * hidden, 0]
+    # part of the gradient pass (they are gone at the optimizer step): stage 0 runs every forward in its warm-up,
+    # so the gradients meet one micro-batch fewer: its layer's activations and its output
+    first = plan_stages(four, layout, fused)[0]
+    per_layer = layer_bytes(four, 1, 1, 8, 2, eager=False, fused_norms=True) * 16
+    assert (first.in_flight, first.forwards, first.per_forward) == (4, 4, per_layer + hidden)
+    assert (
+        first.static == first.weights + first.masters + first.moments + first.reference + first.communication
+    )
+    acts = 4 * per_layer + 768 * 16
+    assert first.activations == acts
+    assert first.passes == max(acts + 5 * hidden, acts + 5 * hidden - per_layer - hidden + first.gradients)
+    assert first.peak == first.static + max(first.passes, first.gradients + first.step_copies)
+
+
+def test_held_hidden_replays_the_schedules() -> None:
+    """1F1B: stage s of p holds min(p - s, m) forwards' outputs (none on the last) and inputs (none on the first),
+    and one received gradient (none on the last). Interleaved, 2 stages x 2 chunks over 4 micro-batches, inputs
+    kept: stage 1 at its third backward holds forwards of chunk 0 x 3 (an output each; chunk 1's output is the
+    loss), the next forward's input received before that backward, and chunk 0's gradient: 5; stage 0 at its
+    second, 5 forwards' outputs, the next input (chunk 1) and a gradient: 7."""
+    from coati_kto.parallel.stages import held_hidden
+
+    assert [held_hidden(s, 4, 8) for s in range(4)] == [5, 4, 3, 0]
+    assert [held_hidden(s, 4, 8, input_kept=False) for s in range(4)] == [5, 7, 5, 1]
+    assert [held_hidden(s, 4, 2, input_kept=False) for s in range(4)] == [3, 5, 5, 1]  # 2 in flight at most
+    assert [held_hidden(s, 2, 4, "interleaved", 2) for s in range(2)] == [7, 5]
 
 
 def _llama_8b() -> ModelShape:
@@ -224,16 +276,17 @@ def test_the_report_names_the_peak_stage_and_its_p2p_buffers(three_layers: Model
     )
     lines = breakdown_lines(plan, work, three_layers)
     assert lines[-2] == "  communication     0.00 MiB  none: one data-parallel rank"
-    assert (
-        lines[-1]
-        == "  p2p               0.00 MiB  a send and a receive buffer of [2, 8, 64] hidden states, bf16"
+    assert lines[-1] == (
+        "  p2p               0.00 MiB  1 x [2, 8, 64] hidden states, bf16 (in-flight outputs and inputs, a received "
+        "gradient)"
     )
 
 
 def test_plan_of_a_pipelined_config(tiny_model_dir: Path, tmp_path: Path, capsys) -> None:
     """The tiny Llama (2 layers, untied) at pp 2 x dp 2, ZeRO 1 (pp's default), 2 micro-batches: stage 1 holds
     1 layer (40,960 + 128), the final norm (64) and the head (32,768): 73,920 parameters; bf16 weights 147,840 B
-    = 0.14 MiB, masters and moments 12 x 36,960 B = 0.42 MiB; p2p 2 x [4, 64, 64] x 2 B = 0.06 MiB."""
+    = 0.14 MiB, masters and moments 12 x 36,960 B = 0.42 MiB; p2p none: the received input is what its first layer's
+    fused norm keeps (model.fused_norms, on by default), and the last stage sends nothing."""
     from coati_kto.cli import main
 
     config = tmp_path / "cfg.yaml"
@@ -247,9 +300,9 @@ def test_plan_of_a_pipelined_config(tiny_model_dir: Path, tmp_path: Path, capsys
     )
     assert lines[3] == "  weights           0.14 MiB  bf16, 73,920 parameters per tensor-parallel rank"
     assert lines[5] == "  optimizer         0.42 MiB  fp32 masters + fp32 moments, / 2 ranks"
-    assert (
-        lines[11]
-        == "  p2p               0.06 MiB  a send and a receive buffer of [4, 64, 64] hidden states, bf16"
+    assert lines[11] == (
+        "  p2p               0.00 MiB  0 x [4, 64, 64] hidden states, bf16 (in-flight outputs and inputs, a received "
+        "gradient)"
     )
     assert lines[12].startswith("  peak  ") and lines[13].startswith("layouts that fit on 4 x 80 GiB")
     piped = [line for line in lines[14:] if " x pp " in line]
@@ -267,7 +320,7 @@ def test_the_search_offers_the_pipeline_sizes_config_load_admits() -> None:
     llama = REPO / "benchmarks" / "model_shapes" / "llama-3.1-8b"
     config = load_config(base, [f"model.path={llama}"])
     shape = model_shape(str(llama))
-    fits = layouts_that_fit(config, shape, Workload.from_config(config, "llama"), 16, 8, 80)
+    fits = layouts_that_fit(config, shape, Workload.from_config(config), 16, 8, 80)
     assert {f.layout.pp for f in fits} == {1, 2, 4}
     assert _pipeline_admitted(config)
     assert _pipeline_admitted(load_config(base, [f"model.path={llama}", "model.lora={rank: 16}"]))
@@ -277,7 +330,7 @@ def test_the_search_offers_the_pipeline_sizes_config_load_admits() -> None:
     qwen = REPO / "benchmarks" / "model_shapes" / "qwen2.5-32b"
     config = load_config(base, [f"model.path={qwen}"])
     shape = model_shape(str(qwen))
-    work = Workload.from_config(config, shape.model_type)
+    work = Workload.from_config(config)
     fits = layouts_that_fit(config, shape, work, 16, 8, 80)
     assert fits and all(f.layout.pp > 1 for f in fits)
     assert fits == layouts_that_fit(config, shape, work, 16, 8, 80, unproven_pp=True)[: len(fits)]
