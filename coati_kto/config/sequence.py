@@ -1,10 +1,15 @@
 """Where sequence parallelism (``plugin.sp_size``, ``plugin.sp_mode``) is refused at config load: what it is not
 proven on, one line each, before any process starts (docs/sequence_parallelism.md says why for each).
 
-Proven (tests/distributed/test_sequence_parallel.py, _train.py, _layouts_4.py): all_to_all under
-hybrid_parallel at tp_size 1 and 2, ZeRO 0 and 2, fp32 and bf16, padding-free rows, sdpa or eager attention, activation checkpointing, the online and the
-cached reference, LoRA (tp_size 1, as ColossalAI allows it), resume on the same and another sp size, the classes
-of ``coati_kto.families.shardformer.SEQUENCE_PARALLEL_FAMILIES`` at their proven sp sizes.
+Proven, and admitted: all_to_all under hybrid_parallel on padding-free rows, sdpa or eager attention, at tp_size 1
+- in fp32 with ZeRO 0 (tests/distributed/test_sequence_parallel_train.py: sp 2 = sp 1 through the recipe), with
+  activation checkpointing, the online or the cached reference, LoRA, resume on the same and another sp size;
+- in bf16 with ZeRO 2 (test_sequence_parallel_layouts_4.py: sp 2 x dp 2 against tp 1 x dp 4), without LoRA;
+and tp 2 x sp 2 in bf16 with ZeRO 2 for Llama only (the same file; ``families.splits.TENSOR_SEQUENCE_PARALLEL``).
+The recipe ran on Llama at sp 2; the model side of each class of ``families.shardformer.SEQUENCE_PARALLEL_FAMILIES``
+is proven at its sp sizes (test_sequence_parallel.py: Llama at sp 2 and 4, the others at sp 2), which is what
+differs between them. Everything else is refused: fp16, bf16 at ZeRO 0 or 1, cpu_offload, tensor parallelism in
+fp32 or at another tp x sp or family, LoRA in bf16 with ZeRO 2.
 """
 
 from __future__ import annotations
@@ -47,13 +52,44 @@ def sequence_plugin_problems(name: str, tp_size: int, sp_size: int, sp_mode: str
     return out
 
 
-def sequence_problems(config: Any) -> list[str]:
-    """Problems of a ``Config`` (duck-typed: the schema imports this module) with ``plugin.sp_size`` > 1, beyond
-    the plugin section's own: what all_to_all is not proven with, and the model's heads it cannot split."""
-    plugin = config.plugin
-    if plugin.sp_size == 1 or plugin.name != "hybrid_parallel":
+# The (plugin.precision, plugin.zero_stage) pairs the whole recipe ran at under sequence parallelism (module docstring).
+PROVEN_PRECISIONS = (("fp32", 0), ("bf16", 2))
+
+
+def sequence_layout_problems(
+    precision: str, zero_stage: int, tp_size: int, sp_size: int, cpu_offload: bool, lora: bool
+) -> list[str]:
+    """What all_to_all (hybrid_parallel, ``sp_size`` > 1) is not proven with among a layout's own settings: the
+    precision and ZeRO stage, offload, tensor parallelism and LoRA (``coati-kto plan`` asks it per layout)."""
+    if sp_size == 1:
         return []
-    head = f"plugin.sp_size {plugin.sp_size} with"
+    head, pair, out = f"plugin.sp_size {sp_size} with", (precision, zero_stage), []
+    # fp32 with ZeRO is the plugin section's own line (hybrid_parallel's ZeRO needs bf16 or fp16).
+    if pair not in PROVEN_PRECISIONS and precision != "fp32":
+        fix = "fp32 and plugin.zero_stage=0" if lora else "bf16 and plugin.zero_stage=2"
+        out.append(
+            f"{head} plugin.precision {precision} and plugin.zero_stage {zero_stage} is not proven (sequence "
+            f"parallelism is proven in bf16 with ZeRO 2 and in fp32 with ZeRO 0): set plugin.precision={fix}"
+        )
+    if cpu_offload:
+        out.append(f"{head} plugin.cpu_offload is not proven: set plugin.cpu_offload=false")
+    if lora and pair == ("bf16", 2):
+        out.append(
+            f"{head} model.lora is proven in fp32 with ZeRO 0 only: set plugin.precision=fp32 and "
+            "plugin.zero_stage=0, or plugin.sp_size=1"
+        )
+    if tp_size > 1 and pair == ("fp32", 0):  # LoRA above tp_size 1 is the lora section's line
+        out.append(
+            f"plugin.tp_size {tp_size} x plugin.sp_size {sp_size} is proven in bf16 with ZeRO 2 only: set "
+            "plugin.precision=bf16 and plugin.zero_stage=2, or plugin.tp_size=1"
+        )
+    return out
+
+
+def sequence_run_problems(config: Any, sp_size: int) -> list[str]:
+    """What all_to_all at ``sp_size`` is not proven with in a ``Config``'s other sections, whatever its layout:
+    the rows, the attention kernel, and the features refused under sp (``coati-kto plan`` asks it at sp 2)."""
+    head = f"plugin.sp_size {sp_size} with"
     out = []
     if not config.data.padding_free:
         out.append(
@@ -73,7 +109,26 @@ def sequence_problems(config: Any) -> list[str]:
         "model.compile": config.model.compile is not False,
         "train.fused_optimizer": config.train.fused_optimizer,
     }
-    out += [f"{head} {what} is not supported: set plugin.sp_size=1" for what, on in unproven.items() if on]
+    return out + [
+        f"{head} {what} is not supported: set plugin.sp_size=1" for what, on in unproven.items() if on
+    ]
+
+
+def sequence_problems(config: Any) -> list[str]:
+    """Problems of a ``Config`` (duck-typed: the schema imports this module) with ``plugin.sp_size`` > 1, beyond
+    the plugin section's own: what all_to_all is not proven with, and the model's class and heads."""
+    plugin = config.plugin
+    if plugin.sp_size == 1 or plugin.name != "hybrid_parallel":
+        return []
+    out = sequence_run_problems(config, plugin.sp_size)
+    out += sequence_layout_problems(
+        plugin.precision,
+        plugin.zero_stage,
+        plugin.tp_size,
+        plugin.sp_size,
+        plugin.cpu_offload,
+        config.model.lora is not None,
+    )
     for key in ("model.path", "model.reference_path"):
         if path := getattr(config.model, key.split(".")[1]):
             try:

@@ -105,12 +105,31 @@ def _config_json(model_dir: str) -> dict[str, Any] | None:
     return raw
 
 
+def cached_config_json(model_dir: str) -> dict[str, Any] | None:
+    """``model_dir``'s config.json (:func:`_config_json`), or for a Hub id the copy in the hub cache (no download);
+    None where neither holds one. Read where a check would otherwise wait for the loaded model."""
+    raw = _config_json(model_dir)
+    if raw is not None or Path(model_dir).expanduser().exists():
+        return raw
+    from huggingface_hub import try_to_load_from_cache
+
+    try:
+        cached = try_to_load_from_cache(model_dir, "config.json")
+    except ValueError:  # not a Hub id's shape (a local path that is not there yet): nothing to read
+        return None
+    return _config_json(str(Path(cached).parent)) if isinstance(cached, str) else None
+
+
 def model_class_name(model_dir: str) -> str | None:
     """The full class name AutoModelForCausalLM builds for ``model_dir``, from its config.json alone.
 
     None when it cannot be known without loading (a hub id, or remote code): the plugin then checks at build.
     """
-    raw = _config_json(model_dir)
+    return class_name_of(_config_json(model_dir))
+
+
+def class_name_of(raw: dict[str, Any] | None) -> str | None:
+    """:func:`model_class_name` of config.json ``raw`` (None: no config.json, or remote code)."""
     if raw is None:
         return None
     architectures, model_type = raw.get("architectures") or [], raw.get("model_type")

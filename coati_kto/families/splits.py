@@ -9,7 +9,13 @@ from __future__ import annotations
 from typing import Any
 
 from coati_kto.errors import ConfigError
-from coati_kto.families import _config_json, encoder_refusal, model_class_name
+from coati_kto.families import (
+    _config_json,
+    cached_config_json,
+    class_name_of,
+    encoder_refusal,
+    model_class_name,
+)
 from coati_kto.families.shardformer import (
     pipeline_parallel_refusal,
     sequence_parallel_refusal,
@@ -110,23 +116,56 @@ def uneven_heads(raw: dict[str, Any], ways: int) -> str | None:
     return " and ".join(f"{k} {v}" for k, v in counts.items() if v % ways or k in SPLIT_HEADS[:2])
 
 
+# (tp_size, sp_size) above tp_size 1 at which each class is proven under sequence parallelism: Llama at tp 2 x sp 2
+# (tests/distributed/test_sequence_parallel_layouts_4.py, bf16 ZeRO-2 against tp 1 x dp 4). The other families'
+# tensor-parallel policies and tp 2 x sp 4 never ran under the attention wrapper.
+TENSOR_SEQUENCE_PARALLEL: dict[str, tuple[tuple[int, int], ...]] = {"LlamaForCausalLM": ((2, 2),)}
+
+
+def tensor_sequence_refusal(architecture: str, tp_size: int, sp_size: int) -> str | None:
+    """Why ``architecture`` cannot run at ``tp_size`` x ``sp_size`` (one line), or None: every admitted class at
+    tp_size 1, :data:`TENSOR_SEQUENCE_PARALLEL` above it."""
+    if tp_size <= 1 or sp_size <= 1 or (tp_size, sp_size) in TENSOR_SEQUENCE_PARALLEL.get(architecture, ()):
+        return None
+    admitted = ", ".join(
+        f"{name} ({', '.join(f'tp_size {t} x sp_size {s}' for t, s in sizes)})"
+        for name, sizes in TENSOR_SEQUENCE_PARALLEL.items()
+    )
+    return (
+        f"{architecture} is not proven at plugin.tp_size {tp_size} x plugin.sp_size {sp_size} (tensor with "
+        f"sequence parallelism: {admitted}): set plugin.tp_size=1"
+    )
+
+
 def check_sequence_parallel_family(model_dir: str, key: str, tp_size: int, sp_size: int) -> None:
     """ConfigError (one line) when the model at ``model_dir`` cannot run at ``sp_size`` all_to_all ranks: its class
-    unproven there (``shardformer.SEQUENCE_PARALLEL_FAMILIES``), or head counts tp_size x sp_size does not
-    divide (each sp rank takes 1/sp of a tensor-parallel rank's query and key-value heads). From config.json
-    alone; a class it cannot tell (hub id) is checked when the plugin is built."""
-    name = model_class_name(model_dir)
+    unproven there (``shardformer.SEQUENCE_PARALLEL_FAMILIES``, :data:`TENSOR_SEQUENCE_PARALLEL` above tp_size 1),
+    or head counts tp_size x sp_size does not divide (each sp rank takes 1/sp of a tensor-parallel rank's query
+    and key-value heads). From config.json, a Hub id's from the hub cache; one not cached is checked when the
+    model is loaded (its class, and its heads before any forward)."""
+    raw = cached_config_json(model_dir)
+    name = class_name_of(raw)
     if name is None:
         return
-    why = sequence_parallel_refusal(name.rsplit(".", 1)[-1], sp_size)
-    named = uneven_heads(_config_json(model_dir) or {}, tp_size * sp_size)
-    if why is None and named is not None:
-        why = (
-            f"plugin.tp_size {tp_size} x plugin.sp_size {sp_size} must divide {named} (all_to_all gives each "
-            "rank whole heads)"
-        )
-    if why is not None:
+    architecture = name.rsplit(".", 1)[-1]
+    why = sequence_parallel_refusal(architecture, sp_size) or tensor_sequence_refusal(
+        architecture, tp_size, sp_size
+    )
+    if (why := why or sequence_heads_refusal(raw, tp_size, sp_size)) is not None:
         raise ConfigError(f"{key} {model_dir}: {why}")
+
+
+def sequence_heads_refusal(raw: dict[str, Any], tp_size: int, sp_size: int) -> str | None:
+    """Why all_to_all over ``sp_size`` ranks cannot split the heads of config.json ``raw`` (a loaded model's
+    ``config.to_dict()`` alike) at ``tp_size``, or None: config load's line, and the backend's for a Hub id
+    config load could not read."""
+    named = uneven_heads(raw, tp_size * sp_size)
+    if named is None:
+        return None
+    return (
+        f"plugin.tp_size {tp_size} x plugin.sp_size {sp_size} must divide {named} (all_to_all gives each rank "
+        "whole heads)"
+    )
 
 
 def distribute_layers(layers: int, stages: int, chunks: int = 1) -> list[int]:
@@ -180,7 +219,6 @@ def refuse_unadmitted(
             f"{prefix}{why} (tensor parallelism: {supported_summary()}); plugin.tp_size 1 runs every family "
             "without a tensor-parallel policy"
         )
-    if (
-        why := sequence_parallel_refusal(name, sp_size) or pipeline_parallel_refusal(name, pp_size)
-    ) is not None:
+    why = sequence_parallel_refusal(name, sp_size) or tensor_sequence_refusal(name, tp_size, sp_size)
+    if (why := why or pipeline_parallel_refusal(name, pp_size)) is not None:
         raise ConfigError(f"{prefix}{why}")

@@ -2,7 +2,10 @@
 
 Candidates keep the configured plugin and precision and vary what that plugin can vary: the tensor-parallel
 size (hybrid_parallel: a divisor of the GPUs per node that splits the heads whole), the sequence-parallel size
-(where the schema has ``plugin.sp_size`` and the rows are padding-free), the ZeRO stage (1 or 2 under
+(``sp_axis``: the caller's answer for the config's other sections, such as padding-free rows; each layout only
+where config load would take it, asked of ``coati_kto.config.sequence``: hybrid_parallel, the proven precision
+and ZeRO pairs, no offload, LoRA in fp32 only, tensor parallelism in bf16 ZeRO 2 only; the family's sizes:
+``admits``), the ZeRO stage (1 or 2 under
 ``plugin.cpu_offload``: offload is ZeRO's), and the micro-batch
 (from 2, the least that holds both labels, up to :data:`MAX_MICRO_BATCH`). Where the config may split the layers
 (``pp_axis``: hybrid_parallel and nothing config load refuses with pp, such as LoRA) also the pipeline-parallel
@@ -26,6 +29,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from coati_kto.config.sequence import sequence_layout_problems, sequence_plugin_problems
 from coati_kto.parallel.activations import Workload
 from coati_kto.parallel.memory_plan import GIB, Layout, MemoryPlan, plan_memory
 from coati_kto.parallel.model_shape import ModelShape
@@ -102,7 +106,7 @@ def candidates(
     pipelined = pp_axis and base.plugin == "hybrid_parallel"
     out = []
     for tp in [t for t in tps if gpus % t == 0]:
-        sps = [s for s in _divisors(gpus // tp) if (shape.heads // tp) % s == 0] if sp_axis else [1]
+        sps = [s for s in _divisors(gpus // tp) if _splits_heads(shape, tp * s)] if sp_axis else [1]
         pps = [p for p in _divisors(gpus // tp) if p * base.chunks <= shape.layers] if pipelined else [1]
         pps = [p for p in pps if p == 1 or admits_pp is None or admits_pp(p)]
         axes = [(s, 1) for s in sps] + [(1, p) for p in pps if p > 1]
@@ -111,6 +115,8 @@ def candidates(
             for stage in [s for s in stages if pp == 1 or s <= 1]:  # ZeRO 2 refused with pp
                 one_rank = base.plugin == "hybrid_parallel" and dp * sp == 1 and not base.cpu_offload
                 running = 0 if one_rank else stage
+                if sp > 1 and _sequence_refused(base, tp, sp, running, lora):
+                    continue
                 style, chunks = (base.pp_style, base.chunks) if pp > 1 else ("1f1b", 1)
                 layout = Layout(
                     base.plugin, base.precision, running, tp, dp, sp, base.cpu_offload, pp, style, chunks
@@ -118,6 +124,20 @@ def candidates(
                 if layout not in out and gpus % (tp * sp * pp) == 0:
                     out.append(layout)
     return out
+
+
+def _splits_heads(shape: ModelShape, ways: int) -> bool:
+    """Whether ``ways`` ranks (tp x sp) each hold whole query and key-value heads."""
+    return shape.heads % ways == 0 and shape.kv_heads % ways == 0
+
+
+def _sequence_refused(base: Layout, tp: int, sp: int, stage: int, lora: bool) -> bool:
+    """Whether config load refuses ``base``'s plugin at ``tp`` x ``sp`` and ZeRO ``stage`` (``lora``: adapters):
+    its plugin section's sequence-parallel lines and the layout's own, asked, not restated."""
+    return bool(
+        sequence_plugin_problems(base.plugin, tp, sp, None)
+        or sequence_layout_problems(base.precision, stage, tp, sp, base.cpu_offload, lora)
+    )
 
 
 def fitting_layouts(

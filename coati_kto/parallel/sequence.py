@@ -1,5 +1,6 @@
-"""Sequence parallelism, all_to_all (Ulysses) style: the building blocks, not yet wired into a run (issue 47,
-docs/sequence_parallelism_plan.md §2a and §2c).
+"""Sequence parallelism, all_to_all (Ulysses) style: the collectives and the attention wrapper every run at
+``plugin.sp_size`` > 1 runs on (the hybrid-parallel backend installs the wrapper and sets its group; the passes sum
+the log-probs with :func:`sp_sum`). docs/sequence_parallelism.md; the plan: docs/sequence_parallelism_plan.md §2a, §2c.
 
 Each rank of a sequence-parallel (sp) group holds a contiguous slice of every row: columns
 ``[rank * L / sp, (rank + 1) * L / sp)``. The layers before and after attention act per token, so they run on the

@@ -183,12 +183,26 @@ def layouts_that_fit(
     first (``coati_kto.parallel.layout_search``); ``unproven_pp``: every pipeline size, also those the model's
     family is not proven at yet (what proving them would buy)."""
     base = configured_layout(config.plugin, world)
-    sp_axis = "sp_size" in PluginSection.model_fields and config.data.padding_free
+    sp_axis = _sequence_admitted(config)
     admits = _admitted(config.model.path)
     admits_pp = None if unproven_pp else _admitted_pp(config.model.path, base.chunks)
     budget = usable_bytes(gib)
     pp_axis = _pipeline_admitted(config)
     return fitting_layouts(shape, base, work, world, per_node, budget, sp_axis, admits, pp_axis, admits_pp)
+
+
+def _sequence_admitted(config: Config) -> bool:
+    """Whether config load takes this config with sequence parallelism, but for the layout (the search asks
+    ``sequence_layout_problems`` per layout): the rows, the attention kernel and the features refused under sp.
+    ``auto`` attention resolved here at sp 1 (flex on a GPU) becomes sdpa under sp, so it is asked as sdpa."""
+    if "sp_size" not in PluginSection.model_fields:
+        return False
+    from coati_kto.config.sequence import sequence_run_problems
+
+    if config.attention_note() is not None:  # written as auto (coati_kto.config.attention.flex_refusal)
+        model = config.model.model_copy(update={"attn_implementation": "sdpa"})
+        config = config.model_copy(update={"model": model})
+    return not sequence_run_problems(config, 2)
 
 
 def _pipeline_admitted(config: Config) -> bool:

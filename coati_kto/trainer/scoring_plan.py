@@ -114,7 +114,14 @@ class ScoringRules:
         sp_size: int = 1,
     ) -> ScoringRules:
         """The rules of a KTOTrainer's passes (``options``: its KTOOptions; ``forward_collectives``: the backend's
-        forward holds collectives, torch DDP)."""
+        forward holds collectives, torch DDP). ValueError (one line) for ``apply_loss_mask`` False under sequence
+        parallelism: its passes run on the sliced padding-free rows, which score completion tokens only."""
+        if sp_size > 1 and not apply_loss_mask:
+            raise ValueError(
+                f"apply_loss_mask=False with sp_size {sp_size}: sequence-parallel passes run on the sliced "
+                "padding-free rows, which score the completion tokens only (sp_size 1 would score every token): "
+                "set apply_loss_mask=True, or sp_size 1"
+            )
         needs_kl = options.needs_kl
         whole = sp_size == 1  # every sequence-parallel pass runs on the sliced rows
         packs = needs_kl and options.pack_policy and apply_loss_mask and can_pack(policy) and whole

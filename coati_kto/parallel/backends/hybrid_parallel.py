@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from coati_kto.errors import ConfigError
 from coati_kto.families.policies import corrected_policy
-from coati_kto.families.splits import refuse_unadmitted
+from coati_kto.families.splits import refuse_unadmitted, sequence_heads_refusal
 from coati_kto.parallel.backends.base import ParallelBackend
 from coati_kto.parallel.sequence import SEQUENCE_GROUP, install_attention
 from coati_kto.parallel.upstream.cpu import cuda_available, plugin_overrides
@@ -127,7 +128,7 @@ class HybridParallelBackend(ParallelBackend):
         refuse_unadmitted(
             model_class, self.plan.tp_size, "model.path: ", self.plan.sp_size, self.plan.pp_size
         )
-        self._sequence_attention(policy)
+        self._sequence_attention(policy, "model.path")
         booster.plugin.custom_policy = corrected_policy(model_class, self.plan.tp_size)
 
     def ddp_settings(self, plugin: Any) -> dict[str, Any]:
@@ -143,7 +144,7 @@ class HybridParallelBackend(ParallelBackend):
         refuse_unadmitted(
             reference_class, self.plan.tp_size, "model.reference_path: ", self.plan.sp_size, self.plan.pp_size
         )
-        self._sequence_attention(model)
+        self._sequence_attention(model, "model.reference_path")
         return HybridParallelModule(
             model,
             precision=plugin.precision,
@@ -156,8 +157,15 @@ class HybridParallelBackend(ParallelBackend):
             custom_policy=corrected_policy(reference_class, self.plan.tp_size),
         )
 
-    def _sequence_attention(self, model: nn.Module) -> None:
+    def _sequence_attention(self, model: nn.Module, key: str) -> None:
         """Under sequence parallelism: ``model``'s attention (the bare transformers model's, under a LoRA PeftModel
-        too) wrapped by ``coati_kto.parallel.sequence.install_attention``."""
-        if self.plan.sp_size > 1:
-            install_attention(model.get_base_model() if hasattr(model, "get_base_model") else model)
+        too) wrapped by ``coati_kto.parallel.sequence.install_attention``. Heads tp x sp cannot split are refused
+        first, in config load's line: config load reads a Hub id's config.json only from the hub cache, and the
+        first forward would raise on every rank."""
+        if self.plan.sp_size == 1:
+            return
+        bare = model.get_base_model() if hasattr(model, "get_base_model") else model
+        why = sequence_heads_refusal(bare.config.to_dict(), self.plan.tp_size, self.plan.sp_size)
+        if why is not None:
+            raise ConfigError(f"{key} {bare.config.name_or_path or type(bare).__name__}: {why}")
+        install_attention(bare)

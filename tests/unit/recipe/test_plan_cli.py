@@ -164,13 +164,13 @@ def test_the_configured_layout_shards_zero_over_data_and_sequence_ranks(config: 
     assert configured_layout(sp, 2).describe() == "hybrid_parallel bf16, tp 1 x sp 2 x dp 1, ZeRO-2"
     tp = load_config(config, ["plugin.tp_size=2"]).plugin
     assert configured_layout(tp, 2).describe() == "hybrid_parallel bf16, tp 2 x dp 1, ZeRO-0"
-    # the layouts listed are the ones config load admits: Llama's proven sp sizes 2 and 4, not 8 (32 heads), and its
-    # proven tp size 2, not 8
+    # the layouts listed are the ones config load admits: Llama's proven sp sizes 2 and 4, not 8 (32 heads), its
+    # proven tp size 2, not 8, and tp 2 x sp 2, not tp 2 x sp 4 (8 key-value heads would split, but it never ran)
     from coati_kto.recipe.plan import _admitted
 
     admits = _admitted(str(REPO / "benchmarks" / "model_shapes" / "llama-3.1-8b"))
-    sizes = [(1, 2), (1, 4), (1, 8), (2, 4), (8, 1)]
-    assert [admits(tp, sp) for tp, sp in sizes] == [True, True, False, True, False]
+    sizes = [(1, 2), (1, 4), (1, 8), (2, 2), (2, 4), (8, 1)]
+    assert [admits(tp, sp) for tp, sp in sizes] == [True, True, False, True, False, False]
 
 
 def test_a_config_json_without_a_shape_field_is_refused_naming_it(
@@ -241,3 +241,30 @@ def test_a_tensor_parallel_size_across_nodes_is_a_note(config: Path, capsys) -> 
     assert all(" tp 1 " in line for line in lines if line.startswith("  hybrid_parallel"))
     assert main(["plan", str(config), "plugin.tp_size=2", "--gpus", "2", "--nodes", "1"]) == 0
     assert not [line for line in capsys.readouterr().out.splitlines() if line.startswith("note:")]
+
+
+def test_the_layouts_offer_sp_only_where_config_load_admits_it(config: Path, capsys) -> None:
+    """low_level_zero (and ddp) have no sequence-parallel group and bf16 runs sp at ZeRO 2 only: the plan listed
+    sp 2 and 4 for a low_level_zero config, and hybrid bf16 sp layouts at ZeRO 0 and 1, which config load refuses."""
+    padded = ["data.padding_free=true", "model.attn_implementation=sdpa"]
+    assert main(["plan", str(config), *padded, "plugin.name=low_level_zero", "--gpus", "4"]) == 0
+    listed = capsys.readouterr().out.split("layouts that fit")[1].splitlines()[1:]
+    assert listed and not [line for line in listed if " x sp " in line], listed
+    assert main(["plan", str(config), *padded, "--gpus", "4"]) == 0
+    listed = capsys.readouterr().out.split("layouts that fit")[1].splitlines()[1:]
+    with_sp = [line.split("micro-batch")[0].strip() for line in listed if " x sp " in line]
+    assert sorted(with_sp) == [
+        "hybrid_parallel bf16, tp 1 x sp 2 x dp 2, ZeRO-2",
+        "hybrid_parallel bf16, tp 1 x sp 4 x dp 1, ZeRO-2",
+        "hybrid_parallel bf16, tp 2 x sp 2 x dp 1, ZeRO-2",
+    ], listed
+
+
+def test_no_sp_layout_is_offered_with_a_feature_sp_refuses(config: Path, capsys) -> None:
+    """The plan offered sp layouts whenever rows were padding-free, also with model.compile or
+    train.fused_optimizer, which config load refuses under sp."""
+    padded = ["data.padding_free=true", "model.attn_implementation=sdpa"]
+    for feature in ("model.compile=true", "train.fused_optimizer=true"):
+        assert main(["plan", str(config), *padded, feature, "--gpus", "4"]) == 0
+        listed = capsys.readouterr().out.split("layouts that fit")[1].splitlines()[1:]
+        assert listed and not [line for line in listed if " x sp " in line], (feature, listed)

@@ -208,3 +208,17 @@ def test_a_lora_runs_reference_is_its_policy_with_adapters_off() -> None:
     rules = _rules(policy, AdapterFreeReference(policy))
     assert rules.reference_model == "adapters_off" and rules.continues
     assert rules.plan(BATCHES["short"](), True, True).reference_model == "adapters_off"
+
+
+def test_no_loss_mask_under_sequence_parallelism_is_refused() -> None:
+    """Without the loss mask sp 1 scores every token (padded passes) while an sp pass always runs on the sliced
+    padding-free rows, which score completions only: a silent difference, refused in one line."""
+    llama = random_causal_lm(LlamaForCausalLM, LlamaConfig, attn_implementation="sdpa")
+    with pytest.raises(ValueError) as err:
+        ScoringRules.for_trainer(KTOOptions(), llama, None, False, 1, False, 2)
+    assert str(err.value) == (
+        "apply_loss_mask=False with sp_size 2: sequence-parallel passes run on the sliced padding-free rows, which "
+        "score the completion tokens only (sp_size 1 would score every token): set apply_loss_mask=True, or "
+        "sp_size 1"
+    )
+    assert ScoringRules.for_trainer(KTOOptions(), llama, None, False, 1, True, 2).padding_free
