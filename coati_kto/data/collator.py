@@ -158,7 +158,13 @@ class KTOCollator:
         if any(per_row):
             images = [open_image(image) for row in per_row for image in row]
             outputs = self.image_processor(images=images, return_tensors="pt")
-            each = iter(image_token_counts(outputs, self.image_processor, self.image_seq_length))
+            found = image_token_counts(outputs, self.image_processor, self.image_seq_length)
+            if len(found) != len(images):  # Gemma 3's pan-and-scan crops: the ids hold one run per image
+                raise ValueError(
+                    f"the image processor gave {len(found)} images for the batch's {len(images)}: image records "
+                    "take one per image (set do_pan_and_scan to false in the image processor's config)"
+                )
+            each = iter(found)
             counts = [[next(each) for _ in row] for row in per_row]
         views = {}
         for name, view in (("example", example), ("kl", kl)):

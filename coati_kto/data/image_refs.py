@@ -79,10 +79,15 @@ def _reference(ref: Any, source: str, where: str, base: Path | None) -> bytes:
         raise RecordError(
             source, where, f"{show_value(ref)} is not a usable path ({err.strerror or err})", "bad_image"
         ) from None
+    shown = str(path) if len(str(path)) <= 200 else f"{str(path)[:197]}..."
     if not found:
-        shown = str(path) if len(str(path)) <= 200 else f"{str(path)[:197]}..."
         raise RecordError(source, where, f"no such image file: {shown}", "missing_image")
-    return path.read_bytes()
+    try:
+        return path.read_bytes()
+    except OSError as err:  # no read permission, an I/O error, a file gone since is_file: this record only
+        raise RecordError(
+            source, where, f"cannot read image file {shown} ({err.strerror or err})", "unreadable_image"
+        ) from None
 
 
 def check_decodes(image: bytes, source: str, where: str) -> None:

@@ -1,9 +1,9 @@
 """What prepare adds for image records (issue 49): the processor, its fingerprint, the image-cut rule, the summary.
 
 Image records are read only where :class:`~coati_kto.data.settings.PrepareSettings` ``images`` is set (``coati-kto
-prepare``) and ``model.path`` is a vision-language model (:func:`coati_kto.families.vision_language`). Elsewhere
-(a text-only model, or ``train`` until the passes take images) they stay refused in one line by
-:mod:`coati_kto.data.formats`.
+prepare``, ``inspect`` and ``train`` set it) and ``model.path`` is a vision-language model
+(:func:`coati_kto.families.vision_language`). Elsewhere (a text-only model, or a caller that leaves ``images``
+unset) they stay refused in one line by :mod:`coati_kto.data.formats`.
 
 The prepared rows of an image split hold, besides the text columns, ``images`` (the bytes of the row's prompt's
 images, in order: the KL row uses the same prompt, so the same images) and ``image_tokens`` (the image soft
@@ -21,7 +21,7 @@ from coati_kto.config.hub import is_hub_dataset
 from coati_kto.data.files import load_records
 from coati_kto.data.image_refs import digest
 from coati_kto.data.images import soft_token_id
-from coati_kto.data.processors import load_processor_for_images
+from coati_kto.data.processors import load_processor_for_images, pan_and_scan
 from coati_kto.data.tables import progress_bars
 from coati_kto.errors import ConfigError
 
@@ -78,7 +78,8 @@ def load_processor(settings: PrepareSettings) -> Any | None:
 
 def model_processor(model: ModelSection) -> Any:
     """``model.path``'s processor (it must take images; Gemma 4's and Qwen 3.5's without their video processor,
-    :mod:`coati_kto.data.processors`); ConfigError (one line) when it cannot be loaded."""
+    :mod:`coati_kto.data.processors`); ConfigError (one line) when it cannot be loaded or asks for Gemma 3's
+    pan-and-scan crops."""
     try:
         processor = load_processor_for_images(model.path, model.trust_remote_code)
     except (OSError, ValueError, ImportError) as err:
@@ -89,6 +90,11 @@ def model_processor(model: ModelSection) -> Any:
     if getattr(processor, "image_processor", None) is None:
         raise ConfigError(
             f"model.path {model.path}: its processor ({type(processor).__name__}) takes no images"
+        )
+    if pan_and_scan(processor):  # prepare expanded one run per image, the collator's crops added more pixels
+        raise ConfigError(
+            f"model.path {model.path}: its image processor's config sets do_pan_and_scan true: image records take "
+            "one image per image part, no pan-and-scan crops; set do_pan_and_scan to false"
         )
     return processor
 
@@ -132,7 +138,9 @@ def processor_hash(processor: Any) -> str:
 def images_fingerprint(settings: PrepareSettings, processor: Any, parts: dict[str, Any]) -> dict | None:
     """The fingerprint's ``images`` entry: the processor's hash and a digest of every record's images (an image
     file referenced by path is not one of the data files), or None when no record holds an image (the rows are
-    then the text ones). Reads the records; ``parts``: the fingerprint so far (the Hub commits it resolved)."""
+    then the text ones). Reads the records; ``parts``: the fingerprint so far (the Hub commits it resolved). A
+    record skipped (``data.on_bad_record: skip``: an image missing, unreadable or not decodable) adds nothing: fixed,
+    it adds its images, so the data is prepared again with it."""
     d = settings.data
     shas = {e[0]: e[1] for e in parts["train_files"] + parts["eval_files"] if is_hub_dataset(e[0])}
     h, found = hashlib.sha256(), 0

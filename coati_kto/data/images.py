@@ -58,7 +58,8 @@ class ImageExpander:
 
     def expand(self, prompt: str, completion: str, images: list[bytes], source: str) -> str | RecordError:
         """``prompt`` with its placeholders replaced by the images' token runs; a RecordError when the template
-        rendered another number of placeholders than the record has images, or one in the completion."""
+        rendered another number of placeholders than the record has images, or one in the completion, or when
+        the processor refuses the images (``bad_image``, its message)."""
         rendered = prompt.count(self.placeholder)
         if rendered != len(images) or self.placeholder in completion:
             where = (
@@ -84,9 +85,13 @@ class ImageExpander:
             )
         if not images:
             return prompt
-        out = self.processor(
-            text=[prompt], images=[open_image(b) for b in images], return_text_replacement_offsets=True
-        )
+        try:
+            out = self.processor(
+                text=[prompt], images=[open_image(b) for b in images], return_text_replacement_offsets=True
+            )
+        except (ValueError, TypeError, OSError) as err:  # e.g. Qwen's aspect ratio over 200: this record only
+            first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
+            return RecordError(source, "images", f"the processor refused the image(s): {first}", "bad_image")
         text = prompt
         for done in sorted(out["text_replacement_offsets"][0], key=lambda r: r["span"][0], reverse=True):
             start, end = done["span"]

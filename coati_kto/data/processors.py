@@ -47,3 +47,11 @@ def image_token_counts(outputs: Any, image_processor: Any, fixed: int | None) ->
     if fixed is None:
         raise ValueError("the image processor gives no token count per image and no image_seq_length is set")
     return [fixed] * len(outputs["pixel_values"])
+
+
+def pan_and_scan(processor: Any) -> bool:
+    """Whether ``processor`` asks for Gemma 3's pan-and-scan crops: its image processor's ``do_pan_and_scan``
+    (preprocessor_config.json; the collator calls the image processor alone) or the processor's own default (what
+    prepare's expansion passes). Image records take one tower input per image, so either is refused."""
+    own = getattr(processor, "images_kwargs", None) or {}
+    return bool(getattr(processor.image_processor, "do_pan_and_scan", None) or own.get("do_pan_and_scan"))

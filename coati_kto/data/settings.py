@@ -18,8 +18,7 @@ class PrepareSettings:
     ``data``: every ``data.*`` key. ``model``: the tokenizer to load, ``model.path``'s generation EOS ids (a chat
     completion ending with one gets no EOS) and the vocabulary and positions both checkpoints hold. ``seed``:
     ``train.seed``, which draws the eval split and the KL pairing. ``images``: image records are read where
-    ``model.path`` is a vision-language model (``coati-kto prepare``; training refuses them until its passes take
-    images: :mod:`coati_kto.data.image_store`).
+    ``model.path`` is a vision-language model (prepare, inspect and train: :mod:`coati_kto.data.image_store`).
     """
 
     data: DataSection

@@ -141,7 +141,7 @@ def write_lora(
     ) in folders:  # each reloads alone: a vision-language model's processor files beside the tokenizer's
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
-        copy_processor_files(Path(getattr(base.config, "_name_or_path", "") or "."), base.config, folder)
+        copy_processor_files(getattr(base.config, "_name_or_path", ""), base.config, folder)
 
 
 def _save_merged(peft: Any, out: Path) -> None:

@@ -29,7 +29,7 @@ def write_hf(module: Any, state: dict, tokenizer: Any, out: Path, fp32: bool) ->
         write_atomic(out / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
-    copy_processor_files(Path(getattr(module.config, "_name_or_path", "") or "."), module.config, out)
+    copy_processor_files(getattr(module.config, "_name_or_path", ""), module.config, out)
 
 
 def fp32_state(state: dict[str, torch.Tensor], masters: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

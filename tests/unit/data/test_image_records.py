@@ -151,6 +151,11 @@ def bad_cases(tmp_path: Path) -> list[tuple[dict, str, str]]:
             f"field 'images[0]': no such image file: {tmp_path / 'missing.png'}",
             "missing_image",
         ),
+        (  # a file the process cannot read (an I/O error here; EACCES for another user's): a traceback
+            record(["/proc/self/mem"]),
+            "field 'images[0]': cannot read image file /proc/self/mem (Input/output error)",
+            "unreadable_image",
+        ),
         (
             record(["truncated.png"]),
             f"field 'images[0]': not an image PIL can open ({len(good) // 2} bytes: image file is truncated)",
@@ -207,6 +212,7 @@ def test_bad_images_are_skipped_and_counted(tmp_path: Path) -> None:
     assert {r: reasons.count(r) for r in reasons} == {
         "image_count": 2,
         "missing_image": 1,
+        "unreadable_image": 1,
         "bad_image": 6,
         "image_in_completion": 1,
         "bad_content_part": 1,
