@@ -322,6 +322,10 @@ def trl_flags_line(argv: list[str]) -> str | None:
     # model.lora={...} replaces the whole mapping: it must come before the model.lora.rank=... it would drop
     overrides = sorted(dict.fromkeys(overrides), key=lambda o: not o.startswith("model.lora="))
     config = next((a for a in argv if a.endswith((".yaml", ".yml"))), "CONFIG.yaml")
+    # The user's own KEY=VALUE overrides stay in the command, after the translations (theirs win): a copied
+    # command that dropped them would train with other settings, unsaid.
+    values = {v for _, v in flags}
+    overrides += [a for a in argv if "=" in a and not a.startswith("-") and a not in values]
     tail = "none of them has an override here"
     if overrides:
         tail = f"as overrides after the config: coati-kto {command} {config} {' '.join(map(shlex.quote, overrides))}"

@@ -342,3 +342,15 @@ def test_hf_argparser_spellings_are_the_flag(
         assert (config.model.lora.rank, config.logging.tensorboard) == (32, False)
     else:
         assert config.model.gradient_checkpointing is False
+
+
+def test_the_users_own_overrides_stay_in_the_suggested_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`train cfg.yaml --beta 0.3 train.seed=3` suggested `coati-kto train cfg.yaml kto.beta=0.3`: copied, it
+    trained with another seed, unsaid. The user's overrides now follow the translated ones (theirs win)."""
+    path = write_config(tmp_path, MINIMAL)
+    line = _line(["train", str(path), "--beta", "0.3", "train.seed=3", "kto.beta=0.2"], capsys)
+    assert line.endswith(f"coati-kto train {path} kto.beta=0.3 train.seed=3 kto.beta=0.2{TAIL}")
+    config = _loaded(line, path)
+    assert (config.train.seed, config.kto.beta) == (3, 0.2)
