@@ -111,8 +111,10 @@ def clear_previous_run(out_dir: Path) -> None:
         for name in RUN_OUTPUTS:
             # A killed write's old or new copy of final/, an export's scratch data: the earlier run's too.
             for path in [out_dir / name, *own_names(out_dir, name)]:
-                if path.exists():
+                if path.is_dir():
                     shutil.rmtree(path)
+                elif path.exists():  # a file of ours (durable.write_file's scratch copy)
+                    path.unlink()
     wait_for_all("global rank 0 to delete the earlier run's outputs")
 
 
