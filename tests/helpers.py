@@ -188,3 +188,17 @@ def step_all(*optimizers: torch.optim.Optimizer) -> None:
 def weight_diffs(trained: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> dict[str, float]:
     """The largest absolute difference of each tensor ``trained`` shares with ``expected``, by name."""
     return {k: float((trained[k] - v).abs().max()) for k, v in expected.items() if k in trained}
+
+
+def hub_cache_config(root: Path, repo: str, raw: dict, monkeypatch: Any) -> None:
+    """``repo``'s config.json (``raw``) in a hub cache at ``root`` that huggingface_hub reads (its HF_HUB_CACHE
+    patched through ``monkeypatch``), as ``hf download repo config.json`` leaves it."""
+    from huggingface_hub import constants
+
+    folder = root / f"models--{repo.replace('/', '--')}"
+    snapshot = folder / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text(json.dumps(raw))
+    (folder / "refs").mkdir()
+    (folder / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(root))

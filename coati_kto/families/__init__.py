@@ -91,11 +91,22 @@ def plain_head(config: Any) -> bool:
 
 
 def _config_json(model_dir: str) -> dict[str, Any] | None:
-    """``model_dir``'s config.json as a dict, or None where it has none (a hub id). ConfigError (one line) when
-    it is not a JSON object: every config.json check reads it through here."""
+    """``model_dir``'s config.json as a dict, for a Hub id the copy in the hub cache (no download); None where
+    neither holds one (a Hub id not downloaded: the checks that read it then run when the model loads).
+    ConfigError (one line) when it is not a JSON object: every config.json check reads it through here."""
     config_file = Path(model_dir) / "config.json"
     if not config_file.is_file():
-        return None
+        if Path(model_dir).expanduser().exists():
+            return None
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            cached = try_to_load_from_cache(model_dir, "config.json")
+        except ValueError:  # not a Hub id's shape (a local path that is not there yet): nothing to read
+            return None
+        if not isinstance(cached, str):
+            return None
+        config_file = Path(cached)
     try:
         raw = json.loads(config_file.read_text())
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -105,25 +116,11 @@ def _config_json(model_dir: str) -> dict[str, Any] | None:
     return raw
 
 
-def cached_config_json(model_dir: str) -> dict[str, Any] | None:
-    """``model_dir``'s config.json (:func:`_config_json`), or for a Hub id the copy in the hub cache (no download);
-    None where neither holds one. Read where a check would otherwise wait for the loaded model."""
-    raw = _config_json(model_dir)
-    if raw is not None or Path(model_dir).expanduser().exists():
-        return raw
-    from huggingface_hub import try_to_load_from_cache
-
-    try:
-        cached = try_to_load_from_cache(model_dir, "config.json")
-    except ValueError:  # not a Hub id's shape (a local path that is not there yet): nothing to read
-        return None
-    return _config_json(str(Path(cached).parent)) if isinstance(cached, str) else None
-
-
 def model_class_name(model_dir: str) -> str | None:
     """The full class name AutoModelForCausalLM builds for ``model_dir``, from its config.json alone.
 
-    None when it cannot be known without loading (a hub id, or remote code): the plugin then checks at build.
+    None when it cannot be known without loading (a Hub id not in the hub cache, or remote code): the plugin then
+    checks at build.
     """
     return class_name_of(_config_json(model_dir))
 

@@ -11,7 +11,6 @@ from typing import Any
 from coati_kto.errors import ConfigError
 from coati_kto.families import (
     _config_json,
-    cached_config_json,
     class_name_of,
     encoder_refusal,
     model_class_name,
@@ -29,7 +28,8 @@ def check_model_family(model_dir: str, key: str, tp_size: int = 1) -> None:
     """ConfigError (one line) when the model at ``model_dir`` is an encoder or fails the family sweep
     (``unproven.UNPROVEN_TYPES``; any plugin), or when its class is not admitted at ``tp_size`` tensor-parallel
     ranks (every class at tp_size 1; above it ``shardformer.TENSOR_PARALLEL_FAMILIES``: what the tests prove).
-    Checked from config.json alone; a class it cannot tell (hub id, remote code) is checked at boost."""
+    Checked from config.json (a Hub id's from the hub cache); a class it cannot tell (a Hub id not cached, remote
+    code) is checked at boost."""
     raw = _config_json(model_dir) or {}
     if (why := encoder_refusal(raw) or unproven_refusal(raw)) is not None:
         raise ConfigError(f"{key} {model_dir}: {why}")
@@ -143,7 +143,7 @@ def check_sequence_parallel_family(model_dir: str, key: str, tp_size: int, sp_si
     or head counts tp_size x sp_size does not divide (each sp rank takes 1/sp of a tensor-parallel rank's query
     and key-value heads). From config.json, a Hub id's from the hub cache; one not cached is checked when the
     model is loaded (its class, and its heads before any forward)."""
-    raw = cached_config_json(model_dir)
+    raw = _config_json(model_dir)
     name = class_name_of(raw)
     if name is None:
         return
@@ -183,26 +183,37 @@ def distribute_layers(layers: int, stages: int, chunks: int = 1) -> list[int]:
 
 def decoder_layers(model_dir: str) -> int | None:
     """``num_hidden_layers`` of the model at ``model_dir`` (a vision-language model's text model's), from config.json;
-    None without one (a hub id)."""
-    raw = _config_json(model_dir) or {}
+    None without one (a Hub id not in the hub cache)."""
+    return layers_of(_config_json(model_dir) or {})
+
+
+def layers_of(raw: dict[str, Any]) -> int | None:
+    """``num_hidden_layers`` of config.json ``raw`` (a loaded model's ``config.to_dict()`` alike), a vision-language
+    model's text model's; None where it names none."""
     layers = {**raw, **(raw.get("text_config") or {})}.get("num_hidden_layers")
     return layers if isinstance(layers, int) else None
+
+
+def pipeline_layers_refusal(layers: int | None, pp_size: int, num_model_chunks: int) -> str | None:
+    """Why ``layers`` decoder layers cannot fill ``pp_size`` stages of ``num_model_chunks`` chunks (each chunk holds
+    at least one layer; ColossalAI's stage manager asserts otherwise), or None."""
+    chunks = pp_size * num_model_chunks
+    if layers is None or chunks <= layers:
+        return None
+    return (
+        f"plugin.pp_size {pp_size} x plugin.num_model_chunks {num_model_chunks} = {chunks} is more than its "
+        f"num_hidden_layers {layers} (each chunk of a stage holds at least one decoder layer)"
+    )
 
 
 def check_pipeline_parallel_family(model_dir: str, key: str, pp_size: int, num_model_chunks: int = 1) -> None:
     """ConfigError (one line) when the model at ``model_dir`` cannot run at ``pp_size`` pipeline stages of
     ``num_model_chunks`` chunks each: its class unproven there (``shardformer.PIPELINE_PARALLEL_FAMILIES``), or
-    fewer decoder layers than chunks in all (a chunk without layers). From config.json alone; a hub id is checked
-    when the plugin is built (its class), or not at all (its layers: ColossalAI's stage manager then asserts)."""
+    fewer decoder layers than chunks in all (:func:`pipeline_layers_refusal`). From config.json, a Hub id's from
+    the hub cache; one not cached is checked when the model is loaded (``HybridParallelBackend.prepare_policy``)."""
     name = model_class_name(model_dir)
     why = None if name is None else pipeline_parallel_refusal(name.rsplit(".", 1)[-1], pp_size)
-    layers = decoder_layers(model_dir)
-    chunks = pp_size * num_model_chunks
-    if why is None and layers is not None and chunks > layers:
-        why = (
-            f"plugin.pp_size {pp_size} x plugin.num_model_chunks {num_model_chunks} = {chunks} is more than its "
-            f"num_hidden_layers {layers} (each chunk of a stage holds at least one decoder layer)"
-        )
+    why = why or pipeline_layers_refusal(decoder_layers(model_dir), pp_size, num_model_chunks)
     if why is not None:
         raise ConfigError(f"{key} {model_dir}: {why}")
 

@@ -13,7 +13,13 @@ from torch import nn
 
 from coati_kto.errors import ConfigError
 from coati_kto.families.policies import corrected_policy
-from coati_kto.families.splits import refuse_unadmitted, sequence_heads_refusal
+from coati_kto.families.splits import (
+    layers_of,
+    pipeline_layers_refusal,
+    refuse_unadmitted,
+    sequence_heads_refusal,
+    tensor_parallel_shape_refusal,
+)
 from coati_kto.parallel.backends.base import ParallelBackend
 from coati_kto.parallel.sequence import SEQUENCE_GROUP, install_attention
 from coati_kto.parallel.upstream.cpu import cuda_available, plugin_overrides
@@ -128,6 +134,7 @@ class HybridParallelBackend(ParallelBackend):
         refuse_unadmitted(
             model_class, self.plan.tp_size, "model.path: ", self.plan.sp_size, self.plan.pp_size
         )
+        self._refuse_shape(policy, "model.path")
         self._sequence_attention(policy, "model.path")
         booster.plugin.custom_policy = corrected_policy(model_class, self.plan.tp_size)
 
@@ -144,6 +151,7 @@ class HybridParallelBackend(ParallelBackend):
         refuse_unadmitted(
             reference_class, self.plan.tp_size, "model.reference_path: ", self.plan.sp_size, self.plan.pp_size
         )
+        self._refuse_shape(model, "model.reference_path")
         self._sequence_attention(model, "model.reference_path")
         return HybridParallelModule(
             model,
@@ -156,6 +164,19 @@ class HybridParallelBackend(ParallelBackend):
             ddp_config={},
             custom_policy=corrected_policy(reference_class, self.plan.tp_size),
         )
+
+    def _refuse_shape(self, model: nn.Module, key: str) -> None:
+        """Config load's line (a ConfigError) for what config load checks from config.json, where it could not
+        read one (a Hub id not in the hub cache): heads tp_size cannot split, and fewer decoder layers than
+        pipeline chunks. Shardformer and ColossalAI's stage manager would fail on them with a traceback."""
+        bare = model.get_base_model() if hasattr(model, "get_base_model") else model
+        raw = bare.config.to_dict()
+        why = tensor_parallel_shape_refusal(raw, self.plan.tp_size)
+        if self.plan.pp_size > 1:
+            layers = layers_of(raw)
+            why = why or pipeline_layers_refusal(layers, self.plan.pp_size, self.plan.num_model_chunks)
+        if why is not None:
+            raise ConfigError(f"{key} {bare.config.name_or_path or type(bare).__name__}: {why}")
 
     def _sequence_attention(self, model: nn.Module, key: str) -> None:
         """Under sequence parallelism: ``model``'s attention (the bare transformers model's, under a LoRA PeftModel

@@ -11,7 +11,7 @@ import types
 from pathlib import Path
 
 import pytest
-from helpers import MINIMAL, write_config
+from helpers import MINIMAL, hub_cache_config, write_config
 
 from coati_kto.config.load import load_config
 from coati_kto.errors import ConfigError
@@ -130,30 +130,17 @@ def test_tp2_sp2_is_refused_for_a_family_other_than_llama(tmp_path: Path) -> Non
     ), problems
 
 
-def _hub_cache(root: Path, repo: str, raw: dict, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``repo``'s config.json in a hub cache at ``root`` that huggingface_hub reads."""
-    from huggingface_hub import constants
-
-    folder = root / f"models--{repo.replace('/', '--')}"
-    snapshot = folder / "snapshots" / ("0" * 40)
-    snapshot.mkdir(parents=True)
-    (snapshot / "config.json").write_text(json.dumps(raw))
-    (folder / "refs").mkdir()
-    (folder / "refs" / "main").write_text("0" * 40)
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(root))
-
-
 def test_a_cached_hub_ids_heads_are_refused_at_config_load(tmp_path: Path, monkeypatch) -> None:
     """SmolLM2-135M at sp 2 passed config load (its class unknown from a Hub id) and failed at the first forward
     with a traceback on every rank; from the hub cache's config.json it is one line at load."""
-    _hub_cache(tmp_path / "hub", "HuggingFaceTB/SmolLM2-135M", SMOLLM2, monkeypatch)
+    hub_cache_config(tmp_path / "hub", "HuggingFaceTB/SmolLM2-135M", SMOLLM2, monkeypatch)
     monkeypatch.chdir(tmp_path)
     problems = _problems(tmp_path, "HuggingFaceTB/SmolLM2-135M", *SP, *BF16)
     assert len(problems) == 1 and problems[0].endswith(
         ": model.path HuggingFaceTB/SmolLM2-135M: plugin.tp_size 1 x plugin.sp_size 2 must divide "
         "num_attention_heads 9 and num_key_value_heads 3 (all_to_all gives each rank whole heads)"
     ), problems
-    _hub_cache(tmp_path / "hub3", "org/sp3", {**SMOLLM2, "num_attention_heads": 6}, monkeypatch)
+    hub_cache_config(tmp_path / "hub3", "org/sp3", {**SMOLLM2, "num_attention_heads": 6}, monkeypatch)
     problems = _problems(tmp_path, "org/sp3", *SP, *BF16, "plugin.sp_size=3")
     assert problems[-1].endswith(
         ": model.path org/sp3: LlamaForCausalLM is not proven at plugin.sp_size 3 (sequence parallelism: "
