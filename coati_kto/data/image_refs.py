@@ -73,13 +73,17 @@ def _reference(ref: Any, source: str, where: str, base: Path | None) -> bytes:
                 source, where, f"a relative image path {ref!r} in a dataset with no folder", "missing_image"
             )
         path = base / path
+    shown = str(path) if len(str(path)) <= 200 else f"{str(path)[:197]}..."
     try:
         found = path.is_file()
+    except PermissionError as err:  # a folder on the way the process may not search: this record only
+        raise RecordError(
+            source, where, f"cannot read image file {shown} ({err.strerror or err})", "unreadable_image"
+        ) from None
     except OSError as err:  # a name over the file system's limit (a base64 string without a scheme)
         raise RecordError(
             source, where, f"{show_value(ref)} is not a usable path ({err.strerror or err})", "bad_image"
         ) from None
-    shown = str(path) if len(str(path)) <= 200 else f"{str(path)[:197]}..."
     if not found:
         raise RecordError(source, where, f"no such image file: {shown}", "missing_image")
     try:

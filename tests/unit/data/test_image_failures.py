@@ -50,6 +50,28 @@ def test_an_unreadable_image_is_one_line(tmp_path: Path, unreadable: set[str]) -
     )
 
 
+def test_an_image_in_a_folder_the_process_cannot_search_is_unreadable(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A folder without search permission fails the file's stat with EACCES (``is_file`` raises it): that is
+    the image being unreadable, not a malformed path (it was reported ``bad_image``, "not a usable path")."""
+    data = image_rows(tmp_path)
+    is_file = Path.is_file
+
+    def denied(self: Path) -> bool:
+        if self.name == "green.png":
+            raise PermissionError(13, "Permission denied")
+        return is_file(self)
+
+    monkeypatch.setattr(Path, "is_file", denied)
+    with pytest.raises(RecordError) as err:
+        prepare(*settings(tmp_path, vl_model_dir(tmp_path), data))
+    assert (str(err.value), err.value.reason) == (
+        f"{data}:2: field 'images[0]': cannot read image file {tmp_path / 'green.png'} (Permission denied)",
+        "unreadable_image",
+    )
+
+
 def test_an_unreadable_image_is_skipped_and_a_fixed_one_rebuilds(
     tmp_path: Path, unreadable: set[str]
 ) -> None:
