@@ -44,7 +44,7 @@ class KTOSection(_Section):
         description="The policy's passes share the prompt too: evaluation in one packed pass; training folds the "
         "KL pass into the gradient pass when a z0 group is one micro-batch and prompts are long (3 x packed "
         "width <= KL width + 3 x example width). auto: on when the reference is cached or packed (step-0 "
-        "rewards are then within rounding of 0 already).",
+        "rewards are then within rounding of 0 already). true is refused with apo_zero_unpaired (no KL pair).",
     )
     kl_continuation: bool = Field(
         True,
@@ -94,5 +94,13 @@ class KTOSection(_Section):
                 "kto.pack_reference with kto.loss_type apo_zero_unpaired: the loss has no reference point, so no KL "
                 "pair is scored to share a pass with its example (the reference scores the examples alone); set "
                 "kto.pack_reference=false, or kto.loss_type=kto"
+            )
+        # pack_policy packs the example with its KL pair (ScoringRules.for_trainer: packs needs needs_kl); auto
+        # resolves to it where it could apply, so only an explicit true is a setting that does nothing here.
+        if self.pack_policy is True and self.loss_type == "apo_zero_unpaired":
+            problems.append(
+                "kto.pack_policy true with kto.loss_type apo_zero_unpaired: the loss has no reference point, so no "
+                "KL pair is scored for the policy's examples to share a pass with; set kto.pack_policy=auto, or "
+                "kto.loss_type=kto"
             )
         return problems

@@ -207,9 +207,9 @@ def test_padded_rows_instead_of_packed_ones_is_a_note(tmp_path: Path, tiny_model
     assert pipeline_note(quiet) is None
     kl_only = _load(tmp_path, tiny_model_dir, *PP)
     assert "so kto.kl_continuation does not run" in pipeline_note(kl_only)
-    # apo_zero_unpaired runs no KL pass: only its padding-free rows are turned off (kto.pack_reference is refused
-    # there at load: no KL pair to pack)
-    unpaired = [a for a in asked if not a.startswith("kto.pack_reference")]
+    # apo_zero_unpaired runs no KL pass: only its padding-free rows are turned off (kto.pack_reference and an
+    # explicit kto.pack_policy are refused there at load: no KL pair to pack)
+    unpaired = [a for a in asked if not a.startswith(("kto.pack_reference", "kto.pack_policy"))]
     apo = _load(tmp_path, tiny_model_dir, *PP, *unpaired, "kto.loss_type=apo_zero_unpaired")
     assert "so data.padding_free does not run (" in pipeline_note(apo)
     assert pipeline_note(_load(tmp_path, tiny_model_dir, *PP, "kto.loss_type=apo_zero_unpaired")) is None

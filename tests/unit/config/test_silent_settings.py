@@ -170,6 +170,16 @@ def test_pack_reference_without_a_reference_point_is_refused(tmp_path: Path) -> 
     ]
     assert load_config(path, ["kto.pack_reference=false", apo]).kto.loss_type == "apo_zero_unpaired"
     assert load_config(path, ["kto.pack_reference=true", "kto.loss_type=kto"]).kto.pack_reference is True
+    # an explicit pack_policy packs nothing there either (auto is kept: it turns on where it could apply)
+    assert _errors(path, ["kto.pack_policy=true", apo]) == [
+        "override kto.pack_policy=true, kto.loss_type=apo_zero_unpaired: kto.pack_policy true with kto.loss_type "
+        "apo_zero_unpaired: the loss has no reference point, so no KL pair is scored for the policy's examples to "
+        "share a pass with; set kto.pack_policy=auto, or kto.loss_type=kto"
+    ]
+    for setting in ("auto", "false"):
+        assert load_config(
+            path, [f"kto.pack_policy={setting}", apo, "kto.reference=cached"]
+        ).kto.loss_type == ("apo_zero_unpaired")
     # with a cached reference too: both lines at once
     lines = _errors(path, ["kto.pack_reference=true", apo, "kto.reference=cached"])
     assert [line.split(": ", 1)[1].split(" with ")[1].split(":")[0] for line in lines] == [
