@@ -210,7 +210,7 @@ def check_pipeline_parallel_family(model_dir: str, key: str, pp_size: int, num_m
     """ConfigError (one line) when the model at ``model_dir`` cannot run at ``pp_size`` pipeline stages of
     ``num_model_chunks`` chunks each: its class unproven there (``shardformer.PIPELINE_PARALLEL_FAMILIES``), or
     fewer decoder layers than chunks in all (:func:`pipeline_layers_refusal`). From config.json, a Hub id's from
-    the hub cache; one not cached is checked when the model is loaded (``HybridParallelBackend.prepare_policy``)."""
+    the hub cache; one not cached is checked when the model is loaded (the backend's ``prepare_policy``)."""
     name = model_class_name(model_dir)
     why = None if name is None else pipeline_parallel_refusal(name.rsplit(".", 1)[-1], pp_size)
     why = why or pipeline_layers_refusal(decoder_layers(model_dir), pp_size, num_model_chunks)
