@@ -8,6 +8,7 @@ from __future__ import annotations
 import difflib
 import types
 import typing
+from collections.abc import Mapping
 from typing import Any
 
 import yaml
@@ -116,11 +117,12 @@ def did_you_mean(dotted: str) -> str | None:
     return close[0] if close else None
 
 
-def unknown_key_problem(dotted: str, value: Any = None) -> str:
+def unknown_key_problem(dotted: str, value: Any = None, siblings: Mapping[str, Any] | None = None) -> str:
     """The problem line of an unknown key: a TRL name (a TRL-style flat YAML, ``bf16: true``) is translated as
-    its command-line flag is (coati_kto.config.trl_flags), so each one gets its override or why it has none;
-    otherwise the closest known key, when one is close."""
-    hint = trl_hint(dotted.rsplit(".", 1)[-1], value)
+    its command-line flag is (coati_kto.config.trl_flags), so each one gets its override or why it has none,
+    read beside ``siblings`` (the file's other top-level keys, as the rest of a command line); otherwise the
+    closest known key, when one is close."""
+    hint = trl_hint(dotted.rsplit(".", 1)[-1], value, siblings)
     if hint is not None:
         return f"unknown key; {hint}"
     close = did_you_mean(dotted)

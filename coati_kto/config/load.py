@@ -125,13 +125,15 @@ def _hint(key: str, kind: str, value: Any) -> str:
     return f"; {hint}" if hint else ""
 
 
-def _format_errors(err: ValidationError, origins: _Origins) -> str:
+def _format_errors(err: ValidationError, origins: _Origins, top: dict[str, Any]) -> str:
+    """One line per error; ``top``: the file's top-level mapping, which a TRL-style flat YAML's unknown keys are
+    read beside (``dataset_config`` joins ``dataset_name``, ``bf16`` sees ``use_peft``)."""
     lines = []
     for e in err.errors():
         key = ".".join(str(p) for p in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
-            msg = unknown_key_problem(key, e.get("input"))
+            msg = unknown_key_problem(key, e.get("input"), top if "." not in key else None)
         elif e["type"] == "missing":
             msg = "required key is missing"
         elif "input" in e and not isinstance(e["input"], (dict, BaseModel)):  # a section's own check: no dump
@@ -215,7 +217,7 @@ def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None
     try:
         config = Config.model_validate(raw, context={DEFER_SECTION_PROBLEMS: True})  # every problem at once
     except ValidationError as err:
-        raise ConfigError(_format_errors(err, origins)) from None
+        raise ConfigError(_format_errors(err, origins, raw)) from None
     return config
 
 

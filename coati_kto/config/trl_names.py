@@ -37,13 +37,13 @@ SCRIPT_FLAGS = {
     "model_revision": "model.path",  # a Hub model is pinned by downloading that revision to a directory
     "trust_remote_code": "model.trust_remote_code",
     "gradient_checkpointing": "model.gradient_checkpointing",
+    "activation_checkpointing": "model.gradient_checkpointing",  # transformers 5's name for the same switch
     "attn_implementation": "model.attn_implementation",
     "dataset_name": "data.train_files",
     "seed": "train.seed",
     "max_steps": "train.max_steps",
     "weight_decay": "train.weight_decay",
     "resume_from_checkpoint": "train.resume",
-    "hub_model_id": "output.push_to_hub",
     "lora_r": "model.lora.rank",
     "lora_alpha": "model.lora.alpha",
     "lora_dropout": "model.lora.dropout",
@@ -59,6 +59,7 @@ TRL_LORA = "model.lora={rank: 16, alpha: 32, dropout: 0.05}"
 # Flags TRL takes bare (``--bf16``: true) or with a boolean -> the override for true, and for false.
 SWITCHES = {
     "gradient_checkpointing": ("model.gradient_checkpointing=true", "model.gradient_checkpointing=false"),
+    "activation_checkpointing": ("model.gradient_checkpointing=true", "model.gradient_checkpointing=false"),
     "trust_remote_code": ("model.trust_remote_code=true", "model.trust_remote_code=false"),
     "bf16": ("plugin.precision=bf16", "plugin.precision=fp32"),  # both resolved together by _precision
     "fp16": ("plugin.precision=fp16", "plugin.precision=bf16"),
@@ -96,11 +97,15 @@ _UNMAPPED = [
     ("dataset_test_split", "eval data: data.eval_files=[hf://datasets/OWNER/NAME?split=test]"),
     ("disable_dropout", "dropout is always off here"),
     ("remove_unused_columns", "prepare reads its fields and names the unread ones"),
-    ("train_sampling_strategy", "the order is seeded (train.seed), both labels in every micro-batch"),
-    ("use_liger_kernel", "no logits tensor is formed here anyway"),
+    ("use_liger_kernel use_liger_loss", "no logits tensor is formed here anyway"),
+    ("base_model_attribute_name", "TRL's Liger loss reads it; no Liger here"),
     ("activation_offloading torch_empty_cache_steps", "not offered"),
     ("sync_ref_model ref_model_mixup_alpha ref_model_sync_steps", "the reference stays fixed (no TR-DPO)"),
     ("model_init_kwargs torch_dtype dtype", "weights load in plugin.precision"),
+    ("ref_model_init_kwargs", "the reference loads as the policy does (another one: model.reference_path)"),
+    ("is_encoder_decoder", "decoder-only (causal LM) models only"),
+    ("label_pad_token_id", "no label pad id: the loss mask is built from each row's length"),
+    ("padding_value", "rows are padded with the tokenizer's pad token, masked by length"),
     (
         "load_in_4bit load_in_8bit use_bnb_nested_quant bnb_4bit_quant_type bnb_4bit_quant_storage",
         "no quantized training",
@@ -117,12 +122,16 @@ _UNMAPPED = [
 ]
 NO_EQUIVALENT = {name: why for names, why in _UNMAPPED for name in names.split()}
 # TRL flags whose translation depends on the value (trl_flags._valued).
-VALUED = ("lr_scheduler_type", "warmup_ratio", "report_to", "lora_target_modules")
+VALUED = ("lr_scheduler_type", "warmup_ratio", "report_to", "lora_target_modules", "train_sampling_strategy")
+VALUED += ("truncation_mode", "hub_model_id")
+# transformers reads these below 1 as a ratio of the run's steps (TrainingArguments: "a float in range [0,1)").
+RATIO_STEPS = ("logging_steps", "eval_steps", "save_steps")
 # The boolean flags among the unmapped: a bare one takes no value (``--logging_first_step train.seed=1``).
 BOOLEAN = {*SWITCHES, "logging_first_step", "save_only_model", "do_train", "do_eval", "disable_dropout"}
 BOOLEAN |= {"remove_unused_columns", "use_liger_kernel", "activation_offloading", "sync_ref_model", "tf32"}
 BOOLEAN |= {"bf16_full_eval", "fp16_full_eval", "load_in_4bit", "load_in_8bit", "use_bnb_nested_quant"}
 BOOLEAN |= {"use_rslora", "use_dora", "hub_private_repo", "dataset_streaming", "ignore_bias_buffers"}
+BOOLEAN |= {"use_liger_loss", "is_encoder_decoder"}
 KNOWN = {*TRAINER_NAMES, *SCRIPT_FLAGS, *DATASET_QUERY, *SWITCHES, *NO_EQUIVALENT, *VALUED}
 # TRL's list-valued flags (HfArgumentParser's nargs="+"): each takes every value up to the next option,
 # override or config file. report_to is one str in recent transformers (a list in older ones): read alike.

@@ -4,6 +4,7 @@ errors a TRL value gets (train.resume=true, train.max_steps=-1, train.micro_batc
 
 from __future__ import annotations
 
+import argparse
 import shlex
 from pathlib import Path
 
@@ -12,8 +13,10 @@ from helpers import MINIMAL, write_config
 
 from coati_kto.cli import _parse, _parser
 from coati_kto.config.load import load_config
-from coati_kto.config.trl_flags import COMMAND_OPTIONS, CONFIG_COMMANDS
+from coati_kto.config.trl_argv import BARE_OPTIONS
+from coati_kto.config.trl_flags import COMMAND_OPTIONS, CONFIG_COMMANDS, trl_hint
 from coati_kto.errors import ConfigError
+from coati_kto.trainer.schedule import planned_steps
 
 TAIL = " (coati-kto config --schema lists every key)"
 
@@ -33,10 +36,16 @@ def _parts(line: str) -> list[str]:
     return body.split("; --")[:1] + ["--" + part for part in body.split("; --")[1:]]
 
 
+def _suggested(line: str) -> argparse.Namespace:
+    """The line's command as coati-kto parses it (its own options, then the overrides)."""
+    command = line.split("as overrides after the config: ")[1].removesuffix(TAIL)
+    assert shlex.split(command)[0] == "coati-kto"
+    return _parse(shlex.split(command)[1:])
+
+
 def _loaded(line: str, path: Path) -> object:
     """The config the line's command loads (its overrides after ``coati-kto CMD CONFIG``)."""
-    command = line.split("as overrides after the config: ")[1].removesuffix(TAIL)
-    return load_config(path, shlex.split(command)[3:])
+    return load_config(path, _suggested(line).overrides)
 
 
 def _errors(path: Path, overrides: list[str]) -> list[str]:
@@ -115,6 +124,14 @@ def test_the_command_options_are_the_parsers(capsys: pytest.CaptureFixture[str])
         if o.startswith("--")
     }
     assert options == COMMAND_OPTIONS
+    bare = {
+        o.removeprefix("--")
+        for name in CONFIG_COMMANDS
+        for a in subparsers.choices[name]._actions
+        for o in a.option_strings
+        if o.startswith("--") and a.nargs == 0
+    }
+    assert bare == BARE_OPTIONS  # the options that take no value: the next token is not theirs
     line = _line(["inspect", "cfg.yaml", "--ranks", "2", "--beta", "0.2"], capsys)
     assert _parts(line) == ["--beta 0.2 is kto.beta=0.2"]
 
@@ -138,7 +155,7 @@ def test_precision_flags_resolve_as_trl_does(
     assert all(f" is plugin.precision={precision}" in part for part in _parts(line))
     config = _loaded(line, path)
     assert config.plugin.precision == precision
-    assert config.output.export_dtype == ("fp32" if precision == "bf16" else "training")
+    assert config.output.export_dtype == ("training" if precision == "fp32" else "fp32")
     if flags == ["--fp16", "False"]:
         assert (
             "(TRL trains bf16 when fp16 is off; fp32: --bf16 False; fp32 final/ weights, as TRL saves)"
@@ -225,8 +242,9 @@ def test_a_trl_style_flat_yaml_gets_a_hint_for_every_trl_key(tmp_path: Path) -> 
         "model_name_or_path: unknown key (did you mean model.path?)",
         "dataset_name: unknown key; TRL's dataset_name trl-lib/kto-mix-14k is "
         "data.train_files=hf://datasets/trl-lib/kto-mix-14k",
-        "bf16: unknown key; TRL's bf16 true is plugin.precision=bf16 output.export_dtype=fp32 (fp32 final/ "
-        "weights, as TRL saves)",
+        # read beside use_peft: true (the file's other keys): an fp32 export is refused with LoRA
+        "bf16: unknown key; TRL's bf16 true is plugin.precision=bf16 (final/ stays bf16: an fp32 export is refused "
+        "with LoRA, tp_size > 1 or output.save_final false)",
         "warmup_ratio: unknown key; TRL's warmup_ratio 0.1 has no equivalent (no ratio here; set "
         "train.warmup_steps to 10% of the run's steps)",
         f"lr_scheduler_type: unknown key; TRL's lr_scheduler_type linear has no equivalent ({schedule})",
@@ -354,3 +372,220 @@ def test_the_users_own_overrides_stay_in_the_suggested_command(
     assert line.endswith(f"coati-kto train {path} kto.beta=0.3 train.seed=3 kto.beta=0.2{TAIL}")
     config = _loaded(line, path)
     assert (config.train.seed, config.kto.beta) == (3, 0.2)
+
+
+def test_dataset_query_flags_make_one_entry(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--dataset_config en --dataset_train_split train` without --dataset_name became two entries, each named
+    after a flag's own value (hf://datasets/en?config=en&split=train, hf://datasets/train?...)."""
+    path = write_config(tmp_path, MINIMAL)
+    line = _line(["train", str(path), "--dataset_config", "en", "--dataset_train_split", "train"], capsys)
+    entry = "data.train_files=hf://datasets/OWNER/NAME?config=en&split=train"
+    assert _parts(line) == [
+        f"--dataset_config en is config=en in {entry} (OWNER/NAME: the dataset's Hub id)",
+        f"--dataset_train_split train is split=train in {entry} (OWNER/NAME: the dataset's Hub id)",
+    ]
+    assert _loaded(line, path).data.train_files == ["hf://datasets/OWNER/NAME?config=en&split=train"]
+    line = _line(["train", str(path), "--dataset_train_split", "train", "--dataset_name", "o/n"], capsys)
+    assert _loaded(line, path).data.train_files == ["hf://datasets/o/n?split=train"]
+
+
+def test_hub_model_id_only_names_the_repo(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--push_to_hub false --hub_model_id me/m` gave output.push_to_hub=null output.push_to_hub=me/m: the repo
+    name turned uploading on over an explicit false (transformers: push_to_hub defaults to False)."""
+    path = write_config(tmp_path, MINIMAL)
+    line = _line(["train", str(path), "--push_to_hub", "false", "--hub_model_id", "me/m"], capsys)
+    assert _parts(line) == [
+        "--push_to_hub false is output.push_to_hub=null",
+        "--hub_model_id me/m has no equivalent without --push_to_hub (it only names the repo: transformers uploads "
+        "nothing unless push_to_hub is true; with it: output.push_to_hub=me/m)",
+    ]
+    assert _loaded(line, path).output.push_to_hub is None
+    assert _line(["train", str(path), "--hub_model_id", "me/m"], capsys).endswith(
+        "none of them has an override here" + TAIL
+    )
+    line = _line(["train", str(path), "--hub_model_id", "me/m", "--push_to_hub"], capsys)
+    assert (
+        _parts(line)[0]
+        == "--hub_model_id me/m is output.push_to_hub=me/m (the repo --push_to_hub uploads to)"
+    )
+    assert _loaded(line, path).output.push_to_hub.repo_id == "me/m"
+
+
+def test_the_commands_own_options_stay_in_the_suggested_command(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`train cfg --nproc-per-node 2 --learning_rate 1e-3` suggested `coati-kto train cfg train.lr=1e-3`, and
+    export lost --checkpoint DIR and --push: copied, the command ran on one process, or exported elsewhere."""
+    path = write_config(tmp_path, MINIMAL)
+    line = _line(
+        ["train", str(path), "--nproc-per-node", "2", "--learning_rate", "1e-3", "train.seed=3"], capsys
+    )
+    assert line.endswith(f"coati-kto train {path} --nproc-per-node 2 train.lr=1e-3 train.seed=3{TAIL}")
+    args = _suggested(line)
+    assert (args.nproc_per_node, args.overrides) == (2, ["train.lr=1e-3", "train.seed=3"])
+    argv = ["export", str(path), "--checkpoint", "out/checkpoints/step-4", "--push", "--hub_model_id", "me/m"]
+    line = _line(argv, capsys)
+    assert _parts(line) == ["--hub_model_id me/m is output.push_to_hub=me/m (the repo --push uploads to)"]
+    assert line.endswith(
+        f"coati-kto export {path} --checkpoint out/checkpoints/step-4 --push output.push_to_hub=me/m{TAIL}"
+    )
+    args = _suggested(line)
+    assert (args.checkpoint, args.push) == ("out/checkpoints/step-4", True)
+    assert args.overrides == ["output.push_to_hub=me/m"]
+
+
+def test_max_steps_runs_that_many_steps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """transformers' max_steps overrides num_train_epochs; train.max_steps was a cap inside train.max_epochs
+    (default 1), so `--max_steps 30` ran one epoch's steps where TRL ran 30."""
+    path = write_config(tmp_path, MINIMAL)
+    line = _line(["train", str(path), "--max_steps", "30"], capsys)
+    assert _parts(line) == [
+        "--max_steps 30 is train.max_steps=30 train.max_epochs=30 (30 optimizer steps, as TRL's max_steps, which "
+        "overrides num_train_epochs: train.max_steps is a cap within train.max_epochs here, and 30 epochs hold at "
+        "least 30 steps)"
+    ]
+    train = _loaded(line, path).train
+    # one optimizer step per epoch or many: the run (and its LR schedule) spans 30 steps
+    for micro_batches in (1, 7, 1000):
+        assert planned_steps(micro_batches, 1, train.max_epochs, train.max_steps) == 30
+    line = _line(["train", str(path), "--num_train_epochs", "2", "--max_steps", "30"], capsys)
+    assert _parts(line)[1] == (
+        "--max_steps 30 is train.max_steps=30 (a cap within the train.max_epochs given here; TRL's max_steps "
+        "overrides the epoch count: leave that out for 30 steps)"
+    )
+    assert (_loaded(line, path).train.max_epochs, _loaded(line, path).train.max_steps) == (2, 30)
+
+
+def test_ratio_and_fractional_values_say_what_to_set(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--num_train_epochs 1.5` became train.max_epochs=1.5 and `--logging_steps 0.1` train.log_interval=0.1:
+    transformers reads a value below 1 as a ratio of the run, and the config refused both."""
+    path = write_config(tmp_path, MINIMAL)
+    flags = ["--num_train_epochs", "1.5", "--logging_steps", "0.1", "--eval_steps", "0.25"]
+    line = _line(["train", str(path), *flags, "--save_steps", "0.5", "--logging_steps", "5"], capsys)
+    assert _parts(line) == [
+        "--num_train_epochs 1.5 has no equivalent (whole epochs here; set train.max_steps to 1.5 epochs' "
+        "optimizer steps, with train.max_epochs=2)",
+        "--logging_steps 0.1 has no equivalent (no ratio here; set train.log_interval to 10% of the run's steps)",
+        "--eval_steps 0.25 has no equivalent (no ratio here; set train.eval_interval to 25% of the run's steps)",
+        "--save_steps 0.5 has no equivalent (no ratio here; set output.save_interval to 50% of the run's steps)",
+        "--logging_steps 5 is train.log_interval=5",
+    ]
+    assert _loaded(line, path).train.log_interval == 5
+
+
+def test_bf16_beside_lora_flags_keeps_the_trained_dtype(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--bf16 --lora_r 8` (LoRA on here without --use_peft) suggested output.export_dtype=fp32, which the config
+    refuses with LoRA ("the adapters are exported as trained")."""
+    path = write_config(tmp_path, MINIMAL)
+    refused = "final/ stays bf16: an fp32 export is refused with LoRA, tp_size > 1 or output.save_final false"
+    for lora in (["--lora_r", "8"], ["--lora_target_modules", "q_proj", "v_proj"], ["--lora_dropout", "0.1"]):
+        line = _line(["train", str(path), "--bf16", *lora], capsys)
+        assert _parts(line)[0] == f"--bf16 is plugin.precision=bf16 ({refused})"
+        config = _loaded(line, path)
+        assert (config.output.export_dtype, config.model.lora is not None) == ("training", True)
+
+
+def test_older_trl_fields_are_accounted_for(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--truncation_mode keep_start` alone was argparse's "unrecognized arguments"; KTOConfig's other fields
+    and transformers 5's --activation_checkpointing were "not a TRL flag known here"."""
+    path = write_config(tmp_path, MINIMAL)
+    kept = "a prompt cut to data.max_prompt_length keeps its leading BOS and its end here, as TRL's keep_end"
+    assert _line(["train", str(path), "--truncation_mode", "keep_start"], capsys) == (
+        f"error: TRL-style flags are not options of coati-kto train: --truncation_mode keep_start has no "
+        f"equivalent ({kept}; no keep_start); none of them has an override here{TAIL}"
+    )
+    flags = ["--truncation_mode", "keep_end", "--label_pad_token_id", "-100", "--padding_value", "0"]
+    flags += ["--is_encoder_decoder", "--ref_model_init_kwargs", "{}", "--use_liger_loss"]
+    flags += ["--base_model_attribute_name", "model", "--activation_checkpointing"]
+    line = _line(["train", str(path), *flags], capsys)
+    assert _parts(line) == [
+        f"--truncation_mode keep_end is how a prompt is cut here anyway (no key: {kept})",
+        "--label_pad_token_id -100 has no equivalent (no label pad id: the loss mask is built from each row's "
+        "length)",
+        "--padding_value 0 has no equivalent (rows are padded with the tokenizer's pad token, masked by length)",
+        "--is_encoder_decoder has no equivalent (decoder-only (causal LM) models only)",
+        "--ref_model_init_kwargs {} has no equivalent (the reference loads as the policy does (another one: "
+        "model.reference_path))",
+        "--use_liger_loss has no equivalent (no logits tensor is formed here anyway)",
+        "--base_model_attribute_name model has no equivalent (TRL's Liger loss reads it; no Liger here)",
+        "--activation_checkpointing is model.gradient_checkpointing=true",
+    ]
+    assert _loaded(line, path).model.gradient_checkpointing is True
+    line = _line(["train", str(path), "--no-activation-checkpointing"], capsys)
+    assert _loaded(line, path).model.gradient_checkpointing is False
+
+
+def test_fp16_and_bf16_together_are_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--fp16 true --bf16 true` became plugin.precision=fp16; transformers refuses the pair."""
+    path = write_config(tmp_path, MINIMAL)
+    refused = 'is refused, as transformers refuses it ("At most one of fp16 and bf16 can be True"): keep one'
+    line = _line(["train", str(path), "--fp16", "true", "--bf16", "true"], capsys)
+    assert line == (
+        f"error: TRL-style flags are not options of coati-kto train: --fp16 true {refused}; --bf16 true {refused}; "
+        f"none of them has an override here{TAIL}"
+    )
+
+
+def test_group_by_length_sampling_is_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--train_sampling_strategy group_by_length` had no equivalent, while data.group_by_length exists."""
+    path = write_config(tmp_path, MINIMAL)
+    line = _line(["train", str(path), "--train_sampling_strategy", "group_by_length"], capsys)
+    assert _parts(line) == ["--train_sampling_strategy group_by_length is data.group_by_length=true"]
+    assert _loaded(line, path).data.group_by_length is True
+    assert _parts(_line(["train", str(path), "--train_sampling_strategy", "sequential"], capsys)) == [
+        "--train_sampling_strategy sequential has no equivalent (the order is seeded (train.seed), both labels in "
+        "every micro-batch; group_by_length: data.group_by_length=true)"
+    ]
+
+
+def test_plan_translates_trl_flags(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`coati-kto plan CONFIG --beta 0.2` was argparse's "unrecognized arguments": plan takes a config and
+    overrides as train does, and its own options stay in the suggested command."""
+    path = write_config(tmp_path, MINIMAL)
+    line = _line(["plan", str(path), "--gpus", "8", "--beta", "0.2"], capsys)
+    assert line == (
+        f"error: TRL-style flags are not options of coati-kto plan: --beta 0.2 is kto.beta=0.2; as overrides after "
+        f"the config: coati-kto plan {path} --gpus 8 kto.beta=0.2{TAIL}"
+    )
+    assert (_suggested(line).gpus, _loaded(line, path).kto.beta) == (8, 0.2)
+
+
+def test_a_flat_trl_yaml_key_is_read_beside_the_others() -> None:
+    """trl_hint saw one key of a flat TRL YAML alone: dataset_config never joined dataset_name, and bf16 beside
+    use_peft (or a model.lora section) suggested output.export_dtype=fp32, which the config refuses with LoRA."""
+    flat = {"dataset_name": "trl-lib/kto", "dataset_config": "en", "model": {"path": "m"}}
+    assert trl_hint("dataset_config", "en", siblings=flat) == (
+        "TRL's dataset_config en is config=en in data.train_files"
+    )
+    assert trl_hint("dataset_name", "trl-lib/kto", siblings=flat) == (
+        "TRL's dataset_name trl-lib/kto is data.train_files=hf://datasets/trl-lib/kto?config=en"
+    )
+    refused = "final/ stays bf16: an fp32 export is refused with LoRA, tp_size > 1 or output.save_final false"
+    for siblings in ({"bf16": True, "use_peft": True}, {"bf16": True, "model": {"lora": {"rank": 4}}}):
+        assert (
+            trl_hint("bf16", True, siblings=siblings)
+            == f"TRL's bf16 true is plugin.precision=bf16 ({refused})"
+        )
+    # without siblings (and for a key that maps as is) the hint is what it was
+    assert trl_hint("bf16", True) == (
+        "TRL's bf16 true is plugin.precision=bf16 output.export_dtype=fp32 (fp32 final/ weights, as TRL saves)"
+    )
+    assert trl_hint("max_steps", 3) is None  # did_you_mean: train.max_steps (a key lost out of train:)
+
+
+def test_a_flat_trl_yaml_is_read_beside_its_other_keys_at_config_load(tmp_path: Path) -> None:
+    """Config load hands the file's top-level keys to each unknown key's line (it passed the key alone)."""
+    path = tmp_path / "flat.yaml"
+    path.write_text("dataset_name: trl-lib/kto\ndataset_config: en\nbf16: true\nuse_peft: true\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    lines = str(err.value).splitlines()
+    assert f"{path}:1: dataset_name: unknown key; TRL's dataset_name trl-lib/kto is " in lines[2]
+    assert lines[2].endswith("data.train_files=hf://datasets/trl-lib/kto?config=en"), lines
+    assert lines[4].endswith(
+        "plugin.precision=bf16 (final/ stays bf16: an fp32 export is refused with LoRA, tp_size > 1 or output.save_final false)"
+    ), lines
