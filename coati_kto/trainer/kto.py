@@ -199,7 +199,7 @@ class KTOTrainer(SLTrainer):
         wandb = None
         if use_wandb:
             wandb = {"project": options.wandb_project, "mode": options.wandb_mode, "dir": self._wandb_dir}
-            wandb["config"] = self.run_config
+            wandb.update(config=self.run_config, resume=resumed is not None)
         self._writer = MetricWriter(
             self.layout.is_main,
             log_dir,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import sys
 import time
 from collections.abc import Iterable
@@ -135,14 +136,37 @@ class MetricWriter:
                 tb.close()
 
 
+# The W&B run of an output directory, beside wandb's own files (output.overwrite clears both).
+WANDB_RUN_ID = "wandb/coati-kto-run-id"
+
+
 def _init_wandb(
-    project: str, mode: str, dir: str | Path, config: dict | None = None, name: str | None = None
+    project: str,
+    mode: str,
+    dir: str | Path,
+    config: dict | None = None,
+    name: str | None = None,
+    resume: bool = False,
 ):
-    """Start a W&B run. ``mode="offline"`` writes under ``dir/wandb`` and needs no network or login."""
+    """Start a W&B run. ``mode="offline"`` writes under ``dir/wandb`` and needs no network or login.
+
+    ``resume`` (a run resumed from a checkpoint): the W&B run this directory's earlier run started goes on, as
+    TensorBoard's curves go on in one directory; each resume opened a new W&B run, splitting every curve. Steps
+    an interrupted run logged after its last checkpoint are not rewritten (W&B keeps a run's steps increasing).
+    A ``WANDB_RUN_ID`` the user set is wandb's own choice and wins."""
     import wandb
 
-    Path(dir).mkdir(parents=True, exist_ok=True)
-    return wandb.init(project=project, mode=mode, dir=str(dir), config=config, name=name)
+    id_file = Path(dir) / WANDB_RUN_ID
+    id_file.parent.mkdir(parents=True, exist_ok=True)
+    earlier = {}
+    if resume and "WANDB_RUN_ID" not in os.environ and id_file.is_file():
+        earlier = {"id": id_file.read_text().strip(), "resume": "allow"}
+    run = wandb.init(project=project, mode=mode, dir=str(dir), config=config, name=name, **earlier)
+    if run.id != earlier.get("id"):
+        scratch = id_file.with_name(f".{id_file.name}.{os.getpid()}")
+        scratch.write_text(run.id + "\n")
+        scratch.replace(id_file)
+    return run
 
 
 _SHOWN = {
