@@ -285,8 +285,9 @@ class Config(_Section):
         import torch
 
         plugin = self.plugin
+        cuda = torch.cuda.is_available()
         resolved = resolve_attention(
-            self.model, self.data, plugin.tp_size, torch.cuda.is_available(), plugin.sp_size
+            self.model, self.data, plugin.tp_size, cuda, plugin.sp_size, plugin.pp_size
         )
         attention, padding_free, self._attention_note = resolved
         self.model.derive(attn_implementation=attention)

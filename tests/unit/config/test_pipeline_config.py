@@ -312,3 +312,26 @@ def test_a_files_mistakes_come_at_once_each_naming_its_lines(tmp_path: Path, tin
         f"{path}:10 and {path}:13",  # pp_size with eval.samples
         f"{path}:8 and {path}:10",  # pp_size with output.merge_lora
     ], lines
+
+
+def test_auto_attention_on_a_gpu_keeps_the_default_kernel_under_pp(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """On a GPU, auto chose flex_attention with every pass padding-free, and its note said so; the pipeline stages
+    run padded rows (a path flex was never proven on): under pp auto keeps the model's default kernel."""
+    import types
+
+    from coati_kto.config.attention import flex_refusal, resolve_attention
+
+    assert flex_refusal([str(tiny_model_dir)], 1, cuda=True) is None  # flex where nothing refuses it
+    assert flex_refusal([str(tiny_model_dir)], 1, cuda=True, pp_size=2) == (
+        "plugin.pp_size 2: the pipeline stages run padded rows, not padding-free passes"
+    )
+    model = types.SimpleNamespace(attn_implementation="auto", path=str(tiny_model_dir), reference_path=None)
+    data = types.SimpleNamespace(padding_free=False)
+    assert resolve_attention(model, data, 1, True, 1, 2) == (
+        None,
+        False,
+        "model.attn_implementation auto: the model's default kernel (plugin.pp_size 2: the pipeline stages run "
+        "padded rows, not padding-free passes)",
+    )
