@@ -17,6 +17,13 @@ once here); the bound is R = micro-batch rows of L = ``data.max_length``. Sequen
 rows on every sp rank. It is a bound: rows of one document each (every example at the longest) need no mask
 (``coati_kto.models.packing``), and flex_attention (a block mask) holds no such tensor.
 
+Padded rows under sdpa (``data.padding_free`` off, and every pipeline stage) get transformers' boolean padding
+mask [R, 1, L, L] where a micro-batch's rows differ in length; sdpa turns it into the working dtype in every
+layer and keeps that copy for the backward, with the grouped key-value heads repeated (measured on the CPU: per
+layer, R L^2 working bytes more than the same rows unpadded). Under checkpointing only the recomputed layer keeps
+one. The bound is every example at the longest but one (a micro-batch holds at least 2 rows). Eager attention
+adds the mask without keeping it, flash attention and flex_attention build none.
+
 The LM head: no [B, S, V] logits where the chunked head runs (``coati_kto.models.logprobs``: tp 1 and a plain
 head): the completion positions' hidden states, the logits kept for the backward while positions x vocabulary
 is under 2**24 fp32 elements (x16 on a GPU), and two fp32 blocks of 2**23 elements (2**26 on a GPU). Above
@@ -52,6 +59,7 @@ class Workload:
     accumulation_steps: int = 1
     device: str = "gpu"  # the head's chunk sizes: "cpu" or "gpu"
     dense_mask: bool = False  # padding-free rows with sdpa or eager: the [R, 1, L, L] mask (module docstring)
+    padded_mask: bool = False  # padded rows under sdpa: a [R, 1, L, L] mask per layer (module docstring)
     fused_norms: bool = False  # model.fused_norms: the RMSNorms keep less (layer_bytes)
 
     @classmethod
@@ -61,7 +69,7 @@ class Workload:
         soft-capping, a LLaVA's text model is a Llama)."""
         from coati_kto.parallel.model_shape import head_is_plain
 
-        lora = config.model.lora
+        lora, attention = config.model.lora, config.model.attn_implementation
         return cls(
             micro_batch=config.train.micro_batch_size,
             length=config.data.max_length,
@@ -74,7 +82,9 @@ class Workload:
             state_dtype=config.train.optimizer_state_dtype,
             accumulation_steps=config.train.accumulation_steps,
             device=device,
-            dense_mask=config.data.padding_free and config.model.attn_implementation != "flex_attention",
+            dense_mask=config.data.padding_free and attention != "flex_attention",
+            # pipeline stages run padded rows whatever data.padding_free says
+            padded_mask=attention == "sdpa" and (not config.data.padding_free or config.plugin.pp_size > 1),
             fused_norms=config.model.fused_norms,
         )
 
@@ -146,9 +156,8 @@ def activation_bytes(
     layers = shape.layers if layers is None else layers
     tokens = -(-work.micro_batch * work.length // sp)
     eager = work.eager_attention
-    per_layer = (
-        layer_bytes(shape, tp, sp, work.length, working, eager, work.dense_mask, work.fused_norms) * tokens
-    )
+    repeat_kv = work.dense_mask or work.padded_mask
+    per_layer = layer_bytes(shape, tp, sp, work.length, working, eager, repeat_kv, work.fused_norms) * tokens
     kept = shape.hidden * tokens * working if work.checkpointing else per_layer
     decoder = in_flight * layers * kept + (per_layer if work.checkpointing else 0)  # + one layer recomputed
     decoder += backward_bytes(shape, tp, working, work.checkpointing) * tokens
@@ -160,6 +169,13 @@ def activation_bytes(
         notes.append(
             f"up to a dense [{work.micro_batch}, 1, {work.length}, {work.length}] mask (padding-free rows that pack "
             "several documents; none where each row is one document)"
+        )
+    if work.padded_mask:  # each layer's own copy; under checkpointing only the recomputed layer keeps one
+        masks = 1 if work.checkpointing else in_flight * layers
+        decoder += masks * work.micro_batch * work.length * work.length * working
+        notes.append(
+            f"up to {masks} [{work.micro_batch}, 1, {work.length}, {work.length}] padding mask{'s' * (masks > 1)} "
+            "(sdpa keeps one per layer in the working dtype where a micro-batch's rows differ in length)"
         )
     if not last:
         return decoder, 0, ["none on this stage (the last stage holds it)", *notes]

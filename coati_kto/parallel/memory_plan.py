@@ -26,7 +26,7 @@ trains with:
   pass): each in-flight forward's output and received input, and the gradient received for a backward
   (:func:`coati_kto.parallel.stages.held_hidden`; an input the first layer keeps anyway, under checkpointing, a
   fused norm or fp32, is its activations'). The stages run padded rows (the config's padding-free rows are turned
-  off under pp): no dense mask.
+  off under pp): no packed mask, sdpa's padding masks instead (:mod:`coati_kto.parallel.activations`).
 
 The peak of a step is the static part (weights, masters and moments, reference, communication buffers) plus the
 largest of what comes and goes: the gradient pass's activations and p2p hidden states (with the accumulated
@@ -143,7 +143,9 @@ def plan_stages(shape: ModelShape, layout: Layout, work: Workload) -> list[Memor
     """The plan of each pipeline stage, stage 0 first (one plan when ``layout.pp`` is 1)."""
     if layout.pp == 1:
         return [_plan_stage(shape, layout, work, 0)]
-    work = dataclasses.replace(work, dense_mask=False)  # the stages run padded rows: no packed rows, no mask
+    # The stages run padded rows: no packed rows and no packed mask, sdpa's padding masks instead.
+    padded = work.padded_mask or (work.dense_mask and not work.eager_attention)
+    work = dataclasses.replace(work, dense_mask=False, padded_mask=padded)
     return [_plan_stage(shape, layout, work, stage) for stage in range(layout.pp)]
 
 
