@@ -35,6 +35,7 @@ from coati_kto.errors import ConfigError
 from coati_kto.outputs.export import check_masters_layout, export_target
 from coati_kto.outputs.model_card import CARD
 from coati_kto.parallel.distributed import on_rank0
+from coati_kto.parallel.stages import least_microbatches
 from coati_kto.recipe.components import build_trainer
 from coati_kto.recipe.save import save_final
 from coati_kto.recipe.setup import setup_export
@@ -126,8 +127,8 @@ def _export(
 
 
 def run_config(config: Config, path: Path) -> Config:
-    """The config the checkpoint at ``path`` was trained with (its output section and tensor-, sequence- and
-    pipeline-parallel sizes from ``config``): what the export and its card describe. Another model, tokenizer, LoRA or data is refused
+    """The config the checkpoint at ``path`` was trained with (its output section and its parallel layout from
+    ``config``): what the export and its card describe. Another model, tokenizer, LoRA or data is refused
     (check_resume); a changed training setting (kto.beta, train.lr...) would otherwise be written into the card
     as the run's."""
     saved = saved_trainer_state(path)["trainer_state"].get("config")
@@ -135,15 +136,28 @@ def run_config(config: Config, path: Path) -> Config:
         return config
     check_resume(saved, config.model_dump(mode="json"), path.name)
     current = config.model_dump(mode="json")
-    # The export's own layout: its tensor-, sequence- and pipeline-parallel sizes are this launch's, not the run's.
-    layout = ("tp_size", "sp_size", "sp_mode", "pp_size", "pp_style", "num_model_chunks")
+    # The export's own layout is this launch's, not the run's: its tensor-, sequence- and pipeline-parallel sizes,
+    # and the ZeRO stage (ColossalAI takes 0 or 1 under pp: a run trained at 2 exports at pp 2 with 1).
+    layout = ("tp_size", "sp_size", "sp_mode", "pp_size", "pp_style", "num_model_chunks", "zero_stage")
     plugin = {**saved["plugin"], **{k: current["plugin"][k] for k in layout if k in current["plugin"]}}
     data = {**saved["data"], **{k: current["data"][k] for k in ("prepared_dir", "num_proc")}}  # may move
+    return _validated({**saved, "output": current["output"], "plugin": plugin, "data": data}, path)
+
+
+def _validated(payload: dict, path: Path) -> Config:
+    """``payload`` (the run's config on the export's layout) validated. The schedule's rule that a training step
+    fills the pipeline stages (train.accumulation_steps >= pp_size) is not the export's: it trains nothing, so the
+    check runs with the fewest micro-batches the stages take and the config keeps the run's own (the card's)."""
+    plugin, train = payload["plugin"], payload["train"]
+    stages, style = int(plugin.get("pp_size", 1)), plugin.get("pp_style", "1f1b")
+    schedulable = least_microbatches(stages, style, int(train["accumulation_steps"]))
     try:
-        return Config.model_validate({**saved, "output": current["output"], "plugin": plugin, "data": data})
+        checked = Config.model_validate({**payload, "train": {**train, "accumulation_steps": schedulable}})
     except ValidationError as err:  # a run trained before a setting that did nothing there was refused
         problems = "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())
         raise ConfigError(
             f"checkpoint {path.name}: the config it was trained with no longer loads ({problems}); export "
             "describes the run by it: resume the run with that setting changed, and export the checkpoint it writes"
         ) from None
+    kept = checked.train.model_copy(update={"accumulation_steps": train["accumulation_steps"]})
+    return checked.model_copy(update={"train": kept})

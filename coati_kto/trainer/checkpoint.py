@@ -60,6 +60,7 @@ from coati_kto.trainer.export import (
     write_atomic,
     write_hf,
 )
+from coati_kto.trainer.tied_load import load_tied_aliases
 from coati_kto.trainer.write_failures import describe, held_write_failures, with_disk_hint
 
 
@@ -268,6 +269,7 @@ class CheckpointManager:
             raise UserError(f"train.resume {path}: {why}")
         save_tied_weights_once(base_module(model))
         self.booster.load_model(model, str(path / "model"))
+        load_tied_aliases(model, path / "model")  # a pp 1 checkpoint's tie, on the stage holding the LM head
         self.booster.load_optimizer(optimizer, str(path / "optimizer"))
         self.booster.load_lr_scheduler(lr_scheduler, str(path / "lr_scheduler.pt"))
         # sp_size and pp_size are absent from checkpoints written before them: those ran at 1.
