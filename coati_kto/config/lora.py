@@ -11,6 +11,10 @@ from pydantic import Field, field_validator
 from coati_kto.config.section import Section
 from coati_kto.families import vision_language
 
+_DEFAULT_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+# The layer classes peft's LoRA adapts as modules (a list target naming anything else fails in peft).
+PEFT_LAYERS = frozenset({"Linear", "Embedding", "Conv1d", "Conv2d", "Conv3d", "Conv1D", "MultiheadAttention"})
+
 
 class LoraSection(Section):
     """LoRA adapters (peft) on the policy; the reference is the same model with the adapters disabled."""
@@ -26,7 +30,7 @@ class LoraSection(Section):
         description="Recorded in adapter_config.json; training runs it at 0 like all dropout (deterministic KTO).",
     )
     target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"],
+        default_factory=lambda: list(_DEFAULT_TARGETS),
         min_length=1,
         description="Module names (suffixes) that get adapters; not the LM head (lm_head) or embeddings. "
         "Unset on a vision-language model: these names in its language model only.",
@@ -63,7 +67,7 @@ def peft_targets(section: LoraSection, model: Any = None) -> list[str] | str:
     is vision-language, one regex that peft matches in full: the same names under its decoder only."""
     targets = list(section.target_modules)
     decoder = _decoder_name(model)
-    if decoder is None or "target_modules" in section.model_fields_set:
+    if decoder is None or not default_targets(section):
         return targets
     return rf".*{re.escape(decoder)}\..*\.({'|'.join(re.escape(t) for t in targets)})"
 
@@ -73,7 +77,7 @@ def tower_refusal(section: LoraSection, model: Any) -> str | None:
     decoder (its vision tower or projector: frozen, their features computed once without gradient); None when
     none does, the targets are the default, or ``model`` is text-only."""
     decoder = _decoder_name(model)
-    if decoder is None or "target_modules" not in section.model_fields_set:
+    if decoder is None or default_targets(section):
         return None
     hits: dict[str, str] = {}  # each target's first module outside the decoder
     for name, _ in model.named_modules():
@@ -86,8 +90,58 @@ def tower_refusal(section: LoraSection, model: Any) -> str | None:
     return (
         f"model.lora.target_modules: {where} in the vision tower or projector of {type(model).__name__}, which "
         "stay frozen; name language-model modules only, or leave target_modules unset (its "
-        f"{', '.join(LoraSection.model_fields['target_modules'].default_factory())} in the language model)"
+        f"{', '.join(_DEFAULT_TARGETS)} in the language model)"
     )
+
+
+def default_targets(section: LoraSection) -> bool:
+    """Whether ``target_modules`` is the default list, by value: a config saved and read back (a checkpoint's
+    state, ``output.dir/config.yaml``) writes the default out, and must mean what the unset key meant."""
+    return list(section.target_modules) == _DEFAULT_TARGETS
+
+
+def target_matches(targets: list[str], model: Any) -> dict[str, list[tuple[str, Any]]]:
+    """Each of ``targets`` with the modules of ``model`` it names as peft matches a list target: the module's
+    name equal to it or ending with ``.`` and it."""
+    modules = list(model.named_modules())
+    return {t: [(n, m) for n, m in modules if n == t or n.endswith("." + t)] for t in targets}
+
+
+def embedding_refusal(section: LoraSection, model: Any) -> str | None:
+    """One line refusing the ``target_modules`` that name (as peft matches them) ``model``'s input or output
+    embeddings or any ``nn.Embedding`` (``model.embed_tokens``, ``embed_tokens_per_layer``...): the chunked LM
+    head reads the head's weight directly, and on a tied model the merged export came out wrong. None when none
+    does."""
+    inputs, outputs = _embeddings(model, "input"), _embeddings(model, "output")
+    hits = []
+    for target, found in target_matches(list(section.target_modules), model).items():
+        roles = [(n, _embedding_role(m, inputs, outputs)) for n, m in found]
+        hits += [f"{target} ({n}: {role})" for n, role in roles if role][:1]  # each target's first
+    if not hits:
+        return None
+    return (
+        f"model.lora.target_modules: {', '.join(hits)} of {type(model).__name__}: adapters on the embeddings or "
+        f"LM head are not supported; name linear layers: {', '.join(linear_layer_names(model))}"
+    )
+
+
+def _embedding_role(module: Any, inputs: Any, outputs: Any) -> str | None:
+    """What ``module`` is among the embeddings: the model's input embeddings, its LM head, another embedding."""
+    import torch
+
+    if module is inputs:
+        return "the input embeddings"
+    if module is outputs:
+        return "the LM head"
+    return "an embedding" if isinstance(module, torch.nn.Embedding) else None
+
+
+def _embeddings(model: Any, which: str) -> Any:
+    """``model.get_input_embeddings()`` (``which`` input) or ``get_output_embeddings()``; None where it has none."""
+    try:
+        return getattr(model, f"get_{which}_embeddings")()
+    except (AttributeError, NotImplementedError):
+        return None
 
 
 def _decoder_name(model: Any) -> str | None:

@@ -16,7 +16,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from coati_kto.config.lora import linear_layer_names, peft_config, tower_refusal
+from coati_kto.config.lora import (
+    PEFT_LAYERS,
+    embedding_refusal,
+    linear_layer_names,
+    peft_config,
+    target_matches,
+    tower_refusal,
+)
 from coati_kto.errors import ConfigError
 from coati_kto.models.hf import copy_processor_files
 
@@ -29,15 +36,22 @@ def enable_lora(booster: Any, model: torch.nn.Module, section: LoraSection) -> t
 
     Every rank calls with the same seed: A is drawn from the torch RNG, so every rank gets the same adapters.
     A vision-language model's adapters go in its language model only: ConfigError (one line) for a user target
-    in its tower or projector (the preflight's check, again for a model.path it could not build).
+    in its tower or projector, or naming an embedding or the LM head, or that peft refuses (matching nothing, or
+    a module it cannot wrap): the preflight's checks, again for a model.path it could not build (a Hub id,
+    remote code).
     """
-    refusal = tower_refusal(section, model)
-    if refusal is not None:
-        raise ConfigError(refusal)
+    for refusal in (tower_refusal(section, model), embedding_refusal(section, model)):
+        if refusal is not None:
+            raise ConfigError(refusal)
     config = peft_config(section, model)
     # before peft wraps them in place (base_layer, default)
     linear = linear_layer_names(model)
-    policy = booster.enable_lora(model, lora_config=config)
+    matches = target_matches(list(section.target_modules), model)
+    try:
+        policy = booster.enable_lora(model, lora_config=config)
+    # peft's NoMatchingPeftModuleError is a ValueError, as is its "Target module ... is not supported"
+    except ValueError as err:
+        raise ConfigError(peft_refusal(err, matches, type(model).__name__, linear)) from None
     missing = unmatched_targets(section, config, peft_model(policy))
     if missing:  # peft refuses only when none matches; the preflight checks a local model.path only
         raise ConfigError(
@@ -45,6 +59,25 @@ def enable_lora(booster: Any, model: torch.nn.Module, section: LoraSection) -> t
             f"linear layers: {', '.join(linear)}"
         )
     return policy
+
+
+def peft_refusal(
+    err: ValueError, matches: dict[str, list[tuple[str, Any]]], model: str, linear: list[str]
+) -> str:
+    """One line for peft's refusal ``err`` of the targets (``matches``: each with the modules it names, read
+    before peft wrapped any) on the model class ``model`` whose linear layers are ``linear``, as the preflight
+    words it: the targets that matched nothing, or the module types LoRA cannot wrap, or peft's first line."""
+    from peft import NoMatchingPeftModuleError
+
+    where = f"{model}; its linear layers: {', '.join(linear)}"
+    missing = [t for t, hits in matches.items() if not hits]
+    if isinstance(err, NoMatchingPeftModuleError):
+        return f"model.lora.target_modules: {', '.join(missing or matches)} match no module of {where}"
+    kinds = sorted({type(m).__name__ for hits in matches.values() for _, m in hits} - PEFT_LAYERS)
+    if "is not supported" in str(err) and kinds:
+        return f"model.lora.target_modules: peft cannot put adapters on {', '.join(kinds)} (not a linear layer) of {where}"
+    first = str(err).strip().splitlines()[0].rstrip("(").strip() if str(err).strip() else type(err).__name__
+    return f"model.lora: peft refuses it for {model}: {first}"
 
 
 def unmatched_targets(section: LoraSection, config: Any, peft: Any) -> list[str]:

@@ -64,7 +64,7 @@ class ModelShape:
     vocab_params: int  # embeddings and an untied head: vocab x hidden each
     split_params: int  # the decoder layers' projections (and their biases): 1/tp each
     whole_params: int  # norms and the like: whole on every tensor-parallel rank
-    lora_linears: tuple[tuple[str, int, int], ...]  # (module suffix, in, out) of every Linear in the layers
+    lora_linears: tuple[tuple[str, int, int], ...]  # (module name, in, out) of every Linear in the layers
     outer_whole_params: int = 0  # of whole_params, those outside the decoder layers (the final norm)
     # Per token, the MLP's intermediate width: top-k x a routed expert's + a shared expert's (MoE; the widest
     # layer where layers mix dense and MoE MLPs); 0: a dense ``intermediate``.
@@ -100,8 +100,13 @@ class ModelShape:
         return vocab + split + whole + (self.outer_whole_params if last else 0)
 
     def lora_params(self, rank: int, targets: list[str]) -> int:
-        """Adapter parameters: r x (in + out) for every Linear whose name ends with one of ``targets``."""
-        return sum(rank * (i + o) for name, i, o in self.lora_linears if name in targets)
+        """Adapter parameters: r x (in + out) for every Linear one of ``targets`` names as peft matches it (the
+        module's name equal to the target or ending with ``.`` and it: ``q_proj``, ``self_attn.q_proj``)."""
+        return sum(
+            rank * (i + o)
+            for name, i, o in self.lora_linears
+            if any(name == t or name.endswith("." + t) for t in targets)
+        )
 
 
 def read_config_json(source: str, key: str = "model.path") -> dict[str, Any]:
@@ -244,7 +249,7 @@ def _count(model: Any, text: Any) -> ModelShape:
             counts["whole"] += param.numel()
             counts["outer"] += 0 if ".layers." in name else param.numel()
     linears = tuple(
-        (name.rsplit(".", 1)[-1], m.in_features, m.out_features)
+        (name, m.in_features, m.out_features)
         for name, m in model.named_modules()
         if isinstance(m, nn.Linear) and ".layers." in name
     )

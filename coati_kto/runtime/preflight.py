@@ -21,7 +21,14 @@ from pathlib import Path
 from coati_kto.config.hub import HubDataset, hub_offline, hub_token, missing_path, offline_name
 from coati_kto.config.hub import hub_problems as _hub_problems
 from coati_kto.config.hub import looks_like_path as _looks_like_path
-from coati_kto.config.lora import linear_layer_names, peft_config, tower_refusal
+from coati_kto.config.lora import (
+    PEFT_LAYERS,
+    embedding_refusal,
+    linear_layer_names,
+    peft_config,
+    target_matches,
+    tower_refusal,
+)
 from coati_kto.config.output import OutputSection
 from coati_kto.config.schema import Config, DataSection, ModelSection, PluginSection, TrainSection
 from coati_kto.data.files import resolve_files
@@ -164,18 +171,16 @@ def _lora_problems(model_section: ModelSection) -> list[str]:
             model = auto_model_class(base).from_config(base)
     except (OSError, ValueError, KeyError):
         return []  # an unloadable config is reported by _source_problems
-    tower = tower_refusal(
-        lora, model
-    )  # suffixes like q_proj would put adapters in the frozen vision tower too
-    if tower is not None:
-        return [tower]
-    modules = dict(model.named_modules())
+    # suffixes like q_proj would put adapters in the frozen vision tower too; model.embed_tokens ends like one
+    refused = [r for r in (tower_refusal(lora, model), embedding_refusal(lora, model)) if r is not None]
+    if refused:
+        return refused
     linear = linear_layer_names(model)
-    found = {t: [m for n, m in modules.items() if n == t or n.endswith("." + t)] for t in lora.target_modules}
+    found = {t: [m for _, m in hits] for t, hits in target_matches(list(lora.target_modules), model).items()}
     remapped, peft_refused = _peft_remapped(model, lora)  # after the names above: peft wraps in place
     missing = [t for t, hits in found.items() if not hits and t not in remapped]
     unsupported = sorted(
-        {type(m).__name__ for t, hits in found.items() if t not in remapped for m in hits} - _PEFT_LAYERS
+        {type(m).__name__ for t, hits in found.items() if t not in remapped for m in hits} - PEFT_LAYERS
     )
     problems, where = [], f"{type(model).__name__} ({path}); its linear layers: {', '.join(linear)}"
     if missing:
@@ -188,12 +193,6 @@ def _lora_problems(model_section: ModelSection) -> list[str]:
     elif peft_refused and not missing:  # e.g. lora_dropout on the MoE parameters peft adapts (ParamWrapper)
         problems.append(f"model.lora: peft refuses it for {type(model).__name__} ({path}): {peft_refused}")
     return problems
-
-
-# The layer classes peft's LoRA adapts as modules (a list target naming anything else fails in peft).
-_PEFT_LAYERS = frozenset(
-    {"Linear", "Embedding", "Conv1d", "Conv2d", "Conv3d", "Conv1D", "MultiheadAttention"}
-)
 
 
 def _peft_remapped(model: object, lora: object) -> tuple[set[str], str]:

@@ -304,3 +304,19 @@ def test_the_logits_path_at_tp_1_gathers_nothing(tiny_shape: ModelShape) -> None
     _, head, notes = activation_bytes(tiny_shape, 2, 1, 2, work)
     assert head == 2 * 16 * 512 * 2 + 16 * 256 * 2 + 2 * 4 * 16 * 512
     assert notes[0] == "the [B, S, V] logits (tensor parallelism gathers the vocabulary)"
+
+
+def test_lora_params_match_dotted_targets_as_peft_does(tiny_model_dir: Path, tiny_shape: ModelShape) -> None:
+    """``self_attn.q_proj`` names every layer's q_proj for peft (a suffix after a dot): the plan counted 0."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    targets = ["self_attn.q_proj", "layers.1.self_attn.v_proj", "mlp.down_proj"]
+    config = peft.LoraConfig(r=8, target_modules=targets)
+    adapted = peft.get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir), config)
+    trainable = sum(p.numel() for p in adapted.parameters() if p.requires_grad)
+    # q_proj in both layers, v_proj in layer 1, down_proj (intermediate 128 -> 64) in both
+    assert tiny_shape.lora_params(8, targets) == trainable == 8 * (2 * 128 + 128 + 2 * (128 + 64))
+    assert (
+        tiny_shape.lora_params(8, ["attn.q_proj", "q"]) == 0
+    )  # a suffix counts only after a dot, as in peft
