@@ -22,8 +22,9 @@ Contract (micro_batch_size m >= 2, R = num_replicas, both labels present):
   calls ``load_state_dict({"epoch": e, "position": k})``; the other keys are optional and validated.
 * Resume on another layout (number of ranks or micro-batch size): ``load_state_dicts(states)`` takes every
   rank's state of the saved run; the examples of that epoch's plan not yet consumed by any rank are re-planned
-  over this sampler's ranks (coati_kto.data.replan: each used once, mixed while the minority lasts, sizes within
-  one), then later epochs follow this sampler's own plan. A state saved inside a re-planned epoch records where
+  over this sampler's ranks (coati_kto.data.replan: each used at least once, every micro-batch mixed, the
+  minority repeated evenly where fewer remain than micro-batches, sizes 2 to m and within one), then later
+  epochs follow this sampler's own plan. A state saved inside a re-planned epoch records where
   its plan came from (``replanned_from``), so it can be resumed again, on any layout.
 """
 
