@@ -9,7 +9,8 @@ ranks at ``kto.precompute_batch_size``, and global rank 0 writes
 
 The key covers what changes the values: the prepared data (its fingerprint digest: files, tokenizer,
 lengths, seed...), the reference weights by content (sha256 of the weight files and config.json, not the
-path), the dtype, the attention implementation and the lengths. Anything else (beta, lambdas, lr, seed-free
+path), the dtype, the attention implementation, the lengths, and whether the trained fp32 parameters are rounded
+to the working dtype (a full run's, not LoRA's). Anything else (beta, lambdas, lr, seed-free
 settings, steps, the plugin layout) reuses the cache. A cache for another key is never used: the missing one
 is computed and the reason said in one line; a damaged cache (unreadable, wrong shape, checksum mismatch) is
 recomputed the same way. The directory appears by rename, complete or not at all. A rebuilt prepared_dir
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 from coati_kto.data.store import read_fingerprint
@@ -54,6 +56,10 @@ def cache_key(settings: ReferenceSettings, data_digest: str, reference_weights: 
         "max_length": settings.data.max_length,
         "max_prompt_length": settings.data.max_prompt_length,
         "scored_tokens": "completion",  # KTOTrainer's apply_loss_mask=True, what train builds
+        # Trained in full (no LoRA), the fp32 parameters the policy trains (MoE routers) run in the working dtype,
+        # and so does the reference that precompute loads (models.hf.load_reference): other values than a LoRA
+        # run's reference keeps in fp32.
+        "trainable_rounded": settings.model.lora is None and settings.dtype != torch.float32,
     }
     key["digest"] = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     return key
@@ -98,18 +104,35 @@ def _write(directory: Path, key: dict, values: dict[str, np.ndarray], seconds: f
         }
         (work / "meta.json").write_text(json.dumps(meta, indent=2))
         with STOP.held():  # the damaged cache out and this one in, then the stop's line says it is complete
-            if directory.exists():
-                shutil.rmtree(directory)
-            work.rename(directory)
+            _replace(directory, work, key, meta["rows"])
             STOP.leaves(f"the reference cache {directory} is complete")
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _replace(directory: Path, work: Path, key: dict, rows: dict[str, int]) -> None:
+    """``work`` renamed to ``directory``. One already there that reads whole (another job sharing the prepared
+    data wrote the same key meanwhile) is kept: deleting it would pull its files from under that job's readers. A
+    damaged one is renamed aside first, so a reader finds a whole cache or none, then deleted."""
+    if directory.exists():
+        try:
+            _read(directory, key, rows)
+            return
+        except ValueError:
+            aside = directory.with_name(f".{directory.name}.old-{uuid.uuid4().hex[:8]}")
+            directory.rename(aside)
+            work.rename(directory)
+            shutil.rmtree(aside, ignore_errors=True)
+            return
+    work.rename(directory)
 
 
 def _why_missing(root: Path, key: dict) -> str:
     """One phrase: what differs from the newest other cache (so a recomputation is never silent)."""
     metas = []
     for meta_file in root.glob("*/meta.json"):
+        if meta_file.parent.name.startswith("."):  # a write in progress or left by a kill, or one set aside
+            continue
         try:
             metas.append((meta_file.stat().st_mtime, json.loads(meta_file.read_text())["key"]))
         except (OSError, ValueError, KeyError):
