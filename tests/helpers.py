@@ -202,3 +202,16 @@ def hub_cache_config(root: Path, repo: str, raw: dict, monkeypatch: Any) -> None
     (folder / "refs").mkdir()
     (folder / "refs" / "main").write_text("0" * 40)
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(root))
+
+
+# SmolLM2-135M's config.json shape (a Llama): 9 query over 3 key-value heads, which neither tp 2 nor sp 2 splits.
+SMOLLM2 = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "vocab_size": 49152,
+}

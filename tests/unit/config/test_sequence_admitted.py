@@ -11,7 +11,7 @@ import types
 from pathlib import Path
 
 import pytest
-from helpers import MINIMAL, hub_cache_config, write_config
+from helpers import MINIMAL, SMOLLM2, hub_cache_config, write_config
 
 from coati_kto.config.load import load_config
 from coati_kto.errors import ConfigError
@@ -19,17 +19,6 @@ from coati_kto.errors import ConfigError
 SP = ["plugin.sp_size=2", "data.padding_free=true", "model.attn_implementation=sdpa"]
 FP32 = ["plugin.precision=fp32", "plugin.zero_stage=0"]
 BF16 = ["plugin.precision=bf16", "plugin.zero_stage=2"]
-# SmolLM2-135M's heads (a Llama): 9 query over 3 key-value heads, which sp 2 cannot split.
-SMOLLM2 = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "vocab_size": 49152,
-}
 
 
 def _load(tmp_path: Path, model: Path | str, *overrides: str):

@@ -7,23 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from helpers import MINIMAL, hub_cache_config, write_config
+from helpers import MINIMAL, SMOLLM2, hub_cache_config, write_config
 
 from coati_kto.config.load import load_config
 from coati_kto.errors import ConfigError
 from coati_kto.parallel.plan import ParallelPlan
-
-# SmolLM2-135M's shape (a Llama): 9 query over 3 key-value heads, which tp 2 cannot split; 30 layers.
-SMOLLM2 = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "vocab_size": 49152,
-}
 
 
 def _problems(tmp_path: Path, model: str, *overrides: str) -> list[str]:
