@@ -60,7 +60,13 @@ port=${MASTER_PORT:-29500}
 
 args=(--nproc_per_node "$nproc" --master_port "$port")
 if [[ -n ${HOSTFILE:-} ]]; then
-    args+=(--hostfile "$HOSTFILE" --master_addr "${MASTER_ADDR:?set MASTER_ADDR to the first host address}")
+    # Read from where you are, as CONFIG (the launch runs from the repo root, below).
+    if [[ ! -f $HOSTFILE ]]; then
+        echo "colossalai_run.sh: HOSTFILE $HOSTFILE: no such file (from $PWD)" >&2
+        exit 2
+    fi
+    args+=(--hostfile "$(realpath -- "$HOSTFILE")")
+    args+=(--master_addr "${MASTER_ADDR:?set MASTER_ADDR to the first host address}")
 fi
 
 cd "$repo"

@@ -29,6 +29,7 @@ import time
 from multiprocessing.connection import wait
 from typing import Any
 
+from coati_kto.errors import USER_ERROR_EXIT_CODE
 from coati_kto.runtime.signals import STOP_EXIT_CODE
 
 DEFAULT_GRACE_S = 30.0
@@ -76,9 +77,8 @@ def _run_on_host(hostinfo: Any, workdir: str, recv_conn: Any, send_conn: Any, en
 
     fabric.Connection.local = exit_aware(fabric.Connection.local)
     fabric.Connection.run = exit_aware(fabric.Connection.run)
-    multinode_runner.original_run_on_host(
-        hostinfo, workdir, recv_conn, _ExitAwareConn(send_conn, exited), env
-    )
+    # Its cd escapes spaces only: the command's own quoted cd (``_quoting``) goes to ``workdir``.
+    multinode_runner.original_run_on_host(hostinfo, "/", recv_conn, _ExitAwareConn(send_conn, exited), env)
 
 
 def _recv_from_all(self) -> dict[str, str]:
@@ -137,10 +137,15 @@ def main(argv: list[str] | None = None) -> None:
         "colossalai.cli.launcher.run"
     )  # the module; ``run`` is its click command
     commands.get_launch_command = _quoting(commands.get_launch_command)
+    _leave_out_of_the_export_line()
     try:
         run.main(args=argv, prog_name="colossalai run")
     except SystemExit as done:
-        if done.code not in (None, 0) or not _node_exits:  # a node failed, or every node succeeded
+        # ColossalAI ends its own checks (no such hostfile, a host twice, an unknown --include host) with a bare
+        # exit() after one line: a user mistake, not the success its status None would say.
+        if done.code is None:
+            raise SystemExit(USER_ERROR_EXIT_CODE) from None
+        if done.code != 0 or not _node_exits:  # a node failed, or every node succeeded
             raise
         # No node failed: the most basic passed code wins (a user mistake, then a failed upload, then a stop).
         code = min(_node_exits.values())
@@ -152,10 +157,28 @@ def main(argv: list[str] | None = None) -> None:
 
 def _quoting(get_launch_command: Any) -> Any:
     """ColossalAI's get_launch_command with the script and each of its arguments shell-quoted (it joins them into
-    the command each node's shell runs)."""
+    the command each node's shell runs), after a quoted ``cd`` to this directory: ColossalAI's own ``cd`` (its
+    node runner's workdir, here ``/``: ``_run_on_host``) escapes spaces only, so a repository path holding a
+    quote or a ``$`` broke every node's command."""
 
     def quoted(*args: Any, user_script: str, user_args: list[str], **kwargs: Any) -> str:
         user_args = [shlex.quote(a) for a in user_args]
-        return get_launch_command(*args, user_script=shlex.quote(user_script), user_args=user_args, **kwargs)
+        command = get_launch_command(*args, user_script=shlex.quote(user_script), user_args=user_args, **kwargs)
+        return f"cd {shlex.quote(os.getcwd())} && {command}"
 
     return quoted
+
+
+def _leave_out_of_the_export_line() -> None:
+    """Take out of this process's environment what ColossalAI's ``export K="V" ...`` line (run by every node's
+    shell, over SSH, printed whole when a node fails) cannot carry or must not: a value holding ``$``, a double
+    quote, a backquote or a backslash (it broke the line, or ran as a command on every node) and secret-looking
+    names (``is_secret_name``: credentials reach the nodes as files). One line names them."""
+    from coati_kto.parallel.distributed import is_secret_name
+
+    unsafe = set('$"`\\')
+    dropped = sorted(k for k, v in os.environ.items() if unsafe & set(v) or is_secret_name(k))
+    for name in dropped:
+        del os.environ[name]
+    if dropped:
+        print(f"launcher: not passed to the nodes: {', '.join(dropped)}", file=sys.stderr, flush=True)

@@ -77,3 +77,42 @@ def test_the_step_starts_in_a_repo_whose_path_has_quotes_with_every_argument_int
     assert launcher[launcher.index("--nproc_per_node") + 1] == "2"
     assert launcher[launcher.index("--master_addr") + 1] == "node-a"
     assert train == ["-m", "coati_kto", "train", *args, *(["train.resume=auto"] if restarts else [])]
+
+
+def _stand_ins(tmp_path: Path) -> dict[str, str]:
+    bin_dir = tmp_path / "bin"
+    _executable(bin_dir / "srun", SRUN)
+    _executable(bin_dir / "scontrol", SCONTROL)
+    _executable(bin_dir / "scancel", "#!/usr/bin/env bash\nexit 0\n")
+    environ = {
+        **os.environ,
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "SLURM_JOB_ID": "7",
+        "SLURM_JOB_NODELIST": "node-a",
+        "SLURM_JOB_NUM_NODES": "1",
+        "SLURM_CPUS_ON_NODE": "2",
+        "STEP_RECORD": str(tmp_path / "step.json"),
+    }
+    for name in ("SLURM_GPUS_ON_NODE", "NPROC_PER_NODE", "COATI_KTO_REPO", "SLURM_RESTART_COUNT"):
+        environ.pop(name, None)
+    return environ
+
+
+def test_a_job_submitted_from_elsewhere_runs_the_repo_coati_kto_repo_names(tmp_path: Path) -> None:
+    """The step ran $SLURM_SUBMIT_DIR/.venv/bin/python: a job submitted from another directory failed on every
+    node with exit 127 once the allocation was granted. COATI_KTO_REPO names the repository; without it and
+    without a .venv where sbatch ran, one line and exit 2 before any step starts."""
+    repo, elsewhere = tmp_path / "repo", tmp_path / "runs"
+    _executable(repo / ".venv" / "bin" / "python", PYTHON)
+    elsewhere.mkdir()
+    environ = {**_stand_ins(tmp_path), "SLURM_SUBMIT_DIR": str(elsewhere)}
+    run = ["bash", str(SBATCH), "configs/x.yaml"]
+    missing = subprocess.run(run, env=environ, cwd=elsewhere, capture_output=True, text=True, timeout=60)
+    assert missing.returncode == 2
+    assert missing.stderr.strip().splitlines()[-1] == (
+        f"coati-kto: no {elsewhere}/.venv/bin/python: run sbatch from the repository, or set COATI_KTO_REPO to it"
+    )
+    environ["COATI_KTO_REPO"] = str(repo)
+    done = subprocess.run(run, env=environ, cwd=elsewhere, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "step.json").read_text())["cwd"] == str(repo)
