@@ -45,7 +45,9 @@ from coati_kto.data.tables import build_split, progress_bars
 from coati_kto.data.tokenize import pad_id
 from coati_kto.errors import DataError
 
-PIPELINE_VERSION = 5  # bump when the prepared rows change for the same inputs
+PIPELINE_VERSION = (
+    6  # bump when the prepared rows change for the same inputs (6: a cut ChatML prompt keeps no <|im_start|>)
+)
 # 2: ids of the whole text tokenized once (SentencePiece-style tokenizers lost their spurious "▁"); eval split
 #    by prompt group; content hash of the input files.
 # 3: a cut prompt keeps its BOS; a boundary token holding only the completion's leading whitespace stays with the

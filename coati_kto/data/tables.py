@@ -32,7 +32,7 @@ from coati_kto.data.images import image_cut, image_stats
 from coati_kto.data.kl_pairs import derangement, pair_stats
 from coati_kto.data.settings import PrepareSettings
 from coati_kto.data.splits import label_counts, require_both_labels
-from coati_kto.data.tokenize import Encoder, join_truncated, truncation
+from coati_kto.data.tokenize import Encoder, join_truncated, kept_bos, truncation
 from coati_kto.errors import DataError
 
 MIN_ROWS_PER_PROC = 1000  # below this a worker process costs more than it saves
@@ -297,7 +297,8 @@ def build_split(
     require_chat_template(tokenizer, records, settings.model)  # once, not one failure per record
     table = _encode(records, tokenizer, settings, work, name, processor)
     errors, skipped = _skipped_records(table, settings.data.on_bad_record)
-    fit = _fit(table, errors, settings.data, tokenizer.bos_token_id)
+    bos = kept_bos(tokenizer)
+    fit = _fit(table, errors, settings.data, bos)
     table = table.take(fit.rows)
     labels = table.column("label").to_numpy(zero_copy_only=False).astype(bool)
     left = fit.dropped + fit.image_cut  # a split short of a label for its length is not short of data
@@ -312,5 +313,5 @@ def build_split(
             table.column("image_tokens").to_numpy(),
             fit.keep_p + fit.keep_c,
         )
-    rows = _rows(table, fit, labels, pi, settings.data, tokenizer.bos_token_id)
+    rows = _rows(table, fit, labels, pi, settings.data, bos)
     return datasets.Dataset(InMemoryTable(rows)), stats, skipped, fit.left_out

@@ -130,6 +130,37 @@ def test_duplicate_prompts_reported(tmp_path: Path, tiny_model_dir: Path) -> Non
     }
 
 
+def test_a_cut_chatml_prompt_keeps_no_turn_opener_as_its_bos(
+    tmp_path: Path, tiny_model_dir: Path, tiny_tokenizer
+) -> None:
+    """The tiny ChatML tokenizer (as `coati-kto tiny-model` builds it, and some hub ChatML tokenizers) names
+    <|im_start|> its BOS, which it never puts before text: a cut prompt kept it, before text from inside a turn
+    (`<|im_start|>ase<|im_end|>...`). Only a real BOS is kept (the tokenizer adds it, or the template renders it)."""
+    from helpers import CORPUS
+
+    from coati_kto.data.tokenize import kept_bos
+    from coati_kto.testing.tiny import build_tokenizer
+
+    assert tiny_tokenizer.bos_token == "<|im_start|>" and kept_bos(tiny_tokenizer) is None
+    for style in ("llama3", "gemma", "mistral"):
+        styled = build_tokenizer(CORPUS, 300, style=style)
+        assert kept_bos(styled) == styled.bos_token_id, style
+    records = [chat_row(i, i % 2 == 0) for i in range(8)]
+    for record in records:
+        record["messages"][1]["content"] = "please tell me the weather " * 6
+    path = write_jsonl(tmp_path / "t.jsonl", records)
+    out = prepare(
+        *data_settings(
+            make_config(tmp_path, tiny_model_dir, [str(path)], max_length=24, max_prompt_length=12)
+        )
+    )
+    opener = tiny_tokenizer.convert_tokens_to_ids("<|im_start|>")
+    assert out.stats["train"]["truncated"]["prompt"] == 8
+    for r in out.train:
+        for ids in ("input_ids", "kl_input_ids"):
+            assert r[ids][0] != opener, tiny_tokenizer.decode(r[ids])
+
+
 def test_truncation_is_counted(tmp_path: Path, tiny_model_dir: Path, tiny_tokenizer) -> None:
     long_prompt = [{"prompt": "word " * (40 + i), "completion": " ok", "label": i % 2 == 0} for i in range(6)]
     long_completion = [
@@ -169,7 +200,9 @@ def test_truncation_is_counted(tmp_path: Path, tiny_model_dir: Path, tiny_tokeni
 # whole Config (issue 45 part 3): a digest that moves rebuilds every user's prepared data. Recomputed on purpose
 # for PIPELINE_VERSION 5 and its "checkpoint_eos" part (rows numbered from 1, the checkpoint's EOS for a
 # tokenizer without one): at 4 they were {"eval_fraction": "ab70f6b0333af7d6", "eval_files": "85913658aceda49c"}.
-FINGERPRINTS_BEFORE_SETTINGS = {"eval_fraction": "31d6ac04ec36b434", "eval_files": "baad23c1b31ec9bf"}
+# Recomputed on purpose for PIPELINE_VERSION 6 (a cut prompt keeps no <|im_start|> a ChatML tokenizer names its
+# BOS): at 5 they were {"eval_fraction": "31d6ac04ec36b434", "eval_files": "baad23c1b31ec9bf"}.
+FINGERPRINTS_BEFORE_SETTINGS = {"eval_fraction": "8ae3b2de716c2220", "eval_files": "09b5881959d7742b"}
 
 
 def test_fingerprint_of_a_fixed_config_is_unchanged(tmp_path: Path, monkeypatch) -> None:
