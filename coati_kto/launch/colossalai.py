@@ -163,7 +163,9 @@ def _quoting(get_launch_command: Any) -> Any:
 
     def quoted(*args: Any, user_script: str, user_args: list[str], **kwargs: Any) -> str:
         user_args = [shlex.quote(a) for a in user_args]
-        command = get_launch_command(*args, user_script=shlex.quote(user_script), user_args=user_args, **kwargs)
+        command = get_launch_command(
+            *args, user_script=shlex.quote(user_script), user_args=user_args, **kwargs
+        )
         return f"cd {shlex.quote(os.getcwd())} && {command}"
 
     return quoted
