@@ -17,6 +17,7 @@ import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import datasets
 import numpy as np
@@ -32,7 +33,7 @@ from coati_kto.data.images import image_cut, image_stats
 from coati_kto.data.kl_pairs import derangement, pair_stats
 from coati_kto.data.settings import PrepareSettings
 from coati_kto.data.splits import label_counts, require_both_labels
-from coati_kto.data.tokenize import Encoder, join_truncated, kept_bos, truncation
+from coati_kto.data.tokenize import Encoder, bos_prefix, join_truncated, truncation
 from coati_kto.errors import DataError
 
 MIN_ROWS_PER_PROC = 1000  # below this a worker process costs more than it saves
@@ -152,6 +153,18 @@ class _Fitted:
 # stats.json's "dropped" key, by data.on_too_long ("error" raised on a row too long: what it drops has no room left)
 DROP_REASON = {"skip": "too_long", "truncate": "no_room_for_completion", "error": "no_room_for_completion"}
 IMAGE_CUT = "image_cut"  # stats.json's "dropped" key: a prompt cut would reach an image's tokens
+
+
+def kept_bos(tokenizer: Any) -> int | None:
+    """The id a cut prompt keeps at its head: the tokenizer's BOS where it is one (the tokenizer puts it before
+    plain text, or the chat template renders ``bos_token``), else None: a ChatML tokenizer whose ``bos_token`` is
+    ``<|im_start|>`` opens every turn with it, and a cut prompt kept it before text from inside a turn."""
+    bos = tokenizer.bos_token_id
+    if bos is None or bos_prefix(tokenizer):
+        return bos
+    template = tokenizer.chat_template
+    texts = template.values() if isinstance(template, dict) else [template or ""]
+    return bos if any("bos_token" in text for text in texts) else None
 
 
 def _heads(prompts: pa.ListArray, p_len: np.ndarray, bos_id: int | None) -> np.ndarray:

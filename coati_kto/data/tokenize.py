@@ -106,18 +106,6 @@ def bos_prefix(tokenizer: PreTrainedTokenizerBase) -> list[int]:
     return []
 
 
-def kept_bos(tokenizer: PreTrainedTokenizerBase) -> int | None:
-    """The id a cut prompt keeps at its head: the tokenizer's BOS where it is one (the tokenizer puts it before
-    plain text, or the chat template renders ``bos_token``), else None: a ChatML tokenizer whose ``bos_token`` is
-    ``<|im_start|>`` opens every turn with it, and a cut prompt kept it before text from inside a turn."""
-    bos = tokenizer.bos_token_id
-    if bos is None or bos_prefix(tokenizer):
-        return bos
-    template = tokenizer.chat_template
-    texts = template.values() if isinstance(template, dict) else [template or ""]
-    return bos if any("bos_token" in text for text in texts) else None
-
-
 def prompt_hash(text: str, images: list[bytes] | tuple[bytes, ...] = ()) -> int:
     """A stable 63-bit id of a rendered prompt and the sha256 of each of its images (KL pairs avoid pairing
     examples with equal prompts; the same words with other images are another prompt)."""

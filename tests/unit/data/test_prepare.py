@@ -138,7 +138,7 @@ def test_a_cut_chatml_prompt_keeps_no_turn_opener_as_its_bos(
     (`<|im_start|>ase<|im_end|>...`). Only a real BOS is kept (the tokenizer adds it, or the template renders it)."""
     from helpers import CORPUS
 
-    from coati_kto.data.tokenize import kept_bos
+    from coati_kto.data.tables import kept_bos
     from coati_kto.testing.tiny import build_tokenizer
 
     assert tiny_tokenizer.bos_token == "<|im_start|>" and kept_bos(tiny_tokenizer) is None
