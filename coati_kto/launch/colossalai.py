@@ -175,11 +175,10 @@ def _leave_out_of_the_export_line() -> None:
     """Take out of this process's environment what ColossalAI's ``export K="V" ...`` line (run by every node's
     shell, over SSH, printed whole when a node fails) cannot carry or must not: a value holding ``$``, a double
     quote, a backquote or a backslash (it broke the line, or ran as a command on every node) and secret-looking
-    names (``is_secret_name``: credentials reach the nodes as files). One line names them."""
-    from coati_kto.parallel.distributed import is_secret_name
+    names (``unexportable``: credentials reach the nodes as files). One line names them."""
+    from coati_kto.parallel.distributed import unexportable
 
-    unsafe = set('$"`\\')
-    dropped = sorted(k for k, v in os.environ.items() if unsafe & set(v) or is_secret_name(k))
+    dropped = unexportable(os.environ)
     for name in dropped:
         del os.environ[name]
     if dropped:

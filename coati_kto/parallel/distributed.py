@@ -13,7 +13,7 @@ import pickle
 import random
 import re
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -55,6 +55,14 @@ def is_secret_name(name: str) -> bool:
     return upper not in _NOT_SECRETS and any(part in upper for part in _SECRET_PARTS)
 
 
+def unexportable(environ: Mapping[str, str]) -> list[str]:
+    """The names of ``environ`` that ColossalAI's ``export K="V" ...`` line cannot carry or must not: a value
+    holding ``$``, a double quote, a backquote or a backslash (the line breaks, or ``$(...)`` runs on every node),
+    and secret-looking names (:func:`is_secret_name`), sorted."""
+    unsafe = set('$"`\\')
+    return sorted(k for k, v in environ.items() if unsafe & set(v) or is_secret_name(k))
+
+
 def launcher_env(bin_dir: str | os.PathLike[str], threads: int = 1) -> dict[str, str]:
     """The environment to start ``colossalai run`` with: ``bin_dir`` first on PATH, ``threads`` per process.
 
@@ -64,9 +72,8 @@ def launcher_env(bin_dir: str | os.PathLike[str], threads: int = 1) -> dict[str,
     secrets (``is_secret_name``): that line travels over SSH and is printed whole when a node fails. The list
     of names is returned under ``COATI_KTO_DROPPED_ENV`` for the caller to report.
     """
-    unsafe = set('$"`\\')
-    kept = {k: v for k, v in os.environ.items() if not unsafe & set(v) and not is_secret_name(k)}
-    dropped = sorted(set(os.environ) - set(kept))
+    dropped = unexportable(os.environ)
+    kept = {k: v for k, v in os.environ.items() if k not in dropped}
     kept["PATH"] = f"{os.fspath(bin_dir)}{os.pathsep}{os.environ.get('PATH', '')}"
     kept["OMP_NUM_THREADS"] = str(threads)
     kept["COATI_KTO_DROPPED_ENV"] = ",".join(dropped)
