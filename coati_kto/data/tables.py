@@ -31,9 +31,10 @@ from coati_kto.data.endings import checkpoint_eos, generation_eos_ids
 from coati_kto.data.formats import Record, RecordError
 from coati_kto.data.images import image_cut, image_stats
 from coati_kto.data.kl_pairs import derangement, pair_stats
+from coati_kto.data.ragged import Ragged, join_truncated
 from coati_kto.data.settings import PrepareSettings
 from coati_kto.data.splits import label_counts, require_both_labels
-from coati_kto.data.tokenize import Encoder, bos_prefix, join_truncated, truncation
+from coati_kto.data.tokenize import Encoder, bos_prefix, truncation
 from coati_kto.errors import DataError
 
 MIN_ROWS_PER_PROC = 1000  # below this a worker process costs more than it saves
@@ -135,6 +136,14 @@ def _skipped_records(table: pa.Table, on_bad_record: str) -> tuple[np.ndarray, l
     return errors, skipped
 
 
+@dataclass(frozen=True)
+class _Ids:
+    """Every encoded row's prompt and completion tokens (before fitting), by encoded row number."""
+
+    prompts: Ragged
+    completions: Ragged
+
+
 @dataclass
 class _Fitted:
     """The rows kept (indices into the encoded table) with their token counts before and after truncation."""
@@ -167,22 +176,23 @@ def kept_bos(tokenizer: Any) -> int | None:
     return bos if any("bos_token" in text for text in texts) else None
 
 
-def _heads(prompts: pa.ListArray, p_len: np.ndarray, bos_id: int | None) -> np.ndarray:
+def _heads(prompts: Ragged, bos_id: int | None) -> np.ndarray:
     """[n] int64: 1 where the prompt starts with ``bos_id`` (a cut keeps it), else 0."""
-    head = np.zeros(len(p_len), np.int64)
+    head = np.zeros(len(prompts.lengths), np.int64)
     if bos_id is not None:
-        first = prompts.values.to_numpy(zero_copy_only=False)[prompts.offsets.to_numpy()[:-1][p_len > 0]]
-        head[p_len > 0] = first == bos_id
+        nonempty = np.flatnonzero(prompts.lengths > 0)
+        head[nonempty] = prompts.firsts(nonempty) == bos_id
     return head
 
 
-def _fit(table: pa.Table, errors: np.ndarray, d: DataSection, bos_id: int | None = None) -> _Fitted:
+def _fit(
+    table: pa.Table, ids: _Ids, errors: np.ndarray, d: DataSection, bos_id: int | None = None
+) -> _Fitted:
     """Fit every usable row to ``data.max_length`` as ``data.on_too_long`` says: truncate it (a row with no room
     for a completion token, reachable only when the prompt limit is not below max_length, is dropped), skip it
     (counted), or raise DataError naming the first one. An image row whose prompt cut would reach an image
     (:func:`~coati_kto.data.images.image_cut`) is dropped and counted under ``image_cut``, whatever the policy."""
-    p_len = pc.list_value_length(table.column("prompt_ids")).to_numpy()
-    c_len = pc.list_value_length(table.column("completion_ids")).to_numpy()
+    p_len, c_len = ids.prompts.lengths, ids.completions.lengths
     keep_p, keep_c = truncation(p_len, c_len, d.max_length, d.max_prompt_length)
     usable = errors == ""
     over = usable & (p_len + c_len > d.max_length)
@@ -195,7 +205,7 @@ def _fit(table: pa.Table, errors: np.ndarray, d: DataSection, bos_id: int | None
     drop = over if d.on_too_long == "skip" else usable & (keep_c == 0)
     cut = np.zeros_like(drop)
     if "image_start" in table.column_names:
-        head = _heads(table.column("prompt_ids").combine_chunks(), p_len, bos_id)
+        head = _heads(ids.prompts, bos_id)
         start = table.column("image_start").to_numpy(zero_copy_only=False)
         longest = int(c_len[usable & ~drop].max(initial=0))  # the longest completion a KL row can take
         cut = usable & ~drop & image_cut(p_len, start, head, d.max_prompt_length, d.max_length, longest)
@@ -214,7 +224,9 @@ def _fit(table: pa.Table, errors: np.ndarray, d: DataSection, bos_id: int | None
     return _Fitted(rows, int(drop.sum()), *fitted, int(cut.sum()), left_out)
 
 
-def _split_stats(table: pa.Table, fit: _Fitted, labels: np.ndarray, pi: np.ndarray, d: DataSection) -> dict:
+def _split_stats(
+    table: pa.Table, ids: _Ids, fit: _Fitted, labels: np.ndarray, pi: np.ndarray, d: DataSection
+) -> dict:
     """stats.json's entry for one split (``table``: the kept rows; ``pi``: each row's KL partner)."""
     p_len, c_len, keep_p, keep_c = fit.p_len, fit.c_len, fit.keep_p, fit.keep_c
     kl_keep_p, kl_keep_c = truncation(p_len, c_len[pi], d.max_length, d.max_prompt_length)
@@ -248,36 +260,36 @@ def _split_stats(table: pa.Table, fit: _Fitted, labels: np.ndarray, pi: np.ndarr
             for v in pc.value_counts(table.column("completion_end")).to_pylist()
         },
         # every id the rows hold (completions' EOS included): checked against the model's vocabulary on opening
-        "max_token_id": max(
-            (
-                int(pc.max(table.column(c).combine_chunks().flatten()).as_py() or 0)
-                for c in ("prompt_ids", "completion_ids")
-            ),
-            default=0,
-        ),
+        "max_token_id": max(ids.prompts.max_of(fit.rows), ids.completions.max_of(fit.rows)),
     }
 
 
 def _rows(
-    table: pa.Table, fit: _Fitted, labels: np.ndarray, pi: np.ndarray, d: DataSection, bos_id: int | None
+    table: pa.Table,
+    ids: _Ids,
+    fit: _Fitted,
+    labels: np.ndarray,
+    pi: np.ndarray,
+    d: DataSection,
+    bos_id: int | None,
 ) -> pa.Table:
     """The prepared rows (module docstring): truncated sequences and their KL pairs; a cut prompt keeps its
-    leading ``bos_id``."""
+    leading ``bos_id``. ``table``: the kept rows' other columns; ``ids``: every encoded row's tokens."""
     keep_p, keep_c = fit.keep_p, fit.keep_c
     kl_keep_p, kl_keep_c = truncation(fit.p_len, fit.c_len[pi], d.max_length, d.max_prompt_length)
-    prompts = table.column("prompt_ids").combine_chunks()
-    comps = table.column("completion_ids").combine_chunks()
-    head = _heads(prompts, fit.p_len, bos_id)
-    n = np.arange(len(fit.rows))
+    head = _heads(ids.prompts, bos_id)[fit.rows]
+    n, rows = np.arange(len(fit.rows)), fit.rows
     images = {}
     if "image_bytes" in table.column_names:  # the row's prompt's images: its KL row (prompt i) uses them too
         images = {"images": table.column("image_bytes"), "image_tokens": table.column("image_tokens")}
     return pa.table(
         {
-            "input_ids": join_truncated(prompts, comps, n, keep_p, keep_c, head),
+            "input_ids": join_truncated(ids.prompts, ids.completions, rows, rows, keep_p, keep_c, head),
             "completion_start": pa.array(keep_p, pa.int32()),
             "label": pa.array(labels),
-            "kl_input_ids": join_truncated(prompts, comps, pi, kl_keep_p, kl_keep_c, head),
+            "kl_input_ids": join_truncated(
+                ids.prompts, ids.completions, rows, rows[pi], kl_keep_p, kl_keep_c, head
+            ),
             "kl_completion_start": pa.array(kl_keep_p, pa.int32()),
             "index": pa.array(n, pa.int64()),
             "kl_index": pa.array(pi, pa.int64()),
@@ -311,20 +323,23 @@ def build_split(
     table = _encode(records, tokenizer, settings, work, name, processor)
     errors, skipped = _skipped_records(table, settings.data.on_bad_record)
     bos = kept_bos(tokenizer)
-    fit = _fit(table, errors, settings.data, bos)
-    table = table.take(fit.rows)
+    ids = _Ids(Ragged.of(table.column("prompt_ids")), Ragged.of(table.column("completion_ids")))
+    fit = _fit(table, ids, errors, settings.data, bos)
+    # Arrow's take would concatenate the list columns' chunks (int32 offsets: 2^31 tokens at most): they are
+    # read from ``ids`` by row number instead (coati_kto.data.ragged).
+    table = table.drop_columns(["prompt_ids", "completion_ids"]).take(fit.rows)
     labels = table.column("label").to_numpy(zero_copy_only=False).astype(bool)
     left = fit.dropped + fit.image_cut  # a split short of a label for its length is not short of data
     first = fit.left_out[0].split("\t", 1)[-1] if fit.left_out else ""
     fitted = f"{left} examples were dropped to fit data.max_length (e.g. {first}): raise it"
     require_both_labels(label_counts(labels), files, f"the {name} split", skipped, fitted if left else "")
     pi = derangement(table.column("prompt_hash").to_numpy(), [settings.seed, int(name == "eval")])
-    stats = _split_stats(table, fit, labels, pi, settings.data)
+    stats = _split_stats(table, ids, fit, labels, pi, settings.data)
     if processor is not None:
         stats["images"] = image_stats(
             table.column("images").to_numpy(),
             table.column("image_tokens").to_numpy(),
             fit.keep_p + fit.keep_c,
         )
-    rows = _rows(table, fit, labels, pi, settings.data, bos)
+    rows = _rows(table, ids, fit, labels, pi, settings.data, bos)
     return datasets.Dataset(InMemoryTable(rows)), stats, skipped, fit.left_out

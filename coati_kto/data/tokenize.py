@@ -41,7 +41,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import pyarrow as pa
 from tokenizers import Tokenizer
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -348,45 +347,3 @@ def truncation(
     keep_p = np.where(over, np.minimum(p, max_prompt_length), p)
     keep_c = np.where(over, np.clip(max_length - keep_p, 0, None), c)
     return keep_p, np.minimum(keep_c, c)
-
-
-def _ragged_take(
-    values: np.ndarray, offsets: np.ndarray, rows: np.ndarray, start: np.ndarray, count: np.ndarray
-):
-    """Flat concatenation over i of ``list[rows[i]][start[i] : start[i] + count[i]]`` (no Python loop)."""
-    ends = np.cumsum(count)
-    total = int(ends[-1]) if len(ends) else 0
-    return values[np.arange(total) - np.repeat(ends - count - offsets[rows] - start, count)]
-
-
-def join_truncated(
-    prompts: pa.ListArray,
-    completions: pa.ListArray,
-    completion_rows: np.ndarray,
-    keep_prompt: np.ndarray,
-    keep_completion: np.ndarray,
-    prompt_head: np.ndarray | None = None,
-) -> pa.ListArray:
-    """Row i = the kept prompt of ``prompts[i]`` + ``completions[completion_rows[i]][:keep_completion[i]]``.
-
-    A whole prompt is kept as is; a cut one (``keep_prompt[i]`` below its length) keeps its first
-    ``prompt_head[i]`` tokens (its BOS; default 0) and fills the rest of ``keep_prompt[i]`` from its END. The
-    completion keeps its START (``keep_*`` from :func:`truncation`). Vectorised over the flat token arrays: 100k
-    rows in milliseconds, without Python lists of ints.
-    """
-    n = len(keep_prompt)
-    p_off, c_off = prompts.offsets.to_numpy(), completions.offsets.to_numpy()
-    p_len = np.diff(p_off)
-    head = np.zeros(n, np.int64) if prompt_head is None else np.asarray(prompt_head, np.int64)
-    head = np.where(keep_prompt < p_len, np.minimum(head, keep_prompt), 0)
-    tail = keep_prompt - head
-    # Three segments per row, in order (prompt head, prompt tail, completion), taken from one flat array.
-    p_values = prompts.values.to_numpy(zero_copy_only=False)
-    values = np.concatenate([p_values, completions.values.to_numpy(zero_copy_only=False)])
-    starts = np.stack([p_off[:-1], p_off[1:] - tail, len(p_values) + c_off[completion_rows]], axis=1).reshape(
-        -1
-    )
-    counts = np.stack([head, tail, np.asarray(keep_completion, np.int64)], axis=1).reshape(-1)
-    out = _ragged_take(values, starts, np.arange(3 * n), np.zeros(3 * n, np.int64), counts)
-    offsets = np.concatenate([[0], np.cumsum(keep_prompt + keep_completion)])
-    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(out.astype(np.int32)))

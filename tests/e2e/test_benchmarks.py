@@ -364,6 +364,13 @@ def test_prepare_bench_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     positive_finite([float(g.replace(",", "")) for g in m.groups()], "prepare cold build")
 
 
+def test_ragged_bench_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    out = smoke_here(capsys, "ragged_bench.py")
+    m = re.search(r"rows 20,000  tokens 1,280,000 \(.*\)  chunks 1\njoin (\S+) s = (\S+) tokens/s", out)
+    assert m and "checked rows [0, 10000, 19999]: each its own prompt + completion" in out, out
+    positive_finite([float(g.replace(",", "")) for g in m.groups()], "ragged join")
+
+
 def test_sampler_report_smoke(smoke_out: str) -> None:
     out = smoke_out
     rows = [line for line in out.splitlines() if re.match(r"\s*\d+\s+\d+\s+\d+\s+\d+\s+[\d.]+%$", line)]

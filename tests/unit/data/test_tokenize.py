@@ -6,7 +6,6 @@ import functools
 import string
 
 import numpy as np
-import pyarrow as pa
 import pytest
 from helpers import CORPUS
 from hypothesis import given, settings
@@ -18,9 +17,7 @@ from transformers import PreTrainedTokenizerFast
 
 from coati_kto.data.chat import render
 from coati_kto.data.formats import RecordError, normalize
-from coati_kto.data.tokenize import Encoder, bos_prefix, encode, join_truncated, pad_id, truncation
-
-INT_LISTS = pa.list_(pa.int32())
+from coati_kto.data.tokenize import Encoder, bos_prefix, encode, pad_id, truncation
 
 
 def test_every_shape_gives_the_same_tokens(tiny_tokenizer) -> None:
@@ -146,36 +143,6 @@ def test_truncation_rules() -> None:
     assert ((keep_p + keep_c) <= 40).all()
     # No room for a completion at all (a config the schema forbids, handled anyway): keep 0 -> dropped.
     assert truncation(50, 5, max_length=40, max_prompt_length=40)[1] == 0
-
-
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(0, 12), st.integers(1, 12)), min_size=1, max_size=20), st.data())
-def test_join_truncated_matches_python(lengths, data) -> None:
-    rng = np.random.default_rng(len(lengths))
-    prompts = [rng.integers(0, 100, p).tolist() for p, _ in lengths]
-    comps = [rng.integers(100, 200, c).tolist() for _, c in lengths]
-    n = len(lengths)
-    rows = np.array(data.draw(st.lists(st.integers(0, n - 1), min_size=n, max_size=n)))
-    keep_p = np.array([data.draw(st.integers(0, len(p))) for p in prompts])
-    keep_c = np.array([data.draw(st.integers(0, len(comps[j]))) for j in rows])
-    head = np.array(data.draw(st.lists(st.integers(0, 2), min_size=n, max_size=n)))
-    out = join_truncated(
-        pa.array(prompts, INT_LISTS), pa.array(comps, INT_LISTS), rows, keep_p, keep_c, head
-    ).to_pylist()
-
-    def kept_prompt(i: int) -> list[int]:
-        p, k = prompts[i], int(keep_p[i])
-        if k == len(p):
-            return p
-        h = min(int(head[i]), k)  # a cut prompt keeps its head (the BOS), then its END
-        return p[:h] + p[len(p) - (k - h) :]
-
-    expected = [kept_prompt(i) + comps[j][: keep_c[i]] for i, j in enumerate(rows)]
-    assert out == expected
-    no_head = join_truncated(pa.array(prompts, INT_LISTS), pa.array(comps, INT_LISTS), rows, keep_p, keep_c)
-    assert no_head.to_pylist() == [
-        prompts[i][len(prompts[i]) - keep_p[i] :] + comps[j][: keep_c[i]] for i, j in enumerate(rows)
-    ]
 
 
 # ---------------------------------------------------------------- SentencePiece-style tokenizers, built offline
