@@ -8,8 +8,8 @@ ranks at ``kto.precompute_batch_size``, and global rank 0 writes
     data.prepared_dir/reference_cache/<key digest>/meta.json          the key, row counts, file checksums
 
 The key covers what changes the values: the prepared data (its fingerprint digest: files, tokenizer,
-lengths, seed...), the reference weights by content (sha256 of the weight files and config.json, not the
-path), the dtype, the attention implementation, the lengths, and whether the trained fp32 parameters are rounded
+lengths, seed...), the reference weights by content (sha256 of the weight files, config.json and the code a
+model ships, not the path), the dtype, the attention implementation, the lengths, and whether the trained fp32 parameters are rounded
 to the working dtype (a full run's, not LoRA's). Anything else (beta, lambdas, lr, seed-free
 settings, steps, the plugin layout) reuses the cache. A cache for another key is never used: the missing one
 is computed and the reason said in one line; a damaged cache (unreadable, wrong shape, checksum mismatch) is

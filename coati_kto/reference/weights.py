@@ -14,6 +14,7 @@ from coati_kto.errors import ConfigError
 from coati_kto.parallel.distributed import on_rank0
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")  # plus config.json: what the forward depends on
+_CODE_SUFFIX = ".py"  # a model that ships its code (model.trust_remote_code, config.json's auto_map) runs it
 _SAMPLE = 1 << 20  # bytes per sampled block of a weight file (reference_weights_digest)
 
 
@@ -41,7 +42,9 @@ def file_sha256(path: Path) -> str:
 
 
 def weights_hash(path: str, memo_file: Path | None = None) -> str:
-    """sha256 over the reference's weight files and config.json (names and contents).
+    """sha256 over the reference's weight files, config.json and top-level ``.py`` files (names and contents):
+    a model that ships its code runs its ``modeling_*.py`` with ``model.trust_remote_code``, so an edit of it
+    changes the reference's values as a new weight would.
 
     ``memo_file`` remembers each file's hash under (path, size, mtime, ctime, inode), so a multi-GB model is
     read once, not at every launch. A file that changes is hashed again, even with the same size and mtime (a
@@ -59,7 +62,9 @@ def weights_hash(path: str, memo_file: Path | None = None) -> str:
     # Top level only, as from_pretrained reads it (and reference_weights_digest below): a Trainer's checkpoint-N/
     # kept in the model's directory is not the reference, and hashing it read whole optimizer states.
     files = sorted(
-        f for f in root.iterdir() if f.is_file() and (f.suffix in _WEIGHT_SUFFIXES or f.name == "config.json")
+        f
+        for f in root.iterdir()
+        if f.is_file() and (f.suffix in (*_WEIGHT_SUFFIXES, _CODE_SUFFIX) or f.name == "config.json")
     )
     for f in files:
         st = f.stat()

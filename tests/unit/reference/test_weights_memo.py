@@ -62,3 +62,20 @@ def test_an_interrupted_memo_write_leaves_no_partial_file(tmp_path: Path, monkey
     with pytest.raises(KeyboardInterrupt):
         weights_hash(str(model), memo)
     assert list(memo.parent.iterdir()) == []
+
+
+def test_a_model_that_ships_its_code_is_keyed_on_that_code(tmp_path: Path) -> None:
+    """With model.trust_remote_code the forward is the directory's modeling_*.py: an edit of it (a fixed rotary,
+    another mask) changes the reference's log-probs, and the cache key held only the weights and config.json,
+    so the old cache was used in silence."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model.safetensors").write_bytes(b"\x01" * 4096)
+    (model / "config.json").write_text('{"auto_map": {"AutoModelForCausalLM": "modeling_x.XForCausalLM"}}')
+    (model / "modeling_x.py").write_text("SCALE = 1.0\n")
+    before = weights_hash(str(model))
+    (model / "modeling_x.py").write_text("SCALE = 0.5\n")
+    assert weights_hash(str(model)) != before
+    (model / "modeling_x.py").write_text("SCALE = 1.0\n")
+    (model / "README.md").write_text("notes")  # what the forward does not read leaves it alone
+    assert weights_hash(str(model)) == before
