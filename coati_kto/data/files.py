@@ -207,10 +207,12 @@ def load_records(
     cache_dir: str | None = None,
     revisions: dict[str, str] | None = None,
     images: bool = False,
+    decode_images: bool = True,
 ) -> LoadResult:
     """Read and validate every record of ``paths``; ``on_bad_record`` is ``"error"`` or ``"skip"``. A Hub
     dataset is read at the commit ``revisions`` gives for its ``source`` (resolved here when not given).
-    ``images``: image records are read (paths relative to each file's folder), else refused."""
+    ``images``: image records are read (paths relative to each file's folder), else refused;
+    ``decode_images``: each must decode with PIL (the fingerprint reads their bytes only)."""
     from coati_kto.data.hub import check, pinned
 
     files = resolve_files(paths, key)
@@ -231,7 +233,7 @@ def load_records(
                     raise raw
                 records = normalize(raw, source, images)
                 if images:
-                    attach_images(records, raw.get("images"), source, base)
+                    attach_images(records, raw.get("images"), source, base, decode_images)
                 result.records.extend(records)
                 for name in unread_fields(raw, images):  # a "system" field is no system turn: say so
                     result.unread_fields[name] = result.unread_fields.get(name, 0) + 1

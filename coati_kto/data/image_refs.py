@@ -108,9 +108,10 @@ def check_decodes(image: bytes, source: str, where: str) -> None:
         ) from None
 
 
-def read_images(raw: Any, source: str, base: Path | None, parts: int) -> list[bytes]:
+def read_images(raw: Any, source: str, base: Path | None, parts: int, decode: bool = True) -> list[bytes]:
     """The checked bytes of a record's ``images`` field (``raw``: the field, None when absent); ``parts``: the
-    image parts over its prompt's messages, which the count must equal; ``base``: the data file's folder."""
+    image parts over its prompt's messages, which the count must equal; ``base``: the data file's folder;
+    ``decode``: each image must decode with PIL (off for the fingerprint, which hashes the bytes only)."""
     if hasattr(raw, "tolist") and not isinstance(raw, (bytes, bytearray)):
         raw = raw.tolist()
     refs = [] if raw is None else raw
@@ -127,16 +128,19 @@ def read_images(raw: Any, source: str, base: Path | None, parts: int) -> list[by
     out = []
     for i, ref in enumerate(refs):
         image = _reference(ref, source, f"images[{i}]", base)
-        check_decodes(image, source, f"images[{i}]")
+        if decode:
+            check_decodes(image, source, f"images[{i}]")
         out.append(image)
     return out
 
 
-def attach_images(records: list[Record], raw: Any, source: str, base: Path | None) -> None:
+def attach_images(
+    records: list[Record], raw: Any, source: str, base: Path | None, decode: bool = True
+) -> None:
     """Set ``images`` of the records one raw record gave (a preference pair's two share one prompt) from its
-    ``images`` field ``raw`` (None when absent); raises RecordError."""
+    ``images`` field ``raw`` (None when absent); raises RecordError. ``decode``: as :func:`read_images`."""
     count = image_parts(records[0].prompt) if records[0].chat else 0
-    found = read_images(raw, source, base, count)
+    found = read_images(raw, source, base, count, decode)
     for record in records:
         record.images = found
 
