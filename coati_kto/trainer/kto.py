@@ -55,8 +55,8 @@ from coati_kto.parallel.plan import ParallelPlan
 from coati_kto.runtime.signals import StopSignals, TrainingStoppedError, decide
 from coati_kto.trainer.base import SLTrainer
 from coati_kto.trainer.checkpoint import CheckpointManager
-from coati_kto.trainer.logging import MetricWriter, ProgressBar
-from coati_kto.trainer.metrics import IntervalMeter, StepSums, summarize
+from coati_kto.trainer.logging import MetricWriter, ProgressBar, warn_nonfinite_eval
+from coati_kto.trainer.metrics import IntervalMeter, StepSums, evaluated, summarize
 from coati_kto.trainer.options import KTOOptions, options_from
 from coati_kto.trainer.passes import KTOPasses
 from coati_kto.trainer.pipeline import PipelinePasses
@@ -339,10 +339,10 @@ class KTOTrainer(SLTrainer):
         finally:
             self.policy.train()
         local, kl = sums.local()
-        meter = IntervalMeter()  # the evaluation as one interval: its means and throughput
         group, counted = self.layout.sums_group()
-        meter.add(reduce_sums(local, group, count_values=counted), kl, time.perf_counter() - started, None)
-        metrics = {f"eval/{k}": v for k, v in meter.measured().items()}
+        totals = reduce_sums(local, group, count_values=counted)  # the evaluation: one interval of the meter
+        metrics = {f"eval/{k}": v for k, v in evaluated(totals, kl, time.perf_counter() - started).items()}
+        warn_nonfinite_eval(self.layout.is_main, self.global_step, totals)  # its means are left out: say why
         if self._samples is not None:  # after the metrics' timing; the policy decodes in eval mode
             metrics.update(self._samples.write(self.policy, self.reference, self.passes, self.global_step))
         self._record(metrics)

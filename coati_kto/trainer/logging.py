@@ -17,6 +17,7 @@ from typing import Any
 
 from tqdm.auto import tqdm
 
+from coati_kto.trainer.metrics import NONFINITE_EXAMPLES, nonfinite_metrics
 from coati_kto.trainer.run_summary import config_markdown, data_stats_markdown, flat_hparams
 
 
@@ -134,6 +135,24 @@ class MetricWriter:
             )
             with contextlib.suppress(OSError):
                 tb.close()
+
+
+def warn_nonfinite_eval(is_main: bool, step: int, totals: dict[str, float]) -> None:
+    """One warning line on the main rank when an evaluation's reduced ``totals`` hold a NaN/inf: which measured
+    values (coati_kto.trainer.metrics.nonfinite_metrics) and how many of its examples; its means are not logged
+    (as a non-finite training step's are not), ``eval/nonfinite_examples`` counts the examples. Silent when finite."""
+    metrics = nonfinite_metrics(totals)
+    rows, batches = totals.get(NONFINITE_EXAMPLES, 0.0), totals.get("nonfinite", 0.0)
+    if not is_main or not (metrics or rows > 0 or batches > 0):
+        return
+    what = ", ".join(metrics) or "loss"
+    print(
+        f"warning: non-finite (NaN/inf) eval {what} at optimizer step {step}: {rows:.0f} of "
+        f"{totals.get('examples', 0.0):.0f} eval examples; the evaluation's means are not logged "
+        f"(eval/{NONFINITE_EXAMPLES} counts the examples). Check the data or the model",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 # The W&B run of an output directory, beside wandb's own files (output.overwrite clears both).

@@ -9,6 +9,7 @@ out of the result (no NaN is ever logged).
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import torch
@@ -35,6 +36,10 @@ SUM_KEYS = (
     "aux_rows",
 )
 _INDEX = {key: i for i, key in enumerate(SUM_KEYS)}
+NONFINITE_EXAMPLES = (
+    "nonfinite_examples"  # an evaluation's valid rows with a NaN/inf value (StepSums(evaluation))
+)
+_MEASURED = ("loss", "rewards", "logps", "logits", "aux_loss")  # the summed values a NaN/inf can poison
 
 
 class StepSums:
@@ -43,10 +48,15 @@ class StepSums:
     ``kl`` collects the reference points z0 used in the step and the raw (unclamped) KL estimates they come
     from; each is already global (identical on every data-parallel rank), so they are averaged locally and
     never summed over ranks. A loss without a reference point (apo_zero_unpaired) adds none.
+
+    ``evaluation``: also count the valid rows with a NaN/inf loss, reward, log-prob or logit sum
+    (``nonfinite_examples``, after SUM_KEYS in :meth:`local_tensors`): what an evaluation reports of a
+    non-finite set. A training step votes on its micro-batches (``nonfinite``) and counts no rows.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, evaluation: bool = False) -> None:
         self._sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64, device=device)
+        self._rows = torch.zeros((), dtype=torch.float64, device=device) if evaluation else None
         self._kl: list[torch.Tensor] = []
         self._kl_raw: list[torch.Tensor] = []
         self._tokens, self._flops = 0, 0.0
@@ -75,9 +85,12 @@ class StepSums:
         else:
             recorded = [losses.new_zeros(()).expand_as(losses)] * 2
         values = [losses.detach(), rewards.detach(), policy_logps.detach(), masks[:, 0], *recorded]
-        values = torch.stack(values, dim=1)
-        table = masks.T @ torch.where(valid[:, None], values, 0.0)
+        values = torch.where(valid[:, None], torch.stack(values, dim=1), 0.0)
+        table = masks.T @ values
         self._sums[: len(_TABLE)].add_(table.flatten())
+        if self._rows is not None:  # evaluation: the rows a NaN/inf comes from (x - x: NaN for inf and NaN)
+            row = values.sum(dim=1)
+            self._rows.add_((row - row).ne(0).sum())
         # A NaN/inf reward (e.g. a -inf log-prob) can hide behind a finite loss (sigmoid saturates): flag both.
         # x - x is 0 for every finite x and NaN for inf and NaN.
         total = table[0, :2].sum()
@@ -113,12 +126,14 @@ class StepSums:
             kl = torch.stack([torch.stack(self._kl).mean(), torch.stack(self._kl_raw).mean()])
         else:
             kl = self._sums.new_full((2,), float("nan"))
-        values = torch.cat([self._sums, kl])
+        keys = SUM_KEYS if self._rows is None else (*SUM_KEYS, NONFINITE_EXAMPLES)
+        rows = [] if self._rows is None else [self._rows.reshape(1)]
+        values = torch.cat([self._sums, *rows, kl])
         # The host counts ride as kernel arguments (a scalar add), not as a host-to-device copy.
         values[_INDEX["tokens"]].add_(self._tokens)
         values[_INDEX["model_flops"]].add_(self._flops)
         values = values.unbind()
-        sums = dict(zip(SUM_KEYS, values[:-2], strict=True))
+        sums = dict(zip(keys, values[:-2], strict=True))
         return sums, ({"kl": values[-2], "kl_raw": values[-1]} if self._kl else None)
 
     def local(self) -> tuple[dict[str, float], dict[str, float] | None]:
@@ -166,6 +181,22 @@ def summarize(totals: dict[str, float], kl: dict[str, float] | None) -> dict[str
     if len(means) == 2:
         out["rewards/margins"] = means["chosen"] - means["rejected"]
     return out
+
+
+def nonfinite_metrics(totals: dict[str, float]) -> list[str]:
+    """The measured sums of ``totals`` (reduced) that are NaN/inf: a value's column of the table is poisoned by
+    one non-finite valid row of it, so these name what the set's non-finite rows held."""
+    return [key for key in _MEASURED if key in totals and not math.isfinite(totals[key])]
+
+
+def evaluated(totals: dict[str, float], kl: dict[str, float] | None, seconds: float) -> dict[str, float]:
+    """An evaluation's metrics (keys without prefix) from its reduced ``totals``: one interval of the meter (its
+    means and throughput), and ``nonfinite_examples``, the rows no mean could be taken over, where there are any
+    (a finite evaluation's record keeps its keys, as a count of 0 leaves a mean out)."""
+    meter = IntervalMeter()
+    meter.add(totals, kl, seconds, None)
+    rows = totals.get(NONFINITE_EXAMPLES, 0.0)
+    return meter.measured() | ({NONFINITE_EXAMPLES: rows} if rows > 0 else {})
 
 
 class IntervalMeter:

@@ -123,7 +123,7 @@ class KTOPasses:
     def evaluate(self, batches: Iterable[KTOBatch]) -> StepSums:
         """The sums of ``batches`` without gradient, one z0 over all of them: the policy's log-probs come from
         phase 1 and each batch is dropped at once, so a whole eval set is one group."""
-        sums = StepSums(self.device)
+        sums = StepSums(self.device, evaluation=True)
         items = [self._no_grad_pass(batch, self.scoring_plan(batch, False)) for batch in batches]
         z0 = self._z0(items, sums) if self.rules.group_z0([item.plan for item in items]) else None
         for item in items:

@@ -251,9 +251,11 @@ class PipelinePasses:
 
     # ---------------------------------------------------------------- evaluation
     def evaluate(self, batches: Iterable[KTOBatch]) -> StepSums:
-        """The eval set's sums without gradient, one z0 over all of it (on the last stage; z0 on every stage)."""
-        sums = StepSums(self.device)
-        batches = [batch.to(self.device, non_blocking=True) for batch in batches]
+        """The eval set's sums without gradient, one z0 over all of it (on the last stage; z0 on every stage). The
+        set stays where the loader put it: each run of ``_EVAL_RUN`` micro-batches goes to the device in turn, so
+        the device holds one run's batches and every run's per-row results, never the whole set's tensors."""
+        sums = StepSums(self.device, evaluation=True)
+        batches = list(batches)
         if not batches:  # still enter z0's collectives: the other ranks do
             if self.options.needs_kl:
                 self._z0(None, None, None, slice(0), sums)
@@ -263,42 +265,49 @@ class PipelinePasses:
         scored = [self._eval_run(run, rows) for run in runs]
         z0 = None
         if self.options.needs_kl:
-            valid = per_row(batches, rows, KTOBatch.valid_rows, False)
+            valid = torch.cat([s[6] for s in scored])
             policy_kl = torch.cat([s[2] for s in scored]) if self.last else None
             reference_kl = torch.cat([s[3] for s in scored]) if self.last else None
             z0 = self._z0(policy_kl, reference_kl, valid, slice(None), sums)
         if self.last:
-            records = []
-            for run, (policy, means, _, _, reference) in zip(runs, scored, strict=True):
-                labels = per_row(run, rows, lambda b: b.label.bool(), False)
+            records, masks = [], []
+            for run, (policy, means, _, _, reference, labels, valid) in zip(runs, scored, strict=True):
                 losses, rewards = self._loss(policy, reference, labels, z0)
                 for i in range(len(run)):
                     span = slice(i * rows, (i + 1) * rows)
                     records.append((losses[span], rewards[span], policy[span], means[i]))
-            self._record(batches, records, sums, train=False)
+                    masks.append((labels[span], valid[span]))
+            self._record(batches, records, sums, train=False, masks=masks)
         return sums
 
     def _eval_run(self, run: list[KTOBatch], rows: int) -> tuple[Any, ...]:
-        """(policy examples, their logit means, policy KL, reference KL, reference examples) of one run."""
+        """(policy examples, their logit means, policy KL, reference KL, reference examples, labels, validity) of
+        one run, per row [len(run) x rows] on the device; the run's batches are on the device only in here."""
+        run = [batch.to(self.device, non_blocking=True) for batch in run]
         means: list = []
         policy = self._scored(self.policy, [b.example for b in run], rows, means)
         kl = self.options.needs_kl
         policy_kl = self._scored(self.policy, [b.kl for b in run], rows) if kl else None
         reference, reference_kl = self._reference(run, rows)
-        return policy, means, policy_kl, reference_kl, reference
+        labels = per_row(run, rows, lambda b: b.label.bool(), False)
+        valid = per_row(run, rows, KTOBatch.valid_rows, False)
+        return policy, means, policy_kl, reference_kl, reference, labels, valid
 
     # ---------------------------------------------------------------- shared
-    def _record(self, batches: list[KTOBatch], records: list, sums: StepSums, train: bool) -> None:
+    def _record(
+        self, batches: list[KTOBatch], records: list, sums: StepSums, train: bool, masks: list | None = None
+    ) -> None:
         """The last stage's sums of each micro-batch (the filling rows count nowhere): the metrics, its tokens and
-        the model FLOPs of its passes (every stage's, counted here once)."""
+        the model FLOPs of its passes (every stage's, counted here once). ``masks``: each batch's (labels, validity)
+        on the device, where ``batches`` are still on the host (evaluation); else the batches' own."""
         kl = self.options.needs_kl
-        for batch, (losses, rewards, logps, means) in zip(batches, records, strict=True):
+        for i, (batch, (losses, rewards, logps, means)) in enumerate(zip(batches, records, strict=True)):
             size = len(batch)
             counts = batch.counts or count_tokens(batch)
-            valid = batch.valid_rows()
+            labels, valid = masks[i] if masks is not None else (batch.label, batch.valid_rows())
             if means is not None and means.sums is not None:
                 means.sums, means.tokens = means.sums[:size], means.tokens[:size]
-            sums.add(losses[:size], rewards[:size], logps[:size], batch.label.bool(), valid, means)
+            sums.add(losses[:size], rewards[:size], logps[:size], labels[:size].bool(), valid[:size], means)
             kl_tokens = counts.kl if kl else 0
             reference_runs = batch.reference_logps is None
             forward = kl_tokens + (counts.example + kl_tokens if reference_runs else 0)
