@@ -23,6 +23,7 @@ from coati_kto.config.plugin import GEMINI_REFUSAL, PluginName, PluginSection, P
 from coati_kto.config.section import Section as _Section
 from coati_kto.config.section import bool_or_auto
 from coati_kto.config.sequence import sequence_problems
+from coati_kto.config.template_kwargs import template_kwargs_problems
 from coati_kto.errors import ConfigError
 from coati_kto.families import packing_refusal, router_aux_problem, text_only_model
 from coati_kto.families.splits import check_model_family
@@ -158,12 +159,13 @@ class DataSection(_Section):
         return data
 
     def _problems(self) -> list[str]:
+        problems = template_kwargs_problems(self.chat_template_kwargs)  # apply_chat_template's own arguments
         if self.max_prompt_length >= self.max_length:
-            return [
+            problems.append(
                 f"data.max_prompt_length ({self.max_prompt_length}) must be smaller than data.max_length "
                 f"({self.max_length}) to leave room for the completion"
-            ]
-        return []
+            )
+        return problems
 
 
 class TrainSection(_Section):

@@ -25,27 +25,45 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 
-def generation_eos_ids(model_path: str | Path) -> list[int]:
-    """The ``eos_token_id`` ids (one or a list) of ``model_path``'s ``generation_config.json`` (``model.path``),
-    sorted; [] when the checkpoint has none or is not a local directory (prepare reads no hub file for this)."""
-    path = Path(model_path).expanduser() / "generation_config.json"
+def checkpoint_json(model_path: str | Path, name: str) -> dict[str, Any] | None:
+    """``model_path``'s JSON file ``name`` as a dict: from the local directory, or for a Hub id (``org/name``) the
+    copy in the hub cache, as the model loader reads it (huggingface_hub's ``try_to_load_from_cache``, revision
+    main; no download). None where neither holds one, or it is not a JSON object."""
+    path = Path(model_path).expanduser()
+    if not path.exists():
+        from huggingface_hub import try_to_load_from_cache
+
+        try:
+            cached = try_to_load_from_cache(str(model_path), name)
+        except ValueError:  # not a Hub id's shape (a local path that is not there): nothing to read
+            return None
+        if not isinstance(cached, str):
+            return None
+        path = Path(cached)
+    else:
+        path = path / name
     try:
-        found = json.loads(path.read_text()).get("eos_token_id")
-    except (OSError, ValueError, AttributeError):
-        return []
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) else None
+
+
+def generation_eos_ids(model_path: str | Path) -> list[int]:
+    """The ``eos_token_id`` ids (one or a list) of ``model_path``'s ``generation_config.json`` (``model.path``, a
+    local directory or a Hub id read from the hub cache: :func:`checkpoint_json`), sorted; [] when it has none."""
+    found = (checkpoint_json(model_path, "generation_config.json") or {}).get("eos_token_id")
     found = found if isinstance(found, list) else [found]
     return sorted({int(i) for i in found if isinstance(i, int) and not isinstance(i, bool)})
 
 
 def checkpoint_eos(model_path: str | Path) -> tuple[int, str] | None:
     """(id, file) of the checkpoint's own EOS: the first ``eos_token_id`` of ``model_path``'s
-    ``generation_config.json``, else of its ``config.json``; None when neither names one. The EOS a tokenizer
-    without one (no ``tokenizer_config.json``) ends completions with, so the model still learns to stop."""
+    ``generation_config.json``, else of its ``config.json`` (a local directory, or a Hub id's copies in the hub
+    cache: :func:`checkpoint_json`); None when neither names one. The EOS a tokenizer without one (no
+    ``tokenizer_config.json``) ends completions with, so the model still learns to stop."""
     for name in ("generation_config.json", "config.json"):
-        try:
-            found = json.loads((Path(model_path).expanduser() / name).read_text()).get("eos_token_id")
-        except (OSError, ValueError, AttributeError):
-            continue
+        found = (checkpoint_json(model_path, name) or {}).get("eos_token_id")
         first = found[0] if isinstance(found, list) and found else found
         if isinstance(first, int) and not isinstance(first, bool):
             return first, name

@@ -8,7 +8,10 @@ own completion. Here pairs are fixed once per split, before batching:
 * j's prompt differs from i's wherever the data allows. With g the size of the largest group of equal
   prompts, the fewest same-prompt pairs any derangement can have is max(0, 2g - n) (n when every prompt is
   equal); pi reaches exactly that minimum;
-* pi depends only on (prompt groups, seed).
+* pi depends only on (prompt groups, kinds, seed);
+* j is of i's kind (records given as plain text or as messages: :func:`derangement_by_kind`), so a KL row joins a
+  prompt and a completion rendered alike, never a raw-text prompt with a template's turn or the reverse. Only a
+  kind with a single example (it has no partner of its own) pairs across.
 
 Construction: order the examples group by group (largest group first, groups and members shuffled) and map
 position k to position k + s (mod n), with s = g. Runs of equal prompts are at most s long, so a shift of s
@@ -45,6 +48,38 @@ def derangement(groups: Sequence[int] | np.ndarray, seed: int | Sequence[int]) -
     return pi
 
 
+def derangement_by_kind(
+    groups: Sequence[int] | np.ndarray, kinds: Sequence[bool] | np.ndarray, seed: Sequence[int]
+) -> np.ndarray:
+    """:func:`derangement` within each kind (``kinds``: one value per example, e.g. whether it was given as
+    messages), so example i's KL completion comes from an example of its own kind; one kind alone gives exactly
+    ``derangement(groups, seed)``. A kind with a single example has no partner of its own: it joins another
+    kind's cycle (i -> it -> pi[i]: two pairs across kinds). Raises ValueError for n < 2."""
+    groups = np.asarray(groups)
+    _, inverse, sizes = np.unique(np.asarray(kinds), return_inverse=True, return_counts=True)
+    if len(sizes) < 2 or sizes.max() < 2:  # one kind, or none with two examples: nothing to keep apart
+        return derangement(groups, seed)
+    pi = np.arange(len(groups))
+    for k in np.flatnonzero(sizes > 1):
+        rows = np.flatnonzero(inverse == k)
+        pi[rows] = rows[derangement(groups[rows], [*seed, int(k)])]
+    rng = np.random.default_rng([*seed, len(sizes)])
+    for k in np.flatnonzero(sizes == 1):
+        lone, i = int(np.flatnonzero(inverse == k)[0]), int(rng.choice(np.flatnonzero(sizes[inverse] > 1)))
+        pi[lone], pi[i] = pi[i], lone
+    return pi
+
+
+def min_same_prompt_pairs_by_kind(
+    groups: Sequence[int] | np.ndarray, kinds: Sequence[bool] | np.ndarray
+) -> int:
+    """The fewest pairs with equal prompts :func:`derangement_by_kind` can reach: the minimum within each kind."""
+    groups, kinds = np.asarray(groups), np.asarray(kinds)
+    if len(np.unique(kinds)) < 2:
+        return min_same_prompt_pairs(groups)
+    return sum(min_same_prompt_pairs(groups[kinds == k]) for k in np.unique(kinds) if (kinds == k).sum() > 1)
+
+
 def min_same_prompt_pairs(groups: Sequence[int] | np.ndarray) -> int:
     """The fewest pairs with equal prompts that any derangement of ``groups`` can have."""
     groups = np.asarray(groups)
@@ -55,13 +90,18 @@ def min_same_prompt_pairs(groups: Sequence[int] | np.ndarray) -> int:
     return n if largest == n else max(0, 2 * largest - n)
 
 
-def pair_stats(groups: Sequence[int] | np.ndarray, pi: np.ndarray) -> dict[str, int]:
-    """The checks stats.json reports: self pairs (must be 0), same-prompt pairs and their minimum."""
+def pair_stats(
+    groups: Sequence[int] | np.ndarray, pi: np.ndarray, kinds: Sequence[bool] | np.ndarray | None = None
+) -> dict[str, int]:
+    """The checks stats.json reports: self pairs (must be 0), same-prompt pairs and their minimum; with
+    ``kinds`` (:func:`derangement_by_kind`), the pairs across kinds (0 unless a kind has a single example)."""
     groups = np.asarray(groups)
+    kinds = np.zeros(len(groups), bool) if kinds is None else np.asarray(kinds)
     return {
         "pairs": len(pi),
         "self_pairs": int((pi == np.arange(len(pi))).sum()),
         "same_prompt_pairs": int((groups[pi] == groups).sum()),
-        "min_same_prompt_pairs": min_same_prompt_pairs(groups),
+        "min_same_prompt_pairs": min_same_prompt_pairs_by_kind(groups, kinds),
         "distinct_prompts": len(np.unique(groups)),
+        "cross_format_pairs": int((kinds[pi] != kinds).sum()),
     }

@@ -46,7 +46,7 @@ from coati_kto.data.tokenize import pad_id
 from coati_kto.errors import DataError
 
 PIPELINE_VERSION = (
-    6  # bump when the prepared rows change for the same inputs (6: a cut ChatML prompt keeps no <|im_start|>)
+    7  # bump when the prepared rows change for the same inputs (7: KL pairs within a record format)
 )
 # 2: ids of the whole text tokenized once (SentencePiece-style tokenizers lost their spurious "▁"); eval split
 #    by prompt group; content hash of the input files.
@@ -55,6 +55,8 @@ PIPELINE_VERSION = (
 #    data.chat_template_kwargs reach the chat template.
 # 4: no EOS after a chat template's own end of turn (<end_of_turn>, <|im_end|>, <|eot_id|>): a chat completion is
 #    the template's rendering of the turn (coati_kto.data.endings).
+# 6: a cut ChatML prompt keeps no <|im_start|>.
+# 7: plain-text and message records mixed in a split are KL-paired within their own kind (coati_kto.data.kl_pairs).
 NO_BUILD = "no prepared data yet"  # the build reason of a data.prepared_dir that holds none
 HASH_CHUNK = 8 << 20  # bytes per hash update; 1-8 MiB all read at about disk/hash speed (~500 MB/s here)
 

@@ -64,6 +64,12 @@ def _split_summary(name: str, s: dict, max_length: int) -> list[str]:
         f"{' (each named in skipped.txt)' if s['dropped'] else ''}; "
         f"KL pairs: {s['kl_pairs']['self_pairs']} self, {s['kl_pairs']['same_prompt_pairs']} same-prompt "
         f"(minimum possible {s['kl_pairs']['min_same_prompt_pairs']})"
+        + (  # plain-text and message records pair within their kind; a kind of one example cannot
+            f", {s['kl_pairs']['cross_format_pairs']} across plain-text and message records (a kind with one "
+            "example has no partner of its own)"
+            if s["kl_pairs"].get("cross_format_pairs")
+            else ""
+        )
     )
     kl_cut = (tr.get("kl_prompt", 0), tr.get("kl_completion", 0))
     if any(kl_cut):

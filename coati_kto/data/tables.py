@@ -30,7 +30,7 @@ from coati_kto.data.chat import require_chat_template
 from coati_kto.data.endings import checkpoint_eos, generation_eos_ids
 from coati_kto.data.formats import Record, RecordError
 from coati_kto.data.images import image_cut, image_stats
-from coati_kto.data.kl_pairs import derangement, pair_stats
+from coati_kto.data.kl_pairs import derangement_by_kind, pair_stats
 from coati_kto.data.ragged import Ragged, join_truncated
 from coati_kto.data.settings import PrepareSettings
 from coati_kto.data.splits import label_counts, require_both_labels
@@ -79,6 +79,9 @@ def _encode(
         {
             **{c: datasets.Value("int32") for c in counts},
             "label": datasets.Value("bool"),
+            "chat": datasets.Value(
+                "bool"
+            ),  # given as messages (else plain text): KL pairs stay within a kind
             "source": datasets.Value("string"),
             "prompt_ids": datasets.List(datasets.Value("int32")),
             "completion_ids": datasets.List(datasets.Value("int32")),
@@ -109,7 +112,7 @@ def _encode(
             encoder,
             batched=True,
             num_proc=procs if procs > 1 else None,
-            remove_columns=["prompt", "completion", "chat", "tools"],
+            remove_columns=["prompt", "completion", "tools"],
             features=features,
             cache_file_name=str(work / f"{name}-encoded.arrow"),  # in the build dir, not ~/.cache
             new_fingerprint=f"{name}-encoded",
@@ -224,6 +227,11 @@ def _fit(
     return _Fitted(rows, int(drop.sum()), *fitted, int(cut.sum()), left_out)
 
 
+def _chat(table: pa.Table) -> np.ndarray:
+    """[n] bool: the rows whose records were messages (rendered by the chat template), not plain text."""
+    return table.column("chat").to_numpy(zero_copy_only=False).astype(bool)
+
+
 def _split_stats(
     table: pa.Table, ids: _Ids, fit: _Fitted, labels: np.ndarray, pi: np.ndarray, d: DataSection
 ) -> dict:
@@ -253,7 +261,7 @@ def _split_stats(
         "boundary_inside_token": int(
             table.column("boundary_inside_token").to_numpy(zero_copy_only=False).sum()
         ),
-        "kl_pairs": pair_stats(table.column("prompt_hash").to_numpy(), pi),
+        "kl_pairs": pair_stats(table.column("prompt_hash").to_numpy(), pi, _chat(table)),
         # how the completions end (coati_kto.data.endings): {"stop:<|im_end|>": n, "eos_added:plain": n, ...}
         "completion_end": {
             str(v["values"]): int(v["counts"])
@@ -333,7 +341,8 @@ def build_split(
     first = fit.left_out[0].split("\t", 1)[-1] if fit.left_out else ""
     fitted = f"{left} examples were dropped to fit data.max_length (e.g. {first}): raise it"
     require_both_labels(label_counts(labels), files, f"the {name} split", skipped, fitted if left else "")
-    pi = derangement(table.column("prompt_hash").to_numpy(), [settings.seed, int(name == "eval")])
+    seed = [settings.seed, int(name == "eval")]  # KL pairs within a format: plain text, or messages
+    pi = derangement_by_kind(table.column("prompt_hash").to_numpy(), _chat(table), seed)
     stats = _split_stats(table, ids, fit, labels, pi, settings.data)
     if processor is not None:
         stats["images"] = image_stats(
