@@ -24,11 +24,14 @@ from typing import Any
 
 # The writers upstream's checkpoint IO calls (looked up at call time, so patching the attribute reaches every
 # call site): torch.save (pickled shards, param groups, the scheduler), safetensors' save_file (safetensors
-# shards), and the index file's writer.
+# shards), the index file's writer, and the model's config.json and generation_config.json (save_config_file,
+# on the writing rank after its shards: under ZeRO the peers go on into the optimizer's gathers meanwhile).
 _WRITERS: tuple[tuple[str, str], ...] = (
     ("torch", "save"),
     ("safetensors.torch", "save_file"),
     ("colossalai.checkpoint_io.index_file", "CheckpointIndexFile.write_index_file"),
+    ("transformers.configuration_utils", "PretrainedConfig.save_pretrained"),
+    ("transformers.generation.configuration_utils", "GenerationConfig.save_pretrained"),
 )
 
 

@@ -52,3 +52,22 @@ def test_other_threads_writes_fail_as_usual(tmp_path: Path) -> None:
         thread.join()
         torch.save({"x": 2}, tmp_path / "ok.pt")
     assert len(seen) == 1 and (tmp_path / "ok.pt").is_file()
+
+
+def test_a_failed_config_json_write_is_held_too(tmp_path: Path) -> None:
+    """ColossalAI's sharded model save ends with the writing rank's config.json and generation_config.json
+    (save_pretrained, a plain open): a failure there left the save at once on that rank while, under ZeRO, its
+    peers went on into the optimizer's gathers (the collectives no longer lined up). Held like the shards'."""
+    from transformers import GenerationConfig, LlamaConfig
+
+    (tmp_path / "step-4.tmp").write_text("a file where the checkpoint's folder should be")
+    unwritable = tmp_path / "step-4.tmp" / "model"  # NotADirectoryError, as a full disk's ENOSPC: an OSError
+    reached = []
+    with pytest.raises(OSError) as caught, held_write_failures():
+        LlamaConfig(num_hidden_layers=1).save_pretrained(unwritable)
+        reached.append("config")
+        GenerationConfig(eos_token_id=2).save_pretrained(tmp_path / "generation")
+        reached.append("generation")  # skipped: the checkpoint is already lost
+        torch.save({"x": 1}, tmp_path / "optimizer.pt")
+    assert reached == ["config", "generation"] and str(unwritable) in str(caught.value)
+    assert not (tmp_path / "generation").exists() and not (tmp_path / "optimizer.pt").exists()
