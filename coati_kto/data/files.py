@@ -21,7 +21,8 @@ from coati_kto.data.formats import LoadResult, RecordError, normalize, show_valu
 from coati_kto.data.image_refs import attach_images, undecoded
 from coati_kto.errors import DataError
 
-SUFFIXES = (".jsonl", ".json", ".parquet")
+SUFFIXES = (".jsonl", ".json", ".parquet", ".ndjson", ".jsonlines")
+JSON_LINES = (".jsonl", ".ndjson", ".jsonlines")  # one record per line, whatever the name
 # Suffixes of data this module does not read: a directory holding one is an error, not a silent skip.
 UNREAD = (".csv", ".tsv", ".gz", ".zst", ".bz2", ".xz", ".zip", ".arrow")
 DESIRABLE_NAMES = {"true", "1", "desirable", "good", "chosen", "positive", "yes", "accepted"}
@@ -37,7 +38,12 @@ def _walk(root: Path) -> list[Path]:
     (a prepared_dir placed inside the data directory must not be read back as data)."""
     found: list[Path] = []
     for entry in sorted(root.iterdir()):
-        if entry.name.startswith("."):
+        if entry.name.startswith(".") and entry.is_file() and entry.suffix.lower() in SUFFIXES + UNREAD:
+            raise DataError(  # ._train.jsonl (macOS), .train.jsonl: neither read nor skipped in silence
+                f"{entry}: a hidden data file (its name starts with '.'): coati-kto reads none; name it in the "
+                f"config's data files, or rename or remove it from {root}"
+            )
+        if entry.name.startswith("."):  # .git, .cache, editor files
             continue
         if entry.is_dir():
             if (entry / "fingerprint.json").exists():
@@ -135,6 +141,14 @@ def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
         yield from _jsonl_rows(path)  # the line numbers then point at the broken line
         return
     if isinstance(data, dict) and isinstance(data.get("data"), list):
+        beside = [
+            k for k, v in data.items() if k != "data" and isinstance(v, list) and v and isinstance(v[0], dict)
+        ]
+        if beside:  # records under another key would be left unread
+            raise DataError(
+                f"{path}: records under {', '.join(repr(k) for k in beside)} beside 'data': a .json file's records "
+                "are its array, or the list under 'data' alone; move them into 'data' or into a file of their own"
+            )
         data = data["data"]
     if isinstance(data, dict):
         data = [data]
@@ -193,7 +207,7 @@ def iter_raw(
         from coati_kto.data.hub import open_split, pinned
 
         return dataset_rows(open_split(path, sha), pinned(path, sha))
-    if path.suffix == ".jsonl":
+    if path.suffix in JSON_LINES:
         return _jsonl_rows(path)
     if path.suffix == ".json":
         return _json_rows(path)

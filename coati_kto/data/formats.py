@@ -327,7 +327,20 @@ def unread_fields(raw: dict[str, Any], images: bool = False) -> set[str]:
     else:
         key = next((k for k in MESSAGE_LIST_KEYS if k in raw), None)
         read = {key, "label"} if key else {"prompt", "completion", "label"}
-    return set(raw) - read - {"tools"} - ({"images"} if images else set())
+    parts = {f"{k}[].content[].{name}" for k in read & set(raw) for name in _unread_part_keys(raw[k])}
+    return (set(raw) - read - {"tools"} - ({"images"} if images else set())) | parts
+
+
+def _unread_part_keys(messages: Any) -> set[str]:
+    """The keys of ``messages``' content parts that :func:`_parts` does not keep (all but type and text; a
+    table's null keys are none of them): ``cache_control``, an inline ``image``."""
+    found: set[str] = set()
+    for message in messages if isinstance(messages, list) else []:
+        content = message.get("content") if isinstance(message, dict) else None
+        for part in content if isinstance(content, list) else []:
+            if isinstance(part, dict):
+                found |= {k for k, v in part.items() if v is not None and k not in ("type", "text")}
+    return found
 
 
 def _normalize(raw: dict[str, Any], source: str, parts: bool, nulls: set[str]) -> list[Record]:

@@ -22,11 +22,7 @@ def summary(stats: dict, data: DataSection, built: bool, why: str, seconds: floa
     if stats.get("completion_end"):
         lines.append(f"  {stats['completion_end']}")
     if unread := stats.get("unread_fields"):
-        shown = ", ".join(f"{name} ({count} records)" for name, count in list(unread.items())[:8])
-        lines.append(
-            f"  fields not read: {shown}; only prompt, completion, label, messages/conversations, chosen/rejected "
-            "and tools are (a system prompt goes in as a system message)"
-        )
+        lines.append(unread_line(unread))
     dup = stats["duplicates"]
     if dup["records"]:
         lines.append(
@@ -41,6 +37,17 @@ def summary(stats: dict, data: DataSection, built: bool, why: str, seconds: floa
             f"  bad records skipped: {bad['skipped']} ({_counts(bad['by_reason'])}; all in {target}/skipped.txt)"
         )
     return "\n".join(lines)
+
+
+def unread_line(unread: dict[str, int]) -> str:
+    """The summary's line on the fields no record shape reads: the first 8 named, the rest counted."""
+    shown = ", ".join(f"{name} ({count} records)" for name, count in list(unread.items())[:8])
+    if len(unread) > 8:  # every one is in stats.json
+        shown += f", and {len(unread) - 8} more (stats.json's unread_fields lists them all)"
+    return (
+        f"  fields not read: {shown}; only prompt, completion, label, messages/conversations, chosen/rejected "
+        "and tools are (a system prompt goes in as a system message)"
+    )
 
 
 def _counts(by_reason: dict[str, int]) -> str:

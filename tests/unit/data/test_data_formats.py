@@ -218,12 +218,13 @@ def test_file_kinds_and_directories(tmp_path: Path) -> None:
     assert len(load_records([str(saved / "train")]).records) == 2
 
     # Inside a directory: a saved dataset is one input (its state.json is not data); a coati-kto prepared
-    # dir and hidden entries are skipped.
+    # dir and hidden folders are skipped (a hidden data file is an error: test_files_not_dropped.py).
     datasets.Dataset.from_list(plain).save_to_disk(str(data / "sub" / "saved"))
     (data / "prepared").mkdir()
     (data / "prepared" / "fingerprint.json").write_text("{}")
     (data / "prepared" / "stats.json").write_text("{}")
-    (data / ".hidden.jsonl").write_text("not json")
+    (data / ".git").mkdir()
+    (data / ".git" / "hidden.jsonl").write_text("not json")
     sources = [r.source for r in load_records([str(data)], cache_dir=str(tmp_path / "cache")).records]
     assert len(sources) == 8 and sources[-1] == f"{data}/sub/saved:row 2"
     # Data it does not read is an error, never a silent skip (a directory of 90 examples gave 30).
