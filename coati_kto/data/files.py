@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from coati_kto.config.hub import HubDataset, is_hub_dataset, parse_hub_dataset
-from coati_kto.data.formats import LoadResult, RecordError, normalize, show_value, unread_fields
+from coati_kto.data.formats import LoadResult, RecordError, normalize, show_value
 from coati_kto.data.image_refs import attach_images, undecoded
+from coati_kto.data.unread import unread_fields
 from coati_kto.errors import DataError
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".ndjson", ".jsonlines")

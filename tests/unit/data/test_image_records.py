@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from coati_kto.data.files import load_records, write_jsonl
-from coati_kto.data.formats import unread_fields
+from coati_kto.data.unread import unread_fields
 from coati_kto.errors import DataError
 
 ASK = [{"type": "image"}, {"type": "text", "text": "What colour is it?"}]
