@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from coati_kto.errors import PUSH_FAILED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError
-from coati_kto.runtime.signals import ABORT_EXIT_CODE, STOP, STOP_EXIT_CODE, TrainingStoppedError
+from coati_kto.runtime.signals import ABORT_EXIT_CODE, STOP, STOP_EXIT_CODE, TrainingStoppedError, launches
 from coati_kto.runtime.startup import hold_collection, release_collection
 
 if TYPE_CHECKING:  # the commands import the config on demand (`--help` must not pay for it)
@@ -231,7 +231,7 @@ def _run(args: argparse.Namespace) -> int:
     from coati_kto.config.load import load_config
 
     _check_numbers(args)
-    if args.command in ("train", "precompute", "export") and args.nproc_per_node and "RANK" not in os.environ:
+    if launches(args.command, getattr(args, "nproc_per_node", None)):  # refused in a rank (RANK set)
         from coati_kto.launch.torchrun import before_workers
 
         # The launcher's signal handling (entry started it): a stop during the checks is one line, not a kill.

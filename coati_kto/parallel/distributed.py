@@ -44,15 +44,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-_SECRET_PARTS = ("TOKEN", "KEY", "SECRET", "PASSWORD")
-_NOT_SECRETS = {"TOKENIZERS_PARALLELISM"}
+_SECRET_PARTS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
+# AUTH only as a whole '_'-separated part (WANDB__AUTH, HF_AUTH, PROXY_AUTH_X): inside a word it is mostly
+# AUTHOR (GIT_AUTHOR_NAME) or XAUTHORITY, names a launch should pass on.
+_SECRET_WORDS = ("AUTH", "OAUTH", "AUTHORIZATION")
+# Paths and settings, not secrets: dropping them breaks the launch or the nodes (SSH_AUTH_SOCK: the launcher's
+# own SSH to the nodes uses the agent; the others point at credential files, the documented way to pass them).
+_NOT_SECRETS = {"TOKENIZERS_PARALLELISM", "SSH_AUTH_SOCK", "HF_TOKEN_PATH", "GOOGLE_APPLICATION_CREDENTIALS"}
+_NOT_SECRETS |= {"AWS_SHARED_CREDENTIALS_FILE"}
 
 
 def is_secret_name(name: str) -> bool:
-    """Environment variables kept out of launch command lines and logs: names containing TOKEN, KEY, SECRET or
-    PASSWORD, any case (launch/colossalai_run.sh applies the same rule)."""
+    """Environment variables kept out of launch command lines and logs: names containing TOKEN, KEY, SECRET,
+    PASSWORD, PASSWD or CREDENTIAL, or with AUTH, OAUTH or AUTHORIZATION as a part between underscores, any case,
+    except the few in ``_NOT_SECRETS`` (launch/colossalai_run.sh applies the same rule)."""
     upper = name.upper()
-    return upper not in _NOT_SECRETS and any(part in upper for part in _SECRET_PARTS)
+    if upper in _NOT_SECRETS:
+        return False
+    words = f"_{upper}_"
+    return any(part in upper for part in _SECRET_PARTS) or any(f"_{w}_" in words for w in _SECRET_WORDS)
 
 
 def unexportable(environ: Mapping[str, str]) -> list[str]:

@@ -308,6 +308,22 @@ def _unwinding() -> bool:
     return False
 
 
+def launches(command: str, nproc_per_node: int | None) -> bool:
+    """Whether ``command`` starts torchrun itself (``--nproc-per-node N``; the CLI). A process with RANK set already
+    is a rank of a launcher (torchrun, srun, colossalai run, or a shell that leaked RANK): there the option was
+    ignored (one process, not a word); it is refused now: UserError, one line, exit 2."""
+    if command not in _LAUNCHING or not nproc_per_node:
+        return False
+    if "RANK" in os.environ:
+        from coati_kto.errors import UserError
+
+        raise UserError(
+            f"--nproc-per-node {nproc_per_node} starts its own ranks, but RANK={os.environ['RANK']} is set (this "
+            "process already is a rank of a launcher: torchrun, srun): drop --nproc-per-node or unset RANK"
+        )
+    return True
+
+
 def _command(argv: list[str]) -> str | None:
     """The command of a coati-kto command line: its first word that is no option."""
     return next((arg for arg in argv if not arg.startswith("-")), None)

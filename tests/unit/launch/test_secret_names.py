@@ -1,0 +1,70 @@
+"""Which environment variables a launch keeps off the nodes' command line: ``is_secret_name`` (the Python
+launchers) and launch/colossalai_run.sh (bash) apply one rule, checked here on the same names."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from coati_kto.parallel.distributed import is_secret_name, unexportable
+
+REPO = Path(__file__).resolve().parents[3]
+PREFIX = "colossalai_run.sh: not passed to the nodes (secret-looking names): "
+
+SECRETS = [
+    "HF_TOKEN",
+    "WANDB_API_KEY",
+    "AWS_SECRET_ACCESS_KEY",
+    "DB_PASSWORD",
+    "PGPASSWD",
+    "AWS_PROFILE_CREDENTIALS",
+    "AZURE_CREDENTIAL",
+    "WANDB__AUTH",
+    "HF_AUTH",
+    "auth",
+    "PROXY_AUTH_HEADER",
+    "GITHUB_OAUTH",
+    "HTTP_AUTHORIZATION",
+    "netrc_passwd",
+]
+HARMLESS = [
+    "GIT_AUTHOR_NAME",
+    "GIT_AUTHOR_EMAIL",
+    "AUTHOR",
+    "XAUTHORITY",
+    "SSH_AUTH_SOCK",  # colossalai run's own SSH to the nodes uses the agent
+    "TOKENIZERS_PARALLELISM",
+    "HF_TOKEN_PATH",  # paths to credential files: the documented way to give the nodes credentials
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    "AWS_SHARED_CREDENTIALS_FILE",
+    "OMP_NUM_THREADS",
+    "NCCL_SOCKET_IFNAME",
+]
+
+
+@pytest.mark.parametrize("name", SECRETS)
+def test_secret_looking_names_are_kept_off_the_command_line(name: str) -> None:
+    assert is_secret_name(name)
+    assert unexportable({name: "plain"}) == [name]
+
+
+@pytest.mark.parametrize("name", HARMLESS)
+def test_harmless_names_are_passed_on(name: str) -> None:
+    assert not is_secret_name(name)
+
+
+def test_the_bash_script_drops_exactly_the_names_the_python_rule_drops(tmp_path: Path) -> None:
+    """launch/colossalai_run.sh has its own copy of the rule (in bash): it must name the same variables. A missing
+    HOSTFILE ends it (exit 2) right after it dropped them, before anything starts."""
+    (tmp_path / "cfg.yaml").write_text("model: {}\n")
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "HOSTFILE": "hosts", "MASTER_ADDR": "node1"}
+    env["NPROC_PER_NODE"] = "1"
+    env.update({name: "value" for name in SECRETS + HARMLESS})
+    argv = ["bash", str(REPO / "launch" / "colossalai_run.sh"), "cfg.yaml"]
+    done = subprocess.run(argv, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    line = next(line for line in done.stderr.splitlines() if line.startswith(PREFIX))
+    dropped = set(line.removeprefix(PREFIX).split())
+    assert dropped == {name for name in env if is_secret_name(name)} == set(SECRETS)
