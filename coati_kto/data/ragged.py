@@ -30,9 +30,10 @@ class Ragged:
 
     @classmethod
     def of(cls, column: pa.ChunkedArray | pa.Array) -> Ragged:
-        """A list<int> column (any chunking, slices included) without concatenating its chunks in Arrow."""
+        """A list<int> column (any chunking, slices included; a null list reads as empty) without concatenating
+        its chunks in Arrow."""
         chunks = column.chunks if isinstance(column, pa.ChunkedArray) else [column]
-        lengths = [pc.list_value_length(c).to_numpy(zero_copy_only=False) for c in chunks]
+        lengths = [pc.fill_null(pc.list_value_length(c), 0).to_numpy(zero_copy_only=False) for c in chunks]
         values = [pc.list_flatten(c).to_numpy(zero_copy_only=False) for c in chunks]
         flat = np.concatenate(values).astype(np.int32, copy=False) if values else np.zeros(0, np.int32)
         counts = np.concatenate(lengths).astype(np.int64) if lengths else np.zeros(0, np.int64)

@@ -76,6 +76,8 @@ def test_ragged_reads_slices_and_chunks_and_their_maxima() -> None:
         0,
     )
     assert tokens.firsts(np.array([3, 0])).tolist() == [4, 1]
+    with_null = Ragged.of(pa.array([[1], None, [2, 3]], INT_LISTS))
+    assert with_null.lengths.tolist() == [1, 0, 2] and with_null.values.tolist() == [1, 2, 3]
 
 
 def test_a_split_past_arrows_int32_offsets_is_written_in_chunks(monkeypatch) -> None:
