@@ -8,6 +8,8 @@ models.norms (and transformers / colossalai).
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -213,3 +215,33 @@ def copy_processor_files(source: str | Path, config: Any, out: Path) -> list[str
     for name in copied:
         shutil.copyfile(folder / name, out / name)
     return copied
+
+
+def stored_dtype_everywhere(path: Path, dtype: str | None = None) -> None:
+    """``path`` (a config.json) with ``dtype`` (default: its top-level dtype, what save_pretrained wrote) in
+    every sub-config that names one too: a model loaded in fp32 and cast before saving kept "float32" in
+    ``text_config``/``vision_config``, and tools that read the text config's dtype (vLLM's ``dtype=auto``) loaded
+    bf16 weights as fp32."""
+    config = json.loads(path.read_text())
+    top = "dtype" if "dtype" in config else "torch_dtype"
+    dtype = dtype or config.get(top)
+    if dtype is None:
+        return
+
+    def fix(node: dict[str, Any]) -> None:
+        for key in ("dtype", "torch_dtype"):
+            if node.get(key) is not None:
+                node[key] = dtype
+        for value in node.values():
+            if isinstance(value, dict) and (
+                "dtype" in value or "torch_dtype" in value or "model_type" in value
+            ):
+                fix(value)
+
+    before = json.dumps(config, sort_keys=True)
+    config[top] = dtype
+    fix(config)
+    if json.dumps(config, sort_keys=True) != before:
+        tmp = path.with_name(path.name + ".tmp")  # renamed into place: a reader sees the old file or the new
+        tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)

@@ -25,7 +25,7 @@ from coati_kto.config.lora import (
     tower_refusal,
 )
 from coati_kto.errors import ConfigError
-from coati_kto.models.hf import copy_processor_files
+from coati_kto.models.hf import copy_processor_files, stored_dtype_everywhere
 
 if TYPE_CHECKING:
     from coati_kto.config.schema import LoraSection
@@ -164,6 +164,9 @@ def write_lora(
     out_dir.mkdir(parents=True, exist_ok=True)
     saving = {} if adapters is None else {"state_dict": adapters}
     peft.save_pretrained(out_dir / "adapter", safe_serialization=True, **saving)
+    # peft's own card: a template of "[More Information Needed]" whose base_model is model.path, a local folder
+    # where the run's card (final/README.md) leaves base_model out; pushed with final/, the Hub refuses it.
+    (out_dir / "adapter" / "README.md").unlink(missing_ok=True)
     folders = [out_dir / "adapter"]
     if merge:
         _save_merged(peft, out_dir / "merged")
@@ -181,6 +184,7 @@ def _save_merged(peft: Any, out: Path) -> None:
     """base + (alpha / r) B A per adapted layer, on a CPU copy in the working dtype (the training model is left
     as it is: export may come before more training in tests, and the copy costs memory only at the end)."""
     cpu_copy(peft).merge_and_unload().save_pretrained(out, safe_serialization=True)
+    stored_dtype_everywhere(out / "config.json")  # the sub-configs' too (a vision-language model's)
 
 
 def cpu_copy(module: torch.nn.Module) -> torch.nn.Module:

@@ -3,7 +3,6 @@ the config and tokenizer, written by the main rank only (``trainer.checkpoint.Ch
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from pathlib import Path
@@ -12,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from coati_kto.models.hf import copy_processor_files
+from coati_kto.models.hf import copy_processor_files, stored_dtype_everywhere
 from coati_kto.parallel.distributed import comm_device
 
 
@@ -23,10 +22,8 @@ def write_hf(module: Any, state: dict, tokenizer: Any, out: Path, fp32: bool) ->
     out.mkdir(parents=True)
     # save_pretrained drops tied duplicates that safetensors refuses, and writes config's dtype.
     module.save_pretrained(out, state_dict=state, safe_serialization=True)
-    if fp32:  # config.json names the module's (working) dtype: say what is stored
-        config = json.loads((out / "config.json").read_text())
-        config["dtype" if "dtype" in config else "torch_dtype"] = "float32"
-        write_atomic(out / "config.json", json.dumps(config, indent=2, sort_keys=True) + "\n")
+    # config.json names the module's (working) dtype: say what is stored, in every sub-config too
+    stored_dtype_everywhere(out / "config.json", "float32" if fp32 else None)
     if tokenizer is not None:
         tokenizer.save_pretrained(out)
     copy_processor_files(getattr(module.config, "_name_or_path", ""), module.config, out)
