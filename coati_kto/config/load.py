@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,8 +19,20 @@ from pydantic import BaseModel, ValidationError
 
 from coati_kto.config.discovery import unknown_key_problem
 from coati_kto.config.schema import Config
-from coati_kto.config.section import DEFER_SECTION_PROBLEMS
+from coati_kto.config.section import DEFER_SECTION_PROBLEMS, Section
 from coati_kto.errors import ConfigError
+
+
+def _merge(node: dict[str, Any], key: str, value: Any) -> None:
+    """``node[key] = value``, except that a mapping given where a mapping is merges into it key by key (as the
+    dotted form does): ``train.seed=1 'train={lr: 0}'`` keeps the seed and the file's other train keys."""
+    old = node.get(key)
+    if isinstance(value, dict) and isinstance(old, dict):
+        node[key] = merged = dict(old)  # a copy: a YAML alias shares the mapping with another key
+        for k, v in value.items():
+            _merge(merged, k, v)
+    else:
+        node[key] = value
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, source: str) -> None:
@@ -29,8 +42,16 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any, source: str) -> N
         child = node.setdefault(key, {})
         if not isinstance(child, dict):
             raise ConfigError(f"{source}: cannot set {dotted}: {key} is not a section")
+        child = node[key] = dict(child)  # a copy: a YAML alias shares the mapping with another key
         node = child
-    node[keys[-1]] = value
+    _merge(node, keys[-1], value)
+
+
+def _leaves(key: str, value: Any) -> list[str]:
+    """The dotted keys an override of ``key`` sets: each leaf of a (merged) mapping, else ``key`` itself."""
+    if isinstance(value, dict) and value:
+        return [leaf for k, v in value.items() for leaf in _leaves(f"{key}.{k}", v)]
+    return [key]
 
 
 def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
@@ -71,16 +92,41 @@ class _Origins:
     path: Path
     lines: dict[str, int]  # dotted key -> the line it is on in the file
     overrides: dict[str, str] = field(default_factory=dict)  # dotted key -> the override as given
+    setters: dict[str, str] = field(default_factory=dict)  # dotted key -> the override that set it last
+
+    def record(self, key: str, item: str, value: Any) -> None:
+        """The override ``item`` set ``key`` to ``value`` (a mapping: each of its leaves, merged)."""
+        self.overrides[key] = item
+        for leaf in _leaves(key, value):
+            for earlier in [k for k in self.setters if k == leaf or k.startswith(leaf + ".")]:
+                del self.setters[earlier]
+            self.setters[leaf] = item
 
     def override_of(self, key: str) -> str | None:
-        """The override that set ``key`` itself (or a section above it), as given; else, for a key inside a section,
-        one that set a key below it (``train.lr.x=1`` made the value a mapping); None if none did."""
-        above = next(
-            (item for k, item in self.overrides.items() if key == k or key.startswith(k + ".")), None
-        )
-        if above or "." not in key:
-            return above
-        return next((item for k, item in self.overrides.items() if k.startswith(key + ".")), None)
+        """The override that set ``key`` itself (or a section above it: the most specific one), as given; else
+        one that set a key below it (``train.lr.x=1`` made the value a mapping; ``nosection.x=1`` added a
+        section the file lacks); None if none did."""
+        above = [k for k in self.setters if key == k or key.startswith(k + ".")]
+        if above:
+            return self.setters[max(above, key=len)]
+        if "." not in key and key in self.lines:  # a section of the file: not blamed on one key set inside it
+            return None
+        return next((item for k, item in self.setters.items() if key and k.startswith(key + ".")), None)
+
+    def _file_lines(self, keys: list[str]) -> list[int]:
+        """The lines of ``keys`` in the file (a list item's error, data.train_files.0, is on its key's line);
+        where the file has none of them, the line of each one's nearest ancestor it has below its section
+        (``output.push_to_hub.repo_id`` from ``push_to_hub: ""``)."""
+        exact = {self.lines[k] for k in (re.sub(r"(\.\d+)+$", "", k) for k in keys) if k in self.lines}
+        if exact:
+            return sorted(exact)
+        near = set()
+        for key in keys:
+            while key.count(".") > 1 and key not in self.lines:  # not up to a section: it says no more
+                key = key.rsplit(".", 1)[0]
+            if key in self.lines:
+                near.add(self.lines[key])
+        return sorted(near)
 
     def where(self, keys: list[str]) -> str:
         """``override K=V[, ...]`` for the overrides that set any of ``keys`` (with ``and file:line`` for one of
@@ -90,10 +136,7 @@ class _Origins:
         if given:
             also = f" and {self.path}:{from_file[0]}" if from_file else ""
             return "override " + ", ".join(given) + also
-        # A list item's error (data.train_files.0) is on its key's line; a key the file leaves out has none. A
-        # problem of several keys the file sets names each one's line.
-        candidates = [re.sub(r"(\.\d+)+$", "", k) for k in keys]
-        lines = sorted({self.lines[k] for k in candidates if k in self.lines})
+        lines = self._file_lines(keys)
         return " and ".join(f"{self.path}:{line}" for line in lines) if lines else str(self.path)
 
     def line(self, key: str, problem: str) -> str:
@@ -143,29 +186,81 @@ def _format_errors(err: ValidationError, origins: _Origins, top: dict[str, Any])
     return "\n".join(lines)
 
 
-def _key_lines(node: yaml.Node, prefix: str = "") -> dict[str, int]:
-    """Dotted key -> the 1-based line of the key, for every key of the YAML mapping ``node``."""
-    lines: dict[str, int] = {}
-    if isinstance(node, yaml.MappingNode):
+_MERGE, _STR = "tag:yaml.org,2002:merge", "tag:yaml.org,2002:str"
+_KINDS = {"int": "a number", "float": "a number", "bool": "a boolean", "null": "null", "timestamp": "a date"}
+
+
+@dataclass
+class _Keys:
+    """The walk of the YAML file's nodes: the line of each key, and a problem for each key that is not text."""
+
+    path: Path
+    lines: dict[str, int] = field(default_factory=dict)  # dotted key -> its 1-based line
+    problems: list[str] = field(default_factory=list)
+    _reported: set[int] = field(default_factory=set)
+
+    def walk(self, node: yaml.Node, prefix: str = "", path: frozenset[int] = frozenset()) -> None:
+        """Record the keys under ``node``; drop each pair whose key is not a string (a number, ``on``, ``null``,
+        ``? [a, b]``), saying so with its line. Merged mappings (``<<: *anchor``) first: a key of the mapping
+        itself wins over them, as YAML has it, and the first of ``<<: [*a, *b]`` over the others."""
+        if id(node) in path:  # a recursive alias
+            return
+        path |= {id(node)}
+        if isinstance(node, yaml.SequenceNode):
+            for index, item in enumerate(node.value):
+                self.walk(item, f"{prefix}{index}.", path)
+        if not isinstance(node, yaml.MappingNode):
+            return
         for key_node, value_node in node.value:
-            dotted = f"{prefix}{key_node.value}"
-            lines[dotted] = key_node.start_mark.line + 1
-            lines.update(_key_lines(value_node, dotted + "."))
-    return lines
+            if key_node.tag == _MERGE:
+                sources = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+                for source in reversed(sources):
+                    self.walk(source, prefix, path)
+        kept = []
+        for key_node, value_node in node.value:
+            if key_node.tag == _MERGE:
+                kept.append((key_node, value_node))
+            elif self._text_key(key_node, prefix):
+                kept.append((key_node, value_node))
+                self.lines[prefix + key_node.value] = key_node.start_mark.line + 1
+                self.walk(value_node, f"{prefix}{key_node.value}.", path)
+        node.value = kept
+
+    def _text_key(self, key_node: yaml.Node, prefix: str) -> bool:
+        if key_node.tag == _STR and isinstance(key_node, yaml.ScalarNode):
+            return True
+        if id(key_node) not in self._reported:  # a mapping merged in elsewhere too: said once
+            self._reported.add(id(key_node))
+            where = f"{self.path}:{key_node.start_mark.line + 1}"
+            if isinstance(key_node, yaml.ScalarNode):
+                text = key_node.value or "(empty)"
+                kind = _KINDS.get(key_node.tag.rsplit(":", 1)[-1], key_node.tag)
+                self.problems.append(
+                    f"{where}: {prefix}{text}: keys must be strings ({text} is read as {kind})"
+                )
+            else:
+                kind = "a list" if isinstance(key_node, yaml.SequenceNode) else "a mapping"
+                self.problems.append(
+                    f"{where}: {prefix.rstrip('.') or 'top level'}: keys must be strings (got {kind} as a key)"
+                )
+        return False
 
 
 class _UniqueKeyLoader(yaml.SafeLoader):
     """YAML's safe loader, except that a key given twice in one mapping is an error: PyYAML keeps the last one
-    silently, so a second ``train:`` block holding only ``seed: 3`` dropped the first block's lr and steps."""
+    silently, so a second ``train:`` block holding only ``seed: 3`` dropped the first block's lr and steps. A key
+    merged in (``<<: *anchor``) is no duplicate: the mapping's own key overrides it, as YAML has it."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict[Any, int] = {}
         for key_node, _ in node.value:
+            if key_node.tag == _MERGE:
+                continue
             key = self.construct_object(key_node, deep=True)
             if key in seen:
                 raise _DuplicateKeyError(key, seen[key], key_node.start_mark.line + 1)
             seen[key] = key_node.start_mark.line + 1
-        return super().construct_mapping(node, deep=deep)
+        return super().construct_mapping(node, deep=deep)  # flatten_mapping: the merged keys, then its own
 
 
 class _DuplicateKeyError(Exception):
@@ -174,50 +269,106 @@ class _DuplicateKeyError(Exception):
         self.key, self.first_line, self.line = key, first_line, line
 
 
-def _read_yaml(path: Path) -> tuple[Any, dict[str, int]]:
-    """The parsed file and the line of each of its keys; ConfigError naming file and line for a missing file, a
-    directory, bad YAML or a key given twice."""
+def _text(path: Path) -> str:
+    """The file's text; ConfigError for a missing file, a directory, or bytes that are not UTF-8."""
     try:
-        text = path.read_text()
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader subclass)
-        return data, _key_lines(yaml.compose(text, Loader=yaml.SafeLoader))
+        data = path.read_bytes()
+        return data.decode("utf-8")
     except FileNotFoundError:
         raise ConfigError(f"{path}: config file not found") from None
     except IsADirectoryError:
         raise ConfigError(
             f"{path}: is a directory, not a config file (pass the YAML file inside it)"
         ) from None
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        utf16 = "; UTF-16: save it as UTF-8" if data.startswith((b"\xff\xfe", b"\xfe\xff")) else ""
+        raise ConfigError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{data[err.start]:02x} at position {err.start}{utf16})"
+        ) from None
+
+
+def _read_yaml(path: Path) -> tuple[Any, _Keys]:
+    """The parsed file, the line of each of its keys and its keys that are not text (dropped); ConfigError naming
+    file and line for a missing file, a directory, bytes that are not UTF-8, bad YAML or a key given twice."""
+    text, keys = _text(path), _Keys(path)
+    loader = None
+    try:
+        loader = _UniqueKeyLoader(text)  # its reader refuses control characters (a NUL) at once
+        node = loader.get_single_node()
+        if node is None:
+            return None, keys
+        keys.walk(node)
+        return loader.construct_document(node), keys
     except _DuplicateKeyError as err:
         raise ConfigError(
             f"{path}:{err.line}: key {err.key!r} is given twice in the same section (first on line "
             f"{err.first_line}); YAML would silently keep only the second: merge them"
+        ) from None
+    except yaml.reader.ReaderError as err:
+        line = text[: err.position].count("\n") + 1
+        raise ConfigError(
+            f"{path}:{line}: not valid YAML (character #x{err.character:04x}: {err.reason})"
         ) from None
     except yaml.YAMLError as err:
         # The context mark (e.g. where an unclosed bracket opened) is nearer the mistake than the problem mark.
         mark = getattr(err, "context_mark", None) or getattr(err, "problem_mark", None)
         where = f"{path}:{mark.line + 1}" if mark else str(path)
         raise ConfigError(f"{where}: not valid YAML ({getattr(err, 'problem', err)})") from None
+    finally:
+        if loader is not None:
+            loader.dispose()
+
+
+def _empty_sections(raw: dict[str, Any]) -> None:
+    """A section whose keys are all commented out (``eval:``, read as null) is the section's defaults; a section
+    that may be left out (``output``) is left out."""
+    for name, spec in Config.model_fields.items():
+        if name in raw and raw[name] is None and type(None) not in typing.get_args(spec.annotation):
+            raw[name] = {}
+
+
+def _valid_sections_problems(raw: dict[str, Any]) -> list[str]:
+    """The cross-key problems of each section that validates by itself: the config's own checks need every
+    section valid, so a field error elsewhere would hide them until it was fixed (mistakes in rounds)."""
+    problems = []
+    for name, spec in Config.model_fields.items():
+        model = next(
+            (a for a in typing.get_args(spec.annotation) or (spec.annotation,) if isinstance(a, type)), None
+        )
+        value = raw.get(name, None if spec.is_required() else {})
+        if model is None or not issubclass(model, Section) or not isinstance(value, dict):
+            continue
+        try:
+            section = model.model_validate(value, context={DEFER_SECTION_PROBLEMS: True})
+        except ValidationError:
+            continue  # its errors are listed already
+        problems += section.own_deferred_problems()
+    return problems
 
 
 def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None) -> Config:
     """Read ``path``, apply ``overrides``, validate; raises ConfigError listing every problem, each blamed on
     the override that set the value or on the file's line."""
     path = Path(path)
-    raw, lines = _read_yaml(path)
+    raw, keys = _read_yaml(path)
     raw = raw or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections (model, data, ...)")
-    for name in ("kto", "train", "plugin", "logging"):  # a section whose keys are all commented out: defaults
-        if name in raw and raw[name] is None:
-            raw[name] = {}
-    origins = _Origins(path, lines)
+    _empty_sections(raw)
+    origins = _Origins(path, keys.lines)
     for item, (key, value) in zip(overrides or [], parse_overrides(overrides or []), strict=True):
         _set_dotted(raw, key, value, f"override {item}")
-        origins.overrides[key] = item
+        origins.record(key, item, value)
     try:
         config = Config.model_validate(raw, context={DEFER_SECTION_PROBLEMS: True})  # every problem at once
     except ValidationError as err:
-        raise ConfigError(_format_errors(err, origins, raw)) from None
+        problems = [*keys.problems, _format_errors(err, origins, raw)]
+        if all(e["loc"] for e in err.errors()):  # a field failed: the config's own checks did not run
+            problems += [origins.line("", p) for p in _valid_sections_problems(raw)]
+        raise ConfigError("\n".join(problems)) from None
+    if keys.problems:
+        raise ConfigError("\n".join(keys.problems))
     return config
 
 

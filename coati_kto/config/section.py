@@ -55,6 +55,10 @@ class Section(BaseModel):
             self.__dict__[name] = value
             self.__pydantic_fields_set__.add(name)
 
+    def own_deferred_problems(self) -> list[str]:
+        """The problems this section kept under the deferring context, with those of its sections."""
+        return self._deferred + self.deferred_problems()
+
     def deferred_problems(self) -> list[str]:
         """The problems its sections kept under the deferring context (every section field of this one)."""
         sections = [getattr(self, name) for name in type(self).model_fields]

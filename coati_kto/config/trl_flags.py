@@ -72,8 +72,8 @@ def _config_file(argv: Sequence[str]) -> Any:
     """The mapping of the config file the command line names, or None (best effort: a file it cannot read)."""
     path = next((a for a in argv if a.endswith((".yaml", ".yml"))), None)
     try:
-        return yaml.safe_load(Path(path).read_text()) if path else None
-    except (OSError, yaml.YAMLError):
+        return yaml.safe_load(Path(path).read_text(encoding="utf-8")) if path else None
+    except (OSError, ValueError, yaml.YAMLError):  # ValueError: UnicodeDecodeError, bytes that are not UTF-8
         return None
 
 
