@@ -368,7 +368,7 @@ def trl_flags_line(argv: list[str]) -> str | None:
         found, predicate = translate(name, value, flags, argv)
         parts.append(f"--{name}{'' if value is None else ' ' + value} {predicate}")
         overrides += found
-    # model.lora={...} replaces the whole mapping: it must come before the model.lora.rank=... it would drop
+    # model.lora={...} first, the model.lora.rank=... after it: the printed command reads in the order it applies
     overrides = sorted(dict.fromkeys(overrides), key=lambda o: not o.startswith("model.lora="))
     config = next((a for a in argv if a.endswith((".yaml", ".yml"))), "CONFIG.yaml")
     # The command's own options (--nproc-per-node 2, export's --checkpoint DIR --push) and the user's own
