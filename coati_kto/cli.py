@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     def command(name: str, help_text: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text, epilog=_EPILOG)
         p.add_argument("config", help="YAML config file")
-        p.add_argument("overrides", nargs="*", help="section.key=value")
+        p.add_argument("overrides", nargs="*", default=[], help="section.key=value")  # default: not required
         return p
 
     command("prepare", "Tokenize and validate the data, build KL pairs, save to data.prepared_dir.")
@@ -68,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_EPILOG,
     )
     p.add_argument("config", nargs="?", help="YAML config file")
-    p.add_argument("overrides", nargs="*", help="section.key=value")
+    p.add_argument("overrides", nargs="*", default=[], help="section.key=value")
     p.add_argument("--schema", action="store_true", help="list every key: type, default, help")
     p = sub.add_parser(
         "tiny-model",

@@ -6,12 +6,13 @@ from typing import Literal
 
 from pydantic import Field
 
+from coati_kto.config.limits import Text
 from coati_kto.config.push import PushToHubSection
 from coati_kto.config.section import Section
 
 
 class OutputSection(Section):
-    dir: str = Field(description="Run directory: config.yaml, tensorboard/, checkpoints/, final/.")
+    dir: Text = Field(description="Run directory: config.yaml, tensorboard/, checkpoints/, final/.")
     save_interval: int = Field(0, ge=0, description="Checkpoint every N optimizer steps; 0: only at the end.")
     keep_last: int = Field(
         2,

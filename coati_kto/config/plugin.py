@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from coati_kto.config.pipeline import pipeline_plugin_problems, pipeline_zero_stage
 from coati_kto.config.section import Section as _Section
@@ -79,6 +79,14 @@ class PluginSection(_Section):
         description="Keep ZeRO's fp32 masters and optimizer states in host memory: needs ZeRO (zero_stage 1 or 2 "
         "on low_level_zero, or on hybrid_parallel in bf16 or fp16).",
     )
+
+    @field_validator("zero_stage", mode="before")
+    @classmethod
+    def _no_boolean_stage(cls, value: Any) -> Any:
+        """pydantic reads true as 1 for a Literal of ints (the section's bool guard covers int and float fields)."""
+        if isinstance(value, bool):
+            raise ValueError("must be 0, 1 or 2, not a boolean")
+        return value
 
     @model_validator(mode="before")
     @classmethod

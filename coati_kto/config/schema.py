@@ -16,6 +16,7 @@ from coati_kto.config.compile_check import compile_problems
 from coati_kto.config.evaluation import EvalSection, sample_problems
 from coati_kto.config.hub import is_hub_dataset, parse_hub_dataset
 from coati_kto.config.kto import KTOSection
+from coati_kto.config.limits import MAX_TOKENS, Seconds, Seed, Text, Tokens, prepared_dir_overlap
 from coati_kto.config.lora import LoraSection
 from coati_kto.config.output import LoggingSection, OutputSection
 from coati_kto.config.pipeline import pipeline_problems
@@ -32,7 +33,7 @@ from coati_kto.families.splits import check_model_family
 
 
 class ModelSection(_Section):
-    path: str = Field(description="Hugging Face model directory (or hub id on machines that reach the hub).")
+    path: Text = Field(description="Hugging Face model directory (or hub id on machines that reach the hub).")
     tokenizer: str | None = Field(None, description="Tokenizer directory; defaults to model.path.")
     reference_path: str | None = Field(None, description="Reference model; defaults to model.path.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward: less memory.")
@@ -103,15 +104,15 @@ class DataSection(_Section):
     eval_fraction: float = Field(
         0.0, ge=0.0, lt=1.0, description="Fraction of train held out for evaluation when eval_files is empty."
     )
-    prepared_dir: str | None = Field(
+    prepared_dir: Text | None = Field(
         None,
         description="Where `prepare` writes the tokenized, KL-paired data and stats.json. Default: "
         "output.dir/prepared (a run with another output.dir never rebuilds this one's).",
     )
-    max_length: int = Field(
+    max_length: Tokens = Field(
         1024, ge=8, description="Tokens per example (prompt + completion) after truncation."
     )
-    max_prompt_length: int = Field(
+    max_prompt_length: Tokens = Field(
         512,
         ge=1,
         description="Prompt tokens kept when an example is too long. Default: half of data.max_length.",
@@ -126,7 +127,7 @@ class DataSection(_Section):
         default_factory=dict, description="Chat template variables, e.g. {enable_thinking: false} (Qwen3)."
     )
     num_proc: int = Field(1, ge=1, description="Tokenization processes for `prepare`.")
-    pad_to_multiple_of: int | None = Field(None, ge=1, description="Pad batches to a multiple of this.")
+    pad_to_multiple_of: Tokens | None = Field(None, ge=1, description="Pad batches to a multiple of this.")
     group_by_length: bool = Field(False, description="Batch examples of similar length (less padding).")
     padding_free: bool = Field(
         False,
@@ -155,7 +156,7 @@ class DataSection(_Section):
         unset = isinstance(data, dict) and "max_prompt_length" not in data
         max_length = _as_int(data.get("max_length")) if unset else None
         if max_length is not None:
-            return {**data, "max_prompt_length": max(1, max_length // 2)}
+            return {**data, "max_prompt_length": min(max(1, max_length // 2), MAX_TOKENS)}  # one error
         return data
 
     def _problems(self) -> list[str]:
@@ -169,7 +170,7 @@ class DataSection(_Section):
 
 
 class TrainSection(_Section):
-    seed: int = Field(42, ge=0, description="Seed of weights' RNG, data order and KL pairing.")
+    seed: Seed = Field(42, ge=0, description="Seed of weights' RNG, data order and KL pairing.")
     micro_batch_size: int = Field(
         4, ge=2, description="Per rank; >= 2 so each micro-batch holds both labels."
     )
@@ -217,16 +218,16 @@ class TrainSection(_Section):
     log_interval: int = Field(
         1, ge=1, description="Write train/ metrics every N steps (exact over the interval)."
     )
-    dist_timeout: float = Field(
+    dist_timeout: Seconds = Field(
         600.0, gt=0.0, description="Seconds a rank waits in a collective for a dead peer before failing."
     )
-    file_wait_timeout: float = Field(
+    file_wait_timeout: Seconds = Field(
         7200.0,
         gt=0.0,
         description="Seconds the ranks wait for file work before failing: global rank 0 preparing the data or "
         "writing final/ or the reference cache (not bounded by train.dist_timeout).",
     )
-    heartbeat_timeout: float = Field(
+    heartbeat_timeout: Seconds = Field(
         60.0,
         ge=0.0,
         description="Seconds without a heartbeat from a rank (gone process or node) before the job stops; 0: off.",
@@ -298,8 +299,8 @@ class Config(_Section):
     def _prepared_dir_problems(self) -> list[str]:
         """``data.prepared_dir`` unset: ``output.dir/prepared``, so runs told apart by their output.dir (overrides of
         one config) keep their prepared data apart; with no output.dir either, a problem."""
-        if self.data.prepared_dir is not None:
-            return []
+        if self.data.prepared_dir is not None:  # and not one inside the other: either would destroy the other
+            return prepared_dir_overlap(self.data.prepared_dir, self.output.dir) if self.output else []
         if self.output is None:
             return [
                 "data.prepared_dir: required key is missing (its default, output.dir/prepared, needs output.dir)"

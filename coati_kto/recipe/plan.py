@@ -21,6 +21,7 @@ from coati_kto.parallel.model_shape import ModelShape, model_shape
 from coati_kto.parallel.plan import running_zero_stage
 
 LISTED = 12  # layouts listed after the configured one
+MAX_GPU_MEMORY_GIB = 1e6  # --gpu-memory: a bound that keeps the bytes a finite number (inf, 1e308 overflowed)
 
 
 def _pipeline(plugin: PluginSection) -> tuple[int, str, int]:
@@ -164,6 +165,8 @@ def _tp_across_nodes(tp: int, per_node: int) -> list[str]:
 def _check_options(world: int, gpu_memory: float, nodes: int) -> None:
     if world < 1 or nodes < 1:
         raise UserError(f"--gpus and --nodes must be >= 1, got --gpus {world} --nodes {nodes}")
+    if not gpu_memory <= MAX_GPU_MEMORY_GIB:  # nan too
+        raise UserError(f"--gpu-memory must be a number of GiB <= {MAX_GPU_MEMORY_GIB:g}, got {gpu_memory:g}")
     if gpu_memory <= 0:
         raise UserError(f"--gpu-memory must be > 0 GiB, got {gpu_memory:g}")
     if world % nodes:

@@ -18,7 +18,14 @@ import os
 import tempfile
 from pathlib import Path
 
-from coati_kto.config.hub import HubDataset, hub_offline, hub_token, missing_path, offline_name
+from coati_kto.config.hub import (
+    HubDataset,
+    hub_offline,
+    hub_token,
+    is_hub_dataset,
+    missing_path,
+    offline_name,
+)
 from coati_kto.config.hub import hub_problems as _hub_problems
 from coati_kto.config.hub import looks_like_path as _looks_like_path
 from coati_kto.config.lora import (
@@ -101,16 +108,29 @@ def check_preparing(config: Config) -> None:
 
 
 def _data_problems(data: DataSection, ask_hub: bool) -> list[str]:
-    """``data.train_files`` and ``data.eval_files``: each entry found (``ask_hub``: a Hub dataset's too)."""
-    problems = []
-    for key in ("train_files", "eval_files"):
-        try:
-            for entry in resolve_files(getattr(data, key), f"data.{key}"):
-                if isinstance(entry, HubDataset) and ask_hub:
-                    hub_check(entry, f"data.{key}")
-        except DataError as err:
-            problems.append(str(err))
-    return problems
+    """``data.train_files`` and ``data.eval_files``: each entry found (``ask_hub``: a Hub dataset's too), a line
+    for each one that is not (the whole list at once stopped at its first)."""
+    keys = ("train_files", "eval_files")
+    return [
+        line
+        for key in keys
+        for name in getattr(data, key)
+        for line in _entry_problems(name, f"data.{key}", ask_hub)
+    ]
+
+
+def _entry_problems(name: str, key: str, ask_hub: bool) -> list[str]:
+    local = Path(name).expanduser()
+    if not is_hub_dataset(name) and not local.exists():  # where a relative path was looked for, as model.path
+        where = "" if local.is_absolute() else f" (read from {Path.cwd()})"
+        return [f"{key}: {name}: no such file or directory{where}"]
+    try:
+        for entry in resolve_files([name], key):
+            if isinstance(entry, HubDataset) and ask_hub:
+                hub_check(entry, key)
+    except DataError as err:
+        return [str(err)]
+    return []
 
 
 def _source_problems(key: str, value: str, trust_remote_code: bool, need_weights: bool) -> list[str]:

@@ -431,8 +431,8 @@ def test_prepare_names_every_missing_path_at_once(tmp_path: Path, capsys: pytest
         assert capsys.readouterr().err.splitlines() == [
             "error: model.path: ./no-model does not exist (a local path, read from "
             f"{Path.cwd()}; a hub id looks like org/name)",
-            "data.train_files: ./no-data.jsonl: no such file or directory",
-            "data.eval_files: ./no-eval.jsonl: no such file or directory",
+            f"data.train_files: ./no-data.jsonl: no such file or directory (read from {Path.cwd()})",
+            f"data.eval_files: ./no-eval.jsonl: no such file or directory (read from {Path.cwd()})",
         ]
     assert not (tmp_path / "prepared").exists()
 
