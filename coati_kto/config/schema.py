@@ -34,8 +34,8 @@ from coati_kto.families.splits import check_model_family
 
 class ModelSection(_Section):
     path: Text = Field(description="Hugging Face model directory (or hub id on machines that reach the hub).")
-    tokenizer: str | None = Field(None, description="Tokenizer directory; defaults to model.path.")
-    reference_path: str | None = Field(None, description="Reference model; defaults to model.path.")
+    tokenizer: Text | None = Field(None, description="Tokenizer directory; defaults to model.path.")
+    reference_path: Text | None = Field(None, description="Reference model; defaults to model.path.")
     gradient_checkpointing: bool = Field(False, description="Recompute activations in backward: less memory.")
     compile: bool | Literal["auto"] = Field(
         False,

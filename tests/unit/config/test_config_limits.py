@@ -118,3 +118,11 @@ def test_an_empty_path_is_refused(tmp_path: Path, key: str, line: int) -> None:
     text = MINIMAL.replace(f"  {name}: ", f"  {name}: ''  # ", 1)
     path = write_config(tmp_path, text)
     assert _errors(path, []) == [f"{path}:{line}: {key}: String should have at least 1 character (got '')"]
+
+
+@pytest.mark.parametrize("key", ["model.tokenizer", "model.reference_path"])
+def test_an_empty_optional_path_is_refused(config: Path, key: str) -> None:
+    """model.tokenizer "" and model.reference_path "" were taken as unset, in silence."""
+    assert _errors(config, [f"{key}=''"]) == [
+        f"override {key}='': String should have at least 1 character (got '')"
+    ]
