@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -242,6 +241,5 @@ def stored_dtype_everywhere(path: Path, dtype: str | None = None) -> None:
     config[top] = dtype
     fix(config)
     if json.dumps(config, sort_keys=True) != before:
-        tmp = path.with_name(path.name + ".tmp")  # renamed into place: a reader sees the old file or the new
-        tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, path)
+        # a plain write: the export's folder is a staging one, synced and renamed in whole (write_final)
+        path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
