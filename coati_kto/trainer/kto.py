@@ -55,7 +55,7 @@ from coati_kto.parallel.plan import ParallelPlan
 from coati_kto.runtime.signals import StopSignals, TrainingStoppedError, decide
 from coati_kto.trainer.base import SLTrainer
 from coati_kto.trainer.checkpoint import CheckpointManager
-from coati_kto.trainer.logging import MetricWriter, ProgressBar, warn_nonfinite_eval
+from coati_kto.trainer.logging import MetricWriter, ProgressBar, warn_nonfinite_eval, warn_skipped_step
 from coati_kto.trainer.metrics import IntervalMeter, StepSums, evaluated, summarize
 from coati_kto.trainer.options import KTOOptions, options_from
 from coati_kto.trainer.passes import KTOPasses
@@ -262,14 +262,12 @@ class KTOTrainer(SLTrainer):
         skipped = totals["nonfinite"] > 0 or bad_grad
         if skipped:
             self.optimizer.zero_grad()
+            bad_grad = totals["nonfinite"] == 0  # the cause named: a NaN loss makes a NaN norm too
             if self.options.on_nonfinite == "stop":
-                last = (
-                    self.checkpoint_manager.resume_auto_here()
-                    if self.checkpoint_manager is not None
-                    else None
-                )
-                raise NonFiniteLossError.at(step, epoch, bad_grad, last)
+                manager = self.checkpoint_manager
+                raise NonFiniteLossError.at(step, epoch, bad_grad, manager and manager.resume_auto_here())
             self.skipped_steps += 1
+            warn_skipped_step(self.layout.is_main, step, epoch, bad_grad, self.skipped_steps)
         else:
             # Unscaled before the step: inside it the fp16 loss scaler may grow the scale for the next step.
             grad_norm = self._grad_norm.unscaled(norm) if math.isfinite(norm) else None

@@ -137,6 +137,30 @@ class MetricWriter:
                 tb.close()
 
 
+# A run that goes on skipping says so on each of its first skips, then as the count doubles: a diverged run
+# skips every step, and a line per step would bury the progress bar.
+SKIP_LINES_IN_FULL = 10
+
+
+def warn_skipped_step(is_main: bool, step: int, epoch: int, bad_grad: bool, skipped_steps: int) -> None:
+    """One warning line on the main rank for a training step skipped under ``train.on_nonfinite: skip``
+    (``skipped_steps``: the run's count, this step included); every skip up to SKIP_LINES_IN_FULL, then the
+    powers of two. A step the fp16 loss scaler skips is not one: that is the scaler's normal search."""
+    if not is_main or (skipped_steps > SKIP_LINES_IN_FULL and skipped_steps & (skipped_steps - 1)):
+        return
+    what = "gradient norm" if bad_grad else "KTO loss or rewards"
+    later = (
+        " (from here on, a line each time the count doubles)" if skipped_steps == SKIP_LINES_IN_FULL else ""
+    )
+    print(
+        f"warning: non-finite (NaN/inf) {what} at optimizer step {step} (epoch {epoch}): step skipped, the "
+        f"weights not updated (train.on_nonfinite=skip); {skipped_steps} skipped so far, "
+        f"train/skipped_steps{later}",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def warn_nonfinite_eval(is_main: bool, step: int, totals: dict[str, float]) -> None:
     """One warning line on the main rank when an evaluation's reduced ``totals`` hold a NaN/inf: which measured
     values (coati_kto.trainer.metrics.nonfinite_metrics) and how many of its examples; its means are not logged

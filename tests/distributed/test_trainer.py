@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import io
 import math
 import signal
 from collections.abc import Iterator
@@ -434,8 +435,10 @@ def _two_processes(model_dir: str, ref_dir: str, out_dir: str) -> dict:
     )
     parts, trainer = _build(cfg, 3, on_nonfinite="skip")
     _inject_nan(trainer, at_step=2, rank=1)
-    trainer.fit([mb for step in _global_steps() for mb in step[rank : rank + 1]])
+    with contextlib.redirect_stderr(io.StringIO()) as said:
+        trainer.fit([mb for step in _global_steps() for mb in step[rank : rank + 1]])
     results["skip"] = {
+        "said": [line for line in said.getvalue().splitlines() if "skipped" in line],
         "skipped": trainer.skipped_steps,
         "history": trainer.history,
         "weights": _weights(parts.policy),
@@ -654,6 +657,7 @@ def test_metrics_two_processes_equal_single_process_over_same_global_batch(
 def test_nonfinite_stop_names_step_and_keeps_last_good_checkpoint(one_proc: dict) -> None:
     error = one_proc["stop_error"]
     assert error is not None and "optimizer step 2" in error and "step-1" in error
+    assert "non-finite (NaN/inf) KTO loss at" in error, error  # the loss was NaN, and so the norm; not "norm"
     assert one_proc["stop_checkpoints"] == ["step-1"]
     assert one_proc["stop_step"] == 1
     assert one_proc["stop_weights_equal"]
@@ -694,6 +698,10 @@ def test_nonfinite_on_one_rank_skips_the_step_on_every_rank(two_procs: list[dict
         assert "train/loss" in records[3] and math.isfinite(records[3]["train/loss"])
         assert np.isfinite(skip["weights"]).all()
     assert np.array_equal(two_procs[0]["skip"]["weights"], two_procs[1]["skip"]["weights"])
+    # One line, from rank 0 alone, though only rank 1's loss was NaN: the vote is global.
+    said = [result["skip"]["said"] for result in two_procs]
+    assert len(said[0]) == 1 and said[1] == [], said
+    assert "KTO loss or rewards at optimizer step 2 (epoch 0): step skipped" in said[0][0], said
 
 
 def test_tensor_parallel_two_ranks_learns_and_agrees(two_procs: list[dict]) -> None:
