@@ -18,8 +18,9 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from coati_kto.config.discovery import unknown_key_problem
+from coati_kto.config.hidden import combination_problems, valid_sections_problems
 from coati_kto.config.schema import Config
-from coati_kto.config.section import DEFER_SECTION_PROBLEMS, Section
+from coati_kto.config.section import DEFER_SECTION_PROBLEMS
 from coati_kto.errors import ConfigError
 
 
@@ -328,25 +329,6 @@ def _empty_sections(raw: dict[str, Any]) -> None:
             raw[name] = {}
 
 
-def _valid_sections_problems(raw: dict[str, Any]) -> list[str]:
-    """The cross-key problems of each section that validates by itself: the config's own checks need every
-    section valid, so a field error elsewhere would hide them until it was fixed (mistakes in rounds)."""
-    problems = []
-    for name, spec in Config.model_fields.items():
-        model = next(
-            (a for a in typing.get_args(spec.annotation) or (spec.annotation,) if isinstance(a, type)), None
-        )
-        value = raw.get(name, None if spec.is_required() else {})
-        if model is None or not issubclass(model, Section) or not isinstance(value, dict):
-            continue
-        try:
-            section = model.model_validate(value, context={DEFER_SECTION_PROBLEMS: True})
-        except ValidationError:
-            continue  # its errors are listed already
-        problems += section.own_deferred_problems()
-    return problems
-
-
 def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None) -> Config:
     """Read ``path``, apply ``overrides``, validate; raises ConfigError listing every problem, each blamed on
     the override that set the value or on the file's line."""
@@ -365,7 +347,9 @@ def load_config(path: str | os.PathLike[str], overrides: list[str] | None = None
     except ValidationError as err:
         problems = [*keys.problems, _format_errors(err, origins, raw)]
         if all(e["loc"] for e in err.errors()):  # a field failed: the config's own checks did not run
-            problems += [origins.line("", p) for p in _valid_sections_problems(raw)]
+            hidden = valid_sections_problems(raw)
+            hidden += [p for p in combination_problems(raw, err) if p not in hidden]
+            problems += [origins.line("", p) for p in hidden]
         raise ConfigError("\n".join(problems)) from None
     if keys.problems:
         raise ConfigError("\n".join(keys.problems))

@@ -148,3 +148,27 @@ def test_a_control_character_is_one_line_with_its_line(tmp_path: Path) -> None:
     assert _errors(path) == [
         f"{path}:7: not valid YAML (character #x0000: special characters are not allowed)"
     ]
+
+
+def test_a_field_error_no_longer_hides_the_configs_own_checks(tmp_path: Path) -> None:
+    """``Config``'s cross-section checks (settings that override each other in silence, a merge without LoRA)
+    ran only on a config whose every field was valid: with a mistyped value beside them, they came in a second
+    round. They now run with the mistyped key at its default, and a problem naming that key is left out."""
+    text = MINIMAL + (
+        "kto:\n  auto_weights: true\n  desirable_weight: 2.0\n"  # lines 8-10: the weights would be ignored
+        "train:\n  seed: -1\n  lr: fast\n"  # lines 11-13: two field errors
+    )
+    path = write_config(tmp_path, text)
+    assert _errors(path) == [
+        f"{path}:12: train.seed: Input should be greater than or equal to 0 (got -1)",
+        f"{path}:13: train.lr: Input should be a valid number, unable to parse string as a number (got 'fast')",
+        f"{path}:9 and {path}:10: kto.desirable_weight 2 with kto.auto_weights: the weights are computed from the "
+        "data and yours would be ignored; set kto.auto_weights=false to use them, or leave them at 1",
+    ]
+    # A check on a key that failed is not run on its default: kto.desirable_weight mistyped says only that.
+    path = write_config(tmp_path, text.replace("desirable_weight: 2.0", "desirable_weight: heavy"))
+    lines = _errors(path)
+    assert [line.split(": ")[1] for line in lines] == ["kto.desirable_weight", "train.seed", "train.lr"], lines
+    # A required key missing leaves no config to check: the field errors alone, as before.
+    path = write_config(tmp_path, text.replace("  path:", "  not_path:"))
+    assert not any("auto_weights" in line for line in _errors(path))
