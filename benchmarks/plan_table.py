@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES = {"8B": "llama-3.1-8b", "32B": "qwen2.5-32b", "70B": "llama-3.1-70b"}
@@ -41,7 +42,23 @@ def cell(overrides: list[str], gpus: int, nodes: int, unproven_pp: bool = False)
     fits = layouts_that_fit(config, shape, work, gpus, gpus // nodes, 80, unproven_pp)
     if not fits:
         return "does not fit"
-    best = fits[0]
+    return _layout_cell(fits[0]) + _cache_note(shape, work, config.plugin.precision)
+
+
+def _cache_note(shape: Any, work: Any, precision: str) -> str:
+    """With the cached reference: whether one 80 GB GPU holds the whole reference that computing the cache
+    scores (``coati-kto plan``'s precompute line)."""
+    from coati_kto.parallel.layout_search import usable_bytes
+    from coati_kto.parallel.memory_plan import precompute_weight_bytes
+
+    weights = precompute_weight_bytes(shape, precision)
+    if work.reference != "cached" or weights <= usable_bytes(80):
+        return ""
+    return f"; the cache: {weights / 2**30:.0f} GiB of weights, no one GPU can compute it"
+
+
+def _layout_cell(best: Any) -> str:
+    """A fitting layout as a cell: its sizes, ZeRO stage, schedule, largest micro-batch and peak."""
     layout = best.layout
     peak = f"{best.plan.peak / 2**30:.0f} GiB"
     if layout.pp == 1:

@@ -217,3 +217,11 @@ def _communication(layout: Layout, trainable: int, working: int) -> int:
     if layout.torch_ddp:
         return working * trainable
     return 2 * working * min(trainable, ZERO_BUCKET_ELEMENTS)
+
+
+def precompute_weight_bytes(shape: ModelShape, precision: str) -> int:
+    """The reference weights ``coati-kto precompute`` (and ``train`` with ``kto.reference: cached`` and no cache
+    yet) holds on each rank: the whole model in the working dtype. It scores without a plugin (no tp, pp or
+    ZeRO split), so a cached run whose layout fits can still have a cache no one of its GPUs can compute. A
+    lower bound: its activations at ``kto.precompute_batch_size`` come on top."""
+    return shape.params * DTYPE_BYTES[precision]

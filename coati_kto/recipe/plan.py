@@ -16,7 +16,14 @@ from coati_kto.errors import ConfigError, UserError
 from coati_kto.families.splits import check_model_family, check_sequence_parallel_family
 from coati_kto.parallel.activations import Workload
 from coati_kto.parallel.layout_search import RULE, USABLE_FRACTION, Fit, fitting_layouts, usable_bytes
-from coati_kto.parallel.memory_plan import DTYPE_BYTES, GIB, Layout, MemoryPlan, plan_memory
+from coati_kto.parallel.memory_plan import (
+    DTYPE_BYTES,
+    GIB,
+    Layout,
+    MemoryPlan,
+    plan_memory,
+    precompute_weight_bytes,
+)
 from coati_kto.parallel.model_shape import ModelShape, model_shape
 from coati_kto.parallel.plan import running_zero_stage
 
@@ -147,8 +154,28 @@ def plan_lines(config: Config, gpus: int | None, gpu_memory: float, nodes: int) 
         "per rank:" if layout.pp == 1 else stage_line(plan, work),
         *breakdown_lines(plan, work, shape),
         f"  peak           {_gib(plan.peak)}  {verdict} in {USABLE_FRACTION:.0%} of {gpu_memory:g} GiB",
+        *precompute_lines(shape, work, layout.precision, gpu_memory),
     ]
     return lines + _fit_lines(config, shape, work, world, world // nodes, gpu_memory)
+
+
+def precompute_lines(shape: ModelShape, work: Workload, precision: str, gpu_memory: float) -> list[str]:
+    """With ``kto.reference: cached``: what computing the cache holds on each GPU, and whether that fits; the
+    layouts listed fit training, which reads the cache but cannot make it."""
+    if work.reference != "cached":
+        return []
+    weights = precompute_weight_bytes(shape, precision)
+    line = (
+        f"precompute: `coati-kto precompute` holds the whole reference on each GPU, no split: "
+        f"{_gib(weights).strip()} of {precision} weights before its activations"
+    )
+    if weights <= usable_bytes(gpu_memory):
+        return [f"{line}: the weights fit in {USABLE_FRACTION:.0%} of {gpu_memory:g} GiB"]
+    return [
+        f"{line}: does NOT fit in {USABLE_FRACTION:.0%} of {gpu_memory:g} GiB. The layouts below train from a "
+        "cache; compute it where the whole reference fits one device, or use kto.reference: online (split "
+        "as the policy)"
+    ]
 
 
 def _tp_across_nodes(tp: int, per_node: int) -> list[str]:

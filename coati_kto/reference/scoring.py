@@ -11,10 +11,12 @@ import torch
 import torch.distributed as dist
 
 from coati_kto.data.collator import KTOCollator
+from coati_kto.errors import UserError
 from coati_kto.models.continuation import continued_logps
 from coati_kto.models.hf import load_reference
 from coati_kto.models.lm_head import LMHead
 from coati_kto.models.packing import pair_logps
+from coati_kto.parallel.model_shape import model_shape
 from coati_kto.reference.settings import ReferenceSettings
 from coati_kto.trainer.scoring_plan import ScoringRules
 from coati_kto.trainer.shared_vision import shared_vision, view_logps
@@ -90,6 +92,7 @@ def score_splits(
     (others None). The reference is freed before returning: training never holds it."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
+    refuse_a_reference_no_gpu_holds(settings)
     model = load_reference(settings.model, settings.dtype)
     gathered = {}
     try:
@@ -117,3 +120,44 @@ def score_splits(
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return gathered if rank == 0 else None
+
+
+def reference_over_device(settings: ReferenceSettings, device_bytes: int) -> str | None:
+    """Why the whole reference cannot be scored on a device of ``device_bytes``: its weights alone in the run's
+    dtype are larger (from config.json, as ``coati-kto plan`` counts them); None when they fit or the shape is
+    unknown (a Hub id not in the cache yet: the load will tell)."""
+    source = settings.model.reference_path or settings.model.path
+    key = "model.reference_path" if settings.model.reference_path else "model.path"
+    try:
+        need = model_shape(source, key).params * settings.dtype.itemsize
+    except UserError:
+        return None
+    if need <= device_bytes:
+        return None
+    return (
+        f"kto.reference cached: scoring the reference cache holds the whole reference ({source}) on each GPU, "
+        f"{need / 2**30:.1f} GiB of {str(settings.dtype).removeprefix('torch.')} weights, more than this GPU's "
+        f"{device_bytes / 2**30:.1f} GiB; compute the cache (coati-kto precompute) where the whole reference fits "
+        "one device, or use kto.reference: online (split over the layout like the policy)"
+    )
+
+
+def refuse_a_reference_no_gpu_holds(settings: ReferenceSettings) -> None:
+    """UserError on every rank, before any weight is read, when one rank's GPU cannot hold the whole reference:
+    an out-of-memory after each rank had read the whole model into host memory, otherwise. Every rank calls it
+    (one all_reduce when distributed). No check on the CPU: the ranks share host memory, and nothing says how
+    much of it is theirs."""
+    if not torch.cuda.is_available():
+        return
+    device = torch.device("cuda", torch.cuda.current_device())
+    why = reference_over_device(settings, torch.cuda.get_device_properties(device).total_memory)
+    if dist.is_initialized():  # one rank's smaller GPU stops them all, not only itself (its peers would wait)
+        on = device if dist.get_backend() == "nccl" else "cpu"
+        vote = torch.tensor([why is not None], dtype=torch.int32, device=on)
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX)
+        if vote.item() and why is None:
+            why = (
+                "kto.reference cached: another rank's GPU cannot hold the whole reference to score its cache"
+            )
+    if why is not None:
+        raise UserError(why)
