@@ -168,7 +168,9 @@ def test_a_field_error_no_longer_hides_the_configs_own_checks(tmp_path: Path) ->
     # A check on a key that failed is not run on its default: kto.desirable_weight mistyped says only that.
     path = write_config(tmp_path, text.replace("desirable_weight: 2.0", "desirable_weight: heavy"))
     lines = _errors(path)
-    assert [line.split(": ")[1] for line in lines] == ["kto.desirable_weight", "train.seed", "train.lr"], lines
+    assert [line.split(": ")[1] for line in lines] == ["kto.desirable_weight", "train.seed", "train.lr"], (
+        lines
+    )
     # A required key missing leaves no config to check: the field errors alone, as before.
     path = write_config(tmp_path, text.replace("  path:", "  not_path:"))
     assert not any("auto_weights" in line for line in _errors(path))
