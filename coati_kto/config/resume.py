@@ -168,7 +168,7 @@ def check_training_data(
     place: the data position of the epoch in progress would index other rows). None on either side: not known.
     ``parts``: the saved and current ``train_data_parts``, to name what changed (checkpoints before 2026-12-01
     have none)."""
-    if saved is not None and current is not None and saved != current:
+    if saved is not None and current is not None and (saved != current or _other_day(*parts)):
         what = _changed_parts(*parts) or "the content of data.train_files or the tokenizer"
         raise ConfigError(
             f"train.resume {checkpoint}: the training data changed since the checkpoint ({what}: {saved} -> "
@@ -187,7 +187,17 @@ def _changed_parts(saved: dict | None, current: dict | None) -> str:
     if len(old) != len(new):
         changed.append(f"{len(old)} train files -> {len(new)}")
     changed += [f"the {key}" for key in ("tokenizer", "images") if saved.get(key) != current.get(key)]
+    if _other_day(saved, current):
+        dates = f"{saved['template_date']} -> {current['template_date']}"
+        changed.append(f"the day the chat template dates its prompts ({dates}; rebuilt on another day)")
     return ", ".join(changed)
+
+
+def _other_day(saved: dict | None, current: dict | None) -> bool:
+    """Whether a template that dates prompts rendered them as of other days (coati_kto.data.template_clock):
+    known only where both builds recorded it (none before 2026-12-01)."""
+    days = [(part or {}).get("template_date") for part in (saved, current)]
+    return None not in days and days[0] != days[1]
 
 
 def check_contents(state: dict, stats: dict, checkpoint: str) -> None:

@@ -242,4 +242,19 @@ def _completion_left_out(completion: list[dict], completion_text: str) -> tuple[
                 "reasoning between <think> and </think>), so the model would not train on it; use a template "
                 "that renders it, or remove that part from the record"
             )
+        for (
+            key
+        ) in REASONING_KEYS:  # the label judged the reasoning too: trained on the answer alone, silently
+            text = message.get(key)
+            if isinstance(text, str) and "".join(text.split()) not in rendered:
+                return f"completion[{i}].{key}", (
+                    f"the chat template does not render this assistant turn's {key}, so the model would not "
+                    f"train on it (the answer alone would carry the label); use a template that renders {key} "
+                    "(Qwen3's renders reasoning_content), or move it into content, or remove it"
+                )
     return None
+
+
+# The keys reasoning is given under in an assistant turn: vLLM's and DeepSeek's reasoning_content, OpenAI's
+# reasoning, and thinking (Anthropic's block name, used by some chat datasets).
+REASONING_KEYS = ("reasoning_content", "reasoning", "thinking")

@@ -172,12 +172,15 @@ class Endings:
         return next((t for t in reversed(ids) if not self._is_blank(t)), None)
 
     def end(self, ids: list[int], chat: bool) -> tuple[list[int], str]:
-        """(completion ids as stored, how they end: "stop:<token>" for a chat completion ending with a stop id,
+        """(completion ids as stored, how they end: "stop:<token>" for a completion ending with a stop id (plain
+        text: one that is not the EOS, e.g. text rendered with the template),
         "eos_added:chat|plain", "eos_given:plain" for plain text already ending with EOS, "as_given:chat|plain"
         for a tokenizer without EOS; the two EOS kinds followed by "@" and the EOS named when it is the
         checkpoint's, not the tokenizer's). Only "eos_added" appends a token."""
         kind, last = "chat" if chat else "plain", self.last_token(ids)
-        if chat and last in self.stops:
+        # Plain text rendered with the chat template ends its turn as messages do: an EOS after Gemma's
+        # `<end_of_turn>\n` is a token the model never saw there (docs/usage.md), whatever the record's format.
+        if last in self.stops and (chat or last != self.eos):
             return ids, "stop:" + str(self.tokenizer.convert_ids_to_tokens(int(last)))
         if self.eos is None:
             return ids, f"as_given:{kind}"

@@ -25,11 +25,10 @@ from coati_kto.data.store import (
     ensure,
     read_fingerprint,
     read_prepared,
-    train_data_digest,
-    train_data_parts,
 )
 from coati_kto.data.summary import summary
 from coati_kto.data.tokenize import load_tokenizer, pad_id
+from coati_kto.data.train_data import train_data_digest, train_data_parts
 from coati_kto.data.weights import WeightSettings, imbalance
 from coati_kto.errors import ConfigError, DataError
 from coati_kto.families import positions_problem, vocabulary_problem

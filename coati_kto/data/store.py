@@ -34,6 +34,7 @@ import datasets
 import numpy as np
 
 from coati_kto.config.hub import HubDataset, is_hub_dataset
+from coati_kto.data import template_clock
 from coati_kto.data.endings import checkpoint_eos, completion_end_line, generation_eos_ids
 from coati_kto.data.files import load_records, resolve_files
 from coati_kto.data.formats import Record, RecordError
@@ -42,12 +43,11 @@ from coati_kto.data.image_store import images_fingerprint, load_processor
 from coati_kto.data.settings import PrepareSettings
 from coati_kto.data.splits import duplicates, group_split, label_counts, prompt_key, require_both_labels
 from coati_kto.data.tables import build_split, progress_bars
+from coati_kto.data.template_clock import dates_prompts, rendered_as_of
 from coati_kto.data.tokenize import pad_id
 from coati_kto.errors import DataError
 
-PIPELINE_VERSION = (
-    7  # bump when the prepared rows change for the same inputs (7: KL pairs within a record format)
-)
+PIPELINE_VERSION = 8  # bump when the prepared rows change for the same inputs (8: see below)
 # 2: ids of the whole text tokenized once (SentencePiece-style tokenizers lost their spurious "▁"); eval split
 #    by prompt group; content hash of the input files.
 # 3: a cut prompt keeps its BOS; a boundary token holding only the completion's leading whitespace stays with the
@@ -57,6 +57,8 @@ PIPELINE_VERSION = (
 #    the template's rendering of the turn (coati_kto.data.endings).
 # 6: a cut ChatML prompt keeps no <|im_start|>.
 # 7: plain-text and message records mixed in a split are KL-paired within their own kind (coati_kto.data.kl_pairs).
+# 8: plain text ending with the template's end of turn gets no EOS after it (text rendered with the template);
+#    a template that dates prompts renders the whole build as of one day (coati_kto.data.template_clock).
 NO_BUILD = "no prepared data yet"  # the build reason of a data.prepared_dir that holds none
 HASH_CHUNK = 8 << 20  # bytes per hash update; 1-8 MiB all read at about disk/hash speed (~500 MB/s here)
 
@@ -193,26 +195,6 @@ def _changed(old: dict, new: dict) -> str:
     return ", ".join(keys) or "fingerprint"
 
 
-def train_data_digest(fp: dict | None) -> str | None:
-    """What the training rows are made of, wherever the files sit: every train file's size and content hash and
-    the tokenizer, and where records hold images the processor and the images' digests (16 hex digits; None
-    without a fingerprint). A resume refuses a change of it."""
-    if fp is None:
-        return None
-    parts = [[entry[1:] for entry in fp.get("train_files", [])], fp.get("tokenizer")]
-    if fp.get("images"):  # an image file edited in place changes the rows, not the data file
-        parts.append(fp["images"])
-    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def train_data_parts(fp: dict | None) -> dict | None:
-    """What :func:`train_data_digest` hashes, by part, for a refused resume to name what changed: ``files`` (each
-    train file's path, size and content hash, in order), ``tokenizer`` and ``images`` (None without a fingerprint)."""
-    if fp is None:
-        return None
-    return {"files": fp.get("train_files", []), "tokenizer": fp.get("tokenizer"), "images": fp.get("images")}
-
-
 def read_fingerprint(target: Path) -> dict | None:
     """``target/fingerprint.json`` (present only in a complete build), or None when missing or unreadable."""
     try:
@@ -289,13 +271,17 @@ def _build(settings: PrepareSettings, tokenizer, fp: dict, target: Path, process
             "padding": {"pad_id": pad, "note": pad_note},
         }
         left_out: list[str] = []  # rows dropped to fit data.max_length (counted in each split's "dropped")
+        day = template_clock.today()
+        if dates_prompts(tokenizer):  # the prompts hold this day: a rebuild on another day changes them
+            stats["template_date"] = fp["template_date"] = day.isoformat()
         for name, records in (("train", train_records), ("eval", eval_records)):
             stats[name] = None
             if records:
                 split_files = files[name] or files["train"]  # eval_fraction: held out of the train files
-                ds, stats[name], bad, dropped = build_split(
-                    records, tokenizer, settings, work, name, split_files, processor
-                )
+                with rendered_as_of(day):
+                    ds, stats[name], bad, dropped = build_split(
+                        records, tokenizer, settings, work, name, split_files, processor
+                    )
                 skipped += bad
                 left_out += dropped
                 with progress_bars(False):

@@ -21,6 +21,12 @@ def summary(stats: dict, data: DataSection, built: bool, why: str, seconds: floa
             lines += _split_summary(name, stats[name], data.max_length)
     if stats.get("completion_end"):
         lines.append(f"  {stats['completion_end']}")
+    if day := stats.get("template_date"):
+        lines.append(
+            f"  the chat template dates each prompt (strftime_now): rendered as of {day}, the build's day; a "
+            "rebuild on another day renders other prompts and a resume across it is refused (a template "
+            "variable may pin it: Llama 3's data.chat_template_kwargs.date_string)"
+        )
     if unread := stats.get("unread_fields"):
         lines.append(unread_line(unread))
     dup = stats["duplicates"]

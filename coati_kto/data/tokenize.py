@@ -49,6 +49,7 @@ from coati_kto.data.chat import render_chats
 from coati_kto.data.endings import Endings
 from coati_kto.data.formats import RecordError
 from coati_kto.data.images import ImageExpander
+from coati_kto.data.template_clock import build_day, rendered_as_of
 from coati_kto.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -181,6 +182,7 @@ class Encoder:
         self.template_kwargs = template_kwargs or {}
         self.bos = bos_prefix(tokenizer)
         self.endings = Endings(tokenizer, self.template_kwargs, stop_ids, eos_fallback)
+        self.day = build_day()  # the build's day, which the datasets.map workers render as of too
         self._backend: Tokenizer | None = None
         if getattr(tokenizer, "is_fast", False):
             # The Rust tokenizer itself: offsets and char_to_token without converting every row to Python
@@ -275,7 +277,8 @@ class Encoder:
         completion_ids, prompt_hash, boundary_inside_token, completion_end (:meth:`Endings.end`), error_reason, error (""
         when the record is fine); with a processor, column images (bytes per row) in, and images, image_tokens
         (counts per row) and image_start (the first token of the first image's run) out."""
-        texts = self._render(batch)
+        with rendered_as_of(self.day):
+            texts = self._render(batch)
         images = batch["images"] if self.images is not None else [[]] * len(texts)
         if self.images is not None:
             texts = self.images.expand_rows(texts, images, batch["source"])

@@ -32,8 +32,9 @@ from coati_kto.data.collator import KTOCollator
 from coati_kto.data.image_store import load_processor
 from coati_kto.data.loaders import build_loaders
 from coati_kto.data.settings import PrepareSettings
-from coati_kto.data.store import fingerprint, train_data_digest, train_data_parts
+from coati_kto.data.store import fingerprint
 from coati_kto.data.tokenize import load_tokenizer, pad_id
+from coati_kto.data.train_data import train_data_digest, train_data_parts
 from coati_kto.data.weights import WeightSettings, imbalance, resolve_kto_weights
 from coati_kto.errors import ConfigError
 from coati_kto.families import model_notes, vocabulary_size

@@ -75,6 +75,24 @@ def test_plain_text_completions_keep_eos(style: str) -> None:
     assert encode(tok, "Q:", " yes" + tok.eos_token, False)[1] == encode(tok, "Q:", " yes", False)[1]
 
 
+@pytest.mark.parametrize("style", STYLES)
+def test_plain_text_rendered_with_the_template_ends_as_messages_do(style: str) -> None:
+    """A plain-text record written by rendering a conversation with the chat template (a common way to make KTO
+    data) ends with the template's end of turn: it got EOS after it (Gemma's "<end_of_turn>\\n<eos>"), the token
+    issue 32 removed from message records, because plain text looked at EOS alone."""
+    tok = tokenizer(style)
+    end_of_turn, agrees = STYLES[style]
+    conversation = CONVERSATIONS[0]
+    prompt = tok.apply_chat_template(conversation[:-1], tokenize=False, add_generation_prompt=True)
+    whole = tok.apply_chat_template(conversation, tokenize=False)
+    _, c_ids = encode(tok, prompt, whole[len(prompt) :], False)
+    _, chat_ids = encode(tok, conversation[:-1], conversation[-1:], True)
+    assert c_ids == chat_ids  # the same tokens as the conversation given as messages
+    assert (tok.eos_token_id in c_ids) == agrees
+    ids, how = Endings(tok).end(c_ids, chat=False)
+    assert ids == c_ids and how == ("eos_given:plain" if agrees else f"stop:{end_of_turn}")
+
+
 END_WITH_TEXT = (  # a template whose assistant turn ends in ordinary text, no special token
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\nThank you\n{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
@@ -151,7 +169,7 @@ def test_prepare_says_how_completions_end(tmp_path: Path, capsys) -> None:
         lines[name] = out.stats["completion_end"]
         assert f"  {lines[name]}\n" in printed
         stats = json.loads((tmp_path / name / "prepared" / "stats.json").read_text())
-        assert stats["completion_end"] == lines[name] and stats["version"] == 7
+        assert stats["completion_end"] == lines[name] and stats["version"] == 8
     assert lines == {
         "chat": "completions end with the template's `<end_of_turn>`; no EOS added",
         "plain": "EOS `<eos>` appended to plain-text completions",

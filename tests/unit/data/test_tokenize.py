@@ -604,3 +604,38 @@ def test_a_system_turn_the_template_rewrites_is_kept() -> None:
         RecordError, match=r"field 'prompt\[0\].content': the chat template leaves this system"
     ):
         render(tok, [system, user], completion, True, "d.jsonl:7")
+
+
+def test_reasoning_a_template_does_not_render_makes_a_bad_record() -> None:
+    """An assistant completion with its reasoning under ``reasoning_content`` (Qwen3's, DeepSeek's and vLLM's
+    outputs): a template without that field (Qwen2.5's, Llama 3's) trained the answer alone with the label that
+    judged both, in silence, though a dropped ``content`` or ``tool_calls`` was a bad record."""
+    from coati_kto.data.chat import render
+    from coati_kto.testing.tiny import build_tokenizer
+
+    user = {"role": "user", "content": "What comes after Monday?"}
+    thought = "Monday is day one, so the next is day two."
+    completion = [{"role": "assistant", "reasoning_content": thought, "content": "Tuesday."}]
+    chatml = build_tokenizer([user["content"], thought, "Tuesday."], vocab_size=300, style="chatml")
+    with pytest.raises(RecordError) as info:
+        render(chatml, [user], completion, True, "d.jsonl:4")
+    assert str(info.value) == (
+        "d.jsonl:4: field 'completion[0].reasoning_content': the chat template does not render this assistant "
+        "turn's reasoning_content, so the model would not train on it (the answer alone would carry the label); "
+        "use a template that renders reasoning_content (Qwen3's renders reasoning_content), or move it into "
+        "content, or remove it"
+    )
+    assert info.value.reason == "not_rendered"
+    for key in ("reasoning", "thinking"):  # the other names reasoning comes under
+        with pytest.raises(RecordError, match=rf"field 'completion\[0\]\.{key}'"):
+            render(chatml, [user], [{"role": "assistant", key: thought, "content": "Tuesday."}], True, "d:1")
+    chatml.chat_template = (  # ChatML that renders the reasoning as Qwen3's does: accepted, reasoning trained
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{% if m.reasoning_content %}<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}"
+        "{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    _, rendered = render(chatml, [user], completion, True, "d.jsonl:4")
+    assert rendered == f"<think>\n{thought}\n</think>\n\nTuesday.<|im_end|>\n"
+    assert render(
+        chatml, [user], [{"role": "assistant", "reasoning_content": "", "content": "Tuesday."}], True, "d"
+    )
