@@ -57,6 +57,7 @@ class StepSums:
     def __init__(self, device: torch.device, evaluation: bool = False) -> None:
         self._sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64, device=device)
         self._rows = torch.zeros((), dtype=torch.float64, device=device) if evaluation else None
+        self._aux_bad: torch.Tensor | None = None  # evaluation: the next add()'s pass had a NaN/inf router loss
         self._kl: list[torch.Tensor] = []
         self._kl_raw: list[torch.Tensor] = []
         self._tokens, self._flops = 0, 0.0
@@ -90,7 +91,10 @@ class StepSums:
         self._sums[: len(_TABLE)].add_(table.flatten())
         if self._rows is not None:  # evaluation: the rows a NaN/inf comes from (x - x: NaN for inf and NaN)
             row = values.sum(dim=1)
-            self._rows.add_((row - row).ne(0).sum())
+            bad = (row - row).ne(0)
+            if self._aux_bad is not None:  # the router loss is every row's: its NaN is theirs
+                bad, self._aux_bad = bad | (self._aux_bad & valid), None
+            self._rows.add_(bad.sum())
         # A NaN/inf reward (e.g. a -inf log-prob) can hide behind a finite loss (sigmoid saturates): flag both.
         # x - x is 0 for every finite x and NaN for inf and NaN.
         total = table[0, :2].sum()
@@ -99,7 +103,8 @@ class StepSums:
     def add_aux(self, aux: torch.Tensor, rows: int | torch.Tensor) -> None:
         """Add one pass's router load-balancing loss (0-dim), weighted by its ``rows`` (an int, or a 0-dim device
         tensor: an evaluation micro-batch's valid rows) as the loss weighs them; a non-finite one counts as a
-        non-finite micro-batch. A pass of 0 rows adds nothing (its loss over no token is 0 / 0)."""
+        non-finite micro-batch, and in an evaluation its valid rows as non-finite examples (called before the
+        micro-batch's :meth:`add`). A pass of 0 rows adds nothing (its loss over no token is 0 / 0)."""
         aux = aux.detach().to(self._sums)
         if isinstance(rows, torch.Tensor):
             rows = rows.to(self._sums)
@@ -107,6 +112,8 @@ class StepSums:
         self._sums[_INDEX["aux_loss"]].add_(aux * rows)
         self._sums[_INDEX["aux_rows"]].add_(rows)
         self._sums[_INDEX["nonfinite"]].add_(~torch.isfinite(aux))
+        if self._rows is not None:  # counted with the rows of the micro-batch add() records next
+            self._aux_bad = ~torch.isfinite(aux)
 
     def add_host(self, tokens: int, flops: float) -> None:
         """Add one micro-batch's tokens and the model FLOPs of its passes (coati_kto.trainer.throughput), both

@@ -100,3 +100,24 @@ def test_training_sums_are_unchanged_and_count_no_rows() -> None:
     assert tuple(train) == SUM_KEYS and evaluation.pop("nonfinite_examples") == 1.0
     assert train.keys() == evaluation.keys()
     assert all(math.isnan(train[k]) and math.isnan(evaluation[k]) or train[k] == evaluation[k] for k in train)
+
+
+def test_a_nan_router_loss_counts_its_passs_valid_rows(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """An MoE evaluation pass whose router load-balancing loss is NaN, its log-probs finite: the warning named
+    aux_loss but counted 0 examples (eval/nonfinite_examples 0), though every row's loss holds that NaN. Now the
+    pass's valid rows count, once each (a row also NaN in its own values is not counted twice); the padding row
+    never."""
+    policy = torch.tensor([-10.5, -11.0, -9.5, math.nan])
+    sums = StepSums(CPU, evaluation=True)
+    sums.add_aux(torch.tensor(math.nan), VALID.sum())
+    losses, rewards = preference_loss("kto", policy, REFERENCE, LABELS, torch.tensor(0.0), 0.1)
+    sums.add(losses, rewards, policy, LABELS, VALID)
+    with_inf = policy.clone()
+    with_inf[0] = -math.inf  # the next micro-batch: one row non-finite itself, the router loss finite
+    sums.add_aux(torch.tensor(0.25), VALID.sum())
+    losses, rewards = preference_loss("kto", with_inf, REFERENCE, LABELS, torch.tensor(0.0), 0.1)
+    sums.add(losses, rewards, with_inf, LABELS, VALID)
+    metrics = _evaluate(sums, tmp_path)
+    assert metrics["eval/nonfinite_examples"] == 3.0 + 1.0
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "non-finite" in line]
+    assert "aux_loss" in line and ": 4 of 6 eval examples" in line
