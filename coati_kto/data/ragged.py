@@ -5,7 +5,8 @@ of 2.1k tokens is past that, so nothing here concatenates a list column's chunks
 ``take``) or builds one list array for a whole split. The input columns are read as :class:`Ragged` (int32
 values, int64 offsets; numpy has no such limit) and the joined rows come back as a chunked array whose chunks
 each hold at most :data:`CHUNK_TOKENS` tokens, which also bounds the join's int64 index temporaries to 8 bytes
-per token of one chunk, not of the split.
+per token of one chunk, not of the split. :func:`kept_rows` selects rows of any column (a split's image bytes)
+the same way: no concatenation, and no copy either.
 """
 
 from __future__ import annotations
@@ -123,3 +124,19 @@ def _interleave(parts: list[np.ndarray], counts: np.ndarray, lengths: np.ndarray
         out[dest] = part
         at += c
     return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(out, pa.int32()))
+
+
+def kept_rows(column: pa.ChunkedArray | pa.Array, rows: np.ndarray) -> pa.ChunkedArray:
+    """``column``'s ``rows`` (row numbers in any order), as ``column.take(rows)`` gives them, without copying:
+    each run of consecutive row numbers is one zero-copy slice (a chunk of the result, one per input chunk it
+    spans). Take would concatenate the chunks (past int32 offsets: an overflow) and copy every value (a second
+    copy of a split's image bytes); here the result shares ``column``'s buffers. Fit drops few rows: few runs."""
+    column = column if isinstance(column, pa.ChunkedArray) else pa.chunked_array([column])
+    rows = np.asarray(rows, np.int64)
+    if len(rows) == 0:
+        return pa.chunked_array([], column.type)
+    breaks = np.flatnonzero(np.diff(rows) != 1) + 1  # where a run of consecutive rows ends
+    starts = rows[np.concatenate([[0], breaks])].tolist()
+    counts = np.diff(np.concatenate([[0], breaks, [len(rows)]])).tolist()
+    runs = (column.slice(start, count).chunks for start, count in zip(starts, counts, strict=True))
+    return pa.chunked_array([chunk for run in runs for chunk in run if len(chunk)], column.type)

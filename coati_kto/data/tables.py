@@ -4,7 +4,8 @@ One row per usable example: input_ids, completion_start (first completion token)
 kl_input_ids / kl_completion_start (this prompt + the completion of row kl_index), index (row id), kl_index,
 source ("file:line"), length / kl_length (token counts after truncation, for length grouping). With a
 processor (image records, :mod:`coati_kto.data.image_store`): images (the bytes of the row's prompt's images,
-which its KL row shares) and image_tokens (the image soft tokens in that prompt).
+which its KL row shares; list<large_binary>, :data:`IMAGE_BYTES`; builds before it hold list<binary>, read the
+same) and image_tokens (the image soft tokens in that prompt).
 
 The only disk use is ``datasets``' own: the tokenizing map writes its arrow cache into the build directory the
 caller passes (:mod:`coati_kto.data.store` owns that directory, the fingerprint and stats.json).
@@ -23,6 +24,7 @@ import datasets
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from datasets.fingerprint import Hasher
 from datasets.table import InMemoryTable
 
 from coati_kto.config.schema import DataSection
@@ -31,7 +33,7 @@ from coati_kto.data.endings import checkpoint_eos, generation_eos_ids
 from coati_kto.data.formats import Record, RecordError
 from coati_kto.data.images import image_cut, image_stats
 from coati_kto.data.kl_pairs import derangement_by_kind, pair_stats
-from coati_kto.data.ragged import Ragged, join_truncated
+from coati_kto.data.ragged import Ragged, join_truncated, kept_rows
 from coati_kto.data.settings import PrepareSettings
 from coati_kto.data.splits import label_counts, require_both_labels
 from coati_kto.data.tokenize import Encoder, bos_prefix, truncation
@@ -39,6 +41,9 @@ from coati_kto.errors import DataError
 
 MIN_ROWS_PER_PROC = 1000  # below this a worker process costs more than it saves
 PROGRESS_MIN_ROWS = 10_000  # show datasets' tokenizing progress bar from this many records
+# A row's image bytes. large_binary: binary's int32 offsets hold 2 GiB a column, which a split's images pass
+# (11k images of 200 KB); its int64 offsets do not bind. The outer list's int32 offsets count images, not bytes.
+IMAGE_BYTES = pa.list_(pa.large_binary())
 
 
 @contextlib.contextmanager
@@ -71,7 +76,8 @@ def _encode(
     records: list[Record], tokenizer, settings: PrepareSettings, work: Path, name: str, processor=None
 ) -> pa.Table:
     """Render and tokenize in ``data.num_proc`` worker processes (datasets.map); one arrow row per record. With
-    ``processor``, the image placeholders are expanded and the records' image bytes kept (column image_bytes)."""
+    ``processor``, the image placeholders are expanded and the records' image bytes kept (column image_bytes,
+    :data:`IMAGE_BYTES`: one Arrow copy, which the tokenizing map reads as well)."""
     data = settings.data
     procs = min(data.num_proc, max(1, len(records) // MIN_ROWS_PER_PROC))
     counts = ("images", "image_tokens", "image_start") if processor is not None else ()
@@ -79,9 +85,8 @@ def _encode(
         {
             **{c: datasets.Value("int32") for c in counts},
             "label": datasets.Value("bool"),
-            "chat": datasets.Value(
-                "bool"
-            ),  # given as messages (else plain text): KL pairs stay within a kind
+            # given as messages (else plain text): KL pairs stay within a kind
+            "chat": datasets.Value("bool"),
             "source": datasets.Value("string"),
             "prompt_ids": datasets.List(datasets.Value("int32")),
             "completion_ids": datasets.List(datasets.Value("int32")),
@@ -100,9 +105,11 @@ def _encode(
             "tools": [json.dumps(r.tools) if r.tools else "" for r in records],
             "label": [r.label for r in records],
             "source": [r.source for r in records],
-            **({"images": [r.images for r in records]} if processor is not None else {}),
         }
     )
+    images = pa.array([r.images for r in records], IMAGE_BYTES) if processor is not None else None
+    if images is not None:  # named, not hashed: datasets would pickle every image byte to fingerprint them
+        records_ds = records_ds.add_column("images", images, new_fingerprint=f"{name}-records")
     # model.path's generation_config.json EOS ids end a chat turn; its EOS stands in for a tokenizer's missing one
     path = settings.model.path
     eos = checkpoint_eos(path)
@@ -120,9 +127,7 @@ def _encode(
             desc=f"tokenizing {name}",
         )
     table = encoded.with_format("arrow")[:]
-    if processor is None:
-        return table
-    return table.append_column("image_bytes", pa.array([r.images for r in records], pa.list_(pa.binary())))
+    return table if images is None else table.append_column("image_bytes", images)
 
 
 def _skipped_records(table: pa.Table, on_bad_record: str) -> tuple[np.ndarray, list[RecordError]]:
@@ -309,6 +314,17 @@ def _rows(
     )
 
 
+def _dataset(rows: pa.Table, prompt_hash: pa.ChunkedArray) -> datasets.Dataset:
+    """``rows`` as an in-memory Dataset, fingerprinted (datasets' cache key) by its schema and small per-row
+    columns: the prompts' hashes (which hold their images' digests), the KL partners and the lengths. Left to
+    itself, datasets hashes a pickle of the whole table: several copies of a split's image bytes at once (over
+    20 GiB for 2 GiB), or of its token ids (17 GB for a split of 2^31 tokens)."""
+    small = [rows.column(c) for c in ("kl_index", "length", "kl_length")]
+    return datasets.Dataset(
+        InMemoryTable(rows), fingerprint=Hasher.hash([str(rows.schema), prompt_hash, *small])
+    )
+
+
 def build_split(
     records: list[Record],
     tokenizer,
@@ -334,8 +350,13 @@ def build_split(
     ids = _Ids(Ragged.of(table.column("prompt_ids")), Ragged.of(table.column("completion_ids")))
     fit = _fit(table, ids, errors, settings.data, bos)
     # Arrow's take would concatenate the list columns' chunks (int32 offsets: 2^31 tokens at most): they are
-    # read from ``ids`` by row number instead (coati_kto.data.ragged).
-    table = table.drop_columns(["prompt_ids", "completion_ids"]).take(fit.rows)
+    # read from ``ids`` by row number instead (coati_kto.data.ragged). It would also copy every image byte (a
+    # second copy of the split's images): they are kept as zero-copy runs of rows.
+    images = table.column("image_bytes") if "image_bytes" in table.column_names else None
+    unread = [c for c in ("prompt_ids", "completion_ids", "image_bytes") if c in table.column_names]
+    table = table.drop_columns(unread).take(fit.rows)
+    if images is not None:
+        table = table.append_column("image_bytes", kept_rows(images, fit.rows))
     labels = table.column("label").to_numpy(zero_copy_only=False).astype(bool)
     left = fit.dropped + fit.image_cut  # a split short of a label for its length is not short of data
     first = fit.left_out[0].split("\t", 1)[-1] if fit.left_out else ""
@@ -351,4 +372,4 @@ def build_split(
             fit.keep_p + fit.keep_c,
         )
     rows = _rows(table, ids, fit, labels, pi, settings.data, bos)
-    return datasets.Dataset(InMemoryTable(rows)), stats, skipped, fit.left_out
+    return _dataset(rows, table.column("prompt_hash")), stats, skipped, fit.left_out

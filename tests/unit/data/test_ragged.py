@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coati_kto.data import ragged
-from coati_kto.data.ragged import Ragged, join_truncated
+from coati_kto.data.ragged import Ragged, join_truncated, kept_rows
 
 INT_LISTS = pa.list_(pa.int32())
 
@@ -91,3 +91,26 @@ def test_a_split_past_arrows_int32_offsets_is_written_in_chunks(monkeypatch) -> 
     out = join_truncated(prompts, comps, rows, rows, np.full(10, 2), np.ones(10, np.int64))
     assert [len(c) for c in out.chunks] == [2, 2, 2, 2, 2]  # 6 tokens each: a third row would make 9
     assert out.to_pylist() == [[i, i + 100, 1000 + i] for i in range(10)]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.binary(max_size=4), min_size=1, max_size=16), st.data())
+def test_kept_rows_are_takes_rows_in_the_columns_own_buffers(values, data) -> None:
+    """Any rows (repeats and any order included) of any chunking, as take gives them, every chunk of the result a
+    slice of an input chunk: nothing concatenated or copied (a split's image bytes, coati_kto.data.tables)."""
+    n = len(values)
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, n), max_size=3))) - {n})
+    bounds = [0, *cuts, n]
+    column = pa.chunked_array(
+        [
+            pa.array([[v] for v in values[a:b]], pa.list_(pa.large_binary()))
+            for a, b in zip(bounds, bounds[1:], strict=False)
+        ]
+    )
+    rows = np.array(data.draw(st.lists(st.integers(0, n - 1), max_size=2 * n)), np.int64)
+    kept = kept_rows(column, rows)
+    assert kept.type == column.type and kept.to_pylist() == column.take(rows).to_pylist()
+    owned = {chunk.values.buffers()[2].address for chunk in column.chunks if len(chunk.values)}
+    assert {chunk.values.buffers()[2].address for chunk in kept.chunks if len(chunk.values)} <= owned
+    runs = 1 + int((np.diff(rows) != 1).sum()) if len(rows) else 0
+    assert kept.num_chunks <= runs + len(cuts) * runs  # one chunk a run and input chunk it spans
