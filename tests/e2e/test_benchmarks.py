@@ -369,6 +369,8 @@ def test_ragged_bench_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     m = re.search(r"rows 20,000  tokens 1,280,000 \(.*\)  chunks 1\njoin (\S+) s = (\S+) tokens/s", out)
     assert m and "checked rows [0, 10000, 19999]: each its own prompt + completion" in out, out
     positive_finite([float(g.replace(",", "")) for g in m.groups()], "ragged join")
+    m = re.search(r"\ndataset (\S+) s  peak RSS growth (\S+) GiB\n", out)
+    assert m and float(m[1]) >= 0 and 0 <= float(m[2]) < 1, out
 
 
 def test_sampler_report_smoke(smoke_out: str) -> None:
