@@ -27,6 +27,11 @@ APPLY_ARGUMENTS = {
     "truncation": "prepare truncates examples itself (data.max_length, data.on_too_long)",
     "max_length": "prepare truncates examples itself (data.max_length, data.on_too_long)",
     "chat_template": "the template is the tokenizer's: set model.tokenizer to a tokenizer with the one wanted",
+    # transformers 5 marks control tokens only while it tokenizes (it refuses tokenize=False): every record
+    # failed ("requires tokenize=True"), blamed on record 1.
+    "sanitize_control_tokens": "prepare renders text and tokenizes it itself, which transformers does not "
+    "sanitize; control tokens written in a record's text are read as control tokens, as apply_chat_template's "
+    "default reads them",
 }
 
 

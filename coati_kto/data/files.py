@@ -196,8 +196,31 @@ def dataset_rows(ds: Any, name: str) -> Iterator[tuple[str, Any]]:
         if label_of is not None and row.get("label") in range(len(label_of)):  # -1: datasets' missing label
             row = {**row, "label": label_of[row["label"]]}
         # A table has every column in every row, a record's absent keys as None: kept, for normalize to read as
-        # absent yet name as "null" where the record needs the field.
-        yield f"{name}:row {i}", row
+        # absent yet name as "null" where the record needs the field. Inside them, every struct has the union of
+        # its rows' keys: a get_weather call got search's "query": null, which the template renders and the
+        # model was trained on. Those are dropped (a null written on purpose inside a struct cannot be told).
+        yield (
+            f"{name}:row {i}",
+            {key: _inner_nulls_dropped(value, key == "tools") for key, value in row.items()},
+        )
+
+
+def _inner_nulls_dropped(value: Any, whole: bool) -> Any:
+    """``value`` with the None-valued keys of the structs inside it dropped; a list's own items keep theirs (a
+    message's absent content is named as "null") unless ``whole`` (a tool's absent keys are just absent)."""
+    if isinstance(value, list):
+        return [_nulls_dropped(item) if whole else _inner_nulls_dropped(item, True) for item in value]
+    if isinstance(value, dict):
+        return {k: _nulls_dropped(v) for k, v in value.items()}
+    return value
+
+
+def _nulls_dropped(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _nulls_dropped(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_nulls_dropped(item) for item in value]
+    return value
 
 
 def iter_raw(

@@ -25,34 +25,17 @@ raises it or, with ``on_bad_record="skip"``, collects it by reason.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from coati_kto.errors import DataError
+from coati_kto.data.record_error import RecordError, show_value
+from coati_kto.data.tools import parsed_arguments, record_tools
 
 ROLE_ALIASES = {"human": "user", "gpt": "assistant"}
 MESSAGE_LIST_KEYS = ("messages", "conversations")
 SHAPES = "prompt/completion/label, messages/label, conversations/label or prompt/chosen/rejected"
 SHAPE_FIELDS = (*MESSAGE_LIST_KEYS, "chosen", "rejected", "completion", "prompt")
 HALVES = (("chosen", "rejected"), ("rejected", "chosen"), ("prompt", "completion"), ("completion", "prompt"))
-
-
-class RecordError(DataError):
-    """One unusable record; ``reason`` is a short key for counting skipped records."""
-
-    def __init__(self, source: str, field_name: str | None, problem: str, reason: str) -> None:
-        where = f"{source}: field {field_name!r}" if field_name else source
-        super().__init__(f"{where}: {problem}")
-        self.reason = reason
-        self.source = source
-
-    @classmethod
-    def restore(cls, message: str, reason: str, source: str) -> RecordError:
-        """Rebuild one from its message (records checked in ``datasets.map`` workers come back as text)."""
-        bad = cls(source, None, "", reason)
-        bad.args = (message,)
-        return bad
 
 
 def skipped_note(skipped: int | list[RecordError]) -> str:
@@ -88,12 +71,6 @@ class LoadResult:
     files: list[str]
     skipped: list[RecordError] = field(default_factory=list)
     unread_fields: dict[str, int] = field(default_factory=dict)  # field -> records holding it, not read
-
-
-def show_value(value: Any, limit: int = 60) -> str:
-    """A short one-line rendering of a bad value for error messages."""
-    text = json.dumps(value, ensure_ascii=False, default=str)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _absent(key: str, nulls: set[str]) -> str:
@@ -170,6 +147,8 @@ def _message(raw: Any, source: str, where: str, parts: bool = False) -> dict[str
         problem = absent if content is None else f"expected a string, got {show_value(content)}"
         raise RecordError(source, f"{where}.{key}", problem, "non_string_content")
     extra = {k: v for k, v in raw.items() if k not in ("role", "from", "content", "value") and v is not None}
+    if isinstance(extra.get("tool_calls"), list):
+        extra["tool_calls"] = [parsed_arguments(call) for call in extra["tool_calls"]]
     return {"role": ROLE_ALIASES.get(role.lower(), role.lower()), "content": content, **extra}
 
 
@@ -256,32 +235,6 @@ def _prompt_and_completion(
     return messages, reply, True
 
 
-def _tools(raw: dict[str, Any], source: str, records: list[Record]) -> list[dict[str, Any]] | None:
-    """The record's ``tools`` (a list of tool objects, or that list as a JSON string, as some datasets store
-    it), for the chat template to render; None when absent or empty. Plain-text records take none."""
-    value = raw.get("tools")
-    if isinstance(value, str) and not value.strip():  # "" in a string column: no tools
-        value = None
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as err:
-            raise RecordError(source, "tools", f"not valid JSON ({err.msg})", "bad_tools") from None
-    if hasattr(value, "tolist"):  # a numpy array from a table
-        value = value.tolist()
-    if value is None or value == []:
-        return None
-    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
-        raise RecordError(
-            source, "tools", f"expected a list of tool objects, got {show_value(value)}", "bad_tools"
-        )
-    if not all(r.chat for r in records):
-        raise RecordError(
-            source, "tools", "plain-text prompts are used as given: tools need message records", "bad_tools"
-        )
-    return value
-
-
 def normalize(raw: Any, source: str, images: bool = False) -> list[Record]:
     """One raw record -> one Record (two for a preference pair), with its ``tools``; raises RecordError.
 
@@ -304,7 +257,7 @@ def normalize(raw: Any, source: str, images: bool = False) -> list[Record]:
     records = _normalize({k: v for k, v in raw.items() if v is not None}, source, images, nulls)
     if bad := next(filter(None, (_lone_surrogate(r.prompt, r.completion) for r in records)), None):
         raise RecordError(source, bad[0], bad[1], "bad_text")
-    tools = _tools(raw, source, records)
+    tools = record_tools(raw, source, records)
     for record in records:
         record.tools = tools
     return records

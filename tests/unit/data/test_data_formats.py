@@ -247,6 +247,48 @@ def test_parquet_mixed_message_keys(tmp_path: Path) -> None:
     assert records[0].prompt == records[1].prompt == [SYSTEM, USER]
 
 
+def test_a_tables_tool_calls_and_tools_hold_only_their_own_keys(tmp_path: Path) -> None:
+    """A table's structs hold the union of their rows' keys: a get_weather call came back with search's "query":
+    null and "top_k": null in its arguments, and its tool's schema with the other tool's properties as null;
+    the template rendered them and the model trained on argument names the tool never takes. A message's own
+    absent keys stay None for normalize (content named "null" where it is needed)."""
+    weather = {"name": "get_weather", "arguments": {"city": "Paris"}}
+    search = {"name": "search", "arguments": {"query": "Monday", "top_k": 3}}
+    schema = {"weather": {"city": {"type": "string"}}, "search": {"query": {"type": "string"}}}
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"Use {name}."}],
+            "completion": [{"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": call}]}],
+            "tools": [{"type": "function", "function": {"name": call["name"], "parameters": {"properties": schema[key]}}}],
+            "label": True,
+        }
+        for key, name, call in (("weather", "get_weather", weather), ("search", "search", search))
+    ]  # fmt: skip
+    datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / "t.parquet"))
+    records = load_records([str(tmp_path / "t.parquet")], cache_dir=str(tmp_path / "cache")).records
+    for record, row in zip(records, rows, strict=True):
+        assert record.completion[0]["tool_calls"] == row["completion"][0]["tool_calls"]
+        assert record.tools == row["tools"]
+
+
+def test_tool_call_arguments_given_as_a_json_string_are_the_object() -> None:
+    """OpenAI's format gives ``function.arguments`` as a JSON string; templates render arguments with tojson, so
+    the model trained on an escaped string ("{\\"city\\": ...}") where it emits an object."""
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    raw = {
+        "messages": [
+            {"role": "user", "content": "Weather?"},
+            {"role": "assistant", "content": "", "tool_calls": [call, {**call, "function": {"name": "f", "arguments": "[1]"}}]},
+        ],
+        "label": True,
+    }  # fmt: skip
+    (record,) = normalize(raw, "d.jsonl:1")
+    parsed, as_given = record.completion[0]["tool_calls"]
+    assert parsed["function"] == {"name": "get_weather", "arguments": {"city": "Paris"}}
+    assert as_given["function"]["arguments"] == "[1]"  # not an object: left as written
+    assert call["function"]["arguments"] == '{"city": "Paris"}'  # the input is not changed in place
+
+
 def test_cli_bad_record_is_one_line_exit_2(tmp_path: Path, tiny_model_dir: Path) -> None:
     good = {"prompt": "a", "completion": "b", "label": True}
     data = write_jsonl(tmp_path / "train.jsonl", [good, {"prompt": "a", "completion": "b", "label": "yes"}])

@@ -45,6 +45,12 @@ def test_apply_chat_template_arguments_are_refused_at_config_load(tmp_path: Path
     override = ["data.chat_template_kwargs={chat_template: x}"]
     with pytest.raises(ConfigError, match=r"data.chat_template_kwargs.chat_template: .*model.tokenizer"):
         load_config(write_config(tmp_path, MINIMAL), override)
+    # transformers 5's sanitize_control_tokens requires tokenize=True: every record failed, blamed on record 1.
+    override = ["data.chat_template_kwargs={sanitize_control_tokens: true}"]
+    with pytest.raises(
+        ConfigError, match=r"chat_template_kwargs.sanitize_control_tokens: an argument of .*itself"
+    ):
+        load_config(write_config(tmp_path, MINIMAL), override)
     variables = ["data.chat_template_kwargs={enable_thinking: false, documents: []}"]
     assert load_config(write_config(tmp_path, MINIMAL), variables).data.chat_template_kwargs == {
         "enable_thinking": False,
