@@ -257,7 +257,7 @@ def normalize(raw: Any, source: str, images: bool = False) -> list[Record]:
     records = _normalize({k: v for k, v in raw.items() if v is not None}, source, images, nulls)
     if bad := next(filter(None, (_lone_surrogate(r.prompt, r.completion) for r in records)), None):
         raise RecordError(source, bad[0], bad[1], "bad_text")
-    tools = record_tools(raw, source, records)
+    tools = record_tools(raw, source, all(r.chat for r in records))
     for record in records:
         record.tools = tools
     return records

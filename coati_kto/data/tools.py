@@ -4,17 +4,15 @@ templates expect them."""
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from coati_kto.data.record_error import RecordError, show_value
 
-if TYPE_CHECKING:
-    from coati_kto.data.formats import Record
 
-
-def record_tools(raw: dict[str, Any], source: str, records: list[Record]) -> list[dict[str, Any]] | None:
+def record_tools(raw: dict[str, Any], source: str, chat: bool) -> list[dict[str, Any]] | None:
     """The record's ``tools`` (a list of tool objects, or that list as a JSON string, as some datasets store
-    it), for the chat template to render; None when absent or empty. Plain-text records take none."""
+    it), for the chat template to render; None when absent or empty. ``chat``: the record's examples are
+    message records (plain-text prompts are used as given: they take none)."""
     value = raw.get("tools")
     if isinstance(value, str) and not value.strip():  # "" in a string column: no tools
         value = None
@@ -31,7 +29,7 @@ def record_tools(raw: dict[str, Any], source: str, records: list[Record]) -> lis
         raise RecordError(
             source, "tools", f"expected a list of tool objects, got {show_value(value)}", "bad_tools"
         )
-    if not all(r.chat for r in records):
+    if not chat:
         raise RecordError(
             source, "tools", "plain-text prompts are used as given: tools need message records", "bad_tools"
         )
