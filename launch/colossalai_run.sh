@@ -32,22 +32,22 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # it. make's variables are the usual culprits (MAKEOVERRIDES="${-*-command-variables-*-}").
 unset MAKEOVERRIDES MAKEFLAGS MFLAGS
 # That line is also sent over SSH and printed whole when a node fails: secrets must not be in it. Variables
-# whose names contain TOKEN, KEY, SECRET, PASSWORD, PASSWD or CREDENTIAL, or have AUTH, OAUTH or AUTHORIZATION as
-# a part between underscores (not GIT_AUTHOR_NAME), any case, are not passed on, except the paths and settings
+# whose names contain TOKEN, KEY, SECRET, PASSWORD, PASSWD or CREDENTIAL, or have AUTH, OAUTH, AUTHORIZATION, PASS
+# or PWD as a part between underscores (not GIT_AUTHOR_NAME), any case, are not passed on, except the paths and settings
 # below (the same rule as coati_kto.parallel.distributed.is_secret_name; SSH_AUTH_SOCK: colossalai run's own SSH
 # uses the agent); credentials reach the nodes as files instead (docs/operations.md, "Credentials").
 dropped=()
 for name in $(compgen -e); do
     case ${name^^} in
         TOKENIZERS_PARALLELISM | SSH_AUTH_SOCK | HF_TOKEN_PATH | GOOGLE_APPLICATION_CREDENTIALS) ;;
-        AWS_SHARED_CREDENTIALS_FILE) ;;
+        AWS_SHARED_CREDENTIALS_FILE | PWD) ;;
         *TOKEN* | *KEY* | *SECRET* | *PASSWORD* | *PASSWD* | *CREDENTIAL*)
             dropped+=("$name")
             unset "$name"
             ;;
         *)
             case _${name^^}_ in
-                *_AUTH_* | *_OAUTH_* | *_AUTHORIZATION_*)
+                *_AUTH_* | *_OAUTH_* | *_AUTHORIZATION_* | *_PASS_* | *_PWD_*)
                     dropped+=("$name")
                     unset "$name"
                     ;;

@@ -46,17 +46,19 @@ def free_port() -> int:
 
 _SECRET_PARTS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
 # AUTH only as a whole '_'-separated part (WANDB__AUTH, HF_AUTH, PROXY_AUTH_X): inside a word it is mostly
-# AUTHOR (GIT_AUTHOR_NAME) or XAUTHORITY, names a launch should pass on.
-_SECRET_WORDS = ("AUTH", "OAUTH", "AUTHORIZATION")
+# AUTHOR (GIT_AUTHOR_NAME) or XAUTHORITY, names a launch should pass on. PASS and PWD the same (MYSQL_PWD,
+# REDIS_PASS; not PASSENGER, PATH, OLDPWD), the shell's own PWD aside.
+_SECRET_WORDS = ("AUTH", "OAUTH", "AUTHORIZATION", "PASS", "PWD")
 # Paths and settings, not secrets: dropping them breaks the launch or the nodes (SSH_AUTH_SOCK: the launcher's
 # own SSH to the nodes uses the agent; the others point at credential files, the documented way to pass them).
 _NOT_SECRETS = {"TOKENIZERS_PARALLELISM", "SSH_AUTH_SOCK", "HF_TOKEN_PATH", "GOOGLE_APPLICATION_CREDENTIALS"}
-_NOT_SECRETS |= {"AWS_SHARED_CREDENTIALS_FILE"}
+_NOT_SECRETS |= {"AWS_SHARED_CREDENTIALS_FILE", "PWD"}
 
 
 def is_secret_name(name: str) -> bool:
     """Environment variables kept out of launch command lines and logs: names containing TOKEN, KEY, SECRET,
-    PASSWORD, PASSWD or CREDENTIAL, or with AUTH, OAUTH or AUTHORIZATION as a part between underscores, any case,
+    PASSWORD, PASSWD or CREDENTIAL, or with AUTH, OAUTH, AUTHORIZATION, PASS or PWD as a part between underscores,
+    any case,
     except the few in ``_NOT_SECRETS`` (launch/colossalai_run.sh applies the same rule)."""
     upper = name.upper()
     if upper in _NOT_SECRETS:

@@ -28,6 +28,9 @@ SECRETS = [
     "GITHUB_OAUTH",
     "HTTP_AUTHORIZATION",
     "netrc_passwd",
+    "MYSQL_PWD",
+    "REDIS_PASS",
+    "smtp_pass",
 ]
 HARMLESS = [
     "GIT_AUTHOR_NAME",
@@ -41,6 +44,10 @@ HARMLESS = [
     "AWS_SHARED_CREDENTIALS_FILE",
     "OMP_NUM_THREADS",
     "NCCL_SOCKET_IFNAME",
+    "PWD",  # the shell's working directory
+    "OLDPWD",
+    "PASSENGER_APP_ENV",
+    "PATH_INFO",
 ]
 
 
