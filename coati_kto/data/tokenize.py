@@ -219,38 +219,59 @@ class Encoder:
         return p_ids, c_ids, inside
 
     def _split_slow(self, prompts: list[str], texts: list[str]) -> tuple[list, list, list]:
-        """Python tokenizers have no offsets: the prompt is the longest common prefix of tokenizer(prompt) and
-        tokenizer(whole text); a prompt token missing from that prefix means the boundary is inside a token. That
-        token stays with the prompt, as in :meth:`split`, when all it holds of the completion is its leading
-        whitespace: tokenizer(prompt + that whitespace) has the same token there (a token ending past the
-        whitespace could not appear in a text that ends with it)."""
-        tok = self.tokenizer
-        whole = tok(texts, add_special_tokens=False)["input_ids"]
-        alone = tok(prompts, add_special_tokens=False)["input_ids"]
-        spaces = [
-            t[len(p) :][: len(t) - len(p) - len(t[len(p) :].lstrip())]
-            for p, t in zip(prompts, texts, strict=True)
-        ]
-        rows = [i for i, ws in enumerate(spaces) if ws]
-        with_spaces = dict(
-            zip(
-                rows,
-                tok([prompts[i] + spaces[i] for i in rows], add_special_tokens=False)["input_ids"]
-                if rows
-                else [],
-                strict=True,
-            )
-        )
+        """Python tokenizers have no offsets: the split of :meth:`split` from decoded text instead
+        (:meth:`_slow_boundary`), on ``tokenizer(whole text)`` and ``tokenizer(prompt)``, each tokenized once."""
+        whole = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        alone = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
         p_ids, c_ids, inside = [], [], []
-        for i, (w, a) in enumerate(zip(whole, alone, strict=True)):
-            k = next((j for j, (x, y) in enumerate(zip(w, a, strict=False)) if x != y), min(len(w), len(a)))
-            straddles = k < len(a)
-            if straddles and k + 1 < len(w) and i in with_spaces and with_spaces[i][: k + 1] == w[: k + 1]:
-                k += 1  # only the completion's leading whitespace is in the token: it stays with the prompt
+        for w, a in zip(whole, alone, strict=True):
+            k, straddles = self._slow_boundary(self.tokenizer, w, a)
             p_ids.append(w[:k])
             c_ids.append(w[k:])
             inside.append(straddles)
         return p_ids, c_ids, inside
+
+    @staticmethod
+    def _slow_boundary(
+        tokenizer: PreTrainedTokenizerBase, whole: list[int], alone: list[int]
+    ) -> tuple[int, bool]:
+        """(k, straddles) for a tokenizer without offsets: ``whole[:k]`` are the prompt's ids, ``whole`` being
+        ``tokenizer(prompt + completion)`` and ``alone`` ``tokenizer(prompt)``; the rule of :meth:`split`.
+
+        k is the largest such that ``whole[:k]`` spells a prefix of the prompt: every token ending at or before the
+        boundary is the prompt's, though ``alone`` may differ from ``whole`` before it (the GPT-2 / cl100k
+        pre-tokenizer's ``\\s+(?!\\S)`` keeps a trailing "\\n\\n" whole but splits it when text follows). Then a token
+        straddling the boundary (``straddles``) goes to the completion, unless all it holds of the completion is
+        whitespace and a completion token follows it. Spelling is compared from the last token the two share (the
+        ids before it are the prompt's either way), against ``alone`` decoded, not the prompt text, so a lossy
+        decode (unknown tokens, normalisers) earlier in the prompt cannot move the boundary. Decoded length grows
+        with k, so k is found by galloping from there and bisecting: O(m log m) decoded tokens, m the prompt's
+        tokens from that shared one on (a few), never the whole row decoded at every k."""
+        if not alone:
+            return 0, False
+        shared = next((j for j, (x, y) in enumerate(zip(whole, alone, strict=False)) if x != y), len(alone))
+        c = max(shared - 1, 0)  # a token both share: the decoder starts both spellings in the same state
+
+        def spell(k: int) -> str:
+            return tokenizer.decode(whole[c:k], clean_up_tokenization_spaces=False)
+
+        tail = tokenizer.decode(alone[c:], clean_up_tokenization_spaces=False)
+        lo, step = c, 1  # spell(lo) is no longer than tail; find the last such k
+        while lo + step <= len(whole) and len(spell(lo + step)) <= len(tail):
+            lo, step = lo + step, step * 2
+        hi = min(lo + step, len(whole) + 1)  # past the end, or spells longer than tail
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (mid, hi) if len(spell(mid)) <= len(tail) else (lo, mid)
+        k = lo
+        while k > c and not tail.startswith(spell(k)):  # a partial character ("\ufffd") or a lossy spelling
+            k -= 1
+        straddles = k < len(whole) and spell(k) != tail
+        if straddles and k + 1 < len(whole):
+            held = spell(k + 1)
+            if held.startswith(tail) and not held[len(tail) :].strip():
+                k += 1  # only the completion's leading whitespace is in the token: it stays with the prompt
+        return k, straddles
 
     def _render(self, batch: dict[str, list]) -> list[tuple[str, str] | RecordError]:
         """(prompt text, completion text) per row; chat rows through the template, errors in place."""

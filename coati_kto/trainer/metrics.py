@@ -57,7 +57,8 @@ class StepSums:
     def __init__(self, device: torch.device, evaluation: bool = False) -> None:
         self._sums = torch.zeros(len(SUM_KEYS), dtype=torch.float64, device=device)
         self._rows = torch.zeros((), dtype=torch.float64, device=device) if evaluation else None
-        self._aux_bad: torch.Tensor | None = None  # evaluation: the next add()'s pass had a NaN/inf router loss
+        # evaluation: whether the pass of the micro-batch add() records next had a NaN/inf router loss
+        self._aux_bad: torch.Tensor | None = None
         self._kl: list[torch.Tensor] = []
         self._kl_raw: list[torch.Tensor] = []
         self._tokens, self._flops = 0, 0.0

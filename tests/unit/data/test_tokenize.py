@@ -639,3 +639,97 @@ def test_reasoning_a_template_does_not_render_makes_a_bad_record() -> None:
     assert render(
         chatml, [user], [{"role": "assistant", "reasoning_content": "", "content": "Tuesday."}], True, "d"
     )
+
+
+# Trailing whitespace the GPT-2 / cl100k pre-tokenizer (``\s+(?!\S)``) keeps whole at the end of a text ("?\n\n" ->
+# "?", "ĊĊ") but splits once text follows ("?\n\nSunday" -> "?", "Ċ", "Ċ", "Sunday"): tokenizer(prompt) then
+# differs from tokenizer(prompt + completion) before the boundary though no token crosses it.
+BLANK_LINE_CORPUS = [
+    *CORPUS,
+    *["Question: What comes before Monday?\n\n", "Sunday. The answer is 5.\n \n"] * 20,
+]
+SLOW_PATH_CASES = [  # (prompt, completion): the earlier slow-path tests' cases
+    ("Answer: ", "5"),
+    ("ca", "pital"),
+    ("The answer is", " 5"),
+    ("def add(a, b):\n   ", " return a + b"),
+    ("x", " y"),
+    ("Sum:\n", "\n\nThe answer is 5."),
+    ("Sum:\n", "\n\n\nThe answer is 5."),
+    ("Sum:\n", "The answer is 5."),
+]
+
+
+@functools.cache
+def blank_line_tokenizers(style: str) -> tuple[PreTrainedTokenizerFast, object]:
+    """(fast, its Python twin) of a byte-level BPE that merges "\\n\\n" and "\\n \\n", with ``style``'s template."""
+    from coati_kto.testing.tiny import build_tokenizer
+
+    fast = build_tokenizer(BLANK_LINE_CORPUS, vocab_size=400, style=style)
+    return fast, python_tokenizer(fast)
+
+
+@pytest.mark.parametrize("style", ["llama3", "chatml"])
+def test_python_tokenizers_split_at_trailing_whitespace_like_fast_ones(style: str) -> None:
+    """The common-prefix split of Python tokenizers (Qwen-1's tiktoken, GLM-4: remote code) put the prompt's
+    own trailing whitespace into the loss when the pre-tokenizer splits it differently once text follows: Llama
+    3's "<|end_header_id|>\\n\\n" trained "Ċ", "Ċ", "Sunday" as the answer and flagged every record's boundary
+    inside a token; ChatML's generation prompt trained its own "\\n" before a completion " \\n..."; a plain
+    prompt ending in a blank line trained the blank line. Tokens ending at or before the boundary are the
+    prompt's, as with offsets."""
+    from coati_kto.data.chat import render
+
+    fast, slow = blank_line_tokenizers(style)
+    user = [{"role": "user", "content": "What comes before Monday?"}]
+    cases = [
+        render(fast, user, [{"role": "assistant", "content": "Sunday."}], True, "x"),
+        render(fast, [{"role": "user", "content": "Sum?"}], [{"role": "assistant", "content": " \nThe answer is 5."}], True, "x"),
+        ("Question: What comes before Monday?\n\n", "Sunday."),
+        *SLOW_PATH_CASES,
+    ]  # fmt: skip
+    prompts, completions = [p for p, _ in cases], [c for _, c in cases]
+    fast_split = Encoder(fast).split(prompts, completions)
+    slow_split = Encoder(slow).split(prompts, completions)
+    assert slow_split == fast_split
+    for p, c, prompt, completion in zip(*slow_split[:2], prompts, completions, strict=True):
+        assert p + c == slow(prompt + completion, add_special_tokens=False)["input_ids"]
+
+    (sunday_p, blank_p, plain_p), (sunday_c, blank_c, plain_c) = slow_split[0][:3], slow_split[1][:3]
+    # The cases really are ones where tokenizer(prompt) is no prefix of tokenizer(whole text) (ChatML's
+    # generation prompt ends in one "\n": no trailing run to split).
+    for i in (0, 2) if style == "llama3" else (2,):
+        alone = slow(prompts[i], add_special_tokens=False)["input_ids"]
+        assert slow(prompts[i] + completions[i], add_special_tokens=False)["input_ids"][: len(alone)] != alone
+    tokens = fast.convert_ids_to_tokens
+    assert tokens(plain_p)[-3:] == ["?", "Ċ", "Ċ"] and tokens(plain_c) == ["Sunday", "."]
+    assert slow.decode(plain_p) == prompts[2]
+    assert slow.decode(sunday_p) == prompts[0] and tokens(sunday_c)[:2] == ["Sunday", "."]
+    if style == "llama3":
+        assert tokens(sunday_p)[-3:] == ["<|end_header_id|>", "Ċ", "Ċ"]
+    # " \n...": "\n " straddles the boundary holding only completion whitespace: it stays with the prompt.
+    assert slow.decode(blank_p) == prompts[1] + " " and slow.decode(blank_c).startswith("\nThe answer is 5.")
+    assert slow_split[2] == [False, True, False, True, True, False, False, False, True, True, False]
+
+
+@settings(max_examples=100, deadline=None)
+@given(TEXT, TEXT.filter(str.strip))
+def test_python_tokenizer_split_invariants(prompt: str, completion: str) -> None:
+    """Whatever whitespace meets at the boundary, the Python tokenizer's split is the offsets split."""
+    fast, slow = blank_line_tokenizers("chatml")
+    split = Encoder(slow).split([prompt], [completion])
+    assert split == Encoder(fast).split([prompt], [completion])
+    assert split[0][0] + split[1][0] == slow(prompt + completion, add_special_tokens=False)["input_ids"]
+
+
+def test_python_tokenizer_split_decodes_only_near_the_boundary(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The split decodes a few tokens around the boundary per row, not the row at every candidate k (quadratic
+    in the row's length)."""
+    fast, slow = blank_line_tokenizers("chatml")
+    prompt = "The answer is 5. " * 300 + "Question: What comes before Monday?\n\n"
+    completion = "Sunday. " * 300
+    decode, decoded = slow.decode, []
+    monkeypatch.setattr(slow, "decode", lambda ids, **kw: decoded.append(len(ids)) or decode(ids, **kw))
+    (p_ids,), (c_ids,), _ = Encoder(slow).split([prompt], [completion])
+    (fast_p,), (fast_c,), _ = Encoder(fast).split([prompt], [completion])
+    assert (p_ids, c_ids) == (fast_p, fast_c)
+    assert len(p_ids) + len(c_ids) > 1000 and 0 < sum(decoded) < 60
