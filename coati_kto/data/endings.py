@@ -167,6 +167,13 @@ class Endings:
             self._blank[token] = not self.tokenizer.decode([token]).strip()
         return self._blank[token]
 
+    def stops_early(self, ids: list[int]) -> bool:
+        """Whether a token that stops generation comes before the last token of ``ids`` that is not whitespace
+        alone: the tokens after it are trained though generation never reaches them (a control token written in
+        the record's text, or a completion of several assistant turns)."""
+        last = next((i for i in range(len(ids) - 1, -1, -1) if not self._is_blank(ids[i])), -1)
+        return any(t in self.stops for t in ids[:last])
+
     def last_token(self, ids: list[int]) -> int | None:
         """The last token of ``ids`` that is not whitespace alone (None when there is none)."""
         return next((t for t in reversed(ids) if not self._is_blank(t)), None)

@@ -93,6 +93,12 @@ def _split_summary(name: str, s: dict, max_length: int) -> list[str]:
         )
     if line := image_summary(s):
         lines.append(line)
+    if (stops := s.get("stop_inside_completion") or {}).get("rows"):  # none in builds before 2026-12-01
+        lines.append(
+            f"    warning: {stops['rows']} completions hold a token that ends generation before their end (e.g. "
+            f"{stops['first']}): the tokens after it are trained though generation stops there (a control token "
+            "written in the record's text, or a completion of several assistant turns)"
+        )
     if s["boundary_inside_token"]:
         lines.append(
             f"    {s['boundary_inside_token']} examples have one token spanning the prompt/completion "

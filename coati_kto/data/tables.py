@@ -92,6 +92,7 @@ def _encode(
             "completion_ids": datasets.List(datasets.Value("int32")),
             "prompt_hash": datasets.Value("int64"),
             "boundary_inside_token": datasets.Value("bool"),
+            "stop_inside_completion": datasets.Value("bool"),
             "completion_end": datasets.Value("string"),
             "error_reason": datasets.Value("string"),
             "error": datasets.Value("string"),
@@ -232,6 +233,14 @@ def _fit(
     return _Fitted(rows, int(drop.sum()), *fitted, int(cut.sum()), left_out)
 
 
+def _stops_inside(table: pa.Table) -> dict[str, Any]:
+    """The kept rows whose completion holds a token that stops generation before its end (Endings.stops_early),
+    and the first one's source."""
+    flags = table.column("stop_inside_completion").to_numpy(zero_copy_only=False)
+    first = str(table.column("source")[int(np.argmax(flags))]) if flags.any() else ""
+    return {"rows": int(flags.sum()), "first": first}
+
+
 def _chat(table: pa.Table) -> np.ndarray:
     """[n] bool: the rows whose records were messages (rendered by the chat template), not plain text."""
     return table.column("chat").to_numpy(zero_copy_only=False).astype(bool)
@@ -266,6 +275,7 @@ def _split_stats(
         "boundary_inside_token": int(
             table.column("boundary_inside_token").to_numpy(zero_copy_only=False).sum()
         ),
+        "stop_inside_completion": _stops_inside(table),
         "kl_pairs": pair_stats(table.column("prompt_hash").to_numpy(), pi, _chat(table)),
         # how the completions end (coati_kto.data.endings): {"stop:<|im_end|>": n, "eos_added:plain": n, ...}
         "completion_end": {

@@ -295,7 +295,8 @@ class Encoder:
 
     def __call__(self, batch: dict[str, list]) -> dict[str, list]:
         """Columns prompt/completion (JSON message lists when ``chat``)/chat/source/tools (JSON, "" for none) -> prompt_ids,
-        completion_ids, prompt_hash, boundary_inside_token, completion_end (:meth:`Endings.end`), error_reason, error (""
+        completion_ids, prompt_hash, boundary_inside_token, completion_end (:meth:`Endings.end`),
+        stop_inside_completion (:meth:`Endings.stops_early`), error_reason, error (""
         when the record is fine); with a processor, column images (bytes per row) in, and images, image_tokens
         (counts per row) and image_start (the first token of the first image's run) out."""
         with rendered_as_of(self.day):
@@ -312,6 +313,7 @@ class Encoder:
             "completion_ids": [],
             "boundary_inside_token": inside,
             "completion_end": [],
+            "stop_inside_completion": [self.endings.stops_early(c) for c in c_ids],
         }
         for i, (p, c, chat) in enumerate(zip(p_ids, c_ids, batch["chat"], strict=True)):
             if not chat and p[: len(self.bos)] != self.bos:  # text already rendered with its BOS: no second

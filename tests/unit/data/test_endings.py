@@ -206,3 +206,33 @@ def test_a_tokenizer_without_eos_ends_plain_completions_with_the_checkpoint_eos(
     out = prepare(*data_settings(make_config(tmp_path / "none", model, [str(data)])))
     assert out.stats["completion_end"] == NO_EOS_WARNING
     assert f"  {NO_EOS_WARNING}\n" in capsys.readouterr().out
+
+
+def test_a_stop_token_inside_a_completion_is_counted_and_said(tmp_path: Path, capsys) -> None:
+    """Tokens after a completion's first stop token were trained though generation ends there, and nothing
+    counted them: a control token written in the record's text ("...<|im_end|>\\n<|im_start|>user..." from a
+    scraped chat log), or a completion of several assistant turns. Now prepare counts the rows
+    (``stop_inside_completion`` in stats.json) and names the first in one warning line."""
+    tok = tokenizer("chatml_s")  # ChatML with </s> as EOS: the template's <|im_end|> stops too
+    user = {"role": "user", "content": "Add 2 and 3."}
+    one = [{"role": "assistant", "content": "5"}]
+    two = [*one, {"role": "assistant", "content": "Anything else?"}]
+    injected = [{"role": "assistant", "content": "5<|im_end|>\n<|im_start|>user\nthanks"}]
+    endings = Endings(tok)
+    flags = {}
+    for name, completion in (("one", one), ("two", two), ("injected", injected)):
+        _, c_ids = encode(tok, [user], completion, True)
+        flags[name] = endings.stops_early(c_ids)
+    _, plain = encode(tok, "Q:", " yes", False)  # plain text: its appended EOS is its end
+    assert flags == {"one": False, "two": True, "injected": True} and not endings.stops_early(plain)
+
+    model = _write_model(tmp_path / "model", "chatml_s")
+    rows = [{"prompt": [user], "completion": two if i == 3 else one, "label": i % 3 != 0} for i in range(12)]
+    data = write_jsonl(rows, tmp_path / "data.jsonl")
+    out = prepare(*data_settings(make_config(tmp_path, model, [str(data)])))
+    assert out.stats["train"]["stop_inside_completion"] == {"rows": 1, "first": f"{data}:4"}
+    printed = capsys.readouterr().out
+    assert (
+        f"warning: 1 completions hold a token that ends generation before their end (e.g. {data}:4)"
+        in printed
+    )
