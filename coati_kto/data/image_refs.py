@@ -94,11 +94,17 @@ def _reference(ref: Any, source: str, where: str, base: Path | None) -> bytes:
         ) from None
 
 
+# Modes of more than 8 bits a channel: processors clip them to 8 bits (a 16-bit mid-grey PNG becomes white).
+WIDE_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
+
+
 def check_decodes(image: bytes, source: str, where: str) -> None:
-    """Raise RecordError unless PIL opens and decodes ``image`` whole (a truncated file fails in ``load``)."""
+    """Raise RecordError unless PIL opens and decodes ``image`` whole (a truncated file fails in ``load``) into 8
+    bits a channel."""
     try:
         with Image.open(io.BytesIO(image)) as opened:
             opened.load()
+            mode = opened.mode
     except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError, SyntaxError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         if isinstance(err, UnidentifiedImageError):  # its text names the BytesIO object's address
@@ -106,6 +112,15 @@ def check_decodes(image: bytes, source: str, where: str) -> None:
         raise RecordError(
             source, where, f"not an image PIL can open ({len(image)} bytes: {first[:120]})", "bad_image"
         ) from None
+    if mode in WIDE_MODES:
+        raise RecordError(
+            source,
+            where,
+            f"a {'float' if mode == 'F' else '16- or 32-bit integer'} image (PIL mode {mode}): image processors "
+            "clip it to 8 bits a channel (a 16-bit mid-grey becomes white), so the model would see another "
+            "picture; convert it to 8-bit",
+            "bad_image",
+        )
 
 
 def read_images(raw: Any, source: str, base: Path | None, parts: int, decode: bool = True) -> list[bytes]:

@@ -20,16 +20,25 @@ import io
 from typing import Any
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageOps
 
 from coati_kto.data.formats import RecordError
 
 
 def open_image(image: bytes) -> Image.Image:
-    """The decoded image of ``image``'s bytes (loaded whole, the file closed)."""
+    """The decoded image of ``image``'s bytes as the model is to see it (loaded whole, the file closed): upright
+    by its EXIF orientation, as transformers' ``load_image``, datasets' Image and any viewer show it (a phone
+    photo trained on its raw, rotated pixels), and RGB with any transparency composited onto white, as
+    transformers' ``convert_to_rgb`` does. The collator calls the bare image processor, which a Hub config's
+    ``"do_convert_rgb": null`` (Gemma 3's) leaves unconverted: a grayscale, palette or RGBA image prepared
+    through the processor and then failed the training step's collate."""
     with Image.open(io.BytesIO(image)) as opened:
         opened.load()
-        return opened.copy()
+        upright = ImageOps.exif_transpose(opened)
+    if "A" in upright.getbands() or upright.info.get("transparency") is not None:
+        rgba = upright.convert("RGBA")
+        return Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255, 255)), rgba).convert("RGB")
+    return upright.convert("RGB")
 
 
 def soft_token_id(processor: Any) -> int:

@@ -59,7 +59,7 @@ PIPELINE_VERSION = 8  # bump when the prepared rows change for the same inputs (
 # 7: plain-text and message records mixed in a split are KL-paired within their own kind (coati_kto.data.kl_pairs).
 # 8: plain text ending with the template's end of turn gets no EOS after it (text rendered with the template);
 #    a template that dates prompts renders the whole build as of one day (coati_kto.data.template_clock); a Python
-#    tokenizer's prompt/completion split is the fast one's.
+#    tokenizer's prompt/completion split is the fast one's; an image is turned upright by its EXIF orientation.
 NO_BUILD = "no prepared data yet"  # the build reason of a data.prepared_dir that holds none
 HASH_CHUNK = 8 << 20  # bytes per hash update; 1-8 MiB all read at about disk/hash speed (~500 MB/s here)
 
