@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 from PIL import Image, ImageOps
 
-from coati_kto.data.formats import RecordError
+from coati_kto.data.formats import Record, RecordError
 
 
 def open_image(image: bytes) -> Image.Image:
@@ -157,3 +157,37 @@ def image_cut(
     removed_end = p_len - (max_prompt_length - head)
     may_cut = (p_len > max_prompt_length) & (p_len + longest_completion > max_length)
     return may_cut & (image_start < removed_end)
+
+
+def typed_image_tokens(
+    records: list[Record], processor: Any, on_bad_record: str
+) -> tuple[list[Record], list[RecordError]]:
+    """(the records, those whose text holds the model's image placeholder or soft token as text): a text-only
+    build for a vision-language model runs no processor, so :meth:`ImageExpander.expand`'s check did not run and
+    a typed ``<image_soft_token>`` trained as an image token no image fills. Raises the first with
+    ``data.on_bad_record: error``."""
+    expander = ImageExpander(processor)
+    typed = {expander.placeholder, expander.soft_token}
+    kept, bad = [], []
+    for record in records:
+        texts = [record.prompt, record.completion]
+        texts = [m.get("content") for t in texts for m in t] if record.chat else texts
+        texts = [part.get("text") for t in texts for part in (t if isinstance(t, list) else [{"text": t}])]
+        found = next(
+            (token for token in typed for text in texts if isinstance(text, str) and token in text), None
+        )
+        if found is None:
+            kept.append(record)
+            continue
+        bad.append(
+            RecordError(
+                record.source,
+                "messages" if record.chat else "prompt",
+                f"the record holds the image token {found!r} as text; only the processor places it (one run per "
+                "image, for a record with images): remove it",
+                "image_placeholders",
+            )
+        )
+    if bad and on_bad_record == "error":
+        raise bad[0]
+    return kept, bad

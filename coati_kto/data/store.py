@@ -39,7 +39,8 @@ from coati_kto.data.endings import checkpoint_eos, completion_end_line, generati
 from coati_kto.data.files import load_records, resolve_files
 from coati_kto.data.formats import Record, RecordError
 from coati_kto.data.hub import check as hub_check
-from coati_kto.data.image_store import images_fingerprint, load_processor
+from coati_kto.data.image_store import UnloadableProcessor, images_fingerprint, load_processor
+from coati_kto.data.images import typed_image_tokens
 from coati_kto.data.settings import PrepareSettings
 from coati_kto.data.splits import duplicates, group_split, label_counts, prompt_key, require_both_labels
 from coati_kto.data.tables import build_split, progress_bars
@@ -248,7 +249,8 @@ def _read_inputs(
 
 
 def _build(settings: PrepareSettings, tokenizer, fp: dict, target: Path, processor: Any = None) -> None:
-    """Build everything in a temporary sibling of ``target``, then rename it into place."""
+    """Build everything in a temporary sibling of ``target``, then rename it into place. ``processor``: a
+    vision-language model's (:func:`load_processor`), or None."""
     work = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         work.mkdir(parents=True)
@@ -258,6 +260,15 @@ def _build(settings: PrepareSettings, tokenizer, fp: dict, target: Path, process
         train_records, eval_records, files, skipped, unread = _read_inputs(
             settings, str(work / "hf-cache"), fp
         )
+        if processor is not None and "images" not in fp and not isinstance(processor, UnloadableProcessor):
+            on_bad = (
+                settings.data.on_bad_record
+            )  # text records for a vision-language model: no typed image token
+            (train_records, train_typed), (eval_records, eval_typed) = (
+                typed_image_tokens(records, processor, on_bad) for records in (train_records, eval_records)
+            )
+            skipped += train_typed + eval_typed
+        processor = processor if "images" in fp else None  # None: no record has one
         repeats, repeat_examples = duplicates(train_records + eval_records)
         pad, pad_note = pad_id(tokenizer)
         stats: dict[str, Any] = {
@@ -330,7 +341,7 @@ def ensure(settings: PrepareSettings, tokenizer) -> tuple[dict, bool, str]:
             f"data.prepared_dir {target}: exists, is not empty and holds no coati-kto fingerprint.json; "
             "refusing to overwrite it: choose another directory or empty it"
         )
-    _build(settings, tokenizer, fp, target, processor if "images" in fp else None)  # None: no record has one
+    _build(settings, tokenizer, fp, target, processor)
     return fp, True, why
 
 

@@ -102,3 +102,25 @@ def test_a_hub_configs_null_conversion_no_longer_fails_the_collate(tmp_path: Pat
     collate = KTOCollator(0, **kwargs)
     pixels = [collate([out.train[i]]).images.pixel_values for i in range(len(out.train))]
     assert all(np.array_equal(p.numpy(), pixels[0].numpy()) for p in pixels)  # grey L = grey RGB
+
+
+def test_a_typed_image_token_in_text_records_for_a_vision_language_model_is_a_bad_record(
+    tmp_path: Path,
+) -> None:
+    """A text-only build for a vision-language model runs no processor, so the check that refuses a typed image
+    token ran only when some record had an image: ``<image_soft_token>`` written in a record trained as an image
+    token no image fills. Now the same one-line bad record, image records or not."""
+    model = vl_model_dir(tmp_path)
+    soft = "<image_soft_token>"
+    rows = [
+        {"prompt": [{"role": "user", "content": f"colour? {i}" + (soft if i == 2 else "")}],
+         "completion": [{"role": "assistant", "content": "grey"}], "label": i % 2 == 0}
+        for i in range(6)
+    ]  # fmt: skip
+    data = write_jsonl(rows, tmp_path / "train.jsonl")
+    with pytest.raises(
+        RecordError, match=rf"train.jsonl:3: field 'messages': the record holds the image token '{soft}'"
+    ):
+        prepare(*settings(tmp_path, model, data))
+    out = prepare(*settings(tmp_path, model, data, on_bad_record="skip"))
+    assert len(out.train) == 5 and out.stats["bad_records"]["by_reason"] == {"image_placeholders": 1}
