@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING, Any
 
 from coati_kto.config.hub import is_hub_dataset
 from coati_kto.data.files import load_records
+from coati_kto.data.formats import Record, RecordError
 from coati_kto.data.image_refs import digest
-from coati_kto.data.images import soft_token_id
+from coati_kto.data.images import soft_token_id, typed_image_tokens
 from coati_kto.data.processors import load_processor_for_images, pan_and_scan
 from coati_kto.data.tables import progress_bars
 from coati_kto.errors import ConfigError
@@ -169,3 +170,17 @@ def image_summary(split: dict[str, Any]) -> str | None:
         f"    images per record: {per}; image tokens {images['image_tokens']} "
         f"({100 * images['image_token_share']:.1f}% of the tokens)"
     )
+
+
+def no_typed_image_tokens(
+    processor: Any, on_bad_record: str, train: list[Record], evaluation: list[Record]
+) -> tuple[list[Record], list[Record], list[RecordError]]:
+    """(train records, eval records, the records refused) of a text-only build: for a vision-language model
+    (``processor`` from :func:`load_processor`), those holding its image token as text are bad records
+    (:func:`coati_kto.data.images.typed_image_tokens`); for a text model, all kept."""
+    if processor is None or isinstance(processor, UnloadableProcessor):
+        return train, evaluation, []
+    (train, train_typed), (evaluation, eval_typed) = (
+        typed_image_tokens(records, processor, on_bad_record) for records in (train, evaluation)
+    )
+    return train, evaluation, train_typed + eval_typed

@@ -39,8 +39,7 @@ from coati_kto.data.endings import checkpoint_eos, completion_end_line, generati
 from coati_kto.data.files import load_records, resolve_files
 from coati_kto.data.formats import Record, RecordError
 from coati_kto.data.hub import check as hub_check
-from coati_kto.data.image_store import UnloadableProcessor, images_fingerprint, load_processor
-from coati_kto.data.images import typed_image_tokens
+from coati_kto.data.image_store import images_fingerprint, load_processor, no_typed_image_tokens
 from coati_kto.data.settings import PrepareSettings
 from coati_kto.data.splits import duplicates, group_split, label_counts, prompt_key, require_both_labels
 from coati_kto.data.tables import build_split, progress_bars
@@ -248,6 +247,25 @@ def _read_inputs(
     )
 
 
+def _stats_head(
+    settings: PrepareSettings, tokenizer, fp: dict, files: dict, unread: dict, records: list[Record]
+) -> dict[str, Any]:
+    """stats.json's keys known before the splits are built: the build, its inputs, duplicates and padding."""
+    repeats, repeat_examples = duplicates(records)
+    pad, pad_note = pad_id(tokenizer)
+    return {
+        "version": PIPELINE_VERSION,
+        "fingerprint": fp["digest"],
+        "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "settings": _settings(settings),
+        "files": files,
+        "unread_fields": unread,
+        "tokenizer": settings.model.tokenizer or settings.model.path,
+        "duplicates": {"records": repeats, "examples": repeat_examples},
+        "padding": {"pad_id": pad, "note": pad_note},
+    }
+
+
 def _build(settings: PrepareSettings, tokenizer, fp: dict, target: Path, processor: Any = None) -> None:
     """Build everything in a temporary sibling of ``target``, then rename it into place. ``processor``: a
     vision-language model's (:func:`load_processor`), or None."""
@@ -260,28 +278,12 @@ def _build(settings: PrepareSettings, tokenizer, fp: dict, target: Path, process
         train_records, eval_records, files, skipped, unread = _read_inputs(
             settings, str(work / "hf-cache"), fp
         )
-        if processor is not None and "images" not in fp and not isinstance(processor, UnloadableProcessor):
-            on_bad = (
-                settings.data.on_bad_record
-            )  # text records for a vision-language model: no typed image token
-            (train_records, train_typed), (eval_records, eval_typed) = (
-                typed_image_tokens(records, processor, on_bad) for records in (train_records, eval_records)
+        if "images" not in fp:  # text records only: for a vision model, none may type its image token
+            train_records, eval_records, typed = no_typed_image_tokens(
+                processor, settings.data.on_bad_record, train_records, eval_records
             )
-            skipped += train_typed + eval_typed
-        processor = processor if "images" in fp else None  # None: no record has one
-        repeats, repeat_examples = duplicates(train_records + eval_records)
-        pad, pad_note = pad_id(tokenizer)
-        stats: dict[str, Any] = {
-            "version": PIPELINE_VERSION,
-            "fingerprint": fp["digest"],
-            "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "settings": _settings(settings),
-            "files": files,
-            "unread_fields": unread,
-            "tokenizer": settings.model.tokenizer or settings.model.path,
-            "duplicates": {"records": repeats, "examples": repeat_examples},
-            "padding": {"pad_id": pad, "note": pad_note},
-        }
+            skipped, processor = skipped + typed, None
+        stats = _stats_head(settings, tokenizer, fp, files, unread, train_records + eval_records)
         left_out: list[str] = []  # rows dropped to fit data.max_length (counted in each split's "dropped")
         day = template_clock.today()
         if dates_prompts(tokenizer):  # the prompts hold this day: a rebuild on another day changes them
