@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -75,6 +76,7 @@ def resolve_files(paths: list[str], key: str) -> list[Path | HubDataset]:
             found = _walk(path)
             if not found:
                 raise DataError(f"{key}: {name}: directory holds no {'/'.join(SUFFIXES)} files or datasets")
+            _refuse_split_files(path, found, f"{key}: {name}")
             out.extend(found)
         elif path.is_file() and path.suffix not in SUFFIXES:
             raise DataError(
@@ -83,6 +85,36 @@ def resolve_files(paths: list[str], key: str) -> list[Path | HubDataset]:
         else:
             out.append(path)
     return out
+
+
+def _refuse_split_files(root: Path, found: list[Path], where: str) -> None:
+    """DataError when ``root``'s files are named for more than one split of a dataset by datasets' rules (what
+    ``hf download --local-dir`` writes: data/train-*.parquet and data/test-*.parquet; train.jsonl beside
+    eval.jsonl): read whole, the held-out split was trained on, where TRL's ``load_dataset(dir)`` trains on
+    train alone."""
+    from datasets.data_files import DataFilesDict, EmptyDatasetError, get_data_patterns
+
+    try:
+        patterns = get_data_patterns(str(root))
+    except EmptyDatasetError:  # no file datasets reads (saved datasets only): no split naming to refuse
+        return
+    if len(patterns) < 2:
+        return
+    ours = {p.resolve() for p in found}
+    splits = DataFilesDict.from_patterns(patterns, base_path=str(root))
+    named = {str(s): [Path(f) for f in files if Path(f).resolve() in ours] for s, files in splits.items()}
+    named = {s: files for s, files in named.items() if files}
+    if len(named) < 2:
+        return
+    shown = "; ".join(
+        f"{s}: {', '.join(os.path.relpath(f, root) for f in fs[:2])}{' ...' * (len(fs) > 2)}"
+        for s, fs in named.items()
+    )
+    raise DataError(
+        f"{where}: the directory holds a dataset's splits ({shown}): read whole, they would be one split (under "
+        "data.train_files, the held-out ones trained on); name the train files in data.train_files and the "
+        "others in data.eval_files"
+    )
 
 
 def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
@@ -155,8 +187,38 @@ def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
         data = [data]
     if not isinstance(data, list):
         raise DataError(f"{path}: expected a JSON array of records, got {show_value(data)}")
+    twice = _rows_given_twice(text, data)
     for i, item in enumerate(data, start=1):  # 1-based, as JSON lines' line numbers
-        yield f"{path}:row {i}", item
+        source = f"{path}:row {i}"
+        yield (
+            source,
+            item if i not in twice else RecordError(source, twice[i], "given twice", "malformed_json"),
+        )
+
+
+class _Pairs(dict):
+    """A parsed JSON object that knows a key it was given twice (``twice``; JSON keeps the last in silence)."""
+
+    twice: str | None = None
+
+    @classmethod
+    def of(cls, items: list[tuple[str, Any]]) -> _Pairs:
+        parsed, keys = cls(items), [k for k, _ in items]
+        parsed.twice = next((k for k in keys if keys.count(k) > 1), None)
+        return parsed
+
+
+def _rows_given_twice(text: str, records: list[Any]) -> dict[int, str]:
+    """{row (from 1): a top-level field it gives twice} of a .json file's records (a label given false then true
+    trained as true, as in JSON lines: ``_field_twice``). Parsed again only when some field's quoted name occurs
+    more often in ``text`` than records hold it."""
+    keys = {k for r in records if isinstance(r, dict) for k in r}
+    if all(text.count(json.dumps(k)) <= sum(isinstance(r, dict) and k in r for r in records) for k in keys):
+        return {}
+    again = json.loads(text, object_pairs_hook=_Pairs.of)
+    again = again["data"] if isinstance(again, dict) and isinstance(again.get("data"), list) else again
+    again = [again] if isinstance(again, dict) else again
+    return {i: r.twice for i, r in enumerate(again, start=1) if isinstance(r, _Pairs) and r.twice}
 
 
 def _table_rows(path: Path, cache_dir: str | None) -> Iterator[tuple[str, Any]]:
@@ -315,7 +377,8 @@ def one_document_error(text: str, err: json.JSONDecodeError, path: Path) -> Data
     """A .json file that does not parse: when its first line is no JSON value on its own, the file is one
     document (an array, often pretty-printed) and ``err`` has the line; read as JSON lines, every line of it
     would be "malformed" (and with on_bad_record: skip the whole file dropped). None: JSON lines, read so."""
-    first = next((line for line in text.splitlines() if line.strip()), "")
+    # JSON's lines end at "\n" alone (splitlines would also cut at U+2028, which a JSON string may hold raw)
+    first = next((line for line in text.split("\n") if line.strip()), "")
     try:
         json.loads(first)
         return None

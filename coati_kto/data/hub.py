@@ -55,12 +55,27 @@ def open_split(spec: HubDataset, sha: str) -> Any:
     """The split (``datasets.Dataset``) at commit ``sha``: downloaded and prepared into the datasets cache once,
     reused from it after; offline, read from the hub cache's snapshot of ``sha``."""
     import datasets
+    from datasets.exceptions import DatasetGenerationError
 
-    if hub_offline():
-        return load_cached(spec, cached_snapshot(spec, sha, spec.source))
-    return datasets.load_dataset(
-        spec.repo_id, name=spec.config, data_files=spec.data_files, split=spec.split, revision=sha
-    )
+    try:
+        if hub_offline():
+            return load_cached(spec, cached_snapshot(spec, sha, spec.source))
+        return datasets.load_dataset(
+            spec.repo_id, name=spec.config, data_files=spec.data_files, split=spec.split, revision=sha
+        )
+    except (
+        DatasetGenerationError
+    ) as err:  # a file that does not parse, shards of two schemas: 80 lines before
+        cause = err.__cause__ or err.__context__ or err
+        lines = str(cause).strip().splitlines() or [
+            ""
+        ]  # a CastError's reason is its last line, after schemas
+        first = f"{lines[0]} {lines[-1]}" if lines[-1].startswith("because") else lines[0][:240]
+        raise DataError(
+            f"{spec.source}: datasets cannot build the dataset at {sha[:12]} ({type(cause).__name__}: {first}); "
+            "data.on_bad_record cannot skip inside a Hub dataset: fix its files, or read those that build "
+            "(?data_files=...)"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------- online
@@ -103,7 +118,8 @@ def _remember_ref(spec: HubDataset, sha: str) -> None:
 def _hub_error(err: Exception, spec: HubDataset, where: str) -> Exception:
     """One line for what the Hub answered; an unknown failure is returned unchanged."""
     import httpx
-    from datasets.exceptions import DatasetNotFoundError
+    from datasets.data_files import EmptyDatasetError
+    from datasets.exceptions import DataFilesNotFoundError, DatasetNotFoundError
     from huggingface_hub import constants
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
@@ -120,6 +136,9 @@ def _hub_error(err: Exception, spec: HubDataset, where: str) -> Exception:
             else f"or it is private or gated and no token is set ({_LOGIN})"
         )
         return DataError(f"{where}: no such dataset on the Hub ({constants.ENDPOINT}), {why}")
+    if isinstance(err, DataFilesNotFoundError | EmptyDatasetError):  # it answered: no file datasets reads
+        what = f"matches data_files={spec.data_files}" if spec.data_files else "is a data file datasets reads"
+        return DataError(f"{where}: no file of the dataset on the Hub {what} ({type(err).__name__})")
     if isinstance(err, httpx.HTTPError | OSError):
         return DataError(
             f"{where}: the Hub ({constants.ENDPOINT}) cannot be reached ({type(err).__name__}){_cached(spec)}"

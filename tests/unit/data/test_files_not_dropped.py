@@ -75,3 +75,64 @@ def test_the_summary_says_how_many_unread_fields_it_did_not_name() -> None:
     line = unread_line({f"f{i}": 1 for i in range(11)})
     assert "f7 (1 records), and 3 more (stats.json's unread_fields lists them all); only prompt" in line
     assert "f8" not in line
+
+
+def test_a_label_given_twice_in_a_json_array_is_refused(tmp_path: Path) -> None:
+    """A .json array (or its ``data`` list) kept the last of two ``label`` keys in silence, false then true
+    trained as true; JSON lines refused it already."""
+    record = '{"prompt": "p", "completion": "c", "label": false, "label": true}'
+    good = '{"prompt": "q", "completion": "c", "label": false}'
+    for name, text in (("a.json", f"[{good},\n{record}]"), ("d.json", f'{{"data": [{good}, {record}]}}')):
+        (tmp_path / name).write_text(text)
+        result = load_records([str(tmp_path / name)], on_bad_record="skip")
+        assert [r.prompt for r in result.records] == ["q"]
+        assert [str(bad) for bad in result.skipped] == [
+            f"{tmp_path / name}:row 2: field 'label': given twice"
+        ]
+
+
+def test_a_json_lines_file_named_json_may_hold_u2028(tmp_path: Path) -> None:
+    """Its first line with a raw U+2028 in a string (json.dumps(..., ensure_ascii=False) writes one) was cut there
+    by str.splitlines, so the file was judged one broken document and refused whole."""
+    rows = [
+        {"prompt": "a\u2028b", "completion": "c", "label": True},
+        {"prompt": "q", "completion": "c", "label": False},
+    ]
+    path = tmp_path / "lines.json"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    assert [r.prompt for r in load_records([str(path)]).records] == ["a\u2028b", "q"]
+
+
+@pytest.mark.parametrize(
+    ("files", "said"),
+    [
+        (
+            ["data/train-00000-of-00001.parquet", "data/test-00000-of-00001.parquet"],
+            "train: data/train-00000-of-00001.parquet; test: data/test-00000-of-00001.parquet",
+        ),
+        (["train.jsonl", "eval.jsonl"], "train: train.jsonl; test: eval.jsonl"),
+    ],
+)
+def test_a_directory_of_a_datasets_splits_is_refused(tmp_path: Path, files: list[str], said: str) -> None:
+    """The folder ``hf download --local-dir`` writes (data/train-*.parquet beside data/test-*.parquet), or
+    train.jsonl beside eval.jsonl, was read whole: the held-out split trained on, where TRL's load_dataset(dir)
+    trains on train alone. A folder of files named for no split is read whole, as before."""
+    import datasets
+
+    rows = [{"prompt": f"p{i}", "completion": "c", "label": i % 2 == 0} for i in range(4)]
+    for name in files:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        if name.endswith(".parquet"):
+            datasets.Dataset.from_list(rows).to_parquet(str(tmp_path / name))
+        else:
+            (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(DataError) as info:
+        load_records([str(tmp_path)], cache_dir=str(tmp_path / ".cache"))
+    assert str(info.value).startswith(
+        f"data.train_files: {tmp_path}: the directory holds a dataset's splits ({said})"
+    )
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for name in ("part-a.jsonl", "part-b.jsonl"):
+        (plain / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert len(load_records([str(plain)]).records) == 8
