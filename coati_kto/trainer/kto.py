@@ -276,8 +276,10 @@ class KTOTrainer(SLTrainer):
             overflowed = skipped_by_loss_scaler(self.optimizer)  # fp16: no update, but its sums are finite
             self.skipped_steps += overflowed
         lr = current_lr(self.optimizer, self.lr_scheduler)
-        if self.lr_scheduler is not None:
-            # Advanced on skipped steps too: the LR stays a function of the global step (exact resume).
+        if self.lr_scheduler is not None and not overflowed:
+            # Held on a step the fp16 loss scaler skipped, as transformers' Trainer holds it (from 2**32 ZeRO's
+            # scaler skips its first ~18 steps: the warmup spent on no update). Advanced on a non-finite skip. The
+            # scheduler's own count is checkpointed (lr_scheduler.pt): resume stays exact.
             self.lr_scheduler.step()
         self.global_step = step
         self.position.consumed += len(micro_batches)

@@ -51,7 +51,8 @@ def planned_steps(
 def warmup_cosine_schedule(
     optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0
 ) -> LambdaLR:
-    """A LambdaLR of :func:`lr_factor`; step it once per optimizer step (skipped steps included)."""
+    """A LambdaLR of :func:`lr_factor`; step it once per optimizer step that updates or is skipped as non-finite
+    (not on a step the fp16 loss scaler skips)."""
     return LambdaLR(optimizer, lambda s: lr_factor(s, warmup_steps, total_steps, min_lr_ratio))
 
 
