@@ -33,6 +33,7 @@ from coati_kto.config.trl_names import (
     SWITCHES,
     TRAINER_NAMES,
 )
+from coati_kto.config.trl_schedule import schedule_translation
 
 _DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".arrow", ".txt")
 # A translation: the overrides (``KEY=VALUE``) and what follows the flag in the line (``is KEY=VALUE (note)``).
@@ -191,15 +192,6 @@ def _data_order(name: str, value: str | None) -> Translation | None:
 def _valued(name: str, value: str | None) -> Translation | None:
     """The flags whose translation depends on their value; None for the others."""
     number, given = as_float(value), truth(value)
-    schedule = (
-        "the schedule here: linear warmup over train.warmup_steps, then cosine to lr x train.min_lr_ratio"
-    )
-    if name == "lr_scheduler_type":  # a cosine to a floor of 1.0 is constant
-        ratio = {"cosine": "0.0", "constant": "1.0", "constant_with_warmup": "1.0"}.get(value or "")
-        override = f"train.min_lr_ratio={ratio}"
-        return (
-            ([override], f"is {override} ({schedule})") if ratio else ([], f"has no equivalent ({schedule})")
-        )
     # transformers 5 folded warmup_ratio into warmup_steps: a float in (0, 1) is a ratio there
     if name == "warmup_ratio" or (name == "warmup_steps" and number is not None and 0 < number < 1):
         if number == 0:
@@ -300,6 +292,8 @@ def translate(
         return _dataset(name, value, flags)
     if name == "hub_model_id":
         return _hub_repo(value, flags, argv)
+    if (scheduled := schedule_translation(name, value, flags)) is not None:
+        return scheduled
     if name in NO_EQUIVALENT:
         return [], f"has no equivalent ({NO_EQUIVALENT[name]})"
     if (valued := _valued(name, value)) is not None or (

@@ -589,3 +589,30 @@ def test_a_flat_trl_yaml_is_read_beside_its_other_keys_at_config_load(tmp_path: 
     assert lines[4].endswith(
         "plugin.precision=bf16 (final/ stays bf16: an fp32 export is refused with LoRA, tp_size > 1 or output.save_final false)"
     ), lines
+
+
+def test_the_schedule_flags_read_each_other(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """From an optimizer audit: ``--lr_scheduler_type constant --warmup_steps 5`` was translated as a floor of 1
+    with a 5-step warmup, though transformers' constant ignores the warmup; ``cosine_with_min_lr`` with
+    ``--lr_scheduler_kwargs '{"min_lr_rate": 0.1}'`` had "no equivalent", though train.min_lr_ratio=0.1 is the same
+    curve (min_lr over --learning_rate too)."""
+    path = write_config(tmp_path, MINIMAL)
+    line = _line(["train", str(path), "--lr_scheduler_type", "constant", "--warmup_steps", "5"], capsys)
+    assert _parts(line) == [
+        "--lr_scheduler_type constant is train.min_lr_ratio=1.0 train.warmup_steps=0 (transformers' constant "
+        "has no warmup)",
+        "--warmup_steps 5 is ignored, as transformers' constant schedule ignores it (train.warmup_steps=0 above)",
+    ]
+    config = _loaded(line, path)
+    assert (config.train.min_lr_ratio, config.train.warmup_steps) == (1.0, 0)
+
+    kwargs = ["--lr_scheduler_type", "cosine_with_min_lr", "--lr_scheduler_kwargs", '{"min_lr_rate": 0.1}']
+    line = _line(["train", str(path), *kwargs], capsys)
+    assert _parts(line)[0].startswith("--lr_scheduler_type cosine_with_min_lr is train.min_lr_ratio=0.1 (")
+    assert "is read into --lr_scheduler_type cosine_with_min_lr's train.min_lr_ratio" in _parts(line)[1]
+    assert _loaded(line, path).train.min_lr_ratio == 0.1
+    by_lr = ["--lr_scheduler_type", "cosine_with_min_lr", "--lr_scheduler_kwargs", '{"min_lr": 2e-6}']
+    line = _line(["train", str(path), *by_lr, "--learning_rate", "1e-5"], capsys)
+    assert _loaded(line, path).train.min_lr_ratio == pytest.approx(0.2)
+    line = _line(["train", str(path), "--lr_scheduler_type", "cosine_with_min_lr"], capsys)
+    assert "has no equivalent without its floor" in _parts(line)[0]
