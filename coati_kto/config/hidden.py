@@ -62,16 +62,10 @@ def _drop(tree: Any, loc: tuple[Any, ...]) -> None:
     parent, key = None, None
     node = tree
     for part in loc:
-        if (
-            isinstance(node, dict)
-            and part in node
-            or isinstance(node, list)
-            and isinstance(part, int)
-            and 0 <= part < len(node)
-        ):
-            parent, key, node = node, part, node[part]
-        else:
+        in_list = isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node)
+        if not (in_list or isinstance(node, dict) and part in node):
             break
+        parent, key, node = node, part, node[part]
     if parent is not None:
         del parent[key]
 

@@ -242,9 +242,8 @@ def _completion_left_out(completion: list[dict], completion_text: str) -> tuple[
                 "reasoning between <think> and </think>), so the model would not train on it; use a template "
                 "that renders it, or remove that part from the record"
             )
-        for (
-            key
-        ) in REASONING_KEYS:  # the label judged the reasoning too: trained on the answer alone, silently
+        # The label judged the reasoning too: without it the answer alone would be trained, in silence.
+        for key in REASONING_KEYS:
             text = message.get(key)
             if isinstance(text, str) and "".join(text.split()) not in rendered:
                 return f"completion[{i}].{key}", (

@@ -171,12 +171,16 @@ class Endings:
         """Whether a token that stops generation comes before the last token of ``ids`` that is not whitespace
         alone: the tokens after it are trained though generation never reaches them (a control token written in
         the record's text, or a completion of several assistant turns)."""
-        last = next((i for i in range(len(ids) - 1, -1, -1) if not self._is_blank(ids[i])), -1)
-        return any(t in self.stops for t in ids[:last])
+        return any(t in self.stops for t in ids[: self._last_index(ids)])
 
     def last_token(self, ids: list[int]) -> int | None:
         """The last token of ``ids`` that is not whitespace alone (None when there is none)."""
-        return next((t for t in reversed(ids) if not self._is_blank(t)), None)
+        last = self._last_index(ids)
+        return ids[last] if last >= 0 else None
+
+    def _last_index(self, ids: list[int]) -> int:
+        """The index of the last token of ``ids`` that is not whitespace alone (-1 when there is none)."""
+        return next((i for i in range(len(ids) - 1, -1, -1) if not self._is_blank(ids[i])), -1)
 
     def end(self, ids: list[int], chat: bool) -> tuple[list[int], str]:
         """(completion ids as stored, how they end: "stop:<token>" for a completion ending with a stop id (plain

@@ -63,13 +63,10 @@ def open_split(spec: HubDataset, sha: str) -> Any:
         return datasets.load_dataset(
             spec.repo_id, name=spec.config, data_files=spec.data_files, split=spec.split, revision=sha
         )
-    except (
-        DatasetGenerationError
-    ) as err:  # a file that does not parse, shards of two schemas: 80 lines before
+    except DatasetGenerationError as err:  # a file that does not parse, shards of two schemas
         cause = err.__cause__ or err.__context__ or err
-        lines = str(cause).strip().splitlines() or [
-            ""
-        ]  # a CastError's reason is its last line, after schemas
+        # A CastError's reason is its last line, after the two schemas.
+        lines = str(cause).strip().splitlines() or [""]
         first = f"{lines[0]} {lines[-1]}" if lines[-1].startswith("because") else lines[0][:240]
         raise DataError(
             f"{spec.source}: datasets cannot build the dataset at {sha[:12]} ({type(cause).__name__}: {first}); "

@@ -43,7 +43,6 @@ from coati_kto.data.image_store import images_fingerprint, load_processor, no_ty
 from coati_kto.data.settings import PrepareSettings
 from coati_kto.data.splits import duplicates, group_split, label_counts, prompt_key, require_both_labels
 from coati_kto.data.tables import build_split, progress_bars
-from coati_kto.data.template_clock import dates_prompts, rendered_as_of
 from coati_kto.data.tokenize import pad_id
 from coati_kto.errors import DataError
 
@@ -285,14 +284,15 @@ def _build(settings: PrepareSettings, tokenizer, fp: dict, target: Path, process
             skipped, processor = skipped + typed, None
         stats = _stats_head(settings, tokenizer, fp, files, unread, train_records + eval_records)
         left_out: list[str] = []  # rows dropped to fit data.max_length (counted in each split's "dropped")
-        day = template_clock.today()
-        if dates_prompts(tokenizer):  # the prompts hold this day: a rebuild on another day changes them
+        # A template that dates prompts renders the whole build as of one day: a rebuild on another day differs.
+        day = template_clock.today() if template_clock.dates_prompts(tokenizer) else None
+        if day is not None:
             stats["template_date"] = fp["template_date"] = day.isoformat()
         for name, records in (("train", train_records), ("eval", eval_records)):
             stats[name] = None
             if records:
                 split_files = files[name] or files["train"]  # eval_fraction: held out of the train files
-                with rendered_as_of(day):
+                with template_clock.rendered_as_of(day):
                     ds, stats[name], bad, dropped = build_split(
                         records, tokenizer, settings, work, name, split_files, processor
                     )
