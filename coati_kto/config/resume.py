@@ -36,6 +36,9 @@ REFUSED: dict[str, str] = {
     "plugin.precision": "the saved fp32 master weights belong to the old precision",
     "kto.loss_type": "another objective: start a new run from the exported model instead",
 }
+# What a checkpoint whose config lacks a key ran with, where that differs from the key's default now: the
+# behaviour of the coati-kto that saved it (config_changes, optimizer_groups_problem and export's run_config).
+LEGACY: dict[str, Any] = {"train.decay_norms_and_biases": True}
 # Applied, but not worth a word: where the run writes, how often it logs, how long it waits.
 QUIET = (
     "output.dir",
@@ -77,7 +80,9 @@ def config_changes(saved: dict, current: dict) -> list[Change]:
     refused the resume for a new data key ("another training set").
     """
     old, new = _flatten(saved), _flatten(current)
-    old.update(_unset_values([k for k in new if _absent(k, old)], current))
+    missing = [k for k in new if _absent(k, old)]
+    old.update(_unset_values(missing, current))
+    old.update({k: LEGACY[k] for k in missing if k in LEGACY})
     keys = new.keys() | {k for k in old if not _absent(k, new)}
     return [Change(k, old.get(k), new.get(k)) for k in sorted(keys) if old.get(k) != new.get(k)]
 
@@ -139,6 +144,43 @@ def check_resume(saved: dict, current: dict, checkpoint: str) -> str | None:
         return None
     return f"resume: {len(changes)} setting(s) differ from {checkpoint}'s config, applied: " + ", ".join(
         map(str, changes)
+    )
+
+
+def with_legacy(saved: dict) -> dict:
+    """``saved`` (a checkpoint's config as JSON) with the :data:`LEGACY` value of each key it lacks."""
+    out = copy.deepcopy(saved)
+    for key, value in LEGACY.items():
+        *parents, leaf = key.split(".")
+        section = out
+        for part in parents:
+            section = section.setdefault(part, {})
+        section.setdefault(leaf, value)
+    return out
+
+
+def optimizer_groups_problem(saved: dict, current: dict, checkpoint: str) -> str | None:
+    """One line when this config groups the optimizer's parameters otherwise than the checkpoint's run did
+    (biases and norm weights in a group of their own at weight decay 0, or not: the saved optimizer state is by
+    group), else None. Resumes only: an export reads the checkpoint's own config."""
+    from coati_kto.config.train import separates_no_decay
+
+    def separates(config: dict) -> bool:
+        train = config.get("train") or {}
+        decay = train.get("weight_decay")
+        return separates_no_decay(float(decay or 0.0), bool(train.get("decay_norms_and_biases")))
+
+    old = separates(with_legacy(saved))
+    if old == separates(current):
+        return None
+    said = {
+        True: "biases and norm weights in a group of their own (train.weight_decay > 0, "
+        "train.decay_norms_and_biases false)",
+        False: "one group (train.weight_decay 0 or train.decay_norms_and_biases true)",
+    }
+    return (
+        f"train.resume {checkpoint}: its optimizer holds the parameters in {said[old]}; this config would "
+        f"hold them in {said[not old]}: resume with the checkpoint's grouping, or start a new run"
     )
 
 

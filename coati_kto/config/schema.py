@@ -16,7 +16,7 @@ from coati_kto.config.compile_check import compile_problems
 from coati_kto.config.evaluation import EvalSection, sample_problems
 from coati_kto.config.hub import is_hub_dataset, parse_hub_dataset
 from coati_kto.config.kto import KTOSection
-from coati_kto.config.limits import MAX_TOKENS, Seconds, Seed, Text, Tokens, prepared_dir_overlap
+from coati_kto.config.limits import MAX_TOKENS, Text, Tokens, prepared_dir_overlap
 from coati_kto.config.lora import LoraSection
 from coati_kto.config.output import LoggingSection, OutputSection
 from coati_kto.config.pipeline import pipeline_problems
@@ -25,11 +25,13 @@ from coati_kto.config.section import Section as _Section
 from coati_kto.config.section import bool_or_auto
 from coati_kto.config.sequence import sequence_problems
 from coati_kto.config.template_kwargs import template_kwargs_problems
+from coati_kto.config.train import TrainSection
 from coati_kto.errors import ConfigError
 from coati_kto.families import packing_refusal, router_aux_problem, text_only_model
 from coati_kto.families.splits import check_model_family
 
-# GEMINI_REFUSAL, PluginName and Precision: re-exported for the layers that import them from the schema.
+# GEMINI_REFUSAL, PluginName, Precision and TrainSection: re-exported for the layers that import them from the
+# schema.
 
 
 class ModelSection(_Section):
@@ -167,76 +169,6 @@ class DataSection(_Section):
                 f"({self.max_length}) to leave room for the completion"
             )
         return problems
-
-
-class TrainSection(_Section):
-    seed: Seed = Field(42, ge=0, description="Seed of weights' RNG, data order and KL pairing.")
-    micro_batch_size: int = Field(
-        4, ge=2, description="Per rank; >= 2 so each micro-batch holds both labels."
-    )
-    eval_micro_batch_size: int | None = Field(
-        None, ge=1, description="Per rank, for evaluation (needs eval data); defaults to micro_batch_size."
-    )
-    accumulation_steps: int = Field(1, ge=1, description="Micro-batches per optimizer step on each rank.")
-    max_epochs: int = Field(1, ge=1, description="Passes over the training data.")
-    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps.")
-    lr: float = Field(5e-7, gt=0.0, description="Peak learning rate (AdamW).")
-    weight_decay: float = Field(
-        0.0,
-        ge=0.0,
-        description="AdamW weight decay, on every trainable parameter: norm gains, biases and embeddings too "
-        "(transformers' Trainer, and so TRL, leaves biases and norm weights out).",
-    )
-    optimizer_state_dtype: Literal["fp32", "bf16"] = Field("fp32", description="dtype of AdamW's moments")
-    fused_optimizer: bool = Field(False, description="bf16: AdamW and its two casts in one compiled pass.")
-    warmup_steps: int = Field(
-        0, ge=0, description="Linear warmup steps; step k of them uses lr * k / (warmup_steps + 1)."
-    )
-    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="The cosine decays to lr * min_lr_ratio.")
-    max_grad_norm: float = Field(
-        1.0, ge=0.0, description="Clip the global gradient norm to this (0: no clipping)."
-    )
-    eval_interval: int = Field(
-        0,
-        ge=0,
-        description="Evaluate every N optimizer steps (0: never between epochs); needs data.eval_files or "
-        "data.eval_fraction.",
-    )
-    eval_at_start: bool = Field(
-        True, description="Evaluate before the first update (step 0): the baseline of every eval/ curve."
-    )
-    eval_at_epoch_end: bool = Field(
-        True, description="Evaluate after each epoch's last step (and the run's last step)."
-    )
-    resume: str | None = Field(
-        None, description="'auto' (latest checkpoint in output.dir) or a checkpoint path."
-    )
-    on_nonfinite: Literal["stop", "skip"] = Field(
-        "stop", description="A NaN/inf loss: stop before updating, or skip the step (counted)."
-    )
-    num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank.")
-    log_interval: int = Field(
-        1, ge=1, description="Write train/ metrics every N steps (exact over the interval)."
-    )
-    dist_timeout: Seconds = Field(
-        600.0, gt=0.0, description="Seconds a rank waits in a collective for a dead peer before failing."
-    )
-    file_wait_timeout: Seconds = Field(
-        7200.0,
-        gt=0.0,
-        description="Seconds the ranks wait for file work before failing: global rank 0 preparing the data or "
-        "writing final/ or the reference cache (not bounded by train.dist_timeout).",
-    )
-    heartbeat_timeout: Seconds = Field(
-        60.0,
-        ge=0.0,
-        description="Seconds without a heartbeat from a rank (gone process or node) before the job stops; 0: off.",
-    )
-    peak_flops: float | None = Field(
-        None,
-        gt=0.0,
-        description="Peak FLOP/s per device for train/mfu; default: a table of GPUs (bf16/fp16 only).",
-    )
 
 
 class Config(_Section):

@@ -87,7 +87,7 @@ _UNMAPPED = [
     ("run_name", "W&B names the run; logging.wandb_project sets the project"),
     ("optim", "AdamW only (train.fused_optimizer fuses it)"),
     ("adam_beta1 adam_beta2 adam_epsilon", "AdamW's betas (0.9, 0.999) and eps 1e-8 are fixed"),
-    ("lr_scheduler_kwargs", "the cosine's floor is train.min_lr_ratio"),
+    ("lr_scheduler_kwargs", "the decay's floor is train.min_lr_ratio"),
     ("tf32", "TF32 is not switched here"),
     ("deepspeed fsdp", "ColossalAI plugins here: plugin.name, plugin.zero_stage"),
     ("bf16_full_eval fp16_full_eval", "evaluation runs in plugin.precision"),

@@ -1,7 +1,8 @@
 """TRL's learning-rate schedule flags, which read each other: what each is here.
 
-The schedule here is a linear warmup over ``train.warmup_steps``, then a cosine to ``lr x train.min_lr_ratio``
-(``coati_kto.trainer.schedule``): ``cosine`` is a floor of 0, ``constant_with_warmup`` a floor of 1.
+The schedule here is a linear warmup over ``train.warmup_steps``, then a decay (``train.lr_schedule``: cosine or
+linear) to ``lr x train.min_lr_ratio`` (``coati_kto.trainer.schedule``): ``cosine`` is a floor of 0, ``linear`` the
+linear decay to 0, ``constant_with_warmup`` a floor of 1.
 transformers' ``constant`` has no warmup (a ``--warmup_steps`` given with it is ignored there), and
 ``cosine_with_min_lr`` takes its floor from ``--lr_scheduler_kwargs`` (``min_lr_rate``, or ``min_lr`` over
 ``--learning_rate``).
@@ -15,7 +16,10 @@ from typing import Any
 
 from coati_kto.config.trl_argv import as_float
 
-SCHEDULE = "the schedule here: linear warmup over train.warmup_steps, then cosine to lr x train.min_lr_ratio"
+SCHEDULE = (
+    "the schedule here: linear warmup over train.warmup_steps, then train.lr_schedule (cosine or linear) to "
+    "lr x train.min_lr_ratio"
+)
 Translation = tuple[list[str], str]
 
 
@@ -47,6 +51,9 @@ def _schedule_type(value: str | None, rate: float | None) -> Translation:
             )
         override = f"train.min_lr_ratio={rate:g}"
         return [override], f"is {override} ({SCHEDULE})"
+    if value == "linear":
+        overrides = ["train.lr_schedule=linear", "train.min_lr_ratio=0.0"]
+        return overrides, f"is {' '.join(overrides)} ({SCHEDULE})"
     ratio = {"cosine": "0.0", "constant_with_warmup": "1.0"}.get(value or "")
     override = f"train.min_lr_ratio={ratio}"
     return ([override], f"is {override} ({SCHEDULE})") if ratio else ([], f"has no equivalent ({SCHEDULE})")

@@ -5,8 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from transformers.trainer_pt_utils import get_parameter_names
 
+from coati_kto.config.train import separates_no_decay
 from coati_kto.parallel.upstream.cpu import cuda_available
+
+# What transformers' Trainer (and so TRL) leaves out of weight decay: every parameter of an nn.LayerNorm and every
+# parameter whose lowercased name matches one of these (Trainer.get_decay_parameter_names, transformers 5;
+# tests/unit/parallel/test_decay_groups.py holds this rule to transformers' own on each family).
+NO_DECAY_NAMES = (r"bias", r"layernorm", r"rmsnorm", r"(?:^|\.)norm(?:$|\.)", r"_norm(?:$|\.)")
 
 
 def make_optimizer(
@@ -44,9 +51,30 @@ def make_optimizer(
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=False)
 
 
-def optimizer_for(params: Any, train: Any, cpu_offload: bool = False) -> torch.optim.Optimizer:
-    """``make_optimizer`` with the ``train`` section's lr, weight_decay and optimizer_state_dtype."""
+def parameter_groups(model: torch.nn.Module, weight_decay: float, decay_norms_and_biases: bool) -> list[Any]:
+    """``model``'s parameters for the optimizer, in ``named_parameters`` order: one list (every parameter decays, or
+    none does), or two groups, the decayed ones first and then the trainable biases and norm weights at weight
+    decay 0 (:data:`NO_DECAY_NAMES`). Frozen parameters stay in the first group: ZeRO skips them, and a ZeRO
+    plugin finds LoRA adapters by their frozen base layer. Unboosted model, every rank the same."""
+    named = list(model.named_parameters())
+    if not separates_no_decay(weight_decay, decay_norms_and_biases):
+        return [param for _, param in named]
+    decayed = set(get_parameter_names(model, [torch.nn.LayerNorm], list(NO_DECAY_NAMES)))
+    kept = [param for name, param in named if name not in decayed and param.requires_grad]
+    if not kept:  # LoRA on weight matrices only: nothing trainable to leave out
+        return [param for _, param in named]
+    kept_ids = {id(param) for param in kept}
+    return [
+        {"params": [param for _, param in named if id(param) not in kept_ids]},
+        {"params": kept, "weight_decay": 0.0},
+    ]
+
+
+def optimizer_for(model: torch.nn.Module, train: Any, cpu_offload: bool = False) -> torch.optim.Optimizer:
+    """``make_optimizer`` over ``model``'s :func:`parameter_groups`, with the ``train`` section's lr, weight decay
+    and optimizer_state_dtype."""
+    groups = parameter_groups(model, train.weight_decay, train.decay_norms_and_biases)
     return make_optimizer(
-        params, train.lr, train.weight_decay, state_dtype=train.optimizer_state_dtype, cpu_offload=cpu_offload,
+        groups, train.lr, train.weight_decay, state_dtype=train.optimizer_state_dtype, cpu_offload=cpu_offload,
         mixed_step=train.fused_optimizer,
     )  # fmt: skip

@@ -1,6 +1,6 @@
 """The models, optimizer and schedule of a run, boosted, and the KTOTrainer that steps them (every rank).
 
-``build_components`` loads the policy (and the online reference), builds the optimizer and the warmup-cosine
+``build_components`` loads the policy (and the online reference), builds the optimizer and the warmup-decay
 schedule and boosts them through the run's backend. ``build_trainer`` builds those for a ``Run`` and hands them to
 a KTOTrainer with its checkpoint manager and one ``KTOOptions`` (``trainer_options``): what both ``coati-kto
 train`` and ``coati-kto export`` step or load.
@@ -29,7 +29,7 @@ from coati_kto.reference.weights import reference_weights_digest
 from coati_kto.runtime.run_dir import CHECKPOINTS_DIR
 from coati_kto.runtime.signals import StopSignals
 from coati_kto.trainer.options import KTOOptions
-from coati_kto.trainer.schedule import planned_steps, warmup_cosine_schedule
+from coati_kto.trainer.schedule import planned_steps, warmup_decay_schedule
 from coati_kto.trainer.throughput import peak_flops_line, resolve_peak_flops
 
 
@@ -54,7 +54,7 @@ class Components:
 def build_components(
     config: Config, plugin: Any, total_steps: int, plan: ParallelPlan | None = None
 ) -> Components:
-    """Models, optimizer, cosine schedule with warmup, boosted. Every rank calls, after ``plan.backend.build_plugin``.
+    """Models, optimizer, lr schedule with warmup, boosted. Every rank calls, after ``plan.backend.build_plugin``.
 
     Both models load in fp32: the policy is boosted (ZeRO and the AMP optimizers keep fp32 masters; the plugin
     casts the working copy), the reference goes through the same plugin path without an optimizer
@@ -88,9 +88,10 @@ def build_components(
             config.model.reference_path or config.model.path, config.model, torch.float32
         )
         reference = plan.backend.build_reference(plugin, maybe_compile(reference, config.model.compile))
-    optimizer = optimizer_for(policy.parameters(), config.train, config.plugin.cpu_offload)
-    lr_scheduler = warmup_cosine_schedule(
-        optimizer, config.train.warmup_steps, max(1, total_steps), config.train.min_lr_ratio
+    train = config.train
+    optimizer = optimizer_for(policy, train, config.plugin.cpu_offload)
+    lr_scheduler = warmup_decay_schedule(
+        optimizer, train.warmup_steps, max(1, total_steps), train.min_lr_ratio, train.lr_schedule
     )
     # Every parameter, frozen ones too: ZeRO skips them; a ZeRO plugin finds adapters by their base layer.
     # model.train_vision: a micro-batch of text records only never runs the tower (no gradient on that rank)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from coati_kto.config.resume import check_resume
+from coati_kto.config.resume import check_resume, with_legacy
 from coati_kto.config.schema import Config
 from coati_kto.errors import ConfigError
 from coati_kto.outputs.export import check_masters_layout, export_target
@@ -134,6 +134,7 @@ def run_config(config: Config, path: Path) -> Config:
     saved = saved_trainer_state(path)["trainer_state"].get("config")
     if saved is None:
         return config
+    saved = with_legacy(saved)  # an older run's optimizer groups: what its checkpoint holds
     check_resume(saved, config.model_dump(mode="json"), path.name)
     current = config.model_dump(mode="json")
     # The export's own layout is this launch's, not the run's: its tensor-, sequence- and pipeline-parallel sizes,

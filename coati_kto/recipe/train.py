@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from coati_kto.config.output import OutputSection
-from coati_kto.config.resume import check_contents, check_resume
+from coati_kto.config.resume import check_contents, check_resume, optimizer_groups_problem
 from coati_kto.config.schema import Config
 from coati_kto.errors import ConfigError
 from coati_kto.outputs.push import CheckpointUploads, checkpoint_uploads, push_final
@@ -125,7 +125,11 @@ def _resume(config: Config, run: Run, trainer: Any) -> None:
     checkpoint = trainer.checkpoint_manager.resolve_everywhere(config.train.resume)  # rank 0 decides
     state = trainer.checkpoint_manager.saved_state(checkpoint) if checkpoint is not None else {}
     saved = state.get("config")
-    line = check_resume(saved, config.model_dump(mode="json"), checkpoint.name) if saved is not None else None
+    current = config.model_dump(mode="json")
+    line = check_resume(saved, current, checkpoint.name) if saved is not None else None
+    groups = optimizer_groups_problem(saved, current, checkpoint.name) if saved is not None else None
+    if groups is not None:
+        raise ConfigError(groups)
     if checkpoint is not None:
         check_contents(state, trainer.data_stats, checkpoint.name)
     resumed = None
@@ -135,7 +139,9 @@ def _resume(config: Config, run: Run, trainer: Any) -> None:
     steps = total_optimizer_steps(config, len(run.train_loader.batch_sampler), resumed)
     if checkpoint is not None:
         train = config.train
-        reschedule(trainer.lr_scheduler, train.lr, train.warmup_steps, steps, train.min_lr_ratio)
+        reschedule(
+            trainer.lr_scheduler, train.lr, train.warmup_steps, steps, train.min_lr_ratio, train.lr_schedule
+        )
     if line is not None:
         run.notes.append(line)
     if run.layout.is_main:

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from coati_kto.config.output import OutputSection
-from coati_kto.config.resume import check_resume
+from coati_kto.config.resume import check_resume, optimizer_groups_problem
 from coati_kto.config.schema import TrainSection
 from coati_kto.errors import ConfigError, UserError
 from coati_kto.runtime.lineage import resolve_checkpoint, resume_choice
@@ -52,11 +52,14 @@ def resume_problems(train: TrainSection, output: OutputSection, current: dict) -
         saved = saved_trainer_state(checkpoint)["trainer_state"].get("config")
     except OSError:  # none saved, or pruned by a run still saving there (keep_last): the lock check says so
         return []
+    if saved is None:
+        return []
     try:
-        check_resume(saved, current, checkpoint.name) if saved is not None else None
+        check_resume(saved, current, checkpoint.name)
     except ConfigError as err:
         return str(err).splitlines()
-    return []
+    groups = optimizer_groups_problem(saved, current, checkpoint.name)
+    return [groups] if groups is not None else []
 
 
 def overwrite_refusal(train: TrainSection, output: OutputSection) -> str | None:

@@ -1,10 +1,10 @@
-"""The learning-rate schedule: linear warmup that starts above 0, then cosine decay to ``min_lr_ratio``.
+"""The learning-rate schedule: linear warmup that starts above 0, then a cosine or linear decay to ``min_lr_ratio``.
 
 transformers' cosine-with-warmup schedules give lr 0 to the first optimizer step (factor step / warmup at
 step 0), so the first update is wasted. Here optimizer step k (1-based) of the warmup uses
-``lr * k / (warmup_steps + 1)``; step ``warmup_steps + 1`` uses the full lr, and the cosine runs from there
-toward ``min_lr_ratio * lr``, which it reaches after the last step of ``total_steps`` (as transformers': the last
-step's lr is one cosine step above it).
+``lr * k / (warmup_steps + 1)``; step ``warmup_steps + 1`` uses the full lr, and the decay (``train.lr_schedule``)
+runs from there toward ``min_lr_ratio * lr``, which it reaches after the last step of ``total_steps`` (as
+transformers' cosine and linear schedules: the last step's lr is one decay step above it).
 """
 
 from __future__ import annotations
@@ -18,12 +18,16 @@ from torch.optim.lr_scheduler import LambdaLR
 from coati_kto.config.schema import TrainSection
 
 
-def lr_factor(scheduler_step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
-    """The lr multiplier for the optimizer step taken after ``scheduler_step`` scheduler steps (0-based)."""
+def lr_factor(
+    scheduler_step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float, decay: str = "cosine"
+) -> float:
+    """The lr multiplier for the optimizer step taken after ``scheduler_step`` scheduler steps (0-based);
+    ``decay``: ``cosine`` or ``linear`` (``train.lr_schedule``)."""
     if scheduler_step < warmup_steps:
         return (scheduler_step + 1) / (warmup_steps + 1)
     progress = min(1.0, (scheduler_step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    left = 1.0 - progress if decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return min_lr_ratio + (1.0 - min_lr_ratio) * left
 
 
 def planned_steps(
@@ -48,12 +52,16 @@ def planned_steps(
     return min(max_steps, total) if max_steps else total
 
 
-def warmup_cosine_schedule(
-    optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0
+def warmup_decay_schedule(
+    optimizer: torch.optim.Optimizer,
+    warmup_steps: int,
+    total_steps: int,
+    min_lr_ratio: float = 0.0,
+    decay: str = "cosine",
 ) -> LambdaLR:
-    """A LambdaLR of :func:`lr_factor`; step it once per optimizer step that updates or is skipped as non-finite
-    (not on a step the fp16 loss scaler skips)."""
-    return LambdaLR(optimizer, lambda s: lr_factor(s, warmup_steps, total_steps, min_lr_ratio))
+    """A LambdaLR of :func:`lr_factor` (one per parameter group, all the same); step it once per optimizer step
+    that updates or is skipped as non-finite (not on a step the fp16 loss scaler skips)."""
+    return LambdaLR(optimizer, lambda s: lr_factor(s, warmup_steps, total_steps, min_lr_ratio, decay))
 
 
 def rebase_lr(scheduler: LambdaLR, lr: float) -> None:
@@ -70,12 +78,18 @@ def rebase_lr(scheduler: LambdaLR, lr: float) -> None:
 
 
 def reschedule(
-    scheduler: LambdaLR, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float
+    scheduler: LambdaLR,
+    lr: float,
+    warmup_steps: int,
+    total_steps: int,
+    min_lr_ratio: float,
+    decay: str = "cosine",
 ) -> None:
     """After a resume: the schedule of this run's ``total_steps`` with peak ``lr`` from the current step on
-    (the restored state keeps the step count; the old run may have had another length or peak). Every rank."""
+    (the restored state keeps the step count; the old run may have had another length, peak or decay). Every
+    rank."""
     scheduler.lr_lambdas = [
-        lambda s: lr_factor(s, warmup_steps, total_steps, min_lr_ratio) for _ in scheduler.lr_lambdas
+        lambda s: lr_factor(s, warmup_steps, total_steps, min_lr_ratio, decay) for _ in scheduler.lr_lambdas
     ]
     rebase_lr(scheduler, lr)
 

@@ -31,6 +31,17 @@ PLUGINS = {
 MAX_NORM = 0.05  # below the tiny Llama's gradient norms: every step clips
 
 
+def reference_adamw(groups: list[dict[str, Any]], copies: dict[int, torch.Tensor]) -> torch.optim.Optimizer:
+    """torch's single-tensor AdamW over ``copies`` (id(parameter) -> its copy) of the parameters in ``groups``
+    that have one, group by group with each group's lr, betas, eps and weight decay (biases and norm weights sit
+    in a group at weight decay 0: coati_kto.parallel.optimizers.parameter_groups)."""
+    keys = ("lr", "betas", "eps", "weight_decay")
+    ours = [{"params": [copies[id(p)] for p in g["params"] if id(p) in copies], **{k: g[k] for k in keys}}
+            for g in groups]  # fmt: skip
+    assert sum(len(g["params"]) for g in ours) == len(copies)
+    return torch.optim.AdamW(ours, foreach=False)
+
+
 class Replay:
     """Wraps a torch optimizer's ``step``: the same clipped gradients and lr go through a single-tensor AdamW on
     copies of its parameters (made at the first step), and after each step the largest difference between the
@@ -45,19 +56,17 @@ class Replay:
         inner.step = self
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        group = self.inner.param_groups[0]
-        params = [p for g in self.inner.param_groups for p in g["params"] if p.grad is not None]
+        groups = self.inner.param_groups
+        params = [p for g in groups for p in g["params"] if p.grad is not None]
         if self.reference is None:
             self.copies = {id(p): p.detach().clone() for p in params}
             self.first = {id(p): p.detach().clone() for p in params}
-            keys = ("betas", "eps", "weight_decay")
-            self.reference = torch.optim.AdamW(
-                list(self.copies.values()), lr=group["lr"], foreach=False, **{k: group[k] for k in keys}
-            )
+            self.reference = reference_adamw(groups, self.copies)
         assert {id(p) for p in params} == set(self.copies)  # the same parameters step after step
         for p in params:
             self.copies[id(p)].grad = p.grad.detach().clone()
-        self.reference.param_groups[0]["lr"] = group["lr"]
+        for ours, theirs in zip(groups, self.reference.param_groups, strict=True):
+            theirs["lr"] = ours["lr"]
         out = self.real_step(*args, **kwargs)
         self.reference.step()
         scale = max(float(c.abs().max()) for c in self.copies.values())

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from test_checkpoint import BF16, _setup, _snapshot, _train
+from test_fused_optimizer import reference_adamw
 from test_trainer import _build, _config, _rank_loader
 
 from coati_kto.testing.distributed import run_distributed
@@ -46,23 +47,23 @@ class MixedReplay:
         self.reference: torch.optim.Optimizer | None = None
         self.diffs: list[float] = []
         self.rounded: list[bool] = []
+        self.groups: list[float] = []  # each parameter group's weight decay
         inner.step = self
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         assert self.inner._pending is not None  # the plugin's step took the mixed path
         updates, coef = self.inner._pending
-        group = self.inner.param_groups[0]
-        masters = [p for p in group["params"] if id(p) in updates]
+        groups = self.inner.param_groups
+        masters = [p for g in groups for p in g["params"] if id(p) in updates]
         if self.reference is None:
             self.copies = {id(m): m.detach().clone() for m in masters}
             self.first = {k: c.clone() for k, c in self.copies.items()}
-            keys = ("lr", "betas", "eps", "weight_decay")
-            self.reference = torch.optim.AdamW(
-                list(self.copies.values()), foreach=False, **{k: group[k] for k in keys}
-            )
+            self.reference = reference_adamw(groups, self.copies)
+            self.groups = [g["weight_decay"] for g in groups]
         for m in masters:
             self.copies[id(m)].grad = updates[id(m)][0].detach().view_as(m).float() * coef
-        self.reference.param_groups[0]["lr"] = group["lr"]
+        for ours, theirs in zip(groups, self.reference.param_groups, strict=True):
+            theirs["lr"] = ours["lr"]
         out = self.real_step(*args, **kwargs)
         self.reference.step()
         scale = max(float(c.abs().max()) for c in self.copies.values())
@@ -90,6 +91,7 @@ def _replay_worker(model_dir: str, out_dir: str, dp: int) -> dict:
         results[name] = {
             "diffs": replay.diffs,
             "rounded": replay.rounded,
+            "groups": replay.groups,
             "gathered": all(torch.equal(working[n].detach(), m.bfloat16()) for n, m in masters.items()),
             "moved": max(float((c - replay.first[k]).abs().max()) for k, c in replay.copies.items()),
             "norms": [h["train/grad_norm"] for h in trainer.history if "train/grad_norm" in h],
@@ -128,6 +130,7 @@ def test_mixed_step_is_torch_adamw_within_fp32_rounding(runs: dict, plugin: str)
         assert max(run["diffs"]) < 1e-6, run["diffs"]  # a few ulps of the largest master
         assert all(run["rounded"]) and run["gathered"]  # working weights = masters in bf16, on every rank
         assert run["step1"] == dict.fromkeys(STEP_ONE, 0.0)  # the reference = the policy before any update
+        assert run["groups"] == [0.1, 0.0]  # the norm weights step undecayed, in a group of their own
 
 
 def _counted_worker(model_dir: str, out_dir: str) -> dict:

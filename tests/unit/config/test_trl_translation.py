@@ -79,7 +79,8 @@ def test_every_flag_is_accounted_for(tmp_path: Path, capsys: pytest.CaptureFixtu
     argv = ["train", str(path), "--beta", "0.1", "--lr_scheduler_type=cosine", "--warmup_ratio", "0.1"]
     line = _line([*argv, "--report_to", "wandb", "--logging_first_step"], capsys)
     schedule = (
-        "the schedule here: linear warmup over train.warmup_steps, then cosine to lr x train.min_lr_ratio"
+        "the schedule here: linear warmup over train.warmup_steps, then train.lr_schedule (cosine or linear) to "
+        "lr x train.min_lr_ratio"
     )
     assert line == (
         "error: TRL-style flags are not options of coati-kto train: --beta 0.1 is kto.beta=0.1; "
@@ -98,7 +99,7 @@ def test_every_flag_is_accounted_for(tmp_path: Path, capsys: pytest.CaptureFixtu
         "--resume_from_checkpoint True is train.resume=auto (the newest checkpoint in output.dir)",
         "--max_completion_length 256 has no equivalent (no such key: a completion keeps what data.max_length "
         "leaves after its prompt)",
-        f"--lr_scheduler_type linear has no equivalent ({schedule})",
+        f"--lr_scheduler_type linear is train.lr_schedule=linear train.min_lr_ratio=0.0 ({schedule})",
         "--bogus 1 has no equivalent (not a TRL flag known here)",
         "--nproc_per_node 8 has no equivalent (coati-kto's option is --nproc-per-node)",
     ]
@@ -106,6 +107,7 @@ def test_every_flag_is_accounted_for(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert (config.output.keep_last, config.data.num_proc, config.kto.reference) == (3, 4, "cached")
     assert (config.logging.wandb, config.logging.tensorboard) == (False, False)
     assert (config.train.max_steps, config.train.resume) == (None, "auto")
+    assert (config.train.lr_schedule, config.train.min_lr_ratio) == ("linear", 0.0)  # TRL's default schedule
     # A line of unmapped flags only is still one line, not argparse's "unrecognized arguments".
     assert _line(["train", str(path), "--logging_first_step"], capsys).endswith(
         "--logging_first_step has no equivalent (train/ metrics every train.log_interval steps); none of them "
@@ -236,7 +238,8 @@ def test_a_trl_style_flat_yaml_gets_a_hint_for_every_trl_key(tmp_path: Path) -> 
     path = write_config(tmp_path, MINIMAL + text)
     lines = [line.split(": ", 1)[1] for line in _errors(path, [])]
     schedule = (
-        "the schedule here: linear warmup over train.warmup_steps, then cosine to lr x train.min_lr_ratio"
+        "the schedule here: linear warmup over train.warmup_steps, then train.lr_schedule (cosine or linear) to "
+        "lr x train.min_lr_ratio"
     )
     assert lines == [
         "model_name_or_path: unknown key (did you mean model.path?)",
@@ -247,7 +250,8 @@ def test_a_trl_style_flat_yaml_gets_a_hint_for_every_trl_key(tmp_path: Path) -> 
         "with LoRA, tp_size > 1 or output.save_final false)",
         "warmup_ratio: unknown key; TRL's warmup_ratio 0.1 has no equivalent (no ratio here; set "
         "train.warmup_steps to 10% of the run's steps)",
-        f"lr_scheduler_type: unknown key; TRL's lr_scheduler_type linear has no equivalent ({schedule})",
+        "lr_scheduler_type: unknown key; TRL's lr_scheduler_type linear is train.lr_schedule=linear "
+        f"train.min_lr_ratio=0.0 ({schedule})",
         "learning_rate: unknown key (did you mean train.lr?)",
         "report_to: unknown key; TRL's report_to wandb is logging.wandb=true (TensorBoard stays on unless "
         "logging.tensorboard=false)",

@@ -16,7 +16,7 @@ import torch
 
 from coati_kto.trainer import kto
 from coati_kto.trainer.kto import KTOTrainer
-from coati_kto.trainer.schedule import lr_factor, warmup_cosine_schedule
+from coati_kto.trainer.schedule import lr_factor, warmup_decay_schedule
 
 WARMUP, TOTAL, SKIPPED = 4, 20, 3
 
@@ -41,7 +41,7 @@ def _trainer(verdicts: list[bool], monkeypatch: pytest.MonkeyPatch) -> SimpleNam
         layout=SimpleNamespace(sums_group=lambda: (None, True), is_main=True),
         stop_signals=SimpleNamespace(vote=lambda: {}),
         optimizer=optimizer,
-        lr_scheduler=warmup_cosine_schedule(optimizer, WARMUP, TOTAL, 0.0),
+        lr_scheduler=warmup_decay_schedule(optimizer, WARMUP, TOTAL, 0.0),
         position=SimpleNamespace(consumed=0),
         policy=None,
         _interval=SimpleNamespace(add=lambda *args, **kwargs: None, skip=lambda seconds: None),

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coati_kto.trainer.schedule import lr_factor, warmup_cosine_schedule
+from coati_kto.trainer.schedule import lr_factor, warmup_decay_schedule
 
 
 def _lrs(warmup: int, total: int, min_ratio: float, lr: float = 1.0) -> list[float]:
     """The lr each optimizer step 1..total uses (read before the step, as the trainer logs it)."""
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
-    scheduler = warmup_cosine_schedule(optimizer, warmup, total, min_ratio)
+    scheduler = warmup_decay_schedule(optimizer, warmup, total, min_ratio)
     out = []
     for _ in range(total):
         out.append(scheduler.get_last_lr()[0])
@@ -40,6 +40,31 @@ def test_after_warmup_it_is_transformers_cosine_with_min_lr() -> None:
     assert ours[2:] == pytest.approx(factors[2:], abs=1e-12)
 
 
+def test_linear_after_warmup_is_transformers_linear_and_ends_at_the_floor() -> None:
+    """``train.lr_schedule: linear`` (TRL's default schedule): transformers' linear decay after the warmup."""
+    from transformers.optimization import get_linear_schedule_with_warmup
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    theirs = get_linear_schedule_with_warmup(optimizer, 3, 10)
+    factors = [theirs.lr_lambdas[0](s) for s in range(10)]
+    ours = [lr_factor(s, 3, 10, 0.0, "linear") for s in range(10)]
+    assert ours[:3] == pytest.approx([1 / 4, 2 / 4, 3 / 4])
+    assert ours[3:] == pytest.approx(factors[3:], abs=1e-12) and ours[-1] == pytest.approx(1 / 7)
+    floored = [lr_factor(s, 0, 4, 0.2, "linear") for s in range(5)]
+    assert floored == pytest.approx(
+        [1.0, 0.8, 0.6, 0.4, 0.2]
+    )  # 0.2 + 0.8 x (1 - s/4), the floor after the run
+    scheduler = warmup_decay_schedule(
+        torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0), 0, 4, 0.2, "linear"
+    )
+    lrs = []
+    for _ in range(4):
+        lrs.append(scheduler.get_last_lr()[0])
+        scheduler.optimizer.step()
+        scheduler.step()
+    assert lrs == pytest.approx([2.0, 1.6, 1.2, 0.8])
+
+
 def test_progress_lines_in_a_log_are_whole_lines(capsys: pytest.CaptureFixture[str]) -> None:
     from coati_kto.trainer.logging import ProgressBar
 
@@ -64,11 +89,11 @@ def test_progress_lines_in_a_log_are_whole_lines(capsys: pytest.CaptureFixture[s
 
 def test_rebase_lr_makes_a_new_peak_from_the_current_step() -> None:
     """A restored LambdaLR kept the saved run's base lr: a resume with a new train.lr was silently ignored."""
-    from coati_kto.trainer.schedule import rebase_lr, warmup_cosine_schedule
+    from coati_kto.trainer.schedule import rebase_lr, warmup_decay_schedule
 
     def run(lr: float, steps: int) -> tuple[torch.optim.Optimizer, object]:
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
-        sched = warmup_cosine_schedule(opt, 2, 10, 0.1)
+        sched = warmup_decay_schedule(opt, 2, 10, 0.1)
         for _ in range(steps):
             opt.step()
             sched.step()
