@@ -138,6 +138,27 @@ def test_a_change_that_makes_another_run_is_refused(first_run: Path) -> None:
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before  # nothing trained, nothing saved
 
 
+def test_a_change_of_the_optimizers_groups_is_refused(first_run: Path) -> None:
+    """weight_decay 0 -> 0.1 puts biases and norm weights in a group of their own (transformers' rule): the saved
+    optimizer state is by group, so the resume is refused in one line, before anything loads."""
+    out = first_run.parent / "out"
+    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+    done = _train(first_run, "train.resume=auto", "train.weight_decay=0.1", "train.max_steps=8")
+    assert done.returncode == 2, done.stderr[-3000:]
+    latest = (out / "checkpoints" / "latest").read_text().strip()
+    errors = [line for line in done.stderr.splitlines() if line.strip()]
+    assert errors == [
+        f"error: train.resume {latest}: its optimizer holds the parameters in one group (train.weight_decay 0 or "
+        "train.decay_norms_and_biases true); this config would hold them in biases and norm weights in a group of "
+        "their own (train.weight_decay > 0, train.decay_norms_and_biases false): resume with the checkpoint's "
+        "grouping, or start a new run"
+    ]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
+    applied = _train(first_run, "train.resume=auto", "train.weight_decay=0.1", "train.decay_norms_and_biases=true",
+                     "train.max_steps=5")  # fmt: skip
+    assert applied.returncode == 0, applied.stderr[-3000:]  # one group: the decay rate itself may change
+
+
 def test_training_data_edited_in_place_is_refused(first_run: Path) -> None:
     """The same train file, edited (completions rewritten, as many records and labels): the config is unchanged,
     so the resume was accepted and the epoch in progress went on at its old position in other rows. The refusal
