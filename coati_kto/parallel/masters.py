@@ -1,16 +1,26 @@
-"""The fp32 master weights a mixed-precision optimizer keeps, gathered whole (for an fp32 export).
+"""The fp32 master weights a mixed-precision optimizer keeps: started from the loaded fp32 values, and gathered
+whole (for an fp32 export).
 
 ZeRO (low_level_zero, hybrid zero_stage >= 1) keeps on each rank one chunk of every parameter's flattened,
 padded fp32 copy; the hybrid plugin's AMP optimizer (zero_stage 0) keeps whole fp32 copies; fp32 training keeps
 none (the working weights are the masters). These layouts are ColossalAI 0.5.0's, read here and nowhere else.
+
+The plugins cast the model to the working dtype (``module.to(bf16)``, after tensor-parallel sharding) and then
+build the masters from the cast weights, so a checkpoint stored in fp32 started training from its bf16 rounding:
+the fp32 export of a run differed from the model it started from everywhere, by up to 2**-9 of each weight, far
+more than the updates of a KTO learning rate. :func:`fp32_through_the_cast` keeps the fp32 values the cast
+rounds, and :func:`start_masters_from` writes them into the masters.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from coati_kto.parallel.distributed import comm_device
 
@@ -46,3 +56,62 @@ def gathered_masters(model: Any, optimizer: Any, keep: bool = True) -> dict[str,
         if keep:
             out[name] = master.detach().float().view(param.shape).cpu()
     return out
+
+
+def _rounded_by(values: torch.Tensor, dtype: torch.dtype, chunk: int = 1 << 24) -> bool:
+    """Whether casting the fp32 ``values`` to ``dtype`` changes any of them (compared a chunk at a time: no
+    whole-tensor temporary beside a large embedding)."""
+    flat = values.reshape(-1)
+    return any(not torch.equal(part.to(dtype).float(), part) for part in flat.split(chunk))
+
+
+@contextlib.contextmanager
+def fp32_through_the_cast(model: nn.Module, dtype: torch.dtype) -> Iterator[dict[int, torch.Tensor]]:
+    """Within it, the plugin's ``model.to(dtype)`` first records, for each trainable fp32 parameter that the cast
+    rounds, its fp32 values (as sharded at that moment) by ``id`` of the parameter: the mapping yielded. Nothing is
+    recorded for an fp32 run, or for a checkpoint stored in bf16 (the cast rounds nothing): the values are held
+    only until :func:`start_masters_from` (host memory: 4 bytes per such parameter of this rank's shard)."""
+    kept: dict[int, torch.Tensor] = {}
+    if dtype == torch.float32:
+        yield kept
+        return
+    cast = model.to
+
+    def recording_to(*args: Any, **kwargs: Any) -> nn.Module:
+        if not kept:
+            for param in model.parameters():
+                if param.requires_grad and param.dtype == torch.float32 and _rounded_by(param.data, dtype):
+                    kept[id(param)] = param.data
+        return cast(*args, **kwargs)
+
+    model.to = recording_to  # an instance attribute: the plugins call model.to(dtype) on this object
+    try:
+        yield kept
+    finally:
+        del model.to
+
+
+def start_masters_from(optimizer: Any, kept: dict[int, torch.Tensor]) -> int:
+    """Write the fp32 values :func:`fp32_through_the_cast` kept into the boosted ``optimizer``'s masters (this
+    rank's ZeRO chunk of the flattened, padded parameter, or the whole master), then drop them; the number of
+    parameters written. A value whose shape is not its working parameter's is left out. Every rank calls, before
+    the first step; no collective."""
+    mapping = working_to_master(optimizer)
+    zero_groups = {id(p): (p, g) for p, g in getattr(optimizer, "param_to_pg", {}).items()}
+    whole = {id(p): p for p in getattr(optimizer, "working_to_master_map", {}) if isinstance(p, torch.Tensor)}
+    written = 0
+    for key, values in kept.items():
+        master = mapping.get(key)
+        param, group = zero_groups.get(key, (whole.get(key), None))
+        if master is None or param is None or master.dtype != torch.float32 or values.shape != param.shape:
+            continue  # not trained on this rank (another pipeline stage), no fp32 master, or not this shard
+        flat = values.reshape(-1)
+        if group is not None:  # this rank's chunk of the padded flat copy
+            size, rank = master.numel(), dist.get_rank(group)
+            flat = torch.nn.functional.pad(flat, [0, size * dist.get_world_size(group) - flat.numel()])
+            flat = flat[rank * size : (rank + 1) * size]
+        with torch.no_grad():
+            master.view(-1).copy_(flat.to(master.device))
+        written += 1
+    kept.clear()
+    return written

@@ -19,6 +19,7 @@ from coati_kto.parallel import optimizer_path
 from coati_kto.parallel.distributed import reduce_sums
 from coati_kto.parallel.fp32_kept import fp32_kept, restore
 from coati_kto.parallel.grad_norm import GradNorm
+from coati_kto.parallel.masters import fp32_through_the_cast, start_masters_from
 from coati_kto.parallel.ordered_grads import data_dependent_graph, install_ordered_reduction
 from coati_kto.parallel.unused import unreached_parameters
 
@@ -123,10 +124,11 @@ class ParallelBackend:
         lr_scheduler: Any,
         unreached_by_data: bool = False,
     ) -> tuple[Any, Any, Any]:
-        """``booster.boost`` the policy (loaded in fp32), then give what runs in fp32 (``fp32_kept``) its values
-        back, and install the project's gradient path on the boosted optimizer. ``unreached_by_data``: the data
-        can leave a trainable parameter without a gradient on one rank and not its peer (a vision tower trained on
-        text and image records mixed): ZeRO reduces in parameter order then, as for the MoEs that can."""
+        """``booster.boost`` the policy (loaded in fp32), start the fp32 masters from the loaded values, give what
+        runs in fp32 (``fp32_kept``) its values back, and install the project's gradient path on the boosted
+        optimizer. ``unreached_by_data``: the data can leave a trainable parameter without a gradient on one rank
+        and not its peer (a vision tower trained on text and image records mixed): ZeRO reduces in parameter order
+        then, as for the MoEs that can."""
         kept = fp32_kept(policy, self.plan.dtype)
         self.prepare_policy(booster, policy)
         if self.torch_ddp:  # before DDP is built around the policy: it reads the setting once
@@ -135,7 +137,12 @@ class ParallelBackend:
             unused = float(unreached_parameters(policy) != [])
             found = reduce_sums({"unused": unused}, None)["unused"] > 0
             self.ddp_settings(booster.plugin)["find_unused_parameters"] = found
-        policy, optimizer, _, _, lr_scheduler = booster.boost(policy, optimizer, lr_scheduler=lr_scheduler)
+        # The masters start from the loaded fp32 values, not from the cast's bf16 rounding of them (masters.py).
+        with fp32_through_the_cast(policy, self.plan.dtype) as loaded:
+            policy, optimizer, _, _, lr_scheduler = booster.boost(
+                policy, optimizer, lr_scheduler=lr_scheduler
+            )
+        start_masters_from(optimizer, loaded)
         restore(kept)
         # The project's gradient path after the backward (coati_kto.parallel.optimizer_path): no second norm, no
         # multiply by 1, and at one ZeRO rank no bucket flatten / divide / all-gather.
