@@ -5,7 +5,8 @@ ColossalAI casts the model and then builds the masters from the cast weights: a 
 from its bf16 rounding, and its fp32 export differed from it everywhere by up to 2**-9 of each weight. Checked on 2
 gloo ranks right after boosting, on every plugin path that keeps masters: ZeRO-2 and ZeRO-1 chunks of the hybrid
 plugin, low_level_zero's (fp16 builds the same masters: its loss scaler needs a GPU), the AMP optimizer's whole copies (zero_stage 0), pipeline stages, and
-tensor-parallel shards (against the same shards of an fp32 build: shardformer's own split).
+tensor-parallel shards and LoRA's adapters (against the same build in fp32: shardformer's own split, the adapters
+as the seed initialised them).
 """
 
 from __future__ import annotations
@@ -29,7 +30,12 @@ LAYOUTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {  # name -> (plugin
         {"accumulation_steps": 2},
     ),
 }
-TP2 = {"name": "hybrid_parallel", "zero_stage": 0, "tp_size": 2}
+# name -> (plugin section without precision, other sections): checked against the same build in fp32 (its
+# working weights: the tensor-parallel shards; LoRA's adapters as initialised from the seed)
+AGAINST_FP32: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "tp2_zero0_bf16": ({"name": "hybrid_parallel", "zero_stage": 0, "tp_size": 2}, {}),
+    "lora_zero0_bf16_dp2": ({"name": "hybrid_parallel", "zero_stage": 0}, {"model": {"lora": {"rank": 4}}}),
+}
 
 
 def _masters_worker(model_dir: str, out_dir: str) -> dict[str, Any]:
@@ -48,21 +54,25 @@ def _masters_worker(model_dir: str, out_dir: str) -> dict[str, Any]:
             "differ": [n for n in compared if not torch.equal(masters[n], loaded[n])],
             "rounded": sum(not torch.equal(loaded[n].bfloat16().float(), loaded[n]) for n in compared),
         }
-    shards = {}
-    for precision in ("fp32", "bf16"):
-        cfg = _config(model_dir, f"{out_dir}/tp2_{precision}", plugin={**TP2, "precision": precision})
-        parts, _ = _build(cfg, total_steps=1)
-        mapping = working_to_master(parts.optimizer)
-        named = parts.policy.unwrap().named_parameters()
-        shards[precision] = {
-            n: mapping.get(id(p), p).detach().float().view(p.shape).clone() for n, p in named
+    for name, (plugin, sections) in AGAINST_FP32.items():
+        built = {}
+        for precision in ("fp32", "bf16"):
+            section = {**plugin, "precision": precision}
+            torch.manual_seed(0)  # LoRA's A is drawn from the torch RNG: the same draw in both builds
+            parts, _ = _build(
+                _config(model_dir, f"{out_dir}/{name}_{precision}", plugin=section, **sections), 1
+            )
+            mapping = working_to_master(parts.optimizer)
+            named = [(n, p) for n, p in parts.policy.unwrap().named_parameters() if p.requires_grad]
+            built[precision] = {
+                n: mapping.get(id(p), p).detach().float().view(p.shape).clone() for n, p in named
+            }
+        ours = built["fp32"]
+        out[name] = {
+            "compared": len(ours),
+            "differ": [n for n in ours if not torch.equal(built["bf16"][n], ours[n])],
+            "rounded": sum(not torch.equal(v.bfloat16().float(), v) for v in ours.values()),
         }
-    split = [n for n in shards["fp32"] if shards["fp32"][n].shape != loaded[n].shape]
-    out["tp2_zero0_bf16"] = {
-        "compared": len(shards["fp32"]),
-        "differ": [n for n in shards["fp32"] if not torch.equal(shards["bf16"][n], shards["fp32"][n])],
-        "rounded": len(split),  # the tensor-parallel split reached these
-    }
     return out
 
 
@@ -72,7 +82,7 @@ def runs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list
     return run_distributed(_masters_worker, 2, str(tiny_model_dir), root)
 
 
-@pytest.mark.parametrize("layout", [*LAYOUTS, "tp2_zero0_bf16"])
+@pytest.mark.parametrize("layout", [*LAYOUTS, *AGAINST_FP32])
 def test_the_masters_are_the_loaded_fp32_values(runs: list[dict[str, Any]], layout: str) -> None:
     for rank in runs:
         found = rank[layout]
