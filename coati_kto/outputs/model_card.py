@@ -45,8 +45,9 @@ def write_card(directory: Path, card: str) -> Path:
 
 
 def last_eval(history: Any) -> dict[str, float] | None:
-    """The last evaluation record of a KTOTrainer history ({"step": ..., "eval/loss": ..., ...}) or None."""
-    records = [h for h in history if "eval/loss" in h]
+    """The last evaluation record of a KTOTrainer history ({"step": ..., "eval/loss": ..., ...}) or None; a
+    non-finite evaluation's record holds no means, only ``eval/nonfinite_examples`` and what stays finite."""
+    records = [h for h in history if any(str(key).startswith("eval/") for key in h)]
     return dict(records[-1]) if records else None
 
 
@@ -197,6 +198,14 @@ def _evaluation_section(eval_record: dict[str, float] | None, has_eval_split: bo
         return [*lines, why, ""]
     if eval_record is None:
         return [*lines, "No evaluation set was configured (data.eval_files / data.eval_fraction).", ""]
+    if eval_record.get("eval/nonfinite_examples"):
+        bad = (
+            f"The last evaluation, at optimizer step {int(eval_record['step'])}, was non-finite (NaN/inf) in "
+            f"{eval_record['eval/nonfinite_examples']:.0f} of its examples: no means were taken "
+            "(`eval/nonfinite_examples`; the run's log names the values). See TensorBoard's eval/ scalars for the "
+            "evaluations before it."
+        )
+        return [*lines, bad, ""]
     return [
         *lines,
         f"On the evaluation split, at optimizer step {int(eval_record['step'])}:",

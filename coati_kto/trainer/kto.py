@@ -342,7 +342,7 @@ class KTOTrainer(SLTrainer):
         group, counted = self.layout.sums_group()
         totals = reduce_sums(local, group, count_values=counted)  # the evaluation: one interval of the meter
         metrics = {f"eval/{k}": v for k, v in evaluated(totals, kl, time.perf_counter() - started).items()}
-        warn_nonfinite_eval(self.layout.is_main, self.global_step, totals)  # its means are left out: say why
+        warn_nonfinite_eval(self.layout.is_main, self.global_step, totals, kl)  # no means: say why
         if self._samples is not None:  # after the metrics' timing; the policy decodes in eval mode
             metrics.update(self._samples.write(self.policy, self.reference, self.passes, self.global_step))
         self._record(metrics)

@@ -161,18 +161,28 @@ def warn_skipped_step(is_main: bool, step: int, epoch: int, bad_grad: bool, skip
     )
 
 
-def warn_nonfinite_eval(is_main: bool, step: int, totals: dict[str, float]) -> None:
+def warn_nonfinite_eval(
+    is_main: bool, step: int, totals: dict[str, float], kl: dict[str, float] | None = None
+) -> None:
     """One warning line on the main rank when an evaluation's reduced ``totals`` hold a NaN/inf: which measured
     values (coati_kto.trainer.metrics.nonfinite_metrics) and how many of its examples; its means are not logged
-    (as a non-finite training step's are not), ``eval/nonfinite_examples`` counts the examples. Silent when finite."""
+    (as a non-finite training step's are not), ``eval/nonfinite_examples`` counts the examples. ``kl``: the
+    evaluation's z0 ({"kl": ..., "kl_raw": ...}, one value over the whole set): a non-finite one is named as
+    the cause every example's loss shares (one NaN KL pair made every row count). Silent when finite."""
     metrics = nonfinite_metrics(totals)
     rows, batches = totals.get(NONFINITE_EXAMPLES, 0.0), totals.get("nonfinite", 0.0)
     if not is_main or not (metrics or rows > 0 or batches > 0):
         return
     what = ", ".join(metrics) or "loss"
+    z0 = (kl or {}).get("kl_raw", 0.0)
+    shared = (
+        "; z0 (eval/kl_raw, the eval set's KL pairs) is non-finite and every example's loss holds it"
+        if not math.isfinite(z0)
+        else ""
+    )
     print(
         f"warning: non-finite (NaN/inf) eval {what} at optimizer step {step}: {rows:.0f} of "
-        f"{totals.get('examples', 0.0):.0f} eval examples; the evaluation's means are not logged "
+        f"{totals.get('examples', 0.0):.0f} eval examples{shared}; the evaluation's means are not logged "
         f"(eval/{NONFINITE_EXAMPLES} counts the examples). Check the data or the model",
         file=sys.stderr,
         flush=True,

@@ -169,3 +169,46 @@ def test_card_states_plainly_that_completions_end_with_no_eos(tmp_path: Path) ->
         card = render(config, {**stats, "completion_end": line}, None, 12, (1.0, 1.0), 1)
         assert f"{no_eos}{rest}." in card.splitlines()
         assert "warning:" not in card and "give the tokenizer an eos_token" not in card
+
+
+def test_a_non_finite_last_evaluation_is_said_not_hidden(tmp_path: Path) -> None:
+    """From an evaluation audit: a non-finite evaluation's record holds no eval/loss, so the card skipped it. It
+    showed an earlier finite evaluation as the run's, or, with every evaluation non-finite, said none had run."""
+    import math
+
+    from coati_kto.outputs.model_card import last_eval
+    from coati_kto.trainer.metrics import SUM_KEYS, evaluated
+
+    totals = dict.fromkeys(SUM_KEYS, 0.0) | {
+        "loss": 3.5,
+        "examples": 8.0,
+        "count/chosen": 6.0,
+        "count/rejected": 2.0,
+    }
+    finite = {
+        "step": 2,
+        **{f"eval/{k}": v for k, v in evaluated(totals, {"kl": 0.0, "kl_raw": 0.0}, 1.0).items()},
+    }
+    bad = {**totals, "loss": math.nan, "nonfinite": 1.0, "nonfinite_examples": 7.0}
+    poisoned = evaluated(bad, {"kl": math.nan, "kl_raw": math.nan}, 1.0)
+    history = [
+        finite,
+        {"step": 4, "train/loss": 0.5},
+        {"step": 6, **{f"eval/{k}": v for k, v in poisoned.items()}},
+    ]
+    record = last_eval(history)
+    assert record is not None and record["step"] == 6 and "eval/loss" not in record
+    config = load_config(write_config(tmp_path, MINIMAL), ["data.eval_fraction=0.2"])
+    split = {"examples": 8, "labels": {"desirable": 6, "undesirable": 2}}
+    stats = {
+        "train": {**split, "examples": 32},
+        "eval": split,
+        "files": {"train": ["data.jsonl"], "eval": []},
+    }
+    card = render(config, stats, record, 12, (1.0, 1.0), 1).splitlines()
+    assert (
+        "The last evaluation, at optimizer step 6, was non-finite (NaN/inf) in 7 of its examples: no means were "
+        "taken (`eval/nonfinite_examples`; the run's log names the values). See TensorBoard's eval/ scalars for "
+        "the evaluations before it." in card
+    )
+    assert not any("at optimizer step 2" in line for line in card)

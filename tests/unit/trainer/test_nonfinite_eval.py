@@ -121,3 +121,21 @@ def test_a_nan_router_loss_counts_its_passs_valid_rows(tmp_path: Path, capsys: p
     assert metrics["eval/nonfinite_examples"] == 3.0 + 1.0
     (line,) = [line for line in capsys.readouterr().err.splitlines() if "non-finite" in line]
     assert "aux_loss" in line and ": 4 of 6 eval examples" in line
+
+
+def test_a_non_finite_z0_is_named_as_what_every_row_shares(capsys: pytest.CaptureFixture) -> None:
+    """From an evaluation audit: one eval record whose KL pair is NaN makes z0 (one value over the set) NaN, so
+    every row's loss holds it and every row counts; the warning said "7 of 7" with no word of why. It now names
+    z0 as the shared cause."""
+    from coati_kto.trainer.logging import warn_nonfinite_eval
+
+    totals = {"loss": math.nan, "rewards": -1.0, "logps": -80.0, "examples": 7.0, "nonfinite_examples": 7.0}
+    warn_nonfinite_eval(True, 0, totals, {"kl": math.nan, "kl_raw": math.nan})
+    warn_nonfinite_eval(True, 0, totals, {"kl": 0.0, "kl_raw": 0.0})
+    first, second = [line for line in capsys.readouterr().err.splitlines() if "non-finite" in line]
+    assert first == (
+        "warning: non-finite (NaN/inf) eval loss at optimizer step 0: 7 of 7 eval examples; z0 (eval/kl_raw, the "
+        "eval set's KL pairs) is non-finite and every example's loss holds it; the evaluation's means are not "
+        "logged (eval/nonfinite_examples counts the examples). Check the data or the model"
+    )
+    assert "z0" not in second
