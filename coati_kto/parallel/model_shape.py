@@ -109,6 +109,15 @@ class ModelShape:
         )
 
 
+def stored_in_fp32(source: str, key: str = "model.path") -> bool:
+    """Whether config.json says the checkpoint's weights are stored in fp32 (``dtype``, ``torch_dtype`` before
+    transformers 5); True when it says nothing (transformers' own default)."""
+    raw = read_config_json(source, key)
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    stored = raw.get("dtype") or raw.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+    return str(stored or "float32").removeprefix("torch.") in ("float32", "float")
+
+
 def read_config_json(source: str, key: str = "model.path") -> dict[str, Any]:
     """config.json of a local directory, or of a Hub id from the hub cache (no download): ConfigError one line
     when there is none."""

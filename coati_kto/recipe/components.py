@@ -65,6 +65,15 @@ def build_components(
 
     plan = plan or ParallelPlan.from_config(config)
     layout = ParallelLayout.from_plugin(plugin)
+    # None with kto.reference cached: the batches carry its log-probs (coati_kto.reference.cache). The online
+    # reference is placed on its devices before the policy loads: a rank's host memory holds one fp32 copy of the
+    # model at a time, not two (memory_plan.load_host_bytes).
+    reference = None
+    if config.kto.reference == "online" and config.model.lora is None:
+        reference = load_causal_lm(
+            config.model.reference_path or config.model.path, config.model, torch.float32
+        )
+        reference = plan.backend.build_reference(plugin, maybe_compile(reference, config.model.compile))
     policy = load_causal_lm(config.model.path, config.model, torch.float32)
     # A vision-language model's tower stays frozen unless model.train_vision (model_notes says which).
     fp32_export = config.output is not None and config.output.export_dtype == "fp32"
@@ -81,13 +90,6 @@ def build_components(
     booster = Booster(plugin=plugin)
     if config.model.lora is not None:  # before boosting: the plugins wrap the PeftModel
         policy = enable_lora(booster, policy, config.model.lora)
-    # None with kto.reference cached: the batches carry its log-probs (coati_kto.reference.cache)
-    reference = None
-    if config.kto.reference == "online" and config.model.lora is None:
-        reference = load_causal_lm(
-            config.model.reference_path or config.model.path, config.model, torch.float32
-        )
-        reference = plan.backend.build_reference(plugin, maybe_compile(reference, config.model.compile))
     train = config.train
     optimizer = optimizer_for(policy, train, config.plugin.cpu_offload)
     lr_scheduler = warmup_decay_schedule(

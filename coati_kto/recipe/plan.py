@@ -21,10 +21,11 @@ from coati_kto.parallel.memory_plan import (
     GIB,
     Layout,
     MemoryPlan,
+    load_host_bytes,
     plan_memory,
     precompute_weight_bytes,
 )
-from coati_kto.parallel.model_shape import ModelShape, model_shape
+from coati_kto.parallel.model_shape import ModelShape, model_shape, stored_in_fp32
 from coati_kto.parallel.plan import running_zero_stage
 
 LISTED = 12  # layouts listed after the configured one
@@ -155,6 +156,7 @@ def plan_lines(config: Config, gpus: int | None, gpu_memory: float, nodes: int) 
         *breakdown_lines(plan, work, shape),
         f"  peak           {_gib(plan.peak)}  {verdict} in {USABLE_FRACTION:.0%} of {gpu_memory:g} GiB",
         *precompute_lines(shape, work, layout.precision, gpu_memory),
+        load_line(config, shape, work, world // nodes),
     ]
     return lines + _fit_lines(config, shape, work, world, world // nodes, gpu_memory)
 
@@ -176,6 +178,20 @@ def precompute_lines(shape: ModelShape, work: Workload, precision: str, gpu_memo
         "cache; compute it where the whole reference fits one device, or use kto.reference: online (split "
         "as the policy)"
     ]
+
+
+def load_line(config: Config, shape: ModelShape, work: Workload, per_node: int) -> str:
+    """Host memory at load (``memory_plan.load_host_bytes``): per rank and for a node's ``per_node`` ranks, which
+    every node must have free (train refuses before loading when one has not: ``coati_kto.parallel.load_check``)."""
+    stored_fp32 = stored_in_fp32(config.model.path)
+    per_rank = load_host_bytes(shape, work, config.plugin.precision, stored_fp32)
+    parts = ["the whole model in fp32"]
+    if config.plugin.precision != "fp32" and stored_fp32 and not work.lora_rank:
+        parts.append(f"its fp32 values kept through the {config.plugin.precision} cast")
+    return (
+        f"host memory at load: {_gib(per_rank).strip()} per rank ({', '.join(parts)}; every rank reads it), "
+        f"{_gib(per_rank * per_node).strip()} for a node's {per_node} rank(s): free host memory each node needs"
+    )
 
 
 def _tp_across_nodes(tp: int, per_node: int) -> list[str]:

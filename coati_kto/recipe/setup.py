@@ -41,6 +41,7 @@ from coati_kto.families import model_notes, vocabulary_size
 from coati_kto.models.hf import attention_implementation
 from coati_kto.models.packing import padding_free_rows
 from coati_kto.parallel.distributed import ParallelLayout, init_distributed, on_rank0, seed_everything
+from coati_kto.parallel.load_check import refuse_a_load_no_node_holds
 from coati_kto.parallel.plan import ParallelPlan, check_tp_divides_world
 from coati_kto.recipe.images import image_collator
 from coati_kto.recipe.plan import predicted_peak_line
@@ -125,6 +126,7 @@ def setup_training(config: Config, heartbeat: Heartbeat | None) -> Run:
         clear_previous_run(out_dir)  # rank 0 deletes, the others wait
     # A refused resume: before prepare rebuilds data.prepared_dir and the reference scores.
     _refuse_changed_contents(config, out_dir / CHECKPOINTS_DIR)
+    refuse_a_load_no_node_holds(config)  # before the cached reference or the models are read
     run_data = load_run_data(config)
     if config.kto.reference == "cached":  # once (all ranks) unless a matching cache exists
         settings = reference_settings(config)
@@ -164,6 +166,7 @@ def setup_export(config: Config, scratch: Callable[[], Path], trained_dp_size: i
     from coati_kto.data.prepared import elsewhere
 
     _start_processes(config)
+    refuse_a_load_no_node_holds(config)  # the policy and its masters load whole on every rank here too
     where = prepare_settings(config)
     moved, note = on_rank0(
         lambda: elsewhere(where, scratch(), "export", missing_too=True), "check data.prepared_dir"

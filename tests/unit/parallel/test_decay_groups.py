@@ -1,6 +1,6 @@
 """Weight decay leaves biases and norm weights out, as transformers' Trainer (and so TRL) does
 (coati_kto.parallel.optimizers.parameter_groups), and a resume never loads one grouping into another
-(coati_kto.config.resume.optimizer_groups_problem). The distributed half: tests/distributed/test_decay_groups.py."""
+(coati_kto.config.resume.optimizer_groups_problem). The distributed half: tests/distributed/test_decay_groups_train.py."""
 
 from __future__ import annotations
 

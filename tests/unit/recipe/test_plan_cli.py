@@ -39,8 +39,13 @@ def test_plan_prints_the_parts_of_the_configured_layout(config: Path, tiny_model
     assert lines[7] == "  reference         0.28 MiB  online, bf16"
     assert lines[9] == "  LM head           1.53 MiB  chunked: no [B, S, V] logits"
     assert lines[11] == "  peak              4.77 MiB  fits in 90% of 80 GiB"
-    assert lines[12].startswith("layouts that fit on 2 x 80 GiB (best first: fewest ranks per replica")
-    assert lines[13].startswith("  hybrid_parallel bf16, tp 1 x dp 2, ZeRO-0")
+    # stored in fp32 (its config.json's dtype), trained in bf16: 4 + 2 bytes per parameter at load
+    assert lines[12] == (
+        "host memory at load: 0.85 MiB per rank (the whole model in fp32, its fp32 values kept through the bf16 "
+        "cast; every rank reads it), 1.69 MiB for a node's 2 rank(s): free host memory each node needs"
+    )
+    assert lines[13].startswith("layouts that fit on 2 x 80 GiB (best first: fewest ranks per replica")
+    assert lines[14].startswith("  hybrid_parallel bf16, tp 1 x dp 2, ZeRO-0")
 
 
 # Hub ids of the shipped configs whose shapes benchmarks/model_shapes holds (the others plan the tiny model).
@@ -66,6 +71,11 @@ def test_plan_takes_the_three_documented_shapes(tiny_model_dir: Path, capsys) ->
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith(f"model: {shape} (llama, 70,553,706,496 parameters, 80 layers")
     assert lines[11].endswith("does NOT fit in 90% of 80 GiB")
+    # stored in bf16 (torch_dtype): the whole model in fp32 on each of a node's 8 ranks, 263 GiB each
+    assert lines[12] == (
+        "host memory at load: 262.83 GiB per rank (the whole model in fp32; every rank reads it), 2102.66 GiB for "
+        "a node's 8 rank(s): free host memory each node needs"
+    )
 
 
 def _error(argv: list[str], capsys) -> str:

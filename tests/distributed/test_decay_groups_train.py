@@ -105,7 +105,9 @@ def test_biases_and_norms_step_undecayed_and_the_rest_decays(runs: dict[str, Any
         if name in left_out:
             assert torch.equal(decay[name], plain[name]), name
         else:
-            expected = plain[name] - LR * DECAY / 2 * initial[name]  # bf16: the masters start from fp32 values
+            expected = (
+                plain[name] - LR * DECAY / 2 * initial[name]
+            )  # bf16: the masters start from fp32 values
             scale = float(initial[name].abs().max())
             assert float((decay[name] - expected).abs().max()) <= 1e-6 * max(scale, 1.0), name
             assert not torch.equal(decay[name], plain[name]), name  # not vacuous
