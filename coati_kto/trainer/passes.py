@@ -45,7 +45,7 @@ from coati_kto.trainer.no_grad_pass import GradientPass, NoGradPass, Outputs
 from coati_kto.trainer.options import KTOOptions
 from coati_kto.trainer.scoring_plan import ScoringPlan, ScoringRules
 from coati_kto.trainer.shared_vision import SharedVision, shared_vision, view_logps, with_graph
-from coati_kto.trainer.throughput import flop_params, forward_flops, train_flops
+from coati_kto.trainer.throughput import FlopParams, flop_params
 
 
 class KTOPasses:
@@ -68,7 +68,7 @@ class KTOPasses:
         self.kl_group, self.device = kl_group, device
         self._rules: ScoringRules | None = None
         self._heads: dict[int, LMHead | None] = {}  # per model: its chunked LM head, or None
-        self._params: dict[int, int] = {}  # per model: N for the model FLOPs count
+        self._params: dict[int, FlopParams] = {}  # per model: N for the model FLOPs count
         # The policy's router load-balancing loss (MoE, kto.router_aux_loss_coef), or None: nothing added.
         self._router = RouterLoss.find(policy, options.router_aux_loss_coef)
 
@@ -170,7 +170,7 @@ class KTOPasses:
         """Add a finished micro-batch to ``sums`` (its tokens and model FLOPs counted on the host); drop its batch."""
         item.batch = item.vision = None
         train = item.plan.train
-        grad_flops = train_flops(self._flop_params(self.policy), item.gradient_tokens) if train else 0
+        grad_flops = self._flop_params(self.policy).train(item.gradient_tokens) if train else 0
         sums.add_host(tokens=item.tokens, flops=item.flops + grad_flops)
         sums.add(losses, rewards, policy_logps, item.labels, item.valid, item.logits)
 
@@ -214,7 +214,7 @@ class KTOPasses:
             reference, reference_kl, ran = self._reference_pair(batch, counts, plan, vision)
             # Model FLOPs of the passes that run: the reference unless the batch carries its log-probs, and
             # the policy's no-grad passes (a packed pass counts the shared prompt once).
-            flops = forward_flops(self._flop_params(self.reference), ran) if ran else 0.0
+            flops = self._flop_params(self.reference).forward(ran) if ran else 0.0
             routing = self._router.capture() if self._router is not None and not train else None
             # Evaluation's pass over the examples records the policy's logit means (training's gradient pass does).
             with (
@@ -222,7 +222,7 @@ class KTOPasses:
                 recording(None if train else LogitMeans()) as means,
             ):
                 policy, policy_kl, run = self._policy_no_grad(batch, counts, plan, vision)
-            flops += forward_flops(self._flop_params(self.policy), run) if run else 0.0
+            flops += self._flop_params(self.policy).forward(run) if run else 0.0
         return NoGradPass(
             plan=plan,
             batch=batch if train else None,
@@ -314,7 +314,7 @@ class KTOPasses:
                 head = self._lm_head(self.policy)
                 policy_logps, cache = example_logps_with_cache(self.policy, batch.example, head)
                 item.policy_kl = self._continued_kl(batch, cache)
-                item.flops += forward_flops(self._flop_params(self.policy), item.counts.continuation)
+                item.flops += self._flop_params(self.policy).forward(item.counts.continuation)
             else:
                 vision = with_graph(item.vision, self.policy)  # the tower's graph where it trains
                 policy_logps = self._view_logps(self.policy, batch, plan, False, vision)
@@ -381,7 +381,7 @@ class KTOPasses:
         passes score it (graph only under grad); every rank of a tensor-parallel group calls with the same view."""
         return view_logps(model, view, self._lm_head(model), self.options.apply_loss_mask, vision)
 
-    def _flop_params(self, model: Any) -> int:
+    def _flop_params(self, model: Any) -> FlopParams:
         """N of ``model`` for the FLOPs count (coati_kto.trainer.throughput), computed once per model."""
         if id(model) not in self._params:
             self._params[id(model)] = flop_params(model)

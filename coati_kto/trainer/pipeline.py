@@ -37,7 +37,7 @@ from coati_kto.parallel.distributed import ParallelLayout, mean_over_group
 from coati_kto.trainer.loss import estimate_kl_raw, preference_loss
 from coati_kto.trainer.metrics import StepSums
 from coati_kto.trainer.options import KTOOptions
-from coati_kto.trainer.throughput import flop_params, forward_flops, train_flops
+from coati_kto.trainer.throughput import FlopParams, flop_params
 
 _VIEW_KEYS = ("input_ids", "attention_mask", "loss_mask")
 _EVAL_RUN = 16  # evaluation micro-batches per forward-only run (bounds the stacked inputs held at once)
@@ -94,9 +94,10 @@ class PipelinePasses:
         self.schedule = booster.plugin.scheduler
         self.last = layout.is_last_stage
         # N for the FLOPs count: each stage holds its own parameters; their sum is the model's.
-        params = torch.tensor(float(flop_params(policy)), dtype=torch.float64, device=device)
+        own = flop_params(policy)
+        params = torch.tensor([float(own.trainable), float(own.frozen)], dtype=torch.float64, device=device)
         dist.all_reduce(params, group=layout.pp_group)
-        self.params = int(params.item())
+        self.params = FlopParams(*(int(n) for n in params.tolist()))
 
     def tied_copies(self) -> list[torch.nn.Parameter]:
         """The tied parameters this stage holds that an earlier stage holds too (the LM head that is the
@@ -311,8 +312,8 @@ class PipelinePasses:
             kl_tokens = counts.kl if kl else 0
             reference_runs = batch.reference_logps is None
             forward = kl_tokens + (counts.example + kl_tokens if reference_runs else 0)
-            flops = forward_flops(self.params, forward + (0 if train else counts.example))
-            flops += train_flops(self.params, counts.example) if train else 0.0
+            flops = self.params.forward(forward + (0 if train else counts.example))
+            flops += self.params.train(counts.example) if train else 0.0
             sums.add_host(tokens=counts.example + kl_tokens, flops=flops)
 
     def _set_schedule(self, count: int, rows: int) -> None:

@@ -1,9 +1,13 @@
 """Model FLOPs of the passes a step actually runs, and MFU against a per-device peak.
 
-FLOPs per non-padding token: 2 N for a forward pass, 6 N for a forward + backward (the usual dense-transformer
-estimate; attention's S^2 term is left out, gradient-checkpointing recomputation is not counted: it is not
-model work). N counts every parameter except the input embeddings (a lookup, no multiply-adds); a head tied
-to them counts once. Passes that do not run (a cached reference) add nothing.
+FLOPs per non-padding token: 2 N for a forward pass; for a forward + backward, 6 per parameter that takes a
+gradient and 4 per frozen one it runs through (its input gradient only: LoRA's base, no weight gradient). The
+usual dense-transformer estimate: attention's S^2 term is left out, gradient-checkpointing recomputation is not
+counted (it is not model work). N counts the parameters a text token runs through: not the input embeddings (a
+lookup, no multiply-adds; a head tied to them counts once), not a vision tower or projector (image tokens' work),
+an MoE's experts at the share its router sends a token to (top-k of the experts), and with LoRA's adapters off
+(the reference of a LoRA run) not the adapters, and the LM head at the config's vocabulary (not the rows a
+plugin pads it to, 64 x tp). Passes that do not run (a cached reference) add nothing.
 
 MFU = model FLOPs per second / (peak per device x devices). The peak comes from ``train.peak_flops`` or, for
 bf16/fp16 training on a GPU listed in :data:`PEAK_FLOPS`, from the device name; otherwise MFU is not logged.
@@ -11,11 +15,16 @@ bf16/fp16 training on a GPU listed in :data:`PEAK_FLOPS`, from the device name; 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from coati_kto.models.lora import base_module
+from coati_kto.models.lora import AdapterFreeReference, base_module
+
+# The config keys of an MoE's expert count and of the experts each token is routed to, across families.
+_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+_TOP_K = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_k")
 
 # Dense bf16/fp16 tensor-core peak per device, FLOP/s (vendor datasheets, no sparsity), matched as substrings
 # of torch.cuda.get_device_name(), first match wins (more specific names first).
@@ -74,42 +83,87 @@ def peak_flops_line(peak_flops: float | None, source: str) -> str:
     return f"train/mfu {shown}"
 
 
-def flop_params(model: Any) -> int:
-    """N of a (possibly boosted, possibly tensor-parallel) causal LM: every parameter but the input embeddings.
+@dataclass(frozen=True)
+class FlopParams:
+    """N of a model (module docstring), split by whether a parameter takes a gradient."""
 
-    Tensor-parallel shards count at their global shape, so every rank gets the whole model's N.
-    """
+    trainable: int
+    frozen: int
 
+    @property
+    def total(self) -> int:
+        return self.trainable + self.frozen
+
+    def forward(self, tokens: int) -> float:
+        """2 N per token of a forward pass (no gradient)."""
+        return 2.0 * self.total * tokens
+
+    def train(self, tokens: int) -> float:
+        """Per token of a forward + backward pass: 6 per trained parameter, 4 per frozen one."""
+        return (6.0 * self.trainable + 4.0 * self.frozen) * tokens
+
+
+def flop_params(model: Any) -> FlopParams:
+    """N of a (possibly boosted, possibly tensor-parallel, possibly LoRA) causal LM: the parameters of its decoder
+    and LM head but the input embeddings, an MoE's experts scaled by top-k / experts, without the adapters for
+    an :class:`AdapterFreeReference`. Tensor-parallel shards count at their global shape, so every rank gets the
+    whole model's N (a pipeline stage its own: the stages sum them)."""
     inner = base_module(model)
     try:
         from colossalai.tensor.d_tensor import get_global_shape, is_distributed_tensor
     except ImportError:
         is_distributed_tensor = None
+    text = _text_modules(inner)
     embed = inner.get_input_embeddings() if hasattr(inner, "get_input_embeddings") else None
     skip = {id(p) for p in embed.parameters()} if embed is not None else set()
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
     if head is not None:
         skip -= {id(p) for p in head.parameters()}  # tied: the head's multiply-adds are real
-    total, seen = 0, set()
-    for p in inner.parameters():
-        if id(p) in seen or id(p) in skip:
+    routed, vocab = _routed_share(inner), _vocab(inner)
+    head_ids = {id(p) for p in head.parameters()} if head is not None else set()
+    adapters_off = isinstance(model, AdapterFreeReference)
+    counts, seen = {True: 0.0, False: 0.0}, set()
+    for name, p in inner.named_parameters():
+        if id(p) in seen or id(p) in skip or (text is not None and id(p) not in text):
             continue
         seen.add(id(p))
-        if is_distributed_tensor is not None and is_distributed_tensor(p):
-            total += int(torch.Size(get_global_shape(p)).numel())
-        else:
-            total += p.numel()
-    return total
+        parts = name.split(".")
+        if adapters_off and any(part.startswith("lora_") for part in parts):
+            continue
+        distributed = is_distributed_tensor is not None and is_distributed_tensor(p)
+        shape = torch.Size(get_global_shape(p)) if distributed else p.shape
+        numel = int(shape.numel())
+        if id(p) in head_ids and vocab and p.dim() == 2 and shape[0] > vocab:  # shardformer's padded rows
+            numel = numel // shape[0] * vocab
+        counts[p.requires_grad] += numel * (routed if "experts" in parts else 1.0)
+    return FlopParams(trainable=round(counts[True]), frozen=round(counts[False]))
 
 
-def forward_flops(params: int, tokens: int) -> float:
-    """2 N per token of a forward pass (no gradient)."""
-    return 2.0 * params * tokens
+def _text_modules(inner: Any) -> set[int] | None:
+    """ids of the parameters a text token runs through (the decoder and the LM head), or None (all of them)
+    where the model names no decoder."""
+    decoder = inner.get_decoder() if hasattr(inner, "get_decoder") else None
+    if decoder is None or decoder is inner:
+        return None
+    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+    return {id(p) for m in (decoder, head) if m is not None for p in m.parameters()}
 
 
-def train_flops(params: int, tokens: int) -> float:
-    """6 N per token of a forward + backward pass."""
-    return 6.0 * params * tokens
+def _vocab(inner: Any) -> int | None:
+    """The model's vocabulary as its config says (the LM head's rows before a plugin pads them)."""
+    config = getattr(inner, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = getattr(text, "vocab_size", None)
+    return vocab if isinstance(vocab, int) else None
+
+
+def _routed_share(inner: Any) -> float:
+    """The share of an MoE's expert parameters a token runs through (top-k / experts); 1 for a dense model."""
+    config = getattr(inner, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    experts = next((getattr(text, k) for k in _EXPERTS if isinstance(getattr(text, k, None), int)), None)
+    top_k = next((getattr(text, k) for k in _TOP_K if isinstance(getattr(text, k, None), int)), None)
+    return top_k / experts if experts and top_k and 0 < top_k <= experts else 1.0
 
 
 def mfu(flops_per_second: float, peak_per_device: float | None, devices: int) -> float | None:
