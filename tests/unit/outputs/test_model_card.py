@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import yaml
@@ -51,9 +52,8 @@ def test_export_note_says_what_final_holds(tmp_path: Path) -> None:
     )
 
 
-def test_card_of_a_held_out_split_and_of_a_resume_after_the_last_evaluation(tmp_path: Path) -> None:
-    """With data.eval_fraction the card listed "eval files: " (nothing); and `train.resume=auto` over a finished
-    run (single_gpu.yaml's default) rewrote final/README.md saying no evaluation set was configured."""
+def _held_out_run(tmp_path: Path) -> tuple[Any, dict[str, Any]]:
+    """A config with data.eval_fraction 0.2, and its data stats: 32 training examples, 8 held out."""
     config = load_config(write_config(tmp_path, MINIMAL), ["data.eval_fraction=0.2"])
     split = {"examples": 8, "labels": {"desirable": 6, "undesirable": 2}}
     stats = {
@@ -61,6 +61,13 @@ def test_card_of_a_held_out_split_and_of_a_resume_after_the_last_evaluation(tmp_
         "eval": split,
         "files": {"train": ["data.jsonl"], "eval": []},
     }
+    return config, stats
+
+
+def test_card_of_a_held_out_split_and_of_a_resume_after_the_last_evaluation(tmp_path: Path) -> None:
+    """With data.eval_fraction the card listed "eval files: " (nothing); and `train.resume=auto` over a finished
+    run (single_gpu.yaml's default) rewrote final/README.md saying no evaluation set was configured."""
+    config, stats = _held_out_run(tmp_path)
     card = render(config, stats, None, 12, (1.0, 1.0), 1).splitlines()
     assert "- eval files: held out of the train files by prompt (data.eval_fraction 0.2)" in card
     assert "No evaluation set was configured (data.eval_files / data.eval_fraction)." not in card
@@ -198,13 +205,7 @@ def test_a_non_finite_last_evaluation_is_said_not_hidden(tmp_path: Path) -> None
     ]
     record = last_eval(history)
     assert record is not None and record["step"] == 6 and "eval/loss" not in record
-    config = load_config(write_config(tmp_path, MINIMAL), ["data.eval_fraction=0.2"])
-    split = {"examples": 8, "labels": {"desirable": 6, "undesirable": 2}}
-    stats = {
-        "train": {**split, "examples": 32},
-        "eval": split,
-        "files": {"train": ["data.jsonl"], "eval": []},
-    }
+    config, stats = _held_out_run(tmp_path)
     card = render(config, stats, record, 12, (1.0, 1.0), 1).splitlines()
     assert (
         "The last evaluation, at optimizer step 6, was non-finite (NaN/inf) in 7 of its examples: no means were "
