@@ -57,8 +57,6 @@ def test_one_node_short_of_host_memory_stops_every_rank_before_loading(
         "say how much)"
     ]
     assert not (tmp_path / "prepared").exists()  # refused before the data was prepared
-    fine = run_cli(["train", str(path)], 2)  # this machine's own MemAvailable holds the tiny model
-    assert fine.returncode == 0, fine.ranks[0].stderr[-3000:]
 
 
 def _fp32_copies_at_each_load(model_dir: str, out_dir: str) -> list[int]:
