@@ -51,8 +51,9 @@ class KTOSection(_Section):
         description="Training: the policy's KL pass (and the online reference's) continues from the examples' "
         "KV cache, so the shared prompt runs once, where a z0 group is one micro-batch, rows are padded, the "
         "model attends fully (eager or sdpa, no window), with no checkpointing, compile or tensor parallelism; "
-        "the separate KL pass elsewhere; a folding pack_policy first where folding pays. Equal within rounding; "
-        "step-1 KL exactly 0 (docs/performance.md).",
+        "the separate KL pass elsewhere; a folding pack_policy first where folding pays. Evaluation: wherever the "
+        "model allows (one z0 over the whole set, no group condition). Equal within rounding; step-1 KL exactly 0 "
+        "(docs/performance.md).",
     )
 
     router_aux_loss_coef: float | Literal["auto"] = Field(

@@ -129,7 +129,12 @@ class DataSection(_Section):
         default_factory=dict, description="Chat template variables, e.g. {enable_thinking: false} (Qwen3)."
     )
     num_proc: int = Field(1, ge=1, description="Tokenization processes for `prepare`.")
-    pad_to_multiple_of: Tokens | None = Field(None, ge=1, description="Pad batches to a multiple of this.")
+    pad_to_multiple_of: Tokens | None = Field(
+        None,
+        ge=1,
+        description="Pad the padded example and KL batches to a multiple of this; the KL continuation, the "
+        "shared-prompt pairs (kto.pack_policy / pack_reference) and padding_free rows are not.",
+    )
     group_by_length: bool = Field(False, description="Batch examples of similar length (less padding).")
     padding_free: bool = Field(
         False,

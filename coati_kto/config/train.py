@@ -66,7 +66,9 @@ class TrainSection(Section):
         None, description="'auto' (latest checkpoint in output.dir) or a checkpoint path."
     )
     on_nonfinite: Literal["stop", "skip"] = Field(
-        "stop", description="A NaN/inf loss: stop before updating, or skip the step (counted)."
+        "stop",
+        description="A NaN/inf loss or gradient norm (fp16: the loss scaler takes an overflowing gradient): stop "
+        "before updating, or skip the step (counted).",
     )
     num_workers: int = Field(0, ge=0, description="DataLoader worker processes per rank.")
     log_interval: int = Field(

@@ -10,8 +10,8 @@ passes (fp32 log-probs of the policy and the reference), and global rank 0 gathe
 Image rows (issue 49): generation and scoring take the prompts' images (``coati_kto.trainer.sample_images``), and
 each sample's first image, down-scaled, goes to TensorBoard beside the table and into W&B's table.
 The implied reward of a completion y is beta * (log pi(y|x) - log pi_ref(y|x)), the reward the loss pushes up
-for desirable completions (``coati_kto.trainer.loss.implied_reward``). It is exactly 0 at step 0, where policy
-and reference are the same weights.
+for desirable completions (``coati_kto.trainer.loss.implied_reward``). It is exactly 0 at step 0 where policy
+and reference are the same weights (no ``model.reference_path``).
 """
 
 from __future__ import annotations
