@@ -166,9 +166,9 @@ def optimizer_groups_problem(saved: dict, current: dict, checkpoint: str) -> str
     from coati_kto.config.train import separates_no_decay
 
     def separates(config: dict) -> bool:
-        train = config.get("train") or {}
+        train, lora = config.get("train") or {}, (config.get("model") or {}).get("lora") is not None
         decay = train.get("weight_decay")
-        return separates_no_decay(float(decay or 0.0), bool(train.get("decay_norms_and_biases")))
+        return separates_no_decay(float(decay or 0.0), bool(train.get("decay_norms_and_biases")), lora)
 
     old = separates(with_legacy(saved))
     if old == separates(current):
@@ -176,7 +176,7 @@ def optimizer_groups_problem(saved: dict, current: dict, checkpoint: str) -> str
     said = {
         True: "biases and norm weights in a group of their own (train.weight_decay > 0, "
         "train.decay_norms_and_biases false)",
-        False: "one group (train.weight_decay 0 or train.decay_norms_and_biases true)",
+        False: "one group (train.weight_decay 0, train.decay_norms_and_biases true, or model.lora)",
     }
     return (
         f"train.resume {checkpoint}: its optimizer holds the parameters in {said[old]}; this config would "

@@ -10,9 +10,10 @@ from coati_kto.config.limits import Seconds, Seed
 from coati_kto.config.section import Section
 
 
-def separates_no_decay(weight_decay: float, decay_norms_and_biases: bool) -> bool:
-    """Whether the optimizer holds biases and norm weights in a group of their own at weight decay 0."""
-    return weight_decay > 0 and not decay_norms_and_biases
+def separates_no_decay(weight_decay: float, decay_norms_and_biases: bool, lora: bool = False) -> bool:
+    """Whether the optimizer holds biases and norm weights in a group of their own at weight decay 0. Under LoRA
+    only the adapters train (no bias, no norm; model.train_vision is refused with it): one group."""
+    return weight_decay > 0 and not decay_norms_and_biases and not lora
 
 
 class TrainSection(Section):

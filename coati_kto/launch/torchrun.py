@@ -31,6 +31,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable
 
 import psutil
@@ -40,6 +41,11 @@ from coati_kto.runtime.signals import ABORT_EXIT_CODE, STOP_EXIT_CODE, STOP_SIGN
 
 DEFAULT_RDZV_TIMEOUT_S = 90
 _POLL_S = 0.1  # how often the signal thread looks for workers to send a stop to (and for the end)
+# After the second SIGINT, how long it is sent again to the workers still alive, each poll: two SIGINTs sent back
+# to back merge into one in a worker the kernel has not run in between (a busy machine), which then stops
+# cleanly while its peers abort, and fails as "a peer gone" (exit 1). Within the ranks' grace for their own
+# second SIGINT (coati_kto.cli.ABORT_GRACE_S, 2 s).
+_ABORT_RESEND_S = 1.5
 
 
 class _StoppedBeforeWorkersError(Exception):
@@ -65,6 +71,7 @@ class _Watch:
         self.relayed = False  # a stop signal was meant for the workers (their deaths by one are part of it)
         self._unsent: list[int] = []  # meant for the workers, none of which exists yet
         self._to_workers = False
+        self._abort_until: float | None = None  # monotonic time: the second SIGINT is sent again until then
 
     def start(self) -> bool:
         """Block the stop signals in this (the main) thread and start taking them; True when this call started
@@ -87,6 +94,14 @@ class _Watch:
                     if self._to_workers:
                         self._unsent.append(info.si_signo)
                         self.relayed = True
+                        if self._abort_until is None and self.received.count(signal.SIGINT) >= 2:
+                            self._abort_until = time.monotonic() + _ABORT_RESEND_S
+                elif (
+                    self._abort_until is not None
+                    and time.monotonic() < self._abort_until
+                    and not self._unsent
+                ):
+                    self._unsent.append(signal.SIGINT)  # again: it may have merged with the first in a worker
                 if self._unsent:
                     self._send()
 

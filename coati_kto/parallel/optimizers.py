@@ -70,6 +70,16 @@ def parameter_groups(model: torch.nn.Module, weight_decay: float, decay_norms_an
     ]
 
 
+def set_weight_decay(optimizer: Any, weight_decay: float) -> None:
+    """Give ``optimizer``'s groups this run's ``weight_decay`` after a resume (every rank): torch's and
+    ColossalAI's loaders copy each saved group's settings back, so a changed train.weight_decay was named as
+    applied and never used. Of two groups (:func:`parameter_groups`) the second, the biases and norm weights,
+    stays at 0."""
+    groups = optimizer.param_groups
+    for group in groups[:1] if len(groups) == 2 else groups:
+        group["weight_decay"] = weight_decay
+
+
 def optimizer_for(model: torch.nn.Module, train: Any, cpu_offload: bool = False) -> torch.optim.Optimizer:
     """``make_optimizer`` over ``model``'s :func:`parameter_groups`, with the ``train`` section's lr, weight decay
     and optimizer_state_dtype."""

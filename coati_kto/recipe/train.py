@@ -20,6 +20,7 @@ from coati_kto.config.resume import check_contents, check_resume, optimizer_grou
 from coati_kto.config.schema import Config
 from coati_kto.errors import ConfigError
 from coati_kto.outputs.push import CheckpointUploads, checkpoint_uploads, push_final
+from coati_kto.parallel.optimizers import set_weight_decay
 from coati_kto.parallel.store_waits import wait_for_all
 from coati_kto.recipe.components import build_trainer, total_optimizer_steps
 from coati_kto.recipe.save import save_final
@@ -142,6 +143,7 @@ def _resume(config: Config, run: Run, trainer: Any) -> None:
         reschedule(
             trainer.lr_scheduler, train.lr, train.warmup_steps, steps, train.min_lr_ratio, train.lr_schedule
         )
+        set_weight_decay(trainer.optimizer, train.weight_decay)  # the checkpoint's groups carry the old one
     if line is not None:
         run.notes.append(line)
     if run.layout.is_main:

@@ -148,10 +148,10 @@ def test_a_change_of_the_optimizers_groups_is_refused(first_run: Path) -> None:
     latest = (out / "checkpoints" / "latest").read_text().strip()
     errors = [line for line in done.stderr.splitlines() if line.strip()]
     assert errors == [
-        f"error: train.resume {latest}: its optimizer holds the parameters in one group (train.weight_decay 0 or "
-        "train.decay_norms_and_biases true); this config would hold them in biases and norm weights in a group of "
-        "their own (train.weight_decay > 0, train.decay_norms_and_biases false): resume with the checkpoint's "
-        "grouping, or start a new run"
+        f"error: train.resume {latest}: its optimizer holds the parameters in one group (train.weight_decay 0, "
+        "train.decay_norms_and_biases true, or model.lora); this config would hold them in biases and norm weights "
+        "in a group of their own (train.weight_decay > 0, train.decay_norms_and_biases false): resume with the "
+        "checkpoint's grouping, or start a new run"
     ]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
     applied = _train(first_run, "train.resume=auto", "train.weight_decay=0.1", "train.decay_norms_and_biases=true",
@@ -267,3 +267,25 @@ def test_a_logging_interval_open_at_the_checkpoint_logs_as_uninterrupted(
     assert [step for step, _ in resumed["train/loss"]] == [6]
     for tag in ("train/loss", "train/rewards/chosen", "train/count/chosen", "train/kl"):
         assert resumed[tag] == [(6, dict(logged[tag])[6])], tag
+
+
+def test_a_changed_weight_decay_is_used_after_the_resume(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """From an audit: the optimizer's loaders copy each saved group's settings back, so a resume at another
+    train.weight_decay was named as applied (and recorded in config.yaml and the card) but trained at the old
+    one: the weights came out bit for bit those of an unchanged resume. Two resumes of one checkpoint at 0.1 and
+    5.0: the norm weights (weight decay 0 in both) equal, every decayed tensor apart."""
+    path = _ddp_config(tmp_path, tiny_model_dir, max_steps=2, weight_decay=0.1)
+    first = _train(path, "output.save_interval=1")
+    assert first.returncode == 0, first.stderr[-3000:]
+    step1 = tmp_path / "out" / "checkpoints" / "step-1"
+    finals = {}
+    for decay in (0.1, 5.0):
+        out = tmp_path / f"decay_{decay}"
+        done = _train(path, f"train.resume={step1}", f"output.dir={out}", f"train.weight_decay={decay}")
+        assert done.returncode == 0, done.stderr[-3000:]
+        finals[decay] = weights(out)
+    kept, decayed = finals[0.1], finals[5.0]
+    assert kept.keys() == decayed.keys()
+    for name in kept:
+        same = torch.equal(kept[name], decayed[name])
+        assert same == ("norm" in name), name

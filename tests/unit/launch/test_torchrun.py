@@ -152,3 +152,45 @@ def test_a_rank_killed_by_a_relayed_stop_signal_as_it_left_is_part_of_the_stop()
     assert code == 1 and lines[1].endswith("failed with signal SIGINT")
     lines, code = _failure_lines(failed(-signal.SIGTERM), relayed=True)  # no rank said it stopped: a failure
     assert code == 1 and len(lines) == 1
+
+
+_MERGED_CTRL_C = """
+import os, signal, subprocess, sys, time
+from coati_kto.launch import torchrun
+
+torchrun._WATCH.start()
+torchrun._WATCH.to_workers()
+# The worker starts with the stop signals blocked (inherited): both SIGINTs reach it while it has not run, and
+# merge into one pending signal, as in a rank the kernel did not schedule between the launcher's two sends.
+worker = '''
+import signal, sys, time
+count = []
+signal.signal(signal.SIGINT, lambda s, f: count.append(s))
+print("ready", flush=True)
+time.sleep(0.6)
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+deadline = time.monotonic() + 2.0
+while time.monotonic() < deadline and len(count) < 2:
+    time.sleep(0.02)
+print(len(count), flush=True)
+'''
+proc = subprocess.Popen([sys.executable, "-c", worker], stdout=subprocess.PIPE, text=True)
+assert proc.stdout.readline() == "ready\\n"
+for sent in (1, 2):  # one at a time: the launcher takes (and sends) each, as Ctrl-C twice at a terminal
+    os.kill(os.getpid(), signal.SIGINT)
+    while torchrun._WATCH.received.count(signal.SIGINT) < sent:
+        time.sleep(0.01)
+print(proc.stdout.readline().strip(), flush=True)
+proc.wait(timeout=30)
+torchrun._WATCH.close()
+"""
+
+
+def test_a_second_ctrl_c_merged_in_a_busy_worker_still_reaches_it() -> None:
+    """From a CI run under load: the launcher sent the two SIGINTs back to back, and a rank the kernel had not run
+    in between got them as one (a pending standard signal is not queued twice). It stopped cleanly while its
+    peer aborted, failed as "a peer gone" and the launch exited 1, not 130. The launcher now sends the second
+    again for a moment: the worker sees two."""
+    done = _probe(_MERGED_CTRL_C)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert int(done.stdout.strip()) >= 2, done.stdout + done.stderr

@@ -123,10 +123,10 @@ def test_a_resume_keeps_the_checkpoints_grouping() -> None:
     assert with_legacy(legacy)["train"]["decay_norms_and_biases"] is True
     line = optimizer_groups_problem(legacy, _config(0.1, False), "step-4")
     assert line == (
-        "train.resume step-4: its optimizer holds the parameters in one group (train.weight_decay 0 or "
-        "train.decay_norms_and_biases true); this config would hold them in biases and norm weights in a group "
-        "of their own (train.weight_decay > 0, train.decay_norms_and_biases false): resume with the "
-        "checkpoint's grouping, or start a new run"
+        "train.resume step-4: its optimizer holds the parameters in one group (train.weight_decay 0, "
+        "train.decay_norms_and_biases true, or model.lora); this config would hold them in biases and norm "
+        "weights in a group of their own (train.weight_decay > 0, train.decay_norms_and_biases false): resume "
+        "with the checkpoint's grouping, or start a new run"
     )
     assert optimizer_groups_problem(legacy, _config(0.1, True), "step-4") is None
     assert (
@@ -141,3 +141,12 @@ def test_a_resume_keeps_the_checkpoints_grouping() -> None:
     assert "train.decay_norms_and_biases" not in changes  # what the old run did, unchanged
     changes = {c.key: (c.old, c.new) for c in config_changes(legacy, _config(0.0, False))}
     assert changes["train.decay_norms_and_biases"] == (True, False)
+
+
+def test_a_lora_run_holds_one_group_whatever_the_decay() -> None:
+    """From an audit: a LoRA checkpoint (one group: only the adapters train, no bias, no norm) was refused as
+    holding two once weight_decay > 0."""
+    lora = {"lora": {"rank": 4}}
+    saved, current = {"model": lora, **_config(0.0, None)}, {"model": lora, **_config(0.1, False)}
+    assert optimizer_groups_problem(saved, current, "step-4") is None
+    assert optimizer_groups_problem({"model": lora, **_config(0.1, None)}, current, "step-4") is None
