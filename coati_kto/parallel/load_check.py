@@ -57,16 +57,16 @@ def needed_per_rank(config: Config) -> int | None:
     config.json cannot be read here (a Hub id not cached yet: the load says why later)."""
     from coati_kto.parallel.activations import Workload
     from coati_kto.parallel.memory_plan import load_host_bytes
-    from coati_kto.parallel.model_shape import model_shape, stored_in_fp32
+    from coati_kto.parallel.model_shape import cast_rounds, model_shape
 
     path = config.model.path
     try:
         shape = model_shape(path)
-        stored_fp32 = stored_in_fp32(path)
+        rounds = cast_rounds(path, config.plugin.precision)
     except UserError:
         return None
     work = Workload.from_config(config)
-    return load_host_bytes(shape, work, config.plugin.precision, stored_fp32)
+    return load_host_bytes(shape, work, rounds)
 
 
 def refuse_a_load_no_node_holds(config: Config) -> None:

@@ -58,30 +58,26 @@ def gathered_masters(model: Any, optimizer: Any, keep: bool = True) -> dict[str,
     return out
 
 
-def _rounded_by(values: torch.Tensor, dtype: torch.dtype, chunk: int = 1 << 24) -> bool:
-    """Whether casting the fp32 ``values`` to ``dtype`` changes any of them (compared a chunk at a time: no
-    whole-tensor temporary beside a large embedding)."""
-    flat = values.reshape(-1)
-    return any(not torch.equal(part.to(dtype).float(), part) for part in flat.split(chunk))
-
-
 @contextlib.contextmanager
-def fp32_through_the_cast(model: nn.Module, dtype: torch.dtype) -> Iterator[dict[int, torch.Tensor]]:
-    """Within it, the plugin's ``model.to(dtype)`` first records, for each trainable fp32 parameter that the cast
-    rounds, its fp32 values (as sharded at that moment) by ``id`` of the parameter: the mapping yielded. Nothing is
-    recorded for an fp32 run, or for a checkpoint stored in bf16 (the cast rounds nothing): the values are held
-    only until :func:`start_masters_from` (host memory: 4 bytes per such parameter of this rank's shard)."""
+def fp32_through_the_cast(
+    model: nn.Module, dtype: torch.dtype, rounds: bool
+) -> Iterator[dict[int, torch.Tensor]]:
+    """Within it, the plugin's ``model.to(dtype)`` first records the fp32 values (as sharded at that moment) of
+    each trainable fp32 parameter, by ``id`` of the parameter: the mapping yielded. Only where the cast ``rounds``
+    the checkpoint's values (``model_shape.cast_rounds``: stored in another dtype than ``dtype``); nothing for an
+    fp32 run or a checkpoint stored in ``dtype``. Held until :func:`start_masters_from` (host memory: 4 bytes per
+    trainable parameter of this rank's shard, beside the cast's copy)."""
     kept: dict[int, torch.Tensor] = {}
-    if dtype == torch.float32:
+    if dtype == torch.float32 or not rounds:
         yield kept
         return
     cast = model.to
 
     def recording_to(*args: Any, **kwargs: Any) -> nn.Module:
         if not kept:
-            for param in model.parameters():
-                if param.requires_grad and param.dtype == torch.float32 and _rounded_by(param.data, dtype):
-                    kept[id(param)] = param.data
+            kept.update(
+                {id(p): p.data for p in model.parameters() if p.requires_grad and p.dtype == torch.float32}
+            )
         return cast(*args, **kwargs)
 
     model.to = recording_to  # an instance attribute: the plugins call model.to(dtype) on this object

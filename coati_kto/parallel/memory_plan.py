@@ -227,14 +227,14 @@ def precompute_weight_bytes(shape: ModelShape, precision: str) -> int:
     return shape.params * DTYPE_BYTES[precision]
 
 
-def load_host_bytes(shape: ModelShape, work: Workload, precision: str, stored_fp32: bool) -> int:
+def load_host_bytes(shape: ModelShape, work: Workload, cast_rounds: bool) -> int:
     """Host memory one rank holds at its peak while it loads, before the plugin moves the policy to its GPU.
 
     Every rank reads the whole model into host memory in fp32 (4 bytes per parameter: no lazy or per-shard
     load). The online reference is read first and placed on the GPU before the policy is read
     (``coati_kto.recipe.components``), so the two never share host memory; then the plugin casts the policy, and
-    for a checkpoint stored in fp32 the fp32 values the masters start from stay beside the bf16 copy (2 bytes
-    more per trained parameter: ``coati_kto.parallel.masters``). Computing a cached reference reads it whole the
+    where that rounds the checkpoint's values (``model_shape.cast_rounds``: stored in fp32) the fp32 values the
+    masters start from stay beside the bf16 copy (2 bytes more per trained parameter: ``parallel.masters``). Computing a cached reference reads it whole the
     same way. A lower bound: the process itself and its data come on top; on the CPU the models stay there."""
-    cast = 2 * shape.params if precision != "fp32" and stored_fp32 and not work.lora_rank else 0
+    cast = 2 * shape.params if cast_rounds and not work.lora_rank else 0
     return 4 * shape.params + cast

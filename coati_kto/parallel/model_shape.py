@@ -109,13 +109,20 @@ class ModelShape:
         )
 
 
-def stored_in_fp32(source: str, key: str = "model.path") -> bool:
-    """Whether config.json says the checkpoint's weights are stored in fp32 (``dtype``, ``torch_dtype`` before
-    transformers 5); True when it says nothing (transformers' own default)."""
+_WORKING_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+
+
+def cast_rounds(source: str, precision: str, key: str = "model.path") -> bool:
+    """Whether the plugin's cast to ``precision``'s working dtype rounds the checkpoint's weights: config.json
+    stores them in another dtype (``dtype``, ``torch_dtype`` before transformers 5; fp32 when it says nothing,
+    transformers' own default). Then the masters start from the fp32 values kept through the cast
+    (``coati_kto.parallel.masters``). False for an fp32 run (no cast)."""
+    if precision not in _WORKING_DTYPES:
+        return False
     raw = read_config_json(source, key)
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
     stored = raw.get("dtype") or raw.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
-    return str(stored or "float32").removeprefix("torch.") in ("float32", "float")
+    return str(stored or "float32").removeprefix("torch.") != _WORKING_DTYPES[precision]
 
 
 def read_config_json(source: str, key: str = "model.path") -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from coati_kto.config.schema import Config
-from coati_kto.errors import ConfigError
+from coati_kto.errors import ConfigError, UserError
 from coati_kto.families import vision_language
 from coati_kto.models.compile import maybe_compile
 from coati_kto.models.hf import freeze_vision_tower, load_causal_lm
@@ -22,6 +22,7 @@ from coati_kto.models.lora import AdapterFreeReference, enable_lora
 from coati_kto.models.packing import padding_free_note
 from coati_kto.models.vision import tower_trainable
 from coati_kto.parallel.distributed import ParallelLayout
+from coati_kto.parallel.model_shape import cast_rounds
 from coati_kto.parallel.optimizers import optimizer_for
 from coati_kto.parallel.plan import ParallelPlan
 from coati_kto.recipe.setup import Run
@@ -98,10 +99,22 @@ def build_components(
     # Every parameter, frozen ones too: ZeRO skips them; a ZeRO plugin finds adapters by their base layer.
     # model.train_vision: a micro-batch of text records only never runs the tower (no gradient on that rank)
     unreached = vision_language(getattr(policy, "config", None)) and tower_trainable(policy)
-    policy, optimizer, lr_scheduler = plan.backend.boost(booster, policy, optimizer, lr_scheduler, unreached)
+    rounds = _cast_rounds(config)
+    policy, optimizer, lr_scheduler = plan.backend.boost(
+        booster, policy, optimizer, lr_scheduler, unreached, rounds
+    )
     if config.model.lora is not None and config.kto.reference == "online":
         reference = AdapterFreeReference(policy)  # the base model: no second copy in memory
     return Components(plugin, booster, layout, policy, reference, optimizer, lr_scheduler, plan, frozen_fp32)
+
+
+def _cast_rounds(config: Config) -> bool:
+    """Whether the plugin's cast rounds the policy's loaded values (model_shape.cast_rounds); True where its
+    config.json cannot be read here (the masters are then written from the loaded values: right either way)."""
+    try:
+        return cast_rounds(config.model.path, config.plugin.precision)
+    except UserError:
+        return config.plugin.precision != "fp32"
 
 
 def total_optimizer_steps(

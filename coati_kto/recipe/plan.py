@@ -25,7 +25,7 @@ from coati_kto.parallel.memory_plan import (
     plan_memory,
     precompute_weight_bytes,
 )
-from coati_kto.parallel.model_shape import ModelShape, model_shape, stored_in_fp32
+from coati_kto.parallel.model_shape import ModelShape, cast_rounds, model_shape
 from coati_kto.parallel.plan import running_zero_stage
 
 LISTED = 12  # layouts listed after the configured one
@@ -183,10 +183,10 @@ def precompute_lines(shape: ModelShape, work: Workload, precision: str, gpu_memo
 def load_line(config: Config, shape: ModelShape, work: Workload, per_node: int) -> str:
     """Host memory at load (``memory_plan.load_host_bytes``): per rank and for a node's ``per_node`` ranks, which
     every node must have free (train refuses before loading when one has not: ``coati_kto.parallel.load_check``)."""
-    stored_fp32 = stored_in_fp32(config.model.path)
-    per_rank = load_host_bytes(shape, work, config.plugin.precision, stored_fp32)
+    rounds = cast_rounds(config.model.path, config.plugin.precision)
+    per_rank = load_host_bytes(shape, work, rounds)
     parts = ["the whole model in fp32"]
-    if config.plugin.precision != "fp32" and stored_fp32 and not work.lora_rank:
+    if rounds and not work.lora_rank:
         parts.append(f"its fp32 values kept through the {config.plugin.precision} cast")
     return (
         f"host memory at load: {_gib(per_rank).strip()} per rank ({', '.join(parts)}; every rank reads it), "

@@ -123,12 +123,14 @@ class ParallelBackend:
         optimizer: Any,
         lr_scheduler: Any,
         unreached_by_data: bool = False,
+        cast_rounds: bool = True,
     ) -> tuple[Any, Any, Any]:
         """``booster.boost`` the policy (loaded in fp32), start the fp32 masters from the loaded values, give what
         runs in fp32 (``fp32_kept``) its values back, and install the project's gradient path on the boosted
         optimizer. ``unreached_by_data``: the data can leave a trainable parameter without a gradient on one rank
         and not its peer (a vision tower trained on text and image records mixed): ZeRO reduces in parameter order
-        then, as for the MoEs that can."""
+        then, as for the MoEs that can. ``cast_rounds``: the cast to the working dtype rounds the loaded values
+        (``model_shape.cast_rounds``), so the masters are written from them."""
         kept = fp32_kept(policy, self.plan.dtype)
         self.prepare_policy(booster, policy)
         if self.torch_ddp:  # before DDP is built around the policy: it reads the setting once
@@ -138,7 +140,7 @@ class ParallelBackend:
             found = reduce_sums({"unused": unused}, None)["unused"] > 0
             self.ddp_settings(booster.plugin)["find_unused_parameters"] = found
         # The masters start from the loaded fp32 values, not from the cast's bf16 rounding of them (masters.py).
-        with fp32_through_the_cast(policy, self.plan.dtype) as loaded:
+        with fp32_through_the_cast(policy, self.plan.dtype, cast_rounds) as loaded:
             policy, optimizer, _, _, lr_scheduler = booster.boost(
                 policy, optimizer, lr_scheduler=lr_scheduler
             )

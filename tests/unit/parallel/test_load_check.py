@@ -13,7 +13,7 @@ import pytest
 from coati_kto.parallel.activations import Workload
 from coati_kto.parallel.load_check import GIB, available_host_bytes, load_refusal
 from coati_kto.parallel.memory_plan import load_host_bytes
-from coati_kto.parallel.model_shape import model_shape, stored_in_fp32
+from coati_kto.parallel.model_shape import cast_rounds, model_shape
 
 SHAPES = Path(__file__).resolve().parents[3] / "benchmarks" / "model_shapes"
 
@@ -21,27 +21,29 @@ SHAPES = Path(__file__).resolve().parents[3] / "benchmarks" / "model_shapes"
 def test_a_rank_holds_the_model_in_fp32_and_the_cast_keeps_fp32_values() -> None:
     shape = model_shape(str(SHAPES / "llama-3.1-70b"))  # 70,553,706,496 parameters, stored in bf16
     online = Workload(micro_batch=1, length=128)
-    assert load_host_bytes(shape, online, "bf16", stored_fp32=False) == 4 * 70_553_706_496
+    assert load_host_bytes(shape, online, cast_rounds=False) == 4 * 70_553_706_496
     # stored in fp32: the masters start from the fp32 values, kept beside the bf16 copy
-    assert load_host_bytes(shape, online, "bf16", stored_fp32=True) == 6 * 70_553_706_496
-    assert load_host_bytes(shape, online, "fp32", stored_fp32=True) == 4 * 70_553_706_496  # no cast
+    assert load_host_bytes(shape, online, cast_rounds=True) == 6 * 70_553_706_496
     lora = Workload(micro_batch=1, length=128, lora_rank=8, lora_targets=["q_proj"])
-    assert load_host_bytes(shape, lora, "bf16", stored_fp32=True) == 4 * 70_553_706_496  # frozen: no masters
+    assert load_host_bytes(shape, lora, cast_rounds=True) == 4 * 70_553_706_496  # frozen: no masters
 
 
-def test_config_json_says_how_the_weights_are_stored(tmp_path: Path) -> None:
-    assert not stored_in_fp32(str(SHAPES / "llama-3.1-70b"))  # torch_dtype bfloat16
-    for config, fp32 in (
-        ({"dtype": "float32"}, True),
-        ({"dtype": "bfloat16"}, False),
-        ({"torch_dtype": "float16"}, False),
-        ({}, True),  # nothing said: transformers' own default
-        ({"text_config": {"dtype": "bfloat16"}}, False),
+def test_the_cast_rounds_what_config_json_stores_in_another_dtype(tmp_path: Path) -> None:
+    """Where the cast to the working dtype rounds nothing (a checkpoint stored in bf16 trained in bf16), nothing
+    is kept through it: no 4 bytes per parameter of host memory, no pass over the weights."""
+    assert not cast_rounds(str(SHAPES / "llama-3.1-70b"), "bf16")  # torch_dtype bfloat16
+    assert not cast_rounds(str(SHAPES / "llama-3.1-70b"), "fp32")  # no cast
+    for config, bf16, fp16 in (
+        ({"dtype": "float32"}, True, True),
+        ({"dtype": "bfloat16"}, False, True),
+        ({"torch_dtype": "float16"}, True, False),  # fp16 values are not all bf16 values
+        ({}, True, True),  # nothing said: transformers' own default, fp32
+        ({"text_config": {"dtype": "bfloat16"}}, False, True),
     ):
         folder = tmp_path / str(len(list(tmp_path.iterdir())))
         folder.mkdir()
         (folder / "config.json").write_text(json.dumps({"model_type": "llama", **config}))
-        assert stored_in_fp32(str(folder)) is fp32, config
+        assert (cast_rounds(str(folder), "bf16"), cast_rounds(str(folder), "fp16")) == (bf16, fp16), config
 
 
 def test_the_refusal_names_the_node_and_both_amounts() -> None:
@@ -70,7 +72,7 @@ def test_memavailable_is_read_from_meminfo(tmp_path: Path) -> None:
 def test_the_tiny_model_fits_here(precision: str, tiny_model_dir: Path) -> None:
     shape = model_shape(str(tiny_model_dir))
     need = load_host_bytes(
-        shape, Workload(micro_batch=2, length=48), precision, stored_in_fp32(str(tiny_model_dir))
+        shape, Workload(micro_batch=2, length=48), cast_rounds(str(tiny_model_dir), precision)
     )
     assert need == (6 if precision == "bf16" else 4) * shape.params  # the tiny model is saved in fp32
     assert load_refusal(need, 2, available_host_bytes()) is None
