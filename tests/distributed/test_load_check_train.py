@@ -95,4 +95,6 @@ def test_the_reference_is_cast_and_placed_before_the_policy_is_read(
     from coati_kto.testing.distributed import run_distributed
 
     (seen,) = run_distributed(_fp32_copies_at_each_load, 1, str(tiny_model_dir), str(tmp_path / "out"))
-    assert seen == [0, 0]  # reference, then policy: no other fp32 model alive at either read
+    # reference, then policy: no fp32 copy of the model is alive at the policy's read but what the process held
+    # before the first (a pooled rank keeps earlier tests' models; the old order had the policy's two more)
+    assert len(seen) == 2 and seen[1] == seen[0], seen
