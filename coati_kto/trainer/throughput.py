@@ -113,14 +113,15 @@ def flop_params(model: Any) -> FlopParams:
         from colossalai.tensor.d_tensor import get_global_shape, is_distributed_tensor
     except ImportError:
         is_distributed_tensor = None
-    text = _text_modules(inner)
     embed = inner.get_input_embeddings() if hasattr(inner, "get_input_embeddings") else None
-    skip = {id(p) for p in embed.parameters()} if embed is not None else set()
     head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
-    if head is not None:
-        skip -= {id(p) for p in head.parameters()}  # tied: the head's multiply-adds are real
-    routed, vocab = _routed_share(inner), _vocab(inner)
     head_ids = {id(p) for p in head.parameters()} if head is not None else set()
+    # The input embeddings are a lookup; tied to the head, their multiply-adds are the head's and count.
+    skip = ({id(p) for p in embed.parameters()} if embed is not None else set()) - head_ids
+    text = _text_modules(inner, head_ids)
+    config = getattr(inner, "config", None)
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    routed, vocab = _routed_share(text_config), getattr(text_config, "vocab_size", None)
     adapters_off = isinstance(model, AdapterFreeReference)
     counts, seen = {True: 0.0, False: 0.0}, set()
     for name, p in inner.named_parameters():
@@ -133,34 +134,26 @@ def flop_params(model: Any) -> FlopParams:
         distributed = is_distributed_tensor is not None and is_distributed_tensor(p)
         shape = torch.Size(get_global_shape(p)) if distributed else p.shape
         numel = int(shape.numel())
-        if id(p) in head_ids and vocab and p.dim() == 2 and shape[0] > vocab:  # shardformer's padded rows
+        if (
+            id(p) in head_ids and isinstance(vocab, int) and p.dim() == 2 and shape[0] > vocab
+        ):  # shardformer's padded rows
             numel = numel // shape[0] * vocab
         counts[p.requires_grad] += numel * (routed if "experts" in parts else 1.0)
     return FlopParams(trainable=round(counts[True]), frozen=round(counts[False]))
 
 
-def _text_modules(inner: Any) -> set[int] | None:
-    """ids of the parameters a text token runs through (the decoder and the LM head), or None (all of them)
-    where the model names no decoder."""
+def _text_modules(inner: Any, head_ids: set[int]) -> set[int] | None:
+    """ids of the parameters a text token runs through (the decoder's and the LM head's ``head_ids``), or None
+    (all of them) where the model names no decoder."""
     decoder = inner.get_decoder() if hasattr(inner, "get_decoder") else None
     if decoder is None or decoder is inner:
         return None
-    head = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
-    return {id(p) for m in (decoder, head) if m is not None for p in m.parameters()}
+    return {id(p) for p in decoder.parameters()} | head_ids
 
 
-def _vocab(inner: Any) -> int | None:
-    """The model's vocabulary as its config says (the LM head's rows before a plugin pads them)."""
-    config = getattr(inner, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    vocab = getattr(text, "vocab_size", None)
-    return vocab if isinstance(vocab, int) else None
-
-
-def _routed_share(inner: Any) -> float:
-    """The share of an MoE's expert parameters a token runs through (top-k / experts); 1 for a dense model."""
-    config = getattr(inner, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+def _routed_share(text: Any) -> float:
+    """The share of an MoE's expert parameters a token runs through (top-k / experts), from its text config; 1
+    for a dense model."""
     experts = next((getattr(text, k) for k in _EXPERTS if isinstance(getattr(text, k, None), int)), None)
     top_k = next((getattr(text, k) for k in _TOP_K if isinstance(getattr(text, k, None), int)), None)
     return top_k / experts if experts and top_k and 0 < top_k <= experts else 1.0
