@@ -14,7 +14,10 @@ A shape field config.json lacks is a ConfigError naming it (``AutoConfig.for_mod
 default: another model) where the family's class has a value for it (not one it computes, such as head_dim). A
 vision-language config's text model nested under ``text_config`` is what transformers writes as a diff against
 the text class's defaults (Gemma 3 4B and LLaVA 1.5's hub configs omit their heads and sizes): the fields it
-omits are taken from those defaults and named in ``defaulted``, not refused.
+omits are taken from those defaults and named in ``defaulted``, not refused. Its vision tower and projector (the
+parameters ``coati_kto.models.hf.freeze_vision_tower`` freezes) are ``tower_params``: replicated on every
+tensor-parallel rank (the families' policies split the language model only), held by the first pipeline stage,
+trained only with ``model.train_vision``, and never LoRA targets (``lora_linears`` are the decoder's).
 """
 
 from __future__ import annotations
@@ -64,7 +67,7 @@ class ModelShape:
     vocab_params: int  # embeddings and an untied head: vocab x hidden each
     split_params: int  # the decoder layers' projections (and their biases): 1/tp each
     whole_params: int  # norms and the like: whole on every tensor-parallel rank
-    lora_linears: tuple[tuple[str, int, int], ...]  # (module name, in, out) of every Linear in the layers
+    lora_linears: tuple[tuple[str, int, int], ...]  # (module name, in, out) of every Linear in the decoder's layers
     outer_whole_params: int = 0  # of whole_params, those outside the decoder layers (the final norm)
     # Per token, the MLP's intermediate width: top-k x a routed expert's + a shared expert's (MoE; the widest
     # layer where layers mix dense and MoE MLPs); 0: a dense ``intermediate``.
@@ -73,11 +76,13 @@ class ModelShape:
     routed_experts: int = 0
     # text_config's shape fields taken from the family's defaults (module docstring).
     defaulted: tuple[str, ...] = ()
+    # A vision-language model's vision tower and projector: whole on every rank, frozen unless train_vision.
+    tower_params: int = 0
 
     @property
     def params(self) -> int:
         """Every parameter, each tied tensor once."""
-        return self.vocab_params + self.split_params + self.whole_params
+        return self.vocab_params + self.split_params + self.whole_params + self.tower_params
 
     def params_per_rank(self, tp: int) -> int:
         """Parameters one tensor-parallel rank holds: vocabulary rows padded to 64 x tp and split, projections
@@ -85,7 +90,7 @@ class ModelShape:
         vocab_tensors = self.vocab_params // max(1, self.vocab * self.hidden)
         rows = self.vocab if tp == 1 else math.ceil(self.vocab / (VOCAB_MULTIPLE * tp)) * VOCAB_MULTIPLE * tp
         vocab = vocab_tensors * rows // tp * self.hidden
-        return vocab + math.ceil(self.split_params / tp) + self.whole_params
+        return vocab + math.ceil(self.split_params / tp) + self.whole_params + self.tower_params
 
     def stage_params(self, tp: int, layers: int, first: bool, last: bool) -> int:
         """Parameters one rank of a pipeline stage holds: ``layers`` decoder layers (their share of the split and
@@ -97,7 +102,7 @@ class ModelShape:
         vocab = held * rows // tp * self.hidden
         split = math.ceil(self.split_params * layers / self.layers / tp)
         whole = (self.whole_params - self.outer_whole_params) * layers // self.layers
-        return vocab + split + whole + (self.outer_whole_params if last else 0)
+        return vocab + split + whole + (self.outer_whole_params if last else 0) + (self.tower_params if first else 0)
 
     def lora_params(self, rank: int, targets: list[str]) -> int:
         """Adapter parameters: r x (in + out) for every Linear one of ``targets`` names as peft matches it (the
@@ -109,20 +114,68 @@ class ModelShape:
         )
 
 
-_WORKING_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+_WORKING_DTYPES = {"bf16": ("bfloat16", "BF16"), "fp16": ("float16", "F16")}  # config.json's, safetensors'
+_FLOAT_HEADER_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
 
 
 def cast_rounds(source: str, precision: str, key: str = "model.path") -> bool:
-    """Whether the plugin's cast to ``precision``'s working dtype rounds the checkpoint's weights: config.json
-    stores them in another dtype (``dtype``, ``torch_dtype`` before transformers 5; fp32 when it says nothing,
-    transformers' own default). Then the masters start from the fp32 values kept through the cast
-    (``coati_kto.parallel.masters``). False for an fp32 run (no cast)."""
+    """Whether the plugin's cast to ``precision``'s working dtype rounds the checkpoint's weights: a floating
+    tensor is stored in another dtype. Read from the safetensors headers (no weights read), else from
+    config.json (``dtype``, ``torch_dtype`` before transformers 5; fp32 when it says nothing, transformers' own
+    default): a config can say bfloat16 beside fp32 tensors (a converted or consolidated checkpoint). Then the
+    masters start from the fp32 values kept through the cast (``coati_kto.parallel.masters``). False for an fp32
+    run (no cast)."""
     if precision not in _WORKING_DTYPES:
         return False
+    config_name, header_name = _WORKING_DTYPES[precision]
+    stored = stored_float_dtypes(source)
+    if stored:
+        return stored != {header_name}
     raw = read_config_json(source, key)
     text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
-    stored = raw.get("dtype") or raw.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
-    return str(stored or "float32").removeprefix("torch.") != _WORKING_DTYPES[precision]
+    named = raw.get("dtype") or raw.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype")
+    return str(named or "float32").removeprefix("torch.") != config_name
+
+
+def stored_float_dtypes(source: str) -> set[str] | None:
+    """The safetensors dtypes (``F32``, ``BF16``, ...) of the floating tensors of the checkpoint at ``source`` (a
+    directory, or a Hub id's cached snapshot), from each file's header; None where it has no safetensors here."""
+    from safetensors import safe_open
+
+    files = _safetensors_files(source)
+    if not files:
+        return None
+    stored: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt") as opened:
+            stored.update(opened.get_slice(name).get_dtype() for name in opened.keys())  # noqa: SIM118
+    return stored & _FLOAT_HEADER_DTYPES
+
+
+def _safetensors_files(source: str) -> list[Path]:
+    folder = Path(source).expanduser()
+    if not folder.is_dir():
+        if hub_id(source) is None:
+            return []
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = [
+            try_to_load_from_cache(source, n) for n in ("model.safetensors.index.json", "model.safetensors")
+        ]
+        found = [Path(c) for c in cached if isinstance(c, str)]
+        if not found:
+            return []
+        folder = found[0].parent
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (OSError, ValueError, KeyError, TypeError):
+            return []
+        paths = [folder / shard for shard in shards]
+        return paths if all(p.is_file() for p in paths) else []
+    single = folder / "model.safetensors"
+    return [single] if single.is_file() else []
 
 
 def read_config_json(source: str, key: str = "model.path") -> dict[str, Any]:
@@ -250,24 +303,37 @@ def _defaulted_fields(raw: dict[str, Any], text_class: type) -> list[str]:
     return missing
 
 
+def _tower(model: Any) -> set[int]:
+    """The ids of the meta ``model``'s parameters training freezes as its vision tower and projector: those
+    ``freeze_vision_tower`` turns off (the rule is its own; the meta model is thrown away after counting)."""
+    from coati_kto.models.hf import freeze_vision_tower
+
+    trained = {id(p) for p in model.parameters() if p.requires_grad}
+    freeze_vision_tower(model)
+    return {i for i in trained if i not in {id(p) for p in model.parameters() if p.requires_grad}}
+
+
 def _count(model: Any, text: Any) -> ModelShape:
     """The shape of the meta ``model`` (``text``: its text config)."""
     from torch import nn
 
-    counts = {"vocab": 0, "split": 0, "whole": 0, "outer": 0}
+    tower = _tower(model)
+    counts = {"vocab": 0, "split": 0, "whole": 0, "outer": 0, "tower": 0}
     for name, param in model.named_parameters():  # each tied tensor once
         leaf = name.rsplit(".", 2)[-2] if "." in name else name
-        if leaf in VOCAB_NAMES:
+        if id(param) in tower:
+            counts["tower"] += param.numel()
+        elif leaf in VOCAB_NAMES:
             counts["vocab"] += param.numel()
         elif ".layers." in name and "norm" not in name and param.dim() >= 1 and "gate.weight" not in name:
             counts["split"] += param.numel()
         else:
             counts["whole"] += param.numel()
             counts["outer"] += 0 if ".layers." in name else param.numel()
-    linears = tuple(
+    linears = tuple(  # the decoder's: training's LoRA targets no module of the tower (config.lora.peft_targets)
         (name, m.in_features, m.out_features)
         for name, m in model.named_modules()
-        if isinstance(m, nn.Linear) and ".layers." in name
+        if isinstance(m, nn.Linear) and ".layers." in name and id(m.weight) not in tower
     )
     heads = int(text.num_attention_heads)
     head_dim = int(getattr(text, "head_dim", None) or text.hidden_size // heads)
@@ -289,6 +355,7 @@ def _count(model: Any, text: Any) -> ModelShape:
         outer_whole_params=counts["outer"],
         mlp_intermediate=width,
         routed_experts=routed,
+        tower_params=counts["tower"],
     )
 
 

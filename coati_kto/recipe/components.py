@@ -109,8 +109,11 @@ def build_components(
 
 
 def _cast_rounds(config: Config) -> bool:
-    """Whether the plugin's cast rounds the policy's loaded values (model_shape.cast_rounds); True where its
-    config.json cannot be read here (the masters are then written from the loaded values: right either way)."""
+    """Whether the plugin's cast rounds the policy's trained values (model_shape.cast_rounds); True where its
+    checkpoint cannot be read here (the masters are then written from the loaded values: right either way), and
+    under LoRA: the adapters are made in fp32 by peft, whatever dtype the base model is stored in."""
+    if config.model.lora is not None:
+        return config.plugin.precision != "fp32"
     try:
         return cast_rounds(config.model.path, config.plugin.precision)
     except UserError:
