@@ -49,14 +49,17 @@ def _schedule_type(value: str | None, rate: float | None) -> Translation:
                 [],
                 "has no equivalent without its floor (--lr_scheduler_kwargs min_lr_rate, or min_lr with --learning_rate)",
             )
-        override = f"train.min_lr_ratio={rate:g}"
-        return [override], f"is {override} ({SCHEDULE})"
-    if value == "linear":
-        overrides = ["train.lr_schedule=linear", "train.min_lr_ratio=0.0"]
+        overrides = ["train.lr_schedule=cosine", f"train.min_lr_ratio={rate:g}"]
         return overrides, f"is {' '.join(overrides)} ({SCHEDULE})"
-    ratio = {"cosine": "0.0", "constant_with_warmup": "1.0"}.get(value or "")
-    override = f"train.min_lr_ratio={ratio}"
-    return ([override], f"is {override} ({SCHEDULE})") if ratio else ([], f"has no equivalent ({SCHEDULE})")
+    if value in (
+        "linear",
+        "cosine",
+    ):  # the decay's shape named: the config's train.lr_schedule may be the other
+        overrides = [f"train.lr_schedule={value}", "train.min_lr_ratio=0.0"]
+        return overrides, f"is {' '.join(overrides)} ({SCHEDULE})"
+    if value == "constant_with_warmup":  # a floor of 1: no decay, whatever its shape
+        return ["train.min_lr_ratio=1.0"], f"is train.min_lr_ratio=1.0 ({SCHEDULE})"
+    return [], f"has no equivalent ({SCHEDULE})"
 
 
 def _floor(given: dict[str, Any]) -> float | None:

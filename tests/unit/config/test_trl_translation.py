@@ -84,11 +84,13 @@ def test_every_flag_is_accounted_for(tmp_path: Path, capsys: pytest.CaptureFixtu
     )
     assert line == (
         "error: TRL-style flags are not options of coati-kto train: --beta 0.1 is kto.beta=0.1; "
-        f"--lr_scheduler_type cosine is train.min_lr_ratio=0.0 ({schedule}); --warmup_ratio 0.1 has no "
+        f"--lr_scheduler_type cosine is train.lr_schedule=cosine train.min_lr_ratio=0.0 ({schedule}); "
+        "--warmup_ratio 0.1 has no "
         "equivalent (no ratio here; set train.warmup_steps to 10% of the run's steps); --report_to wandb is "
         "logging.wandb=true (TensorBoard stays on unless logging.tensorboard=false); --logging_first_step has "
         "no equivalent (train/ metrics every train.log_interval steps); as overrides after the config: "
-        f"coati-kto train {path} kto.beta=0.1 train.min_lr_ratio=0.0 logging.wandb=true" + TAIL
+        f"coati-kto train {path} kto.beta=0.1 train.lr_schedule=cosine train.min_lr_ratio=0.0 logging.wandb=true"
+        + TAIL
     )
     flags = ["--save_total_limit", "3", "--dataset_num_proc", "4", "--precompute_ref_log_probs"]
     flags += ["--report_to", "none", "--max_steps", "-1", "--resume_from_checkpoint", "True"]
@@ -612,9 +614,17 @@ def test_the_schedule_flags_read_each_other(tmp_path: Path, capsys: pytest.Captu
 
     kwargs = ["--lr_scheduler_type", "cosine_with_min_lr", "--lr_scheduler_kwargs", '{"min_lr_rate": 0.1}']
     line = _line(["train", str(path), *kwargs], capsys)
-    assert _parts(line)[0].startswith("--lr_scheduler_type cosine_with_min_lr is train.min_lr_ratio=0.1 (")
+    assert _parts(line)[0].startswith(
+        "--lr_scheduler_type cosine_with_min_lr is train.lr_schedule=cosine train.min_lr_ratio=0.1 ("
+    )
     assert "is read into --lr_scheduler_type cosine_with_min_lr's train.min_lr_ratio" in _parts(line)[1]
     assert _loaded(line, path).train.min_lr_ratio == 0.1
+    # a config that decays linearly: TRL's cosine is still cosine (from an audit: it decayed linearly)
+    (tmp_path / "linear").mkdir()
+    linear = write_config(tmp_path / "linear", MINIMAL + "train:\n  lr_schedule: linear\n")
+    assert load_config(linear, []).train.lr_schedule == "linear"
+    for kind in (kwargs, ["--lr_scheduler_type", "cosine"]):
+        assert _loaded(_line(["train", str(linear), *kind], capsys), linear).train.lr_schedule == "cosine"
     by_lr = ["--lr_scheduler_type", "cosine_with_min_lr", "--lr_scheduler_kwargs", '{"min_lr": 2e-6}']
     line = _line(["train", str(path), *by_lr, "--learning_rate", "1e-5"], capsys)
     assert _loaded(line, path).train.min_lr_ratio == pytest.approx(0.2)
