@@ -23,6 +23,9 @@ import torch
 from coati_kto.models.lora import AdapterFreeReference, base_module
 
 # The config keys of an MoE's expert count and of the experts each token is routed to, across families.
+SHARED_EXPERT_PREFIX = (
+    "shared_"  # Qwen2-MoE's shared_expert and shared_expert_gate, DeepSeek's shared_experts
+)
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 _TOP_K = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_k")
 
@@ -122,6 +125,7 @@ def flop_params(model: Any) -> FlopParams:
     config = getattr(inner, "config", None)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     routed, vocab = _routed_share(text_config), getattr(text_config, "vocab_size", None)
+    experts = _routed_expert_ids(inner) if routed < 1.0 else set()
     adapters_off = isinstance(model, AdapterFreeReference)
     counts, seen = {True: 0.0, False: 0.0}, set()
     for name, p in inner.named_parameters():
@@ -138,7 +142,7 @@ def flop_params(model: Any) -> FlopParams:
             id(p) in head_ids and isinstance(vocab, int) and p.dim() == 2 and shape[0] > vocab
         ):  # shardformer's padded rows
             numel = numel // shape[0] * vocab
-        counts[p.requires_grad] += numel * (routed if "experts" in parts else 1.0)
+        counts[p.requires_grad] += numel * (routed if id(p) in experts else 1.0)
     return FlopParams(trainable=round(counts[True]), frozen=round(counts[False]))
 
 
@@ -149,6 +153,23 @@ def _text_modules(inner: Any, head_ids: set[int]) -> set[int] | None:
     if decoder is None or decoder is inner:
         return None
     return {id(p) for p in decoder.parameters()} | head_ids
+
+
+def _routed_expert_ids(inner: Any) -> set[int]:
+    """ids of the routed experts' parameters: those of the children of an MoE block (a module with a ``router``
+    or ``gate`` child) but the router and the always-on shared expert, and those under a module named
+    ``experts``. JetMoE's experts are ``input_linear`` / ``output_linear``; its bias, a parameter of the block
+    itself, runs for every token, as a router does."""
+    out: set[int] = set()
+    for name, module in inner.named_modules():
+        children = dict(module.named_children())
+        if "router" in children or "gate" in children:
+            for child_name, child in children.items():
+                if child_name not in ("router", "gate") and not child_name.startswith(SHARED_EXPERT_PREFIX):
+                    out.update(id(p) for p in child.parameters())
+        elif name.split(".")[-1] == "experts":
+            out.update(id(p) for n, p in module.named_parameters() if "router" not in n.split("."))
+    return out
 
 
 def _routed_share(text: Any) -> float:

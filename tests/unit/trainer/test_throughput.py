@@ -64,6 +64,26 @@ def test_an_moe_token_runs_through_its_routed_share_of_the_experts() -> None:
     assert flop_params(moe).total == total - 200 * 32 - experts // 2  # the embedding lookup, half the experts
 
 
+def test_jetmoe_experts_are_routed_and_its_routers_run_for_every_token() -> None:
+    """From an audit: JetMoE's experts (``input_linear`` / ``output_linear`` of its MoE and attention-expert
+    blocks) hold no ``experts`` in their names and counted whole, while its attention router (under
+    ``experts``) was scaled. 8 experts, 2 per token: a quarter of the experts' weights run per token."""
+    from transformers import JetMoeConfig, JetMoeForCausalLM
+
+    moe = random_causal_lm(
+        JetMoeForCausalLM, JetMoeConfig, num_local_experts=8, num_experts_per_tok=2, kv_channels=8,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    names = dict(moe.named_parameters())
+    experts = sum(
+        p.numel() for n, p in names.items() if n.endswith(("input_linear.weight", "output_linear.weight"))
+    )
+    routers = [n for n in names if ".router." in n]
+    assert experts > 0 and len(routers) == 2 * moe.config.num_hidden_layers  # the MLP's and the attention's
+    total = sum(p.numel() for p in moe.parameters()) - moe.get_input_embeddings().weight.numel()
+    assert flop_params(moe).total == total - experts + experts // 4
+
+
 def test_a_vision_tower_is_not_charged_to_text_tokens(tmp_path) -> None:
     """A vision-language model's tower and projector were counted per text token (Gemma 3's tiny model 1.5x)."""
     from transformers import AutoModelForImageTextToText
