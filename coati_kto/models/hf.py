@@ -18,12 +18,13 @@ from torch import nn
 
 from coati_kto.config.schema import ModelSection
 from coati_kto.errors import ConfigError
-from coati_kto.families import auto_model_class, eager_attention_reason, vision_language
+from coati_kto.families import auto_model_class, eager_attention_reason
 from coati_kto.models.compile import wants_compile
 from coati_kto.models.last_mlp import skip_unread_mlp
 from coati_kto.models.norms import fuse_rms_norms
 from coati_kto.models.rotary import fuse_rotary
 from coati_kto.parallel.fp32_kept import meta_rebuild_key, round_trainable
+from coati_kto.parallel.model_shape import tower_ids
 
 
 def attention_implementation(path: str, model_cfg: ModelSection) -> tuple[str | None, str | None]:
@@ -113,10 +114,8 @@ def freeze_vision_tower(model: torch.nn.Module, keep_fp32: bool = False) -> dict
 
     Returns, with ``keep_fp32``, a CPU fp32 copy of each frozen parameter by name, taken before a plugin casts
     it (an fp32 export has no optimizer master to take them from); else {}. A text-only model: nothing, {}."""
-    if not vision_language(getattr(model, "config", None)):
-        return {}
-    text = {id(p) for m in (model.get_decoder(), model.get_output_embeddings()) for p in m.parameters()}
-    frozen = {n: p for n, p in model.named_parameters() if id(p) not in text and p.requires_grad}
+    tower = tower_ids(model)  # the plan counts the same parameters (coati_kto.parallel.model_shape)
+    frozen = {n: p for n, p in model.named_parameters() if id(p) in tower}
     for p in frozen.values():
         p.requires_grad_(False)
     return {n: p.detach().float().cpu().clone() for n, p in frozen.items()} if keep_fp32 else {}

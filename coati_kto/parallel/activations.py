@@ -36,7 +36,10 @@ gathered: the logits, their gradient and the two chunks.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from coati_kto.parallel.model_shape import ModelShape
 
 HEAD_BLOCK = {"cpu": 1 << 23, "gpu": 1 << 26}  # coati_kto.models.logprobs._HEAD_CHUNK_ELEMENTS_*
 HEAD_KEEP = {"cpu": 1 << 24, "gpu": 1 << 28}  # _KEEP_LOGITS_ELEMENTS (x _GPU_SCALE on a GPU)
@@ -61,15 +64,20 @@ class Workload:
     dense_mask: bool = False  # padding-free rows with sdpa or eager: the [R, 1, L, L] mask (module docstring)
     padded_mask: bool = False  # padded rows under sdpa: a [R, 1, L, L] mask per layer (module docstring)
     fused_norms: bool = False  # model.fused_norms: the RMSNorms keep less (layer_bytes)
+    train_vision: bool = False  # model.train_vision: a vision-language model's tower trains too
+    fused_optimizer: bool = False  # train.fused_optimizer: MixedAdamW's step makes no fp32 gradient copy
+    reference_shape: ModelShape | None = None  # model.reference_path's; None: the policy's model
 
     @classmethod
     def from_config(cls, config: Any, device: str = "gpu") -> Workload:
         """The workload of a validated ``Config``. Whether its head is plain is read from ``model.path``'s
         config.json (``model_shape.head_is_plain``): the model type alone cannot tell (Gemma 3's depends on its
-        soft-capping, a LLaVA's text model is a Llama)."""
-        from coati_kto.parallel.model_shape import head_is_plain
+        soft-capping, a LLaVA's text model is a Llama); ``model.reference_path``'s shape from its config.json
+        (ConfigError one line where it cannot be read)."""
+        from coati_kto.parallel.model_shape import head_is_plain, model_shape
 
         lora, attention = config.model.lora, config.model.attn_implementation
+        ref = config.model.reference_path
         return cls(
             micro_batch=config.train.micro_batch_size,
             length=config.data.max_length,
@@ -86,6 +94,9 @@ class Workload:
             # pipeline stages run padded rows whatever data.padding_free says
             padded_mask=attention == "sdpa" and (not config.data.padding_free or config.plugin.pp_size > 1),
             fused_norms=config.model.fused_norms,
+            train_vision=config.model.train_vision,
+            fused_optimizer=config.train.fused_optimizer,
+            reference_shape=model_shape(ref, "model.reference_path") if ref else None,
         )
 
 

@@ -1,10 +1,16 @@
 """Whether each node's free host memory holds what its ranks read while they load the model.
 
 Every rank reads the whole model into host memory in fp32 before the plugin moves its share to the GPU
-(``memory_plan.load_host_bytes``: 4 bytes per parameter, 6 for a checkpoint stored in fp32 trained in bf16). A
+(``memory_plan.load_host_bytes``: 4 bytes per parameter; 6 per parameter of the rank's tensor- and
+pipeline-parallel share for a checkpoint stored in fp32 trained in bf16, when that is more). A
 node of 8 ranks loading a 32B model needs about 1 TB free at once; short of it, the kernel's OOM killer ends a
 rank (or another process on the node) with SIGKILL partway through the load, and the job dies with no word of
 why. :func:`refuse_a_load_no_node_holds` says it in one line on every rank, before any weight is read.
+
+Ranks are grouped into nodes by host name (``socket.gethostname``, whatever the launcher: torchrun, srun,
+mpirun), each node's need the sum of its ranks'. The estimate is a heuristic (``MemAvailable`` leaves out memory
+the kernel could still free, and a container's limit may be lower): ``COATI_KTO_NO_HOST_MEMORY_CHECK=1`` in any
+rank's environment turns the refusal off.
 """
 
 from __future__ import annotations
@@ -13,13 +19,23 @@ import os
 import socket
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
 from coati_kto.config.schema import Config
 from coati_kto.errors import UserError
 
 GIB = 1 << 30
+NO_CHECK = "COATI_KTO_NO_HOST_MEMORY_CHECK"  # "1": refuse no load (module docstring)
+FIX = (
+    "start fewer ranks per node or free host memory (`coati-kto plan CONFIG --gpus N --nodes M` shows the need; "
+    f"{NO_CHECK}=1 skips this check)"
+)
+
+HEAD = "host memory: each rank reads the whole model into host memory in fp32 as it loads"
+
+# What one rank reports: its host name, its need at load (None: unknown), its host's available memory (None:
+# unknown), whether its environment turns the check off.
+Report = tuple[str, int | None, int | None, bool]
 
 
 def available_host_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
@@ -34,18 +50,39 @@ def available_host_bytes(meminfo: Path = Path("/proc/meminfo")) -> int | None:
     return None
 
 
-def load_refusal(needed_per_rank: int, ranks_on_node: int, available: int | None) -> str | None:
-    """The one line when ``ranks_on_node`` ranks each needing ``needed_per_rank`` bytes at load do not fit in
-    ``available`` bytes of this node's host memory; None when they fit or nothing is known."""
-    needed = needed_per_rank * ranks_on_node
-    if available is None or needed <= available:
+def load_refusal(
+    needed_per_rank: int, ranks_on_node: int, available: int | None, host: str | None = None
+) -> str | None:
+    """:func:`nodes_refusal` of one node, ``host`` (None: this one), whose ``ranks_on_node`` ranks each need
+    ``needed_per_rank`` bytes at load and have ``available`` bytes."""
+    report: Report = (host or socket.gethostname(), needed_per_rank, available, False)
+    return nodes_refusal([report] * ranks_on_node)
+
+
+def _shortage(needed: int, ranks: int, available: int, host: str) -> str:
+    return f"{_size(needed)} for the {ranks} rank(s) on {host}, which has {_size(available)} available"
+
+
+def nodes_refusal(reports: list[Report]) -> str | None:
+    """The one line naming every node whose ranks' summed need exceeds its available memory (the least any of
+    its ranks read), from every rank's :data:`Report`; None when each fits, nothing is known, or a rank's
+    environment sets :data:`NO_CHECK`. Every rank computes it from the same reports: the same answer."""
+    if any(skip for *_, skip in reports):
         return None
-    return (
-        f"host memory: each rank reads the whole model into host memory in fp32 as it loads "
-        f"({_size(needed_per_rank)} per rank), {_size(needed)} for the {ranks_on_node} rank(s) on "
-        f"{socket.gethostname()}, which has {_size(available)} available (MemAvailable): start fewer ranks per "
-        "node or free host memory (`coati-kto plan CONFIG --gpus N --nodes M` shows the need)"
-    )
+    ranks: dict[str, int] = {}
+    need: dict[str, int] = {}
+    available: dict[str, int] = {}
+    for host, needed, free, _ in reports:
+        ranks[host] = ranks.get(host, 0) + 1
+        need[host] = need.get(host, 0) + (needed or 0)
+        if free is not None:
+            available[host] = min(available.get(host, free), free)
+    short = [h for h in ranks if h in available and need[h] > available[h]]
+    if not short:
+        return None
+    per_rank = max(needed or 0 for _, needed, _, _ in reports)
+    where = "; ".join(_shortage(need[h], ranks[h], available[h], h) for h in short)
+    return f"{HEAD} ({_size(per_rank)} per rank), {where} (MemAvailable): {FIX}"
 
 
 def _size(n: int) -> str:
@@ -53,37 +90,36 @@ def _size(n: int) -> str:
 
 
 def needed_per_rank(config: Config) -> int | None:
-    """What one rank of ``config`` (a validated Config) holds at its load peak; None when the model's
-    config.json cannot be read here (a Hub id not cached yet: the load says why later)."""
+    """What one rank of ``config`` (a validated Config) holds at its load peak; None when a model's config.json
+    cannot be read here (a Hub id not cached yet: the load says why later)."""
     from coati_kto.parallel.activations import Workload
-    from coati_kto.parallel.memory_plan import load_host_bytes
+    from coati_kto.parallel.memory_plan import Layout, load_host_bytes
     from coati_kto.parallel.model_shape import cast_rounds, model_shape
 
-    path = config.model.path
+    path, plugin = config.model.path, config.plugin
     try:
         shape = model_shape(path)
-        rounds = cast_rounds(path, config.plugin.precision)
+        rounds = cast_rounds(path, plugin.precision)
+        work = Workload.from_config(config)
     except UserError:
         return None
-    work = Workload.from_config(config)
-    return load_host_bytes(shape, work, rounds)
+    # What shardformer splits before the cast (hybrid_parallel's tp and pp; the other plugins have neither).
+    pp, chunks = getattr(plugin, "pp_size", 1), getattr(plugin, "num_model_chunks", 1)
+    layout = Layout(plugin.name, plugin.precision, plugin.zero_stage, plugin.tp_size, pp=pp, chunks=chunks)
+    return load_host_bytes(shape, work, rounds, layout)
 
 
 def refuse_a_load_no_node_holds(config: Config) -> None:
     """UserError on every rank, before any weight is read, when one node's available host memory cannot hold
-    what its ranks (``LOCAL_WORLD_SIZE``) read at load. Every rank calls it (one all_reduce when distributed:
-    one node short stops every rank, not only its own, whose peers would wait in the next collective)."""
+    what its ranks read at load (:func:`nodes_refusal`). Every rank calls it: one all_gather_object of every
+    rank's report when distributed (one node short stops every rank, whose peers would wait in the next
+    collective), reached by every rank whatever it knows."""
     need = needed_per_rank(config)
-    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-    why = load_refusal(need, ranks, available_host_bytes()) if need is not None else None
+    report: Report = (socket.gethostname(), need, available_host_bytes(), os.environ.get(NO_CHECK) == "1")
+    reports = [report]
     if dist.is_initialized():
-        on = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-        vote = torch.tensor([why is not None], dtype=torch.int32, device=on)
-        dist.all_reduce(vote, op=dist.ReduceOp.MAX)
-        if vote.item() and why is None:
-            why = (
-                "host memory: another node cannot hold what its ranks read while they load the model (its ranks "
-                "say how much)"
-            )
+        reports = [report] * dist.get_world_size()
+        dist.all_gather_object(reports, report)
+    why = nodes_refusal(reports)
     if why is not None:
         raise UserError(why)

@@ -7,14 +7,19 @@ trains with:
 - AdamW's two moments are fp32 (8 bytes per trainable parameter; ``train.optimizer_state_dtype: bf16``: 4).
   Under bf16 / fp16 the optimizer updates fp32 masters (4 bytes): ZeRO's optimizer (stage 1 and 2) and the AMP
   optimizer (hybrid_parallel at ZeRO 0, which one data-parallel rank runs) both keep them. At its step each
-  casts the working gradients it updates to fp32 (4 bytes, alive through the step).
+  casts the working gradients it updates to fp32 (4 bytes, alive through the step); ``train.fused_optimizer``
+  casts none (``_step_copies``).
+- What trains: every parameter but a vision-language model's vision tower and projector (frozen unless
+  ``model.train_vision``), or the LoRA adapters of the decoder's layers.
 - ZeRO 1 and 2 shard the masters and moments over the data-parallel ranks, ZeRO 2 also the gradients;
-  ``plugin.cpu_offload`` keeps masters and moments in host memory (counted apart). Tensor parallelism splits
-  everything the model's projections and vocabulary hold (``coati_kto.parallel.model_shape``).
+  ``plugin.cpu_offload`` keeps masters, moments and the step's fp32 gradients in host memory (counted apart).
+  Tensor parallelism splits everything the model's projections and vocabulary hold
+  (``coati_kto.parallel.model_shape``).
 - Communication: torch DDP (ddp, and hybrid_parallel at ZeRO 0 on more than one data-parallel rank) keeps
   buckets as large as the gradients; ZeRO a reduce bucket and its reduce-scatter output (12M elements each).
-- The reference (``kto.reference: online``) is a second copy of the weights in the working dtype, split as the
-  policy is; cached: nothing; under LoRA it is the policy with the adapters off: nothing more.
+- The reference (``kto.reference: online``) is a second copy of the weights in the working dtype (of
+  ``model.reference_path``'s model where set), split as the policy is; cached: nothing; under LoRA it is the
+  policy with the adapters off: nothing more.
 - Activations: :mod:`coati_kto.parallel.activations`.
 - Pipeline parallelism (``pp`` stages, :mod:`coati_kto.parallel.stages`): every part above is the stage's. A
   stage holds its layers, the first also the embedding, the last the final norm and the LM head; the plan is the
@@ -95,12 +100,12 @@ class MemoryPlan:
     gradients: int
     masters: int
     moments: int
-    step_copies: int  # fp32 copies of the gradients at the optimizer step
+    step_copies: int  # what the optimizer step makes of the gradients on the device (_step_copies)
     reference: int
     activations: int
     head: int
     communication: int
-    host: int  # what cpu_offload keeps in host memory
+    host: int  # what cpu_offload keeps in host memory: masters, moments, the step's fp32 gradients
     notes: list[str] = field(default_factory=list)
     accumulating: bool = False  # micro-batches accumulate: the gradients live through the next gradient pass
     p2p: int = 0  # the hidden states a pipeline stage's schedule holds at once (sent, received, gradients)
@@ -154,14 +159,8 @@ def _plan_stage(shape: ModelShape, layout: Layout, work: Workload, stage: int) -
     first, last = stage == 0, stage == layout.pp - 1
     chunks = stage_chunks(shape.layers, layout.pp, layout.chunks, stage)
     layers = sum(chunks)
-    params = (
-        shape.stage_params(layout.tp, layers, first, last)
-        if layout.pp > 1
-        else shape.params_per_rank(layout.tp)
-    )
-    trainable = params
-    if work.lora_rank:  # the adapters of this stage's layers
-        trainable = shape.lora_params(work.lora_rank, work.lora_targets) * layers // shape.layers
+    params = _rank_params(shape, layout, layers, first, last)
+    trainable = _trained(shape, work, params, layers, first)
     working = DTYPE_BYTES[layout.precision]
     mixed = layout.precision != "fp32"
     shards = layout.dp * layout.sp if layout.zero_stage >= 1 else 1  # ZeRO's group: data x sequence ranks
@@ -169,12 +168,14 @@ def _plan_stage(shape: ModelShape, layout: Layout, work: Workload, stage: int) -
     moment_bytes = 4 if work.state_dtype == "bf16" else 8
     masters = 4 * owned if mixed else 0
     moments = moment_bytes * owned
+    step_copies, host_copies = _step_copies(layout, work, owned)
     host = 0
     if layout.cpu_offload and layout.zero_stage >= 1:
-        host, masters, moments = masters + moments, 0, 0
+        host, masters, moments = masters + moments + host_copies, 0, 0
     grads = working * (-(-trainable // shards) if layout.zero_stage == 2 else trainable)
-    step_copies = 4 * owned if mixed else 0
-    reference = working * params if work.reference == "online" and not work.lora_rank else 0
+    reference = (
+        working * _reference_params(work, layout, stage, params) if _reads_reference(work, True) else 0
+    )
     comm = _communication(layout, trainable, working)
     alive = (
         in_flight(stage, layout.pp, work.accumulation_steps, layout.pp_style, layout.chunks)
@@ -192,6 +193,60 @@ def _plan_stage(shape: ModelShape, layout: Layout, work: Workload, stage: int) -
         accumulating=work.accumulation_steps > 1, p2p=p2p, stage=stage, stage_layers=layers, in_flight=alive,
         forwards=work.accumulation_steps * layout.chunks, per_forward=activations - fewer + p2p_share,
     )  # fmt: skip
+
+
+def _rank_params(shape: ModelShape, layout: Layout, layers: int, first: bool, last: bool) -> int:
+    """The parameters one rank of a stage of ``layers`` decoder layers holds (the whole model's share at pp 1)."""
+    if layout.pp > 1:
+        return shape.stage_params(layout.tp, layers, first, last)
+    return shape.params_per_rank(layout.tp)
+
+
+def _reference_params(work: Workload, layout: Layout, stage: int, params: int) -> int:
+    """The online reference's parameters on one rank of ``stage``: the policy's ``params``, or where
+    ``model.reference_path`` names another model its own share, split and staged as the policy's."""
+    ref = work.reference_shape
+    if ref is None:
+        return params
+    layers = sum(stage_chunks(ref.layers, layout.pp, layout.chunks, stage))
+    return _rank_params(ref, layout, layers, stage == 0, stage == layout.pp - 1)
+
+
+def _reads_reference(work: Workload, online_only: bool = False) -> bool:
+    """Whether a reference model is loaded beside the policy: not under LoRA (the policy with its adapters
+    off); with ``online_only`` not for ``kto.reference: cached`` (read only to compute the cache)."""
+    return not work.lora_rank and (work.reference == "online" or not online_only)
+
+
+def _trained(shape: ModelShape, work: Workload, params: int, layers: int, first: bool) -> int:
+    """Of a stage's ``params`` (``layers`` decoder layers, ``first``: the first stage), those the optimizer
+    updates: the LoRA adapters of its layers; else all but a vision tower it holds, frozen unless
+    ``model.train_vision`` (``coati_kto.models.hf.freeze_vision_tower``)."""
+    if work.lora_rank:
+        return shape.lora_params(work.lora_rank, work.lora_targets) * layers // shape.layers
+    return params - (shape.tower_params if first and not work.train_vision else 0)
+
+
+def _step_copies(layout: Layout, work: Workload, owned: int) -> tuple[int, int]:
+    """(device, host) bytes of what the optimizer step makes of the ``owned`` parameters' gradients:
+
+    - ``plugin.cpu_offload`` (ZeRO): each gradient cast to fp32 and moved to its master in host memory
+      (ColossalAI's ``LowLevelZeroOptimizer.step``, fp32 runs too): 4 bytes each on the host; on the device only
+      one parameter's fp32 cast at a time, not counted;
+    - ``train.fused_optimizer`` (bf16, ``coati_kto.parallel.optimizer_path``): no fp32 copy; over several ZeRO
+      ranks ``_fused_zero_step`` writes each update into a new working-dtype partition for the all-gather (2
+      bytes each); at one ZeRO rank, and on the AMP optimizer (ZeRO 0), into the working weights themselves;
+    - otherwise, bf16 / fp16: the gradients cast to fp32 on the device (4 bytes each); fp32: nothing.
+    """
+    zero = layout.zero_stage >= 1
+    if layout.cpu_offload and zero:
+        return 0, 4 * owned
+    if layout.precision == "fp32":
+        return 0, 0
+    if work.fused_optimizer:
+        several = zero and layout.dp * layout.sp > 1
+        return (DTYPE_BYTES[layout.precision] * owned if several else 0), 0
+    return 4 * owned, 0
 
 
 def _p2p_bytes(shape: ModelShape, layout: Layout, work: Workload, stage: int) -> tuple[int, int]:
@@ -219,22 +274,45 @@ def _communication(layout: Layout, trainable: int, working: int) -> int:
     return 2 * working * min(trainable, ZERO_BUCKET_ELEMENTS)
 
 
-def precompute_weight_bytes(shape: ModelShape, precision: str) -> int:
+def precompute_weight_bytes(shape: ModelShape, work: Workload, precision: str) -> int:
     """The reference weights ``coati-kto precompute`` (and ``train`` with ``kto.reference: cached`` and no cache
-    yet) holds on each rank: the whole model in the working dtype. It scores without a plugin (no tp, pp or
-    ZeRO split), so a cached run whose layout fits can still have a cache no one of its GPUs can compute. A
-    lower bound: its activations at ``kto.precompute_batch_size`` come on top."""
-    return shape.params * DTYPE_BYTES[precision]
+    yet) holds on each rank: the whole reference (``model.reference_path``'s, else ``shape``'s) in the working
+    dtype. It scores without a plugin (no tp, pp or ZeRO split), so a cached run whose layout fits can still have
+    a cache no one of its GPUs can compute. A lower bound: its activations at ``kto.precompute_batch_size`` come
+    on top."""
+    return (work.reference_shape or shape).params * DTYPE_BYTES[precision]
 
 
-def load_host_bytes(shape: ModelShape, work: Workload, cast_rounds: bool) -> int:
+def load_host_bytes(
+    shape: ModelShape, work: Workload, cast_rounds: bool, layout: Layout | None = None
+) -> int:
     """Host memory one rank holds at its peak while it loads, before the plugin moves the policy to its GPU.
 
-    Every rank reads the whole model into host memory in fp32 (4 bytes per parameter: no lazy or per-shard
-    load). The online reference is read first and placed on the GPU before the policy is read
-    (``coati_kto.recipe.components``), so the two never share host memory; then the plugin casts the policy, and
-    where that rounds the checkpoint's values (``model_shape.cast_rounds``: stored in fp32) the fp32 values the
-    masters start from stay beside the bf16 copy (2 bytes more per trained parameter: ``parallel.masters``). Computing a cached reference reads it whole the
-    same way. A lower bound: the process itself and its data come on top; on the CPU the models stay there."""
-    cast = 2 * shape.params if cast_rounds and not work.lora_rank else 0
-    return 4 * shape.params + cast
+    Every rank reads each model whole into host memory in fp32 (4 bytes per parameter: no lazy or per-shard
+    load). The reference (``model.reference_path``'s model, when another) is read first and placed on the GPU
+    before the policy is read (``coati_kto.recipe.components``), so the two never share host memory; computing a
+    cached reference reads it whole the same way. Then the plugin shards the policy (``layout``'s tensor
+    parallelism and pipeline stage, hybrid_parallel's shardformer; None: one rank, no split) and casts this rank's
+    share; where that rounds the checkpoint's values (``model_shape.cast_rounds``: stored in fp32) the fp32 values
+    of its trained parameters stay beside the working copy for the masters (``parallel.masters``): 4 bytes per
+    parameter of the share and 2 per trained one, of the stage with the most. A lower bound: the process itself
+    and its data come on top; on the CPU the models stay there."""
+    layout = layout or Layout("", "fp32", 0)
+    read = max(shape.params, (work.reference_shape or shape).params if _reads_reference(work) else 0)
+    if not cast_rounds or work.lora_rank:  # LoRA: the base weights are frozen, no masters
+        return 4 * read
+    return max(4 * read, _cast_peak(shape, work, layout))
+
+
+def _cast_peak(shape: ModelShape, work: Workload, layout: Layout) -> int:
+    """The most one rank holds as the plugin casts its share of the policy, parameter by parameter, with the fp32
+    values of the trained ones kept: its fp32 share before (4 bytes per parameter), the working copy of every
+    parameter beside the trained ones' fp32 values after (2 per parameter, 4 per trained one: a frozen vision
+    tower's fp32 values are let go), of the pipeline stage that holds the most."""
+    most = 0
+    for stage in range(layout.pp):
+        layers = sum(stage_chunks(shape.layers, layout.pp, layout.chunks, stage))
+        params = _rank_params(shape, layout, layers, stage == 0, stage == layout.pp - 1)
+        trained = _trained(shape, work, params, layers, stage == 0)
+        most = max(most, 4 * params, 2 * params + 4 * trained)  # bf16 and fp16: 2 bytes
+    return most

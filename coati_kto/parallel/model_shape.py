@@ -14,10 +14,9 @@ A shape field config.json lacks is a ConfigError naming it (``AutoConfig.for_mod
 default: another model) where the family's class has a value for it (not one it computes, such as head_dim). A
 vision-language config's text model nested under ``text_config`` is what transformers writes as a diff against
 the text class's defaults (Gemma 3 4B and LLaVA 1.5's hub configs omit their heads and sizes): the fields it
-omits are taken from those defaults and named in ``defaulted``, not refused. Its vision tower and projector (the
-parameters ``coati_kto.models.hf.freeze_vision_tower`` freezes) are ``tower_params``: replicated on every
-tensor-parallel rank (the families' policies split the language model only), held by the first pipeline stage,
-trained only with ``model.train_vision``, and never LoRA targets (``lora_linears`` are the decoder's).
+omits are taken from those defaults and named in ``defaulted``, not refused. Its vision tower and projector are
+``tower_params`` (:func:`tower_ids`): whole on every tensor-parallel rank (the policies split the language model),
+on the first pipeline stage, trained only with ``model.train_vision``, never LoRA targets.
 """
 
 from __future__ import annotations
@@ -31,6 +30,7 @@ from typing import Any
 
 from coati_kto.config.hub import hub_id
 from coati_kto.errors import ConfigError
+from coati_kto.families import vision_language
 
 VOCAB_MULTIPLE = 64  # HybridParallelPlugin's make_vocab_size_divisible_by
 VOCAB_NAMES = ("embed_tokens", "lm_head", "wte", "embed_out", "word_embeddings", "embed_in")
@@ -67,7 +67,7 @@ class ModelShape:
     vocab_params: int  # embeddings and an untied head: vocab x hidden each
     split_params: int  # the decoder layers' projections (and their biases): 1/tp each
     whole_params: int  # norms and the like: whole on every tensor-parallel rank
-    lora_linears: tuple[tuple[str, int, int], ...]  # (module name, in, out) of every Linear in the decoder's layers
+    lora_linears: tuple[tuple[str, int, int], ...]  # (name, in, out) of each Linear in the decoder's layers
     outer_whole_params: int = 0  # of whole_params, those outside the decoder layers (the final norm)
     # Per token, the MLP's intermediate width: top-k x a routed expert's + a shared expert's (MoE; the widest
     # layer where layers mix dense and MoE MLPs); 0: a dense ``intermediate``.
@@ -102,7 +102,8 @@ class ModelShape:
         vocab = held * rows // tp * self.hidden
         split = math.ceil(self.split_params * layers / self.layers / tp)
         whole = (self.whole_params - self.outer_whole_params) * layers // self.layers
-        return vocab + split + whole + (self.outer_whole_params if last else 0) + (self.tower_params if first else 0)
+        ends = (self.outer_whole_params if last else 0) + (self.tower_params if first else 0)
+        return vocab + split + whole + ends
 
     def lora_params(self, rank: int, targets: list[str]) -> int:
         """Adapter parameters: r x (in + out) for every Linear one of ``targets`` names as peft matches it (the
@@ -303,21 +304,20 @@ def _defaulted_fields(raw: dict[str, Any], text_class: type) -> list[str]:
     return missing
 
 
-def _tower(model: Any) -> set[int]:
-    """The ids of the meta ``model``'s parameters training freezes as its vision tower and projector: those
-    ``freeze_vision_tower`` turns off (the rule is its own; the meta model is thrown away after counting)."""
-    from coati_kto.models.hf import freeze_vision_tower
-
-    trained = {id(p) for p in model.parameters() if p.requires_grad}
-    freeze_vision_tower(model)
-    return {i for i in trained if i not in {id(p) for p in model.parameters() if p.requires_grad}}
+def tower_ids(model: Any) -> set[int]:
+    """The ids of a vision-language ``model``'s trainable parameters outside its decoder and output embeddings:
+    the tower and projector ``coati_kto.models.hf.freeze_vision_tower`` freezes; empty for a text-only model."""
+    if not vision_language(getattr(model, "config", None)):
+        return set()
+    text = {id(p) for m in (model.get_decoder(), model.get_output_embeddings()) for p in m.parameters()}
+    return {id(p) for p in model.parameters() if id(p) not in text and p.requires_grad}
 
 
 def _count(model: Any, text: Any) -> ModelShape:
     """The shape of the meta ``model`` (``text``: its text config)."""
     from torch import nn
 
-    tower = _tower(model)
+    tower = tower_ids(model)
     counts = {"vocab": 0, "split": 0, "whole": 0, "outer": 0, "tower": 0}
     for name, param in model.named_parameters():  # each tied tensor once
         leaf = name.rsplit(".", 2)[-2] if "." in name else name
@@ -330,7 +330,7 @@ def _count(model: Any, text: Any) -> ModelShape:
         else:
             counts["whole"] += param.numel()
             counts["outer"] += 0 if ".layers." in name else param.numel()
-    linears = tuple(  # the decoder's: training's LoRA targets no module of the tower (config.lora.peft_targets)
+    linears = tuple(  # the decoder's: LoRA targets no module of the tower (config.lora.peft_targets)
         (name, m.in_features, m.out_features)
         for name, m in model.named_modules()
         if isinstance(m, nn.Linear) and ".layers." in name and id(m.weight) not in tower

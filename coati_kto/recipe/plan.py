@@ -88,12 +88,15 @@ def breakdown_lines(plan: MemoryPlan, work: Workload, shape: ModelShape) -> list
     other = dataclasses.replace(work, checkpointing=not work.checkpointing)
     other_acts = plan_memory(shape, layout, other).activations
     trained = "LoRA adapters" if work.lora_rank else "every parameter"
+    if shape.tower_params and not work.lora_rank:
+        trained = "all but the vision tower" if not work.train_vision else "every parameter, vision tower too"
+    ref += f" ({work.reference_shape.params:,} parameters)" if work.reference_shape else ""
     lines = [
         f"  weights        {_gib(plan.weights)}  {working}, {plan.params:,} parameters per tensor-parallel rank",
         f"  gradients      {_gib(plan.gradients)}  {working}, {trained} ({plan.trainable:,}), {grads}",
         f"  optimizer      {_gib(plan.masters + plan.moments)}  {masters}{states}, {share}"
         + (f" (cpu_offload: {_gib(plan.host).strip()} in host memory)" if plan.host else ""),
-        f"  step copies    {_gib(plan.step_copies)}  the gradients cast to fp32 at the optimizer step",
+        f"  step copies    {_gib(plan.step_copies)}  {_step_note(layout, work)}",
         f"  reference      {_gib(plan.reference)}  {ref}",
         f"  activations    {_gib(plan.activations)}  {work.micro_batch} x {work.length} tokens, {ckpt} "
         f"checkpointing (else {_gib(other_acts).strip()})" + "".join(f"; {n}" for n in plan.notes[1:]),
@@ -120,6 +123,21 @@ def stage_line(plan: MemoryPlan, work: Workload) -> str:
         f"per rank of stage {plan.stage} of {layout.pp} (the peak): {', '.join(held)}; {layout.pp_style} keeps "
         f"{plan.in_flight} of {work.accumulation_steps} {unit} in flight:"
     )
+
+
+def _step_note(layout: Layout, work: Workload) -> str:
+    """What the optimizer step makes of the gradients on the device (``memory_plan._step_copies``)."""
+    if layout.cpu_offload and layout.zero_stage >= 1:
+        return "none here: the gradients are cast to fp32 in host memory (cpu_offload, counted above)"
+    if layout.precision == "fp32":
+        return "none: fp32 gradients, no cast"
+    if not work.fused_optimizer:
+        return "the gradients cast to fp32 at the optimizer step"
+    if layout.zero_stage >= 1 and layout.dp * layout.sp > 1:
+        return (
+            f"train.fused_optimizer: the updated {layout.precision} partitions ZeRO all-gathers, no fp32 copy"
+        )
+    return "none: train.fused_optimizer updates from the working gradients into the weights"
 
 
 def _comm_note(layout: Layout) -> str:
@@ -156,7 +174,7 @@ def plan_lines(config: Config, gpus: int | None, gpu_memory: float, nodes: int) 
         *breakdown_lines(plan, work, shape),
         f"  peak           {_gib(plan.peak)}  {verdict} in {USABLE_FRACTION:.0%} of {gpu_memory:g} GiB",
         *precompute_lines(shape, work, layout.precision, gpu_memory),
-        load_line(config, shape, work, world // nodes),
+        load_line(config, shape, work, layout, world // nodes),
     ]
     return lines + _fit_lines(config, shape, work, world, world // nodes, gpu_memory)
 
@@ -166,7 +184,7 @@ def precompute_lines(shape: ModelShape, work: Workload, precision: str, gpu_memo
     layouts listed fit training, which reads the cache but cannot make it."""
     if work.reference != "cached":
         return []
-    weights = precompute_weight_bytes(shape, precision)
+    weights = precompute_weight_bytes(shape, work, precision)
     line = (
         f"precompute: `coati-kto precompute` holds the whole reference on each GPU, no split: "
         f"{_gib(weights).strip()} of {precision} weights before its activations"
@@ -180,16 +198,19 @@ def precompute_lines(shape: ModelShape, work: Workload, precision: str, gpu_memo
     ]
 
 
-def load_line(config: Config, shape: ModelShape, work: Workload, per_node: int) -> str:
+def load_line(config: Config, shape: ModelShape, work: Workload, layout: Layout, per_node: int) -> str:
     """Host memory at load (``memory_plan.load_host_bytes``): per rank and for a node's ``per_node`` ranks, which
     every node must have free (train refuses before loading when one has not: ``coati_kto.parallel.load_check``)."""
     rounds = cast_rounds(config.model.path, config.plugin.precision)
-    per_rank = load_host_bytes(shape, work, rounds)
-    parts = ["the whole model in fp32"]
-    if rounds and not work.lora_rank:
-        parts.append(f"its fp32 values kept through the {config.plugin.precision} cast")
+    per_rank = load_host_bytes(shape, work, rounds, layout)
+    what = (
+        "the larger model (policy, reference) in fp32" if work.reference_shape else "the whole model in fp32"
+    )
+    if rounds and not work.lora_rank:  # the cast keeps fp32 values beside the working copy (parallel.masters)
+        share = "this rank's tp / pp share of the policy" if layout.tp * layout.pp > 1 else "the policy"
+        what = f"the most of {what} and {share} in {config.plugin.precision} beside its trained fp32 values"
     return (
-        f"host memory at load: {_gib(per_rank).strip()} per rank ({', '.join(parts)}; every rank reads it), "
+        f"host memory at load: {_gib(per_rank).strip()} per rank ({what}; every rank reads it), "
         f"{_gib(per_rank * per_node).strip()} for a node's {per_node} rank(s): free host memory each node needs"
     )
 
@@ -321,9 +342,9 @@ def predicted_peak_line(config: Config, world: int, device_bytes: int | None) ->
     :data:`USABLE_FRACTION` of ``device_bytes`` (None on the CPU: no check, the ranks share host memory)."""
     try:
         shape = model_shape(config.model.path)
+        work = Workload.from_config(config, "gpu" if device_bytes is not None else "cpu")
     except UserError as err:  # a hub id not cached yet: the model loads later; the plan says why not
         return f"predicted peak per rank: unknown ({err})"
-    work = Workload.from_config(config, "gpu" if device_bytes is not None else "cpu")
     plan = plan_memory(shape, configured_layout(config.plugin, world), work)
     line = f"predicted peak per rank: {_gib(plan.peak).strip()} (`coati-kto plan CONFIG` shows its parts)"
     if device_bytes is None:

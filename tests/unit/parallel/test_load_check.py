@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from coati_kto.parallel.activations import Workload
-from coati_kto.parallel.load_check import GIB, available_host_bytes, load_refusal
+from coati_kto.parallel.load_check import GIB, available_host_bytes, load_refusal, nodes_refusal
 from coati_kto.parallel.memory_plan import load_host_bytes
 from coati_kto.parallel.model_shape import cast_rounds, model_shape
 
@@ -54,7 +54,7 @@ def test_the_refusal_names_the_node_and_both_amounts() -> None:
         "host memory: each rank reads the whole model into host memory in fp32 as it loads (100.0 GiB per "
         f"rank), 800.0 GiB for the 8 rank(s) on {socket.gethostname()}, which has 700.0 GiB available "
         "(MemAvailable): start fewer ranks per node or free host memory (`coati-kto plan CONFIG --gpus N "
-        "--nodes M` shows the need)"
+        "--nodes M` shows the need; COATI_KTO_NO_HOST_MEMORY_CHECK=1 skips this check)"
     )
 
 
@@ -76,3 +76,24 @@ def test_the_tiny_model_fits_here(precision: str, tiny_model_dir: Path) -> None:
     )
     assert need == (6 if precision == "bf16" else 4) * shape.params  # the tiny model is saved in fp32
     assert load_refusal(need, 2, available_host_bytes()) is None
+
+
+def test_ranks_are_grouped_into_nodes_by_host_name_and_every_short_node_is_named() -> None:
+    """Every rank's (host, need, available, skip): a node's need is its ranks' sum (whatever the launcher: no
+    LOCAL_WORLD_SIZE), its memory the least its ranks read; a rank that knows no need (config.json unread) adds
+    nothing; one rank's COATI_KTO_NO_HOST_MEMORY_CHECK=1 turns the refusal off on all."""
+    a = [("node-a", 100 * GIB, 500 * GIB, False)] * 4  # 400 GiB of 500: fits
+    b = [("node-b", 100 * GIB, 350 * GIB, False), ("node-b", 100 * GIB, 300 * GIB, False)] * 2
+    assert nodes_refusal(a) is None
+    assert nodes_refusal(a + b) == (
+        "host memory: each rank reads the whole model into host memory in fp32 as it loads (100.0 GiB per rank), "
+        "400.0 GiB for the 4 rank(s) on node-b, which has 300.0 GiB available (MemAvailable): start fewer ranks "
+        "per node or free host memory (`coati-kto plan CONFIG --gpus N --nodes M` shows the need; "
+        "COATI_KTO_NO_HOST_MEMORY_CHECK=1 skips this check)"
+    )
+    c = [("node-c", 100 * GIB, 50 * GIB, False), ("node-c", None, None, False)]
+    assert "; 100.0 GiB for the 2 rank(s) on node-c, which has 50.0 GiB available (" in (
+        nodes_refusal(b + c) or ""
+    )
+    assert nodes_refusal([*b, ("node-a", 1, 1, True)]) is None
+    assert nodes_refusal([("node-d", None, None, False)] * 8) is None  # nothing known

@@ -93,7 +93,8 @@ def test_zero2_over_four_ranks_shards_masters_moments_and_gradients(tiny_shape: 
     offload = plan_memory(
         tiny_shape, Layout("low_level_zero", "bf16", 2, dp=4, cpu_offload=True), Workload(2, 8, device="cpu")
     )
-    assert (offload.masters, offload.moments, offload.host) == (0, 0, 12 * quarter)
+    # masters, moments and the step's fp32 gradients in host memory: 4 + 8 + 4 bytes per owned parameter
+    assert (offload.masters, offload.moments, offload.host, offload.step_copies) == (0, 0, 16 * quarter, 0)
 
 
 def test_tensor_parallelism_splits_projections_and_padded_vocabulary(tiny_shape: ModelShape) -> None:

@@ -41,8 +41,9 @@ def test_plan_prints_the_parts_of_the_configured_layout(config: Path, tiny_model
     assert lines[11] == "  peak              4.77 MiB  fits in 90% of 80 GiB"
     # stored in fp32 (its config.json's dtype), trained in bf16: 4 + 2 bytes per parameter at load
     assert lines[12] == (
-        "host memory at load: 0.85 MiB per rank (the whole model in fp32, its fp32 values kept through the bf16 "
-        "cast; every rank reads it), 1.69 MiB for a node's 2 rank(s): free host memory each node needs"
+        "host memory at load: 0.85 MiB per rank (the most of the whole model in fp32 and the policy in bf16 "
+        "beside its trained fp32 values; every rank reads it), 1.69 MiB for a node's 2 rank(s): free host memory "
+        "each node needs"
     )
     assert lines[13].startswith("layouts that fit on 2 x 80 GiB (best first: fewest ranks per replica")
     assert lines[14].startswith("  hybrid_parallel bf16, tp 1 x dp 2, ZeRO-0")
