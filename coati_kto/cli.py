@@ -172,7 +172,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         from coati_kto.config.trl_flags import trl_flags_line
 
         if (line := trl_flags_line(argv)) is not None:
-            parser.exit(USER_ERROR_EXIT_CODE, f"error: {line}\n")
+            from coati_kto.config.hub import without_secrets
+
+            parser.exit(USER_ERROR_EXIT_CODE, f"error: {without_secrets(line)}\n")
     args, extra = parser.parse_known_args(argv)
     unknown = [item for item in extra if item.startswith("-") or "=" not in item]
     if unknown:
@@ -366,8 +368,10 @@ def _main(args: argparse.Namespace, rank: str | None) -> int:
     except UserError as err:
         if err.same_on_every_rank and rank not in (None, "0"):
             return USER_ERROR_EXIT_CODE  # the same on every rank: rank 0 prints it
+        from coati_kto.config.hub import without_secrets
+
         prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
-        print(f"{prefix}error: {err}", file=sys.stderr)
+        print(f"{prefix}error: {without_secrets(str(err))}", file=sys.stderr)
         if not err.same_on_every_rank:
             _tell_waiting_peers(str(err))
         return USER_ERROR_EXIT_CODE

@@ -13,7 +13,7 @@ import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from coati_kto.config.hub import hub_token
+from coati_kto.config.hub import without_secrets
 from coati_kto.config.output import OutputSection
 from coati_kto.config.push import PushToHubSection
 from coati_kto.parallel.distributed import global_rank
@@ -24,11 +24,18 @@ ON_FAILURE = f"everything is on disk: retry with `{RETRY}`"
 
 
 def push_folder(
-    folder: Path, push: PushToHubSection, what: str, on_failure: str = ON_FAILURE, shown: Path | None = None
+    folder: Path,
+    push: PushToHubSection,
+    what: str,
+    on_failure: str = ON_FAILURE,
+    shown: Path | None = None,
+    mirror: bool = False,
 ) -> tuple[bool, str]:
     """Upload ``folder`` (every file, as it is on disk) to ``push.repo_id`` on branch ``push.revision``, creating
-    the repo (``push.private``) and the branch (from main) when missing. (uploaded, the one line to print, which
-    names ``shown`` or ``folder`` and, on failure, ends with ``on_failure``)."""
+    the repo (``push.private``) and the branch (from main) when missing; with ``mirror`` the branch's other files
+    are deleted in the same commit (a checkpoint's branch: main's files, or a re-saved step's older shards, would
+    download beside it as one checkpoint). (uploaded, the one line to print, which names ``shown`` or ``folder``
+    and, on failure, ends with ``on_failure``)."""
     from huggingface_hub import HfApi, constants
 
     api = HfApi()
@@ -42,12 +49,10 @@ def push_folder(
             folder_path=folder,
             revision=push.revision,
             commit_message=f"coati-kto: {what}",
+            delete_patterns="*" if mirror else None,
         )
     except Exception as err:  # noqa: BLE001 (any failure: the files stay, the line says how to retry)
-        first = (str(err).strip().splitlines() or [""])[0][:300]
-        token = hub_token()
-        if token:
-            first = first.replace(token, "***")
+        first = (without_secrets(str(err)).strip().splitlines() or [""])[0][:300]  # scrubbed, then cut
         return False, (
             f"output.push_to_hub: uploading {shown or folder} to {where} on {constants.ENDPOINT} failed "
             f"({type(err).__name__}: {first}); {on_failure}"
@@ -69,6 +74,20 @@ def push_final(output: OutputSection) -> bool | None:
     if push is None or global_rank() != 0:
         return None
     return upload(push, Path(output.dir) / FINAL_DIR, "final/ at the end of the run")
+
+
+def pushed_at_end(final: bool | None, checkpoints_up: bool) -> bool | None:
+    """Whether the run's uploads all went up (False: the run exits 3, PUSH_FAILED_EXIT_CODE): ``final``,
+    :func:`push_final`'s answer (None: none pushed here), and ``checkpoints_up``, whether every checkpoint
+    :class:`CheckpointUploads` took went up (each failure was said with its retry as it happened)."""
+    if checkpoints_up:
+        return final
+    print(
+        "output.push_to_hub.checkpoints: not every checkpoint went up (each failure is said above, with its "
+        "retry): the run exits 3",
+        flush=True,
+    )
+    return False
 
 
 class CheckpointUploads:
@@ -114,7 +133,9 @@ class CheckpointUploads:
         retry = f"hf upload {self.push.repo_id} {checkpoint} --revision {checkpoint.name}"
         on_failure = f"the run goes on; to retry while output.keep_last keeps the checkpoint: `{retry}`"
         try:
-            ok, line = push_folder(staged, branch, f"checkpoint {checkpoint.name}", on_failure, checkpoint)
+            ok, line = push_folder(
+                staged, branch, f"checkpoint {checkpoint.name}", on_failure, checkpoint, mirror=True
+            )
             print(line, flush=True)
             return ok, line
         finally:

@@ -19,7 +19,7 @@ from coati_kto.config.output import OutputSection
 from coati_kto.config.resume import check_contents, check_resume, optimizer_groups_problem
 from coati_kto.config.schema import Config
 from coati_kto.errors import ConfigError
-from coati_kto.outputs.push import CheckpointUploads, checkpoint_uploads, push_final
+from coati_kto.outputs.push import CheckpointUploads, checkpoint_uploads, push_final, pushed_at_end
 from coati_kto.parallel.optimizers import set_weight_decay
 from coati_kto.parallel.store_waits import wait_for_all
 from coati_kto.recipe.components import build_trainer, total_optimizer_steps
@@ -67,11 +67,9 @@ def train(config: Config) -> Any:
         finally:
             if heartbeat is not None:
                 heartbeat.stop()
-            if uploads is not None:
-                uploads.wait()
-        trainer.pushed = push_final(
-            output
-        )  # after the heartbeat stopped: no peer waits for an upload of hours
+            checkpoints_up = uploads.wait() if uploads is not None else True
+        # after the heartbeat stopped: no peer waits for an upload of hours
+        trainer.pushed = pushed_at_end(push_final(output), checkpoints_up)
     finally:  # after every upload: they read from output.dir, which a run started here meanwhile would clear
         release_output_dir(Path(output.dir))
     return trainer

@@ -59,12 +59,20 @@ class StandInHub:
 
     # ---- test side
     def commit(
-        self, kind: str, repo_id: str, files: dict[str, bytes], branch: str = "main", **flags: bool
+        self,
+        kind: str,
+        repo_id: str,
+        files: dict[str, bytes],
+        branch: str = "main",
+        deleted: frozenset[str] = frozenset(),
+        **flags: bool,
     ) -> str:
-        """Add a commit on ``branch`` holding the branch's files updated by ``files``; returns its sha."""
+        """Add a commit on ``branch`` holding the branch's files but ``deleted``, updated by ``files``; returns its
+        sha."""
         repo = self.repos.setdefault((kind, repo_id), Repo(**flags))
         parent = repo.branches.get(branch)
-        tree = {**repo.commits.get(parent, {}), **files}
+        kept = {path: data for path, data in repo.commits.get(parent, {}).items() if path not in deleted}
+        tree = {**kept, **files}
         sha = _sha(tree, parent, f"{len(repo.commits)}")
         repo.commits[sha] = tree
         repo.branches[branch] = sha
@@ -295,13 +303,18 @@ def _commit(
     if branch not in repo.branches:
         return _error(404, "RevisionNotFound", f"Invalid rev id: {branch}")
     files: dict[str, bytes] = {}
+    deleted: set[str] = set()
     for line in body.splitlines():
         item = json.loads(line)
         if item["key"] == "file":
             files[item["value"]["path"]] = base64.b64decode(item["value"]["content"])
-        elif item["key"] != "header":  # lfsFile, deletedFile...: not on the plain path this stand-in serves
+        elif (
+            item["key"] == "deletedFile"
+        ):  # upload_folder(delete_patterns=...): the files it does not replace
+            deleted.add(item["value"]["path"])
+        elif item["key"] != "header":  # lfsFile, deletedFolder...: not on the paths this stand-in serves
             return _error(400, "", f"stand-in hub: unsupported commit operation {item['key']}")
-    sha = hub.commit(kind, repo_id, files, branch)
+    sha = hub.commit(kind, repo_id, files, branch, deleted=frozenset(deleted))
     prefix = "datasets/" if kind == "dataset" else ""
     return _ok(
         {"commitUrl": f"{hub.url}/{prefix}{repo_id}/commit/{sha}", "commitOid": sha, "pullRequestUrl": None}

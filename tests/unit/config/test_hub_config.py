@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -119,3 +120,30 @@ def test_offline_names_the_variable_that_is_set(variable: str, monkeypatch: pyte
     monkeypatch.setenv("HF_HUB_OFFLINE", "0")
     monkeypatch.setenv("TRANSFORMERS_OFFLINE", "1")
     assert offline_variable() is None
+
+
+def test_a_token_on_the_command_line_is_never_echoed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From an audit: TRL's ``--hub_token X`` and an ``output.hub_token=X`` override were refused with lines that
+    printed X, into job logs. The value of a token-named flag or key, anything shaped like a Hub token and the
+    token huggingface_hub holds are ``***`` in every error line."""
+    from coati_kto.cli import main
+    from coati_kto.config.hub import without_secrets
+
+    held = "hf_" + "Q" * 34
+    monkeypatch.setenv("HF_TOKEN", held)
+    path = write_config(tmp_path, MINIMAL)
+    for argv in (
+        ["train", str(path), "--hub_token", "hf_Secret123"],
+        ["config", str(path), "output.hub_token=hf_Secret123"],
+        ["config", str(path), f"output.mirror={held}"],
+    ):
+        with pytest.raises(SystemExit) if argv[0] == "train" else contextlib.nullcontext():
+            main(argv)
+        err = capsys.readouterr().err
+        assert "error:" in err and "Secret123" not in err and held not in err, err
+    assert "--hub_token ***" in without_secrets("flags: --hub_token hf_Secret123 has no equivalent")
+    assert without_secrets("output.hub_token=abc: unknown key") == "output.hub_token=***: unknown key"
+    kept = "hub_token: unknown key; pad_token <pad>; hf_download; the token is never printed"
+    assert without_secrets(kept) == kept  # names and words, no value
