@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from coati_kto.errors import PUSH_FAILED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError
+from coati_kto.errors import PUSH_FAILED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError, without_secrets
 from coati_kto.runtime.signals import ABORT_EXIT_CODE, STOP, STOP_EXIT_CODE, TrainingStoppedError, launches
 from coati_kto.runtime.startup import hold_collection, release_collection
 
@@ -172,8 +172,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         from coati_kto.config.trl_flags import trl_flags_line
 
         if (line := trl_flags_line(argv)) is not None:
-            from coati_kto.config.hub import without_secrets
-
             parser.exit(USER_ERROR_EXIT_CODE, f"error: {without_secrets(line)}\n")
     args, extra = parser.parse_known_args(argv)
     unknown = [item for item in extra if item.startswith("-") or "=" not in item]
@@ -368,8 +366,6 @@ def _main(args: argparse.Namespace, rank: str | None) -> int:
     except UserError as err:
         if err.same_on_every_rank and rank not in (None, "0"):
             return USER_ERROR_EXIT_CODE  # the same on every rank: rank 0 prints it
-        from coati_kto.config.hub import without_secrets
-
         prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
         print(f"{prefix}error: {without_secrets(str(err))}", file=sys.stderr)
         if not err.same_on_every_rank:

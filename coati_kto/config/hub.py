@@ -112,20 +112,6 @@ def hub_token() -> str | None:
     return get_token()
 
 
-# A value given to a key or flag named for a token (--hub_token X, output.hub_token=X, TRL's hub_token X), and
-# anything shaped like a Hugging Face access token (hf_ and 30 or more letters and digits).
-_NAMED_SECRET = re.compile(r"(?i)(\b(?:hub|hf|api|auth|access)_token|--token|\.token)([ =])([^\s:;,()]+)")
-_TOKEN_SHAPED = re.compile(r"\bhf_[A-Za-z0-9]{30,}\b")
-
-
-def without_secrets(text: str) -> str:
-    """``text`` (a line to print) with the Hugging Face token and any value given to a token-named key or flag
-    replaced by ``***``: an error that echoes a command line must not print the token it holds."""
-    text = _TOKEN_SHAPED.sub("hf_***", _NAMED_SECRET.sub(r"\1\2***", text))
-    token = hub_token()
-    return text.replace(token, "***") if token else text
-
-
 # ------------------------------------------------------------------------------------------ Hub datasets
 DATASET_PREFIX = "hf://datasets/"
 DATASET_KEYS = ("config", "data_files", "split", "revision")

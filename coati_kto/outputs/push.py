@@ -13,7 +13,7 @@ import shutil
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-from coati_kto.config.hub import without_secrets
+from coati_kto.errors import without_secrets
 from coati_kto.config.output import OutputSection
 from coati_kto.config.push import PushToHubSection
 from coati_kto.parallel.distributed import global_rank

@@ -16,6 +16,8 @@ import errno
 import os
 import re
 import shutil
+import sys
+import threading
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -23,15 +25,16 @@ from pathlib import Path
 from coati_kto.runtime.signals import STOP
 
 _TAG = "coati-kto"
-NEW, OLD, DATA = (
+NEW, OLD, DATA, GONE = (
     "new",
     "old",
     "data",
-)  # a directory being written, one replaced (aside), an export's scratch data
+    "gone",
+)  # a directory being written, one replaced (aside), an export's scratch data, one being deleted
 # own_dir's names, ``.NAME.coati-kto-<kind>-<8 hex>``, of the kinds given
 _OWN = r"\.(?P<name>.+)\.{tag}-(?P<kind>{kinds})-[0-9a-f]{{8}}"
-_LEFTOVER = re.compile(_OWN.format(tag=_TAG, kinds=f"{NEW}|{OLD}"))
-_ANY_OWN = re.compile(_OWN.format(tag=_TAG, kinds=f"{NEW}|{OLD}|{DATA}"))
+_LEFTOVER = re.compile(_OWN.format(tag=_TAG, kinds=f"{NEW}|{OLD}|{GONE}"))
+_ANY_OWN = re.compile(_OWN.format(tag=_TAG, kinds=f"{NEW}|{OLD}|{DATA}|{GONE}"))
 
 
 def own_dir(target: Path, kind: str) -> Path:
@@ -140,6 +143,29 @@ def replace_dir(new: Path, target: Path) -> None:
     sync_dir(target.parent)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
+
+
+def remove_in_background(directory: Path) -> threading.Thread:
+    """Rename ``directory`` to a name of ours (:data:`GONE`: at once, its name is free) and delete it on a thread
+    of its own: deleting a checkpoint of a large model takes minutes on a network filesystem, which a rank must
+    not spend while its peers wait in a collective. The interpreter waits for the thread at exit; what a kill
+    leaves, :func:`recover` removes. A failure to delete is a warning naming what is left."""
+    gone = own_dir(directory, GONE)
+    os.replace(directory, gone)  # onto our empty directory: rename(2) replaces an empty one
+
+    def remove() -> None:
+        try:
+            shutil.rmtree(gone)
+        except OSError as err:
+            why = f"{err.strerror}: {err.filename}" if err.strerror and err.filename else str(err)
+            print(
+                f"warning: could not remove {directory}, now {gone} ({why}); remove it by hand",
+                file=sys.stderr,
+            )
+
+    thread = threading.Thread(target=remove, name=f"remove {directory.name}")
+    thread.start()
+    return thread
 
 
 def recover(parent: Path, name: str | None = None) -> None:

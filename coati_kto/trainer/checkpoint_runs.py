@@ -5,12 +5,13 @@ Used by coati_kto.trainer.checkpoint.CheckpointManager."""
 from __future__ import annotations
 
 import json
-import shutil
 import sys
+import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+from coati_kto.runtime.durable import remove_in_background
 from coati_kto.runtime.lineage import fork_at, lineage, lineage_id, resolve_checkpoint
 from coati_kto.runtime.run_dir import (
     COMPLETE,
@@ -70,6 +71,11 @@ class RunLineage:
         self.previous, self.fork = fork["id"], fork
 
 
+PRUNE_WAIT_S = (
+    10.0  # how long a save waits for the checkpoints it prunes to be deleted (well under dist_timeout)
+)
+
+
 def prune(root: Path, keep: Path, keep_last: int) -> None:
     """Keep ``keep`` (just saved) and the ``keep_last - 1`` checkpoints before it in its run (its lineage). Lower
     steps of another lineage (a run abandoned by a hand resume) go; higher ones are left alone and not counted,
@@ -79,11 +85,15 @@ def prune(root: Path, keep: Path, keep_last: int) -> None:
     lower = [p for p in complete_checkpoints(root) if checkpoint_step(p) < step]
     kept = set(lineage(root, keep, keep_last))
     kept |= set([p for p in reversed(lower) if p not in kept][: max(keep_last - len(kept), 0)])
+    removals = []
     for old in [p for p in lower if p not in kept]:
         try:
-            (old / COMPLETE).unlink(
-                missing_ok=True
-            )  # first: a delete stopped partway leaves no complete husk
-            shutil.rmtree(old)
+            (old / COMPLETE).unlink(missing_ok=True)  # first: a delete stopped partway leaves no husk
+            removals.append(remove_in_background(old))
         except OSError as err:
             warn(f"could not remove the old checkpoint {old} ({describe(err)}); remove it by hand")
+    # The main rank prunes between two agreements of a save while its peers wait in a collective: a delete that
+    # takes longer than this (a large model on a network filesystem) finishes in the background.
+    deadline = time.monotonic() + PRUNE_WAIT_S
+    for removal in removals:
+        removal.join(timeout=max(deadline - time.monotonic(), 0))

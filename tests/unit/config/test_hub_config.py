@@ -129,7 +129,7 @@ def test_a_token_on_the_command_line_is_never_echoed(
     printed X, into job logs. The value of a token-named flag or key, anything shaped like a Hub token and the
     token huggingface_hub holds are ``***`` in every error line."""
     from coati_kto.cli import main
-    from coati_kto.config.hub import without_secrets
+    from coati_kto.errors import without_secrets
 
     held = "hf_" + "Q" * 34
     monkeypatch.setenv("HF_TOKEN", held)

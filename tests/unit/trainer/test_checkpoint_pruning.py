@@ -74,10 +74,53 @@ def test_a_checkpoint_that_cannot_be_removed_is_a_warning_and_no_longer_complete
 
     monkeypatch.setattr(shutil, "rmtree", busy)
     manager._settle(_complete(tmp_path, 4))
+    _deleted("step-2")
     monkeypatch.setattr(shutil, "rmtree", real)
+    (gone,) = [p for p in tmp_path.iterdir() if p.name.startswith(".step-2.coati-kto-gone-")]
     assert capsys.readouterr().err.splitlines() == [
-        f"warning: could not remove the old checkpoint {tmp_path / 'step-2'} (Device or resource busy: "
-        f"{tmp_path / 'step-2' / 'model' / '.nfs0001'}); remove it by hand"
+        f"warning: could not remove {tmp_path / 'step-2'}, now {gone} (Device or resource busy: "
+        f"{gone / 'model' / '.nfs0001'}); remove it by hand"
     ]
-    assert not (tmp_path / "step-2" / COMPLETE).exists()
+    assert not (gone / COMPLETE).exists() and not (tmp_path / "step-2").exists()
     assert resolve_checkpoint(tmp_path, "auto") == tmp_path / "step-4"
+
+
+def _deleted(name: str) -> None:
+    """Wait for the background delete of checkpoint ``name`` (coati_kto.runtime.durable.remove_in_background)."""
+    import threading
+
+    for thread in [t for t in threading.enumerate() if t.name == f"remove {name}"]:
+        thread.join(timeout=20)
+
+
+def test_pruning_deletes_in_the_background(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From an audit: the main rank deleted old checkpoints inside a save, between two agreements, while every
+    other rank waited in a collective bounded by train.dist_timeout; deleting a large model's checkpoint on a
+    network filesystem outlasts it, and the job died after a good save. The old checkpoint now leaves its name at
+    once (a rename), and is deleted on a thread of its own."""
+    import threading
+    import time
+
+    deleting, release = threading.Event(), threading.Event()
+    real_rmtree = shutil.rmtree
+
+    def slow_rmtree(path: object, *args: object, **kwargs: object) -> None:
+        deleting.set()
+        release.wait(timeout=20)  # a filesystem that takes its time
+        real_rmtree(path, *args, **kwargs)
+
+    from coati_kto.trainer import checkpoint_runs
+
+    manager = _manager(tmp_path, 1)
+    manager._settle(_complete(tmp_path, 2))
+    monkeypatch.setattr(shutil, "rmtree", slow_rmtree)
+    monkeypatch.setattr(checkpoint_runs, "PRUNE_WAIT_S", 0.5)  # a quick delete is waited for, a slow one not
+    started = time.monotonic()
+    manager._settle(_complete(tmp_path, 4))
+    assert time.monotonic() - started < 5  # not held by the delete
+    assert _steps(tmp_path) == ["step-4"] and resolve_checkpoint(tmp_path, "auto") == tmp_path / "step-4"
+    assert deleting.wait(timeout=10)  # under way, under a name of ours
+    (gone,) = [p for p in tmp_path.iterdir() if ".step-2.coati-kto-gone-" in p.name]
+    release.set()
+    _deleted("step-2")
+    assert not gone.exists() and sorted(p.name for p in tmp_path.iterdir()) == [LATEST, "step-4"]
