@@ -37,8 +37,14 @@ def damage(checkpoint: Path) -> str | None:
     world = int(meta.get("world_size") or 1)
     needed = [checkpoint / TRAINER_STATE_DIR / f"rank-{rank}.pt" for rank in range(world)]
     needed.append(checkpoint / "lr_scheduler.pt")
-    masters = checkpoint / MASTER_WEIGHTS_DIR  # only ranks holding lower-precision weights write one
-    needed += sorted(masters.glob("*.pt")) if masters.is_dir() else []
+    # Only ranks holding lower-precision weights write one; meta.json names them (saves since 2026-12-02): a
+    # missing one would be rebuilt from the bf16 weights, unsaid, and the resume would not be exact.
+    masters = checkpoint / MASTER_WEIGHTS_DIR
+    listed = meta.get("master_ranks")
+    if isinstance(listed, list):
+        needed += [masters / f"rank-{int(rank)}.pt" for rank in listed]
+    else:
+        needed += sorted(masters.glob("*.pt")) if masters.is_dir() else []
     for path in needed:
         why = _file_damage(path)
         if why is not None:

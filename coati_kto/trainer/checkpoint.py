@@ -150,6 +150,10 @@ class CheckpointManager:
         """The main rank, once every rank's files are on disk: meta.json, then COMPLETE (each synced, the
         directories' entries before the marker), then ``tmp`` renamed to ``final`` and the pointer moved."""
         meta = {"step": step, **self._layout_meta(), "plugin": type(self.booster.plugin).__name__}
+        # every rank's files are on disk (agreed): the ranks whose masters a resume on this layout must find
+        meta["master_ranks"] = sorted(
+            int(p.stem.split("-")[1]) for p in (tmp / MASTER_WEIGHTS_DIR).glob("rank-*.pt")
+        )
         meta.update(self._lineage.next_meta())
         write_synced(tmp / "meta.json", json.dumps(meta, indent=2))
         sync_dirs(tmp)

@@ -213,3 +213,32 @@ def test_a_stop_names_the_checkpoint_resume_auto_will_load(tmp_path: Path) -> No
     with pytest.raises(TrainingStoppedError) as stop:
         KTOTrainer._stop(trainer, 0)
     assert stop.value.checkpoint is None and trainer.stop_signals.stop_saved is None
+
+
+def test_a_lost_master_shard_is_damage(tmp_path: Path) -> None:
+    """From an audit: a bf16 checkpoint missing one rank's fp32 master shard passed as intact (only the shards
+    present were checked), and the resume on the same layout rebuilt that rank's masters from the bf16 weights,
+    unsaid: not the exact resume it claims. A save now names the ranks that wrote one (meta.json master_ranks)."""
+    manager = CheckpointManager(
+        tmp_path,
+        booster=SimpleNamespace(plugin=object()),
+        layout=SimpleNamespace(is_main=True, world_size=2, dp_size=2, tp_size=1, sp_size=1, pp_size=1),
+        keep_last=8,
+    )
+    tmp = tmp_path / "step-4.tmp"
+    _saved(tmp_path, 4, {}).rename(tmp)  # what the ranks wrote, and both ranks' masters
+    torch.save({"state": {0: torch.zeros(8)}}, tmp / "trainer_state" / "rank-1.pt")
+    (tmp / COMPLETE).unlink()
+    (tmp / "master_weights").mkdir()
+    for rank in (0, 1):
+        torch.save({"w": torch.zeros(4)}, tmp / "master_weights" / f"rank-{rank}.pt")
+    manager._publish(4, tmp, tmp_path / "step-4")
+    four = tmp_path / "step-4"
+    assert json.loads((four / "meta.json").read_text())["master_ranks"] == [0, 1]
+    assert damage(four) is None
+    (four / "master_weights" / "rank-1.pt").unlink()
+    assert damage(four) == "master_weights/rank-1.pt is missing"
+    older = json.loads((four / "meta.json").read_text())
+    del older["master_ranks"]  # saved before the key: the shards there are all it can check
+    (four / "meta.json").write_text(json.dumps(older))
+    assert damage(four) is None
