@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import os
 import shutil
-from concurrent.futures import Future, ThreadPoolExecutor
+import queue
+import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 from coati_kto.errors import without_secrets
@@ -100,7 +102,21 @@ class CheckpointUploads:
         self.push = push
         self.staging = staging
         self._uploads: list[tuple[str, Future]] = []
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hub-checkpoint-upload")
+        # One daemon thread, fed in order: a run that ends with an error leaves without waiting for it (abandon)
+        self._queue: queue.Queue[tuple[Path, Path, Future] | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="hub-checkpoint-upload", daemon=True)
+        self._thread.start()
+        self._abandoned = False
+        self._checkpoints: dict[str, Path] = {}  # by name, for the retry lines
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            staged, checkpoint, future = item
+            if future.set_running_or_notify_cancel():  # False: cancelled by abandon()
+                try:
+                    future.set_result(self._upload(staged, checkpoint))
+                except BaseException as err:  # noqa: BLE001 - the caller's result() raises it
+                    future.set_exception(err)
 
     def __call__(self, checkpoint: Path) -> None:
         """Called by CheckpointManager once ``checkpoint`` is complete (its COMPLETE marker written)."""
@@ -124,7 +140,9 @@ class CheckpointUploads:
             skipped.set_result((False, line))
             self._uploads.append((checkpoint.name, skipped))
             return
-        upload = self._thread.submit(self._upload, staged, checkpoint)
+        upload: Future = Future()
+        self._checkpoints[checkpoint.name] = checkpoint
+        self._queue.put((staged, checkpoint, upload))
         self._uploads.append((checkpoint.name, upload))
         print(f"uploading checkpoint {checkpoint.name} to {self.push.repo_id} in the background", flush=True)
 
@@ -142,16 +160,35 @@ class CheckpointUploads:
             shutil.rmtree(staged, ignore_errors=True)
 
     def wait(self) -> bool:
-        """The end of the run (whatever ended it): waits for the uploads still running; True if all went up."""
+        """The end of the run: waits for the uploads still running; True if all went up (False after
+        :meth:`abandon`, at once)."""
+        if self._abandoned:
+            return False
         running = [name for name, upload in self._uploads if not upload.done()]
         if running:
             print(
                 f"waiting for the upload of checkpoint {', '.join(running)} to {self.push.repo_id}",
                 flush=True,
             )
-        self._thread.shutdown(wait=True)
+        self._queue.put(None)
+        self._thread.join()
         shutil.rmtree(self.staging, ignore_errors=True)
         return all(upload.result()[0] for _, upload in self._uploads)
+
+    def abandon(self) -> None:
+        """The run ends with an error: its peers exit now, and a launcher ends a rank that outlives them (torchrun:
+        SIGKILL 30 s on), so no upload is waited for. Each one not done is said with the command that uploads it;
+        the one under way is cut off with the process (a Hub commit is whole or absent)."""
+        self._abandoned = True
+        for name, upload in self._uploads:
+            if upload.done() or not (upload.cancel() or upload.running()):
+                continue
+            checkpoint = self._checkpoints[name]
+            print(
+                f"checkpoint {name} not uploaded: the run ended with an error; to upload it while "
+                f"output.keep_last keeps it: `hf upload {self.push.repo_id} {checkpoint} --revision {name}`",
+                flush=True,
+            )
 
 
 def checkpoint_uploads(output: OutputSection) -> CheckpointUploads | None:

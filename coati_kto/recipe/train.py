@@ -64,6 +64,10 @@ def train(config: Config) -> Any:
         except TrainingStoppedError:
             wait_for_uploads_after_stop(output, uploads)
             raise
+        except BaseException:  # the peers exit now: waiting for an upload would get this rank killed (exit 1)
+            if uploads is not None:
+                uploads.abandon()
+            raise
         finally:
             if heartbeat is not None:
                 heartbeat.stop()

@@ -42,3 +42,43 @@ def test_a_checkpoint_that_cannot_be_staged_is_skipped_with_one_line(
     assert "\n" not in line
     assert not (tmp_path / ".hub_uploads" / "step-4").exists() and checkpoint.is_dir()
     assert uploads.wait() is False  # counted as a failed upload at the end of the run (exit 3)
+
+
+def test_a_run_ending_with_an_error_waits_for_no_upload(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """From an audit: a run ending with an error (a disk full at a save) had global rank 0 wait for its running
+    uploads while its peers exited 2; torchrun then killed it (SIGKILL 30 s on) and the job exited 1, "rank 0
+    failed with signal SIGKILL". Now it says which checkpoints did not go up, with their commands, and leaves."""
+    import threading
+    import time
+
+    from coati_kto.outputs import push as push_module
+
+    uploading, never = threading.Event(), threading.Event()
+
+    def slow_push(*args: object, **kwargs: object) -> tuple[bool, str]:
+        uploading.set()
+        never.wait(timeout=60)  # a large checkpoint on a slow link
+        return True, "pushed"
+
+    monkeypatch.setattr(push_module, "push_folder", slow_push)
+    uploads = CheckpointUploads(PushToHubSection(repo_id="org/run", checkpoints=True), tmp_path / ".hub_uploads")
+    steps = []
+    for step in (2, 4):
+        checkpoint = tmp_path / "checkpoints" / f"step-{step}"
+        (checkpoint / "model").mkdir(parents=True)
+        (checkpoint / "model" / "weights.safetensors").write_bytes(b"0")
+        uploads(checkpoint)
+        steps.append(checkpoint)
+    assert uploading.wait(timeout=20)  # step-2 under way, step-4 queued
+    started = time.monotonic()
+    uploads.abandon()
+    assert uploads.wait() is False and time.monotonic() - started < 5
+    lines = [line for line in capsys.readouterr().out.splitlines() if "the run ended with an error" in line]
+    assert lines == [
+        f"checkpoint {c.name} not uploaded: the run ended with an error; to upload it while output.keep_last "
+        f"keeps it: `hf upload org/run {c} --revision {c.name}`"
+        for c in steps
+    ]
+    never.set()
