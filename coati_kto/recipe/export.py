@@ -23,6 +23,7 @@ nothing was written; exit 128 + the signal.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -58,10 +59,14 @@ def export_checkpoint(config: Config, checkpoint: str = "auto", out: str | None 
     config = run_config(config, first)
     STOP.leaves(_left(first_target))
     scratch = _Scratch(first_target)
+    # Global rank 0 pins what it chose before anything slow: a run still training in output.dir prunes old
+    # checkpoints (output.keep_last), which took this one's files from under the load (a raw FileNotFoundError,
+    # or masters rebuilt from bf16 where one went mid-load). Every rank loads rank 0's pinned copy.
+    pinned = scratch.pin(first) if os.environ.get("RANK", "0") == "0" else first
 
     def export() -> Path:
         try:
-            return _export(config, root, checkpoint, out, first, scratch)
+            return _export(config, first, (pinned, first_target), scratch)
         finally:
             scratch.remove()
 
@@ -90,26 +95,41 @@ class _Scratch:
         self.target = target
         self.made: Path | None = None
 
+    def _dir(self) -> Path:
+        if self.made is None:
+            with STOP.held():  # made and named at once: a stop between the two would leave it behind
+                self.made = own_dir(self.target, DATA)
+        return self.made
+
     def __call__(self) -> Path:
-        with STOP.held():  # made and named at once: a stop between the two would leave it behind
-            self.made = own_dir(self.target, DATA)
-        return self.made / "prepared"
+        return self._dir() / "prepared"
+
+    def pin(self, checkpoint: Path) -> Path:
+        """``checkpoint``'s files hard-linked here (no bytes copied; a prune of the original leaves them), or
+        ``checkpoint`` itself where the filesystem takes no hard links (gcsfuse, s3fs: the race stays there)."""
+        pinned = self._dir() / checkpoint.name
+        try:
+            shutil.copytree(checkpoint, pinned, copy_function=os.link)
+        except OSError:
+            shutil.rmtree(pinned, ignore_errors=True)
+            return checkpoint
+        return pinned
 
     def remove(self) -> None:
         if self.made is not None:  # global rank 0's: the others never make one
             shutil.rmtree(self.made, ignore_errors=True)
 
 
-def _export(
-    config: Config, root: Path, checkpoint: str, out: str | None, first: Path, scratch: _Scratch
-) -> Path:
+def _export(config: Config, first: Path, chosen: tuple[Path, Path], scratch: _Scratch) -> Path:
+    """Export ``chosen``, (the pinned checkpoint, the target) as this rank has them: global rank 0's are used."""
     # The optimizer is built (it holds the fp32 masters) but the reference model is not: nothing is scored.
     unscored = config.model_copy(update={"kto": config.kto.model_copy(update={"reference": "cached"})})
     run = setup_export(config, scratch, json.loads((first / "meta.json").read_text()).get("dp_size"))
     # STOP, not STOP.install(): nothing steps here, and train's handlers would turn a stop into a flag nobody reads.
     trainer, frozen_fp32 = build_trainer(unscored, run, STOP, announce=False)
-    # Rank 0 decides (a run still training there may have saved another since the check above).
-    path, target = on_rank0(lambda: export_target(root, checkpoint, out), "find the checkpoint")
+    path, target = on_rank0(
+        lambda: chosen, "pin the checkpoint"
+    )  # rank 0's: ranks may have seen another save
     STOP.leaves(_left(target))
     saved = trainer.checkpoint_manager.saved_state(path).get("config")
     if saved is not None:  # refuses another model, tokenizer, LoRA or data than the checkpoint's

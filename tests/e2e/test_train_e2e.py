@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -192,6 +193,47 @@ def test_export_writes_a_checkpoint_as_the_final_model_and_only_reads_the_run(ru
     after = sorted(str(p.relative_to(out)) for p in out.rglob("*") if "wandb" not in p.parts)
     assert [p for p in after if not p.startswith("exports")] == before
     assert (out / "config.yaml").read_text() == saved_config
+
+
+def _export_while_pruned_worker(config: str, overrides: list[str]) -> str:
+    """``coati-kto export``'s code, with the run's checkpoint deleted (a run still training there prunes it:
+    output.keep_last) as the export starts loading it."""
+    import shutil
+
+    from coati_kto.config.load import load_config
+    from coati_kto.recipe.export import export_checkpoint
+    from coati_kto.trainer import checkpoint
+
+    loaded = load_config(config, overrides)
+    original = Path(loaded.output.dir) / "checkpoints" / "step-12"
+    real = checkpoint.CheckpointManager.load
+
+    def pruned_meanwhile(self: object, path: Path, *args: object, **kwargs: object) -> object:
+        shutil.rmtree(original)
+        return real(self, path, *args, **kwargs)
+
+    checkpoint.CheckpointManager.load = pruned_meanwhile
+    try:
+        return str(export_checkpoint(loaded, "auto", None))
+    finally:
+        checkpoint.CheckpointManager.load = real
+
+
+def test_an_export_keeps_its_checkpoint_while_the_run_prunes_it(run: dict, tmp_path: Path) -> None:
+    """From an audit: a run still training in output.dir deleted the checkpoint an export had chosen (keep_last)
+    while the export loaded it: a raw FileNotFoundError, or, mid-load, masters rebuilt from bf16 under a card
+    that calls them fp32. The export pins it first (hard links) and exports it whole."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "out"
+    shutil.copytree(run["root"] / "out" / "checkpoints", out / "checkpoints")
+    overrides = ["train.max_steps=12", f"output.dir={out}"]
+    (exported,) = run_distributed(_export_while_pruned_worker, 1, str(run["root"] / "config.yaml"), overrides)
+    assert exported == str(out / "exports" / "step-12") and not (out / "checkpoints" / "step-12").exists()
+    final = load_file(run["root"] / "out" / "final" / "model.safetensors")
+    ours = load_file(out / "exports" / "step-12" / "model.safetensors")
+    assert final.keys() == ours.keys() and all(torch.equal(final[k], ours[k]) for k in final)
+    assert [p.name for p in (out / "exports").iterdir()] == ["step-12"]  # the pinned copy is gone
 
 
 def test_an_export_on_another_layout_describes_the_run_not_itself(run: dict) -> None:
