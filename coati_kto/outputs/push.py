@@ -8,6 +8,7 @@ every file on disk and says how to retry (``coati-kto export CONFIG --push`` upl
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import queue
@@ -150,14 +151,19 @@ class CheckpointUploads:
         branch = self.push.model_copy(update={"revision": checkpoint.name})
         retry = f"hf upload {self.push.repo_id} {checkpoint} --revision {checkpoint.name}"
         on_failure = f"the run goes on; to retry while output.keep_last keeps the checkpoint: `{retry}`"
+        ok = False
         try:
             ok, line = push_folder(
                 staged, branch, f"checkpoint {checkpoint.name}", on_failure, checkpoint, mirror=True
             )
+            if not ok and not checkpoint.is_dir():  # pruned while it uploaded: the staged copy is all that is left
+                retry = f"hf upload {self.push.repo_id} {staged} --revision {checkpoint.name}"
+                line = line.replace(on_failure, f"the run goes on; it was pruned since, so its copy stays: `{retry}`")
             print(line, flush=True)
             return ok, line
         finally:
-            shutil.rmtree(staged, ignore_errors=True)
+            if ok or checkpoint.is_dir():
+                shutil.rmtree(staged, ignore_errors=True)
 
     def wait(self) -> bool:
         """The end of the run: waits for the uploads still running; True if all went up (False after
@@ -172,7 +178,8 @@ class CheckpointUploads:
             )
         self._queue.put(None)
         self._thread.join()
-        shutil.rmtree(self.staging, ignore_errors=True)
+        with contextlib.suppress(OSError):  # kept where it holds a pruned checkpoint that did not go up
+            self.staging.rmdir()
         return all(upload.result()[0] for _, upload in self._uploads)
 
     def abandon(self) -> None:

@@ -82,3 +82,33 @@ def test_a_run_ending_with_an_error_waits_for_no_upload(
         for c in steps
     ]
     never.set()
+
+
+def test_a_failed_upload_of_a_checkpoint_pruned_meanwhile_keeps_its_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """From an audit: the retry line of an upload that failed after output.keep_last pruned its checkpoint named
+    the deleted directory, and the staged copy (the only one left) was removed."""
+    import shutil
+
+    from coati_kto.outputs import push as push_module
+
+    checkpoint = tmp_path / "checkpoints" / "step-2"
+    (checkpoint / "model").mkdir(parents=True)
+    (checkpoint / "model" / "weights.safetensors").write_bytes(b"0")
+
+    def pruned_then_failed(folder: Path, push: object, what: str, on_failure: str, *args: object, **kw: object):
+        shutil.rmtree(checkpoint)  # the run's next save pruned it
+        return False, f"output.push_to_hub: uploading {checkpoint} failed (HfHubHTTPError: 500); {on_failure}"
+
+    monkeypatch.setattr(push_module, "push_folder", pruned_then_failed)
+    staging = tmp_path / ".hub_uploads"
+    uploads = CheckpointUploads(PushToHubSection(repo_id="org/run", checkpoints=True), staging)
+    uploads(checkpoint)
+    assert uploads.wait() is False
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.endswith(
+        f"the run goes on; it was pruned since, so its copy stays: `hf upload org/run {staging / 'step-2'} "
+        "--revision step-2`"
+    )
+    assert (staging / "step-2" / "model" / "weights.safetensors").read_bytes() == b"0"
