@@ -73,8 +73,8 @@ _TOKEN_SHAPED = re.compile(r"\bhf_[A-Za-z0-9]{30,}\b")
 def without_secrets(text: str) -> str:
     """``text`` (a line to print) with the Hugging Face token and any value given to a token-named key or flag
     replaced by ``***``: an error that echoes a command line must not print the token it holds."""
-    text = _TOKEN_SHAPED.sub("hf_***", _NAMED_SECRET.sub(r"\1\2***", text))
     from huggingface_hub import get_token  # the token HF_TOKEN or `hf auth login` gives
 
+    text = _TOKEN_SHAPED.sub("hf_***", _NAMED_SECRET.sub(r"\1\2***", text))
     token = get_token()
     return text.replace(token, "***") if token else text
