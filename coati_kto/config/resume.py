@@ -159,19 +159,21 @@ def with_legacy(saved: dict) -> dict:
     return out
 
 
+def holds_apart(config: dict, resumed_apart: bool = False) -> bool:
+    """``config.train.separates_no_decay`` of a config as JSON (a checkpoint's, or the current one's dump)."""
+    from coati_kto.config.train import separates_no_decay
+
+    train, lora = config.get("train") or {}, (config.get("model") or {}).get("lora") is not None
+    decay = float(train.get("weight_decay") or 0.0)
+    return separates_no_decay(decay, bool(train.get("decay_norms_and_biases")), lora, resumed_apart)
+
+
 def optimizer_groups_problem(saved: dict, current: dict, checkpoint: str) -> str | None:
     """One line when this config groups the optimizer's parameters otherwise than the checkpoint's run did
     (biases and norm weights in a group of their own at weight decay 0, or not: the saved optimizer state is by
     group), else None. Resumes only: an export reads the checkpoint's own config."""
-    from coati_kto.config.train import separates_no_decay
-
-    def separates(config: dict) -> bool:
-        train, lora = config.get("train") or {}, (config.get("model") or {}).get("lora") is not None
-        decay = train.get("weight_decay")
-        return separates_no_decay(float(decay or 0.0), bool(train.get("decay_norms_and_biases")), lora)
-
-    old = separates(with_legacy(saved))
-    if old == separates(current):
+    old = holds_apart(with_legacy(saved))
+    if old == holds_apart(current, resumed_apart=old):
         return None
     said = {
         True: "biases and norm weights in a group of their own (train.weight_decay > 0, "

@@ -10,10 +10,16 @@ from coati_kto.config.limits import Seconds, Seed
 from coati_kto.config.section import Section
 
 
-def separates_no_decay(weight_decay: float, decay_norms_and_biases: bool, lora: bool = False) -> bool:
+def separates_no_decay(
+    weight_decay: float, decay_norms_and_biases: bool, lora: bool = False, resumed_apart: bool = False
+) -> bool:
     """Whether the optimizer holds biases and norm weights in a group of their own at weight decay 0. Under LoRA
-    only the adapters train (no bias, no norm; model.train_vision is refused with it): one group."""
-    return weight_decay > 0 and not decay_norms_and_biases and not lora
+    only the adapters train (no bias, no norm; model.train_vision is refused with it): one group. At weight decay
+    0 either grouping trains the same, so a resume keeps its checkpoint's (``resumed_apart``: it held them
+    apart): its optimizer state loads only into the grouping it was saved from."""
+    if decay_norms_and_biases or lora:
+        return False
+    return weight_decay > 0 or resumed_apart
 
 
 class TrainSection(Section):

@@ -51,13 +51,15 @@ def make_optimizer(
     return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay, foreach=False)
 
 
-def parameter_groups(model: torch.nn.Module, weight_decay: float, decay_norms_and_biases: bool) -> list[Any]:
+def parameter_groups(
+    model: torch.nn.Module, weight_decay: float, decay_norms_and_biases: bool, resumed_apart: bool = False
+) -> list[Any]:
     """``model``'s parameters for the optimizer, in ``named_parameters`` order: one list (every parameter decays, or
     none does), or two groups, the decayed ones first and then the trainable biases and norm weights at weight
     decay 0 (:data:`NO_DECAY_NAMES`). Frozen parameters stay in the first group: ZeRO skips them, and a ZeRO
     plugin finds LoRA adapters by their frozen base layer. Unboosted model, every rank the same."""
     named = list(model.named_parameters())
-    if not separates_no_decay(weight_decay, decay_norms_and_biases):
+    if not separates_no_decay(weight_decay, decay_norms_and_biases, resumed_apart=resumed_apart):
         return [param for _, param in named]
     decayed = set(get_parameter_names(model, [torch.nn.LayerNorm], list(NO_DECAY_NAMES)))
     kept = [param for name, param in named if name not in decayed and param.requires_grad]
@@ -80,10 +82,12 @@ def set_weight_decay(optimizer: Any, weight_decay: float) -> None:
         group["weight_decay"] = weight_decay
 
 
-def optimizer_for(model: torch.nn.Module, train: Any, cpu_offload: bool = False) -> torch.optim.Optimizer:
+def optimizer_for(
+    model: torch.nn.Module, train: Any, cpu_offload: bool = False, resumed_apart: bool = False
+) -> torch.optim.Optimizer:
     """``make_optimizer`` over ``model``'s :func:`parameter_groups`, with the ``train`` section's lr, weight decay
-    and optimizer_state_dtype."""
-    groups = parameter_groups(model, train.weight_decay, train.decay_norms_and_biases)
+    and optimizer_state_dtype (``resumed_apart``: the checkpoint it resumes held biases and norms apart)."""
+    groups = parameter_groups(model, train.weight_decay, train.decay_norms_and_biases, resumed_apart)
     return make_optimizer(
         groups, train.lr, train.weight_decay, state_dtype=train.optimizer_state_dtype, cpu_offload=cpu_offload,
         mixed_step=train.fused_optimizer,

@@ -9,10 +9,12 @@ train`` and ``coati-kto export`` step or load.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from coati_kto.config.resume import holds_apart, with_legacy
 from coati_kto.config.schema import Config
 from coati_kto.errors import ConfigError, UserError
 from coati_kto.families import vision_language
@@ -27,7 +29,8 @@ from coati_kto.parallel.optimizers import optimizer_for
 from coati_kto.parallel.plan import ParallelPlan
 from coati_kto.recipe.setup import Run
 from coati_kto.reference.weights import reference_weights_digest
-from coati_kto.runtime.run_dir import CHECKPOINTS_DIR
+from coati_kto.runtime.lineage import resume_choice
+from coati_kto.runtime.run_dir import CHECKPOINTS_DIR, saved_trainer_state
 from coati_kto.runtime.signals import StopSignals
 from coati_kto.trainer.options import KTOOptions
 from coati_kto.trainer.schedule import planned_steps, warmup_decay_schedule
@@ -92,7 +95,7 @@ def build_components(
     if config.model.lora is not None:  # before boosting: the plugins wrap the PeftModel
         policy = enable_lora(booster, policy, config.model.lora)
     train = config.train
-    optimizer = optimizer_for(policy, train, config.plugin.cpu_offload)
+    optimizer = optimizer_for(policy, train, config.plugin.cpu_offload, _resumed_apart(config))
     lr_scheduler = warmup_decay_schedule(
         optimizer, train.warmup_steps, max(1, total_steps), train.min_lr_ratio, train.lr_schedule
     )
@@ -106,6 +109,23 @@ def build_components(
     if config.model.lora is not None and config.kto.reference == "online":
         reference = AdapterFreeReference(policy)  # the base model: no second copy in memory
     return Components(plugin, booster, layout, policy, reference, optimizer, lr_scheduler, plan, frozen_fp32)
+
+
+def _resumed_apart(config: Config) -> bool:
+    """Whether train.resume's checkpoint held biases and norm weights in a group of their own, where this run's
+    grouping depends on it: at weight decay 0, with neither LoRA nor decay_norms_and_biases
+    (config.train.separates_no_decay). Read from the checkpoint's saved config, as the resume's own check reads it;
+    False when there is none to read (the resume says why)."""
+    train = config.train
+    if train.resume is None or train.weight_decay > 0 or train.decay_norms_and_biases or config.model.lora:
+        return False
+    root = Path(config.output.dir) / CHECKPOINTS_DIR
+    try:
+        checkpoint = resume_choice(root, train.resume)[0]
+        saved = saved_trainer_state(checkpoint)["trainer_state"].get("config") if checkpoint else None
+    except (UserError, OSError, KeyError):
+        return False
+    return saved is not None and holds_apart(with_legacy(saved))
 
 
 def _cast_rounds(config: Config) -> bool:

@@ -88,7 +88,18 @@ def runs(
     whole = _train(_config(root, model_dir, layout, "zero2_whole", 2, weight_decay=DECAY))
     step1 = str(root / f"{layout}_decay" / "checkpoints" / "step-1")
     resumed = _train(_config(root, model_dir, layout, "zero2_resumed", 2, weight_decay=DECAY, resume=step1))
-    out["resume"] = {"whole": whole, "resumed": resumed}
+    # At weight decay 0 either grouping trains the same: the two-group checkpoint resumes (it was refused)
+    undecayed = _train(
+        _config(root, model_dir, layout, "zero2_resumed_at_0", 2, weight_decay=0.0, resume=step1)
+    )
+    out["resume"] = {
+        "whole": whole,
+        "resumed": resumed,
+        "at_0": undecayed,
+        "decayed": set(
+            Trainer.get_decay_parameter_names(None, AutoModelForCausalLM.from_pretrained(model_dir))
+        ),
+    }
     return out
 
 
@@ -117,3 +128,15 @@ def test_a_zero2_run_with_both_groups_resumes_bit_for_bit(runs: dict[str, Any]) 
     whole, resumed = runs["resume"]["whole"], runs["resume"]["resumed"]
     assert whole.keys() == resumed.keys()
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
+
+
+def test_a_two_group_checkpoint_resumes_at_weight_decay_0(runs: dict[str, Any]) -> None:
+    """From an audit: a checkpoint of two groups (weight_decay 0.1) could not be resumed at weight_decay 0 (the
+    config gave one group at 0, and no setting gave two), though both groupings train the same at 0. Its second
+    step: the biases and norm weights as at 0.1 (undecayed in both), every other weight not decayed."""
+    resumed, at_0, decayed = runs["resume"]["resumed"], runs["resume"]["at_0"], runs["resume"]["decayed"]
+    assert resumed.keys() == at_0.keys()
+    assert all(torch.equal(resumed[k], at_0[k]) for k in resumed if k not in decayed)
+    assert all(
+        not torch.equal(resumed[k], at_0[k]) for k in resumed if k in decayed and resumed[k].dim() == 2
+    )

@@ -137,6 +137,8 @@ def test_a_resume_keeps_the_checkpoints_grouping() -> None:
         optimizer_groups_problem(_config(0.1, False), _config(0.2, False), "s") is None
     )  # the rate may change
     assert optimizer_groups_problem(_config(0.1, False), _config(0.1, True), "s") is not None
+    # 0.1 -> 0: at 0 either grouping trains the same, so the resume keeps the checkpoint's two (it was refused)
+    assert optimizer_groups_problem(_config(0.1, False), _config(0.0, False), "s") is None
     changes = {c.key: (c.old, c.new) for c in config_changes(legacy, _config(0.1, True))}
     assert "train.decay_norms_and_biases" not in changes  # what the old run did, unchanged
     changes = {c.key: (c.old, c.new) for c in config_changes(legacy, _config(0.0, False))}
