@@ -168,11 +168,22 @@ def holds_apart(config: dict, resumed_apart: bool = False) -> bool:
     return separates_no_decay(decay, bool(train.get("decay_norms_and_biases")), lora, resumed_apart)
 
 
-def optimizer_groups_problem(saved: dict, current: dict, checkpoint: str) -> str | None:
+def saved_holds_apart(state: dict) -> bool:
+    """Whether a checkpoint's optimizer holds biases and norm weights in a group of their own, from its trainer
+    state: the groups it recorded (saves since 2026-12-02), else its config's rule (:data:`LEGACY` for a key it
+    lacks), which is what the run that saved it built."""
+    groups = state.get("optimizer_groups")
+    if isinstance(groups, int):
+        return groups == 2
+    return holds_apart(with_legacy(state.get("config") or {}))
+
+
+def optimizer_groups_problem(state: dict, current: dict, checkpoint: str) -> str | None:
     """One line when this config groups the optimizer's parameters otherwise than the checkpoint's run did
     (biases and norm weights in a group of their own at weight decay 0, or not: the saved optimizer state is by
-    group), else None. Resumes only: an export reads the checkpoint's own config."""
-    old = holds_apart(with_legacy(saved))
+    group), else None; ``state`` is the checkpoint's trainer state. Resumes only: an export takes the
+    checkpoint's own grouping."""
+    old = saved_holds_apart(state)
     if old == holds_apart(current, resumed_apart=old):
         return None
     said = {

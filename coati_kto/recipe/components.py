@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from coati_kto.config.resume import holds_apart, with_legacy
+from coati_kto.config.resume import saved_holds_apart
 from coati_kto.config.schema import Config
 from coati_kto.errors import ConfigError, UserError
 from coati_kto.families import vision_language
@@ -56,9 +56,15 @@ class Components:
 
 
 def build_components(
-    config: Config, plugin: Any, total_steps: int, plan: ParallelPlan | None = None
+    config: Config,
+    plugin: Any,
+    total_steps: int,
+    plan: ParallelPlan | None = None,
+    groups_from: Path | None = None,
 ) -> Components:
     """Models, optimizer, lr schedule with warmup, boosted. Every rank calls, after ``plan.backend.build_plugin``.
+    ``groups_from``: the checkpoint whose optimizer grouping the config leaves open (:func:`_resumed_apart`; an
+    export's; None: train.resume's).
 
     Both models load in fp32: the policy is boosted (ZeRO and the AMP optimizers keep fp32 masters; the plugin
     casts the working copy), the reference goes through the same plugin path without an optimizer
@@ -95,7 +101,7 @@ def build_components(
     if config.model.lora is not None:  # before boosting: the plugins wrap the PeftModel
         policy = enable_lora(booster, policy, config.model.lora)
     train = config.train
-    optimizer = optimizer_for(policy, train, config.plugin.cpu_offload, _resumed_apart(config))
+    optimizer = optimizer_for(policy, train, config.plugin.cpu_offload, _resumed_apart(config, groups_from))
     lr_scheduler = warmup_decay_schedule(
         optimizer, train.warmup_steps, max(1, total_steps), train.min_lr_ratio, train.lr_schedule
     )
@@ -111,21 +117,21 @@ def build_components(
     return Components(plugin, booster, layout, policy, reference, optimizer, lr_scheduler, plan, frozen_fp32)
 
 
-def _resumed_apart(config: Config) -> bool:
-    """Whether train.resume's checkpoint held biases and norm weights in a group of their own, where this run's
-    grouping depends on it: at weight decay 0, with neither LoRA nor decay_norms_and_biases
-    (config.train.separates_no_decay). Read from the checkpoint's saved config, as the resume's own check reads it;
-    False when there is none to read (the resume says why)."""
+def _resumed_apart(config: Config, checkpoint: Path | None) -> bool:
+    """Whether the checkpoint this run continues (``checkpoint``: an export's; else train.resume's) held biases
+    and norm weights in a group of their own, where this run's grouping depends on it: at weight decay 0, with
+    neither LoRA nor decay_norms_and_biases (config.train.separates_no_decay). False when there is none to read
+    (the resume says why)."""
     train = config.train
-    if train.resume is None or train.weight_decay > 0 or train.decay_norms_and_biases or config.model.lora:
+    if train.weight_decay > 0 or train.decay_norms_and_biases or config.model.lora:
         return False
-    root = Path(config.output.dir) / CHECKPOINTS_DIR
     try:
-        checkpoint = resume_choice(root, train.resume)[0]
-        saved = saved_trainer_state(checkpoint)["trainer_state"].get("config") if checkpoint else None
+        if checkpoint is None and train.resume is not None:
+            root = Path(config.training_output().dir) / CHECKPOINTS_DIR
+            checkpoint = resume_choice(root, train.resume)[0]
+        return checkpoint is not None and saved_holds_apart(saved_trainer_state(checkpoint)["trainer_state"])
     except (UserError, OSError, KeyError):
         return False
-    return saved is not None and holds_apart(with_legacy(saved))
 
 
 def _cast_rounds(config: Config) -> bool:
@@ -197,11 +203,11 @@ def trainer_options(
 
 
 def build_trainer(
-    config: Config, run: Run, stop: StopSignals, announce: bool = True
+    config: Config, run: Run, stop: StopSignals, announce: bool = True, groups_from: Path | None = None
 ) -> tuple[Any, dict[str, torch.Tensor]]:
     """Models, optimizer, schedule and the KTOTrainer of ``run`` (every rank); with it ``Components.frozen_fp32``.
     With ``kto.reference: cached`` no reference model is built (``coati-kto export`` asks for that, and
-    ``announce=False``: no lines about how training will run)."""
+    ``announce=False``: no lines about how training will run; ``groups_from``: the checkpoint it exports)."""
     from coati_kto.trainer.checkpoint import CheckpointManager  # after quiet_known_warnings (recipe.train)
     from coati_kto.trainer.kto import KTOTrainer
 
@@ -212,7 +218,7 @@ def build_trainer(
         notes = (config.attention_note(), padding_free_note(config.data, config.model, cuda))
         for line in filter(None, notes):
             print(line, flush=True)
-    parts = build_components(config, run.plugin, steps, run.plan)
+    parts = build_components(config, run.plugin, steps, run.plan, groups_from)
     peak_flops, peak_source = resolve_peak_flops(config.train.peak_flops, config.plugin.precision)
     if run.layout.is_main and announce:
         print(peak_flops_line(peak_flops, peak_source), flush=True)

@@ -126,7 +126,8 @@ def _export(config: Config, first: Path, chosen: tuple[Path, Path], scratch: _Sc
     unscored = config.model_copy(update={"kto": config.kto.model_copy(update={"reference": "cached"})})
     run = setup_export(config, scratch, json.loads((first / "meta.json").read_text()).get("dp_size"))
     # STOP, not STOP.install(): nothing steps here, and train's handlers would turn a stop into a flag nobody reads.
-    trainer, frozen_fp32 = build_trainer(unscored, run, STOP, announce=False)
+    # its optimizer grouped as the checkpoint's (at weight decay 0 the config cannot tell): it loads its state
+    trainer, frozen_fp32 = build_trainer(unscored, run, STOP, announce=False, groups_from=chosen[0])
     path, target = on_rank0(
         lambda: chosen, "pin the checkpoint"
     )  # rank 0's: ranks may have seen another save

@@ -130,7 +130,7 @@ def _resume(config: Config, run: Run, trainer: Any) -> None:
     saved = state.get("config")
     current = config.model_dump(mode="json")
     line = check_resume(saved, current, checkpoint.name) if saved is not None else None
-    groups = optimizer_groups_problem(saved, current, checkpoint.name) if saved is not None else None
+    groups = optimizer_groups_problem(state, current, checkpoint.name) if saved is not None else None
     if groups is not None:
         raise ConfigError(groups)
     if checkpoint is not None:

@@ -49,7 +49,8 @@ def resume_problems(train: TrainSection, output: OutputSection, current: dict) -
     if checkpoint is None:
         return []
     try:
-        saved = saved_trainer_state(checkpoint)["trainer_state"].get("config")
+        state = saved_trainer_state(checkpoint)["trainer_state"]
+        saved = state.get("config")
     except OSError:  # none saved, or pruned by a run still saving there (keep_last): the lock check says so
         return []
     if saved is None:
@@ -58,7 +59,7 @@ def resume_problems(train: TrainSection, output: OutputSection, current: dict) -
         check_resume(saved, current, checkpoint.name)
     except ConfigError as err:
         return str(err).splitlines()
-    groups = optimizer_groups_problem(saved, current, checkpoint.name)
+    groups = optimizer_groups_problem(state, current, checkpoint.name)
     return [groups] if groups is not None else []
 
 

@@ -19,6 +19,8 @@ def run_state(trainer: Any, epoch: int) -> dict[str, Any]:
         "interval": trainer._interval.state(),
         "last_eval_step": trainer._last_eval_step,
         "config": trainer.run_config,
+        # biases and norm weights apart or not: at weight decay 0 the config cannot tell (config.resume)
+        "optimizer_groups": len(trainer.optimizer.param_groups),
         **{
             k: (trainer.data_stats or {}).get(k)
             for k in ("train_data", "train_data_parts", "reference_weights")

@@ -92,6 +92,14 @@ def runs(
     undecayed = _train(
         _config(root, model_dir, layout, "zero2_resumed_at_0", 2, weight_decay=0.0, resume=step1)
     )
+    # Its checkpoint says weight_decay 0 and holds two groups (recorded in its trainer state): resumed again at 0,
+    # and exported, each builds the two groups its optimizer state loads into
+    step2 = root / "zero2_resumed_at_0" / "checkpoints" / "step-2"
+    chained = _config(root, model_dir, layout, "zero2_chained_at_0", 3, weight_decay=0.0, resume=str(step2))
+    _train(chained)
+    argv = ["export", "--checkpoint", str(step2), "--out", str(root / "export_at_0"), str(chained)]
+    exported = run_cli(argv, 2)
+    assert exported.returncode == 0, exported.ranks[0].stderr[-3000:]
     out["resume"] = {
         "whole": whole,
         "resumed": resumed,

@@ -121,24 +121,26 @@ def test_a_resume_keeps_the_checkpoints_grouping() -> None:
     """A checkpoint saved before the key existed decayed every parameter (one group): its config lacks the key."""
     legacy = _config(0.1, None)
     assert with_legacy(legacy)["train"]["decay_norms_and_biases"] is True
-    line = optimizer_groups_problem(legacy, _config(0.1, False), "step-4")
+    line = optimizer_groups_problem({"config": legacy}, _config(0.1, False), "step-4")
     assert line == (
         "train.resume step-4: its optimizer holds the parameters in one group (train.weight_decay 0, "
         "train.decay_norms_and_biases true, or model.lora); this config would hold them in biases and norm "
         "weights in a group of their own (train.weight_decay > 0, train.decay_norms_and_biases false): resume "
         "with the checkpoint's grouping, or start a new run"
     )
-    assert optimizer_groups_problem(legacy, _config(0.1, True), "step-4") is None
+    assert optimizer_groups_problem({"config": legacy}, _config(0.1, True), "step-4") is None
     assert (
-        optimizer_groups_problem(_config(0.0, None), _config(0.0, False), "step-4") is None
+        optimizer_groups_problem({"config": _config(0.0, None)}, _config(0.0, False), "step-4") is None
     )  # no decay: one
-    assert optimizer_groups_problem(_config(0.0, False), _config(0.1, False), "s") is not None  # 0 -> 0.1
     assert (
-        optimizer_groups_problem(_config(0.1, False), _config(0.2, False), "s") is None
+        optimizer_groups_problem({"config": _config(0.0, False)}, _config(0.1, False), "s") is not None
+    )  # 0 -> 0.1
+    assert (
+        optimizer_groups_problem({"config": _config(0.1, False)}, _config(0.2, False), "s") is None
     )  # the rate may change
-    assert optimizer_groups_problem(_config(0.1, False), _config(0.1, True), "s") is not None
+    assert optimizer_groups_problem({"config": _config(0.1, False)}, _config(0.1, True), "s") is not None
     # 0.1 -> 0: at 0 either grouping trains the same, so the resume keeps the checkpoint's two (it was refused)
-    assert optimizer_groups_problem(_config(0.1, False), _config(0.0, False), "s") is None
+    assert optimizer_groups_problem({"config": _config(0.1, False)}, _config(0.0, False), "s") is None
     changes = {c.key: (c.old, c.new) for c in config_changes(legacy, _config(0.1, True))}
     assert "train.decay_norms_and_biases" not in changes  # what the old run did, unchanged
     changes = {c.key: (c.old, c.new) for c in config_changes(legacy, _config(0.0, False))}
@@ -150,5 +152,18 @@ def test_a_lora_run_holds_one_group_whatever_the_decay() -> None:
     holding two once weight_decay > 0."""
     lora = {"lora": {"rank": 4}}
     saved, current = {"model": lora, **_config(0.0, None)}, {"model": lora, **_config(0.1, False)}
-    assert optimizer_groups_problem(saved, current, "step-4") is None
-    assert optimizer_groups_problem({"model": lora, **_config(0.1, None)}, current, "step-4") is None
+    assert optimizer_groups_problem({"config": saved}, current, "step-4") is None
+    assert (
+        optimizer_groups_problem({"config": {"model": lora, **_config(0.1, None)}}, current, "step-4") is None
+    )
+
+
+def test_the_grouping_a_checkpoint_recorded_decides() -> None:
+    """At weight decay 0 a config cannot tell the grouping: a run resumed at 0 from a two-group checkpoint keeps
+    two, and its own checkpoint (config weight_decay 0) says so in its trainer state (optimizer_groups)."""
+    two_at_0 = {"config": _config(0.0, False), "optimizer_groups": 2}
+    assert optimizer_groups_problem(two_at_0, _config(0.0, False), "s") is None
+    assert optimizer_groups_problem(two_at_0, _config(0.1, False), "s") is None
+    assert optimizer_groups_problem(two_at_0, _config(0.0, True), "s") is not None  # one group asked
+    one = {"config": _config(0.1, False), "optimizer_groups": 1}  # e.g. LoRA on weight matrices only
+    assert optimizer_groups_problem(one, _config(0.1, False), "s") is not None
