@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from coati_kto.errors import PUSH_FAILED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError, without_secrets
 from coati_kto.runtime.signals import ABORT_EXIT_CODE, STOP, STOP_EXIT_CODE, TrainingStoppedError, launches
-from coati_kto.runtime.startup import hold_collection, release_collection
+from coati_kto.runtime.startup import closed_stdout_is_quiet, hold_collection, release_collection
 
 if TYPE_CHECKING:  # the commands import the config on demand (`--help` must not pay for it)
     from coati_kto.config.schema import Config
@@ -316,7 +316,7 @@ def entry() -> int:
 
         watch_stops()
     try:
-        code = main()
+        code = closed_stdout_is_quiet(main)
     finally:
         release_collection()
     STOP.ignore_from_now()

@@ -22,6 +22,8 @@ from coati_kto.config.trl_flags import SCRIPT_FLAGS, TRAINER_NAMES, trl_hint
 def _type_name(annotation: Any) -> str:
     """``Literal["a", "b"]`` -> ``a | b``; ``int | None`` -> ``int | null``; ``list[str]`` -> ``list[str]``."""
     origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:  # a constrained type (a non-empty str): its base type
+        return _type_name(typing.get_args(annotation)[0])
     if origin is typing.Literal:
         return " | ".join(str(v) for v in typing.get_args(annotation))
     if origin in (typing.Union, types.UnionType):
@@ -107,6 +109,10 @@ def did_you_mean(dotted: str) -> str | None:
     if mapped in all_keys():
         return mapped
     depth = dotted.count(".")
+    if depth == 0:  # a section and key run together (trainlr, train_lr): the key, not the section
+        joined = {k.replace(".", sep): k for k in all_keys() if k.count(".") == 1 for sep in ("", "_", "-")}
+        if dotted in joined:
+            return joined[dotted]
     candidates = [k for k in all_keys() if k.count(".") == depth]
     close = difflib.get_close_matches(dotted, candidates, n=1, cutoff=0.75)
     if not close and depth == 1:  # a right key in the wrong section: train.beta -> kto.beta

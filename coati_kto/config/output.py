@@ -29,7 +29,8 @@ class OutputSection(Section):
     )
     overwrite: bool = Field(
         False,
-        description="Start over in a dir holding a run: delete its checkpoints, events and final model.",
+        description="Start over in a dir holding a run: delete its checkpoints, events, final model, exports and "
+        "wandb/.",
     )
     push_to_hub: PushToHubSection | None = Field(
         None,

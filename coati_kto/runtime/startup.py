@@ -21,6 +21,10 @@ A process that did not start through ``entry`` (library use, the test suite's wo
 from __future__ import annotations
 
 import gc
+import os
+import signal
+import sys
+from collections.abc import Callable
 
 _held = False  # whether hold_collection turned the collector off (and release_collection has not run yet)
 
@@ -42,3 +46,14 @@ def release_collection() -> None:
     _held = False
     gc.freeze()
     gc.enable()
+
+
+def closed_stdout_is_quiet(run: Callable[[], int]) -> int:
+    """``run()``; where the reader of stdout left early (``coati-kto inspect CONFIG | head``), the exit status a
+    shell tool gives, 141 (128 + SIGPIPE), without a traceback. Python's recipe: stdout is pointed at
+    /dev/null, so the flush at exit does not raise again."""
+    try:
+        return run()
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE

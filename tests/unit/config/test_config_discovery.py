@@ -92,6 +92,9 @@ def test_schema_lists_every_key_with_type_default_and_help(capsys: pytest.Captur
     nested = len(LoraSection.model_fields) + len(PushToHubSection.model_fields)
     assert len(keys) == sum(len(section.model_fields) for section in sections) + nested
     assert all("  # " in line and not line.endswith("# None") for line in keys)
+    # From a docs audit: constrained types (a non-empty str) printed pydantic's internals
+    assert "model.reference_path: str | null = null  # Reference model; defaults to model.path." in lines
+    assert not [line for line in keys if "Annotated" in line or "metadata=" in line]
 
 
 def test_schema_lists_the_keys_of_a_nested_section(capsys: pytest.CaptureFixture[str]) -> None:
@@ -137,6 +140,8 @@ def test_did_you_mean_on_overrides_and_far_keys() -> None:
     assert did_you_mean("train.zzzz") is None
     assert did_you_mean("model.lora.rnak") == "model.lora.rank"
     assert did_you_mean("model.lora.target_module") == "model.lora.target_modules"
+    # From a docs audit: `trainlr=1` was told "did you mean train?" (a section: train=1 is wrong too)
+    assert did_you_mean("trainlr") == "train.lr" and did_you_mean("train_max_steps") == "train.max_steps"
 
 
 def test_config_command_mistakes_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

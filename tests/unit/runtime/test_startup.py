@@ -94,3 +94,21 @@ def test_train_through_the_entry_point_releases_before_setup(
     assert seen["at_setup"] is True and seen["booster"] is True
     assert seen["frozen"] > frozen  # what the imports made (and the worker had) is frozen
     assert gc.isenabled()
+
+
+def test_a_reader_that_leaves_early_is_no_traceback(tmp_path: Path) -> None:
+    """From a docs audit: `coati-kto inspect CONFIG | head -1` ended in a 22-line BrokenPipeError traceback (exit
+    1). A closed stdout now ends the command quietly with a shell tool's 141."""
+    import subprocess
+    import sys
+
+    script = (
+        "import sys\nfrom coati_kto.runtime.startup import closed_stdout_is_quiet\n"
+        "def many() -> int:\n    for i in range(200000):\n        print('row', i)\n    return 0\n"
+        "sys.exit(closed_stdout_is_quiet(many))\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout is not None and proc.stdout.readline() == b"row 0\n"
+    proc.stdout.close()  # what head does after its line
+    _, err = proc.communicate(timeout=60)
+    assert (proc.returncode, err) == (141, b"")
