@@ -128,9 +128,8 @@ def _export(config: Config, first: Path, chosen: tuple[Path, Path], scratch: _Sc
     # STOP, not STOP.install(): nothing steps here, and train's handlers would turn a stop into a flag nobody reads.
     # its optimizer grouped as the checkpoint's (at weight decay 0 the config cannot tell): it loads its state
     trainer, frozen_fp32 = build_trainer(unscored, run, STOP, announce=False, groups_from=chosen[0])
-    path, target = on_rank0(
-        lambda: chosen, "pin the checkpoint"
-    )  # rank 0's: ranks may have seen another save
+    # Rank 0's pinned copy and target: another rank may have chosen another save (auto, a run saving meanwhile).
+    path, target = on_rank0(lambda: chosen, "pin the checkpoint")
     STOP.leaves(_left(target))
     saved = trainer.checkpoint_manager.saved_state(path).get("config")
     if saved is not None:  # refuses another model, tokenizer, LoRA or data than the checkpoint's
