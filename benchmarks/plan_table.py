@@ -51,7 +51,7 @@ def _cache_note(shape: Any, work: Any, precision: str) -> str:
     from coati_kto.parallel.layout_search import usable_bytes
     from coati_kto.parallel.memory_plan import precompute_weight_bytes
 
-    weights = precompute_weight_bytes(shape, precision)
+    weights = precompute_weight_bytes(shape, work, precision)
     if work.reference != "cached" or weights <= usable_bytes(80):
         return ""
     return f"; the cache: {weights / 2**30:.0f} GiB of weights, no one GPU can compute it"
