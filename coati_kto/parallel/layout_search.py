@@ -29,11 +29,53 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from coati_kto.config.schema import PluginSection
 from coati_kto.config.sequence import sequence_layout_problems, sequence_plugin_problems
+from coati_kto.errors import UserError
 from coati_kto.parallel.activations import Workload
 from coati_kto.parallel.memory_plan import GIB, Layout, MemoryPlan, plan_memory
 from coati_kto.parallel.model_shape import ModelShape
+from coati_kto.parallel.plan import running_zero_stage
 from coati_kto.parallel.stages import least_microbatches
+
+
+def pipeline_of(plugin: PluginSection) -> tuple[int, str, int]:
+    """(pp_size, pp_style, num_model_chunks) of the plugin section; (1, "1f1b", 1) where the schema has none."""
+    return (
+        getattr(plugin, "pp_size", 1),
+        getattr(plugin, "pp_style", "1f1b"),
+        getattr(plugin, "num_model_chunks", 1),
+    )
+
+
+def configured_layout(plugin: PluginSection, world: int) -> Layout:
+    """The config's layout on ``world`` ranks (the ZeRO stage that runs there); UserError one line when ``world``
+    is no multiple of tp x sp x pp."""
+    sp = getattr(plugin, "sp_size", 1)
+    pp, style, chunks = pipeline_of(plugin)
+    axes = plugin.tp_size * sp * pp
+    if world % axes:
+        named = (
+            f"plugin.tp_size {plugin.tp_size}"
+            + (f" x plugin.sp_size {sp}" if sp > 1 else "")
+            + (f" x plugin.pp_size {pp}" if pp > 1 else "")
+        )
+        raise UserError(f"--gpus {world} is not a multiple of {named} = {axes}")
+    # The backend's ZeRO group (the plan's dp_size) is dp x sp: world / (tp x pp), as recipe/setup.py builds it.
+    stage = running_zero_stage(plugin, world // (plugin.tp_size * pp))
+    return Layout(
+        plugin.name,
+        plugin.precision,
+        stage,
+        plugin.tp_size,
+        world // axes,
+        sp,
+        plugin.cpu_offload,
+        pp,
+        style,
+        chunks,
+    )
+
 
 Admits = Callable[[int, int], bool]  # (tp, sp) -> whether the model's family runs at those sizes
 AdmitsPipeline = Callable[[int], bool]  # pp -> whether the model's family runs at that many stages

@@ -89,23 +89,23 @@ def _size(n: int) -> str:
     return f"{n / GIB:.1f} GiB" if n >= GIB else f"{n / (1 << 20):.2f} MiB"
 
 
-def needed_per_rank(config: Config) -> int | None:
-    """What one rank of ``config`` (a validated Config) holds at its load peak; None when a model's config.json
-    cannot be read here (a Hub id not cached yet: the load says why later)."""
+def needed_per_rank(config: Config, world: int = 1) -> int | None:
+    """What one rank of ``config`` (a validated Config) on ``world`` ranks holds at its load peak; None when a
+    model's config.json cannot be read here (a Hub id not cached yet: the load says why later)."""
     from coati_kto.parallel.activations import Workload
-    from coati_kto.parallel.memory_plan import Layout, load_host_bytes
+    from coati_kto.parallel.layout_search import configured_layout
+    from coati_kto.parallel.memory_plan import load_host_bytes
     from coati_kto.parallel.model_shape import cast_rounds, model_shape
 
-    path, plugin = config.model.path, config.plugin
+    path = config.model.path
     try:
         shape = model_shape(path)
-        rounds = cast_rounds(path, plugin.precision)
+        rounds = cast_rounds(path, config.plugin.precision)
         work = Workload.from_config(config)
+        # What shardformer splits before the cast: the tensor-parallel share and the pipeline stage.
+        layout = configured_layout(config.plugin, world)
     except UserError:
         return None
-    # What shardformer splits before the cast (hybrid_parallel's tp and pp; the other plugins have neither).
-    pp, chunks = getattr(plugin, "pp_size", 1), getattr(plugin, "num_model_chunks", 1)
-    layout = Layout(plugin.name, plugin.precision, plugin.zero_stage, plugin.tp_size, pp=pp, chunks=chunks)
     return load_host_bytes(shape, work, rounds, layout)
 
 
@@ -114,7 +114,7 @@ def refuse_a_load_no_node_holds(config: Config) -> None:
     what its ranks read at load (:func:`nodes_refusal`). Every rank calls it: one all_gather_object of every
     rank's report when distributed (one node short stops every rank, whose peers would wait in the next
     collective), reached by every rank whatever it knows."""
-    need = needed_per_rank(config)
+    need = needed_per_rank(config, dist.get_world_size() if dist.is_initialized() else 1)
     report: Report = (socket.gethostname(), need, available_host_bytes(), os.environ.get(NO_CHECK) == "1")
     reports = [report]
     if dist.is_initialized():

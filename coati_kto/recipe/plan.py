@@ -15,7 +15,15 @@ from coati_kto.config.schema import Config, PluginSection
 from coati_kto.errors import ConfigError, UserError
 from coati_kto.families.splits import check_model_family, check_sequence_parallel_family
 from coati_kto.parallel.activations import Workload
-from coati_kto.parallel.layout_search import RULE, USABLE_FRACTION, Fit, fitting_layouts, usable_bytes
+from coati_kto.parallel.layout_search import (
+    RULE,
+    USABLE_FRACTION,
+    Fit,
+    configured_layout,
+    fitting_layouts,
+    pipeline_of,
+    usable_bytes,
+)
 from coati_kto.parallel.memory_plan import (
     DTYPE_BYTES,
     GIB,
@@ -26,48 +34,9 @@ from coati_kto.parallel.memory_plan import (
     precompute_weight_bytes,
 )
 from coati_kto.parallel.model_shape import ModelShape, cast_rounds, model_shape
-from coati_kto.parallel.plan import running_zero_stage
 
 LISTED = 12  # layouts listed after the configured one
 MAX_GPU_MEMORY_GIB = 1e6  # --gpu-memory: a bound that keeps the bytes a finite number (inf, 1e308 overflowed)
-
-
-def _pipeline(plugin: PluginSection) -> tuple[int, str, int]:
-    """(pp_size, pp_style, num_model_chunks) of the plugin section; (1, "1f1b", 1) where the schema has none."""
-    return (
-        getattr(plugin, "pp_size", 1),
-        getattr(plugin, "pp_style", "1f1b"),
-        getattr(plugin, "num_model_chunks", 1),
-    )
-
-
-def configured_layout(plugin: PluginSection, world: int) -> Layout:
-    """The config's layout on ``world`` ranks (the ZeRO stage that runs there); UserError one line when ``world``
-    is no multiple of tp x sp x pp."""
-    sp = getattr(plugin, "sp_size", 1)
-    pp, style, chunks = _pipeline(plugin)
-    axes = plugin.tp_size * sp * pp
-    if world % axes:
-        named = (
-            f"plugin.tp_size {plugin.tp_size}"
-            + (f" x plugin.sp_size {sp}" if sp > 1 else "")
-            + (f" x plugin.pp_size {pp}" if pp > 1 else "")
-        )
-        raise UserError(f"--gpus {world} is not a multiple of {named} = {axes}")
-    # The backend's ZeRO group (the plan's dp_size) is dp x sp: world / (tp x pp), as recipe/setup.py builds it.
-    stage = running_zero_stage(plugin, world // (plugin.tp_size * pp))
-    return Layout(
-        plugin.name,
-        plugin.precision,
-        stage,
-        plugin.tp_size,
-        world // axes,
-        sp,
-        plugin.cpu_offload,
-        pp,
-        style,
-        chunks,
-    )
 
 
 def _gib(n: int) -> str:
@@ -152,7 +121,7 @@ def _comm_note(layout: Layout) -> str:
 
 def plan_lines(config: Config, gpus: int | None, gpu_memory: float, nodes: int) -> list[str]:
     """The report of ``coati-kto plan`` (module docstring); UserError one line for a bad option."""
-    axes = config.plugin.tp_size * getattr(config.plugin, "sp_size", 1) * _pipeline(config.plugin)[0]
+    axes = config.plugin.tp_size * getattr(config.plugin, "sp_size", 1) * pipeline_of(config.plugin)[0]
     world = gpus if gpus is not None else axes
     _check_options(world, gpu_memory, nodes)
     shape = model_shape(config.model.path)
@@ -279,7 +248,7 @@ def _pipeline_admitted(config: Config) -> bool:
         return False
     from coati_kto.config.pipeline import pipeline_plugin_problems, pipeline_problems
 
-    pp, style, chunks = _pipeline(config.plugin)
+    pp, style, chunks = pipeline_of(config.plugin)
     plugin = config.plugin.model_copy(
         update={"pp_size": max(pp, 2), "zero_stage": min(config.plugin.zero_stage, 1), "pp_style": style}
     )
