@@ -42,6 +42,23 @@ def missing_path(key: str, value: str) -> str:
     return f"{key}: {value} does not exist (a local path{where}; a hub id looks like org/name)"
 
 
+def local_snapshot(name_or_path: str | Path) -> Path | None:
+    """The folder ``from_pretrained`` reads ``name_or_path`` from: itself when it is a folder, else a Hub id's
+    snapshot in the hub cache (as it was downloaded: never fetched here), else None (an empty name too: not the
+    working directory)."""
+    if not str(name_or_path):
+        return None
+    local = Path(name_or_path)
+    if local.is_dir():
+        return local
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(str(name_or_path), local_files_only=True))
+    except Exception:  # noqa: BLE001 - not a Hub id, or not in the cache: nothing on disk
+        return None
+
+
 def hub_problems(key: str, repo_id: str) -> list[str]:
     """One look-up: the local hub cache first; then, unless HF_HUB_OFFLINE, one HEAD request, no retries."""
     from huggingface_hub import constants, try_to_load_from_cache

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from coati_kto.config.hub import local_snapshot
 from coati_kto.config.schema import ModelSection
 from coati_kto.errors import ConfigError
 from coati_kto.families import auto_model_class, eager_attention_reason
@@ -180,23 +181,6 @@ PROCESSOR_FILES = (
 )
 
 
-def processor_folder(name_or_path: str | Path) -> Path | None:
-    """The folder ``from_pretrained`` read ``name_or_path`` (a config's ``_name_or_path``) from: itself when it is
-    a folder, else a Hub id's snapshot in the hub cache (as it was downloaded: never fetched here), else None
-    (an empty name too: not the working directory)."""
-    if not str(name_or_path):
-        return None
-    local = Path(name_or_path)
-    if local.is_dir():
-        return local
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(str(name_or_path), local_files_only=True))
-    except Exception:  # noqa: BLE001 - not a Hub id, or not in the cache: there is nothing to copy
-        return None
-
-
 def copy_processor_files(source: str | Path, config: Any, out: Path) -> list[str]:
     """A vision-language model's processor files from its checkpoint ``source`` (``model.path``: a folder, or a
     Hub id read from the hub cache) into ``out``, unchanged (training does not change them), where ``out`` holds
@@ -206,7 +190,7 @@ def copy_processor_files(source: str | Path, config: Any, out: Path) -> list[str
 
     if not vision_language(config):
         return []
-    folder = processor_folder(source)
+    folder = local_snapshot(source)
     if folder is None:
         return []
     copied = [name for name in PROCESSOR_FILES if (folder / name).is_file() and not (out / name).exists()]

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from coati_kto.config.hub import hub_id
+from coati_kto.config.hub import hub_id, local_snapshot
 from coati_kto.errors import ConfigError
 from coati_kto.families import vision_language
 
@@ -154,19 +154,9 @@ def stored_float_dtypes(source: str) -> set[str] | None:
 
 
 def _safetensors_files(source: str) -> list[Path]:
-    folder = Path(source).expanduser()
-    if not folder.is_dir():
-        if hub_id(source) is None:
-            return []
-        from huggingface_hub import try_to_load_from_cache
-
-        cached = [
-            try_to_load_from_cache(source, n) for n in ("model.safetensors.index.json", "model.safetensors")
-        ]
-        found = [Path(c) for c in cached if isinstance(c, str)]
-        if not found:
-            return []
-        folder = found[0].parent
+    folder = local_snapshot(source)
+    if folder is None:
+        return []
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:

@@ -9,6 +9,7 @@ import json
 import uuid
 from pathlib import Path
 
+from coati_kto.config.hub import local_snapshot
 from coati_kto.config.schema import ModelSection
 from coati_kto.errors import ConfigError
 from coati_kto.parallel.distributed import on_rank0
@@ -19,18 +20,13 @@ _SAMPLE = 1 << 20  # bytes per sampled block of a weight file (reference_weights
 
 
 def _weights_dir(path: str) -> Path:
-    local = Path(path)
-    if local.is_dir():
-        return local
-    try:
-        from huggingface_hub import snapshot_download
-
-        return Path(snapshot_download(path, local_files_only=True))
-    except Exception:  # noqa: BLE001 - any failure means: not on disk
+    folder = local_snapshot(path)
+    if folder is None:
         raise ConfigError(
             f"model.reference_path / model.path {path}: kto.reference cached fingerprints the reference "
             "weights by content and needs them on disk (a directory or a downloaded hub snapshot)"
-        ) from None
+        )
+    return folder
 
 
 def file_sha256(path: Path) -> str:
