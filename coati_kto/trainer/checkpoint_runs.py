@@ -71,9 +71,8 @@ class RunLineage:
         self.previous, self.fork = fork["id"], fork
 
 
-PRUNE_WAIT_S = (
-    10.0  # how long a save waits for the checkpoints it prunes to be deleted (well under dist_timeout)
-)
+# How long a save waits for the checkpoints it prunes to be deleted (well under train.dist_timeout).
+PRUNE_WAIT_S = 10.0
 
 
 def prune(root: Path, keep: Path, keep_last: int) -> None:

@@ -21,11 +21,9 @@ from typing import Any
 import torch
 
 from coati_kto.models.lora import AdapterFreeReference, base_module
+from coati_kto.parallel.model_shape import SHARED_EXPERTS
 
 # The config keys of an MoE's expert count and of the experts each token is routed to, across families.
-SHARED_EXPERT_PREFIX = (
-    "shared_"  # Qwen2-MoE's shared_expert and shared_expert_gate, DeepSeek's shared_experts
-)
 _EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 _TOP_K = ("num_experts_per_tok", "moe_topk", "num_experts_per_token", "moe_k")
 
@@ -157,15 +155,15 @@ def _text_modules(inner: Any, head_ids: set[int]) -> set[int] | None:
 
 def _routed_expert_ids(inner: Any) -> set[int]:
     """ids of the routed experts' parameters: those of the children of an MoE block (a module with a ``router``
-    or ``gate`` child) but the router and the always-on shared expert, and those under a module named
-    ``experts``. JetMoE's experts are ``input_linear`` / ``output_linear``; its bias, a parameter of the block
+    or ``gate`` child) but the router and the always-on shared expert and its gate (names beginning with one of
+    ``model_shape.SHARED_EXPERTS``), and those under a module named ``experts``. JetMoE's experts are ``input_linear`` / ``output_linear``; its bias, a parameter of the block
     itself, runs for every token, as a router does."""
     out: set[int] = set()
     for name, module in inner.named_modules():
         children = dict(module.named_children())
         if "router" in children or "gate" in children:
             for child_name, child in children.items():
-                if child_name not in ("router", "gate") and not child_name.startswith(SHARED_EXPERT_PREFIX):
+                if child_name not in ("router", "gate") and not child_name.startswith(SHARED_EXPERTS):
                     out.update(id(p) for p in child.parameters())
         elif name.split(".")[-1] == "experts":
             out.update(id(p) for n, p in module.named_parameters() if "router" not in n.split("."))
