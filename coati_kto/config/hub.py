@@ -59,12 +59,34 @@ def local_snapshot(name_or_path: str | Path) -> Path | None:
         return None
 
 
+def local_sibling_hint(repo_id: str) -> str:
+    """For an ``org/name`` found nowhere whose ``org`` is a local folder (``outputs/tiny-chatt``): a clause naming
+    the folder and its nearest subfolder, since the value was likely a mistyped path; else ''."""
+    import difflib
+
+    folder, name = Path(repo_id).parent, Path(repo_id).name
+    if str(folder) == "." or not folder.is_dir():
+        return ""
+    subfolders = sorted(p.name for p in folder.iterdir() if p.is_dir())
+    near = difflib.get_close_matches(name, subfolders, n=1)
+    return f"; {folder}/ is a local folder without {name}" + (
+        f" (did you mean {folder / near[0]}?)" if near else ""
+    )
+
+
 def hub_problems(key: str, repo_id: str) -> list[str]:
-    """One look-up: the local hub cache first; then, unless HF_HUB_OFFLINE, one HEAD request, no retries."""
-    from huggingface_hub import constants, try_to_load_from_cache
+    """One look-up: the local hub cache first; then, unless HF_HUB_OFFLINE, one HEAD request, no retries. A line
+    ends with :func:`local_sibling_hint`'s clause when ``repo_id`` reads as a mistyped local path too."""
+    from huggingface_hub import try_to_load_from_cache
 
     if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
         return []
+    return [line + local_sibling_hint(repo_id) for line in _remote_problems(key, repo_id)]
+
+
+def _remote_problems(key: str, repo_id: str) -> list[str]:
+    from huggingface_hub import constants
+
     if variable := offline_variable():
         return [f"{key}: {repo_id} is not a local directory and not in the hub cache, and {variable} is set"]
     import httpx

@@ -232,6 +232,27 @@ def test_a_hub_id_is_looked_up_on_the_hub(monkeypatch: pytest.MonkeyPatch) -> No
         assert hub.unhandled == []
 
 
+def test_a_mistyped_local_model_path_is_named_beside_the_hub_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """`model.path: outputs/tiny-chatt` (a typo of a folder beside it) reads as a Hub id: the line said only that
+    the Hub could not be reached or was offline, and advised a download."""
+    from coati_kto.runtime.preflight import _hub_problems
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "outputs" / "tiny-chat").mkdir(parents=True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf-home"))
+    assert _hub_problems("model.path", "outputs/tiny-chatt") == [
+        "model.path: outputs/tiny-chatt is not a local directory and not in the hub cache, and HF_HUB_OFFLINE is "
+        "set; outputs/ is a local folder without tiny-chatt (did you mean outputs/tiny-chat?)"
+    ]
+    assert _hub_problems("model.path", "outputs/other")[0].endswith(
+        "; outputs/ is a local folder without other"
+    )
+    assert _hub_problems("model.path", "org/other")[0].endswith("HF_HUB_OFFLINE is set")  # no folder org/
+
+
 def test_a_refused_resume_is_said_before_the_data_is_prepared(tmp_path: Path) -> None:
     """train.resume with a config the checkpoint refuses (here data.max_length) was refused only once the run
     had set up: data.prepared_dir rebuilt for the new config (its reference cache deleted) and the new data
