@@ -6,7 +6,8 @@ trains with:
 - The policy works in the plugin's precision (bf16 / fp16: 2 bytes; fp32: 4). Gradients are in that dtype.
 - AdamW's two moments are fp32 (8 bytes per trainable parameter; ``train.optimizer_state_dtype: bf16``: 4).
   Under bf16 / fp16 the optimizer updates fp32 masters (4 bytes): ZeRO's optimizer (stage 1 and 2) and the AMP
-  optimizer (hybrid_parallel at ZeRO 0, which one data-parallel rank runs) both keep them. At its step each
+  optimizer (hybrid_parallel at ZeRO 0, which one data-parallel rank runs) both keep them. ZeRO keeps its fp32
+  copy of its share under fp32 too (low_level_zero: ColossalAI clones the shard it steps). At its step each
   casts the working gradients it updates to fp32 (4 bytes, alive through the step); ``train.fused_optimizer``
   casts none (``_step_copies``).
 - What trains: every parameter but a vision-language model's vision tower and projector (frozen unless
@@ -166,7 +167,7 @@ def _plan_stage(shape: ModelShape, layout: Layout, work: Workload, stage: int) -
     shards = layout.dp * layout.sp if layout.zero_stage >= 1 else 1  # ZeRO's group: data x sequence ranks
     owned = -(-trainable // shards)  # this rank's share of masters and moments
     moment_bytes = 4 if work.state_dtype == "bf16" else 8
-    masters = 4 * owned if mixed else 0
+    masters = 4 * owned if mixed or layout.zero_stage >= 1 else 0  # fp32 ZeRO: a clone of the share
     moments = moment_bytes * owned
     step_copies, host_copies = _step_copies(layout, work, owned)
     host = 0

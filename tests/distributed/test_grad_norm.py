@@ -61,7 +61,13 @@ def _one_step(model_dir: str, out_dir: str, plugin: dict, max_grad_norm: float) 
     assert isinstance(parts.optimizer.optim, torch.optim.SGD)  # the patch reached the optimizer factory
     start = full_weights(parts.policy)
     trainer.fit(step if tp else step[dist.get_rank() : dist.get_rank() + 1])
-    return {"update": full_weights(parts.policy) - start, "grad_norm": trainer.history[0]["train/grad_norm"]}
+    working = {p.untyped_storage().data_ptr() for p in parts.policy.unwrap().parameters()}
+    stepped = [p for g in parts.optimizer.optim.param_groups for p in g["params"]]
+    return {
+        "update": full_weights(parts.policy) - start,
+        "grad_norm": trainer.history[0]["train/grad_norm"],
+        "own_storage": sum(p.untyped_storage().data_ptr() not in working for p in stepped) / len(stepped),
+    }
 
 
 def _clip_worker(model_dir: str, out_dir: str) -> dict:
@@ -124,6 +130,8 @@ def test_max_grad_norm_clips_like_torch_on_every_plugin(clip_runs: list[dict], p
         expected = free * (run["clip"] / (norm + 1e-6))
         # Updates are differences of fp32 weights (|w| < 1: rounding < 1e-7); not clipping would miss by 6e-3.
         assert np.abs(clipped - expected).max() <= 1e-6 < 0.1 * np.abs(free).max(), plugin
+        # What the optimizer steps: the weights themselves, or (ZeRO, in fp32 too) copies coati-kto plan counts
+        assert run["free"]["own_storage"] == (1.0 if plugin == "low_level_zero" else 0.0), plugin
     # Every plugin sees the same global gradient (same global batch): same norm, same update.
     reference = clip_runs[0]["ddp"]
     assert clip_runs[0][plugin]["free"]["grad_norm"] == pytest.approx(

@@ -150,7 +150,8 @@ def test_cpu_offload_casts_the_step_gradients_in_host_memory(tiny: ModelShape) -
     plan = plan_memory(tiny, Layout("low_level_zero", "bf16", 2, dp=4, cpu_offload=True), WORK)
     assert (plan.step_copies, plan.masters, plan.moments, plan.host) == (0, 0, 0, 16 * 36_944)
     fp32 = plan_memory(tiny, Layout("low_level_zero", "fp32", 2, dp=4, cpu_offload=True), WORK)
-    assert (fp32.step_copies, fp32.host) == (0, 12 * 36_944)  # fp32 gradients still copied to the host
+    # fp32 gradients still copied to the host, beside the masters ZeRO clones from its share in fp32 too
+    assert (fp32.step_copies, fp32.host) == (0, 16 * 36_944)
 
 
 def test_the_cast_at_load_keeps_only_the_ranks_share(tiny: ModelShape) -> None:
@@ -166,3 +167,12 @@ def test_the_cast_at_load_keeps_only_the_ranks_share(tiny: ModelShape) -> None:
     )
     tp8 = load_host_bytes(shape, WORK, True, Layout("hybrid_parallel", "bf16", 0, tp=8))
     assert tp8 == 4 * 8_030_261_248  # was 6 x: 16 GB more per rank, 128 GB more on a node of 8
+
+
+def test_zero_in_fp32_keeps_a_copy_of_its_share(tiny: ModelShape) -> None:
+    """low_level_zero in fp32 clones each rank's share of the weights for its step (ColossalAI's
+    ``_create_master_param_current_rank`` with ``master_weights`` on, its default); the plan counted 0 master bytes
+    for it. DDP in fp32 steps the weights themselves."""
+    zero = plan_memory(tiny, Layout("low_level_zero", "fp32", 2, dp=4), WORK)
+    assert zero.masters == 4 * 36_944 and zero.moments == 8 * 36_944
+    assert plan_memory(tiny, Layout("ddp", "fp32", 0, dp=4), WORK).masters == 0
