@@ -100,11 +100,11 @@ WIDE_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
 
 def check_decodes(image: bytes, source: str, where: str) -> None:
     """Raise RecordError unless PIL opens and decodes ``image`` whole (a truncated file fails in ``load``) into 8
-    bits a channel."""
+    bits a channel, as one picture."""
     try:
         with Image.open(io.BytesIO(image)) as opened:
             opened.load()
-            mode = opened.mode
+            mode, frames = opened.mode, getattr(opened, "n_frames", 1)
     except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError, SyntaxError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         if isinstance(err, UnidentifiedImageError):  # its text names the BytesIO object's address
@@ -119,6 +119,14 @@ def check_decodes(image: bytes, source: str, where: str) -> None:
             f"a {'float' if mode == 'F' else '16- or 32-bit integer'} image (PIL mode {mode}): image processors "
             "clip it to 8 bits a channel (a 16-bit mid-grey becomes white), so the model would see another "
             "picture; convert it to 8-bit",
+            "bad_image",
+        )
+    if frames > 1:  # PIL, transformers' load_image and the processors all read the first frame alone
+        raise RecordError(
+            source,
+            where,
+            f"an image of {frames} frames (an animation or a multi-page file): the model would see its first frame "
+            "only, while the label judges the whole; save the frame meant as an image of its own",
             "bad_image",
         )
 

@@ -77,6 +77,24 @@ def test_an_image_wider_than_8_bits_is_a_bad_record(mode: str, tmp_path: Path) -
     check_decodes(_png(Image.new("L", (4, 4), 9)), "d.jsonl:3", "images[0]")  # 8 bits: fine
 
 
+@pytest.mark.parametrize("kind", ["GIF", "PNG", "WEBP", "TIFF"])
+def test_an_image_of_several_frames_is_a_bad_record(kind: str) -> None:
+    """An animated GIF, PNG or WebP (or a multi-page TIFF) was prepared and trained as its first frame, without a
+    word: a record labelled for what the animation shows."""
+    frames = [Image.new("RGB", (4, 4), (255, 0, 0)), Image.new("RGB", (4, 4), (0, 0, 255))]
+    out = io.BytesIO()
+    frames[0].save(out, kind, save_all=True, append_images=frames[1:])
+    with pytest.raises(RecordError) as info:
+        check_decodes(out.getvalue(), "d.jsonl:3", "images[0]")
+    assert info.value.reason == "bad_image"
+    assert str(info.value).startswith(
+        "d.jsonl:3: field 'images[0]': an image of 2 frames (an animation or a multi"
+    )
+    still = io.BytesIO()
+    frames[0].save(still, kind, save_all=True)  # one frame, written as an animation file: fine
+    check_decodes(still.getvalue(), "d.jsonl:3", "images[0]")
+
+
 def test_a_hub_configs_null_conversion_no_longer_fails_the_collate(tmp_path: Path) -> None:
     """Gemma 3's Hub preprocessor_config.json holds ``"do_convert_rgb": null`` (the processor call supplies True,
     the bare image processor does not): a grayscale row prepared, then raised "mean must have 1 elements"."""
