@@ -126,10 +126,11 @@ def write_file(path: Path, text: str) -> None:
     sync_dir(path.parent)
 
 
-def replace_dir(new: Path, target: Path) -> None:
+def replace_dir(new: Path, target: Path, background: bool = False) -> threading.Thread | None:
     """The complete directory ``new`` at ``target`` (same filesystem): an existing ``target`` is renamed aside,
     ``new`` renamed in, the parent's entries synced, then the old one removed (left for :func:`recover` when it
-    cannot be: never a failure, ``target`` is complete)."""
+    cannot be: never a failure, ``target`` is complete). ``background``: removed as
+    :func:`remove_in_background` does (a checkpoint saved again inside a save's agreements); its thread."""
     aside = None
     if target.exists():
         aside = own_dir(target, OLD)
@@ -141,8 +142,17 @@ def replace_dir(new: Path, target: Path) -> None:
             os.replace(aside, target)
         raise
     sync_dir(target.parent)
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
+    if aside is None:
+        return None
+    if background:
+        return _remove_on_thread(aside, target, f"the old copy of {target}")
+    shutil.rmtree(aside, ignore_errors=True)
+    return None
+
+
+# The directories this process's threads are deleting: recover() leaves them to their thread.
+_REMOVING: set[Path] = set()
+_REMOVING_LOCK = threading.Lock()
 
 
 def remove_in_background(directory: Path) -> threading.Thread:
@@ -150,8 +160,16 @@ def remove_in_background(directory: Path) -> threading.Thread:
     of its own: deleting a checkpoint of a large model takes minutes on a network filesystem, which a rank must
     not spend while its peers wait in a collective. The interpreter waits for the thread at exit; what a kill
     leaves, :func:`recover` removes. A failure to delete is a warning naming what is left."""
-    gone = own_dir(directory, GONE)
+    return _remove_on_thread(directory, directory, str(directory))
+
+
+def _remove_on_thread(directory: Path, target: Path, shown: str) -> threading.Thread:
+    """``directory`` renamed to a :data:`GONE` name of ``target``'s and deleted on a thread named ``remove
+    TARGET-NAME``; ``shown`` in the warning a failed delete prints."""
+    gone = own_dir(target, GONE)
     os.replace(directory, gone)  # onto our empty directory: rename(2) replaces an empty one
+    with _REMOVING_LOCK:
+        _REMOVING.add(gone.resolve())
 
     def remove() -> None:
         try:
@@ -159,11 +177,13 @@ def remove_in_background(directory: Path) -> threading.Thread:
         except OSError as err:
             why = f"{err.strerror}: {err.filename}" if err.strerror and err.filename else str(err)
             print(
-                f"warning: could not remove {directory}, now {gone} ({why}); remove it by hand",
-                file=sys.stderr,
+                f"warning: could not remove {shown}, now {gone} ({why}); remove it by hand", file=sys.stderr
             )
+        finally:
+            with _REMOVING_LOCK:
+                _REMOVING.discard(gone.resolve())
 
-    thread = threading.Thread(target=remove, name=f"remove {directory.name}")
+    thread = threading.Thread(target=remove, name=f"remove {target.name}")
     thread.start()
     return thread
 
@@ -172,12 +192,17 @@ def recover(parent: Path, name: str | None = None) -> None:
     """Leftovers of a :func:`replace_dir` or :func:`write_dir` under ``parent`` that a kill interrupted (of
     target ``name`` only, or of any): an old copy renamed aside goes back when nothing took its place, anything
     else of ours is removed. Only names :func:`own_dir` gives (``.NAME.coati-kto-new-`` or ``-old-`` and 8 hex
-    digits) are touched; an export's scratch data (``-data-``) is its own command's to remove."""
+    digits) are touched; an export's scratch data (``-data-``) is its own command's to remove, and a directory
+    a thread of this process is deleting (:func:`remove_in_background`) its thread's."""
     if not parent.is_dir():
         return
+    with _REMOVING_LOCK:
+        removing = set(_REMOVING)
     for leftover in sorted(parent.iterdir()):
         match = _LEFTOVER.fullmatch(leftover.name)
         if match is None or not leftover.is_dir() or (name is not None and match["name"] != name):
+            continue
+        if leftover.resolve() in removing:
             continue
         target = parent / match["name"]
         if match["kind"] == OLD and not target.exists():

@@ -29,6 +29,7 @@ from coati_kto.parallel.loss_scale import loss_scale, loss_scaler_state, restore
 from coati_kto.parallel.store_waits import first_failure, wait_for_all
 from coati_kto.runtime.durable import (
     recover,
+    remove_in_background,
     replace_dir,
     sync_dir,
     sync_dirs,
@@ -142,8 +143,8 @@ class CheckpointManager:
         """The main rank, before a save: an interrupted save's ``step-N.tmp``, and the old copy of a step a kill
         caught between the renames that replace it (put back when nothing took its place)."""
         self.root.mkdir(parents=True, exist_ok=True)
-        for stale in self.root.glob("step-*.tmp"):
-            shutil.rmtree(stale)
+        for stale in self.root.glob("step-*.tmp"):  # deleted on a thread: the peers wait in an agreement
+            remove_in_background(stale)
         recover(self.root)
 
     def _publish(self, step: int, tmp: Path, final: Path) -> None:
@@ -161,8 +162,9 @@ class CheckpointManager:
         write_synced(tmp / COMPLETE, f"step {step}\n")
         sync_dir(tmp)
         # Re-saving a step (an abandoned run's, after a hand resume): the old one aside, the new one in, the old
-        # one removed; a kill between the renames leaves the old one for the next save to put back.
-        replace_dir(tmp, final)
+        # one removed on a thread (the peers wait in an agreement meanwhile, as for pruning); a kill between the
+        # renames leaves the old one for the next save to put back.
+        replace_dir(tmp, final, background=True)
         self._lineage.saved(meta["id"])
         self._settle(final)
 

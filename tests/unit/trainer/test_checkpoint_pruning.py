@@ -124,3 +124,59 @@ def test_pruning_deletes_in_the_background(tmp_path: Path, monkeypatch: pytest.M
     release.set()
     _deleted("step-2")
     assert not gone.exists() and sorted(p.name for p in tmp_path.iterdir()) == [LATEST, "step-4"]
+
+
+class _SlowDeletes:
+    """shutil.rmtree held on the deleting threads (``remove NAME``) until ``release``; calls elsewhere counted."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import threading
+
+        self.deleting, self.release = threading.Event(), threading.Event()
+        self.elsewhere: list[str] = []
+        real_rmtree = shutil.rmtree
+
+        def rmtree(path: object, *args: object, **kwargs: object) -> None:
+            if threading.current_thread().name.startswith("remove "):
+                self.deleting.set()
+                self.release.wait(timeout=20)  # a filesystem that takes its time
+            else:
+                self.elsewhere.append(Path(str(path)).name)
+            real_rmtree(path, *args, **kwargs)
+
+        monkeypatch.setattr(shutil, "rmtree", rmtree)
+
+
+def test_a_step_saved_again_and_a_killed_saves_tmp_are_deleted_in_the_background(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """From the audit of pruning's fix: the main rank still deleted, inside a save's agreements, the old copy of a
+    step saved again (after a hand resume) and a killed save's step-N.tmp; and the next save's recover() deleted a
+    directory a pruning thread was deleting (both deleting one tree: a spurious "could not remove" warning)."""
+    import time
+
+    from coati_kto.runtime.durable import recover, replace_dir
+
+    slow = _SlowDeletes(monkeypatch)
+    old = _complete(tmp_path, 2)
+    new = tmp_path / "step-2.tmp"
+    (new / "model").mkdir(parents=True)
+    (new / COMPLETE).write_text("step 2 again\n")
+    started = time.monotonic()
+    replace_dir(new, old, background=True)
+    assert time.monotonic() - started < 5 and slow.deleting.wait(timeout=10)
+    assert (old / COMPLETE).read_text() == "step 2 again\n"  # the new copy is in place at once
+    (gone,) = [p for p in tmp_path.iterdir() if ".step-2.coati-kto-gone-" in p.name]
+    recover(tmp_path)  # the next save's: the thread's directory is left to it
+    assert gone.exists() and slow.elsewhere == []
+
+    stale = _complete(tmp_path, 4).rename(tmp_path / "step-4.tmp")  # a save killed before its rename
+    manager = _manager(tmp_path, 2)
+    started = time.monotonic()
+    manager._clear_leftovers()
+    assert time.monotonic() - started < 5 and not stale.exists() and slow.elsewhere == []
+    slow.release.set()
+    _deleted("step-2")
+    _deleted("step-4.tmp")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-2"]
+    assert capsys.readouterr().err == ""  # no delete raced another
