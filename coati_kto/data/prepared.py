@@ -27,7 +27,7 @@ from coati_kto.data.store import (
     read_prepared,
 )
 from coati_kto.data.summary import summary
-from coati_kto.data.tokenize import load_tokenizer, pad_id
+from coati_kto.data.tokenize import load_tokenizer, model_pad_id
 from coati_kto.data.train_data import train_data_digest, train_data_parts
 from coati_kto.data.weights import WeightSettings, imbalance
 from coati_kto.errors import ConfigError, DataError
@@ -90,8 +90,8 @@ def load_prepared(settings: PrepareSettings, weights: WeightSettings) -> Prepare
         if built:  # the store's summary; the run prints the KTO weights for its own layout (recipe.setup)
             stats = _open(settings, weights).stats
             print(summary(stats, settings.data, built, why, time.perf_counter() - start))
-        elif pad_id(tokenizer)[1]:  # the summary says it when built; once per run either way
-            print(pad_id(tokenizer)[1])
+        elif note := model_pad_id(tokenizer, settings.model)[1]:  # the summary says it when built; once a run
+            print(note)
         return fp["digest"]
 
     digest = on_rank0(build, "prepare the data")

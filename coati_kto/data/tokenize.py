@@ -51,6 +51,7 @@ from coati_kto.data.formats import RecordError
 from coati_kto.data.images import ImageExpander
 from coati_kto.data.template_clock import build_day, rendered_as_of
 from coati_kto.errors import ConfigError
+from coati_kto.families import vocabulary_size
 
 if TYPE_CHECKING:
     from coati_kto.config.schema import ModelSection
@@ -147,6 +148,12 @@ def pad_id(tokenizer: PreTrainedTokenizerBase, vocab_size: int | None = None) ->
         0,
         "note: the tokenizer has no pad or EOS token; padding with id 0, which is harmless: masks come from lengths",
     )
+
+
+def model_pad_id(tokenizer: PreTrainedTokenizerBase, model: ModelSection) -> tuple[int, str]:
+    """:func:`pad_id` for the run's models: an id past the policy's or the reference's embedding rows (from
+    their config.json) passed over. prepare's stats, its note and the run's batches all pad with this one."""
+    return pad_id(tokenizer, vocabulary_size(model.path, model.reference_path))
 
 
 def no_prompt_tokens(source: str) -> RecordError:

@@ -33,11 +33,11 @@ from coati_kto.data.image_store import load_processor
 from coati_kto.data.loaders import build_loaders
 from coati_kto.data.settings import PrepareSettings
 from coati_kto.data.store import fingerprint
-from coati_kto.data.tokenize import load_tokenizer, pad_id
+from coati_kto.data.tokenize import load_tokenizer, model_pad_id
 from coati_kto.data.train_data import train_data_digest, train_data_parts
 from coati_kto.data.weights import WeightSettings, imbalance, resolve_kto_weights
 from coati_kto.errors import ConfigError
-from coati_kto.families import model_notes, vocabulary_size
+from coati_kto.families import model_notes
 from coati_kto.models.hf import attention_implementation
 from coati_kto.models.packing import padding_free_rows
 from coati_kto.parallel.distributed import ParallelLayout, init_distributed, on_rank0, seed_everything
@@ -103,7 +103,7 @@ def load_run_data(config: Config) -> RunData:
     data = load_prepared(prepare_settings(config), WeightSettings(config.kto, config.train.micro_batch_size))
     images, image_note = image_collator(config, data)  # a setting images cannot run with: refused here
     tokenizer = load_tokenizer(config.model)
-    pad, pad_note = pad_id(tokenizer, vocabulary_size(config.model.path, config.model.reference_path))
+    pad, pad_note = model_pad_id(tokenizer, config.model)
     return RunData(data, tokenizer, pad, pad_note, images, image_note)
 
 

@@ -66,7 +66,10 @@ class EvalSamples:
         layout: ParallelLayout,
         device: torch.device,
         images: SampleImages | None = None,
+        pad_token_id: int | None = None,
     ) -> None:
+        """``pad_token_id``: the id the run's batches pad with (its collator's: a pad token past the model's
+        embeddings is passed over, ``coati_kto.data.tokenize.pad_id``); None: the tokenizer's pad, else EOS."""
         if tokenizer is None:
             raise ValueError("eval samples need the tokenizer (KTOTrainer's tokenizer argument)")
         chosen = _distinct_prompts(rows, np.random.default_rng(seed).permutation(len(rows)), count)
@@ -83,6 +86,7 @@ class EvalSamples:
         self.images = images.prompt_images(self.rows) if images is not None else None
         self.logged = [logged_image(r) if images is not None else None for r in self.rows]
         self.tokenizer, self.layout, self.device = tokenizer, layout, device
+        self.pad_token_id = pad_token_id
         self.max_new_tokens = max_new_tokens
         self.writer: Any = None  # MetricWriter: TensorBoard text and W&B tables (main rank)
         self.progress: Any = None  # ProgressBar: the timing line (main rank); print without one
@@ -106,6 +110,7 @@ class EvalSamples:
             trainer.layout,
             trainer.device,
             SampleImages.of(getattr(loader, "collate_fn", None)),
+            getattr(getattr(loader, "collate_fn", None), "pad_token_id", None),
         )
         samples.writer, samples.progress = trainer._writer, trainer._progress
         return samples
@@ -114,7 +119,9 @@ class EvalSamples:
         """``model``'s greedy completions of this rank's prompts with the policy's implied rewards; every rank
         calls with the same models. Gathered: the whole set in order on global rank 0, [] elsewhere."""
         eos = eos_ids(policy, self.tokenizer)
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos[0]
+        pad = self.pad_token_id
+        if pad is None:
+            pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos[0]
         synced = self.layout.world_size > 1
         completions = greedy_generate(
             model, self.prompts, self.max_new_tokens, pad, eos, self.device, synced, self.images

@@ -36,6 +36,9 @@ PLUGINS: dict[str, dict[str, Any]] = {
     "hybrid_tp2": {"name": "hybrid_parallel", "zero_stage": 0, "precision": "fp32", "tp_size": 2},
     "lora": {"name": "ddp"},  # the reference: the policy with its adapters disabled
     "cached": {"name": "ddp"},  # no reference model: no rewards, no reference samples
+    # a pad token added to the tokenizer, the model not resized: its id is past the embeddings (the batches pad
+    # with EOS instead); the samples padded with it and the run died in its first evaluation (IndexError)
+    "pad_past": {"name": "ddp"},
 }
 WITH_REFERENCE = [name for name in PLUGINS if name != "cached"]
 REFUSAL = "I cannot help with that."
@@ -62,7 +65,26 @@ def _config(model_dir: str, root: Path, name: str) -> dict[str, Any]:
         config["output"]["merge_lora"] = True
     if name == "cached":
         config["kto"]["reference"] = "cached"
+    if name == "pad_past":
+        config["model"]["path"] = str(root / "pad_past_model")
+        config["data"]["prepared_dir"] = str(root / "prepared_pad_past")
     return config
+
+
+def _pad_past_embeddings(model_dir: Path, out: Path) -> None:
+    """``model_dir`` with a pad token added to its tokenizer past the model's embedding rows (unused tokens fill
+    the rows the tiny model has beyond its tokenizer), the model not resized."""
+    import shutil
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    shutil.copytree(model_dir, out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    rows = AutoConfig.from_pretrained(out).vocab_size
+    tokenizer.add_tokens([f"<|unused_{i}|>" for i in range(rows - len(tokenizer))])
+    tokenizer.add_special_tokens({"pad_token": "<|pad|>"})
+    tokenizer.save_pretrained(out)
+    assert tokenizer.pad_token_id == rows
 
 
 def _run(model_dir: str, root: str, name: str) -> dict[str, Any]:
@@ -96,6 +118,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> dict
     root = tmp_path_factory.mktemp("eval_samples")
     write_jsonl(chat_records(24, REFUSAL), root / "train.jsonl")
     write_jsonl(chat_records(9, REFUSAL, offset=100), root / "eval.jsonl")
+    _pad_past_embeddings(tiny_model_dir, root / "pad_past_model")
     started = time.perf_counter()
     ranks = run_distributed(_all_runs, 2, str(tiny_model_dir), str(root), timeout_s=1200)
     print(f"\neval samples: {len(PLUGINS)} runs in {time.perf_counter() - started:.1f} s")
@@ -218,3 +241,15 @@ def test_wandb_gets_the_rows_as_a_table(runs: dict[str, Any]) -> None:
     assert [[row[0], row[1], row[3], row[4]] for row in first["data"]] == [
         [int(r["sample"]), r["label"], r["prompt"], r["completion"]] for r in written
     ]
+
+
+def test_a_pad_token_past_the_embeddings_is_recorded_as_the_id_the_run_pads_with(
+    runs: dict[str, Any],
+) -> None:
+    """prepare's stats.json said the tokenizer's pad (512, one the model cannot embed) and prepare printed no note,
+    while the run padded with EOS."""
+    stats = json.loads((runs["root"] / "prepared_pad_past" / "stats.json").read_text())
+    assert stats["padding"]["pad_id"] == 2
+    assert stats["padding"]["note"].startswith(
+        "note: the tokenizer's pad token '<|pad|>' (id 512) is past the model"
+    )
