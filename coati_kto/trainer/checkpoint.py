@@ -46,7 +46,7 @@ from coati_kto.runtime.run_dir import (
     complete_checkpoints,
     saved_trainer_state,
 )
-from coati_kto.trainer.checkpoint_runs import RunLineage, prune, warn
+from coati_kto.trainer.checkpoint_runs import PRUNE_WAIT_S, RunLineage, prune, warn
 from coati_kto.trainer.checkpoint_state import (
     master_shards,
     old_dp_states,
@@ -162,9 +162,11 @@ class CheckpointManager:
         write_synced(tmp / COMPLETE, f"step {step}\n")
         sync_dir(tmp)
         # Re-saving a step (an abandoned run's, after a hand resume): the old one aside, the new one in, the old
-        # one removed on a thread (the peers wait in an agreement meanwhile, as for pruning); a kill between the
-        # renames leaves the old one for the next save to put back.
-        replace_dir(tmp, final, background=True)
+        # one removed on a thread, waited for as pruning's (the peers wait in an agreement meanwhile); a kill
+        # between the renames leaves the old one for the next save to put back.
+        removal = replace_dir(tmp, final, background=True)
+        if removal is not None:
+            removal.join(timeout=PRUNE_WAIT_S)
         self._lineage.saved(meta["id"])
         self._settle(final)
 
