@@ -19,9 +19,10 @@ def read_texts(log_dir: str | os.PathLike[str]) -> dict[str, list[tuple[int, str
     """Every TEXT entry of the TensorBoard event files in ``log_dir``: {tag: [(step, markdown), ...]}.
 
     Tags as written (``run/config``; torch's ``add_text`` would have added ``/text_summary``, the trainer's writer
-    does not).
+    does not). Read as TensorBoard's server reads them (its plugin accumulator), which drops the text a resumed
+    run's purge covers; the older ``event_accumulator`` purges only scalars, images and histograms.
     """
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.plugin_event_accumulator import EventAccumulator
     from tensorboard.util import tensor_util
 
     acc = EventAccumulator(str(log_dir), size_guidance={"tensors": 0})

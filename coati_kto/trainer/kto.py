@@ -171,6 +171,7 @@ class KTOTrainer(SLTrainer):
         self._writer: MetricWriter | None = None
         self._progress: ProgressBar | None = None
         self._samples: EvalSamples | None = None  # eval.samples: decoded at every evaluation
+        self._tensorboard_at_resume: list | None = None  # what the checkpoint's step wrote (run_state.py)
 
     # ---------------------------------------------------------------- resume / setup
     def resume(self, checkpoint: str | Path, export: bool = False) -> None:
@@ -200,12 +201,10 @@ class KTOTrainer(SLTrainer):
         if use_wandb:
             wandb = {"project": options.wandb_project, "mode": options.wandb_mode, "dir": self._wandb_dir}
             wandb.update(config=self.run_config, resume=resumed is not None)
-        self._writer = MetricWriter(
-            self.layout.is_main,
-            log_dir,
-            purge_step=self.global_step + 1 if resumed else None,
-            wandb_settings=wandb,
-        )
+        kept = self._tensorboard_at_resume
+        purge = self.global_step + (kept is None) if resumed else None
+        self._writer = MetricWriter(self.layout.is_main, log_dir, purge_step=purge, wandb_settings=wandb)
+        self._writer.replay(kept or [], self.global_step)
         self._progress = ProgressBar(self.layout.is_main, total, initial=self.global_step)
         self._writer.run_summary(self.run_config, self.data_stats, self.global_step)
         self._samples = EvalSamples.for_run(self, eval_dataloader)
@@ -367,10 +366,11 @@ class KTOTrainer(SLTrainer):
         self._last_saved_step = self.global_step
 
     def _stop(self, epoch: int) -> None:
-        """A voted stop request: log the open interval, checkpoint this step, raise TrainingStoppedError (every rank)."""
+        """A voted stop request: checkpoint this step, log the open interval (after: the checkpoint keeps it whole for
+        the resumed run, which purges this partial record), raise TrainingStoppedError (every rank)."""
+        self._save(epoch)
         if self._interval.steps:
             self._log_interval()
-        self._save(epoch)
         last = self.checkpoint_manager.resume_auto_here() if self.checkpoint_manager is not None else None
         self.stop_signals.stopped_with(name := str(last) if last else None)
         raise TrainingStoppedError(self._stop_signal or "a stop signal", self.global_step, name)

@@ -24,8 +24,10 @@ from coati_kto.trainer.run_summary import config_markdown, data_stats_markdown, 
 class MetricWriter:
     """TensorBoard under ``tensorboard_dir`` and/or a W&B run, on the main rank.
 
-    ``purge_step``: on resume from optimizer step t pass t + 1, so TensorBoard drops the events a crashed run
-    wrote after its last checkpoint and the step axis continues in the same directory.
+    ``purge_step``: on resume from optimizer step t pass t, so TensorBoard drops the events a crashed or stopped
+    run wrote from its last checkpoint on (a stop's partial interval, an earlier resume's evaluation at t) and the
+    step axis continues in the same directory; :meth:`replay` then writes again what the checkpoint kept of step t
+    (:meth:`written_at`), once however often the run is resumed from it.
     """
 
     def __init__(
@@ -37,12 +39,17 @@ class MetricWriter:
     ) -> None:
         self._tb = None
         self._wandb = None
+        # TensorBoard's writes at the latest step (written_at), and whether the run's events were there before
+        self._kept: tuple[int, list[tuple[str, Any, Any]]] = (-1, [])
+        self._continuing = False
         if not is_main:
             return
         if tensorboard_dir is not None:
             from torch.utils.tensorboard import SummaryWriter
 
             Path(tensorboard_dir).mkdir(parents=True, exist_ok=True)
+            # events there already: the run this one resumes (a resume into a new output.dir starts afresh)
+            self._continuing = any(Path(tensorboard_dir).glob("events.out.tfevents.*"))
             self._tb = SummaryWriter(log_dir=str(tensorboard_dir), purge_step=purge_step)
         if wandb_settings is not None:
             self._wandb = _init_wandb(**wandb_settings)
@@ -50,9 +57,36 @@ class MetricWriter:
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Write finite scalars at ``step`` (names like ``train/loss``); a NaN never reaches the dashboards."""
         finite = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
-        self._to_tensorboard(lambda tb: [tb.add_scalar(k, v, global_step=step) for k, v in finite.items()])
+        self._scalars(finite, step)
         if self._wandb is not None and finite:
             self._wandb.log(finite, step=step)
+
+    def _scalars(self, finite: dict[str, float], step: int) -> None:
+        self._to_tensorboard(lambda tb: [tb.add_scalar(k, v, global_step=step) for k, v in finite.items()])
+        self._keep(step, "scalars", finite, None)
+
+    def _keep(self, step: int, kind: str, key: Any, value: Any) -> None:
+        if self._tb is None:
+            return
+        if self._kept[0] != step:
+            self._kept = (step, [])
+        self._kept[1].append((kind, key, value))
+
+    def written_at(self, step: int) -> list[tuple[str, Any, Any]]:
+        """What TensorBoard got at ``step`` (the latest step written), but the run's own text (``run/``, which a
+        resumed run writes anew): for a checkpoint of ``step`` to keep. Empty without TensorBoard."""
+        return list(self._kept[1]) if self._kept[0] == step else []
+
+    def replay(self, written: list[tuple[str, Any, Any]], step: int) -> None:
+        """Write :meth:`written_at`'s entries at ``step`` again, to TensorBoard only (W&B cannot purge: it has them),
+        where the run's events are (not into a new directory)."""
+        for kind, key, value in written if self._continuing else []:
+            if kind == "scalars":
+                self._scalars(key, step)
+            elif kind == "text":
+                self.text(key, value, step)
+            else:
+                self.image(key, value, step)
 
     def text(self, tag: str, markdown: str, step: int) -> None:
         """A TensorBoard TEXT entry (rendered as markdown) under ``tag`` itself: ``SummaryWriter.add_text`` would
@@ -64,6 +98,8 @@ class MetricWriter:
         summary = text(tag, markdown)
         summary.value[0].tag = tag
         self._to_tensorboard(lambda tb: tb.file_writer.add_summary(summary, step))
+        if not tag.startswith("run/"):
+            self._keep(step, "text", tag, markdown)
 
     def run_summary(self, run_config: dict | None, data_stats: dict | None, step: int) -> None:
         """The resolved config and the data statistics as TEXT (the config also as hparams), at the start step."""
@@ -77,6 +113,7 @@ class MetricWriter:
     def image(self, tag: str, chw: Any, step: int) -> None:
         """A TensorBoard image (``chw``: a CHW uint8 array) under ``tag`` at ``step``."""
         self._to_tensorboard(lambda tb: tb.add_image(tag, chw, global_step=step, dataformats="CHW"))
+        self._keep(step, "image", tag, chw)
 
     def table(
         self, key: str, columns: list[str], rows: list[list[Any]], step: int, images: list[Any] | None = None

@@ -1,5 +1,6 @@
 """What a checkpoint records of a KTOTrainer's run, and putting it back: the step and epoch, the data position,
-the skipped-step count, the logging interval open at the save, the last evaluated step, the config and the
+the skipped-step count, the logging interval open at the save, the last evaluated step, what TensorBoard got at
+the step, the config and the
 contents' digests (``coati_kto.config.resume`` checks them). The weights, optimizer, scheduler and RNG states are
 the CheckpointManager's. Every rank, its own (``trainer_state/rank-R.pt``)."""
 
@@ -18,6 +19,8 @@ def run_state(trainer: Any, epoch: int) -> dict[str, Any]:
         # the interval's steps so far: the resumed run logs its record as the whole run would have
         "interval": trainer._interval.state(),
         "last_eval_step": trainer._last_eval_step,
+        # TensorBoard's writes at this step (the main rank's): a resume purges from here and writes them again
+        "tensorboard_at_step": trainer._writer.written_at(trainer.global_step) if trainer._writer else [],
         "config": trainer.run_config,
         # biases and norm weights apart or not: at weight decay 0 the config cannot tell (config.resume)
         "optimizer_groups": len(trainer.optimizer.param_groups),
@@ -38,3 +41,5 @@ def restore_run_state(trainer: Any, state: dict[str, Any]) -> None:
     trainer._last_saved_step = trainer.global_step
     # An evaluation at the checkpoint's step already happened (and was logged): do not repeat it.
     trainer._last_eval_step = state.get("last_eval_step")
+    # None (a checkpoint from before they were kept): the resume purges after the step, keeping what is there.
+    trainer._tensorboard_at_resume = state.get("tensorboard_at_step")

@@ -24,6 +24,7 @@ from helpers import env, weights, write_run
 from coati_kto.runtime.signals import ABORT_EXIT_CODE, STOP_EXIT_CODE
 from coati_kto.testing.cli import run_cli
 from coati_kto.testing.distributed import run_distributed
+from coati_kto.testing.tensorboard import read_scalars
 
 
 def cli(*args: str) -> list[str]:
@@ -82,13 +83,14 @@ SIGNAL_STEPS = 20
 
 
 def test_signals_stop_with_a_checkpoint_and_resume_exactly(run_config: Path, tmp_path: Path) -> None:
-    steps = f"train.max_steps={SIGNAL_STEPS}"
-    train = cli("train", "--nproc-per-node", "2", str(run_config), steps)
+    # Records over 3 steps: the stop lands inside one (step 4's checkpoint and the SIGTERM after it)
+    steps, interval = f"train.max_steps={SIGNAL_STEPS}", "train.log_interval=3"
+    train = cli("train", "--nproc-per-node", "2", str(run_config), steps, interval)
     # The uninterrupted run is only the CLI's code path on 2 ranks (same code, same machine, 1 thread: the same
     # bits as a launch): on worker ranks. The signals, and the final resume that must read everything from
     # disk, are real launches.
     reference = tmp_path / "reference"
-    done = run_cli(["train", str(run_config), steps, f"output.dir={reference}"], 2)
+    done = run_cli(["train", str(run_config), steps, interval, f"output.dir={reference}"], 2)
     assert done.returncodes == [0, 0], done.stderr[-3000:]
 
     out = tmp_path / "interrupted"
@@ -127,6 +129,16 @@ def test_signals_stop_with_a_checkpoint_and_resume_exactly(run_config: Path, tmp
     assert a.keys() == b.keys()
     for name in a:
         assert torch.equal(a[name], b[name]), name
+    # And TensorBoard's points: the uninterrupted run's, each once. The stop logged its open interval before its
+    # checkpoint, so the resumed run's first record covered only the steps after the stop (a point more, at the
+    # stop's step, and the next one's sums short of the steps before it).
+    logged, resumed = read_scalars(reference / "tensorboard"), read_scalars(out / "tensorboard")
+    assert logged.keys() == resumed.keys() and [s for s, _ in logged["train/loss"]] == [*range(3, 19, 3), 20]
+    for tag, points in logged.items():
+        timed = "per_second" in tag or "seconds" in tag or "flops" in tag or "mfu" in tag
+        assert [s for s, _ in resumed[tag]] == [s for s, _ in points] if timed else resumed[tag] == points, (
+            tag
+        )
 
 
 def test_a_second_run_in_a_live_runs_output_dir_is_refused(run_config: Path, tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from helpers import preference_records, weights
 from coati_kto.data.files import write_jsonl
 from coati_kto.runtime.run_dir import saved_trainer_state
 from coati_kto.testing.cli import CliResult, run_cli
-from coati_kto.testing.tensorboard import read_scalars
+from coati_kto.testing.tensorboard import read_scalars, read_texts
 from coati_kto.trainer.schedule import lr_factor
 
 WARMUP, MIN_LR_RATIO = 1, 0.1
@@ -267,6 +267,31 @@ def test_a_logging_interval_open_at_the_checkpoint_logs_as_uninterrupted(
     assert [step for step, _ in resumed["train/loss"]] == [6]
     for tag in ("train/loss", "train/rewards/chosen", "train/count/chosen", "train/kl"):
         assert resumed[tag] == [(6, dict(logged[tag])[6])], tag
+
+
+def test_each_step_is_logged_once_however_often_a_checkpoint_is_resumed(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """From an audit: a resume evaluates at its checkpoint's step when that step was not evaluated, and TensorBoard
+    purged only the steps after the checkpoint's. So each resume of one checkpoint (a requeued job that dies before
+    its next save) added one more eval point at that step, and one more run/config and run/data text. Two resumes
+    of step-2 into the run's own directory: every step's points once, the last resume's."""
+    config = _ddp_config(tmp_path, tiny_model_dir, max_steps=4, eval_interval=4)
+    held_out = write_jsonl(preference_records(8, 50), tmp_path / "eval.jsonl")
+    evaluate = f"data.eval_files=[{held_out}]"
+    assert _train(config, evaluate).returncode == 0
+    step2, tensorboard = tmp_path / "out" / "checkpoints" / "step-2", tmp_path / "out" / "tensorboard"
+    first = read_scalars(tensorboard)
+    assert [step for step, _ in first["eval/loss"]] == [0, 4]
+    for _ in range(2):
+        done = _train(config, evaluate, f"train.resume={step2}")
+        assert done.returncode == 0, done.stderr[-3000:]
+    logged = read_scalars(tensorboard)
+    assert [step for step, _ in logged["eval/loss"]] == [0, 2, 4]  # step 2: the resume's evaluation, once
+    assert [step for step, _ in logged["train/loss"]] == [1, 2, 3, 4]
+    assert logged["train/loss"][:2] == first["train/loss"][:2]  # the steps before the checkpoint's, untouched
+    texts = read_texts(tensorboard)
+    assert [step for step, _ in texts["run/config"]] == [step for step, _ in texts["run/data"]] == [0, 2]
 
 
 def test_a_changed_weight_decay_is_used_after_the_resume(tiny_model_dir: Path, tmp_path: Path) -> None:
