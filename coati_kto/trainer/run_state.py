@@ -1,8 +1,7 @@
 """What a checkpoint records of a KTOTrainer's run, and putting it back: the step and epoch, the data position,
 the skipped-step count, the logging interval open at the save, the last evaluated step, what TensorBoard got at
-the step, the config and the
-contents' digests (``coati_kto.config.resume`` checks them). The weights, optimizer, scheduler and RNG states are
-the CheckpointManager's. Every rank, its own (``trainer_state/rank-R.pt``)."""
+the step, the config and the contents' digests (``coati_kto.config.resume`` checks them). The weights, optimizer,
+scheduler and RNG states are the CheckpointManager's. Every rank, its own (``trainer_state/rank-R.pt``)."""
 
 from __future__ import annotations
 
