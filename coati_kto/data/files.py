@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from coati_kto.config.hub import HubDataset, is_hub_dataset, parse_hub_dataset
-from coati_kto.data.formats import LoadResult, RecordError, normalize, show_value
+from coati_kto.data.formats import LoadResult, RecordError, normalize
 from coati_kto.data.image_refs import attach_images, undecoded
+from coati_kto.data.json_files import json_rows, jsonl_rows
 from coati_kto.data.unread import unread_fields
 from coati_kto.errors import DataError
 
@@ -117,110 +118,6 @@ def _refuse_split_files(root: Path, found: list[Path], where: str) -> None:
     )
 
 
-def _jsonl_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    """(``file:line``, parsed object) per non-blank line; a malformed line yields a RecordError in its place."""
-    with path.open("rb") as fh:
-        for lineno, raw in enumerate(fh, start=1):
-            source = f"{path}:{lineno}"
-            try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # tolerate a byte-order mark
-            except UnicodeDecodeError as err:
-                yield (
-                    source,
-                    RecordError(source, None, f"not UTF-8 text (byte {err.start + 1})", "malformed_json"),
-                )
-                continue
-            if not line.strip():
-                continue
-            # Without its line end: an error at the end of the line (a trailing comma) would else be placed at
-            # column 1 of the next "line", the newline itself.
-            line = line.rstrip("\r\n")
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as err:
-                problem = f"malformed JSON ({err.msg} at column {err.colno})"
-                yield source, RecordError(source, None, problem, "malformed_json")
-                continue
-            twice = _field_twice(line, record)
-            yield (
-                source,
-                record if twice is None else RecordError(source, twice, "given twice", "malformed_json"),
-            )
-
-
-def _field_twice(line: str, record: Any) -> str | None:
-    """A top-level field ``line`` gives twice (JSON keeps the last, in silence: a label given false then true
-    trained as true), else None. Only a line holding a field's quoted name twice is parsed again."""
-    if not isinstance(record, dict) or all(line.count(json.dumps(k)) < 2 for k in record):
-        return None
-    seen: list[str] = []
-
-    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
-        keys = [k for k, _ in items]
-        seen.extend(k for k in set(keys) if keys.count(k) > 1)
-        return dict(items)
-
-    json.loads(line, object_pairs_hook=pairs)
-    return next((k for k in record if k in seen), None)
-
-
-def _json_rows(path: Path) -> Iterator[tuple[str, Any]]:
-    """A .json file: an array of records, ``{"data": [...]}``, or JSON lines under a .json name."""
-    try:
-        data = json.loads(text := path.read_text(encoding="utf-8-sig"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        if isinstance(err, json.JSONDecodeError) and (whole := one_document_error(text, err, path)):
-            raise whole from None
-        yield from _jsonl_rows(path)  # the line numbers then point at the broken line
-        return
-    if isinstance(data, dict) and isinstance(data.get("data"), list):
-        beside = [
-            k for k, v in data.items() if k != "data" and isinstance(v, list) and v and isinstance(v[0], dict)
-        ]
-        if beside:  # records under another key would be left unread
-            raise DataError(
-                f"{path}: records under {', '.join(repr(k) for k in beside)} beside 'data': a .json file's records "
-                "are its array, or the list under 'data' alone; move them into 'data' or into a file of their own"
-            )
-        data = data["data"]
-    if isinstance(data, dict):
-        data = [data]
-    if not isinstance(data, list):
-        raise DataError(f"{path}: expected a JSON array of records, got {show_value(data)}")
-    twice = _rows_given_twice(text, data)
-    for i, item in enumerate(data, start=1):  # 1-based, as JSON lines' line numbers
-        source = f"{path}:row {i}"
-        yield (
-            source,
-            item if i not in twice else RecordError(source, twice[i], "given twice", "malformed_json"),
-        )
-
-
-class _Pairs(dict):
-    """A parsed JSON object that knows a key it was given twice (``twice``; JSON keeps the last in silence)."""
-
-    twice: str | None = None
-
-    @classmethod
-    def of(cls, items: list[tuple[str, Any]]) -> _Pairs:
-        parsed, keys = cls(items), [k for k, _ in items]
-        parsed.twice = next((k for k in keys if keys.count(k) > 1), None)
-        return parsed
-
-
-def _rows_given_twice(text: str, records: list[Any]) -> dict[int, str]:
-    """{row (from 1): a top-level field it gives twice} of a .json file's records (a label given false then true
-    trained as true, as in JSON lines: ``_field_twice``). Parsed again only when some field's quoted name occurs
-    more often in ``text`` than records hold it."""
-    keys = {k for r in records if isinstance(r, dict) for k in r}
-    if all(text.count(json.dumps(k)) <= sum(isinstance(r, dict) and k in r for r in records) for k in keys):
-        return {}
-    again = json.loads(text, object_pairs_hook=_Pairs.of)
-    again = again["data"] if isinstance(again, dict) and isinstance(again.get("data"), list) else again
-    again = [again] if isinstance(again, dict) else again
-    return {i: r.twice for i, r in enumerate(again, start=1) if isinstance(r, _Pairs) and r.twice}
-
-
 def _table_rows(path: Path, cache_dir: str | None) -> Iterator[tuple[str, Any]]:
     import datasets
 
@@ -294,9 +191,9 @@ def iter_raw(
 
         return dataset_rows(open_split(path, sha), pinned(path, sha))
     if path.suffix in JSON_LINES:
-        return _jsonl_rows(path)
+        return jsonl_rows(path)
     if path.suffix == ".json":
-        return _json_rows(path)
+        return json_rows(path)
     return _table_rows(path, cache_dir)
 
 
@@ -371,19 +268,3 @@ def class_label_map(ds: Any, path: Path | str) -> list[bool] | None:
             "desirable; store the label as a bool (true = desirable)"
         )
     return out
-
-
-def one_document_error(text: str, err: json.JSONDecodeError, path: Path) -> DataError | None:
-    """A .json file that does not parse: when its first line is no JSON value on its own, the file is one
-    document (an array, often pretty-printed) and ``err`` has the line; read as JSON lines, every line of it
-    would be "malformed" (and with on_bad_record: skip the whole file dropped). None: JSON lines, read so."""
-    # JSON's lines end at "\n" alone (splitlines would also cut at U+2028, which a JSON string may hold raw)
-    first = next((line for line in text.split("\n") if line.strip()), "")
-    try:
-        json.loads(first)
-        return None
-    except json.JSONDecodeError:
-        return DataError(
-            f"{path}:{err.lineno}: malformed JSON ({err.msg} at column {err.colno}); the file is one JSON "
-            "document, so none of it can be read until this is fixed"
-        )

@@ -142,6 +142,49 @@ def test_malformed_json_names_the_line_and_its_column(tmp_path: Path) -> None:
         )
 
 
+def test_a_pretty_printed_json_file_with_a_bad_byte_is_one_line_at_its_line(tmp_path: Path) -> None:
+    """From an audit: a .json array (indent=2) with one invalid UTF-8 byte was read as JSON lines: "d.json:1:
+    malformed JSON (Expecting value...)", and with on_bad_record: skip each of its 42 lines counted a bad record
+    (8 records)."""
+    path = tmp_path / "d.json"
+    text = json.dumps(ROWS, indent=2).encode()
+    broken = text.replace(
+        b'"a3"', b'"a\xff3"'
+    )  # line 19: the 4th record's completion (5 lines each, after "[")
+    path.write_bytes(b"\xef\xbb\xbf" + broken)  # behind a byte-order mark: lines and bytes still count right
+    line = broken[: broken.index(b"\xff")].count(b"\n") + 1
+    column = broken.index(b"\xff") - broken.rfind(b"\n", 0, broken.index(b"\xff"))
+    for on_bad_record in ("error", "skip"):
+        with pytest.raises(DataError) as info:
+            load_records([str(path)], on_bad_record=on_bad_record)
+        assert str(info.value) == (
+            f"{path}:{line}: not UTF-8 text (byte {column}); the file is one JSON document, so none of it can be "
+            "read until this is fixed"
+        )
+    assert line == 19
+
+
+def test_json_lines_under_a_json_name_with_a_broken_first_line_skip_that_line(tmp_path: Path) -> None:
+    """From an audit: a first line ending in a trailing comma made the file "one JSON document" (refused whole,
+    at line 2), where a broken line 4 is skipped and counted, as under a .jsonl name."""
+    path = tmp_path / "d.json"
+    lines = [json.dumps(r) for r in ROWS]
+    path.write_text("\n".join([lines[0][:-1] + ",", *lines[1:]]) + "\n")
+    read = load_records([str(path)], on_bad_record="skip")
+    assert len(read.records) == 5 and [str(e).split(": ")[0] for e in read.skipped] == [f"{path}:1"]
+    with pytest.raises(RecordError, match=rf"^{path}:1: malformed JSON"):
+        load_records([str(path)])
+
+
+def test_a_control_character_is_named_once(tmp_path: Path) -> None:
+    """ "Invalid control character at at column 34": Python's message ends in its own "at"."""
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"prompt": "a\x00b", "completion": "c", "label": true}\n')
+    with pytest.raises(RecordError) as info:
+        load_records([str(path)])
+    assert str(info.value) == f"{path}:1: malformed JSON (Invalid control character at column 14)"
+
+
 def test_array_and_table_rows_count_from_1(tmp_path: Path) -> None:
     """Rows were 0-based ("row 7" for the 8th record) where JSON lines' line numbers count from 1."""
     (tmp_path / "a.json").write_text(json.dumps([*ROWS, ROWS[0], {**ROWS[1], "label": "maybe"}]))
