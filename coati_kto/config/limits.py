@@ -3,10 +3,11 @@ traceback, after the config was taken), and where ``data.prepared_dir`` may not 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field
+from pydantic import AfterValidator, Field
 
 # Token counts: the prepared data's token columns are int32 (Arrow's list offsets too: coati_kto.data.ragged).
 MAX_TOKENS = 2**31 - 1
@@ -22,7 +23,16 @@ RUN_OUTPUTS = ("checkpoints", "tensorboard", "final", "exports", "wandb")
 Tokens = Annotated[int, Field(le=MAX_TOKENS)]
 Seed = Annotated[int, Field(le=MAX_SEED)]
 Seconds = Annotated[float, Field(le=MAX_TIMEOUT_S)]
-Text = Annotated[str, Field(min_length=1)]  # a path: "" would be the working directory, or nothing at all
+
+
+def home_expanded(path: str) -> str:
+    """``~/x`` (``~user/x``) as the folder it names: transformers and the Hub client take ``~/x`` for a Hub id,
+    and ``Path("~/x").mkdir`` makes a folder named ``~``. Any other value as given."""
+    return os.path.expanduser(path) if path.startswith("~") else path
+
+
+# A path: "" would be the working directory, or nothing at all.
+Text = Annotated[str, Field(min_length=1), AfterValidator(home_expanded)]
 
 
 def _inside(path: Path, root: Path) -> bool:

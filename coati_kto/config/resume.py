@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from coati_kto.errors import ConfigError
@@ -131,6 +132,7 @@ def check_resume(saved: dict, current: dict, checkpoint: str) -> str | None:
         for c in config_changes(saved, current)
         if not c.key.startswith(QUIET)
         and not (c.key == "model.tokenizer" and _same_tokenizer(saved, current))
+        and not (c.key in MODEL_FOLDERS and same_folder(c.old, c.new))
     ]
     refused = [
         f"{c}{_derived(c, saved, current)}: cannot change on resume ({refusal(c.key)})"
@@ -210,7 +212,21 @@ def _derived(change: Change, saved: dict, current: dict) -> str:
 def _same_tokenizer(saved: dict, current: dict) -> bool:
     """model.tokenizer null (it defaults to model.path) and model.tokenizer = model.path are one tokenizer."""
     old, new = saved.get("model") or {}, current.get("model") or {}
-    return (old.get("tokenizer") or old.get("path")) == (new.get("tokenizer") or new.get("path"))
+    return same_folder(old.get("tokenizer") or old.get("path"), new.get("tokenizer") or new.get("path"))
+
+
+MODEL_FOLDERS = ("model.path", "model.tokenizer", "model.reference_path")
+
+
+def same_folder(old: Any, new: Any) -> bool:
+    """Two values of a model key that name one thing: equal, or one existing folder written two ways (a trailing
+    slash, relative and absolute, through a link). The weights' own digest is checked apart (reference)."""
+    if old == new:
+        return True
+    if not (isinstance(old, str) and isinstance(new, str)):
+        return False
+    here, there = Path(old).expanduser(), Path(new).expanduser()
+    return here.is_dir() and there.is_dir() and here.resolve() == there.resolve()
 
 
 def check_training_data(

@@ -16,7 +16,7 @@ from coati_kto.config.compile_check import compile_problems
 from coati_kto.config.evaluation import EvalSection, sample_problems
 from coati_kto.config.hub import is_hub_dataset, parse_hub_dataset
 from coati_kto.config.kto import KTOSection
-from coati_kto.config.limits import MAX_TOKENS, Text, Tokens, prepared_dir_overlap
+from coati_kto.config.limits import MAX_TOKENS, Text, Tokens, home_expanded, prepared_dir_overlap
 from coati_kto.config.lora import LoraSection
 from coati_kto.config.output import LoggingSection, OutputSection
 from coati_kto.config.pipeline import pipeline_problems
@@ -146,6 +146,11 @@ class DataSection(_Section):
     @classmethod
     def _one_or_many(cls, value: Any, info: ValidationInfo) -> Any:
         value = [value] if isinstance(value, str) else value
+        value = (
+            [home_expanded(v) if isinstance(v, str) else v for v in value]
+            if isinstance(value, list)
+            else value
+        )
         for item in (
             [v for v in value if isinstance(v, str) and is_hub_dataset(v)] if isinstance(value, list) else []
         ):

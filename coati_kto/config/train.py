@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from coati_kto.config.limits import Seconds, Seed
+from coati_kto.config.limits import Seconds, Seed, Text
 from coati_kto.config.section import Section
 
 
@@ -69,7 +69,7 @@ class TrainSection(Section):
     eval_at_epoch_end: bool = Field(
         True, description="Evaluate after each epoch's last step (and the run's last step)."
     )
-    resume: str | None = Field(
+    resume: Text | None = Field(
         None, description="'auto' (latest checkpoint in output.dir) or a checkpoint path."
     )
     on_nonfinite: Literal["stop", "skip"] = Field(

@@ -126,3 +126,27 @@ def test_an_empty_optional_path_is_refused(config: Path, key: str) -> None:
     assert _errors(config, [f"{key}=''"]) == [
         f"override {key}='': String should have at least 1 character (got '')"
     ]
+
+
+def test_paths_given_from_home_are_the_folders_they_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From an audit: `model.path: ~/tiny` passed the preflight (which expands ~) and then went to transformers as
+    a Hub id ("Repo id must use alphanumeric chars", a traceback after prepare); `output.dir: ~/runs/x` made a
+    folder named ~ in the working directory."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    keys = ("model.path", "model.tokenizer", "model.reference_path", "output.dir", "data.prepared_dir")
+    config = load_config(
+        write_config(tmp_path, MINIMAL),
+        [
+            *(f"{key}=~/{key}" for key in keys),
+            "data.train_files=[~/t.jsonl, hf://datasets/o/n]",
+            "train.resume=~/c",
+        ],
+    )
+    dumped = config.model_dump()
+    for key in keys:
+        section, name = key.split(".")
+        assert dumped[section][name] == f"{tmp_path}/{key}", key
+    assert config.data.train_files == [f"{tmp_path}/t.jsonl", "hf://datasets/o/n"]
+    assert config.train.resume == f"{tmp_path}/c"

@@ -174,3 +174,25 @@ def test_a_refusal_for_changed_training_data_names_what_changed() -> None:
             f"train.resume step-2: the training data changed since the checkpoint ({what}: 1111 -> 2222): cannot "
             "change on resume (the data position of the epoch in progress belongs to the old training set)"
         )
+
+
+def test_a_model_folder_written_another_way_is_no_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From an audit: `model.path=base/` (or relative, or through a link, or ~/) on the resume of a run given
+    `/abs/base` was refused as another model. A folder named two ways is one folder; another folder is refused."""
+    (tmp_path / "base").mkdir()
+    (tmp_path / "other").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "base")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    saved = _dump(tmp_path, f"model.path={tmp_path / 'base'}", f"model.reference_path={tmp_path / 'base'}")
+    for same in ("base", "base/", str(tmp_path / "link"), "~/base"):
+        current = _dump(
+            tmp_path, f"model.path={same}", f"model.reference_path={same}", f"model.tokenizer={same}"
+        )
+        assert check_resume(saved, current, "step-6") is None, same
+    with pytest.raises(ConfigError, match="model.path .* cannot change on resume"):
+        check_resume(
+            saved, _dump(tmp_path, "model.path=other", f"model.reference_path={tmp_path / 'base'}"), "s"
+        )
