@@ -172,6 +172,21 @@ def encoder_refusal(raw: dict[str, Any]) -> str | None:
     )
 
 
+def quantized_refusal(raw: dict[str, Any]) -> str | None:
+    """Why the model of config.json ``raw`` cannot be trained here: its weights are quantized (bitsandbytes,
+    GPTQ, AWQ, fp8...). None when they are not. The training step updates full-precision weights (all, or LoRA
+    adapters beside them). bitsandbytes' 4-bit layers failed the first step, GPTQ and AWQ needed packages no
+    profile installs, and fp8 was dequantized on the CPU and exported without saying so."""
+    quantization = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config")
+    if not quantization:
+        return None
+    method = quantization.get("quant_method", "quantized") if isinstance(quantization, dict) else "quantized"
+    return (
+        f"its weights are quantized ({method}, config.json's quantization_config): coati-kto trains "
+        "full-precision weights (all of them, or LoRA adapters beside them); give the unquantized model"
+    )
+
+
 def layer_windows(config: Any) -> list[int | None] | None:
     """Each layer's sliding window (None: full causal) as transformers 5 applies it, or None when some layer's
     attention type is neither full nor sliding (chunked, linear...: no 4D mask reproduces it).

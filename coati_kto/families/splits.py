@@ -14,6 +14,7 @@ from coati_kto.families import (
     class_name_of,
     encoder_refusal,
     model_class_name,
+    quantized_refusal,
 )
 from coati_kto.families.shardformer import (
     pipeline_parallel_refusal,
@@ -25,13 +26,13 @@ from coati_kto.families.unproven import unproven_refusal
 
 
 def check_model_family(model_dir: str, key: str, tp_size: int = 1) -> None:
-    """ConfigError (one line) when the model at ``model_dir`` is an encoder or fails the family sweep
-    (``unproven.UNPROVEN_TYPES``; any plugin), or when its class is not admitted at ``tp_size`` tensor-parallel
+    """ConfigError (one line) when the model at ``model_dir`` is an encoder, fails the family sweep
+    (``unproven.UNPROVEN_TYPES``; any plugin) or is quantized, or when its class is not admitted at ``tp_size`` tensor-parallel
     ranks (every class at tp_size 1; above it ``shardformer.TENSOR_PARALLEL_FAMILIES``: what the tests prove).
     Checked from config.json (a Hub id's from the hub cache); a class it cannot tell (a Hub id not cached, remote
     code) is checked at boost."""
     raw = _config_json(model_dir) or {}
-    if (why := encoder_refusal(raw) or unproven_refusal(raw)) is not None:
+    if (why := encoder_refusal(raw) or unproven_refusal(raw) or quantized_refusal(raw)) is not None:
         raise ConfigError(f"{key} {model_dir}: {why}")
     if tp_size <= 1:
         return

@@ -19,7 +19,7 @@ from torch import nn
 from coati_kto.config.hub import local_snapshot
 from coati_kto.config.schema import ModelSection
 from coati_kto.errors import ConfigError
-from coati_kto.families import auto_model_class, eager_attention_reason
+from coati_kto.families import auto_model_class, eager_attention_reason, quantized_refusal
 from coati_kto.models.compile import wants_compile
 from coati_kto.models.last_mlp import skip_unread_mlp
 from coati_kto.models.norms import fuse_rms_norms
@@ -61,6 +61,8 @@ def load_causal_lm(path: str, model_cfg: ModelSection, dtype: torch.dtype) -> to
     attention, _ = attention_implementation(path, model_cfg)
     extra = {"attn_implementation": attention} if attention else {}
     config = AutoConfig.from_pretrained(path, trust_remote_code=model_cfg.trust_remote_code)
+    if (why := quantized_refusal(config.to_dict())) is not None:  # a Hub id the config load could not read
+        raise ConfigError(f"{path}: {why}")
     model = auto_model_class(config).from_pretrained(
         path, dtype=dtype, trust_remote_code=model_cfg.trust_remote_code, **extra
     )

@@ -168,7 +168,27 @@ def _directory_problems(key: str, path: Path, trust_remote_code: bool, need_weig
         )
     if not any((path / name).is_file() for name in _WEIGHTS):
         problems.append(f"{key}: {path} holds no weights ({' or '.join(_WEIGHTS[::2])})")
-    return problems
+    return problems + _missing_shards(key, path)
+
+
+def _missing_shards(key: str, path: Path) -> list[str]:
+    """The weight files the index transformers loads (safetensors' first) names and the folder lacks: a download
+    cut short was a FileNotFoundError traceback at load, after the data was prepared."""
+    index = next((path / n for n in _WEIGHTS[1::2] if (path / n).is_file()), None)
+    if index is None:
+        return []
+    try:
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return [f"{key}: {index} is no readable weight index (a JSON object with a weight_map)"]
+    missing = sorted(name for name in shards if not (path / name).is_file())
+    if not missing:
+        return []
+    shown = ", ".join(missing[:3]) + (", ..." if len(missing) > 3 else "")
+    return [
+        f"{key}: {path} lacks {len(missing)} of the {len(shards)} weight files its {index.name} names ({shown}): "
+        "a download cut short? (hf download fetches what is missing)"
+    ]
 
 
 def _lora_problems(model_section: ModelSection) -> list[str]:

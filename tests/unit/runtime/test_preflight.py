@@ -485,3 +485,65 @@ def test_overwrite_with_a_resume_path_inside_output_dir_is_refused_before_anythi
     assert overwrite_refusal(other.train, other.output) is None
     auto = load_config(write_config(tmp_path, text), ["train.resume=auto", "output.overwrite=true"])
     assert overwrite_refusal(auto.train, auto.output) is None and _resume(auto) == []
+
+
+def test_a_quantized_model_is_refused_at_config_load_and_at_load(tmp_path: Path) -> None:
+    """From an audit: a config.json with a quantization_config was never refused. bitsandbytes' 4-bit layers failed
+    the first step with an AssertionError traceback, GPTQ and AWQ with an ImportError after prepare, and fp8 was
+    dequantized on the CPU and trained and exported as full precision without a word."""
+    import json
+
+    import torch
+    from transformers import LlamaConfig
+
+    from coati_kto.models.hf import load_causal_lm
+
+    model_dir = _model_dir(
+        tmp_path,
+        LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4),
+    )
+    raw = json.loads((model_dir / "config.json").read_text())
+    for method in ("bitsandbytes", "gptq", "awq", "fp8"):
+        (model_dir / "config.json").write_text(
+            json.dumps({**raw, "quantization_config": {"quant_method": method}})
+        )
+        with pytest.raises(ConfigError) as err:
+            load_config(write_config(tmp_path, MINIMAL.replace("path: some/model", f"path: {model_dir}")))
+        assert (
+            f"model.path {model_dir}: its weights are quantized ({method}, config.json's quantization_config)"
+            in (str(err.value))
+        )
+        config = load_config(write_config(tmp_path, MINIMAL))  # a Hub id: refused where its config is read
+        with pytest.raises(ConfigError, match=rf"^{model_dir}: its weights are quantized \({method}"):
+            load_causal_lm(str(model_dir), config.model, torch.float32)
+
+
+def test_a_sharded_model_missing_a_shard_is_one_line_before_prepare(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """From an audit: the index's shards were not checked, and a folder a download left short failed at model
+    load with a FileNotFoundError traceback, after the data was prepared."""
+    import json
+    import shutil
+
+    from coati_kto.runtime.preflight import _directory_problems
+
+    model_dir = tmp_path / "sharded"
+    shutil.copytree(tiny_model_dir, model_dir)
+    weights = {"model.embed_tokens.weight": "model-00001-of-00003.safetensors"}
+    weights |= {
+        "model.norm.weight": "model-00002-of-00003.safetensors",
+        "lm_head.weight": "model-00003-of-00003.safetensors",
+    }
+    (model_dir / "model.safetensors").rename(model_dir / "model-00001-of-00003.safetensors")
+    index = model_dir / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weights}))
+    assert _directory_problems("model.path", model_dir, False, True) == [
+        f"model.path: {model_dir} lacks 2 of the 3 weight files its model.safetensors.index.json names "
+        "(model-00002-of-00003.safetensors, model-00003-of-00003.safetensors): a download cut short? (hf download "
+        "fetches what is missing)"
+    ]
+    index.write_text("[]")
+    assert _directory_problems("model.path", model_dir, False, True) == [
+        f"model.path: {index} is no readable weight index (a JSON object with a weight_map)"
+    ]
