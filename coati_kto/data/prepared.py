@@ -27,8 +27,9 @@ from coati_kto.data.store import (
     read_prepared,
 )
 from coati_kto.data.summary import summary
-from coati_kto.data.tokenize import load_tokenizer, model_pad_id
+from coati_kto.data.tokenize import load_tokenizer
 from coati_kto.data.train_data import train_data_digest, train_data_parts
+from coati_kto.data.vocabulary import model_pad_id
 from coati_kto.data.weights import WeightSettings, imbalance
 from coati_kto.errors import ConfigError, DataError
 from coati_kto.families import positions_problem, vocabulary_problem

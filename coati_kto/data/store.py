@@ -43,7 +43,7 @@ from coati_kto.data.image_store import images_fingerprint, load_processor, no_ty
 from coati_kto.data.settings import PrepareSettings
 from coati_kto.data.splits import duplicates, group_split, label_counts, prompt_key, require_both_labels
 from coati_kto.data.tables import build_split, progress_bars
-from coati_kto.data.tokenize import model_pad_id
+from coati_kto.data.vocabulary import model_pad_id
 from coati_kto.errors import DataError
 
 PIPELINE_VERSION = 8  # bump when the prepared rows change for the same inputs (8: see below)

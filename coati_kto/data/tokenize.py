@@ -51,7 +51,6 @@ from coati_kto.data.formats import RecordError
 from coati_kto.data.images import ImageExpander
 from coati_kto.data.template_clock import build_day, rendered_as_of
 from coati_kto.errors import ConfigError
-from coati_kto.families import vocabulary_size
 
 if TYPE_CHECKING:
     from coati_kto.config.schema import ModelSection
@@ -114,46 +113,6 @@ def prompt_hash(text: str, images: list[bytes] | tuple[bytes, ...] = ()) -> int:
     for image in images:
         h.update(hashlib.sha256(image).digest())
     return int.from_bytes(h.digest(), "little") >> 1
-
-
-def pad_id(tokenizer: PreTrainedTokenizerBase, vocab_size: int | None = None) -> tuple[int, str]:
-    """(the id to pad batches with, a one-line note for the user or "").
-
-    The pad token when the tokenizer has one; else EOS (GPT-2 and many base models have no pad token); else 0.
-    Safe whatever the id the model can embed: attention and loss masks come from row lengths, never from
-    ``ids != pad``. But padded positions still go through the embedding, so with ``vocab_size`` (the model's
-    embedding rows) an id past them (a pad token added to the tokenizer, the model not resized) is passed over.
-    """
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
-
-    def fits(token: int | None) -> bool:
-        return token is not None and (vocab_size is None or int(token) < vocab_size)
-
-    if fits(pad):
-        return int(pad), ""
-    if pad is not None:  # a pad token the model has no embedding for
-        fallback = int(eos) if fits(eos) else 0
-        return fallback, (
-            f"note: the tokenizer's pad token {tokenizer.pad_token!r} (id {int(pad)}) is past the model's "
-            f"{vocab_size} token embeddings; padding with id {fallback} instead, which is harmless: masks come "
-            "from lengths"
-        )
-    if fits(eos):
-        eos = int(eos)
-        return eos, (
-            f"note: the tokenizer has no pad token; padding with EOS {tokenizer.eos_token!r} (id {eos}), "
-            "which is harmless: masks come from lengths"
-        )
-    return (
-        0,
-        "note: the tokenizer has no pad or EOS token; padding with id 0, which is harmless: masks come from lengths",
-    )
-
-
-def model_pad_id(tokenizer: PreTrainedTokenizerBase, model: ModelSection) -> tuple[int, str]:
-    """:func:`pad_id` for the run's models: an id past the policy's or the reference's embedding rows (from
-    their config.json) passed over. prepare's stats, its note and the run's batches all pad with this one."""
-    return pad_id(tokenizer, vocabulary_size(model.path, model.reference_path))
 
 
 def no_prompt_tokens(source: str) -> RecordError:

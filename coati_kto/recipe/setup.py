@@ -33,8 +33,9 @@ from coati_kto.data.image_store import load_processor
 from coati_kto.data.loaders import build_loaders
 from coati_kto.data.settings import PrepareSettings
 from coati_kto.data.store import fingerprint
-from coati_kto.data.tokenize import load_tokenizer, model_pad_id
+from coati_kto.data.tokenize import load_tokenizer
 from coati_kto.data.train_data import train_data_digest, train_data_parts
+from coati_kto.data.vocabulary import model_pad_id
 from coati_kto.data.weights import WeightSettings, imbalance, resolve_kto_weights
 from coati_kto.errors import ConfigError
 from coati_kto.families import model_notes
@@ -67,7 +68,7 @@ class RunData:
     data: Any  # PreparedData; with reference log-probs once kto.reference cached scored it
     tokenizer: Any
     pad: int  # the pad token id the collator fills with
-    pad_note: str | None  # one line when the pad token was chosen here (data.tokenize.pad_id)
+    pad_note: str | None  # one line when the pad token was chosen here (data.vocabulary.pad_id)
     images: dict[str, Any]  # the collator's image keywords (coati_kto.recipe.images); empty without images
     image_note: str | None  # one line when image records turn a pass off
 

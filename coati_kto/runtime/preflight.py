@@ -85,6 +85,10 @@ def check_training(config: Config) -> None:
     # global rank 0, which builds the data: not by every rank of a large job
     problems += _data_problems(config.data, ask_hub=os.environ.get("RANK", "0") == "0")
     problems += [f"model.path {why}" for why in [vision_language_refusal(model.path)] if why]
+    if model.reference_path:  # imported here: transformers costs seconds, and only such a run pays them
+        from coati_kto.data.vocabulary import reference_tokenizer_problem
+
+        problems += [why for why in [reference_tokenizer_problem(model)] if why]
     problems += _lora_problems(model)
     problems += _attention_problems(model, config.plugin)
     problems += resume_problems(config.train, output, config.model_dump(mode="json"))

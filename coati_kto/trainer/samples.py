@@ -69,7 +69,7 @@ class EvalSamples:
         pad_token_id: int | None = None,
     ) -> None:
         """``pad_token_id``: the id the run's batches pad with (its collator's: a pad token past the model's
-        embeddings is passed over, ``coati_kto.data.tokenize.pad_id``); None: the tokenizer's pad, else EOS."""
+        embeddings is passed over, ``coati_kto.data.vocabulary.pad_id``); None: the tokenizer's pad, else EOS."""
         if tokenizer is None:
             raise ValueError("eval samples need the tokenizer (KTOTrainer's tokenizer argument)")
         chosen = _distinct_prompts(rows, np.random.default_rng(seed).permutation(len(rows)), count)

@@ -101,7 +101,7 @@ def test_tokenizer_without_pad_token_collates_to_the_same_logprobs() -> None:
     with EOS; masks come from lengths, so the log-probs equal those of any other pad id."""
     from test_tokenize import sentencepiece_tokenizer
 
-    from coati_kto.data.tokenize import pad_id
+    from coati_kto.data.vocabulary import pad_id
     from coati_kto.models.packing import pair_logps
     from coati_kto.testing.tiny import build_llama
 

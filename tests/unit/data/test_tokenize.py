@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import string
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,7 +18,8 @@ from transformers import PreTrainedTokenizerFast
 
 from coati_kto.data.chat import render
 from coati_kto.data.formats import RecordError, normalize
-from coati_kto.data.tokenize import Encoder, bos_prefix, encode, pad_id, truncation
+from coati_kto.data.tokenize import Encoder, bos_prefix, encode, truncation
+from coati_kto.data.vocabulary import pad_id
 
 
 def test_every_shape_gives_the_same_tokens(tiny_tokenizer) -> None:
@@ -733,3 +735,43 @@ def test_python_tokenizer_split_decodes_only_near_the_boundary(monkeypatch: pyte
     (fast_p,), (fast_c,), _ = Encoder(fast).split([prompt], [completion])
     assert (p_ids, c_ids) == (fast_p, fast_c)
     assert len(p_ids) + len(c_ids) > 1000 and 0 < sum(decoded) < 60
+
+
+def test_a_reference_whose_tokenizer_reads_the_ids_otherwise_is_refused(
+    tmp_path: Path, tiny_model_dir: Path
+) -> None:
+    """From an audit: a model.reference_path with a tokenizer of its own (another vocabulary, as large) trained
+    without a word, the reference scoring other tokens than the policy's (step 1's kl 4.04, not 0). Its added
+    tokens may differ (a chat model's renamed special tokens): only the vocabulary both define is compared."""
+    import json
+    import shutil
+
+    from coati_kto.config.schema import ModelSection
+    from coati_kto.data.vocabulary import reference_tokenizer_problem
+
+    def reference(name: str, edit) -> ModelSection:
+        folder = tmp_path / name
+        shutil.copytree(tiny_model_dir, folder)
+        tokenizer = json.loads((folder / "tokenizer.json").read_text())
+        edit(tokenizer)
+        (folder / "tokenizer.json").write_text(json.dumps(tokenizer))
+        return ModelSection(path=str(tiny_model_dir), reference_path=str(folder))
+
+    def swap(tokenizer: dict) -> None:  # two tokens trade ids: the same size, other meanings
+        vocab = tokenizer["model"]["vocab"]
+        a, b = (t for t, i in vocab.items() if i in (100, 101))
+        vocab[a], vocab[b] = vocab[b], vocab[a]
+
+    def rename_added(tokenizer: dict) -> None:
+        tokenizer["added_tokens"][-1]["content"] = "<|renamed|>"
+
+    swapped = reference("swapped", swap)
+    line = reference_tokenizer_problem(swapped)
+    assert line == (
+        f"model.reference_path {swapped.reference_path}: its tokenizer reads the run's token ids as other tokens "
+        "(2 of the 390 ids both define; id 100 is '¥' there and '¤' here): the reference would score other text; "
+        "give it a model of the run's tokenizer"
+    )
+    assert reference_tokenizer_problem(reference("same", lambda t: None)) is None
+    assert reference_tokenizer_problem(reference("renamed", rename_added)) is None
+    assert reference_tokenizer_problem(ModelSection(path=str(tiny_model_dir))) is None
