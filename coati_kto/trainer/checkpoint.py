@@ -49,6 +49,7 @@ from coati_kto.runtime.run_dir import (
 from coati_kto.trainer.checkpoint_runs import PRUNE_WAIT_S, RunLineage, prune, warn
 from coati_kto.trainer.checkpoint_state import (
     master_shards,
+    masters_fit,
     old_dp_states,
     restore_masters,
     rng_state,
@@ -289,7 +290,11 @@ class CheckpointManager:
         if same_layout and master_file.is_file():
             masters = torch.load(master_file, map_location="cpu")
             # whole: one gradient replica (ZeRO's group is dp x sp under sequence parallelism)
-            restore_masters(model, optimizer, masters, whole=self.layout.gradient_replicas == 1)
+            whole = self.layout.gradient_replicas == 1
+            if masters_fit(model, optimizer, masters, whole):
+                restore_masters(model, optimizer, masters, whole)
+            elif self.layout.is_main:  # the same on every rank: the stage is the run's
+                warn("plugin.zero_stage changed since the save: fp32 master weights rebuilt from its weights")
         rebuilt = ", fp32 master weights rebuilt from its weights" if master_shards(model, optimizer) else ""
         if same_layout:
             saved = saved_trainer_state(path, rank)

@@ -48,6 +48,22 @@ def master_shards(model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
     return shards
 
 
+def masters_fit(model: Any, optimizer: Any, shards: dict[str, torch.Tensor], whole: bool = False) -> bool:
+    """Whether :func:`restore_masters` can copy ``shards`` into this layout's masters: not after a change between
+    ZeRO's flat shards and the AMP optimizer's whole masters over several data-parallel ranks (plugin.zero_stage
+    0 <-> 1 or 2), which no file of this rank's holds whole."""
+    mapping = working_to_master(optimizer)
+    params = dict(model.unwrap().named_parameters())
+    for name, saved in shards.items():
+        master = mapping.get(id(params[name])) if name in params else None
+        if master is None:
+            return False
+        numel = params[name].numel()
+        if master.shape != saved.shape and not (whole and min(master.numel(), saved.numel()) >= numel):
+            return False
+    return True
+
+
 def restore_masters(model: Any, optimizer: Any, shards: dict[str, torch.Tensor], whole: bool = False) -> None:
     """Copy this rank's saved masters into the optimizer's.
 

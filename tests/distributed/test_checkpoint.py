@@ -480,6 +480,46 @@ def test_optimizer_states_move_between_one_rank_and_two(
             assert np.array_equal(value, rank["states"][key]), key
 
 
+def _loads_rebuilt(model_dir: str, root: str, plugin: dict) -> dict[str, Any]:
+    """``_loads``, and whether each rank's fp32 masters are its loaded bf16 weights (a ZeRO shard: its slice of the
+    flattened, padded parameter)."""
+    import torch.distributed as dist
+
+    from coati_kto.parallel.masters import working_to_master
+
+    s = _setup(model_dir, plugin, root)
+    s["mgr"].load(s["mgr"].resolve("auto"), s["model"], s["opt"], s["sched"])
+    mapping, same = working_to_master(s["opt"]), []
+    for param in s["model"].unwrap().parameters():
+        master, flat = mapping[id(param)].detach().float().reshape(-1), param.detach().float().reshape(-1)
+        if master.numel() != flat.numel():
+            padded = torch.nn.functional.pad(flat, (0, master.numel() * dist.get_world_size() - flat.numel()))
+            flat = padded[dist.get_rank() * master.numel() :][: master.numel()]
+        same.append(torch.equal(master, flat))
+    return {"states": _adam_states(s), "masters_are_weights": all(same)}
+
+
+@pytest.mark.parametrize("saved_stage,loaded_stage", [(2, 0), (0, 2)])
+def test_a_zero_stage_change_over_two_ranks_resumes_with_masters_rebuilt(
+    saved_stage: int, loaded_stage: int, tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """From an audit: plugin.zero_stage 2 -> 0 (or 0 -> 2) on a bf16 run of 2 data-parallel ranks passed every
+    check, then failed after loading with "checkpoint master shard of model.embed_tokens.weight has shape (16384,),
+    this layout expects (512, 64)": ZeRO's flat shards and the AMP optimizer's whole masters do not fit each other.
+    Now the masters are rebuilt from the loaded weights, as for any layout change, and Adam's moments come back."""
+    saved = run_distributed(
+        _saves, 2, str(tiny_model_dir), str(tmp_path), {**BF16, "zero_stage": saved_stage}
+    )
+    loaded = run_distributed(
+        _loads_rebuilt, 2, str(tiny_model_dir), str(tmp_path), {**BF16, "zero_stage": loaded_stage}
+    )
+    for rank in loaded:
+        assert rank["masters_are_weights"]
+        assert rank["states"].keys() == saved[0]["states"].keys()
+        for key, value in saved[0]["states"].items():
+            assert np.array_equal(value, rank["states"][key]), key
+
+
 def _kto_steps(model_dir: str, out_dir: str, zero_stage: int) -> dict[str, Any]:
     """Two KTO optimizer steps of 2 micro-batches each, 1 process, hybrid bf16 at ``zero_stage``."""
     from test_trainer import _build, _config, _rank_loader, full_weights
