@@ -131,8 +131,7 @@ def check_resume(saved: dict, current: dict, checkpoint: str) -> str | None:
         c
         for c in config_changes(saved, current)
         if not c.key.startswith(QUIET)
-        and not (c.key == "model.tokenizer" and _same_tokenizer(saved, current))
-        and not (c.key in MODEL_FOLDERS and same_folder(c.old, c.new))
+        and not (c.key in MODEL_FOLDERS and _same_source(c.key, saved, current))
     ]
     refused = [
         f"{c}{_derived(c, saved, current)}: cannot change on resume ({refusal(c.key)})"
@@ -209,10 +208,12 @@ def _derived(change: Change, saved: dict, current: dict) -> str:
     return " (half of data.max_length, its default)" if defaults == [change.old, change.new] else ""
 
 
-def _same_tokenizer(saved: dict, current: dict) -> bool:
-    """model.tokenizer null (it defaults to model.path) and model.tokenizer = model.path are one tokenizer."""
+def _same_source(key: str, saved: dict, current: dict) -> bool:
+    """One model folder in both configs under ``key``: model.tokenizer and model.reference_path default to
+    model.path (null and model.path's folder are one), each written any way :func:`same_folder` takes."""
+    name = key.split(".")[1]
     old, new = saved.get("model") or {}, current.get("model") or {}
-    return same_folder(old.get("tokenizer") or old.get("path"), new.get("tokenizer") or new.get("path"))
+    return same_folder(old.get(name) or old.get("path"), new.get(name) or new.get("path"))
 
 
 MODEL_FOLDERS = ("model.path", "model.tokenizer", "model.reference_path")

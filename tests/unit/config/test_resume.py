@@ -192,6 +192,15 @@ def test_a_model_folder_written_another_way_is_no_change(
             tmp_path, f"model.path={same}", f"model.reference_path={same}", f"model.tokenizer={same}"
         )
         assert check_resume(saved, current, "step-6") is None, same
+    # model.reference_path given as the folder it defaulted to: the same reference (was "another reference")
+    assert (
+        check_resume(
+            _dump(tmp_path, "model.path=base"),
+            _dump(tmp_path, "model.path=base", "model.reference_path=base/"),
+            "s",
+        )
+        is None
+    )
     with pytest.raises(ConfigError, match="model.path .* cannot change on resume"):
         check_resume(
             saved, _dump(tmp_path, "model.path=other", f"model.reference_path={tmp_path / 'base'}"), "s"
