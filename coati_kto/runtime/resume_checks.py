@@ -60,7 +60,27 @@ def resume_problems(train: TrainSection, output: OutputSection, current: dict) -
     except ConfigError as err:
         return str(err).splitlines()
     groups = optimizer_groups_problem(state, current, checkpoint.name)
-    return [groups] if groups is not None else []
+    return [
+        why for why in (groups, _limit_passed(state, current["train"], checkpoint.name)) if why is not None
+    ]
+
+
+def _limit_passed(state: dict, train: dict, checkpoint: str) -> str | None:
+    """A resume whose train.max_steps or max_epochs the checkpoint is already past: it would train nothing and
+    write final/ from the checkpoint's weights, after saying "applied" of the lowered limit. At the limit is
+    fine (a run stopped during its end's evaluation finishes so)."""
+    step, epoch = int(state.get("global_step", 0)), int(state.get("epoch", 0))
+    passed = []
+    if train.get("max_steps") is not None and train["max_steps"] < step:
+        passed.append(f"train.max_steps {train['max_steps']} is below its step {step}")
+    if train.get("max_epochs") is not None and train["max_epochs"] < epoch + 1:
+        passed.append(f"train.max_epochs {train['max_epochs']} ends before its epoch {epoch + 1}")
+    if not passed:
+        return None
+    return (
+        f"train.resume {checkpoint}: {' and '.join(passed)}: the resumed run would train nothing; raise the limit, "
+        "or export the checkpoint as it is (coati-kto export CONFIG)"
+    )
 
 
 def overwrite_refusal(train: TrainSection, output: OutputSection) -> str | None:

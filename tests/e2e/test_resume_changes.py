@@ -34,7 +34,7 @@ def _resume_with_edited_data(config: Path) -> CliResult:
     original = train.read_text()
     try:
         train.write_text(original.replace('"completion": "', '"completion": "Edited: '))
-        return _train(config, "train.resume=auto")
+        return _train(config, "train.resume=auto", "train.max_steps=100")  # past every test's checkpoint here
     finally:
         train.write_text(original)
 
@@ -143,7 +143,7 @@ def test_a_change_of_the_optimizers_groups_is_refused(first_run: Path) -> None:
     optimizer state is by group, so the resume is refused in one line, before anything loads."""
     out = first_run.parent / "out"
     before = sorted(p.name for p in (out / "checkpoints").iterdir())
-    done = _train(first_run, "train.resume=auto", "train.weight_decay=0.1", "train.max_steps=8")
+    done = _train(first_run, "train.resume=auto", "train.weight_decay=0.1", "train.max_steps=100")
     assert done.returncode == 2, done.stderr[-3000:]
     latest = (out / "checkpoints" / "latest").read_text().strip()
     errors = [line for line in done.stderr.splitlines() if line.strip()]
@@ -155,7 +155,7 @@ def test_a_change_of_the_optimizers_groups_is_refused(first_run: Path) -> None:
     ]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
     applied = _train(first_run, "train.resume=auto", "train.weight_decay=0.1", "train.decay_norms_and_biases=true",
-                     "train.max_steps=5")  # fmt: skip
+                     "train.max_steps=100")  # fmt: skip
     assert applied.returncode == 0, applied.stderr[-3000:]  # one group: the decay rate itself may change
 
 
@@ -247,6 +247,29 @@ def test_a_resume_at_the_step_limit_does_not_evaluate_again(tiny_model_dir: Path
     resumed, whole_weights = weights(out), weights(tmp_path / "out")
     assert resumed.keys() == whole_weights.keys() and all(
         torch.equal(resumed[k], whole_weights[k]) for k in resumed
+    )
+
+
+def test_a_limit_the_checkpoint_is_already_past_is_refused(first_run: Path, tmp_path: Path) -> None:
+    """From an audit: resuming step-4 with train.max_steps 3 said "applied: train.max_steps 4 -> 3", trained
+    nothing and wrote final/ from step 4's weights; a max_epochs the checkpoint's epoch is past likewise, with no
+    note at all. Refused in one line before anything heavy (at the limit is a resume that finishes)."""
+    from coati_kto.runtime.resume_checks import _limit_passed
+
+    checkpoint = first_run.parent / "out" / "checkpoints" / "step-4"
+    done = _train(
+        first_run, f"train.resume={checkpoint}", "train.max_steps=3", f"output.dir={tmp_path / 'x'}"
+    )
+    assert done.returncode == 2 and done.stderr.splitlines() == [
+        "error: train.resume step-4: train.max_steps 3 is below its step 4: the resumed run would train nothing; "
+        "raise the limit, or export the checkpoint as it is (coati-kto export CONFIG)"
+    ]
+    assert not (tmp_path / "x").exists()
+    state = {"global_step": 14, "epoch": 1}
+    assert _limit_passed(state, {"max_steps": 14, "max_epochs": 2}, "step-14") is None
+    assert _limit_passed(state, {"max_steps": None, "max_epochs": 1}, "step-14") == (
+        "train.resume step-14: train.max_epochs 1 ends before its epoch 2: the resumed run would train nothing; "
+        "raise the limit, or export the checkpoint as it is (coati-kto export CONFIG)"
     )
 
 
