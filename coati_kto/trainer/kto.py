@@ -61,7 +61,7 @@ from coati_kto.trainer.options import KTOOptions, options_from
 from coati_kto.trainer.passes import KTOPasses
 from coati_kto.trainer.pipeline import PipelinePasses
 from coati_kto.trainer.position import DataPosition
-from coati_kto.trainer.run_state import restore_run_state, run_state
+from coati_kto.trainer.run_state import log_resumed_step, restore_run_state, run_state
 from coati_kto.trainer.samples import EvalSamples
 from coati_kto.trainer.schedule import current_lr, planned_steps
 from coati_kto.trainer.throughput import mfu
@@ -204,7 +204,7 @@ class KTOTrainer(SLTrainer):
         kept = self._tensorboard_at_resume
         purge = self.global_step + (kept is None) if resumed else None
         self._writer = MetricWriter(self.layout.is_main, log_dir, purge_step=purge, wandb_settings=wandb)
-        self._writer.replay(kept or [], self.global_step)
+        log_resumed_step(self)  # the checkpoint step's writes again (run_state.py)
         self._progress = ProgressBar(self.layout.is_main, total, initial=self.global_step)
         self._writer.run_summary(self.run_config, self.data_stats, self.global_step)
         self._samples = EvalSamples.for_run(self, eval_dataloader)

@@ -225,18 +225,22 @@ class IntervalMeter:
         self.seconds = 0.0
         self.steps = 0  # every step of the interval, skipped ones included
         self.skipped = 0
+        self.ends_now = False  # a resume's open interval to log at once (load)
 
     def state(self) -> dict[str, Any]:
         """The open interval, for a checkpoint: a run resumed from it logs the interval's record as the run would
         have (it began empty: the steps before the checkpoint were missing from every record). The same on every
         rank (global sums)."""
-        return copy.deepcopy(vars(self))
+        return copy.deepcopy({k: v for k, v in vars(self).items() if k != "ends_now"})
 
-    def load(self, state: dict[str, Any] | None) -> None:
-        """Continue the interval :meth:`state` saved (None: a checkpoint from before it was saved: start empty)."""
+    def load(self, state: dict[str, Any] | None, ends_now: bool = False) -> None:
+        """Continue the interval :meth:`state` saved (None: a checkpoint from before it was saved: start empty).
+        ``ends_now``: the interval's length changed (``train.log_interval``), so its steps so far are a record of
+        their own at the resumed step, not mixed into the new length's first."""
         self.reset()
         if state is not None:
-            vars(self).update(copy.deepcopy(state))
+            vars(self).update({k: v for k, v in copy.deepcopy(state).items() if k != "ends_now"})
+            self.ends_now = ends_now and self.steps > 0
 
     def add(
         self,

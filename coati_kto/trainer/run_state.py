@@ -35,10 +35,20 @@ def restore_run_state(trainer: Any, state: dict[str, Any]) -> None:
     trainer.global_step = int(state["global_step"])
     trainer.start_epoch = int(state["epoch"])
     trainer.skipped_steps = int(state.get("skipped_steps", 0))
-    trainer._interval.load(state.get("interval"))
+    saved_interval = ((state.get("config") or {}).get("train") or {}).get("log_interval")
+    trainer._interval.load(state.get("interval"), saved_interval not in (None, trainer.options.log_interval))
     trainer.position.resume_from(state)
     trainer._last_saved_step = trainer.global_step
     # An evaluation at the checkpoint's step already happened (and was logged): do not repeat it.
     trainer._last_eval_step = state.get("last_eval_step")
     # None (a checkpoint from before they were kept): the resume purges after the step, keeping what is there.
     trainer._tensorboard_at_resume = state.get("tensorboard_at_step")
+
+
+def log_resumed_step(trainer: Any) -> None:
+    """A run's start, once its writer exists (on a resume: a TensorBoard purged from the checkpoint's step): what
+    that step wrote, again, and an open logging interval whose length changed (train.log_interval) as a record of
+    its own at the step, not mixed into the new length's first record."""
+    trainer._writer.replay(trainer._tensorboard_at_resume or [], trainer.global_step)
+    if trainer._interval.ends_now:
+        trainer._log_interval()

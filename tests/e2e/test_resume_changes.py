@@ -317,6 +317,28 @@ def test_each_step_is_logged_once_however_often_a_checkpoint_is_resumed(
     assert [step for step, _ in texts["run/config"]] == [step for step, _ in texts["run/data"]] == [0, 2]
 
 
+def test_a_changed_logging_interval_logs_the_open_one_apart(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """From an audit: resumed at step 2 of a log_interval 3 run with log_interval 1, step 3's record averaged steps
+    1-3. The open interval is now a record of its own at the checkpoint's step, and each later step's record is an
+    uninterrupted log_interval 1 run's."""
+    config = _ddp_config(tmp_path, tiny_model_dir, max_steps=4, log_interval=3)
+    assert _train(config).returncode == 0
+    every = _train(config, "train.log_interval=1", f"output.dir={tmp_path / 'every'}")
+    assert every.returncode == 0
+    step2 = tmp_path / "out" / "checkpoints" / "step-2"
+    done = _train(config, f"train.resume={step2}", "train.log_interval=1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    logged, whole = (
+        read_scalars(tmp_path / "out" / "tensorboard"),
+        read_scalars(tmp_path / "every" / "tensorboard"),
+    )
+    assert [step for step, _ in logged["train/loss"]] == [2, 3, 4]
+    for tag in ("train/loss", "train/kl", "train/count/chosen", "train/rewards/margins"):
+        assert logged[tag][1:] == whole[tag][2:], tag
+    counts = dict(logged["train/count/chosen"])[2] + dict(logged["train/count/rejected"])[2]
+    assert counts == sum(dict(whole[f"train/count/{k}"])[s] for k in ("chosen", "rejected") for s in (1, 2))
+
+
 def test_a_changed_weight_decay_is_used_after_the_resume(tiny_model_dir: Path, tmp_path: Path) -> None:
     """From an audit: the optimizer's loaders copy each saved group's settings back, so a resume at another
     train.weight_decay was named as applied (and recorded in config.yaml and the card) but trained at the old
