@@ -27,8 +27,17 @@ Seconds = Annotated[float, Field(le=MAX_TIMEOUT_S)]
 
 def home_expanded(path: str) -> str:
     """``~/x`` (``~user/x``) as the folder it names: transformers and the Hub client take ``~/x`` for a Hub id,
-    and ``Path("~/x").mkdir`` makes a folder named ``~``. Any other value as given."""
-    return os.path.expanduser(path) if path.startswith("~") else path
+    and ``Path("~/x").mkdir`` makes a folder named ``~``. Any other value as given. A ValueError when a folder
+    literally named so exists here (what a run given ``~/x`` before wrote): which one is meant cannot be told."""
+    if not path.startswith("~"):
+        return path
+    expanded = os.path.expanduser(path)
+    if expanded != path and Path(path).exists():
+        raise ValueError(
+            f"./{path} exists here (a folder named ~, as runs before coati-kto read ~ as the home folder "
+            f"made it), and ~ now means {os.path.expanduser('~')}: move it to {expanded}, or write ./{path}"
+        )
+    return expanded
 
 
 # A path: "" would be the working directory, or nothing at all.

@@ -104,7 +104,10 @@ def check_decodes(image: bytes, source: str, where: str) -> None:
     try:
         with Image.open(io.BytesIO(image)) as opened:
             opened.load()
-            mode, frames = opened.mode, getattr(opened, "n_frames", 1)
+            # An animation or a multi-page file; not a camera JPEG's MPF preview or depth map (Pillow's "MPO",
+            # whose first frame is the photo) nor a PSD's layers
+            frames = getattr(opened, "n_frames", 1) if opened.format in ("GIF", "PNG", "WEBP", "TIFF") else 1
+            mode = opened.mode
     except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError, SyntaxError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         if isinstance(err, UnidentifiedImageError):  # its text names the BytesIO object's address

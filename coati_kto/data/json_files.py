@@ -143,8 +143,9 @@ def one_document(text: str) -> bool:
     lines = [line for line in text.split("\n")[:64] if line.strip()]
     if not lines or _parses(lines[0]):
         return False
-    if lines[0].lstrip().startswith("["):
-        return True
+    first = lines[0].strip()
+    if first.startswith("[") or (first.startswith("{") and first.endswith(("[", "{"))):  # opens an array or a
+        return True  # wrapper ({"data": [): its records' lines may parse alone
     return not any(line.lstrip().startswith("{") and _parses(line) for line in lines[1:5])
 
 

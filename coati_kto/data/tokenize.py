@@ -24,7 +24,7 @@ token.
 Where a completion ends (:mod:`coati_kto.data.endings`): a chat completion as the template renders the turn,
 its end-of-turn token included and no EOS after it; a plain-text completion with EOS appended.
 
-Padding (:func:`pad_id`): the pad token, else EOS, else 0; masks come from lengths, so the id never matters.
+Padding (:func:`coati_kto.data.vocabulary.pad_id`): the pad token, else EOS, else 0; masks come from lengths, so the id never matters.
 
 Truncation (:func:`truncation`): only an example longer than ``max_length`` is cut. Its prompt keeps its END
 (at most ``max_prompt_length`` tokens) behind its leading BOS, which a cut never removes (Llama, Gemma and

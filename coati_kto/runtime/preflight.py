@@ -178,9 +178,14 @@ def _directory_problems(key: str, path: Path, trust_remote_code: bool, need_weig
 def _missing_shards(key: str, path: Path) -> list[str]:
     """The weight files the index transformers loads (safetensors' first) names and the folder lacks: a download
     cut short was a FileNotFoundError traceback at load, after the data was prepared."""
-    index = next((path / n for n in _WEIGHTS[1::2] if (path / n).is_file()), None)
-    if index is None:
+    # transformers' order: a whole model.safetensors before any index, safetensors before .bin
+    if (path / "model.safetensors").is_file():
         return []
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        index = path / "pytorch_model.bin.index.json"
+        if (path / "pytorch_model.bin").is_file() or not index.is_file():
+            return []
     try:
         shards = set(json.loads(index.read_text())["weight_map"].values())
     except (OSError, ValueError, KeyError, TypeError, AttributeError):

@@ -367,7 +367,7 @@ class KTOTrainer(SLTrainer):
 
     def _stop(self, epoch: int) -> None:
         """A voted stop request: checkpoint this step, log the open interval (after: the checkpoint keeps it whole for
-        the resumed run, which purges this partial record), raise TrainingStoppedError (every rank)."""
+        the resumed run, whose TensorBoard purges this partial record), raise TrainingStoppedError (every rank)."""
         self._save(epoch)
         if self._interval.steps:
             self._log_interval()

@@ -150,3 +150,12 @@ def test_paths_given_from_home_are_the_folders_they_name(
         assert dumped[section][name] == f"{tmp_path}/{key}", key
     assert config.data.train_files == [f"{tmp_path}/t.jsonl", "hf://datasets/o/n"]
     assert config.train.resume == f"{tmp_path}/c"
+
+    (tmp_path / "~" / "runs").mkdir(parents=True)  # what `output.dir: ~/runs` made before: a folder named ~
+    monkeypatch.chdir(tmp_path)
+    errors = _errors(write_config(tmp_path, MINIMAL), ["output.dir=~/runs"])
+    assert errors == [
+        f"override output.dir=~/runs: ./~/runs exists here (a folder named ~, as runs before coati-kto read ~ as the "
+        f"home folder made it), and ~ now means {tmp_path}: move it to {tmp_path}/runs, or write ./~/runs (got "
+        "'~/runs')"
+    ]

@@ -95,6 +95,17 @@ def test_an_image_of_several_frames_is_a_bad_record(kind: str) -> None:
     check_decodes(still.getvalue(), "d.jsonl:3", "images[0]")
 
 
+def test_a_camera_jpeg_with_a_preview_is_one_picture() -> None:
+    """A JPEG carrying an MPF secondary image (a camera's preview, a phone's depth map) opens in Pillow as MPO of 2
+    frames; its first is the photo, which trained before the frames check and must still."""
+    frames = [Image.new("RGB", (8, 8), (255, 0, 0)), Image.new("RGB", (4, 4), (0, 0, 255))]
+    out = io.BytesIO()
+    frames[0].save(out, "MPO", save_all=True, append_images=frames[1:])
+    with Image.open(io.BytesIO(out.getvalue())) as opened:
+        assert (opened.format, opened.n_frames) == ("MPO", 2)
+    check_decodes(out.getvalue(), "d.jsonl:3", "images[0]")
+
+
 def test_a_hub_configs_null_conversion_no_longer_fails_the_collate(tmp_path: Path) -> None:
     """Gemma 3's Hub preprocessor_config.json holds ``"do_convert_rgb": null`` (the processor call supplies True,
     the bare image processor does not): a grayscale row prepared, then raised "mean must have 1 elements"."""

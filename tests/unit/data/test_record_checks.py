@@ -176,6 +176,18 @@ def test_json_lines_under_a_json_name_with_a_broken_first_line_skip_that_line(tm
         load_records([str(path)])
 
 
+def test_a_wrapped_json_file_with_one_record_a_line_is_one_document(tmp_path: Path) -> None:
+    """From the review of the rule above: {"data": [ with a record a line: the last record parses alone, and a
+    syntax error elsewhere read the file as JSON lines, one record of three trained under skip."""
+    path = tmp_path / "d.json"
+    lines = [json.dumps(r) for r in ROWS[:3]]
+    path.write_text(
+        '{"data": [\n' + lines[0].replace(", ", " ", 1) + ",\n" + ",\n".join(lines[1:]) + "\n]}\n"
+    )
+    with pytest.raises(DataError, match=rf"^{path}:2: malformed JSON .*; the file is one JSON document"):
+        load_records([str(path)], on_bad_record="skip")
+
+
 def test_a_control_character_is_named_once(tmp_path: Path) -> None:
     """ "Invalid control character at at column 34": Python's message ends in its own "at"."""
     path = tmp_path / "d.jsonl"

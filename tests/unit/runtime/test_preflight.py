@@ -547,3 +547,6 @@ def test_a_sharded_model_missing_a_shard_is_one_line_before_prepare(
     assert _directory_problems("model.path", model_dir, False, True) == [
         f"model.path: {index} is no readable weight index (a JSON object with a weight_map)"
     ]
+    # A whole model.safetensors beside a stale index: transformers loads the file, not the index
+    (model_dir / "model-00001-of-00003.safetensors").rename(model_dir / "model.safetensors")
+    assert _directory_problems("model.path", model_dir, False, True) == []
