@@ -32,6 +32,7 @@ from typing import Any
 
 import datasets
 import numpy as np
+import pyarrow as pa
 
 from coati_kto.config.hub import HubDataset, is_hub_dataset
 from coati_kto.data import template_clock
@@ -42,6 +43,7 @@ from coati_kto.data.hub import check as hub_check
 from coati_kto.data.image_store import images_fingerprint, load_processor, no_typed_image_tokens
 from coati_kto.data.settings import PrepareSettings
 from coati_kto.data.splits import duplicates, group_split, label_counts, prompt_key, require_both_labels
+from coati_kto.data.store_check import build_damage, unreadable
 from coati_kto.data.tables import build_split, progress_bars
 from coati_kto.data.vocabulary import model_pad_id
 from coati_kto.errors import DataError
@@ -373,8 +375,9 @@ def _build_reason(target: Path, fp: dict) -> str | None:
     """Why ``target`` needs a build for fingerprint ``fp`` ('no prepared data yet', 'changed: ...'); None when it
     holds that complete build."""
     old = read_fingerprint(target)
-    if old and old.get("digest") == fp["digest"] and (target / "train").is_dir():
-        return None
+    if old and old.get("digest") == fp["digest"]:
+        damaged = build_damage(target)
+        return None if damaged is None else f"damaged: {damaged}"
     return f"changed: {_changed(old, fp)}" if old else NO_BUILD
 
 
@@ -388,7 +391,10 @@ def build_reason(settings: PrepareSettings, tokenizer) -> str | None:
 def read_prepared(prepared_dir: str | Path) -> PreparedData:
     """Open the splits and stats.json of a complete build in ``prepared_dir`` (memory-mapped arrow)."""
     target = Path(prepared_dir)
-    stats = json.loads((target / "stats.json").read_text())
-    train = datasets.load_from_disk(str(target / "train"))
-    evaluation = datasets.load_from_disk(str(target / "eval")) if (target / "eval").is_dir() else None
+    try:
+        stats = json.loads((target / "stats.json").read_text())
+        train = datasets.load_from_disk(str(target / "train"))
+        evaluation = datasets.load_from_disk(str(target / "eval")) if (target / "eval").is_dir() else None
+    except (OSError, ValueError, pa.ArrowException) as err:  # deleted or cut short since it was checked
+        raise unreadable(target, err) from None
     return PreparedData(train=train, eval=evaluation, stats=stats)

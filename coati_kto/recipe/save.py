@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,8 @@ from coati_kto.outputs.model_card import last_eval, render, write_card
 from coati_kto.outputs.weights import export_note, write_weights
 from coati_kto.recipe.setup import Run
 from coati_kto.runtime.run_dir import FINAL_DIR
+from coati_kto.trainer.checkpoint import CheckpointSaveError
+from coati_kto.trainer.write_failures import describe
 
 
 def save_final(
@@ -39,7 +42,21 @@ def save_final(
         world = world_size or run.layout.world_size
         eval_record, steps = last_eval(trainer.history), trainer.global_step
         card = render(config, run.data.stats, eval_record, steps, run.weights, world, run.notes)
-        write_card(Path(final), card)  # synced: the card marks the export finished
+        again = "train.resume=auto writes it again" if final_dir.name == FINAL_DIR else "export it again"
+        card_or_nothing(Path(final), card, again)
         print(f"{what}: {final}", flush=True)
         if not lora:
             print(run.notes[-1], flush=True)  # what its weights are
+
+
+def card_or_nothing(final: Path, card: str, again: str) -> None:
+    """``card`` into ``final`` (synced: the card marks the export finished). A failure (the disk full after the
+    weights) removes ``final``, whose weights without their card are no finished export, and raises the one line
+    saying so and how to write it ``again``: it was a traceback, and an export's folder then refused a rerun."""
+    try:
+        write_card(final, card)
+    except OSError as err:
+        shutil.rmtree(final, ignore_errors=True)
+        raise CheckpointSaveError(
+            f"the model card could not be written to {final} ({describe(err)}): removed {final.name}/; {again}"
+        ) from None

@@ -33,16 +33,22 @@ def damage(checkpoint: Path) -> str | None:
         return f"meta.json is unreadable ({err})"
     if not isinstance(meta, dict):
         return "meta.json is unreadable (not a JSON object)"
-    # Every rank of the saving layout wrote its trainer state; a resume on another layout reads them all.
-    world = int(meta.get("world_size") or 1)
+    try:  # Every rank of the saving layout wrote its trainer state; a resume on another layout reads them all.
+        world = int(meta.get("world_size") or 1)
+        listed = (
+            [int(rank) for rank in meta["master_ranks"]]
+            if isinstance(meta.get("master_ranks"), list)
+            else None
+        )
+    except (TypeError, ValueError) as err:
+        return f"meta.json is unreadable ({err})"
     needed = [checkpoint / TRAINER_STATE_DIR / f"rank-{rank}.pt" for rank in range(world)]
     needed.append(checkpoint / "lr_scheduler.pt")
     # Only ranks holding lower-precision weights write one; meta.json names them (saves since 2026-12-02): a
     # missing one would be rebuilt from the bf16 weights, unsaid, and the resume would not be exact.
     masters = checkpoint / MASTER_WEIGHTS_DIR
-    listed = meta.get("master_ranks")
-    if isinstance(listed, list):
-        needed += [masters / f"rank-{int(rank)}.pt" for rank in listed]
+    if listed is not None:
+        needed += [masters / f"rank-{rank}.pt" for rank in listed]
     else:
         needed += sorted(masters.glob("*.pt")) if masters.is_dir() else []
     for path in needed:

@@ -30,9 +30,10 @@ from coati_kto.runtime.run_dir import (
 
 
 def _pointer_name(root: Path) -> str | None:
+    """The step the ``latest`` pointer names; None when it is missing or unreadable (not text: a damaged disk)."""
     try:
         return (root / LATEST).read_text().strip()
-    except OSError:
+    except (OSError, UnicodeDecodeError):
         return None
 
 
@@ -102,9 +103,9 @@ def resolve_checkpoint(root: Path, resume: str | None) -> Path | None:
     if resume is None:
         return None
     if resume == "auto":
-        pointer = root / LATEST
-        if pointer.is_file():
-            named = root / pointer.read_text().strip()
+        pointer, name = root / LATEST, _pointer_name(root)
+        if pointer.is_file() and name:
+            named = root / name
             if (named / COMPLETE).is_file():
                 return _newest_after(root, named, pointer.stat().st_mtime_ns)
         complete = complete_checkpoints(root)  # pointer missing or stale: the highest complete step

@@ -45,14 +45,21 @@ class MetricWriter:
         if not is_main:
             return
         if tensorboard_dir is not None:
-            from torch.utils.tensorboard import SummaryWriter
-
-            Path(tensorboard_dir).mkdir(parents=True, exist_ok=True)
+            folder = Path(tensorboard_dir)
             # events there already: the run this one resumes (a resume into a new output.dir starts afresh)
-            self._continuing = any(Path(tensorboard_dir).glob("events.out.tfevents.*"))
-            self._tb = SummaryWriter(log_dir=str(tensorboard_dir), purge_step=purge_step)
+            self._continuing = folder.is_dir() and any(folder.glob("events.out.tfevents.*"))
+            try:
+                self._open(folder, purge_step)
+            except OSError as err:  # a folder it cannot write: as a write that fails later
+                self._stopped(err)
         if wandb_settings is not None:
             self._wandb = _init_wandb(**wandb_settings)
+
+    def _open(self, folder: Path, purge_step: int | None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        folder.mkdir(parents=True, exist_ok=True)
+        self._tb = SummaryWriter(log_dir=str(folder), purge_step=purge_step)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Write finite scalars at ``step`` (names like ``train/loss``); a NaN never reaches the dashboards."""
@@ -162,14 +169,18 @@ class MetricWriter:
         try:
             write(self._tb)
         except OSError as err:
-            tb, self._tb = self._tb, None
-            where = f": {err.filename}" if err.filename else ""
-            print(
-                f"warning: TensorBoard stopped ({err.strerror or err}{where}); training goes on, and the "
-                "console and W&B still get the metrics",
-                file=sys.stderr,
-                flush=True,
-            )
+            self._stopped(err)
+
+    def _stopped(self, err: OSError) -> None:
+        tb, self._tb = self._tb, None
+        where = f": {err.filename}" if err.filename else ""
+        print(
+            f"warning: TensorBoard stopped ({err.strerror or err}{where}); training goes on, and the "
+            "console and W&B still get the metrics",
+            file=sys.stderr,
+            flush=True,
+        )
+        if tb is not None:
             with contextlib.suppress(OSError):
                 tb.close()
 

@@ -1141,3 +1141,32 @@ def test_a_stop_between_the_swaps_renames_loses_no_build_and_leaves_nothing_asid
     assert "reusing" in capsys.readouterr().out  # the old build, put back, not a rebuild
     assert json.loads((tmp_path / "prepared" / "fingerprint.json").read_text()) == good
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []
+
+
+def test_a_build_with_files_deleted_since_is_built_again_and_one_cut_short_is_one_line(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """From a failure-injection audit: a prepared dir whose train/*.arrow, train/state.json or stats.json was
+    deleted since (its fingerprint.json still there) was taken as complete, and the read failed with a
+    traceback (FileNotFoundError, "neither a Dataset directory"); an arrow file cut short with ArrowInvalid."""
+    from helpers import data_settings
+
+    from coati_kto.data.files import write_jsonl
+    from coati_kto.data.prepared import prepare
+    from coati_kto.errors import DataError
+
+    path = write_jsonl(rows(8, 4), tmp_path / "t.jsonl")
+    settings = data_settings(make_config(tmp_path, tiny_model_dir, [str(path)]))
+    first = prepare(*settings)
+    target = tmp_path / "prepared"
+    (arrow,) = (target / "train").glob("*.arrow")
+    for lost in (arrow, target / "train" / "state.json", target / "stats.json"):
+        lost.unlink()
+        capsys.readouterr()
+        again = prepare(*settings)
+        assert f"(damaged: {lost.relative_to(target)} is missing)" in capsys.readouterr().out
+        assert len(again.train) == len(first.train)
+    (arrow,) = (target / "train").glob("*.arrow")
+    arrow.write_bytes(arrow.read_bytes()[:200])
+    with pytest.raises(DataError, match=rf"^data.prepared_dir {target}: the prepared data cannot be read \("):
+        prepare(*settings)

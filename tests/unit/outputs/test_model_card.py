@@ -213,3 +213,30 @@ def test_a_non_finite_last_evaluation_is_said_not_hidden(tmp_path: Path) -> None
         "the evaluations before it." in card
     )
     assert not any("at optimizer step 2" in line for line in card)
+
+
+def test_a_card_that_cannot_be_written_leaves_no_final_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From a failure-injection audit: the disk filling after the weights left final/ (or exports/step-N) without
+    its card, with a traceback; a rerun of the export then refused the folder as existing."""
+    import errno
+
+    from coati_kto.recipe import save
+    from coati_kto.trainer.checkpoint import CheckpointSaveError
+
+    final = tmp_path / "final"
+    final.mkdir()
+    (final / "model.safetensors").write_bytes(b"weights")
+
+    def full(directory: Path, card: str) -> Path:
+        raise OSError(errno.ENOSPC, "No space left on device", str(directory / "README.md"))
+
+    monkeypatch.setattr(save, "write_card", full)
+    with pytest.raises(CheckpointSaveError) as err:
+        save.card_or_nothing(final, "# card", "export it again")
+    assert str(err.value) == (
+        f"the model card could not be written to {final} (No space left on device: {final / 'README.md'}): "
+        "removed final/; export it again"
+    )
+    assert not final.exists()

@@ -242,3 +242,20 @@ def test_a_lost_master_shard_is_damage(tmp_path: Path) -> None:
     del older["master_ranks"]  # saved before the key: the shards there are all it can check
     (four / "meta.json").write_text(json.dumps(older))
     assert damage(four) is None
+
+
+def test_a_pointer_or_meta_json_of_garbage_is_passed_over(tmp_path: Path) -> None:
+    """From a failure-injection audit: a `latest` pointer of non-UTF-8 bytes and a meta.json whose world_size is
+    "two" were UnicodeDecodeError and ValueError tracebacks at resume=auto. Now the pointer is stale (the highest
+    complete step) and the meta.json damage (the intact checkpoint before it)."""
+    _run_a(tmp_path, (12, 16))
+    (tmp_path / LATEST).write_bytes(b"\xff\xfe\x00garbage")
+    assert resolve_checkpoint(tmp_path, "auto") == tmp_path / "step-16"
+    meta = tmp_path / "step-16" / "meta.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "world_size": "two"}))
+    assert (
+        damage(tmp_path / "step-16")
+        == "meta.json is unreadable (invalid literal for int() with base 10: 'two')"
+    )
+    meta.write_text(json.dumps({"step": 16, "world_size": 1, "master_ranks": ["a"]}))
+    assert damage(tmp_path / "step-16").startswith("meta.json is unreadable (invalid literal")

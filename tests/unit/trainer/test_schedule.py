@@ -3,6 +3,8 @@ and the progress lines written to a log (whole lines, never fused with other out
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -170,3 +172,18 @@ def test_a_tensorboard_write_that_fails_stops_tensorboard_not_the_run(
         f"warning: TensorBoard stopped (Read-only file system: {tmp_path / 'tb' / 'events'}); training goes on, "
         "and the console and W&B still get the metrics"
     ]
+    # A folder it cannot open at all (from an audit: a traceback before the first step): the same warning
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro").chmod(0o500)
+    try:
+        if os.access(tmp_path / "ro", os.W_OK):  # root writes anywhere: a file where the folder should be
+            (tmp_path / "ro" / "tb").write_text("")
+        refused = MetricWriter(True, tmp_path / "ro" / "tb")
+        refused.log({"train/loss": 0.5}, 1)
+        refused.close()
+    finally:
+        (tmp_path / "ro").chmod(0o700)
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("warning: TensorBoard stopped (") and line.endswith(
+        "the console and W&B still get the metrics"
+    )
