@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from coati_kto.config.resume import same_folder
 from coati_kto.data.tokenize import VOCABULARY_FILES, load_tokenizer
 from coati_kto.errors import ConfigError
 from coati_kto.families import vocabulary_size
@@ -61,8 +62,6 @@ def reference_tokenizer_problem(model: ModelSection) -> str | None:
     them alike, has none, or is the run's): the reference would score other text than the policy, with no error
     when its vocabulary is as large. Compared on the ids both define outside their added tokens (a chat model's
     renamed special tokens are no mismatch). Local folders only (a Hub id's is read from the hub cache at load)."""
-    from coati_kto.config.resume import same_folder
-
     reference = model.reference_path
     folder = Path(reference or "")
     if not reference or same_folder(reference, model.tokenizer or model.path) or not folder.is_dir():
