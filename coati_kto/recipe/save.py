@@ -14,8 +14,6 @@ from coati_kto.outputs.model_card import last_eval, render, write_card
 from coati_kto.outputs.weights import export_note, write_weights
 from coati_kto.recipe.setup import Run
 from coati_kto.runtime.run_dir import FINAL_DIR
-from coati_kto.trainer.checkpoint import CheckpointSaveError
-from coati_kto.trainer.write_failures import describe
 
 
 def save_final(
@@ -53,6 +51,10 @@ def card_or_nothing(final: Path, card: str, again: str) -> None:
     """``card`` into ``final`` (synced: the card marks the export finished). A failure (the disk full after the
     weights) removes ``final``, whose weights without their card are no finished export, and raises the one line
     saying so and how to write it ``again``: it was a traceback, and an export's folder then refused a rerun."""
+    # Imported here: this module is imported before coati_kto.recipe.train quiets ColossalAI's import warnings
+    from coati_kto.trainer.checkpoint import CheckpointSaveError
+    from coati_kto.trainer.write_failures import describe
+
     try:
         write_card(final, card)
     except OSError as err:
