@@ -6,6 +6,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 # "name" or "org/name": letters, digits, "_", "." and "-", each part starting with a letter or digit.
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
@@ -40,6 +41,17 @@ def missing_path(key: str, value: str) -> str:
     """The line for a local model source that does not exist; a relative one names the directory it was read from."""
     where = "" if Path(value).expanduser().is_absolute() else f", read from {Path.cwd()}"
     return f"{key}: {value} does not exist (a local path{where}; a hub id looks like org/name)"
+
+
+def same_folder(old: Any, new: Any) -> bool:
+    """Two values of a model key that name one thing: equal, or one existing folder written two ways (a trailing
+    slash, relative and absolute, through a link). The weights' own digest is checked apart (reference)."""
+    if old == new:
+        return True
+    if not (isinstance(old, str) and isinstance(new, str)):
+        return False
+    here, there = Path(old).expanduser(), Path(new).expanduser()
+    return here.is_dir() and there.is_dir() and here.resolve() == there.resolve()
 
 
 def local_snapshot(name_or_path: str | Path) -> Path | None:

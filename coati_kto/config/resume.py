@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from coati_kto.config.hub import same_folder
 from coati_kto.errors import ConfigError
 
 # Key prefix -> why a resume cannot change it. Checked longest prefix first.
@@ -217,17 +217,6 @@ def _same_source(key: str, saved: dict, current: dict) -> bool:
 
 
 MODEL_FOLDERS = ("model.path", "model.tokenizer", "model.reference_path")
-
-
-def same_folder(old: Any, new: Any) -> bool:
-    """Two values of a model key that name one thing: equal, or one existing folder written two ways (a trailing
-    slash, relative and absolute, through a link). The weights' own digest is checked apart (reference)."""
-    if old == new:
-        return True
-    if not (isinstance(old, str) and isinstance(new, str)):
-        return False
-    here, there = Path(old).expanduser(), Path(new).expanduser()
-    return here.is_dir() and there.is_dir() and here.resolve() == there.resolve()
 
 
 def check_training_data(

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from coati_kto.config.resume import same_folder
+from coati_kto.config.hub import same_folder
 from coati_kto.data.tokenize import VOCABULARY_FILES, load_tokenizer
 from coati_kto.errors import ConfigError
 from coati_kto.families import vocabulary_size
