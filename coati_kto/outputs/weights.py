@@ -27,10 +27,12 @@ def write_weights(
     lora: bool,
     is_main: bool,
     frozen_fp32: dict[str, torch.Tensor],
+    again: str | None = None,
 ) -> Path:
     """Write ``trainer``'s policy (with ``tokenizer``) under ``target``; returns the directory that holds the model
     (``target``, or with ``lora`` the adapters' parent). ``frozen_fp32``: weights no optimizer master holds (a
-    vision-language model's frozen tower), added to an fp32 export."""
+    vision-language model's frozen tower), added to an fp32 export. ``again``: how to write it again, for a failed
+    write's line (``CheckpointManager.write_final``; None: train.resume=auto from the latest checkpoint)."""
     # Imported here: after quiet_known_warnings (coati_kto.recipe.train).
     from coati_kto.models.lora import base_module, lora_adapters, write_lora
 
@@ -41,7 +43,7 @@ def write_weights(
             gather = functools.partial(merged_over_stages, module=module, group=layout.pp_group)
         adapters = lora_adapters(trainer.policy, gather)  # every rank
         write = functools.partial(write_lora, trainer.policy, adapters, tokenizer, merge=output.merge_lora)
-        return trainer.checkpoint_manager.write_final(target, write)
+        return trainer.checkpoint_manager.write_final(target, write, again)
     masters = None
     if output.export_dtype == "fp32":
         # a collective: every rank; kept where export_hf reads it (the writer, and each pipeline stage's own)
@@ -49,7 +51,7 @@ def write_weights(
         masters = gathered_masters(trainer.policy, trainer.optimizer, keep=kept)
         if kept:
             masters.update(frozen_fp32)
-    return trainer.checkpoint_manager.export_hf(trainer.policy, tokenizer, target, masters)
+    return trainer.checkpoint_manager.export_hf(trainer.policy, tokenizer, target, masters, again)
 
 
 def export_note(precision: str, export_dtype: str, where: str = "final/") -> str:

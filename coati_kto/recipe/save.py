@@ -30,17 +30,22 @@ def save_final(
     output = config.training_output()
     if final_dir is None and not output.save_final:
         return
-    what = "final model" if final_dir is None else "exported model"
+    exported = final_dir is not None  # by coati-kto export, not at the end of training
+    what = "exported model" if exported else "final model"
     final_dir = final_dir or run.out_dir / FINAL_DIR
     lora = config.model.lora is not None
-    final = write_weights(trainer, run.tokenizer, final_dir, output, lora, run.layout.is_main, frozen_fp32)
+    # how to write it again, for a failed write's line: train.resume=auto (the default there), or the export again
+    rewrite = "run coati-kto export again" if exported else None
+    final = write_weights(
+        trainer, run.tokenizer, final_dir, output, lora, run.layout.is_main, frozen_fp32, rewrite
+    )
     if not lora:
         run.notes.append(export_note(config.plugin.precision, output.export_dtype, f"{final_dir.name}/"))
     if run.layout.is_main:
         world = world_size or run.layout.world_size
         eval_record, steps = last_eval(trainer.history), trainer.global_step
         card = render(config, run.data.stats, eval_record, steps, run.weights, world, run.notes)
-        again = "train.resume=auto writes it again" if final_dir.name == FINAL_DIR else "export it again"
+        again = "run coati-kto export again" if exported else "train.resume=auto writes it again"
         card_or_nothing(Path(final), card, again)
         print(f"{what}: {final}", flush=True)
         if not lora:

@@ -320,13 +320,15 @@ class CheckpointManager:
         tokenizer: Any,
         out_dir: str | Path,
         fp32_masters: dict[str, torch.Tensor] | None = None,
+        again: str | None = None,
     ) -> Path:
         """Every rank calls (tensor-parallel shards are gathered by ``state_dict()``, a collective there).
 
         The main rank writes a Hugging Face model directory (config.json, model.safetensors, tokenizer
         files) in the training dtype, or in fp32 from ``fp32_masters`` (``parallel.masters.gathered_masters``),
         into ``out_dir.tmp`` and renames it into place: ``out_dir`` is whole or absent. A failed write (disk
-        full) removes the partial directory and raises CheckpointSaveError on every rank. Returns ``out_dir``.
+        full) removes the partial directory and raises CheckpointSaveError on every rank, its line ending with
+        ``again`` (how to write it again; ``write_final``). Returns ``out_dir``.
         """
         out = Path(out_dir)
         module = model.unwrap()
@@ -341,15 +343,16 @@ class CheckpointManager:
         if self.layout.pp_size > 1:  # each stage holds its own layers: the main rank writes them all
             state = merged_over_stages(state, module, self.layout.pp_group, keep=self.layout.is_main)
         return self.write_final(
-            out, lambda tmp: write_hf(module, state, tokenizer, tmp, fp32=fp32_masters is not None)
+            out, lambda tmp: write_hf(module, state, tokenizer, tmp, fp32=fp32_masters is not None), again
         )
 
-    def write_final(self, out: Path, write: Callable[[Path], None]) -> Path:
+    def write_final(self, out: Path, write: Callable[[Path], None], again: str | None = None) -> Path:
         """Every rank calls: the main rank runs ``write(directory)`` into a new directory of its own beside ``out``
         (``runtime.durable.write_dir``: synced, then swapped in with the old one renamed aside), so ``out`` is
         whole (old or new) or absent at every moment and no folder of the user's beside it is touched; the others
         wait. A failed write (disk full) removes the partial directory and raises CheckpointSaveError on every
-        rank. Returns ``out``."""
+        rank; its line ends with ``again`` (``coati-kto export``: how to export again), or by default with the
+        checkpoint train.resume=auto writes it again from. Returns ``out``."""
         failure = None
         if self.layout.is_main:
             try:
@@ -358,10 +361,12 @@ class CheckpointManager:
                 failure = with_disk_hint(err, out.parent)
         failed = self._first_failure(f"write {out.name}", None, failure, solo=True)
         if failed is not None:
-            last = self.resume_auto_here()
+            if again is None:
+                last = self.resume_auto_here()
+                again = f"train.resume=auto exports it again from {last}" if last else None
             raise CheckpointSaveError(
                 f"the final model could not be written to {out} (rank {failed[0]}: {failed[1]}); removed its "
-                "partial copy" + (f"; train.resume=auto exports it again from {last}" if last else "")
+                "partial copy" + (f"; {again}" if again else "")
             )
         return out
 

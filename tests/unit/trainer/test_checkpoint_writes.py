@@ -127,3 +127,33 @@ def test_final_is_written_beside_the_users_folders_without_touching_them(tmp_pat
     assert str(err.value).endswith("); removed its partial copy")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["final", "final.tmp"]
     assert (out / "config.json").read_text() == "second"
+
+
+def test_a_failed_export_says_to_export_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full disk under ``coati-kto export`` said "train.resume=auto exports it again from step-N": training's
+    advice, which writes final/, not the export's folder. The line now says to run the export again."""
+    from coati_kto.recipe import save
+
+    manager = _manager(tmp_path / "checkpoints")
+
+    def full(directory: Path) -> None:
+        raise OSError(28, "No space left on device", str(directory / "model.safetensors"))
+
+    def write_weights(trainer, tokenizer, target, output, lora, is_main, frozen, again=None) -> Path:  # noqa: ANN001
+        return manager.write_final(target, full, again)  # the manager's write with the caller's advice
+
+    monkeypatch.setattr(save, "write_weights", write_weights)
+    config = SimpleNamespace(
+        training_output=lambda: SimpleNamespace(save_final=True), model=SimpleNamespace(lora=None)
+    )
+    run = SimpleNamespace(out_dir=tmp_path, tokenizer=None, layout=LAYOUT)
+    export = tmp_path / "exports" / "step-4"
+    lines = {}
+    for where, final_dir in (("export", export), ("final", None)):
+        with pytest.raises(CheckpointSaveError) as err:
+            save.save_final(config, run, None, {}, final_dir)
+        lines[where] = str(err.value)
+    export_line, final_line = lines["export"], lines["final"]
+    assert export_line.endswith("); removed its partial copy; run coati-kto export again"), export_line
+    # training's own line, with no checkpoint to resume from here (test_checkpoint.py: the one with a checkpoint)
+    assert final_line.endswith("); removed its partial copy"), final_line
