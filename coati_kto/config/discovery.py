@@ -49,7 +49,14 @@ def _default_text(field: Any) -> str:
     if field.is_required():
         return "(required)"
     value = field.default_factory() if field.default is PydanticUndefined else field.default
-    return "= " + yaml.safe_dump(value, default_flow_style=True).strip().removesuffix("\n...").strip()
+    return "= " + yaml_text(value)
+
+
+def yaml_text(value: Any) -> str:
+    """``value`` as a YAML config spells it, on one line (``null``, ``true``, ``some/model``, ``[a, b]``): what a
+    user writes to set it."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=float("inf"), allow_unicode=True)
+    return text.strip().removesuffix("\n...").strip()
 
 
 def _model_of(annotation: Any) -> type[BaseModel] | None:

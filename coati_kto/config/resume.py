@@ -13,6 +13,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
+from coati_kto.config.discovery import yaml_text
 from coati_kto.config.hub import same_folder
 from coati_kto.errors import ConfigError
 
@@ -60,7 +61,7 @@ class Change:
     new: Any
 
     def __str__(self) -> str:
-        return f"{self.key} {self.old!r} -> {self.new!r}"
+        return f"{self.key} {yaml_text(self.old)} -> {yaml_text(self.new)}"  # as the YAML file spells them
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

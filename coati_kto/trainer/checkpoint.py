@@ -327,9 +327,7 @@ class CheckpointManager:
         The main rank writes a Hugging Face model directory (config.json, model.safetensors, tokenizer
         files) in the training dtype, or in fp32 from ``fp32_masters`` (``parallel.masters.gathered_masters``),
         into ``out_dir.tmp`` and renames it into place: ``out_dir`` is whole or absent. A failed write (disk
-        full) removes the partial directory and raises CheckpointSaveError on every rank, its line ending with
-        ``again`` (how to write it again; ``write_final``). Returns ``out_dir``.
-        """
+        full) removes the partial directory and raises CheckpointSaveError (``again``: write_final)."""
         out = Path(out_dir)
         module = model.unwrap()
         save_tied_weights_once(module)
@@ -351,8 +349,7 @@ class CheckpointManager:
         (``runtime.durable.write_dir``: synced, then swapped in with the old one renamed aside), so ``out`` is
         whole (old or new) or absent at every moment and no folder of the user's beside it is touched; the others
         wait. A failed write (disk full) removes the partial directory and raises CheckpointSaveError on every
-        rank; its line ends with ``again`` (``coati-kto export``: how to export again), or by default with the
-        checkpoint train.resume=auto writes it again from. Returns ``out``."""
+        rank, ending with ``again`` (how to write it again; default: the checkpoint resume=auto exports it from)."""
         failure = None
         if self.layout.is_main:
             try:
@@ -361,9 +358,8 @@ class CheckpointManager:
                 failure = with_disk_hint(err, out.parent)
         failed = self._first_failure(f"write {out.name}", None, failure, solo=True)
         if failed is not None:
-            if again is None:
-                last = self.resume_auto_here()
-                again = f"train.resume=auto exports it again from {last}" if last else None
+            if again is None and (last := self.resume_auto_here()) is not None:
+                again = f"train.resume=auto exports it again from {last}"
             raise CheckpointSaveError(
                 f"the final model could not be written to {out} (rank {failed[0]}: {failed[1]}); removed its "
                 "partial copy" + (f"; {again}" if again else "")

@@ -33,7 +33,7 @@ def test_applied_changes_are_listed_in_one_line(tmp_path: Path) -> None:
     )
     assert line == (
         "resume: 3 setting(s) differ from step-6's config, applied: kto.beta 0.1 -> 0.2, "
-        "train.lr 0.001 -> 0.0005, train.max_steps None -> 20"
+        "train.lr 0.001 -> 0.0005, train.max_steps null -> 20"
     )
 
 
@@ -48,7 +48,7 @@ def test_refused_changes_are_every_one_named_with_the_reason(tmp_path: Path) -> 
     assert lines == [
         "train.resume out/checkpoints/step-6: data.max_prompt_length 512 -> 128: cannot change on resume (the data "
         "position of the epoch in progress belongs to the old training set)",
-        "train.resume out/checkpoints/step-6: model.path 'some/model' -> 'other/model': cannot change on resume "
+        "train.resume out/checkpoints/step-6: model.path some/model -> other/model: cannot change on resume "
         "(the checkpoint's weights belong to another model)",
         "train.resume out/checkpoints/step-6: train.seed 42 -> 3: cannot change on resume (the data order of the "
         "epoch in progress depends on it)",
@@ -71,7 +71,7 @@ def test_a_max_prompt_length_that_follows_max_length_says_so(tmp_path: Path) -> 
 
 def test_eval_data_may_change(tmp_path: Path) -> None:
     line = check_resume(_dump(tmp_path), _dump(tmp_path, "data.eval_files=[held.jsonl]"), "step-2")
-    assert line is not None and "data.eval_files [] -> ['held.jsonl']" in line
+    assert line is not None and "data.eval_files [] -> [held.jsonl]" in line
 
 
 def test_changes_are_leaf_keys(tmp_path: Path) -> None:
@@ -89,7 +89,7 @@ def test_data_keys_that_change_neither_rows_nor_order_may_change(tmp_path: Path)
     )
     assert line == (
         "resume: 3 setting(s) differ from step-2's config, applied: data.num_proc 1 -> 4, "
-        "data.padding_free False -> True, data.prepared_dir 'prepared' -> '/scratch/prepared'"
+        "data.padding_free false -> true, data.prepared_dir prepared -> /scratch/prepared"
     )
 
 
@@ -99,7 +99,7 @@ def test_the_tokenizer_spelled_out_as_the_model_path_is_no_change(tmp_path: Path
     saved = _dump(tmp_path)
     assert check_resume(saved, _dump(tmp_path, "model.tokenizer=some/model"), "step-2") is None
     assert check_resume(_dump(tmp_path, "model.tokenizer=some/model"), saved, "step-2") is None
-    with pytest.raises(ConfigError, match="model.tokenizer None -> 'other/tokenizer': cannot change"):
+    with pytest.raises(ConfigError, match="model.tokenizer null -> other/tokenizer: cannot change"):
         check_resume(saved, _dump(tmp_path, "model.tokenizer=other/tokenizer"), "step-2")
 
 
@@ -123,9 +123,9 @@ def test_settings_newer_than_the_checkpoint_count_as_their_default(tmp_path: Pat
     line = check_resume(saved, _dump(tmp_path, "train.fused_optimizer=true"), "step-6")
     assert (
         line
-        == "resume: 1 setting(s) differ from step-6's config, applied: train.fused_optimizer False -> True"
+        == "resume: 1 setting(s) differ from step-6's config, applied: train.fused_optimizer false -> true"
     )
-    with pytest.raises(ConfigError, match="data.group_by_length False -> True: cannot change on resume"):
+    with pytest.raises(ConfigError, match="data.group_by_length false -> true: cannot change on resume"):
         check_resume(saved, _dump(tmp_path, "data.group_by_length=true"), "step-6")
 
 
@@ -147,7 +147,7 @@ def test_train_vision_cannot_change_on_resume(tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as err:
         check_resume(_dump(tmp_path), _dump(tmp_path, "model.train_vision=true"), "step-6")
     assert str(err.value).splitlines()[0] == (
-        "train.resume step-6: model.train_vision False -> True: cannot change on resume (the checkpoint holds "
+        "train.resume step-6: model.train_vision false -> true: cannot change on resume (the checkpoint holds "
         "other trainable parameters)"
     )
     saved = _dump(tmp_path)
