@@ -152,8 +152,11 @@ def dataset_rows(ds: Any, name: str) -> Iterator[tuple[str, Any]]:
     label_of = class_label_map(ds, name)  # ClassLabel indices -> bool by the class names
     ds = undecoded(ds)  # images as their stored bytes, not PIL images
     for i, row in enumerate(ds, start=1):  # 1-based, as JSON lines' line numbers
-        if label_of is not None and row.get("label") in range(len(label_of)):  # -1: datasets' missing label
-            row = {**row, "label": label_of[row["label"]]}
+        if label_of is not None:  # -1 is how datasets stores a missing label: named "null", as a table's gap
+            row = {
+                **row,
+                "label": label_of[row["label"]] if row.get("label") in range(len(label_of)) else None,
+            }
         # A table has every column in every row, a record's absent keys as None: kept, for normalize to read as
         # absent yet name as "null" where the record needs the field. Inside them, every struct has the union of
         # its rows' keys: a get_weather call got search's "query": null, which the template renders and the
