@@ -76,13 +76,27 @@ def checkpoint_meta(checkpoint: Path) -> dict:
 def saved_trainer_state(checkpoint: Path, rank: int = 0) -> dict:
     """``checkpoint/trainer_state/rank-R.pt`` as the checkpoint manager wrote it: ``trainer_state`` (the data
     position, ``config``, the contents' digests), ``rng`` and ``loss_scaler`` (fp16; absent from checkpoints before
-    2026-11-30). Raises FileNotFoundError when it is not there."""
+    2026-11-30). Raises FileNotFoundError when it is not there, and UserError (one line) when it holds anything
+    but tensors, plain data and numpy arrays: a checkpoint can come from elsewhere (a Hub repo, another user's
+    run), and unpickling any other object can run code."""
+    import pickle
+
+    import numpy as np
     import torch  # here only: preflight reads this module before anything heavy
 
-    # Our own file; numpy's RNG state needs full unpickling.
-    return torch.load(
-        checkpoint / TRAINER_STATE_DIR / f"rank-{rank}.pt", map_location="cpu", weights_only=False
-    )
+    path = checkpoint / TRAINER_STATE_DIR / f"rank-{rank}.pt"
+    # numpy's RNG state, as checkpoints before 2026-12-02 held it (an ndarray; plain ints since)
+    core = getattr(np, "_core", None) or np.core
+    arrays = [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    try:
+        with torch.serialization.safe_globals(arrays):
+            return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) (\S+)", str(err))
+        raise UserError(
+            f"{path}: holds {found[1] if found else 'an object'} besides tensors and plain data, which no checkpoint coati-kto "
+            "writes holds; refused (loading it could run code): resume or export only checkpoints you trust"
+        ) from None
 
 
 def previous_run(out_dir: Path) -> list[str]:

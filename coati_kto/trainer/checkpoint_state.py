@@ -90,7 +90,10 @@ def restore_masters(model: Any, optimizer: Any, shards: dict[str, torch.Tensor],
 
 def rng_state() -> dict[str, Any]:
     """Python's, numpy's, torch's and (with CUDA) the device's RNG states of this process."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    name, key, pos, has_gauss, gauss = np.random.get_state()
+    # numpy's as plain ints: the trainer state then loads with torch.load(weights_only=True) (run_dir)
+    numpy_state = (name, key.tolist(), int(pos), int(has_gauss), float(gauss))
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -99,7 +102,8 @@ def rng_state() -> dict[str, Any]:
 def set_rng_state(state: dict[str, Any]) -> None:
     """Put back what :func:`rng_state` recorded (the device's where there is one)."""
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, key, *rest = state["numpy"]  # key: an ndarray in checkpoints before 2026-12-02, plain ints since
+    np.random.set_state((name, np.asarray(key, dtype=np.uint32), *rest))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
