@@ -159,10 +159,15 @@ def _quoting(get_launch_command: Any) -> Any:
     """ColossalAI's get_launch_command with the script and each of its arguments shell-quoted (it joins them into
     the command each node's shell runs), after a quoted ``cd`` to this directory: ColossalAI's own ``cd`` (its
     node runner's workdir, here ``/``: ``_run_on_host``) escapes spaces only, so a repository path holding a
-    quote or a ``$`` broke every node's command."""
+    quote or a ``$`` broke every node's command. ``master_addr`` (MASTER_ADDR) is quoted too: ``;`` or ``$()`` in
+    it ran as a command on every node."""
 
     def quoted(*args: Any, user_script: str, user_args: list[str], **kwargs: Any) -> str:
         user_args = [shlex.quote(a) for a in user_args]
+        if args:  # master_addr is the first parameter, passed by position or by name
+            args = (shlex.quote(str(args[0])), *args[1:])
+        elif "master_addr" in kwargs:
+            kwargs["master_addr"] = shlex.quote(str(kwargs["master_addr"]))
         command = get_launch_command(
             *args, user_script=shlex.quote(user_script), user_args=user_args, **kwargs
         )

@@ -33,6 +33,33 @@ def test_the_node_command_cds_into_a_path_with_quotes_and_dollars(tmp_path: Path
     assert done.stdout.splitlines() == [str(workdir), "-m,coati_kto,train,my config.yaml,"]
 
 
+def test_master_addr_reaches_torchrun_as_one_literal_argument(tmp_path: Path, monkeypatch) -> None:
+    """From a security audit: MASTER_ADDR went unquoted into the command every node's shell runs, so a value holding
+    ``;`` or ``$()`` ran as a command there (and the launcher still said success). ColossalAI's own
+    get_launch_command, through ``_quoting``."""
+    from colossalai.cli.launcher.run import get_launch_command
+
+    marker = tmp_path / "ran"
+    monkeypatch.chdir(tmp_path)
+    addr = f"10.0.0.1;touch {marker};$(touch {marker})"
+    command = launcher._quoting(get_launch_command)(
+        master_addr=addr,
+        master_port=29500,
+        nproc_per_node=2,
+        user_script="coati_kto",
+        user_args=["train", "c.yaml"],
+        node_rank=0,
+        num_nodes=2,
+        run_as_module=True,
+    )
+    done = subprocess.run(
+        ["bash", "-c", command.replace("torchrun", "printf %s,", 1)], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"--master_addr={addr}," in done.stdout
+    assert not marker.exists()
+
+
 def test_values_the_export_line_cannot_carry_are_left_out(monkeypatch, capsys) -> None:
     """ColossalAI re-exports the environment as export K="V" on every node: a value holding a double quote broke
     the line, one holding $(...) ran on every node. Those, and secret-looking names, are left out and named."""
