@@ -1,6 +1,7 @@
 """A record's ``images`` (TRL's vision-language format) -> the bytes of each image, checked.
 
-An image reference is one of: a path (relative to the data file's folder, or absolute), raw bytes, or a
+An image reference is one of: a path (relative to the data file's folder, absolute, or from ``~``; never in a Hub
+dataset, whose paths would name files on this machine), raw bytes, or a
 ``{"bytes", "path"}`` struct, as ``datasets``' ``Image`` feature stores it in parquet (bytes first, the path
 when the bytes are null). Each image must open and decode with PIL. Every problem is a one-line
 :class:`~coati_kto.data.formats.RecordError` naming the record and the field (``images[i]``).
@@ -66,12 +67,18 @@ def _reference(ref: Any, source: str, where: str, base: Path | None) -> bytes:
             "{'bytes', 'path'} struct; save it to a file and give its path",
             "bad_image",
         )
+    if (
+        base is None
+    ):  # a Hub dataset: its paths name files of its author's machine, or (absolute, ~) this one's
+        raise RecordError(
+            source,
+            where,
+            f"an image path {show_value(ref)} in a Hub dataset: its images are read as bytes only (a path there "
+            "names a file on this machine)",
+            "missing_image",
+        )
     path = Path(ref).expanduser()
     if not path.is_absolute():
-        if base is None:  # a Hub dataset: no folder to resolve it from
-            raise RecordError(
-                source, where, f"a relative image path {ref!r} in a dataset with no folder", "missing_image"
-            )
         path = base / path
     shown = str(path) if len(str(path)) <= 200 else f"{str(path)[:197]}..."
     try:

@@ -238,3 +238,28 @@ def test_image_records_are_refused_by_default(tmp_path: Path) -> None:
         "format), read only for a vision-language model.path (Gemma 3, Gemma 4 or Qwen 3.5): give the content "
         "as one string"
     )
+
+
+def test_a_hub_datasets_image_paths_are_refused_even_absolute(tmp_path: Path, monkeypatch) -> None:
+    """From a security audit: a Hub dataset (no folder: ``base`` None) whose ``images`` named an absolute path or
+    one from ``~`` read that file of this machine into the prepared data (and so into training, and a pushed
+    model). Its images are read as bytes only; its bytes still load."""
+    from coati_kto.data.formats import RecordError, show_value
+    from coati_kto.data.image_refs import read_images
+
+    secret = tmp_path / "home" / "secret.png"
+    secret.parent.mkdir()
+    secret.write_bytes(png((1, 2, 3)))
+    monkeypatch.setenv("HOME", str(secret.parent))
+    for ref in (str(secret), "~/secret.png", "secret.png", {"bytes": None, "path": str(secret)}):
+        with pytest.raises(RecordError) as err:
+            read_images([ref], "me/data:row 1", None, 1)
+        shown = ref["path"] if isinstance(ref, dict) else ref
+        assert str(err.value) == (
+            f"me/data:row 1: field 'images[0]': an image path {show_value(shown)} in a Hub dataset: its images are read as "
+            "bytes only (a path there names a file on this machine)"
+        )
+        assert err.value.reason == "missing_image"
+    assert read_images([{"bytes": png((1, 2, 3)), "path": "x.png"}], "me/data:row 1", None, 1) == [
+        png((1, 2, 3))
+    ]
