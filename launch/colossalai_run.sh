@@ -33,9 +33,11 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 unset MAKEOVERRIDES MAKEFLAGS MFLAGS
 # That line is also sent over SSH and printed whole when a node fails: secrets must not be in it. Variables
 # whose names contain TOKEN, KEY, SECRET, PASSWORD, PASSWD or CREDENTIAL, or have AUTH, OAUTH, AUTHORIZATION, PASS
-# or PWD as a part between underscores (not GIT_AUTHOR_NAME), any case, are not passed on, except the paths and settings
-# below (the same rule as coati_kto.parallel.distributed.is_secret_name; SSH_AUTH_SOCK: colossalai run's own SSH
-# uses the agent); credentials reach the nodes as files instead (docs/operations.md, "Credentials").
+# PWD or PAT as a part between underscores (not GIT_AUTHOR_NAME), any case, or whose value holds a URL's login
+# (postgres://user:pw@host), are not passed on, except the paths and settings below (the same rule as
+# coati_kto.parallel.distributed.unexportable; SSH_AUTH_SOCK: colossalai run's own SSH uses the agent); credentials
+# reach the nodes as files instead (docs/operations.md, "Credentials").
+url_login='://[^/@[:space:]:]*:[^/@[:space:]]*@'
 dropped=()
 for name in $(compgen -e); do
     case ${name^^} in
@@ -47,9 +49,15 @@ for name in $(compgen -e); do
             ;;
         *)
             case _${name^^}_ in
-                *_AUTH_* | *_OAUTH_* | *_AUTHORIZATION_* | *_PASS_* | *_PWD_*)
+                *_AUTH_* | *_OAUTH_* | *_AUTHORIZATION_* | *_PASS_* | *_PWD_* | *_PAT_*)
                     dropped+=("$name")
                     unset "$name"
+                    ;;
+                *)
+                    if [[ ${!name} =~ $url_login ]]; then
+                        dropped+=("$name")
+                        unset "$name"
+                    fi
                     ;;
             esac
             ;;

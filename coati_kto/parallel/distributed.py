@@ -48,7 +48,9 @@ _SECRET_PARTS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
 # AUTH only as a whole '_'-separated part (WANDB__AUTH, HF_AUTH, PROXY_AUTH_X): inside a word it is mostly
 # AUTHOR (GIT_AUTHOR_NAME) or XAUTHORITY, names a launch should pass on. PASS and PWD the same (MYSQL_PWD,
 # REDIS_PASS; not PASSENGER, PATH, OLDPWD), the shell's own PWD aside.
-_SECRET_WORDS = ("AUTH", "OAUTH", "AUTHORIZATION", "PASS", "PWD")
+_SECRET_WORDS = ("AUTH", "OAUTH", "AUTHORIZATION", "PASS", "PWD", "PAT")  # PAT: GITHUB_PAT, a personal token
+# A login inside a URL (DATABASE_URL=postgres://user:pw@host/db, a proxy's user:pw@): a secret whatever the name.
+URL_LOGIN = re.compile(r"://[^/@\s:]*:[^/@\s]*@")
 # Paths and settings, not secrets: dropping them breaks the launch or the nodes (SSH_AUTH_SOCK: the launcher's
 # own SSH to the nodes uses the agent; the others point at credential files, the documented way to pass them).
 _NOT_SECRETS = {"TOKENIZERS_PARALLELISM", "SSH_AUTH_SOCK", "HF_TOKEN_PATH", "GOOGLE_APPLICATION_CREDENTIALS"}
@@ -70,9 +72,11 @@ def is_secret_name(name: str) -> bool:
 def unexportable(environ: Mapping[str, str]) -> list[str]:
     """The names of ``environ`` that ColossalAI's ``export K="V" ...`` line cannot carry or must not: a value
     holding ``$``, a double quote, a backquote or a backslash (the line breaks, or ``$(...)`` runs on every node),
-    and secret-looking names (:func:`is_secret_name`), sorted."""
+    secret-looking names (:func:`is_secret_name`) and values holding a URL's login (``URL_LOGIN``), sorted."""
     unsafe = set('$"`\\')
-    return sorted(k for k, v in environ.items() if unsafe & set(v) or is_secret_name(k))
+    return sorted(
+        k for k, v in environ.items() if unsafe & set(v) or is_secret_name(k) or URL_LOGIN.search(v)
+    )
 
 
 def launcher_env(bin_dir: str | os.PathLike[str], threads: int = 1) -> dict[str, str]:
