@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import re
@@ -84,19 +85,40 @@ def sync_dir(path: Path) -> None:
 
 
 def sync_files(root: Path, keep: Callable[[Path], bool] = lambda path: True) -> int:
-    """Every regular file under ``root`` that ``keep`` accepts, synced; returns how many."""
-    count = 0
+    """Every regular file under ``root`` that ``keep`` accepts, synced, with the permissions the umask gives a new
+    file where it was written 0600; returns how many."""
+    count, usual = 0, 0o666 & ~_umask()
     for folder, _, files in os.walk(root):
         for name in files:
             path = Path(folder) / name
             if not keep(path) or path.is_symlink():
                 continue
             try:
+                _widen(path, usual)
                 sync_file(path)
             except FileNotFoundError:  # another rank's scratch file, gone since the listing: not ours
                 continue
             count += 1
     return count
+
+
+def _umask() -> int:
+    """This process's umask, read without setting it where /proc tells (os.umask sets it, for every thread)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        return int(next(line for line in status.splitlines() if line.startswith("Umask:")).split()[1], 8)
+    except (OSError, StopIteration, ValueError, IndexError):
+        mask = os.umask(0o022)
+        os.umask(mask)
+        return mask
+
+
+def _widen(path: Path, usual: int) -> None:
+    """safetensors writes its files 0600 (a temporary file renamed): every model.safetensors of final/, exports and
+    checkpoints was unreadable to the group and others that the umask lets read the config beside it."""
+    if path.stat().st_mode & 0o777 == 0o600 and usual != 0o600:
+        with contextlib.suppress(OSError):  # a filesystem without modes (some FUSE mounts): left as written
+            os.chmod(path, usual)
 
 
 def sync_dirs(root: Path) -> None:

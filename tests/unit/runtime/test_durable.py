@@ -88,3 +88,23 @@ def test_the_written_directory_has_the_usual_permissions(tmp_path: Path) -> None
     finally:
         os.umask(mask)
     assert (tmp_path / "final").stat().st_mode & 0o777 == 0o755
+
+
+@pytest.mark.parametrize(("umask", "expected"), [(0o022, 0o644), (0o027, 0o640), (0o077, 0o600)])
+def test_safetensors_files_get_the_mode_the_umask_gives(tmp_path: Path, umask: int, expected: int) -> None:
+    """From a security audit: safetensors writes 0600 (a temporary file renamed), so final/'s model.safetensors
+    was unreadable to the group and others who could read its config.json. A write now gives it the umask's mode."""
+    import torch
+    from safetensors.torch import save_file
+
+    def write(directory: Path) -> None:
+        save_file({"w": torch.zeros(2)}, str(directory / "model.safetensors"))
+        (directory / "config.json").write_text("{}")
+
+    mask = os.umask(umask)
+    try:
+        write_dir(tmp_path / "final", write)
+    finally:
+        os.umask(mask)
+    modes = {p.name: p.stat().st_mode & 0o777 for p in (tmp_path / "final").iterdir()}
+    assert modes == {"model.safetensors": expected, "config.json": expected}
