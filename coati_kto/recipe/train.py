@@ -148,8 +148,10 @@ def _resume(config: Config, run: Run, trainer: Any) -> None:
         set_weight_decay(trainer.optimizer, train.weight_decay)  # the checkpoint's groups carry the old one
     if line is not None:
         run.notes.append(line)
+    notes = schedule_notes(config.train, steps, len(run.train_loader.batch_sampler), run.layout.dp_size)
+    run.notes += [note.removeprefix("note: ") for note in notes if "accumulation_steps" in note]  # the card's
     if run.layout.is_main:
         said = [f"resumed from {checkpoint} at optimizer step {trainer.global_step}"] if checkpoint else []
         said += [line] if line is not None else []
-        for text in said + schedule_notes(config.train, steps):
+        for text in said + notes:
             print(text, flush=True)

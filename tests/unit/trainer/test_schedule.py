@@ -122,12 +122,30 @@ def test_warmup_longer_than_the_run_is_said(tmp_path) -> None:
     from coati_kto.trainer.schedule import schedule_notes
 
     config = load_config(write_config(tmp_path, MINIMAL), ["train.warmup_steps=10", "train.lr=1e-3"])
-    assert schedule_notes(config.train, 4) == [
+    assert schedule_notes(config.train, 4, 8, 1) == [
         "warning: train.warmup_steps 10 is not shorter than the run (4 optimizer steps): the learning rate "
         "never reaches train.lr 0.001 (peak 0.000364)"
     ]
     shorter = load_config(write_config(tmp_path, MINIMAL), ["train.warmup_steps=3"])
-    assert schedule_notes(shorter.train, 4) == []
+    assert schedule_notes(shorter.train, 4, 8, 1) == []
+
+
+def test_accumulation_longer_than_an_epoch_is_said(tmp_path) -> None:
+    """From an audit of degenerate sizes: accumulation_steps 8 over an epoch of 2 micro-batches per rank trained
+    steps of 8 examples while the card said 32, and nothing was said."""
+    from helpers import MINIMAL, write_config
+
+    from coati_kto.config.load import load_config
+    from coati_kto.trainer.schedule import schedule_notes
+
+    config = load_config(
+        write_config(tmp_path, MINIMAL), ["train.accumulation_steps=8", "train.micro_batch_size=2"]
+    )
+    assert schedule_notes(config.train, 2, 2, 2) == [
+        "note: train.accumulation_steps 8 is more than the 2 micro-batches each data-parallel rank has per epoch: "
+        "each optimizer step holds one epoch, 8 examples, not the 32 the batch settings multiply to"
+    ]
+    assert schedule_notes(config.train, 2, 8, 2) == []  # a whole window fits in the epoch
 
 
 def test_padding_free_with_a_dense_mask_on_a_gpu_is_said(tmp_path) -> None:
