@@ -35,7 +35,7 @@ unset MAKEOVERRIDES MAKEFLAGS MFLAGS
 # whose names contain TOKEN, KEY, SECRET, PASSWORD, PASSWD or CREDENTIAL, or have AUTH, OAUTH, AUTHORIZATION, PASS
 # PWD or PAT as a part between underscores (not GIT_AUTHOR_NAME), any case, or whose value holds a URL's login
 # (postgres://user:pw@host), are not passed on, except the paths and settings below (the same rule as
-# coati_kto.parallel.distributed.unexportable; SSH_AUTH_SOCK: colossalai run's own SSH uses the agent); credentials
+# coati_kto.parallel.launch_env.unexportable; SSH_AUTH_SOCK: colossalai run's own SSH uses the agent); credentials
 # reach the nodes as files instead (docs/operations.md, "Credentials").
 url_login='://[^/@[:space:]:]*:[^/@[:space:]]*@'
 dropped=()

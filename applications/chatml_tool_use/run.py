@@ -42,7 +42,8 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from make_data import make_records, write_jsonl
 
-    from coati_kto.parallel.distributed import free_port, launcher_env
+    from coati_kto.parallel.distributed import free_port
+    from coati_kto.parallel.launch_env import launcher_env
     from coati_kto.testing.tiny import build_llama, build_tokenizer
 
     begin = time.perf_counter()

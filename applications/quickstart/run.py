@@ -78,7 +78,7 @@ def sh(cmd: list[str], env: dict[str, str] | None = None) -> None:
 
 def kto_env(threads: int = 1) -> dict[str, str]:
     """``colossalai run``'s environment: this interpreter's launchers first on PATH, ``threads`` per rank."""
-    from coati_kto.parallel.distributed import launcher_env
+    from coati_kto.parallel.launch_env import launcher_env
 
     env = launcher_env(BIN, threads=threads)
     if env["COATI_KTO_DROPPED_ENV"]:

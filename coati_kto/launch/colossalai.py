@@ -181,7 +181,7 @@ def _leave_out_of_the_export_line() -> None:
     shell, over SSH, printed whole when a node fails) cannot carry or must not: a value holding ``$``, a double
     quote, a backquote or a backslash (it broke the line, or ran as a command on every node) and secret-looking
     names (``unexportable``: credentials reach the nodes as files). One line names them."""
-    from coati_kto.parallel.distributed import unexportable
+    from coati_kto.parallel.launch_env import unexportable
 
     dropped = unexportable(os.environ)
     for name in dropped:

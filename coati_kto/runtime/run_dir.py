@@ -92,11 +92,17 @@ def saved_trainer_state(checkpoint: Path, rank: int = 0) -> dict:
         with torch.serialization.safe_globals(arrays):
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
-        found = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) (\S+)", str(err))
-        raise UserError(
-            f"{path}: holds {found[1] if found else 'an object'} besides tensors and plain data, which no checkpoint coati-kto "
-            "writes holds; refused (loading it could run code): resume or export only checkpoints you trust"
-        ) from None
+        raise refused_pickle(path, err) from None
+
+
+def refused_pickle(path: Path, err: Exception) -> UserError:
+    """The one line for a checkpoint file torch.load(weights_only=True) refused (``err``): it holds objects
+    besides tensors and plain data, which no checkpoint coati-kto writes does, and unpickling them could run code."""
+    found = re.search(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL) (\S+)", str(err))
+    return UserError(
+        f"{path}: holds {found[1] if found else 'an object'} besides tensors and plain data, which no checkpoint "
+        "coati-kto writes holds; refused (loading it could run code): resume or export only checkpoints you trust"
+    )
 
 
 def previous_run(out_dir: Path) -> list[str]:

@@ -48,6 +48,8 @@ from coati_kto.runtime.run_dir import (
 )
 from coati_kto.trainer.checkpoint_runs import PRUNE_WAIT_S, RunLineage, prune, warn
 from coati_kto.trainer.checkpoint_state import (
+    load_booster_state,
+    load_masters,
     master_shards,
     masters_fit,
     old_dp_states,
@@ -62,7 +64,6 @@ from coati_kto.trainer.export import (
     write_atomic,
     write_hf,
 )
-from coati_kto.trainer.tied_load import load_tied_aliases
 from coati_kto.trainer.write_failures import describe, held_write_failures, with_disk_hint
 
 
@@ -276,11 +277,7 @@ class CheckpointManager:
         why = tp_change_refusal(type(base_module(model)).__name__, meta.get("tp_size"), self.layout.tp_size)
         if why is not None:  # every rank reads the same meta.json: every rank raises
             raise UserError(f"train.resume {path}: {why}")
-        save_tied_weights_once(base_module(model))
-        self.booster.load_model(model, str(path / "model"))
-        load_tied_aliases(model, path / "model")  # a pp 1 checkpoint's tie, on the stage holding the LM head
-        self.booster.load_optimizer(optimizer, str(path / "optimizer"))
-        self.booster.load_lr_scheduler(lr_scheduler, str(path / "lr_scheduler.pt"))
+        load_booster_state(self.booster, path, model, optimizer, lr_scheduler)
         # sp_size and pp_size are absent from checkpoints written before them: those ran at 1.
         same_layout = all(
             meta.get(k, 1 if k in ("sp_size", "pp_size") else None) == v
@@ -288,7 +285,7 @@ class CheckpointManager:
         )
         master_file = path / MASTER_WEIGHTS_DIR / f"rank-{rank}.pt"
         if same_layout and master_file.is_file():
-            masters = torch.load(master_file, map_location="cpu")
+            masters = load_masters(master_file)
             # whole: one gradient replica (ZeRO's group is dp x sp under sequence parallelism)
             whole = self.layout.gradient_replicas == 1
             if masters_fit(model, optimizer, masters, whole):

@@ -3,6 +3,7 @@ on a resume on another layout the saved data-parallel ranks' trainer states (coa
 
 from __future__ import annotations
 
+import pickle
 import random
 from pathlib import Path
 from typing import Any
@@ -11,8 +12,33 @@ import numpy as np
 import torch
 
 from coati_kto.errors import UserError
+from coati_kto.models.lora import base_module
 from coati_kto.parallel.masters import working_to_master
-from coati_kto.runtime.run_dir import saved_trainer_state
+from coati_kto.runtime.run_dir import refused_pickle, saved_trainer_state
+from coati_kto.trainer.export import save_tied_weights_once
+from coati_kto.trainer.tied_load import load_tied_aliases
+
+
+def load_booster_state(booster: Any, path: Path, model: Any, optimizer: Any, lr_scheduler: Any) -> None:
+    """Every rank: checkpoint ``path``'s model, optimizer and scheduler files through the booster (torch.load with
+    weights_only, torch's default). A file holding other objects (a crafted checkpoint) is refused in one line,
+    not an UnpicklingError traceback."""
+    try:
+        save_tied_weights_once(base_module(model))
+        booster.load_model(model, str(path / "model"))
+        load_tied_aliases(model, path / "model")  # a pp 1 checkpoint's tie, on the stage holding the LM head
+        booster.load_optimizer(optimizer, str(path / "optimizer"))
+        booster.load_lr_scheduler(lr_scheduler, str(path / "lr_scheduler.pt"))
+    except pickle.UnpicklingError as err:
+        raise refused_pickle(path, err) from None
+
+
+def load_masters(master_file: Path) -> dict[str, torch.Tensor]:
+    """This rank's saved fp32 master shard (tensors only; anything else refused in one line)."""
+    try:
+        return torch.load(master_file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        raise refused_pickle(master_file, err) from None
 
 
 def old_dp_states(path: Path, meta: dict) -> list[dict]:

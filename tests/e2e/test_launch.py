@@ -184,7 +184,7 @@ TAGS = {
 
 
 def test_launcher_env_leaves_out_what_colossalai_run_cannot_quote(monkeypatch: pytest.MonkeyPatch) -> None:
-    from coati_kto.parallel.distributed import launcher_env
+    from coati_kto.parallel.launch_env import launcher_env
 
     # Under `make quickstart ARGS=...`, make exports this; colossalai run's `export K="V"` line then fails
     # with "bad substitution" (the CI failure this test pins).

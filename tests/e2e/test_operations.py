@@ -352,7 +352,8 @@ def test_a_save_failing_on_one_rank_stops_every_rank_at_once(run_config: Path, t
 
 
 def test_launch_keeps_secrets_out_of_its_output(run_config: Path, tmp_path: Path) -> None:
-    from coati_kto.parallel.distributed import free_port, launcher_env
+    from coati_kto.parallel.distributed import free_port
+    from coati_kto.parallel.launch_env import launcher_env
 
     secret = f"planted-{os.getpid()}-{time.time_ns()}"
     names = ("WANDB_API_KEY", "HF_TOKEN", "aws_secret_access_key", "DB_PASSWORD", "MY_KEYRING")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from coati_kto.parallel.distributed import is_secret_name, unexportable
+from coati_kto.parallel.launch_env import is_secret_name, unexportable
 
 REPO = Path(__file__).resolve().parents[3]
 PREFIX = "colossalai_run.sh: not passed to the nodes (secret-looking names): "

@@ -64,3 +64,28 @@ def test_the_rng_states_round_trip_through_a_safe_load(tmp_path: Path) -> None:
         random.seed(9), np.random.seed(9), torch.manual_seed(9)
         set_rng_state(loaded["rng"])
         assert (random.random(), np.random.rand(3).tolist(), torch.rand(3).tolist()) == draws, folder
+
+
+def test_a_crafted_scheduler_or_master_file_is_one_line_not_a_traceback(tmp_path: Path) -> None:
+    """The booster's files and the fp32 master shards load with weights_only (torch's default): a crafted one was
+    refused with an UnpicklingError traceback; it is now the same one line, and nothing runs."""
+    from types import SimpleNamespace
+
+    from coati_kto.trainer.checkpoint_state import load_booster_state, load_masters
+
+    marker = tmp_path / "payload-ran"
+    checkpoint = tmp_path / "step-3"
+    checkpoint.mkdir()
+    torch.save({"last_epoch": 3, "x": _Payload(marker)}, checkpoint / "lr_scheduler.pt")
+    torch.save({"w": torch.zeros(2), "x": _Payload(marker)}, checkpoint / "rank-0.pt")
+    booster = SimpleNamespace(
+        load_model=lambda model, where: None,
+        load_optimizer=lambda optimizer, where: None,
+        load_lr_scheduler=lambda scheduler, where: torch.load(where),  # as ColossalAI's does
+    )
+    line = "holds posix.mkdir besides tensors and plain data, which no checkpoint coati-kto writes holds; refused"
+    with pytest.raises(UserError, match=f"^{checkpoint}: {line}"):
+        load_booster_state(booster, checkpoint, torch.nn.Linear(2, 2), None, None)
+    with pytest.raises(UserError, match=f"^{checkpoint / 'rank-0.pt'}: {line}"):
+        load_masters(checkpoint / "rank-0.pt")
+    assert not marker.exists()
