@@ -43,6 +43,7 @@ LAYERS = {
     "train": 9,
     "testing": 9,
     "colossalai_launch": 9,
+    "cli_args": 9,
     "cli": 10,
     "__main__": 11,
 }

@@ -249,7 +249,7 @@ def test_launch_scripts_pass_shellcheck() -> None:
 
 
 def test_cli_takes_overrides_before_and_after_options() -> None:
-    from coati_kto.cli import _parse
+    from coati_kto.cli_args import parse as _parse
 
     args = _parse(["inspect", "cfg.yaml", "train.seed=1", "--ranks", "2", "kto.beta=0.2", "--batches", "3"])
     assert (args.config, args.ranks, args.batches) == ("cfg.yaml", 2, 3)

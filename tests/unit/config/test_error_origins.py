@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from helpers import MINIMAL, write_config
 
-from coati_kto.cli import _parse
+from coati_kto.cli_args import parse as _parse
 from coati_kto.config.discovery import TRAINER_NAMES, all_keys
 from coati_kto.config.load import load_config
 from coati_kto.config.trl_flags import DATASET_QUERY, SCRIPT_FLAGS, SWITCHES
