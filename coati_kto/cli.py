@@ -132,17 +132,23 @@ def _data_command(args: argparse.Namespace, config: Config) -> None:
     # Image records are read for a vision-language model, as train reads them (inspect refused them).
     settings = PrepareSettings(config.data, config.model, config.train.seed, images=True)
     weights = WeightSettings(config.kto, config.train.micro_batch_size)
+    # A stop ends either (STOP.quit_on_stop, from entry) once its scratch folder is removed: the old build stays.
+    STOP.leaves(
+        f"data.prepared_dir {config.data.prepared_dir} is as it was"
+        if args.command == "prepare"
+        else "nothing written"
+    )
     if args.command == "prepare":
         from coati_kto.data.prepared import prepare
 
         release_collection()  # after the imports: what they made is frozen
-        prepare(settings, weights)
+        STOP.stoppable(lambda: prepare(settings, weights))
     else:
         from coati_kto.data.inspect import inspect_batches
 
         release_collection()
         counts = {"num_ranks": args.ranks, "num_batches": args.batches, "num_examples": args.examples}
-        inspect_batches(settings, weights, **counts)
+        STOP.stoppable(lambda: inspect_batches(settings, weights, **counts))
 
 
 def _export(args: argparse.Namespace, config: Config) -> int:
@@ -253,9 +259,11 @@ def _main(args: argparse.Namespace, rank: str | None) -> int:
             )  # this rank's own is on its way (its handler exits 130: not "a peer gone")
         print(f"[rank {rank or '0'}] error: {line}", file=sys.stderr, flush=True)
         return 1
-    except KeyboardInterrupt:  # Ctrl-C before the stop handlers are installed (imports, config)
+    except KeyboardInterrupt:  # Ctrl-C before the stop handlers are installed (imports, config), or plan's
         if rank in (None, "0"):
-            print("interrupted before training started: nothing to save", file=sys.stderr)
+            train = args.command == "train"
+            line = f"coati-kto {args.command} interrupted: nothing written"
+            print("interrupted before training started: nothing to save" if train else line, file=sys.stderr)
         return ABORT_EXIT_CODE
 
 

@@ -35,7 +35,8 @@ STOP_EXIT_CODE = 75
 ABORT_EXIT_CODE = 130  # 128 + SIGINT, as a shell reports an interrupted command
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 _LAUNCHING = ("train", "precompute", "export")  # the commands that run torchrun with --nproc-per-node
-QUITTING = ("precompute", "export")  # no step to finish, nothing to resume: a stop ends them at once
+# no step to finish, nothing to resume: a stop ends them at once, after their cleanup (a scratch folder removed)
+QUITTING = ("precompute", "export", "prepare", "inspect")
 _VOTE_COUNT, _VOTE_SIGNAL = "stop/requested", "stop/signal"
 
 
@@ -103,9 +104,10 @@ class StopSignals:
         its stop handlers here instead (``quit_on_stop``; False): its imports take seconds."""
         command = _command(argv)
         options = {arg.split("=")[0] for arg in argv if arg.startswith("--")}
-        if command not in _LAUNCHING or "RANK" in os.environ:
+        if "RANK" in os.environ:
             return False
-        if not any(len(option) > 2 and "--nproc-per-node".startswith(option) for option in options):
+        nproc = any(len(option) > 2 and "--nproc-per-node".startswith(option) for option in options)
+        if command not in _LAUNCHING or not nproc:
             if command in QUITTING:
                 self.quit_on_stop(command)
             return False

@@ -129,3 +129,27 @@ def test_ctrl_c_twice_on_precompute_writes_no_cache_and_exits_130(run_config: Pa
     assert {
         p.name: contents(p) for p in caches.iterdir() if p.is_dir()
     } == kept  # no new one, no temporary one
+
+
+def test_sigterm_to_prepare_removes_its_work_folder_and_keeps_the_old_build(run_config: Path) -> None:
+    """From a CLI audit: a SIGTERM to `coati-kto prepare` (and inspect) killed it silently with the default
+    action and left ``.prepared.tmp-PID-XXXXXXXX`` behind for good; Ctrl-C said training's line."""
+    prepared = run_config.parent / "prepared"
+    kept = contents(prepared)
+    # another max_length: a new build, in a work folder beside the old one until its rename
+    proc = start(cli("prepare", str(run_config), "data.max_length=60"))
+    deadline = time.monotonic() + 300
+    while not list(prepared.parent.glob(".prepared.tmp-*")):
+        assert proc.poll() is None, proc.communicate()[0][-3000:]
+        assert time.monotonic() < deadline, "no work folder"
+        time.sleep(0.01)
+    frozen = psutil.Process(proc.pid)
+    frozen.suspend()
+    proc.send_signal(signal.SIGTERM)
+    frozen.resume()
+    output = proc.communicate(timeout=120)[0]
+
+    assert proc.returncode == 128 + signal.SIGTERM, output[-3000:]
+    assert stopped_lines(output) == [f"prepare stopped by SIGTERM: data.prepared_dir {prepared} is as it was"]
+    assert "Traceback" not in output, output[-3000:]
+    assert not list(prepared.parent.glob(".prepared.*")) and contents(prepared) == kept

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 from helpers import MINIMAL, write_config
 
-from coati_kto.cli_args import _parser, parse as _parse
+from coati_kto.cli_args import _parser
+from coati_kto.cli_args import parse as _parse
 from coati_kto.config.load import load_config
 from coati_kto.config.trl_argv import BARE_OPTIONS
 from coati_kto.config.trl_flags import COMMAND_OPTIONS, CONFIG_COMMANDS, trl_hint
