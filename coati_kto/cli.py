@@ -72,10 +72,11 @@ def _check_before_launch(args: argparse.Namespace) -> None:
         check_training(config)
         check_stop()  # before the resume line: a stopped launch does not announce one
         announce_resume(config.train, config.training_output(), launcher=True)  # before torchrun's workers
-    if args.command == "export" and args.push:
-        from coati_kto.outputs.export import check_push
+    if args.command == "export":
+        from coati_kto.outputs.export import check_export
 
-        check_push(config.training_output())
+        options = (args.checkpoint, args.out, args.push)
+        check_export(config.training_output(), config.model.lora, config.plugin, *options)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -145,5 +145,7 @@ def check_numbers(args: argparse.Namespace) -> None:
         value = getattr(args, option, None)
         if value is not None and value < 1:
             raise UserError(f"--{option.replace('_', '-')} must be >= 1, got {value}")
+    if getattr(args, "out", None) == "":  # it read as "no --out": the default target, in silence
+        raise UserError("--out needs a directory, got ''")
     if getattr(args, "examples", None) is not None and args.examples < 0:
         raise UserError(f"--examples must be >= 0, got {args.examples}")

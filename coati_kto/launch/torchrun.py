@@ -195,8 +195,13 @@ def _failure_lines(err: BaseException, relayed: bool = False) -> tuple[list[str]
     quits = {128 + int(sig) for sig in STOP_SIGNALS}
     if relayed and codes & quits and codes <= quits | ended:
         return [], next(f.exitcode for _, f in sorted(failures.items()) if f.exitcode in quits)
-    # A user mistake found in the ranks (resume, output.dir in use): they printed its one line and exited 2.
-    if USER_ERROR_EXIT_CODE in codes and codes <= {USER_ERROR_EXIT_CODE, -signal.SIGTERM}:
+    # A user mistake found in the ranks (resume, output.dir in use): they printed its one line and exited 2; the
+    # others were ended by torchrun's SIGTERM (143 where STOP.quit_on_stop runs: precompute, export).
+    if USER_ERROR_EXIT_CODE in codes and codes <= {
+        USER_ERROR_EXIT_CODE,
+        -signal.SIGTERM,
+        128 + signal.SIGTERM,
+    }:
         return [], USER_ERROR_EXIT_CODE
     if codes == {PUSH_FAILED_EXIT_CODE}:  # rank 0 trained, saved, and printed why its upload failed
         return [], PUSH_FAILED_EXIT_CODE

@@ -18,7 +18,7 @@ from coati_kto.errors import UserError
 from coati_kto.outputs.model_card import CARD
 from coati_kto.runtime.preflight import push_problems
 from coati_kto.runtime.lineage import resume_choice
-from coati_kto.runtime.run_dir import COMPLETE, EXPORTS_DIR, FINAL_DIR
+from coati_kto.runtime.run_dir import CHECKPOINTS_DIR, COMPLETE, EXPORTS_DIR, FINAL_DIR
 
 
 def finished_final(output: OutputSection, checkpoint: str, out: str | None) -> Path | None:
@@ -82,5 +82,23 @@ def export_target(root: Path, checkpoint: str, out: str | None, say: bool = Fals
     target = Path(out) if out else root.parent / EXPORTS_DIR / path.name
     if target.exists():
         raise UserError(f"coati-kto export: {target} exists; remove it or name another with --out")
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:  # a parent that is a file, a read-only mount, /proc: one line, as prepare's
+        raise UserError(f"coati-kto export: cannot write {target} ({err.strerror or err})") from None
+    if not os.access(target.parent, os.W_OK | os.X_OK):  # a read-only mount answers EROFS here, not at mkdir
+        raise UserError(f"coati-kto export: cannot write {target} (its folder {target.parent} is not writable)")
     return path, target
+
+
+def check_export(
+    output: OutputSection, lora: LoraSection | None, plugin: PluginSection, checkpoint: str, out: str | None, push: bool
+) -> None:
+    """What ``coati-kto export --nproc-per-node N`` checks once in its launcher, before the ranks start (each rank
+    raised the same line: N lines, or exit 1 once torchrun stopped the others). UserError, one line."""
+    if push:
+        check_push(output)
+        if finished_final(output, checkpoint, out) is not None:  # uploaded as it is: nothing to export
+            return
+    first, _ = export_target(Path(output.dir) / CHECKPOINTS_DIR, checkpoint, out)
+    check_masters_layout(output, lora, plugin, first)

@@ -32,7 +32,7 @@ from pydantic import ValidationError
 
 from coati_kto.config.resume import check_resume, with_legacy
 from coati_kto.config.schema import Config
-from coati_kto.errors import ConfigError
+from coati_kto.errors import ConfigError, UserError
 from coati_kto.outputs.export import check_masters_layout, export_target
 from coati_kto.outputs.model_card import CARD
 from coati_kto.parallel.distributed import on_rank0
@@ -98,7 +98,14 @@ class _Scratch:
     def _dir(self) -> Path:
         if self.made is None:
             with STOP.held():  # made and named at once: a stop between the two would leave it behind
-                self.made = own_dir(self.target, DATA)
+                try:
+                    self.made = own_dir(self.target, DATA)
+                except (
+                    OSError
+                ) as err:  # a folder root may "write" (access) and cannot: /proc, some FUSE mounts
+                    raise UserError(
+                        f"coati-kto export: cannot write {self.target} ({err.strerror or err})"
+                    ) from None
         return self.made
 
     def __call__(self) -> Path:
