@@ -99,9 +99,17 @@ def load_prepared(settings: PrepareSettings, weights: WeightSettings) -> Prepare
     target = Path(settings.data.prepared_dir)
     found = (read_fingerprint(target) or {}).get("digest")
     if found != digest:
+        rank = global_rank()
+        replaced = (
+            "another process replaced it meanwhile: a run or prepare of other data settings on the same "
+            "data.prepared_dir (give each its own)"
+        )
+        shared = (
+            "on multi-node runs put data.prepared_dir on a shared filesystem; on one filesystem, " + replaced
+        )
         raise DataError(
-            f"data.prepared_dir {target}: rank {global_rank()} sees prepared data {found or 'missing'}, rank 0 "
-            f"built {digest}: on multi-node runs put data.prepared_dir on a shared filesystem"
+            f"data.prepared_dir {target}: rank {rank} sees prepared data {found or 'missing'}, rank 0 built "
+            f"{digest}: {replaced if rank == 0 else shared}"
         )
     return _open(settings, weights)
 

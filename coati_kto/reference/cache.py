@@ -31,7 +31,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from coati_kto.data.store import read_fingerprint
 from coati_kto.parallel.distributed import on_rank0
 from coati_kto.parallel.store_waits import wait_for_all
 from coati_kto.reference.scoring import score_splits
@@ -161,7 +160,9 @@ def ensure_reference_cache(
     rows = {s: len(ds) for s, ds in splits.items()}
 
     def look_up() -> tuple[str, dict, str]:
-        digest = (read_fingerprint(prepared) or {})["digest"]
+        # the opened build's digest: the directory's fingerprint, read again here, may be a build another process
+        # swapped in since (other data settings on the same data.prepared_dir), and key these rows' values to it
+        digest = data.stats["fingerprint"]
         memo = root / "weights_sha256.json"
         reference = settings.model.reference_path or settings.model.path
         key = cache_key(settings, digest, weights_hash(reference, memo))

@@ -502,8 +502,20 @@ def test_load_prepared_protocol(tmp_path: Path, tiny_model_dir: Path, monkeypatc
 
     # A rank that cannot see rank 0's build (prepared_dir not shared across nodes) says so.
     FakeCollectives(monkeypatch, 1, rank0_outcome=("ok", "0123456789abcdef", None))
-    with pytest.raises(DataError, match="shared filesystem"):
+    with pytest.raises(DataError, match="shared filesystem; on one filesystem, another process replaced it"):
         load_prepared(*data_settings(cfg))
+    # From a concurrency audit: rank 0 itself sees another build than it made (a prepare of other data settings
+    # on the same data.prepared_dir swapped its build in meanwhile). It named the multi-node advice alone.
+    import coati_kto.data.prepared as prepared
+
+    FakeCollectives(monkeypatch, 0)
+    monkeypatch.setattr(prepared, "read_fingerprint", lambda target: {"digest": "0123456789abcdef"})
+    with pytest.raises(DataError) as err:
+        load_prepared(*data_settings(cfg))
+    assert str(err.value).endswith(
+        "rank 0 built " + digest + ": another process replaced it meanwhile: a run or prepare of other data "
+        "settings on the same data.prepared_dir (give each its own)"
+    )
 
 
 def test_examples_that_cannot_fit_are_dropped_and_counted(tmp_path: Path, tiny_model_dir: Path) -> None:
