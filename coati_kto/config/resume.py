@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from coati_kto.config.discovery import yaml_text
@@ -133,6 +134,7 @@ def check_resume(saved: dict, current: dict, checkpoint: str) -> str | None:
         for c in config_changes(saved, current)
         if not c.key.startswith(QUIET)
         and not (c.key in MODEL_FOLDERS and _same_source(c.key, saved, current))
+        and not (c.key in DATA_FILES and _same_files(c.old, c.new))
     ]
     refused = [
         f"{c}{_derived(c, saved, current)}: cannot change on resume ({refusal(c.key)})"
@@ -218,6 +220,22 @@ def _same_source(key: str, saved: dict, current: dict) -> bool:
 
 
 MODEL_FOLDERS = ("model.path", "model.tokenizer", "model.reference_path")
+DATA_FILES = ("data.train_files", "data.eval_files")
+
+
+def _same_files(old: Any, new: Any) -> bool:
+    """Two lists of data files naming the same files in the same order, each written any way (relative or
+    absolute, ``~``, through a link); their content is checked apart (its digest, ``check_training_data``)."""
+    if not (isinstance(old, list) and isinstance(new, list)) or len(old) != len(new):
+        return False
+    return all(a == b or _one_path(a, b) for a, b in zip(old, new, strict=True))
+
+
+def _one_path(old: Any, new: Any) -> bool:
+    if not (isinstance(old, str) and isinstance(new, str)):
+        return False
+    here, there = Path(old).expanduser(), Path(new).expanduser()
+    return here.exists() and there.exists() and here.resolve() == there.resolve()
 
 
 def check_training_data(

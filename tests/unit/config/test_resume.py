@@ -103,6 +103,24 @@ def test_the_tokenizer_spelled_out_as_the_model_path_is_no_change(tmp_path: Path
         check_resume(saved, _dump(tmp_path, "model.tokenizer=other/tokenizer"), "step-2")
 
 
+def test_the_same_data_files_written_another_way_are_no_change(tmp_path: Path, monkeypatch) -> None:
+    """From a CLI audit: data.train_files written absolute where the run wrote it relative (the same file) was
+    refused as another training set, for resume and export; the content is checked by its digest apart."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data.jsonl").write_text("{}\n")
+    (tmp_path / "link.jsonl").symlink_to(tmp_path / "data.jsonl")
+    saved = _dump(tmp_path)  # train_files: data.jsonl, relative
+    for spelled in (str(tmp_path / "data.jsonl"), "./data.jsonl", "link.jsonl"):
+        assert check_resume(saved, _dump(tmp_path, f"data.train_files=[{spelled}]"), "step-2") is None, (
+            spelled
+        )
+    (tmp_path / "other.jsonl").write_text("{}\n")
+    with pytest.raises(
+        ConfigError, match=r"data.train_files \[data.jsonl\] -> \[other.jsonl\]: cannot change"
+    ):
+        check_resume(saved, _dump(tmp_path, "data.train_files=[other.jsonl]"), "step-2")
+
+
 def _without(config: dict, *keys: str) -> dict:
     """``config`` as a coati-kto without ``keys`` saved it."""
     config = {
