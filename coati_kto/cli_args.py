@@ -7,14 +7,25 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 from coati_kto.errors import USER_ERROR_EXIT_CODE, UserError, without_secrets
 
 _EPILOG = "Overrides: section.key=value (YAML values), e.g. train.lr=1e-6 data.max_length=512"
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse with its mistakes as one ``error:`` line and exit 2, as every other user mistake (argparse printed
+    its usage block, and an unknown option after a command the top-level usage)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(
+            USER_ERROR_EXIT_CODE, f"error: {self.prog}: {message} ({self.prog} --help lists its options)\n"
+        )
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _OneLineParser(
         prog="coati-kto", description="KTO training from binary feedback on ColossalAI.", epilog=_EPILOG
     )
     parser.add_argument("--version", action="version", version=version_line())
@@ -29,8 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     command("prepare", "Tokenize and validate the data, build KL pairs, save to data.prepared_dir.")
     p = command("inspect", "Show each rank's first micro-batches, label mix and decoded examples.")
     p.add_argument("--ranks", type=int, default=None, help="data-parallel ranks (default: 1)")
-    p.add_argument("--batches", type=int, default=4, help="micro-batches to show per rank")
-    p.add_argument("--examples", type=int, default=3, help="decoded examples to show")
+    p.add_argument("--batches", type=int, default=4, help="micro-batches to show per rank (default: 4)")
+    p.add_argument("--examples", type=int, default=3, help="decoded examples to show (default: 3)")
     p = command("train", "Train (run under torchrun / colossalai run, or use --nproc-per-node).")
     p.add_argument(
         "--nproc-per-node", type=int, default=None, help="launch this many local processes with torchrun"
@@ -133,8 +144,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
             parser.exit(USER_ERROR_EXIT_CODE, f"error: {without_secrets(line)}\n")
     args, extra = parser.parse_known_args(argv)
     unknown = [item for item in extra if item.startswith("-") or "=" not in item]
-    if unknown:
-        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if unknown:  # named with the command's own options, not the top level's
+        command = f"coati-kto {args.command}"
+        parser.exit(
+            USER_ERROR_EXIT_CODE,
+            f"error: {command}: unrecognized arguments: {' '.join(unknown)} ({command} --help lists its options)\n",
+        )
     args.overrides = [*args.overrides, *extra]
     return args
 

@@ -32,7 +32,17 @@ def test_a_missing_config_names_only_what_is_required(command: str) -> None:
     """The overrides (any number, none too) were named among the required arguments."""
     proc = _run(command)
     assert proc.returncode == 2
-    assert (
-        proc.stderr.splitlines()[-1]
-        == f"coati-kto {command}: error: the following arguments are required: config"
-    )
+    # one line, as every user mistake (argparse printed its usage block before it, from a CLI audit)
+    assert proc.stderr.splitlines() == [
+        f"error: coati-kto {command}: the following arguments are required: config (coati-kto {command} --help "
+        "lists its options)"
+    ]
+
+
+def test_an_unknown_option_after_a_command_names_that_command() -> None:
+    """It printed the top-level usage (4 lines) ending "coati-kto: error: unrecognized arguments"."""
+    proc = _run("inspect", "cfg.yaml", "--bogus")
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines() == [
+        "error: coati-kto inspect: unrecognized arguments: --bogus (coati-kto inspect --help lists its options)"
+    ]
