@@ -631,3 +631,14 @@ def test_the_schedule_flags_read_each_other(tmp_path: Path, capsys: pytest.Captu
     assert _loaded(line, path).train.min_lr_ratio == pytest.approx(0.2)
     line = _line(["train", str(path), "--lr_scheduler_type", "cosine_with_min_lr"], capsys)
     assert "has no equivalent without its floor" in _parts(line)[0]
+
+
+def test_config_schema_with_a_trl_flag_suggests_a_command_that_runs() -> None:
+    """From a CLI audit: `coati-kto config --schema --beta 0.2` suggested `coati-kto config CONFIG.yaml --schema
+    kto.beta=0.2`, which the CLI refuses (--schema takes no config or overrides)."""
+    from coati_kto.config.trl_flags import trl_flags_line
+
+    assert trl_flags_line(["config", "--schema", "--beta", "0.2"]) == (
+        "TRL-style flags are not options of coati-kto config: --beta 0.2 is kto.beta=0.2; as overrides after the "
+        "config: coati-kto config CONFIG.yaml kto.beta=0.2" + TAIL
+    )
