@@ -126,7 +126,15 @@ def write_tiny_model(out_dir: str | Path, seed: int = 0, hidden_size: int = 64, 
         )
     tokenizer = chatml_tokenizer()
     model = build_llama(tokenizer, hidden_size=hidden_size, num_layers=num_layers, seed=seed)
-    model.save_pretrained(out)
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # "Writing model shards" for a file of a few hundred KB: noise on stderr
+    try:
+        model.save_pretrained(out)
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
     tokenizer.save_pretrained(out)
     params = sum(p.numel() for p in model.parameters())
     card.write_text(MODEL_CARD.format(seed=seed, hidden=hidden_size, layers=num_layers, params=f"{params:,}"))
