@@ -369,7 +369,9 @@ def trl_flags_line(argv: list[str]) -> str | None:
     # KEY=VALUE overrides stay in the command, the overrides after the translations (theirs win): a copied command
     # that dropped them would run otherwise, unsaid.
     own, taken = own_options(argv)
-    own = [o for o in own if o != "--schema"]  # it takes no overrides: `config CONFIG.yaml X=Y` shows them applied
+    own = [
+        o for o in own if o != "--schema"
+    ]  # it takes no overrides: `config CONFIG.yaml X=Y` shows them applied
     values = {v for _, v in flags}
     overrides += [
         a

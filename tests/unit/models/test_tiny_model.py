@@ -18,7 +18,9 @@ def test_it_writes_a_chatml_llama_that_loads_and_rewrites_its_own_folder(
     out = tmp_path / "tiny"
     assert main(["tiny-model", str(out), "--seed", "3"]) == 0
     written = capsys.readouterr()
-    assert "Writing" not in written.err  # transformers' progress bar for a file of a few hundred KB (a CLI audit)
+    assert (
+        "Writing" not in written.err
+    )  # transformers' progress bar for a file of a few hundred KB (a CLI audit)
     tokenizer = AutoTokenizer.from_pretrained(out)
     model = AutoModelForCausalLM.from_pretrained(out)
     params = sum(p.numel() for p in model.parameters())
