@@ -1,7 +1,8 @@
 """A record's ``images`` (TRL's vision-language format) -> the bytes of each image, checked.
 
-An image reference is one of: a path (relative to the data file's folder, absolute, or from ``~``; never in a Hub
-dataset, whose paths would name files on this machine), raw bytes, or a
+An image reference is one of: a path (relative to the data file's folder, absolute, or from ``~``; in a Hub
+dataset only its own files as datasets downloaded them, as any other path names a file on this machine), raw
+bytes, or a
 ``{"bytes", "path"}`` struct, as ``datasets``' ``Image`` feature stores it in parquet (bytes first, the path
 when the bytes are null). Each image must open and decode with PIL. Every problem is a one-line
 :class:`~coati_kto.data.formats.RecordError` naming the record and the field (``images[i]``).
@@ -44,6 +45,20 @@ def digest(image: bytes) -> bytes:
     return hashlib.sha256(image).digest()
 
 
+def _downloaded(ref: str) -> bool:
+    """``ref`` is a file datasets downloaded for a Hub dataset (an imagefolder repo's images come as
+    ``{"bytes": None, "path": <the downloaded copy>}``): an absolute path under the hub or datasets cache."""
+    import datasets
+    from huggingface_hub import constants
+
+    path = Path(ref)
+    if not path.is_absolute():
+        return False
+    real = path.resolve()
+    roots = (constants.HF_HUB_CACHE, datasets.config.HF_DATASETS_CACHE)
+    return any(real.is_relative_to(Path(root).expanduser().resolve()) for root in roots)
+
+
 def _reference(ref: Any, source: str, where: str, base: Path | None) -> bytes:
     """The bytes ``ref`` names (see the module docstring); raises RecordError."""
     if hasattr(ref, "tolist") and not isinstance(ref, (bytes, bytearray)):  # numpy from a table
@@ -67,14 +82,14 @@ def _reference(ref: Any, source: str, where: str, base: Path | None) -> bytes:
             "{'bytes', 'path'} struct; save it to a file and give its path",
             "bad_image",
         )
-    if (
-        base is None
-    ):  # a Hub dataset: its paths name files of its author's machine, or (absolute, ~) this one's
+    # A Hub dataset's path names a file of its author's machine, or (absolute, ~) one of this machine's: only its
+    # own files, as datasets downloaded them, are read.
+    if base is None and not _downloaded(ref):
         raise RecordError(
             source,
             where,
-            f"an image path {show_value(ref)} in a Hub dataset: its images are read as bytes only (a path there "
-            "names a file on this machine)",
+            f"an image path {show_value(ref)} in a Hub dataset: its images are read as bytes or from its own "
+            "downloaded files only (any other path names a file on this machine)",
             "missing_image",
         )
     path = Path(ref).expanduser()

@@ -256,10 +256,19 @@ def test_a_hub_datasets_image_paths_are_refused_even_absolute(tmp_path: Path, mo
             read_images([ref], "me/data:row 1", None, 1)
         shown = ref["path"] if isinstance(ref, dict) else ref
         assert str(err.value) == (
-            f"me/data:row 1: field 'images[0]': an image path {show_value(shown)} in a Hub dataset: its images are read as "
-            "bytes only (a path there names a file on this machine)"
+            f"me/data:row 1: field 'images[0]': an image path {show_value(shown)} in a Hub dataset: its images are "
+            "read as bytes or from its own downloaded files only (any other path names a file on this machine)"
         )
         assert err.value.reason == "missing_image"
     assert read_images([{"bytes": png((1, 2, 3)), "path": "x.png"}], "me/data:row 1", None, 1) == [
         png((1, 2, 3))
     ]
+    # An imagefolder repo's images, as datasets hands them: the downloaded copy's path, under the hub cache (the
+    # review of this fix: every such dataset was refused).
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    blob = tmp_path / "hub" / "datasets--me--data" / "blobs" / "a.png"
+    blob.parent.mkdir(parents=True)
+    blob.write_bytes(png((4, 5, 6)))
+    assert read_images([{"bytes": None, "path": str(blob)}], "me/data:row 1", None, 1) == [png((4, 5, 6))]
