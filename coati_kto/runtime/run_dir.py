@@ -81,18 +81,27 @@ def saved_trainer_state(checkpoint: Path, rank: int = 0) -> dict:
     run), and unpickling any other object can run code."""
     import pickle
 
-    import numpy as np
     import torch  # here only: preflight reads this module before anything heavy
 
     path = checkpoint / TRAINER_STATE_DIR / f"rank-{rank}.pt"
-    # numpy's RNG state, as checkpoints before 2026-12-02 held it (an ndarray; plain ints since)
-    core = getattr(np, "_core", None) or np.core
-    arrays = [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
     try:
-        with torch.serialization.safe_globals(arrays):
+        with torch.serialization.safe_globals(numpy_globals()):
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         raise refused_pickle(path, err) from None
+
+
+def numpy_globals() -> list:
+    """What a checkpoint's numpy arrays and scalars unpickle through (an image TensorBoard logged, kept to write its
+    step again after a resume; numpy's RNG key before 2026-12-02), under numpy 2's module names and numpy 1's
+    (``numpy.core``): array reconstruction, never a callable of the file's choosing."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    build = [core.multiarray._reconstruct, core.multiarray.scalar]
+    named = [(f, f"numpy.{spelled}.multiarray.{f.__name__}") for f in build for spelled in ("core", "_core")]
+    dtypes = {type(np.dtype(code)) for code in np.typecodes["All"]}
+    return [*named, np.ndarray, np.dtype, *sorted(dtypes, key=str)]
 
 
 def refused_pickle(path: Path, err: Exception) -> UserError:

@@ -89,3 +89,34 @@ def test_a_crafted_scheduler_or_master_file_is_one_line_not_a_traceback(tmp_path
     with pytest.raises(UserError, match=f"^{checkpoint / 'rank-0.pt'}: {line}"):
         load_masters(checkpoint / "rank-0.pt")
     assert not marker.exists()
+
+
+def test_numpy_arrays_and_scalars_of_any_dtype_load_under_both_numpy_spellings(tmp_path: Path) -> None:
+    """From the review of the weights_only load: an image run's checkpoint keeps the image TensorBoard logged (a
+    uint8 CHW array, ``tensorboard_at_step``) and was refused as "an object no checkpoint coati-kto writes holds";
+    a trainer state written under numpy 1 names ``numpy.core.multiarray`` and was refused under numpy 2."""
+    import zipfile
+
+    state = {
+        "trainer_state": {
+            "tensorboard_at_step": {"image": np.zeros((3, 4, 5), np.uint8)},
+            "x": np.float64(0.5),
+        },
+        "rng": {"numpy": np.random.get_state()},
+    }
+    checkpoint = _saved(tmp_path / "step-2", state)
+    loaded = saved_trainer_state(checkpoint)
+    assert loaded["trainer_state"]["tensorboard_at_step"]["image"].dtype == np.uint8
+    assert loaded["trainer_state"]["x"] == 0.5
+    # the same file as numpy 1 pickles it: the module names spelled numpy.core
+    rank0 = checkpoint / TRAINER_STATE_DIR / "rank-0.pt"
+    old = tmp_path / "numpy1"
+    (old / TRAINER_STATE_DIR).mkdir(parents=True)
+    with zipfile.ZipFile(rank0) as src, zipfile.ZipFile(old / TRAINER_STATE_DIR / "rank-0.pt", "w") as out:
+        for item in src.infolist():
+            data = src.read(item.filename)
+            if item.filename.endswith("data.pkl"):
+                assert b"numpy._core.multiarray" in data
+                data = data.replace(b"numpy._core.multiarray", b"numpy.core.multiarray")
+            out.writestr(item, data)
+    assert saved_trainer_state(old)["trainer_state"]["x"] == 0.5
