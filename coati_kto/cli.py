@@ -76,7 +76,7 @@ def _check_before_launch(args: argparse.Namespace) -> None:
         from coati_kto.outputs.export import check_export
 
         options = (args.checkpoint, args.out, args.push)
-        check_export(config.training_output(), config.model.lora, config.plugin, *options)
+        check_export(config.training_output(), config.model.lora, config.plugin, options, args.nproc_per_node)
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -36,18 +36,24 @@ def check_push(output: OutputSection) -> None:
 
 
 def check_masters_layout(
-    output: OutputSection, lora: LoraSection | None, plugin: PluginSection, path: Path
+    output: OutputSection,
+    lora: LoraSection | None,
+    plugin: PluginSection,
+    path: Path,
+    world_size: int | None = None,
 ) -> None:
     """UserError (one line) for output.export_dtype fp32 of a bf16/fp16 checkpoint (``path``) on another layout
     than it was saved on: its fp32 masters are per rank and would be rebuilt from the working weights, so the
-    export would hold the working weights cast to fp32 under a card and a line that call them the fp32 masters."""
+    export would hold the working weights cast to fp32 under a card and a line that call them the fp32 masters.
+    ``world_size``: the processes the export runs on (default: this process's WORLD_SIZE; the launcher passes
+    its --nproc-per-node)."""
     if output.export_dtype != "fp32" or lora is not None:
         return
     if plugin.precision == "fp32" or not (path / "meta.json").is_file():
         return
     meta = json.loads((path / "meta.json").read_text())
     # The layout CheckpointManager.load restores the masters on: every size (dp follows from the others).
-    now = {"world_size": int(os.environ.get("WORLD_SIZE", "1"))}
+    now = {"world_size": world_size or int(os.environ.get("WORLD_SIZE", "1"))}
     now |= {"tp_size": plugin.tp_size, "sp_size": plugin.sp_size, "pp_size": plugin.pp_size}
     saved = {key: int(meta.get(key, 1)) for key in now}  # sp and pp: absent before they existed, 1
     if now != saved:
@@ -92,13 +98,19 @@ def export_target(root: Path, checkpoint: str, out: str | None, say: bool = Fals
 
 
 def check_export(
-    output: OutputSection, lora: LoraSection | None, plugin: PluginSection, checkpoint: str, out: str | None, push: bool
+    output: OutputSection,
+    lora: LoraSection | None,
+    plugin: PluginSection,
+    options: tuple[str, str | None, bool],
+    world_size: int,
 ) -> None:
-    """What ``coati-kto export --nproc-per-node N`` checks once in its launcher, before the ranks start (each rank
-    raised the same line: N lines, or exit 1 once torchrun stopped the others). UserError, one line."""
+    """What ``coati-kto export --nproc-per-node N`` (``world_size``) checks once in its launcher, before the ranks
+    start (each rank raised the same line: N lines, or exit 1 once torchrun stopped the others). ``options``:
+    --checkpoint, --out, --push. UserError, one line."""
+    checkpoint, out, push = options
     if push:
         check_push(output)
         if finished_final(output, checkpoint, out) is not None:  # uploaded as it is: nothing to export
             return
     first, _ = export_target(Path(output.dir) / CHECKPOINTS_DIR, checkpoint, out)
-    check_masters_layout(output, lora, plugin, first)
+    check_masters_layout(output, lora, plugin, first, world_size)

@@ -50,10 +50,10 @@ def test_the_launcher_checks_the_export_once_before_its_ranks(tmp_path: Path) ->
     plugin = SimpleNamespace(precision="fp32")
     (root.parent / "exports" / "step-4").mkdir(parents=True)
     with pytest.raises(UserError, match="exports/step-4 exists; remove it or name another with --out"):
-        check_export(output, None, plugin, "auto", None, push=False)
+        check_export(output, None, plugin, ("auto", None, False), 1)
     with pytest.raises(UserError, match="step-9 is not a complete checkpoint"):
-        check_export(output, None, plugin, str(root / "step-9"), None, push=False)
-    check_export(output, None, plugin, "auto", str(tmp_path / "elsewhere"), push=False)  # fine: no error
+        check_export(output, None, plugin, (str(root / "step-9"), None, False), 1)
+    check_export(output, None, plugin, ("auto", str(tmp_path / "elsewhere"), False), 1)  # fine: no error
 
 
 def test_a_rank_s_mistake_is_exit_2_when_torchrun_ended_the_others() -> None:
@@ -71,3 +71,16 @@ def test_an_empty_out_is_refused() -> None:
 
     with pytest.raises(UserError, match=r"^--out needs a directory, got ''$"):
         check_numbers(SimpleNamespace(out=""))
+
+
+def test_the_launcher_checks_fp32_masters_against_its_own_process_count(tmp_path: Path) -> None:
+    """From the review of the launcher's check: it read WORLD_SIZE, unset in the launcher, so every 2-process bf16
+    checkpoint's fp32 export under --nproc-per-node 2 was refused ("run it with --nproc-per-node 2")."""
+    root = _run(tmp_path)
+    (root / "step-4" / "meta.json").write_text('{"step": 4, "world_size": 2}')
+    torch.save({}, root / "step-4" / "trainer_state" / "rank-1.pt")
+    output = SimpleNamespace(dir=str(root.parent), export_dtype="fp32")
+    plugin = SimpleNamespace(precision="bf16", tp_size=1, sp_size=1, pp_size=1)
+    check_export(output, None, plugin, ("auto", str(tmp_path / "x"), False), 2)  # its layout: fine
+    with pytest.raises(UserError, match="run it with --nproc-per-node 2"):
+        check_export(output, None, plugin, ("auto", str(tmp_path / "x"), False), 1)
