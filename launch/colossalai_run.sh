@@ -34,10 +34,10 @@ unset MAKEOVERRIDES MAKEFLAGS MFLAGS
 # That line is also sent over SSH and printed whole when a node fails: secrets must not be in it. Variables
 # whose names contain TOKEN, KEY, SECRET, PASSWORD, PASSWD or CREDENTIAL, or have AUTH, OAUTH, AUTHORIZATION, PASS
 # PWD or PAT as a part between underscores (not GIT_AUTHOR_NAME), any case, or whose value holds a URL's login
-# (postgres://user:pw@host), are not passed on, except the paths and settings below (the same rule as
+# (postgres://user:pw@host, https://TOKEN@host), are not passed on, except the paths and settings below (the same rule as
 # coati_kto.parallel.launch_env.unexportable; SSH_AUTH_SOCK: colossalai run's own SSH uses the agent); credentials
 # reach the nodes as files instead (docs/operations.md, "Credentials").
-url_login='://[^/@[:space:]:]*:[^/@[:space:]]*@'
+url_login='://[^/@[:space:]:]*:[^/@[:space:]]*@|https?://[^/@[:space:]:]+@'
 dropped=()
 for name in $(compgen -e); do
     case ${name^^} in

@@ -14,8 +14,9 @@ _SECRET_PARTS = ("TOKEN", "KEY", "SECRET", "PASSWORD", "PASSWD", "CREDENTIAL")
 # AUTHOR (GIT_AUTHOR_NAME) or XAUTHORITY, names a launch should pass on. PASS and PWD the same (MYSQL_PWD,
 # REDIS_PASS; not PASSENGER, PATH, OLDPWD), the shell's own PWD aside.
 _SECRET_WORDS = ("AUTH", "OAUTH", "AUTHORIZATION", "PASS", "PWD", "PAT")  # PAT: GITHUB_PAT, a personal token
-# A login inside a URL (DATABASE_URL=postgres://user:pw@host/db, a proxy's user:pw@): a secret whatever the name.
-URL_LOGIN = re.compile(r"://[^/@\s:]*:[^/@\s]*@")
+# A login inside a URL (DATABASE_URL=postgres://user:pw@host/db, a proxy's user:pw@, a token as an https URL's
+# user: https://ghp_x@github.com): a secret whatever the name. ssh://git@host names a user, no secret.
+URL_LOGIN = re.compile(r"://[^/@\s:]*:[^/@\s]*@|https?://[^/@\s:]+@")
 # Paths and settings, not secrets: dropping them breaks the launch or the nodes (SSH_AUTH_SOCK: the launcher's
 # own SSH to the nodes uses the agent; the others point at credential files, the documented way to pass them).
 _NOT_SECRETS = {"TOKENIZERS_PARALLELISM", "SSH_AUTH_SOCK", "HF_TOKEN_PATH", "GOOGLE_APPLICATION_CREDENTIALS"}
@@ -24,9 +25,9 @@ _NOT_SECRETS |= {"AWS_SHARED_CREDENTIALS_FILE", "PWD"}
 
 def is_secret_name(name: str) -> bool:
     """Environment variables kept out of launch command lines and logs: names containing TOKEN, KEY, SECRET,
-    PASSWORD, PASSWD or CREDENTIAL, or with AUTH, OAUTH, AUTHORIZATION, PASS or PWD as a part between underscores,
-    any case,
-    except the few in ``_NOT_SECRETS`` (launch/colossalai_run.sh applies the same rule)."""
+    PASSWORD, PASSWD or CREDENTIAL, or with AUTH, OAUTH, AUTHORIZATION, PASS, PWD or PAT as a part between
+    underscores, any case, except the few in ``_NOT_SECRETS`` (launch/colossalai_run.sh applies the same rule;
+    ``unexportable`` adds the values holding a URL's login)."""
     upper = name.upper()
     if upper in _NOT_SECRETS:
         return False

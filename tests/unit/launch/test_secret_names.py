@@ -38,11 +38,17 @@ LOGIN_VALUES = {
     "DATABASE_URL": "postgres://u:auditdbpw@h/db",
     "HTTPS_PROXY": "http://me:pw@proxy:3128",
     "REDIS_URL": "redis://:pw@cache:6379",
+    "REPO_URL": "https://ghp_abc123@github.com/o/r.git",  # a token as the user (the review of this rule)
 }
 PLAIN_URLS = {
     "HF_ENDPOINT": "https://hub.example:8443/x",
     "NO_PROXY": "localhost,127.0.0.1",
     "MAILTO": "a@b.c",
+}
+PLAIN_URLS |= {
+    "GIT_REMOTE": "ssh://git@host:22/x",
+    "ORIGIN": "git@github.com:o/r.git",
+    "SSH_TARGET": "user@host",
 }
 HARMLESS = [
     "GIT_AUTHOR_NAME",
