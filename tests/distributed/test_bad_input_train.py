@@ -143,7 +143,8 @@ def _stderr_of_process() -> Iterator[list[str]]:
 def _each(commands: list[str], configs: list[str]) -> list[list[tuple[int, str]]]:
     """Per config, per command: the exit code and stderr of the CLI's own path (``cli._main``, as ``main`` calls
     it, minus closing the process group: the next case reuses it)."""
-    from coati_kto.cli import _main, _parse
+    from coati_kto.cli import _main
+    from coati_kto.cli_args import parse as _parse
 
     out = []
     for config in configs:
