@@ -43,15 +43,21 @@ def missing_path(key: str, value: str) -> str:
     return f"{key}: {value} does not exist (a local path{where}; a hub id looks like org/name)"
 
 
-def same_folder(old: Any, new: Any) -> bool:
-    """Two values of a model key that name one thing: equal, or one existing folder written two ways (a trailing
-    slash, relative and absolute, through a link). The weights' own digest is checked apart (reference)."""
+def same_path(old: Any, new: Any) -> bool:
+    """Two config values that name one thing: equal, or one existing file or folder written two ways (a trailing
+    slash, relative and absolute, ``~``, through a link)."""
     if old == new:
         return True
     if not (isinstance(old, str) and isinstance(new, str)):
         return False
     here, there = Path(old).expanduser(), Path(new).expanduser()
-    return here.is_dir() and there.is_dir() and here.resolve() == there.resolve()
+    return here.exists() and there.exists() and here.resolve() == there.resolve()
+
+
+def same_folder(old: Any, new: Any) -> bool:
+    """Two values of a model key that name one folder (:func:`same_path`). The weights' own digest is checked
+    apart (reference)."""
+    return old == new or (same_path(old, new) and Path(old).expanduser().is_dir())
 
 
 def local_snapshot(name_or_path: str | Path) -> Path | None:

@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from coati_kto.config.discovery import yaml_text
-from coati_kto.config.hub import same_folder
+from coati_kto.config.hub import same_folder, same_path
 from coati_kto.errors import ConfigError
 
 # Key prefix -> why a resume cannot change it. Checked longest prefix first.
@@ -228,14 +227,7 @@ def _same_files(old: Any, new: Any) -> bool:
     absolute, ``~``, through a link); their content is checked apart (its digest, ``check_training_data``)."""
     if not (isinstance(old, list) and isinstance(new, list)) or len(old) != len(new):
         return False
-    return all(a == b or _one_path(a, b) for a, b in zip(old, new, strict=True))
-
-
-def _one_path(old: Any, new: Any) -> bool:
-    if not (isinstance(old, str) and isinstance(new, str)):
-        return False
-    here, there = Path(old).expanduser(), Path(new).expanduser()
-    return here.exists() and there.exists() and here.resolve() == there.resolve()
+    return all(same_path(a, b) for a, b in zip(old, new, strict=True))
 
 
 def check_training_data(

@@ -197,11 +197,8 @@ def _failure_lines(err: BaseException, relayed: bool = False) -> tuple[list[str]
         return [], next(f.exitcode for _, f in sorted(failures.items()) if f.exitcode in quits)
     # A user mistake found in the ranks (resume, output.dir in use): they printed its one line and exited 2; the
     # others were ended by torchrun's SIGTERM (143 where STOP.quit_on_stop runs: precompute, export).
-    if USER_ERROR_EXIT_CODE in codes and codes <= {
-        USER_ERROR_EXIT_CODE,
-        -signal.SIGTERM,
-        128 + signal.SIGTERM,
-    }:
+    torchrun_ended = {-signal.SIGTERM, 128 + signal.SIGTERM}
+    if USER_ERROR_EXIT_CODE in codes and codes <= {USER_ERROR_EXIT_CODE, *torchrun_ended}:
         return [], USER_ERROR_EXIT_CODE
     if codes == {PUSH_FAILED_EXIT_CODE}:  # rank 0 trained, saved, and printed why its upload failed
         return [], PUSH_FAILED_EXIT_CODE

@@ -100,9 +100,7 @@ class _Scratch:
             with STOP.held():  # made and named at once: a stop between the two would leave it behind
                 try:
                     self.made = own_dir(self.target, DATA)
-                except (
-                    OSError
-                ) as err:  # a folder root may "write" (access) and cannot: /proc, some FUSE mounts
+                except OSError as err:  # root passes access() where it cannot write: /proc, some FUSE mounts
                     raise UserError(
                         f"coati-kto export: cannot write {self.target} ({err.strerror or err})"
                     ) from None

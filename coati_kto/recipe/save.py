@@ -45,8 +45,7 @@ def save_final(
         world = world_size or run.layout.world_size
         eval_record, steps = last_eval(trainer.history), trainer.global_step
         card = render(config, run.data.stats, eval_record, steps, run.weights, world, run.notes)
-        again = "run coati-kto export again" if exported else "train.resume=auto writes it again"
-        card_or_nothing(Path(final), card, again)
+        card_or_nothing(Path(final), card, rewrite or "train.resume=auto writes it again")
         print(f"{what}: {final}", flush=True)
         if not lora:
             print(run.notes[-1], flush=True)  # what its weights are

@@ -30,7 +30,7 @@ from coati_kto.runtime.run_dir import TENSORBOARD_DIR, release_output_dir
 from coati_kto.runtime.signals import STOP, StopSignals, TrainingStoppedError
 from coati_kto.runtime.startup import release_collection
 from coati_kto.runtime.watchdog import Heartbeat, new_heartbeat
-from coati_kto.trainer.schedule import reschedule, schedule_notes
+from coati_kto.trainer.schedule import accumulation_note, reschedule, schedule_notes
 
 
 def train(config: Config) -> Any:
@@ -148,8 +148,10 @@ def _resume(config: Config, run: Run, trainer: Any) -> None:
         set_weight_decay(trainer.optimizer, train.weight_decay)  # the checkpoint's groups carry the old one
     if line is not None:
         run.notes.append(line)
-    notes = schedule_notes(config.train, steps, len(run.train_loader.batch_sampler), run.layout.dp_size)
-    run.notes += [note.removeprefix("note: ") for note in notes if "accumulation_steps" in note]  # the card's
+    micro_batches, dp_size = len(run.train_loader.batch_sampler), run.layout.dp_size
+    notes = schedule_notes(config.train, steps, micro_batches, dp_size)
+    if (accumulation := accumulation_note(config.train, micro_batches, dp_size)) is not None:
+        run.notes.append(accumulation)  # the model card's too
     if run.layout.is_main:
         said = [f"resumed from {checkpoint} at optimizer step {trainer.global_step}"] if checkpoint else []
         said += [line] if line is not None else []

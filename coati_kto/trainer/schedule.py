@@ -94,17 +94,25 @@ def reschedule(
     rebase_lr(scheduler, lr)
 
 
+def accumulation_note(train: TrainSection, micro_batches: int, dp_size: int) -> str | None:
+    """The line for train.accumulation_steps longer than an epoch's ``micro_batches`` per data-parallel rank (over
+    ``dp_size`` ranks): every optimizer step then holds one epoch. None otherwise."""
+    m, a = train.micro_batch_size, train.accumulation_steps
+    if a <= micro_batches:
+        return None
+    return (
+        f"train.accumulation_steps {a} is more than the {micro_batches} micro-batches each data-parallel rank has "
+        f"per epoch: each optimizer step holds one epoch, {micro_batches * m * dp_size} examples, not the "
+        f"{a * m * dp_size} the batch settings multiply to"
+    )
+
+
 def schedule_notes(train: TrainSection, steps: int, micro_batches: int, dp_size: int) -> list[str]:
     """One line each for a schedule of ``steps`` optimizer steps that will not run as the ``train`` section
     reads. ``micro_batches``: each data-parallel rank's per epoch, over ``dp_size`` ranks."""
     notes: list[str] = []
-    if train.accumulation_steps > micro_batches:  # the epoch ends every window: each step is an epoch
-        m, a = train.micro_batch_size, train.accumulation_steps
-        notes.append(
-            f"note: train.accumulation_steps {a} is more than the {micro_batches} micro-batches each "
-            f"data-parallel rank has per epoch: each optimizer step holds one epoch, {micro_batches * m * dp_size} "
-            f"examples, not the {a * m * dp_size} the batch settings multiply to"
-        )
+    if (accumulation := accumulation_note(train, micro_batches, dp_size)) is not None:
+        notes.append(f"note: {accumulation}")
     if train.max_steps and steps < train.max_steps:
         notes.append(
             f"note: train.max_epochs {train.max_epochs} holds {steps} optimizer steps, fewer than "
