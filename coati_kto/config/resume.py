@@ -123,10 +123,11 @@ def refusal(key: str) -> str:
     return REFUSED[max(matches, key=len)] if matches else ""
 
 
-def check_resume(saved: dict, current: dict, checkpoint: str) -> str | None:
+def check_resume(saved: dict, current: dict, checkpoint: str, export: bool = False) -> str | None:
     """The one line a resume prints about changed settings (None when nothing worth saying changed).
 
-    Raises ConfigError listing every refused change with its reason (one line each).
+    Raises ConfigError listing every refused change with its reason (one line each); ``export``: worded for
+    ``coati-kto export``, which refuses the same changes (its model and card are the run's).
     """
     changes = [
         c
@@ -135,13 +136,20 @@ def check_resume(saved: dict, current: dict, checkpoint: str) -> str | None:
         and not (c.key in MODEL_FOLDERS and _same_source(c.key, saved, current))
         and not (c.key in DATA_FILES and _same_files(c.old, c.new))
     ]
-    refused = [
-        f"{c}{_derived(c, saved, current)}: cannot change on resume ({refusal(c.key)})"
-        for c in changes
-        if refusal(c.key)
-    ]
+    refused = [c for c in changes if refusal(c.key)]
+    if (
+        refused and export
+    ):  # the export's model and card are the checkpoint's: a change here is a wrong config
+        lines = [f"coati-kto export {checkpoint}: {c}{_derived(c, saved, current)}: " for c in refused]
+        lines = [line + "differs from the config the checkpoint was trained with" for line in lines]
+        raise ConfigError(
+            "\n".join(lines) + "\n(export with the config the run trained with: output.dir/config.yaml)"
+        )
     if refused:
-        lines = [f"train.resume {checkpoint}: {line}" for line in refused]
+        lines = [
+            f"train.resume {checkpoint}: {c}{_derived(c, saved, current)}: cannot change on resume ({refusal(c.key)})"
+            for c in refused
+        ]
         raise ConfigError("\n".join(lines) + "\n(start a new run in another output.dir, or resume unchanged)")
     if not changes:
         return None

@@ -138,7 +138,7 @@ def _export(config: Config, first: Path, chosen: tuple[Path, Path], scratch: _Sc
     STOP.leaves(_left(target))
     saved = trainer.checkpoint_manager.saved_state(path).get("config")
     if saved is not None:  # refuses another model, tokenizer, LoRA or data than the checkpoint's
-        check_resume(saved, config.model_dump(mode="json"), path.name)
+        check_resume(saved, config.model_dump(mode="json"), path.name, export=True)
     trainer.resume(path, export=True)  # leaves the run's `latest` pointer as it is
     trained_on = json.loads((path / "meta.json").read_text()).get("world_size")  # the card's process count
     try:
@@ -160,7 +160,7 @@ def run_config(config: Config, path: Path) -> Config:
     if saved is None:
         return config
     saved = with_legacy(saved)  # an older run's optimizer groups: what its checkpoint holds
-    check_resume(saved, config.model_dump(mode="json"), path.name)
+    check_resume(saved, config.model_dump(mode="json"), path.name, export=True)
     current = config.model_dump(mode="json")
     # The export's own layout is this launch's, not the run's: its tensor-, sequence- and pipeline-parallel sizes,
     # and the ZeRO stage (ColossalAI takes 0 or 1 under pp: a run trained at 2 exports at pp 2 with 1).

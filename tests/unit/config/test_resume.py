@@ -56,6 +56,20 @@ def test_refused_changes_are_every_one_named_with_the_reason(tmp_path: Path) -> 
     ]
 
 
+def test_an_export_words_the_same_refusals_as_its_own(tmp_path: Path) -> None:
+    """coati-kto export refuses the same changes; its lines said "train.resume ...: cannot change on resume (the
+    data order of the epoch in progress ...)", of a command that resumes nothing."""
+    current = _dump(tmp_path, "train.seed=3", "model.path=other/model", "train.lr=1e-4")
+    with pytest.raises(ConfigError) as err:
+        check_resume(_dump(tmp_path), current, "step-6", export=True)
+    assert str(err.value).splitlines() == [
+        "coati-kto export step-6: model.path some/model -> other/model: differs from the config the checkpoint was "
+        "trained with",
+        "coati-kto export step-6: train.seed 42 -> 3: differs from the config the checkpoint was trained with",
+        "(export with the config the run trained with: output.dir/config.yaml)",
+    ]
+
+
 def test_a_max_prompt_length_that_follows_max_length_says_so(tmp_path: Path) -> None:
     """Only data.max_length was changed; data.max_prompt_length (half of it unless set) was refused beside it as
     if the user had changed it too."""
