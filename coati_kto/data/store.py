@@ -19,9 +19,9 @@ report shown with the summary, live outside the data package (:mod:`coati_kto.da
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
-import os
 import re
 import shutil
 import time
@@ -36,6 +36,7 @@ import pyarrow as pa
 
 from coati_kto.config.hub import HubDataset, is_hub_dataset
 from coati_kto.data import template_clock
+from coati_kto.data.build_folder import build_folder
 from coati_kto.data.endings import checkpoint_eos, completion_end_line, generation_eos_ids
 from coati_kto.data.files import load_records, resolve_files
 from coati_kto.data.formats import Record, RecordError
@@ -270,12 +271,13 @@ def _stats_head(
 def _build(settings: PrepareSettings, tokenizer, fp: dict, target: Path, processor: Any = None) -> None:
     """Build everything in a temporary sibling of ``target``, then rename it into place. ``processor``: a
     vision-language model's (:func:`load_processor`), or None."""
-    work = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    try:
-        work.mkdir(parents=True)
-    except OSError as err:  # a parent that is a file, a read-only or missing mount: one line, no traceback
-        raise DataError(f"data.prepared_dir {target}: cannot write there ({err.strerror})") from None
-    try:
+    with contextlib.ExitStack() as held:
+        try:
+            work = held.enter_context(build_folder(target))  # removed at the end (renamed into place by then)
+        except (
+            OSError
+        ) as err:  # a parent that is a file, a read-only or missing mount: one line, no traceback
+            raise DataError(f"data.prepared_dir {target}: cannot write there ({err.strerror})") from None
         train_records, eval_records, files, skipped, unread = _read_inputs(
             settings, str(work / "hf-cache"), fp
         )
@@ -318,8 +320,6 @@ def _build(settings: PrepareSettings, tokenizer, fp: dict, target: Path, process
             target.rename(old)
         work.rename(target)  # the only moment the cache appears: complete or not at all
         shutil.rmtree(old, ignore_errors=True)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
 
 
 # ------------------------------------------------------------------------------------------- public API

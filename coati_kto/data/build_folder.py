@@ -1,0 +1,87 @@
+"""A build's temporary folder beside its target, held by a lock for as long as the building process lives.
+
+``coati-kto prepare`` (and a run's rank 0) build ``data.prepared_dir`` in ``.NAME.tmp-PID-XXXXXXXX`` beside it and
+rename that into place (coati_kto.data.store). A process killed mid-build (SIGKILL, the OOM killer, a lost node)
+left its folder for good: a partial tokenized dataset and the datasets cache, as large as the data.
+
+Each build now holds an exclusive ``flock`` on ``.NAME.tmp-PID-XXXXXXXX.lock`` (a sibling file, taken before the
+folder is made) until it ends. The kernel drops the lock when its process dies, however it dies, and whatever
+its PID namespace or host (NFS keeps such locks on its server and frees a dead client's). So the next build
+beside the same target removes each folder whose lock it can take. A folder without a lock file (an older
+version's) is left alone, and so is everything on a file system that refuses ``flock``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+
+def _lock_of(folder: Path) -> Path:
+    return folder.with_name(folder.name + ".lock")
+
+
+def _take(lock: Path, create: bool) -> int | None:
+    """An open descriptor of ``lock`` holding its exclusive flock; None when another process holds it, the file
+    is gone (``create`` False) or the file system refuses."""
+    try:
+        fd = os.open(lock, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o644)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        if create:  # a file system without flock: no lock file left behind either
+            lock.unlink(missing_ok=True)
+        return None
+    return fd
+
+
+def remove_abandoned(target: Path) -> list[str]:
+    """Remove the build folders of ``target`` (and lock files) whose process is gone; their names."""
+    pattern = re.compile(rf"\.{re.escape(target.name)}\.tmp-\d+-[0-9a-f]{{8}}")
+    if not target.parent.is_dir():
+        return []
+    removed = []
+    for lock in sorted(target.parent.glob(f".{target.name}.tmp-*.lock")):
+        folder = lock.with_name(lock.name.removesuffix(".lock"))
+        if not pattern.fullmatch(folder.name) or (fd := _take(lock, create=False)) is None:
+            continue  # alive (its process holds the lock), or not a name this module makes
+        try:
+            if folder.is_dir():
+                shutil.rmtree(folder, ignore_errors=True)
+                removed.append(folder.name)
+            lock.unlink(missing_ok=True)
+        finally:
+            os.close(fd)
+    return removed
+
+
+@contextlib.contextmanager
+def build_folder(target: Path) -> Iterator[Path]:
+    """A new empty folder beside ``target``, held by this process until the block ends and then removed (the
+    block renames it into place to keep it). Abandoned build folders of ``target`` go first, said in one line.
+    Raises OSError when the folder cannot be made."""
+    if removed := remove_abandoned(target):
+        print(
+            f"data.prepared_dir {target}: removed {len(removed)} unfinished build folder(s) of processes that were "
+            f"killed: {', '.join(removed)}"
+        )
+    work = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd = _take(_lock_of(work), create=True)  # before the folder: a folder never exists unheld
+    try:
+        work.mkdir()
+        yield work
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if fd is not None:
+            _lock_of(work).unlink(missing_ok=True)
+            os.close(fd)

@@ -1,0 +1,70 @@
+"""A prepare killed mid-build (SIGKILL, the OOM killer) left ``.prepared.tmp-PID-XXXXXXXX`` beside
+data.prepared_dir for good, as large as the data. The next build removes it, and only it: a live build's folder
+(its process holds the lock) and a folder without a lock file (an older version's) stay."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import data_settings
+from test_data_formats import write_jsonl
+from test_prepare import make_config, rows
+
+from coati_kto.data.build_folder import build_folder, remove_abandoned
+from coati_kto.data.prepared import prepare
+
+# A process that opens a build folder for ``target``, says its name and waits to be killed.
+HOLDER = """
+import sys, time
+from pathlib import Path
+from coati_kto.data.build_folder import build_folder
+with build_folder(Path(sys.argv[1])) as work:
+    (work / "train").mkdir()
+    print(work.name, flush=True)
+    time.sleep(600)
+"""
+
+
+def _holder(target: Path) -> tuple[subprocess.Popen, str]:
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(target)], stdout=subprocess.PIPE, text=True)
+    return proc, proc.stdout.readline().strip()
+
+
+def test_a_killed_builds_folder_is_removed_by_the_next_prepare(
+    tmp_path: Path, tiny_model_dir: Path, capsys
+) -> None:
+    target = tmp_path / "prepared"
+    killed, name = _holder(target)
+    os.kill(killed.pid, signal.SIGKILL)
+    killed.wait()
+    assert (tmp_path / name).is_dir() and (tmp_path / f"{name}.lock").is_file()
+    old_version = tmp_path / ".prepared.tmp-1-0123abcd"  # no lock file: whose it is cannot be known
+    old_version.mkdir()
+
+    data = write_jsonl(tmp_path / "t.jsonl", rows(8, 8))
+    prepare(*data_settings(make_config(tmp_path, tiny_model_dir, [str(data)], max_length=128)))
+    out = capsys.readouterr().out
+    assert (
+        f"data.prepared_dir {target}: removed 1 unfinished build folder(s) of processes that were killed: {name}"
+        in out
+    )
+    left = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".prepared"))
+    assert left == [old_version.name]  # the killed build's folder and lock gone; the build's own removed too
+
+
+def test_a_live_builds_folder_stays_and_a_finished_one_leaves_nothing(tmp_path: Path) -> None:
+    target = tmp_path / "prepared"
+    live, name = _holder(target)
+    try:
+        assert remove_abandoned(target) == []
+        with build_folder(target) as work:
+            assert work.is_dir() and work.name != name
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, f"{name}.lock"])
+    finally:
+        live.kill()
+        live.wait()
+    assert remove_abandoned(target) == [name] and list(tmp_path.iterdir()) == []
