@@ -43,21 +43,33 @@ def missing_path(key: str, value: str) -> str:
     return f"{key}: {value} does not exist (a local path{where}; a hub id looks like org/name)"
 
 
-def same_path(old: Any, new: Any) -> bool:
-    """Two config values that name one thing: equal, or one existing file or folder written two ways (a trailing
-    slash, relative and absolute, ``~``, through a link)."""
-    if old == new:
-        return True
+def anchored(value: Any, base: str | None) -> Any:
+    """``value`` as the working directory ``base`` reads it: a relative local path joined to ``base`` (``~``
+    expanded); an absolute one, a Hub dataset, anything not text, or no ``base``: as it is."""
+    if not isinstance(value, str) or base is None or is_hub_dataset(value):
+        return value
+    path = Path(value).expanduser()
+    return value if path.is_absolute() else str(Path(base) / path)
+
+
+def same_path(old: Any, new: Any, old_base: str | None = None) -> bool:
+    """Two config values that name one thing: one existing file or folder written two ways (a trailing slash,
+    relative and absolute, ``~``, through a link), ``old`` read from the working directory ``old_base`` (None:
+    this one); else equal values (a Hub id, a path gone since: nothing on disk tells them apart)."""
     if not (isinstance(old, str) and isinstance(new, str)):
-        return False
-    here, there = Path(old).expanduser(), Path(new).expanduser()
-    return here.exists() and there.exists() and here.resolve() == there.resolve()
+        return old == new
+    here, there = Path(anchored(old, old_base)).expanduser(), Path(new).expanduser()
+    if here.exists() and there.exists():  # equal text from two directories may name two files
+        return here.resolve() == there.resolve()
+    return old == new
 
 
-def same_folder(old: Any, new: Any) -> bool:
-    """Two values of a model key that name one folder (:func:`same_path`). The weights' own digest is checked
-    apart (reference)."""
-    return old == new or (same_path(old, new) and Path(old).expanduser().is_dir())
+def same_folder(old: Any, new: Any, old_base: str | None = None) -> bool:
+    """Two values of a model key that name one folder (:func:`same_path`, ``old`` read from ``old_base``). The
+    weights' own digest is checked apart (reference)."""
+    return same_path(old, new, old_base) and (
+        old == new or Path(anchored(old, old_base)).expanduser().is_dir()
+    )
 
 
 def local_snapshot(name_or_path: str | Path) -> Path | None:

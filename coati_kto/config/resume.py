@@ -10,11 +10,12 @@ in one line at the moment of the resume, and the run records the config it actua
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass
 from typing import Any
 
 from coati_kto.config.discovery import yaml_text
-from coati_kto.config.hub import same_folder, same_path
+from coati_kto.config.hub import anchored, same_folder, same_path
 from coati_kto.errors import ConfigError
 
 # Key prefix -> why a resume cannot change it. Checked longest prefix first.
@@ -59,9 +60,11 @@ class Change:
     key: str
     old: Any
     new: Any
+    why: str = ""  # what makes equal-looking values a change (the same relative path from another directory)
 
     def __str__(self) -> str:
-        return f"{self.key} {yaml_text(self.old)} -> {yaml_text(self.new)}"  # as the YAML file spells them
+        # the values as the YAML file spells them
+        return f"{self.key} {yaml_text(self.old)} -> {yaml_text(self.new)}{self.why}"
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
@@ -123,18 +126,22 @@ def refusal(key: str) -> str:
     return REFUSED[max(matches, key=len)] if matches else ""
 
 
-def check_resume(saved: dict, current: dict, checkpoint: str, export: bool = False) -> str | None:
+def check_resume(
+    saved: dict, current: dict, checkpoint: str, export: bool = False, saved_cwd: str | None = None
+) -> str | None:
     """The one line a resume prints about changed settings (None when nothing worth saying changed).
 
     Raises ConfigError listing every refused change with its reason (one line each); ``export``: worded for
-    ``coati-kto export``, which refuses the same changes (its model and card are the run's).
+    ``coati-kto export``, which refuses the same changes (its model and card are the run's). ``saved_cwd``: the
+    working directory the checkpoint's run read its relative paths from (trainer state ``config_cwd``; None for
+    an older checkpoint: this one's, as before).
     """
     changes = [
         c
-        for c in config_changes(saved, current)
+        for c in config_changes(saved, current) + _moved(saved, current, saved_cwd)
         if not c.key.startswith(QUIET)
-        and not (c.key in MODEL_FOLDERS and _same_source(c.key, saved, current))
-        and not (c.key in DATA_FILES and _same_files(c.old, c.new))
+        and not (c.key in MODEL_FOLDERS and _same_source(c.key, saved, current, saved_cwd))
+        and not (c.key in DATA_FILES and _same_files(c.old, c.new, saved_cwd))
     ]
     refused = [c for c in changes if refusal(c.key)]
     if (
@@ -218,24 +225,52 @@ def _derived(change: Change, saved: dict, current: dict) -> str:
     return " (half of data.max_length, its default)" if defaults == [change.old, change.new] else ""
 
 
-def _same_source(key: str, saved: dict, current: dict) -> bool:
+def _same_source(key: str, saved: dict, current: dict, saved_cwd: str | None = None) -> bool:
     """One model folder in both configs under ``key``: model.tokenizer and model.reference_path default to
-    model.path (null and model.path's folder are one), each written any way :func:`same_folder` takes."""
+    model.path (null and model.path's folder are one), each written any way :func:`same_folder` takes, the saved
+    one read from ``saved_cwd``."""
     name = key.split(".")[1]
     old, new = saved.get("model") or {}, current.get("model") or {}
-    return same_folder(old.get(name) or old.get("path"), new.get(name) or new.get("path"))
+    return same_folder(old.get(name) or old.get("path"), new.get(name) or new.get("path"), saved_cwd)
 
 
 MODEL_FOLDERS = ("model.path", "model.tokenizer", "model.reference_path")
 DATA_FILES = ("data.train_files", "data.eval_files")
 
 
-def _same_files(old: Any, new: Any) -> bool:
+def _same_files(old: Any, new: Any, saved_cwd: str | None = None) -> bool:
     """Two lists of data files naming the same files in the same order, each written any way (relative or
-    absolute, ``~``, through a link); their content is checked apart (its digest, ``check_training_data``)."""
+    absolute, ``~``, through a link), the old ones read from ``saved_cwd``; their content is checked apart (its
+    digest, ``check_training_data``)."""
     if not (isinstance(old, list) and isinstance(new, list)) or len(old) != len(new):
         return False
-    return all(same_path(a, b) for a, b in zip(old, new, strict=True))
+    return all(same_path(a, b, saved_cwd) for a, b in zip(old, new, strict=True))
+
+
+def _moved(saved: dict, current: dict, saved_cwd: str | None) -> list[Change]:
+    """The model folders and data files both configs write alike that name other ones, the checkpoint's read
+    from ``saved_cwd`` and this config's from here (config_changes sees no change in equal values); each with
+    both sides as absolute paths, since the text alone reads the same."""
+    here = os.getcwd()
+    if saved_cwd is None or os.path.realpath(saved_cwd) == os.path.realpath(here):
+        return []
+    old, new = _flatten(saved), _flatten(current)
+    moved = []
+    for key in (*MODEL_FOLDERS, *DATA_FILES):
+        value = old.get(key)
+        if value is None or value != new.get(key):  # null: model.path's folder, compared under model.path
+            continue
+        same = _same_files if key in DATA_FILES else same_folder
+        if same(value, value, saved_cwd):
+            continue
+        spelled = [_anchored_all(value, base) for base in (saved_cwd, here)]
+        moved.append(Change(key, *spelled, " (the same relative path, read from another working directory)"))
+    return moved
+
+
+def _anchored_all(value: Any, base: str) -> Any:
+    """``value`` (a path or a list of them) with each relative path as read from ``base``."""
+    return [anchored(v, base) for v in value] if isinstance(value, list) else anchored(value, base)
 
 
 def check_training_data(

@@ -136,9 +136,11 @@ def _export(config: Config, first: Path, chosen: tuple[Path, Path], scratch: _Sc
     # Rank 0's pinned copy and target: another rank may have chosen another save (auto, a run saving meanwhile).
     path, target = on_rank0(lambda: chosen, "pin the checkpoint")
     STOP.leaves(_left(target))
-    saved = trainer.checkpoint_manager.saved_state(path).get("config")
-    if saved is not None:  # refuses another model, tokenizer, LoRA or data than the checkpoint's
-        check_resume(saved, config.model_dump(mode="json"), path.name, export=True)
+    state = trainer.checkpoint_manager.saved_state(path)
+    # refuses another model, tokenizer, LoRA or data than the checkpoint's
+    if (saved := state.get("config")) is not None:
+        current = config.model_dump(mode="json")
+        check_resume(saved, current, path.name, export=True, saved_cwd=state.get("config_cwd"))
     trainer.resume(path, export=True)  # leaves the run's `latest` pointer as it is
     trained_on = json.loads((path / "meta.json").read_text()).get("world_size")  # the card's process count
     try:
@@ -156,11 +158,13 @@ def run_config(config: Config, path: Path) -> Config:
     ``config``): what the export and its card describe. Another model, tokenizer, LoRA or data is refused
     (check_resume); a changed training setting (kto.beta, train.lr...) would otherwise be written into the card
     as the run's."""
-    saved = saved_trainer_state(path)["trainer_state"].get("config")
-    if saved is None:
+    state = saved_trainer_state(path)["trainer_state"]
+    if state.get("config") is None:
         return config
-    saved = with_legacy(saved)  # an older run's optimizer groups: what its checkpoint holds
-    check_resume(saved, config.model_dump(mode="json"), path.name, export=True)
+    saved = with_legacy(state["config"])  # an older run's optimizer groups: what its checkpoint holds
+    check_resume(
+        saved, config.model_dump(mode="json"), path.name, export=True, saved_cwd=state.get("config_cwd")
+    )
     current = config.model_dump(mode="json")
     # The export's own layout is this launch's, not the run's: its tensor-, sequence- and pipeline-parallel sizes,
     # and the ZeRO stage (ColossalAI takes 0 or 1 under pp: a run trained at 2 exports at pp 2 with 1).

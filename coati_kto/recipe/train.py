@@ -129,7 +129,8 @@ def _resume(config: Config, run: Run, trainer: Any) -> None:
     state = trainer.checkpoint_manager.saved_state(checkpoint) if checkpoint is not None else {}
     saved = state.get("config")
     current = config.model_dump(mode="json")
-    line = check_resume(saved, current, checkpoint.name) if saved is not None else None
+    cwd = state.get("config_cwd")
+    line = check_resume(saved, current, checkpoint.name, saved_cwd=cwd) if saved is not None else None
     groups = optimizer_groups_problem(state, current, checkpoint.name) if saved is not None else None
     if groups is not None:
         raise ConfigError(groups)

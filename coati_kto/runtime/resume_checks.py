@@ -56,7 +56,7 @@ def resume_problems(train: TrainSection, output: OutputSection, current: dict) -
     if saved is None:
         return []
     try:
-        check_resume(saved, current, checkpoint.name)
+        check_resume(saved, current, checkpoint.name, saved_cwd=state.get("config_cwd"))
     except ConfigError as err:
         return str(err).splitlines()
     groups = optimizer_groups_problem(state, current, checkpoint.name)

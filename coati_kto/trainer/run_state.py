@@ -5,6 +5,7 @@ scheduler and RNG states are the CheckpointManager's. Every rank, its own (``tra
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 
@@ -21,6 +22,8 @@ def run_state(trainer: Any, epoch: int) -> dict[str, Any]:
         # TensorBoard's writes at this step (the main rank's): a resume purges from here and writes them again
         "tensorboard_at_step": trainer._writer.written_at(trainer.global_step) if trainer._writer else [],
         "config": trainer.run_config,
+        # what its relative paths were read from: a resume or export from elsewhere compares what they named
+        "config_cwd": os.getcwd(),
         # biases and norm weights apart or not: at weight decay 0 the config cannot tell (config.resume)
         "optimizer_groups": len(trainer.optimizer.param_groups),
         **{
