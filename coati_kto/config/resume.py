@@ -134,11 +134,13 @@ def check_resume(
     Raises ConfigError listing every refused change with its reason (one line each); ``export``: worded for
     ``coati-kto export``, which refuses the same changes (its model and card are the run's). ``saved_cwd``: the
     working directory the checkpoint's run read its relative paths from (trainer state ``config_cwd``; None for
-    an older checkpoint: this one's, as before).
+    an older checkpoint: this one's, as before). The same relative text naming other folders or files here is
+    refused for an export only: a resume checks what they hold (check_training_data, the reference's digest),
+    so a copy of the project resumes.
     """
     changes = [
         c
-        for c in config_changes(saved, current) + _moved(saved, current, saved_cwd)
+        for c in config_changes(saved, current) + (_moved(saved, current, saved_cwd) if export else [])
         if not c.key.startswith(QUIET)
         and not (c.key in MODEL_FOLDERS and _same_source(c.key, saved, current, saved_cwd))
         and not (c.key in DATA_FILES and _same_files(c.old, c.new, saved_cwd))

@@ -1,6 +1,7 @@
 """A resume or export from another working directory than the run's: relative paths in the checkpoint's config
 are read from the directory the run had (trainer state ``config_cwd``), not from this one. The same files written
-otherwise are no change; the same relative text naming other files here is one."""
+otherwise are no change. The same relative text naming other files here is a change for an export; a resume
+checks what the files hold instead (check_training_data, the reference's digest: a copy of the project resumes)."""
 
 from __future__ import annotations
 
@@ -40,19 +41,21 @@ def _trained_in(a: Path, monkeypatch: pytest.MonkeyPatch, *overrides: str) -> di
 def test_data_files_are_read_from_the_checkpoints_working_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Trained from A with data/train.jsonl, resumed from B: A's file written absolute is the same training set
-    (was refused), the same relative text, B's file, is another (was accepted)."""
+    """Trained from A with data/train.jsonl, resumed or exported from B: A's file written absolute is the same
+    training set (was refused); the same relative text, B's file, is another for an export (was accepted)."""
     a, b = _dirs(tmp_path)
     saved = _trained_in(a, monkeypatch, f"data.train_files=[{TRAIN}]")
     monkeypatch.chdir(b)
     same = _dump(tmp_path, f"data.train_files=[{a / TRAIN}]")
     assert check_resume(saved, same, "step-2", saved_cwd=str(a)) is None
+    assert check_resume(saved, same, "step-2", export=True, saved_cwd=str(a)) is None
+    relative = _dump(tmp_path, f"data.train_files=[{TRAIN}]")
+    assert check_resume(saved, relative, "step-2", saved_cwd=str(a)) is None  # its content is checked apart
     with pytest.raises(ConfigError) as err:
-        check_resume(saved, _dump(tmp_path, f"data.train_files=[{TRAIN}]"), "step-2", saved_cwd=str(a))
+        check_resume(saved, relative, "step-2", export=True, saved_cwd=str(a))
     assert str(err.value).splitlines()[0] == (
-        f"train.resume step-2: data.train_files [{a / TRAIN}] -> [{b / TRAIN}] (the same relative path, read "
-        "from another working directory): cannot change on resume (the data position of the epoch in progress "
-        "belongs to the old training set)"
+        f"coati-kto export step-2: data.train_files [{a / TRAIN}] -> [{b / TRAIN}] (the same relative path, read "
+        "from another working directory): differs from the config the checkpoint was trained with"
     )
 
 
@@ -64,8 +67,12 @@ def test_model_folders_are_read_from_the_checkpoints_working_directory(
     monkeypatch.chdir(b)
     same = _dump(tmp_path, f"model.path={a / 'base'}", f"model.tokenizer={a / 'base'}/")
     assert check_resume(saved, same, "step-2", saved_cwd=str(a)) is None
+    relative = _dump(tmp_path, "model.path=base", "model.tokenizer=base")
+    assert (
+        check_resume(saved, relative, "s", saved_cwd=str(a)) is None
+    )  # the reference's digest is checked apart
     with pytest.raises(ConfigError) as err:
-        check_resume(saved, _dump(tmp_path, "model.path=base", "model.tokenizer=base"), "s", saved_cwd=str(a))
+        check_resume(saved, relative, "s", export=True, saved_cwd=str(a))
     lines = str(err.value).splitlines()
     assert [line.split(": ")[1] for line in lines[:2]] == [
         f"model.path {a / 'base'} -> {b / 'base'} (the same relative path, read from another working directory)",
@@ -120,15 +127,15 @@ def test_a_resume_and_an_export_from_elsewhere_read_the_recorded_directory(
     resumed = load_config(
         write_config(tmp_path, MINIMAL), [f"data.train_files=[{TRAIN}]", out, f"train.resume={step}"]
     )
-    problems = resume_problems(resumed.train, resumed.output, resumed.model_dump(mode="json"))
-    assert [p.split(": ")[1] for p in problems[:1]] == [
-        f"data.train_files [{a / TRAIN}] -> [{b / TRAIN}] (the same relative path, read from another working directory)"
-    ]
+    assert resume_problems(resumed.train, resumed.output, resumed.model_dump(mode="json")) == []
     with pytest.raises(ConfigError, match="data.train_files .* differs from the config the checkpoint"):
         run_config(resumed, step)
     moved = load_config(
         write_config(tmp_path, MINIMAL), [f"data.train_files=[{a / TRAIN}]", out, f"train.resume={step}"]
     )
+    assert resume_problems(moved.train, moved.output, moved.model_dump(mode="json")) == []
+    # nothing at B's relative path: A's file written absolute is still the run's (it was refused)
+    (b / TRAIN).unlink()
     assert resume_problems(moved.train, moved.output, moved.model_dump(mode="json")) == []
     assert run_config(moved, step).data.train_files == [TRAIN]  # the run's config, as it wrote it
     _checkpoint(tmp_path / "old" / "step-2", saved, None)  # before config_cwd: this directory's reading
