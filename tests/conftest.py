@@ -30,8 +30,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # which import the whole package once; COATI_KTO_FRESH_PROCESSES=1 gives every call fresh processes instead.
 POOL_PRELOAD = ("coati_kto.*",)
 
-# Module fixtures' temporary folders are removed at their teardown (a run kept 0.5 GB of them to its end).
-pytest_plugins = ["coati_kto.testing.tmp_cleanup"]
+# Module fixtures' temporary folders are removed at their teardown (a run kept 0.5 GB of them to its end);
+# COATI_KTO_CPU_REPORT=DIR: each test's CPU seconds, its processes' too (coati_kto.testing.cpu_report).
+pytest_plugins = ["coati_kto.testing.tmp_cleanup", "coati_kto.testing.cpu_report"]
 
 
 def pytest_configure(config: pytest.Config) -> None:
