@@ -16,9 +16,10 @@ from coati_kto.config.output import OutputSection
 from coati_kto.config.schema import PluginSection
 from coati_kto.errors import UserError
 from coati_kto.outputs.model_card import CARD
-from coati_kto.runtime.preflight import push_problems
 from coati_kto.runtime.lineage import resume_choice
+from coati_kto.runtime.preflight import push_problems
 from coati_kto.runtime.run_dir import CHECKPOINTS_DIR, COMPLETE, EXPORTS_DIR, FINAL_DIR
+from coati_kto.runtime.target_lock import TargetBusyError, holder, release, take
 
 
 def finished_final(output: OutputSection, checkpoint: str, out: str | None) -> Path | None:
@@ -87,14 +88,48 @@ def export_target(root: Path, checkpoint: str, out: str | None, say: bool = Fals
         print(warning, file=sys.stderr, flush=True)
     target = Path(out) if out else root.parent / EXPORTS_DIR / path.name
     if target.exists():
-        raise UserError(f"coati-kto export: {target} exists; remove it or name another with --out")
+        raise UserError(_exists(target))
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:  # a parent that is a file, a read-only mount, /proc: one line, as prepare's
         raise UserError(f"coati-kto export: cannot write {target} ({err.strerror or err})") from None
     if not os.access(target.parent, os.W_OK | os.X_OK):  # a read-only mount answers EROFS here, not at mkdir
-        raise UserError(f"coati-kto export: cannot write {target} (its folder {target.parent} is not writable)")
+        raise UserError(
+            f"coati-kto export: cannot write {target} (its folder {target.parent} is not writable)"
+        )
     return path, target
+
+
+def _exists(target: Path) -> str:
+    return f"coati-kto export: {target} exists; remove it or name another with --out"
+
+
+def _busy(target: Path, who: str) -> str:
+    return (
+        f"coati-kto export: {target} is being written by another process ({who}); wait for it to end, or name "
+        "another with --out"
+    )
+
+
+def claim_target(target: Path, checkpoint: Path) -> None:
+    """Global rank 0, the export's writer: hold ``target``'s lock (``runtime.target_lock``) until
+    ``release_target``, so that another export to it (a command re-run, a second job) is refused rather than
+    deleting this one's directory mid-write or replacing it. ``target`` is checked again under the lock: an
+    export that finished since :func:`export_target` looked is not replaced. UserError, one line."""
+    try:
+        take(target, f"coati-kto export of {checkpoint.name}")
+    except TargetBusyError as err:
+        raise UserError(_busy(target, err.holder)) from None
+    except OSError as err:  # the lock file cannot be made where the export could not be written either
+        raise UserError(f"coati-kto export: cannot write {target} ({err.strerror or err})") from None
+    if target.exists():
+        release(target)
+        raise UserError(_exists(target))
+
+
+def release_target(target: Path) -> None:
+    """The end of :func:`claim_target`'s hold (removes its lock file)."""
+    release(target)
 
 
 def check_export(
@@ -112,5 +147,7 @@ def check_export(
         check_push(output)
         if finished_final(output, checkpoint, out) is not None:  # uploaded as it is: nothing to export
             return
-    first, _ = export_target(Path(output.dir) / CHECKPOINTS_DIR, checkpoint, out)
+    first, target = export_target(Path(output.dir) / CHECKPOINTS_DIR, checkpoint, out)
+    if (who := holder(target)) is not None:  # rank 0 claims it; said here before N ranks start and load
+        raise UserError(_busy(target, who))
     check_masters_layout(output, lora, plugin, first, world_size)

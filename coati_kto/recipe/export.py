@@ -33,7 +33,7 @@ from pydantic import ValidationError
 from coati_kto.config.resume import check_resume, with_legacy
 from coati_kto.config.schema import Config
 from coati_kto.errors import ConfigError, UserError
-from coati_kto.outputs.export import check_masters_layout, export_target
+from coati_kto.outputs.export import check_masters_layout, claim_target, export_target, release_target
 from coati_kto.outputs.model_card import CARD
 from coati_kto.parallel.distributed import on_rank0
 from coati_kto.parallel.stages import least_microbatches
@@ -57,18 +57,28 @@ def export_checkpoint(config: Config, checkpoint: str = "auto", out: str | None 
     first, first_target = export_target(root, checkpoint, out, say=True)
     check_masters_layout(config.training_output(), config.model.lora, config.plugin, first)
     config = run_config(config, first)
-    STOP.leaves(_left(first_target))
-    scratch = _Scratch(first_target)
-    # Global rank 0 pins what it chose before anything slow: a run still training in output.dir prunes old
-    # checkpoints (output.keep_last), which took this one's files from under the load (a raw FileNotFoundError,
-    # or masters rebuilt from bf16 where one went mid-load). Every rank loads rank 0's pinned copy.
-    pinned = scratch.pin(first) if os.environ.get("RANK", "0") == "0" else first
+    writer = os.environ.get("RANK", "0") == "0"  # global rank 0 writes the export
+    if writer:  # another export to this target is refused from here to the end (a second one deleted ours)
+        claim_target(first_target, first)
+    try:
+        STOP.leaves(_left(first_target))
+        scratch = _Scratch(first_target)
+        # Global rank 0 pins what it chose before anything slow: a run still training in output.dir prunes old
+        # checkpoints (output.keep_last), which took this one's files from under the load (a raw
+        # FileNotFoundError, or masters rebuilt from bf16 where one went mid-load). Every rank loads its copy.
+        pinned = scratch.pin(first) if writer else first
+    except BaseException:
+        if writer:
+            release_target(first_target)
+        raise
 
     def export() -> Path:
         try:
             return _export(config, first, (pinned, first_target), scratch)
-        finally:
+        finally:  # inside stoppable: a stop ends the process once this has run
             scratch.remove()
+            if writer:
+                release_target(first_target)
 
     # A stop signal (coati-kto export runs with STOP.quit_on_stop) ends it here, after the scratch is removed.
     return STOP.stoppable(export)

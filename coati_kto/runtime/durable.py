@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from coati_kto.runtime.signals import STOP
+from coati_kto.runtime.target_lock import held, holder
 
 _TAG = "coati-kto"
 NEW, OLD, DATA, GONE = (
@@ -215,7 +216,8 @@ def recover(parent: Path, name: str | None = None) -> None:
     target ``name`` only, or of any): an old copy renamed aside goes back when nothing took its place, anything
     else of ours is removed. Only names :func:`own_dir` gives (``.NAME.coati-kto-new-`` or ``-old-`` and 8 hex
     digits) are touched; an export's scratch data (``-data-``) is its own command's to remove, and a directory
-    a thread of this process is deleting (:func:`remove_in_background`) its thread's."""
+    a thread of this process is deleting (:func:`remove_in_background`) its thread's, and those of a target
+    another live process is writing (its lock, ``target_lock``) that process's."""
     if not parent.is_dir():
         return
     with _REMOVING_LOCK:
@@ -224,9 +226,9 @@ def recover(parent: Path, name: str | None = None) -> None:
         match = _LEFTOVER.fullmatch(leftover.name)
         if match is None or not leftover.is_dir() or (name is not None and match["name"] != name):
             continue
-        if leftover.resolve() in removing:
-            continue
         target = parent / match["name"]
+        if leftover.resolve() in removing or holder(target) is not None:
+            continue
         if match["kind"] == OLD and not target.exists():
             os.replace(leftover, target)
         else:
@@ -238,7 +240,15 @@ def write_dir(target: Path, write: Callable[[Path], None]) -> None:
     :func:`replace_dir`: ``target`` is whole (old or new) or absent at every moment. A failed ``write`` removes
     the partial directory and raises; an earlier kill's leftovers of ``target`` are recovered first. A stop
     signal that ends precompute or export (``STOP.quit_on_stop``) removes the partial directory too, and waits
-    for the renames (the old one is never left aside)."""
+    for the renames (the old one is never left aside). One process at a time: ``target``'s lock is held
+    throughout (``target_lock``; nested in a caller's hold), and TargetBusyError raised while another holds it."""
+    # Another writer's recover() would delete our directory mid-write, its rename replace ours without a word.
+    with held(target, "coati-kto"):
+        _write_dir(target, write)
+
+
+def _write_dir(target: Path, write: Callable[[Path], None]) -> None:
+    """:func:`write_dir` under ``target``'s lock."""
     recover(target.parent, target.name)
     new = None
     try:
