@@ -58,7 +58,7 @@ def same_path(old: Any, new: Any, old_base: str | None = None) -> bool:
     this one); else equal values (a Hub id, a path gone since: nothing on disk tells them apart)."""
     if not (isinstance(old, str) and isinstance(new, str)):
         return old == new
-    here, there = Path(anchored(old, old_base)).expanduser(), Path(new).expanduser()
+    here, there = _saved_path(old, old_base), Path(new).expanduser()
     if here.exists() and there.exists():  # equal text from two directories may name two files
         return here.resolve() == there.resolve()
     return old == new
@@ -67,9 +67,14 @@ def same_path(old: Any, new: Any, old_base: str | None = None) -> bool:
 def same_folder(old: Any, new: Any, old_base: str | None = None) -> bool:
     """Two values of a model key that name one folder (:func:`same_path`, ``old`` read from ``old_base``). The
     weights' own digest is checked apart (reference)."""
-    return same_path(old, new, old_base) and (
-        old == new or Path(anchored(old, old_base)).expanduser().is_dir()
-    )
+    return same_path(old, new, old_base) and (old == new or _saved_path(old, old_base).is_dir())
+
+
+def _saved_path(old: str, old_base: str | None) -> Path:
+    """A saved path as its run's directory ``old_base`` reads it; read from here when nothing is there (the
+    recorded directory gone: a job's scratch, another machine)."""
+    here = Path(anchored(old, old_base)).expanduser()
+    return here if here.exists() else Path(old).expanduser()
 
 
 def local_snapshot(name_or_path: str | Path) -> Path | None:

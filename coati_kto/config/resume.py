@@ -151,9 +151,10 @@ def check_resume(
     ):  # the export's model and card are the checkpoint's: a change here is a wrong config
         lines = [f"coati-kto export {checkpoint}: {c}{_derived(c, saved, current)}: " for c in refused]
         lines = [line + "differs from the config the checkpoint was trained with" for line in lines]
-        raise ConfigError(
-            "\n".join(lines) + "\n(export with the config the run trained with: output.dir/config.yaml)"
-        )
+        hint = "export with the config the run trained with: output.dir/config.yaml"
+        if any(c.why for c in refused):  # the same text read from here: the run's config would say it again
+            hint = f"run the export from {saved_cwd}, where the run started, or write these paths absolute"
+        raise ConfigError("\n".join(lines) + f"\n({hint})")
     if refused:
         lines = [
             f"train.resume {checkpoint}: {c}{_derived(c, saved, current)}: cannot change on resume ({refusal(c.key)})"

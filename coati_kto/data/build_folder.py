@@ -29,17 +29,21 @@ def _lock_of(folder: Path) -> Path:
 
 def _take(lock: Path, create: bool) -> int | None:
     """An open descriptor of ``lock`` holding its exclusive flock; None when another process holds it, the file
-    is gone (``create`` False) or the file system refuses."""
+    is gone (``create`` False) or the file system refuses. ``create``: made and locked as ``NAME.lock.new``,
+    which no sweep opens, then renamed to ``lock``, so a sweep never finds it unheld."""
+    made = lock.with_name(lock.name + ".new") if create else lock
     try:
-        fd = os.open(lock, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o644)
+        fd = os.open(made, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o644)
     except OSError:
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if create:
+            os.rename(made, lock)
     except OSError:
         os.close(fd)
         if create:  # a file system without flock: no lock file left behind either
-            lock.unlink(missing_ok=True)
+            made.unlink(missing_ok=True)
         return None
     return fd
 

@@ -58,26 +58,25 @@ def export_checkpoint(config: Config, checkpoint: str = "auto", out: str | None 
     check_masters_layout(config.training_output(), config.model.lora, config.plugin, first)
     config = run_config(config, first)
     writer = os.environ.get("RANK", "0") == "0"  # global rank 0 writes the export
-    if writer:  # another export to this target is refused from here to the end (a second one deleted ours)
-        claim_target(first_target, first)
-    try:
-        STOP.leaves(_left(first_target))
-        scratch = _Scratch(first_target)
-        # Global rank 0 pins what it chose before anything slow: a run still training in output.dir prunes old
-        # checkpoints (output.keep_last), which took this one's files from under the load (a raw
-        # FileNotFoundError, or masters rebuilt from bf16 where one went mid-load). Every rank loads its copy.
-        pinned = scratch.pin(first) if writer else first
-    except BaseException:
-        if writer:
-            release_target(first_target)
-        raise
+    STOP.leaves(_left(first_target))
+    scratch = _Scratch(first_target)
 
     def export() -> Path:
+        claimed = False
         try:
+            # Another export to this target is refused from here to the end (a second one deleted ours).
+            if writer:
+                with STOP.held():  # taken and recorded at once: a stop between the two would leave it held
+                    claim_target(first_target, first)
+                    claimed = True
+            # Global rank 0 pins what it chose before anything slow: a run still training in output.dir prunes old
+            # checkpoints (output.keep_last), which took this one's files from under the load (a raw
+            # FileNotFoundError, or masters rebuilt from bf16 where one went mid-load). Every rank loads its copy.
+            pinned = scratch.pin(first) if writer else first
             return _export(config, first, (pinned, first_target), scratch)
         finally:  # inside stoppable: a stop ends the process once this has run
             scratch.remove()
-            if writer:
+            if claimed:
                 release_target(first_target)
 
     # A stop signal (coati-kto export runs with STOP.quit_on_stop) ends it here, after the scratch is removed.

@@ -81,8 +81,9 @@ def _lock(path: Path) -> int | None:
                 raise BlockingIOError(holder or "holder unknown") from None
             time.sleep(0.05)
             continue
-        except OSError:  # ENOLCK / EOPNOTSUPP: no locks here
+        except OSError:  # ENOLCK / EOPNOTSUPP: no locks here, and no lock file left behind either
             os.close(fd)
+            path.unlink(missing_ok=True)
             return None
         if _same_file(fd, path):
             return fd

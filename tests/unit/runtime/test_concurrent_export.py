@@ -179,3 +179,21 @@ class SimpleOutput:
 
 class SimplePlugin:
     precision = "fp32"
+
+
+def test_a_file_system_without_flock_is_written_unlocked_and_leaves_no_lock_file(
+    target: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From a review: where flock is refused (ENOLCK, some FUSE mounts) every final/ save and export left its
+    ``.NAME.coati-kto.lock`` behind."""
+    import errno
+
+    import coati_kto.runtime.target_lock as target_lock
+
+    def refused(fd: int, operation: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(target_lock.fcntl, "flock", refused)
+    write_dir(target, lambda directory: (directory / "config.json").write_text("{}"))
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name]
+    assert (target / "config.json").read_text() == "{}"
