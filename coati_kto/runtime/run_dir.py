@@ -22,16 +22,14 @@ from __future__ import annotations
 
 import fcntl
 import json
-import os
 import re
 import shutil
-import socket
-import time
 from pathlib import Path
 from typing import BinaryIO
 
 from coati_kto.errors import UserError
 from coati_kto.runtime.durable import own_names
+from coati_kto.runtime.target_lock import holder_line, probe
 
 CONFIG_FILE = "config.yaml"
 TENSORBOARD_DIR = "tensorboard"
@@ -151,18 +149,7 @@ def lock_holder(out_dir: Path) -> str | None:
     """Who holds ``out_dir``'s run lock ("pid 41 on node1 since 2026-11-25 21:30:02"), or None when no run
     does (or the filesystem has no locks). Takes a shared lock for a moment, so it is for the launcher side
     only: a rank probing after its rank 0 claimed the directory would find its own run."""
-    path = out_dir / RUN_LOCK
-    if not path.is_file():
-        return None
-    with open(path, "rb") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return handle.read().decode(errors="replace").strip() or "holder unknown"
-        except OSError:  # ENOLCK / EOPNOTSUPP: nothing to learn on a filesystem without locks
-            return None
-        fcntl.flock(handle, fcntl.LOCK_UN)
-    return None
+    return probe(out_dir / RUN_LOCK)
 
 
 def claim_output_dir(out_dir: Path) -> str | None:
@@ -188,8 +175,7 @@ def claim_output_dir(out_dir: Path) -> str | None:
         )
     handle.seek(0)
     handle.truncate()
-    since = time.strftime("%Y-%m-%d %H:%M:%S")
-    handle.write(f"pid {os.getpid()} on {socket.gethostname()} since {since}\n".encode())
+    handle.write(holder_line().encode())
     handle.flush()
     _held[out_dir.resolve()] = handle
     return None

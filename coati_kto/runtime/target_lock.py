@@ -106,9 +106,8 @@ def take(target: Path, what: str) -> None:
             raise TargetBusyError(target, str(err)) from None
         if fd is None:
             return
-        since = time.strftime("%Y-%m-%d %H:%M:%S")
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{what}, pid {os.getpid()} on {socket.gethostname()} since {since}\n".encode(), 0)
+        os.pwrite(fd, holder_line(what).encode(), 0)
         _HELD[key] = (fd, 1)
 
 
@@ -140,21 +139,32 @@ def held(target: Path, what: str) -> Iterator[None]:
 
 def holder(target: Path) -> str | None:
     """Who holds ``target``'s lock, when another process does (its line from the lock file); None when nobody
-    does, this process does, or the file system has no locks. Takes a shared lock for a moment."""
-    if _key(target) in _HELD:
-        return None
+    does, this process does, or the file system has no locks."""
+    return None if _key(target) in _HELD else probe(lock_path(target))
+
+
+def probe(path: Path) -> str | None:
+    """The line of the process holding the flock of ``path`` (a lock file: this module's, or a run's lock), or
+    None when nobody holds it, there is no such file or the file system has no locks. Takes a shared lock for a
+    moment."""
     try:
-        fd = os.open(lock_path(target), os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY)
     except OSError:
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
     except BlockingIOError:
         return _read(fd) or "holder unknown"
-    except OSError:
+    except OSError:  # ENOLCK / EOPNOTSUPP: nothing to learn on a file system without locks
         return None
     else:
         fcntl.flock(fd, fcntl.LOCK_UN)
         return None
     finally:
         os.close(fd)
+
+
+def holder_line(what: str = "") -> str:
+    """What a lock file says of its holder: ``what``, this pid, host and time."""
+    since = time.strftime("%Y-%m-%d %H:%M:%S")
+    return f"{what + ', ' if what else ''}pid {os.getpid()} on {socket.gethostname()} since {since}\n"
