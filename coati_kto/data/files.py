@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from coati_kto.config.hub import HubDataset, is_hub_dataset, parse_hub_dataset
+from coati_kto.config.hub import HubDataset, is_hub_dataset, looks_like_hub_id, parse_hub_dataset
 from coati_kto.data.formats import LoadResult, RecordError, normalize
 from coati_kto.data.image_refs import attach_images, undecoded
 from coati_kto.data.json_files import json_rows, jsonl_rows
@@ -72,7 +72,7 @@ def resolve_files(paths: list[str], key: str) -> list[Path | HubDataset]:
             continue
         path = Path(name)
         if not path.exists():
-            raise DataError(f"{key}: {name}: no such file or directory")
+            raise DataError(missing_entry(key, name))
         if path.is_dir() and not _is_saved_dataset(path):
             found = _walk(path)
             if not found:
@@ -86,6 +86,24 @@ def resolve_files(paths: list[str], key: str) -> list[Path | HubDataset]:
         else:
             out.append(path)
     return out
+
+
+def missing_entry(key: str, name: str) -> str:
+    """The line for a ``key`` entry that names nothing on disk: where a relative one was looked for, and for one
+    shaped as a Hub id (``org/name``: TRL's ``--dataset_name``) how a Hub dataset is written, which it is not."""
+    where = "" if Path(name).expanduser().is_absolute() else f" (read from {Path.cwd()})"
+    return f"{key}: {name}: no such file or directory{where}{_hub_hint(name)}"
+
+
+def _hub_hint(name: str) -> str:
+    """'; ... hf://datasets/org/name' for ``org/name`` with no data file suffix whose first part is no local
+    folder (``data/train`` beside a ``data`` folder is a mistyped path); else ''."""
+    first, _, _ = name.partition("/")
+    if name.count("/") != 1 or not looks_like_hub_id(name) or Path(first).expanduser().exists():
+        return ""
+    if Path(name).suffix.lower() in SUFFIXES + UNREAD:
+        return ""
+    return f"; a Hub dataset is read only as hf://datasets/{name} (add ?config=C&split=S to choose)"
 
 
 def _refuse_split_files(root: Path, found: list[Path], where: str) -> None:
@@ -152,11 +170,11 @@ def dataset_rows(ds: Any, name: str) -> Iterator[tuple[str, Any]]:
     label_of = class_label_map(ds, name)  # ClassLabel indices -> bool by the class names
     ds = undecoded(ds)  # images as their stored bytes, not PIL images
     for i, row in enumerate(ds, start=1):  # 1-based, as JSON lines' line numbers
-        if label_of is not None:  # -1 is how datasets stores a missing label: named "null", as a table's gap
-            row = {
-                **row,
-                "label": label_of[row["label"]] if row.get("label") in range(len(label_of)) else None,
-            }
+        if label_of is not None:
+            row = _class_label(row, label_of, f"{name}:row {i}")
+            if isinstance(row, RecordError):
+                yield (row.source, row)
+                continue
         # A table has every column in every row, a record's absent keys as None: kept, for normalize to read as
         # absent yet name as "null" where the record needs the field. Inside them, every struct has the union of
         # its rows' keys: a get_weather call got search's "query": null, which the template renders and the
@@ -165,6 +183,26 @@ def dataset_rows(ds: Any, name: str) -> Iterator[tuple[str, Any]]:
             f"{name}:row {i}",
             {key: _inner_nulls_dropped(value, key == "tools") for key, value in row.items()},
         )
+
+
+def _class_label(row: dict[str, Any], label_of: list[bool], source: str) -> dict[str, Any] | RecordError:
+    """``row`` with its ClassLabel index as the class's bool; a RecordError for an index that names no class (-1:
+    datasets' "no label") where the row's shape reads the label (a chosen/rejected pair reads none: dropped)."""
+    index = row.get("label")
+    if index is None:  # a table's gap: named "null", as in any other column
+        return row
+    if index in range(len(label_of)):
+        return {**row, "label": label_of[index]}
+    if row.get("chosen") is not None and row.get("rejected") is not None:
+        return {**row, "label": None}
+    if index == -1:  # was named "got -1", then "null": neither a value the user wrote, nor what it means
+        problem = (
+            "-1, a ClassLabel's 'no label': the dataset has no label for this row (data.on_bad_record: skip skips "
+            "such rows and counts them as missing_label; error stops at the first); label it, or filter them out"
+        )
+        return RecordError(source, "label", problem, "missing_label")
+    problem = f"class index {index}, which names no class of the ClassLabel ({len(label_of)} names)"
+    return RecordError(source, "label", problem, "bad_label")
 
 
 def _inner_nulls_dropped(value: Any, whole: bool) -> Any:

@@ -38,7 +38,7 @@ from coati_kto.config.lora import (
 )
 from coati_kto.config.output import OutputSection
 from coati_kto.config.schema import Config, DataSection, ModelSection, PluginSection, TrainSection
-from coati_kto.data.files import resolve_files
+from coati_kto.data.files import missing_entry, resolve_files
 from coati_kto.data.hub import check as hub_check
 from coati_kto.errors import ConfigError, DataError
 from coati_kto.families import auto_model_class, vision_language_refusal
@@ -124,10 +124,8 @@ def _data_problems(data: DataSection, ask_hub: bool) -> list[str]:
 
 
 def _entry_problems(name: str, key: str, ask_hub: bool) -> list[str]:
-    local = Path(name).expanduser()
-    if not is_hub_dataset(name) and not local.exists():  # where a relative path was looked for, as model.path
-        where = "" if local.is_absolute() else f" (read from {Path.cwd()})"
-        return [f"{key}: {name}: no such file or directory{where}"]
+    if not is_hub_dataset(name) and not Path(name).expanduser().exists():
+        return [missing_entry(key, name)]  # where a relative one was looked for, as for model.path
     try:
         for entry in resolve_files([name], key):
             if isinstance(entry, HubDataset) and ask_hub:

@@ -14,6 +14,7 @@ from coati_kto.config.load import load_config
 from coati_kto.data.files import load_records
 from coati_kto.data.formats import RecordError
 from coati_kto.errors import ConfigError, DataError
+from coati_kto.runtime.preflight import _data_problems
 
 ROWS = [{"prompt": f"q{i}", "completion": f"a{i}", "label": i % 2 == 0} for i in range(6)]
 
@@ -41,19 +42,58 @@ def test_class_label_maps_by_name(tmp_path: Path) -> None:
     datasets.Dataset.from_list(rows, features=features).save_to_disk(str(tmp_path / "ds"))
     got = [r.label for r in load_records([str(tmp_path / "ds")]).records]
     assert got == [r["label"] for r in ROWS]
-    # -1 is how datasets stores a missing ClassLabel: a missing label, never the last class. It was named as the
-    # value -1, which is no value the user wrote.
-    datasets.Dataset.from_list([{**ROWS[0], "label": -1}], features=features).save_to_disk(
-        str(tmp_path / "gap")
-    )
-    with pytest.raises(RecordError, match=r"gap:row 1: field 'label': null \(expected true/false or 0/1\)$"):
+    # -1 is how datasets stores a missing ClassLabel: a missing label, never the last class. It was named "got -1",
+    # then "null": neither says the dataset has no label there, nor what becomes of the row.
+    empty = {"completion": None, "chosen": None, "rejected": None}
+    gap = [
+        {**empty, **ROWS[0], "label": -1},
+        {**empty, **ROWS[1], "label": "bad"},
+        {**empty, "prompt": "p", "chosen": "c", "rejected": "r", "label": -1},
+    ]
+    datasets.Dataset.from_list(
+        gap,
+        features=datasets.Features(
+            {**features, "chosen": datasets.Value("string"), "rejected": datasets.Value("string")}
+        ),
+    ).save_to_disk(str(tmp_path / "gap"))
+    with pytest.raises(RecordError) as err:
         load_records([str(tmp_path / "gap")])
+    assert str(err.value) == (
+        f"{tmp_path / 'gap'}:row 1: field 'label': -1, a ClassLabel's 'no label': the dataset has no label for "
+        "this row (data.on_bad_record: skip skips such rows and counts them as missing_label; error stops at the "
+        "first); label it, or filter them out"
+    )
+    skipped = load_records([str(tmp_path / "gap")], on_bad_record="skip")
+    assert [(b.source, b.reason) for b in skipped.skipped] == [(f"{tmp_path / 'gap'}:row 1", "missing_label")]
+    # Row 2 kept with its class's label, row 3's pair reads no label: both of its records kept.
+    assert [(r.completion, r.label) for r in skipped.records] == [("a1", False), ("c", True), ("r", False)]
     features["label"] = datasets.ClassLabel(names=["x", "y"])
     datasets.Dataset.from_list([{**r, "label": 0} for r in ROWS], features=features).save_to_disk(
         str(tmp_path / "xy")
     )
     with pytest.raises(DataError, match="cannot tell which class is desirable"):
         load_records([str(tmp_path / "xy")])
+
+
+def test_a_hub_id_given_as_a_path_gets_the_hub_form(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """TRL's --dataset_name org/name written in data.train_files was only "no such file or directory": a Hub
+    dataset is read as hf://datasets/org/name, which the line now says (prepare's reading and the preflight's)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    hint = (
+        "; a Hub dataset is read only as hf://datasets/trl-lib/kto-mix-14k (add ?config=C&split=S to choose)"
+    )
+    line = f"data.train_files: trl-lib/kto-mix-14k: no such file or directory (read from {tmp_path}){hint}"
+    with pytest.raises(DataError) as err:
+        load_records(["trl-lib/kto-mix-14k"])
+    assert str(err.value) == line
+    config = load_config(write_config(tmp_path, MINIMAL), ["data.train_files=[trl-lib/kto-mix-14k]"])
+    assert _data_problems(config.data, ask_hub=False) == [line]
+    # A path's shape gets no hint: a data file's suffix, a local first folder, more than one "/", no "/".
+    for name in ("org/train.jsonl", "data/train", "a/b/c", "train"):
+        with pytest.raises(DataError) as err:
+            load_records([name])
+        assert str(err.value) == f"data.train_files: {name}: no such file or directory (read from {tmp_path})"
 
 
 def test_broken_pretty_json_names_its_line(tmp_path: Path) -> None:
