@@ -118,6 +118,8 @@ def _reference(ref: Any, source: str, where: str, base: Path | None) -> bytes:
 
 # Modes of more than 8 bits a channel: processors clip them to 8 bits (a 16-bit mid-grey PNG becomes white).
 WIDE_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
+# Formats whose further frames are not pictures of their own: a camera JPEG's MPF preview or depth map, PSD layers.
+ONE_PICTURE = ("MPO", "PSD")
 
 
 def check_decodes(image: bytes, source: str, where: str) -> None:
@@ -126,9 +128,9 @@ def check_decodes(image: bytes, source: str, where: str) -> None:
     try:
         with Image.open(io.BytesIO(image)) as opened:
             opened.load()
-            # An animation or a multi-page file; not a camera JPEG's MPF preview or depth map (Pillow's "MPO",
-            # whose first frame is the photo) nor a PSD's layers
-            frames = getattr(opened, "n_frames", 1) if opened.format in ("GIF", "PNG", "WEBP", "TIFF") else 1
+            # An animation or a multi-page file in any format Pillow reads (an animated AVIF passed the list of
+            # GIF, PNG, WebP and TIFF this was)
+            frames = getattr(opened, "n_frames", 1) if opened.format not in ONE_PICTURE else 1
             mode = opened.mode
     except (UnidentifiedImageError, Image.DecompressionBombError, OSError, ValueError, SyntaxError) as err:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
