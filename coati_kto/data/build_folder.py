@@ -9,6 +9,9 @@ folder is made) until it ends. The kernel drops the lock when its process dies, 
 its PID namespace or host (NFS keeps such locks on its server and frees a dead client's). So the next build
 beside the same target removes each folder whose lock it can take. A folder without a lock file (an older
 version's) is left alone, and so is everything on a file system that refuses ``flock``.
+
+The reference cache (coati_kto.reference.cache) writes each ``reference_cache/DIGEST`` the same way
+(``build_folder(target, label)``), and sweeps its whole folder at every look-up (``remove_abandoned_in``).
 """
 
 from __future__ import annotations
@@ -50,11 +53,17 @@ def _take(lock: Path, create: bool) -> int | None:
 
 def remove_abandoned(target: Path) -> list[str]:
     """Remove the build folders of ``target`` (and lock files) whose process is gone; their names."""
-    pattern = re.compile(rf"\.{re.escape(target.name)}\.tmp-\d+-[0-9a-f]{{8}}")
-    if not target.parent.is_dir():
+    return remove_abandoned_in(target.parent, re.escape(target.name))
+
+
+def remove_abandoned_in(parent: Path, name: str = r"[^/]+") -> list[str]:
+    """Remove the build folders in ``parent`` of the targets whose names match the regex ``name`` (any, by
+    default: a folder only builds write into) and whose process is gone, with their lock files; their names."""
+    pattern = re.compile(rf"\.(?:{name})\.tmp-\d+-[0-9a-f]{{8}}")
+    if not parent.is_dir():
         return []
     removed = []
-    for lock in sorted(target.parent.glob(f".{target.name}.tmp-*.lock")):
+    for lock in sorted(parent.glob(".*.tmp-*.lock")):
         folder = lock.with_name(lock.name.removesuffix(".lock"))
         if not pattern.fullmatch(folder.name) or (fd := _take(lock, create=False)) is None:
             continue  # alive (its process holds the lock), or not a name this module makes
@@ -68,16 +77,19 @@ def remove_abandoned(target: Path) -> list[str]:
     return removed
 
 
+def removed_line(where: str, removed: list[str]) -> str:
+    """The one line that says which abandoned build folders a sweep removed from ``where``."""
+    count = f"{len(removed)} unfinished build folder(s)"
+    return f"{where}: removed {count} of processes that were killed: {', '.join(removed)}"
+
+
 @contextlib.contextmanager
-def build_folder(target: Path) -> Iterator[Path]:
+def build_folder(target: Path, label: str = "data.prepared_dir") -> Iterator[Path]:
     """A new empty folder beside ``target``, held by this process until the block ends and then removed (the
-    block renames it into place to keep it). Abandoned build folders of ``target`` go first, said in one line.
-    Raises OSError when the folder cannot be made."""
+    block renames it into place to keep it). Abandoned build folders of ``target`` go first, said in one line
+    that names ``label``. Raises OSError when the folder cannot be made."""
     if removed := remove_abandoned(target):
-        print(
-            f"data.prepared_dir {target}: removed {len(removed)} unfinished build folder(s) of processes that were "
-            f"killed: {', '.join(removed)}"
-        )
+        print(removed_line(f"{label} {target}", removed), flush=True)
     work = target.parent / f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     target.parent.mkdir(parents=True, exist_ok=True)
     fd = _take(_lock_of(work), create=True)  # before the folder: a folder never exists unheld

@@ -86,9 +86,8 @@ def loads_once(text: str) -> Any:
     where. Raises json.JSONDecodeError for a text that is no JSON."""
     try:
         return json.loads(text, object_pairs_hook=_one_each)
-    except (
-        _StopError
-    ):  # the text may still break after that object: the JSONDecodeError of this parse says where
+    except _StopError:
+        # The text may still break after that object: this parse's JSONDecodeError then says where.
         raise KeyTwiceError(json.loads(text, object_pairs_hook=_Marked.of)) from None
 
 

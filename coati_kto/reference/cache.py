@@ -15,6 +15,11 @@ settings, steps, the plugin layout) reuses the cache. A cache for another key is
 is computed and the reason said in one line; a damaged cache (unreadable, wrong shape, checksum mismatch) is
 recomputed the same way. The directory appears by rename, complete or not at all. A rebuilt prepared_dir
 starts without caches (they live inside it).
+
+The directory is written in ``.DIGEST.tmp-PID-XXXXXXXX``, held by its writer's flock (coati_kto.data.build_folder,
+as prepare's work folders): a writer killed mid-write (SIGKILL, the OOM killer) leaves it, and the next look-up
+(precompute, or train with ``kto.reference: cached``) removes every such folder whose writer is gone, said in one
+line; a live writer's (another job sharing the prepared data) is left alone.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from coati_kto.data.build_folder import build_folder, remove_abandoned_in, removed_line
 from coati_kto.parallel.distributed import on_rank0
 from coati_kto.parallel.store_waits import wait_for_all
 from coati_kto.reference.scoring import score_splits
@@ -86,11 +92,10 @@ def _read(directory: Path, key: dict, rows: dict[str, int]) -> dict[str, np.ndar
 
 
 def _write(directory: Path, key: dict, values: dict[str, np.ndarray], seconds: float) -> None:
-    """Write into a temporary sibling, then rename into place (global rank 0 only). A stop signal that ends
-    precompute (``STOP.quit_on_stop``) removes the temporary sibling, or waits for the rename."""
-    work = directory.with_name(f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        work.mkdir(parents=True)  # inside the try: a stop just after it still removes it
+    """Write into a locked build folder beside ``directory``, then rename into place (global rank 0 only). A stop
+    signal that ends precompute (``STOP.quit_on_stop``) removes the build folder, or waits for the rename; a kill
+    leaves it to the next look-up's sweep (``_sweep``)."""
+    with build_folder(directory, "the reference cache") as work:
         files = {}
         for split, array in values.items():
             np.save(work / f"{split}.npy", array.astype(np.float32), allow_pickle=False)
@@ -105,8 +110,13 @@ def _write(directory: Path, key: dict, values: dict[str, np.ndarray], seconds: f
         with STOP.held():  # the damaged cache out and this one in, then the stop's line says it is complete
             _replace(directory, work, key, meta["rows"])
             STOP.leaves(f"the reference cache {directory} is complete")
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
+
+
+def _sweep(root: Path) -> None:
+    """Remove the build folders under ``root`` whose writer was killed, whatever their key (a key never computed
+    again would keep its leftover for good), in one line. Global rank 0 only: the one writer of ``root``."""
+    if removed := remove_abandoned_in(root):
+        print(removed_line(f"the reference cache {root}", removed), flush=True)
 
 
 def _replace(directory: Path, work: Path, key: dict, rows: dict[str, int]) -> None:
@@ -160,6 +170,7 @@ def ensure_reference_cache(
     rows = {s: len(ds) for s, ds in splits.items()}
 
     def look_up() -> tuple[str, dict, str]:
+        _sweep(root)
         # the opened build's digest: the directory's fingerprint, read again here, may be a build another process
         # swapped in since (other data settings on the same data.prepared_dir), and key these rows' values to it
         digest = data.stats["fingerprint"]

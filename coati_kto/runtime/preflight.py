@@ -103,12 +103,28 @@ def check_training(config: Config) -> None:
 def check_preparing(config: Config) -> None:
     """``prepare`` and ``inspect``: the tokenizer's source and the data files, every problem at once (ConfigError,
     one line each). The Hub is not asked here: ``prepare`` asks it for each dataset as it reads it."""
+    if problems := _preparing_problems(config):
+        raise ConfigError("\n".join(problems))
+
+
+def check_precomputing(config: Config) -> None:
+    """``precompute``: what ``check_preparing`` checks and the reference's source, with its weights (scored, and
+    fingerprinted by content), every problem at once (ConfigError, one line each). A missing reference was found
+    only after prepare, which can take hours."""
+    model = config.model
+    key = "model.reference_path" if model.reference_path else "model.path"
+    reference = model.reference_path or model.path
+    problems = _preparing_problems(config)
+    problems += _source_problems(key, reference, model.trust_remote_code, need_weights=True)
+    if problems:  # model.path as tokenizer and as reference may give one line twice (a missing directory)
+        raise ConfigError("\n".join(dict.fromkeys(problems)))
+
+
+def _preparing_problems(config: Config) -> list[str]:
     model = config.model
     source = ("model.tokenizer", model.tokenizer) if model.tokenizer else ("model.path", model.path)
     problems = _source_problems(*source, model.trust_remote_code, need_weights=False)
-    problems += _data_problems(config.data, ask_hub=False)
-    if problems:
-        raise ConfigError("\n".join(problems))
+    return problems + _data_problems(config.data, ask_hub=False)
 
 
 def _data_problems(data: DataSection, ask_hub: bool) -> list[str]:
