@@ -15,7 +15,14 @@ from typing import TYPE_CHECKING
 
 from coati_kto.cli_args import check_numbers, parse
 from coati_kto.errors import PUSH_FAILED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError, without_secrets
-from coati_kto.runtime.signals import ABORT_EXIT_CODE, STOP, STOP_EXIT_CODE, TrainingStoppedError, launches
+from coati_kto.runtime.signals import (
+    ABORT_EXIT_CODE,
+    STOP,
+    STOP_EXIT_CODE,
+    TrainingStoppedError,
+    command_of,
+    launches,
+)
 from coati_kto.runtime.startup import closed_stdout_is_quiet, hold_collection, release_collection
 
 if TYPE_CHECKING:  # the commands import the config on demand (`--help` must not pay for it)
@@ -195,8 +202,12 @@ def entry() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``coati-kto``: exit 0 done, 2 a user mistake (one line), 3 done but the Hub upload failed (one line), 75 a
-    clean stop, 1 a peer gone, 130 aborted; precompute and export stopped by a signal: 128 + the signal (143)."""
-    args = parse(argv)
+    clean stop, 1 a peer gone, 130 aborted; precompute, export, prepare, inspect, plan and config stopped by a
+    signal: 128 + the signal (143)."""
+    try:
+        args = parse(argv)  # imports the config's schema (pydantic, yaml): tenths of a second
+    except KeyboardInterrupt:
+        return _interrupted(command_of(sys.argv[1:] if argv is None else argv), os.environ.get("RANK"))
     if "RANK" in os.environ:  # a rank: stop cleanly even while still importing (train)
         STOP.start_rank(train=args.command == "train")
     rank = os.environ.get("RANK")
@@ -234,6 +245,8 @@ def _main(args: argparse.Namespace, rank: str | None) -> int:
     try:
         return _run(args)
     except UserError as err:
+        if STOP.interrupted:  # a Ctrl-C a library swallowed (STOP._interrupt): this error is what it left
+            return _interrupted(args.command, rank)
         if err.same_on_every_rank and rank not in (None, "0"):
             return USER_ERROR_EXIT_CODE  # the same on every rank: rank 0 prints it
         prefix = f"[rank {rank}] " if rank not in (None, "0") else ""
@@ -246,6 +259,8 @@ def _main(args: argparse.Namespace, rank: str | None) -> int:
             print(stop, file=sys.stderr, flush=True)
         return STOP_EXIT_CODE
     except Exception as err:  # a peer rank or node died: one line here, not a traceback per rank
+        if STOP.interrupted:
+            return _interrupted(args.command, rank)
         from coati_kto.parallel.distributed import peer_failure  # torch: only once something failed
 
         line = peer_failure(err)
@@ -260,12 +275,21 @@ def _main(args: argparse.Namespace, rank: str | None) -> int:
             )  # this rank's own is on its way (its handler exits 130: not "a peer gone")
         print(f"[rank {rank or '0'}] error: {line}", file=sys.stderr, flush=True)
         return 1
-    except KeyboardInterrupt:  # Ctrl-C before the stop handlers are installed (imports, config), or plan's
-        if rank in (None, "0"):
-            train = args.command == "train"
-            line = f"coati-kto {args.command} interrupted: nothing written"
-            print("interrupted before training started: nothing to save" if train else line, file=sys.stderr)
-        return ABORT_EXIT_CODE
+    except KeyboardInterrupt:
+        # Ctrl-C before train's stop handlers are installed (imports, the preflight), or tiny-model's
+        return _interrupted(args.command, rank)
+
+
+def _interrupted(command: str | None, rank: str | None) -> int:
+    """A Ctrl-C that came before the command's stop handlers: one line (rank 0), ABORT_EXIT_CODE."""
+    if rank in (None, "0"):
+        name = f"coati-kto {command}" if command else "coati-kto"
+        line = f"{name} interrupted: nothing written"
+        print(
+            "interrupted before training started: nothing to save" if command == "train" else line,
+            file=sys.stderr,
+        )
+    return ABORT_EXIT_CODE
 
 
 if __name__ == "__main__":

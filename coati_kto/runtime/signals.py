@@ -37,6 +37,11 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 _LAUNCHING = ("train", "precompute", "export")  # the commands that run torchrun with --nproc-per-node
 # no step to finish, nothing to resume: a stop ends them at once, after their cleanup (a scratch folder removed)
 QUITTING = ("precompute", "export", "prepare", "inspect")
+# one-process commands that write nothing: a stop ends them at once from the process's first step (entry). A
+# Ctrl-C raised as KeyboardInterrupt was lost where it landed in torch's import of numpy (torch's C code clears
+# the error): the half-imported numpy then failed transformers' next import, and plan said "error: model.path:
+# ... transformers cannot build its config.json", exit 2; SIGUSR1 and SIGTERM had the default action.
+READING = ("plan", "config")
 _VOTE_COUNT, _VOTE_SIGNAL = "stop/requested", "stop/signal"
 
 
@@ -67,6 +72,8 @@ class StopSignals:
 
     def __init__(self) -> None:
         self.received: int | None = None  # the first stop signal's number
+        # a Ctrl-C before the run's handlers (``_interrupt``): its KeyboardInterrupt may have been swallowed
+        self.interrupted = False
         self.stop_saved: str | None = None  # the stop's complete checkpoint, once written (``stopped_with``)
         self._deliveries: tuple[int, int] | None = None  # the wakeup pipe (read end, write end), once made
         self._counting = False
@@ -77,7 +84,10 @@ class StopSignals:
         self._leaving = False
 
     def install(self) -> StopSignals:
-        """Idempotent; returns self."""
+        """Idempotent; returns self. Raises KeyboardInterrupt when a Ctrl-C came before (``_interrupt``) and a
+        library swallowed it: the command ends as interrupted, before anything trains."""
+        if self.interrupted:
+            raise KeyboardInterrupt
         for sig in STOP_SIGNALS:
             signal.signal(sig, self._handle)
         self._count_deliveries()
@@ -91,7 +101,7 @@ class StopSignals:
         SIGTERM"). Other commands' ranks get the default action, as before."""
         if train:
             self.install()
-        elif (command := _command(sys.argv[1:])) in QUITTING:
+        elif (command := command_of(sys.argv[1:])) in QUITTING:
             self.quit_on_stop(command)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
 
@@ -100,19 +110,37 @@ class StopSignals:
         export with ``--nproc-per-node``, not in a rank), block the stop signals, for coati_kto.launch.torchrun's
         watch to take; True then. Before this a SIGTERM is the default action's silent exit 143. Told before
         argparse (imports) runs: the command is the first word that is no option, and an option may be an
-        unambiguous prefix (``--nproc 2``). precompute or export in this process (no launcher, not a rank) gets
-        its stop handlers here instead (``quit_on_stop``; False): its imports take seconds."""
-        command = _command(argv)
+        unambiguous prefix (``--nproc 2``). A command in this process alone (no launcher, not a rank) gets its
+        stop handlers here instead (``_one_process``; False): its imports take seconds."""
+        command = command_of(argv)
         options = {arg.split("=")[0] for arg in argv if arg.startswith("--")}
         if "RANK" in os.environ:
             return False
         nproc = any(len(option) > 2 and "--nproc-per-node".startswith(option) for option in options)
         if command not in _LAUNCHING or not nproc:
-            if command in QUITTING:
-                self.quit_on_stop(command)
+            self._one_process(command)
             return False
         signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
         return True
+
+    def _one_process(self, command: str | None) -> None:
+        """The stop signals of a command run in this process alone (no launcher, not a rank), from its first
+        step: precompute, export, prepare, inspect, plan and config quit (``quit_on_stop``: one line, 128 + the
+        signal). Elsewhere (train until its handlers, tiny-model) a Ctrl-C is recorded as it raises
+        KeyboardInterrupt (``_interrupt``), and train keeps a SIGUSR1 (SLURM's warning; its default action
+        killed the process) for its first step, as a launcher keeps it for its ranks: a checkpoint, exit 75."""
+        if command in QUITTING or command in READING:
+            self.quit_on_stop(command)
+            return
+        signal.signal(signal.SIGINT, self._interrupt)
+        if command == "train":
+            signal.signal(signal.SIGUSR1, self._handle)
+
+    def _interrupt(self, signum: int, frame: FrameType | None) -> None:
+        """Python's own Ctrl-C (KeyboardInterrupt), recorded: where a library swallows the exception (torch's
+        import of numpy), the error that follows is reported as the interrupt, and ``install`` raises it again."""
+        self.interrupted = True
+        raise KeyboardInterrupt
 
     @staticmethod
     def ignore_from_now() -> None:
@@ -326,7 +354,7 @@ def launches(command: str, nproc_per_node: int | None) -> bool:
     return True
 
 
-def _command(argv: list[str]) -> str | None:
+def command_of(argv: list[str]) -> str | None:
     """The command of a coati-kto command line: its first word that is no option."""
     return next((arg for arg in argv if not arg.startswith("-")), None)
 

@@ -167,6 +167,7 @@ class FreshState:
         from coati_kto.runtime.signals import STOP
 
         STOP.received = None
+        STOP.interrupted = False
         for logger in _loggers():
             # A logger made by the task gets a new one's settings, its handlers kept (ColossalAI's
             # DistributedLogger caches itself with the handler it added once).

@@ -148,8 +148,9 @@ print(signal.getsignal(signal.SIGTERM) == STOP._quit, flush=True)
 
 
 def test_precompute_and_export_get_the_quit_handlers_from_their_first_step() -> None:
-    """A one-process precompute, export, prepare or inspect from ``cli.entry``'s first step (its imports take
-    seconds), a rank of a launched one from ``start_rank``; other commands keep the default action."""
+    """A one-process precompute, export, prepare, inspect, plan or config from ``cli.entry``'s first step (its
+    imports take seconds), a rank of a launched one from ``start_rank``; train keeps SIGTERM's default action
+    until its own handlers (tests/unit/runtime/test_signals_at_start.py: its SIGUSR1 and Ctrl-C)."""
 
     def quits(argv: list[str], rank: bool) -> bool:
         env = {k: v for k, v in os.environ.items() if k != "RANK"} | ({"RANK": "1"} if rank else {})
@@ -163,8 +164,10 @@ def test_precompute_and_export_get_the_quit_handlers_from_their_first_step() -> 
     assert quits(["export", "c.yaml", "--out", "x"], rank=True)
     assert quits(["prepare", "c.yaml"], rank=False)  # it left its work folder behind before
     assert quits(["inspect", "c.yaml", "--ranks", "2"], rank=False)
-    assert not quits(["plan", "c.yaml"], rank=False)
+    assert quits(["plan", "c.yaml"], rank=False)  # its Ctrl-C was lost in torch's import, SIGUSR1 killed it
+    assert quits(["config", "c.yaml"], rank=False)
     assert not quits(["config", "c.yaml"], rank=True)
+    assert not quits(["train", "c.yaml"], rank=False)
 
 
 def test_the_launch_of_a_stopped_precompute_or_export_exits_128_plus_the_signal() -> None:

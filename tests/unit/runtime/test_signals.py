@@ -163,6 +163,7 @@ def test_the_command_lines_that_launch_block_the_stop_signals_first(monkeypatch:
     second was the default action's silent 143); the other command lines, and the ranks, leave them alone."""
     monkeypatch.delenv("RANK", raising=False)
     before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}  # a one-process command installs its own
     launching = [
         ["train", "c.yaml", "--nproc-per-node", "2"],
         ["train", "--nproc-per-node=2", "c.yaml", "train.lr=1e-6"],
@@ -186,3 +187,5 @@ def test_the_command_lines_that_launch_block_the_stop_signals_first(monkeypatch:
         assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
