@@ -17,6 +17,7 @@ import numpy as np
 
 from coati_kto.data.collator import KTOCollator
 from coati_kto.data.prepared import elsewhere, load_prepared
+from coati_kto.data.prepared_lock import release
 from coati_kto.data.sampler import MixedLabelBatchSampler
 from coati_kto.data.settings import PrepareSettings
 from coati_kto.data.tokenize import load_tokenizer
@@ -47,7 +48,10 @@ def inspect_batches(
         settings, note = elsewhere(settings, Path(scratch) / "prepared", "inspect", missing_too=False)
         if note:
             print(note, flush=True)
-        _inspect(settings, weights, num_ranks, num_batches, num_examples)
+        try:
+            _inspect(settings, weights, num_ranks, num_batches, num_examples)
+        finally:  # the build it read (prepared_lock): another process may replace it from now
+            release(Path(settings.data.prepared_dir))
 
 
 def _inspect(

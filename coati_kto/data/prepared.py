@@ -17,6 +17,7 @@ import dataclasses
 import time
 from pathlib import Path
 
+from coati_kto.data.prepared_lock import release
 from coati_kto.data.settings import PrepareSettings
 from coati_kto.data.store import (
     NO_BUILD,
@@ -68,18 +69,23 @@ def _summary(data: PreparedData, settings: PrepareSettings, built: bool, why: st
 
 
 def prepare(settings: PrepareSettings, weights: WeightSettings) -> PreparedData:
-    """Build (or reuse) ``data.prepared_dir`` and print a short summary. Single process (CLI ``prepare``)."""
+    """Build (or reuse) ``data.prepared_dir`` and print a short summary. Single process (CLI ``prepare``); it uses
+    the build until it returns (``prepared_lock``)."""
     start = time.perf_counter()
-    tokenizer = load_tokenizer(settings.model)
-    _, built, why = ensure(settings, tokenizer)
-    data = _open(settings, weights)
-    print(_summary(data, settings, built, why, time.perf_counter() - start))
+    try:
+        tokenizer = load_tokenizer(settings.model)
+        _, built, why = ensure(settings, tokenizer)
+        data = _open(settings, weights)
+        print(_summary(data, settings, built, why, time.perf_counter() - start))
+    finally:
+        release(Path(settings.data.prepared_dir))
     return data
 
 
 def load_prepared(settings: PrepareSettings, weights: WeightSettings) -> PreparedData:
     """For training: every rank calls it. Global rank 0 builds if needed while the others wait; then every rank
     loads from disk. A rank-0 failure is raised on every rank (``on_rank0``: nobody hangs in a collective).
+    Global rank 0 uses the build until the command calls ``prepared_lock.release``: no other process replaces it.
 
     Long builds can outlast the process-group timeout: run ``coati-kto prepare`` before launching.
     """

@@ -42,6 +42,7 @@ from coati_kto.data.files import load_records, resolve_files
 from coati_kto.data.formats import Record, RecordError
 from coati_kto.data.hub import check as hub_check
 from coati_kto.data.image_store import images_fingerprint, load_processor, no_typed_image_tokens
+from coati_kto.data.prepared_lock import deciding, read_from_now, refuse_if_read
 from coati_kto.data.settings import PrepareSettings
 from coati_kto.data.splits import duplicates, group_split, label_counts, prompt_key, require_both_labels
 from coati_kto.data.store_check import build_damage, unreadable
@@ -274,9 +275,7 @@ def _build(settings: PrepareSettings, tokenizer, fp: dict, target: Path, process
     with contextlib.ExitStack() as held:
         try:
             work = held.enter_context(build_folder(target))  # removed at the end (renamed into place by then)
-        except (
-            OSError
-        ) as err:  # a parent that is a file, a read-only or missing mount: one line, no traceback
+        except OSError as err:  # a parent that is a file, a read-only or missing mount: one line
             raise DataError(f"data.prepared_dir {target}: cannot write there ({err.strerror})") from None
         train_records, eval_records, files, skipped, unread = _read_inputs(
             settings, str(work / "hf-cache"), fp
@@ -326,27 +325,28 @@ def _build(settings: PrepareSettings, tokenizer, fp: dict, target: Path, process
 
 
 def ensure(settings: PrepareSettings, tokenizer) -> tuple[dict, bool, str]:
-    """Build ``data.prepared_dir`` unless its fingerprint matches: (fingerprint, built, why, for the summary).
-
-    One process at a time per directory. Raises DataError for bad data, or when the directory exists, is not
-    empty and is no coati-kto build (never overwritten).
-    """
+    """Build ``data.prepared_dir`` unless its fingerprint matches: (fingerprint, built, why, for the summary); this
+    process then uses it until ``prepared_lock.release`` (its command's end). One process at a time decides and
+    builds. Raises DataError for bad data, a directory that is not empty and no coati-kto build (never
+    overwritten), or a build that would replace one another process uses."""
     target = Path(settings.data.prepared_dir)
-    _restore_aside(target)
     processor = load_processor(settings)
     fp = fingerprint(settings, tokenizer, processor)
-    why = _build_reason(target, fp)
-    if why is None:
-        return fp, False, "inputs, tokenizer and settings unchanged"
-    if target.exists() and not target.is_dir():
-        raise DataError(f"data.prepared_dir {target}: is a file, not a directory")
-    if target.exists() and read_fingerprint(target) is None and any(target.iterdir()):
-        raise DataError(
-            f"data.prepared_dir {target}: exists, is not empty and holds no coati-kto fingerprint.json; "
-            "refusing to overwrite it: choose another directory or empty it"
-        )
-    _build(settings, tokenizer, fp, target, processor)
-    return fp, True, why
+    with deciding(target):
+        _restore_aside(target)
+        why = _build_reason(target, fp)
+        if why is not None:
+            if target.exists() and not target.is_dir():
+                raise DataError(f"data.prepared_dir {target}: is a file, not a directory")
+            if target.exists() and read_fingerprint(target) is None and any(target.iterdir()):
+                raise DataError(
+                    f"data.prepared_dir {target}: exists, is not empty and holds no coati-kto fingerprint.json; "
+                    "refusing to overwrite it: choose another directory or empty it"
+                )
+            refuse_if_read(target, why)
+            _build(settings, tokenizer, fp, target, processor)
+        read_from_now(target)
+    return fp, why is not None, why or "inputs, tokenizer and settings unchanged"
 
 
 def _restore_aside(target: Path) -> None:

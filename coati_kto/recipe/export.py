@@ -32,6 +32,7 @@ from pydantic import ValidationError
 
 from coati_kto.config.resume import check_resume, with_legacy
 from coati_kto.config.schema import Config
+from coati_kto.data.prepared_lock import release
 from coati_kto.errors import ConfigError, UserError
 from coati_kto.outputs.export import check_masters_layout, claim_target, export_target, release_target
 from coati_kto.outputs.model_card import CARD
@@ -75,6 +76,8 @@ def export_checkpoint(config: Config, checkpoint: str = "auto", out: str | None 
             pinned = scratch.pin(first) if writer else first
             return _export(config, first, (pinned, first_target), scratch)
         finally:  # inside stoppable: a stop ends the process once this has run
+            # the build global rank 0 used, when it was there (prepared_lock): another may replace it from now
+            release(Path(config.data.prepared_dir))
             scratch.remove()
             if claimed:
                 release_target(first_target)
@@ -131,6 +134,7 @@ class _Scratch:
 
     def remove(self) -> None:
         if self.made is not None:  # global rank 0's: the others never make one
+            release(self())  # the build it read there (prepared_lock)
             shutil.rmtree(self.made, ignore_errors=True)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from coati_kto.config.schema import Config
+from coati_kto.data.prepared_lock import release
 from coati_kto.errors import ConfigError
 from coati_kto.parallel.distributed import init_distributed
 from coati_kto.recipe.setup import load_run_data, reference_settings
@@ -24,7 +25,10 @@ from coati_kto.runtime.signals import STOP
 def precompute(config: Config) -> None:
     """Prepare the data if needed, then make sure the reference cache matches it (computed when none does)."""
     STOP.leaves("no reference cache written")
-    STOP.stoppable(lambda: _precompute(config))
+    try:
+        STOP.stoppable(lambda: _precompute(config))
+    finally:  # global rank 0 used the build while it scored it (prepared_lock): nobody replaced it meanwhile
+        release(Path(config.data.prepared_dir))
 
 
 def _precompute(config: Config) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 from coati_kto.config.output import OutputSection
 from coati_kto.config.resume import check_contents, check_resume, optimizer_groups_problem
 from coati_kto.config.schema import Config
+from coati_kto.data.prepared_lock import release as release_prepared
 from coati_kto.errors import ConfigError
 from coati_kto.outputs.push import CheckpointUploads, checkpoint_uploads, push_final, pushed_at_end
 from coati_kto.parallel.optimizers import set_weight_decay
@@ -76,6 +77,7 @@ def train(config: Config) -> Any:
         trainer.pushed = pushed_at_end(push_final(output), checkpoints_up)
     finally:  # after every upload: they read from output.dir, which a run started here meanwhile would clear
         release_output_dir(Path(output.dir))
+        release_prepared(Path(config.data.prepared_dir))  # global rank 0's: another build may replace it now
     return trainer
 
 

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import BinaryIO
 
 from coati_kto.errors import UserError
+from coati_kto.locks import holder_line, probe
 from coati_kto.runtime.durable import own_names
-from coati_kto.runtime.target_lock import holder_line, probe
 
 CONFIG_FILE = "config.yaml"
 TENSORBOARD_DIR = "tensorboard"

@@ -10,21 +10,21 @@ The writer holds an exclusive ``flock`` on ``.NAME.coati-kto.lock`` beside the t
 ``data.build_folder`` do): the kernel drops it when the process dies, however it dies, and whatever its host (NFS
 keeps such locks on its server). The file names its holder, for the refusal's line; the holder removes it on
 release (a killed one's stays, unheld: the next writer takes it). Held again by the same process, it nests. A file
-system that refuses ``flock`` is written unlocked, as before.
+system that refuses ``flock`` is written unlocked, as before. The taking, the holder's line and the probe are
+``coati_kto.locks``'s, shared with the run lock and ``data.prepared_lock``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
-import socket
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from coati_kto.errors import UserError
+from coati_kto.locks import holder_line, locked, probe, same_file
 
 # A probe (``holder``) holds a shared lock for a moment: a writer finding the lock taken tries again this long
 # before it calls the target busy.
@@ -51,43 +51,18 @@ def _key(target: Path) -> Path:
     return target.parent.resolve() / target.name
 
 
-def _read(fd: int) -> str:
-    with contextlib.suppress(OSError):
-        return os.pread(fd, 4096, 0).decode(errors="replace").strip()
-    return ""
-
-
-def _same_file(fd: int, path: Path) -> bool:
-    """Whether ``path`` still names the file ``fd`` has open (its holder removes it on release)."""
-    try:
-        now, mine = os.stat(path), os.fstat(fd)
-    except FileNotFoundError:
-        return False
-    return (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
-
-
 def _lock(path: Path) -> int | None:
     """A descriptor of ``path`` holding its exclusive flock; None where the file system refuses flock. Raises
-    BlockingIOError holding the holder's line while another process holds it, OSError when it cannot be made."""
+    BlockingIOError holding the holder's line while another process holds it past the grace (a probe's moment),
+    OSError when it cannot be made."""
     deadline = time.monotonic() + _PROBE_GRACE_S
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return locked(path)
         except BlockingIOError:
-            holder = _read(fd)
-            os.close(fd)
             if time.monotonic() >= deadline:
-                raise BlockingIOError(holder or "holder unknown") from None
+                raise
             time.sleep(0.05)
-            continue
-        except OSError:  # ENOLCK / EOPNOTSUPP: no locks here, and no lock file left behind either
-            os.close(fd)
-            path.unlink(missing_ok=True)
-            return None
-        if _same_file(fd, path):
-            return fd
-        os.close(fd)  # its holder released and removed it as we opened it: take the file there now
 
 
 def take(target: Path, what: str) -> None:
@@ -122,7 +97,7 @@ def release(target: Path) -> None:
         if depth > 1:
             _HELD[key] = (fd, depth - 1)
             return
-        if _same_file(fd, lock_path(target)):
+        if same_file(fd, lock_path(target)):
             lock_path(target).unlink(missing_ok=True)
         os.close(fd)
 
@@ -141,30 +116,3 @@ def holder(target: Path) -> str | None:
     """Who holds ``target``'s lock, when another process does (its line from the lock file); None when nobody
     does, this process does, or the file system has no locks."""
     return None if _key(target) in _HELD else probe(lock_path(target))
-
-
-def probe(path: Path) -> str | None:
-    """The line of the process holding the flock of ``path`` (a lock file: this module's, or a run's lock), or
-    None when nobody holds it, there is no such file or the file system has no locks. Takes a shared lock for a
-    moment."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return _read(fd) or "holder unknown"
-    except OSError:  # ENOLCK / EOPNOTSUPP: nothing to learn on a file system without locks
-        return None
-    else:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return None
-    finally:
-        os.close(fd)
-
-
-def holder_line(what: str = "") -> str:
-    """What a lock file says of its holder: ``what``, this pid, host and time."""
-    since = time.strftime("%Y-%m-%d %H:%M:%S")
-    return f"{what + ', ' if what else ''}pid {os.getpid()} on {socket.gethostname()} since {since}\n"

@@ -26,6 +26,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "coati_kto"
 LAYERS = {
     "__init__": 0,
     "errors": 0,
+    "locks": 0,  # the flock helpers: the data package and the runtime share them
     "import_compiles": -1,  # below the package's __init__, which installs it
     "import_structures": -1,  # the same
     "import_hooks": -2,  # what those two are built on

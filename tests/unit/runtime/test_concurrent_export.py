@@ -188,12 +188,12 @@ def test_a_file_system_without_flock_is_written_unlocked_and_leaves_no_lock_file
     ``.NAME.coati-kto.lock`` behind."""
     import errno
 
-    import coati_kto.runtime.target_lock as target_lock
+    import coati_kto.locks as locks
 
     def refused(fd: int, operation: int) -> None:
         raise OSError(errno.ENOLCK, "No locks available")
 
-    monkeypatch.setattr(target_lock.fcntl, "flock", refused)
+    monkeypatch.setattr(locks.fcntl, "flock", refused)
     write_dir(target, lambda directory: (directory / "config.json").write_text("{}"))
     assert sorted(p.name for p in target.parent.iterdir()) == [target.name]
     assert (target / "config.json").read_text() == "{}"
