@@ -9,7 +9,6 @@ train`` and ``coati-kto export`` step or load.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,9 +27,7 @@ from coati_kto.parallel.model_shape import cast_rounds
 from coati_kto.parallel.optimizers import optimizer_for
 from coati_kto.parallel.plan import ParallelPlan
 from coati_kto.recipe.setup import Run
-from coati_kto.reference.weights import reference_weights_digest
-from coati_kto.runtime.lineage import resume_choice
-from coati_kto.runtime.run_dir import CHECKPOINTS_DIR, saved_trainer_state
+from coati_kto.runtime.run_dir import CHECKPOINTS_DIR
 from coati_kto.runtime.signals import StopSignals
 from coati_kto.trainer.options import KTOOptions
 from coati_kto.trainer.schedule import planned_steps, warmup_decay_schedule
@@ -60,11 +57,11 @@ def build_components(
     plugin: Any,
     total_steps: int,
     plan: ParallelPlan | None = None,
-    groups_from: Path | None = None,
+    groups_from: dict | None = None,
 ) -> Components:
     """Models, optimizer, lr schedule with warmup, boosted. Every rank calls, after ``plan.backend.build_plugin``.
-    ``groups_from``: the checkpoint whose optimizer grouping the config leaves open (:func:`_resumed_apart`; an
-    export's; None: train.resume's).
+    ``groups_from``: the trainer state of the checkpoint the run continues or exports (``Run.resume``), whose
+    optimizer grouping the config leaves open (:func:`_resumed_apart`); None: none.
 
     Both models load in fp32: the policy is boosted (ZeRO and the AMP optimizers keep fp32 masters; the plugin
     casts the working copy), the reference goes through the same plugin path without an optimizer
@@ -117,21 +114,15 @@ def build_components(
     return Components(plugin, booster, layout, policy, reference, optimizer, lr_scheduler, plan, frozen_fp32)
 
 
-def _resumed_apart(config: Config, checkpoint: Path | None) -> bool:
-    """Whether the checkpoint this run continues (``checkpoint``: an export's; else train.resume's) held biases
-    and norm weights in a group of their own, where this run's grouping depends on it: at weight decay 0, with
-    neither LoRA nor decay_norms_and_biases (config.train.separates_no_decay). False when there is none to read
-    (the resume says why)."""
+def _resumed_apart(config: Config, state: dict | None) -> bool:
+    """Whether the checkpoint this run continues or exports (``state``: its trainer state) held biases and norm
+    weights in a group of their own, where this run's grouping depends on it: at weight decay 0, with neither
+    LoRA nor decay_norms_and_biases (config.train.separates_no_decay). False when there is none (the resume
+    says why)."""
     train = config.train
     if train.weight_decay > 0 or train.decay_norms_and_biases or config.model.lora:
         return False
-    try:
-        if checkpoint is None and train.resume is not None:
-            root = Path(config.training_output().dir) / CHECKPOINTS_DIR
-            checkpoint = resume_choice(root, train.resume)[0]
-        return checkpoint is not None and saved_holds_apart(saved_trainer_state(checkpoint)["trainer_state"])
-    except (UserError, OSError, KeyError):
-        return False
+    return state is not None and saved_holds_apart(state)
 
 
 def _cast_rounds(config: Config) -> bool:
@@ -203,11 +194,12 @@ def trainer_options(
 
 
 def build_trainer(
-    config: Config, run: Run, stop: StopSignals, announce: bool = True, groups_from: Path | None = None
+    config: Config, run: Run, stop: StopSignals, announce: bool = True
 ) -> tuple[Any, dict[str, torch.Tensor]]:
     """Models, optimizer, schedule and the KTOTrainer of ``run`` (every rank); with it ``Components.frozen_fp32``.
     With ``kto.reference: cached`` no reference model is built (``coati-kto export`` asks for that, and
-    ``announce=False``: no lines about how training will run; ``groups_from``: the checkpoint it exports)."""
+    ``announce=False``: no lines about how training will run). Its optimizer is grouped as ``run.resume``'s
+    checkpoint was where the config leaves that open, and its checkpoints record ``run.reference_weights``."""
     from coati_kto.trainer.checkpoint import CheckpointManager  # after quiet_known_warnings (recipe.train)
     from coati_kto.trainer.kto import KTOTrainer
 
@@ -218,12 +210,12 @@ def build_trainer(
         notes = (config.attention_note(), padding_free_note(config.data, config.model, cuda))
         for line in filter(None, notes):
             print(line, flush=True)
+    groups_from = run.resume.state if run.resume is not None else None
     parts = build_components(config, run.plugin, steps, run.plan, groups_from)
     peak_flops, peak_source = resolve_peak_flops(config.train.peak_flops, config.plugin.precision)
     if run.layout.is_main and announce:
         print(peak_flops_line(peak_flops, peak_source), flush=True)
     output = config.training_output()
-    digest = reference_weights_digest(config.model, config.kto.reference)
     manager = CheckpointManager(run.out_dir / CHECKPOINTS_DIR, parts.booster, run.layout, output.keep_last)
     trainer = KTOTrainer(
         parts.policy,
@@ -238,7 +230,7 @@ def build_trainer(
         plan=run.plan,
         checkpoint_manager=manager,
         run_config=config.model_dump(mode="json"),
-        data_stats={**run.data.stats, "reference_weights": digest},  # checkpointed
+        data_stats={**run.data.stats, "reference_weights": run.reference_weights},  # checkpointed
         stop_signals=stop,
     )
     return trainer, parts.frozen_fp32

@@ -40,7 +40,7 @@ from coati_kto.parallel.distributed import on_rank0
 from coati_kto.parallel.stages import least_microbatches
 from coati_kto.recipe.components import build_trainer
 from coati_kto.recipe.save import save_final
-from coati_kto.recipe.setup import setup_export
+from coati_kto.recipe.setup import ResumePoint, saved_state_or_none, setup_export
 from coati_kto.runtime.durable import DATA, own_dir
 from coati_kto.runtime.run_dir import CHECKPOINTS_DIR, saved_trainer_state
 from coati_kto.runtime.signals import STOP, CommandStoppedError
@@ -145,7 +145,8 @@ def _export(config: Config, first: Path, chosen: tuple[Path, Path], scratch: _Sc
     run = setup_export(config, scratch, json.loads((first / "meta.json").read_text()).get("dp_size"))
     # STOP, not STOP.install(): nothing steps here, and train's handlers would turn a stop into a flag nobody reads.
     # its optimizer grouped as the checkpoint's (at weight decay 0 the config cannot tell): it loads its state
-    trainer, frozen_fp32 = build_trainer(unscored, run, STOP, announce=False, groups_from=chosen[0])
+    run.resume = ResumePoint(chosen[0], saved_state_or_none(chosen[0]))
+    trainer, frozen_fp32 = build_trainer(unscored, run, STOP, announce=False)
     # Rank 0's pinned copy and target: another rank may have chosen another save (auto, a run saving meanwhile).
     path, target = on_rank0(lambda: chosen, "pin the checkpoint")
     STOP.leaves(_left(target))

@@ -2,8 +2,10 @@
 
 - ``load_run_data``: the prepared data (built by rank 0 when missing), the tokenizer and the pad token: what
   ``coati-kto precompute`` needs, and the data part of both builders below.
-- ``setup_training``: the process group, the seed, output.dir claimed (its lock; cleared with output.overwrite), a
-  refused resume caught before the data is rebuilt, the reference's log-probs with ``kto.reference: cached``
+- ``setup_training``: the process group, the seed, output.dir claimed (its lock; cleared with output.overwrite), the
+  reference weights' digest, the checkpoint train.resume continues (``Run.resume``: read once here, for the
+  optimizer's grouping and the resume) and a refused resume caught before the data is rebuilt, the reference's
+  log-probs with ``kto.reference: cached``
   (``coati_kto.reference``, from ``reference_settings``), the plan and plugin, config.yaml, the loaders and the
   KTO weights of this data-parallel layout.
 - ``setup_export``: the same run read back for ``coati-kto export``: output.dir is only read (no lock, no
@@ -73,6 +75,15 @@ class RunData:
     image_note: str | None  # one line when image records turn a pass off
 
 
+@dataclass(frozen=True)
+class ResumePoint:
+    """The checkpoint a run continues, as global rank 0 chose it (damage-checked) once output.dir is locked, and
+    its trainer state (rank 0's file, the same on every rank; None in a checkpoint saved without one)."""
+
+    checkpoint: Path
+    state: dict | None
+
+
 @dataclass
 class Run:
     """What setup produced for the rest of a recipe (every rank holds its own)."""
@@ -88,6 +99,8 @@ class Run:
     weights: tuple[float, float]  # (lambda_D, lambda_U) for this data-parallel layout
     weights_report: str  # the one-line report of those weights (data.weights.resolve_kto_weights)
     notes: list[str]  # one-line facts about choices made for the user: printed by rank 0, kept in the card
+    resume: ResumePoint | None = None  # train.resume's checkpoint (an export's: the one it exports)
+    reference_weights: str | None = None  # reference_weights_digest's, checkpointed (None for an export)
 
 
 def prepare_settings(config: Config) -> PrepareSettings:
@@ -125,14 +138,17 @@ def setup_training(config: Config, heartbeat: Heartbeat | None) -> Run:
     lock_note = on_rank0(lambda: claim_output_dir(out_dir), "lock output.dir")
     if config.training_output().overwrite:
         clear_previous_run(out_dir)  # rank 0 deletes, the others wait
+    # Read once, here: the checkpoints record it and a resume compares it with the checkpoint's.
+    reference = reference_weights_digest(config.model, config.kto.reference)
     # A refused resume: before prepare rebuilds data.prepared_dir and the reference scores.
-    _refuse_changed_contents(config, out_dir / CHECKPOINTS_DIR)
+    resume = _resume_point(config, out_dir / CHECKPOINTS_DIR, reference)
     refuse_a_load_no_node_holds(config)  # before the cached reference or the models are read
     run_data = load_run_data(config)
     if config.kto.reference == "cached":  # once (all ranks) unless a matching cache exists
         settings = reference_settings(config)
         run_data.data = with_reference_logps(settings, run_data.data, run_data.pad, run_data.images)
     run = _build_run(config, out_dir, run_data)
+    run.resume, run.reference_weights = resume, reference
     if run.layout.is_main:
         save_config(config, out_dir / CONFIG_FILE)
     epoch_note = run.train_loader.batch_sampler.stats.epoch_note()  # examples left out
@@ -205,25 +221,27 @@ def _start_processes(config: Config) -> None:
     seed_everything(config.train.seed)
 
 
-def _refuse_changed_contents(config: Config, checkpoints: Path) -> None:
-    """train.resume from a checkpoint (under ``checkpoints``) whose training data (files edited in place, another
-    tokenizer) or reference weights changed since: refused (``check_contents``) before data.prepared_dir is
-    rebuilt, deleting the reference cache the checkpoint's run needs, and the new data scored. A damaged checkpoint
-    (``lineage.resume_choice``) is refused here too, rank 0's verdict on every rank. Every rank calls."""
+def _resume_point(config: Config, checkpoints: Path, reference: str | None) -> ResumePoint | None:
+    """The checkpoint train.resume continues (under ``checkpoints``; None for a fresh run), refused (a
+    ConfigError) where its training data (files edited in place, another tokenizer) or its reference weights
+    (``reference``: this run's digest) changed since (``check_contents``): before data.prepared_dir is rebuilt,
+    deleting the reference cache the checkpoint's run needs, and the new data scored. A damaged checkpoint
+    (``lineage.resume_choice``) is refused here too. Global rank 0 decides and reads; every rank calls and gets
+    its answer."""
     resume = config.train.resume
     checkpoint = on_rank0(lambda: resume_choice(checkpoints, resume)[0], "resolve the checkpoint")
     if checkpoint is None:
-        return
-    state = on_rank0(lambda: _saved_state_or_none(checkpoint), "read the checkpoint's trainer state")
+        return None
+    state = on_rank0(lambda: saved_state_or_none(checkpoint), "read the checkpoint's trainer state")
     if state is None:  # decided on rank 0: every rank takes the same waits below, or none
-        return
+        return ResumePoint(checkpoint, None)
     inputs = PrepareSettings(config.data, config.model, config.train.seed, images=True)
     fp = on_rank0(
         lambda: fingerprint(inputs, load_tokenizer(inputs.model), load_processor(inputs)), "hash the data"
     )
-    reference = reference_weights_digest(config.model, config.kto.reference)
     contents = {"train_data": train_data_digest(fp), "train_data_parts": train_data_parts(fp)}
     check_contents(state, {**contents, "reference_weights": reference}, checkpoint.name)
+    return ResumePoint(checkpoint, state)
 
 
 def _build_run(config: Config, out_dir: Path, run_data: RunData, weights_dp_size: int | None = None) -> Run:
@@ -265,7 +283,7 @@ def _announce(config: Config, run: Run, notes: tuple[str | None, ...], show: boo
         print("\n".join([run.weights_report, *run.notes]), flush=True)
 
 
-def _saved_state_or_none(checkpoint: Path) -> dict | None:
+def saved_state_or_none(checkpoint: Path) -> dict | None:
     """``checkpoint``'s trainer state (rank 0's file), or None where it has none (written before it kept one)."""
     try:
         return saved_trainer_state(checkpoint)["trainer_state"]

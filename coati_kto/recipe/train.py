@@ -126,9 +126,11 @@ def _train(
 def _resume(config: Config, run: Run, trainer: Any) -> None:
     """Continue from train.resume's checkpoint, if any: changed settings are applied and named, or refused
     (coati_kto.config.resume); the schedule then spans the steps this run will take (the rest of the epoch in
-    progress is re-planned on another layout or micro-batch size) and peaks at train.lr. Every rank calls."""
-    checkpoint = trainer.checkpoint_manager.resolve_everywhere(config.train.resume)  # rank 0 decides
-    state = trainer.checkpoint_manager.saved_state(checkpoint) if checkpoint is not None else {}
+    progress is re-planned on another layout or micro-batch size) and peaks at train.lr. Every rank calls.
+    ``run.resume``: the checkpoint and trainer state setup read on global rank 0, with output.dir locked (no save
+    lands there since)."""
+    checkpoint = run.resume.checkpoint if run.resume is not None else None
+    state = (run.resume.state if run.resume is not None else None) or {}
     saved = state.get("config")
     current = config.model_dump(mode="json")
     cwd = state.get("config_cwd")

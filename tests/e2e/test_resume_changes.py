@@ -213,6 +213,37 @@ def test_reference_weights_saved_over_in_place_are_refused(tiny_model_dir: Path,
     assert sorted(p.name for p in (tmp_path / "out" / "checkpoints").iterdir()) == ["latest", "step-2"]
 
 
+def test_lora_online_reference_is_the_checkpoints_base_not_the_disks(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """model.lora with an online reference: the reference is the policy with its adapters off, and a checkpoint
+    holds the frozen base weights with the adapters, so a resume restores the base the rewards were measured
+    against. Weights saved over model.path since are neither read nor refused (reference_weights_digest is None
+    there): steps 3 and 4 resumed from step 2 equal the uninterrupted run's, which the saved-over base (every
+    matrix x 1.5) would not give as a reference."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    model_dir = shutil.copytree(tiny_model_dir, tmp_path / "sft")  # saved over below: not the shared one
+    path = _ddp_config(tmp_path, model_dir, max_steps=4, lr=3e-2)
+    lora = "model.lora={rank: 4, alpha: 8}"
+    assert (whole := _train(path, lora)).returncode == 0, whole.stderr[-3000:]
+    original = load_file(model_dir / "model.safetensors")
+    saved_over = {k: v * 1.5 if v.dim() == 2 else v for k, v in original.items()}
+    save_file(saved_over, model_dir / "model.safetensors", metadata={"format": "pt"})
+    step2, resumed = tmp_path / "out" / "checkpoints" / "step-2", tmp_path / "resumed"
+    done = _train(path, lora, f"train.resume={step2}", f"output.dir={resumed}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert not [line for line in done.stdout.splitlines() if line.startswith("resume: ")]  # nothing differs
+    saved = load_file(next((step2 / "model").glob("*.safetensors")))
+    assert torch.equal(saved["lm_head.weight"], original["lm_head.weight"])  # the base the resume restores
+    before, after = read_scalars(tmp_path / "out" / "tensorboard"), read_scalars(resumed / "tensorboard")
+    for tag in ("train/loss", "train/kl", "train/rewards/chosen", "train/rewards/margins"):
+        assert after[tag] == [(s, v) for s, v in before[tag] if s > 2], tag
+    assert before["train/kl"][2][1] > 0  # step 3: the adapters are on, the comparison is not of zeros
+
+
 def test_a_resume_refused_for_edited_data_leaves_the_prepared_data_alone(first_run: Path) -> None:
     """The refusal above came only after setup: data.prepared_dir rebuilt for the edited files (the reference
     cache the checkpoint's run needs deleted with it) and, with kto.reference cached, the edited data scored with
