@@ -151,6 +151,15 @@ def release(target: Path) -> None:
     os.close(fd)
 
 
+def release_all() -> None:
+    """Every build this process uses released at once (its reader files removed): a pooled test worker between
+    tasks, whose task called ``load_prepared`` without its command's release (a fresh process's exit did that)."""
+    for key in list(_READING):
+        fd, path, _ = _READING.pop(key)
+        path.unlink(missing_ok=True)
+        os.close(fd)
+
+
 def refuse_if_read(target: Path, why: str) -> None:
     """While deciding, before a build of ``target`` (``why``: its reason, ``changed: data.max_length``): raises
     DataError naming the other processes that use the build there, which the build would replace under them."""

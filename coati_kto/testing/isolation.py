@@ -149,6 +149,7 @@ class FreshState:
         _restore_attributes(self.attributes)
         _restore_rotary()
         _clear_project_caches()
+        _release_prepared()
         instances = _singleton_instances()
         if instances is not None:
             instances.clear()
@@ -257,6 +258,14 @@ def _clear_project_caches() -> None:
             for value in list(vars(module).values()):
                 if isinstance(value, functools._lru_cache_wrapper):
                     value.cache_clear()
+
+
+def _release_prepared() -> None:
+    """The prepared builds a task used (``data.prepared_lock``): a fresh process holds none, and a pooled rank 0
+    that kept one refused another process's build there for the rest of the session."""
+    module = sys.modules.get("coati_kto.data.prepared_lock")
+    if module is not None:
+        module.release_all()
 
 
 def _singleton_instances() -> dict | None:
