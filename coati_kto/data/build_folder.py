@@ -12,6 +12,12 @@ version's) is left alone, and so is everything on a file system that refuses ``f
 
 The reference cache (coati_kto.reference.cache) writes each ``reference_cache/DIGEST`` the same way
 (``build_folder(target, label)``), and sweeps its whole folder at every look-up (``remove_abandoned_in``).
+
+A build that replaces a damaged target renames it aside first (``aside``: ``.NAME.old-XXXXXXXX``, the build
+folder's own XXXXXXXX), then deletes it once the build is in place. A process killed in between left it for good;
+the sweep that finds the build's lock free removes it with the build folder. One whose build still lives is left
+to it, and so is one without a lock file of its build (an older version's random name, a file system without
+``flock``), as build folders are.
 """
 
 from __future__ import annotations
@@ -59,28 +65,44 @@ def remove_abandoned(target: Path) -> list[str]:
 def remove_abandoned_in(parent: Path, name: str = r"[^/]+") -> list[str]:
     """Remove the build folders in ``parent`` of the targets whose names match the regex ``name`` (any, by
     default: a folder only builds write into) and whose process is gone, with their lock files; their names."""
-    pattern = re.compile(rf"\.(?:{name})\.tmp-\d+-[0-9a-f]{{8}}")
+    pattern = re.compile(rf"\.(?P<target>{name})\.tmp-\d+-(?P<token>[0-9a-f]{{8}})")
     if not parent.is_dir():
         return []
     removed = []
     for lock in sorted(parent.glob(".*.tmp-*.lock")):
         folder = lock.with_name(lock.name.removesuffix(".lock"))
-        if not pattern.fullmatch(folder.name) or (fd := _take(lock, create=False)) is None:
+        if not (match := pattern.fullmatch(folder.name)) or (fd := _take(lock, create=False)) is None:
             continue  # alive (its process holds the lock), or not a name this module makes
         try:
-            if folder.is_dir():
-                shutil.rmtree(folder, ignore_errors=True)
-                removed.append(folder.name)
+            # the build folder, and the target it had set aside (a kill before the build deleted it)
+            for left in (folder, parent / _aside_name(match["target"], match["token"])):
+                if left.is_dir():
+                    shutil.rmtree(left, ignore_errors=True)
+                    removed.append(left.name)
             lock.unlink(missing_ok=True)
         finally:
             os.close(fd)
     return removed
 
 
+def _aside_name(target: str, token: str) -> str:
+    return f".{target}.old-{token}"
+
+
+def aside(work: Path, target: Path) -> Path:
+    """Where the build in ``work`` (a ``build_folder`` of ``target``) renames ``target`` before renaming itself
+    into place; the build deletes it then. Named after ``work``, whose lock the sweep reads: removed with it once
+    its process is gone, never while it lives."""
+    return target.with_name(_aside_name(target.name, work.name[-8:]))
+
+
 def removed_line(where: str, removed: list[str]) -> str:
-    """The one line that says which abandoned build folders a sweep removed from ``where``."""
-    count = f"{len(removed)} unfinished build folder(s)"
-    return f"{where}: removed {count} of processes that were killed: {', '.join(removed)}"
+    """The one line that says which abandoned build folders (and targets they had set aside) a sweep removed from
+    ``where``."""
+    set_aside = sum(bool(re.search(r"\.old-[0-9a-f]{8}$", name)) for name in removed)
+    counts = [f"{len(removed) - set_aside} unfinished build folder(s)"] if len(removed) > set_aside else []
+    counts += [f"{set_aside} set-aside old copy(ies)"] if set_aside else []
+    return f"{where}: removed {' and '.join(counts)} of processes that were killed: {', '.join(removed)}"
 
 
 @contextlib.contextmanager

@@ -31,6 +31,7 @@ from coati_kto.parallel.store_waits import (
     PeerFailedError,
     begin,
     from_rank0,
+    peer_failed,
     set_timeout,
 )
 from coati_kto.parallel.upstream.cpu import cuda_available
@@ -256,7 +257,8 @@ def on_rank0(compute: Callable[[], T], what: str) -> T:
     ``compute`` may be hours of file work (``prepare the data``). A UserError on rank 0 is raised on every rank with the same one-line message
     (rank 0 raises its own; the others a copy of the same class and attributes, or a plain UserError where the
     class cannot be sent), marked ``same_on_every_rank`` so that only rank 0 prints it. Any other exception is
-    re-raised on rank 0 and raised on the others as a RuntimeError naming ``what`` ("prepare the data").
+    re-raised on rank 0 (its traceback) and raised on the others as a PeerFailedError (a RuntimeError): one line
+    naming rank 0's error and ``what`` ("prepare the data"), as a store wait that a failed rank ended.
     """
     outcome: tuple[str, Any, Any] = ("ok", None, None)
     failure: BaseException | None = None
@@ -267,14 +269,16 @@ def on_rank0(compute: Callable[[], T], what: str) -> T:
             err.same_on_every_rank = True  # raised on every rank: printed once (cli.main)
             outcome, failure = ("user", _portable(err), str(err)), err
         except Exception as err:
-            outcome, failure = ("internal", None, f"{type(err).__name__}: {err}"), err
+            # one line: the others print it as theirs (cli.main), rank 0 its traceback
+            line = (f"{type(err).__name__}: {err}".strip().splitlines() or [type(err).__name__])[0][:300]
+            outcome, failure = ("internal", None, f"{line} (its traceback is in its log)"), err
     kind, value, message = from_rank0(outcome, what)
     if failure is not None:
         raise failure
     if kind == "user":
         raise _received(value, message)
-    if kind == "internal":
-        raise RuntimeError(f"global rank 0 failed to {what}: {message}")
+    if kind == "internal":  # not a traceback per rank: rank 0 prints its own
+        raise peer_failed(f"rank 0: {message}", f"global rank 0 to {what}")
     return value
 
 

@@ -94,6 +94,12 @@ def tell_peers(line: str) -> None:
         store.set_timeout(previous)
 
 
+def peer_failed(line: str, waiting_for: str) -> PeerFailedError:
+    """The error a rank raises when ``line`` (``rank R: ...``, another rank's failure) ended its wait for
+    ``waiting_for``; the CLI prints it as this rank's one line (exit 1)."""
+    return PeerFailedError(f"{line} (this rank was waiting for {waiting_for}); resume with train.resume=auto")
+
+
 def _poll(ready: Callable[[], bool], waiting_for: str, store: Any) -> None:
     """Until ``ready()`` (a store read). Polled, with pauses from 1 ms growing to MAX_PAUSE_S, rather than one
     blocking ``store.wait``: between polls the interpreter runs signal handlers (a stop, a second Ctrl-C's
@@ -102,10 +108,7 @@ def _poll(ready: Callable[[], bool], waiting_for: str, store: Any) -> None:
     deadline, pause, failed = time.monotonic() + _timeout_s, 0.001, failure_key()
     while not ready():
         if store.check([failed]):
-            raise PeerFailedError(
-                f"{store.get(failed).decode()} (this rank was waiting for {waiting_for}); resume with "
-                "train.resume=auto"
-            )
+            raise peer_failed(store.get(failed).decode(), waiting_for)
         if time.monotonic() > deadline:
             raise FileWaitTimeoutError(
                 f"waited {_timeout_s:.0f} s (train.file_wait_timeout) for {waiting_for}; a rank is stuck or a "

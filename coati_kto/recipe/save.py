@@ -12,6 +12,7 @@ import torch
 from coati_kto.config.schema import Config
 from coati_kto.outputs.model_card import last_eval, render, write_card
 from coati_kto.outputs.weights import export_note, write_weights
+from coati_kto.parallel.distributed import on_rank0
 from coati_kto.recipe.setup import Run
 from coati_kto.runtime.run_dir import FINAL_DIR
 
@@ -41,14 +42,19 @@ def save_final(
     )
     if not lora:
         run.notes.append(export_note(config.plugin.precision, output.export_dtype, f"{final_dir.name}/"))
-    if run.layout.is_main:
+
+    def card() -> None:
         world = world_size or run.layout.world_size
         eval_record, steps = last_eval(trainer.history), trainer.global_step
-        card = render(config, run.data.stats, eval_record, steps, run.weights, world, run.notes)
-        card_or_nothing(Path(final), card, rewrite or "train.resume=auto writes it again")
+        text = render(config, run.data.stats, eval_record, steps, run.weights, world, run.notes)
+        card_or_nothing(Path(final), text, rewrite or "train.resume=auto writes it again")
         print(f"{what}: {final}", flush=True)
         if not lora:
             print(run.notes[-1], flush=True)  # what its weights are
+
+    # Global rank 0 writes; its outcome reaches every rank (a failed card's line, exit 2, on every rank at once:
+    # raised on rank 0 alone, it left the others waiting for train.file_wait_timeout in train's wait for final/).
+    on_rank0(card, f"write the {what}'s card")
 
 
 def card_or_nothing(final: Path, card: str, again: str) -> None:

@@ -19,7 +19,12 @@ starts without caches (they live inside it).
 The directory is written in ``.DIGEST.tmp-PID-XXXXXXXX``, held by its writer's flock (coati_kto.data.build_folder,
 as prepare's work folders): a writer killed mid-write (SIGKILL, the OOM killer) leaves it, and the next look-up
 (precompute, or train with ``kto.reference: cached``) removes every such folder whose writer is gone, said in one
-line; a live writer's (another job sharing the prepared data) is left alone.
+line; a live writer's (another job sharing the prepared data) is left alone. A damaged cache a writer renamed aside to
+replace it (``.DIGEST.old-XXXXXXXX``, its build folder's XXXXXXXX), which a kill kept it from deleting, goes the
+same way.
+
+The write's outcome reaches every rank (``on_rank0``): a failed write (disk full, permission) is one line on
+global rank 0 and ends every rank at once, exit 2, instead of leaving them waiting for train.file_wait_timeout.
 """
 
 from __future__ import annotations
@@ -28,7 +33,6 @@ import hashlib
 import json
 import shutil
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +40,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from coati_kto.data.build_folder import build_folder, remove_abandoned_in, removed_line
+from coati_kto.data.build_folder import aside, build_folder, remove_abandoned_in, removed_line
+from coati_kto.errors import UserError
 from coati_kto.parallel.distributed import on_rank0
-from coati_kto.parallel.store_waits import wait_for_all
 from coati_kto.reference.scoring import score_splits
 from coati_kto.reference.settings import ReferenceSettings
 from coati_kto.reference.weights import file_sha256, weights_hash
 from coati_kto.runtime.signals import STOP
+from coati_kto.trainer.write_failures import describe
 
 CACHE_VERSION = 1  # bump when the stored values change for the same key
 CACHE_DIR = "reference_cache"
@@ -94,7 +99,18 @@ def _read(directory: Path, key: dict, rows: dict[str, int]) -> dict[str, np.ndar
 def _write(directory: Path, key: dict, values: dict[str, np.ndarray], seconds: float) -> None:
     """Write into a locked build folder beside ``directory``, then rename into place (global rank 0 only). A stop
     signal that ends precompute (``STOP.quit_on_stop``) removes the build folder, or waits for the rename; a kill
-    leaves it to the next look-up's sweep (``_sweep``)."""
+    leaves it to the next look-up's sweep (``_sweep``). A failed write (disk full, permission) raises UserError,
+    one line: the build folder is removed, the caches there are as they were."""
+    try:
+        _write_in_folder(directory, key, values, seconds)
+    except OSError as err:
+        raise UserError(
+            f"the reference cache could not be written to {directory} ({describe(err)}); nothing of it was kept, "
+            f"the other caches under {directory.parent} are as they were"
+        ) from None
+
+
+def _write_in_folder(directory: Path, key: dict, values: dict[str, np.ndarray], seconds: float) -> None:
     with build_folder(directory, "the reference cache") as work:
         files = {}
         for split, array in values.items():
@@ -122,16 +138,17 @@ def _sweep(root: Path) -> None:
 def _replace(directory: Path, work: Path, key: dict, rows: dict[str, int]) -> None:
     """``work`` renamed to ``directory``. One already there that reads whole (another job sharing the prepared
     data wrote the same key meanwhile) is kept: deleting it would pull its files from under that job's readers. A
-    damaged one is renamed aside first, so a reader finds a whole cache or none, then deleted."""
+    damaged one is renamed aside first, so a reader finds a whole cache or none, then deleted (named after
+    ``work``: a kill before the deletion leaves it to the sweep, which takes it once ``work``'s lock is free)."""
     if directory.exists():
         try:
             _read(directory, key, rows)
             return
         except ValueError:
-            aside = directory.with_name(f".{directory.name}.old-{uuid.uuid4().hex[:8]}")
-            directory.rename(aside)
+            damaged = aside(work, directory)
+            directory.rename(damaged)
             work.rename(directory)
-            shutil.rmtree(aside, ignore_errors=True)
+            shutil.rmtree(damaged, ignore_errors=True)
             return
     work.rename(directory)
 
@@ -195,9 +212,10 @@ def ensure_reference_cache(
             )
         start = time.perf_counter()
         values = score_splits(settings, splits, pad_token_id, images)
-        if rank == 0:
-            _write(directory, key, values, time.perf_counter() - start)
-        wait_for_all("global rank 0 to write the reference cache")
+        seconds = time.perf_counter() - start
+        # Its outcome reaches every rank, a failure too (its one line on rank 0, the same error on the others): a
+        # wait that only a success ended left them waiting train.file_wait_timeout where nothing told them.
+        on_rank0(lambda: _write(directory, key, values, seconds), "write the reference cache")
     elif rank == 0:
         print(f"reference log-probs: reusing {directory}", flush=True)
     return _read(directory, key, rows)

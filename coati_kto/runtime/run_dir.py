@@ -129,20 +129,29 @@ def previous_run(out_dir: Path) -> list[str]:
 def clear_previous_run(out_dir: Path) -> None:
     """output.overwrite: global rank 0 deletes the earlier run's outputs (RUN_OUTPUTS) and our own scratch
     copies of them beside them (``.final.coati-kto-old-XXXXXXXX``: ``durable.own_names``), nothing else; every
-    rank calls, after the process group exists, and returns once they are gone."""
+    rank calls, after the process group exists, and returns once they are gone. One that cannot be deleted
+    raises UserError (one line) on every rank."""
     # Imported here: preflight reads this module before anything heavy, and torch costs seconds to import.
-    from coati_kto.parallel.distributed import global_rank
-    from coati_kto.parallel.store_waits import wait_for_all
+    from coati_kto.parallel.distributed import on_rank0
 
-    if global_rank() == 0:
+    def delete() -> None:
         for name in RUN_OUTPUTS:
             # A killed write's old or new copy of final/, an export's scratch data: the earlier run's too.
             for path in [out_dir / name, *own_names(out_dir, name)]:
-                if path.is_dir():
-                    shutil.rmtree(path)
-                elif path.exists():  # a file of ours (durable.write_file's scratch copy)
-                    path.unlink()
-    wait_for_all("global rank 0 to delete the earlier run's outputs")
+                try:
+                    if path.is_dir():
+                        shutil.rmtree(path)
+                    elif path.exists():  # a file of ours (durable.write_file's scratch copy)
+                        path.unlink()
+                except OSError as err:
+                    where = f": {err.filename}" if err.filename else ""
+                    raise UserError(
+                        f"output.overwrite: {path} could not be deleted ({err.strerror or err}{where})"
+                    ) from None
+
+    # Its outcome reaches every rank: a failure raised on rank 0 alone left the others waiting for
+    # train.file_wait_timeout where nothing told them (library use, a node whose launcher outlived rank 0's).
+    on_rank0(delete, "delete the earlier run's outputs")
 
 
 def lock_holder(out_dir: Path) -> str | None:

@@ -91,3 +91,17 @@ def test_a_sweep_never_takes_the_lock_of_a_build_being_made(tmp_path: Path, monk
         monkeypatch.setattr(build.fcntl, "flock", real_flock)
         assert remove_abandoned(target) == [] and work.is_dir()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_sweeps_line_tells_build_folders_from_set_aside_copies() -> None:
+    from coati_kto.data.build_folder import removed_line
+
+    names = [".p.tmp-41-0123abcd", ".c.old-89abcdef"]
+    assert removed_line("where", names) == (
+        "where: removed 1 unfinished build folder(s) and 1 set-aside old copy(ies) of processes that were killed: "
+        ".p.tmp-41-0123abcd, .c.old-89abcdef"
+    )
+    # a build folder whose target's name holds ".old-" is still a build folder
+    assert removed_line("where", [".my.old-data.tmp-41-0123abcd"]).startswith(
+        "where: removed 1 unfinished build"
+    )

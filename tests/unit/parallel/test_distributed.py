@@ -10,6 +10,7 @@ import torch.distributed as dist
 import coati_kto.parallel.distributed as cd
 from coati_kto.data.formats import RecordError
 from coati_kto.errors import ConfigError, DataError, UserError
+from coati_kto.parallel.store_waits import PeerFailedError
 
 
 class OneCollective:
@@ -125,8 +126,14 @@ def test_internal_error_reraised_on_rank0_named_on_the_others(monkeypatch: pytes
         cd.on_rank0(crash, "check the reference cache")
     assert len(rank0.calls) == 1
     OneCollective(monkeypatch, 1, sent=rank0.calls[0])
-    with pytest.raises(RuntimeError, match="^global rank 0 failed to check the reference cache: KeyError"):
+    # One line on the others (cli.main prints a PeerFailedError so, exit 1): they printed a RuntimeError's traceback
+    # each, rank 0's error repeated once per rank
+    with pytest.raises(PeerFailedError) as raised:
         cd.on_rank0(lambda: None, "check the reference cache")
+    assert cd.peer_failure(raised.value) == (
+        "rank 0: KeyError: 'digest' (its traceback is in its log) (this rank was waiting for global rank 0 to check "
+        "the reference cache); resume with train.resume=auto"
+    )
 
 
 def test_a_collective_failure_names_what_is_known() -> None:

@@ -83,3 +83,59 @@ def test_a_killed_writers_folder_goes_at_the_next_look_up_and_a_live_ones_stays(
     finally:
         live.kill()
         live.wait()
+
+
+# A writer that replaces the damaged cache ``sys.argv[1]`` and stops once it has set it aside, before deleting it:
+# says the name it was set aside under, then waits.
+REPLACER = """
+import sys, time
+from pathlib import Path
+import numpy as np
+import coati_kto.reference.cache as cache
+
+def hold(path, ignore_errors=False):
+    print(Path(path).name, flush=True)
+    time.sleep(600)
+
+def damaged(directory, key, rows):
+    raise ValueError("checksum")
+
+cache.shutil.rmtree = hold
+cache._read = damaged
+cache._write(Path(sys.argv[1]), {"digest": "x"}, {"train": np.zeros((3, 2), np.float32)}, 0.0)
+"""
+
+
+def _replacer(directory: Path) -> tuple[subprocess.Popen, str]:
+    directory.mkdir(parents=True)
+    (directory / "meta.json").write_text("{")  # damaged
+    proc = subprocess.Popen(
+        [sys.executable, "-c", REPLACER, str(directory)], stdout=subprocess.PIPE, text=True
+    )
+    return proc, proc.stdout.readline().strip()
+
+
+def test_a_damaged_cache_a_killed_writer_had_set_aside_goes_at_the_next_sweep(tmp_path: Path, capsys) -> None:
+    """``.DIGEST.old-XXXXXXXX`` (the damaged cache, renamed aside so that readers find a whole cache or none) was
+    left for good by a kill before its deletion: nothing swept it. Now it is named after its writer's build folder
+    and goes with that folder's lock once the writer is gone; a live writer's stays."""
+    root = tmp_path / cache.CACHE_DIR
+    killed, killed_aside = _replacer(root / "0123456789abcdef")
+    live, live_aside = _replacer(root / "fedcba9876543210")
+    try:
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+        assert killed_aside.startswith(".0123456789abcdef.old-") and (root / killed_aside).is_dir()
+        assert (root / "0123456789abcdef" / "train.npy").is_file()  # the new cache is in place
+        cache._sweep(root)
+        assert capsys.readouterr().out.splitlines() == [
+            f"the reference cache {root}: removed 1 set-aside old copy(ies) of processes that were killed: "
+            f"{killed_aside}"
+        ]
+        assert not (root / killed_aside).exists() and not list(root.glob(".0123456789abcdef.tmp-*.lock"))
+        assert (root / live_aside).is_dir() and (root / "0123456789abcdef" / "train.npy").is_file()
+        cache._sweep(root)  # the live writer's aside is its own to delete
+        assert capsys.readouterr().out == "" and (root / live_aside).is_dir()
+    finally:
+        live.kill()
+        live.wait()
