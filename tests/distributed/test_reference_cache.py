@@ -234,4 +234,7 @@ def test_precompute_cli_computes_then_reuses_and_names_a_missing_reference(
     )
     assert out.stdout.strip().endswith("codes [0, 2]"), out.stdout + out.stderr
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "nowhere" in errors[0] and "on disk" in errors[0]
+    # precompute's preflight names the missing reference before it prepares anything (train's wording)
+    assert errors == [
+        f"error: model.reference_path: {tmp_path / 'nowhere'} does not exist (a local path; a hub id looks like org/name)"
+    ]
