@@ -59,8 +59,9 @@ class KTOCollator:
     ``sequence`` (sp_size, sp_rank): under sequence parallelism the examples' and KL pairs' rows become this
     rank's :class:`~coati_kto.data.batch.RowSlice` (``padding_free`` required).
 
-    Image rows (an ``images`` list of bytes, :mod:`coati_kto.data.image_store`): ``image_processor`` (the
-    processor's) runs once over the micro-batch's images, into :class:`~coati_kto.data.batch.ImageBatch` (with
+    Image rows (an ``images`` list of references, resolved to their bytes through ``image_table``, the build's
+    :class:`~coati_kto.data.image_table.PreparedImages`): ``image_processor`` (the processor's) runs once over
+    the micro-batch's images, into :class:`~coati_kto.data.batch.ImageBatch` (with
     Gemma 4's ``image_position_ids`` and Qwen's ``image_grid_thw`` where it returns them), and every row's
     ``image_token_id`` count in each view must equal its images' tokens: ``image_seq_length`` each (Gemma 3), or
     with None what the image processor gives per image (Gemma 4's soft tokens, Qwen's grid:
@@ -77,6 +78,7 @@ class KTOCollator:
         image_processor: Any = None,
         image_token_id: int | None = None,
         image_seq_length: int | None = None,
+        image_table: Any = None,
     ) -> None:
         if padding_free not in (None, "one", "bins"):
             raise ValueError(f"padding_free must be None, 'one' or 'bins', got {padding_free!r}")
@@ -96,6 +98,7 @@ class KTOCollator:
             if image_token_id is None:
                 raise ValueError("an image_processor needs its image_token_id")
         self.image_processor = image_processor
+        self.image_table = image_table
         self.image_token_id = image_token_id
         self.image_seq_length = image_seq_length
 
@@ -150,9 +153,9 @@ class KTOCollator:
     def _images(self, features: list[dict], example: TokenView, kl: TokenView) -> ImageBatch | None:
         """The rows' images through the image processor (None when no row has one), their token types per view,
         and the count check (see the class docstring)."""
-        if self.image_processor is None:
-            raise ValueError("the rows hold images but the collator has no image_processor")
-        per_row = [list(f["images"] or []) for f in features]
+        if self.image_processor is None or self.image_table is None:
+            raise ValueError("the rows hold images but the collator has no image_processor or image_table")
+        per_row = [self.image_table.row_images(f) for f in features]
         outputs = None
         counts = [[] for _ in per_row]
         if any(per_row):

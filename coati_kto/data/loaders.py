@@ -11,8 +11,8 @@ from torch.utils.data import DataLoader
 from coati_kto.config.schema import TrainSection
 from coati_kto.data.collator import KTOCollator
 from coati_kto.data.eval_sampler import EvalBatchSampler, ValidMaskLoader
+from coati_kto.data.prepared_read import PreparedData
 from coati_kto.data.sampler import MixedLabelBatchSampler
-from coati_kto.data.store import PreparedData
 from coati_kto.errors import ConfigError
 from coati_kto.parallel.distributed import ParallelLayout
 

@@ -6,7 +6,7 @@
 
 Both take the :class:`~coati_kto.data.settings.PrepareSettings` and the
 :class:`~coati_kto.data.weights.WeightSettings` of the config, and return
-:class:`~coati_kto.data.store.PreparedData` whose ``stats`` is stats.json plus ``"imbalance"``:
+:class:`~coati_kto.data.prepared_read.PreparedData` whose ``stats`` is stats.json plus ``"imbalance"``:
 :func:`coati_kto.data.weights.imbalance` for one rank and the current config, computed on opening because it
 depends on settings the data fingerprint does not cover (``train.micro_batch_size``, ``kto.*``).
 """
@@ -18,15 +18,9 @@ import time
 from pathlib import Path
 
 from coati_kto.data.prepared_lock import release
+from coati_kto.data.prepared_read import PreparedData, read_prepared
 from coati_kto.data.settings import PrepareSettings
-from coati_kto.data.store import (
-    NO_BUILD,
-    PreparedData,
-    build_reason,
-    ensure,
-    read_fingerprint,
-    read_prepared,
-)
+from coati_kto.data.store import NO_BUILD, build_reason, ensure, read_fingerprint
 from coati_kto.data.summary import summary
 from coati_kto.data.tokenize import load_tokenizer
 from coati_kto.data.train_data import train_data_digest, train_data_parts

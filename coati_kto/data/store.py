@@ -1,7 +1,7 @@
 """``data.prepared_dir``: the fingerprinted, atomically built directory of prepared rows. One process.
 
-Layout: ``train/`` and ``eval/`` (``datasets`` save_to_disk), ``stats.json``, ``skipped.txt`` (every bad
-record skipped, then every row dropped to fit data.max_length, one line each: reason, tab, source and why) and ``fingerprint.json``, written last.
+Layout: ``train/`` and ``eval/`` (``datasets`` save_to_disk; an image build's hold ``images.arrow`` too),
+``stats.json``, ``skipped.txt`` (every bad record skipped, then every row dropped to fit data.max_length, one line each: reason, tab, source and why) and ``fingerprint.json``, written last.
 
 Cache: the fingerprint covers the input files (path, size and a hash of the content: an edit that keeps size
 and mtime, as ``cp -p`` or ``rsync -t`` can, still rebuilds; a Hub dataset by the commit sha its revision
@@ -14,7 +14,7 @@ cache that looks valid.
 
 The rows themselves come from :mod:`coati_kto.data.tables`. Who builds on a multi-rank run, and the KTO weight
 report shown with the summary, live outside the data package (:mod:`coati_kto.data.prepared`,
-:mod:`coati_kto.data.weights`).
+:mod:`coati_kto.data.weights`); a build is opened by :mod:`coati_kto.data.prepared_read`.
 """
 
 from __future__ import annotations
@@ -26,13 +26,10 @@ import re
 import shutil
 import time
 import uuid
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import datasets
 import numpy as np
-import pyarrow as pa
 
 from coati_kto.config.hub import HubDataset, is_hub_dataset
 from coati_kto.data import template_clock
@@ -45,12 +42,12 @@ from coati_kto.data.image_store import images_fingerprint, load_processor, no_ty
 from coati_kto.data.prepared_lock import deciding, read_from_now, refuse_if_read
 from coati_kto.data.settings import PrepareSettings
 from coati_kto.data.splits import duplicates, group_split, label_counts, prompt_key, require_both_labels
-from coati_kto.data.store_check import build_damage, unreadable
+from coati_kto.data.store_check import build_damage
 from coati_kto.data.tables import build_split, progress_bars
 from coati_kto.data.vocabulary import model_pad_id
 from coati_kto.errors import DataError
 
-PIPELINE_VERSION = 8  # bump when the prepared rows change for the same inputs (8: see below)
+PIPELINE_VERSION = 9  # bump when the prepared rows change for the same inputs (9: see below)
 # 2: ids of the whole text tokenized once (SentencePiece-style tokenizers lost their spurious "▁"); eval split
 #    by prompt group; content hash of the input files.
 # 3: a cut prompt keeps its BOS; a boundary token holding only the completion's leading whitespace stays with the
@@ -63,17 +60,9 @@ PIPELINE_VERSION = 8  # bump when the prepared rows change for the same inputs (
 # 8: plain text ending with the template's end of turn gets no EOS after it (text rendered with the template);
 #    a template that dates prompts renders the whole build as of one day (coati_kto.data.template_clock); a Python
 #    tokenizer's prompt/completion split is the fast one's; an image is turned upright by its EXIF orientation.
+# 9: a split's distinct images stored once (<split>/images.arrow); the rows hold their digests (data.image_table).
 NO_BUILD = "no prepared data yet"  # the build reason of a data.prepared_dir that holds none
 HASH_CHUNK = 8 << 20  # bytes per hash update; 1-8 MiB all read at about disk/hash speed (~500 MB/s here)
-
-
-@dataclass
-class PreparedData:
-    """The opened splits (``eval`` None without an eval split) and stats.json's contents."""
-
-    train: datasets.Dataset
-    eval: datasets.Dataset | None
-    stats: dict
 
 
 # ------------------------------------------------------------------------------------------- fingerprint
@@ -386,15 +375,3 @@ def build_reason(settings: PrepareSettings, tokenizer) -> str | None:
     when it does. Reads the inputs' content to fingerprint them; writes nothing."""
     fp = fingerprint(settings, tokenizer, load_processor(settings))
     return _build_reason(Path(settings.data.prepared_dir), fp)
-
-
-def read_prepared(prepared_dir: str | Path) -> PreparedData:
-    """Open the splits and stats.json of a complete build in ``prepared_dir`` (memory-mapped arrow)."""
-    target = Path(prepared_dir)
-    try:
-        stats = json.loads((target / "stats.json").read_text())
-        train = datasets.load_from_disk(str(target / "train"))
-        evaluation = datasets.load_from_disk(str(target / "eval")) if (target / "eval").is_dir() else None
-    except (OSError, ValueError, pa.ArrowException) as err:  # deleted or cut short since it was checked
-        raise unreadable(target, err) from None
-    return PreparedData(train=train, eval=evaluation, stats=stats)

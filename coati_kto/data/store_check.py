@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from coati_kto.data.image_table import IMAGE_FILE
 from coati_kto.errors import DataError
 
 SPLITS = ("train", "eval")
@@ -14,9 +15,11 @@ SPLITS = ("train", "eval")
 
 def build_damage(target: Path) -> str | None:
     """What a build in ``target`` lacks ("train/data-00000-of-00001.arrow is missing"), or None when every file a
-    read opens is there. The eval split is optional; the train split is not."""
+    read opens is there (an image build's ``images.arrow`` too). The eval split is optional; the train split is
+    not."""
     if not (target / "stats.json").is_file():
         return "stats.json is missing"
+    images = _image_build(target)
     for split in SPLITS:
         folder = target / split
         if not folder.is_dir():
@@ -30,10 +33,20 @@ def build_damage(target: Path) -> str | None:
             return f"{split}/state.json is missing"
         except (OSError, ValueError, KeyError, TypeError) as err:
             return f"{split}/state.json is unreadable ({type(err).__name__})"
+        names += [IMAGE_FILE] if images else []
         missing = [name for name in names if not (folder / name).is_file()]
         if missing:
             return f"{split}/{missing[0]} is missing"
     return None
+
+
+def _image_build(target: Path) -> bool:
+    """Whether the build in ``target`` holds image rows: its fingerprint has images (every split then has its
+    ``images.arrow``, :mod:`coati_kto.data.image_table`)."""
+    try:
+        return bool(json.loads((target / "fingerprint.json").read_text()).get("images"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def unreadable(target: Path, err: Exception) -> DataError:

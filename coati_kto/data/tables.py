@@ -3,9 +3,9 @@
 One row per usable example: input_ids, completion_start (first completion token), label (True = desirable),
 kl_input_ids / kl_completion_start (this prompt + the completion of row kl_index), index (row id), kl_index,
 source ("file:line"), length / kl_length (token counts after truncation, for length grouping). With a
-processor (image records, :mod:`coati_kto.data.image_store`): images (the bytes of the row's prompt's images,
-which its KL row shares; list<large_binary>, :data:`IMAGE_BYTES`; builds before it hold list<binary>, read the
-same) and image_tokens (the image soft tokens in that prompt).
+processor (image records, :mod:`coati_kto.data.image_store`): images (the references of the row's prompt's
+images, which its KL row shares: their digests, the bytes stored once per split, :mod:`coati_kto.data.image_table`)
+and image_tokens (the image soft tokens in that prompt).
 
 The only disk use is ``datasets``' own: the tokenizing map writes its arrow cache into the build directory the
 caller passes (:mod:`coati_kto.data.store` owns that directory, the fingerprint and stats.json).
@@ -31,6 +31,7 @@ from coati_kto.config.schema import DataSection
 from coati_kto.data.chat import require_chat_template
 from coati_kto.data.endings import checkpoint_eos, generation_eos_ids
 from coati_kto.data.formats import Record, RecordError
+from coati_kto.data.image_table import PreparedSplit, distinct_images
 from coati_kto.data.images import image_cut, image_stats
 from coati_kto.data.kl_pairs import derangement_by_kind, pair_stats
 from coati_kto.data.ragged import Ragged, join_truncated, kept_rows
@@ -303,8 +304,8 @@ def _rows(
     head = _heads(ids.prompts, bos_id)[fit.rows]
     n, rows = np.arange(len(fit.rows)), fit.rows
     images = {}
-    if "image_bytes" in table.column_names:  # the row's prompt's images: its KL row (prompt i) uses them too
-        images = {"images": table.column("image_bytes"), "image_tokens": table.column("image_tokens")}
+    if "image_refs" in table.column_names:  # the row's prompt's images: its KL row (prompt i) uses them too
+        images = {"images": table.column("image_refs"), "image_tokens": table.column("image_tokens")}
     return pa.table(
         {
             "input_ids": join_truncated(ids.prompts, ids.completions, rows, rows, keep_p, keep_c, head),
@@ -343,12 +344,12 @@ def build_split(
     name: str,
     files: list[str],
     processor=None,
-) -> tuple[datasets.Dataset, dict, list[RecordError], list[str]]:
+) -> tuple[PreparedSplit, dict, list[RecordError], list[str]]:
     """One split (``name``: "train" or "eval", which also seeds its KL pairing): tokenize, drop what cannot fit,
-    pair, truncate. Returns (in-memory rows, the split's stats, records skipped here, a line per row dropped to
-    fit: its reason, a tab, its source and why). ``work``: a scratch
-    directory for the tokenizer's arrow cache (the caller deletes it); ``files``: named in errors; ``processor``:
-    a vision-language processor for image records (the rows then hold their images).
+    pair, truncate. Returns (the in-memory rows and, for image records, the split's distinct images; the split's
+    stats, records skipped here, a line per row dropped to fit: its reason, a tab, its source and why).
+    ``work``: a scratch directory for the tokenizer's arrow cache (the caller deletes it); ``files``: named in
+    errors; ``processor``: a vision-language processor for image records (the rows then reference their images).
 
     Raises the first bad record (``data.on_bad_record: error``), a too-long example (``data.on_too_long:
     error``) or a split left without both labels, as DataError.
@@ -361,12 +362,14 @@ def build_split(
     fit = _fit(table, ids, errors, settings.data, bos)
     # Arrow's take would concatenate the list columns' chunks (int32 offsets: 2^31 tokens at most): they are
     # read from ``ids`` by row number instead (coati_kto.data.ragged). It would also copy every image byte (a
-    # second copy of the split's images): they are kept as zero-copy runs of rows.
+    # second copy of the split's images): the kept rows' are zero-copy runs, each distinct image stored once.
     images = table.column("image_bytes") if "image_bytes" in table.column_names else None
     unread = [c for c in ("prompt_ids", "completion_ids", "image_bytes") if c in table.column_names]
     table = table.drop_columns(unread).take(fit.rows)
+    distinct = None
     if images is not None:
-        table = table.append_column("image_bytes", kept_rows(images, fit.rows))
+        refs, distinct = distinct_images(kept_rows(images, fit.rows))
+        table = table.append_column("image_refs", refs)
     labels = table.column("label").to_numpy(zero_copy_only=False).astype(bool)
     left = fit.dropped + fit.image_cut  # a split short of a label for its length is not short of data
     first = fit.left_out[0].split("\t", 1)[-1] if fit.left_out else ""
@@ -382,4 +385,4 @@ def build_split(
             fit.keep_p + fit.keep_c,
         )
     rows = _rows(table, ids, fit, labels, pi, settings.data, bos)
-    return _dataset(rows, table.column("prompt_hash")), stats, skipped, fit.left_out
+    return PreparedSplit(_dataset(rows, table.column("prompt_hash")), distinct), stats, skipped, fit.left_out

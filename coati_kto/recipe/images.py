@@ -66,8 +66,9 @@ def image_refusal(config: Config) -> str | None:
 
 
 def image_collator(config: Config, data: Any) -> tuple[dict[str, Any], str | None]:
-    """The ``KTOCollator`` image keywords (empty without images) and the one-line note on the passes turned off
-    for images (None when none is). ConfigError (one line) for a setting images cannot run with."""
+    """The ``KTOCollator`` image keywords (empty without images; ``image_table``: ``data``'s images, which the
+    rows reference) and the one-line note on the passes turned off for images (None when none is). ConfigError
+    (one line) for a setting images cannot run with."""
     if not has_images(data):
         return {}, None
     refusal = image_refusal(config)
@@ -85,4 +86,4 @@ def image_collator(config: Config, data: Any) -> tuple[dict[str, Any], str | Non
     note = None
     if off and kto.loss_type != "apo_zero_unpaired":
         note = f"{' and '.join(off)}: off for image records (the KL pairs run their own padded pass with the images)"
-    return collator_images(config.model), note
+    return {**collator_images(config.model), "image_table": data.images}, note

@@ -25,26 +25,36 @@ LOGGED_SIDE = 256  # the longest side of a sample's image in TensorBoard and W&B
 
 @dataclass(frozen=True)
 class SampleImages:
-    """How the eval rows' image bytes become model inputs: the collator's image processor and image token id."""
+    """How the eval rows' images become model inputs: the collator's image processor, image token id and image
+    table (``coati_kto.data.image_table.PreparedImages``: the bytes a row's ``images`` references)."""
 
     image_processor: Any
     image_token_id: int
+    image_table: Any
 
     @classmethod
     def of(cls, collator: Any) -> SampleImages | None:
         """The image keywords of the eval loader's collator (``coati_kto.data.collator.KTOCollator``); None
         without an image processor (text records)."""
         processor = getattr(collator, "image_processor", None)
-        return None if processor is None else cls(processor, int(collator.image_token_id))
+        if processor is None:
+            return None
+        return cls(processor, int(collator.image_token_id), collator.image_table)
 
     def prompt_images(self, rows: list[Any]) -> PromptImages | None:
         """Every row's images in row order through the image processor (None when no row has one)."""
-        images = [open_image(image) for row in rows for image in (row.get("images") or [])]
+        images = [open_image(image) for row in rows for image in self.image_table.row_images(row)]
         if not images:
             return None
         outputs = self.image_processor(images=images, return_tensors="pt")
         extras = {k: outputs[k] for k in ("image_position_ids", "image_grid_thw") if k in outputs}
         return PromptImages(outputs["pixel_values"], self.image_token_id, extras)
+
+    def logged(self, row: Any) -> np.ndarray | None:
+        """The row's first image as CHW uint8 RGB, its longest side at most :data:`LOGGED_SIDE` pixels (PIL's
+        ``thumbnail``: the aspect ratio kept, never up-scaled); None for a row without images."""
+        refs = row.get("images") or []
+        return logged_image(self.image_table.bytes_of(refs[0])) if refs else None
 
 
 def scoring_keywords(model: Any, images: PromptImages | None, view: TokenView) -> dict[str, Any] | None:
@@ -64,12 +74,8 @@ def scoring_keywords(model: Any, images: PromptImages | None, view: TokenView) -
     return vision_keywords(base_module(model).config, vision, features)
 
 
-def logged_image(row: Any) -> np.ndarray | None:
-    """The row's first image as CHW uint8 RGB, its longest side at most :data:`LOGGED_SIDE` pixels (PIL's
-    ``thumbnail``: the aspect ratio kept, never up-scaled); None for a row without images."""
-    images = row.get("images") or []
-    if not images:
-        return None
-    image = open_image(images[0]).convert("RGB")
+def logged_image(image_bytes: bytes) -> np.ndarray:
+    """``image_bytes`` as :meth:`SampleImages.logged` logs it."""
+    image = open_image(image_bytes).convert("RGB")
     image.thumbnail((LOGGED_SIDE, LOGGED_SIDE))
     return np.ascontiguousarray(np.asarray(image, dtype=np.uint8).transpose(2, 0, 1))

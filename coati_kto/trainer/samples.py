@@ -16,7 +16,6 @@ and reference are the same weights (no ``model.reference_path``).
 
 from __future__ import annotations
 
-import hashlib
 import math
 import re
 import time
@@ -30,7 +29,7 @@ from coati_kto.data.collator import padded_view
 from coati_kto.models.generate import eos_ids, greedy_generate
 from coati_kto.parallel.distributed import ParallelLayout, gather_objects
 from coati_kto.trainer.loss import implied_reward, log_ratio
-from coati_kto.trainer.sample_images import SampleImages, logged_image, scoring_keywords
+from coati_kto.trainer.sample_images import SampleImages, scoring_keywords
 
 COLUMNS = ("sample", "label", "reward", "prompt", "completion")
 
@@ -84,7 +83,7 @@ class EvalSamples:
         self.row_ids = [row for _, row in mine]
         # Image rows: the prompts' pixels once (the prompts are fixed), for generation and scoring.
         self.images = images.prompt_images(self.rows) if images is not None else None
-        self.logged = [logged_image(r) if images is not None else None for r in self.rows]
+        self.logged = [images.logged(r) if images is not None else None for r in self.rows]
         self.tokenizer, self.layout, self.device = tokenizer, layout, device
         self.pad_token_id = pad_token_id
         self.max_new_tokens = max_new_tokens
@@ -205,7 +204,8 @@ def _distinct_prompts(rows: Any, order: np.ndarray, count: int) -> list[int]:
         if len(chosen) == count:
             break
         row = rows[index]
-        images = tuple(hashlib.sha256(bytes(image)).digest() for image in row.get("images") or ())
+        # the images' digests (coati_kto.data.image_table): equal images, equal digests
+        images = tuple(bytes(ref) for ref in row.get("images") or ())
         prompt = (tuple(int(t) for t in row["input_ids"][: int(row["completion_start"])]), images)
         if prompt not in seen:
             seen.add(prompt)

@@ -94,6 +94,7 @@ def _tp_vs_tp1_images(family: str) -> dict[str, Any]:
     from coati_kto.models.hf import freeze_vision_tower
     from coati_kto.parallel import upstream
     from coati_kto.parallel.plan import ParallelPlan
+    from coati_kto.testing.image_rows import stored
     from coati_kto.testing.tiny import build_family_model
     from coati_kto.testing.tiny_processors import PROCESSORS
 
@@ -108,12 +109,14 @@ def _tp_vs_tp1_images(family: str) -> dict[str, Any]:
     optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR[family])
     single_optimizer = torch.optim.SGD([p for p in single.parameters() if p.requires_grad], lr=LR[family])
     model, optimizer, _ = plan.backend.boost(booster, model, optimizer, None)
+    rows, table = stored(_rows(processor))
     collate = KTOCollator(
         tokenizer.pad_token_id,
         image_processor=processor.image_processor,
         image_token_id=tokenizer.image_token_id,
+        image_table=table,
     )
-    batch = collate(_rows(processor))
+    batch = collate(rows)
     image_tokens = batch.images.example_token_types.sum(1).tolist()
     tokens = int(batch.example.loss_mask.sum() + batch.kl.loss_mask.sum())
     logps_diffs, logps = [], []

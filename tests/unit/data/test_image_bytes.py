@@ -1,12 +1,13 @@
 """A split's image bytes past Arrow's binary limit (int32 offsets: 2^31 - 1 bytes a column; 11k images of 200 KB)
-prepare: the rows hold them as large_binary, shared with the tokenized table rather than copied, and the store
-and the collator read the same bytes as before, from new builds and from builds made before (binary).
+prepare: the encoded table holds them as large_binary, the split's distinct images (coati_kto.data.image_table)
+are zero-copy slices of it rather than a copy, and the rows hold references that resolve to the records' bytes.
 
 The split past 2 GiB is made without 2 GiB of memory: its image column's zeros are np.zeros pages never written.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from coati_kto.config.schema import Config
 from coati_kto.data import tables
 from coati_kto.data.collator import KTOCollator
 from coati_kto.data.formats import Record
+from coati_kto.data.image_table import PreparedSplit, open_images
 from coati_kto.data.settings import PrepareSettings
 from coati_kto.data.tables import build_split
 from coati_kto.testing.tiny_processors import gemma3_processor
@@ -79,14 +81,14 @@ def split(tmp_path_factory: pytest.TempPathFactory) -> tuple[PrepareSettings, li
     return PrepareSettings(config.data, config.model, config.train.seed, True), records, root
 
 
-def build(split, root: Path) -> datasets.Dataset:
+def build(split, root: Path) -> PreparedSplit:
     settings, records, _ = split
     processor = gemma3_processor()
-    ds, _, _, left_out = build_split(
+    built, _, _, left_out = build_split(
         records, processor.tokenizer, settings, root, "train", ["train.jsonl"], processor
     )
     assert [line.split("\t")[0] for line in left_out] == ["too_long"]  # record LONG: the rows are two runs
-    return ds
+    return built
 
 
 def past_2_gib(column: pa.ChunkedArray, buffer: np.ndarray) -> pa.ChunkedArray:
@@ -110,19 +112,19 @@ def past_2_gib(column: pa.ChunkedArray, buffer: np.ndarray) -> pa.ChunkedArray:
 
 
 def refuse_pickle(table: InMemoryTable) -> object:
-    """InMemoryTable's pickling, refused for a table holding image bytes: datasets' default fingerprint hashes a
-    pickle of the whole table (a copy of every byte, several at once)."""
-    images = table.schema.field("images").type if "images" in table.column_names else None
-    assert images is None or not pa.types.is_list(images), (
-        "a table of image bytes was pickled (datasets hashes it by default)"
-    )
+    """InMemoryTable's pickling, refused for a table holding image bytes (large_binary: the tokenizing map's
+    input): datasets' default fingerprint hashes a pickle of the whole table (a copy of every byte, several at
+    once). The rows' references (list<binary>, 32 bytes an image) may be."""
+    holds = [f.name for f in table.schema if "large_binary" in str(f.type)]
+    assert not holds, f"a table of image bytes was pickled ({holds}: datasets hashes it by default)"
     return object.__getstate__(table)
 
 
 def test_a_split_past_2_gib_of_image_bytes_prepares(split, tmp_path: Path, monkeypatch) -> None:
     """The real tokenized table, its image column grown past 2 GiB: before large_binary and the zero-copy row
-    selection, build_split's take raised "offset overflow while concatenating arrays"; and the rows are not
-    pickled for their fingerprint (datasets' default: over 20 GiB of memory for these 2.1)."""
+    selection, build_split's take raised "offset overflow while concatenating arrays"; the rows are not
+    pickled for their fingerprint (datasets' default: over 20 GiB of memory for these 2.1); the split's images
+    are the encoded table's bytes, not a copy."""
     _, records, _ = split
     buffer = np.zeros(len(records) * ROW_BYTES, np.uint8)  # calloc: untouched pages cost no memory
     encode = tables._encode
@@ -135,51 +137,60 @@ def test_a_split_past_2_gib_of_image_bytes_prepares(split, tmp_path: Path, monke
         return table.set_column(at, "image_bytes", past_2_gib(table.column("image_bytes"), buffer))
 
     monkeypatch.setattr(tables, "_encode", grown)
-    ds = build(split, tmp_path)
-    assert ds.features["images"] == datasets.List(datasets.Value("large_binary"))
-    column = ds.data.table.column("images")
-    assert len(ds) == 7 and 7 * ROW_BYTES > 2**31  # the kept rows alone pass binary's limit
+    built = build(split, tmp_path)
+    ds, images = built.rows, built.images
+    assert ds.features["images"] == datasets.List(datasets.Value("binary"))  # references
+    assert len(ds) == 7 and images.num_rows == 7 and 7 * ROW_BYTES > 2**31  # the kept images pass the limit
+    column = images.column("bytes")
     for i, source in enumerate(ds["source"]):
         k = int(source.rsplit(":", 1)[1]) - 1
         image = records[k].images[0]
-        images = column[i].values  # row i's images: a slice of the column's large_binary values
-        _, offsets, data = images.buffers()
-        start, end = np.frombuffer(offsets, np.int64)[images.offset : images.offset + 2].tolist()
-        assert k != LONG and len(images) == 1 and end - start == ROW_BYTES
-        assert data.slice(start, len(image)).to_pybytes() == image
+        (ref,) = ds[i]["images"]
+        assert k != LONG and images.column("digest")[i].as_py() == ref  # distinct images, in first-use order
+        chunk, at = _locate(column, i)
+        _, offsets, data = chunk.buffers()
+        start, end = np.frombuffer(offsets, np.int64)[chunk.offset + at : chunk.offset + at + 2].tolist()
+        assert end - start == ROW_BYTES and data.slice(start, len(image)).to_pybytes() == image
+        assert ref == hashlib.sha256(memoryview(data)[start:end]).digest()
         # the encoded table's bytes, not a copy: one copy of a split's images is held
         assert data.address + start == buffer.ctypes.data + k * ROW_BYTES
 
 
-def test_the_stored_images_are_the_records_bytes_for_new_and_old_builds(
-    split, tmp_path: Path, monkeypatch
-) -> None:
-    """Saved and loaded (as coati_kto.data.store does), a row's images are its record's bytes; a build made before
-    large_binary (list<binary>) loads and collates to the same batch. No table of image bytes is pickled on the
-    way (the tokenizing map's input included)."""
+def _locate(column: pa.ChunkedArray, i: int) -> tuple[pa.Array, int]:
+    """(the chunk of ``column`` holding value ``i``, its index there)."""
+    for chunk in column.chunks:
+        if i < len(chunk):
+            return chunk, i
+        i -= len(chunk)
+    raise IndexError(i)
+
+
+def test_the_stored_images_are_the_records_bytes(split, tmp_path: Path, monkeypatch) -> None:
+    """Saved and loaded (as coati_kto.data.store does), a row's images resolve to its record's bytes and collate
+    to the processor's pixels. No table of image bytes is pickled on the way (the tokenizing map's input
+    included)."""
     _, records, _ = split
     with monkeypatch.context() as patched:
         patched.setattr(InMemoryTable, "__getstate__", refuse_pickle)
-        ds = build(split, tmp_path / "work")
-    old = ds.cast_column("images", datasets.List(datasets.Value("binary")))
-    assert old.data.table.column("images").type == pa.list_(pa.binary())
-    loaded = {}
-    for name, rows in (("new", ds), ("old", old)):
-        rows.save_to_disk(str(tmp_path / name))
-        loaded[name] = datasets.load_from_disk(str(tmp_path / name))
-    assert loaded["new"].features["images"] == datasets.List(datasets.Value("large_binary"))
-    assert loaded["new"].to_list() == loaded["old"].to_list() == ds.to_list()
-    for row in loaded["new"]:
-        assert row["images"] == records[int(row["source"].rsplit(":", 1)[1]) - 1].images
+        built = build(split, tmp_path / "work")
+    built.save_to_disk(str(tmp_path / "saved" / "train"))
+    loaded = datasets.load_from_disk(str(tmp_path / "saved" / "train"))
+    table = open_images(tmp_path / "saved")
+    assert loaded.to_list() == built.rows.to_list() and len(table) == 7
+    for row in loaded:
+        assert table.row_images(row) == records[int(row["source"].rsplit(":", 1)[1]) - 1].images
     processor = gemma3_processor()
     collate = KTOCollator(
-        0, image_processor=processor.image_processor, image_token_id=SOFT, image_seq_length=4
+        0,
+        image_processor=processor.image_processor,
+        image_token_id=SOFT,
+        image_seq_length=4,
+        image_table=table,
     )
-    batches = {name: collate([rows[i] for i in range(4)]) for name, rows in loaded.items()}
+    batch = collate([loaded[i] for i in range(4)])
     own = processor.image_processor(
-        images=[Image.open(io.BytesIO(loaded["new"][i]["images"][0])) for i in range(4)], return_tensors="pt"
+        images=[Image.open(io.BytesIO(table.row_images(loaded[i])[0])) for i in range(4)], return_tensors="pt"
     )
-    for batch in batches.values():
-        assert batch.images.pixel_values.shape == (4, 3, 28, 28)
-        assert torch.equal(batch.images.pixel_values, own["pixel_values"])
-        assert batch.images.image_rows.tolist() == [0, 1, 2, 3]
+    assert batch.images.pixel_values.shape == (4, 3, 28, 28)
+    assert torch.equal(batch.images.pixel_values, own["pixel_values"])
+    assert batch.images.image_rows.tolist() == [0, 1, 2, 3]

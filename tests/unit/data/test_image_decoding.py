@@ -128,7 +128,7 @@ def test_a_hub_configs_null_conversion_no_longer_fails_the_collate(tmp_path: Pat
     out = prepare(prepare_settings, weights)
     kwargs = collator_images(prepare_settings.model)
     assert kwargs["image_processor"].do_convert_rgb is None  # the Hub's null reached the collator
-    collate = KTOCollator(0, **kwargs)
+    collate = KTOCollator(0, **kwargs, image_table=out.images)
     pixels = [collate([out.train[i]]).images.pixel_values for i in range(len(out.train))]
     assert all(np.array_equal(p.numpy(), pixels[0].numpy()) for p in pixels)  # grey L = grey RGB
 

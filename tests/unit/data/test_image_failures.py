@@ -21,6 +21,7 @@ from coati_kto.data.formats import RecordError
 from coati_kto.data.image_store import collator_images
 from coati_kto.data.prepared import prepare
 from coati_kto.errors import ConfigError
+from coati_kto.testing.image_rows import stored
 from coati_kto.testing.tiny_processors import gemma3_processor, write_vl
 
 
@@ -171,14 +172,19 @@ def test_the_collator_takes_one_pixel_input_per_image(tmp_path: Path) -> None:
     row = dict(
         input_ids=ids, completion_start=6, label=True, kl_input_ids=ids, kl_completion_start=6, images=[wide]
     )
+    rows, table = stored([row, dict(row, label=False), dict(row, label=False, images=[png((0, 0, 255))])])
     collate = KTOCollator(
-        0, image_processor=processor.image_processor, image_token_id=SOFT, image_seq_length=4
+        0,
+        image_processor=processor.image_processor,
+        image_token_id=SOFT,
+        image_seq_length=4,
+        image_table=table,
     )
     with pytest.raises(ValueError) as err:
-        collate([row, dict(row, label=False)])
+        collate(rows[:2])
     assert str(err.value) == (
         "the image processor gave 8 images for the batch's 2: image records take one per image (set "
         "do_pan_and_scan to false in the image processor's config)"
     )
     processor.image_processor.do_pan_and_scan = False
-    assert collate([row, dict(row, label=False, images=[png((0, 0, 255))])]).images.pixel_values.shape[0] == 2
+    assert collate([rows[0], rows[2]]).images.pixel_values.shape[0] == 2

@@ -12,8 +12,10 @@ import torch
 from PIL import Image
 
 from coati_kto.data.collator import KTOCollator
+from coati_kto.data.image_refs import digest
 from coati_kto.data.processors import load_processor_for_images
 from coati_kto.data.tokenize import Encoder
+from coati_kto.testing.image_rows import stored
 from coati_kto.testing.tiny_processors import write_vl
 
 FAMILIES = ["gemma4_vl", "qwen3_5_vl"]
@@ -113,11 +115,12 @@ def test_the_collated_tower_inputs_are_the_processors(family) -> None:
     processor = load_processor_for_images(str(path))
     small, wide = png((255, 0, 0)), png((0, 0, 255), width=48)
     images = [[small], [small, wide]]
-    features = _features(processor, images)
+    features, table = stored(_features(processor, images))
     collate = KTOCollator(
         processor.tokenizer.pad_token_id,
         image_processor=processor.image_processor,
         image_token_id=processor.tokenizer.image_token_id,
+        image_table=table,
     )
     batch = collate(features)
     flat = [pil(b) for row in images for b in row]
@@ -148,7 +151,7 @@ def test_the_collated_tower_inputs_are_the_processors(family) -> None:
         assert len(own) == start and torch.equal(got.example_token_types[b, :start], own)
         assert not got.example_token_types[b, start:].any()
     # Rows whose image is another size than prepare saw: another count, one error naming the row.
-    swapped = [dict(features[0], images=[wide]), features[1]]
+    swapped = [dict(features[0], images=[digest(wide)]), features[1]]
     with pytest.raises(ValueError) as err:
         collate(swapped)
     assert str(err.value) == (

@@ -21,6 +21,7 @@ from coati_kto.data import store
 from coati_kto.data.collator import KTOCollator
 from coati_kto.data.files import write_jsonl
 from coati_kto.data.formats import RecordError
+from coati_kto.data.image_refs import digest
 from coati_kto.data.images import image_cut
 from coati_kto.data.prepared import prepare
 from coati_kto.data.settings import PrepareSettings
@@ -111,7 +112,8 @@ def test_the_store_holds_the_bytes_and_the_processors_ids(built) -> None:
     assert len(train) == 8 and {"images", "image_tokens"} <= set(train.column_names)
     for row in train:
         line = int(row["source"].rsplit(":", 1)[1])
-        assert row["images"] == [(root / f"{list(COLOURS)[(line - 1) % 4]}.png").read_bytes()]
+        image = (root / f"{list(COLOURS)[(line - 1) % 4]}.png").read_bytes()
+        assert row["images"] == [digest(image)] and out.images.row_images(row) == [image]
         assert row["input_ids"] == processor_ids(processor, root, row["source"])
         assert row["image_tokens"] == 4 and row["input_ids"].count(SOFT) == 4
         # The KL row is prompt i (its image tokens too) + another row's completion.
@@ -145,12 +147,16 @@ def test_the_collated_pixels_are_the_processors(built) -> None:
     _, _, _, out = built
     processor = gemma3_processor()
     collate = KTOCollator(
-        0, image_processor=processor.image_processor, image_token_id=SOFT, image_seq_length=4
+        0,
+        image_processor=processor.image_processor,
+        image_token_id=SOFT,
+        image_seq_length=4,
+        image_table=out.images,
     )
     rows = [out.train[i] for i in range(4)]
     batch = collate(rows)
     own = processor.image_processor(
-        images=[Image.open(io.BytesIO(r["images"][0])) for r in rows], return_tensors="pt"
+        images=[Image.open(io.BytesIO(out.images.row_images(r)[0])) for r in rows], return_tensors="pt"
     )
     assert batch.images.pixel_values.shape == (4, 3, 28, 28)
     assert torch.equal(batch.images.pixel_values, own["pixel_values"])
@@ -171,7 +177,11 @@ def test_a_changed_processor_is_one_error_naming_the_row(built) -> None:
     _, _, _, out = built
     processor = gemma3_processor()
     collate = KTOCollator(
-        0, image_processor=processor.image_processor, image_token_id=SOFT, image_seq_length=8
+        0,
+        image_processor=processor.image_processor,
+        image_token_id=SOFT,
+        image_seq_length=8,
+        image_table=out.images,
     )
     with pytest.raises(ValueError) as err:
         collate([out.train[i] for i in range(2)])
@@ -209,7 +219,7 @@ def test_the_collator_refuses_packed_layouts_with_images() -> None:
                 }
             ]
         )
-    assert str(err.value) == "the rows hold images but the collator has no image_processor"
+    assert str(err.value) == "the rows hold images but the collator has no image_processor or image_table"
 
 
 def test_changed_images_or_processor_change_the_fingerprint(tmp_path: Path) -> None:

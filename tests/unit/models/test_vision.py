@@ -28,6 +28,7 @@ from coati_kto.models.vision import (
     vision_family,
     vision_keywords,
 )
+from coati_kto.testing.image_rows import stored
 from coati_kto.testing.tiny import build_family_model, build_tokenizer
 from coati_kto.testing.tiny_processors import crossed_rows
 
@@ -285,12 +286,13 @@ def test_a_collated_gemma3_batch_gives_both_views_their_log_probs_from_one_tower
         tokenizer.encode(a, add_special_tokens=False) + [tokenizer.eos_token_id]
         for a in (" red", " a blue one")
     ]
-    rows = crossed_rows(prompts, answers, pngs)
+    rows, table = stored(crossed_rows(prompts, answers, pngs))
     collate = KTOCollator(
         tokenizer.pad_token_id,
         image_processor=processor.image_processor,
         image_token_id=tokenizer.image_token_id,
         image_seq_length=processor.image_seq_length,
+        image_table=table,
     )
     batch = collate(rows)
     inputs = view_inputs(batch.images)

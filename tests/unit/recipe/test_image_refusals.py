@@ -32,8 +32,12 @@ def _config(tmp_path: Path, *overrides: str):
     return load_config(write_config(tmp_path, MINIMAL), list(overrides))
 
 
+IMAGES = object()  # the build's images (coati_kto.data.image_table.PreparedImages): the collator gets them
+
+
 def _data(*columns: str) -> types.SimpleNamespace:
-    return types.SimpleNamespace(train=types.SimpleNamespace(column_names=["input_ids", *columns]))
+    train = types.SimpleNamespace(column_names=["input_ids", *columns])
+    return types.SimpleNamespace(train=train, images=IMAGES if "images" in columns else None)
 
 
 @pytest.mark.parametrize("override", list(REFUSALS))
@@ -64,7 +68,7 @@ def test_the_defaults_run_and_the_continuation_falls_back_with_one_note(tmp_path
     monkeypatch.setattr(images, "collator_images", lambda model: {"image_processor": model.path})
     assert image_refusal(_config(tmp_path)) is None
     assert image_collator(_config(tmp_path), _data("images")) == (
-        {"image_processor": "some/model"},
+        {"image_processor": "some/model", "image_table": IMAGES},
         "kto.kl_continuation: off for image records (the KL pairs run their own padded pass with the images)",
     )
     cached = _config(tmp_path, "kto.reference=cached", "kto.kl_continuation=false")

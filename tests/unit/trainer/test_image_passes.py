@@ -25,6 +25,7 @@ from coati_kto.models.hf import freeze_vision_tower
 from coati_kto.models.lm_head import LMHead
 from coati_kto.models.packing import padded_logps
 from coati_kto.models.vision import image_features
+from coati_kto.testing.image_rows import stored
 from coati_kto.testing.tiny import build_family_model
 from coati_kto.testing.tiny_processors import gemma3_processor
 from coati_kto.trainer.loss import preference_loss
@@ -83,13 +84,14 @@ def setup() -> dict[str, Any]:
     processor = gemma3_processor()
     policy = build_family_model("gemma3_vl", processor.tokenizer, seed=0)
     freeze_vision_tower(policy)
+    rows, table = stored(_rows(processor, 6))
     collator = KTOCollator(
         processor.tokenizer.pad_token_id,
         image_processor=processor.image_processor,
         image_token_id=processor.tokenizer.image_token_id,
         image_seq_length=processor.image_seq_length,
+        image_table=table,
     )
-    rows = _rows(processor, 6)
     return {"policy": policy, "collator": collator, "batches": [collator(rows[:3]), collator(rows[3:])]}
 
 

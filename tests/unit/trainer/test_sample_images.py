@@ -15,6 +15,7 @@ from PIL import Image
 
 from coati_kto.models.generate import PromptImages, greedy_generate
 from coati_kto.models.vision import vision_family
+from coati_kto.testing.image_rows import stored
 from coati_kto.testing.tiny_processors import write_vl
 from coati_kto.trainer.sample_images import LOGGED_SIDE, SampleImages, logged_image
 
@@ -64,11 +65,14 @@ def test_generation_with_images_decodes_as_full_forwards_with_the_image_do(
     processor = load_processor_for_images(str(tmp_path / "model"))
     model = AutoModelForImageTextToText.from_pretrained(tmp_path / "model", dtype=torch.float32).eval()
     tokenizer = processor.tokenizer
-    images = SampleImages(processor.image_processor, tokenizer.convert_tokens_to_ids(tokenizer.image_token))
     rows = [
         {"images": [_png((32, 32), (230, 20, 20), noise=1)]},
         {"images": [_png((48, 32), (30, 40, 220), 2)]},
     ]
+    refs, table = stored(rows)
+    images = SampleImages(
+        processor.image_processor, tokenizer.convert_tokens_to_ids(tokenizer.image_token), table
+    )
     prompts = []
     for row, question in zip(
         rows, ["What colour?", "What colour is the shape in this picture?"], strict=True
@@ -83,11 +87,11 @@ def test_generation_with_images_decodes_as_full_forwards_with_the_image_do(
     eos = [tokenizer.eos_token_id]
     pad = tokenizer.pad_token_id
     got = greedy_generate(
-        model, prompts, NEW_TOKENS, pad, eos, torch.device("cpu"), False, images.prompt_images(rows)
+        model, prompts, NEW_TOKENS, pad, eos, torch.device("cpu"), False, images.prompt_images(refs)
     )
     want = [
         _greedy_without_cache(model, p, images.prompt_images([r]), eos)
-        for p, r in zip(prompts, rows, strict=True)
+        for p, r in zip(prompts, refs, strict=True)
     ]
     assert got == want
     if family != "qwen3_5_vl":
@@ -107,8 +111,9 @@ def test_generation_with_images_never_emits_the_image_token(tmp_path: Path) -> N
     model = AutoModelForImageTextToText.from_pretrained(tmp_path / "model", dtype=torch.float32).eval()
     tokenizer = processor.tokenizer
     soft = tokenizer.convert_tokens_to_ids(tokenizer.image_token)
-    images = SampleImages(processor.image_processor, soft)
     row = {"images": [_png((32, 32), (230, 20, 20), noise=1)]}
+    (ref,), table = stored([row])
+    images = SampleImages(processor.image_processor, soft, table)
     text = processor.apply_chat_template(
         [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What colour?"}]}],
         add_generation_prompt=True,
@@ -123,18 +128,20 @@ def test_generation_with_images_never_emits_the_image_token(tmp_path: Path) -> N
     model.get_output_embeddings().register_forward_hook(prefer_the_image_token)
     eos, pad = [tokenizer.eos_token_id], tokenizer.pad_token_id
     got = greedy_generate(
-        model, [prompt], NEW_TOKENS, pad, eos, torch.device("cpu"), False, images.prompt_images([row])
+        model, [prompt], NEW_TOKENS, pad, eos, torch.device("cpu"), False, images.prompt_images([ref])
     )
     assert len(got[0]) == NEW_TOKENS and soft not in got[0]
 
 
 def test_the_logged_image_is_the_records_first_down_scaled_to_256_px() -> None:
     small = _png((40, 32), (10, 200, 30), noise=3)
-    row = {"images": [small, _png((8, 8), (0, 0, 0))]}
-    chw = logged_image(row)
+    rows = [{"images": [small, _png((8, 8), (0, 0, 0))]}, {"images": []}, {"label": True}]
+    (row, empty, text), table = stored(rows)
+    images = SampleImages(None, 0, table)
+    chw = images.logged(row)
     assert chw.dtype == np.uint8 and chw.shape == (3, 32, 40)
     assert np.array_equal(chw.transpose(1, 2, 0), np.asarray(Image.open(io.BytesIO(small)).convert("RGB")))
-    big = logged_image({"images": [_png((1024, 512), (200, 100, 50))]})
+    big = logged_image(_png((1024, 512), (200, 100, 50)))
     assert big.shape == (3, LOGGED_SIDE // 2, LOGGED_SIDE)  # the aspect ratio kept
     assert (big == np.array([200, 100, 50], dtype=np.uint8)[:, None, None]).all()  # a flat colour stays exact
-    assert logged_image({"images": []}) is None and logged_image({"label": True}) is None
+    assert images.logged(empty) is None and images.logged(text) is None
