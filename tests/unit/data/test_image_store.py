@@ -143,8 +143,8 @@ def test_prepare_prints_the_images(built, capsys: pytest.CaptureFixture) -> None
     assert f"    images per record: 8 with 1; image tokens 32 ({share:.1f}% of the tokens)" in printed
 
 
-def test_the_collated_pixels_are_the_processors(built) -> None:
-    _, _, _, out = built
+def gemma3_collator(out) -> tuple:
+    """The tiny Gemma 3 processor and a collator over ``out`` (a read prepared build)'s image table."""
     processor = gemma3_processor()
     collate = KTOCollator(
         0,
@@ -153,6 +153,12 @@ def test_the_collated_pixels_are_the_processors(built) -> None:
         image_seq_length=4,
         image_table=out.images,
     )
+    return processor, collate
+
+
+def test_the_collated_pixels_are_the_processors(built) -> None:
+    _, _, _, out = built
+    processor, collate = gemma3_collator(out)
     rows = [out.train[i] for i in range(4)]
     batch = collate(rows)
     own = processor.image_processor(

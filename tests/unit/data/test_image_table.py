@@ -15,17 +15,15 @@ import pyarrow as pa
 import pytest
 import torch
 from PIL import Image
-from test_image_store import COLOURS, SOFT, settings, vl_model_dir
+from test_image_store import COLOURS, gemma3_collator, settings, vl_model_dir
 
 from coati_kto.data import store
-from coati_kto.data.collator import KTOCollator
 from coati_kto.data.files import write_jsonl
 from coati_kto.data.image_refs import digest
 from coati_kto.data.images import open_image
 from coati_kto.data.prepared import prepare
 from coati_kto.data.prepared_read import read_prepared
 from coati_kto.data.tokenize import load_tokenizer
-from coati_kto.testing.tiny_processors import gemma3_processor
 
 
 def noise_png(seed: int, side: int = 160) -> bytes:
@@ -87,14 +85,7 @@ def test_the_batch_is_the_per_row_layouts(shared) -> None:
     """A training batch's pixel values, image rows and token types equal those of the processor over the rows'
     images in row order: what the per-row layout's collator gave."""
     root, _, _, out = shared
-    processor = gemma3_processor()
-    collate = KTOCollator(
-        0,
-        image_processor=processor.image_processor,
-        image_token_id=SOFT,
-        image_seq_length=4,
-        image_table=out.images,
-    )
+    processor, collate = gemma3_collator(out)
     rows = [out.train[i] for i in (0, 3, 1, 7, 4)]
     batch = collate(rows)
     files = ["red.png" if (int(r["source"].rsplit(":", 1)[1]) - 1) % 4 == 3 else "big.png" for r in rows]
