@@ -11,10 +11,12 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from coati_kto.cli_args import check_numbers, parse
 from coati_kto.errors import PUSH_FAILED_EXIT_CODE, USER_ERROR_EXIT_CODE, UserError, without_secrets
+from coati_kto.parallel.advice import set_command
 from coati_kto.runtime.signals import (
     ABORT_EXIT_CODE,
     STOP,
@@ -92,11 +94,7 @@ def _run(args: argparse.Namespace) -> int:
         _config_command(args)
         return 0
     if args.command == "tiny-model":
-        from coati_kto.models.tiny import write_tiny_model
-
-        if args.overrides:
-            raise UserError(f"coati-kto tiny-model takes no overrides, got {' '.join(args.overrides)}")
-        print(write_tiny_model(args.dir, args.seed, args.hidden_size, args.layers))
+        _tiny_model(args)
         return 0
     # The commands' modules are imported on demand: `coati-kto config` and `--help` must not pay for torch.
     from coati_kto.config.load import load_config
@@ -128,6 +126,37 @@ def _run(args: argparse.Namespace) -> int:
         # train releases the collector itself, once the plugins are imported too (recipe.train)
         return PUSH_FAILED_EXIT_CODE if getattr(train(config), "pushed", None) is False else 0
     return 0
+
+
+def _tiny_model(args: argparse.Namespace) -> None:
+    """``coati-kto tiny-model``: the folder written whole through ``durable.write_dir`` (a stop, under
+    ``STOP.quit_on_stop`` from entry, removes the partial copy: the folder is whole, or as it was)."""
+    from coati_kto.models.tiny import write_tiny_model
+    from coati_kto.runtime.durable import write_dir
+
+    if args.overrides:
+        raise UserError(f"coati-kto tiny-model takes no overrides, got {' '.join(args.overrides)}")
+    out = Path(args.dir)
+    before = _identity(out)
+    # the renamed-in folder is another inode: a stop that came as it was renamed in (held) left it complete
+    STOP.leaves(lambda: _tiny_left(out, before))
+    print(STOP.stoppable(lambda: write_tiny_model(out, args.seed, args.hidden_size, args.layers, write_dir)))
+
+
+def _tiny_left(out: Path, before: tuple[int, int] | None) -> str:
+    """What a stop of tiny-model leaves, for its line."""
+    if _identity(out) != before:
+        return f"{out} is complete"
+    return f"nothing written to {out}" if before is None else f"{out} is as it was"
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of ``path``, None when absent."""
+    try:
+        found = path.stat()
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
 
 
 def _data_command(args: argparse.Namespace, config: Config) -> None:
@@ -202,12 +231,14 @@ def entry() -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``coati-kto``: exit 0 done, 2 a user mistake (one line), 3 done but the Hub upload failed (one line), 75 a
-    clean stop, 1 a peer gone, 130 aborted; precompute, export, prepare, inspect, plan and config stopped by a
-    signal: 128 + the signal (143)."""
+    clean stop, 1 a peer gone, 130 aborted; precompute, export, prepare, inspect, plan, config and tiny-model
+    stopped by a signal: 128 + the signal (143)."""
     try:
         args = parse(argv)  # imports the config's schema (pydantic, yaml): tenths of a second
     except KeyboardInterrupt:
         return _interrupted(command_of(sys.argv[1:] if argv is None else argv), os.environ.get("RANK"))
+    # before any collective: the advice of a line about another rank's failure is this command's
+    set_command(args.command)
     if "RANK" in os.environ:  # a rank: stop cleanly even while still importing (train)
         STOP.start_rank(train=args.command == "train")
     rank = os.environ.get("RANK")
@@ -276,7 +307,7 @@ def _main(args: argparse.Namespace, rank: str | None) -> int:
         print(f"[rank {rank or '0'}] error: {line}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
-        # Ctrl-C before train's stop handlers are installed (imports, the preflight), or tiny-model's
+        # Ctrl-C before train's stop handlers are installed (imports, the preflight)
         return _interrupted(args.command, rank)
 
 

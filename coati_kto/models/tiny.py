@@ -8,7 +8,7 @@ are built with the same two functions.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -104,11 +104,19 @@ def build_llama(
     return LlamaForCausalLM(config)
 
 
-def write_tiny_model(out_dir: str | Path, seed: int = 0, hidden_size: int = 64, num_layers: int = 2) -> str:
+def write_tiny_model(
+    out_dir: str | Path,
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    write: Callable[[Path, Callable[[Path], None]], None] | None = None,
+) -> str:
     """Save a ChatML tokenizer and a random Llama into ``out_dir``; returns the line that says what was written.
 
     Refuses (UserError) a folder that holds other files than a previous ``tiny-model`` run's (its README.md
     says so), so a model of the user's is never overwritten; the same arguments write the same weights.
+    ``write(out, fill)``: how the folder is written (the CLI's ``durable.write_dir``: whole or as it was, under
+    a stop too); by default ``fill(out)`` in place.
     """
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
@@ -126,18 +134,27 @@ def write_tiny_model(out_dir: str | Path, seed: int = 0, hidden_size: int = 64, 
         )
     tokenizer = chatml_tokenizer()
     model = build_llama(tokenizer, hidden_size=hidden_size, num_layers=num_layers, seed=seed)
+    params = sum(p.numel() for p in model.parameters())
     from transformers.utils import logging as hf_logging
 
-    shown = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # "Writing model shards" for a file of a few hundred KB: noise on stderr
-    try:
-        model.save_pretrained(out)
-    finally:
-        if shown:
-            hf_logging.enable_progress_bar()
-    tokenizer.save_pretrained(out)
-    params = sum(p.numel() for p in model.parameters())
-    card.write_text(MODEL_CARD.format(seed=seed, hidden=hidden_size, layers=num_layers, params=f"{params:,}"))
+    def fill(folder: Path) -> None:
+        shown = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # "Writing model shards" for a file of a few hundred KB: noise on stderr
+        try:
+            model.save_pretrained(folder)
+        finally:
+            if shown:
+                hf_logging.enable_progress_bar()
+        tokenizer.save_pretrained(folder)
+        text = MODEL_CARD.format(seed=seed, hidden=hidden_size, layers=num_layers, params=f"{params:,}")
+        (folder / card.name).write_text(text)
+
+    if write is None:
+        out.mkdir(parents=True, exist_ok=True)
+        fill(out)
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        write(out, fill)
     return (
         f"wrote {out}: a random Llama ({params / 1e6:.2f}M parameters, hidden size {hidden_size}, {num_layers} "
         f"layers) and a {len(tokenizer)}-token ChatML tokenizer; use it as model.path={out}"

@@ -25,6 +25,7 @@ from torch.distributed import ProcessGroup
 
 from coati_kto.errors import UserError, rebuild_user_error
 from coati_kto.parallel import upstream
+from coati_kto.parallel.advice import next_step
 from coati_kto.parallel.store_waits import (
     DEFAULT_TIMEOUT_S,
     FileWaitTimeoutError,
@@ -336,7 +337,7 @@ def peer_failure(err: BaseException) -> str | None:
         # A timeout cannot tell a dead peer from a live one stuck elsewhere (a hang, another collective).
         return (
             f"a collective timed out after train.dist_timeout ({first_line}): another rank or node is gone or "
-            "stuck; its own error, if any, is reported above; resume with train.resume=auto"
+            f"stuck; its own error, if any, is reported above; {next_step()}"
         )
     elif isinstance(err, dist.DistError):
         cause = first_line
@@ -344,7 +345,7 @@ def peer_failure(err: BaseException) -> str | None:
         return None
     return (
         f"a collective failed because another rank or node is gone ({cause}); its own error, if any, is "
-        "reported above; resume with train.resume=auto"
+        f"reported above; {next_step()}"
     )
 
 

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from coati_kto.parallel.advice import next_step
+
 DEFAULT_TIMEOUT_S = 7200.0  # train.file_wait_timeout's default: a 1 TB checkpoint at 200 MB/s takes 83 min
 
 MAX_PAUSE_S = 0.5  # between two polls of a long wait
@@ -97,7 +99,7 @@ def tell_peers(line: str) -> None:
 def peer_failed(line: str, waiting_for: str) -> PeerFailedError:
     """The error a rank raises when ``line`` (``rank R: ...``, another rank's failure) ended its wait for
     ``waiting_for``; the CLI prints it as this rank's one line (exit 1)."""
-    return PeerFailedError(f"{line} (this rank was waiting for {waiting_for}); resume with train.resume=auto")
+    return PeerFailedError(f"{line} (this rank was waiting for {waiting_for}); {next_step()}")
 
 
 def _poll(ready: Callable[[], bool], waiting_for: str, store: Any) -> None:
@@ -112,7 +114,7 @@ def _poll(ready: Callable[[], bool], waiting_for: str, store: Any) -> None:
         if time.monotonic() > deadline:
             raise FileWaitTimeoutError(
                 f"waited {_timeout_s:.0f} s (train.file_wait_timeout) for {waiting_for}; a rank is stuck or a "
-                "node is gone: its own error, if any, is in its log; resume with train.resume=auto"
+                f"node is gone: its own error, if any, is in its log; {next_step()}"
             )
         time.sleep(pause)
         pause = min(2 * pause, MAX_PAUSE_S)

@@ -42,6 +42,9 @@ QUITTING = ("precompute", "export", "prepare", "inspect")
 # the error): the half-imported numpy then failed transformers' next import, and plan said "error: model.path:
 # ... transformers cannot build its config.json", exit 2; SIGUSR1 and SIGTERM had the default action.
 READING = ("plan", "config")
+# tiny-model writes its folder through durable.write_dir (whole, or as it was): a stop quits it as it does those
+# (SIGTERM and SIGUSR1 had the default action)
+ALONE = (*QUITTING, *READING, "tiny-model")
 _VOTE_COUNT, _VOTE_SIGNAL = "stop/requested", "stop/signal"
 
 
@@ -125,16 +128,18 @@ class StopSignals:
 
     def _one_process(self, command: str | None) -> None:
         """The stop signals of a command run in this process alone (no launcher, not a rank), from its first
-        step: precompute, export, prepare, inspect, plan and config quit (``quit_on_stop``: one line, 128 + the
-        signal). Elsewhere (train until its handlers, tiny-model) a Ctrl-C is recorded as it raises
-        KeyboardInterrupt (``_interrupt``), and train keeps a SIGUSR1 (SLURM's warning; its default action
-        killed the process) for its first step, as a launcher keeps it for its ranks: a checkpoint, exit 75."""
-        if command in QUITTING or command in READING:
+        step: precompute, export, prepare, inspect, plan, config and tiny-model quit (``quit_on_stop``: one line,
+        128 + the signal). Elsewhere (train until its handlers, no command yet) a Ctrl-C is recorded as it raises
+        KeyboardInterrupt (``_interrupt``), and train keeps a SIGTERM or SIGUSR1 (a scheduler's stop, SLURM's
+        warning; their default action killed the process, 143 with no line) for its first step, as a launcher
+        keeps them for its ranks: a checkpoint, exit 75."""
+        if command in ALONE:
             self.quit_on_stop(command)
             return
         signal.signal(signal.SIGINT, self._interrupt)
         if command == "train":
-            signal.signal(signal.SIGUSR1, self._handle)
+            for sig in (signal.SIGTERM, signal.SIGUSR1):
+                signal.signal(sig, self._handle)
 
     def _interrupt(self, signum: int, frame: FrameType | None) -> None:
         """Python's own Ctrl-C (KeyboardInterrupt), recorded: where a library swallows the exception (torch's

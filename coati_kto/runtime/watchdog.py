@@ -21,6 +21,8 @@ import threading
 import time
 from datetime import timedelta
 
+from coati_kto.parallel.advice import next_step
+
 EXIT_CODE = 1
 
 
@@ -112,8 +114,7 @@ class Heartbeat(threading.Thread):
 
     def _fail(self, what: str) -> None:
         print(
-            f"[rank {self.rank} on {socket.gethostname()}] error: {what}; stopping this job "
-            "(resume with train.resume=auto)",
+            f"[rank {self.rank} on {socket.gethostname()}] error: {what}; stopping this job ({next_step()})",
             file=sys.stderr,
             flush=True,
         )

@@ -188,9 +188,9 @@ def test_rank0s_unexpected_error_in_a_decision_is_one_line_on_the_others(
     )
     assert rank1.stderr.strip().splitlines() == [
         "[rank 1] error: rank 0: PermissionError: [Errno 13] Permission denied: 'prepared/dataset_info.json' "
-        "(its traceback is in its log) (this rank was waiting for global rank 0 to prepare the data); resume "
-        "with train.resume=auto"
-    ]
+        "(its traceback is in its log) (this rank was waiting for global rank 0 to prepare the data); run "
+        "coati-kto precompute again (it reuses the prepared data and any complete reference cache)"
+    ]  # was "resume with train.resume=auto": precompute has nothing to resume
 
 
 def _train_whose_card_fails(argv: list[str]) -> int:
