@@ -7,8 +7,8 @@ Cache: the fingerprint covers the input files (path, size and a hash of the cont
 and mtime, as ``cp -p`` or ``rsync -t`` can, still rebuilds; a Hub dataset by the commit sha its revision
 resolves to, so a new commit on its branch rebuilds and an unchanged one does not), the tokenizer's content
 (vocab, merges, template, special tokens), the settings that change the output (lengths, bad-record and too-long policies,
-eval fraction, seed) and :data:`PIPELINE_VERSION`; with image records, the processor's config and every image's
-digest (:mod:`coati_kto.data.image_store`). Equal fingerprint -> reuse; otherwise rebuild into a
+eval fraction, seed) and :data:`PIPELINE_VERSION`; with image records, the processor's config, every image's
+digest (:mod:`coati_kto.data.image_store`) and :data:`IMAGE_LAYOUT`. Equal fingerprint -> reuse; otherwise rebuild into a
 temporary sibling directory that replaces ``prepared_dir`` by rename, so a crash never leaves a half-written
 cache that looks valid.
 
@@ -47,7 +47,7 @@ from coati_kto.data.tables import build_split, progress_bars
 from coati_kto.data.vocabulary import model_pad_id
 from coati_kto.errors import DataError
 
-PIPELINE_VERSION = 9  # bump when the prepared rows change for the same inputs (9: see below)
+PIPELINE_VERSION = 8  # bump when the prepared rows change for the same inputs (8: see below)
 # 2: ids of the whole text tokenized once (SentencePiece-style tokenizers lost their spurious "▁"); eval split
 #    by prompt group; content hash of the input files.
 # 3: a cut prompt keeps its BOS; a boundary token holding only the completion's leading whitespace stays with the
@@ -60,7 +60,14 @@ PIPELINE_VERSION = 9  # bump when the prepared rows change for the same inputs (
 # 8: plain text ending with the template's end of turn gets no EOS after it (text rendered with the template);
 #    a template that dates prompts renders the whole build as of one day (coati_kto.data.template_clock); a Python
 #    tokenizer's prompt/completion split is the fast one's; an image is turned upright by its EXIF orientation.
-# 9: a split's distinct images stored once (<split>/images.arrow); the rows hold their digests (data.image_table).
+# The image layout has its own marker (IMAGE_LAYOUT): bumping this for it (9, d64be4b) rebuilt every text-only
+# build too, and dropped its reference caches (a full forward pass over the data to score again). 9 is taken:
+# the next bump is 10 (a text-only build d64be4b wrote says 9 and holds version-8 rows).
+IMAGE_LAYOUT = (
+    2  # an image build's "image_layout"; bump when image builds' files change and text builds' do not
+)
+# 1 (no marker): each row held its images' bytes. 2: a split's distinct images stored once (<split>/images.arrow),
+#    the rows hold their digests (data.image_table).
 NO_BUILD = "no prepared data yet"  # the build reason of a data.prepared_dir that holds none
 HASH_CHUNK = 8 << 20  # bytes per hash update; 1-8 MiB all read at about disk/hash speed (~500 MB/s here)
 
@@ -119,8 +126,8 @@ def _file_entries(paths: list[str], key: str) -> list[list]:
 
 
 def fingerprint(settings: PrepareSettings, tokenizer, processor: Any = None) -> dict[str, Any]:
-    """What the prepared rows depend on, with ``digest`` (16 hex digits) over all of it; ``images`` only where
-    ``processor`` is given and a record holds an image."""
+    """What the prepared rows depend on, with ``digest`` (16 hex digits) over all of it; ``images`` and
+    ``image_layout`` (:data:`IMAGE_LAYOUT`) only where ``processor`` is given and a record holds an image."""
     d = settings.data
     parts = {
         "version": PIPELINE_VERSION,
@@ -135,6 +142,9 @@ def fingerprint(settings: PrepareSettings, tokenizer, processor: Any = None) -> 
     }
     if processor is not None and (images := images_fingerprint(settings, processor, parts)):
         parts["images"] = images
+        # Beside ``images``, not in it: a resume compares that part (train_data), and a rebuild into this layout
+        # holds the same rows; a text-only build has no marker, its fingerprint as version 8 wrote it.
+        parts["image_layout"] = IMAGE_LAYOUT
     parts["digest"] = hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
     return parts
 
@@ -176,7 +186,7 @@ def _files_changed(old: list, new: list) -> str:
 def _changed(old: dict, new: dict) -> str:
     keys = [
         k
-        for k in ("version", "tokenizer", "generation_eos_ids", "checkpoint_eos", "images")
+        for k in ("version", "tokenizer", "generation_eos_ids", "checkpoint_eos", "images", "image_layout")
         if old.get(k) != new.get(k)
     ]
     keys += [

@@ -169,7 +169,7 @@ def test_prepare_says_how_completions_end(tmp_path: Path, capsys) -> None:
         lines[name] = out.stats["completion_end"]
         assert f"  {lines[name]}\n" in printed
         stats = json.loads((tmp_path / name / "prepared" / "stats.json").read_text())
-        assert stats["completion_end"] == lines[name] and stats["version"] == 9
+        assert stats["completion_end"] == lines[name] and stats["version"] == 8
     assert lines == {
         "chat": "completions end with the template's `<end_of_turn>`; no EOS added",
         "plain": "EOS `<eos>` appended to plain-text completions",

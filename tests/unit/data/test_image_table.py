@@ -16,7 +16,9 @@ import pytest
 import torch
 from PIL import Image
 from test_image_store import COLOURS, gemma3_collator, settings, vl_model_dir
+from test_text_builds_kept import as_version_8_wrote_it
 
+from coati_kto.config.resume import check_training_data
 from coati_kto.data import store
 from coati_kto.data.files import write_jsonl
 from coati_kto.data.image_refs import digest
@@ -24,6 +26,7 @@ from coati_kto.data.images import open_image
 from coati_kto.data.prepared import prepare
 from coati_kto.data.prepared_read import read_prepared
 from coati_kto.data.tokenize import load_tokenizer
+from coati_kto.data.train_data import train_data_digest, train_data_parts
 
 
 def noise_png(seed: int, side: int = 160) -> bytes:
@@ -112,8 +115,9 @@ def test_opening_maps_the_images_and_pickles_as_a_path(shared) -> None:
 
 
 def test_a_missing_images_file_or_an_older_build_is_built_again(shared, tmp_path: Path) -> None:
-    """A build whose images file is gone is damaged (built again); a build of the per-row layout (version 8) is
-    another version: built again, not read with bytes where references are expected."""
+    """A build whose images file is gone is damaged (built again); a build of the per-row layout (version 8's
+    fingerprint, no image_layout) is another layout: built again, not read with bytes where references are
+    expected. A resume across it goes on: the rebuilt rows are the same (train_data unchanged)."""
     root, model, data, _ = shared
     prepare_settings, _ = settings(root, model, data)
     tokenizer = load_tokenizer(prepare_settings.model)
@@ -126,9 +130,14 @@ def test_a_missing_images_file_or_an_older_build_is_built_again(shared, tmp_path
         moved.rename(prepared / "train" / "images.arrow")
     assert store.build_reason(prepare_settings, tokenizer) is None
     saved = (prepared / "fingerprint.json").read_text()
-    old = dict(json.loads(saved), version=8, digest="0" * 16)
+    current = json.loads(saved)
+    assert current["version"] == 8 and current["image_layout"] == store.IMAGE_LAYOUT == 2
+    old = as_version_8_wrote_it({k: v for k, v in current.items() if k != "image_layout"})
     (prepared / "fingerprint.json").write_text(json.dumps(old))
     try:
-        assert store.build_reason(prepare_settings, tokenizer) == "changed: version"
+        assert store.build_reason(prepare_settings, tokenizer) == "changed: image_layout"
     finally:
         (prepared / "fingerprint.json").write_text(saved)
+    assert train_data_digest(old) == train_data_digest(current)
+    parts = (train_data_parts(old), train_data_parts(current))
+    check_training_data(train_data_digest(old), train_data_digest(current), "ckpt", parts)
