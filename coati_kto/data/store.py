@@ -63,9 +63,8 @@ PIPELINE_VERSION = 8  # bump when the prepared rows change for the same inputs (
 # The image layout has its own marker (IMAGE_LAYOUT): bumping this for it (9, d64be4b) rebuilt every text-only
 # build too, and dropped its reference caches (a full forward pass over the data to score again). 9 is taken:
 # the next bump is 10 (a text-only build d64be4b wrote says 9 and holds version-8 rows).
-IMAGE_LAYOUT = (
-    2  # an image build's "image_layout"; bump when image builds' files change and text builds' do not
-)
+# An image build's "image_layout": bump when image builds' files change and text builds' do not.
+IMAGE_LAYOUT = 2
 # 1 (no marker): each row held its images' bytes. 2: a split's distinct images stored once (<split>/images.arrow),
 #    the rows hold their digests (data.image_table).
 NO_BUILD = "no prepared data yet"  # the build reason of a data.prepared_dir that holds none
