@@ -137,10 +137,28 @@ def _tiny_model(args: argparse.Namespace) -> None:
     if args.overrides:
         raise UserError(f"coati-kto tiny-model takes no overrides, got {' '.join(args.overrides)}")
     out = Path(args.dir)
+    _check_replaceable(out)
     before = _identity(out)
     # the renamed-in folder is another inode: a stop that came as it was renamed in (held) left it complete
     STOP.leaves(lambda: _tiny_left(out, before))
     print(STOP.stoppable(lambda: write_tiny_model(out, args.seed, args.hidden_size, args.layers, write_dir)))
+
+
+def _check_replaceable(out: Path) -> None:
+    """Refuse (UserError, nothing written) a tiny-model folder that ``write_dir`` cannot rename aside: the
+    current folder (``.``) or one holding it, and a mount point (rename(2) says EBUSY: a traceback, and an empty
+    ``..coati-kto-old-`` folder left behind). Written in place there, a stop would leave it half-written."""
+    here, target = Path.cwd(), Path(os.path.abspath(out))
+    if target == here or target in here.parents:
+        why = "the current folder or holds it"
+    elif os.path.ismount(target):
+        why = "a mount point"
+    else:
+        return
+    raise UserError(
+        f"coati-kto tiny-model: {out} is {why}, and the model's folder is written beside it and renamed in "
+        "(a stop leaves it whole or as it was): name a folder inside it, e.g. tiny (nothing was written)"
+    )
 
 
 def _tiny_left(out: Path, before: tuple[int, int] | None) -> str:

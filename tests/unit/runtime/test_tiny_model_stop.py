@@ -94,3 +94,26 @@ def test_an_unstopped_write_is_the_same_model(tmp_path: Path) -> None:
     write_tiny_model(tmp_path / "direct", seed=3)
     assert _files(cli) == _files(tmp_path / "direct")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cli", "direct"]
+
+
+@pytest.mark.parametrize("name", [".", "sub/.."])
+def test_the_current_folder_is_refused_in_one_line(tmp_path: Path, name: str) -> None:
+    """``coati-kto tiny-model .`` (an empty current folder): ``write_dir`` renamed "." aside, which rename(2)
+    refuses (EBUSY): a traceback, exit 1, and an empty ``..coati-kto-old-*`` folder left in it. Now one line,
+    exit 2, nothing written."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    done = subprocess.run(
+        [sys.executable, "-m", "coati_kto", "tiny-model", name],
+        env={**env, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parents[3])},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (
+        f"error: coati-kto tiny-model: {name} is the current folder or holds it, and the model's folder is "
+        "written beside it and renamed in (a stop leaves it whole or as it was): name a folder inside it, e.g. "
+        "tiny (nothing was written)\n"
+    )
+    assert sorted(tmp_path.iterdir()) == []
