@@ -250,7 +250,8 @@ def load_records(
     """Read and validate every record of ``paths``; ``on_bad_record`` is ``"error"`` or ``"skip"``. A Hub
     dataset is read at the commit ``revisions`` gives for its ``source`` (resolved here when not given).
     ``images``: image records are read (paths relative to each file's folder), else refused;
-    ``decode_images``: each must decode with PIL (the fingerprint reads their bytes only)."""
+    ``decode_images``: each must decode with PIL (the fingerprint reads their bytes only), each distinct image
+    decoded once (many records share one)."""
     from coati_kto.data.hub import check, pinned
 
     files = resolve_files(paths, key)
@@ -261,6 +262,7 @@ def load_records(
         records=[], files=[pinned(p, shas[p.source]) if isinstance(p, HubDataset) else str(p) for p in files]
     )
     rows = 0
+    checked: dict[bytes, tuple[str, str] | None] = {}  # each distinct image is decoded once per load
     for path in files:
         sha = shas.get(path.source) if isinstance(path, HubDataset) else None
         base = None if isinstance(path, HubDataset) else (path if path.is_dir() else path.parent)
@@ -271,7 +273,7 @@ def load_records(
                     raise raw
                 records = normalize(raw, source, images)
                 if images:
-                    attach_images(records, raw.get("images"), source, base, decode_images)
+                    attach_images(records, raw.get("images"), source, base, decode_images, checked)
                 result.records.extend(records)
                 for name in unread_fields(raw, images):  # a "system" field is no system turn: say so
                     result.unread_fields[name] = result.unread_fields.get(name, 0) + 1

@@ -122,9 +122,9 @@ WIDE_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I", "F")
 ONE_PICTURE = ("MPO", "PSD")
 
 
-def check_decodes(image: bytes, source: str, where: str) -> None:
-    """Raise RecordError unless PIL opens and decodes ``image`` whole (a truncated file fails in ``load``) into 8
-    bits a channel, as one picture."""
+def decode_problem(image: bytes) -> tuple[str, str] | None:
+    """None when PIL opens and decodes ``image`` whole (a truncated file fails in ``load``) into 8 bits a channel,
+    as one picture; else (the problem, its reason) of the RecordError :func:`check_decodes` raises."""
     try:
         with Image.open(io.BytesIO(image)) as opened:
             opened.load()
@@ -136,32 +136,52 @@ def check_decodes(image: bytes, source: str, where: str) -> None:
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         if isinstance(err, UnidentifiedImageError):  # its text names the BytesIO object's address
             first = "no image format PIL knows"
-        raise RecordError(
-            source, where, f"not an image PIL can open ({len(image)} bytes: {first[:120]})", "bad_image"
-        ) from None
+        return f"not an image PIL can open ({len(image)} bytes: {first[:120]})", "bad_image"
     if mode in WIDE_MODES:
-        raise RecordError(
-            source,
-            where,
+        return (
             f"a {'float' if mode == 'F' else '16- or 32-bit integer'} image (PIL mode {mode}): image processors "
             "clip it to 8 bits a channel (a 16-bit mid-grey becomes white), so the model would see another "
             "picture; convert it to 8-bit",
             "bad_image",
         )
     if frames > 1:  # PIL, transformers' load_image and the processors all read the first frame alone
-        raise RecordError(
-            source,
-            where,
+        return (
             f"an image of {frames} frames (an animation or a multi-page file): the model would see its first frame "
             "only, while the label judges the whole; save the frame meant as an image of its own",
             "bad_image",
         )
+    return None
 
 
-def read_images(raw: Any, source: str, base: Path | None, parts: int, decode: bool = True) -> list[bytes]:
+def check_decodes(
+    image: bytes, source: str, where: str, checked: dict[bytes, tuple[str, str] | None] | None = None
+) -> None:
+    """Raise RecordError unless ``image`` decodes (:func:`decode_problem`). ``checked``: each image's outcome by
+    its :func:`digest`, filled here: an image many records share (several completions rated per image) is
+    decoded once, and each of its records gets its outcome (a bad one names every record)."""
+    if checked is None:
+        problem = decode_problem(image)
+    else:  # the outcome alone is kept (a few dozen bytes an image), never the pixels
+        key = digest(image)
+        if key not in checked:
+            checked[key] = decode_problem(image)
+        problem = checked[key]
+    if problem is not None:
+        raise RecordError(source, where, *problem)
+
+
+def read_images(
+    raw: Any,
+    source: str,
+    base: Path | None,
+    parts: int,
+    decode: bool = True,
+    checked: dict[bytes, tuple[str, str] | None] | None = None,
+) -> list[bytes]:
     """The checked bytes of a record's ``images`` field (``raw``: the field, None when absent); ``parts``: the
     image parts over its prompt's messages, which the count must equal; ``base``: the data file's folder;
-    ``decode``: each image must decode with PIL (off for the fingerprint, which hashes the bytes only)."""
+    ``decode``: each image must decode with PIL (off for the fingerprint, which hashes the bytes only);
+    ``checked``: the outcomes of the images decoded so far (:func:`check_decodes`)."""
     if hasattr(raw, "tolist") and not isinstance(raw, (bytes, bytearray)):
         raw = raw.tolist()
     refs = [] if raw is None else raw
@@ -179,18 +199,24 @@ def read_images(raw: Any, source: str, base: Path | None, parts: int, decode: bo
     for i, ref in enumerate(refs):
         image = _reference(ref, source, f"images[{i}]", base)
         if decode:
-            check_decodes(image, source, f"images[{i}]")
+            check_decodes(image, source, f"images[{i}]", checked)
         out.append(image)
     return out
 
 
 def attach_images(
-    records: list[Record], raw: Any, source: str, base: Path | None, decode: bool = True
+    records: list[Record],
+    raw: Any,
+    source: str,
+    base: Path | None,
+    decode: bool = True,
+    checked: dict[bytes, tuple[str, str] | None] | None = None,
 ) -> None:
     """Set ``images`` of the records one raw record gave (a preference pair's two share one prompt) from its
-    ``images`` field ``raw`` (None when absent); raises RecordError. ``decode``: as :func:`read_images`."""
+    ``images`` field ``raw`` (None when absent); raises RecordError. ``decode``, ``checked``: as
+    :func:`read_images`."""
     count = image_parts(records[0].prompt) if records[0].chat else 0
-    found = read_images(raw, source, base, count, decode)
+    found = read_images(raw, source, base, count, decode, checked)
     for record in records:
         record.images = found
 

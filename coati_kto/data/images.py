@@ -23,6 +23,7 @@ import numpy as np
 from PIL import Image, ImageOps
 
 from coati_kto.data.formats import Record, RecordError
+from coati_kto.data.image_refs import digest
 
 
 def open_image(image: bytes) -> Image.Image:
@@ -64,6 +65,9 @@ class ImageExpander:
         # Gemma 3's soft token differs from its placeholder: typed in a record, it would become an image token the
         # images do not fill (in a completion, under the loss mask).
         self.soft_token: str = tokenizer.convert_ids_to_tokens(self.image_token_id)
+        # Per distinct image (its digest): its token run or the processor's refusal (:meth:`_run`).
+        self._runs: dict[bytes, tuple[str | None, str]] = {}
+        self._texts: dict[str, str] = {}
 
     def expand(self, prompt: str, completion: str, images: list[bytes], source: str) -> str | RecordError:
         """``prompt`` with its placeholders replaced by the images' token runs; a RecordError when the template
@@ -94,18 +98,37 @@ class ImageExpander:
             )
         if not images:
             return prompt
-        try:
-            out = self.processor(
-                text=[prompt], images=[open_image(b) for b in images], return_text_replacement_offsets=True
+        runs = [self._run(image) for image in images]
+        refused = next((why for run, why in runs if run is None), None)
+        if refused is not None:
+            return RecordError(
+                source, "images", f"the processor refused the image(s): {refused}", "bad_image"
             )
-        except (ValueError, TypeError, OSError) as err:  # e.g. Qwen's aspect ratio over 200: this record only
-            first = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
-            return RecordError(source, "images", f"the processor refused the image(s): {first}", "bad_image")
-        text = prompt
-        for done in sorted(out["text_replacement_offsets"][0], key=lambda r: r["span"][0], reverse=True):
-            start, end = done["span"]
-            text = text[:start] + done["replacement"] + text[end:]
-        return text
+        # The processor's own placement (its placeholder pattern, the i-th run at the i-th placeholder): the text
+        # of a call with all the images at once, as each image's run depends on that image alone.
+        return self.processor.get_text_with_replacements([prompt], [run for run, _ in runs])[0][0]
+
+    def _run(self, image: bytes) -> tuple[str | None, str]:
+        """(the processor's token run for ``image``, "") or (None, the first line of its refusal, e.g. Qwen's
+        aspect ratio over 200): decoded and processed once per distinct image (by :func:`digest`), as records
+        share images (several completions rated per image). Kept: the run's text, one shared copy per distinct
+        run (Gemma 3's is always the same, Qwen's a repeat of one token), never the pixels."""
+        key = digest(image)
+        found = self._runs.get(key)
+        if found is None:
+            try:
+                out = self.processor(
+                    text=[self.placeholder], images=[open_image(image)], return_text_replacement_offsets=True
+                )
+                run = out["text_replacement_offsets"][0][0]["replacement"]
+                found = (self._texts.setdefault(run, run), "")
+            except (ValueError, TypeError, OSError) as err:
+                found = (
+                    None,
+                    str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__,
+                )
+            self._runs[key] = found
+        return found
 
     def expand_rows(
         self, texts: list[tuple[str, str] | RecordError], images: list[list[bytes]], sources: list[str]
