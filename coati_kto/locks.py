@@ -61,6 +61,20 @@ def locked(path: Path) -> int | None:
         os.close(fd)
 
 
+def write_holder(fd: int, what: str = "") -> None:
+    """``fd``'s lock file says this process holds it (:func:`holder_line`), over whatever an earlier holder wrote."""
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, holder_line(what).encode(), 0)
+
+
+def remove_and_unlock(fd: int, path: Path) -> None:
+    """Let go of the lock ``fd`` holds on ``path``: the file removed first, while still held (a process that opened
+    it meanwhile sees it gone and takes a new one, :func:`locked`), unless another file has taken its name."""
+    if same_file(fd, path):
+        path.unlink(missing_ok=True)
+    os.close(fd)
+
+
 def probe(path: Path) -> str | None:
     """The line of the process holding the flock of ``path`` (a lock file of coati-kto's), or None when nobody
     holds it, there is no such file or the file system has no locks. Takes a shared lock for a moment."""

@@ -31,7 +31,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from coati_kto.errors import DataError
-from coati_kto.locks import holder_line, locked, probe, same_file
+from coati_kto.locks import locked, probe, remove_and_unlock, write_holder
 
 _WAIT_S = 0.2  # how often a process waiting for another's decision (a build: minutes) looks again
 _DECIDING: set[Path] = set()  # targets this process is deciding (nested: the lock is not taken twice)
@@ -75,8 +75,7 @@ def _take(target: Path) -> int | None:
         except OSError:
             return None
         if fd is not None:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, holder_line(_command()).encode(), 0)
+            write_holder(fd, _command())
         return fd
 
 
@@ -94,10 +93,7 @@ def deciding(target: Path) -> Iterator[None]:
     finally:
         _DECIDING.discard(key)
         if fd is not None:
-            # removed while held: a waiter that opened it sees it gone and takes a new one
-            if same_file(fd, lock_path(target)):
-                lock_path(target).unlink(missing_ok=True)
-            os.close(fd)
+            remove_and_unlock(fd, lock_path(target))
 
 
 def _live_readers(target: Path) -> list[str]:
@@ -133,7 +129,7 @@ def read_from_now(target: Path) -> None:
     except OSError:  # cannot write beside it: nobody builds there from here either
         return
     if fd is not None:
-        os.pwrite(fd, holder_line(_command()).encode(), 0)
+        write_holder(fd, _command())
         _READING[key] = (fd, path, 1)
 
 
@@ -147,8 +143,7 @@ def release(target: Path) -> None:
     if holds > 1:
         _READING[key] = (fd, path, holds - 1)
         return
-    path.unlink(missing_ok=True)
-    os.close(fd)
+    remove_and_unlock(fd, path)
 
 
 def release_all() -> None:
@@ -156,8 +151,7 @@ def release_all() -> None:
     tasks, whose task called ``load_prepared`` without its command's release (a fresh process's exit did that)."""
     for key in list(_READING):
         fd, path, _ = _READING.pop(key)
-        path.unlink(missing_ok=True)
-        os.close(fd)
+        remove_and_unlock(fd, path)
 
 
 def refuse_if_read(target: Path, why: str) -> None:

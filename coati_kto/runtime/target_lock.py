@@ -17,14 +17,13 @@ system that refuses ``flock`` is written unlocked, as before. The taking, the ho
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from coati_kto.errors import UserError
-from coati_kto.locks import holder_line, locked, probe, same_file
+from coati_kto.locks import locked, probe, remove_and_unlock, write_holder
 
 # A probe (``holder``) holds a shared lock for a moment: a writer finding the lock taken tries again this long
 # before it calls the target busy.
@@ -81,8 +80,7 @@ def take(target: Path, what: str) -> None:
             raise TargetBusyError(target, str(err)) from None
         if fd is None:
             return
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, holder_line(what).encode(), 0)
+        write_holder(fd, what)
         _HELD[key] = (fd, 1)
 
 
@@ -97,9 +95,7 @@ def release(target: Path) -> None:
         if depth > 1:
             _HELD[key] = (fd, depth - 1)
             return
-        if same_file(fd, lock_path(target)):
-            lock_path(target).unlink(missing_ok=True)
-        os.close(fd)
+        remove_and_unlock(fd, lock_path(target))
 
 
 @contextlib.contextmanager
