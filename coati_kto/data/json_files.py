@@ -117,7 +117,7 @@ def json_rows(path: Path) -> Iterator[tuple[str, Any]]:
     try:
         data = loads_once(text := raw.decode("utf-8"))
     except KeyTwiceError as err:
-        data, marked = json.loads(text), err.marked
+        data = marked = err.marked  # the second parse is the data too (its objects are dicts)
     except UnicodeDecodeError as err:
         if one_document(raw.decode("utf-8", errors="replace")):
             line, line_start = raw.count(b"\n", 0, err.start) + 1, raw.rfind(b"\n", 0, err.start) + 1
@@ -131,9 +131,8 @@ def json_rows(path: Path) -> Iterator[tuple[str, Any]]:
         yield from jsonl_rows(path)
         return
     if isinstance(data, dict) and isinstance(data.get("data"), list):
-        if (
-            isinstance(marked, _Marked) and marked.twice is not None
-        ):  # the first "data" list unread, in silence
+        # a key of the wrapper given twice: the first "data" list would go unread, in silence
+        if isinstance(marked, _Marked) and marked.twice is not None:
             raise DataError(
                 f"{path}: key {marked.twice!r} given twice in the object around the records (JSON keeps the last "
                 "in silence); give it once"
